@@ -1,0 +1,1 @@
+"""mmengine: a multimodal LLM inference engine."""

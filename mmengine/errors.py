@@ -1,0 +1,69 @@
+"""Typed errors. Everything a user can get wrong is a ValueError subclass that says what was wrong."""
+
+from __future__ import annotations
+
+import copy
+
+
+class MMEngineError(Exception):
+    """Base class of every error mmengine raises on purpose."""
+
+
+class ConfigError(MMEngineError, ValueError):
+    """An EngineConfig or SamplingParams value is invalid."""
+
+
+class UnsupportedModelError(MMEngineError, ValueError):
+    """The checkpoint's architecture or one of its settings is not supported."""
+
+
+class InvalidInputError(MMEngineError, ValueError):
+    """A request's input is invalid. `prompt_index` names the offending prompt when known."""
+
+    def __init__(self, reason: str, prompt_index: int | None = None) -> None:
+        self.reason = reason
+        self.prompt_index = prompt_index
+        super().__init__(self._message())
+
+    def _message(self) -> str:
+        if self.prompt_index is None:
+            return self.reason
+        return f"prompt {self.prompt_index}: {self.reason}"
+
+    def at_prompt(self, prompt_index: int) -> "InvalidInputError":
+        """A copy of this error that names the prompt it came from."""
+        located = copy.copy(self)
+        located.prompt_index = prompt_index
+        located.args = (located._message(),)
+        return located
+
+    def __reduce__(self):  # keep pickling (e.g. across processes) working with the extra field
+        return (self.__class__, (self.reason, self.prompt_index))
+
+
+class ImageCountMismatchError(InvalidInputError):
+    """The number of images differs from the number of image markers in the prompt."""
+
+
+class TooManyImagesError(InvalidInputError):
+    """More images in one prompt than `limit_mm_per_prompt` allows."""
+
+
+class CorruptImageError(InvalidInputError):
+    """An image could not be read or decoded."""
+
+
+class ImageTooLargeError(InvalidInputError):
+    """An image has more pixels than `max_image_pixels` (decompression-bomb guard)."""
+
+
+class UnsupportedImageTypeError(InvalidInputError):
+    """An image was given as a type mmengine cannot read (or an array of a bad shape/dtype)."""
+
+
+class PromptTooLongError(InvalidInputError):
+    """Prompt tokens plus max_tokens exceed the model's max_model_len."""
+
+
+class EmptyPromptError(InvalidInputError):
+    """The prompt tokenizes to zero tokens."""
