@@ -1,0 +1,107 @@
+"""EngineConfig: every knob of the engine, validated in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from mmengine.errors import ConfigError
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
+
+# On CPU the KV cache has no free-memory probe; this caps it unless num_kv_blocks is given.
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
+    num_kv_blocks: int | None = None  # explicit cap on KV blocks (tests use it to force preemption)
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
+    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
+    dtype: str = "auto"  # "auto" | "float32" | "float16" | "bfloat16"
+    seed: int = 0
+    attn_backend: str = "auto"  # "auto" | "torch" | "triton"
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8})
+    max_image_pixels: int = 64 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.model, str) and self.model, "model", self.model, "a checkpoint path")
+        for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_image_pixels"):
+            _positive_int(name, getattr(self, name))
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ConfigError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.max_model_len is not None:
+            _positive_int("max_model_len", self.max_model_len)
+        if self.num_kv_blocks is not None:
+            _positive_int("num_kv_blocks", self.num_kv_blocks)
+        _positive_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        _require(
+            isinstance(self.gpu_memory_utilization, float | int) and 0 < self.gpu_memory_utilization <= 1,
+            "gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "in (0, 1]",
+        )
+        _require(
+            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+            "device",
+            self.device,
+            "'auto', 'cpu', 'cuda' or 'cuda:N'",
+        )
+        _require(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", self.dtype, f"'auto' or one of {sorted(_DTYPES)}")
+        _require(isinstance(self.seed, int), "seed", self.seed, "an int")
+        _require(self.attn_backend in ("auto", "torch", "triton"), "attn_backend", self.attn_backend, "'auto', 'torch' or 'triton'")
+        _require(isinstance(self.limit_mm_per_prompt, dict), "limit_mm_per_prompt", self.limit_mm_per_prompt, "a dict")
+        for modality, limit in self.limit_mm_per_prompt.items():
+            _require(modality == "image", "limit_mm_per_prompt", modality, "keys among {'image'}")
+            _require(isinstance(limit, int) and limit >= 0, f"limit_mm_per_prompt[{modality!r}]", limit, "an int >= 0")
+
+    @classmethod
+    def from_kwargs(cls, model: str, **kwargs: object) -> "EngineConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        return cls(model=model, **kwargs)  # type: ignore[arg-type]
+
+    def resolve_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device={self.device!r} was asked for but CUDA is not available")
+        return device
+
+    def resolve_dtype(self, checkpoint_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
+        """'auto' is float32 on CPU and the checkpoint's dtype (fp16/bf16) on CUDA."""
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        if device.type == "cpu":
+            return torch.float32
+        if checkpoint_dtype in (torch.float16, torch.bfloat16):
+            return checkpoint_dtype
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def _require(ok: bool, name: str, value: object, expected: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} must be {expected}, got {value!r}")
+
+
+def _positive_int(name: str, value: object) -> None:
+    _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value, "a positive int")

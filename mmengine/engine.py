@@ -1,0 +1,260 @@
+"""MMEngine: the public entry point. Adds requests, runs the step loop, and offers generate()."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+from transformers import GenerationConfig, PretrainedConfig
+
+from mmengine.config import EngineConfig
+from mmengine.detokenizer import IncrementalDetokenizer
+from mmengine.errors import ConfigError, InvalidInputError
+from mmengine.kv_cache.manager import KVCacheManager
+from mmengine.models.llama import sliding_window_of
+from mmengine.models.loader import checkpoint_dtype
+from mmengine.models.registry import load_hf_config, model_class_for
+from mmengine.multimodal.image_loading import ImageInput
+from mmengine.multimodal.processor import InputProcessor
+from mmengine.outputs import RequestOutput
+from mmengine.request import ProcessedPrompt, Request, RequestStatus
+from mmengine.runner import ModelRunner
+from mmengine.sampling import SamplingParams
+from mmengine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+Conversation = list[dict[str, Any]]
+
+
+class MMEngine:
+    def __init__(self, model: str | os.PathLike, **kwargs: Any) -> None:
+        self.config = EngineConfig.from_kwargs(str(model), **kwargs)
+        model_dir = Path(self.config.model)
+        self.hf_config = load_hf_config(model_dir)
+        model_class_for(self.hf_config)  # fail fast on unsupported architectures
+        self.max_model_len = _resolve_max_model_len(self.config, self.hf_config.text_config)
+        self.device = self.config.resolve_device()
+        self.dtype = self.config.resolve_dtype(checkpoint_dtype(model_dir), self.device)
+
+        self.input_processor = InputProcessor(
+            model_dir,
+            self.hf_config,
+            self.max_model_len,
+            self.config.limit_mm_per_prompt,
+            self.config.max_image_pixels,
+        )
+        self.tokenizer = self.input_processor.tokenizer
+        self.runner = ModelRunner(self.config, self.hf_config, model_dir, self.device, self.dtype, self.max_model_len)
+        num_blocks = self.runner.determine_num_kv_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv_cache = KVCacheManager(num_blocks, self.config.block_size)
+        self.input_processor.max_tokens_in_kv_cache = num_blocks * self.config.block_size
+        self.scheduler = Scheduler(self.config, self.kv_cache, self.max_model_len)
+        self.eos_token_ids = _eos_token_ids(model_dir, self.hf_config, self.tokenizer)
+
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = itertools.count()
+        self._counters = {"steps": 0, "tokens_computed": 0, "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+        logger.info(
+            "mmengine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
+            model_dir, self.device, self.dtype, num_blocks, self.config.block_size, self.max_model_len,
+        )
+
+    # -- low-level API ---------------------------------------------------------
+
+    def add_request(
+        self,
+        prompt: str,
+        images: Sequence[ImageInput] | None = None,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        """Validates and queues one request; returns its id. Bad input raises before anything is queued."""
+        params = sampling_params or SamplingParams()
+        processed = self.input_processor.process(prompt, images, params)
+        return self._enqueue(processed, params, request_id)
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduler step; returns an output for every request that got a token (finished or not)."""
+        out = self.scheduler.schedule()
+        if out.is_empty and self.scheduler.has_unfinished_requests():
+            raise RuntimeError(f"scheduler made no progress: {self.scheduler.running + list(self.scheduler.waiting)}")
+        block_tables = {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled}
+        sampled = self.runner.execute(out, block_tables)
+        updated = self.scheduler.update_from_output(out, sampled, self.eos_token_ids)
+        self._counters["steps"] += 1
+        self._counters["tokens_computed"] += out.num_scheduled_tokens
+        return [self._after_token(request) for request in updated]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def abort_request(self, request_id: str) -> bool:
+        """Stops a request and frees what it holds; False if no such request is in flight."""
+        request = self.scheduler.abort_request(request_id)
+        self._detokenizers.pop(request_id, None)
+        return request is not None
+
+    # -- high-level API --------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: str | Sequence[str],
+        images: Sequence[ImageInput] | Sequence[Sequence[ImageInput] | None] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates for one prompt or a batch; returns one output per prompt, in input order.
+
+        For one prompt, `images` is that prompt's list of images; for a batch, one list (or None) per prompt.
+        Every prompt is validated before any is queued, so bad input queues nothing.
+        """
+        if self.has_unfinished_requests():
+            raise RuntimeError(
+                "generate() cannot run while requests added with add_request() are unfinished; "
+                "step() them to completion or abort them first"
+            )
+        prompt_list, image_lists, params_list = _normalize_batch(prompts, images, sampling_params)
+        processed = [
+            self.input_processor.process(prompt, imgs, params, prompt_index=i)
+            for i, (prompt, imgs, params) in enumerate(zip(prompt_list, image_lists, params_list))
+        ]
+        ids = [self._enqueue(p, params) for p, params in zip(processed, params_list)]
+        results: dict[str, RequestOutput] = {}
+        try:
+            with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
+                while self.has_unfinished_requests():
+                    for output in self.step():
+                        if output.finished:
+                            results[output.request_id] = output
+                            bar.update(1)
+        except BaseException:
+            for request_id in ids:
+                self.abort_request(request_id)
+            raise
+        return [results[request_id] for request_id in ids]
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        images: Sequence[ImageInput] | Sequence[Sequence[ImageInput] | None] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Like generate(), for conversations rendered with the model's chat template."""
+        single = bool(messages) and isinstance(messages[0], dict)
+        conversations = [messages] if single else list(messages)
+        prompts = [self.input_processor.apply_chat_template(list(c)) for c in conversations]
+        return self.generate(prompts[0] if single else prompts, images, sampling_params, use_tqdm)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            **self._counters,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "encoder_runs": self.runner.num_encoder_runs,
+            "kv_blocks_total": self.kv_cache.num_blocks,
+            "kv_blocks_free": self.kv_cache.num_free_blocks,
+        }
+
+    # -- internals -------------------------------------------------------------
+
+    def _enqueue(self, processed: ProcessedPrompt, params: SamplingParams, request_id: str | None = None) -> str:
+        arrival = next(self._arrivals)
+        request_id = request_id if request_id is not None else f"req-{arrival}"
+        if request_id in self.scheduler.requests:
+            raise InvalidInputError(f"request id {request_id!r} is already in use")
+        request = Request(request_id, processed, params, arrival, self.runner.sampler.make_generator(params, self.device))
+        self.scheduler.add_request(request)
+        self._detokenizers[request_id] = IncrementalDetokenizer(
+            self.tokenizer, request.prompt_token_ids, stop=params.stop
+        )
+        self._counters["prompt_tokens"] += request.num_prompt_tokens
+        return request_id
+
+    def _after_token(self, request: Request) -> RequestOutput:
+        detokenizer = self._detokenizers[request.request_id]
+        stop_string = detokenizer.append(request.output_token_ids[-1])
+        self._counters["generation_tokens"] += 1
+        if stop_string is not None and not request.is_finished:
+            request.stop_reason = stop_string
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            del self._detokenizers[request.request_id]
+            self._counters["requests_finished"] += 1
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=detokenizer.text,
+            finish_reason=request.finish_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            stop_reason=request.stop_reason,
+        )
+
+
+def _normalize_batch(
+    prompts: str | Sequence[str],
+    images: Any,
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+) -> tuple[list[str], list[list[ImageInput]], list[SamplingParams]]:
+    if isinstance(prompts, str):
+        prompt_list = [prompts]
+        image_lists = [list(images or [])]
+    else:
+        prompt_list = list(prompts)
+        if images is None:
+            image_lists = [[] for _ in prompt_list]
+        else:
+            image_lists = [list(imgs or []) for imgs in images]
+            if len(image_lists) != len(prompt_list):
+                raise InvalidInputError(
+                    f"images must hold one list per prompt: got {len(image_lists)} lists for {len(prompt_list)} prompts"
+                )
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        params_list = [sampling_params or SamplingParams()] * len(prompt_list)
+    else:
+        params_list = list(sampling_params)
+        if len(params_list) != len(prompt_list):
+            raise InvalidInputError(
+                f"sampling_params must be one SamplingParams or one per prompt: got {len(params_list)} for "
+                f"{len(prompt_list)} prompts"
+            )
+    return prompt_list, image_lists, params_list
+
+
+def _resolve_max_model_len(config: EngineConfig, text_config: PretrainedConfig) -> int:
+    limit = text_config.max_position_embeddings
+    window = sliding_window_of(text_config)
+    if config.max_model_len is not None:
+        if config.max_model_len > limit:
+            raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}")
+        if window is not None and config.max_model_len > window:
+            raise ConfigError(
+                f"max_model_len={config.max_model_len} exceeds the model's sliding window ({window}); "
+                "sliding-window attention is not supported, so max_model_len must stay within it"
+            )
+        return config.max_model_len
+    if window is not None and window < limit:
+        logger.warning("capping max_model_len to the model's sliding window (%d)", window)
+        return window
+    return limit
+
+
+def _eos_token_ids(model_dir: Path, hf_config: PretrainedConfig, tokenizer: Any) -> frozenset[int]:
+    """The generation config's EOS ids (what transformers' generate() stops on), else the model's or tokenizer's."""
+    value: Any = None
+    if (model_dir / "generation_config.json").exists():
+        value = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True).eos_token_id
+    if value is None:
+        value = getattr(hf_config.text_config, "eos_token_id", None)
+    if value is None:
+        value = tokenizer.eos_token_id
+    values = value if isinstance(value, list | tuple) else [value]
+    return frozenset(v for v in values if isinstance(v, int))

@@ -1,0 +1,85 @@
+"""Attention over the paged KV cache: per-step metadata, the layer, and backend dispatch.
+
+A backend provides `store_kv` (write the step's K/V into the cache through the slot
+mapping) and `forward` (each request's new queries attend causally to its new tokens
+and fully to its cached context, read through its block table). The PyTorch backend
+is the reference and the CPU path; kernel backends plug in under another name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from mmengine.errors import ConfigError
+
+
+@dataclass
+class AttentionMetadata:
+    """Describes one step's packed batch. Tensors live on the model's device."""
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot per new token, -1 = don't store
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32: offsets of each request's new tokens
+    seq_lens: torch.Tensor  # [num_reqs] int32: context length after this step (cached + new)
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with 0
+    query_lens_cpu: list[int]
+    seq_lens_cpu: list[int]
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+
+    def forward(
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
+    ) -> torch.Tensor: ...
+
+
+def _available_backends() -> dict[str, type]:
+    from mmengine.layers.torch_attention import TorchAttentionBackend
+
+    return {"torch": TorchAttentionBackend}
+
+
+def get_attention_backend(requested: str, device: torch.device) -> AttentionBackend:
+    """'auto' picks the Triton kernels on CUDA when they are available, else the PyTorch reference."""
+    backends = _available_backends()
+    name = requested
+    if requested == "auto":
+        name = "triton" if device.type == "cuda" and "triton" in backends else "torch"
+    if name not in backends:
+        raise ConfigError(
+            f"attn_backend={name!r} is not available in this build; available: {', '.join(sorted(backends))}"
+        )
+    return backends[name]()
+
+
+class Attention(nn.Module):
+    """Stores the step's K/V into this layer's cache, then attends.
+
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], bound by the runner.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.kv_cache: torch.Tensor | None = None
+        self.backend: AttentionBackend | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]."""
+        assert self.kv_cache is not None and self.backend is not None, "KV cache not bound"
+        self.backend.store_kv(k, v, self.kv_cache, metadata.slot_mapping)
+        out = self.backend.forward(q, self.kv_cache, metadata, self.scale)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)

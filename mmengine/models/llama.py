@@ -1,0 +1,155 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+
+Q/K/V and gate/up are fused into one matmul each; `load_weight` splits checkpoint
+tensors into them. The module layout otherwise follows transformers' names so that
+checkpoint keys map one to one.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+from transformers.activations import ACT2FN
+
+from mmengine.errors import UnsupportedModelError
+from mmengine.layers.attention import Attention, AttentionMetadata
+from mmengine.layers.norm import RMSNorm
+from mmengine.layers.rotary import RotaryEmbedding
+
+SUPPORTED_TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+# checkpoint projection name -> (fused parameter name, shard)
+_STACKED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        qkv_bias = config.model_type == "qwen2" or attention_bias
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attention_bias and config.model_type != "qwen2")
+        self.rotary = RotaryEmbedding(config, self.head_dim)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        cos, sin = self.rotary.cos_sin(positions, q.dtype)
+        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
+        return self.o_proj(self.attn(q, k, v, metadata))
+
+    def load_shard(self, shard: str, param: str, tensor: torch.Tensor) -> None:
+        target = getattr(self.qkv_proj, param)
+        offset, size = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size), "v": (self.q_size + self.kv_size, self.kv_size)}[shard]
+        _copy_checked(target.data[offset : offset + size], tensor, f"qkv_proj.{param}[{shard}]")
+
+
+class DecoderMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        bias = bool(getattr(config, "mlp_bias", False))
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(self.act(gate) * up)
+
+    def load_shard(self, shard: int, param: str, tensor: torch.Tensor) -> None:
+        target = getattr(self.gate_up_proj, param).data
+        n = self.intermediate_size
+        _copy_checked(target[shard * n : (shard + 1) * n], tensor, f"gate_up_proj.{param}[{shard}]")
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(config)
+        self.mlp = DecoderMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, metadata)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderModel(nn.Module):
+    """Embeddings, layers and final norm; the LM head lives with the VLM that owns this decoder."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        check_text_config(config)
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        x = inputs_embeds
+        for layer in self.layers:
+            x = layer(x, positions, metadata)
+        return self.norm(x)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Loads one checkpoint tensor named relative to this module; False if the name is unknown."""
+        parts = name.split(".")
+        if "rotary_emb" in parts:  # old checkpoints saved inv_freq buffers; we recompute them
+            return True
+        if len(parts) >= 5 and parts[0] == "layers" and parts[3] in _STACKED:
+            fused, shard = _STACKED[parts[3]]
+            owner = self.layers[int(parts[1])].get_submodule(parts[2])
+            owner.load_shard(shard, parts[4], tensor)
+            return True
+        try:
+            param = self.get_parameter(name)
+        except AttributeError:
+            return False
+        _copy_checked(param.data, tensor, name)
+        return True
+
+
+def check_text_config(config: PretrainedConfig) -> None:
+    if config.model_type not in SUPPORTED_TEXT_MODEL_TYPES:
+        raise UnsupportedModelError(
+            f"text model type {config.model_type!r} is not supported; supported: {', '.join(SUPPORTED_TEXT_MODEL_TYPES)}"
+        )
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise UnsupportedModelError("num_attention_heads must be a multiple of num_key_value_heads")
+
+
+def sliding_window_of(config: PretrainedConfig) -> int | None:
+    """The attention window the checkpoint uses, or None when attention is full."""
+    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    return getattr(config, "sliding_window", None)
+
+
+def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if dst.shape != src.shape:
+        raise UnsupportedModelError(f"checkpoint tensor {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(src)

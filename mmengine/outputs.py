@@ -1,0 +1,21 @@
+"""What the engine hands back to users."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens (a stop token is included, a stop string's tokens are kept)
+    text: str  # generated text, ending before a matched stop string
+    finish_reason: str | None  # "stop" | "length" | "abort", None while running
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if any
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

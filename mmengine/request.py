@@ -1,0 +1,104 @@
+"""Request: one prompt's state as it moves through the engine."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from mmengine.sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
+
+
+@dataclass
+class MMItem:
+    """One multimodal item of a prompt: its placeholder run and the encoder's input for it."""
+
+    modality: str
+    offset: int  # index of the item's first placeholder token in the prompt
+    length: int  # number of placeholder tokens, one embedding each
+    encoder_inputs: dict[str, torch.Tensor] = field(repr=False)  # e.g. {"pixel_values": [3, H, W]}
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.length
+
+    def overlaps(self, start: int, end: int) -> bool:
+        return self.offset < end and start < self.end
+
+
+@dataclass
+class ProcessedPrompt:
+    """A validated prompt: token ids with placeholder runs expanded, and its items."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    mm_items: list[MMItem]
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        processed: ProcessedPrompt,
+        sampling_params: SamplingParams,
+        arrival_index: int,
+        generator: torch.Generator | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = processed.prompt
+        self.prompt_token_ids = list(processed.prompt_token_ids)
+        self.mm_items = processed.mm_items
+        self.sampling_params = sampling_params
+        self.arrival_index = arrival_index
+        self.generator = generator
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.num_preemptions = 0
+        self.status = RequestStatus.WAITING
+        self.stop_reason: str | int | None = None  # the stop string or stop token that finished it
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.is_finished else None
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, status={self.status.name}, prompt_tokens={self.num_prompt_tokens}, "
+            f"output_tokens={self.num_output_tokens}, computed={self.num_computed_tokens})"
+        )
