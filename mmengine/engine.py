@@ -185,6 +185,7 @@ class MMEngine:
             request.stop_reason = stop_string
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
         if request.is_finished:
+            detokenizer.flush()  # release a trailing partial character held back while streaming
             del self._detokenizers[request.request_id]
             self._counters["requests_finished"] += 1
         return RequestOutput(

@@ -1,0 +1,214 @@
+"""Sampling parameters and the batched next-token sampler."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field
+
+import torch
+
+from mmengine.errors import ConfigError
+
+# Temperatures below this are treated as greedy: dividing logits by a smaller
+# value can overflow float32 and turn the softmax into NaNs.
+_GREEDY_EPS = 1e-5
+_MAX_SEED = 2**64  # torch.Generator.manual_seed accepts seeds in [0, 2**64)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _bad(name: str, value: object, expected: str) -> ConfigError:
+    return ConfigError(f"SamplingParams.{name} must be {expected}, got {value!r}")
+
+
+@dataclass
+class SamplingParams:
+    """How to pick the tokens of one request, and when to stop."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 or -1 means disabled; else >= 1
+    # Per-request seed: same seed + same logits => same tokens, whatever else is in the batch.
+    seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    stop: list[str] = field(default_factory=list)  # a str is accepted and wrapped in a list
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        self.max_tokens = self._check_max_tokens(self.max_tokens)
+        self.temperature = self._check_temperature(self.temperature)
+        self.top_p = self._check_top_p(self.top_p)
+        self.top_k = self._check_top_k(self.top_k)
+        self.seed = self._check_seed(self.seed)
+        self.stop_token_ids = self._check_stop_token_ids(self.stop_token_ids)
+        self.stop = self._check_stop(self.stop)
+        if not isinstance(self.ignore_eos, bool):
+            raise _bad("ignore_eos", self.ignore_eos, "a bool")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (temperature 0, or too small to sample with)."""
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def top_k_enabled(self) -> bool:
+        return self.top_k > 0
+
+    @staticmethod
+    def _check_max_tokens(value: object) -> int:
+        if not _is_int(value) or value < 1:
+            raise _bad("max_tokens", value, "an int >= 1")
+        return int(value)
+
+    @staticmethod
+    def _check_temperature(value: object) -> float:
+        if not _is_real(value) or not math.isfinite(value) or value < 0:
+            raise _bad("temperature", value, "a finite number >= 0")
+        return float(value)
+
+    @staticmethod
+    def _check_top_p(value: object) -> float:
+        if not _is_real(value) or not (0 < value <= 1):  # also rejects NaN
+            raise _bad("top_p", value, "a number in (0, 1]")
+        return float(value)
+
+    @staticmethod
+    def _check_top_k(value: object) -> int:
+        if not _is_int(value) or value < -1:
+            raise _bad("top_k", value, "an int >= 1, or 0 / -1 to disable it")
+        return int(value)
+
+    @staticmethod
+    def _check_seed(value: object) -> int | None:
+        if value is None:
+            return None
+        if not _is_int(value) or not (0 <= value < _MAX_SEED):
+            raise _bad("seed", value, "None or an int in [0, 2**64)")
+        return int(value)
+
+    @staticmethod
+    def _check_stop_token_ids(value: object) -> list[int]:
+        if not isinstance(value, (list, tuple)):
+            raise _bad("stop_token_ids", value, "a list of ints >= 0")
+        for token_id in value:
+            if not _is_int(token_id) or token_id < 0:
+                raise _bad("stop_token_ids", value, "a list of ints >= 0")
+        return [int(token_id) for token_id in value]
+
+    @staticmethod
+    def _check_stop(value: object) -> list[str]:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise _bad("stop", value, "a non-empty str or a list of non-empty strs")
+        for stop in value:
+            if not isinstance(stop, str) or not stop:
+                raise _bad("stop", value, "a non-empty str or a list of non-empty strs")
+        return list(value)
+
+
+class Sampler:
+    """Picks the next token of every request in a batch from its logits."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._seed = seed
+        # One generator per device, for the random rows that have no seed of their own.
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def make_generator(self, params: SamplingParams, device: torch.device) -> torch.Generator | None:
+        """A per-request generator for seeded random sampling, None otherwise (greedy or unseeded)."""
+        if params.greedy or params.seed is None:
+            return None
+        generator = torch.Generator(device=torch.device(device))
+        generator.manual_seed(params.seed)
+        return generator
+
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        generators: list[torch.Generator | None],
+    ) -> torch.Tensor:
+        """logits [num_reqs, vocab] (any float dtype, any device) -> next token ids [num_reqs] int64 on the same device."""
+        if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
+            raise ValueError(
+                f"logits {tuple(logits.shape)}, {len(params)} params and {len(generators)} generators do not match"
+            )
+        tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if greedy_rows:
+            rows = self._index(greedy_rows, logits.device)
+            tokens[rows] = logits[rows].argmax(dim=-1)
+        if random_rows:
+            rows = self._index(random_rows, logits.device)
+            chosen = [params[i] for i in random_rows]
+            probs = _probs(logits[rows].float(), chosen)
+            noise = self._exponential_noise(probs, [generators[i] for i in random_rows])
+            tokens[rows] = (probs / noise).argmax(dim=-1)
+        return tokens
+
+    @staticmethod
+    def _index(rows: list[int], device: torch.device) -> torch.Tensor:
+        return torch.tensor(rows, dtype=torch.int64, device=device)
+
+    def _default_generator(self, device: torch.device) -> torch.Generator:
+        generator = self._generators.get(device)
+        if generator is None:
+            generator = torch.Generator(device=device)
+            generator.manual_seed(self._seed)
+            self._generators[device] = generator
+        return generator
+
+    def _exponential_noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+        """q ~ Exp(1) per row: each seeded row from its own generator, the rest from the sampler's."""
+        noise = torch.empty_like(probs)
+        unseeded = [i for i, g in enumerate(generators) if g is None]
+        if unseeded:
+            generator = self._default_generator(probs.device)
+            draws = torch.empty((len(unseeded), probs.shape[1]), device=probs.device)
+            noise[self._index(unseeded, probs.device)] = draws.exponential_(generator=generator)
+        for i, generator in enumerate(generators):
+            if generator is not None:
+                # A fresh tensor per row, so the draws cannot depend on where the row sits.
+                row = torch.empty(probs.shape[1], device=probs.device)
+                noise[i] = row.exponential_(generator=generator)
+        # A draw of exactly 0 would give inf (or NaN for a masked token) and win the race.
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature-scaled, top-k/top-p-masked probabilities of the random rows (float32)."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
+    logits = logits / temperature.unsqueeze(1)
+    if any(p.top_k_enabled or p.top_p < 1.0 for p in params):
+        logits = logits.masked_fill(_top_k_top_p_mask(logits, params), float("-inf"))
+    return logits.softmax(dim=-1)
+
+
+def _top_k_top_p_mask(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """True for the tokens that top-k or top-p removes."""
+    device, vocab = logits.device, logits.shape[1]
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k_enabled else vocab for p in params], device=device)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    rank = torch.arange(vocab, device=device).unsqueeze(0)
+    removed = rank >= top_k.unsqueeze(1)
+
+    probs = sorted_logits.masked_fill(removed, float("-inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    # A token goes once the tokens above it already reach top_p (so the top token, with
+    # nothing above it, always stays); rows with top_p == 1 keep everything, as rounding
+    # in the cumsum could otherwise drop a tail token.
+    removed |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    return torch.zeros_like(removed).scatter_(1, order, removed)
