@@ -44,8 +44,8 @@ class EngineConfig:
         _require(isinstance(self.model, str) and self.model, "model", self.model, "a checkpoint path")
         for name in ("block_size", "max_num_batched_tokens", "max_num_seqs", "max_image_pixels"):
             _positive_int(name, getattr(self, name))
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ConfigError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size}")
+        if self.block_size & (self.block_size - 1) or self.block_size > 256:
+            raise ConfigError(f"block_size must be a power of two up to 256, got {self.block_size}")
         if self.max_model_len is not None:
             _positive_int("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None:

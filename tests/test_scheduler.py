@@ -1,0 +1,159 @@
+"""Scheduler decisions without a model: budgets, chunking, preemption, encoder work, stop rules."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from helpers import make_request
+from mmengine.config import EngineConfig
+from mmengine.kv_cache.manager import KVCacheManager
+from mmengine.request import RequestStatus
+from mmengine.scheduler import Scheduler
+
+EOS = frozenset({0})
+
+
+def make_scheduler(num_blocks=64, block_size=4, **kwargs) -> Scheduler:
+    config = EngineConfig(model="unused", block_size=block_size, **kwargs)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size), max_model_len=1024)
+
+
+def run_step(sched: Scheduler, token: int = 7):
+    out = sched.schedule()
+    sampled = {s.request.request_id: token for s in out.scheduled if s.samples}
+    return out, sched.update_from_output(out, sampled, EOS)
+
+
+def test_long_prompt_is_chunked_under_the_token_budget():
+    sched = make_scheduler(max_num_batched_tokens=8, block_size=8)
+    req = make_request("a", 20)
+    sched.add_request(req)
+    chunks = []
+    while not req.output_token_ids:
+        out, _ = run_step(sched)
+        chunks.append(out.scheduled[0].num_new_tokens)
+    assert chunks == [8, 8, 4]
+    assert req.num_computed_tokens == 20
+
+
+def test_decodes_go_first_and_prefills_share_the_rest():
+    sched = make_scheduler(max_num_batched_tokens=10, block_size=8)
+    first = make_request("a", 6, max_tokens=5)
+    sched.add_request(first)
+    run_step(sched)  # prefill a
+    sched.add_request(make_request("b", 30))
+    out, _ = run_step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 9)]
+
+
+def test_max_num_seqs_limits_running_requests():
+    sched = make_scheduler(max_num_seqs=2)
+    for i in range(4):
+        sched.add_request(make_request(f"r{i}", 3))
+    out, _ = run_step(sched)
+    assert len(out.scheduled) == 2 and len(sched.waiting) == 2
+
+
+def test_preemption_evicts_the_latest_request_and_requeues_it_first():
+    sched = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
+    a, b = make_request("a", 8, max_tokens=8), make_request("b", 7, max_tokens=8)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)  # a holds 2 blocks, b holds 2 blocks: cache full
+    assert sched.kv_cache.num_free_blocks == 0
+    out, _ = run_step(sched)  # a needs a third block: b is preempted
+    assert out.preempted_ids == ["b"]
+    assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert list(sched.waiting) == [b] and b.output_token_ids == [7]
+    assert [s.request.request_id for s in out.scheduled] == ["a"]
+
+
+def test_request_that_preempts_itself_waits():
+    sched = make_scheduler(num_blocks=2, block_size=4)
+    a = make_request("a", 8, max_tokens=4)
+    sched.add_request(a)
+    run_step(sched)
+    out, _ = run_step(sched)
+    assert out.preempted_ids == ["a"] and out.scheduled == []
+    assert sched.kv_cache.num_free_blocks == 2
+
+
+def test_encoder_items_are_scheduled_once_and_freed_when_consumed():
+    sched = make_scheduler(max_num_batched_tokens=6)
+    req = make_request("a", 20, images=[(2, 8), (12, 4)])
+    sched.add_request(req)
+    out1, _ = run_step(sched)  # tokens 0-5: item 0 starts
+    out2, _ = run_step(sched)  # tokens 6-11: item 0 ends
+    out3, _ = run_step(sched)  # tokens 12-17: item 1
+    out4, _ = run_step(sched)
+    assert [s.encoder_items for s in out1.scheduled + out2.scheduled + out3.scheduled] == [[0], [], [1]]
+    assert out2.freed_encoder_outputs == []
+    assert out3.freed_encoder_outputs == [("a", 0)]
+    assert out4.freed_encoder_outputs == [("a", 1)]
+
+
+def test_finishing_early_frees_encoder_outputs_and_blocks():
+    sched = make_scheduler(max_num_batched_tokens=4)
+    req = make_request("a", 12, images=[(1, 10)])
+    sched.add_request(req)
+    run_step(sched)
+    sched.abort_request("a")
+    assert req.status == RequestStatus.FINISHED_ABORTED
+    out = sched.schedule()
+    assert out.freed_encoder_outputs == [("a", 0)]
+    assert sched.kv_cache.num_free_blocks == sched.kv_cache.num_blocks
+
+
+def test_stop_rules():
+    sched = make_scheduler()
+    eos, stop_tok, length, ignore = (
+        make_request("eos", 3),
+        make_request("stoptok", 3, stop_token_ids=[7]),
+        make_request("len", 3, max_tokens=2),
+        make_request("ignore", 3, max_tokens=2, ignore_eos=True),
+    )
+    for r in (eos, stop_tok, length, ignore):
+        sched.add_request(r)
+    out = sched.schedule()
+    tokens = {"eos": 0, "stoptok": 7, "len": 5, "ignore": 0}
+    sched.update_from_output(out, tokens, EOS)
+    assert eos.status == RequestStatus.FINISHED_STOPPED and eos.stop_reason == 0
+    assert stop_tok.status == RequestStatus.FINISHED_STOPPED and stop_tok.stop_reason == 7
+    assert length.status == RequestStatus.RUNNING and ignore.status == RequestStatus.RUNNING
+    out = sched.schedule()
+    sched.update_from_output(out, {"len": 5, "ignore": 0}, EOS)
+    assert length.status == RequestStatus.FINISHED_LENGTH and ignore.status == RequestStatus.FINISHED_LENGTH
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 40), st.integers(1, 6), st.integers(0, 2)), min_size=1, max_size=12),
+    st.integers(1, 24),
+    st.integers(14, 40),
+)
+def test_random_workloads_finish_without_leaks(specs, budget, num_blocks):
+    """Every request finishes with exactly max_tokens outputs; budgets hold every step; nothing leaks."""
+    sched = make_scheduler(num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget, max_num_seqs=4)
+    requests = []
+    for i, (n, max_tokens, num_images) in enumerate(specs):
+        n = min(n, num_blocks * 4 - max_tokens)
+        images = [(j * n // 3, max(1, n // 4)) for j in range(num_images) if j * n // 3 + max(1, n // 4) <= n]
+        requests.append(make_request(f"r{i}", n, max_tokens=max_tokens, images=images, ignore_eos=True))
+        sched.add_request(requests[-1])
+    encoded: dict[tuple[str, int], int] = {}
+    for _ in range(5000):
+        if not sched.has_unfinished_requests():
+            break
+        out, _ = run_step(sched, token=0)
+        assert 0 < out.num_scheduled_tokens <= budget
+        for key in out.freed_encoder_outputs:
+            encoded.pop(key)
+        for s in out.scheduled:
+            for idx in s.encoder_items:
+                assert (s.request.request_id, idx) not in encoded
+                encoded[(s.request.request_id, idx)] = 1
+    assert not sched.has_unfinished_requests()
+    assert all(len(r.output_token_ids) == r.sampling_params.max_tokens for r in requests)
+    assert sched.kv_cache.num_free_blocks == num_blocks
+    assert set(sched.schedule().freed_encoder_outputs) == set(encoded)
