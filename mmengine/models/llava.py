@@ -18,6 +18,8 @@ from mmengine.layers.attention import AttentionMetadata
 from mmengine.models.llama import DecoderModel
 
 SUPPORTED_VISION_MODEL_TYPES = ("clip_vision_model", "siglip_vision_model")
+# Tower weights LLaVA never uses (SigLIP's pooling head): absent or extra in a checkpoint is fine.
+_UNUSED_VISION_PREFIXES = ("head.",)
 
 
 class LlavaProjector(nn.Module):
@@ -69,6 +71,13 @@ class LlavaModel(nn.Module):
             selected = [h[:, 1:] for h in selected]  # drop CLS
         return self.multi_modal_projector(torch.cat(selected, dim=-1))
 
+    def _vision_tower_key(self, name: str) -> str:
+        """Original llava-hf checkpoints nest the tower under `vision_model.`; transformers 5's
+        CLIPVisionModel/SiglipVisionModel no longer have that level."""
+        if name.startswith("vision_model.") and not hasattr(self.vision_tower, "vision_model"):
+            return name.removeprefix("vision_model.")
+        return name
+
     @property
     def vision_dtype(self) -> torch.dtype:
         return self.multi_modal_projector.linear_1.weight.dtype
@@ -92,7 +101,7 @@ class LlavaModel(nn.Module):
         for raw_name, tensor in weights:
             name = normalize_llava_weight_name(raw_name)
             if name.startswith("vision_tower."):
-                vision_state[name.removeprefix("vision_tower.")] = tensor
+                vision_state[self._vision_tower_key(name.removeprefix("vision_tower."))] = tensor
             elif name.startswith("language_model."):
                 if not self.language_model.load_weight(name.removeprefix("language_model."), tensor):
                     raise UnsupportedModelError(f"unexpected checkpoint tensor {raw_name!r}")
@@ -106,7 +115,8 @@ class LlavaModel(nn.Module):
                 raise UnsupportedModelError("checkpoint has no lm_head.weight and does not tie word embeddings")
             self.lm_head.weight = self.language_model.embed_tokens.weight
         missing, unexpected = self.vision_tower.load_state_dict(vision_state, strict=False)
-        missing = [m for m in missing if not m.endswith("position_ids")]
+        missing = [m for m in missing if not m.startswith(_UNUSED_VISION_PREFIXES) and not m.endswith("position_ids")]
+        unexpected = [u for u in unexpected if not u.startswith(_UNUSED_VISION_PREFIXES)]
         if missing or unexpected:
             raise UnsupportedModelError(f"vision tower weights do not match: missing {missing}, unexpected {unexpected}")
 

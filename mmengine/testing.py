@@ -1,0 +1,363 @@
+"""Tiny random-weight LLaVA-1.5-style checkpoints for tests and demos.
+
+Everything is built locally with transformers' own classes and saved with `save_pretrained`, so
+transformers and mmengine's loader read exactly the same files. No network or model hub is needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import PIL.Image
+import PIL.ImageDraw
+
+if TYPE_CHECKING:
+    from transformers import LlavaConfig, LlavaProcessor, PreTrainedTokenizerFast
+
+__all__ = ["TinyLlavaSpec", "build_tiny_llava", "tiny_llava_path", "make_test_image", "CHAT_TEMPLATE"]
+
+# Bump when the builder changes what it writes, so cached checkpoints are rebuilt.
+_BUILDER_VERSION = 1
+
+# Weight init draws from torch's global RNG; serialize builds so concurrent threads can't interleave draws.
+_BUILD_LOCK = threading.Lock()
+
+# With the transformers default (initializer_range=0.02) the residual stream is dominated by the current
+# token's embedding: tied-embedding models greedily repeat one token whatever the image or prompt, and
+# untied ones have top-2 logit gaps down to ~1e-4. 0.1 is still mostly repetition when tied. At 0.2 greedy
+# output depends on image and prompt for every text/vision combination (12/12 distinct 16-token outputs
+# for 6 images x 2 prompts), median top-2 gap ~0.3, 5th percentile ~2e-2, so greedy parity between
+# implementations is well defined. Activations stay small (|logits| < 10) and fp16-safe. SigLIP ignores
+# it (fixed lecun/xavier init); for CLIP it scales the patch and position embeddings.
+_INITIALIZER_RANGE = 0.2
+
+BOS, EOS, PAD, UNK, IMAGE = "<s>", "</s>", "<pad>", "<unk>", "<image>"
+
+# LLaVA-1.5 (vicuna_v1) conversation format:
+#   [system + " "] "USER: <image>\nWhat is this?" " ASSISTANT: answer</s>" "USER: ..." " ASSISTANT:"
+# `content` is a string or a list of {"type": "text", "text": ...} / {"type": "image"} parts, rendered in
+# order; an image part renders as "<image>\n".
+CHAT_TEMPLATE = r"""
+{%- for message in messages -%}
+  {%- if message['content'] is string -%}
+    {%- set parts = [{'type': 'text', 'text': message['content']}] -%}
+  {%- else -%}
+    {%- set parts = message['content'] -%}
+  {%- endif -%}
+  {%- if message['role'] == 'system' -%}
+    {%- for part in parts if part['type'] == 'text' -%}{{ part['text'] }}{%- endfor -%}{{ ' ' }}
+  {%- elif message['role'] == 'user' -%}
+    {{ 'USER: ' }}
+    {%- for part in parts -%}
+      {%- if part['type'] == 'image' -%}{{ '<image>\n' }}
+      {%- elif part['type'] == 'text' -%}{{ part['text'] }}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- elif message['role'] == 'assistant' -%}
+    {{ ' ASSISTANT: ' }}
+    {%- for part in parts if part['type'] == 'text' -%}{{ part['text'] }}{%- endfor -%}{{ '</s>' }}
+  {%- else -%}
+    {{ raise_exception('unsupported role: ' + message['role']) }}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ ' ASSISTANT:' }}{%- endif -%}
+""".strip()
+
+# Training text for the byte-level BPE: plain, varied English so the merges cover common words.
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. A picture is worth a thousand words, and this one shows
+a small red house next to a tall green tree. What is in the image? There is a cat sitting on a wooden
+table near the window. The sky is blue and the clouds are white. Two children are playing with a
+yellow ball in the park while their parents watch from a bench.
+Describe the image in detail. The photo was taken in the morning, when the light was soft and warm.
+A man in a black coat is walking his dog along the river. Boats float on the water, and birds fly
+above the bridge. On the left side there is a street with shops, cars, and people riding bicycles.
+Question: how many apples are on the plate? Answer: there are three apples, two red and one green.
+Question: what color is the car? Answer: the car is silver with a dark blue stripe.
+The weather today is cold and rainy, so please bring an umbrella and wear a warm jacket.
+She opened the old book and read the first page aloud. It was a story about a sailor who crossed
+the ocean to find a hidden island full of strange animals and bright flowers.
+Numbers and dates: 1, 2, 3, 10, 42, 100, 2024. The meeting starts at 9:30 and ends at 11:00.
+Computers process images by splitting them into small patches. Each patch becomes a vector, and a
+language model reads these vectors together with the words of the question.
+The kitchen smells of fresh bread and coffee. A bowl of soup, a glass of water, and a slice of cheese
+are waiting on the counter. Somebody left the door open, and the wind is moving the curtains.
+Mountains rise behind the village, covered with snow at the top and forests below. A narrow road
+climbs through the valley, past farms, fences, horses, and a small stone church.
+Can you tell me what this sign says? It says: stop, look, and listen before you cross the road.
+The team won the game after a long and difficult match. Everyone cheered, and the coach smiled.
+Thank you for your help! You are welcome. Have a nice day, and see you tomorrow.
+USER: What is shown in this picture? ASSISTANT: A dog running on the beach.
+USER: Is there a person in the image? ASSISTANT: Yes, a woman is reading a newspaper.
+"""
+
+
+@dataclass(frozen=True)
+class TinyLlavaSpec:
+    """Shape and flavour of a tiny LLaVA checkpoint. Equal specs build byte-identical checkpoints."""
+
+    text_model: str = "llama"  # "llama" | "mistral" | "qwen2"
+    vision_model: str = "clip"  # "clip" | "siglip"
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int | None = None  # None = hidden_size // num_attention_heads
+    vision_hidden_size: int = 32
+    vision_intermediate_size: int = 64
+    vision_num_layers: int = 3
+    vision_num_heads: int = 2
+    image_size: int = 32
+    patch_size: int = 8
+    vision_feature_layer: int | tuple[int, ...] = -2
+    vision_feature_select_strategy: str | None = None  # None = "default" for clip, "full" for siglip
+    projector_hidden_act: str = "gelu"
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    tokenizer_vocab_size: int = 400  # target for BPE training; model vocab_size = len(tokenizer) exactly
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.text_model not in ("llama", "mistral", "qwen2"):
+            raise ValueError(f"text_model must be 'llama', 'mistral' or 'qwen2', got {self.text_model!r}")
+        if self.vision_model not in ("clip", "siglip"):
+            raise ValueError(f"vision_model must be 'clip' or 'siglip', got {self.vision_model!r}")
+        if self.vision_feature_select_strategy not in (None, "default", "full"):
+            raise ValueError(
+                f"vision_feature_select_strategy must be None, 'default' or 'full', "
+                f"got {self.vision_feature_select_strategy!r}"
+            )
+        if self.image_size % self.patch_size:
+            raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+
+    @property
+    def select_strategy(self) -> str:
+        """The effective vision feature select strategy."""
+        if self.vision_feature_select_strategy is not None:
+            return self.vision_feature_select_strategy
+        return "default" if self.vision_model == "clip" else "full"
+
+    @property
+    def num_image_tokens(self) -> int:
+        """Image placeholder tokens per image (CLS counted for clip, then dropped by "default")."""
+        cls = 1 if self.vision_model == "clip" else 0
+        return (self.image_size // self.patch_size) ** 2 + cls - (self.select_strategy == "default")
+
+
+def _build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A deterministic byte-level BPE wrapped as a transformers fast tokenizer.
+
+    Ids 0..2 are <unk>, <s>, </s> (as in Llama); <image> and <pad> are added special tokens at the end
+    of the vocabulary (as in llava-hf checkpoints). Every encoded sequence starts with <s>.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=1,
+        special_tokens=[UNK, BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (IMAGE, PAD)])
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        pad_token=PAD,
+        padding_side="left",  # batched generation, like llava-hf
+    )
+
+
+def _build_config(spec: TinyLlavaSpec, tokenizer: PreTrainedTokenizerFast) -> LlavaConfig:
+    """The LlavaConfig for `spec`, with the vocabulary and special ids taken from `tokenizer`."""
+    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, MistralConfig, Qwen2Config, SiglipVisionConfig
+
+    special_ids = dict(
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
+    )
+    text_kwargs = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim or spec.hidden_size // spec.num_attention_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        initializer_range=_INITIALIZER_RANGE,
+        **special_ids,
+    )
+    if spec.text_model == "llama":
+        text_config = LlamaConfig(**text_kwargs)
+    elif spec.text_model == "mistral":
+        text_config = MistralConfig(sliding_window=None, **text_kwargs)
+    else:
+        text_config = Qwen2Config(use_sliding_window=False, **text_kwargs)
+
+    vision_kwargs = dict(
+        hidden_size=spec.vision_hidden_size,
+        intermediate_size=spec.vision_intermediate_size,
+        num_hidden_layers=spec.vision_num_layers,
+        num_attention_heads=spec.vision_num_heads,
+        image_size=spec.image_size,
+        patch_size=spec.patch_size,
+    )
+    if spec.vision_model == "clip":
+        vision_config = CLIPVisionConfig(initializer_range=_INITIALIZER_RANGE, **vision_kwargs)
+    else:
+        # The SigLIP pooling head is unused by LLaVA; leave it out so the checkpoint has no dead weights.
+        vision_config = SiglipVisionConfig(vision_use_head=False, **vision_kwargs)
+
+    feature_layer = spec.vision_feature_layer
+    return LlavaConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
+        image_seq_length=spec.num_image_tokens,
+        vision_feature_layer=list(feature_layer) if isinstance(feature_layer, tuple) else feature_layer,
+        vision_feature_select_strategy=spec.select_strategy,
+        projector_hidden_act=spec.projector_hidden_act,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        initializer_range=_INITIALIZER_RANGE,
+        **special_ids,
+    )
+
+
+def _build_processor(spec: TinyLlavaSpec, tokenizer: PreTrainedTokenizerFast) -> LlavaProcessor:
+    """The LlavaProcessor (image processor + tokenizer + chat template) for `spec`."""
+    from transformers import CLIPImageProcessorPil, LlavaProcessor, SiglipImageProcessorPil
+
+    # The *Pil classes are what CLIPImageProcessor/SiglipImageProcessor resolve to without torchvision;
+    # constructing them directly avoids the fallback warning. They save as the base class name.
+    if spec.vision_model == "clip":
+        image_processor = CLIPImageProcessorPil(
+            size={"shortest_edge": spec.image_size},
+            crop_size={"height": spec.image_size, "width": spec.image_size},
+        )
+    else:
+        image_processor = SiglipImageProcessorPil(size={"height": spec.image_size, "width": spec.image_size})
+    return LlavaProcessor(
+        image_processor=image_processor,
+        tokenizer=tokenizer,
+        patch_size=spec.patch_size,
+        vision_feature_select_strategy=spec.select_strategy,
+        num_additional_image_tokens=1 if spec.vision_model == "clip" else 0,
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_llava(
+    path: str | os.PathLike, spec: TinyLlavaSpec = TinyLlavaSpec(), *, max_shard_size: str | None = None
+) -> pathlib.Path:
+    """Builds and saves a checkpoint directory; returns the path.
+
+    `max_shard_size` (e.g. "200KB") makes a sharded safetensors checkpoint (model.safetensors.index.json).
+    """
+    import torch
+    from transformers import GenerationConfig, LlavaForConditionalGeneration
+
+    path = pathlib.Path(path)
+    tokenizer = _build_tokenizer(spec.tokenizer_vocab_size)
+    config = _build_config(spec, tokenizer)
+    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):  # leave the caller's RNG state untouched
+        torch.manual_seed(spec.seed)
+        model = LlavaForConditionalGeneration(config).to(torch.float32)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    save_kwargs = {"safe_serialization": True}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(path, **save_kwargs)
+    _build_processor(spec, tokenizer).save_pretrained(path)
+    return path
+
+
+def _spec_key(spec: TinyLlavaSpec) -> str:
+    """A stable hash of the spec, the builder version and the transformers version."""
+    import transformers
+
+    payload = {"spec": dataclasses.asdict(spec), "builder": _BUILDER_VERSION, "transformers": transformers.__version__}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def tiny_llava_path(spec: TinyLlavaSpec = TinyLlavaSpec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """The path of a cached checkpoint for `spec`, building it on first use.
+
+    The cache dir defaults to $MMENGINE_CACHE_DIR or ~/.cache/mmengine/tiny-models. The checkpoint is built
+    in a temporary directory and renamed into place, so concurrent callers never see a partial build.
+    """
+    if cache_dir is None:
+        cache_dir = os.environ.get("MMENGINE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "mmengine" / "tiny-models"
+    cache_dir = pathlib.Path(cache_dir)
+    final = cache_dir / f"llava-{spec.text_model}-{spec.vision_model}-{_spec_key(spec)}"
+    if final.is_dir():
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the finished cache entry should not be
+        build_tiny_llava(tmp, spec)
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():  # a real failure, not a lost race against another builder
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def make_test_image(seed: int, size: tuple[int, int] = (48, 40), mode: str = "RGB") -> PIL.Image.Image:
+    """A deterministic, structured (non-constant) image of `size` = (width, height) in any PIL `mode`.
+
+    A seed-dependent colour gradient with a few rectangles and ellipses on top; modes with an alpha band
+    (RGBA, LA, ...) get a non-constant alpha and CMYK a non-zero K band, so conversions are exercised.
+    """
+    rng = np.random.default_rng(seed)
+    width, height = size
+    ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
+    u, v = xs / max(width - 1, 1), ys / max(height - 1, 1)
+    start, end, cross = (rng.uniform(0, 255, 3).astype(np.float32) for _ in range(3))
+    rgb = start * (1 - u[..., None]) + end * u[..., None] + (cross - 128) * (v[..., None] - 0.5)
+    img = PIL.Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8), "RGB")
+    draw = PIL.ImageDraw.Draw(img)
+    for _ in range(4):
+        x0, x1 = sorted(int(x) for x in rng.integers(0, width, 2))
+        y0, y1 = sorted(int(y) for y in rng.integers(0, height, 2))
+        fill = tuple(int(c) for c in rng.integers(0, 256, 3))
+        shape = draw.rectangle if rng.random() < 0.5 else draw.ellipse
+        shape((x0, y0, x1 + 1, y1 + 1), fill=fill)
+    if mode == "CMYK":  # PIL's RGB->CMYK leaves K at 0; separate properly so all four bands carry signal
+        rgb01 = np.asarray(img, dtype=np.float32) / 255
+        k = 1 - rgb01.max(axis=-1, keepdims=True)
+        cmy = (1 - rgb01 - k) / np.maximum(1 - k, 1e-6)
+        return PIL.Image.fromarray(np.round(np.concatenate([cmy, k], -1) * 255).astype(np.uint8), "CMYK")
+    if "A" in PIL.Image.new(mode, (1, 1)).getbands():
+        alpha = (64 + 191 * np.abs(np.sin(3 * u + 2 * v + seed))).astype(np.uint8)
+        img.putalpha(PIL.Image.fromarray(alpha, "L"))
+    return img if img.mode == mode else img.convert(mode)
