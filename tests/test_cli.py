@@ -1,0 +1,36 @@
+"""The `mmengine` command: demo and one-off generate."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from mmengine.cli import main
+from mmengine.testing import make_test_image
+
+
+def test_demo_runs_and_reports(tmp_path, capsys):
+    assert main(["demo", "--requests", "6", "--max-tokens", "3", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "6 requests" in out and "req/s" in out
+    assert '"requests_finished": 6' in out
+
+
+def test_generate_on_a_checkpoint(checkpoint_dir, tmp_path, capsys):
+    image = tmp_path / "img.png"
+    make_test_image(1).save(image)
+    args = ["generate", "--model", str(checkpoint_dir()), "--max-tokens", "4", "--max-model-len", "256"]
+    assert main([*args, "--prompt", "USER: <image>\nhi ASSISTANT:", "--image", str(image)]) == 0
+    assert "finish_reason=" in capsys.readouterr().err
+    assert main([*args, "--chat", "--prompt", "hi", "--image", str(image)]) == 0
+
+
+def test_bad_input_is_a_clean_error(checkpoint_dir, capsys):
+    code = main(["generate", "--model", str(checkpoint_dir()), "--max-model-len", "256", "--prompt", "USER: <image> ASSISTANT:"])
+    assert code == 2
+    assert "1 <image> marker(s) but 0 image(s)" in capsys.readouterr().err
+
+
+def test_console_entry_point_is_installed():
+    result = subprocess.run([sys.executable, "-m", "mmengine.cli", "--help"], capture_output=True, text=True, check=True)
+    assert "demo" in result.stdout and "generate" in result.stdout
