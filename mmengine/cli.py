@@ -52,10 +52,12 @@ def run_demo(args: argparse.Namespace) -> None:
             prompts.append(f"USER: <image>\n{question} ASSISTANT:")
             image_lists.append([images[i % len(images)]])
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    engine.generate(prompts[:1], images=image_lists[:1], sampling_params=params, use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = engine.generate(prompts, images=image_lists, sampling_params=params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     generated = sum(len(o.token_ids) for o in outputs)
+    print("sample outputs (random weights, so the text is noise):")
     for output in outputs[:3]:
         print(f"  {output.prompt!r} -> {output.text!r}")
     print(

@@ -1,4 +1,8 @@
-"""The reference attention backend in plain PyTorch: correct everywhere, fast nowhere."""
+"""The reference attention backend in plain PyTorch: correct everywhere, simple to read.
+
+Decode rows (one new token each) are batched into one padded attention call; prefill
+chunks are handled one request at a time with a causal mask offset by the cached context.
+"""
 
 from __future__ import annotations
 
@@ -11,29 +15,37 @@ from mmengine.layers.attention import AttentionMetadata
 def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A request's first seq_len keys and values, [seq_len, Hkv, D] each, read through its block table."""
     block_size = kv_cache.shape[2]
-    num_blocks = -(-seq_len // block_size)
-    blocks = block_table[:num_blocks].long()
-    key = kv_cache[0, blocks].flatten(0, 1)[:seq_len]
-    value = kv_cache[1, blocks].flatten(0, 1)[:seq_len]
-    return key, value
+    blocks = block_table[: -(-seq_len // block_size)].long()
+    return kv_cache[0, blocks].flatten(0, 1)[:seq_len], kv_cache[1, blocks].flatten(0, 1)[:seq_len]
 
 
-def causal_paged_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float
-) -> torch.Tensor:
+def causal_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """query [q, Hq, D] holds the last q positions of a context of len(key) positions."""
-    q_len, num_heads, _ = query.shape
-    kv_len, num_kv_heads, _ = key.shape
-    if num_heads != num_kv_heads:
-        key = key.repeat_interleave(num_heads // num_kv_heads, dim=1)
-        value = value.repeat_interleave(num_heads // num_kv_heads, dim=1)
+    q_len, kv_len = query.shape[0], key.shape[0]
     q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
-    k_pos = torch.arange(kv_len, device=query.device)[None, :]
-    mask = k_pos <= q_pos
+    mask = torch.arange(kv_len, device=query.device)[None, :] <= q_pos
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), attn_mask=mask, scale=scale
+        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), attn_mask=mask, scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(0, 1)
+
+
+def batched_decode_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """query [B, Hq, D], one token per request, attending to each request's whole context."""
+    num_reqs, block_size = query.shape[0], kv_cache.shape[2]
+    max_blocks = -(-int(seq_lens.max()) // block_size)
+    tables = block_tables[:, :max_blocks].long()
+    key = kv_cache[0, tables].flatten(1, 2)  # [B, L, Hkv, D]; padding blocks read block 0 and are masked
+    value = kv_cache[1, tables].flatten(1, 2)
+    mask = torch.arange(key.shape[1], device=query.device)[None, :] < seq_lens[:, None]
+    out = F.scaled_dot_product_attention(
+        query[:, :, None, :], key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale,
+        enable_gqa=query.shape[1] != key.shape[2],
+    )
+    return out.view(num_reqs, *query.shape[1:])
 
 
 class TorchAttentionBackend:
@@ -48,11 +60,17 @@ class TorchAttentionBackend:
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(query)
-        start = 0
+        starts = metadata.query_start_loc.tolist()
+        decode_rows = [i for i, q_len in enumerate(metadata.query_lens_cpu) if q_len == 1]
+        if decode_rows:
+            rows = torch.tensor(decode_rows, device=query.device)
+            token_idx = metadata.query_start_loc[rows].long()
+            out[token_idx] = batched_decode_attention(
+                query[token_idx], kv_cache, metadata.block_tables[rows], metadata.seq_lens[rows], scale
+            )
         for i, (q_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
-            if q_len == 0:
+            if q_len <= 1:
                 continue
             key, value = gather_context(kv_cache, metadata.block_tables[i], seq_len)
-            out[start : start + q_len] = causal_paged_attention(query[start : start + q_len], key, value, scale)
-            start += q_len
+            out[starts[i] : starts[i] + q_len] = causal_paged_attention(query[starts[i] : starts[i] + q_len], key, value, scale)
         return out
