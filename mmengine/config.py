@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mmengine.errors import ConfigError
+from mmengine.kv_cache.block_hash import HASH_ALGORITHMS
 
 _DTYPES = {
     "float32": torch.float32,
@@ -37,6 +38,9 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" | "float32" | "float16" | "bfloat16"
     seed: int = 0
     attn_backend: str = "auto"  # "auto" | "torch" | "triton"
+    enable_prefix_caching: bool = True
+    prefix_caching_hash_algo: str = "xxh3_128"  # or "sha256" where crafted collisions are a concern
+    prefix_caching_hash_seed: int | None = None  # None: random per process
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8})
     max_image_pixels: int = 64 * 1024 * 1024
 
@@ -65,6 +69,19 @@ class EngineConfig:
         )
         _require(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", self.dtype, f"'auto' or one of {sorted(_DTYPES)}")
         _require(isinstance(self.seed, int), "seed", self.seed, "an int")
+        _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", self.enable_prefix_caching, "a bool")
+        _require(
+            self.prefix_caching_hash_algo in HASH_ALGORITHMS,
+            "prefix_caching_hash_algo",
+            self.prefix_caching_hash_algo,
+            f"one of {HASH_ALGORITHMS}",
+        )
+        _require(
+            self.prefix_caching_hash_seed is None or isinstance(self.prefix_caching_hash_seed, int),
+            "prefix_caching_hash_seed",
+            self.prefix_caching_hash_seed,
+            "None or an int",
+        )
         _require(self.attn_backend in ("auto", "torch", "triton"), "attn_backend", self.attn_backend, "'auto', 'torch' or 'triton'")
         _require(isinstance(self.limit_mm_per_prompt, dict), "limit_mm_per_prompt", self.limit_mm_per_prompt, "a dict")
         for modality, limit in self.limit_mm_per_prompt.items():

@@ -15,6 +15,7 @@ from transformers import GenerationConfig, PretrainedConfig
 from mmengine.config import EngineConfig
 from mmengine.detokenizer import IncrementalDetokenizer
 from mmengine.errors import ConfigError, InvalidInputError
+from mmengine.kv_cache.block_hash import make_hash_function
 from mmengine.kv_cache.manager import KVCacheManager
 from mmengine.models.llama import sliding_window_of
 from mmengine.models.loader import checkpoint_dtype
@@ -53,14 +54,26 @@ class MMEngine:
         self.runner = ModelRunner(self.config, self.hf_config, model_dir, self.device, self.dtype, self.max_model_len)
         num_blocks = self.runner.determine_num_kv_blocks()
         self.runner.allocate_kv_cache(num_blocks)
-        self.kv_cache = KVCacheManager(num_blocks, self.config.block_size)
+        self.kv_cache = KVCacheManager(
+            num_blocks,
+            self.config.block_size,
+            make_hash_function(self.config.prefix_caching_hash_algo, self.config.prefix_caching_hash_seed),
+            enable_prefix_caching=self.config.enable_prefix_caching,
+        )
         self.input_processor.max_tokens_in_kv_cache = num_blocks * self.config.block_size
         self.scheduler = Scheduler(self.config, self.kv_cache, self.max_model_len)
         self.eos_token_ids = _eos_token_ids(model_dir, self.hf_config, self.tokenizer)
 
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
-        self._counters = {"steps": 0, "tokens_computed": 0, "prompt_tokens": 0, "generation_tokens": 0, "requests_finished": 0}
+        self._counters = {
+            "steps": 0,
+            "tokens_computed": 0,
+            "prefill_tokens_computed": 0,
+            "prompt_tokens": 0,
+            "generation_tokens": 0,
+            "requests_finished": 0,
+        }
         logger.info(
             "mmengine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
             model_dir, self.device, self.dtype, num_blocks, self.config.block_size, self.max_model_len,
@@ -74,11 +87,16 @@ class MMEngine:
         images: Sequence[ImageInput] | None = None,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Validates and queues one request; returns its id. Bad input raises before anything is queued."""
+        """Validates and queues one request; returns its id. Bad input raises before anything is queued.
+
+        Requests share cached KV blocks only when their cache_salt is equal (None is a salt too).
+        """
         params = sampling_params or SamplingParams()
+        _check_salt(cache_salt, 0)
         processed = self.input_processor.process(prompt, images, params)
-        return self._enqueue(processed, params, request_id)
+        return self._enqueue(processed, params, request_id, cache_salt)
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduler step; returns an output for every request that got a token (finished or not)."""
@@ -90,6 +108,9 @@ class MMEngine:
         updated = self.scheduler.update_from_output(out, sampled, self.eos_token_ids)
         self._counters["steps"] += 1
         self._counters["tokens_computed"] += out.num_scheduled_tokens
+        self._counters["prefill_tokens_computed"] += sum(
+            max(0, min(s.end, s.request.num_prompt_tokens) - s.start) for s in out.scheduled
+        )
         return [self._after_token(request) for request in updated]
 
     def has_unfinished_requests(self) -> bool:
@@ -109,11 +130,13 @@ class MMEngine:
         images: Sequence[ImageInput] | Sequence[Sequence[ImageInput] | None] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        cache_salt: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for one prompt or a batch; returns one output per prompt, in input order.
 
         For one prompt, `images` is that prompt's list of images; for a batch, one list (or None) per prompt.
-        Every prompt is validated before any is queued, so bad input queues nothing.
+        `cache_salt` is one salt for all prompts or one per prompt. Every prompt is validated before
+        any is queued, so bad input queues nothing.
         """
         if self.has_unfinished_requests():
             raise RuntimeError(
@@ -121,11 +144,12 @@ class MMEngine:
                 "step() them to completion or abort them first"
             )
         prompt_list, image_lists, params_list = _normalize_batch(prompts, images, sampling_params)
+        salts = _normalize_salts(cache_salt, len(prompt_list))
         processed = [
             self.input_processor.process(prompt, imgs, params, prompt_index=i)
             for i, (prompt, imgs, params) in enumerate(zip(prompt_list, image_lists, params_list))
         ]
-        ids = [self._enqueue(p, params) for p, params in zip(processed, params_list)]
+        ids = [self._enqueue(p, params, None, salt) for p, params, salt in zip(processed, params_list, salts)]
         results: dict[str, RequestOutput] = {}
         try:
             with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
@@ -146,30 +170,46 @@ class MMEngine:
         images: Sequence[ImageInput] | Sequence[Sequence[ImageInput] | None] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        cache_salt: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """Like generate(), for conversations rendered with the model's chat template."""
         single = bool(messages) and isinstance(messages[0], dict)
         conversations = [messages] if single else list(messages)
         prompts = [self.input_processor.apply_chat_template(list(c)) for c in conversations]
-        return self.generate(prompts[0] if single else prompts, images, sampling_params, use_tqdm)
+        return self.generate(prompts[0] if single else prompts, images, sampling_params, use_tqdm, cache_salt)
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached KV block (e.g. after changing weights). Running requests are unaffected."""
+        self.kv_cache.reset_prefix_cache()
 
     def stats(self) -> dict[str, int]:
         return {
             **self._counters,
             "num_preemptions": self.scheduler.num_preemptions,
             "encoder_runs": self.runner.num_encoder_runs,
+            "prefix_cache_queries": self.kv_cache.prefix_cache_queries,
+            "prefix_cache_hits": self.kv_cache.prefix_cache_hits,
             "kv_blocks_total": self.kv_cache.num_blocks,
             "kv_blocks_free": self.kv_cache.num_free_blocks,
+            "kv_blocks_cached": self.kv_cache.num_cached_blocks,
+            "kv_blocks_evicted": self.kv_cache.pool.num_evictions,
         }
 
     # -- internals -------------------------------------------------------------
 
-    def _enqueue(self, processed: ProcessedPrompt, params: SamplingParams, request_id: str | None = None) -> str:
+    def _enqueue(
+        self,
+        processed: ProcessedPrompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
         arrival = next(self._arrivals)
         request_id = request_id if request_id is not None else f"req-{arrival}"
         if request_id in self.scheduler.requests:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
-        request = Request(request_id, processed, params, arrival, self.runner.sampler.make_generator(params, self.device))
+        generator = self.runner.sampler.make_generator(params, self.device)
+        request = Request(request_id, processed, params, arrival, generator, cache_salt=cache_salt)
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = IncrementalDetokenizer(
             self.tokenizer, request.prompt_token_ids, stop=params.stop
@@ -228,6 +268,22 @@ def _normalize_batch(
                 f"{len(prompt_list)} prompts"
             )
     return prompt_list, image_lists, params_list
+
+
+def _check_salt(salt: object, prompt_index: int) -> None:
+    if salt is not None and not isinstance(salt, str):
+        raise InvalidInputError(f"cache_salt must be a str or None, got {type(salt).__name__}", prompt_index)
+
+
+def _normalize_salts(cache_salt: str | Sequence[str | None] | None, num_prompts: int) -> list[str | None]:
+    if cache_salt is None or isinstance(cache_salt, str):
+        return [cache_salt] * num_prompts
+    salts = list(cache_salt)
+    if len(salts) != num_prompts:
+        raise InvalidInputError(f"cache_salt must be one salt or one per prompt: got {len(salts)} for {num_prompts} prompts")
+    for index, salt in enumerate(salts):
+        _check_salt(salt, index)
+    return salts
 
 
 def _resolve_max_model_len(config: EngineConfig, text_config: PretrainedConfig) -> int:

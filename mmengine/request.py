@@ -28,6 +28,7 @@ class MMItem:
     """One multimodal item of a prompt: its placeholder run and the encoder's input for it."""
 
     modality: str
+    mm_hash: str  # content hash (or a user-given id): equal hashes mean equal embeddings
     offset: int  # index of the item's first placeholder token in the prompt
     length: int  # number of placeholder tokens, one embedding each
     encoder_inputs: dict[str, torch.Tensor] = field(repr=False)  # e.g. {"pixel_values": [3, H, W]}
@@ -57,6 +58,8 @@ class Request:
         sampling_params: SamplingParams,
         arrival_index: int,
         generator: torch.Generator | None = None,
+        cache_salt: str | None = None,
+        lora_name: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.prompt = processed.prompt
@@ -65,10 +68,17 @@ class Request:
         self.sampling_params = sampling_params
         self.arrival_index = arrival_index
         self.generator = generator
+        self.cache_salt = cache_salt  # requests with different salts never share KV blocks
+        self.lora_name = lora_name  # the adapter's identity separates caches (adapters run in a later version)
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         self.output_token_ids: list[int] = []
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
+        self.block_hashes: list[bytes] = []  # chained hashes of the full blocks of all_token_ids
+        # Tokens covered by blocks this request got from the prefix cache. Positions below it
+        # are already in (shared) blocks: a recomputed last token there must not be stored again.
+        self.num_prefix_hit_tokens = 0
+        self.num_admission_skips = 0  # times a later request was admitted ahead of this one
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None  # the stop string or stop token that finished it

@@ -16,7 +16,7 @@ from transformers import PretrainedConfig
 
 from mmengine.config import EngineConfig
 from mmengine.errors import ConfigError
-from mmengine.kv_cache.manager import KVCacheManager, cdiv
+from mmengine.kv_cache.manager import cdiv
 from mmengine.layers.attention import AttentionMetadata, get_attention_backend
 from mmengine.models.llama import head_dim_of
 from mmengine.models.loader import iter_checkpoint
@@ -111,8 +111,8 @@ class ModelRunner:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
-        scratch = KVCacheManager(cdiv(num_tokens, self.block_size), self.block_size)
-        self.allocate_kv_cache(scratch.num_blocks)
+        num_blocks = cdiv(num_tokens, self.block_size)
+        self.allocate_kv_cache(num_blocks)
         with torch.inference_mode():
             size = getattr(self.model.config.vision_config, "image_size", 336)
             self.model.encode_images(torch.zeros(1, 3, size, size, device=self.device))
@@ -120,7 +120,7 @@ class ModelRunner:
                 slot_mapping=torch.arange(num_tokens, device=self.device),
                 query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
                 seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-                block_tables=torch.arange(scratch.num_blocks, dtype=torch.int32, device=self.device)[None],
+                block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
                 query_lens_cpu=[num_tokens],
                 seq_lens_cpu=[num_tokens],
             )
@@ -188,9 +188,12 @@ class ModelRunner:
         for s in scheduled:
             table = block_tables[s.request.request_id]
             input_ids.extend(s.request.all_token_ids[s.start : s.end])
+            # A last token recomputed after a full prefix hit sits in a shared cached block
+            # that already holds its K/V: it is attended to, never written again (slot -1).
+            hit_end = s.request.num_prefix_hit_tokens
             for pos in range(s.start, s.end):
                 positions.append(pos)
-                slots.append(table[pos // bs] * bs + pos % bs)
+                slots.append(-1 if pos < hit_end else table[pos // bs] * bs + pos % bs)
             if s.samples:
                 logits_indices.append(len(input_ids) - 1)
                 sampled.append(s)

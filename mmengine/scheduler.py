@@ -17,6 +17,13 @@ from mmengine.kv_cache.manager import KVCacheManager
 from mmengine.request import Request, RequestStatus
 
 
+# A waiting request skipped this many times (later requests admitted ahead of it) stops
+# anything behind it from being admitted until it is: bounded skipping, no starvation.
+MAX_ADMISSION_SKIPS = 16
+# How many unadmittable waiting requests one step looks past before it stops searching.
+MAX_ADMISSION_LOOKAHEAD = 32
+
+
 @dataclass
 class ScheduledRequest:
     request: Request
@@ -70,6 +77,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        self.kv_cache.hash_new_blocks(request)
         self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -120,26 +128,70 @@ class Scheduler:
             break
 
         # Then admit waiting requests, oldest first, unless this step had to preempt.
-        while (
-            not out.preempted_ids
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache.can_allocate(request, num_new):
-                break
-            self.waiting.popleft()
-            self.kv_cache.allocate(request, num_new)
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            out.scheduled.append(self._make_scheduled(request, num_new))
-            budget -= num_new
+        if not out.preempted_ids:
+            self._admit_waiting(out, budget)
 
         out.freed_encoder_outputs = self._freed_encoder_outputs
         self._freed_encoder_outputs = []
         return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        """Admits waiting requests in order, charging only uncached tokens and blocks.
+
+        A request that cannot be admitted now (not enough free blocks, or its next uncached
+        block is being computed by a running request and will be a hit soon) is skipped so
+        smaller or cache-friendlier requests behind it can run. Skipping is bounded: a request
+        skipped MAX_ADMISSION_SKIPS times blocks everything behind it until it is admitted.
+        """
+        in_flight = self._blocks_in_flight()
+        index = 0
+        skipped: list[Request] = []
+        while (
+            index < len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+            and len(skipped) <= MAX_ADMISSION_LOOKAHEAD
+        ):
+            request = self.waiting[index]
+            fresh = request.num_computed_tokens == 0
+            hits = self.kv_cache.get_computed_blocks(request) if fresh else []
+            # A full hit still recomputes the last token: its logits are needed.
+            num_computed = min(len(hits) * self.config.block_size, request.num_tokens - 1) if hits else request.num_computed_tokens
+            num_new = min(request.num_tokens - num_computed, budget)
+            starving = request.num_admission_skips >= MAX_ADMISSION_SKIPS
+            wait_for_hit = not starving and len(hits) < len(request.block_hashes) and request.block_hashes[len(hits)] in in_flight
+            if wait_for_hit or not self.kv_cache.can_allocate(request, num_new, hits, num_computed):
+                if starving:
+                    break
+                skipped.append(request)
+                index += 1
+                continue
+            del self.waiting[index]
+            self.kv_cache.allocate(request, num_new, hits, num_computed)
+            if fresh:
+                self.kv_cache.record_lookup(request.num_tokens, num_computed)
+                if request.num_preemptions == 0:
+                    request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
+            request.num_prefix_hit_tokens = len(hits) * self.config.block_size
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(self._make_scheduled(request, num_new))
+            in_flight.update(self._pending_block_hashes(request))
+            budget -= num_new
+            for earlier in skipped:
+                earlier.num_admission_skips += 1
+
+    def _blocks_in_flight(self) -> set[bytes]:
+        """Hashes of prompt blocks that running requests are still computing (future cache hits)."""
+        if not self.kv_cache.enable_prefix_caching:
+            return set()
+        return {h for request in self.running for h in self._pending_block_hashes(request)}
+
+    def _pending_block_hashes(self, request: Request) -> list[bytes]:
+        if not self.kv_cache.enable_prefix_caching:
+            return []
+        return request.block_hashes[request.num_computed_tokens // self.config.block_size :]
 
     def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
@@ -157,6 +209,7 @@ class Scheduler:
         self._release(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.num_prefix_hit_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -178,11 +231,13 @@ class Scheduler:
             if request.is_finished:  # aborted between schedule() and now
                 continue
             request.num_computed_tokens = s.end
+            self.kv_cache.cache_blocks(request)
             self._drop_consumed_encoder_outputs(request)
             if request.request_id not in sampled:
                 continue
             token = sampled[request.request_id]
             request.append_output_token(token)
+            self.kv_cache.hash_new_blocks(request)
             status = self._check_stop(request, token, eos_token_ids)
             if status is not None:
                 self.finish_request(request, status)

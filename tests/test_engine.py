@@ -103,7 +103,7 @@ def test_chat_template_matches_the_plain_prompt(engine):
 
 
 def test_stats_count_work(checkpoint_dir):
-    engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=256, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     outputs = engine.generate(["USER: <image>\na ASSISTANT:", "USER: <image><image>\nb ASSISTANT:"], images=[[IMG], [IMG, IMG]], sampling_params=params, use_tqdm=False)
     stats = engine.stats()

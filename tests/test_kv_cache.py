@@ -8,7 +8,10 @@ from hypothesis import strategies as st
 
 from helpers import make_request
 from mmengine.kv_cache.block_pool import BlockPool
+from mmengine.kv_cache.block_hash import make_hash_function
 from mmengine.kv_cache.manager import KVCacheManager
+
+HASH = make_hash_function("xxh3_128", 0)
 
 
 def test_pool_takes_oldest_free_blocks_and_requeues_released_ones_last():
@@ -23,7 +26,7 @@ def test_pool_takes_oldest_free_blocks_and_requeues_released_ones_last():
 
 
 def test_manager_grows_a_request_block_by_block():
-    kv = KVCacheManager(num_blocks=4, block_size=4)
+    kv = KVCacheManager(4, 4, HASH)
     req = make_request("a", 6)
     assert kv.blocks_needed(req, 6) == 2
     kv.allocate(req, 6)
@@ -36,7 +39,7 @@ def test_manager_grows_a_request_block_by_block():
 
 
 def test_free_releases_tail_first():
-    kv = KVCacheManager(num_blocks=3, block_size=2)
+    kv = KVCacheManager(3, 2, HASH)
     req = make_request("a", 6)
     kv.allocate(req, 6)
     kv.free(req)
@@ -49,7 +52,7 @@ def test_free_releases_tail_first():
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.integers(0, 5), st.integers(1, 9), st.booleans()), min_size=1, max_size=60))
 def test_random_allocate_and_free_keep_books_consistent(ops):
-    kv = KVCacheManager(num_blocks=12, block_size=4)
+    kv = KVCacheManager(12, 4, HASH)
     requests = {}
     for slot, tokens, free in ops:
         rid = f"r{slot}"

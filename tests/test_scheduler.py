@@ -7,7 +7,10 @@ from hypothesis import strategies as st
 
 from helpers import make_request
 from mmengine.config import EngineConfig
+from mmengine.kv_cache.block_hash import make_hash_function
 from mmengine.kv_cache.manager import KVCacheManager
+
+HASH = make_hash_function("xxh3_128", 0)
 from mmengine.request import RequestStatus
 from mmengine.scheduler import Scheduler
 
@@ -16,7 +19,7 @@ EOS = frozenset({0})
 
 def make_scheduler(num_blocks=64, block_size=4, **kwargs) -> Scheduler:
     config = EngineConfig(model="unused", block_size=block_size, **kwargs)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size), max_model_len=1024)
+    return Scheduler(config, KVCacheManager(num_blocks, block_size, HASH), max_model_len=1024)
 
 
 def run_step(sched: Scheduler, token: int = 7):
@@ -57,7 +60,7 @@ def test_max_num_seqs_limits_running_requests():
 
 def test_preemption_evicts_the_latest_request_and_requeues_it_first():
     sched = make_scheduler(num_blocks=4, block_size=4, max_num_batched_tokens=64)
-    a, b = make_request("a", 8, max_tokens=8), make_request("b", 7, max_tokens=8)
+    a, b = make_request("a", 8, max_tokens=8), make_request("b", 7, max_tokens=8, tokens=list(range(100, 107)))
     sched.add_request(a)
     sched.add_request(b)
     run_step(sched)  # a holds 2 blocks, b holds 2 blocks: cache full

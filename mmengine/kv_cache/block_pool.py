@@ -1,29 +1,47 @@
-"""BlockPool: the KV cache's physical blocks, their reference counts and the free queue."""
+"""BlockPool: the KV cache's physical blocks, reference counts, the free queue and the prefix cache.
+
+A block whose KV is complete can be cached under its chained hash. When its last user
+releases it, it joins the free queue but keeps its hash and contents: a later request
+with the same prefix can take it back out (a hit) until the block is reallocated, which
+evicts it. The free queue is LRU: the head is evicted first. It is an OrderedDict keyed
+by block id, so taking a hit block out of the middle is O(1), like appending and popping.
+"""
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
+
+from mmengine.kv_cache.block_hash import BlockHash, BlockKey
 
 
 @dataclass(eq=False)
 class KVBlock:
     block_id: int
     ref_cnt: int = 0
+    block_hash: BlockHash | None = None
+    key: BlockKey | None = None
+    # Identity of this caching of the block, and of its parent's: a lookup must match the
+    # parent it actually walked through, so a parent that was evicted and re-cached with other
+    # contents can never make a stale child look valid.
+    cache_id: int | None = None
+    parent_cache_id: int | None = None
+
+    @property
+    def is_cached(self) -> bool:
+        return self.cache_id is not None
 
 
 class BlockPool:
-    """Owns every block. Free blocks sit in an LRU-ordered queue (oldest first).
-
-    The queue is an OrderedDict keyed by block id so that taking a block out of the
-    middle (a cached block being reused) is O(1), like appending and popping.
-    """
-
     def __init__(self, num_blocks: int) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[BlockHash, KVBlock] = {}
+        self._cache_ids = itertools.count()
+        self.num_evictions = 0
 
     @property
     def num_blocks(self) -> int:
@@ -33,17 +51,61 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._cached)
+
+    # -- prefix cache ---------------------------------------------------------
+
+    def lookup(self, block_hash: BlockHash, key: BlockKey, parent_cache_id: int | None) -> KVBlock | None:
+        """The cached block with exactly this content after exactly this parent, else None."""
+        block = self._cached.get(block_hash)
+        if block is None or block.key != key or block.parent_cache_id != parent_cache_id:
+            return None
+        return block
+
+    def cache(self, block: KVBlock, block_hash: BlockHash, key: BlockKey, parent_cache_id: int | None) -> bool:
+        """Registers a block whose KV is complete. False if another block already holds this hash."""
+        assert not block.is_cached and block.ref_cnt > 0, block
+        if block_hash in self._cached:
+            return False
+        block.block_hash, block.key, block.parent_cache_id = block_hash, key, parent_cache_id
+        block.cache_id = next(self._cache_ids)
+        self._cached[block_hash] = block
+        return True
+
+    def reset_cache(self) -> None:
+        for block in self._cached.values():
+            self._forget(block)
+        self._cached.clear()
+
+    def _forget(self, block: KVBlock) -> None:
+        block.block_hash = block.key = block.cache_id = block.parent_cache_id = None
+
+    # -- allocation -----------------------------------------------------------
+
     def take(self, n: int) -> list[KVBlock]:
-        """Takes the n least recently freed blocks and references them once."""
+        """Takes the n least recently freed blocks (evicting cached ones) and references them once."""
         if n > len(self._free):
             raise RuntimeError(f"asked for {n} blocks, only {len(self._free)} free")
         taken = []
         for _ in range(n):
             _, block = self._free.popitem(last=False)
             assert block.ref_cnt == 0, block
+            if block.is_cached:
+                del self._cached[block.block_hash]
+                self._forget(block)
+                self.num_evictions += 1
             block.ref_cnt = 1
             taken.append(block)
         return taken
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """References cached blocks a request reuses, taking free ones out of the free queue."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
 
     def release(self, blocks: list[KVBlock]) -> None:
         """Drops one reference from each block; blocks reaching zero join the queue in the given order."""

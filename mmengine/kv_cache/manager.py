@@ -1,7 +1,11 @@
-"""KVCacheManager: which blocks each request holds, and whether more can be had."""
+"""KVCacheManager: which blocks each request holds, what is cached, and whether more can be had.
+
+Paired methods: `can_allocate` answers without changing anything, `allocate` then commits.
+"""
 
 from __future__ import annotations
 
+from mmengine.kv_cache.block_hash import BlockHasher, HashFunction, block_key
 from mmengine.kv_cache.block_pool import BlockPool, KVBlock
 from mmengine.request import Request
 
@@ -11,10 +15,23 @@ def cdiv(a: int, b: int) -> int:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        hash_fn: HashFunction,
+        enable_prefix_caching: bool = True,
+    ) -> None:
         self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.hasher = BlockHasher(block_size, hash_fn)
         self._req_blocks: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each request are in the cache chain; None once the chain
+        # broke (a block's hash was already taken), after which its later blocks stay private.
+        self._num_chained: dict[str, int | None] = {}
+        self.prefix_cache_queries = 0  # tokens looked up at admission
+        self.prefix_cache_hits = 0  # tokens served from the cache at admission
 
     @property
     def num_blocks(self) -> int:
@@ -24,22 +41,101 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
-        """Blocks to add so the request can hold its computed tokens plus num_new_tokens."""
-        held = len(self._req_blocks.get(request.request_id, ()))
-        return max(0, cdiv(request.num_computed_tokens + num_new_tokens, self.block_size) - held)
+    @property
+    def num_cached_blocks(self) -> int:
+        return self.pool.num_cached_blocks
 
-    def can_allocate(self, request: Request, num_new_tokens: int) -> bool:
-        return self.blocks_needed(request, num_new_tokens) <= self.pool.num_free_blocks
+    # -- hashing and lookup ---------------------------------------------------
 
-    def allocate(self, request: Request, num_new_tokens: int) -> None:
-        needed = self.blocks_needed(request, num_new_tokens)
-        self._req_blocks.setdefault(request.request_id, []).extend(self.pool.take(needed))
+    def hash_new_blocks(self, request: Request) -> None:
+        self.hasher.update(request)
+
+    def get_computed_blocks(self, request: Request) -> list[KVBlock]:
+        """The longest verified cached prefix of the request's full blocks."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[KVBlock] = []
+        parent: int | None = None
+        for index, block_hash in enumerate(request.block_hashes):
+            block = self.pool.lookup(block_hash, block_key(request, index, self.block_size), parent)
+            if block is None:
+                break
+            hits.append(block)
+            parent = block.cache_id
+        return hits
+
+    def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    # -- allocation -----------------------------------------------------------
+
+    def blocks_needed(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = (), num_computed: int | None = None
+    ) -> int:
+        """Free blocks used up if the request grows to num_computed + num_new_tokens tokens.
+
+        Cached hit blocks sitting in the free queue count too: reusing them takes them out of it.
+        """
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        held = len(self._req_blocks.get(request.request_id, ())) + len(computed_blocks)
+        new = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - held)
+        return new + sum(1 for block in computed_blocks if block.ref_cnt == 0)
+
+    def can_allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = (), num_computed: int | None = None
+    ) -> bool:
+        return self.blocks_needed(request, num_new_tokens, computed_blocks, num_computed) <= self.pool.num_free_blocks
+
+    def allocate(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = (), num_computed: int | None = None
+    ) -> None:
+        if num_computed is None:
+            num_computed = request.num_computed_tokens
+        assert self.can_allocate(request, num_new_tokens, computed_blocks, num_computed)
+        blocks = self._req_blocks.setdefault(request.request_id, [])
+        if computed_blocks:
+            assert not blocks, "hits are only taken when a request is admitted"
+            self.pool.touch(list(computed_blocks))
+            blocks.extend(computed_blocks)
+        self._num_chained.setdefault(request.request_id, len(computed_blocks))
+        needed = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks))
+        blocks.extend(self.pool.take(needed))
+
+    def cache_blocks(self, request: Request) -> None:
+        """Adds the request's newly completed full blocks to the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        chained = self._num_chained.get(request.request_id)
+        if chained is None:
+            return
+        blocks = self._req_blocks[request.request_id]
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
+        for index in range(chained, num_full):
+            block = blocks[index]
+            parent = blocks[index - 1].cache_id if index else None
+            if index and parent is None:
+                self._num_chained[request.request_id] = None
+                return
+            if not block.is_cached:
+                key = block_key(request, index, self.block_size)
+                if not self.pool.cache(block, request.block_hashes[index], key, parent):
+                    self._num_chained[request.request_id] = None
+                    return
+            self._num_chained[request.request_id] = index + 1
 
     def free(self, request: Request) -> None:
-        """Releases the request's blocks, tail first, so its tail is reused before its head."""
+        """Releases the request's blocks, tail first, so its tail is evicted before its head."""
         blocks = self._req_blocks.pop(request.request_id, [])
+        self._num_chained.pop(request.request_id, None)
         self.pool.release(blocks[::-1])
+
+    def reset_prefix_cache(self) -> None:
+        """Forgets every cached block. Blocks in use stay with their requests, no longer shared."""
+        self.pool.reset_cache()
+        for request_id in self._num_chained:
+            self._num_chained[request_id] = None
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._req_blocks.get(request_id, ())]

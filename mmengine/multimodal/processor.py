@@ -20,6 +20,7 @@ from mmengine.errors import (
     PromptTooLongError,
     TooManyImagesError,
 )
+from mmengine.encoder_cache.hashing import hash_image, model_fingerprint, processor_settings_key
 from mmengine.multimodal.image_loading import ImageInput, load_image
 from mmengine.request import MMItem, ProcessedPrompt
 from mmengine.sampling import SamplingParams
@@ -38,6 +39,8 @@ class InputProcessor:
         self.tokenizer = self.hf_processor.tokenizer
         self.image_token: str = self.hf_processor.image_token
         self.image_token_id: int = hf_config.image_token_id
+        self.fingerprint = model_fingerprint(model_dir)
+        self.settings_key = processor_settings_key(self.hf_processor.image_processor)
         self.max_model_len = max_model_len
         self.max_images = limit_mm_per_prompt.get("image", 0)
         self.max_image_pixels = max_image_pixels
@@ -77,7 +80,8 @@ class InputProcessor:
         if not token_ids:
             raise EmptyPromptError("the prompt is empty after tokenization")
         self._check_length(len(token_ids), params.max_tokens)
-        items = self._placeholder_items(token_ids, encoded.get("pixel_values"), len(loaded))
+        mm_hashes = [hash_image(img, self.fingerprint, self.settings_key) for img in loaded]
+        items = self._placeholder_items(token_ids, encoded.get("pixel_values"), mm_hashes)
         return ProcessedPrompt(prompt=prompt, prompt_token_ids=token_ids, mm_items=items)
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -94,10 +98,11 @@ class InputProcessor:
             )
 
     def _placeholder_items(
-        self, token_ids: list[int], pixel_values: torch.Tensor | None, num_images: int
+        self, token_ids: list[int], pixel_values: torch.Tensor | None, mm_hashes: list[str]
     ) -> list[MMItem]:
         """One item per image, in prompt order, each owning a contiguous run of image tokens."""
         positions = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
+        num_images = len(mm_hashes)
         if num_images == 0:
             if positions:
                 raise ImageCountMismatchError(f"the prompt contains {len(positions)} image token(s) but no image")
@@ -113,5 +118,5 @@ class InputProcessor:
             run = positions[idx * per_image : (idx + 1) * per_image]
             if run[-1] - run[0] + 1 != per_image:
                 raise ImageCountMismatchError(f"the image tokens of image {idx} are not contiguous")
-            items.append(MMItem("image", run[0], per_image, {"pixel_values": pixel_values[idx]}))
+            items.append(MMItem("image", mm_hashes[idx], run[0], per_image, {"pixel_values": pixel_values[idx]}))
         return items
