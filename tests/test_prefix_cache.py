@@ -85,7 +85,7 @@ def test_evicted_and_recached_parent_does_not_revive_its_old_child():
     from mmengine.kv_cache.block_hash import BlockKey
     from mmengine.kv_cache.block_pool import BlockPool
 
-    pool = BlockPool(3)
+    pool = BlockPool(2)
     parent, child = pool.take(2)
     parent_key, child_key = BlockKey((1, 1), ()), BlockKey((2, 2), ())
     assert pool.cache(parent, b"P", parent_key, None)
