@@ -41,6 +41,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_caching_hash_algo: str = "xxh3_128"  # or "sha256" where crafted collisions are a concern
     prefix_caching_hash_seed: int | None = None  # None: random per process
+    encoder_cache_size: int | None = None  # embeddings; None: autotuned (see encoder_cache/budget.py)
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8})
     max_image_pixels: int = 64 * 1024 * 1024
 
@@ -54,6 +55,8 @@ class EngineConfig:
             _positive_int("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
+        if self.encoder_cache_size is not None:
+            _positive_int("encoder_cache_size", self.encoder_cache_size)
         _positive_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
         _require(
             isinstance(self.gpu_memory_utilization, float | int) and 0 < self.gpu_memory_utilization <= 1,

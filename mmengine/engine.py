@@ -15,6 +15,8 @@ from transformers import GenerationConfig, PretrainedConfig
 from mmengine.config import EngineConfig
 from mmengine.detokenizer import IncrementalDetokenizer
 from mmengine.errors import ConfigError, InvalidInputError
+from mmengine.encoder_cache.budget import EncoderBudget, compute_encoder_budget, max_tokens_per_item
+from mmengine.encoder_cache.manager import EncoderCacheManager
 from mmengine.kv_cache.block_hash import make_hash_function
 from mmengine.kv_cache.manager import KVCacheManager
 from mmengine.models.llama import sliding_window_of
@@ -52,16 +54,26 @@ class MMEngine:
         )
         self.tokenizer = self.input_processor.tokenizer
         self.runner = ModelRunner(self.config, self.hf_config, model_dir, self.device, self.dtype, self.max_model_len)
-        num_blocks = self.runner.determine_num_kv_blocks()
+        compute_budget = self._encoder_budget(pinned_room_tokens=0).compute_budget_tokens
+        num_blocks = self.runner.determine_num_kv_blocks(
+            encoder_fixed_bytes=compute_budget * self.runner.embedding_bytes,
+            encoder_bytes_per_block=self.config.block_size * self.runner.embedding_bytes,
+        )
         self.runner.allocate_kv_cache(num_blocks)
+        self.encoder_budget = self._encoder_budget(pinned_room_tokens=num_blocks * self.config.block_size)
         self.kv_cache = KVCacheManager(
             num_blocks,
             self.config.block_size,
             make_hash_function(self.config.prefix_caching_hash_algo, self.config.prefix_caching_hash_seed),
             enable_prefix_caching=self.config.enable_prefix_caching,
         )
+        self.encoder_cache = EncoderCacheManager(self.encoder_budget.cache_capacity_tokens, self.kv_cache.uncache_pinning)
+        self.kv_cache.pin_listener = self.encoder_cache
         self.input_processor.max_tokens_in_kv_cache = num_blocks * self.config.block_size
-        self.scheduler = Scheduler(self.config, self.kv_cache, self.max_model_len)
+        self.input_processor.max_tokens_per_item = self.encoder_budget.compute_budget_tokens
+        self.scheduler = Scheduler(
+            self.config, self.kv_cache, self.encoder_cache, self.encoder_budget.compute_budget_tokens, self.max_model_len
+        )
         self.eos_token_ids = _eos_token_ids(model_dir, self.hf_config, self.tokenizer)
 
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
@@ -77,6 +89,17 @@ class MMEngine:
         logger.info(
             "mmengine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
             model_dir, self.device, self.dtype, num_blocks, self.config.block_size, self.max_model_len,
+        )
+
+    def _encoder_budget(self, pinned_room_tokens: int) -> EncoderBudget:
+        return compute_encoder_budget(
+            max_tokens_per_item(self.hf_config),
+            self.config.max_num_batched_tokens,
+            self.config.max_num_seqs,
+            self.config.limit_mm_per_prompt,
+            pinned_room_tokens=pinned_room_tokens,
+            bytes_per_token=self.runner.embedding_bytes,
+            encoder_cache_size=self.config.encoder_cache_size,
         )
 
     # -- low-level API ---------------------------------------------------------
@@ -182,11 +205,24 @@ class MMEngine:
         """Forgets every cached KV block (e.g. after changing weights). Running requests are unaffected."""
         self.kv_cache.reset_prefix_cache()
 
+    def reset_encoder_cache(self) -> None:
+        """Drops every encoder output no running request needs (e.g. after changing the vision tower's
+        weights); KV blocks that pinned them leave the prefix cache first."""
+        self.encoder_cache.reset()
+        self.runner.free_encoder_outputs(self.encoder_cache.take_freed())
+
     def stats(self) -> dict[str, int]:
         return {
             **self._counters,
             "num_preemptions": self.scheduler.num_preemptions,
             "encoder_runs": self.runner.num_encoder_runs,
+            "encoder_cache_hits": self.encoder_cache.num_hits,
+            "encoder_cache_misses": self.encoder_cache.num_misses,
+            "encoder_cache_evictions": self.encoder_cache.num_evictions,
+            "encoder_cache_pinned": self.encoder_cache.num_pinned,
+            "encoder_cache_entries": len(self.encoder_cache.entries),
+            "encoder_cache_bytes": self.encoder_cache.num_used * self.runner.embedding_bytes,
+            "reencodes_after_prefix_hit": self.scheduler.num_reencodes_after_prefix_hit,
             "prefix_cache_queries": self.kv_cache.prefix_cache_queries,
             "prefix_cache_hits": self.kv_cache.prefix_cache_hits,
             "kv_blocks_total": self.kv_cache.num_blocks,

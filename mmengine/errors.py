@@ -61,6 +61,10 @@ class UnsupportedImageTypeError(InvalidInputError):
     """An image was given as a type mmengine cannot read (or an array of a bad shape/dtype)."""
 
 
+class ItemTooLargeError(InvalidInputError):
+    """A multimodal item produces more embeddings than the encoder cache can take in one step."""
+
+
 class PromptTooLongError(InvalidInputError):
     """Prompt tokens plus max_tokens exceed the model's max_model_len."""
 

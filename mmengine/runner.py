@@ -68,7 +68,7 @@ class ModelRunner:
         self.model.eval()
         self.attn_backend = get_attention_backend(config.attn_backend, device)
         self.sampler = Sampler(config.seed)
-        self.encoder_outputs: dict[tuple[str, int], torch.Tensor] = {}
+        self.encoder_outputs: dict[str, torch.Tensor] = {}  # the encoder cache's tensors, by mm_hash
         self.kv_cache: torch.Tensor | None = None
         self.num_encoder_runs = 0  # items encoded
 
@@ -80,18 +80,27 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         return 2 * t.num_hidden_layers * self.block_size * t.num_key_value_heads * head_dim_of(t) * elem
 
-    def determine_num_kv_blocks(self) -> int:
+    @property
+    def embedding_bytes(self) -> int:
+        """Bytes of one encoder output row (one image placeholder's embedding)."""
+        return self.text_config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+
+    def determine_num_kv_blocks(self, encoder_fixed_bytes: int, encoder_bytes_per_block: int) -> int:
+        """KV blocks that fit in the memory left after the encoder cache's fixed part; each block
+        also pays for its share of the encoder cache's pinned room."""
         useful = self.config.max_num_seqs * cdiv(self.max_model_len, self.block_size)
         if self.device.type == "cuda":
             available = self._profile_kv_cache_bytes()
         else:
             available = self.config.cpu_kv_cache_bytes
-        num_blocks = min(available // self.kv_block_bytes, useful)
+        per_block = self.kv_block_bytes + encoder_bytes_per_block
+        num_blocks = min((available - encoder_fixed_bytes) // per_block, useful)
         if self.config.num_kv_blocks is not None:
             num_blocks = min(num_blocks, self.config.num_kv_blocks) if self.device.type == "cuda" else self.config.num_kv_blocks
         if num_blocks < 1:
             raise ConfigError(
-                f"no memory left for the KV cache ({available} bytes available, {self.kv_block_bytes} bytes per block)"
+                f"no memory left for the KV cache ({available} bytes available, {encoder_fixed_bytes} for the encoder "
+                f"cache, {per_block} bytes per block)"
             )
         return int(num_blocks)
 
@@ -142,10 +151,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, int]:
         """Runs one step and returns the sampled token of every request whose step reached its last token."""
-        for key in out.freed_encoder_outputs:
-            self.encoder_outputs.pop(key, None)
-        scheduled = [s for s in out.scheduled if s.num_new_tokens > 0]
-        self._run_encoder(scheduled)
+        self.free_encoder_outputs(out.freed_encoder_hashes)
+        self._run_encoder(out.scheduled)
+        scheduled = [s for s in out.scheduled if s.num_new_tokens > 0]  # zero-token requests just wait
         if not scheduled:
             return {}
         inputs = self._prepare_inputs(scheduled, block_tables)
@@ -161,6 +169,10 @@ class ModelRunner:
         ).tolist()
         return {s.request.request_id: tok for s, tok in zip(inputs.sampled, tokens)}
 
+    def free_encoder_outputs(self, mm_hashes: list[str]) -> None:
+        for mm_hash in mm_hashes:
+            del self.encoder_outputs[mm_hash]
+
     def _run_encoder(self, scheduled: list[ScheduledRequest]) -> None:
         jobs = [(s.request, idx) for s in scheduled for idx in s.encoder_items]
         if not jobs:
@@ -174,7 +186,7 @@ class ModelRunner:
                     f"the vision encoder produced {emb.shape[0]} embeddings for an item with {item.length} "
                     "placeholder tokens; the processor and model configs disagree"
                 )
-            self.encoder_outputs[(req.request_id, idx)] = emb.to(self.dtype)
+            self.encoder_outputs[item.mm_hash] = emb.to(self.dtype)
         self.num_encoder_runs += len(jobs)
 
     def _prepare_inputs(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> StepInputs:
@@ -225,11 +237,11 @@ class ModelRunner:
         src: list[torch.Tensor] = []
         offset = 0
         for s in scheduled:
-            for idx, item in enumerate(s.request.mm_items):
+            for item in s.request.mm_items:
                 if not item.overlaps(s.start, s.end):
                     continue
                 lo, hi = max(s.start, item.offset), min(s.end, item.end)
-                emb = self.encoder_outputs[(s.request.request_id, idx)]
+                emb = self.encoder_outputs[item.mm_hash]
                 src.append(emb[lo - item.offset : hi - item.offset])
                 dst.append(torch.arange(offset + lo - s.start, offset + hi - s.start, device=self.device))
             offset += s.num_new_tokens

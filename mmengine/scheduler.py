@@ -1,8 +1,11 @@
-"""Scheduler: decides, every step, which requests compute how many tokens.
+"""Scheduler: decides, every step, which requests compute how many tokens and which items to encode.
 
-vLLM v1 style: a request has `num_computed_tokens` and a step gives each scheduled
-request some new tokens, so prefill chunks and decodes share one token budget. When
-KV blocks run out, the most recently admitted running request is preempted (its
+vLLM v1 style: a request has `num_computed_tokens` and a step gives each scheduled request
+some new tokens, so prefill chunks and decodes share one token budget. Images are encoded
+whole, once per step at most, against a per-step encoder budget, and their outputs are shared
+through the global encoder cache. When the encoder budget or cache cannot take an item, the
+request computes only the text before it, or zero tokens: it keeps its blocks and stays in the
+batch. When KV blocks run out, the most recently admitted running request is preempted (its
 blocks are freed and it is recomputed later from its prompt and outputs so far).
 No tensors here: the scheduler decides, the managers keep books, the runner computes.
 """
@@ -13,9 +16,9 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from mmengine.config import EngineConfig
+from mmengine.encoder_cache.manager import EncoderCacheManager
 from mmengine.kv_cache.manager import KVCacheManager
 from mmengine.request import Request, RequestStatus
-
 
 # A waiting request skipped this many times (later requests admitted ahead of it) stops
 # anything behind it from being admitted until it is: bounded skipping, no starvation.
@@ -28,7 +31,7 @@ MAX_ADMISSION_LOOKAHEAD = 32
 class ScheduledRequest:
     request: Request
     start: int  # first position computed this step (= num_computed_tokens when scheduled)
-    num_new_tokens: int
+    num_new_tokens: int  # may be 0: the request keeps its place and blocks but computes nothing
     encoder_items: list[int]  # indices of the request's mm items to encode this step
 
     @property
@@ -38,38 +41,57 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """Whether this step reaches the request's last known token, so its logits give a new token."""
-        return self.end == self.request.num_tokens
+        return self.num_new_tokens > 0 and self.end == self.request.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
-    # (request_id, item index) pairs whose encoder outputs are no longer needed
-    freed_encoder_outputs: list[tuple[str, int]] = field(default_factory=list)
+    freed_encoder_hashes: list[str] = field(default_factory=list)  # evicted: the runner drops them
 
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
+    def num_encoder_items(self) -> int:
+        return sum(len(s.encoder_items) for s in self.scheduled)
+
+    @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return self.num_scheduled_tokens == 0 and self.num_encoder_items == 0
+
+
+@dataclass
+class EncoderPlan:
+    """What one request's chunk needs from the encoder cache."""
+
+    encode: list[int] = field(default_factory=list)  # misses: items to encode
+    reuse: list[int] = field(default_factory=list)  # resident, or encoded this step by another request
+    cost: int = 0  # embeddings to encode
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv_cache: KVCacheManager, max_model_len: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        kv_cache: KVCacheManager,
+        encoder_cache: EncoderCacheManager,
+        encoder_compute_budget: int,
+        max_model_len: int,
+    ) -> None:
         self.config = config
         self.kv_cache = kv_cache
+        self.encoder_cache = encoder_cache
+        self.encoder_compute_budget = encoder_compute_budget
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
-        # Encoder outputs the runner holds, per request (item indices). Outputs live until the
-        # item's placeholder run is fully computed, or the request leaves the running set.
-        self._encoded: dict[str, set[int]] = {}
-        self._freed_encoder_outputs: list[tuple[str, int]] = []
+        self._held: dict[str, set[int]] = {}  # item indices each request holds an encoder reference for
         self.num_preemptions = 0
+        self.num_reencodes_after_prefix_hit = 0
 
     # -- queue management -------------------------------------------------
 
@@ -106,13 +128,20 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        encoder_budget = self.encoder_compute_budget
+        encoding_now: set[str] = set()  # mm_hashes encoded this step
 
         # Running requests first, in admission order: decodes and unfinished prefill chunks.
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            assert num_new > 0, request
+            start = request.num_computed_tokens
+            num_new = min(request.num_tokens - start, budget)
+            num_new, plan = self._plan_encoder(request, start, num_new, encoder_budget, encoding_now)
+            if num_new == 0:
+                out.scheduled.append(ScheduledRequest(request, start, 0, []))
+                i += 1
+                continue
             while not self.kv_cache.can_allocate(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -121,27 +150,26 @@ class Scheduler:
                     break
             else:
                 self.kv_cache.allocate(request, num_new)
-                out.scheduled.append(self._make_scheduled(request, num_new))
+                out.scheduled.append(self._commit(request, start, num_new, plan, encoding_now))
                 budget -= num_new
+                encoder_budget -= plan.cost
                 i += 1
                 continue
             break
 
-        # Then admit waiting requests, oldest first, unless this step had to preempt.
+        # Then admit waiting requests, unless this step had to preempt.
         if not out.preempted_ids:
-            self._admit_waiting(out, budget)
-
-        out.freed_encoder_outputs = self._freed_encoder_outputs
-        self._freed_encoder_outputs = []
+            self._admit_waiting(out, budget, encoder_budget, encoding_now)
+        out.freed_encoder_hashes = self.encoder_cache.take_freed()
         return out
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> None:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, encoder_budget: int, encoding_now: set[str]) -> None:
         """Admits waiting requests in order, charging only uncached tokens and blocks.
 
-        A request that cannot be admitted now (not enough free blocks, or its next uncached
-        block is being computed by a running request and will be a hit soon) is skipped so
-        smaller or cache-friendlier requests behind it can run. Skipping is bounded: a request
-        skipped MAX_ADMISSION_SKIPS times blocks everything behind it until it is admitted.
+        A request that cannot be admitted now (not enough free blocks, no encoder budget or room
+        for its next image, or its next uncached block is being computed by a running request
+        and will be a hit soon) is skipped so that requests behind it can run. Skipping is
+        bounded: a request skipped MAX_ADMISSION_SKIPS times blocks everything behind it.
         """
         in_flight = self._blocks_in_flight()
         index = 0
@@ -153,14 +181,16 @@ class Scheduler:
             and len(skipped) <= MAX_ADMISSION_LOOKAHEAD
         ):
             request = self.waiting[index]
-            fresh = request.num_computed_tokens == 0
-            hits = self.kv_cache.get_computed_blocks(request) if fresh else []
+            hits = self.kv_cache.get_computed_blocks(request)
             # A full hit still recomputes the last token: its logits are needed.
-            num_computed = min(len(hits) * self.config.block_size, request.num_tokens - 1) if hits else request.num_computed_tokens
+            num_computed = min(len(hits) * self.config.block_size, request.num_tokens - 1)
             num_new = min(request.num_tokens - num_computed, budget)
+            num_new, plan = self._plan_encoder(request, num_computed, num_new, encoder_budget, encoding_now)
             starving = request.num_admission_skips >= MAX_ADMISSION_SKIPS
-            wait_for_hit = not starving and len(hits) < len(request.block_hashes) and request.block_hashes[len(hits)] in in_flight
-            if wait_for_hit or not self.kv_cache.can_allocate(request, num_new, hits, num_computed):
+            wait_for_hit = (
+                not starving and len(hits) < len(request.block_hashes) and request.block_hashes[len(hits)] in in_flight
+            )
+            if wait_for_hit or num_new == 0 or not self.kv_cache.can_allocate(request, num_new, hits, num_computed):
                 if starving:
                     break
                 skipped.append(request)
@@ -168,42 +198,73 @@ class Scheduler:
                 continue
             del self.waiting[index]
             self.kv_cache.allocate(request, num_new, hits, num_computed)
-            if fresh:
-                self.kv_cache.record_lookup(request.num_tokens, num_computed)
-                if request.num_preemptions == 0:
-                    request.num_cached_tokens = num_computed
+            self.kv_cache.record_lookup(request.num_tokens, num_computed)
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = num_computed
             request.num_computed_tokens = num_computed
             request.num_prefix_hit_tokens = len(hits) * self.config.block_size
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(self._make_scheduled(request, num_new))
+            out.scheduled.append(self._commit(request, num_computed, num_new, plan, encoding_now))
             in_flight.update(self._pending_block_hashes(request))
             budget -= num_new
+            encoder_budget -= plan.cost
             for earlier in skipped:
                 earlier.num_admission_skips += 1
 
+    def _plan_encoder(
+        self, request: Request, start: int, num_new: int, encoder_budget: int, encoding_now: set[str]
+    ) -> tuple[int, EncoderPlan]:
+        """Walks the items overlapping [start, start + num_new) and shortens num_new before the
+        first item that can be neither reused nor encoded this step (possibly to zero)."""
+        plan = EncoderPlan()
+        held = self._held.get(request.request_id, ())
+        planned: set[str] = set()
+        for idx, item in enumerate(request.mm_items):
+            if item.offset >= start + num_new:
+                break
+            if item.end <= start or idx in held:
+                continue  # wholly computed already (e.g. inside a prefix hit), or referenced since an earlier chunk
+            if item.mm_hash in encoding_now or item.mm_hash in planned or item.mm_hash in self.encoder_cache:
+                plan.reuse.append(idx)
+                continue
+            reused = [request.mm_items[j].mm_hash for j in plan.reuse]
+            if plan.cost + item.length > encoder_budget or not self.encoder_cache.can_allocate(plan.cost + item.length, reused):
+                num_new = max(0, item.offset - start)  # compute the text before the item, or nothing
+                break
+            plan.encode.append(idx)
+            planned.add(item.mm_hash)
+            plan.cost += item.length
+        assert num_new >= 0, (request, start, num_new)
+        return num_new, plan
+
+    def _commit(self, request: Request, start: int, num_new: int, plan: EncoderPlan, encoding_now: set[str]) -> ScheduledRequest:
+        assert num_new > 0 and start + num_new <= request.num_tokens, (request, start, num_new)
+        held = self._held.setdefault(request.request_id, set())
+        encode = []
+        for idx in plan.encode:
+            item = request.mm_items[idx]
+            self.encoder_cache.allocate(item.mm_hash, item.length, (request.request_id, idx))
+            self.encoder_cache.num_misses += 1
+            encoding_now.add(item.mm_hash)
+            encode.append(idx)
+            held.add(idx)
+            if item.offset < start:  # part of this item's KV came from the prefix cache
+                self.num_reencodes_after_prefix_hit += 1
+        for idx in plan.reuse:  # after the encodes: a reuse may share an encode of this same plan
+            self.encoder_cache.add_reference(request.mm_items[idx].mm_hash, (request.request_id, idx))
+            self.encoder_cache.num_hits += 1
+            held.add(idx)
+        return ScheduledRequest(request, start, num_new, encode)
+
     def _blocks_in_flight(self) -> set[bytes]:
-        """Hashes of prompt blocks that running requests are still computing (future cache hits)."""
-        if not self.kv_cache.enable_prefix_caching:
-            return set()
+        """Hashes of blocks that running requests are still computing (future cache hits)."""
         return {h for request in self.running for h in self._pending_block_hashes(request)}
 
     def _pending_block_hashes(self, request: Request) -> list[bytes]:
         if not self.kv_cache.enable_prefix_caching:
             return []
         return request.block_hashes[request.num_computed_tokens // self.config.block_size :]
-
-    def _make_scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
-        start = request.num_computed_tokens
-        assert num_new > 0 and start + num_new <= request.num_tokens, (request, num_new)
-        encoded = self._encoded.setdefault(request.request_id, set())
-        to_encode = [
-            idx
-            for idx, item in enumerate(request.mm_items)
-            if item.overlaps(start, start + num_new) and idx not in encoded
-        ]
-        encoded.update(to_encode)
-        return ScheduledRequest(request, start, num_new, to_encode)
 
     def _preempt(self, request: Request) -> None:
         self._release(request)
@@ -216,8 +277,8 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.kv_cache.free(request)
-        for idx in sorted(self._encoded.pop(request.request_id, ())):
-            self._freed_encoder_outputs.append((request.request_id, idx))
+        for idx in self._held.pop(request.request_id, ()):
+            self.encoder_cache.release(request.mm_items[idx].mm_hash, (request.request_id, idx))
 
     # -- after the model ran ---------------------------------------------
 
@@ -228,11 +289,11 @@ class Scheduler:
         updated = []
         for s in out.scheduled:
             request = s.request
-            if request.is_finished:  # aborted between schedule() and now
+            if request.is_finished or s.num_new_tokens == 0:
                 continue
             request.num_computed_tokens = s.end
-            self.kv_cache.cache_blocks(request)
-            self._drop_consumed_encoder_outputs(request)
+            self.kv_cache.cache_blocks(request)  # pins items first: consumed ones are released next
+            self._release_consumed(request)
             if request.request_id not in sampled:
                 continue
             token = sampled[request.request_id]
@@ -244,14 +305,13 @@ class Scheduler:
             updated.append(request)
         return updated
 
-    def _drop_consumed_encoder_outputs(self, request: Request) -> None:
-        encoded = self._encoded.get(request.request_id)
-        if not encoded:
+    def _release_consumed(self, request: Request) -> None:
+        held = self._held.get(request.request_id)
+        if not held:
             return
-        done = {idx for idx in encoded if request.mm_items[idx].end <= request.num_computed_tokens}
-        if done:
-            encoded -= done
-            self._freed_encoder_outputs.extend((request.request_id, idx) for idx in sorted(done))
+        for idx in [i for i in held if request.mm_items[i].end <= request.num_computed_tokens]:
+            held.discard(idx)
+            self.encoder_cache.release(request.mm_items[idx].mm_hash, (request.request_id, idx))
 
     def _check_stop(self, request: Request, token: int, eos_token_ids: frozenset[int]) -> RequestStatus | None:
         params = request.sampling_params

@@ -28,3 +28,25 @@ def make_request(
         request_id, processed, SamplingParams(max_tokens=max_tokens, **params), arrival,
         cache_salt=cache_salt, lora_name=lora_name,
     )
+
+
+def make_scheduler(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    encoder_capacity: int = 1000,
+    encoder_budget: int = 1000,
+    enable_prefix_caching: bool = True,
+    **config: object,
+):
+    """A scheduler wired to real KV and encoder cache managers, for tests without a model."""
+    from mmengine.config import EngineConfig
+    from mmengine.encoder_cache.manager import EncoderCacheManager
+    from mmengine.kv_cache.block_hash import make_hash_function
+    from mmengine.kv_cache.manager import KVCacheManager
+    from mmengine.scheduler import Scheduler
+
+    engine_config = EngineConfig(model="unused", block_size=block_size, enable_prefix_caching=enable_prefix_caching, **config)
+    kv = KVCacheManager(num_blocks, block_size, make_hash_function("xxh3_128", 0), enable_prefix_caching=enable_prefix_caching)
+    encoder = EncoderCacheManager(encoder_capacity, kv.uncache_pinning)
+    kv.pin_listener = encoder
+    return Scheduler(engine_config, kv, encoder, encoder_budget, max_model_len=1024)

@@ -18,7 +18,8 @@ def engine(checkpoint_dir):
 def _assert_no_leaks(engine: MMEngine) -> None:
     stats = engine.stats()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    assert engine.runner.encoder_outputs == {}
+    assert engine.encoder_cache.num_referenced == 0
+    assert set(engine.runner.encoder_outputs) == set(engine.encoder_cache.entries)
     assert engine.scheduler.requests == {}
 
 
@@ -111,4 +112,5 @@ def test_stats_count_work(checkpoint_dir):
     assert stats["prompt_tokens"] == prompt_tokens
     assert stats["generation_tokens"] == 8 and stats["requests_finished"] == 2
     assert stats["tokens_computed"] == prompt_tokens + 2 * 3  # last output token is never fed back
-    assert stats["encoder_runs"] == 3  # no encoder cache yet: every occurrence is encoded
+    assert stats["encoder_runs"] == 1  # one picture, three occurrences: encoded once
+    assert stats["encoder_cache_hits"] == 2 and stats["encoder_cache_misses"] == 1

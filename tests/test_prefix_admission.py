@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from helpers import make_request
-from mmengine.config import EngineConfig
-from mmengine.kv_cache.block_hash import make_hash_function
-from mmengine.kv_cache.manager import KVCacheManager
+from helpers import make_scheduler as make_shared_scheduler
 from mmengine.request import RequestStatus
 from mmengine.scheduler import MAX_ADMISSION_SKIPS, Scheduler
 
@@ -14,9 +12,7 @@ PREFIX = list(range(100, 116))  # 4 blocks of 4
 
 
 def make_scheduler(num_blocks: int, enable: bool, **kwargs) -> Scheduler:
-    config = EngineConfig(model="unused", block_size=4, enable_prefix_caching=enable, **kwargs)
-    kv = KVCacheManager(num_blocks, 4, make_hash_function("xxh3_128", 0), enable_prefix_caching=enable)
-    return Scheduler(config, kv, max_model_len=1024)
+    return make_shared_scheduler(num_blocks=num_blocks, enable_prefix_caching=enable, **kwargs)
 
 
 def run_step(sched: Scheduler):

@@ -5,21 +5,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from helpers import make_request
-from mmengine.config import EngineConfig
-from mmengine.kv_cache.block_hash import make_hash_function
-from mmengine.kv_cache.manager import KVCacheManager
-
-HASH = make_hash_function("xxh3_128", 0)
+from helpers import make_request, make_scheduler
 from mmengine.request import RequestStatus
 from mmengine.scheduler import Scheduler
 
 EOS = frozenset({0})
-
-
-def make_scheduler(num_blocks=64, block_size=4, **kwargs) -> Scheduler:
-    config = EngineConfig(model="unused", block_size=block_size, **kwargs)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, HASH), max_model_len=1024)
 
 
 def run_step(sched: Scheduler, token: int = 7):
@@ -82,29 +72,26 @@ def test_request_that_preempts_itself_waits():
     assert sched.kv_cache.num_free_blocks == 2
 
 
-def test_encoder_items_are_scheduled_once_and_freed_when_consumed():
+def test_encoder_items_are_encoded_once_and_released_when_consumed():
     sched = make_scheduler(max_num_batched_tokens=6)
     req = make_request("a", 20, images=[(2, 8), (12, 4)])
     sched.add_request(req)
-    out1, _ = run_step(sched)  # tokens 0-5: item 0 starts
-    out2, _ = run_step(sched)  # tokens 6-11: item 0 ends
-    out3, _ = run_step(sched)  # tokens 12-17: item 1
-    out4, _ = run_step(sched)
-    assert [s.encoder_items for s in out1.scheduled + out2.scheduled + out3.scheduled] == [[0], [], [1]]
-    assert out2.freed_encoder_outputs == []
-    assert out3.freed_encoder_outputs == [("a", 0)]
-    assert out4.freed_encoder_outputs == [("a", 1)]
+    outs = [run_step(sched)[0] for _ in range(4)]  # tokens 0-5, 6-11, 12-17, 18-19
+    assert [s.encoder_items for o in outs[:3] for s in o.scheduled] == [[0], [], [1]]
+    entries = sched.encoder_cache.entries
+    assert entries["img0"].refs == set() and entries["img1"].refs == set()  # consumed: released
+    assert outs[1].freed_encoder_hashes == []  # unreferenced entries stay resident
 
 
-def test_finishing_early_frees_encoder_outputs_and_blocks():
+def test_aborting_releases_references_and_blocks():
     sched = make_scheduler(max_num_batched_tokens=4)
     req = make_request("a", 12, images=[(1, 10)])
     sched.add_request(req)
     run_step(sched)
+    assert sched.encoder_cache.entries["img0"].refs == {("a", 0)}
     sched.abort_request("a")
     assert req.status == RequestStatus.FINISHED_ABORTED
-    out = sched.schedule()
-    assert out.freed_encoder_outputs == [("a", 0)]
+    assert sched.encoder_cache.entries["img0"].refs == set()
     assert sched.kv_cache.num_free_blocks == sched.kv_cache.num_blocks
 
 
@@ -142,21 +129,23 @@ def test_random_workloads_finish_without_leaks(specs, budget, num_blocks):
     for i, (n, max_tokens, num_images) in enumerate(specs):
         n = min(n, num_blocks * 4 - max_tokens)
         images = [(j * n // 3, max(1, n // 4)) for j in range(num_images) if j * n // 3 + max(1, n // 4) <= n]
-        requests.append(make_request(f"r{i}", n, max_tokens=max_tokens, images=images, ignore_eos=True))
+        hashes = [f"img{(i + j) % 3}-{length}" for j, (_, length) in enumerate(images)]
+        requests.append(make_request(f"r{i}", n, max_tokens=max_tokens, images=images, image_hashes=hashes, ignore_eos=True))
         sched.add_request(requests[-1])
-    encoded: dict[tuple[str, int], int] = {}
+    resident: set[str] = set()
     for _ in range(5000):
         if not sched.has_unfinished_requests():
             break
         out, _ = run_step(sched, token=0)
         assert 0 < out.num_scheduled_tokens <= budget
-        for key in out.freed_encoder_outputs:
-            encoded.pop(key)
+        resident -= set(out.freed_encoder_hashes)
         for s in out.scheduled:
             for idx in s.encoder_items:
-                assert (s.request.request_id, idx) not in encoded
-                encoded[(s.request.request_id, idx)] = 1
+                mm_hash = s.request.mm_items[idx].mm_hash
+                assert mm_hash not in resident  # never encoded while already resident
+                resident.add(mm_hash)
     assert not sched.has_unfinished_requests()
     assert all(len(r.output_token_ids) == r.sampling_params.max_tokens for r in requests)
     assert sched.kv_cache.num_free_blocks == num_blocks
-    assert set(sched.schedule().freed_encoder_outputs) == set(encoded)
+    assert resident == set(sched.encoder_cache.entries)
+    assert sched.encoder_cache.num_referenced == 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from mmengine.kv_cache.block_hash import BlockHash, BlockKey
@@ -27,6 +28,9 @@ class KVBlock:
     # contents can never make a stale child look valid.
     cache_id: int | None = None
     parent_cache_id: int | None = None
+    # mm_hashes of the items whose placeholder run this cached block ends inside: their
+    # encoder outputs must stay resident while the block is cached.
+    pins: tuple[str, ...] = ()
 
     @property
     def is_cached(self) -> bool:
@@ -34,7 +38,7 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, on_uncache: Callable[[KVBlock], None] | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -42,6 +46,7 @@ class BlockPool:
         self._cached: dict[BlockHash, KVBlock] = {}
         self._cache_ids = itertools.count()
         self.num_evictions = 0
+        self.on_uncache = on_uncache  # called whenever a block leaves the prefix cache
 
     @property
     def num_blocks(self) -> int:
@@ -64,23 +69,38 @@ class BlockPool:
             return None
         return block
 
-    def cache(self, block: KVBlock, block_hash: BlockHash, key: BlockKey, parent_cache_id: int | None) -> bool:
+    def cache(
+        self,
+        block: KVBlock,
+        block_hash: BlockHash,
+        key: BlockKey,
+        parent_cache_id: int | None,
+        pins: tuple[str, ...] = (),
+    ) -> bool:
         """Registers a block whose KV is complete. False if another block already holds this hash."""
         assert not block.is_cached and block.ref_cnt > 0, block
         if block_hash in self._cached:
             return False
-        block.block_hash, block.key, block.parent_cache_id = block_hash, key, parent_cache_id
+        block.block_hash, block.key, block.parent_cache_id, block.pins = block_hash, key, parent_cache_id, pins
         block.cache_id = next(self._cache_ids)
         self._cached[block_hash] = block
         return True
 
-    def reset_cache(self) -> None:
-        for block in self._cached.values():
+    def uncache(self, block: KVBlock) -> None:
+        """Takes a block out of the prefix cache; whoever holds it keeps it."""
+        if block.is_cached:
+            del self._cached[block.block_hash]
             self._forget(block)
-        self._cached.clear()
+
+    def reset_cache(self) -> None:
+        for block in list(self._cached.values()):
+            self.uncache(block)
 
     def _forget(self, block: KVBlock) -> None:
+        if self.on_uncache is not None:
+            self.on_uncache(block)
         block.block_hash = block.key = block.cache_id = block.parent_cache_id = None
+        block.pins = ()
 
     # -- allocation -----------------------------------------------------------
 
@@ -93,8 +113,7 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             assert block.ref_cnt == 0, block
             if block.is_cached:
-                del self._cached[block.block_hash]
-                self._forget(block)
+                self.uncache(block)
                 self.num_evictions += 1
             block.ref_cnt = 1
             taken.append(block)

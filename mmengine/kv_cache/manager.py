@@ -5,9 +5,19 @@ Paired methods: `can_allocate` answers without changing anything, `allocate` the
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from mmengine.kv_cache.block_hash import BlockHasher, HashFunction, block_key
 from mmengine.kv_cache.block_pool import BlockPool, KVBlock
 from mmengine.request import Request
+
+
+class PinListener(Protocol):
+    """Told when a cached KV block starts or stops needing an item's encoder output."""
+
+    def pin(self, mm_hash: str) -> None: ...
+
+    def unpin(self, mm_hash: str) -> None: ...
 
 
 def cdiv(a: int, b: int) -> int:
@@ -24,7 +34,9 @@ class KVCacheManager:
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, on_uncache=self._on_uncache)
+        self.pin_listener: PinListener | None = None
+        self._pinning: dict[str, set[KVBlock]] = {}  # mm_hash -> cached blocks that pin it
         self.hasher = BlockHasher(block_size, hash_fn)
         self._req_blocks: dict[str, list[KVBlock]] = {}
         # How many leading blocks of each request are in the cache chain; None once the chain
@@ -120,10 +132,38 @@ class KVCacheManager:
                 return
             if not block.is_cached:
                 key = block_key(request, index, self.block_size)
-                if not self.pool.cache(block, request.block_hashes[index], key, parent):
+                pins = self._items_pinned_by(request, index)
+                if not self.pool.cache(block, request.block_hashes[index], key, parent, pins):
                     self._num_chained[request.request_id] = None
                     return
+                for mm_hash in pins:
+                    self._pinning.setdefault(mm_hash, set()).add(block)
+                    if self.pin_listener is not None:
+                        self.pin_listener.pin(mm_hash)
             self._num_chained[request.request_id] = index + 1
+
+    def _items_pinned_by(self, request: Request, block_index: int) -> tuple[str, ...]:
+        """Items a request hitting this block may still have to compute part of.
+
+        A block ending strictly inside an item leaves the item's tail to compute. A block ending
+        exactly at an item's end matters too: when the prompt ends there, a full hit recomputes
+        the last token, which is one of the item's placeholders.
+        """
+        end = (block_index + 1) * self.block_size
+        return tuple(item.mm_hash for item in request.mm_items if item.offset < end <= item.end)
+
+    def _on_uncache(self, block: KVBlock) -> None:
+        for mm_hash in block.pins:
+            self._pinning[mm_hash].discard(block)
+            if not self._pinning[mm_hash]:
+                del self._pinning[mm_hash]
+            if self.pin_listener is not None:
+                self.pin_listener.unpin(mm_hash)
+
+    def uncache_pinning(self, mm_hash: str) -> None:
+        """Takes every cached block that pins this item out of the prefix cache (its holders keep it)."""
+        for block in list(self._pinning.get(mm_hash, ())):
+            self.pool.uncache(block)
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks, tail first, so its tail is evicted before its head."""

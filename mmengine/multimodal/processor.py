@@ -17,6 +17,7 @@ from mmengine.errors import (
     EmptyPromptError,
     ImageCountMismatchError,
     InvalidInputError,
+    ItemTooLargeError,
     PromptTooLongError,
     TooManyImagesError,
 )
@@ -44,8 +45,10 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.max_images = limit_mm_per_prompt.get("image", 0)
         self.max_image_pixels = max_image_pixels
-        # Set by the engine once the KV cache exists: a request must fit in it alone.
+        # Set by the engine once the caches exist: a request must fit in the KV cache alone,
+        # and each item in one step's encoder budget.
         self.max_tokens_in_kv_cache: int | None = None
+        self.max_tokens_per_item: int | None = None
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         return self.hf_processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -118,5 +121,10 @@ class InputProcessor:
             run = positions[idx * per_image : (idx + 1) * per_image]
             if run[-1] - run[0] + 1 != per_image:
                 raise ImageCountMismatchError(f"the image tokens of image {idx} are not contiguous")
+            if self.max_tokens_per_item is not None and per_image > self.max_tokens_per_item:
+                raise ItemTooLargeError(
+                    f"image {idx} needs {per_image} embeddings but the encoder cache budget is "
+                    f"{self.max_tokens_per_item} per step (raise encoder_cache_size)"
+                )
             items.append(MMItem("image", mm_hashes[idx], run[0], per_image, {"pixel_values": pixel_values[idx]}))
         return items
