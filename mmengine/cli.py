@@ -82,6 +82,80 @@ def run_generate(args: argparse.Namespace) -> None:
     print(f"[finish_reason={outputs[0].finish_reason}, tokens={len(outputs[0].token_ids)}]", file=sys.stderr)
 
 
+def run_budget(args: argparse.Namespace) -> None:
+    """Derives the encoder-cache budget from the checkpoint's config alone (no weights are loaded)."""
+    from pathlib import Path
+
+    import torch
+
+    from mmengine.config import EngineConfig
+    from mmengine.encoder_cache.budget import (
+        compute_encoder_budget,
+        explain_budget,
+        explain_max_tokens_per_item,
+        max_tokens_per_item,
+    )
+    from mmengine.kv_cache.manager import cdiv
+    from mmengine.models.loader import checkpoint_dtype
+    from mmengine.models.registry import load_hf_config, model_class_for
+
+    defaults = EngineConfig(model=args.model)
+    hf_config = load_hf_config(Path(args.model))
+    model_class_for(hf_config)
+
+    def pick(name: str, value: object) -> tuple[object, str]:
+        return (value, f"--{name.replace('_', '-')}") if value is not None else (getattr(defaults, name), "default")
+
+    inputs = {
+        "max_num_batched_tokens": pick("max_num_batched_tokens", args.max_num_batched_tokens),
+        "max_num_seqs": pick("max_num_seqs", args.max_num_seqs),
+        "limit_mm_per_prompt": pick("limit_mm_per_prompt", _parse_limits(args.limit_mm_per_prompt)),
+        "encoder_cache_size": pick("encoder_cache_size", args.encoder_cache_size),
+    }
+    EngineConfig(model=args.model, **{k: v for k, (v, _) in inputs.items()})  # validates the values
+    block_size = args.block_size
+    if args.num_kv_blocks is not None:
+        kv_tokens = (args.num_kv_blocks * block_size, f"--num-kv-blocks {args.num_kv_blocks} x block_size {block_size}")
+    else:
+        max_len = args.max_model_len or hf_config.text_config.max_position_embeddings
+        blocks = inputs["max_num_seqs"][0] * cdiv(max_len, block_size)
+        kv_tokens = (blocks * block_size, f"upper bound max_num_seqs x ceil(max_model_len {max_len} / {block_size}) blocks "
+                     "(the KV cache is sized from free memory at start-up; pass --num-kv-blocks for the exact figure)")
+    dtype = {"auto": checkpoint_dtype(Path(args.model)) or torch.bfloat16, "float32": torch.float32,
+             "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
+    elem = torch.empty((), dtype=dtype).element_size()
+    hidden = hf_config.text_config.hidden_size
+    inputs["kv_tokens"] = kv_tokens
+    inputs["bytes_per_token"] = (hidden * elem, f"text hidden_size {hidden} x {elem} bytes ({str(dtype).removeprefix('torch.')})")
+    budget = compute_encoder_budget(
+        max_tokens_per_item(hf_config),
+        inputs["max_num_batched_tokens"][0],
+        inputs["max_num_seqs"][0],
+        inputs["limit_mm_per_prompt"][0],
+        pinned_room_tokens=kv_tokens[0],
+        bytes_per_token=hidden * elem,
+        encoder_cache_size=inputs["encoder_cache_size"][0],
+    )
+    if args.json:
+        print(json.dumps(budget.to_json(), indent=2))
+        return
+    print(f"encoder cache budget for {args.model}")
+    for line in explain_budget(budget, inputs, explain_max_tokens_per_item(hf_config)):
+        print("  " + line)
+
+
+def _parse_limits(values: list[str] | None) -> dict[str, int] | None:
+    if not values:
+        return None
+    limits = {}
+    for value in values:
+        modality, _, count = value.partition("=")
+        if not count.isdigit():
+            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt expects MODALITY=COUNT, got {value!r}")
+        limits[modality] = int(count)
+    return limits
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mmengine", description="multimodal LLM inference engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -105,6 +179,19 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     _add_engine_args(gen)
     gen.set_defaults(func=run_generate)
+
+    budget = sub.add_parser("budget", help="show how the encoder-cache budget is derived (loads no weights)")
+    budget.add_argument("--model", required=True, help="path to a local checkpoint directory")
+    budget.add_argument("--max-num-batched-tokens", type=int, default=None)
+    budget.add_argument("--max-num-seqs", type=int, default=None)
+    budget.add_argument("--limit-mm-per-prompt", action="append", metavar="MODALITY=COUNT", help="e.g. image=4")
+    budget.add_argument("--encoder-cache-size", type=int, default=None, help="override the compute budget (embeddings)")
+    budget.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks, for the exact pinned room")
+    budget.add_argument("--block-size", type=int, default=16)
+    budget.add_argument("--max-model-len", type=int, default=None)
+    budget.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    budget.add_argument("--json", action="store_true", help="print the terms as JSON")
+    budget.set_defaults(func=run_budget)
     return parser
 
 
@@ -112,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.func(args)
-    except MMEngineError as err:
+    except (MMEngineError, argparse.ArgumentTypeError) as err:
         print(f"mmengine: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -111,14 +111,16 @@ class MMEngine:
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        mm_uuids: Sequence[str | None] | None = None,
     ) -> str:
         """Validates and queues one request; returns its id. Bad input raises before anything is queued.
 
         Requests share cached KV blocks only when their cache_salt is equal (None is a salt too).
+        `mm_uuids` optionally gives each image an id that replaces hashing its content.
         """
         params = sampling_params or SamplingParams()
         _check_salt(cache_salt, 0)
-        processed = self.input_processor.process(prompt, images, params)
+        processed = self.input_processor.process(prompt, images, params, mm_uuids=mm_uuids)
         return self._enqueue(processed, params, request_id, cache_salt)
 
     def step(self) -> list[RequestOutput]:
@@ -154,12 +156,13 @@ class MMEngine:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | Sequence[str | None] | None = None,
+        mm_uuids: Sequence[str | None] | Sequence[Sequence[str | None] | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for one prompt or a batch; returns one output per prompt, in input order.
 
         For one prompt, `images` is that prompt's list of images; for a batch, one list (or None) per prompt.
-        `cache_salt` is one salt for all prompts or one per prompt. Every prompt is validated before
-        any is queued, so bad input queues nothing.
+        `cache_salt` is one salt for all prompts or one per prompt; `mm_uuids` follows the shape of
+        `images`. Every prompt is validated before any is queued, so bad input queues nothing.
         """
         if self.has_unfinished_requests():
             raise RuntimeError(
@@ -168,9 +171,10 @@ class MMEngine:
             )
         prompt_list, image_lists, params_list = _normalize_batch(prompts, images, sampling_params)
         salts = _normalize_salts(cache_salt, len(prompt_list))
+        uuid_lists = _normalize_uuids(mm_uuids, isinstance(prompts, str), len(prompt_list))
         processed = [
-            self.input_processor.process(prompt, imgs, params, prompt_index=i)
-            for i, (prompt, imgs, params) in enumerate(zip(prompt_list, image_lists, params_list))
+            self.input_processor.process(prompt, imgs, params, prompt_index=i, mm_uuids=uuids)
+            for i, (prompt, imgs, params, uuids) in enumerate(zip(prompt_list, image_lists, params_list, uuid_lists))
         ]
         ids = [self._enqueue(p, params, None, salt) for p, params, salt in zip(processed, params_list, salts)]
         results: dict[str, RequestOutput] = {}
@@ -320,6 +324,17 @@ def _normalize_salts(cache_salt: str | Sequence[str | None] | None, num_prompts:
     for index, salt in enumerate(salts):
         _check_salt(salt, index)
     return salts
+
+
+def _normalize_uuids(mm_uuids: Any, single: bool, num_prompts: int) -> list[Sequence[str | None] | None]:
+    if mm_uuids is None:
+        return [None] * num_prompts
+    if single:
+        return [mm_uuids]
+    lists = list(mm_uuids)
+    if len(lists) != num_prompts:
+        raise InvalidInputError(f"mm_uuids must hold one list per prompt: got {len(lists)} for {num_prompts} prompts")
+    return lists
 
 
 def _resolve_max_model_len(config: EngineConfig, text_config: PretrainedConfig) -> int:

@@ -90,3 +90,48 @@ def compute_encoder_budget(
         cache_capacity_tokens=compute + pinned_room_tokens,
         bytes_per_token=bytes_per_token,
     )
+
+
+def explain_max_tokens_per_item(hf_config: PretrainedConfig) -> str:
+    vision = hf_config.vision_config
+    side = vision.image_size // vision.patch_size
+    parts = [f"{vision.model_type}: image_size {vision.image_size} / patch_size {vision.patch_size} = {side}x{side} patches"]
+    if vision.model_type == "clip_vision_model":
+        parts.append("+1 CLS")
+    if hf_config.vision_feature_select_strategy == "default":
+        parts.append("-1 (vision_feature_select_strategy 'default' drops the first token)")
+    return ", ".join(parts)
+
+
+def explain_budget(budget: EncoderBudget, inputs: dict[str, tuple[object, str]], item_source: str) -> list[str]:
+    """One line per term of the formula, each with its value and where its inputs came from."""
+
+    def src(name: str) -> str:
+        value, source = inputs[name]
+        return f"{name}={value} ({source})"
+
+    b = budget
+    m = b.max_tokens_per_item
+    per_step = f"1 (M > max_num_batched_tokens)" if b.items_per_step == 1 and m > inputs["max_num_batched_tokens"][0] else (
+        f"ceil({inputs['max_num_batched_tokens'][0]} / {m}) = {b.items_per_step}"
+    )
+    limit = max(inputs["limit_mm_per_prompt"][0].values(), default=0)
+    override = inputs["encoder_cache_size"][0]
+    compute = (
+        f"{b.num_items} x {m} = {b.compute_budget_tokens}"
+        if override is None
+        else f"encoder_cache_size = {b.compute_budget_tokens}" + (" (raised to M)" if override < m else "")
+    )
+    gib = b.cache_bytes / 2**30
+    return [
+        f"M (max embeddings per item)   {m:>12}   {item_source}",
+        f"items per step                {b.items_per_step:>12}   {per_step}; {src('max_num_batched_tokens')}",
+        f"slack items                   {b.slack_items:>12}   a recomputed last token may need one more item in a step",
+        f"items cap                     {b.items_cap:>12}   {src('max_num_seqs')} x max limit {limit}; {src('limit_mm_per_prompt')}",
+        f"num items                     {b.num_items:>12}   min({b.items_per_step} + {b.slack_items}, {b.items_cap})",
+        f"compute budget (embeddings)   {b.compute_budget_tokens:>12}   {compute}; {src('encoder_cache_size')}",
+        f"pinned room (embeddings)      {b.pinned_room_tokens:>12}   one per KV token slot: {inputs['kv_tokens'][1]}",
+        f"cache capacity (embeddings)   {b.cache_capacity_tokens:>12}   compute budget + pinned room",
+        f"bytes per embedding           {b.bytes_per_token:>12}   {inputs['bytes_per_token'][1]}",
+        f"cache size (bytes)            {b.cache_bytes:>12}   {gib:.3f} GiB",
+    ]

@@ -35,8 +35,17 @@ def processor_settings_key(image_processor: object) -> str:
 
 
 def hash_image(image: Image.Image, fingerprint: str, settings_key: str) -> str:
+    return _hash_item(b"image", fingerprint, settings_key, b"content", image_content_bytes(image))
+
+
+def hash_user_id(user_id: str, fingerprint: str, settings_key: str, modality: str = "image") -> str:
+    """A user-given item id (mm_uuids) stands in for the content; model and settings still separate it."""
+    return _hash_item(modality.encode(), fingerprint, settings_key, b"uuid", user_id.encode())
+
+
+def _hash_item(modality: bytes, fingerprint: str, settings_key: str, kind: bytes, content: bytes) -> str:
     h = xxhash.xxh3_128()
-    for part in (b"image", fingerprint.encode(), settings_key.encode()):
+    for part in (modality, fingerprint.encode(), settings_key.encode(), kind):
         h.update(len(part).to_bytes(8, "little") + part)
-    h.update(image_content_bytes(image))
+    h.update(content)
     return h.hexdigest()

@@ -21,7 +21,7 @@ from mmengine.errors import (
     PromptTooLongError,
     TooManyImagesError,
 )
-from mmengine.encoder_cache.hashing import hash_image, model_fingerprint, processor_settings_key
+from mmengine.encoder_cache.hashing import hash_image, hash_user_id, model_fingerprint, processor_settings_key
 from mmengine.multimodal.image_loading import ImageInput, load_image
 from mmengine.request import MMItem, ProcessedPrompt
 from mmengine.sampling import SamplingParams
@@ -59,13 +59,17 @@ class InputProcessor:
         images: Sequence[ImageInput] | None,
         params: SamplingParams,
         prompt_index: int = 0,
+        mm_uuids: Sequence[str | None] | None = None,
     ) -> ProcessedPrompt:
+        """`mm_uuids` optionally names each image: equal ids mean equal images (content is not hashed)."""
         try:
-            return self._process(prompt, list(images or ()), params)
+            return self._process(prompt, list(images or ()), params, mm_uuids)
         except InvalidInputError as err:
             raise err.at_prompt(prompt_index) from err
 
-    def _process(self, prompt: str, images: list[ImageInput], params: SamplingParams) -> ProcessedPrompt:
+    def _process(
+        self, prompt: str, images: list[ImageInput], params: SamplingParams, mm_uuids: Sequence[str | None] | None
+    ) -> ProcessedPrompt:
         if not isinstance(prompt, str):
             raise InvalidInputError(f"prompt must be a str, got {type(prompt).__name__}")
         if len(images) > self.max_images:
@@ -83,9 +87,24 @@ class InputProcessor:
         if not token_ids:
             raise EmptyPromptError("the prompt is empty after tokenization")
         self._check_length(len(token_ids), params.max_tokens)
-        mm_hashes = [hash_image(img, self.fingerprint, self.settings_key) for img in loaded]
+        mm_hashes = self._item_hashes(loaded, mm_uuids)
         items = self._placeholder_items(token_ids, encoded.get("pixel_values"), mm_hashes)
         return ProcessedPrompt(prompt=prompt, prompt_token_ids=token_ids, mm_items=items)
+
+    def _item_hashes(self, images: list, mm_uuids: Sequence[str | None] | None) -> list[str]:
+        if mm_uuids is None:
+            mm_uuids = [None] * len(images)
+        elif len(mm_uuids) != len(images):
+            raise InvalidInputError(f"mm_uuids has {len(mm_uuids)} entries for {len(images)} image(s)")
+        hashes = []
+        for index, (image, user_id) in enumerate(zip(images, mm_uuids)):
+            if user_id is None:
+                hashes.append(hash_image(image, self.fingerprint, self.settings_key))
+            elif isinstance(user_id, str) and user_id:
+                hashes.append(hash_user_id(user_id, self.fingerprint, self.settings_key))
+            else:
+                raise InvalidInputError(f"mm_uuids[{index}] must be a non-empty str or None, got {user_id!r}")
+        return hashes
 
     def _check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
         total = num_prompt_tokens + max_tokens
