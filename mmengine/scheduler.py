@@ -92,6 +92,7 @@ class Scheduler:
         self._held: dict[str, set[int]] = {}  # item indices each request holds an encoder reference for
         self.num_preemptions = 0
         self.num_reencodes_after_prefix_hit = 0
+        self.num_zero_token_schedules = 0  # running requests held back a step by the encoder budget
 
     # -- queue management -------------------------------------------------
 
@@ -139,6 +140,7 @@ class Scheduler:
             num_new = min(request.num_tokens - start, budget)
             num_new, plan = self._plan_encoder(request, start, num_new, encoder_budget, encoding_now)
             if num_new == 0:
+                self.num_zero_token_schedules += 1
                 out.scheduled.append(ScheduledRequest(request, start, 0, []))
                 i += 1
                 continue
