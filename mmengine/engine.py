@@ -52,6 +52,7 @@ class MMEngine:
             self.config.limit_mm_per_prompt,
             self.config.max_image_pixels,
         )
+        self.input_processor.check_tokens_per_image(max_tokens_per_item(self.hf_config))
         self.tokenizer = self.input_processor.tokenizer
         self.runner = ModelRunner(self.config, self.hf_config, model_dir, self.device, self.dtype, self.max_model_len)
         compute_budget = self._encoder_budget(pinned_room_tokens=0).compute_budget_tokens

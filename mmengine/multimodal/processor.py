@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from PIL import Image
 from transformers import AutoProcessor, PretrainedConfig
 
 from mmengine.errors import (
@@ -20,6 +21,7 @@ from mmengine.errors import (
     ItemTooLargeError,
     PromptTooLongError,
     TooManyImagesError,
+    UnsupportedModelError,
 )
 from mmengine.encoder_cache.hashing import hash_image, hash_user_id, model_fingerprint, processor_settings_key
 from mmengine.multimodal.image_loading import ImageInput, load_image
@@ -49,6 +51,18 @@ class InputProcessor:
         # and each item in one step's encoder budget.
         self.max_tokens_in_kv_cache: int | None = None
         self.max_tokens_per_item: int | None = None
+
+    def check_tokens_per_image(self, expected: int) -> None:
+        """Fails at start-up if the processor expands an image into a different number of placeholders
+        than the model makes embeddings (a checkpoint whose processor and model configs disagree)."""
+        probe = Image.new("RGB", (64, 48), (127, 127, 127))
+        ids = self.hf_processor(text=self.image_token, images=[probe], return_tensors="pt")["input_ids"][0]
+        produced = int((ids == self.image_token_id).sum())
+        if produced != expected:
+            raise UnsupportedModelError(
+                f"the processor expands an image into {produced} placeholder tokens but the model produces "
+                f"{expected} embeddings per image: the checkpoint's processor and model configs disagree"
+            )
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         return self.hf_processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
