@@ -55,10 +55,11 @@ class MMEngine:
         self.input_processor.check_tokens_per_image(max_tokens_per_item(self.hf_config))
         self.tokenizer = self.input_processor.tokenizer
         self.runner = ModelRunner(self.config, self.hf_config, model_dir, self.device, self.dtype, self.max_model_len)
-        compute_budget = self._encoder_budget(pinned_room_tokens=0).compute_budget_tokens
+        unpinned = self._encoder_budget(pinned_room_tokens=0)
         num_blocks = self.runner.determine_num_kv_blocks(
-            encoder_fixed_bytes=compute_budget * self.runner.embedding_bytes,
+            encoder_fixed_bytes=unpinned.compute_budget_tokens * self.runner.embedding_bytes,
             encoder_bytes_per_block=self.config.block_size * self.runner.embedding_bytes,
+            images_per_step=unpinned.compute_budget_tokens // unpinned.max_tokens_per_item,
         )
         self.runner.allocate_kv_cache(num_blocks)
         self.encoder_budget = self._encoder_budget(pinned_room_tokens=num_blocks * self.config.block_size)

@@ -85,12 +85,12 @@ class ModelRunner:
         """Bytes of one encoder output row (one image placeholder's embedding)."""
         return self.text_config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
 
-    def determine_num_kv_blocks(self, encoder_fixed_bytes: int, encoder_bytes_per_block: int) -> int:
+    def determine_num_kv_blocks(self, encoder_fixed_bytes: int, encoder_bytes_per_block: int, images_per_step: int) -> int:
         """KV blocks that fit in the memory left after the encoder cache's fixed part; each block
         also pays for its share of the encoder cache's pinned room."""
         useful = self.config.max_num_seqs * cdiv(self.max_model_len, self.block_size)
         if self.device.type == "cuda":
-            available = self._profile_kv_cache_bytes()
+            available = self._profile_kv_cache_bytes(images_per_step)
         else:
             available = self.config.cpu_kv_cache_bytes
         per_block = self.kv_block_bytes + encoder_bytes_per_block
@@ -115,8 +115,9 @@ class ModelRunner:
             attn.kv_cache = kv_cache[i]
             attn.backend = self.attn_backend
 
-    def _profile_kv_cache_bytes(self) -> int:
-        """Runs the largest step once and returns what is left for the KV cache under gpu_memory_utilization."""
+    def _profile_kv_cache_bytes(self, images_per_step: int) -> int:
+        """Runs the largest step once (a full token budget, a full encoder budget) and returns what is
+        left for the KV cache under gpu_memory_utilization."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
@@ -124,7 +125,8 @@ class ModelRunner:
         self.allocate_kv_cache(num_blocks)
         with torch.inference_mode():
             size = getattr(self.model.config.vision_config, "image_size", 336)
-            self.model.encode_images(torch.zeros(1, 3, size, size, device=self.device))
+            if images_per_step > 0:
+                self.model.encode_images(torch.zeros(images_per_step, 3, size, size, device=self.device))
             metadata = AttentionMetadata(
                 slot_mapping=torch.arange(num_tokens, device=self.device),
                 query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
