@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import functools
+import os
 from pathlib import Path
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in Triton's interpreter; the variable must be set before
+# any kernel is decorated, i.e. before mmengine.kernels is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from mmengine.testing import TinyLlavaSpec, tiny_llava_path

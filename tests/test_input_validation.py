@@ -141,7 +141,7 @@ def test_engine_config_errors(checkpoint_dir, tmp_path):
         MMEngine(str(checkpoint_dir()), block_size=12)
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         MMEngine(str(checkpoint_dir()), max_model_len=10**7)
-    with pytest.raises(ConfigError, match="triton"):
-        MMEngine(str(checkpoint_dir()), attn_backend="triton")
+    with pytest.raises(ConfigError, match="attn_backend"):
+        MMEngine(str(checkpoint_dir()), attn_backend="flash")
     with pytest.raises(UnsupportedModelError, match="config.json"):
         MMEngine(str(tmp_path))

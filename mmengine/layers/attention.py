@@ -8,6 +8,7 @@ is the reference and the CPU path; kernel backends plug in under another name.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,23 +44,34 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor: ...
 
 
-def _available_backends() -> dict[str, type]:
-    from mmengine.layers.torch_attention import TorchAttentionBackend
-
-    return {"torch": TorchAttentionBackend}
+def triton_unavailable_reason(device: torch.device) -> str | None:
+    """Why the Triton kernels cannot run on this device, or None when they can."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "triton is not installed"
+    if device.type == "cuda":
+        return None
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return f"Triton kernels need a CUDA device, or TRITON_INTERPRET=1 to run them (slowly) on {device.type}"
 
 
 def get_attention_backend(requested: str, device: torch.device) -> AttentionBackend:
-    """'auto' picks the Triton kernels on CUDA when they are available, else the PyTorch reference."""
-    backends = _available_backends()
+    """'auto' picks the Triton kernels on CUDA, else the PyTorch reference; 'triton' forces the kernels."""
+    from mmengine.layers.torch_attention import TorchAttentionBackend
+
+    reason = triton_unavailable_reason(device)
     name = requested
     if requested == "auto":
-        name = "triton" if device.type == "cuda" and "triton" in backends else "torch"
-    if name not in backends:
-        raise ConfigError(
-            f"attn_backend={name!r} is not available in this build; available: {', '.join(sorted(backends))}"
-        )
-    return backends[name]()
+        name = "triton" if device.type == "cuda" and reason is None else "torch"
+    if name == "torch":
+        return TorchAttentionBackend()
+    if reason is not None:
+        raise ConfigError(f"attn_backend='triton' is not available: {reason}")
+    from mmengine.layers.triton_attention import TritonAttentionBackend
+
+    return TritonAttentionBackend()
 
 
 class Attention(nn.Module):

@@ -1,0 +1,141 @@
+"""Paged decode attention with split-KV.
+
+Stage 1: for each (request, KV head, split), the GROUP query heads of that KV head attend to one
+contiguous slice of the request's context, read through its block table, and write a partial
+state (normalized output, lse). Stage 2 merges a request's splits through their log-sum-exps.
+Splitting puts several programs on one long context, so a small batch still fills the GPU.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmengine.kernels.common import LOG2E, dot_precision, padded_head_dim
+
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, cache_ptr, part_out_ptr, part_lse_ptr,
+    seq_lens_ptr, block_tables_ptr,
+    qk_scale,
+    stride_qt, stride_qh,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
+    stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, BLOCK_H: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    req = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + req)
+    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(seq_len, start + split_len)
+    rows = tl.arange(0, BLOCK_H)
+    head = kv_head * GROUP + rows
+    row_valid = rows < GROUP
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    q = tl.load(q_ptr + req * stride_qt + head[:, None] * stride_qh + d[None, :], mask=row_valid[:, None] & d_valid[None, :], other=0.0)
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for start_n in range(start, end, BLOCK_N):
+        n = start_n + tl.arange(0, BLOCK_N)
+        n_valid = n < end
+        block = tl.load(block_tables_ptr + req * stride_bt + n // BLOCK_SIZE, mask=n_valid, other=0)
+        offsets = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        kv_mask = n_valid[:, None] & d_valid[None, :]
+        k = tl.load(cache_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(cache_ptr + stride_ckv + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    has_keys = l_i > 0
+    out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    part = req * stride_pt + head[:, None] * stride_ph + split * stride_ps + d[None, :]
+    tl.store(part_out_ptr + part, out, mask=row_valid[:, None] & d_valid[None, :])
+    lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    tl.store(part_lse_ptr + req * stride_lt + head * stride_lh + split, lse, mask=row_valid)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
+    stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh, stride_ft, stride_fh,
+    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    splits = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, BLOCK_D)
+    d_valid = d < HEAD_DIM
+    lse = tl.load(part_lse_ptr + req * stride_lt + head * stride_lh + splits)
+    m = tl.max(lse, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp(lse - m_safe)  # 0 for empty splits
+    total = tl.sum(w, 0)
+    parts = tl.load(part_out_ptr + req * stride_pt + head * stride_ph + splits[:, None] * stride_ps + d[None, :],
+                    mask=d_valid[None, :], other=0.0)
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + req * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_valid)
+    tl.store(lse_ptr + req * stride_ft + head * stride_fh, tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
+
+
+def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int | None = None) -> int:
+    """Enough programs to fill the GPU (about two waves), no split shorter than 256 keys; a power of two."""
+    if num_sms is None:
+        num_sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 8
+    wanted = triton.cdiv(2 * num_sms, max(1, num_reqs * num_kv_heads))
+    longest = max(1, max_seq_len // 256)
+    splits = max(1, min(wanted, longest, 64))
+    return 1 << (splits.bit_length() - 1)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    block_n: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [reqs, q_heads, D], one token per request attending to its whole context of seq_lens keys.
+    Returns (out [reqs, q_heads, D], lse [reqs, q_heads] natural log; -inf for a context of zero)."""
+    num_reqs, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    assert group * num_kv_heads == num_heads
+    assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
+    out = torch.empty_like(query)
+    lse = torch.empty(num_reqs, num_heads, device=query.device, dtype=torch.float32)
+    if num_reqs == 0:
+        return out, lse
+    block_d = padded_head_dim(head_dim)
+    part_out = torch.empty(num_reqs, num_heads, num_splits, block_d, device=query.device, dtype=torch.float32)
+    part_lse = torch.empty(num_reqs, num_heads, num_splits, device=query.device, dtype=torch.float32)
+    _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
+        query, kv_cache, part_out, part_lse, seq_lens, block_tables,
+        scale * LOG2E,
+        query.stride(0), query.stride(1),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, BLOCK_N=block_n,
+        BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=block_d, PRECISION=dot_precision(query.dtype),
+    )
+    _decode_reduce_kernel[(num_reqs, num_heads)](
+        part_out, part_lse, out, lse,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
+    )
+    return out, lse

@@ -1,0 +1,43 @@
+"""Writes the step's new K and V rows into the paged cache through a slot mapping (slot -1: skip)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmengine.kernels.common import padded_head_dim
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_ckv, stride_cb, stride_cs, stride_ch,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    d = tl.arange(0, BLOCK_D)
+    slot = tl.load(slot_ptr + token + d * 0)  # the token's slot, broadcast over the head dim
+    mask = (d < HEAD_DIM) & (slot >= 0)
+    slot = tl.where(slot >= 0, slot, 0)
+    k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d, mask=mask)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + head * stride_ch + d
+    tl.store(cache_ptr + dst, k, mask=mask)
+    tl.store(cache_ptr + stride_ckv + dst, v, mask=mask)
+
+
+def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """key/value [tokens, kv_heads, head_dim]; kv_cache [2, blocks, block_size, kv_heads, head_dim]."""
+    num_tokens, num_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    _store_kv_kernel[(num_tokens, num_heads)](
+        key, value, kv_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+    )

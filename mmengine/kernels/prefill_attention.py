@@ -1,0 +1,121 @@
+"""Varlen prefill over a paged prefix.
+
+Queries of many requests are packed together. Each request's new tokens attend causally to
+themselves and fully to its cached context; every key (cached or new) is read from the paged
+cache through the request's block table, so the step's K/V must be stored first.
+
+One program handles BLOCK_Q query tokens of one request for one KV head. Its rows are
+(token, query head) pairs for the GROUP query heads sharing that KV head, so each K/V tile is
+loaded once for the whole group (GQA).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmengine.kernels.common import LOG2E, dot_precision, padded_head_dim
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, cache_ptr, out_ptr, lse_ptr,
+    req_index_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
+    qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+    stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+):
+    req = tl.load(req_index_ptr + tl.program_id(0))
+    kv_head = tl.program_id(1)
+    q_block = tl.program_id(2)
+    q_start = tl.load(query_start_ptr + req)
+    q_len = tl.load(query_start_ptr + req + 1) - q_start
+    if q_block * BLOCK_Q < q_len:
+        seq_len = tl.load(seq_lens_ptr + req)
+        context_len = seq_len - q_len
+        BLOCK_M: tl.constexpr = BLOCK_Q * GROUP
+        rows = tl.arange(0, BLOCK_M)
+        token = q_block * BLOCK_Q + rows // GROUP
+        head = kv_head * GROUP + rows % GROUP
+        row_valid = token < q_len
+        q_pos = context_len + token
+        d = tl.arange(0, BLOCK_D)
+        d_valid = d < HEAD_DIM
+        q = tl.load(
+            q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=row_valid[:, None] & d_valid[None, :], other=0.0,
+        )
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        kv_end = tl.minimum(seq_len, context_len + tl.minimum((q_block + 1) * BLOCK_Q, q_len))
+        for start_n in range(0, kv_end, BLOCK_N):
+            n = start_n + tl.arange(0, BLOCK_N)
+            n_valid = n < kv_end
+            block = tl.load(block_tables_ptr + req * stride_bt + n // BLOCK_SIZE, mask=n_valid, other=0)
+            offsets = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+            kv_mask = n_valid[:, None] & d_valid[None, :]
+            k = tl.load(cache_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(cache_ptr + stride_ckv + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            visible = n_valid[None, :] & (n[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_new
+        has_keys = l_i > 0
+        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+        out_rows = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
+        tl.store(out_ptr + out_rows + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+        lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+        tl.store(lse_ptr + (q_start + token) * stride_lt + head * stride_lh, lse, mask=row_valid)
+
+
+def prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    max_query_len: int,
+    req_indices: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
+    block_q: int | None = None,
+    block_n: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [tokens, q_heads, D] packed by query_start_loc [reqs + 1]; attends the requests listed in
+    req_indices (default: all). Returns (out [tokens, q_heads, D], lse [tokens, q_heads] natural log);
+    rows of requests not listed are left as they were in `out`/`lse`."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = kv_cache.shape[3]
+    group = num_heads // num_kv_heads
+    assert group * num_kv_heads == num_heads and group & (group - 1) == 0, "GQA group must be a power of two"
+    if req_indices is None:
+        req_indices = torch.arange(seq_lens.shape[0], device=query.device, dtype=torch.int32)
+    out = torch.empty_like(query) if out is None else out
+    lse = torch.full((num_tokens, num_heads), float("-inf"), device=query.device, dtype=torch.float32) if lse is None else lse
+    if block_q is None:
+        block_q = max(1, 64 // group)
+    block_q = max(block_q, max(1, 16 // group))  # tl.dot needs at least 16 rows
+    if req_indices.numel() == 0 or max_query_len == 0:
+        return out, lse
+    grid = (req_indices.numel(), num_kv_heads, triton.cdiv(max_query_len, block_q))
+    _prefill_kernel[grid](
+        query, kv_cache, out, lse,
+        req_indices, query_start_loc, seq_lens, block_tables,
+        scale * LOG2E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
+        GROUP=group, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
+        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), PRECISION=dot_precision(query.dtype),
+    )
+    return out, lse
