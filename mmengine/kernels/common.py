@@ -14,9 +14,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """fp32 inputs would otherwise be multiplied in TF32 on GPUs; keep them exact."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+def dot_precision(dtype: torch.dtype) -> str | None:
+    """fp32 inputs would otherwise be multiplied in TF32 on GPUs: keep them exact. For 16-bit
+    inputs the target's default applies (the setting only concerns fp32 operands)."""
+    return "ieee" if dtype == torch.float32 else None
 
 
 def padded_head_dim(head_dim: int) -> int:
