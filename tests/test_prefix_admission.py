@@ -70,3 +70,21 @@ def test_a_big_request_does_not_block_small_ones_forever_nor_starve():
         raise AssertionError("the big request starved")
     assert admitted_before_big >= MAX_ADMISSION_SKIPS  # small requests went ahead while it could not fit
     assert big.num_admission_skips == MAX_ADMISSION_SKIPS
+
+
+def test_lora_identity_separates_caches():
+    """Same tokens under different adapters never share KV blocks; under the same adapter they do."""
+    sched = make_scheduler(64, True, max_num_batched_tokens=1000)
+
+    def admit(name: str, lora: str | None):
+        request = make_request(name, 19, max_tokens=1, tokens=PREFIX + [1, 2, 3], lora_name=lora)
+        sched.add_request(request)
+        while sched.has_unfinished_requests():
+            run_step(sched)
+        return request.num_cached_tokens
+
+    assert admit("base", None) == 0
+    assert admit("adapter-a", "a") == 0
+    assert admit("adapter-b", "b") == 0
+    assert admit("adapter-a-again", "a") == 16
+    assert admit("base-again", None) == 16
