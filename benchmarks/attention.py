@@ -78,7 +78,7 @@ def decode_case(batch: int, context: int, args, dtype) -> dict:
     cache, tables = paged_cache(lengths, args.num_kv_heads, args.head_dim, args.block_size, dtype)
     q = torch.randn(batch, args.num_heads, args.head_dim, device="cuda", dtype=dtype)
     seq = torch.tensor(lengths, device="cuda", dtype=torch.int32)
-    splits = choose_num_splits(batch, args.num_kv_heads, context)
+    splits = choose_num_splits(batch, args.num_kv_heads, context, torch.cuda.get_device_properties(0).multi_processor_count)
     scale = args.head_dim**-0.5
     ms = bench(lambda: decode_attention(q, cache, seq, tables, scale, splits))
     elem = torch.empty((), dtype=dtype).element_size()

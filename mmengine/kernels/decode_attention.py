@@ -90,10 +90,8 @@ def _decode_reduce_kernel(
     tl.store(lse_ptr + req * stride_ft + head * stride_fh, tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
 
 
-def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int | None = None) -> int:
+def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
     """Enough programs to fill the GPU (about two waves), no split shorter than 256 keys; a power of two."""
-    if num_sms is None:
-        num_sms = torch.cuda.get_device_properties(0).multi_processor_count if torch.cuda.is_available() else 8
     wanted = triton.cdiv(2 * num_sms, max(1, num_reqs * num_kv_heads))
     longest = max(1, max_seq_len // 256)
     splits = max(1, min(wanted, longest, 64))

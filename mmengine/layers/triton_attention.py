@@ -19,6 +19,12 @@ class TritonAttentionBackend:
 
     def __init__(self, num_splits: int | None = None) -> None:
         self.num_splits = num_splits  # None: chosen per step from the batch and the longest context
+        self._num_sms: int | None = None
+
+    def _sm_count(self, device: torch.device) -> int:
+        if self._num_sms is None:
+            self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+        return self._num_sms
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         store_kv(key, value, kv_cache, slot_mapping)
@@ -34,7 +40,7 @@ class TritonAttentionBackend:
             token_idx = metadata.query_start_loc[rows].long()
             max_seq = max(metadata.seq_lens_cpu[i] for i in decode_rows)
             num_kv_heads = kv_cache.shape[3]
-            splits = self.num_splits or choose_num_splits(len(decode_rows), num_kv_heads, max_seq)
+            splits = self.num_splits or choose_num_splits(len(decode_rows), num_kv_heads, max_seq, self._sm_count(device))
             out[token_idx], _ = decode_attention(
                 query[token_idx], kv_cache, metadata.seq_lens[rows], metadata.block_tables[rows], scale, splits
             )
