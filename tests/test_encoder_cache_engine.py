@@ -172,3 +172,12 @@ def test_mm_uuids_and_reset(checkpoint_dir):
     engine.reset_prefix_cache()
     (out,) = engine.generate(prompt, images=[IMAGES[0]], mm_uuids=["cat"], sampling_params=PARAMS, use_tqdm=False)
     assert out.num_cached_tokens == 0 and engine.stats()["encoder_runs"] == 3  # the encoder cache still has it
+
+
+def test_queued_requests_share_one_pixel_tensor_per_picture(checkpoint_dir):
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
+    ids = [engine.add_request("USER: <image>\nWhat? ASSISTANT:", [img], PARAMS) for img in (IMAGES[0], IMAGES[0], IMAGES[1])]
+    pixels = [engine.scheduler.requests[i].mm_items[0].encoder_inputs["pixel_values"] for i in ids]
+    assert pixels[0] is pixels[1] and pixels[0] is not pixels[2]
+    for request_id in ids:
+        engine.abort_request(request_id)

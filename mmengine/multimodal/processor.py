@@ -6,6 +6,7 @@ and every failure is a typed InvalidInputError naming the prompt it came from.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,9 @@ class InputProcessor:
         # and each item in one step's encoder budget.
         self.max_tokens_in_kv_cache: int | None = None
         self.max_tokens_per_item: int | None = None
+        # One pixel tensor per distinct item among the requests alive: the same picture in a thousand
+        # queued requests is held once.
+        self._pixels: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
 
     def check_tokens_per_image(self, expected: int) -> None:
         """Fails at start-up if the processor expands an image into a different number of placeholders
@@ -159,5 +163,6 @@ class InputProcessor:
                     f"image {idx} needs {per_image} embeddings but the encoder cache budget is "
                     f"{self.max_tokens_per_item} per step (raise encoder_cache_size)"
                 )
-            items.append(MMItem("image", mm_hashes[idx], run[0], per_image, {"pixel_values": pixel_values[idx]}))
+            pixels = self._pixels.setdefault(mm_hashes[idx], pixel_values[idx].clone())
+            items.append(MMItem("image", mm_hashes[idx], run[0], per_image, {"pixel_values": pixels}))
         return items
