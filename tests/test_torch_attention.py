@@ -63,7 +63,7 @@ def test_paged_attention_matches_dense(num_heads, num_kv_heads, block_size):
     out = backend.forward(query, cache, metadata, scale)
 
     start = 0
-    for (cached, new), k, v in zip(shapes, full_k, full_v):
+    for (_, new), k, v in zip(shapes, full_k, full_v):
         expected = dense_attention(query[start : start + new], k, v, scale)
         torch.testing.assert_close(out[start : start + new], expected, rtol=1e-5, atol=1e-5)
         start += new

@@ -112,7 +112,7 @@ def explain_budget(budget: EncoderBudget, inputs: dict[str, tuple[object, str]],
 
     b = budget
     m = b.max_tokens_per_item
-    per_step = f"1 (M > max_num_batched_tokens)" if b.items_per_step == 1 and m > inputs["max_num_batched_tokens"][0] else (
+    per_step = "1 (M > max_num_batched_tokens)" if b.items_per_step == 1 and m > inputs["max_num_batched_tokens"][0] else (
         f"ceil({inputs['max_num_batched_tokens'][0]} / {m}) = {b.items_per_step}"
     )
     limit = max(inputs["limit_mm_per_prompt"][0].values(), default=0)
