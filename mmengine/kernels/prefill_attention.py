@@ -55,7 +55,7 @@ def _prefill_kernel(
         for start_n in range(0, kv_end, BLOCK_N):
             n = start_n + tl.arange(0, BLOCK_N)
             n_valid = n < kv_end
-            block = tl.load(block_tables_ptr + req * stride_bt + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64).to(tl.int64)  # offsets can pass 2**31 elements
+            block = tl.load(block_tables_ptr + req * stride_bt + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)  # offsets can pass 2**31 elements
             offsets = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
             kv_mask = n_valid[:, None] & d_valid[None, :]
             k = tl.load(cache_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
