@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from mmengine.kernels.common import LOG2E, dot_precision, padded_head_dim
+from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
 
 
 @triton.jit
@@ -55,26 +56,13 @@ def _prefill_kernel(
         for start_n in range(0, kv_end, BLOCK_N):
             n = start_n + tl.arange(0, BLOCK_N)
             n_valid = n < kv_end
-            block = tl.load(block_tables_ptr + req * stride_bt + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)  # offsets can pass 2**31 elements
-            offsets = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
-            kv_mask = n_valid[:, None] & d_valid[None, :]
-            k = tl.load(cache_ptr + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(cache_ptr + stride_ckv + offsets[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+            k, v = load_kv_tile(cache_ptr, block_tables_ptr, req, n, n_valid, kv_head, d, d_valid,
+                                stride_bt, stride_ckv, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
             visible = n_valid[None, :] & (n[None, :] <= q_pos[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_safe[:, None])
-            alpha = tl.exp2(m_i - m_safe)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
-        has_keys = l_i > 0
-        out = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+            m_i, l_i, acc = attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION)
+        out, lse = finish(acc, m_i, l_i)
         out_rows = (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh
         tl.store(out_ptr + out_rows + d[None, :], out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
-        lse = tl.where(has_keys, (m_i + tl.log2(tl.where(has_keys, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
         tl.store(lse_ptr + (q_start + token) * stride_lt + head * stride_lh, lse, mask=row_valid)
 
 
