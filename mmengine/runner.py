@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from transformers import PretrainedConfig
 
@@ -43,6 +44,7 @@ class StepInputs:
     positions: torch.Tensor
     metadata: AttentionMetadata
     logits_indices: torch.Tensor
+    scheduled: list[ScheduledRequest]  # in the order of the packed batch
     sampled: list[ScheduledRequest]
 
 
@@ -127,13 +129,9 @@ class ModelRunner:
             size = getattr(self.model.config.vision_config, "image_size", 336)
             if images_per_step > 0:
                 self.model.encode_images(torch.zeros(images_per_step, 3, size, size, device=self.device))
-            metadata = AttentionMetadata(
-                slot_mapping=torch.arange(num_tokens, device=self.device),
-                query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
-                seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
-                block_tables=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
-                query_lens_cpu=[num_tokens],
-                seq_lens_cpu=[num_tokens],
+            metadata = AttentionMetadata.build(
+                query_lens=[num_tokens], seq_lens=[num_tokens], block_tables=[list(range(num_blocks))],
+                slot_mapping=torch.arange(num_tokens), device=self.device,
             )
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             hidden = self.model(self.model.embed_tokens(ids), torch.arange(num_tokens, device=self.device), metadata)
@@ -159,7 +157,7 @@ class ModelRunner:
         if not scheduled:
             return {}
         inputs = self._prepare_inputs(scheduled, block_tables)
-        embeds = self._embed(inputs.input_ids, scheduled)
+        embeds = self._embed(inputs.input_ids, inputs.scheduled)
         hidden = self.model(embeds, inputs.positions, inputs.metadata)
         if not inputs.sampled:
             return {}
@@ -192,43 +190,40 @@ class ModelRunner:
         self.num_encoder_runs += len(jobs)
 
     def _prepare_inputs(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> StepInputs:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        logits_indices: list[int] = []
-        sampled: list[ScheduledRequest] = []
-        query_lens, seq_lens, tables = [], [], []
+        # Decodes first: the attention backends take the leading one-token requests as one batch.
+        scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        query_lens = np.array([s.num_new_tokens for s in scheduled])
+        starts = np.array([s.start for s in scheduled])
+        # A last token recomputed after a full prefix hit sits in a shared cached block
+        # that already holds its K/V: it is attended to, never written again (slot -1).
+        hit_ends = np.array([s.request.num_prefix_hit_tokens for s in scheduled])
+        tables = [block_tables[s.request.request_id] for s in scheduled]
+        table = np.zeros((len(tables), max(map(len, tables))), dtype=np.int64)
+        for row, t in zip(table, tables):
+            row[: len(t)] = t
+        req_of_token = np.repeat(np.arange(len(scheduled)), query_lens)
+        token_starts = np.cumsum(query_lens) - query_lens
+        positions = np.arange(int(query_lens.sum())) - token_starts[req_of_token] + starts[req_of_token]
         bs = self.block_size
-        for s in scheduled:
-            table = block_tables[s.request.request_id]
-            input_ids.extend(s.request.all_token_ids[s.start : s.end])
-            # A last token recomputed after a full prefix hit sits in a shared cached block
-            # that already holds its K/V: it is attended to, never written again (slot -1).
-            hit_end = s.request.num_prefix_hit_tokens
-            for pos in range(s.start, s.end):
-                positions.append(pos)
-                slots.append(-1 if pos < hit_end else table[pos // bs] * bs + pos % bs)
-            if s.samples:
-                logits_indices.append(len(input_ids) - 1)
-                sampled.append(s)
-            query_lens.append(s.num_new_tokens)
-            seq_lens.append(s.end)
-            tables.append(table)
-        width = max(len(t) for t in tables)
+        slots = table[req_of_token, positions // bs] * bs + positions % bs
+        slots[positions < hit_ends[req_of_token]] = -1
+        input_ids = [t for s in scheduled for t in s.request.all_token_ids[s.start : s.end]]
+        sampled = [s for s in scheduled if s.samples]
+        logits_indices = [int(token_starts[i] + query_lens[i] - 1) for i, s in enumerate(scheduled) if s.samples]
         dev = self.device
-        metadata = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            query_start_loc=torch.tensor([0, *_cumsum(query_lens)], dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev),
-            query_lens_cpu=query_lens,
-            seq_lens_cpu=seq_lens,
+        metadata = AttentionMetadata.build(
+            query_lens=query_lens.tolist(),
+            seq_lens=(starts + query_lens).tolist(),
+            block_tables=table,
+            slot_mapping=torch.from_numpy(slots),
+            device=dev,
         )
         return StepInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.tensor(positions, dtype=torch.long, device=dev),
+            positions=torch.from_numpy(positions).to(dev),
             metadata=metadata,
             logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
+            scheduled=scheduled,
             sampled=sampled,
         )
 
@@ -251,10 +246,3 @@ class ModelRunner:
             embeds[torch.cat(dst)] = torch.cat(src).to(embeds.dtype)
         return embeds
 
-
-def _cumsum(values: list[int]) -> list[int]:
-    total, out = 0, []
-    for v in values:
-        total += v
-        out.append(total)
-    return out

@@ -23,11 +23,14 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (4, 1), (8, 1), (8, 2)])
 @pytest.mark.parametrize("block_size", [4, 16])
-def test_paged_attention_matches_dense(num_heads, num_kv_heads, block_size):
+@pytest.mark.parametrize("decodes_first", [True, False])
+def test_paged_attention_matches_dense(num_heads, num_kv_heads, block_size, decodes_first):
     torch.manual_seed(num_heads * 10 + num_kv_heads + block_size)
     head_dim, num_blocks = 16, 64
     # (cached context, new tokens): decodes, a fresh prefill, a chunk after a mid-block context
     shapes = [(0, 7), (13, 1), (5, 9), (block_size, 1), (0, 1), (2 * block_size + 3, 5)]
+    if decodes_first:  # as the runner orders a batch: the decode path takes the leading requests
+        shapes.sort(key=lambda shape: shape[1] != 1)
     backend = TorchAttentionBackend()
     cache = torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim)
     free = torch.randperm(num_blocks).tolist()
@@ -46,14 +49,9 @@ def test_paged_attention_matches_dense(num_heads, num_kv_heads, block_size):
     query_lens = [new for _, new in shapes]
     seq_lens = [c + n for c, n in shapes]
     width = max(map(len, tables))
-    metadata = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        query_start_loc=torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-    )
+    padded = [t + [0] * (width - len(t)) for t in tables]
+    metadata = AttentionMetadata.build(query_lens, seq_lens, padded, slots, torch.device("cpu"))
+    assert metadata.num_decodes == (3 if decodes_first else 0)
     new_k = torch.cat([k[c:] for k, (c, _) in zip(full_k, shapes)])
     new_v = torch.cat([v[c:] for v, (c, _) in zip(full_v, shapes)])
     query = torch.randn(sum(query_lens), num_heads, head_dim)

@@ -7,7 +7,7 @@ import pytest
 
 from mmengine import MMEngine, SamplingParams
 from mmengine.errors import ConfigError
-from mmengine.testing import make_test_image
+from mmengine.testing import TinyLlavaSpec, make_test_image
 
 PROMPTS = [
     "USER: <image>\nWhat is shown here? ASSISTANT:",
@@ -33,6 +33,19 @@ def test_triton_backend_matches_the_reference(checkpoint_dir):
         assert engine.stats()["prefix_cache_hits"] > 0 and engine.runner.attn_backend.name == backend
         results[backend] = [o.token_ids for o in first + second]
     assert results["triton"] == results["torch"]
+
+
+def test_triton_backend_with_a_gqa_group_of_three(checkpoint_dir):
+    """6 query heads over 2 KV heads (a group that is not a power of two, like Qwen2-7B's 7), on a
+    Qwen2 text model: mixed prefill and decode steps give the reference's greedy tokens."""
+    spec = TinyLlavaSpec(text_model="qwen2", hidden_size=96, num_attention_heads=6, num_key_value_heads=2)
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for backend in ("torch", "triton"):
+        engine = MMEngine(str(checkpoint_dir(spec)), attn_backend=backend, max_model_len=256, max_num_batched_tokens=32)
+        outputs = engine.generate(PROMPTS[:3], images=IMAGES[:3], sampling_params=params, use_tqdm=False)
+        tokens[backend] = [o.token_ids for o in outputs]
+    assert tokens["triton"] == tokens["torch"]
 
 
 def test_triton_needs_a_gpu_or_the_interpreter(checkpoint_dir, monkeypatch):

@@ -80,6 +80,8 @@ PREFILL_CASES = [
     (8, 2, 80, 16, [(5, 20), (0, 1), (35, 9), (31, 2)]),
     (8, 1, 96, 32, [(0, 33), (40, 3)]),
     (8, 1, 128, 16, [(17, 4), (0, 16)]),
+    (6, 2, 64, 16, [(3, 11), (20, 2)]),  # GQA group 3: padded to 4 rows per token
+    (7, 1, 64, 32, [(0, 9), (33, 4)]),  # group 7 (Qwen2-7B's 28 over 4), padded to 8
 ]
 
 
@@ -103,6 +105,7 @@ DECODE_CASES = [
     (8, 2, 80, 16, [5, 33, 100, 64], 4),
     (8, 1, 128, 32, [70, 2, 129], 16),
     (16, 2, 96, 16, [300], 8),
+    (6, 2, 64, 16, [9, 50], 2),  # GQA group 3
 ]
 
 
@@ -117,6 +120,37 @@ def test_split_kv_decode_matches_reference(device, dtype, num_heads, num_kv_head
         ref_out, ref_lse = reference(q, k, v, scale)
         torch.testing.assert_close(out[i : i + 1].float(), ref_out, atol=TOL[dtype], rtol=TOL[dtype])
         torch.testing.assert_close(lse[i : i + 1], ref_lse, atol=TOL[dtype] * 10, rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES[:1] + DEVICES[2:])
+def test_prefill_of_a_request_range_leaves_other_rows_alone(device, dtype):
+    """The backend runs prefill over the requests after the leading decodes only, writing into the
+    step's shared output: rows of requests outside [first_req, first_req + num_reqs) stay as they were."""
+    shapes = [(4, 1), (9, 6), (0, 5), (30, 1)]
+    cache, tables, query_start, seq_lens, qs, ks, vs = paged_batch(shapes, 4, 2, 64, 16, device, dtype, seed=2)
+    query = torch.cat(qs)
+    out = torch.full_like(query, 7.0)
+    lse = torch.full((len(query), 4), 7.0, device=device)
+    prefill_attention(query, cache, query_start, seq_lens, tables, 0.125, max_query_len=6, first_req=1, num_reqs=2, out=out, lse=lse)
+    starts = query_start.tolist()
+    for i, (q, k, v) in enumerate(zip(qs, ks, vs)):
+        rows = slice(starts[i], starts[i + 1])
+        if i in (1, 2):
+            torch.testing.assert_close(out[rows].float(), reference(q, k, v, 0.125)[0], atol=TOL[dtype], rtol=TOL[dtype])
+        else:
+            assert torch.all(out[rows] == 7.0) and torch.all(lse[rows] == 7.0)
+
+
+@pytest.mark.parametrize("device,dtype", DEVICES[:1] + DEVICES[2:])
+def test_decode_writes_into_the_given_output(device, dtype):
+    shapes = [(12, 1), (40, 1)]
+    cache, tables, _, seq_lens, qs, ks, vs = paged_batch(shapes, 4, 2, 64, 16, device, dtype, seed=4)
+    step_out = torch.zeros(5, 4, 64, device=device, dtype=dtype)  # the decodes are the first 2 rows
+    returned, _ = decode_attention(torch.cat(qs), cache, seq_lens, tables, 0.125, 2, out=step_out[:2])
+    assert returned.data_ptr() == step_out.data_ptr()
+    for i, (q, k, v) in enumerate(zip(qs, ks, vs)):
+        torch.testing.assert_close(step_out[i : i + 1].float(), reference(q, k, v, 0.125)[0], atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.all(step_out[2:] == 0)
 
 
 @pytest.mark.parametrize("device,dtype", DEVICES[:1] + DEVICES[2:])

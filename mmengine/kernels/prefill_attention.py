@@ -6,7 +6,8 @@ cache through the request's block table, so the step's K/V must be stored first.
 
 One program handles BLOCK_Q query tokens of one request for one KV head. Its rows are
 (token, query head) pairs for the GROUP query heads sharing that KV head, so each K/V tile is
-loaded once for the whole group (GQA).
+loaded once for the whole group (GQA). A group that is not a power of two (7 for 28 query heads
+over 4 KV heads) is padded to one with masked rows.
 """
 
 from __future__ import annotations
@@ -22,14 +23,14 @@ from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
 @triton.jit
 def _prefill_kernel(
     q_ptr, cache_ptr, out_ptr, lse_ptr,
-    req_index_ptr, query_start_ptr, seq_lens_ptr, block_tables_ptr,
-    qk_scale,
+    query_start_ptr, seq_lens_ptr, block_tables_ptr,
+    first_req, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt,
-    GROUP: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    req = tl.load(req_index_ptr + tl.program_id(0))
+    req = first_req + tl.program_id(0)
     kv_head = tl.program_id(1)
     q_block = tl.program_id(2)
     q_start = tl.load(query_start_ptr + req)
@@ -37,11 +38,12 @@ def _prefill_kernel(
     if q_block * BLOCK_Q < q_len:
         seq_len = tl.load(seq_lens_ptr + req)
         context_len = seq_len - q_len
-        BLOCK_M: tl.constexpr = BLOCK_Q * GROUP
+        BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
         rows = tl.arange(0, BLOCK_M)
-        token = q_block * BLOCK_Q + rows // GROUP
-        head = kv_head * GROUP + rows % GROUP
-        row_valid = token < q_len
+        token = q_block * BLOCK_Q + rows // GROUP_PAD
+        head_in_group = rows % GROUP_PAD
+        head = kv_head * GROUP + head_in_group
+        row_valid = (token < q_len) & (head_in_group < GROUP)
         q_pos = context_len + token
         d = tl.arange(0, BLOCK_D)
         d_valid = d < HEAD_DIM
@@ -74,36 +76,39 @@ def prefill_attention(
     block_tables: torch.Tensor,
     scale: float,
     max_query_len: int,
-    req_indices: torch.Tensor | None = None,
+    first_req: int = 0,
+    num_reqs: int | None = None,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     block_q: int | None = None,
     block_n: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """query [tokens, q_heads, D] packed by query_start_loc [reqs + 1]; attends the requests listed in
-    req_indices (default: all). Returns (out [tokens, q_heads, D], lse [tokens, q_heads] natural log);
-    rows of requests not listed are left as they were in `out`/`lse`."""
+    """query [tokens, q_heads, D] packed by query_start_loc [reqs + 1]; attends requests
+    [first_req, first_req + num_reqs) (default: all), whose longest query is max_query_len.
+    Returns (out [tokens, q_heads, D], lse [tokens, q_heads] natural log); rows of other
+    requests are left as they were in `out`/`lse`."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    assert group * num_kv_heads == num_heads and group & (group - 1) == 0, "GQA group must be a power of two"
-    if req_indices is None:
-        req_indices = torch.arange(seq_lens.shape[0], device=query.device, dtype=torch.int32)
+    assert group * num_kv_heads == num_heads, "query heads must be a multiple of KV heads"
+    if num_reqs is None:
+        num_reqs = seq_lens.shape[0] - first_req
     out = torch.empty_like(query) if out is None else out
     lse = torch.full((num_tokens, num_heads), float("-inf"), device=query.device, dtype=torch.float32) if lse is None else lse
+    group_pad = triton.next_power_of_2(group)
     if block_q is None:
-        block_q = max(1, 64 // group)
-    block_q = max(block_q, max(1, 16 // group))  # tl.dot needs at least 16 rows
-    if req_indices.numel() == 0 or max_query_len == 0:
+        block_q = max(1, 64 // group_pad)
+    block_q = max(block_q, max(1, 16 // group_pad))  # tl.dot needs at least 16 rows
+    if num_reqs == 0 or max_query_len == 0:
         return out, lse
-    grid = (req_indices.numel(), num_kv_heads, triton.cdiv(max_query_len, block_q))
+    grid = (num_reqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
     _prefill_kernel[grid](
         query, kv_cache, out, lse,
-        req_indices, query_start_loc, seq_lens, block_tables,
-        scale * LOG2E,
+        query_start_loc, seq_lens, block_tables,
+        first_req, scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
-        GROUP=group, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
+        GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), PRECISION=dot_precision(query.dtype),
     )
     return out, lse

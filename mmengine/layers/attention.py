@@ -8,10 +8,14 @@ is the reference and the CPU path; kernel backends plug in under another name.
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -20,7 +24,12 @@ from mmengine.errors import ConfigError
 
 @dataclass
 class AttentionMetadata:
-    """Describes one step's packed batch. Tensors live on the model's device."""
+    """Describes one step's packed batch. Tensors live on the model's device; the lists and ints
+    are their host copies, so backends never read a device tensor back.
+
+    Requests with one new token (decodes) should come first: the leading `num_decodes` requests
+    are attended in one batched decode call, the rest as prefills (correct in any order).
+    """
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot per new token, -1 = don't store
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32: offsets of each request's new tokens
@@ -28,10 +37,44 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with 0
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    query_start_loc_cpu: list[int]
+    num_decodes: int  # leading requests with exactly one new token
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        seq_lens: list[int],
+        block_tables: Sequence[Sequence[int]],
+        slot_mapping: torch.Tensor | Sequence[int],
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """From host-side values: per-request query and sequence lengths, the block tables (rows
+        padded to one width) and each new token's cache slot."""
+        starts = [0, *itertools.accumulate(query_lens)]
+        num_decodes = next((i for i, q_len in enumerate(query_lens) if q_len != 1), len(query_lens))
+        return cls(
+            slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.long).to(device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),
+            block_tables=torch.as_tensor(np.asarray(block_tables), dtype=torch.int32).to(device),
+            query_lens_cpu=list(query_lens),
+            seq_lens_cpu=list(seq_lens),
+            query_start_loc_cpu=starts,
+            num_decodes=num_decodes,
+        )
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
+
+    @functools.cached_property  # read by every layer of the step
+    def max_decode_seq_len(self) -> int:
+        return max(self.seq_lens_cpu[: self.num_decodes], default=0)
+
+    @functools.cached_property
+    def max_prefill_query_len(self) -> int:
+        return max(self.query_lens_cpu[self.num_decodes :], default=0)
 
 
 class AttentionBackend(Protocol):

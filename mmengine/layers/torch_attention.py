@@ -1,7 +1,7 @@
 """The reference attention backend in plain PyTorch: correct everywhere, simple to read.
 
-Decode rows (one new token each) are batched into one padded attention call; prefill
-chunks are handled one request at a time with a causal mask offset by the cached context.
+The leading decode requests (one new token each) are batched into one padded attention call;
+the other requests are handled one at a time with a causal mask offset by the cached context.
 """
 
 from __future__ import annotations
@@ -60,17 +60,12 @@ class TorchAttentionBackend:
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(query)
-        starts = metadata.query_start_loc.tolist()
-        decode_rows = [i for i, q_len in enumerate(metadata.query_lens_cpu) if q_len == 1]
-        if decode_rows:
-            rows = torch.tensor(decode_rows, device=query.device)
-            token_idx = metadata.query_start_loc[rows].long()
-            out[token_idx] = batched_decode_attention(
-                query[token_idx], kv_cache, metadata.block_tables[rows], metadata.seq_lens[rows], scale
-            )
-        for i, (q_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
-            if q_len <= 1:
-                continue
-            key, value = gather_context(kv_cache, metadata.block_tables[i], seq_len)
-            out[starts[i] : starts[i] + q_len] = causal_paged_attention(query[starts[i] : starts[i] + q_len], key, value, scale)
+        nd = metadata.num_decodes  # the leading requests, one token each: tokens [0, nd)
+        if nd:
+            out[:nd] = batched_decode_attention(query[:nd], kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], scale)
+        starts = metadata.query_start_loc_cpu
+        for i in range(nd, metadata.num_reqs):
+            lo, hi = starts[i], starts[i + 1]
+            key, value = gather_context(kv_cache, metadata.block_tables[i], metadata.seq_lens_cpu[i])
+            out[lo:hi] = causal_paged_attention(query[lo:hi], key, value, scale)
         return out

@@ -1,7 +1,8 @@
 """The Triton attention backend: mmengine's kernels behind the same interface as the reference.
 
-Decode rows (one new token) go to the split-KV paged decode kernel; every other request goes to
-the varlen prefill kernel, which reads its cached context and its new tokens from the cache.
+The leading decode requests (one new token each) go to the split-KV paged decode kernel; the
+other requests go to the varlen prefill kernel, which reads their cached context and new tokens
+from the cache.
 """
 
 from __future__ import annotations
@@ -31,24 +32,15 @@ class TritonAttentionBackend:
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(query)
-        query_lens = metadata.query_lens_cpu
-        decode_rows = [i for i, q_len in enumerate(query_lens) if q_len == 1]
-        prefill_rows = [i for i, q_len in enumerate(query_lens) if q_len > 1]
-        device = query.device
-        if decode_rows:
-            rows = torch.tensor(decode_rows, device=device)
-            token_idx = metadata.query_start_loc[rows].long()
-            max_seq = max(metadata.seq_lens_cpu[i] for i in decode_rows)
-            num_kv_heads = kv_cache.shape[3]
-            splits = self.num_splits or choose_num_splits(len(decode_rows), num_kv_heads, max_seq, self._sm_count(device))
-            out[token_idx], _ = decode_attention(
-                query[token_idx], kv_cache, metadata.seq_lens[rows], metadata.block_tables[rows], scale, splits
+        nd = metadata.num_decodes  # the leading requests, one token each: tokens [0, nd)
+        if nd:
+            splits = self.num_splits or choose_num_splits(nd, kv_cache.shape[3], metadata.max_decode_seq_len, self._sm_count(query.device))
+            decode_attention(
+                query[:nd], kv_cache, metadata.seq_lens[:nd], metadata.block_tables[:nd], scale, splits, out=out[:nd]
             )
-        if prefill_rows:
+        if nd < metadata.num_reqs:
             prefill_attention(
                 query, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale,
-                max_query_len=max(query_lens[i] for i in prefill_rows),
-                req_indices=torch.tensor(prefill_rows, device=device, dtype=torch.int32),
-                out=out,
+                max_query_len=metadata.max_prefill_query_len, first_req=nd, num_reqs=metadata.num_reqs - nd, out=out,
             )
         return out

@@ -1,0 +1,245 @@
+"""Compiles the attention kernels for NVIDIA GPUs on a machine without one.
+
+The launchers run on small CPU tensors with Triton's launch intercepted: each launch is recorded
+(kernel, arguments, options) instead of executed, then compiled ahead of time to a cubin for a
+chosen architecture with Triton's own compiler and ptxas. This checks what the interpreter cannot
+(that every kernel compiles for sm_80/sm_90 in fp16 and bf16 with the launchers' real block sizes,
+warps and stages) and reports the resources ptxas assigned: registers per thread, shared memory,
+and local memory (register spills).
+
+Run `python -m mmengine.kernels.cross_compile [--json FILE]` with TRITON_INTERPRET unset: kernels
+decorated in interpreter mode cannot be compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+# Per-SM shared memory a block may use (KiB): the kernels must fit on both generations.
+SHARED_MEMORY_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+_TORCH_TO_TRITON = {
+    torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+    torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1",
+}
+
+
+@dataclass
+class Launch:
+    """One recorded kernel launch."""
+
+    kernel: JITFunction
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+
+@dataclass
+class KernelResources:
+    kernel: str
+    case: str
+    arch: int
+    num_warps: int
+    num_stages: int
+    registers: int
+    shared_bytes: int
+    local_bytes: int  # > 0 means registers spilled to local memory
+    constexprs: dict[str, Any] = field(default_factory=dict)
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.local_bytes > 0:
+            found.append(f"{self.local_bytes} bytes of register spills")
+        if self.shared_bytes > SHARED_MEMORY_LIMIT[self.arch]:
+            found.append(f"{self.shared_bytes} bytes of shared memory > sm_{self.arch}'s {SHARED_MEMORY_LIMIT[self.arch]}")
+        return found
+
+
+@contextlib.contextmanager
+def capture_launches() -> Iterator[list[Launch]]:
+    """Within the block, `kernel[grid](...)` records the launch instead of running it."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise RuntimeError("cross-compiling needs TRITON_INTERPRET unset when the kernels are imported")
+    launches: list[Launch] = []
+    original = JITFunction.run
+
+    def record(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> None:
+        launches.append(Launch(self, args, kwargs))
+
+    JITFunction.run = record  # type: ignore[method-assign]
+    try:
+        yield launches
+    finally:
+        JITFunction.run = original  # type: ignore[method-assign]
+
+
+def _specialize(value: Any) -> tuple[str, Any, bool]:
+    """(type, constant or None, divisible by 16) following Triton's default launch specialization:
+    tensors become typed pointers, the integer 1 and None become constants, other ints i32/i64."""
+    if isinstance(value, torch.Tensor):
+        return "*" + _TORCH_TO_TRITON[value.dtype], None, value.data_ptr() % 16 == 0
+    if value is None or (isinstance(value, int) and not isinstance(value, bool) and value == 1):
+        return "constexpr", value, False
+    if isinstance(value, bool):
+        return "u1", None, False
+    if isinstance(value, int):
+        return ("i32" if -(2**31) <= value < 2**31 else "i64"), None, value % 16 == 0
+    if isinstance(value, float):
+        return "fp32", None, False
+    raise TypeError(f"cannot specialize a kernel argument of type {type(value).__name__}")
+
+
+def compile_launch(launch: Launch, arch: int) -> tuple[Any, dict[str, Any]]:
+    """Compiles a recorded launch for sm_<arch>; returns (compiled kernel, its constexprs)."""
+    kernel = launch.kernel
+    options = {k: launch.kwargs[k] for k in ("num_warps", "num_stages") if k in launch.kwargs}
+    bound = dict(zip(kernel.arg_names, launch.args))
+    bound.update({k: v for k, v in launch.kwargs.items() if k not in options})
+    signature: dict[str, str] = {}
+    constexprs: dict[str, Any] = {}
+    attrs: dict[tuple[int, ...], list[list[Any]]] = {}
+    for index, param in enumerate(kernel.params):
+        value = bound[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", value
+            continue
+        signature[param.name], constant, divisible = _specialize(value)
+        if signature[param.name] == "constexpr":
+            constexprs[param.name] = constant
+        elif divisible:
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options), constexprs
+
+
+def _cuobjdump() -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def cubin_resources(cubin: bytes) -> dict[str, int]:
+    """REG, SHARED and LOCAL of the cubin's one function, as ptxas assigned them."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([_cuobjdump(), "--dump-resource-usage", f.name], check=True, capture_output=True, text=True).stdout
+    found = {key: int(value) for key, value in re.findall(r"\b(REG|SHARED|LOCAL):(\d+)", text)}
+    if set(found) != {"REG", "SHARED", "LOCAL"}:
+        raise RuntimeError(f"unexpected cuobjdump output:\n{text}")
+    return found
+
+
+def resources_of(launch: Launch, arch: int, case: str) -> KernelResources:
+    compiled, constexprs = compile_launch(launch, arch)
+    usage = cubin_resources(compiled.asm["cubin"])
+    # Dynamic shared memory (the pipelined tiles) is in the metadata; cuobjdump lists only the static part.
+    shared = max(compiled.metadata.shared, usage["SHARED"])
+    return KernelResources(
+        kernel=launch.name, case=case, arch=arch,
+        num_warps=compiled.metadata.num_warps, num_stages=compiled.metadata.num_stages,
+        registers=usage["REG"], shared_bytes=shared, local_bytes=usage["LOCAL"],
+        constexprs={k: v for k, v in constexprs.items() if isinstance(v, (int, str)) or v is None},
+    )
+
+
+@dataclass(frozen=True)
+class AttentionCase:
+    """Shapes of one model's attention as the engine would launch it (tiny token counts suffice:
+    what compiles depends on dtype, head dim, GQA group and block size, not on lengths)."""
+
+    dtype: torch.dtype
+    head_dim: int
+    group: int
+    block_size: int
+    num_kv_heads: int = 2
+
+    @property
+    def label(self) -> str:
+        return f"{_TORCH_TO_TRITON[self.dtype]} d{self.head_dim} g{self.group} bs{self.block_size}"
+
+
+def record_attention_launches(case: AttentionCase) -> list[Launch]:
+    """Every launch one mixed step makes: KV store, prefill over a paged prefix, split-KV decode
+    with its reduction, and the LSE merge."""
+    from mmengine.kernels.decode_attention import decode_attention
+    from mmengine.kernels.kv_store import store_kv
+    from mmengine.kernels.merge_states import merge_attn_states
+    from mmengine.kernels.prefill_attention import prefill_attention
+
+    kv_heads, heads, dim = case.num_kv_heads, case.num_kv_heads * case.group, case.head_dim
+    cache = torch.empty(2, 8, case.block_size, kv_heads, dim, dtype=case.dtype)
+    tables = torch.zeros(2, 4, dtype=torch.int32)
+    seq_lens = torch.tensor([40, 33], dtype=torch.int32)
+    query = torch.empty(8, heads, dim, dtype=case.dtype)
+    with capture_launches() as launches:
+        key = torch.empty(8, kv_heads, dim, dtype=case.dtype)
+        store_kv(key, key, cache, torch.zeros(8, dtype=torch.long))
+        prefill_attention(query, cache, torch.tensor([0, 5, 8], dtype=torch.int32), seq_lens, tables, 0.1, max_query_len=5)
+        out, lse = decode_attention(query[:2], cache, seq_lens, tables, 0.1, num_splits=4)
+        merge_attn_states(out, lse, out, lse)
+    return launches
+
+
+def default_cases() -> list[AttentionCase]:
+    """The issue's head dims and block sizes in both 16-bit types, GQA groups 1 to 8 (7 is padded),
+    and the fp32 path (exact dot products) the engine takes for float32 checkpoints."""
+    return [
+        AttentionCase(dtype, head_dim, group, block_size)
+        for dtype in (torch.float16, torch.bfloat16)
+        for head_dim in (64, 80, 96, 128)
+        for group, block_size in ((1, 16), (4, 32), (7, 16), (8, 16))
+    ] + [AttentionCase(torch.float32, 128, 4, 16)]
+
+
+def report(cases: list[AttentionCase], archs: list[int], log: Callable[[str], None] = print) -> list[KernelResources]:
+    results = []
+    for case in cases:
+        for launch in record_attention_launches(case):
+            for arch in archs:
+                res = resources_of(launch, arch, case.label)
+                results.append(res)
+                note = "; ".join(res.problems()) or "ok"
+                log(f"sm_{arch} {res.kernel:<24} {case.label:<22} warps {res.num_warps} stages {res.num_stages} "
+                    f"regs {res.registers:>3} smem {res.shared_bytes:>6} spill {res.local_bytes:>4}  {note}")
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, action="append", choices=sorted(SHARED_MEMORY_LIMIT),
+                        help="target compute capability (repeatable; default: 80 and 90)")
+    parser.add_argument("--quick", action="store_true", help="a few representative cases instead of the full matrix")
+    parser.add_argument("--json", help="write the per-kernel resources here")
+    args = parser.parse_args(argv)
+    archs = args.arch or [80, 90]
+    cases = default_cases()
+    if args.quick:
+        cases = [AttentionCase(torch.bfloat16, 128, 8, 16), AttentionCase(torch.float16, 80, 1, 32)]
+    results = report(cases, archs)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([asdict(r) for r in results], f, indent=1)
+    bad = [r for r in results if r.problems()]
+    print(f"{len(results)} compiled, {len(bad)} with problems")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
