@@ -31,8 +31,11 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
     assert {r["case"].split()[0] for r in rows} == {"bf16", "fp16"}
     for r in rows:
         assert r["registers"] > 0 and r["local_bytes"] == 0, r
-    prefill = next(r for r in rows if r["kernel"] == "_prefill_kernel" and r["case"].startswith("bf16"))
-    assert prefill["constexprs"]["GROUP"] == 8 and prefill["shared_bytes"] > 0  # K/V tiles staged in shared memory
+    prefill = {r["arch"]: r for r in rows if r["kernel"] == "_prefill_kernel" and r["case"].startswith("bf16")}
+    assert prefill[90]["constexprs"]["GROUP"] == 8
+    # On tensor cores, Hopper's warpgroup MMA on sm_90, with K/V tiles prefetched asynchronously.
+    assert prefill[90]["mma"] == "wgmma" and prefill[80]["mma"] == "mma"
+    assert prefill[90]["async_copy"] and prefill[90]["shared_bytes"] > 0
 
 
 def test_capturing_launches_refuses_interpreted_kernels(monkeypatch):

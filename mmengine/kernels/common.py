@@ -22,3 +22,10 @@ def dot_precision(dtype: torch.dtype) -> str | None:
 
 def padded_head_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
+
+
+def launch_options(num_warps: int = 4, num_stages: int = 3) -> dict[str, object]:
+    """Compile options every launch states: warps and software-pipeline stages (the tuning knobs;
+    `python -m mmengine.kernels.cross_compile` reports their registers, spills and shared memory)
+    and FMA contraction, on, as Triton's default is about to change."""
+    return {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": True}

@@ -62,6 +62,8 @@ class KernelResources:
     registers: int
     shared_bytes: int
     local_bytes: int  # > 0 means registers spilled to local memory
+    mma: str  # tensor-core instructions of the dots: "wgmma" (Hopper), "mma" (Ampere style) or "none"
+    async_copy: bool  # K/V tiles prefetched into shared memory by asynchronous copies (pipelined loop)
     constexprs: dict[str, Any] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
@@ -110,7 +112,7 @@ def _specialize(value: Any) -> tuple[str, Any, bool]:
 def compile_launch(launch: Launch, arch: int) -> tuple[Any, dict[str, Any]]:
     """Compiles a recorded launch for sm_<arch>; returns (compiled kernel, its constexprs)."""
     kernel = launch.kernel
-    options = {k: launch.kwargs[k] for k in ("num_warps", "num_stages") if k in launch.kwargs}
+    options = {k: launch.kwargs[k] for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in launch.kwargs}
     bound = dict(zip(kernel.arg_names, launch.args))
     bound.update({k: v for k, v in launch.kwargs.items() if k not in options})
     signature: dict[str, str] = {}
@@ -146,15 +148,23 @@ def cubin_resources(cubin: bytes) -> dict[str, int]:
     return found
 
 
+def _mma_kind(ttgir: str) -> str:
+    if "warp_group_dot" in ttgir:
+        return "wgmma"
+    return "mma" if "nvidia_mma" in ttgir else "none"
+
+
 def resources_of(launch: Launch, arch: int, case: str) -> KernelResources:
     compiled, constexprs = compile_launch(launch, arch)
     usage = cubin_resources(compiled.asm["cubin"])
+    ttgir = compiled.asm["ttgir"]
     # Dynamic shared memory (the pipelined tiles) is in the metadata; cuobjdump lists only the static part.
     shared = max(compiled.metadata.shared, usage["SHARED"])
     return KernelResources(
         kernel=launch.name, case=case, arch=arch,
         num_warps=compiled.metadata.num_warps, num_stages=compiled.metadata.num_stages,
         registers=usage["REG"], shared_bytes=shared, local_bytes=usage["LOCAL"],
+        mma=_mma_kind(ttgir), async_copy="async_copy_global_to_local" in ttgir,
         constexprs={k: v for k, v in constexprs.items() if isinstance(v, (int, str)) or v is None},
     )
 
@@ -217,7 +227,8 @@ def report(cases: list[AttentionCase], archs: list[int], log: Callable[[str], No
                 results.append(res)
                 note = "; ".join(res.problems()) or "ok"
                 log(f"sm_{arch} {res.kernel:<24} {case.label:<22} warps {res.num_warps} stages {res.num_stages} "
-                    f"regs {res.registers:>3} smem {res.shared_bytes:>6} spill {res.local_bytes:>4}  {note}")
+                    f"regs {res.registers:>3} smem {res.shared_bytes:>6} spill {res.local_bytes:>4} {res.mma:>5}"
+                    f"{' async' if res.async_copy else '      '}  {note}")
     return results
 
 

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmengine.kernels.common import LOG2E, dot_precision, padded_head_dim
+from mmengine.kernels.common import launch_options, LOG2E, dot_precision, padded_head_dim
 from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
 
 
@@ -119,11 +119,13 @@ def decode_attention(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), NUM_SPLITS=num_splits, BLOCK_N=block_n,
         BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=block_d, PRECISION=dot_precision(query.dtype),
+        **launch_options(),
     )
     _decode_reduce_kernel[(num_reqs, num_heads)](
         part_out, part_lse, out, lse,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        **launch_options(),
     )
     return out, lse

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmengine.kernels.common import padded_head_dim
+from mmengine.kernels.common import launch_options, padded_head_dim
 
 
 @triton.jit
@@ -40,4 +40,5 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
         BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+        **launch_options(),
     )

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmengine.kernels.common import padded_head_dim
+from mmengine.kernels.common import launch_options, padded_head_dim
 
 
 @triton.jit
@@ -52,5 +52,6 @@ def merge_attn_states(
         out_a.stride(0), out_a.stride(1), out_b.stride(0), out_b.stride(1), out.stride(0), out.stride(1),
         lse_a.stride(0), lse_a.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+        **launch_options(),
     )
     return out, lse

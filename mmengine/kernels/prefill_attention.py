@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmengine.kernels.common import LOG2E, dot_precision, padded_head_dim
+from mmengine.kernels.common import launch_options, LOG2E, dot_precision, padded_head_dim
 from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
 
 
@@ -110,5 +110,6 @@ def prefill_attention(
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],
         HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim), PRECISION=dot_precision(query.dtype),
+        **launch_options(),
     )
     return out, lse
