@@ -44,6 +44,9 @@ class EngineConfig:
     encoder_cache_size: int | None = None  # embeddings; None: autotuned (see encoder_cache/budget.py)
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8})
     max_image_pixels: int = 64 * 1024 * 1024
+    # Preprocessed pixels kept (host memory) after their requests finish, so a repeated image is
+    # neither decoded nor resized again; 0 keeps only what live requests hold.
+    mm_processor_cache_bytes: int = 1 << 30
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model, "model", self.model, "a checkpoint path")
@@ -58,6 +61,11 @@ class EngineConfig:
         if self.encoder_cache_size is not None:
             _positive_int("encoder_cache_size", self.encoder_cache_size)
         _positive_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
+        _require(
+            isinstance(self.mm_processor_cache_bytes, int) and not isinstance(self.mm_processor_cache_bytes, bool)
+            and self.mm_processor_cache_bytes >= 0,
+            "mm_processor_cache_bytes", self.mm_processor_cache_bytes, "an int >= 0",
+        )
         _require(
             isinstance(self.gpu_memory_utilization, float | int) and 0 < self.gpu_memory_utilization <= 1,
             "gpu_memory_utilization",

@@ -51,6 +51,7 @@ class MMEngine:
             self.max_model_len,
             self.config.limit_mm_per_prompt,
             self.config.max_image_pixels,
+            self.config.mm_processor_cache_bytes,
         )
         self.input_processor.check_tokens_per_image(max_tokens_per_item(self.hf_config))
         self.tokenizer = self.input_processor.tokenizer
@@ -229,6 +230,10 @@ class MMEngine:
             "encoder_cache_entries": len(self.encoder_cache.entries),
             "encoder_cache_bytes": self.encoder_cache.num_used * self.runner.embedding_bytes,
             "reencodes_after_prefix_hit": self.scheduler.num_reencodes_after_prefix_hit,
+            "images_decoded": self.input_processor.num_images_decoded,
+            "images_preprocessed": self.input_processor.num_images_preprocessed,
+            "mm_processor_cache_hits": self.input_processor.cache.num_hits,
+            "mm_processor_cache_bytes": self.input_processor.cache.num_bytes,
             "prefix_cache_queries": self.kv_cache.prefix_cache_queries,
             "prefix_cache_hits": self.kv_cache.prefix_cache_hits,
             "kv_blocks_total": self.kv_cache.num_blocks,

@@ -143,5 +143,7 @@ def test_engine_config_errors(checkpoint_dir, tmp_path):
         MMEngine(str(checkpoint_dir()), max_model_len=10**7)
     with pytest.raises(ConfigError, match="attn_backend"):
         MMEngine(str(checkpoint_dir()), attn_backend="flash")
+    with pytest.raises(ConfigError, match="mm_processor_cache_bytes"):
+        MMEngine(str(checkpoint_dir()), mm_processor_cache_bytes=-1)
     with pytest.raises(UnsupportedModelError, match="config.json"):
         MMEngine(str(tmp_path))

@@ -39,6 +39,9 @@ SUPPORTED_IMAGE_FORMATS: tuple[str, ...] = (
     "PNG", "JPEG", "MPO", "GIF", "WEBP", "BMP", "TIFF", "AVIF", "PPM",
 )
 
+# Files up to this size are read whole to key the preprocessing cache by their bytes.
+MAX_ENCODED_FILE_BYTES: int = 64 * 1024 * 1024
+
 _ALPHA_MODES = frozenset({"RGBA", "LA", "PA", "RGBa", "La"})
 _HIGH_DEPTH_MODES = frozenset({"I", "F", "I;16", "I;16L", "I;16B", "I;16N"})
 _NUMPY_CHANNELS = (1, 3, 4)
@@ -50,16 +53,22 @@ def load_image(
     *,
     max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
     image_index: int = 0,
+    encoded: bytes | None = None,
 ) -> Image.Image:
     """Return `image` as a fully decoded, detached RGB PIL image.
 
-    Paths and encoded bytes are decoded (first frame of animations, EXIF orientation applied).
+    Paths and encoded bytes are decoded (first frame of animations, EXIF orientation applied);
+    `encoded`, when given, is the path's or bytes' content as `encoded_bytes` already read it.
     PIL images are used as given (current frame, no EXIF rotation), numpy arrays must be uint8, or
     float in [0, 1], shaped HxW, HxWx1, HxWx3 or HxWx4 (RGBA). Raises CorruptImageError,
     ImageTooLargeError or UnsupportedImageTypeError with a reason starting "image {image_index}: ".
     """
     if isinstance(max_pixels, bool) or not isinstance(max_pixels, int) or max_pixels < 1:
         raise ConfigError(f"max_pixels must be a positive int, got {max_pixels!r}")
+    if encoded is not None:
+        shown = _shown_path(image) if isinstance(image, (str, os.PathLike)) else "image bytes"
+        with _decode_errors(image_index, shown):
+            return _decode(io.BytesIO(encoded), max_pixels, image_index)
     if isinstance(image, Image.Image):
         return _load_pil(image, max_pixels, image_index)
     if isinstance(image, np.ndarray):
@@ -72,6 +81,27 @@ def load_image(
         f"image {image_index}: unsupported image type {_type_name(image)}; expected a PIL image, "
         "a file path, encoded image bytes or a numpy array"
     )
+
+
+def encoded_bytes(image: ImageInput, *, image_index: int = 0) -> bytes | None:
+    """The encoded bytes of a file path or bytes input (read, not decoded); None for decoded inputs
+    (PIL images, numpy arrays) and for files over MAX_ENCODED_FILE_BYTES, which are left to the
+    decoder's streaming checks. Raises CorruptImageError for an unreadable file or empty bytes."""
+    if isinstance(image, (str, os.PathLike)):
+        try:
+            with open(image, "rb") as file:
+                if os.fstat(file.fileno()).st_size > MAX_ENCODED_FILE_BYTES:
+                    return None
+                data = file.read()
+        except (OSError, ValueError) as exc:  # ValueError: e.g. an embedded NUL byte
+            raise CorruptImageError(f"image {image_index}: cannot read {_shown_path(image)}: {_reason(exc)}") from exc
+    elif isinstance(image, (bytes, bytearray, memoryview)):
+        data = image if isinstance(image, bytes) else bytes(image)
+    else:
+        return None
+    if not data:
+        raise CorruptImageError(f"image {image_index}: image bytes are empty")
+    return data
 
 
 def image_content_bytes(image: Image.Image) -> bytes:
@@ -99,10 +129,13 @@ def _load_path(path: str | os.PathLike, max_pixels: int, index: int) -> Image.Im
     try:
         file = open(path, "rb")  # closed by the `with` below
     except (OSError, ValueError) as exc:  # ValueError: e.g. an embedded NUL byte
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise CorruptImageError(f"image {index}: cannot read {shown}: {reason}") from exc
+        raise CorruptImageError(f"image {index}: cannot read {shown}: {_reason(exc)}") from exc
     with file, _decode_errors(index, shown):
         return _decode(file, max_pixels, index)
+
+
+def _reason(exc: OSError | ValueError) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
 
 
 def _load_bytes(data: bytes | bytearray | memoryview, max_pixels: int, index: int) -> Image.Image:
