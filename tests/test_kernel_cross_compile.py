@@ -22,7 +22,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
     env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
     result = subprocess.run(
         [sys.executable, "-m", "mmengine.kernels.cross_compile", "--quick", "--json", str(report)],
-        env=env, capture_output=True, text=True, timeout=600,
+        env=env, capture_output=True, text=True, timeout=600, check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = json.loads(report.read_text())
