@@ -39,7 +39,9 @@ class EngineConfig:
     seed: int = 0
     attn_backend: str = "auto"  # "auto" | "torch" | "triton"
     enable_prefix_caching: bool = True
-    prefix_caching_hash_algo: str = "xxh3_128"  # or "sha256" where crafted collisions are a concern
+    # "sha256" where crafted collisions are a concern; also hashes image content (mm_hash), which
+    # is part of a KV block's identity
+    prefix_caching_hash_algo: str = "xxh3_128"
     prefix_caching_hash_seed: int | None = None  # None: random per process
     encoder_cache_size: int | None = None  # embeddings; None: autotuned (see encoder_cache/budget.py)
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8})

@@ -52,6 +52,7 @@ class MMEngine:
             self.config.limit_mm_per_prompt,
             self.config.max_image_pixels,
             self.config.mm_processor_cache_bytes,
+            self.config.prefix_caching_hash_algo,
         )
         self.input_processor.check_tokens_per_image(max_tokens_per_item(self.hf_config))
         self.tokenizer = self.input_processor.tokenizer

@@ -132,3 +132,21 @@ def test_corrupt_bytes_are_rejected_every_time_and_never_cached(checkpoint_dir):
     assert engine.stats()["images_preprocessed"] == 0
     out = engine.generate([PROMPT], images=[[_jpeg(5)]], sampling_params=PARAMS, use_tqdm=False)
     assert len(out[0].token_ids) == 3
+
+
+def test_sha256_prefix_caching_hashes_images_with_sha256_too(checkpoint_dir, tmp_path):
+    """An image's hash is part of its KV blocks' identity: choosing sha256 against crafted collisions
+    must cover it (and the encoded-bytes digest), or a collision there would still alias blocks."""
+    path = tmp_path / "cat.jpg"
+    path.write_bytes(_jpeg(6))
+    hashes = {}
+    for algo in ("xxh3_128", "sha256"):
+        engine = MMEngine(str(checkpoint_dir()), max_model_len=256, prefix_caching_hash_algo=algo)
+        first = engine.input_processor.process(PROMPT, [str(path)], PARAMS)
+        again = engine.input_processor.process(PROMPT, [path.read_bytes()], PARAMS)
+        assert engine.stats()["images_decoded"] == 1  # the bytes digest works under either algorithm
+        hashes[algo] = first.mm_items[0].mm_hash
+        assert again.mm_items[0].mm_hash == hashes[algo]
+        outs = engine.generate([PROMPT] * 2, images=[[str(path)]] * 2, sampling_params=PARAMS, use_tqdm=False)
+        assert outs[1].num_cached_tokens > 0 and outs[0].token_ids == outs[1].token_ids
+    assert len(hashes["xxh3_128"]) == 32 and len(hashes["sha256"]) == 64

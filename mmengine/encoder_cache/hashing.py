@@ -1,14 +1,20 @@
 """Content hashes of multimodal items: the same picture, processed the same way, hashes the same.
 
-mm_hash = xxh3_128(modality, model fingerprint, processor settings, item content). The content
-is the decoded RGB pixels, so a path, encoded bytes, a PIL image and a numpy array of one
-picture agree; different processor settings or a different model give different hashes.
+mm_hash = H(modality, model fingerprint, processor settings, item content). The content is the
+decoded RGB pixels, so a path, encoded bytes, a PIL image and a numpy array of one picture agree;
+different processor settings or a different model give different hashes.
+
+H is the engine's `prefix_caching_hash_algo`: xxh3_128, or sha256 where crafted collisions are a
+concern. The two must go together: a KV block's identity includes the mm_hash of every image it
+overlaps, so an image hash collision would be a prefix-cache (and encoder-cache) collision too.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import xxhash
 from PIL import Image
@@ -34,17 +40,32 @@ def processor_settings_key(image_processor: object) -> str:
     return json.dumps(settings, sort_keys=True, default=str)
 
 
-def hash_image(image: Image.Image, fingerprint: str, settings_key: str) -> str:
-    return _hash_item(b"image", fingerprint, settings_key, b"content", image_content_bytes(image))
+def new_hasher(algo: str) -> Any:
+    """An incremental hasher (update / hexdigest) of one of the engine's hash algorithms."""
+    if algo == "xxh3_128":
+        return xxhash.xxh3_128()
+    if algo == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown hash algorithm {algo!r}")
 
 
-def hash_user_id(user_id: str, fingerprint: str, settings_key: str, modality: str = "image") -> str:
+def hash_bytes(data: bytes, algo: str) -> str:
+    h = new_hasher(algo)
+    h.update(data)
+    return h.hexdigest()
+
+
+def hash_image(image: Image.Image, fingerprint: str, settings_key: str, algo: str = "xxh3_128") -> str:
+    return _hash_item(b"image", fingerprint, settings_key, b"content", image_content_bytes(image), algo)
+
+
+def hash_user_id(user_id: str, fingerprint: str, settings_key: str, algo: str = "xxh3_128", modality: str = "image") -> str:
     """A user-given item id (mm_uuids) stands in for the content; model and settings still separate it."""
-    return _hash_item(modality.encode(), fingerprint, settings_key, b"uuid", user_id.encode())
+    return _hash_item(modality.encode(), fingerprint, settings_key, b"uuid", user_id.encode(), algo)
 
 
-def _hash_item(modality: bytes, fingerprint: str, settings_key: str, kind: bytes, content: bytes) -> str:
-    h = xxhash.xxh3_128()
+def _hash_item(modality: bytes, fingerprint: str, settings_key: str, kind: bytes, content: bytes, algo: str) -> str:
+    h = new_hasher(algo)
     for part in (modality, fingerprint.encode(), settings_key.encode(), kind):
         h.update(len(part).to_bytes(8, "little") + part)
     h.update(content)

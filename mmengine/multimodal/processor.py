@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import xxhash
 from PIL import Image
 from transformers import AutoProcessor, PretrainedConfig
 
@@ -29,7 +28,7 @@ from mmengine.errors import (
     TooManyImagesError,
     UnsupportedModelError,
 )
-from mmengine.encoder_cache.hashing import hash_image, hash_user_id, model_fingerprint, processor_settings_key
+from mmengine.encoder_cache.hashing import hash_bytes, hash_image, hash_user_id, model_fingerprint, processor_settings_key
 from mmengine.multimodal.image_loading import ImageInput, encoded_bytes, load_image
 from mmengine.multimodal.processor_cache import ProcessorCache
 from mmengine.request import MMItem, ProcessedPrompt
@@ -45,6 +44,7 @@ class InputProcessor:
         limit_mm_per_prompt: dict[str, int],
         max_image_pixels: int,
         processor_cache_bytes: int = 0,
+        hash_algo: str = "xxh3_128",
     ) -> None:
         self.hf_processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
         self.tokenizer = self.hf_processor.tokenizer
@@ -62,6 +62,7 @@ class InputProcessor:
         # One pixel tensor per distinct item, shared by every request that has it and kept after they
         # finish (up to processor_cache_bytes): the same picture is preprocessed once.
         self.cache = ProcessorCache(processor_cache_bytes)
+        self.hash_algo = hash_algo
         self.num_images_decoded = 0
         self.num_images_preprocessed = 0
         self.tokens_per_image = 0
@@ -157,19 +158,19 @@ class InputProcessor:
         pixels: list[torch.Tensor | None] = []
         to_preprocess: dict[str, Image.Image] = {}
         for index, (image, user_id) in enumerate(zip(images, user_ids)):
-            mm_hash = hash_user_id(user_id, self.fingerprint, self.settings_key) if user_id is not None else None
+            mm_hash = hash_user_id(user_id, self.fingerprint, self.settings_key, self.hash_algo) if user_id is not None else None
             digest = encoded = None
             if mm_hash is None:
                 encoded = encoded_bytes(image, image_index=index)
                 if encoded is not None:
-                    digest = xxhash.xxh3_128_hexdigest(encoded)
+                    digest = hash_bytes(encoded, self.hash_algo)
                     mm_hash = self.cache.hash_of_encoded(digest)
             cached = self.cache.get(mm_hash) if mm_hash is not None else None
             if cached is None and mm_hash not in to_preprocess:
                 loaded = load_image(image, max_pixels=self.max_image_pixels, image_index=index, encoded=encoded)
                 self.num_images_decoded += 1
                 if mm_hash is None:
-                    mm_hash = hash_image(loaded, self.fingerprint, self.settings_key)
+                    mm_hash = hash_image(loaded, self.fingerprint, self.settings_key, self.hash_algo)
                     cached = self.cache.get(mm_hash)
                 if digest is not None:
                     self.cache.remember_encoded(digest, mm_hash)
