@@ -80,26 +80,45 @@ def test_colliding_hash_never_gives_a_wrong_hit():
     assert len(kv.get_computed_blocks(same)) >= 1  # the exact same prefix still hits
 
 
-def test_evicted_and_recached_parent_does_not_revive_its_old_child():
-    """A child cached under parent P must not match after P is evicted and its hash re-cached with other contents."""
+def test_a_child_matches_only_after_the_exact_parent_it_was_cached_after():
     from mmengine.kv_cache.block_hash import BlockKey
     from mmengine.kv_cache.block_pool import BlockPool
 
     pool = BlockPool(2)
     parent, child = pool.take(2)
-    parent_key, child_key = BlockKey((1, 1), ()), BlockKey((2, 2), ())
-    assert pool.cache(parent, b"P", parent_key, None)
+    child_key = BlockKey((2, 2), ())
+    assert pool.cache(parent, b"P", BlockKey((1, 1), ()), None)
     assert pool.cache(child, b"C", child_key, parent.cache_id)
-    old_parent_id = parent.cache_id
-    pool.release([parent, child])  # parent first in the queue: it is evicted, the child stays
-    (reused,) = pool.take(1)
-    assert reused is parent and not parent.is_cached and child.is_cached
+    assert pool.lookup(b"C", child_key, parent.cache_id) is child
+    assert pool.lookup(b"C", child_key, parent.cache_id + 1) is None
+    assert pool.lookup(b"C", child_key, None) is None
 
-    other_key = BlockKey((9, 9), ())  # different contents under the same (colliding) hash
-    assert pool.cache(reused, b"P", other_key, None)
-    assert pool.lookup(b"P", other_key, None) is reused
-    assert pool.lookup(b"C", child_key, reused.cache_id) is None  # the stale child is never a hit
-    assert pool.lookup(b"C", child_key, old_parent_id) is child  # only the exact chain it was cached after
+
+def test_evicting_a_parent_uncaches_its_descendants_so_the_chain_can_be_cached_again():
+    """A child cached under parent P can never be hit once P is evicted (lookups walk the chain), so it
+    leaves the cache with P: it must not keep its hash, which would stop the recomputed chain from being
+    cached, nor its pins. Its holder keeps it; siblings under other parents are untouched."""
+    from mmengine.kv_cache.block_hash import BlockKey
+    from mmengine.kv_cache.block_pool import BlockPool
+
+    uncached = []
+    pool = BlockPool(5, on_uncache=lambda block: uncached.append(block.block_id))
+    parent, child, grandchild, other_root, other_child = pool.take(5)
+    key = BlockKey((1, 1), ())
+    assert pool.cache(parent, b"P", key, None)
+    assert pool.cache(child, b"C", key, parent.cache_id)
+    assert pool.cache(grandchild, b"G", key, child.cache_id)
+    assert pool.cache(other_root, b"Q", key, None)
+    assert pool.cache(other_child, b"D", key, other_root.cache_id)
+    pool.release([parent, other_root, other_child])  # the child and grandchild are still in use
+    (reused,) = pool.take(1)  # evicts the parent, the head of the free queue
+    assert reused is parent
+    assert sorted(uncached) == [parent.block_id, child.block_id, grandchild.block_id]
+    assert not child.is_cached and not grandchild.is_cached and child.ref_cnt == 1
+    assert other_root.is_cached and other_child.is_cached and pool.num_cached_blocks == 2
+    # The same contents recomputed after a newly cached parent take the freed hashes.
+    assert pool.cache(reused, b"P", key, None)
+    assert pool.cache(child, b"C", key, reused.cache_id)
 
 
 def test_eviction_is_lru_and_tail_first():

@@ -5,6 +5,11 @@ releases it, it joins the free queue but keeps its hash and contents: a later re
 with the same prefix can take it back out (a hit) until the block is reallocated, which
 evicts it. The free queue is LRU: the head is evicted first. It is an OrderedDict keyed
 by block id, so taking a hit block out of the middle is O(1), like appending and popping.
+
+A cached block is reachable only through its parent (a lookup walks the chain from block 0),
+so taking a block out of the cache takes its cached descendants out too: they could never be
+hit again, and would otherwise hold their hashes (keeping a recomputed chain from being cached)
+and their pins on encoder outputs until LRU reached them.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class BlockPool:
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[BlockHash, KVBlock] = {}
+        self._children: dict[int, set[KVBlock]] = {}  # cache_id -> cached blocks chained after it
         self._cache_ids = itertools.count()
         self.num_evictions = 0
         self.on_uncache = on_uncache  # called whenever a block leaves the prefix cache
@@ -84,13 +90,25 @@ class BlockPool:
         block.block_hash, block.key, block.parent_cache_id, block.pins = block_hash, key, parent_cache_id, pins
         block.cache_id = next(self._cache_ids)
         self._cached[block_hash] = block
+        if parent_cache_id is not None:
+            self._children.setdefault(parent_cache_id, set()).add(block)
         return True
 
     def uncache(self, block: KVBlock) -> None:
-        """Takes a block out of the prefix cache; whoever holds it keeps it."""
-        if block.is_cached:
-            del self._cached[block.block_hash]
-            self._forget(block)
+        """Takes a block and its cached descendants out of the prefix cache; whoever holds them keeps them."""
+        if not block.is_cached:
+            return
+        siblings = self._children.get(block.parent_cache_id)
+        if siblings is not None:
+            siblings.discard(block)
+            if not siblings:
+                del self._children[block.parent_cache_id]
+        stack = [block]
+        while stack:
+            current = stack.pop()
+            stack.extend(self._children.pop(current.cache_id, ()))
+            del self._cached[current.block_hash]
+            self._forget(current)
 
     def reset_cache(self) -> None:
         for block in list(self._cached.values()):
