@@ -38,6 +38,10 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" | "float32" | "float16" | "bfloat16"
     seed: int = 0
     attn_backend: str = "auto"  # "auto" | "torch" | "triton"
+    # Decode-only steps replay CUDA graphs captured at start-up (CUDA + Triton kernels); True runs
+    # every step eagerly (start-up is faster, steps are slower).
+    enforce_eager: bool = False
+    max_cuda_graph_batch_size: int | None = None  # None: max_num_seqs; larger decode batches run eagerly
     enable_prefix_caching: bool = True
     # "sha256" where crafted collisions are a concern; also hashes image content (mm_hash), which
     # is part of a KV block's identity
@@ -82,6 +86,9 @@ class EngineConfig:
         )
         _require(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", self.dtype, f"'auto' or one of {sorted(_DTYPES)}")
         _require(isinstance(self.seed, int), "seed", self.seed, "an int")
+        _require(isinstance(self.enforce_eager, bool), "enforce_eager", self.enforce_eager, "a bool")
+        if self.max_cuda_graph_batch_size is not None:
+            _positive_int("max_cuda_graph_batch_size", self.max_cuda_graph_batch_size)
         _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", self.enable_prefix_caching, "a bool")
         _require(
             self.prefix_caching_hash_algo in HASH_ALGORITHMS,

@@ -64,6 +64,9 @@ class MMEngine:
             images_per_step=unpinned.compute_budget_tokens // unpinned.max_tokens_per_item,
         )
         self.runner.allocate_kv_cache(num_blocks)
+        if self.runner.use_cuda_graphs:
+            self.runner.capture_cuda_graphs()
+        self.runner.warm_up()
         self.encoder_budget = self._encoder_budget(pinned_room_tokens=num_blocks * self.config.block_size)
         self.kv_cache = KVCacheManager(
             num_blocks,

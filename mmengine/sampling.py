@@ -6,6 +6,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from mmengine.errors import ConfigError
@@ -115,8 +116,34 @@ class SamplingParams:
         return list(value)
 
 
+@dataclass
+class SamplingTensors:
+    """Per-row sampling settings as device tensors (built from pinned host buffers by the runner,
+    so making them never waits for the GPU). Greedy rows carry temperature 1 and no top-k/top-p."""
+
+    greedy: torch.Tensor  # [rows] bool
+    temperature: torch.Tensor  # [rows] float32
+    top_k: torch.Tensor  # [rows] int64, vocab size when disabled
+    top_p: torch.Tensor  # [rows] float32
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], vocab_size: int, device: torch.device) -> SamplingTensors:
+        host = sampling_rows(params, vocab_size)
+        return cls(*(torch.from_numpy(column).to(device) for column in host))
+
+
+def sampling_rows(params: list[SamplingParams], vocab_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Host columns (greedy, temperature, top_k, top_p) of SamplingTensors."""
+    greedy = np.array([p.greedy for p in params], dtype=np.bool_)
+    temperature = np.array([1.0 if p.greedy else p.temperature for p in params], dtype=np.float32)
+    top_k = np.array([min(p.top_k, vocab_size) if p.top_k_enabled and not p.greedy else vocab_size for p in params], dtype=np.int64)
+    top_p = np.array([1.0 if p.greedy else p.top_p for p in params], dtype=np.float32)
+    return greedy, temperature, top_k, top_p
+
+
 class Sampler:
-    """Picks the next token of every request in a batch from its logits."""
+    """Picks the next token of every request in a batch from its logits, on the logits' device
+    and without reading anything back: the caller reads the tokens once."""
 
     def __init__(self, seed: int = 0) -> None:
         self._seed = seed
@@ -136,29 +163,22 @@ class Sampler:
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        tensors: SamplingTensors | None = None,
     ) -> torch.Tensor:
-        """logits [num_reqs, vocab] (any float dtype, any device) -> next token ids [num_reqs] int64 on the same device."""
+        """logits [num_reqs, vocab] (any float dtype, any device) -> next token ids [num_reqs] int64 on the same device.
+        `tensors` are the rows' settings on the device (made from `params` when not given)."""
         if logits.dim() != 2 or logits.shape[0] != len(params) or len(params) != len(generators):
             raise ValueError(
                 f"logits {tuple(logits.shape)}, {len(params)} params and {len(generators)} generators do not match"
             )
-        tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)
-        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-        random_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if greedy_rows:
-            rows = self._index(greedy_rows, logits.device)
-            tokens[rows] = logits[rows].argmax(dim=-1)
-        if random_rows:
-            rows = self._index(random_rows, logits.device)
-            chosen = [params[i] for i in random_rows]
-            probs = _probs(logits[rows].float(), chosen)
-            noise = self._exponential_noise(probs, [generators[i] for i in random_rows])
-            tokens[rows] = (probs / noise).argmax(dim=-1)
-        return tokens
-
-    @staticmethod
-    def _index(rows: list[int], device: torch.device) -> torch.Tensor:
-        return torch.tensor(rows, dtype=torch.int64, device=device)
+        greedy_tokens = logits.argmax(dim=-1)
+        if all(p.greedy for p in params):
+            return greedy_tokens
+        if tensors is None:
+            tensors = SamplingTensors.from_params(params, logits.shape[1], logits.device)
+        probs = _probs(logits.float(), tensors, filtered=any(p.top_k_enabled or p.top_p < 1.0 for p in params))
+        noise = self._exponential_noise(probs, generators)
+        return torch.where(tensors.greedy, greedy_tokens, (probs / noise).argmax(dim=-1))
 
     def _default_generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
@@ -170,45 +190,35 @@ class Sampler:
 
     def _exponential_noise(self, probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
         """q ~ Exp(1) per row: each seeded row from its own generator, the rest from the sampler's."""
-        noise = torch.empty_like(probs)
-        unseeded = [i for i, g in enumerate(generators) if g is None]
-        if unseeded:
-            generator = self._default_generator(probs.device)
-            draws = torch.empty((len(unseeded), probs.shape[1]), device=probs.device)
-            noise[self._index(unseeded, probs.device)] = draws.exponential_(generator=generator)
+        noise = torch.empty_like(probs).exponential_(generator=self._default_generator(probs.device))
         for i, generator in enumerate(generators):
             if generator is not None:
                 # A fresh tensor per row, so the draws cannot depend on where the row sits.
-                row = torch.empty(probs.shape[1], device=probs.device)
-                noise[i] = row.exponential_(generator=generator)
+                noise[i] = torch.empty(probs.shape[1], device=probs.device).exponential_(generator=generator)
         # A draw of exactly 0 would give inf (or NaN for a masked token) and win the race.
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
-def _probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Temperature-scaled, top-k/top-p-masked probabilities of the random rows (float32)."""
-    device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
-    logits = logits / temperature.unsqueeze(1)
-    if any(p.top_k_enabled or p.top_p < 1.0 for p in params):
-        logits = logits.masked_fill(_top_k_top_p_mask(logits, params), float("-inf"))
+def _probs(logits: torch.Tensor, tensors: SamplingTensors, filtered: bool) -> torch.Tensor:
+    """Temperature-scaled, top-k/top-p-masked probabilities (float32)."""
+    logits = logits / tensors.temperature.unsqueeze(1)
+    if filtered:
+        logits = logits.masked_fill(_top_k_top_p_mask(logits, tensors), float("-inf"))
     return logits.softmax(dim=-1)
 
 
-def _top_k_top_p_mask(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _top_k_top_p_mask(logits: torch.Tensor, tensors: SamplingTensors) -> torch.Tensor:
     """True for the tokens that top-k or top-p removes."""
-    device, vocab = logits.device, logits.shape[1]
-    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k_enabled else vocab for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-
+    vocab = logits.shape[1]
     sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
-    rank = torch.arange(vocab, device=device).unsqueeze(0)
-    removed = rank >= top_k.unsqueeze(1)
+    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    removed = rank >= tensors.top_k.unsqueeze(1)
 
     probs = sorted_logits.masked_fill(removed, float("-inf")).softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs
     # A token goes once the tokens above it already reach top_p (so the top token, with
     # nothing above it, always stays); rows with top_p == 1 keep everything, as rounding
     # in the cumsum could otherwise drop a tail token.
-    removed |= (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+    top_p = tensors.top_p.unsqueeze(1)
+    removed |= (mass_before >= top_p) & (top_p < 1.0)
     return torch.zeros_like(removed).scatter_(1, order, removed)

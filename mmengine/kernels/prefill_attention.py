@@ -20,7 +20,7 @@ from mmengine.kernels.common import launch_options, LOG2E, dot_precision, padded
 from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["first_req"])  # varies per step: one compiled kernel for all
 def _prefill_kernel(
     q_ptr, cache_ptr, out_ptr, lse_ptr,
     query_start_ptr, seq_lens_ptr, block_tables_ptr,

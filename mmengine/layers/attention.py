@@ -8,7 +8,6 @@ is the reference and the CPU path; kernel backends plug in under another name.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 from collections.abc import Sequence
@@ -34,11 +33,16 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] int64: flat cache slot per new token, -1 = don't store
     query_start_loc: torch.Tensor  # [num_reqs + 1] int32: offsets of each request's new tokens
     seq_lens: torch.Tensor  # [num_reqs] int32: context length after this step (cached + new)
-    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with 0
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int32, padded with valid block ids
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     query_start_loc_cpu: list[int]
     num_decodes: int  # leading requests with exactly one new token
+    max_decode_seq_len: int  # an upper bound on the decodes' contexts (a CUDA graph uses max_model_len)
+    max_prefill_query_len: int
+    # Fixed by a CUDA graph for its batch size (a captured launch cannot change its grid);
+    # None lets the backend choose per step from the batch and the longest context.
+    decode_num_splits: int | None = None
 
     @classmethod
     def build(
@@ -50,9 +54,10 @@ class AttentionMetadata:
         device: torch.device,
     ) -> AttentionMetadata:
         """From host-side values: per-request query and sequence lengths, the block tables (rows
-        padded to one width) and each new token's cache slot."""
+        padded to one width) and each new token's cache slot. (The runner fills persistent
+        buffers instead; this is for tests and one-off runs.)"""
         starts = [0, *itertools.accumulate(query_lens)]
-        num_decodes = next((i for i, q_len in enumerate(query_lens) if q_len != 1), len(query_lens))
+        num_decodes = decode_prefix_length(query_lens)
         return cls(
             slot_mapping=torch.as_tensor(slot_mapping, dtype=torch.long).to(device),
             query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
@@ -62,19 +67,18 @@ class AttentionMetadata:
             seq_lens_cpu=list(seq_lens),
             query_start_loc_cpu=starts,
             num_decodes=num_decodes,
+            max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
+            max_prefill_query_len=max(query_lens[num_decodes:], default=0),
         )
 
     @property
     def num_reqs(self) -> int:
         return len(self.seq_lens_cpu)
 
-    @functools.cached_property  # read by every layer of the step
-    def max_decode_seq_len(self) -> int:
-        return max(self.seq_lens_cpu[: self.num_decodes], default=0)
 
-    @functools.cached_property
-    def max_prefill_query_len(self) -> int:
-        return max(self.query_lens_cpu[self.num_decodes :], default=0)
+def decode_prefix_length(query_lens: Sequence[int]) -> int:
+    """How many leading requests have exactly one new token."""
+    return next((i for i, q_len in enumerate(query_lens) if q_len != 1), len(query_lens))
 
 
 class AttentionBackend(Protocol):

@@ -32,11 +32,17 @@ def causal_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
 
 
 def batched_decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
 ) -> torch.Tensor:
-    """query [B, Hq, D], one token per request, attending to each request's whole context."""
+    """query [B, Hq, D], one token per request, attending to each request's whole context of at
+    most max_seq_len keys (a host-side bound, so nothing is read back from the device)."""
     num_reqs, block_size = query.shape[0], kv_cache.shape[2]
-    max_blocks = -(-int(seq_lens.max()) // block_size)
+    max_blocks = min(-(-max_seq_len // block_size), block_tables.shape[1])
     tables = block_tables[:, :max_blocks].long()
     key = kv_cache[0, tables].flatten(1, 2)  # [B, L, Hkv, D]; padding blocks read block 0 and are masked
     value = kv_cache[1, tables].flatten(1, 2)
@@ -62,7 +68,9 @@ class TorchAttentionBackend:
         out = torch.empty_like(query)
         nd = metadata.num_decodes  # the leading requests, one token each: tokens [0, nd)
         if nd:
-            out[:nd] = batched_decode_attention(query[:nd], kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], scale)
+            out[:nd] = batched_decode_attention(
+                query[:nd], kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], scale, metadata.max_decode_seq_len
+            )
         starts = metadata.query_start_loc_cpu
         for i in range(nd, metadata.num_reqs):
             lo, hi = starts[i], starts[i + 1]

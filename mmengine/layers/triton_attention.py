@@ -27,6 +27,25 @@ class TritonAttentionBackend:
             self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
         return self._num_sms
 
+    def choose_num_splits(self, num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+        return choose_num_splits(num_reqs, num_kv_heads, max_seq_len, self._sm_count(device))
+
+    def warm_up(self, num_heads: int, head_dim: int, kv_cache: torch.Tensor, max_seq_len: int, dtype: torch.dtype) -> None:
+        """Compiles every configuration an eager step can launch on this cache: the decode kernels
+        for each split count the heuristic can pick, and prefill after decodes (first_req > 0)."""
+        device = kv_cache.device
+        num_kv_heads = kv_cache.shape[3]
+        query = torch.zeros(2, num_heads, head_dim, dtype=dtype, device=device)
+        seq_lens = torch.ones(2, dtype=torch.int32, device=device)
+        block_tables = torch.zeros(2, 1, dtype=torch.int32, device=device)
+        most = self.choose_num_splits(1, num_kv_heads, max_seq_len, device)
+        for splits in (1 << i for i in range(most.bit_length())):
+            decode_attention(query[:1], kv_cache, seq_lens[:1], block_tables[:1], 1.0, splits)
+        query_start_loc = torch.arange(3, dtype=torch.int32, device=device)
+        for first_req in (0, 1):
+            prefill_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, 1.0, max_query_len=1,
+                              first_req=first_req, num_reqs=2 - first_req)
+
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         store_kv(key, value, kv_cache, slot_mapping)
 
@@ -34,7 +53,9 @@ class TritonAttentionBackend:
         out = torch.empty_like(query)
         nd = metadata.num_decodes  # the leading requests, one token each: tokens [0, nd)
         if nd:
-            splits = self.num_splits or choose_num_splits(nd, kv_cache.shape[3], metadata.max_decode_seq_len, self._sm_count(query.device))
+            splits = metadata.decode_num_splits or self.num_splits or self.choose_num_splits(
+                nd, kv_cache.shape[3], metadata.max_decode_seq_len, query.device
+            )
             decode_attention(
                 query[:nd], kv_cache, metadata.seq_lens[:nd], metadata.block_tables[:nd], scale, splits, out=out[:nd]
             )

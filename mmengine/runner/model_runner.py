@@ -1,14 +1,15 @@
 """ModelRunner: scheduler output -> tensors -> vision encoder + decoder -> sampled tokens.
 
-No policy here: the runner computes exactly what the scheduler asked for.
+No policy here: the runner computes exactly what the scheduler asked for. A step fills the
+persistent input buffers, replays a CUDA graph when the batch is decode-only (else runs eager),
+samples on the device and reads the sampled tokens back once: the step's only host sync.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -22,7 +23,9 @@ from mmengine.layers.attention import AttentionMetadata, get_attention_backend
 from mmengine.models.llama import head_dim_of
 from mmengine.models.loader import iter_checkpoint
 from mmengine.models.registry import model_class_for
-from mmengine.sampling import Sampler
+from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
+from mmengine.runner.inputs import InputBuffers, StepInputs
+from mmengine.sampling import Sampler, SamplingParams
 from mmengine.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -36,16 +39,6 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(old)
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata
-    logits_indices: torch.Tensor
-    scheduled: list[ScheduledRequest]  # in the order of the packed batch
-    sampled: list[ScheduledRequest]
 
 
 class ModelRunner:
@@ -73,6 +66,17 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # the encoder cache's tensors, by mm_hash
         self.kv_cache: torch.Tensor | None = None
         self.num_encoder_runs = 0  # items encoded
+        self.inputs = InputBuffers(
+            max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
+            max_reqs=config.max_num_seqs,
+            max_blocks_per_req=cdiv(max_model_len, self.block_size),
+            block_size=self.block_size,
+            vocab_size=self.text_config.vocab_size,
+            device=device,
+        )
+        self.decode_graphs: DecodeGraphs | None = None
+        # The final hidden states of a graph step, at a fixed address (rows beyond the batch are padding).
+        self._graph_hidden: torch.Tensor | None = None
 
     # -- KV cache -----------------------------------------------------------
 
@@ -118,8 +122,9 @@ class ModelRunner:
             attn.backend = self.attn_backend
 
     def _profile_kv_cache_bytes(self, images_per_step: int) -> int:
-        """Runs the largest step once (a full token budget, a full encoder budget) and returns what is
-        left for the KV cache under gpu_memory_utilization."""
+        """Runs the largest step once (a full token budget, a full encoder budget, sampling for
+        every sequence) and captures the decode graphs over a scratch cache; returns what is left
+        for the KV cache under gpu_memory_utilization."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
@@ -135,16 +140,93 @@ class ModelRunner:
             )
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             hidden = self.model(self.model.embed_tokens(ids), torch.arange(num_tokens, device=self.device), metadata)
-            self.model.compute_logits(hidden[-self.config.max_num_seqs :])
+            rows = min(self.config.max_num_seqs, num_tokens)
+            logits = self.model.compute_logits(hidden[-rows:])
+            del hidden
+            params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * rows
+            self.sampler(logits, params, [None] * rows)
+            del logits
         torch.cuda.synchronize(self.device)
-        self.kv_cache = None
         peak = torch.cuda.max_memory_allocated(self.device)
+        graph_bytes = 0
+        if self.use_cuda_graphs:
+            graph_bytes = self.capture_cuda_graphs().memory_bytes
+            self.release_cuda_graphs()
+        self.kv_cache = None
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        available = int(total * self.config.gpu_memory_utilization) - peak - non_torch
-        logger.info("KV cache profile: total %d, peak %d, non-torch %d -> %d bytes for KV", total, peak, non_torch, available)
+        available = int(total * self.config.gpu_memory_utilization) - peak - non_torch - graph_bytes
+        logger.info(
+            "KV cache profile: total %d, peak %d, non-torch %d, CUDA graphs %d -> %d bytes for KV",
+            total, peak, non_torch, graph_bytes, available,
+        )
         return max(available, 0)
+
+    # -- CUDA graphs and warm-up ----------------------------------------------
+
+    @property
+    def use_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs on CUDA with the Triton kernels, unless enforce_eager."""
+        return not self.config.enforce_eager and self.device.type == "cuda" and self.attn_backend.name == "triton"
+
+    def capture_cuda_graphs(self, capturer: GraphCapturer | None = None) -> CaptureReport:
+        """Captures one decode step per batch-size bucket over the bound KV cache and the
+        persistent input buffers. `capturer` defaults to real CUDA graphs (tests pass a stand-in)."""
+        assert self.kv_cache is not None, "allocate the KV cache before capturing"
+        sizes = graph_batch_sizes(self.config.max_num_seqs, self.config.max_cuda_graph_batch_size)
+        self._graph_hidden = torch.zeros(max(sizes), self.text_config.hidden_size, dtype=self.dtype, device=self.device)
+        graphs = DecodeGraphs(sizes)
+        with torch.inference_mode():
+            report = graphs.capture_all(self._decode_step, capturer or CudaGraphCapturer(), self.device)
+        self.decode_graphs = graphs
+        logger.info(
+            "captured %d decode graphs (batch sizes %d..%d) in %.2f s using %.1f MiB",
+            len(sizes), sizes[0], sizes[-1], report.seconds, report.memory_bytes / 2**20,
+        )
+        return report
+
+    def release_cuda_graphs(self) -> None:
+        self.decode_graphs = None
+        self._graph_hidden = None
+
+    def _decode_step(self, size: int) -> Callable[[], None]:
+        """A decode step of `size` rows over the persistent buffers, writing the final hidden states
+        into the static output. Everything the launches depend on is fixed per size: the decode
+        attention's split count, and a context bound of max_model_len."""
+        self.inputs.fill_dummy_decode(size)
+        splits = None
+        if hasattr(self.attn_backend, "choose_num_splits"):
+            splits = self.attn_backend.choose_num_splits(size, self.text_config.num_key_value_heads, self.max_model_len, self.device)
+        buffers = self.inputs
+        metadata = AttentionMetadata(
+            slot_mapping=buffers.slot_mapping.device[:size],
+            query_start_loc=buffers.query_start_loc.device[: size + 1],
+            seq_lens=buffers.seq_lens.device[:size],
+            block_tables=buffers.block_tables.device[:size],
+            query_lens_cpu=[1] * size,
+            seq_lens_cpu=[self.max_model_len] * size,
+            query_start_loc_cpu=list(range(size + 1)),
+            num_decodes=size,
+            max_decode_seq_len=self.max_model_len,
+            max_prefill_query_len=0,
+            decode_num_splits=splits,
+        )
+        input_ids, positions = buffers.input_ids.device[:size], buffers.positions.device[:size]
+        hidden_out = self._graph_hidden[:size]
+
+        def step() -> None:
+            hidden_out.copy_(self.model(self.model.embed_tokens(input_ids), positions, metadata))
+
+        return step
+
+    def warm_up(self) -> None:
+        """Compiles every kernel configuration an eager step can launch, so no request pays for a JIT."""
+        warm_up = getattr(self.attn_backend, "warm_up", None)
+        if warm_up is not None and self.kv_cache is not None:
+            layer = self.model.language_model.attention_layers()[0]
+            with torch.inference_mode():
+                warm_up(layer.num_heads, layer.head_dim, self.kv_cache[0], self.max_model_len, self.dtype)
 
     # -- one step -----------------------------------------------------------
 
@@ -156,9 +238,14 @@ class ModelRunner:
         scheduled = [s for s in out.scheduled if s.num_new_tokens > 0]  # zero-token requests just wait
         if not scheduled:
             return {}
-        inputs = self._prepare_inputs(scheduled, block_tables)
-        embeds = self._embed(inputs.input_ids, inputs.scheduled)
-        hidden = self.model(embeds, inputs.positions, inputs.metadata)
+        graph_size = self._graph_size_for(scheduled)
+        inputs = self.inputs.prepare(scheduled, block_tables, graph_size)
+        if graph_size is not None:
+            self.decode_graphs.replay(graph_size)
+            hidden = self._graph_hidden
+        else:
+            embeds = self._embed(inputs.input_ids, inputs.scheduled)
+            hidden = self.model(embeds, inputs.positions, inputs.metadata)
         if not inputs.sampled:
             return {}
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
@@ -166,8 +253,21 @@ class ModelRunner:
             logits,
             [s.request.sampling_params for s in inputs.sampled],
             [s.request.generator for s in inputs.sampled],
-        ).tolist()
+            inputs.sampling,
+        ).tolist()  # the step's one read back from the device
         return {s.request.request_id: tok for s, tok in zip(inputs.sampled, tokens)}
+
+    def _graph_size_for(self, scheduled: list[ScheduledRequest]) -> int | None:
+        """The graph bucket for a decode-only batch whose tokens are all text, else None (eager)."""
+        if self.decode_graphs is None:
+            return None
+        for s in scheduled:
+            if s.num_new_tokens != 1:
+                return None
+            items = s.request.mm_items
+            if items and items[-1].end > s.start:  # the token may be an image placeholder
+                return None
+        return self.decode_graphs.bucket_for(len(scheduled))
 
     def free_encoder_outputs(self, mm_hashes: list[str]) -> None:
         for mm_hash in mm_hashes:
@@ -178,7 +278,9 @@ class ModelRunner:
         if not jobs:
             return
         pixel_values = torch.stack([req.mm_items[idx].encoder_inputs["pixel_values"] for req, idx in jobs])
-        embeddings = self.model.encode_images(pixel_values.to(self.device))
+        if self.device.type == "cuda":
+            pixel_values = pixel_values.pin_memory()
+        embeddings = self.model.encode_images(pixel_values.to(self.device, non_blocking=True))
         for (req, idx), emb in zip(jobs, embeddings):
             item = req.mm_items[idx]
             if emb.shape[0] != item.length:
@@ -188,44 +290,6 @@ class ModelRunner:
                 )
             self.encoder_outputs[item.mm_hash] = emb.to(self.dtype)
         self.num_encoder_runs += len(jobs)
-
-    def _prepare_inputs(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]]) -> StepInputs:
-        # Decodes first: the attention backends take the leading one-token requests as one batch.
-        scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
-        query_lens = np.array([s.num_new_tokens for s in scheduled])
-        starts = np.array([s.start for s in scheduled])
-        # A last token recomputed after a full prefix hit sits in a shared cached block
-        # that already holds its K/V: it is attended to, never written again (slot -1).
-        hit_ends = np.array([s.request.num_prefix_hit_tokens for s in scheduled])
-        tables = [block_tables[s.request.request_id] for s in scheduled]
-        table = np.zeros((len(tables), max(map(len, tables))), dtype=np.int64)
-        for row, t in zip(table, tables):
-            row[: len(t)] = t
-        req_of_token = np.repeat(np.arange(len(scheduled)), query_lens)
-        token_starts = np.cumsum(query_lens) - query_lens
-        positions = np.arange(int(query_lens.sum())) - token_starts[req_of_token] + starts[req_of_token]
-        bs = self.block_size
-        slots = table[req_of_token, positions // bs] * bs + positions % bs
-        slots[positions < hit_ends[req_of_token]] = -1
-        input_ids = [t for s in scheduled for t in s.request.all_token_ids[s.start : s.end]]
-        sampled = [s for s in scheduled if s.samples]
-        logits_indices = [int(token_starts[i] + query_lens[i] - 1) for i, s in enumerate(scheduled) if s.samples]
-        dev = self.device
-        metadata = AttentionMetadata.build(
-            query_lens=query_lens.tolist(),
-            seq_lens=(starts + query_lens).tolist(),
-            block_tables=table,
-            slot_mapping=torch.from_numpy(slots),
-            device=dev,
-        )
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=dev),
-            positions=torch.from_numpy(positions).to(dev),
-            metadata=metadata,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.long, device=dev),
-            scheduled=scheduled,
-            sampled=sampled,
-        )
 
     def _embed(self, input_ids: torch.Tensor, scheduled: list[ScheduledRequest]) -> torch.Tensor:
         """Text embeddings, with each image's embeddings written over its placeholder positions."""

@@ -1,0 +1,116 @@
+"""CUDA graphs for decode-only steps: batch-size buckets, capture and replay.
+
+A decode step launches the same kernels every time; only the values in the input buffers change.
+So each bucket size is captured once at start-up over the persistent input buffers and replayed
+as one launch. A batch is padded up to the next bucket with rows that store nothing. Prefill and
+mixed steps stay eager.
+
+The capture itself goes through a `GraphCapturer`: on CUDA it records a real graph; on CPU the
+`EagerCapturer` stand-in "replays" by calling the same function over the same static buffers,
+which exercises the bookkeeping (buckets, padding, static buffers) without a GPU.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+Replay = Callable[[], None]
+
+
+def graph_batch_sizes(max_num_seqs: int, max_size: int | None = None) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to 64 and of 16 beyond, capped at (and including) the cap."""
+    cap = min(max_num_seqs, max_size or max_num_seqs)
+    sizes = [1, 2, 4, 8, *range(16, 65, 8), *range(80, cap + 1, 16)]
+    sizes = sorted({s for s in sizes if s <= cap} | {cap})
+    return sizes
+
+
+def padded_batch_size(num_reqs: int, sizes: list[int]) -> int | None:
+    """The smallest bucket that holds num_reqs, or None when the batch is larger than every bucket."""
+    index = bisect.bisect_left(sizes, num_reqs)
+    return sizes[index] if index < len(sizes) else None
+
+
+class GraphCapturer(Protocol):
+    def capture(self, fn: Callable[[], None]) -> Replay: ...
+
+    def synchronize(self) -> None: ...
+
+
+class CudaGraphCapturer:
+    """Records real CUDA graphs; all of them share one memory pool (captured largest first, the
+    smaller ones reuse its memory)."""
+
+    def __init__(self) -> None:
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+
+    def capture(self, fn: Callable[[], None]) -> Replay:
+        fn()  # compiles and autotunes outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            fn()
+        self.graphs.append(graph)
+        return graph.replay
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+
+class EagerCapturer:
+    """The CPU stand-in: a replay calls the captured function again over the same buffers."""
+
+    def capture(self, fn: Callable[[], None]) -> Replay:
+        fn()
+        return fn
+
+    def synchronize(self) -> None:
+        pass
+
+
+@dataclass
+class CaptureReport:
+    sizes: list[int]
+    seconds: float
+    memory_bytes: int  # device memory the graphs hold (0 for the CPU stand-in)
+
+
+class DecodeGraphs:
+    """One replayable decode step per bucket size."""
+
+    def __init__(self, sizes: list[int]) -> None:
+        self.sizes = sorted(sizes)
+        self._replays: dict[int, Replay] = {}
+        self.num_replays = 0
+
+    def capture_all(self, step_for_size: Callable[[int], Callable[[], None]], capturer: GraphCapturer,
+                    device: torch.device) -> CaptureReport:
+        """Captures step_for_size(size) for every bucket, largest first."""
+        on_cuda = device.type == "cuda"
+        if on_cuda:
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_reserved(device)
+        start = time.perf_counter()
+        for size in reversed(self.sizes):
+            self._replays[size] = capturer.capture(step_for_size(size))
+        capturer.synchronize()
+        seconds = time.perf_counter() - start
+        memory = torch.cuda.memory_reserved(device) - before if on_cuda else 0
+        return CaptureReport(list(self.sizes), seconds, memory)
+
+    def bucket_for(self, num_reqs: int) -> int | None:
+        return padded_batch_size(num_reqs, self.sizes)
+
+    def replay(self, size: int) -> None:
+        self._replays[size]()
+        self.num_replays += 1

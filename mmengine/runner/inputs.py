@@ -1,0 +1,188 @@
+"""Persistent step inputs: host buffers (pinned on CUDA) that each step fills, copied without
+blocking into device buffers that never move.
+
+Fixed device addresses let a CUDA graph captured over these buffers replay on whatever the
+latest step wrote, and filling only the host side keeps the step free of host synchronisation:
+nothing is allocated per step and nothing is read back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from mmengine.layers.attention import AttentionMetadata, decode_prefix_length
+from mmengine.sampling import SamplingTensors, sampling_rows
+from mmengine.scheduler import ScheduledRequest
+
+PAD_SLOT = -1  # a padded row's K/V is never stored
+PAD_SEQ_LEN = 1  # a padded row attends to one (stale, harmless) key: no empty softmax anywhere
+
+
+class HostDeviceBuffer:
+    """One host tensor and its device twin of the same shape; steps write a prefix of rows."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.host = torch.zeros(shape, dtype=dtype, pin_memory=pin)
+        self.np = self.host.numpy()
+        self.device = self.host if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
+
+    def upload(self, rows: int) -> torch.Tensor:
+        """Copies the first `rows` rows to the device (asynchronously from pinned memory) and returns
+        the device view."""
+        if self.device is not self.host:
+            self.device[:rows].copy_(self.host[:rows], non_blocking=True)
+        return self.device[:rows]
+
+
+@dataclass
+class StepInputs:
+    """One step's packed batch: device views of the persistent buffers plus host-side facts."""
+
+    input_ids: torch.Tensor  # [padded_tokens]
+    positions: torch.Tensor  # [padded_tokens]
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_sampled] rows of the hidden states whose logits are sampled
+    sampling: SamplingTensors | None  # None when every sampled row is greedy
+    scheduled: list[ScheduledRequest]  # in the order of the packed batch (decodes first)
+    sampled: list[ScheduledRequest]
+    num_tokens: int  # real tokens; the batch may be padded beyond them to a CUDA-graph size
+    graph_size: int | None  # the CUDA graph this step replays, or None (eager)
+
+
+class InputBuffers:
+    def __init__(
+        self, max_tokens: int, max_reqs: int, max_blocks_per_req: int, block_size: int, vocab_size: int, device: torch.device
+    ) -> None:
+        self.device = device
+        self.block_size = block_size
+        self.vocab_size = vocab_size
+        self.max_tokens = max_tokens
+        self.max_reqs = max_reqs
+
+        def buf(*shape: int, dtype: torch.dtype) -> HostDeviceBuffer:
+            return HostDeviceBuffer(shape, dtype, device)
+
+        self.input_ids = buf(max_tokens, dtype=torch.int64)
+        self.positions = buf(max_tokens, dtype=torch.int64)
+        self.slot_mapping = buf(max_tokens, dtype=torch.int64)
+        self.query_start_loc = buf(max_reqs + 1, dtype=torch.int32)
+        self.seq_lens = buf(max_reqs, dtype=torch.int32)
+        self.block_tables = buf(max_reqs, max_blocks_per_req, dtype=torch.int32)
+        self.logits_indices = buf(max_reqs, dtype=torch.int64)
+        self.greedy = buf(max_reqs, dtype=torch.bool)
+        self.temperature = buf(max_reqs, dtype=torch.float32)
+        self.top_k = buf(max_reqs, dtype=torch.int64)
+        self.top_p = buf(max_reqs, dtype=torch.float32)
+        # Recorded after each step's uploads: the host side may be rewritten once they are done.
+        self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
+
+    def prepare(
+        self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]], graph_size: int | None = None
+    ) -> StepInputs:
+        """Packs the scheduled requests (decodes first, each with num_new_tokens > 0) into the
+        buffers. With a graph size, the batch is padded to it with rows that store nothing."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the previous step's copies have read the host side
+        scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
+        num_reqs = len(scheduled)
+        query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+        starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=num_reqs)
+        # A last token recomputed after a full prefix hit sits in a shared cached block
+        # that already holds its K/V: it is attended to, never written again (slot -1).
+        hit_ends = np.fromiter((s.request.num_prefix_hit_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+        seq_lens = starts + query_lens
+        num_tokens = int(query_lens.sum())
+        padded_reqs = graph_size or num_reqs
+        padded_tokens = num_tokens + (padded_reqs - num_reqs)
+        assert padded_tokens <= self.max_tokens and padded_reqs <= self.max_reqs, (padded_tokens, padded_reqs)
+
+        table = self.block_tables.np
+        for row, s in enumerate(scheduled):
+            blocks = block_tables[s.request.request_id]
+            table[row, : len(blocks)] = blocks
+        req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+        token_starts = np.cumsum(query_lens) - query_lens
+        positions = np.arange(num_tokens) - token_starts[req_of_token] + starts[req_of_token]
+        bs = self.block_size
+        slots = table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        slots[positions < hit_ends[req_of_token]] = PAD_SLOT
+
+        ids = self.input_ids.np
+        offset = 0
+        for s in scheduled:
+            ids[offset : offset + s.num_new_tokens] = s.request.all_token_ids[s.start : s.end]
+            offset += s.num_new_tokens
+        ids[num_tokens:padded_tokens] = 0
+        self.positions.np[:num_tokens] = positions
+        self.positions.np[num_tokens:padded_tokens] = 0
+        self.slot_mapping.np[:num_tokens] = slots
+        self.slot_mapping.np[num_tokens:padded_tokens] = PAD_SLOT
+        query_start_loc = np.concatenate(([0], np.cumsum(query_lens), num_tokens + np.arange(1, padded_reqs - num_reqs + 1)))
+        self.query_start_loc.np[: padded_reqs + 1] = query_start_loc
+        self.seq_lens.np[:num_reqs] = seq_lens
+        self.seq_lens.np[num_reqs:padded_reqs] = PAD_SEQ_LEN
+
+        sampled_rows = [i for i, s in enumerate(scheduled) if s.samples]
+        sampled = [scheduled[i] for i in sampled_rows]
+        self.logits_indices.np[: len(sampled_rows)] = (token_starts + query_lens - 1)[sampled_rows]
+        sampling = self._sampling_tensors(sampled)
+
+        query_lens_list = query_lens.tolist() + [1] * (padded_reqs - num_reqs)
+        seq_lens_list = seq_lens.tolist() + [PAD_SEQ_LEN] * (padded_reqs - num_reqs)
+        num_decodes = decode_prefix_length(query_lens_list)
+        metadata = AttentionMetadata(
+            slot_mapping=self.slot_mapping.upload(padded_tokens),
+            query_start_loc=self.query_start_loc.upload(padded_reqs + 1),
+            seq_lens=self.seq_lens.upload(padded_reqs),
+            block_tables=self.block_tables.upload(padded_reqs),
+            query_lens_cpu=query_lens_list,
+            seq_lens_cpu=seq_lens_list,
+            query_start_loc_cpu=query_start_loc.tolist(),
+            num_decodes=num_decodes,
+            max_decode_seq_len=max(seq_lens_list[:num_decodes], default=0),
+            max_prefill_query_len=max(query_lens_list[num_decodes:], default=0),
+        )
+        inputs = StepInputs(
+            input_ids=self.input_ids.upload(padded_tokens),
+            positions=self.positions.upload(padded_tokens),
+            metadata=metadata,
+            logits_indices=self.logits_indices.upload(len(sampled_rows)),
+            sampling=sampling,
+            scheduled=scheduled,
+            sampled=sampled,
+            num_tokens=num_tokens,
+            graph_size=graph_size,
+        )
+        if self._uploaded is not None:
+            self._uploaded.record()
+        return inputs
+
+    def _sampling_tensors(self, sampled: list[ScheduledRequest]) -> SamplingTensors | None:
+        params = [s.request.sampling_params for s in sampled]
+        if all(p.greedy for p in params):
+            return None
+        n = len(params)
+        columns = (self.greedy, self.temperature, self.top_k, self.top_p)
+        for column, values in zip(columns, sampling_rows(params, self.vocab_size)):
+            column.np[:n] = values
+        return SamplingTensors(*(column.upload(n) for column in columns))
+
+    def fill_dummy_decode(self, batch_size: int) -> None:
+        """Writes a valid all-padding decode batch (for capture and warm-up runs)."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()
+        self.input_ids.np[:batch_size] = 0
+        self.positions.np[:batch_size] = 0
+        self.slot_mapping.np[:batch_size] = PAD_SLOT
+        self.query_start_loc.np[: batch_size + 1] = np.arange(batch_size + 1)
+        self.seq_lens.np[:batch_size] = PAD_SEQ_LEN
+        self.block_tables.np[:batch_size] = 0
+        for buffer in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables):
+            buffer.upload(batch_size)
+        self.query_start_loc.upload(batch_size + 1)
+        if self._uploaded is not None:
+            self._uploaded.record()
