@@ -29,6 +29,7 @@ class IncrementalDetokenizer:
         skip_special_tokens: bool = True,
     ) -> None:
         self._tokenizer = tokenizer
+        self._backend = _plain_backend(tokenizer)
         self._skip_special_tokens = skip_special_tokens
         self._stop = list(stop)
         if any(not isinstance(s, str) or not s for s in self._stop):
@@ -80,6 +81,8 @@ class IncrementalDetokenizer:
         return context
 
     def _decode(self, ids: list[int]) -> str:
+        if self._backend is not None:
+            return self._backend.decode(ids, skip_special_tokens=self._skip_special_tokens)
         # No clean-up of tokenization spaces: it is not stable under appending tokens.
         return self._tokenizer.decode(
             ids, skip_special_tokens=self._skip_special_tokens, clean_up_tokenization_spaces=False
@@ -123,3 +126,17 @@ class IncrementalDetokenizer:
             if start >= 0 and (best is None or (start, len(stop)) < best[:2]):
                 best = (start, len(stop), stop)
         return None if best is None else (best[0], best[2])
+
+
+def _plain_backend(tokenizer: Any) -> Any:
+    """The Rust `tokenizers` object behind a fast tokenizer whose decoding adds nothing to it
+    (without clean-up, transformers' decode is exactly the backend's), else None. Called twice per
+    generated token, the backend alone costs a fraction of the Python wrapper."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:
+        return None
+    if backend is None or type(tokenizer)._decode is not TokenizersBackend._decode:
+        return None
+    return backend

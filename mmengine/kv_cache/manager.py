@@ -39,6 +39,7 @@ class KVCacheManager:
         self._pinning: dict[str, set[KVBlock]] = {}  # mm_hash -> cached blocks that pin it
         self.hasher = BlockHasher(block_size, hash_fn)
         self._req_blocks: dict[str, list[KVBlock]] = {}
+        self._req_block_ids: dict[str, list[int]] = {}  # the same blocks' ids: each step's block tables
         # How many leading blocks of each request are in the cache chain; None once the chain
         # broke (a block's hash was already taken), after which its later blocks stay private.
         self._num_chained: dict[str, int | None] = {}
@@ -107,13 +108,18 @@ class KVCacheManager:
             num_computed = request.num_computed_tokens
         assert self.can_allocate(request, num_new_tokens, computed_blocks, num_computed)
         blocks = self._req_blocks.setdefault(request.request_id, [])
+        block_ids = self._req_block_ids.setdefault(request.request_id, [])
         if computed_blocks:
             assert not blocks, "hits are only taken when a request is admitted"
             self.pool.touch(list(computed_blocks))
             blocks.extend(computed_blocks)
+            block_ids.extend(b.block_id for b in computed_blocks)
         self._num_chained.setdefault(request.request_id, len(computed_blocks))
         needed = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks))
-        blocks.extend(self.pool.take(needed))
+        if needed:
+            taken = self.pool.take(needed)
+            blocks.extend(taken)
+            block_ids.extend(b.block_id for b in taken)
 
     def cache_blocks(self, request: Request) -> None:
         """Adds the request's newly completed full blocks to the prefix cache."""
@@ -168,6 +174,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Releases the request's blocks, tail first, so its tail is evicted before its head."""
         blocks = self._req_blocks.pop(request.request_id, [])
+        self._req_block_ids.pop(request.request_id, None)
         self._num_chained.pop(request.request_id, None)
         self.pool.release(blocks[::-1])
 
@@ -178,4 +185,5 @@ class KVCacheManager:
             self._num_chained[request_id] = None
 
     def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+        """The request's block ids in order (a live list: read it, don't keep or change it)."""
+        return self._req_block_ids.get(request_id, [])
