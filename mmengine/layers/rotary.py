@@ -82,9 +82,11 @@ class RotaryStep:
     def gather(cls, positions: torch.Tensor, cos_sin: torch.Tensor, use_kernel: bool) -> RotaryStep:
         if use_kernel:
             return cls(positions, cos_sin, use_kernel=True)
-        if positions.device.type == "cpu":  # free to check here; on a GPU the check would sync
+        try:
+            rows = cos_sin[positions][:, None, :]
+        except IndexError:  # (raised on a CPU; say which table was too short)
             check_positions(positions, cos_sin.shape[0])
-        rows = cos_sin[positions][:, None, :]
+            raise
         head_dim = cos_sin.shape[1] // 2
         return cls(positions, cos_sin, use_kernel=False, cos=rows[..., :head_dim], sin=rows[..., head_dim:])
 
