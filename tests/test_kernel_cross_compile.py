@@ -26,7 +26,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = json.loads(report.read_text())
-    kernels = {"_store_kv_kernel", "_prefill_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_merge_kernel"}
+    kernels = {"_store_kv_kernel", "_prefill_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_merge_kernel",
+               "_rotary_kv_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel"}
     assert {(r["kernel"], r["arch"]) for r in rows} == {(k, a) for k in kernels for a in (80, 90)}
     assert {r["case"].split()[0] for r in rows} == {"bf16", "fp16"}
     for r in rows:
@@ -36,6 +37,9 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
     # On tensor cores, Hopper's warpgroup MMA on sm_90, with K/V tiles prefetched asynchronously.
     assert prefill[90]["mma"] == "wgmma" and prefill[80]["mma"] == "mma"
     assert prefill[90]["async_copy"] and prefill[90]["shared_bytes"] > 0
+    # The decoder's fused ops: rotary with the K/V store compiled in, RMSNorm alone and with the residual add.
+    assert all(r["constexprs"]["STORE_KV"] for r in rows if r["kernel"] == "_rotary_kv_kernel")
+    assert {r["constexprs"]["HAS_RESIDUAL"] for r in rows if r["kernel"] == "_rms_norm_kernel"} == {False, True}
 
 
 def test_capturing_launches_refuses_interpreted_kernels(monkeypatch):

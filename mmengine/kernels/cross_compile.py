@@ -1,4 +1,4 @@
-"""Compiles the attention kernels for NVIDIA GPUs on a machine without one.
+"""Compiles the Triton kernels (attention and the decoder's fused ops) for NVIDIA GPUs on a machine without one.
 
 The launchers run on small CPU tensors with Triton's launch intercepted: each launch is recorded
 (kernel, arguments, options) instead of executed, then compiled ahead of time to a cubin for a
@@ -179,6 +179,8 @@ class AttentionCase:
     group: int
     block_size: int
     num_kv_heads: int = 2
+    hidden_size: int = 4096  # for the decoder's fused ops (RMSNorm rows, SiLU-and-mul rows)
+    intermediate_size: int = 11008
 
     @property
     def label(self) -> str:
@@ -207,6 +209,31 @@ def record_attention_launches(case: AttentionCase) -> list[Launch]:
     return launches
 
 
+def record_decoder_launches(case: AttentionCase) -> list[Launch]:
+    """Every fused launch of one decoder layer: rotary + K/V store, RMSNorm alone and with the
+    residual add, SiLU-and-mul."""
+    from mmengine.kernels.activation import silu_and_mul
+    from mmengine.kernels.rms_norm import fused_add_rms_norm, rms_norm
+    from mmengine.kernels.rotary import rotary_store_kv
+
+    kv_heads, heads, dim = case.num_kv_heads, case.num_kv_heads * case.group, case.head_dim
+    cache = torch.empty(2, 8, case.block_size, kv_heads, dim, dtype=case.dtype)
+    qkv = torch.empty(4, (heads + 2 * kv_heads) * dim, dtype=case.dtype)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    positions = torch.zeros(4, dtype=torch.long)
+    hidden = torch.empty(4, case.hidden_size, dtype=case.dtype)
+    weight = torch.empty(case.hidden_size, dtype=case.dtype)
+    with capture_launches() as launches:
+        rotary_store_kv(
+            q.view(4, heads, dim), k.view(4, kv_heads, dim), v.view(4, kv_heads, dim), positions,
+            torch.empty(16, 2 * dim, dtype=case.dtype), cache, positions,
+        )
+        rms_norm(hidden, weight, 1e-6)
+        fused_add_rms_norm(hidden, hidden, weight, 1e-6)
+        silu_and_mul(torch.empty(4, 2 * case.intermediate_size, dtype=case.dtype))
+    return launches
+
+
 def default_cases() -> list[AttentionCase]:
     """The issue's head dims and block sizes in both 16-bit types, GQA groups 1 to 8 (7 is padded),
     and the fp32 path (exact dot products) the engine takes for float32 checkpoints."""
@@ -215,13 +242,17 @@ def default_cases() -> list[AttentionCase]:
         for dtype in (torch.float16, torch.bfloat16)
         for head_dim in (64, 80, 96, 128)
         for group, block_size in ((1, 16), (4, 32), (7, 16), (8, 16))
-    ] + [AttentionCase(torch.float32, 128, 4, 16)]
+    ] + [
+        AttentionCase(torch.float32, 128, 4, 16),
+        # The widest decoder rows (Llama-2-70B: hidden 8192, 64 query heads over 8 KV heads).
+        AttentionCase(torch.bfloat16, 128, 8, 16, num_kv_heads=8, hidden_size=8192, intermediate_size=28672),
+    ]
 
 
 def report(cases: list[AttentionCase], archs: list[int], log: Callable[[str], None] = print) -> list[KernelResources]:
     results = []
     for case in cases:
-        for launch in record_attention_launches(case):
+        for launch in record_attention_launches(case) + record_decoder_launches(case):
             for arch in archs:
                 res = resources_of(launch, arch, case.label)
                 results.append(res)

@@ -12,13 +12,16 @@ import itertools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 from torch import nn
 
 from mmengine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from mmengine.layers.rotary import RotaryStep
 
 
 @dataclass
@@ -122,8 +125,10 @@ def get_attention_backend(requested: str, device: torch.device) -> AttentionBack
 
 
 class Attention(nn.Module):
-    """Stores the step's K/V into this layer's cache, then attends.
+    """Rotates q and k, stores the step's K/V into this layer's cache, then attends.
 
+    On the fused path one Triton kernel rotates q and k and writes k and v into the cache, so the
+    backend's store is skipped; on the reference path the rotation is PyTorch and the backend stores.
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], bound by the runner.
     """
 
@@ -136,9 +141,18 @@ class Attention(nn.Module):
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq * D]."""
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata, rotary: RotaryStep | None = None
+    ) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] (rotated here when `rotary` is given) -> [T, Hq * D]."""
         assert self.kv_cache is not None and self.backend is not None, "KV cache not bound"
-        self.backend.store_kv(k, v, self.kv_cache, metadata.slot_mapping)
+        if rotary is not None and rotary.use_kernel:
+            from mmengine.kernels.rotary import rotary_store_kv
+
+            rotary_store_kv(q, k, v, rotary.positions, rotary.cos_sin, self.kv_cache, metadata.slot_mapping)
+        else:
+            if rotary is not None:
+                q, k = rotary.apply(q, k)
+            self.backend.store_kv(k, v, self.kv_cache, metadata.slot_mapping)
         out = self.backend.forward(q, self.kv_cache, metadata, self.scale)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -1,9 +1,29 @@
-"""RMSNorm, computed in float32 like the Llama family's reference implementation."""
+"""RMSNorm, alone or fused with the residual add that precedes it (vLLM's `norm(x, residual)`).
+
+The reference functions here are transformers' Llama RMSNorm to the letter (normalise in float32,
+round to the model dtype, multiply by the weight in the model dtype; the residual add in the model
+dtype): the CPU path, and the oracle for the Triton kernels, which round at the same places.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def fused_add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(residual + x), residual + x)."""
+    residual = residual + x
+    return rms_norm_reference(residual, weight, eps), residual
 
 
 class RMSNorm(nn.Module):
@@ -12,8 +32,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, use_kernel: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); or, given the residual stream, (norm(residual + x), residual + x)."""
+        if use_kernel:
+            from mmengine.kernels.rms_norm import fused_add_rms_norm, rms_norm
+
+            if residual is None:
+                return rms_norm(x, self.weight, self.eps)
+            return fused_add_rms_norm(x, residual, self.weight, self.eps)
+        if residual is None:
+            return rms_norm_reference(x, self.weight, self.eps)
+        return fused_add_rms_norm_reference(x, residual, self.weight, self.eps)

@@ -1,6 +1,14 @@
-"""Rotary position embedding (GPT-NeoX layout: the two halves of the head dim rotate together)."""
+"""Rotary position embedding (GPT-NeoX layout: the two halves of the head dim rotate together).
+
+The cos/sin of every position are computed once, when the model is built, into one table that
+every layer reads by position. The table holds exactly the values transformers computes per call
+(`cos(pos * inv_freq) * scaling`, in float32, then rounded to the model dtype), so rotating from it
+matches transformers bit for bit on the reference path.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -30,24 +38,83 @@ def rope_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor
     return inv_freq.float(), float(scaling)
 
 
+def build_cos_sin_table(inv_freq: torch.Tensor, scaling: float, max_positions: int, dtype: torch.dtype) -> torch.Tensor:
+    """[max_positions, 2 * head_dim]: each row is cos then sin of `cat(freqs, freqs)` at that position,
+    computed in float32 the way transformers does, then rounded once to `dtype`."""
+    positions = torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device)
+    freqs = positions[:, None] * inv_freq.float()[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return torch.cat((emb.cos() * scaling, emb.sin() * scaling), dim=-1).to(dtype)
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' `x * cos + rotate_half(x) * sin` in x's dtype. x: [tokens, heads, head_dim]; cos/sin:
+    [tokens, 1, head_dim] in x's dtype."""
+    return x * cos + rotate_half(x) * sin
+
+
+def rotary_reference(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the fused rotary kernel computes, in PyTorch: q [T, Hq, D] and k [T, Hkv, D] rotated by the
+    table rows of `positions` (returns new tensors)."""
+    step = RotaryStep.gather(positions, cos_sin, use_kernel=False)
+    return step.apply(q, k)
+
+
+@dataclass
+class RotaryStep:
+    """One step's rotary inputs, shared by every layer: the positions and the table, plus (on the
+    reference path) the table rows of the step's positions, gathered once per step."""
+
+    positions: torch.Tensor  # [num_tokens] int64
+    cos_sin: torch.Tensor  # [max_positions, 2 * head_dim], the model's table
+    use_kernel: bool  # the fused Triton kernel rotates (and stores K/V); else `apply` below
+    cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim], reference path only
+    sin: torch.Tensor | None = None
+
+    @classmethod
+    def gather(cls, positions: torch.Tensor, cos_sin: torch.Tensor, use_kernel: bool) -> RotaryStep:
+        if use_kernel:
+            return cls(positions, cos_sin, use_kernel=True)
+        try:
+            rows = cos_sin[positions][:, None, :]
+        except IndexError:  # (raised on a CPU; say which table was too short)
+            check_positions(positions, cos_sin.shape[0])
+            raise
+        head_dim = cos_sin.shape[1] // 2
+        return cls(positions, cos_sin, use_kernel=False, cos=rows[..., :head_dim], sin=rows[..., head_dim:])
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference path: q and k rotated (new tensors)."""
+        assert self.cos is not None and self.sin is not None, "the kernel path rotates inside the kernel"
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+
+
+def check_positions(positions: torch.Tensor, max_positions: int) -> None:
+    """Host-side check (CPU tensors only) that every position has a table row."""
+    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= max_positions):
+        raise IndexError(
+            f"positions span [{int(positions.min())}, {int(positions.max())}] but the rotary table covers [0, {max_positions})"
+        )
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
+    """Owns the cos/sin table of one rotary config; the decoder builds one and shares it across layers."""
+
+    def __init__(self, config: PretrainedConfig, head_dim: int, max_positions: int | None = None) -> None:
         super().__init__()
         inv_freq, self.scaling = rope_inv_freq(config, head_dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.head_dim = head_dim
+        self.max_positions = max_positions or config.max_position_embeddings
+        # Built on the current default device, rounded to the current default dtype (the model's).
+        table = build_cos_sin_table(inv_freq.to(torch.get_default_device()), self.scaling, self.max_positions, torch.get_default_dtype())
+        self.register_buffer("cos_sin", table, persistent=False)
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of shape [num_tokens, 1, head_dim] for broadcasting over heads."""
-        freqs = positions[:, None].float() * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scaling).to(dtype)[:, None, :], (emb.sin() * self.scaling).to(dtype)[:, None, :]
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x: [num_tokens, num_heads, head_dim]."""
-        return x * cos + rotate_half(x) * sin
+    def step(self, positions: torch.Tensor, use_kernel: bool) -> RotaryStep:
+        return RotaryStep.gather(positions, self.cos_sin, use_kernel)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.activations import ACT2FN
 
 from mmengine.errors import UnsupportedModelError
+from mmengine.layers.activation import GatedActivation
 from mmengine.layers.attention import Attention, AttentionMetadata
+from mmengine.layers.kernel_dispatch import use_fused_kernels
 from mmengine.layers.norm import RMSNorm
-from mmengine.layers.rotary import RotaryEmbedding
+from mmengine.layers.rotary import RotaryEmbedding, RotaryStep
 
 SUPPORTED_TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -45,17 +46,14 @@ class DecoderAttention(nn.Module):
         qkv_bias = config.model_type == "qwen2" or attention_bias
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attention_bias and config.model_type != "qwen2")
-        self.rotary = RotaryEmbedding(config, self.head_dim)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: RotaryStep, metadata: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        cos, sin = self.rotary.cos_sin(positions, q.dtype)
-        q, k = RotaryEmbedding.apply(q, cos, sin), RotaryEmbedding.apply(k, cos, sin)
-        return self.o_proj(self.attn(q, k, v, metadata))
+        return self.o_proj(self.attn(q, k, v, metadata, rotary))
 
     def load_shard(self, shard: str, param: str, tensor: torch.Tensor) -> None:
         target = getattr(self.qkv_proj, param)
@@ -70,11 +68,10 @@ class DecoderMLP(nn.Module):
         self.intermediate_size = config.intermediate_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
-        self.act = ACT2FN[config.hidden_act]
+        self.act = GatedActivation(config.hidden_act)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+    def forward(self, x: torch.Tensor, use_kernels: bool = False) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x), use_kernels))
 
     def load_shard(self, shard: int, param: str, tensor: torch.Tensor) -> None:
         target = getattr(self.gate_up_proj, param).data
@@ -90,9 +87,24 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, metadata)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rotary: RotaryStep,
+        metadata: AttentionMetadata,
+        fused: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output (or the embeddings, with residual None); residual: the stream
+        before it. Returns (this layer's output, the stream before it); their sum is the new stream.
+        Each residual add happens inside the next RMSNorm (one fused kernel when `fused`)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x, use_kernel=fused)
+        else:
+            h, residual = self.input_layernorm(x, residual, use_kernel=fused)
+        h = self.self_attn(h, rotary, metadata)
+        h, residual = self.post_attention_layernorm(h, residual, use_kernel=fused)
+        return self.mlp(h, fused), residual
 
 
 class DecoderModel(nn.Module):
@@ -105,12 +117,19 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        # One cos/sin table for every layer, up to max_position_embeddings (the engine's bound on max_model_len).
+        self.rotary = RotaryEmbedding(config, head_dim_of(config))
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        x = inputs_embeds
+        backend = self.layers[0].self_attn.attn.backend
+        fused = use_fused_kernels(inputs_embeds.device, backend.name if backend is not None else None)
+        rotary = self.rotary.step(positions, fused)  # the reference path gathers cos/sin here, once per step
+        x, residual = inputs_embeds, None
         for layer in self.layers:
-            x = layer(x, positions, metadata)
-        return self.norm(x)
+            x, residual = layer(x, residual, rotary, metadata, fused)
+        if residual is None:
+            return self.norm(x, use_kernel=fused)
+        return self.norm(x, residual, use_kernel=fused)[0]
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]

@@ -1,0 +1,136 @@
+"""Rotary embedding of q and k in one launch, reading the cos/sin table by position, and (given a
+paged cache) the rotated k and the v of each token written to its slot (slot -1: skip).
+
+Layout (GPT-NeoX): the first and second halves of a head rotate together. The table row of a
+position is [cos(cat(f, f)) | sin(cat(f, f))] (2 * head_dim values, see mmengine.layers.rotary).
+Numerics follow transformers' `x * cos + rotate_half(x) * sin` in the model dtype: cos and sin are
+rounded to q's dtype, and each product and the sum are rounded to it, computed in float32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmengine.kernels.common import launch_options
+
+# Elements of one [heads, head_dim / 2] tile a program holds at a time (keeps registers bounded).
+_TILE_ELEMENTS = 2048
+
+
+@triton.jit
+def _rotate_heads(x_ptr, stride_xh, heads, head_mask, j, j_mask, c1, c2, s1, s2, HALF: tl.constexpr):
+    """Rotates the rows `heads` of one token (x_ptr) in place; returns the two rotated halves."""
+    dtype = x_ptr.dtype.element_ty
+    mask = head_mask[:, None] & j_mask[None, :]
+    first = x_ptr + heads[:, None] * stride_xh + j[None, :]
+    x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    # Each product and the sum rounded to the model dtype, as transformers computes in that dtype.
+    o1 = ((x1 * c1[None, :]).to(dtype).to(tl.float32) - (x2 * s1[None, :]).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((x2 * c2[None, :]).to(dtype).to(tl.float32) + (x1 * s2[None, :]).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(first, o1, mask=mask)
+    tl.store(first + HALF, o2, mask=mask)
+    return o1, o2
+
+
+@triton.jit
+def _rotary_kv_kernel(
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, cache_ptr, slot_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos_row,
+    stride_ckv, stride_cb, stride_cs, stride_ch,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr,
+):
+    """Grid (tokens, 2): program (t, 0) rotates token t's query heads, (t, 1) its key heads and,
+    with STORE_KV, writes its rotated keys and its values into the cache."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    token = tl.program_id(0).to(tl.int64)
+    dtype = q_ptr.dtype.element_ty
+    pos = tl.load(pos_ptr + token).to(tl.int64)
+    j = tl.arange(0, BLOCK_HALF)
+    j_mask = j < HALF
+    row = cos_sin_ptr + pos * stride_pos_row
+    c1 = tl.load(row + j, mask=j_mask, other=0.0).to(dtype).to(tl.float32)
+    c2 = tl.load(row + HALF + j, mask=j_mask, other=0.0).to(dtype).to(tl.float32)
+    s1 = tl.load(row + HEAD_DIM + j, mask=j_mask, other=0.0).to(dtype).to(tl.float32)
+    s2 = tl.load(row + HEAD_DIM + HALF + j, mask=j_mask, other=0.0).to(dtype).to(tl.float32)
+    tile = tl.arange(0, HEADS_PER_TILE)
+    if tl.program_id(1) == 0:
+        for h0 in tl.static_range(0, NUM_HEADS, HEADS_PER_TILE):
+            heads = h0 + tile
+            _rotate_heads(q_ptr + token * stride_qt, stride_qh, heads, heads < NUM_HEADS, j, j_mask, c1, c2, s1, s2, HALF)
+    else:
+        # The token's slot, broadcast over a tile of heads (without STORE_KV a dummy: nothing is stored).
+        slot = tl.load(slot_ptr + token + tile * 0)
+        stored = slot >= 0
+        slot = tl.where(stored, slot, 0)
+        dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs  # [HEADS_PER_TILE]
+        d = tl.arange(0, BLOCK_D)
+        for h0 in tl.static_range(0, NUM_KV_HEADS, HEADS_PER_TILE):
+            heads = h0 + tile
+            head_mask = heads < NUM_KV_HEADS
+            o1, o2 = _rotate_heads(k_ptr + token * stride_kt, stride_kh, heads, head_mask, j, j_mask, c1, c2, s1, s2, HALF)
+            if STORE_KV:
+                cache_dtype = cache_ptr.dtype.element_ty
+                row_mask = head_mask & stored
+                k_mask = row_mask[:, None] & j_mask[None, :]
+                k_dst = dst[:, None] + heads[:, None] * stride_ch + j[None, :]
+                tl.store(k_dst, o1.to(cache_dtype), mask=k_mask)
+                tl.store(k_dst + HALF, o2.to(cache_dtype), mask=k_mask)
+                v_mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
+                v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=v_mask)
+                v_dst = dst[:, None] + stride_ckv + heads[:, None] * stride_ch + d[None, :]
+                tl.store(v_dst, v.to(cache_dtype), mask=v_mask)
+
+
+def _heads_per_tile(num_heads: int, block_half: int) -> int:
+    return min(triton.next_power_of_2(num_heads), max(1, _TILE_ELEMENTS // block_half))
+
+
+def rotary_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    kv_cache: torch.Tensor | None = None,
+    slot_mapping: torch.Tensor | None = None,
+) -> None:
+    """Rotates q [T, Hq, D] and k [T, Hkv, D] in place by the table rows of `positions` [T]; with a
+    kv_cache [2, blocks, block_size, Hkv, D], also writes the rotated k and v [T, Hkv, D] to each
+    token's slot in `slot_mapping` [T] (-1: skip). q/k/v may be strided views (e.g. of one fused
+    QKV output) whose last dim is contiguous. Positions must lie in [0, len(cos_sin)); they are
+    checked only for CPU tensors (the check would sync a GPU)."""
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if head_dim % 2 or k.shape != (num_tokens, num_kv_heads, head_dim) or cos_sin.shape[1] != 2 * head_dim:
+        raise ValueError(f"rotary shapes disagree: q {tuple(q.shape)}, k {tuple(k.shape)}, table {tuple(cos_sin.shape)}")
+    store = kv_cache is not None
+    if store and (v is None or slot_mapping is None or v.shape != k.shape):
+        raise ValueError("storing K/V needs v shaped like k and a slot mapping")
+    if num_tokens == 0:
+        return
+    if positions.device.type == "cpu":
+        from mmengine.layers.rotary import check_positions
+
+        check_positions(positions, cos_sin.shape[0])
+    assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.stride(-1) == 1
+    if store:
+        assert v.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    block_half = triton.next_power_of_2(head_dim // 2)
+    heads_per_tile = _heads_per_tile(max(num_heads, num_kv_heads), block_half)
+    num_warps = min(8, max(1, heads_per_tile * block_half // 256))
+    cache_arg = kv_cache if store else q  # unused pointers when not storing
+    v_arg = v if store else k
+    _rotary_kv_kernel[(num_tokens, 2)](
+        q, k, v_arg, positions, cos_sin, cache_arg, slot_mapping if store else positions,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_arg.stride(0), v_arg.stride(1), cos_sin.stride(0),
+        *(kv_cache.stride()[:4] if store else (0, 0, 0, 0)),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_HALF=block_half, BLOCK_D=triton.next_power_of_2(head_dim), HEADS_PER_TILE=heads_per_tile,
+        BLOCK_SIZE=kv_cache.shape[2] if store else 1, STORE_KV=store,
+        **launch_options(num_warps=num_warps, num_stages=1),
+    )

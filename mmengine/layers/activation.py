@@ -1,0 +1,37 @@
+"""The MLP's gated activation over the fused gate/up projection: act(gate) * up.
+
+SiLU (Llama, Mistral, Qwen2) has a fused Triton kernel; other activations take the PyTorch path.
+The reference rounds where transformers does: silu(gate) in the model dtype, then the product.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+
+def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2 * I] (gate, then up) -> silu(gate) * up [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+class GatedActivation(nn.Module):
+    def __init__(self, hidden_act: str) -> None:
+        super().__init__()
+        self.hidden_act = hidden_act
+        self.act = ACT2FN[hidden_act]
+
+    @property
+    def fusable(self) -> bool:
+        return self.hidden_act == "silu"
+
+    def forward(self, gate_up: torch.Tensor, use_kernel: bool = False) -> torch.Tensor:
+        if use_kernel and self.fusable:
+            from mmengine.kernels.activation import silu_and_mul
+
+            return silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.act(gate) * up
