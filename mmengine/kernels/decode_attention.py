@@ -51,7 +51,7 @@ def _decode_split_kernel(
         m_i, l_i, acc = attend_tile(q, k, v, n_valid[None, :], m_i, l_i, acc, qk_scale, PRECISION)
     out, lse = finish(acc, m_i, l_i)
     part = req * stride_pt + head[:, None] * stride_ph + split * stride_ps + d[None, :]
-    tl.store(part_out_ptr + part, out, mask=row_valid[:, None] & d_valid[None, :])
+    tl.store(part_out_ptr + part, out.to(part_out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
     tl.store(part_lse_ptr + req * stride_lt + head * stride_lh + split, lse, mask=row_valid)
 
 
@@ -109,8 +109,12 @@ def decode_attention(
     if num_reqs == 0:
         return out, lse
     block_d = padded_head_dim(head_dim)
-    part_out = torch.empty(num_reqs, num_heads, num_splits, block_d, device=query.device, dtype=torch.float32)
-    part_lse = torch.empty(num_reqs, num_heads, num_splits, device=query.device, dtype=torch.float32)
+    if num_splits == 1:
+        # One split is the whole answer: it writes the output and lse directly, no reduction launch.
+        part_out, part_lse = out[:, :, None, :], lse[:, :, None]
+    else:
+        part_out = torch.empty(num_reqs, num_heads, num_splits, block_d, device=query.device, dtype=torch.float32)
+        part_lse = torch.empty(num_reqs, num_heads, num_splits, device=query.device, dtype=torch.float32)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         query, kv_cache, part_out, part_lse, seq_lens, block_tables,
         scale * LOG2E,
@@ -121,6 +125,8 @@ def decode_attention(
         BLOCK_SIZE=kv_cache.shape[2], HEAD_DIM=head_dim, BLOCK_D=block_d, PRECISION=dot_precision(query.dtype),
         **launch_options(),
     )
+    if num_splits == 1:
+        return out, lse
     _decode_reduce_kernel[(num_reqs, num_heads)](
         part_out, part_lse, out, lse,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
