@@ -10,11 +10,13 @@ from conftest import Precision, hf_logits
 from mmengine import MMEngine, SamplingParams
 from mmengine.testing import TinyLlavaSpec, make_test_image
 
-# bf16 against bf16 (same rounded weights, different kernels and summation orders). On CPU, mmengine
-# in bf16 differs from transformers in bf16 by at most 0.055 (mean 0.012) on logits of spread ~1.6 and
-# magnitude up to ~5; a real fault (a misplaced image, a wrong rotary position) moves them by ~1.
-BF16_MAX_ABS = 0.25
-BF16_MEAN_ABS = 0.05
+# bf16 against bf16: the same rounded weights, different kernels and summation orders. Measured on CPU
+# (logits of spread ~1.6, magnitude up to ~5): mmengine vs transformers, both bf16, differ by at most
+# 0.055 (mean 0.012); transformers' own bf16 error against fp32 is up to 0.16 (mean 0.043), so two
+# independent bf16 implementations may differ by ~0.23 (mean ~0.06). A real fault moves logits by ~1
+# (a different image: max 6.3, mean 1.5), far outside these bounds.
+BF16_MAX_ABS = 0.4
+BF16_MEAN_ABS = 0.1
 
 
 def assert_logits_close(ours: torch.Tensor, reference: torch.Tensor, precision: Precision) -> None:
