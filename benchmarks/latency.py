@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from mmengine import MMEngine, SamplingParams
+from mmengine.config import EngineConfig
 from mmengine.testing import LLAVA_1_5_7B_SPEC, TinyLlavaSpec, build_llava_checkpoint, make_test_image, tiny_llava_path
 
 WORDS = ("the a picture of small large red blue green cat dog boat house tree river sky cloud road "
@@ -73,7 +74,8 @@ def ensure_checkpoint(path: Path, spec: TinyLlavaSpec, device: str, dtype: str) 
 
 
 def measure_bandwidth_gbs(device: torch.device) -> float:
-    """Memory bandwidth from a device-to-device copy (each copy reads and writes its bytes)."""
+    """Memory bandwidth from a device-to-device copy (each copy reads and writes its bytes). Run it
+    before the engine takes its KV cache out of the free memory; the buffers are returned after."""
     nbytes, reps = ((1 << 30), 20) if device.type == "cuda" else ((64 << 20), 5)
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
@@ -83,7 +85,11 @@ def measure_bandwidth_gbs(device: torch.device) -> float:
     for _ in range(reps):
         dst.copy_(src)
     sync(device)
-    return 2 * nbytes * reps / (time.perf_counter() - start) / 1e9
+    elapsed = time.perf_counter() - start
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * nbytes * reps / elapsed / 1e9
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
@@ -242,8 +248,10 @@ def run_gpu_busy(engine: MMEngine, batch_size: int, args: argparse.Namespace) ->
         unprofiled = batch.steady_steps(steps)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             profiled = batch.steady_steps(steps)
+    if not unprofiled or not profiled:
+        return {"skipped": f"no steady decode steps at batch {batch_size} (too few KV blocks?)"}
     device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    busy_ms = busy_union_us([(e.time_range.start, e.time_range.end) for e in device_events]) / 1e3 / max(len(profiled), 1)
+    busy_ms = busy_union_us([(e.time_range.start, e.time_range.end) for e in device_events]) / 1e3 / len(profiled)
     step_ms = statistics.median(1e3 * t for t, _ in unprofiled)
     return {
         "batch_size": batch_size,
@@ -251,7 +259,7 @@ def run_gpu_busy(engine: MMEngine, batch_size: int, args: argparse.Namespace) ->
         "step_ms": step_ms,
         "device_busy_ms_per_step": busy_ms,
         "gpu_busy_share": busy_ms / step_ms,
-        "device_ops_per_step": len(device_events) / max(len(profiled), 1),
+        "device_ops_per_step": len(device_events) / len(profiled),
     }
 
 
@@ -266,12 +274,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="use the LLaVA-1.5-7B-shaped random checkpoint in DIR, building it there if missing")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--batch-sizes", default="1,16,64,256", help="comma-separated decode batch sizes")
+    parser.add_argument("--batch-sizes", type=_positive_ints, default="1,16,64,256", help="comma-separated decode batch sizes")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of the decode requests")
     parser.add_argument("--warmup-steps", type=int, default=3, help="steady decode steps run before timing")
     parser.add_argument("--decode-steps", type=int, default=20, help="steady decode steps timed per batch size")
     parser.add_argument("--ttft-repeats", type=int, default=5)
-    parser.add_argument("--image-size", default="640x480", help="WIDTHxHEIGHT of the TTFT images")
+    parser.add_argument("--image-size", type=_image_size, default="640x480", help="WIDTHxHEIGHT of the TTFT images")
     parser.add_argument("--profile-batch-size", type=int, default=64, help="decode batch for the GPU-busy share")
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth (default: measured)")
@@ -279,11 +287,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--output", default="benchmarks/results/latency.json")
-    args = parser.parse_args(argv)
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    width, _, height = args.image_size.partition("x")
-    args.image_size = (int(width), int(height))
-    return args
+    return parser.parse_args(argv)
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}")
+    return values
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    width, _, height = text.partition("x")
+    if not (width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT, e.g. 640x480, got {text!r}")
+    return int(width), int(height)
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[str, dict]:
@@ -299,13 +320,13 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, dict]:
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     model, origin = resolve_model(args)
+    bandwidth = args.bandwidth_gbs or measure_bandwidth_gbs(EngineConfig(model=model, device=args.device).resolve_device())
     engine = MMEngine(
         model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch_sizes + [args.profile_batch_size]),
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
     device = engine.device
-    bandwidth = args.bandwidth_gbs or measure_bandwidth_gbs(device)
     weight_bytes = decode_weight_bytes(engine.runner.model)
     kv_token_bytes = kv_bytes_per_token(engine)
     print(f"{model} on {device} in {str(engine.dtype).removeprefix('torch.')}: decode reads {weight_bytes / 1e9:.3f} GB "

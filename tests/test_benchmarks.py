@@ -98,3 +98,10 @@ def test_busy_time_counts_overlaps_once(latency):
     assert latency.busy_union_us([(0, 10), (5, 12), (11, 13), (2, 3)]) == 13
     assert latency.busy_union_us([(30, 40), (0, 5), (4, 6)]) == 16
 
+
+
+@pytest.mark.parametrize("args", [["--batch-sizes", "1,0"], ["--batch-sizes", "x"], ["--image-size", "640"], ["--image-size", "0x4"]])
+def test_bad_options_are_clear_usage_errors(latency, args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        latency.parse_args(args)
+    assert exit_info.value.code == 2 and "expected" in capsys.readouterr().err
