@@ -41,7 +41,7 @@ class Precision:
 
 CPU_FP32 = Precision("cpu", torch.float32)
 _NEEDS_CUDA = pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA GPU; the cpu-fp32 variant checks the same on CPU"
+    not torch.cuda.is_available(), reason="needs a CUDA GPU; the cpu variant of the same dtype checks the same on CPU"
 )
 EXACT_PRECISIONS = [
     pytest.param(CPU_FP32, id="cpu-fp32"),
