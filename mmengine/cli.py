@@ -112,7 +112,8 @@ def run_budget(args: argparse.Namespace) -> None:
         "limit_mm_per_prompt": pick("limit_mm_per_prompt", _parse_limits(args.limit_mm_per_prompt)),
         "encoder_cache_size": pick("encoder_cache_size", args.encoder_cache_size),
     }
-    EngineConfig(model=args.model, **{k: v for k, (v, _) in inputs.items()})  # validates the values
+    # validates the values
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, **{k: v for k, (v, _) in inputs.items()})
     block_size = args.block_size
     if args.num_kv_blocks is not None:
         kv_tokens = (args.num_kv_blocks * block_size, f"--num-kv-blocks {args.num_kv_blocks} x block_size {block_size}")
@@ -121,12 +122,15 @@ def run_budget(args: argparse.Namespace) -> None:
         blocks = inputs["max_num_seqs"][0] * cdiv(max_len, block_size)
         kv_tokens = (blocks * block_size, f"upper bound max_num_seqs x ceil(max_model_len {max_len} / {block_size}) blocks "
                      "(the KV cache is sized from free memory at start-up; pass --num-kv-blocks for the exact figure)")
-    dtype = {"auto": checkpoint_dtype(Path(args.model)) or torch.bfloat16, "float32": torch.float32,
-             "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
+    device = config.resolve_device()  # the dtype the engine would run in: --dtype auto depends on the device
+    dtype = config.resolve_dtype(checkpoint_dtype(Path(args.model)), device)
     elem = torch.empty((), dtype=dtype).element_size()
     hidden = hf_config.text_config.hidden_size
     inputs["kv_tokens"] = kv_tokens
-    inputs["bytes_per_token"] = (hidden * elem, f"text hidden_size {hidden} x {elem} bytes ({str(dtype).removeprefix('torch.')})")
+    inputs["bytes_per_token"] = (
+        hidden * elem,
+        f"text hidden_size {hidden} x {elem} bytes ({str(dtype).removeprefix('torch.')}: --dtype {args.dtype} on {device})",
+    )
     budget = compute_encoder_budget(
         max_tokens_per_item(hf_config),
         inputs["max_num_batched_tokens"][0],
@@ -190,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--block-size", type=int, default=16)
     budget.add_argument("--max-model-len", type=int, default=None)
     budget.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    budget.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto resolves the dtype per device)")
     budget.add_argument("--json", action="store_true", help="print the terms as JSON")
     budget.set_defaults(func=run_budget)
     return parser

@@ -1,7 +1,12 @@
-"""Tiny random-weight LLaVA-1.5-style checkpoints for tests and demos.
+"""Random-weight LLaVA-1.5-style checkpoints for tests, demos and benchmarks.
 
 Everything is built locally with transformers' own classes and saved with `save_pretrained`, so
 transformers and mmengine's loader read exactly the same files. No network or model hub is needed.
+
+- `build_tiny_llava` / `tiny_llava_path`: tiny shapes in fp32 on CPU, with weights scaled so that
+  greedy parity between implementations is well defined (tests, the demo).
+- `build_llava_checkpoint` with `LLAVA_1_5_7B_SPEC`: a real model's shape, built directly on a GPU in
+  bf16 at the real models' weight scale (benchmarks). Never commit one: it is 14 GB.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import pathlib
 import shutil
 import tempfile
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -22,9 +29,19 @@ import PIL.Image
 import PIL.ImageDraw
 
 if TYPE_CHECKING:
+    import torch
     from transformers import LlavaConfig, LlavaProcessor, PreTrainedTokenizerFast
 
-__all__ = ["TinyLlavaSpec", "build_tiny_llava", "tiny_llava_path", "make_test_image", "CHAT_TEMPLATE"]
+__all__ = [
+    "TinyLlavaSpec",
+    "LLAVA_1_5_7B_SPEC",
+    "build_llava_checkpoint",
+    "build_tiny_llava",
+    "tiny_llava_path",
+    "make_test_image",
+    "CHAT_TEMPLATE",
+    "REAL_INITIALIZER_RANGE",
+]
 
 # Bump when the builder changes what it writes, so cached checkpoints are rebuilt.
 _BUILDER_VERSION = 1
@@ -40,6 +57,11 @@ _BUILD_LOCK = threading.Lock()
 # implementations is well defined. Activations stay small (|logits| < 10) and fp16-safe. SigLIP ignores
 # it (fixed lecun/xavier init); for CLIP it scales the patch and position embeddings.
 _INITIALIZER_RANGE = 0.2
+
+# The weight scale of the real models (and transformers' default): what benchmark checkpoints use.
+REAL_INITIALIZER_RANGE = 0.02
+
+_BUILD_DTYPES = ("float32", "float16", "bfloat16")
 
 BOS, EOS, PAD, UNK, IMAGE = "<s>", "</s>", "<pad>", "<unk>", "<image>"
 
@@ -104,7 +126,8 @@ USER: Is there a person in the image? ASSISTANT: Yes, a woman is reading a newsp
 
 @dataclass(frozen=True)
 class TinyLlavaSpec:
-    """Shape and flavour of a tiny LLaVA checkpoint. Equal specs build byte-identical checkpoints."""
+    """Shape and flavour of a LLaVA-1.5-style checkpoint; tiny by default (`LLAVA_1_5_7B_SPEC` is a
+    real shape). Equal specs built on the same device in the same dtype give byte-identical checkpoints."""
 
     text_model: str = "llama"  # "llama" | "mistral" | "qwen2"
     vision_model: str = "clip"  # "clip" | "siglip"
@@ -125,7 +148,10 @@ class TinyLlavaSpec:
     projector_hidden_act: str = "gelu"
     max_position_embeddings: int = 2048
     tie_word_embeddings: bool = False
-    tokenizer_vocab_size: int = 400  # target for BPE training; model vocab_size = len(tokenizer) exactly
+    tokenizer_vocab_size: int = 400  # target for BPE training
+    # The model's vocabulary (embedding and lm_head rows). None: len(tokenizer) exactly. Larger pads
+    # it past the tokenizer, as llava-hf checkpoints do (32064 rows for 32002 tokens).
+    vocab_size: int | None = None
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -140,6 +166,8 @@ class TinyLlavaSpec:
             )
         if self.image_size % self.patch_size:
             raise ValueError(f"image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
+        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size <= 0):
+            raise ValueError(f"vocab_size must be None or a positive int, got {self.vocab_size!r}")
 
     @property
     def select_strategy(self) -> str:
@@ -153,6 +181,31 @@ class TinyLlavaSpec:
         """Image placeholder tokens per image (CLS counted for clip, then dropped by "default")."""
         cls = 1 if self.vision_model == "clip" else 0
         return (self.image_size // self.patch_size) ** 2 + cls - (self.select_strategy == "default")
+
+
+# LLaVA-1.5-7B (llava-hf/llava-1.5-7b-hf): a Vicuna-7B decoder (Llama: 4096 hidden, 11008 MLP, 32 layers,
+# 32 heads, 32064-row vocabulary) over CLIP ViT-L/14 at 336 px (1024 hidden, 4096 MLP, 24 layers, 16 heads:
+# 24x24 patches, CLS dropped = 576 image tokens), layer -2 features, GELU projector. 7,063,427,072
+# parameters, like the published checkpoint; the tokenizer is the small built-in one, so text is noise.
+LLAVA_1_5_7B_SPEC = TinyLlavaSpec(
+    text_model="llama",
+    vision_model="clip",
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+    vision_hidden_size=1024,
+    vision_intermediate_size=4096,
+    vision_num_layers=24,
+    vision_num_heads=16,
+    image_size=336,
+    patch_size=14,
+    vision_feature_layer=-2,
+    projector_hidden_act="gelu",
+    max_position_embeddings=4096,
+    vocab_size=32064,
+)
 
 
 def _build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
@@ -190,15 +243,24 @@ def _build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     )
 
 
-def _build_config(spec: TinyLlavaSpec, tokenizer: PreTrainedTokenizerFast) -> LlavaConfig:
-    """The LlavaConfig for `spec`, with the vocabulary and special ids taken from `tokenizer`."""
+def _build_config(
+    spec: TinyLlavaSpec, tokenizer: PreTrainedTokenizerFast, initializer_range: float | None = None
+) -> LlavaConfig:
+    """The LlavaConfig for `spec`, with the vocabulary and special ids taken from `tokenizer`.
+
+    `initializer_range` None: the tiny checkpoints' scale (_INITIALIZER_RANGE)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, MistralConfig, Qwen2Config, SiglipVisionConfig
 
+    if initializer_range is None:
+        initializer_range = _INITIALIZER_RANGE
+    vocab_size = len(tokenizer) if spec.vocab_size is None else spec.vocab_size
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
     special_ids = dict(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )
     text_kwargs = dict(
-        vocab_size=len(tokenizer),
+        vocab_size=vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
@@ -207,7 +269,7 @@ def _build_config(spec: TinyLlavaSpec, tokenizer: PreTrainedTokenizerFast) -> Ll
         head_dim=spec.head_dim or spec.hidden_size // spec.num_attention_heads,
         max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
-        initializer_range=_INITIALIZER_RANGE,
+        initializer_range=initializer_range,
         **special_ids,
     )
     if spec.text_model == "llama":
@@ -226,7 +288,7 @@ def _build_config(spec: TinyLlavaSpec, tokenizer: PreTrainedTokenizerFast) -> Ll
         patch_size=spec.patch_size,
     )
     if spec.vision_model == "clip":
-        vision_config = CLIPVisionConfig(initializer_range=_INITIALIZER_RANGE, **vision_kwargs)
+        vision_config = CLIPVisionConfig(initializer_range=initializer_range, **vision_kwargs)
     else:
         # The SigLIP pooling head is unused by LLaVA; leave it out so the checkpoint has no dead weights.
         vision_config = SiglipVisionConfig(vision_use_head=False, **vision_kwargs)
@@ -241,7 +303,7 @@ def _build_config(spec: TinyLlavaSpec, tokenizer: PreTrainedTokenizerFast) -> Ll
         vision_feature_select_strategy=spec.select_strategy,
         projector_hidden_act=spec.projector_hidden_act,
         tie_word_embeddings=spec.tie_word_embeddings,
-        initializer_range=_INITIALIZER_RANGE,
+        initializer_range=initializer_range,
         **special_ids,
     )
 
@@ -251,7 +313,9 @@ def _build_processor(spec: TinyLlavaSpec, tokenizer: PreTrainedTokenizerFast) ->
     from transformers import CLIPImageProcessorPil, LlavaProcessor, SiglipImageProcessorPil
 
     # The *Pil classes are what CLIPImageProcessor/SiglipImageProcessor resolve to without torchvision;
-    # constructing them directly avoids the fallback warning. They save as the base class name.
+    # constructing them directly avoids the fallback warning. They save as the base class name, so
+    # AutoProcessor loads CLIPImageProcessor (torchvision backend) where torchvision is installed and
+    # CLIPImageProcessorPil where it is not: same settings, same image placeholder count.
     if spec.vision_model == "clip":
         image_processor = CLIPImageProcessorPil(
             size={"shortest_edge": spec.image_size},
@@ -269,22 +333,40 @@ def _build_processor(spec: TinyLlavaSpec, tokenizer: PreTrainedTokenizerFast) ->
     )
 
 
-def build_tiny_llava(
-    path: str | os.PathLike, spec: TinyLlavaSpec = TinyLlavaSpec(), *, max_shard_size: str | None = None
+def build_llava_checkpoint(
+    path: str | os.PathLike,
+    spec: TinyLlavaSpec = TinyLlavaSpec(),
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype | str = "float32",
+    initializer_range: float = REAL_INITIALIZER_RANGE,
+    max_shard_size: str | None = None,
 ) -> pathlib.Path:
-    """Builds and saves a checkpoint directory; returns the path.
+    """Builds a random-weight checkpoint of `spec` and saves it (weights, config, processor, tokenizer,
+    chat template) with `save_pretrained` into `path`; returns the path.
+
+    The weights are created directly on `device` in `dtype` (no fp32 copy, no host round trip), drawn
+    with transformers' own initialization at `initializer_range` (0.02, the real models' scale; SigLIP
+    towers keep their fixed init) from seed `spec.seed`. On a GPU the LLaVA-1.5-7B shape takes about
+    20 s and 14 GB:
+
+        build_llava_checkpoint(path, LLAVA_1_5_7B_SPEC, device="cuda", dtype="bfloat16")
 
     `max_shard_size` (e.g. "200KB") makes a sharded safetensors checkpoint (model.safetensors.index.json).
     """
     import torch
     from transformers import GenerationConfig, LlavaForConditionalGeneration
 
+    dtype = _torch_dtype(dtype)
+    target = torch.device(device)
     path = pathlib.Path(path)
     tokenizer = _build_tokenizer(spec.tokenizer_vocab_size)
-    config = _build_config(spec, tokenizer)
-    with _BUILD_LOCK, torch.random.fork_rng(devices=[]):  # leave the caller's RNG state untouched
+    config = _build_config(spec, tokenizer, initializer_range)
+    # Leave the caller's RNG state untouched (the device's too when building on a GPU).
+    rng_devices = [target.index if target.index is not None else torch.cuda.current_device()] if target.type == "cuda" else []
+    with _BUILD_LOCK, torch.random.fork_rng(devices=rng_devices), target, _default_dtype(dtype):
         torch.manual_seed(spec.seed)
-        model = LlavaForConditionalGeneration(config).to(torch.float32)
+        model = LlavaForConditionalGeneration(config).to(dtype)
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -295,7 +377,48 @@ def build_tiny_llava(
         save_kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(path, **save_kwargs)
     _build_processor(spec, tokenizer).save_pretrained(path)
+    del model
+    if target.type == "cuda":
+        torch.cuda.empty_cache()
     return path
+
+
+def build_tiny_llava(
+    path: str | os.PathLike, spec: TinyLlavaSpec = TinyLlavaSpec(), *, max_shard_size: str | None = None
+) -> pathlib.Path:
+    """Builds and saves a tiny test checkpoint (fp32, on CPU, weights at the parity-friendly scale
+    explained at _INITIALIZER_RANGE); returns the path.
+
+    `max_shard_size` (e.g. "200KB") makes a sharded safetensors checkpoint (model.safetensors.index.json).
+    """
+    return build_llava_checkpoint(
+        path, spec, device="cpu", dtype="float32", initializer_range=_INITIALIZER_RANGE, max_shard_size=max_shard_size
+    )
+
+
+def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    import torch
+
+    if isinstance(dtype, str):
+        if dtype not in _BUILD_DTYPES:
+            raise ValueError(f"dtype must be one of {_BUILD_DTYPES} or a torch dtype, got {dtype!r}")
+        return getattr(torch, dtype)
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
+    return dtype
+
+
+@contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters are created in `dtype` (no fp32 copy first); restored afterwards."""
+    import torch
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def _spec_key(spec: TinyLlavaSpec) -> str:

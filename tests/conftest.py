@@ -1,9 +1,12 @@
-"""Shared fixtures: tiny random-weight checkpoints built with transformers, and transformers' own greedy output."""
+"""Shared fixtures: tiny random-weight checkpoints built with transformers, and transformers' own
+greedy output and logits on a pinned device and dtype."""
 
 from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,6 +19,64 @@ if not torch.cuda.is_available():
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
 from mmengine.testing import TinyLlavaSpec, tiny_llava_path
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Where and in which dtype a parity test runs mmengine and transformers alike."""
+
+    device: str  # "cpu" | "cuda"
+    dtype: torch.dtype
+
+    @property
+    def engine_kwargs(self) -> dict[str, str]:
+        return {"device": self.device, "dtype": str(self.dtype).removeprefix("torch.")}
+
+    @property
+    def exact(self) -> bool:
+        """fp32: greedy tokens must equal transformers'. In bf16 near-ties flip legitimately, so
+        parity is judged on logits within a tolerance instead."""
+        return self.dtype == torch.float32
+
+
+CPU_FP32 = Precision("cpu", torch.float32)
+_NEEDS_CUDA = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU; the cpu variant of the same dtype checks the same on CPU"
+)
+EXACT_PRECISIONS = [
+    pytest.param(CPU_FP32, id="cpu-fp32"),
+    pytest.param(Precision("cuda", torch.float32), id="cuda-fp32", marks=_NEEDS_CUDA),
+]
+ALL_PRECISIONS = [
+    *EXACT_PRECISIONS,
+    # bf16 on CPU runs the same comparison as on a GPU (cheap at tiny shapes), so a CPU-only run covers it
+    pytest.param(Precision("cpu", torch.bfloat16), id="cpu-bf16"),
+    pytest.param(Precision("cuda", torch.bfloat16), id="cuda-bf16", marks=_NEEDS_CUDA),
+]
+
+
+@pytest.fixture
+def no_tf32() -> Iterator[None]:
+    """True fp32 on a GPU: cuDNN convolutions (the vision tower's patch embedding) default to TF32,
+    which can differ between batch shapes by more than a greedy near-tie. No effect on CPU."""
+    cudnn, cublas = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = cudnn, cublas
+
+
+@pytest.fixture(params=EXACT_PRECISIONS)
+def exact_precision(request: pytest.FixtureRequest, no_tf32: None) -> Precision:
+    """fp32 on CPU, and on a GPU when one is present: greedy tokens are compared."""
+    return request.param
+
+
+@pytest.fixture(params=ALL_PRECISIONS)
+def precision(request: pytest.FixtureRequest, no_tf32: None) -> Precision:
+    """fp32 and bf16 on CPU, and on a GPU when one is present: logits are compared."""
+    return request.param
 
 
 @pytest.fixture(scope="session")
@@ -31,23 +92,30 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
 
 
 @functools.cache
-def _hf_model(path: Path) -> tuple[LlavaForConditionalGeneration, object]:
-    model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+def _hf_model(path: Path, precision: Precision) -> tuple[LlavaForConditionalGeneration, object]:
+    model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=precision.dtype).to(precision.device).eval()
     return model, AutoProcessor.from_pretrained(str(path))
 
 
-def hf_greedy(path: Path, prompt: str, images: list | None, max_new_tokens: int) -> list[int]:
+def _hf_inputs(processor: object, prompt: str, images: list | None, precision: Precision) -> dict[str, torch.Tensor]:
+    inputs = processor(text=prompt, images=images or None, return_tensors="pt").to(precision.device)
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(precision.dtype)
+    return inputs
+
+
+def hf_greedy(path: Path, prompt: str, images: list | None, max_new_tokens: int, precision: Precision = CPU_FP32) -> list[int]:
     """Greedy tokens from transformers' LlavaForConditionalGeneration.generate (the correctness anchor)."""
-    model, processor = _hf_model(path)
-    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+    model, processor = _hf_model(path, precision)
+    inputs = _hf_inputs(processor, prompt, images, precision)
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 
-def hf_logits(path: Path, prompt: str, images: list | None) -> torch.Tensor:
-    """transformers' next-token logits for the prompt's last position."""
-    model, processor = _hf_model(path)
-    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+def hf_logits(path: Path, prompt: str, images: list | None, precision: Precision = CPU_FP32) -> torch.Tensor:
+    """transformers' next-token logits for the prompt's last position, as fp32 on the precision's device."""
+    model, processor = _hf_model(path, precision)
+    inputs = _hf_inputs(processor, prompt, images, precision)
     with torch.inference_mode():
         return model(**inputs).logits[0, -1].float()

@@ -39,11 +39,12 @@ def _transformers5_in_memory(name: str) -> str:
 
 @pytest.mark.parametrize("rename", [_original_llava_hf, _transformers5_in_memory])
 @pytest.mark.parametrize("spec", [TinyLlavaSpec(), TinyLlavaSpec(text_model="qwen2", vision_model="siglip", tie_word_embeddings=True, seed=1)])
-def test_both_key_layouts_give_transformers_output(tmp_path, checkpoint_dir, rename, spec):
+def test_both_key_layouts_give_transformers_output(tmp_path, checkpoint_dir, exact_precision, rename, spec):
     path = _rewrite(checkpoint_dir(spec), tmp_path / "ckpt", rename)
     image = make_test_image(8)
-    (out,) = MMEngine(str(path), max_model_len=256).generate(PROMPT, images=[image], sampling_params=PARAMS, use_tqdm=False)
-    assert out.token_ids == hf_greedy(checkpoint_dir(spec), PROMPT, [image], 8)
+    engine = MMEngine(str(path), max_model_len=256, **exact_precision.engine_kwargs)
+    (out,) = engine.generate(PROMPT, images=[image], sampling_params=PARAMS, use_tqdm=False)
+    assert out.token_ids == hf_greedy(checkpoint_dir(spec), PROMPT, [image], 8, exact_precision)
 
 
 def test_tied_checkpoint_has_no_lm_head_and_still_loads(checkpoint_dir):

@@ -10,13 +10,15 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from mmengine import MMEngine, SamplingParams
 from mmengine.cli import main
 from mmengine.encoder_cache.budget import compute_encoder_budget, max_tokens_per_item
 from mmengine.errors import ItemTooLargeError, UnsupportedModelError
+from mmengine.models.loader import checkpoint_dtype
 from mmengine.models.registry import load_hf_config
-from mmengine.testing import TinyLlavaSpec, make_test_image
+from mmengine.testing import TinyLlavaSpec, build_llava_checkpoint, make_test_image
 
 
 def expected(m, batched, seqs, limit, pinned, override=None):
@@ -52,14 +54,15 @@ def test_small_override_is_raised_to_one_item_with_a_warning(caplog):
 )
 def test_cli_json_matches_the_formula(checkpoint_dir, capsys, args, batched, seqs, limit, override):
     path = checkpoint_dir()
-    assert main(["budget", "--model", str(path), "--json", "--num-kv-blocks", "10", "--block-size", "8", *args]) == 0
+    argv = ["budget", "--model", str(path), "--json", "--num-kv-blocks", "10", "--block-size", "8", "--device", "cpu", *args]
+    assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     per_step, num_items, compute, capacity = expected(16, batched, seqs, limit, 80, override)
     assert report["max_tokens_per_item"] == 16
     assert (report["items_per_step"], report["slack_items"], report["num_items"]) == (per_step, 1, num_items)
     assert report["items_cap"] == seqs * limit
     assert report["compute_budget_tokens"] == compute and report["cache_capacity_tokens"] == capacity
-    assert report["cache_bytes"] == capacity * 64 * 4  # hidden 64, float32 checkpoint
+    assert report["cache_bytes"] == capacity * 64 * 4  # hidden 64, float32 (dtype auto on CPU)
 
 
 def test_cli_human_output_names_every_term_and_source(checkpoint_dir):
@@ -75,12 +78,47 @@ def test_cli_human_output_names_every_term_and_source(checkpoint_dir):
     assert "image_size 32 / patch_size 8" in out
 
 
-def test_engine_uses_the_same_budget_as_the_cli(checkpoint_dir, capsys):
-    engine = MMEngine(str(checkpoint_dir()), max_model_len=256, block_size=8, max_num_seqs=3, max_num_batched_tokens=40)
-    main(["budget", "--model", str(checkpoint_dir()), "--json", "--block-size", "8", "--max-num-seqs", "3",
-          "--max-num-batched-tokens", "40", "--num-kv-blocks", str(engine.kv_cache.num_blocks), "--dtype", "float32"])
-    assert json.loads(capsys.readouterr().out) == engine.encoder_budget.to_json()
+@pytest.mark.parametrize("weights_dtype", ["float32", "bfloat16"])
+def test_engine_uses_the_same_budget_as_the_cli(checkpoint_dir, tmp_path, capsys, weights_dtype):
+    """Device and dtype left to auto on both sides: the CLI resolves them as the engine does (fp32 on
+    CPU whatever the checkpoint holds; the checkpoint's 16-bit dtype, else bf16, on a GPU)."""
+    path = checkpoint_dir() if weights_dtype == "float32" else build_llava_checkpoint(tmp_path / "m", dtype=weights_dtype)
+    assert checkpoint_dtype(path) == getattr(torch, weights_dtype)
+    engine = MMEngine(str(path), max_model_len=256, block_size=8, max_num_seqs=3, max_num_batched_tokens=40)
+    main(["budget", "--model", str(path), "--json", "--block-size", "8", "--max-num-seqs", "3",
+          "--max-num-batched-tokens", "40", "--num-kv-blocks", str(engine.kv_cache.num_blocks)])
+    report = json.loads(capsys.readouterr().out)
+    assert report == engine.encoder_budget.to_json()
+    assert report["bytes_per_token"] == 64 * engine.dtype.itemsize
     assert engine.encoder_cache.capacity == engine.encoder_budget.cache_capacity_tokens
+
+
+def _bytes_per_token(path, capsys, *args: str) -> int:
+    assert main(["budget", "--model", str(path), "--json", "--num-kv-blocks", "4", *args]) == 0
+    return json.loads(capsys.readouterr().out)["bytes_per_token"]
+
+
+def test_cli_dtype_follows_device_and_flag(checkpoint_dir, tmp_path, capsys):
+    bf16 = build_llava_checkpoint(tmp_path / "bf16", dtype="bfloat16")
+    assert _bytes_per_token(checkpoint_dir(), capsys, "--device", "cpu") == 64 * 4
+    assert _bytes_per_token(bf16, capsys, "--device", "cpu") == 64 * 4  # auto on CPU is fp32, not the checkpoint's bf16
+    assert _bytes_per_token(bf16, capsys, "--device", "cpu", "--dtype", "bfloat16") == 64 * 2
+    assert _bytes_per_token(checkpoint_dir(), capsys, "--device", "cpu", "--dtype", "float16") == 64 * 2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; without one --device cuda is an error (tested)")
+def test_cli_dtype_auto_on_cuda_is_16_bit(checkpoint_dir, tmp_path, capsys):
+    half = build_llava_checkpoint(tmp_path / "fp16", dtype="float16")
+    # auto on CUDA: bf16 (fp16 where bf16 is unsupported) for a float32 checkpoint, never its fp32
+    assert _bytes_per_token(checkpoint_dir(), capsys, "--device", "cuda") == 64 * 2
+    assert _bytes_per_token(half, capsys, "--device", "cuda") == 64 * 2
+    assert _bytes_per_token(checkpoint_dir(), capsys, "--device", "cuda", "--dtype", "float32") == 64 * 4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: --device cuda is valid here (tested)")
+def test_cli_device_cuda_without_a_gpu_is_a_clean_error(checkpoint_dir, capsys):
+    assert main(["budget", "--model", str(checkpoint_dir()), "--device", "cuda"]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("vision,strategy", [("clip", "default"), ("clip", "full"), ("siglip", "full"), ("siglip", "default")])

@@ -25,6 +25,18 @@ def _load(path: pathlib.Path):
     return AutoProcessor.from_pretrained(path), LlavaForConditionalGeneration.from_pretrained(path).eval()
 
 
+def _image_processor_class(processor) -> str:
+    """The loaded image processor's class, backend suffix dropped: with torchvision installed
+    AutoProcessor gives CLIPImageProcessor (torchvision backend), without it CLIPImageProcessorPil.
+    Both are the same processor (same settings, same placeholder count); either is accepted."""
+    return type(processor.image_processor).__name__.removesuffix("Pil")
+
+
+def _saved_image_processor_type(path: pathlib.Path) -> str:
+    """What the checkpoint itself names, whatever is installed where it is read."""
+    return json.loads((path / "processor_config.json").read_text())["image_processor"]["image_processor_type"]
+
+
 def _tensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
     out = {}
     for file in sorted(path.glob("*.safetensors")):
@@ -155,7 +167,7 @@ def test_tokenizer(default_ckpt):
 
 def test_processor_expands_image_tokens(default_ckpt, default_loaded):
     processor, model = default_loaded
-    assert type(processor.image_processor).__name__ == "CLIPImageProcessorPil"
+    assert _image_processor_class(processor) == _saved_image_processor_type(default_ckpt) == "CLIPImageProcessor"
     inputs = processor(text=PROMPT, images=[make_test_image(0)], return_tensors="pt")
     ids = inputs["input_ids"][0]
     n = (ids == model.config.image_token_id).sum().item()
@@ -267,7 +279,8 @@ def test_architectures_load_and_run(tmp_path, text_model, vision_model):
     if text_model == "mistral":
         assert config.text_config.sliding_window is None
     processor, model = _load(path)
-    assert type(processor.image_processor).__name__ == f"{'CLIP' if vision_model == 'clip' else 'Siglip'}ImageProcessorPil"
+    expected = f"{'CLIP' if vision_model == 'clip' else 'Siglip'}ImageProcessor"
+    assert _image_processor_class(processor) == _saved_image_processor_type(path) == expected
     keys = set(_tensors(path))
     assert ("language_model.model.layers.0.self_attn.q_proj.bias" in keys) == (text_model == "qwen2")
     assert ("vision_tower.embeddings.class_embedding" in keys) == (vision_model == "clip")

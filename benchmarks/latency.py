@@ -1,0 +1,384 @@
+"""Latency: decode step time per batch size next to the memory-read floor, time to first token, and
+the share of a decode step the GPU is busy.
+
+    python benchmarks/latency.py                               # built-in tiny model, a quick CPU run
+    python benchmarks/latency.py --build-7b /tmp/llava-1.5-7b  # LLaVA-1.5-7B shape, random bf16 weights
+    python benchmarks/latency.py --model PATH --batch-sizes 1,16,64,256
+
+Decode: per batch size, that many text requests (128-token prompts) are prefilled, then steady decode
+steps (every request gets a token, nothing is prefilled) are timed one by one, the device synchronized
+around each. The floor is what such a step must read from memory divided by the memory bandwidth: the
+decoder's weights (not the vision tower, not the embedding table, of which a step reads one row per
+request), plus the batch's KV cache. The bandwidth is measured with a large device-to-device copy
+unless --bandwidth-gbs gives it.
+
+TTFT (generate with max_tokens=1, preprocessing included) for a new image, for the same request
+again (full prefix and encoder cache hit), and for the same image with a new question (encoder hit,
+the prefix up to the question cached). Shapes are warmed up first, so no JIT is timed.
+
+GPU-busy share: torch.profiler over steady decode steps; the device's busy time per step (the union
+of its kernel and copy intervals) over the unprofiled step time. Kernels per step are counted too.
+
+--build-7b DIR builds the LLaVA-1.5-7B-shaped checkpoint there if it is missing (directly on the GPU
+in bf16, about 20 s and 14 GB of disk; never commit it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import shutil
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from mmengine import MMEngine, SamplingParams
+from mmengine.config import EngineConfig
+from mmengine.testing import LLAVA_1_5_7B_SPEC, TinyLlavaSpec, build_llava_checkpoint, make_test_image, tiny_llava_path
+
+WORDS = ("the a picture of small large red blue green cat dog boat house tree river sky cloud road "
+         "man woman child table window book car street bird water light morning").split()
+SYSTEM = "A chat between a curious human and an artificial intelligence assistant. " * 4
+QUESTION = SYSTEM + "USER: <image>\nWhat is shown in this picture? Describe it in detail. ASSISTANT:"
+OTHER_QUESTION = SYSTEM + "USER: <image>\nHow many animals are there, and what colour are they? ASSISTANT:"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# -- checkpoint -----------------------------------------------------------------------------------
+
+
+def ensure_checkpoint(path: Path, spec: TinyLlavaSpec, device: str, dtype: str) -> tuple[Path, float]:
+    """`path` if it holds a checkpoint, else builds one there (in a sibling directory renamed into
+    place, so an interrupted build is never mistaken for a finished one). Returns (path, build seconds)."""
+    if (path / "config.json").is_file():
+        return path, 0.0
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    start = time.perf_counter()
+    build_llava_checkpoint(partial, spec, device=device, dtype=dtype)
+    elapsed = time.perf_counter() - start
+    partial.rename(path)
+    return path, elapsed
+
+
+# -- memory-read floor ----------------------------------------------------------------------------
+
+
+def measure_bandwidth_gbs(device: torch.device) -> float:
+    """Memory bandwidth from a device-to-device copy (each copy reads and writes its bytes). Run it
+    before the engine takes its KV cache out of the free memory; the buffers are returned after."""
+    nbytes, reps = ((1 << 30), 20) if device.type == "cuda" else ((64 << 20), 5)
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        dst.copy_(src)
+    sync(device)
+    elapsed = time.perf_counter() - start
+    del src, dst
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return 2 * nbytes * reps / elapsed / 1e9
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters a decode step reads in full: decoder layers, final norm, lm_head (also
+    when it is tied to the embedding). Not the vision tower or projector, nor the embedding table."""
+    unread = ("vision_tower.", "multi_modal_projector.", "embed_tokens.")
+    names: dict[int, list[str]] = {}
+    sizes: dict[int, int] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(param.data_ptr(), []).append(name)
+        sizes[param.data_ptr()] = param.numel() * param.element_size()
+    return sum(sizes[ptr] for ptr, ns in names.items() if any(not any(u in n for u in unread) for n in ns))
+
+
+def kv_bytes_per_token(engine: MMEngine) -> int:
+    text = engine.hf_config.text_config
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * engine.dtype.itemsize
+
+
+# -- decode ---------------------------------------------------------------------------------------
+
+
+def text_prompt(tokenizer, rng: random.Random, tokens: int) -> str:
+    """A random-word chat prompt of at least `tokens` tokens (a few more at most)."""
+    words: list[str] = []
+    prompt = ""
+    while len(tokenizer(prompt).input_ids) < tokens:
+        words += [rng.choice(WORDS) for _ in range(4)]
+        prompt = f"USER: {' '.join(words)} ASSISTANT:"
+    return prompt
+
+
+class DecodeBatch:
+    """`batch_size` text requests that decode together; `step()` times one engine step."""
+
+    def __init__(self, engine: MMEngine, batch_size: int, prompt_tokens: int, max_tokens: int, seed: int) -> None:
+        self.engine, self.batch_size = engine, batch_size
+        rng = random.Random(seed)
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        self.ids = [
+            engine.add_request(text_prompt(engine.tokenizer, rng, prompt_tokens), sampling_params=params)
+            for _ in range(batch_size)
+        ]
+
+    def step(self) -> tuple[float, int] | None:
+        """(seconds, KV tokens read) of one step if it was a steady decode step, else None."""
+        prefilled = self.engine.stats()["prefill_tokens_computed"]
+        sync(self.engine.device)
+        start = time.perf_counter()
+        outputs = self.engine.step()
+        sync(self.engine.device)
+        elapsed = time.perf_counter() - start
+        if self.engine.stats()["prefill_tokens_computed"] != prefilled or len(outputs) != self.batch_size:
+            return None
+        return elapsed, sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outputs)
+
+    def steady_steps(self, count: int) -> list[tuple[float, int]]:
+        """The next `count` steady steps (fewer if the requests finish first)."""
+        found = []
+        while len(found) < count and self.engine.has_unfinished_requests():
+            result = self.step()
+            if result is not None:
+                found.append(result)
+        return found
+
+    def __enter__(self) -> DecodeBatch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for request_id in self.ids:
+            self.engine.abort_request(request_id)
+
+
+def run_decode(engine: MMEngine, batch_size: int, args: argparse.Namespace, weight_bytes: int, kv_token_bytes: int,
+               bandwidth_gbs: float) -> dict:
+    with DecodeBatch(engine, batch_size, args.prompt_tokens, args.warmup_steps + args.decode_steps + 8, seed=batch_size) as batch:
+        batch.steady_steps(args.warmup_steps)  # first launches of this batch shape (JIT, allocator)
+        steps = batch.steady_steps(args.decode_steps)
+    if not steps:
+        return {"batch_size": batch_size, "steps_timed": 0}
+    times_ms = sorted(1e3 * t for t, _ in steps)
+    kv_tokens = statistics.mean(n for _, n in steps)
+    weight_floor_ms = weight_bytes / (bandwidth_gbs * 1e9) * 1e3
+    kv_floor_ms = kv_tokens * kv_token_bytes / (bandwidth_gbs * 1e9) * 1e3
+    median_ms = statistics.median(times_ms)
+    return {
+        "batch_size": batch_size,
+        "steps_timed": len(steps),
+        "median_ms": median_ms,
+        "min_ms": times_ms[0],
+        "max_ms": times_ms[-1],
+        "mean_context_tokens": kv_tokens / batch_size,
+        "weight_floor_ms": weight_floor_ms,
+        "kv_floor_ms": kv_floor_ms,
+        "floor_ms": weight_floor_ms + kv_floor_ms,
+        "median_over_weight_floor": median_ms / weight_floor_ms,
+        "median_over_floor": median_ms / (weight_floor_ms + kv_floor_ms),
+    }
+
+
+# -- time to first token --------------------------------------------------------------------------
+
+
+def ttft_ms(engine: MMEngine, prompt: str, images: list) -> tuple[float, int]:
+    """(wall ms of generate(max_tokens=1), vision encoder runs it caused)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    runs = engine.stats()["encoder_runs"]
+    sync(engine.device)
+    start = time.perf_counter()
+    engine.generate(prompt, images=images, sampling_params=params, use_tqdm=False)
+    sync(engine.device)
+    return 1e3 * (time.perf_counter() - start), engine.stats()["encoder_runs"] - runs
+
+
+def run_ttft(engine: MMEngine, image_size: tuple[int, int], repeats: int) -> dict:
+    warm = make_test_image(10_000, size=image_size)
+    for prompt in (QUESTION, QUESTION, OTHER_QUESTION):  # every shape the three cases take, compiled
+        ttft_ms(engine, prompt, [warm])
+    cases: dict[str, list[tuple[float, int]]] = {"new_image": [], "same_request": [], "same_image_new_question": []}
+    for r in range(repeats):
+        image = make_test_image(20_000 + r, size=image_size)
+        cases["new_image"].append(ttft_ms(engine, QUESTION, [image]))
+        cases["same_request"].append(ttft_ms(engine, QUESTION, [image]))
+        cases["same_image_new_question"].append(ttft_ms(engine, OTHER_QUESTION, [image]))
+    return {
+        name: {"median_ms": statistics.median(ms for ms, _ in runs), "all_ms": [ms for ms, _ in runs],
+               "encoder_runs": sum(n for _, n in runs)}
+        for name, runs in cases.items()
+    }
+
+
+# -- GPU-busy share -------------------------------------------------------------------------------
+
+
+def busy_union_us(intervals: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end) intervals (overlapping kernels count once)."""
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop <= end:
+            continue
+        total += stop - max(start, end)
+        end = stop
+    return total
+
+
+def run_gpu_busy(engine: MMEngine, batch_size: int, args: argparse.Namespace) -> dict:
+    if engine.device.type != "cuda":
+        return {"skipped": f"device is {engine.device.type}: nothing runs asynchronously to the host"}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = args.profile_steps
+    with DecodeBatch(engine, batch_size, args.prompt_tokens, args.warmup_steps + 2 * steps + 8, seed=batch_size) as batch:
+        batch.steady_steps(args.warmup_steps)
+        unprofiled = batch.steady_steps(steps)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            profiled = batch.steady_steps(steps)
+    if not unprofiled or not profiled:
+        return {"skipped": f"no steady decode steps at batch {batch_size} (too few KV blocks?)"}
+    device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    busy_ms = busy_union_us([(e.time_range.start, e.time_range.end) for e in device_events]) / 1e3 / len(profiled)
+    step_ms = statistics.median(1e3 * t for t, _ in unprofiled)
+    return {
+        "batch_size": batch_size,
+        "steps_profiled": len(profiled),
+        "step_ms": step_ms,
+        "device_busy_ms_per_step": busy_ms,
+        "gpu_busy_share": busy_ms / step_ms,
+        "device_ops_per_step": len(device_events) / len(profiled),
+    }
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny model)")
+    source.add_argument("--build-7b", metavar="DIR", default=None,
+                        help="use the LLaVA-1.5-7B-shaped random checkpoint in DIR, building it there if missing")
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batch-sizes", type=_positive_ints, default="1,16,64,256", help="comma-separated decode batch sizes")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of the decode requests")
+    parser.add_argument("--warmup-steps", type=int, default=3, help="steady decode steps run before timing")
+    parser.add_argument("--decode-steps", type=int, default=20, help="steady decode steps timed per batch size")
+    parser.add_argument("--ttft-repeats", type=int, default=5)
+    parser.add_argument("--image-size", type=_image_size, default="640x480", help="WIDTHxHEIGHT of the TTFT images")
+    parser.add_argument("--profile-batch-size", type=int, default=64, help="decode batch for the GPU-busy share")
+    parser.add_argument("--profile-steps", type=int, default=5)
+    parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth (default: measured)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--output", default="benchmarks/results/latency.json")
+    return parser.parse_args(argv)
+
+
+def _positive_ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {text!r}")
+    return values
+
+
+def _image_size(text: str) -> tuple[int, int]:
+    width, _, height = text.partition("x")
+    if not (width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT, e.g. 640x480, got {text!r}")
+    return int(width), int(height)
+
+
+def resolve_model(args: argparse.Namespace) -> tuple[str, dict]:
+    if args.model:
+        return args.model, {}
+    if args.build_7b:
+        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+        path, seconds = ensure_checkpoint(Path(args.build_7b), LLAVA_1_5_7B_SPEC, device, "bfloat16")
+        return str(path), {"build_s": seconds, "spec": "LLAVA_1_5_7B_SPEC"}
+    return str(tiny_llava_path(TinyLlavaSpec())), {"spec": "TinyLlavaSpec()"}
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    model, origin = resolve_model(args)
+    bandwidth = args.bandwidth_gbs or measure_bandwidth_gbs(EngineConfig(model=model, device=args.device).resolve_device())
+    engine = MMEngine(
+        model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch_sizes + [args.profile_batch_size]),
+        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+    )
+    device = engine.device
+    weight_bytes = decode_weight_bytes(engine.runner.model)
+    kv_token_bytes = kv_bytes_per_token(engine)
+    print(f"{model} on {device} in {str(engine.dtype).removeprefix('torch.')}: decode reads {weight_bytes / 1e9:.3f} GB "
+          f"of weights + {kv_token_bytes / 1e3:.1f} KB of KV per context token; bandwidth {bandwidth:.0f} GB/s "
+          f"({'given' if args.bandwidth_gbs else 'measured'})")
+
+    result: dict = {
+        "model": model,
+        "checkpoint": origin,
+        "settings": {k: v for k, v in vars(args).items()},
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "cuda": torch.cuda.is_available(),
+                    "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None},
+        "device": str(device),
+        "dtype": str(engine.dtype).removeprefix("torch."),
+        "memory": {
+            "bandwidth_gbs": bandwidth,
+            "bandwidth_source": "--bandwidth-gbs" if args.bandwidth_gbs else "measured (device-to-device copy)",
+            "weight_bytes_total": sum(p.numel() * p.element_size() for p in engine.runner.model.parameters()),
+            "decode_weight_bytes": weight_bytes,
+            "kv_bytes_per_token": kv_token_bytes,
+        },
+    }
+
+    print(f"{'batch':>6} {'median ms':>10} {'min ms':>8} {'weight floor':>13} {'+KV floor':>10} {'x floor':>8} {'context':>8}")
+    result["decode"] = []
+    for batch_size in args.batch_sizes:
+        row = run_decode(engine, batch_size, args, weight_bytes, kv_token_bytes, bandwidth)
+        result["decode"].append(row)
+        if row["steps_timed"]:
+            print(f"{batch_size:>6} {row['median_ms']:>10.2f} {row['min_ms']:>8.2f} {row['weight_floor_ms']:>13.2f} "
+                  f"{row['floor_ms']:>10.2f} {row['median_over_floor']:>8.2f} {row['mean_context_tokens']:>8.0f}")
+        else:
+            print(f"{batch_size:>6}  no steady decode step (too few KV blocks for this batch?)")
+
+    result["ttft"] = run_ttft(engine, args.image_size, args.ttft_repeats)
+    for name, case in result["ttft"].items():
+        print(f"TTFT {name:<24} {case['median_ms']:8.2f} ms median  (encoder runs: {case['encoder_runs']})")
+
+    profile_batch = args.profile_batch_size
+    result["gpu_busy"] = run_gpu_busy(engine, profile_batch, args)
+    busy = result["gpu_busy"]
+    if "skipped" in busy:
+        print(f"GPU-busy share: skipped ({busy['skipped']})")
+    else:
+        print(f"GPU-busy share at batch {profile_batch}: {busy['gpu_busy_share']:.0%} "
+              f"({busy['device_busy_ms_per_step']:.2f} of {busy['step_ms']:.2f} ms, {busy['device_ops_per_step']:.0f} device ops per step)")
+
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {args.output}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

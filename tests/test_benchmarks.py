@@ -1,0 +1,107 @@
+"""benchmarks/latency.py runs end to end at tiny settings and reports every field; its helpers
+(build-if-missing, the read floor's byte count, the busy-time union) do what they claim."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from mmengine import MMEngine
+from mmengine.testing import TinyLlavaSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def latency():
+    spec = importlib.util.spec_from_file_location("latency_benchmark", ROOT / "benchmarks" / "latency.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_latency_benchmark_reports_every_field(latency, checkpoint_dir, tmp_path):
+    output = tmp_path / "latency.json"
+    result = latency.main([
+        "--model", str(checkpoint_dir()), "--batch-sizes", "1,3", "--prompt-tokens", "16", "--warmup-steps", "1",
+        "--decode-steps", "3", "--ttft-repeats", "1", "--image-size", "64x48", "--profile-batch-size", "2",
+        "--profile-steps", "2", "--max-model-len", "256", "--output", str(output),
+    ])
+    assert json.loads(output.read_text()) == json.loads(json.dumps(result, default=str))
+
+    memory = result["memory"]
+    assert memory["bandwidth_gbs"] > 0 and memory["bandwidth_source"].startswith("measured")
+    assert 0 < memory["decode_weight_bytes"] < memory["weight_bytes_total"]
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[result["dtype"]]
+    assert memory["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * itemsize  # K and V, 2 layers, 2 KV heads, head_dim 16
+
+    assert [row["batch_size"] for row in result["decode"]] == [1, 3]
+    for row in result["decode"]:
+        assert row["steps_timed"] == 3
+        assert 0 < row["min_ms"] <= row["median_ms"] <= row["max_ms"]
+        assert 0 < row["weight_floor_ms"] < row["floor_ms"] and row["kv_floor_ms"] > 0
+        assert row["mean_context_tokens"] >= 16
+        assert row["median_over_floor"] == pytest.approx(row["median_ms"] / row["floor_ms"])
+
+    ttft = result["ttft"]
+    assert {name: case["encoder_runs"] for name, case in ttft.items()} == {
+        "new_image": 1, "same_request": 0, "same_image_new_question": 0,  # the caches were hit
+    }
+    assert all(case["median_ms"] > 0 and len(case["all_ms"]) == 1 for case in ttft.values())
+
+    busy = result["gpu_busy"]
+    if result["device"].startswith("cuda"):
+        assert busy["steps_profiled"] == 2 and busy["gpu_busy_share"] > 0 and busy["device_ops_per_step"] > 0
+    else:
+        assert "nothing runs asynchronously" in busy["skipped"]
+
+
+def test_a_given_bandwidth_is_used(latency, checkpoint_dir, tmp_path):
+    result = latency.main([
+        "--model", str(checkpoint_dir()), "--batch-sizes", "2", "--prompt-tokens", "8", "--warmup-steps", "0",
+        "--decode-steps", "1", "--ttft-repeats", "1", "--image-size", "40x40", "--profile-batch-size", "2",
+        "--profile-steps", "1", "--max-model-len", "256", "--bandwidth-gbs", "1000", "--output", str(tmp_path / "l.json"),
+    ])
+    assert result["memory"]["bandwidth_gbs"] == 1000 and result["memory"]["bandwidth_source"] == "--bandwidth-gbs"
+    (row,) = result["decode"]
+    assert row["weight_floor_ms"] == pytest.approx(result["memory"]["decode_weight_bytes"] / 1e12 * 1e3)
+
+
+def test_ensure_checkpoint_builds_once_and_never_trusts_a_partial_build(latency, tmp_path, monkeypatch):
+    spec = TinyLlavaSpec(hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=1)
+    target = tmp_path / "model"
+    (tmp_path / "model.partial").mkdir()  # an interrupted earlier build
+    (tmp_path / "model.partial" / "junk").write_text("x")
+    path, seconds = latency.ensure_checkpoint(target, spec, "cpu", "bfloat16")
+    assert path == target and seconds > 0 and not (tmp_path / "model.partial").exists()
+    assert (target / "config.json").is_file() and not (target / "junk").exists()
+
+    monkeypatch.setattr(latency, "build_llava_checkpoint", lambda *a, **k: pytest.fail("rebuilt an existing checkpoint"))
+    assert latency.ensure_checkpoint(target, spec, "cpu", "bfloat16") == (target, 0.0)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_weight_bytes_count_what_a_decode_step_reads(latency, checkpoint_dir, tied):
+    spec = TinyLlavaSpec(text_model="qwen2", vision_model="siglip", tie_word_embeddings=True, seed=1) if tied else TinyLlavaSpec()
+    model = MMEngine(str(checkpoint_dir(spec)), max_model_len=256, device="cpu").runner.model
+    decoder = sum(p.numel() for n, p in model.language_model.named_parameters() if "embed_tokens" not in n)
+    lm_head = model.lm_head.weight.numel()  # read in full even when it is the (tied) embedding
+    assert latency.decode_weight_bytes(model) == 4 * (decoder + lm_head)
+
+
+def test_busy_time_counts_overlaps_once(latency):
+    assert latency.busy_union_us([]) == 0
+    assert latency.busy_union_us([(0, 10), (20, 25)]) == 15
+    assert latency.busy_union_us([(0, 10), (5, 12), (11, 13), (2, 3)]) == 13
+    assert latency.busy_union_us([(30, 40), (0, 5), (4, 6)]) == 16
+
+
+
+@pytest.mark.parametrize("args", [["--batch-sizes", "1,0"], ["--batch-sizes", "x"], ["--image-size", "640"], ["--image-size", "0x4"]])
+def test_bad_options_are_clear_usage_errors(latency, args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        latency.parse_args(args)
+    assert exit_info.value.code == 2 and "expected" in capsys.readouterr().err
