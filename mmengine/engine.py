@@ -129,11 +129,15 @@ class MMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduler step; returns an output for every request that got a token (finished or not)."""
-        out = self.scheduler.schedule()
-        if out.is_empty and self.scheduler.has_unfinished_requests():
-            raise RuntimeError(f"scheduler made no progress: {self.scheduler.running + list(self.scheduler.waiting)}")
-        block_tables = {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled}
-        sampled = self.runner.execute(out, block_tables)
+        try:
+            out = self.scheduler.schedule()
+            if out.is_empty and self.scheduler.has_unfinished_requests():
+                raise RuntimeError(f"scheduler made no progress: {self.scheduler.running + list(self.scheduler.waiting)}")
+            block_tables = {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled}
+            sampled = self.runner.execute(out, block_tables)
+        except BaseException:
+            self._reconcile_encoder_books()
+            raise
         updated = self.scheduler.update_from_output(out, sampled, self.eos_token_ids)
         self._counters["steps"] += 1
         self._counters["tokens_computed"] += out.num_scheduled_tokens
@@ -264,6 +268,18 @@ class MMEngine:
         )
         self._counters["prompt_tokens"] += request.num_prompt_tokens
         return request_id
+
+    def _reconcile_encoder_books(self) -> None:
+        """After a failed step: the encoder cache books exactly the outputs the runner holds.
+
+        Nothing advanced (no request's computed tokens moved), so the step can simply run again,
+        except that entries booked for encodes that never ran must not look encoded: they are
+        unbooked and their requests encode them next time. Outputs whose entries were evicted go.
+        """
+        self.encoder_cache.take_freed()
+        outputs = self.runner.encoder_outputs
+        self.scheduler.forget_encoder_entries([h for h in self.encoder_cache.entries if h not in outputs])
+        self.runner.free_encoder_outputs([h for h in outputs if h not in self.encoder_cache.entries])
 
     def _after_token(self, request: Request) -> RequestOutput:
         detokenizer = self._detokenizers[request.request_id]
