@@ -14,7 +14,7 @@ from transformers import GenerationConfig, PretrainedConfig
 
 from mmengine.config import EngineConfig
 from mmengine.detokenizer import IncrementalDetokenizer
-from mmengine.errors import ConfigError, InvalidInputError
+from mmengine.errors import CheckpointError, ConfigError, InvalidInputError
 from mmengine.encoder_cache.budget import EncoderBudget, compute_encoder_budget, max_tokens_per_item
 from mmengine.encoder_cache.manager import EncoderCacheManager
 from mmengine.kv_cache.block_hash import make_hash_function
@@ -382,8 +382,12 @@ def _resolve_max_model_len(config: EngineConfig, text_config: PretrainedConfig) 
 def _eos_token_ids(model_dir: Path, hf_config: PretrainedConfig, tokenizer: Any) -> frozenset[int]:
     """The generation config's EOS ids (what transformers' generate() stops on), else the model's or tokenizer's."""
     value: Any = None
-    if (model_dir / "generation_config.json").exists():
-        value = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True).eos_token_id
+    path = model_dir / "generation_config.json"
+    if path.exists():
+        try:
+            value = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True).eos_token_id
+        except Exception as err:  # transformers raises OSError or ValueError for a broken file
+            raise CheckpointError(f"cannot read the generation config: {err}", path) from err
     if value is None:
         value = getattr(hf_config.text_config, "eos_token_id", None)
     if value is None:

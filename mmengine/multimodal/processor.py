@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 from PIL import Image
-from transformers import AutoProcessor, PretrainedConfig
+from transformers import PretrainedConfig
 
 from mmengine.errors import (
     EmptyPromptError,
@@ -29,6 +29,7 @@ from mmengine.errors import (
     UnsupportedModelError,
 )
 from mmengine.encoder_cache.hashing import hash_bytes, hash_image, hash_user_id, model_fingerprint, processor_settings_key
+from mmengine.models.registry import load_hf_processor
 from mmengine.multimodal.image_loading import ImageInput, encoded_bytes, load_image
 from mmengine.multimodal.processor_cache import ProcessorCache
 from mmengine.request import MMItem, ProcessedPrompt
@@ -46,7 +47,7 @@ class InputProcessor:
         processor_cache_bytes: int = 0,
         hash_algo: str = "xxh3_128",
     ) -> None:
-        self.hf_processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        self.hf_processor = load_hf_processor(model_dir)
         self.tokenizer = self.hf_processor.tokenizer
         self.image_token: str = self.hf_processor.image_token
         self.image_token_id: int = hf_config.image_token_id
