@@ -32,6 +32,7 @@ from mmengine.encoder_cache.hashing import hash_bytes, hash_image, hash_user_id,
 from mmengine.models.registry import load_hf_processor
 from mmengine.multimodal.image_loading import ImageInput, encoded_bytes, load_image
 from mmengine.multimodal.processor_cache import ProcessorCache
+from mmengine.multimodal.resize_guard import check_preprocessed_size
 from mmengine.request import MMItem, ProcessedPrompt
 from mmengine.sampling import SamplingParams
 
@@ -170,6 +171,7 @@ class InputProcessor:
             if cached is None and mm_hash not in to_preprocess:
                 loaded = load_image(image, max_pixels=self.max_image_pixels, image_index=index, encoded=encoded)
                 self.num_images_decoded += 1
+                check_preprocessed_size(self.hf_processor.image_processor, *loaded.size, self.max_image_pixels, index)
                 if mm_hash is None:
                     mm_hash = hash_image(loaded, self.fingerprint, self.settings_key, self.hash_algo)
                     cached = self.cache.get(mm_hash)
