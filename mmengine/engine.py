@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,10 @@ class MMEngine:
 
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
+        # One lock over the engine's state, held briefly: validation and preprocessing run outside it.
+        self._lock = threading.RLock()
+        self._pending: list[RequestOutput] = []  # outputs for step() to return (add_request's requests)
+        self._owners: dict[str, dict[str, RequestOutput]] = {}  # request id -> its generate() call's results
         self._counters = {
             "steps": 0,
             "tokens_computed": 0,
@@ -124,20 +129,40 @@ class MMEngine:
         """
         params = sampling_params or SamplingParams()
         _check_salt(cache_salt, 0)
-        processed = self.input_processor.process(prompt, images, params, mm_uuids=mm_uuids)
-        return self._enqueue(processed, params, request_id, cache_salt)
+        processed = self.input_processor.process(prompt, images, params, mm_uuids=mm_uuids)  # outside the lock
+        with self._lock:
+            return self._enqueue(processed, params, request_id, cache_salt)
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler step; returns an output for every request that got a token (finished or not)."""
+        """Runs one scheduler step; returns an output for every request added with add_request() that
+        got a token (finished or not) or was aborted since the last call. Does nothing on an idle engine.
+
+        If the step fails (the exception propagates), no request has advanced and the caches' books
+        match the runner's tensors, so calling step() again retries it.
+        """
+        with self._lock:
+            self._advance()
+            delivered, self._pending = self._pending, []
+            return delivered
+
+    def _advance(self) -> None:
+        """One step, if there is work; routes each output to its owner (a generate() call, or step())."""
+        if not self.scheduler.has_unfinished_requests():
+            return
         try:
-            out = self.scheduler.schedule()
-            if out.is_empty and self.scheduler.has_unfinished_requests():
-                raise RuntimeError(f"scheduler made no progress: {self.scheduler.running + list(self.scheduler.waiting)}")
-            block_tables = {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled}
-            sampled = self.runner.execute(out, block_tables)
+            outputs = self._step()
         except BaseException:
             self._reconcile_encoder_books()
             raise
+        for output in outputs:
+            self._route(output)
+
+    def _step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty and self.scheduler.has_unfinished_requests():
+            raise RuntimeError(f"scheduler made no progress: {self.scheduler.running + list(self.scheduler.waiting)}")
+        block_tables = {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled}
+        sampled = self.runner.execute(out, block_tables)
         updated = self.scheduler.update_from_output(out, sampled, self.eos_token_ids)
         self._counters["steps"] += 1
         self._counters["tokens_computed"] += out.num_scheduled_tokens
@@ -147,13 +172,21 @@ class MMEngine:
         return [self._after_token(request) for request in updated]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Whether step() has more to do or to hand back: requests in flight, or outputs not yet returned."""
+        with self._lock:
+            return self.scheduler.has_unfinished_requests() or bool(self._pending)
 
     def abort_request(self, request_id: str) -> bool:
-        """Stops a request and frees what it holds; False if no such request is in flight."""
-        request = self.scheduler.abort_request(request_id)
-        self._detokenizers.pop(request_id, None)
-        return request is not None
+        """Stops a request and frees what it holds; False if no such request is in flight. Its final
+        output (finish_reason "abort") comes from the next step(), or from generate() if it owns it."""
+        with self._lock:
+            request = self.scheduler.abort_request(request_id)
+            if request is None:
+                return False
+            detokenizer = self._detokenizers.pop(request_id)
+            detokenizer.flush()
+            self._route(self._output(request, detokenizer))
+            return True
 
     # -- high-level API --------------------------------------------------------
 
@@ -172,11 +205,6 @@ class MMEngine:
         `cache_salt` is one salt for all prompts or one per prompt; `mm_uuids` follows the shape of
         `images`. Every prompt is validated before any is queued, so bad input queues nothing.
         """
-        if self.has_unfinished_requests():
-            raise RuntimeError(
-                "generate() cannot run while requests added with add_request() are unfinished; "
-                "step() them to completion or abort them first"
-            )
         prompt_list, image_lists, params_list = _normalize_batch(prompts, images, sampling_params)
         salts = _normalize_salts(cache_salt, len(prompt_list))
         uuid_lists = _normalize_uuids(mm_uuids, isinstance(prompts, str), len(prompt_list))
@@ -184,18 +212,29 @@ class MMEngine:
             self.input_processor.process(prompt, imgs, params, prompt_index=i, mm_uuids=uuids)
             for i, (prompt, imgs, params, uuids) in enumerate(zip(prompt_list, image_lists, params_list, uuid_lists))
         ]
-        ids = [self._enqueue(p, params, None, salt) for p, params, salt in zip(processed, params_list, salts)]
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, RequestOutput] = {}  # filled by whichever thread's step finishes them
+        ids: list[str] = []
         try:
+            with self._lock:
+                for p, params, salt in zip(processed, params_list, salts):
+                    ids.append(self._enqueue(p, params, None, salt))
+                    self._owners[ids[-1]] = results
             with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
-                while self.has_unfinished_requests():
-                    for output in self.step():
-                        if output.finished:
-                            results[output.request_id] = output
-                            bar.update(1)
+                while True:
+                    with self._lock:  # released between steps, so other callers get their turn
+                        if len(results) < len(ids):
+                            if not self.scheduler.has_unfinished_requests():
+                                raise RuntimeError(f"generate() lost track of requests {sorted(set(ids) - set(results))}")
+                            self._advance()
+                        done = len(results)
+                    bar.update(done - bar.n)
+                    if done == len(ids):
+                        break
         except BaseException:
-            for request_id in ids:
-                self.abort_request(request_id)
+            with self._lock:
+                for request_id in ids:
+                    self.abort_request(request_id)
+                    self._owners.pop(request_id, None)
             raise
         return [results[request_id] for request_id in ids]
 
@@ -215,15 +254,21 @@ class MMEngine:
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached KV block (e.g. after changing weights). Running requests are unaffected."""
-        self.kv_cache.reset_prefix_cache()
+        with self._lock:
+            self.kv_cache.reset_prefix_cache()
 
     def reset_encoder_cache(self) -> None:
         """Drops every encoder output no running request needs (e.g. after changing the vision tower's
         weights); KV blocks that pinned them leave the prefix cache first."""
-        self.encoder_cache.reset()
-        self.runner.free_encoder_outputs(self.encoder_cache.take_freed())
+        with self._lock:
+            self.encoder_cache.reset()
+            self.runner.free_encoder_outputs(self.encoder_cache.take_freed())
 
     def stats(self) -> dict[str, int]:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, int]:
         return {
             **self._counters,
             "num_preemptions": self.scheduler.num_preemptions,
@@ -257,15 +302,18 @@ class MMEngine:
         cache_salt: str | None = None,
     ) -> str:
         arrival = next(self._arrivals)
-        request_id = request_id if request_id is not None else f"req-{arrival}"
-        if request_id in self.scheduler.requests:
+        if request_id is None:
+            request_id = f"req-{arrival}"
+            while request_id in self.scheduler.requests:  # a caller chose this name: take the next
+                arrival = next(self._arrivals)
+                request_id = f"req-{arrival}"
+        elif request_id in self.scheduler.requests:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         generator = self.runner.sampler.make_generator(params, self.device)
         request = Request(request_id, processed, params, arrival, generator, cache_salt=cache_salt)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, stop=params.stop)
         self.scheduler.add_request(request)
-        self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, stop=params.stop
-        )
+        self._detokenizers[request_id] = detokenizer
         self._counters["prompt_tokens"] += request.num_prompt_tokens
         return request_id
 
@@ -281,6 +329,15 @@ class MMEngine:
         self.scheduler.forget_encoder_entries([h for h in self.encoder_cache.entries if h not in outputs])
         self.runner.free_encoder_outputs([h for h in outputs if h not in self.encoder_cache.entries])
 
+    def _route(self, output: RequestOutput) -> None:
+        """Hands an output to the generate() call that owns its request, else to the next step()."""
+        results = self._owners.get(output.request_id)
+        if results is None:
+            self._pending.append(output)
+        elif output.finished:
+            results[output.request_id] = output
+            del self._owners[output.request_id]
+
     def _after_token(self, request: Request) -> RequestOutput:
         detokenizer = self._detokenizers[request.request_id]
         stop_string = detokenizer.append(request.output_token_ids[-1])
@@ -292,6 +349,10 @@ class MMEngine:
             detokenizer.flush()  # release a trailing partial character held back while streaming
             del self._detokenizers[request.request_id]
             self._counters["requests_finished"] += 1
+        return self._output(request, detokenizer)
+
+    @staticmethod
+    def _output(request: Request, detokenizer: IncrementalDetokenizer) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,

@@ -93,6 +93,7 @@ def _random_workload(checkpoint_dir, seed: int, prefix_caching: bool) -> None:
     requests: dict[str, tuple[str, list]] = {}
     aborted: set[str] = set()
     finished: dict[str, list[int]] = {}
+    reported_aborts: set[str] = set()
     clock = 0
 
     def pick() -> int:
@@ -104,7 +105,10 @@ def _random_workload(checkpoint_dir, seed: int, prefix_caching: bool) -> None:
 
     def step() -> None:
         for output in engine.step():
-            if output.finished:
+            if output.finish_reason == "abort":
+                assert output.request_id in aborted
+                reported_aborts.add(output.request_id)
+            elif output.finished:
                 finished[output.request_id] = output.token_ids
         assert_books_consistent(engine)
 
@@ -126,7 +130,7 @@ def _random_workload(checkpoint_dir, seed: int, prefix_caching: bool) -> None:
             break
         step()
     assert not engine.has_unfinished_requests()
-    assert set(finished) == set(requests) - aborted
+    assert set(finished) == set(requests) - aborted and reported_aborts == aborted
     done = sorted(finished)
     reference = _reference(checkpoint_dir, [requests[i][0] for i in done], [requests[i][1] for i in done])
     assert [finished[i] for i in done] == reference
