@@ -13,11 +13,22 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PretrainedConfig
 
+from mmengine.api_inputs import (
+    check_image_list,
+    check_request_id,
+    check_salt,
+    check_sampling_params,
+    normalize_batch,
+    normalize_conversations,
+    normalize_salts,
+    normalize_uuids,
+)
 from mmengine.config import EngineConfig
 from mmengine.detokenizer import IncrementalDetokenizer
 from mmengine.errors import CheckpointError, ConfigError, InvalidInputError
 from mmengine.encoder_cache.budget import EncoderBudget, compute_encoder_budget, max_tokens_per_item
 from mmengine.encoder_cache.manager import EncoderCacheManager
+from mmengine.host_memory import check_cpu_kv_cache_fits
 from mmengine.kv_cache.block_hash import make_hash_function
 from mmengine.kv_cache.manager import KVCacheManager
 from mmengine.models.llama import sliding_window_of
@@ -37,6 +48,21 @@ Conversation = list[dict[str, Any]]
 
 
 class MMEngine:
+    """A multimodal LLM engine over one local checkpoint (a LLaVA-style HF directory).
+
+    `MMEngine(path, **options)` loads the model (options: see EngineConfig) and sizes the KV and
+    encoder caches. Then either
+    - `generate(prompts, images=...)` / `chat(messages, images=...)`: run a batch to completion and
+      get one RequestOutput per prompt, in input order; or
+    - `add_request(prompt, images)` and `step()` in a loop: continuous batching driven by you;
+      each step returns the outputs of the requests that got a token; `abort_request(id)` stops one.
+
+    Images in a prompt are marked with the processor's image token (`<image>`), one per image.
+    Identical images share one encoder run and identical prefixes share KV blocks (`stats()`
+    counts both). Bad input raises a ValueError subclass from mmengine.errors before anything is
+    queued. Every public method may be called from several threads (see README, "Threads").
+    """
+
     def __init__(self, model: str | os.PathLike, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(str(model), **kwargs)
         model_dir = Path(self.config.model)
@@ -58,12 +84,15 @@ class MMEngine:
         self.input_processor.check_tokens_per_image(max_tokens_per_item(self.hf_config))
         self.tokenizer = self.input_processor.tokenizer
         self.runner = ModelRunner(self.config, self.hf_config, model_dir, self.device, self.dtype, self.max_model_len)
-        unpinned = self._encoder_budget(pinned_room_tokens=0)
+        unpinned = self._encoder_budget(pinned_room_tokens=0, warn=False)  # the real one below warns
         num_blocks = self.runner.determine_num_kv_blocks(
             encoder_fixed_bytes=unpinned.compute_budget_tokens * self.runner.embedding_bytes,
             encoder_bytes_per_block=self.config.block_size * self.runner.embedding_bytes,
             images_per_step=unpinned.compute_budget_tokens // unpinned.max_tokens_per_item,
         )
+        if self.device.type == "cpu":
+            per_block = self.runner.kv_block_bytes + self.config.block_size * self.runner.embedding_bytes
+            check_cpu_kv_cache_fits(num_blocks, per_block, explicit=self.config.num_kv_blocks is not None)
         self.runner.allocate_kv_cache(num_blocks)
         self.encoder_budget = self._encoder_budget(pinned_room_tokens=num_blocks * self.config.block_size)
         self.kv_cache = KVCacheManager(
@@ -100,7 +129,7 @@ class MMEngine:
             model_dir, self.device, self.dtype, num_blocks, self.config.block_size, self.max_model_len,
         )
 
-    def _encoder_budget(self, pinned_room_tokens: int) -> EncoderBudget:
+    def _encoder_budget(self, pinned_room_tokens: int, warn: bool = True) -> EncoderBudget:
         return compute_encoder_budget(
             max_tokens_per_item(self.hf_config),
             self.config.max_num_batched_tokens,
@@ -109,6 +138,7 @@ class MMEngine:
             pinned_room_tokens=pinned_room_tokens,
             bytes_per_token=self.runner.embedding_bytes,
             encoder_cache_size=self.config.encoder_cache_size,
+            warn=warn,
         )
 
     # -- low-level API ---------------------------------------------------------
@@ -127,9 +157,11 @@ class MMEngine:
         Requests share cached KV blocks only when their cache_salt is equal (None is a salt too).
         `mm_uuids` optionally gives each image an id that replaces hashing its content.
         """
-        params = sampling_params or SamplingParams()
-        _check_salt(cache_salt, 0)
-        processed = self.input_processor.process(prompt, images, params, mm_uuids=mm_uuids)  # outside the lock
+        params = check_sampling_params(sampling_params)
+        check_salt(cache_salt)
+        check_request_id(request_id)
+        uuids = normalize_uuids(mm_uuids, single=True, num_prompts=1)[0]
+        processed = self.input_processor.process(prompt, check_image_list(images), params, mm_uuids=uuids)  # outside the lock
         with self._lock:
             return self._enqueue(processed, params, request_id, cache_salt)
 
@@ -205,9 +237,9 @@ class MMEngine:
         `cache_salt` is one salt for all prompts or one per prompt; `mm_uuids` follows the shape of
         `images`. Every prompt is validated before any is queued, so bad input queues nothing.
         """
-        prompt_list, image_lists, params_list = _normalize_batch(prompts, images, sampling_params)
-        salts = _normalize_salts(cache_salt, len(prompt_list))
-        uuid_lists = _normalize_uuids(mm_uuids, isinstance(prompts, str), len(prompt_list))
+        prompt_list, image_lists, params_list = normalize_batch(prompts, images, sampling_params)
+        salts = normalize_salts(cache_salt, len(prompt_list))
+        uuid_lists = normalize_uuids(mm_uuids, isinstance(prompts, str), len(prompt_list))
         processed = [
             self.input_processor.process(prompt, imgs, params, prompt_index=i, mm_uuids=uuids)
             for i, (prompt, imgs, params, uuids) in enumerate(zip(prompt_list, image_lists, params_list, uuid_lists))
@@ -245,12 +277,18 @@ class MMEngine:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | Sequence[str | None] | None = None,
+        mm_uuids: Sequence[str | None] | Sequence[Sequence[str | None] | None] | None = None,
     ) -> list[RequestOutput]:
-        """Like generate(), for conversations rendered with the model's chat template."""
-        single = bool(messages) and isinstance(messages[0], dict)
-        conversations = [messages] if single else list(messages)
-        prompts = [self.input_processor.apply_chat_template(list(c)) for c in conversations]
-        return self.generate(prompts[0] if single else prompts, images, sampling_params, use_tqdm, cache_salt)
+        """Like generate(), for one conversation (a list of {"role", "content"} messages) or a list of
+        them, rendered with the model's chat template; `images` and `mm_uuids` follow generate()."""
+        conversations, single = normalize_conversations(messages)
+        prompts = []
+        for index, conversation in enumerate(conversations):
+            try:
+                prompts.append(self.input_processor.apply_chat_template(conversation))
+            except Exception as err:  # jinja2's TemplateError and the template's own raise_exception
+                raise InvalidInputError(f"the chat template rejects this conversation: {err}", index) from err
+        return self.generate(prompts[0] if single else prompts, images, sampling_params, use_tqdm, cache_salt, mm_uuids)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached KV block (e.g. after changing weights). Running requests are unaffected."""
@@ -363,63 +401,6 @@ class MMEngine:
             num_cached_tokens=request.num_cached_tokens,
             stop_reason=request.stop_reason,
         )
-
-
-def _normalize_batch(
-    prompts: str | Sequence[str],
-    images: Any,
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-) -> tuple[list[str], list[list[ImageInput]], list[SamplingParams]]:
-    if isinstance(prompts, str):
-        prompt_list = [prompts]
-        image_lists = [list(images or [])]
-    else:
-        prompt_list = list(prompts)
-        if images is None:
-            image_lists = [[] for _ in prompt_list]
-        else:
-            image_lists = [list(imgs or []) for imgs in images]
-            if len(image_lists) != len(prompt_list):
-                raise InvalidInputError(
-                    f"images must hold one list per prompt: got {len(image_lists)} lists for {len(prompt_list)} prompts"
-                )
-    if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        params_list = [sampling_params or SamplingParams()] * len(prompt_list)
-    else:
-        params_list = list(sampling_params)
-        if len(params_list) != len(prompt_list):
-            raise InvalidInputError(
-                f"sampling_params must be one SamplingParams or one per prompt: got {len(params_list)} for "
-                f"{len(prompt_list)} prompts"
-            )
-    return prompt_list, image_lists, params_list
-
-
-def _check_salt(salt: object, prompt_index: int) -> None:
-    if salt is not None and not isinstance(salt, str):
-        raise InvalidInputError(f"cache_salt must be a str or None, got {type(salt).__name__}", prompt_index)
-
-
-def _normalize_salts(cache_salt: str | Sequence[str | None] | None, num_prompts: int) -> list[str | None]:
-    if cache_salt is None or isinstance(cache_salt, str):
-        return [cache_salt] * num_prompts
-    salts = list(cache_salt)
-    if len(salts) != num_prompts:
-        raise InvalidInputError(f"cache_salt must be one salt or one per prompt: got {len(salts)} for {num_prompts} prompts")
-    for index, salt in enumerate(salts):
-        _check_salt(salt, index)
-    return salts
-
-
-def _normalize_uuids(mm_uuids: Any, single: bool, num_prompts: int) -> list[Sequence[str | None] | None]:
-    if mm_uuids is None:
-        return [None] * num_prompts
-    if single:
-        return [mm_uuids]
-    lists = list(mm_uuids)
-    if len(lists) != num_prompts:
-        raise InvalidInputError(f"mm_uuids must hold one list per prompt: got {len(lists)} for {num_prompts} prompts")
-    return lists
 
 
 def _resolve_max_model_len(config: EngineConfig, text_config: PretrainedConfig) -> int:

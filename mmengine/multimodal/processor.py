@@ -29,6 +29,7 @@ from mmengine.errors import (
     TooManyImagesError,
     UnsupportedModelError,
 )
+from mmengine.api_inputs import check_prompt_text
 from mmengine.encoder_cache.hashing import hash_bytes, hash_image, hash_user_id, model_fingerprint, processor_settings_key
 from mmengine.models.registry import load_hf_processor
 from mmengine.multimodal.image_loading import ImageInput, encoded_bytes, load_image
@@ -121,8 +122,7 @@ class InputProcessor:
     def _process(
         self, prompt: str, images: list[ImageInput], params: SamplingParams, mm_uuids: Sequence[str | None] | None
     ) -> ProcessedPrompt:
-        if not isinstance(prompt, str):
-            raise InvalidInputError(f"prompt must be a str, got {type(prompt).__name__}")
+        check_prompt_text(prompt)
         if len(images) > self.max_images:
             raise TooManyImagesError(
                 f"{len(images)} images given but limit_mm_per_prompt allows at most {self.max_images} per prompt"
