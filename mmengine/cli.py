@@ -33,24 +33,38 @@ def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
+def _require_positive(args: argparse.Namespace, *names: str) -> None:
+    from mmengine.errors import ConfigError
+
+    for name in names:
+        value = getattr(args, name)
+        if value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be a positive int, got {value}")
+
+
 def run_demo(args: argparse.Namespace) -> None:
+    _require_positive(args, "requests", "unique_images", "max_tokens")
     from mmengine import MMEngine, SamplingParams
+    from mmengine.config import EngineConfig
     from mmengine.testing import TinyLlavaSpec, make_test_image, tiny_llava_path
 
+    EngineConfig(model="demo", **_engine_kwargs(args))  # the engine's own rules, before the model is built
     path = tiny_llava_path(TinyLlavaSpec(), cache_dir=args.cache_dir)
     print(f"tiny LLaVA checkpoint (random weights): {path}")
     engine = MMEngine(str(path), **_engine_kwargs(args))
     images = [make_test_image(seed) for seed in range(args.unique_images)]
     questions = ["What is shown?", "Describe the colours.", "Is there a pattern?", "Count the shapes."]
     prompts, image_lists = [], []
+    num_image_requests = 0
     for i in range(args.requests):
         question = questions[i % len(questions)]
         if i % 4 == 3:  # some text-only requests in the mix
             prompts.append(f"USER: {question} ASSISTANT:")
             image_lists.append([])
-        else:
+        else:  # the image requests cycle through every unique image
             prompts.append(f"USER: <image>\n{question} ASSISTANT:")
-            image_lists.append([images[i % len(images)]])
+            image_lists.append([images[num_image_requests % len(images)]])
+            num_image_requests += 1
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     engine.generate(prompts[:1], images=image_lists[:1], sampling_params=params, use_tqdm=False)  # warm-up
     start = time.perf_counter()
@@ -61,7 +75,8 @@ def run_demo(args: argparse.Namespace) -> None:
     for output in outputs[:3]:
         print(f"  {output.prompt!r} -> {output.text!r}")
     print(
-        f"{len(outputs)} requests ({sum(map(len, image_lists))} images, {args.unique_images} unique) "
+        f"{len(outputs)} requests ({sum(map(len, image_lists))} images, "
+        f"{len({id(img) for imgs in image_lists for img in imgs})} unique) "
         f"in {elapsed:.2f}s: {len(outputs) / elapsed:.1f} req/s, {generated / elapsed:.1f} output tok/s"
     )
     print("engine stats:", json.dumps(engine.stats(), indent=2))
@@ -70,8 +85,8 @@ def run_demo(args: argparse.Namespace) -> None:
 def run_generate(args: argparse.Namespace) -> None:
     from mmengine import MMEngine, SamplingParams
 
-    engine = MMEngine(args.model, **_engine_kwargs(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    engine = MMEngine(args.model, **_engine_kwargs(args))
     images = args.image or []
     if args.chat:
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": args.prompt}]
@@ -100,6 +115,18 @@ def run_budget(args: argparse.Namespace) -> None:
     from mmengine.models.registry import load_hf_config, model_class_for
 
     defaults = EngineConfig(model=args.model)
+    explicit = {
+        "block_size": args.block_size,
+        "num_kv_blocks": args.num_kv_blocks,
+        "max_model_len": args.max_model_len,
+        "dtype": args.dtype,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_num_seqs": args.max_num_seqs,
+        "limit_mm_per_prompt": _parse_limits(args.limit_mm_per_prompt),
+        "encoder_cache_size": args.encoder_cache_size,
+    }
+    # the engine's rules; the device decides what dtype "auto" becomes
+    config = EngineConfig(model=args.model, device=args.device, **{k: v for k, v in explicit.items() if v is not None})
     hf_config = load_hf_config(Path(args.model))
     model_class_for(hf_config)
 
@@ -112,8 +139,6 @@ def run_budget(args: argparse.Namespace) -> None:
         "limit_mm_per_prompt": pick("limit_mm_per_prompt", _parse_limits(args.limit_mm_per_prompt)),
         "encoder_cache_size": pick("encoder_cache_size", args.encoder_cache_size),
     }
-    # validates the values
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, **{k: v for k, (v, _) in inputs.items()})
     block_size = args.block_size
     if args.num_kv_blocks is not None:
         kv_tokens = (args.num_kv_blocks * block_size, f"--num-kv-blocks {args.num_kv_blocks} x block_size {block_size}")
@@ -161,7 +186,10 @@ def _parse_limits(values: list[str] | None) -> dict[str, int] | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mmengine import __version__
+
     parser = argparse.ArgumentParser(prog="mmengine", description="multimodal LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a small workload on a built-in tiny random-weight LLaVA model")
@@ -205,7 +233,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args.func(args)
     except (MMEngineError, argparse.ArgumentTypeError) as err:
-        print(f"mmengine: error: {err}", file=sys.stderr)
+        message = " ".join(str(err).split())  # one line, whatever the message holds
+        print(f"mmengine: error: {message}", file=sys.stderr)
         return 2
     return 0
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -79,13 +80,18 @@ class EngineConfig:
             "in (0, 1]",
         )
         _require(
-            self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+            isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None,
             "device",
             self.device,
-            "'auto', 'cpu', 'cuda' or 'cuda:N'",
+            "'auto', 'cpu', 'cuda' or 'cuda:N' (a str)",
         )
-        _require(self.dtype == "auto" or self.dtype in _DTYPES, "dtype", self.dtype, f"'auto' or one of {sorted(_DTYPES)}")
-        _require(isinstance(self.seed, int), "seed", self.seed, "an int")
+        _require(
+            isinstance(self.dtype, str) and (self.dtype == "auto" or self.dtype in _DTYPES),
+            "dtype", self.dtype, f"'auto' or one of {sorted(_DTYPES)} (a str)",
+        )
+        _require(isinstance(self.seed, int) and not isinstance(self.seed, bool), "seed", self.seed, "an int")
+        for name in ("attn_backend", "prefix_caching_hash_algo"):
+            _require(isinstance(getattr(self, name), str), name, getattr(self, name), "a str")
         _require(isinstance(self.enforce_eager, bool), "enforce_eager", self.enforce_eager, "a bool")
         if self.max_cuda_graph_batch_size is not None:
             _positive_int("max_cuda_graph_batch_size", self.max_cuda_graph_batch_size)
@@ -122,6 +128,8 @@ class EngineConfig:
         device = torch.device(self.device)
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device={self.device!r} was asked for but CUDA is not available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(f"device={self.device!r}: there are only {torch.cuda.device_count()} CUDA device(s)")
         return device
 
     def resolve_dtype(self, checkpoint_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -12,11 +13,22 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PretrainedConfig
 
+from mmengine.api_inputs import (
+    check_image_list,
+    check_request_id,
+    check_salt,
+    check_sampling_params,
+    normalize_batch,
+    normalize_conversations,
+    normalize_salts,
+    normalize_uuids,
+)
 from mmengine.config import EngineConfig
 from mmengine.detokenizer import IncrementalDetokenizer
-from mmengine.errors import ConfigError, InvalidInputError
+from mmengine.errors import CheckpointError, ConfigError, InvalidInputError
 from mmengine.encoder_cache.budget import EncoderBudget, compute_encoder_budget, max_tokens_per_item
 from mmengine.encoder_cache.manager import EncoderCacheManager
+from mmengine.host_memory import check_cpu_kv_cache_fits
 from mmengine.kv_cache.block_hash import make_hash_function
 from mmengine.kv_cache.manager import KVCacheManager
 from mmengine.models.llama import sliding_window_of
@@ -36,6 +48,21 @@ Conversation = list[dict[str, Any]]
 
 
 class MMEngine:
+    """A multimodal LLM engine over one local checkpoint (a LLaVA-style HF directory).
+
+    `MMEngine(path, **options)` loads the model (options: see EngineConfig) and sizes the KV and
+    encoder caches. Then either
+    - `generate(prompts, images=...)` / `chat(messages, images=...)`: run a batch to completion and
+      get one RequestOutput per prompt, in input order; or
+    - `add_request(prompt, images)` and `step()` in a loop: continuous batching driven by you;
+      each step returns the outputs of the requests that got a token; `abort_request(id)` stops one.
+
+    Images in a prompt are marked with the processor's image token (`<image>`), one per image.
+    Identical images share one encoder run and identical prefixes share KV blocks (`stats()`
+    counts both). Bad input raises a ValueError subclass from mmengine.errors before anything is
+    queued. Every public method may be called from several threads (see README, "Threads").
+    """
+
     def __init__(self, model: str | os.PathLike, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(str(model), **kwargs)
         model_dir = Path(self.config.model)
@@ -57,12 +84,15 @@ class MMEngine:
         self.input_processor.check_tokens_per_image(max_tokens_per_item(self.hf_config))
         self.tokenizer = self.input_processor.tokenizer
         self.runner = ModelRunner(self.config, self.hf_config, model_dir, self.device, self.dtype, self.max_model_len)
-        unpinned = self._encoder_budget(pinned_room_tokens=0)
+        unpinned = self._encoder_budget(pinned_room_tokens=0, warn=False)  # the real one below warns
         num_blocks = self.runner.determine_num_kv_blocks(
             encoder_fixed_bytes=unpinned.compute_budget_tokens * self.runner.embedding_bytes,
             encoder_bytes_per_block=self.config.block_size * self.runner.embedding_bytes,
             images_per_step=unpinned.compute_budget_tokens // unpinned.max_tokens_per_item,
         )
+        if self.device.type == "cpu":
+            per_block = self.runner.kv_block_bytes + self.config.block_size * self.runner.embedding_bytes
+            check_cpu_kv_cache_fits(num_blocks, per_block, explicit=self.config.num_kv_blocks is not None)
         self.runner.allocate_kv_cache(num_blocks)
         if self.runner.use_cuda_graphs:
             self.runner.capture_cuda_graphs()
@@ -85,6 +115,10 @@ class MMEngine:
 
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
+        # One lock over the engine's state, held briefly: validation and preprocessing run outside it.
+        self._lock = threading.RLock()
+        self._pending: list[RequestOutput] = []  # outputs for step() to return (add_request's requests)
+        self._owners: dict[str, dict[str, RequestOutput]] = {}  # request id -> its generate() call's results
         self._counters = {
             "steps": 0,
             "tokens_computed": 0,
@@ -98,7 +132,7 @@ class MMEngine:
             model_dir, self.device, self.dtype, num_blocks, self.config.block_size, self.max_model_len,
         )
 
-    def _encoder_budget(self, pinned_room_tokens: int) -> EncoderBudget:
+    def _encoder_budget(self, pinned_room_tokens: int, warn: bool = True) -> EncoderBudget:
         return compute_encoder_budget(
             max_tokens_per_item(self.hf_config),
             self.config.max_num_batched_tokens,
@@ -107,6 +141,7 @@ class MMEngine:
             pinned_room_tokens=pinned_room_tokens,
             bytes_per_token=self.runner.embedding_bytes,
             encoder_cache_size=self.config.encoder_cache_size,
+            warn=warn,
         )
 
     # -- low-level API ---------------------------------------------------------
@@ -125,13 +160,39 @@ class MMEngine:
         Requests share cached KV blocks only when their cache_salt is equal (None is a salt too).
         `mm_uuids` optionally gives each image an id that replaces hashing its content.
         """
-        params = sampling_params or SamplingParams()
-        _check_salt(cache_salt, 0)
-        processed = self.input_processor.process(prompt, images, params, mm_uuids=mm_uuids)
-        return self._enqueue(processed, params, request_id, cache_salt)
+        params = check_sampling_params(sampling_params)
+        check_salt(cache_salt)
+        check_request_id(request_id)
+        uuids = normalize_uuids(mm_uuids, single=True, num_prompts=1)[0]
+        processed = self.input_processor.process(prompt, check_image_list(images), params, mm_uuids=uuids)  # outside the lock
+        with self._lock:
+            return self._enqueue(processed, params, request_id, cache_salt)
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduler step; returns an output for every request that got a token (finished or not)."""
+        """Runs one scheduler step; returns an output for every request added with add_request() that
+        got a token (finished or not) or was aborted since the last call. Does nothing on an idle engine.
+
+        If the step fails (the exception propagates), no request has advanced and the caches' books
+        match the runner's tensors, so calling step() again retries it.
+        """
+        with self._lock:
+            self._advance()
+            delivered, self._pending = self._pending, []
+            return delivered
+
+    def _advance(self) -> None:
+        """One step, if there is work; routes each output to its owner (a generate() call, or step())."""
+        if not self.scheduler.has_unfinished_requests():
+            return
+        try:
+            outputs = self._step()
+        except BaseException:
+            self._reconcile_encoder_books()
+            raise
+        for output in outputs:
+            self._route(output)
+
+    def _step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         if out.is_empty and self.scheduler.has_unfinished_requests():
             raise RuntimeError(f"scheduler made no progress: {self.scheduler.running + list(self.scheduler.waiting)}")
@@ -146,13 +207,21 @@ class MMEngine:
         return [self._after_token(request) for request in updated]
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        """Whether step() has more to do or to hand back: requests in flight, or outputs not yet returned."""
+        with self._lock:
+            return self.scheduler.has_unfinished_requests() or bool(self._pending)
 
     def abort_request(self, request_id: str) -> bool:
-        """Stops a request and frees what it holds; False if no such request is in flight."""
-        request = self.scheduler.abort_request(request_id)
-        self._detokenizers.pop(request_id, None)
-        return request is not None
+        """Stops a request and frees what it holds; False if no such request is in flight. Its final
+        output (finish_reason "abort") comes from the next step(), or from generate() if it owns it."""
+        with self._lock:
+            request = self.scheduler.abort_request(request_id)
+            if request is None:
+                return False
+            detokenizer = self._detokenizers.pop(request_id)
+            detokenizer.flush()
+            self._route(self._output(request, detokenizer))
+            return True
 
     # -- high-level API --------------------------------------------------------
 
@@ -171,30 +240,36 @@ class MMEngine:
         `cache_salt` is one salt for all prompts or one per prompt; `mm_uuids` follows the shape of
         `images`. Every prompt is validated before any is queued, so bad input queues nothing.
         """
-        if self.has_unfinished_requests():
-            raise RuntimeError(
-                "generate() cannot run while requests added with add_request() are unfinished; "
-                "step() them to completion or abort them first"
-            )
-        prompt_list, image_lists, params_list = _normalize_batch(prompts, images, sampling_params)
-        salts = _normalize_salts(cache_salt, len(prompt_list))
-        uuid_lists = _normalize_uuids(mm_uuids, isinstance(prompts, str), len(prompt_list))
+        prompt_list, image_lists, params_list = normalize_batch(prompts, images, sampling_params)
+        salts = normalize_salts(cache_salt, len(prompt_list))
+        uuid_lists = normalize_uuids(mm_uuids, isinstance(prompts, str), len(prompt_list))
         processed = [
             self.input_processor.process(prompt, imgs, params, prompt_index=i, mm_uuids=uuids)
             for i, (prompt, imgs, params, uuids) in enumerate(zip(prompt_list, image_lists, params_list, uuid_lists))
         ]
-        ids = [self._enqueue(p, params, None, salt) for p, params, salt in zip(processed, params_list, salts)]
-        results: dict[str, RequestOutput] = {}
+        results: dict[str, RequestOutput] = {}  # filled by whichever thread's step finishes them
+        ids: list[str] = []
         try:
+            with self._lock:
+                for p, params, salt in zip(processed, params_list, salts):
+                    ids.append(self._enqueue(p, params, None, salt))
+                    self._owners[ids[-1]] = results
             with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
-                while self.has_unfinished_requests():
-                    for output in self.step():
-                        if output.finished:
-                            results[output.request_id] = output
-                            bar.update(1)
+                while True:
+                    with self._lock:  # released between steps, so other callers get their turn
+                        if len(results) < len(ids):
+                            if not self.scheduler.has_unfinished_requests():
+                                raise RuntimeError(f"generate() lost track of requests {sorted(set(ids) - set(results))}")
+                            self._advance()
+                        done = len(results)
+                    bar.update(done - bar.n)
+                    if done == len(ids):
+                        break
         except BaseException:
-            for request_id in ids:
-                self.abort_request(request_id)
+            with self._lock:
+                for request_id in ids:
+                    self.abort_request(request_id)
+                    self._owners.pop(request_id, None)
             raise
         return [results[request_id] for request_id in ids]
 
@@ -205,24 +280,36 @@ class MMEngine:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         cache_salt: str | Sequence[str | None] | None = None,
+        mm_uuids: Sequence[str | None] | Sequence[Sequence[str | None] | None] | None = None,
     ) -> list[RequestOutput]:
-        """Like generate(), for conversations rendered with the model's chat template."""
-        single = bool(messages) and isinstance(messages[0], dict)
-        conversations = [messages] if single else list(messages)
-        prompts = [self.input_processor.apply_chat_template(list(c)) for c in conversations]
-        return self.generate(prompts[0] if single else prompts, images, sampling_params, use_tqdm, cache_salt)
+        """Like generate(), for one conversation (a list of {"role", "content"} messages) or a list of
+        them, rendered with the model's chat template; `images` and `mm_uuids` follow generate()."""
+        conversations, single = normalize_conversations(messages)
+        prompts = []
+        for index, conversation in enumerate(conversations):
+            try:
+                prompts.append(self.input_processor.apply_chat_template(conversation))
+            except Exception as err:  # jinja2's TemplateError and the template's own raise_exception
+                raise InvalidInputError(f"the chat template rejects this conversation: {err}", index) from err
+        return self.generate(prompts[0] if single else prompts, images, sampling_params, use_tqdm, cache_salt, mm_uuids)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached KV block (e.g. after changing weights). Running requests are unaffected."""
-        self.kv_cache.reset_prefix_cache()
+        with self._lock:
+            self.kv_cache.reset_prefix_cache()
 
     def reset_encoder_cache(self) -> None:
         """Drops every encoder output no running request needs (e.g. after changing the vision tower's
         weights); KV blocks that pinned them leave the prefix cache first."""
-        self.encoder_cache.reset()
-        self.runner.free_encoder_outputs(self.encoder_cache.take_freed())
+        with self._lock:
+            self.encoder_cache.reset()
+            self.runner.free_encoder_outputs(self.encoder_cache.take_freed())
 
     def stats(self) -> dict[str, int]:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict[str, int]:
         return {
             **self._counters,
             "num_preemptions": self.scheduler.num_preemptions,
@@ -256,17 +343,41 @@ class MMEngine:
         cache_salt: str | None = None,
     ) -> str:
         arrival = next(self._arrivals)
-        request_id = request_id if request_id is not None else f"req-{arrival}"
-        if request_id in self.scheduler.requests:
+        if request_id is None:
+            request_id = f"req-{arrival}"
+            while request_id in self.scheduler.requests:  # a caller chose this name: take the next
+                arrival = next(self._arrivals)
+                request_id = f"req-{arrival}"
+        elif request_id in self.scheduler.requests:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         generator = self.runner.sampler.make_generator(params, self.device)
         request = Request(request_id, processed, params, arrival, generator, cache_salt=cache_salt)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, stop=params.stop)
         self.scheduler.add_request(request)
-        self._detokenizers[request_id] = IncrementalDetokenizer(
-            self.tokenizer, request.prompt_token_ids, stop=params.stop
-        )
+        self._detokenizers[request_id] = detokenizer
         self._counters["prompt_tokens"] += request.num_prompt_tokens
         return request_id
+
+    def _reconcile_encoder_books(self) -> None:
+        """After a failed step: the encoder cache books exactly the outputs the runner holds.
+
+        Nothing advanced (no request's computed tokens moved), so the step can simply run again,
+        except that entries booked for encodes that never ran must not look encoded: they are
+        unbooked and their requests encode them next time. Outputs whose entries were evicted go.
+        """
+        self.encoder_cache.take_freed()
+        outputs = self.runner.encoder_outputs
+        self.scheduler.forget_encoder_entries([h for h in self.encoder_cache.entries if h not in outputs])
+        self.runner.free_encoder_outputs([h for h in outputs if h not in self.encoder_cache.entries])
+
+    def _route(self, output: RequestOutput) -> None:
+        """Hands an output to the generate() call that owns its request, else to the next step()."""
+        results = self._owners.get(output.request_id)
+        if results is None:
+            self._pending.append(output)
+        elif output.finished:
+            results[output.request_id] = output
+            del self._owners[output.request_id]
 
     def _after_token(self, request: Request) -> RequestOutput:
         detokenizer = self._detokenizers[request.request_id]
@@ -279,6 +390,10 @@ class MMEngine:
             detokenizer.flush()  # release a trailing partial character held back while streaming
             del self._detokenizers[request.request_id]
             self._counters["requests_finished"] += 1
+        return self._output(request, detokenizer)
+
+    @staticmethod
+    def _output(request: Request, detokenizer: IncrementalDetokenizer) -> RequestOutput:
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
@@ -289,63 +404,6 @@ class MMEngine:
             num_cached_tokens=request.num_cached_tokens,
             stop_reason=request.stop_reason,
         )
-
-
-def _normalize_batch(
-    prompts: str | Sequence[str],
-    images: Any,
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-) -> tuple[list[str], list[list[ImageInput]], list[SamplingParams]]:
-    if isinstance(prompts, str):
-        prompt_list = [prompts]
-        image_lists = [list(images or [])]
-    else:
-        prompt_list = list(prompts)
-        if images is None:
-            image_lists = [[] for _ in prompt_list]
-        else:
-            image_lists = [list(imgs or []) for imgs in images]
-            if len(image_lists) != len(prompt_list):
-                raise InvalidInputError(
-                    f"images must hold one list per prompt: got {len(image_lists)} lists for {len(prompt_list)} prompts"
-                )
-    if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        params_list = [sampling_params or SamplingParams()] * len(prompt_list)
-    else:
-        params_list = list(sampling_params)
-        if len(params_list) != len(prompt_list):
-            raise InvalidInputError(
-                f"sampling_params must be one SamplingParams or one per prompt: got {len(params_list)} for "
-                f"{len(prompt_list)} prompts"
-            )
-    return prompt_list, image_lists, params_list
-
-
-def _check_salt(salt: object, prompt_index: int) -> None:
-    if salt is not None and not isinstance(salt, str):
-        raise InvalidInputError(f"cache_salt must be a str or None, got {type(salt).__name__}", prompt_index)
-
-
-def _normalize_salts(cache_salt: str | Sequence[str | None] | None, num_prompts: int) -> list[str | None]:
-    if cache_salt is None or isinstance(cache_salt, str):
-        return [cache_salt] * num_prompts
-    salts = list(cache_salt)
-    if len(salts) != num_prompts:
-        raise InvalidInputError(f"cache_salt must be one salt or one per prompt: got {len(salts)} for {num_prompts} prompts")
-    for index, salt in enumerate(salts):
-        _check_salt(salt, index)
-    return salts
-
-
-def _normalize_uuids(mm_uuids: Any, single: bool, num_prompts: int) -> list[Sequence[str | None] | None]:
-    if mm_uuids is None:
-        return [None] * num_prompts
-    if single:
-        return [mm_uuids]
-    lists = list(mm_uuids)
-    if len(lists) != num_prompts:
-        raise InvalidInputError(f"mm_uuids must hold one list per prompt: got {len(lists)} for {num_prompts} prompts")
-    return lists
 
 
 def _resolve_max_model_len(config: EngineConfig, text_config: PretrainedConfig) -> int:
@@ -369,8 +427,12 @@ def _resolve_max_model_len(config: EngineConfig, text_config: PretrainedConfig) 
 def _eos_token_ids(model_dir: Path, hf_config: PretrainedConfig, tokenizer: Any) -> frozenset[int]:
     """The generation config's EOS ids (what transformers' generate() stops on), else the model's or tokenizer's."""
     value: Any = None
-    if (model_dir / "generation_config.json").exists():
-        value = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True).eos_token_id
+    path = model_dir / "generation_config.json"
+    if path.exists():
+        try:
+            value = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True).eos_token_id
+        except Exception as err:  # transformers raises OSError or ValueError for a broken file
+            raise CheckpointError(f"cannot read the generation config: {err}", path) from err
     if value is None:
         value = getattr(hf_config.text_config, "eos_token_id", None)
     if value is None:

@@ -17,6 +17,23 @@ class UnsupportedModelError(MMEngineError, ValueError):
     """The checkpoint's architecture or one of its settings is not supported."""
 
 
+class CheckpointError(UnsupportedModelError):
+    """A checkpoint file is missing, unreadable or malformed. `path` is the file at fault."""
+
+    def __init__(self, reason: str, path: object = None) -> None:
+        self.reason = reason
+        self.path = None if path is None else str(path)
+        super().__init__(reason if self.path is None else f"{self.path}: {reason}")
+
+    def __reduce__(self):
+        return (self.__class__, (self.reason, self.path))
+
+
+class WeightsMismatchError(CheckpointError):
+    """The checkpoint's tensors do not match the model: one is missing, unexpected, given twice or of the
+    wrong shape. The message names the tensor, the expected and actual shape, and the file."""
+
+
 class InvalidInputError(MMEngineError, ValueError):
     """A request's input is invalid. `prompt_index` names the offending prompt when known."""
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from mmengine.config import EngineConfig
 from mmengine.encoder_cache.manager import EncoderCacheManager
+from mmengine.kv_cache.block_pool import KVBlock
 from mmengine.kv_cache.manager import KVCacheManager
 from mmengine.request import Request, RequestStatus
 
@@ -151,7 +152,6 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                self.kv_cache.allocate(request, num_new)
                 out.scheduled.append(self._commit(request, start, num_new, plan, encoding_now))
                 budget -= num_new
                 encoder_budget -= plan.cost
@@ -198,8 +198,8 @@ class Scheduler:
                 skipped.append(request)
                 index += 1
                 continue
+            scheduled = self._commit(request, num_computed, num_new, plan, encoding_now, hits)
             del self.waiting[index]
-            self.kv_cache.allocate(request, num_new, hits, num_computed)
             self.kv_cache.record_lookup(request.num_tokens, num_computed)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
@@ -207,7 +207,7 @@ class Scheduler:
             request.num_prefix_hit_tokens = len(hits) * self.config.block_size
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            out.scheduled.append(self._commit(request, num_computed, num_new, plan, encoding_now))
+            out.scheduled.append(scheduled)
             in_flight.update(self._pending_block_hashes(request))
             budget -= num_new
             encoder_budget -= plan.cost
@@ -240,24 +240,51 @@ class Scheduler:
         assert num_new >= 0, (request, start, num_new)
         return num_new, plan
 
-    def _commit(self, request: Request, start: int, num_new: int, plan: EncoderPlan, encoding_now: set[str]) -> ScheduledRequest:
+    def _commit(
+        self,
+        request: Request,
+        start: int,
+        num_new: int,
+        plan: EncoderPlan,
+        encoding_now: set[str],
+        hits: list[KVBlock] = (),
+    ) -> ScheduledRequest:
+        """Takes the KV blocks and encoder entries a planned chunk needs: all of them, or (when a
+        check fails) none. Reuse references are added before new encodes allocate, so an allocation
+        can never evict an entry this same chunk is about to reuse."""
         assert num_new > 0 and start + num_new <= request.num_tokens, (request, start, num_new)
+        items = request.mm_items
+        planned = {items[idx].mm_hash for idx in plan.encode}
+        resident = [idx for idx in plan.reuse if items[idx].mm_hash in self.encoder_cache]
+        shared = [idx for idx in plan.reuse if items[idx].mm_hash not in self.encoder_cache]
+        if any(items[idx].mm_hash not in planned for idx in shared) or any(
+            items[idx].mm_hash in self.encoder_cache for idx in plan.encode
+        ):
+            raise RuntimeError(f"stale encoder plan for {request}: {plan}")
+        if not self.encoder_cache.can_allocate(plan.cost, [items[idx].mm_hash for idx in resident]):
+            raise RuntimeError(f"encoder plan for {request} no longer fits the encoder cache: {plan}")
+        if not self.kv_cache.can_allocate(request, num_new, hits, start):
+            raise RuntimeError(f"KV blocks for {request} are no longer free")
+
+        self.kv_cache.allocate(request, num_new, hits, start)
         held = self._held.setdefault(request.request_id, set())
-        encode = []
+        for idx in resident:
+            self.encoder_cache.add_reference(items[idx].mm_hash, (request.request_id, idx))
+            self.encoder_cache.num_hits += 1
+            held.add(idx)
         for idx in plan.encode:
-            item = request.mm_items[idx]
+            item = items[idx]
             self.encoder_cache.allocate(item.mm_hash, item.length, (request.request_id, idx))
             self.encoder_cache.num_misses += 1
             encoding_now.add(item.mm_hash)
-            encode.append(idx)
             held.add(idx)
             if item.offset < start:  # part of this item's KV came from the prefix cache
                 self.num_reencodes_after_prefix_hit += 1
-        for idx in plan.reuse:  # after the encodes: a reuse may share an encode of this same plan
-            self.encoder_cache.add_reference(request.mm_items[idx].mm_hash, (request.request_id, idx))
+        for idx in shared:  # the same picture shown twice in this chunk: its encode is above
+            self.encoder_cache.add_reference(items[idx].mm_hash, (request.request_id, idx))
             self.encoder_cache.num_hits += 1
             held.add(idx)
-        return ScheduledRequest(request, start, num_new, encode)
+        return ScheduledRequest(request, start, num_new, list(plan.encode))
 
     def _blocks_in_flight(self) -> set[bytes]:
         """Hashes of blocks that running requests are still computing (future cache hits)."""
@@ -281,6 +308,13 @@ class Scheduler:
         self.kv_cache.free(request)
         for idx in self._held.pop(request.request_id, ()):
             self.encoder_cache.release(request.mm_items[idx].mm_hash, (request.request_id, idx))
+
+    def forget_encoder_entries(self, mm_hashes: list[str]) -> None:
+        """Unbooks encoder entries whose outputs do not exist (a failed step never computed them).
+        Requests that referenced them plan them again: their next chunk encodes them."""
+        for mm_hash in mm_hashes:
+            for request_id, idx in self.encoder_cache.drop(mm_hash):
+                self._held[request_id].discard(idx)
 
     # -- after the model ran ---------------------------------------------
 

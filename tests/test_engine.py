@@ -84,7 +84,9 @@ def test_abort_frees_everything_and_others_finish(engine):
     finished = []
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
-    assert [o.request_id for o in finished] == [keep] and len(finished[0].token_ids) == 6
+    reasons = {o.request_id: o.finish_reason for o in finished}
+    assert len(finished) == 3 and reasons == {drop: "abort", waiting: "abort", keep: "length"}
+    assert len(finished[-1].token_ids) == 6 and len(finished[0].token_ids) == 1  # drop got one token before
     _assert_no_leaks(engine)
 
 

@@ -96,12 +96,17 @@ def test_bad_request_leaves_in_flight_requests_unharmed(engine):
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
-def test_generate_refuses_to_swallow_add_request_outputs(engine):
+def test_generate_never_swallows_add_request_outputs(engine):
+    """generate() steps every request, but hands add_request()'s outputs on to step() untouched."""
     request_id = engine.add_request(GOOD, [make_test_image(1)], PARAMS)
-    with pytest.raises(RuntimeError, match="add_request"):
-        engine.generate("USER: hi ASSISTANT:", use_tqdm=False)
-    assert engine.abort_request(request_id)
-    assert not engine.has_unfinished_requests()
+    (out,) = engine.generate("USER: hi ASSISTANT:", sampling_params=PARAMS, use_tqdm=False)
+    assert out.finished and out.request_id != request_id
+    seen = []
+    while engine.has_unfinished_requests():
+        seen += engine.step()
+    assert seen and all(o.request_id == request_id for o in seen) and seen[-1].finished
+    (alone,) = engine.generate(GOOD, images=[make_test_image(1)], sampling_params=PARAMS, use_tqdm=False)
+    assert seen[-1].token_ids == alone.token_ids
 
 
 def test_prompt_that_cannot_fit_the_kv_cache_is_rejected(checkpoint_dir):

@@ -149,3 +149,26 @@ def test_random_workloads_finish_without_leaks(specs, budget, num_blocks):
     assert sched.kv_cache.num_free_blocks == num_blocks
     assert resident == set(sched.encoder_cache.entries)
     assert sched.encoder_cache.num_referenced == 0
+
+
+def test_a_stale_encoder_plan_commits_nothing():
+    """A plan checked against books that changed since is refused before anything is taken."""
+    import pytest
+
+    from mmengine.scheduler import EncoderPlan
+
+    sched = make_scheduler(num_blocks=8, block_size=4, encoder_capacity=8, max_num_batched_tokens=3)
+    holder = make_request("holder", 6, images=[(1, 4)], image_hashes=["x"])
+    sched.add_request(holder)
+    run_step(sched)  # "x" is resident and referenced until holder's prefill gets past it
+    req = make_request("a", 12, images=[(1, 4), (6, 4)], image_hashes=["x", "y"])
+    free_before, used_before = sched.kv_cache.num_free_blocks, sched.encoder_cache.num_used
+    # "y" does not fit next to the referenced "x" in a cache of 8 unless "x" is reused here
+    too_big = EncoderPlan(encode=[1], reuse=[], cost=8)
+    with pytest.raises(RuntimeError, match="no longer fits"):
+        sched._commit(req, 0, 12, too_big, set())
+    stale = EncoderPlan(encode=[0], reuse=[], cost=4)  # "x" is resident: encoding it again is stale
+    with pytest.raises(RuntimeError, match="stale"):
+        sched._commit(req, 0, 12, stale, set())
+    assert sched.kv_cache.num_free_blocks == free_before and sched.encoder_cache.num_used == used_before
+    assert "a" not in sched._held and sched.kv_cache.block_ids("a") == []

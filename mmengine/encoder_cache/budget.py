@@ -67,7 +67,9 @@ def compute_encoder_budget(
     pinned_room_tokens: int,
     bytes_per_token: int,
     encoder_cache_size: int | None = None,
+    warn: bool = True,
 ) -> EncoderBudget:
+    """The budget's terms (see the module docstring). `warn=False` keeps a probing call quiet."""
     m = max_tokens_per_item
     per_step = 1 if m > max_num_batched_tokens else math.ceil(max_num_batched_tokens / m)
     slack = 1
@@ -76,9 +78,9 @@ def compute_encoder_budget(
     compute = num_items * m
     if encoder_cache_size is not None:
         compute = encoder_cache_size
-        if encoder_cache_size < m:
+        if encoder_cache_size < m and warn:
             logger.warning("encoder_cache_size=%d is below one item (%d embeddings); raised to %d", encoder_cache_size, m, m)
-            compute = m
+        compute = max(compute, m)
     return EncoderBudget(
         max_tokens_per_item=m,
         items_per_step=per_step,

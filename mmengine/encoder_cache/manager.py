@@ -95,6 +95,19 @@ class EncoderCacheManager:
         else:
             entry.pins -= 1
 
+    def drop(self, mm_hash: str) -> set[EncoderRef]:
+        """Unbooks an entry whatever holds it (its output was never computed: the step that was to
+        encode it failed) and returns the references it had; KV blocks pinning it are uncached first."""
+        entry = self.entries[mm_hash]
+        if entry.pins:
+            assert self.uncache_pinning_blocks is not None
+            self.uncache_pinning_blocks(mm_hash)
+        if not entry.refs:
+            self._remove_evictable(entry)
+        del self.entries[mm_hash]
+        self.num_used -= entry.num_embeds
+        return entry.refs
+
     def take_freed(self) -> list[str]:
         """Entries evicted since the last call: the runner drops their tensors."""
         freed, self._freed = self._freed, []

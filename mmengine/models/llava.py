@@ -1,11 +1,16 @@
 """LLaVA-1.5-style VLM: a vision tower, a multi-modal projector and a Llama-family decoder.
 
-The vision tower is transformers' own module (CLIP or SigLIP). Feature-layer selection
-and the projector follow transformers' LlavaForConditionalGeneration exactly.
+The vision tower is transformers' own module (CLIP or SigLIP), built with only the encoder layers
+the feature selection reads (LLaVA's usual layer -2 leaves the last one unused) and without the
+post-layernorm and pooling head, which act on the last output only, never on the selected hidden
+states. Feature-layer selection and the projector follow transformers' LlavaForConditionalGeneration
+exactly.
 """
 
 from __future__ import annotations
 
+import copy
+import re
 from collections.abc import Iterable
 
 import torch
@@ -13,13 +18,20 @@ from torch import nn
 from transformers import AutoModel, LlavaConfig
 from transformers.activations import ACT2FN
 
-from mmengine.errors import UnsupportedModelError
+from mmengine.errors import UnsupportedModelError, WeightsMismatchError
 from mmengine.layers.attention import AttentionMetadata
-from mmengine.models.llama import DecoderModel
+from mmengine.models.llama import _STACKED, DecoderModel, head_dim_of
+from mmengine.models.loader import WeightCheck
 
 SUPPORTED_VISION_MODEL_TYPES = ("clip_vision_model", "siglip_vision_model")
-# Tower weights LLaVA never uses (SigLIP's pooling head): absent or extra in a checkpoint is fine.
-_UNUSED_VISION_PREFIXES = ("head.",)
+# Checkpoint tensors the model knows and does not use. The tower's post-layernorm and SigLIP's pooling
+# head only act on the tower's last output; position_ids and rotary inv_freq are buffers that
+# transformers recomputes (older checkpoints saved them). Encoder layers past the deepest selected one
+# are matched by number in `_is_ignorable`.
+_IGNORABLE_VISION_PREFIXES = ("post_layernorm.", "head.")
+_IGNORABLE_VISION_NAMES = ("embeddings.position_ids",)
+_ROTARY_CACHE = re.compile(r"(^|\.)rotary_emb\.")
+_VISION_LAYER = re.compile(r"^encoder\.layers\.(\d+)\.")
 
 
 class LlavaProjector(nn.Module):
@@ -50,7 +62,10 @@ class LlavaModel(nn.Module):
             raise UnsupportedModelError(f"vision_feature_select_strategy {strategy!r} is not supported")
         self.config = config
         self.image_token_id = config.image_token_id
-        self.vision_tower = AutoModel.from_config(config.vision_config)
+        self.num_checkpoint_vision_layers = config.vision_config.num_hidden_layers
+        self.feature_layers = vision_feature_indices(config.vision_feature_layer, self.num_checkpoint_vision_layers)
+        self.vision_tower = _build_vision_tower(config.vision_config, max(self.feature_layers))
+        self.num_vision_layers = self.vision_tower.config.num_hidden_layers
         self.multi_modal_projector = LlavaProjector(config)
         self.language_model = DecoderModel(config.text_config)
         self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
@@ -63,10 +78,8 @@ class LlavaModel(nn.Module):
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """[num_images, 3, H, W] -> [num_images, tokens_per_image, text_hidden]."""
-        layer = self.config.vision_feature_layer
         out = self.vision_tower(pixel_values.to(self.vision_dtype), output_hidden_states=True, return_dict=True)
-        layers = [layer] if isinstance(layer, int) else list(layer)
-        selected = [out.hidden_states[i] for i in layers]
+        selected = [out.hidden_states[i] for i in self.feature_layers]
         if self.config.vision_feature_select_strategy == "default":
             selected = [h[:, 1:] for h in selected]  # drop CLS
         return self.multi_modal_projector(torch.cat(selected, dim=-1))
@@ -96,29 +109,110 @@ class LlavaModel(nn.Module):
     # -- weights ---------------------------------------------------------------
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        vision_state: dict[str, torch.Tensor] = {}
-        loaded: set[str] = set()
+        """Loads every parameter exactly once from checkpoint tensors in either LLaVA key layout.
+
+        A missing, unexpected, repeated or mis-shaped tensor raises WeightsMismatchError naming it,
+        the shapes and the file. Known-ignorable tensors (see `_is_ignorable`) are skipped; a missing
+        lm_head.weight is fine only when the checkpoint ties word embeddings.
+        """
+        check = WeightCheck(self.expected_weights(), weights, optional=["lm_head.weight"] if self.tie_word_embeddings else [])
         for raw_name, tensor in weights:
-            name = normalize_llava_weight_name(raw_name)
-            if name.startswith("vision_tower."):
-                vision_state[self._vision_tower_key(name.removeprefix("vision_tower."))] = tensor
-            elif name.startswith("language_model."):
-                if not self.language_model.load_weight(name.removeprefix("language_model."), tensor):
-                    raise UnsupportedModelError(f"unexpected checkpoint tensor {raw_name!r}")
-            elif name.startswith(("multi_modal_projector.", "lm_head.")):
-                self.get_parameter(name).data.copy_(tensor)
-            else:
-                raise UnsupportedModelError(f"unexpected checkpoint tensor {raw_name!r}")
-            loaded.add(name)
-        if "lm_head.weight" not in loaded:
-            if not self.tie_word_embeddings:
-                raise UnsupportedModelError("checkpoint has no lm_head.weight and does not tie word embeddings")
+            name = self._our_name(raw_name)
+            if self._is_ignorable(name):
+                continue
+            check.accept(name, raw_name, tensor)
+            with torch.no_grad():
+                self._load_one(name, tensor)
+        check.finish()
+        if "lm_head.weight" not in check.loaded:
             self.lm_head.weight = self.language_model.embed_tokens.weight
-        missing, unexpected = self.vision_tower.load_state_dict(vision_state, strict=False)
-        missing = [m for m in missing if not m.startswith(_UNUSED_VISION_PREFIXES) and not m.endswith("position_ids")]
-        unexpected = [u for u in unexpected if not u.startswith(_UNUSED_VISION_PREFIXES)]
-        if missing or unexpected:
-            raise UnsupportedModelError(f"vision tower weights do not match: missing {missing}, unexpected {unexpected}")
+
+    def expected_weights(self) -> dict[str, tuple[int, ...]]:
+        """Our name of every checkpoint tensor the model needs, with its shape."""
+        expected = {f"vision_tower.{n}": tuple(p.shape) for n, p in self.vision_tower.named_parameters()}
+        expected.update({f"multi_modal_projector.{n}": tuple(p.shape) for n, p in self.multi_modal_projector.named_parameters()})
+        expected["lm_head.weight"] = tuple(self.lm_head.weight.shape)
+        expected.update({f"language_model.{n}": shape for n, shape in _decoder_checkpoint_shapes(self.language_model).items()})
+        return expected
+
+    def _our_name(self, raw_name: str) -> str:
+        name = normalize_llava_weight_name(raw_name)
+        if name.startswith("vision_tower."):
+            return "vision_tower." + self._vision_tower_key(name.removeprefix("vision_tower."))
+        return name
+
+    def _is_ignorable(self, name: str) -> bool:
+        if name.startswith("language_model."):
+            return bool(_ROTARY_CACHE.search(name))
+        if not name.startswith("vision_tower."):
+            return False
+        key = name.removeprefix("vision_tower.")
+        if key in _IGNORABLE_VISION_NAMES or key.startswith(_IGNORABLE_VISION_PREFIXES):
+            return True
+        layer = _VISION_LAYER.match(key)  # a layer the tower was built without (unused by the selection)
+        return layer is not None and self.num_vision_layers <= int(layer.group(1)) < self.num_checkpoint_vision_layers
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        if name.startswith("language_model."):
+            if not self.language_model.load_weight(name.removeprefix("language_model."), tensor):
+                raise WeightsMismatchError(f"the decoder did not take tensor {name!r}")
+        else:
+            self.get_parameter(name).copy_(tensor)
+
+
+def vision_feature_indices(feature_layer: int | list[int], num_layers: int) -> list[int]:
+    """transformers' vision_feature_layer as indices into hidden_states counted from the embeddings
+    (0 = the embeddings, i = the output of encoder layer i), so a shorter tower indexes the same way."""
+    layers = [feature_layer] if isinstance(feature_layer, int) else list(feature_layer)
+    indices = []
+    for layer in layers:
+        if not isinstance(layer, int) or not -(num_layers + 1) <= layer <= num_layers:
+            raise UnsupportedModelError(
+                f"vision_feature_layer {feature_layer!r} is out of range for a vision tower of {num_layers} layers"
+            )
+        indices.append(layer % (num_layers + 1))
+    if not indices:
+        raise UnsupportedModelError("vision_feature_layer selects no layer")
+    return indices
+
+
+def _build_vision_tower(vision_config, deepest: int) -> nn.Module:
+    """transformers' vision model with only the encoder layers up to `deepest`, and without the
+    post-layernorm and pooling head. (A config asking for post-normed hidden states keeps all.)"""
+    if getattr(vision_config, "tie_last_hidden_states", False):
+        return AutoModel.from_config(vision_config)
+    trimmed = copy.deepcopy(vision_config)
+    trimmed.num_hidden_layers = max(deepest, 1)
+    if hasattr(trimmed, "vision_use_head"):
+        trimmed.vision_use_head = False
+    tower = AutoModel.from_config(trimmed)
+    tower.post_layernorm = nn.Identity()
+    return tower
+
+
+def _decoder_checkpoint_shapes(decoder: DecoderModel) -> dict[str, tuple[int, ...]]:
+    """The decoder's checkpoint tensors (q/k/v and gate/up separately, as checkpoints store them) and
+    their shapes, from its parameters: a fused parameter is split into its shards along dim 0."""
+    config = decoder.config
+    head_dim = head_dim_of(config)
+    rows = {
+        "q": config.num_attention_heads * head_dim,
+        "k": config.num_key_value_heads * head_dim,
+        "v": config.num_key_value_heads * head_dim,
+        0: config.intermediate_size,
+        1: config.intermediate_size,
+    }
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, param in decoder.named_parameters():
+        owner, fused, leaf = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", name)
+        shards = [(proj, shard) for proj, (target, shard) in _STACKED.items() if target == fused]
+        if not shards:
+            shapes[name] = tuple(param.shape)
+            continue
+        assert sum(rows[shard] for _, shard in shards) == param.shape[0], (name, param.shape)
+        for proj, shard in shards:
+            shapes[f"{owner}.{proj}.{leaf}"] = (rows[shard], *param.shape[1:])
+    return shapes
 
 
 def normalize_llava_weight_name(name: str) -> str:

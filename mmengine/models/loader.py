@@ -1,50 +1,155 @@
-"""Reading checkpoint tensors from safetensors files, sharded or not."""
+"""Reading checkpoint tensors from safetensors files, sharded or not, and checking them strictly.
+
+Every failure names the file at fault: an unreadable index, a truncated or garbage safetensors file,
+a tensor present twice. `WeightCheck` then holds a model's loading to "every parameter it needs,
+exactly once, with its shape"; what it may skip is named explicitly by the model.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
-from mmengine.errors import UnsupportedModelError
+from mmengine.errors import CheckpointError, MMEngineError, WeightsMismatchError
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+_MAX_LISTED = 8  # tensors named in one error message
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / _INDEX
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / name for name in weight_map.values()})
+        files = sorted({model_dir / name for name in _weight_map(index).values()})
     elif (model_dir / _SINGLE).exists():
         files = [model_dir / _SINGLE]
     else:
         files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        raise UnsupportedModelError(f"no safetensors weights found in {model_dir} (.bin checkpoints are not supported)")
+        raise CheckpointError(f"no safetensors weights found in {model_dir} (.bin checkpoints are not supported)")
     missing = [f.name for f in files if not f.exists()]
     if missing:
-        raise UnsupportedModelError(f"checkpoint {model_dir} is missing weight files: {', '.join(missing)}")
+        raise CheckpointError(f"the checkpoint is missing weight files: {', '.join(missing)}", index)
     return files
 
 
-def iter_checkpoint(model_dir: Path, device: str = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yields (name, tensor) for every tensor of the checkpoint, one file open at a time."""
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt", device=device) as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+def _weight_map(index: Path) -> dict[str, str]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"unreadable safetensors index ({err})", index) from err
+    except (KeyError, TypeError) as err:
+        raise CheckpointError("the safetensors index has no weight_map", index) from err
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v for v in weight_map.values()):
+        raise CheckpointError("the safetensors index's weight_map must map tensor names to file names", index)
+    return weight_map
+
+
+@contextlib.contextmanager
+def _reading(path: Path) -> Iterator[None]:
+    """Turns the safetensors library's errors for a broken file into a CheckpointError naming it."""
+    try:
+        yield
+    except MMEngineError:
+        raise
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise CheckpointError(f"not a readable safetensors file (truncated or corrupt?): {err}", path) from err
+
+
+class CheckpointTensors:
+    """The checkpoint's tensors as (name, tensor), one file open at a time; remembers which file each
+    name came from, and refuses a name that two files both hold."""
+
+    def __init__(self, model_dir: Path, device: str = "cpu") -> None:
+        self.model_dir = model_dir
+        self.device = device
+        self.files = safetensors_files(model_dir)
+        self.file_of: dict[str, Path] = {}
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for path in self.files:
+            with _reading(path), safe_open(str(path), framework="pt", device=self.device) as f:
+                for name in f.keys():
+                    if name in self.file_of:
+                        raise WeightsMismatchError(f"tensor {name!r} is stored twice: also in {self.file_of[name].name}", path)
+                    self.file_of[name] = path
+                    yield name, f.get_tensor(name)
+
+    def where(self, name: str | None = None) -> str:
+        """The file a tensor came from, or (for a tensor never seen) the files it was looked for in."""
+        if name is not None and name in self.file_of:
+            return str(self.file_of[name])
+        if len(self.files) == 1:
+            return str(self.files[0])
+        return f"{self.model_dir} ({', '.join(f.name for f in self.files)})"
+
+
+def iter_checkpoint(model_dir: Path, device: str = "cpu") -> CheckpointTensors:
+    """Every tensor of the checkpoint as (name, tensor), one file open at a time."""
+    return CheckpointTensors(model_dir, device)
 
 
 def checkpoint_dtype(model_dir: Path) -> torch.dtype | None:
     """The floating dtype the checkpoint stores its weights in (read from one tensor header)."""
     path = safetensors_files(model_dir)[0]
-    with safe_open(str(path), framework="pt") as f:
+    with _reading(path), safe_open(str(path), framework="pt") as f:
         for name in f.keys():
             dtype = f.get_slice(name).get_dtype()
             return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(dtype)
     return None
+
+
+def _shape(shape: Iterable[int]) -> str:
+    return f"[{', '.join(map(str, shape))}]"
+
+
+class WeightCheck:
+    """Holds one model load to: every expected tensor exactly once, each with its expected shape.
+
+    `expected` maps the model's names for checkpoint tensors to their shapes; `optional` ones may be
+    absent (a tied LM head). `source` is what the tensors are read from: a `CheckpointTensors` lets
+    errors name the file.
+    """
+
+    def __init__(
+        self,
+        expected: dict[str, tuple[int, ...]],
+        source: Iterable[tuple[str, torch.Tensor]],
+        optional: Iterable[str] = (),
+    ) -> None:
+        self.expected = expected
+        self.optional = set(optional)
+        self._where: Callable[[str | None], str] = getattr(source, "where", lambda name=None: "the given weights")
+        self.loaded: dict[str, str] = {}  # our name -> the checkpoint's name it was loaded from
+
+    def accept(self, name: str, raw_name: str, tensor: torch.Tensor) -> None:
+        """Raises unless `tensor` is the first one for an expected name and has its shape."""
+        if name not in self.expected:
+            raise WeightsMismatchError(f"unexpected tensor {raw_name!r} {_shape(tensor.shape)}: the model has no such parameter", self._where(raw_name))
+        if name in self.loaded:
+            raise WeightsMismatchError(
+                f"tensor {raw_name!r} loads the same parameter as {self.loaded[name]!r} (a parameter must be loaded once)",
+                self._where(raw_name),
+            )
+        expected = self.expected[name]
+        if tuple(tensor.shape) != expected:
+            raise WeightsMismatchError(
+                f"tensor {raw_name!r} has shape {_shape(tensor.shape)}, expected {_shape(expected)}", self._where(raw_name)
+            )
+        self.loaded[name] = raw_name
+
+    def finish(self) -> None:
+        """Raises if an expected, non-optional tensor was never loaded."""
+        missing = [n for n in self.expected if n not in self.loaded and n not in self.optional]
+        if missing:
+            listed = ", ".join(f"{n!r} {_shape(self.expected[n])}" for n in missing[:_MAX_LISTED])
+            more = f" and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
+            raise WeightsMismatchError(
+                f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {listed}{more} (expected shape in brackets)",
+                self._where(),
+            )

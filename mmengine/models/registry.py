@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, AutoProcessor, PretrainedConfig
 
-from mmengine.errors import UnsupportedModelError
+from mmengine.errors import CheckpointError, UnsupportedModelError
 from mmengine.models.llava import LlavaModel
 
 _ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -16,9 +18,25 @@ _ARCHITECTURES: dict[str, type[nn.Module]] = {
 
 
 def load_hf_config(model_dir: Path) -> PretrainedConfig:
-    if not (model_dir / "config.json").exists():
-        raise UnsupportedModelError(f"{model_dir} is not a checkpoint directory (no config.json)")
-    return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    """The checkpoint's config; an absent, unparsable or rejected config.json is a CheckpointError naming it."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{model_dir} is not a checkpoint directory (no config.json)")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"not valid JSON ({err})", path) from err
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"must hold a JSON object, not {type(raw).__name__}", path)
+    try:
+        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as err:  # transformers rejects a config with any of several exception types
+        raise CheckpointError(f"transformers rejects this config: {_first_line(err)}", path) from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip() or type(err).__name__
+    return " ".join(line.strip() for line in text.splitlines() if line.strip())[:300]
 
 
 def model_class_for(config: PretrainedConfig) -> type[nn.Module]:
@@ -31,3 +49,38 @@ def model_class_for(config: PretrainedConfig) -> type[nn.Module]:
         f"architecture {getattr(config, 'architectures', None) or config.model_type} is not supported; "
         f"supported: {', '.join(_ARCHITECTURES)}"
     )
+
+
+# The files a tokenizer can be read from (any one suffices), and the processor's image settings.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+_PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+_JSON_FILES = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+    "preprocessor_config.json", "processor_config.json", "chat_template.json", "generation_config.json",
+)
+
+
+def load_hf_processor(model_dir: Path) -> Any:
+    """The checkpoint's HF processor (tokenizer + image processor). A missing or broken file is a
+    CheckpointError naming it, rather than whatever transformers raises."""
+    _check_processor_files(model_dir)
+    try:
+        return AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as err:  # transformers raises OSError, ValueError, TypeError, KeyError, ... here
+        raise CheckpointError(f"cannot load the tokenizer and processor: {_first_line(err)}", model_dir) from err
+
+
+def _check_processor_files(model_dir: Path) -> None:
+    for name in _JSON_FILES:
+        path = model_dir / name
+        if path.is_file():
+            try:
+                json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError) as err:
+                raise CheckpointError(f"not valid JSON ({err})", path) from err
+    if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
+        raise CheckpointError(f"no tokenizer file: expected one of {', '.join(_TOKENIZER_FILES)}", model_dir / _TOKENIZER_FILES[0])
+    if not any((model_dir / name).is_file() for name in _PROCESSOR_FILES):
+        raise CheckpointError(
+            f"no image processor settings: expected {' or '.join(_PROCESSOR_FILES)}", model_dir / _PROCESSOR_FILES[0]
+        )

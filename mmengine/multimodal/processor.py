@@ -11,13 +11,14 @@ their preprocessed pixels are not already in the processor cache.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from PIL import Image
-from transformers import AutoProcessor, PretrainedConfig
+from transformers import PretrainedConfig
 
 from mmengine.errors import (
     EmptyPromptError,
@@ -28,9 +29,12 @@ from mmengine.errors import (
     TooManyImagesError,
     UnsupportedModelError,
 )
+from mmengine.api_inputs import check_prompt_text
 from mmengine.encoder_cache.hashing import hash_bytes, hash_image, hash_user_id, model_fingerprint, processor_settings_key
+from mmengine.models.registry import load_hf_processor
 from mmengine.multimodal.image_loading import ImageInput, encoded_bytes, load_image
 from mmengine.multimodal.processor_cache import ProcessorCache
+from mmengine.multimodal.resize_guard import check_preprocessed_size
 from mmengine.request import MMItem, ProcessedPrompt
 from mmengine.sampling import SamplingParams
 
@@ -46,7 +50,7 @@ class InputProcessor:
         processor_cache_bytes: int = 0,
         hash_algo: str = "xxh3_128",
     ) -> None:
-        self.hf_processor = AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        self.hf_processor = load_hf_processor(model_dir)
         self.tokenizer = self.hf_processor.tokenizer
         self.image_token: str = self.hf_processor.image_token
         self.image_token_id: int = hf_config.image_token_id
@@ -62,6 +66,9 @@ class InputProcessor:
         # One pixel tensor per distinct item, shared by every request that has it and kept after they
         # finish (up to processor_cache_bytes): the same picture is preprocessed once.
         self.cache = ProcessorCache(processor_cache_bytes)
+        # Several threads may add requests at once: the cache, the counters and the tokenizer are
+        # touched under this lock; decoding, hashing and the image processor run outside it.
+        self._lock = threading.Lock()
         self.hash_algo = hash_algo
         self.num_images_decoded = 0
         self.num_images_preprocessed = 0
@@ -115,8 +122,7 @@ class InputProcessor:
     def _process(
         self, prompt: str, images: list[ImageInput], params: SamplingParams, mm_uuids: Sequence[str | None] | None
     ) -> ProcessedPrompt:
-        if not isinstance(prompt, str):
-            raise InvalidInputError(f"prompt must be a str, got {type(prompt).__name__}")
+        check_prompt_text(prompt)
         if len(images) > self.max_images:
             raise TooManyImagesError(
                 f"{len(images)} images given but limit_mm_per_prompt allows at most {self.max_images} per prompt"
@@ -137,7 +143,8 @@ class InputProcessor:
     def _tokenize(self, prompt: str) -> list[int]:
         """The text tokenized as the processor does, each image marker (one added token) expanded in
         place into its run of placeholders, as the processor's own expansion would, without pixels."""
-        ids = self.tokenizer(prompt)["input_ids"]
+        with self._lock:  # a fast tokenizer may refuse concurrent calls ("Already borrowed")
+            ids = self.tokenizer(prompt)["input_ids"]
         run = [self.image_token_id] * self.tokens_per_image
         expanded: list[int] = []
         for token in ids:
@@ -164,24 +171,31 @@ class InputProcessor:
                 encoded = encoded_bytes(image, image_index=index)
                 if encoded is not None:
                     digest = hash_bytes(encoded, self.hash_algo)
-                    mm_hash = self.cache.hash_of_encoded(digest)
-            cached = self.cache.get(mm_hash) if mm_hash is not None else None
+                    with self._lock:
+                        mm_hash = self.cache.hash_of_encoded(digest)
+            with self._lock:
+                cached = self.cache.get(mm_hash) if mm_hash is not None else None
             if cached is None and mm_hash not in to_preprocess:
                 loaded = load_image(image, max_pixels=self.max_image_pixels, image_index=index, encoded=encoded)
-                self.num_images_decoded += 1
-                if mm_hash is None:
+                check_preprocessed_size(self.hf_processor.image_processor, *loaded.size, self.max_image_pixels, index)
+                hashed_now = mm_hash is None
+                if hashed_now:
                     mm_hash = hash_image(loaded, self.fingerprint, self.settings_key, self.hash_algo)
-                    cached = self.cache.get(mm_hash)
-                if digest is not None:
-                    self.cache.remember_encoded(digest, mm_hash)
+                with self._lock:
+                    self.num_images_decoded += 1
+                    if hashed_now:
+                        cached = self.cache.get(mm_hash)
+                    if digest is not None:
+                        self.cache.remember_encoded(digest, mm_hash)
                 if cached is None:
                     to_preprocess.setdefault(mm_hash, loaded)
             hashes.append(mm_hash)
             pixels.append(cached)
         if to_preprocess:
             batch = self.hf_processor.image_processor(images=list(to_preprocess.values()), return_tensors="pt")
-            self.num_images_preprocessed += len(to_preprocess)
-            fresh = {h: self.cache.put(h, t.clone()) for h, t in zip(to_preprocess, batch["pixel_values"])}
+            with self._lock:
+                self.num_images_preprocessed += len(to_preprocess)
+                fresh = {h: self.cache.put(h, t.clone()) for h, t in zip(to_preprocess, batch["pixel_values"])}
             pixels = [p if p is not None else fresh[h] for p, h in zip(pixels, hashes)]
         return hashes, pixels  # type: ignore[return-value]
 

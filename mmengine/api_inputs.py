@@ -1,0 +1,192 @@
+"""What callers hand to MMEngine's methods, checked and put in shape before anything is queued.
+
+Every misuse is an InvalidInputError (a ValueError) saying what was given and what was expected:
+a bare image where a list belongs, a dict where SamplingParams belong, a prompt that is not text,
+a conversation that is not a list of messages.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from mmengine.errors import InvalidInputError
+from mmengine.sampling import SamplingParams
+
+# A single image given where a list of images belongs is one of these.
+_IMAGE_LIKE = (str, bytes, bytearray, memoryview, os.PathLike)
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def type_name(value: object) -> str:
+    cls = type(value)
+    return cls.__name__ if cls.__module__ == "builtins" else f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _is_list(value: object) -> bool:
+    return isinstance(value, (list, tuple))
+
+
+def _looks_like_one_image(value: object) -> bool:
+    if isinstance(value, _IMAGE_LIKE):
+        return True
+    module = type(value).__module__
+    return module.startswith(("PIL.", "numpy")) or hasattr(value, "__array_interface__")
+
+
+def check_prompt_text(prompt: object, prompt_index: int | None = None) -> str:
+    """A prompt must be a str that is valid Unicode (no lone surrogates, which cannot be tokenized)."""
+    if not isinstance(prompt, str):
+        hint = " (decode bytes first)" if isinstance(prompt, (bytes, bytearray)) else ""
+        raise InvalidInputError(f"a prompt must be a str, got {type_name(prompt)}{hint}", prompt_index)
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise InvalidInputError(
+            f"the prompt holds a lone surrogate {prompt[err.start]!r} at character {err.start}: not valid Unicode text",
+            prompt_index,
+        ) from None
+    return prompt
+
+
+def check_image_list(images: object, prompt_index: int | None = None) -> list[Any]:
+    """None or a list/tuple of images; a bare image (or a path string) is refused, not iterated."""
+    if images is None:
+        return []
+    if _is_list(images):
+        return list(images)
+    if _looks_like_one_image(images):
+        raise InvalidInputError(
+            f"images must be a list with one image per <image> marker, got a bare {type_name(images)}: "
+            "pass [image] instead",
+            prompt_index,
+        )
+    raise InvalidInputError(f"images must be a list of images or None, got {type_name(images)}", prompt_index)
+
+
+def check_sampling_params(params: object, prompt_index: int | None = None) -> SamplingParams:
+    if params is None:
+        return SamplingParams()
+    if isinstance(params, SamplingParams):
+        return params
+    hint = ": use SamplingParams(**params)" if isinstance(params, dict) else ""
+    raise InvalidInputError(f"sampling_params must be a SamplingParams or None, got {type_name(params)}{hint}", prompt_index)
+
+
+def check_salt(salt: object, prompt_index: int | None = None) -> str | None:
+    if salt is not None and not isinstance(salt, str):
+        raise InvalidInputError(f"cache_salt must be a str or None, got {type_name(salt)}", prompt_index)
+    return salt
+
+
+def check_request_id(request_id: object) -> str | None:
+    if request_id is not None and not (isinstance(request_id, str) and request_id):
+        raise InvalidInputError(f"request_id must be a non-empty str or None, got {request_id!r}")
+    return request_id
+
+
+def normalize_batch(
+    prompts: object, images: object, sampling_params: object
+) -> tuple[list[str], list[list[Any]], list[SamplingParams]]:
+    """One prompt (a str) or a batch (a list of str), with images and sampling params to match."""
+    if isinstance(prompts, str):
+        prompt_list = [check_prompt_text(prompts, 0)]
+        image_lists = [check_image_list(images, 0)]
+    elif _is_list(prompts):
+        prompt_list = [check_prompt_text(p, i) for i, p in enumerate(prompts)]
+        image_lists = _batch_images(images, len(prompt_list))
+    else:
+        raise InvalidInputError(f"prompts must be a str or a list of str, got {type_name(prompts)}")
+    if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        params_list = [check_sampling_params(sampling_params)] * len(prompt_list)
+    elif _is_list(sampling_params):
+        params_list = [check_sampling_params(p, i) for i, p in enumerate(sampling_params)]
+        if len(params_list) != len(prompt_list):
+            raise InvalidInputError(
+                f"sampling_params must be one SamplingParams or one per prompt: got {len(params_list)} for "
+                f"{len(prompt_list)} prompts"
+            )
+    else:
+        params_list = [check_sampling_params(sampling_params)]
+    return prompt_list, image_lists, params_list
+
+
+def _batch_images(images: object, num_prompts: int) -> list[list[Any]]:
+    if images is None:
+        return [[] for _ in range(num_prompts)]
+    if not _is_list(images):
+        raise InvalidInputError(f"images must hold one list (or None) per prompt, got {type_name(images)}")
+    if len(images) != num_prompts:
+        raise InvalidInputError(
+            f"images must hold one list per prompt: got {len(images)} lists for {num_prompts} prompts"
+        )
+    return [check_image_list(imgs, i) for i, imgs in enumerate(images)]
+
+
+def normalize_salts(cache_salt: object, num_prompts: int) -> list[str | None]:
+    if cache_salt is None or isinstance(cache_salt, str):
+        return [cache_salt] * num_prompts
+    if not _is_list(cache_salt):
+        raise InvalidInputError(f"cache_salt must be a str, None, or one per prompt, got {type_name(cache_salt)}")
+    if len(cache_salt) != num_prompts:
+        raise InvalidInputError(f"cache_salt must be one salt or one per prompt: got {len(cache_salt)} for {num_prompts} prompts")
+    return [check_salt(salt, index) for index, salt in enumerate(cache_salt)]
+
+
+def normalize_uuids(mm_uuids: object, single: bool, num_prompts: int) -> list[Sequence[str | None] | None]:
+    if mm_uuids is None:
+        return [None] * num_prompts
+    if not _is_list(mm_uuids):
+        raise InvalidInputError(f"mm_uuids must be a list (one id per image, or one list per prompt), got {type_name(mm_uuids)}")
+    if single:
+        return [mm_uuids]
+    if len(mm_uuids) != num_prompts:
+        raise InvalidInputError(f"mm_uuids must hold one list per prompt: got {len(mm_uuids)} for {num_prompts} prompts")
+    for index, uuids in enumerate(mm_uuids):
+        if uuids is not None and not _is_list(uuids):
+            raise InvalidInputError(f"mm_uuids must hold a list (or None) per prompt, got {type_name(uuids)}", index)
+    return list(mm_uuids)
+
+
+def normalize_conversations(messages: object) -> tuple[list[list[dict[str, Any]]], bool]:
+    """One conversation (a list of messages) or a batch of them; returns (conversations, single)."""
+    if not _is_list(messages):
+        raise InvalidInputError(
+            f"messages must be a list of {{'role': ..., 'content': ...}} dicts (or a list of such conversations), "
+            f"got {type_name(messages)}"
+        )
+    single = bool(messages) and isinstance(messages[0], dict)
+    conversations = [messages] if single else list(messages)
+    for index, conversation in enumerate(conversations):
+        _check_conversation(conversation, index)
+    return [list(c) for c in conversations], single
+
+
+def _check_conversation(conversation: object, index: int) -> None:
+    if not _is_list(conversation) or not conversation:
+        raise InvalidInputError(f"a conversation must be a non-empty list of messages, got {conversation!r:.80}", index)
+    for position, message in enumerate(conversation):
+        where = f"message {position}"
+        if not isinstance(message, dict):
+            raise InvalidInputError(f"{where} must be a dict with 'role' and 'content', got {type_name(message)}", index)
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise InvalidInputError(f"{where} has role {role!r}; expected one of {', '.join(CHAT_ROLES)}", index)
+        if "content" not in message:
+            raise InvalidInputError(f"{where} has no 'content'", index)
+        content = message["content"]
+        if isinstance(content, str):
+            check_prompt_text(content, index)
+            continue
+        if not _is_list(content):
+            raise InvalidInputError(f"{where}: content must be a str or a list of parts, got {type_name(content)}", index)
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "text" and isinstance(part.get("text"), str):
+                check_prompt_text(part["text"], index)
+            elif kind != "image":
+                raise InvalidInputError(
+                    f"{where}: each content part must be {{'type': 'text', 'text': str}} or {{'type': 'image'}}, got {part!r:.80}",
+                    index,
+                )

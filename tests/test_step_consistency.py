@@ -1,0 +1,148 @@
+"""A step commits its plan whole or changes nothing, and the books of both caches always agree
+with the runner's tensors: the encoder-cache reuse/evict crash, a failing runner, and a seeded
+randomized workload on tight caches audited after every step."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from books import assert_books_consistent
+from mmengine import MMEngine, SamplingParams
+from mmengine.testing import make_test_image
+
+M = 16  # embeddings per image of the default tiny checkpoint
+IMAGES = [make_test_image(300 + i) for i in range(10)]
+PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+TWO = "USER: <image><image> ASSISTANT:"
+ONE = "USER: <image>\nWhat is it? ASSISTANT:"
+
+
+def _reference(checkpoint_dir, prompts: list[str], images: list[list]) -> list[list[int]]:
+    roomy = MMEngine(str(checkpoint_dir()), max_model_len=256, enable_prefix_caching=False)
+    return [o.token_ids for o in roomy.generate(prompts, images=images, sampling_params=PARAMS, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("prefix_caching,third", [(False, "AE"), (True, "BE")])
+def test_reusing_the_lru_entry_while_encoding_a_new_image(checkpoint_dir, prefix_caching, third):
+    """Issue 9 item 0: one step reuses the unreferenced LRU entry and encodes a new image with room
+    for one image. The reuse is referenced before the allocation, so nothing it needs is evicted."""
+    a, b, c, d, e = IMAGES[:5]
+    named = dict(zip("ABCDE", IMAGES))
+    engine = MMEngine(
+        str(checkpoint_dir()), block_size=16, num_kv_blocks=3, encoder_cache_size=M, max_model_len=48,
+        enable_prefix_caching=prefix_caching,
+    )
+    calls = [[a, b], [c, d], [named[third[0]], named[third[1]]]]
+    outs = [engine.generate(TWO, images=imgs, sampling_params=PARAMS, use_tqdm=False)[0].token_ids for imgs in calls]
+    assert_books_consistent(engine)
+    assert outs == _reference(checkpoint_dir, [TWO] * 3, calls)
+    engine.reset_encoder_cache()  # broke too, before the fix
+    assert engine.stats()["encoder_cache_entries"] == 0 and engine.runner.encoder_outputs == {}
+    (again,) = engine.generate(TWO, images=calls[2], sampling_params=PARAMS, use_tqdm=False)
+    assert again.token_ids == outs[2]
+    assert_books_consistent(engine)
+
+
+class _FailOnce:
+    """Wraps a model method so that its next call raises, as a CUDA OOM would."""
+
+    def __init__(self, method):
+        self.method, self.armed = method, True
+
+    def __call__(self, *args, **kwargs):
+        if self.armed:
+            self.armed = False
+            raise MemoryError("injected failure")
+        return self.method(*args, **kwargs)
+
+
+@pytest.mark.parametrize("where", ["encode_images", "forward"])
+def test_a_failing_step_leaves_consistent_books_and_can_be_retried(checkpoint_dir, where):
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=256, block_size=8, encoder_cache_size=2 * M, num_kv_blocks=24)
+    prompts = [ONE, TWO, ONE]
+    images = [[IMAGES[0]], [IMAGES[1], IMAGES[0]], [IMAGES[2]]]
+    ids = [engine.add_request(p, imgs, PARAMS) for p, imgs in zip(prompts, images)]
+    engine.step()  # something resident and in flight before the failure
+    model = engine.runner.model
+    failing = _FailOnce(getattr(model, where))
+    setattr(model, where, failing)
+    with pytest.raises(MemoryError, match="injected"):
+        while failing.armed:
+            engine.step()
+    assert_books_consistent(engine)  # no entry is booked for an encode that never ran
+    results = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            results[output.request_id] = output
+        assert_books_consistent(engine)
+    assert [results[i].token_ids for i in ids] == _reference(checkpoint_dir, prompts, images)
+    assert engine.encoder_cache.num_referenced == 0
+
+
+def _random_workload(checkpoint_dir, seed: int, prefix_caching: bool) -> None:
+    """Tight KV, an encoder cache at its minimum (one image), many distinct images, and the
+    least-recently-seen image shown again often: steps interleaved with adds and aborts."""
+    rng = random.Random(seed)
+    engine = MMEngine(
+        str(checkpoint_dir()), max_model_len=128, block_size=8, num_kv_blocks=12, encoder_cache_size=M,
+        max_num_batched_tokens=32, max_num_seqs=4, enable_prefix_caching=prefix_caching,
+    )
+    last_seen = {i: -1 for i in range(len(IMAGES))}
+    requests: dict[str, tuple[str, list]] = {}
+    aborted: set[str] = set()
+    finished: dict[str, list[int]] = {}
+    reported_aborts: set[str] = set()
+    clock = 0
+
+    def pick() -> int:
+        nonlocal clock
+        clock += 1
+        index = min(last_seen, key=last_seen.get) if rng.random() < 0.5 else rng.randrange(len(IMAGES))
+        last_seen[index] = clock
+        return index
+
+    def step() -> None:
+        for output in engine.step():
+            if output.finish_reason == "abort":
+                assert output.request_id in aborted
+                reported_aborts.add(output.request_id)
+            elif output.finished:
+                finished[output.request_id] = output.token_ids
+        assert_books_consistent(engine)
+
+    for _ in range(40):
+        roll = rng.random()
+        if roll < 0.45:
+            picked = [IMAGES[pick()] for _ in range(rng.choice((1, 2)))]
+            prompt = ONE if len(picked) == 1 else TWO
+            requests[engine.add_request(prompt, picked, PARAMS)] = (prompt, picked)
+        elif roll < 0.5 and engine.scheduler.requests:
+            victim = rng.choice(sorted(engine.scheduler.requests))
+            assert engine.abort_request(victim)
+            aborted.add(victim)
+            assert_books_consistent(engine)
+        elif engine.has_unfinished_requests():
+            step()
+    for _ in range(500):
+        if not engine.has_unfinished_requests():
+            break
+        step()
+    assert not engine.has_unfinished_requests()
+    assert set(finished) == set(requests) - aborted and reported_aborts == aborted
+    done = sorted(finished)
+    reference = _reference(checkpoint_dir, [requests[i][0] for i in done], [requests[i][1] for i in done])
+    assert [finished[i] for i in done] == reference
+    stats = engine.stats()
+    assert stats["encoder_cache_evictions"] > 0 and stats["encoder_cache_hits"] > 0  # the caches really churned
+    assert engine.encoder_cache.num_referenced == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_workload_books_agree_with_the_runner_after_every_step(checkpoint_dir, seed):
+    _random_workload(checkpoint_dir, seed, prefix_caching=True)
+
+
+def test_random_workload_without_prefix_caching(checkpoint_dir):
+    _random_workload(checkpoint_dir, 3, prefix_caching=False)
