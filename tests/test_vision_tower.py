@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import _hf_model, hf_greedy
+from conftest import CPU_FP32, _hf_model, hf_greedy
 from mmengine import MMEngine, SamplingParams
 from mmengine.testing import TinyLlavaSpec, make_test_image
 
@@ -27,12 +27,12 @@ TOWERS = {
 def test_tower_has_only_the_selected_layers_and_matches_transformers(checkpoint_dir, name):
     spec, num_layers = TOWERS[name]
     path = checkpoint_dir(spec)
-    engine = MMEngine(str(path), max_model_len=256)
+    engine = MMEngine(str(path), max_model_len=256, **CPU_FP32.engine_kwargs)
     tower = engine.runner.model.vision_tower
     assert len(tower.encoder.layers) == num_layers
     assert isinstance(tower.post_layernorm, nn.Identity) and not hasattr(tower, "head")
 
-    hf, processor = _hf_model(path)
+    hf, processor = _hf_model(path, CPU_FP32)
     pixels = processor.image_processor(images=IMAGES, return_tensors="pt")["pixel_values"]
     with torch.inference_mode():
         theirs = torch.stack(list(hf.model.get_image_features(pixel_values=pixels).pooler_output))
