@@ -17,6 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import AutoProcessor, LlavaForConditionalGeneration
+from transformers.image_transforms import convert_to_rgb
 
 from mmengine.testing import TinyLlavaSpec, tiny_llava_path
 
@@ -98,6 +99,9 @@ def _hf_model(path: Path, precision: Precision) -> tuple[LlavaForConditionalGene
 
 
 def _hf_inputs(processor: object, prompt: str, images: list | None, precision: Precision) -> dict[str, torch.Tensor]:
+    # transformers' own RGB conversion (transparency onto white). Its PIL image processors apply it,
+    # but its torchvision ones drop the alpha channel instead, so it is applied here for both.
+    images = [convert_to_rgb(image) for image in images or ()]
     inputs = processor(text=prompt, images=images or None, return_tensors="pt").to(precision.device)
     if "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"].to(precision.dtype)

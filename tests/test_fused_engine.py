@@ -69,7 +69,8 @@ def test_fused_path_gives_the_reference_tokens(checkpoint_dir, calls, spec):
     tokens, counts = {}, {}
     for backend in ("torch", "triton"):
         calls.clear()
-        engine = MMEngine(str(checkpoint_dir(spec)), attn_backend=backend, device=DEVICE, dtype="float32", **kwargs)
+        engine = MMEngine(str(checkpoint_dir(spec)), attn_backend=backend, device=DEVICE, dtype="float32",
+                          enforce_eager=True, **kwargs)  # every launch goes through Python, where it is counted
         first = engine.generate(PROMPTS, images=IMAGES, sampling_params=params, use_tqdm=False)
         second = engine.generate(PROMPTS, images=IMAGES, sampling_params=params, use_tqdm=False)  # prefix hits: slot -1 rows
         assert engine.stats()["prefix_cache_hits"] > 0

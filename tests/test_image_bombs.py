@@ -99,7 +99,7 @@ def test_the_resize_rule_is_the_processors(checkpoint_dir):
 
     processor = MMEngine(str(checkpoint_dir()), max_model_len=128).input_processor.hf_processor.image_processor
     for width, height in [(48, 40), (7, 300), (300, 7), (33, 32), (1000, 999)]:
-        image = processor.resize(
-            image=__import__("numpy").zeros((3, height, width), "uint8"), size=processor.size, resample=processor.resample
-        )
-        assert resized_size(processor, height, width) == tuple(image.shape[-2:])
+        # The whole preprocessing without its crop: the same call whichever backend (PIL or
+        # torchvision) the processor uses.
+        pixels = processor(images=Image.new("RGB", (width, height)), do_center_crop=False, return_tensors="pt")["pixel_values"]
+        assert resized_size(processor, height, width) == tuple(pixels.shape[-2:])
