@@ -112,13 +112,15 @@ class LlavaModel(nn.Module):
         """Loads every parameter exactly once from checkpoint tensors in either LLaVA key layout.
 
         A missing, unexpected, repeated or mis-shaped tensor raises WeightsMismatchError naming it,
-        the shapes and the file. Known-ignorable tensors (see `_is_ignorable`) are skipped; a missing
-        lm_head.weight is fine only when the checkpoint ties word embeddings.
+        the shapes and the file. Known-ignorable tensors the model was built without (see
+        `_is_ignorable`) are skipped; a missing lm_head.weight is fine only when the checkpoint ties
+        word embeddings.
         """
-        check = WeightCheck(self.expected_weights(), weights, optional=["lm_head.weight"] if self.tie_word_embeddings else [])
+        expected = self.expected_weights()
+        check = WeightCheck(expected, weights, optional=["lm_head.weight"] if self.tie_word_embeddings else [])
         for raw_name, tensor in weights:
             name = self._our_name(raw_name)
-            if self._is_ignorable(name):
+            if name not in expected and self._is_ignorable(name):
                 continue
             check.accept(name, raw_name, tensor)
             with torch.no_grad():
@@ -146,7 +148,7 @@ class LlavaModel(nn.Module):
             return bool(_ROTARY_CACHE.search(name))
         if not name.startswith("vision_tower."):
             return False
-        key = name.removeprefix("vision_tower.")
+        key = name.removeprefix("vision_tower.").removeprefix("vision_model.")
         if key in _IGNORABLE_VISION_NAMES or key.startswith(_IGNORABLE_VISION_PREFIXES):
             return True
         layer = _VISION_LAYER.match(key)  # a layer the tower was built without (unused by the selection)
@@ -186,7 +188,7 @@ def _build_vision_tower(vision_config, deepest: int) -> nn.Module:
     if hasattr(trimmed, "vision_use_head"):
         trimmed.vision_use_head = False
     tower = AutoModel.from_config(trimmed)
-    tower.post_layernorm = nn.Identity()
+    getattr(tower, "vision_model", tower).post_layernorm = nn.Identity()
     return tower
 
 
