@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import PIL.Image
 import pytest
 import torch
 
@@ -17,7 +18,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import AutoProcessor, LlavaForConditionalGeneration
-from transformers.image_transforms import convert_to_rgb
 
 from mmengine.testing import TinyLlavaSpec, tiny_llava_path
 
@@ -98,10 +98,18 @@ def _hf_model(path: Path, precision: Precision) -> tuple[LlavaForConditionalGene
     return model, AutoProcessor.from_pretrained(str(path))
 
 
+def _on_white(image: PIL.Image.Image) -> PIL.Image.Image:
+    """Transparency composited onto white, as mmengine documents (and transformers >= 5.2x's
+    convert_to_rgb does; older releases drop the alpha channel), so transformers sees the picture
+    mmengine sees whatever its version."""
+    if "A" not in image.getbands() and "transparency" not in image.info:
+        return image
+    white = PIL.Image.new("RGBA", image.size, (255, 255, 255, 255))
+    return PIL.Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
+
+
 def _hf_inputs(processor: object, prompt: str, images: list | None, precision: Precision) -> dict[str, torch.Tensor]:
-    # transformers' own RGB conversion (transparency onto white). Its PIL image processors apply it,
-    # but its torchvision ones drop the alpha channel instead, so it is applied here for both.
-    images = [convert_to_rgb(image) for image in images or ()]
+    images = [_on_white(image) for image in images or ()]
     inputs = processor(text=prompt, images=images or None, return_tensors="pt").to(precision.device)
     if "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"].to(precision.dtype)
