@@ -19,8 +19,6 @@ import pathlib
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -357,6 +355,8 @@ def build_llava_checkpoint(
     import torch
     from transformers import GenerationConfig, LlavaForConditionalGeneration
 
+    from mmengine.models.loader import default_dtype
+
     dtype = _torch_dtype(dtype)
     target = torch.device(device)
     path = pathlib.Path(path)
@@ -364,7 +364,7 @@ def build_llava_checkpoint(
     config = _build_config(spec, tokenizer, initializer_range)
     # Leave the caller's RNG state untouched (the device's too when building on a GPU).
     rng_devices = [target.index if target.index is not None else torch.cuda.current_device()] if target.type == "cuda" else []
-    with _BUILD_LOCK, torch.random.fork_rng(devices=rng_devices), target, _default_dtype(dtype):
+    with _BUILD_LOCK, torch.random.fork_rng(devices=rng_devices), target, default_dtype(dtype):
         torch.manual_seed(spec.seed)
         model = LlavaForConditionalGeneration(config).to(dtype)
     model.generation_config = GenerationConfig(
@@ -406,19 +406,6 @@ def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
     return dtype
-
-
-@contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """Parameters are created in `dtype` (no fp32 copy first); restored afterwards."""
-    import torch
-
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _spec_key(spec: TinyLlavaSpec) -> str:

@@ -4,7 +4,6 @@ ImageTooLargeError naming the size they would become; nothing else is harmed."""
 
 from __future__ import annotations
 
-import io
 import json
 import subprocess
 import sys

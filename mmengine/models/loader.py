@@ -22,6 +22,17 @@ _SINGLE = "model.safetensors"
 _MAX_LISTED = 8  # tensors named in one error message
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Parameters built inside are created in `dtype` (no float32 copy first); restored afterwards."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / _INDEX
     if index.exists():

@@ -7,12 +7,10 @@ samples on the device and reads the sampled tokens back once: the step's only ho
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 from transformers import PretrainedConfig
 
@@ -21,24 +19,14 @@ from mmengine.errors import ConfigError
 from mmengine.kv_cache.manager import cdiv
 from mmengine.layers.attention import AttentionMetadata, get_attention_backend
 from mmengine.models.llama import head_dim_of
-from mmengine.models.loader import iter_checkpoint
+from mmengine.models.loader import default_dtype, iter_checkpoint
 from mmengine.models.registry import model_class_for
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
-from mmengine.runner.inputs import InputBuffers, StepInputs
+from mmengine.runner.inputs import InputBuffers
 from mmengine.sampling import Sampler, SamplingParams
 from mmengine.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 class ModelRunner:
@@ -57,7 +45,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.max_model_len = max_model_len
         self.text_config = hf_config.text_config
-        with torch.device(device), _default_dtype(dtype):
+        with torch.device(device), default_dtype(dtype):
             self.model = model_class_for(hf_config)(hf_config)
         self.model.load_weights(iter_checkpoint(model_dir))
         self.model.eval()
