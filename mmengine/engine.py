@@ -204,7 +204,8 @@ class MMEngine:
         self._counters["prefill_tokens_computed"] += sum(
             max(0, min(s.end, s.request.num_prompt_tokens) - s.start) for s in out.scheduled
         )
-        return [self._after_token(request) for request in updated]
+        outputs = (self._after_token(request) for request in updated)
+        return [output for output in outputs if output is not None]
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to do or to hand back: requests in flight, or outputs not yet returned."""
@@ -379,7 +380,9 @@ class MMEngine:
             results[output.request_id] = output
             del self._owners[output.request_id]
 
-    def _after_token(self, request: Request) -> RequestOutput:
+    def _after_token(self, request: Request) -> RequestOutput | None:
+        """Detokenizes the request's new token and applies stop strings. Returns its output, or None
+        for an unfinished request of a generate() call (which reads only final outputs)."""
         detokenizer = self._detokenizers[request.request_id]
         stop_string = detokenizer.append(request.output_token_ids[-1])
         self._counters["generation_tokens"] += 1
@@ -390,6 +393,8 @@ class MMEngine:
             detokenizer.flush()  # release a trailing partial character held back while streaming
             del self._detokenizers[request.request_id]
             self._counters["requests_finished"] += 1
+        elif request.request_id in self._owners:
+            return None
         return self._output(request, detokenizer)
 
     @staticmethod

@@ -220,6 +220,8 @@ class Scheduler:
         """Walks the items overlapping [start, start + num_new) and shortens num_new before the
         first item that can be neither reused nor encoded this step (possibly to zero)."""
         plan = EncoderPlan()
+        if not request.mm_items or request.mm_items[-1].end <= start:  # text only from here on (decodes)
+            return num_new, plan
         held = self._held.get(request.request_id, ())
         planned: set[str] = set()
         for idx, item in enumerate(request.mm_items):
@@ -253,6 +255,11 @@ class Scheduler:
         check fails) none. Reuse references are added before new encodes allocate, so an allocation
         can never evict an entry this same chunk is about to reuse."""
         assert num_new > 0 and start + num_new <= request.num_tokens, (request, start, num_new)
+        if not plan.encode and not plan.reuse:  # text only: just the KV blocks
+            if not self.kv_cache.can_allocate(request, num_new, hits, start):
+                raise RuntimeError(f"KV blocks for {request} are no longer free")
+            self.kv_cache.allocate(request, num_new, hits, start)
+            return ScheduledRequest(request, start, num_new, [])
         items = request.mm_items
         planned = {items[idx].mm_hash for idx in plan.encode}
         resident = [idx for idx in plan.reuse if items[idx].mm_hash in self.encoder_cache]

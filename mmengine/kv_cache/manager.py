@@ -104,9 +104,9 @@ class KVCacheManager:
     def allocate(
         self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = (), num_computed: int | None = None
     ) -> None:
+        """Takes the blocks; the caller has checked can_allocate (the pool raises if it runs dry)."""
         if num_computed is None:
             num_computed = request.num_computed_tokens
-        assert self.can_allocate(request, num_new_tokens, computed_blocks, num_computed)
         blocks = self._req_blocks.setdefault(request.request_id, [])
         block_ids = self._req_block_ids.setdefault(request.request_id, [])
         if computed_blocks:

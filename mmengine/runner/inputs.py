@@ -89,21 +89,31 @@ class InputBuffers:
             self._uploaded.synchronize()  # the previous step's copies have read the host side
         scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         num_reqs = len(scheduled)
-        query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
-        starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=num_reqs)
+        query_lens = np.empty(num_reqs, dtype=np.int64)
+        starts = np.empty(num_reqs, dtype=np.int64)
         # A last token recomputed after a full prefix hit sits in a shared cached block
         # that already holds its K/V: it is attended to, never written again (slot -1).
-        hit_ends = np.fromiter((s.request.num_prefix_hit_tokens for s in scheduled), dtype=np.int64, count=num_reqs)
+        hit_ends = np.empty(num_reqs, dtype=np.int64)
+        table, ids = self.block_tables.np, self.input_ids.np
+        sampled_rows: list[int] = []
+        num_tokens = 0
+        for row, s in enumerate(scheduled):  # one pass over the batch: the per-request host work
+            request, start, length = s.request, s.start, s.num_new_tokens
+            query_lens[row], starts[row], hit_ends[row] = length, start, request.num_prefix_hit_tokens
+            blocks = block_tables[request.request_id]
+            table[row, : len(blocks)] = blocks
+            if length == 1:
+                ids[num_tokens] = request.all_token_ids[start]
+            else:
+                ids[num_tokens : num_tokens + length] = request.all_token_ids[start : start + length]
+            num_tokens += length
+            if s.samples:
+                sampled_rows.append(row)
         seq_lens = starts + query_lens
-        num_tokens = int(query_lens.sum())
         padded_reqs = graph_size or num_reqs
         padded_tokens = num_tokens + (padded_reqs - num_reqs)
         assert padded_tokens <= self.max_tokens and padded_reqs <= self.max_reqs, (padded_tokens, padded_reqs)
 
-        table = self.block_tables.np
-        for row, s in enumerate(scheduled):
-            blocks = block_tables[s.request.request_id]
-            table[row, : len(blocks)] = blocks
         req_of_token = np.repeat(np.arange(num_reqs), query_lens)
         token_starts = np.cumsum(query_lens) - query_lens
         positions = np.arange(num_tokens) - token_starts[req_of_token] + starts[req_of_token]
@@ -111,11 +121,6 @@ class InputBuffers:
         slots = table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         slots[positions < hit_ends[req_of_token]] = PAD_SLOT
 
-        ids = self.input_ids.np
-        offset = 0
-        for s in scheduled:
-            ids[offset : offset + s.num_new_tokens] = s.request.all_token_ids[s.start : s.end]
-            offset += s.num_new_tokens
         ids[num_tokens:padded_tokens] = 0
         self.positions.np[:num_tokens] = positions
         self.positions.np[num_tokens:padded_tokens] = 0
@@ -126,7 +131,6 @@ class InputBuffers:
         self.seq_lens.np[:num_reqs] = seq_lens
         self.seq_lens.np[num_reqs:padded_reqs] = PAD_SEQ_LEN
 
-        sampled_rows = [i for i, s in enumerate(scheduled) if s.samples]
         sampled = [scheduled[i] for i in sampled_rows]
         self.logits_indices.np[: len(sampled_rows)] = (token_starts + query_lens - 1)[sampled_rows]
         sampling = self._sampling_tensors(sampled)
