@@ -92,6 +92,14 @@ def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
     return build
 
 
+@pytest.fixture(scope="module")
+def small_engine(checkpoint_dir):
+    """One engine on the tiny checkpoint per test module (CPU or the GPU, as the machine has)."""
+    from mmengine import MMEngine
+
+    return MMEngine(str(checkpoint_dir()), max_model_len=128)
+
+
 @functools.cache
 def _hf_model(path: Path, precision: Precision) -> tuple[LlavaForConditionalGeneration, object]:
     model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=precision.dtype).to(precision.device).eval()

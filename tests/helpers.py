@@ -8,6 +8,11 @@ from mmengine.request import MMItem, ProcessedPrompt, Request
 from mmengine.sampling import SamplingParams
 
 
+# A one-image prompt and short greedy params, for tests that need any valid request.
+IMAGE_PROMPT = "USER: <image>\nWhat is shown? ASSISTANT:"
+SHORT_GREEDY = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+
+
 def make_request(
     request_id: str,
     num_prompt_tokens: int,

@@ -9,18 +9,18 @@ import sys
 
 import pytest
 
+from helpers import IMAGE_PROMPT, SHORT_GREEDY
 from mmengine import MMEngine, SamplingParams
 from mmengine.cli import main
 from mmengine.testing import make_test_image
 
 IMG = make_test_image(61)
-GOOD = "USER: <image>\nWhat is shown? ASSISTANT:"
-PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+GOOD, PARAMS = IMAGE_PROMPT, SHORT_GREEDY
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint_dir):
-    return MMEngine(str(checkpoint_dir()), max_model_len=128)
+def engine(small_engine):
+    return small_engine
 
 
 def _drain(engine: MMEngine) -> dict:

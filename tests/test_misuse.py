@@ -6,19 +6,19 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from mmengine import MMEngine, SamplingParams
+from helpers import IMAGE_PROMPT, SHORT_GREEDY
+from mmengine import MMEngine
 from mmengine.cli import main
 from mmengine.errors import ConfigError, InvalidInputError, MMEngineError
 from mmengine.testing import make_test_image
 
 IMG = make_test_image(51)
-GOOD = "USER: <image>\nWhat is shown? ASSISTANT:"
-PARAMS = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+GOOD, PARAMS = IMAGE_PROMPT, SHORT_GREEDY
 
 
 @pytest.fixture(scope="module")
-def engine(checkpoint_dir):
-    return MMEngine(str(checkpoint_dir()), max_model_len=128)
+def engine(small_engine):
+    return small_engine
 
 
 @pytest.fixture(scope="module")
