@@ -104,15 +104,10 @@ def run_budget(args: argparse.Namespace) -> None:
     import torch
 
     from mmengine.config import EngineConfig
-    from mmengine.encoder_cache.budget import (
-        compute_encoder_budget,
-        explain_budget,
-        explain_max_tokens_per_item,
-        max_tokens_per_item,
-    )
+    from mmengine.encoder_cache.budget import compute_encoder_budget, explain_budget
     from mmengine.kv_cache.manager import cdiv
     from mmengine.models.loader import checkpoint_dtype
-    from mmengine.models.registry import load_hf_config, model_class_for
+    from mmengine.models.registry import family_class_for, load_family, load_hf_config, load_hf_processor
 
     defaults = EngineConfig(model=args.model)
     explicit = {
@@ -124,11 +119,13 @@ def run_budget(args: argparse.Namespace) -> None:
         "max_num_seqs": args.max_num_seqs,
         "limit_mm_per_prompt": _parse_limits(args.limit_mm_per_prompt),
         "encoder_cache_size": args.encoder_cache_size,
+        "mm_processor_kwargs": _parse_json_dict(args.mm_processor_kwargs, "--mm-processor-kwargs"),
     }
     # the engine's rules; the device decides what dtype "auto" becomes
     config = EngineConfig(model=args.model, device=args.device, **{k: v for k, v in explicit.items() if v is not None})
     hf_config = load_hf_config(Path(args.model))
-    model_class_for(hf_config)
+    family_class_for(hf_config)  # an unsupported architecture fails before the processor loads
+    family = load_family(hf_config, load_hf_processor(Path(args.model), config.mm_processor_kwargs))
 
     def pick(name: str, value: object) -> tuple[object, str]:
         return (value, f"--{name.replace('_', '-')}") if value is not None else (getattr(defaults, name), "default")
@@ -157,7 +154,7 @@ def run_budget(args: argparse.Namespace) -> None:
         f"text hidden_size {hidden} x {elem} bytes ({str(dtype).removeprefix('torch.')}: --dtype {args.dtype} on {device})",
     )
     budget = compute_encoder_budget(
-        max_tokens_per_item(hf_config),
+        family.max_tokens_per_item(),
         inputs["max_num_batched_tokens"][0],
         inputs["max_num_seqs"][0],
         inputs["limit_mm_per_prompt"][0],
@@ -169,8 +166,20 @@ def run_budget(args: argparse.Namespace) -> None:
         print(json.dumps(budget.to_json(), indent=2))
         return
     print(f"encoder cache budget for {args.model}")
-    for line in explain_budget(budget, inputs, explain_max_tokens_per_item(hf_config)):
+    for line in explain_budget(budget, inputs, family.explain_max_tokens_per_item()):
         print("  " + line)
+
+
+def _parse_json_dict(value: str | None, flag: str) -> dict | None:
+    if value is None:
+        return None
+    try:
+        parsed = json.loads(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{flag} expects a JSON object, got {value!r} ({err})") from err
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"{flag} expects a JSON object, got {value!r}")
+    return parsed
 
 
 def _parse_limits(values: list[str] | None) -> dict[str, int] | None:
@@ -223,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--max-model-len", type=int, default=None)
     budget.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     budget.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto resolves the dtype per device)")
+    budget.add_argument(
+        "--mm-processor-kwargs", default=None, metavar="JSON",
+        help='image-processor overrides, e.g. \'{"max_pixels": 1003520}\' (sets the largest item of native-resolution models)',
+    )
     budget.add_argument("--json", action="store_true", help="print the terms as JSON")
     budget.set_defaults(func=run_budget)
     return parser

@@ -25,6 +25,10 @@ _DTYPES = {
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
 
+# Image-processor settings an engine may override (transformers would silently ignore a misspelt one).
+MM_PROCESSOR_KWARGS = frozenset({"min_pixels", "max_pixels"})
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -54,6 +58,9 @@ class EngineConfig:
     # Preprocessed pixels kept (host memory) after their requests finish, so a repeated image is
     # neither decoded nor resized again; 0 keeps only what live requests hold.
     mm_processor_cache_bytes: int = 1 << 30
+    # Overrides of the checkpoint's image-processor settings, e.g. {"max_pixels": 1003520} for
+    # native-resolution families (Qwen2-VL): they bound each image's token count and so the encoder budget.
+    mm_processor_kwargs: dict[str, int] | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model, "model", self.model, "a checkpoint path")
@@ -113,6 +120,13 @@ class EngineConfig:
         for modality, limit in self.limit_mm_per_prompt.items():
             _require(modality == "image", "limit_mm_per_prompt", modality, "keys among {'image'}")
             _require(isinstance(limit, int) and limit >= 0, f"limit_mm_per_prompt[{modality!r}]", limit, "an int >= 0")
+        kwargs = self.mm_processor_kwargs
+        _require(kwargs is None or isinstance(kwargs, dict), "mm_processor_kwargs", kwargs, "None or a dict")
+        for key, value in (kwargs or {}).items():
+            _require(key in MM_PROCESSOR_KWARGS, "mm_processor_kwargs", key, f"keys among {sorted(MM_PROCESSOR_KWARGS)}")
+            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, f"mm_processor_kwargs[{key!r}]", value, "an int > 0")
+        if kwargs and "min_pixels" in kwargs and "max_pixels" in kwargs:
+            _require(kwargs["min_pixels"] <= kwargs["max_pixels"], "mm_processor_kwargs", kwargs, "min_pixels <= max_pixels")
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: object) -> "EngineConfig":

@@ -26,14 +26,14 @@ from mmengine.api_inputs import (
 from mmengine.config import EngineConfig
 from mmengine.detokenizer import IncrementalDetokenizer
 from mmengine.errors import CheckpointError, ConfigError, InvalidInputError
-from mmengine.encoder_cache.budget import EncoderBudget, compute_encoder_budget, max_tokens_per_item
+from mmengine.encoder_cache.budget import EncoderBudget, compute_encoder_budget
 from mmengine.encoder_cache.manager import EncoderCacheManager
 from mmengine.host_memory import check_cpu_kv_cache_fits
 from mmengine.kv_cache.block_hash import make_hash_function
 from mmengine.kv_cache.manager import KVCacheManager
-from mmengine.models.llama import sliding_window_of
 from mmengine.models.loader import checkpoint_dtype
-from mmengine.models.registry import load_hf_config, model_class_for
+from mmengine.models.family import ModelFamily
+from mmengine.models.registry import family_class_for, load_family, load_hf_config, load_hf_processor
 from mmengine.multimodal.image_loading import ImageInput
 from mmengine.multimodal.processor import InputProcessor
 from mmengine.outputs import RequestOutput
@@ -67,23 +67,25 @@ class MMEngine:
         self.config = EngineConfig.from_kwargs(str(model), **kwargs)
         model_dir = Path(self.config.model)
         self.hf_config = load_hf_config(model_dir)
-        model_class_for(self.hf_config)  # fail fast on unsupported architectures
-        self.max_model_len = _resolve_max_model_len(self.config, self.hf_config.text_config)
+        family_class_for(self.hf_config)  # fail fast on unsupported architectures
+        hf_processor = load_hf_processor(model_dir, self.config.mm_processor_kwargs)
+        self.family: ModelFamily = load_family(self.hf_config, hf_processor)
+        self.max_model_len = _resolve_max_model_len(self.config, self.family)
         self.device = self.config.resolve_device()
         self.dtype = self.config.resolve_dtype(checkpoint_dtype(model_dir), self.device)
 
         self.input_processor = InputProcessor(
             model_dir,
-            self.hf_config,
+            self.family,
             self.max_model_len,
             self.config.limit_mm_per_prompt,
             self.config.max_image_pixels,
             self.config.mm_processor_cache_bytes,
             self.config.prefix_caching_hash_algo,
+            hf_processor=hf_processor,
         )
-        self.input_processor.check_tokens_per_image(max_tokens_per_item(self.hf_config))
         self.tokenizer = self.input_processor.tokenizer
-        self.runner = ModelRunner(self.config, self.hf_config, model_dir, self.device, self.dtype, self.max_model_len)
+        self.runner = ModelRunner(self.config, self.family, model_dir, self.device, self.dtype, self.max_model_len)
         unpinned = self._encoder_budget(pinned_room_tokens=0, warn=False)  # the real one below warns
         num_blocks = self.runner.determine_num_kv_blocks(
             encoder_fixed_bytes=unpinned.compute_budget_tokens * self.runner.embedding_bytes,
@@ -134,7 +136,7 @@ class MMEngine:
 
     def _encoder_budget(self, pinned_room_tokens: int, warn: bool = True) -> EncoderBudget:
         return compute_encoder_budget(
-            max_tokens_per_item(self.hf_config),
+            self.family.max_tokens_per_item(),
             self.config.max_num_batched_tokens,
             self.config.max_num_seqs,
             self.config.limit_mm_per_prompt,
@@ -411,9 +413,9 @@ class MMEngine:
         )
 
 
-def _resolve_max_model_len(config: EngineConfig, text_config: PretrainedConfig) -> int:
-    limit = text_config.max_position_embeddings
-    window = sliding_window_of(text_config)
+def _resolve_max_model_len(config: EngineConfig, family: ModelFamily) -> int:
+    limit = family.text_config.max_position_embeddings
+    window = family.sliding_window
     if config.max_model_len is not None:
         if config.max_model_len > limit:
             raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ class MMItem:
     mm_hash: str  # content hash (or a user-given id): equal hashes mean equal embeddings
     offset: int  # index of the item's first placeholder token in the prompt
     length: int  # number of placeholder tokens, one embedding each
-    encoder_inputs: dict[str, torch.Tensor] = field(repr=False)  # e.g. {"pixel_values": [3, H, W]}
+    encoder_inputs: dict[str, torch.Tensor] = field(repr=False)  # the family's, e.g. {"pixel_values": [3, H, W]}
 
     @property
     def end(self) -> int:
@@ -48,6 +49,9 @@ class ProcessedPrompt:
     prompt: str | None
     prompt_token_ids: list[int]
     mm_items: list[MMItem]
+    # M-RoPE families: the prompt's [tokens, 3] positions and the shift of later ones
+    # (a models.family.PromptPositions); None means each token's position is its index.
+    mrope_positions: Any = None
 
 
 class Request:
@@ -65,6 +69,7 @@ class Request:
         self.prompt = processed.prompt
         self.prompt_token_ids = list(processed.prompt_token_ids)
         self.mm_items = processed.mm_items
+        self.mrope_positions = processed.mrope_positions
         self.sampling_params = sampling_params
         self.arrival_index = arrival_index
         self.generator = generator

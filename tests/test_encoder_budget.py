@@ -14,7 +14,8 @@ import torch
 
 from mmengine import MMEngine, SamplingParams
 from mmengine.cli import main
-from mmengine.encoder_cache.budget import compute_encoder_budget, max_tokens_per_item
+from mmengine.encoder_cache.budget import compute_encoder_budget
+from mmengine.models.llava import LlavaFamily
 from mmengine.errors import ItemTooLargeError, UnsupportedModelError
 from mmengine.models.loader import checkpoint_dtype
 from mmengine.models.registry import load_hf_config
@@ -126,7 +127,7 @@ def test_max_tokens_per_item_matches_what_the_processor_produces(checkpoint_dir,
     path = checkpoint_dir(TinyLlavaSpec(vision_model=vision, vision_feature_select_strategy=strategy))
     engine = MMEngine(str(path), max_model_len=256)
     processed = engine.input_processor.process("USER: <image>\nhi", [make_test_image(0)], SamplingParams())
-    assert processed.mm_items[0].length == max_tokens_per_item(load_hf_config(path))
+    assert processed.mm_items[0].length == LlavaFamily(load_hf_config(path)).max_tokens_per_item() == engine.family.max_tokens_per_item()
     (out,) = engine.generate("USER: <image>\nhi", images=[make_test_image(0)], use_tqdm=False)  # and the encoder agrees
     assert out.finished
 
@@ -138,7 +139,7 @@ def test_a_processor_that_disagrees_with_the_model_is_rejected_at_start_up(check
     config["image_processor"]["crop_size"] = {"height": 64, "width": 64}
     config["image_processor"]["size"] = {"shortest_edge": 64}
     (path / "processor_config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="64 placeholder tokens but the model produces 16"):
+    with pytest.raises(UnsupportedModelError, match=r"into 128 placeholder tokens but the model makes 32 embeddings for them \(\[16, 16\]\)"):
         MMEngine(str(path), max_model_len=256)
 
 

@@ -58,7 +58,7 @@ class _FailOnce:
         return self.method(*args, **kwargs)
 
 
-@pytest.mark.parametrize("where", ["encode_images", "forward"])
+@pytest.mark.parametrize("where", ["encode_items", "forward"])
 def test_a_failing_step_leaves_consistent_books_and_can_be_retried(checkpoint_dir, where):
     engine = MMEngine(str(checkpoint_dir()), max_model_len=256, block_size=8, encoder_cache_size=2 * M, num_kv_blocks=24)
     prompts = [ONE, TWO, ONE]

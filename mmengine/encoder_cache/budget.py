@@ -1,6 +1,6 @@
 """The encoder budget: how many embeddings the vision encoder may produce per step, and cache size.
 
-    M          = max embeddings one item can produce (from the model and processor config)
+    M          = max embeddings one item can produce (the model family's `max_tokens_per_item`)
     per_step   = 1 if M > max_num_batched_tokens else ceil(max_num_batched_tokens / M)
     slack      = 1        # a step may also need one item for a recomputed last token
     cap        = max_num_seqs * max(limit_mm_per_prompt.values())
@@ -20,10 +20,6 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import asdict, dataclass
-
-from transformers import PretrainedConfig
-
-from mmengine.errors import UnsupportedModelError
 
 logger = logging.getLogger(__name__)
 
@@ -46,17 +42,6 @@ class EncoderBudget:
 
     def to_json(self) -> dict[str, int]:
         return asdict(self) | {"cache_bytes": self.cache_bytes}
-
-
-def max_tokens_per_item(hf_config: PretrainedConfig) -> int:
-    """Embeddings per image of a LLaVA-1.5-style model: one per patch, plus CLS when kept."""
-    vision = hf_config.vision_config
-    patches = (vision.image_size // vision.patch_size) ** 2
-    has_cls = vision.model_type == "clip_vision_model"
-    strategy = hf_config.vision_feature_select_strategy
-    if strategy not in ("default", "full"):
-        raise UnsupportedModelError(f"vision_feature_select_strategy {strategy!r} is not supported")
-    return patches + int(has_cls) - int(strategy == "default")
 
 
 def compute_encoder_budget(
@@ -92,17 +77,6 @@ def compute_encoder_budget(
         cache_capacity_tokens=compute + pinned_room_tokens,
         bytes_per_token=bytes_per_token,
     )
-
-
-def explain_max_tokens_per_item(hf_config: PretrainedConfig) -> str:
-    vision = hf_config.vision_config
-    side = vision.image_size // vision.patch_size
-    parts = [f"{vision.model_type}: image_size {vision.image_size} / patch_size {vision.patch_size} = {side}x{side} patches"]
-    if vision.model_type == "clip_vision_model":
-        parts.append("+1 CLS")
-    if hf_config.vision_feature_select_strategy == "default":
-        parts.append("-1 (vision_feature_select_strategy 'default' drops the first token)")
-    return ", ".join(parts)
 
 
 def explain_budget(budget: EncoderBudget, inputs: dict[str, tuple[object, str]], item_source: str) -> list[str]:

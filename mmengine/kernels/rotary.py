@@ -5,6 +5,9 @@ Layout (GPT-NeoX): the first and second halves of a head rotate together. The ta
 position is [cos(cat(f, f)) | sin(cat(f, f))] (2 * head_dim values, see mmengine.layers.rotary).
 Numerics follow transformers' `x * cos + rotate_half(x) * sin` in the model dtype: cos and sin are
 rounded to q's dtype, and each product and the sum are rounded to it, computed in float32.
+
+M-RoPE: positions are [tokens, 3] and frequency j is read at position channel 0 for j < S0, channel 1
+for S0 <= j < S0 + S1, else channel 2 (plain RoPE is the case S0 = head_dim / 2 with one channel).
 """
 
 from __future__ import annotations
@@ -39,19 +42,25 @@ def _rotate_heads(x_ptr, stride_xh, heads, head_mask, j, j_mask, c1, c2, s1, s2,
 def _rotary_kv_kernel(
     q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, cache_ptr, slot_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos_row,
+    stride_pos_token, stride_pos_channel,
     stride_ckv, stride_cb, stride_cs, stride_ch,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr, SECTION_0: tl.constexpr, SECTION_1: tl.constexpr,
 ):
     """Grid (tokens, 2): program (t, 0) rotates token t's query heads, (t, 1) its key heads and,
     with STORE_KV, writes its rotated keys and its values into the cache."""
     HALF: tl.constexpr = HEAD_DIM // 2
     token = tl.program_id(0).to(tl.int64)
     dtype = q_ptr.dtype.element_ty
-    pos = tl.load(pos_ptr + token).to(tl.int64)
     j = tl.arange(0, BLOCK_HALF)
     j_mask = j < HALF
+    token_pos = pos_ptr + token * stride_pos_token
+    pos = tl.load(token_pos).to(tl.int64)
+    if SECTION_0 < HALF:  # M-RoPE: each frequency at its own channel's position
+        pos_h = tl.load(token_pos + stride_pos_channel).to(tl.int64)
+        pos_w = tl.load(token_pos + 2 * stride_pos_channel).to(tl.int64)
+        pos = tl.where(j < SECTION_0, pos, tl.where(j < SECTION_0 + SECTION_1, pos_h, pos_w))
     row = cos_sin_ptr + pos * stride_pos_row
     c1 = tl.load(row + j, mask=j_mask, other=0.0).to(dtype).to(tl.float32)
     c2 = tl.load(row + HALF + j, mask=j_mask, other=0.0).to(dtype).to(tl.float32)
@@ -98,8 +107,10 @@ def rotary_store_kv(
     cos_sin: torch.Tensor,
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
+    mrope_section: tuple[int, ...] | None = None,
 ) -> None:
-    """Rotates q [T, Hq, D] and k [T, Hkv, D] in place by the table rows of `positions` [T]; with a
+    """Rotates q [T, Hq, D] and k [T, Hkv, D] in place by the table rows of `positions` [T] (or
+    [T, 3] with `mrope_section`, see the module docstring); with a
     kv_cache [2, blocks, block_size, Hkv, D], also writes the rotated k and v [T, Hkv, D] to each
     token's slot in `slot_mapping` [T] (-1: skip). q/k/v may be strided views (e.g. of one fused
     QKV output) whose last dim is contiguous. Positions must lie in [0, len(cos_sin)); they are
@@ -120,7 +131,14 @@ def rotary_store_kv(
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.stride(-1) == 1
     if store:
         assert v.stride(-1) == 1 and kv_cache.stride(-1) == 1
-    block_half = triton.next_power_of_2(head_dim // 2)
+    half = head_dim // 2
+    if mrope_section is not None:
+        if positions.dim() != 2 or positions.shape[1] != 3 or len(mrope_section) != 3 or sum(mrope_section) != half:
+            raise ValueError(f"M-RoPE needs positions [T, 3] and 3 sections summing to {half}: {tuple(positions.shape)}, {mrope_section}")
+        sections, pos_strides = (int(mrope_section[0]), int(mrope_section[1])), (positions.stride(0), positions.stride(1))
+    else:
+        sections, pos_strides = (half, 0), (positions.stride(0), 0)
+    block_half = triton.next_power_of_2(half)
     heads_per_tile = _heads_per_tile(max(num_heads, num_kv_heads), block_half)
     num_warps = min(8, max(1, heads_per_tile * block_half // 256))
     cache_arg = kv_cache if store else q  # unused pointers when not storing
@@ -128,9 +146,10 @@ def rotary_store_kv(
     _rotary_kv_kernel[(num_tokens, 2)](
         q, k, v_arg, positions, cos_sin, cache_arg, slot_mapping if store else positions,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_arg.stride(0), v_arg.stride(1), cos_sin.stride(0),
+        *pos_strides,
         *(kv_cache.stride()[:4] if store else (0, 0, 0, 0)),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HALF=block_half, BLOCK_D=triton.next_power_of_2(head_dim), HEADS_PER_TILE=heads_per_tile,
-        BLOCK_SIZE=kv_cache.shape[2] if store else 1, STORE_KV=store,
+        BLOCK_SIZE=kv_cache.shape[2] if store else 1, STORE_KV=store, SECTION_0=sections[0], SECTION_1=sections[1],
         **launch_options(num_warps=num_warps, num_stages=1),
     )

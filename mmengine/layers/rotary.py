@@ -4,6 +4,11 @@ The cos/sin of every position are computed once, when the model is built, into o
 every layer reads by position. The table holds exactly the values transformers computes per call
 (`cos(pos * inv_freq) * scaling`, in float32, then rounded to the model dtype), so rotating from it
 matches transformers bit for bit on the reference path.
+
+M-RoPE (Qwen2-VL): each token has three positions (temporal, height, width), and the rotary
+frequencies are split into three sections, section i rotating by position i. The table is the same;
+each frequency column is read at its own section's position, which is exactly transformers' per-
+channel cos/sin recomposed by section. Positions are then [tokens, 3] instead of [tokens].
 """
 
 from __future__ import annotations
@@ -59,12 +64,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 def rotary_reference(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    mrope_section: tuple[int, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What the fused rotary kernel computes, in PyTorch: q [T, Hq, D] and k [T, Hkv, D] rotated by the
-    table rows of `positions` (returns new tensors)."""
-    step = RotaryStep.gather(positions, cos_sin, use_kernel=False)
+    table rows of `positions` ([T], or [T, 3] with `mrope_section`) (returns new tensors)."""
+    step = RotaryStep.gather(positions, cos_sin, use_kernel=False, mrope_section=mrope_section)
     return step.apply(q, k)
+
+
+def mrope_columns(mrope_section: tuple[int, ...], head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+    """[2 * head_dim]: which of the three positions each table column is read at (cos half, then sin half)."""
+    half = head_dim // 2
+    if len(mrope_section) != 3 or sum(mrope_section) != half:
+        raise UnsupportedModelError(f"mrope_section {list(mrope_section)} must be three sizes summing to head_dim / 2 = {half}")
+    per_freq = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+    return per_freq.repeat(4).to(device)
 
 
 @dataclass
@@ -72,23 +90,33 @@ class RotaryStep:
     """One step's rotary inputs, shared by every layer: the positions and the table, plus (on the
     reference path) the table rows of the step's positions, gathered once per step."""
 
-    positions: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64, or [num_tokens, 3] with M-RoPE
     cos_sin: torch.Tensor  # [max_positions, 2 * head_dim], the model's table
     use_kernel: bool  # the fused Triton kernel rotates (and stores K/V); else `apply` below
+    mrope_section: tuple[int, ...] | None = None  # M-RoPE: frequencies per position channel
     cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim], reference path only
     sin: torch.Tensor | None = None
 
     @classmethod
-    def gather(cls, positions: torch.Tensor, cos_sin: torch.Tensor, use_kernel: bool) -> RotaryStep:
+    def gather(
+        cls, positions: torch.Tensor, cos_sin: torch.Tensor, use_kernel: bool, mrope_section: tuple[int, ...] | None = None
+    ) -> RotaryStep:
+        if mrope_section is not None and positions.dim() != 2:
+            raise ValueError(f"M-RoPE needs positions of shape [tokens, 3], got {tuple(positions.shape)}")
         if use_kernel:
-            return cls(positions, cos_sin, use_kernel=True)
+            return cls(positions, cos_sin, use_kernel=True, mrope_section=mrope_section)
         try:
-            rows = cos_sin[positions][:, None, :]
+            rows = cos_sin[positions]  # [T, 2D] or [T, 3, 2D]
         except IndexError:  # (raised on a CPU; say which table was too short)
             check_positions(positions, cos_sin.shape[0])
             raise
         head_dim = cos_sin.shape[1] // 2
-        return cls(positions, cos_sin, use_kernel=False, cos=rows[..., :head_dim], sin=rows[..., head_dim:])
+        if mrope_section is None:
+            rows = rows[:, None, :]
+        else:
+            columns = mrope_columns(mrope_section, head_dim, rows.device)
+            rows = rows.gather(1, columns.view(1, 1, -1).expand(rows.shape[0], 1, -1))
+        return cls(positions, cos_sin, False, mrope_section, cos=rows[..., :head_dim], sin=rows[..., head_dim:])
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference path: q and k rotated (new tensors)."""
@@ -111,10 +139,21 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq, self.scaling = rope_inv_freq(config, head_dim)
         self.head_dim = head_dim
+        self.mrope_section = mrope_section_of(config)
+        if self.mrope_section is not None:
+            mrope_columns(self.mrope_section, head_dim)  # validates it
         self.max_positions = max_positions or config.max_position_embeddings
         # Built on the current default device, rounded to the current default dtype (the model's).
         table = build_cos_sin_table(inv_freq.to(torch.get_default_device()), self.scaling, self.max_positions, torch.get_default_dtype())
         self.register_buffer("cos_sin", table, persistent=False)
 
     def step(self, positions: torch.Tensor, use_kernel: bool) -> RotaryStep:
-        return RotaryStep.gather(positions, self.cos_sin, use_kernel)
+        return RotaryStep.gather(positions, self.cos_sin, use_kernel, self.mrope_section)
+
+
+def mrope_section_of(config: PretrainedConfig) -> tuple[int, ...] | None:
+    """The config's M-RoPE sections (Qwen2-VL family), or None for plain RoPE."""
+    for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
+        if isinstance(params, dict) and params.get("mrope_section"):
+            return tuple(int(n) for n in params["mrope_section"])
+    return None

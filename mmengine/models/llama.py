@@ -18,7 +18,9 @@ from mmengine.layers.kernel_dispatch import use_fused_kernels
 from mmengine.layers.norm import RMSNorm
 from mmengine.layers.rotary import RotaryEmbedding, RotaryStep
 
-SUPPORTED_TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+# Qwen2-style attention: biases on q/k/v, none on o; sliding window only with use_sliding_window.
+_QWEN2_TEXT_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 
 # checkpoint projection name -> (fused parameter name, shard)
 _STACKED = {
@@ -43,9 +45,10 @@ class DecoderAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         attention_bias = bool(getattr(config, "attention_bias", False))
-        qkv_bias = config.model_type == "qwen2" or attention_bias
+        qwen2 = config.model_type in _QWEN2_TEXT_MODEL_TYPES
+        qkv_bias = qwen2 or attention_bias
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attention_bias and config.model_type != "qwen2")
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attention_bias and not qwen2)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
 
     def forward(self, x: torch.Tensor, rotary: RotaryStep, metadata: AttentionMetadata) -> torch.Tensor:
@@ -163,7 +166,7 @@ def check_text_config(config: PretrainedConfig) -> None:
 
 def sliding_window_of(config: PretrainedConfig) -> int | None:
     """The attention window the checkpoint uses, or None when attention is full."""
-    if config.model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+    if config.model_type in _QWEN2_TEXT_MODEL_TYPES and not getattr(config, "use_sliding_window", False):
         return None
     return getattr(config, "sliding_window", None)
 

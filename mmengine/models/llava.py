@@ -11,26 +11,24 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import AutoModel, LlavaConfig
 from transformers.activations import ACT2FN
 
-from mmengine.errors import UnsupportedModelError, WeightsMismatchError
-from mmengine.layers.attention import AttentionMetadata
-from mmengine.models.llama import _STACKED, DecoderModel, head_dim_of
-from mmengine.models.loader import WeightCheck
+from mmengine.errors import UnsupportedModelError
+from mmengine.models.family import EncoderInputs, ModelFamily
+from mmengine.models.vlm import VisionLanguageModel
 
 SUPPORTED_VISION_MODEL_TYPES = ("clip_vision_model", "siglip_vision_model")
 # Checkpoint tensors the model knows and does not use. The tower's post-layernorm and SigLIP's pooling
 # head only act on the tower's last output; position_ids and rotary inv_freq are buffers that
 # transformers recomputes (older checkpoints saved them). Encoder layers past the deepest selected one
-# are matched by number in `_is_ignorable`.
+# are matched by number in `is_ignorable`.
 _IGNORABLE_VISION_PREFIXES = ("post_layernorm.", "head.")
 _IGNORABLE_VISION_NAMES = ("embeddings.position_ids",)
-_ROTARY_CACHE = re.compile(r"(^|\.)rotary_emb\.")
 _VISION_LAYER = re.compile(r"^encoder\.layers\.(\d+)\.")
 
 
@@ -49,7 +47,7 @@ class LlavaProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
-class LlavaModel(nn.Module):
+class LlavaModel(VisionLanguageModel):
     def __init__(self, config: LlavaConfig) -> None:
         super().__init__()
         vision_type = config.vision_config.model_type
@@ -67,13 +65,18 @@ class LlavaModel(nn.Module):
         self.vision_tower = _build_vision_tower(config.vision_config, max(self.feature_layers))
         self.num_vision_layers = self.vision_tower.config.num_hidden_layers
         self.multi_modal_projector = LlavaProjector(config)
-        self.language_model = DecoderModel(config.text_config)
-        self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
-        self.tie_word_embeddings = bool(getattr(config.text_config, "tie_word_embeddings", False)) or bool(
-            getattr(config, "tie_word_embeddings", False)
-        )
+        self._build_text(config)
 
     # -- encoder ---------------------------------------------------------------
+
+    @torch.inference_mode()
+    def encode_items(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """A step's images (each {"pixel_values": [3, H, W]}, all the same size) through the tower as one
+        batch; one [tokens_per_image, text_hidden] tensor per item, in order."""
+        pixel_values = torch.stack([item["pixel_values"] for item in items])
+        if self.device.type == "cuda":
+            pixel_values = pixel_values.pin_memory()
+        return list(self.encode_images(pixel_values.to(self.device, non_blocking=True)))
 
     @torch.inference_mode()
     def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
@@ -95,57 +98,17 @@ class LlavaModel(nn.Module):
     def vision_dtype(self) -> torch.dtype:
         return self.multi_modal_projector.linear_1.weight.dtype
 
-    # -- decoder ---------------------------------------------------------------
-
-    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.language_model.embed_tokens(input_ids)
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        return self.language_model(inputs_embeds, positions, metadata)
-
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden_states).float()
-
     # -- weights ---------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Loads every parameter exactly once from checkpoint tensors in either LLaVA key layout.
-
-        A missing, unexpected, repeated or mis-shaped tensor raises WeightsMismatchError naming it,
-        the shapes and the file. Known-ignorable tensors the model was built without (see
-        `_is_ignorable`) are skipped; a missing lm_head.weight is fine only when the checkpoint ties
-        word embeddings.
-        """
-        expected = self.expected_weights()
-        check = WeightCheck(expected, weights, optional=["lm_head.weight"] if self.tie_word_embeddings else [])
-        for raw_name, tensor in weights:
-            name = self._our_name(raw_name)
-            if name not in expected and self._is_ignorable(name):
-                continue
-            check.accept(name, raw_name, tensor)
-            with torch.no_grad():
-                self._load_one(name, tensor)
-        check.finish()
-        if "lm_head.weight" not in check.loaded:
-            self.lm_head.weight = self.language_model.embed_tokens.weight
-
-    def expected_weights(self) -> dict[str, tuple[int, ...]]:
-        """Our name of every checkpoint tensor the model needs, with its shape."""
-        expected = {f"vision_tower.{n}": tuple(p.shape) for n, p in self.vision_tower.named_parameters()}
-        expected.update({f"multi_modal_projector.{n}": tuple(p.shape) for n, p in self.multi_modal_projector.named_parameters()})
-        expected["lm_head.weight"] = tuple(self.lm_head.weight.shape)
-        expected.update({f"language_model.{n}": shape for n, shape in _decoder_checkpoint_shapes(self.language_model).items()})
-        return expected
-
-    def _our_name(self, raw_name: str) -> str:
+    def checkpoint_name(self, raw_name: str) -> str:
         name = normalize_llava_weight_name(raw_name)
         if name.startswith("vision_tower."):
             return "vision_tower." + self._vision_tower_key(name.removeprefix("vision_tower."))
         return name
 
-    def _is_ignorable(self, name: str) -> bool:
+    def is_ignorable(self, name: str) -> bool:
         if name.startswith("language_model."):
-            return bool(_ROTARY_CACHE.search(name))
+            return super().is_ignorable(name)
         if not name.startswith("vision_tower."):
             return False
         key = name.removeprefix("vision_tower.").removeprefix("vision_model.")
@@ -154,12 +117,45 @@ class LlavaModel(nn.Module):
         layer = _VISION_LAYER.match(key)  # a layer the tower was built without (unused by the selection)
         return layer is not None and self.num_vision_layers <= int(layer.group(1)) < self.num_checkpoint_vision_layers
 
-    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
-        if name.startswith("language_model."):
-            if not self.language_model.load_weight(name.removeprefix("language_model."), tensor):
-                raise WeightsMismatchError(f"the decoder did not take tensor {name!r}")
-        else:
-            self.get_parameter(name).copy_(tensor)
+
+class LlavaFamily(ModelFamily):
+    """LLaVA-1.5: every image is resized to the tower's square input and yields the same number of
+    embeddings (one per patch, plus CLS when the selection keeps it)."""
+
+    architectures = ("LlavaForConditionalGeneration",)
+    model_type = "llava"
+    display_name = "LLaVA-1.5 (CLIP or SigLIP tower, Llama/Mistral/Qwen2 decoder)"
+    model_class = LlavaModel
+
+    def max_tokens_per_item(self) -> int:
+        vision = self.hf_config.vision_config
+        patches = (vision.image_size // vision.patch_size) ** 2
+        has_cls = vision.model_type == "clip_vision_model"
+        strategy = self.hf_config.vision_feature_select_strategy
+        if strategy not in ("default", "full"):
+            raise UnsupportedModelError(f"vision_feature_select_strategy {strategy!r} is not supported")
+        return patches + int(has_cls) - int(strategy == "default")
+
+    def explain_max_tokens_per_item(self) -> str:
+        vision = self.hf_config.vision_config
+        side = vision.image_size // vision.patch_size
+        parts = [f"{vision.model_type}: image_size {vision.image_size} / patch_size {vision.patch_size} = {side}x{side} patches"]
+        if vision.model_type == "clip_vision_model":
+            parts.append("+1 CLS")
+        if self.hf_config.vision_feature_select_strategy == "default":
+            parts.append("-1 (vision_feature_select_strategy 'default' drops the first token)")
+        return ", ".join(parts) + "; every image the same"
+
+    def split_images(self, batch: Any, num_images: int) -> list[EncoderInputs]:
+        pixel_values = batch["pixel_values"]
+        return [EncoderInputs(pixel_values=pixel_values[i].clone()) for i in range(num_images)]
+
+    def num_tokens(self, inputs: EncoderInputs) -> int:
+        return self.max_tokens_per_item()
+
+    def dummy_items(self, num_items: int) -> list[EncoderInputs]:
+        size = self.hf_config.vision_config.image_size
+        return [EncoderInputs(pixel_values=torch.zeros(3, size, size)) for _ in range(num_items)]
 
 
 def vision_feature_indices(feature_layer: int | list[int], num_layers: int) -> list[int]:
@@ -190,31 +186,6 @@ def _build_vision_tower(vision_config, deepest: int) -> nn.Module:
     tower = AutoModel.from_config(trimmed)
     getattr(tower, "vision_model", tower).post_layernorm = nn.Identity()
     return tower
-
-
-def _decoder_checkpoint_shapes(decoder: DecoderModel) -> dict[str, tuple[int, ...]]:
-    """The decoder's checkpoint tensors (q/k/v and gate/up separately, as checkpoints store them) and
-    their shapes, from its parameters: a fused parameter is split into its shards along dim 0."""
-    config = decoder.config
-    head_dim = head_dim_of(config)
-    rows = {
-        "q": config.num_attention_heads * head_dim,
-        "k": config.num_key_value_heads * head_dim,
-        "v": config.num_key_value_heads * head_dim,
-        0: config.intermediate_size,
-        1: config.intermediate_size,
-    }
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name, param in decoder.named_parameters():
-        owner, fused, leaf = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", name)
-        shards = [(proj, shard) for proj, (target, shard) in _STACKED.items() if target == fused]
-        if not shards:
-            shapes[name] = tuple(param.shape)
-            continue
-        assert sum(rows[shard] for _, shard in shards) == param.shape[0], (name, param.shape)
-        for proj, shard in shards:
-            shapes[f"{owner}.{proj}.{leaf}"] = (rows[shard], *param.shape[1:])
-    return shapes
 
 
 def normalize_llava_weight_name(name: str) -> str:

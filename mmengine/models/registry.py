@@ -6,15 +6,17 @@ import json
 from pathlib import Path
 from typing import Any
 
-from torch import nn
 from transformers import AutoConfig, AutoProcessor, PretrainedConfig
 
 from mmengine.errors import CheckpointError, UnsupportedModelError
-from mmengine.models.llava import LlavaModel
+from mmengine.models.family import ModelFamily
+from mmengine.models.llava import LlavaFamily
+from mmengine.models.qwen_vl import Qwen2VLFamily, Qwen2_5_VLFamily
 
-_ARCHITECTURES: dict[str, type[nn.Module]] = {
-    "LlavaForConditionalGeneration": LlavaModel,
-}
+# Every supported family; adding one is a new file under models/ and an entry here.
+FAMILIES: tuple[type[ModelFamily], ...] = (LlavaFamily, Qwen2VLFamily, Qwen2_5_VLFamily)
+_BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
+_BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
 
 
 def load_hf_config(model_dir: Path) -> PretrainedConfig:
@@ -39,16 +41,35 @@ def _first_line(err: BaseException) -> str:
     return " ".join(line.strip() for line in text.splitlines() if line.strip())[:300]
 
 
-def model_class_for(config: PretrainedConfig) -> type[nn.Module]:
+def family_class_for(config: PretrainedConfig) -> type[ModelFamily]:
+    """The family of a checkpoint's config, by architecture name (or model_type when none is given)."""
     for arch in getattr(config, "architectures", None) or []:
-        if arch in _ARCHITECTURES:
-            return _ARCHITECTURES[arch]
-    if config.model_type == "llava":
-        return LlavaModel
+        if arch in _BY_ARCHITECTURE:
+            return _BY_ARCHITECTURE[arch]
+    if config.model_type in _BY_MODEL_TYPE:
+        return _BY_MODEL_TYPE[config.model_type]
     raise UnsupportedModelError(
         f"architecture {getattr(config, 'architectures', None) or config.model_type} is not supported; "
-        f"supported: {', '.join(_ARCHITECTURES)}"
+        f"supported: {', '.join(_BY_ARCHITECTURE)}"
     )
+
+
+def load_family(config: PretrainedConfig, hf_processor: Any) -> ModelFamily:
+    """The checkpoint's family, told the settings its loaded image processor really uses."""
+    return family_class_for(config)(config, image_processor_settings(hf_processor.image_processor))
+
+
+def image_processor_settings(image_processor: Any) -> dict[str, Any]:
+    """The settings a family may read from an image processor (the sizes its resize and patching use)."""
+    settings: dict[str, Any] = {}
+    for name in ("size", "patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels"):
+        value = getattr(image_processor, name, None)
+        if value is None:
+            continue
+        if name == "size" and not isinstance(value, dict):
+            value = {key: getattr(value, key) for key in ("shortest_edge", "longest_edge", "height", "width") if getattr(value, key, None)}
+        settings[name] = value
+    return settings
 
 
 # The files a tokenizer can be read from (any one suffices), and the processor's image settings.
@@ -60,12 +81,13 @@ _JSON_FILES = (
 )
 
 
-def load_hf_processor(model_dir: Path) -> Any:
-    """The checkpoint's HF processor (tokenizer + image processor). A missing or broken file is a
-    CheckpointError naming it, rather than whatever transformers raises."""
+def load_hf_processor(model_dir: Path, mm_processor_kwargs: dict[str, Any] | None = None) -> Any:
+    """The checkpoint's HF processor (tokenizer + image processor), with `mm_processor_kwargs`
+    overriding its saved settings. A missing or broken file is a CheckpointError naming it, rather
+    than whatever transformers raises."""
     _check_processor_files(model_dir)
     try:
-        return AutoProcessor.from_pretrained(str(model_dir), local_files_only=True)
+        return AutoProcessor.from_pretrained(str(model_dir), local_files_only=True, **dict(mm_processor_kwargs or {}))
     except Exception as err:  # transformers raises OSError, ValueError, TypeError, KeyError, ... here
         raise CheckpointError(f"cannot load the tokenizer and processor: {_first_line(err)}", model_dir) from err
 

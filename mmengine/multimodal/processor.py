@@ -3,10 +3,11 @@
 Every check on user input happens here, before anything is scheduled or allocated,
 and every failure is a typed InvalidInputError naming the prompt it came from.
 
-The HF processor does the work, split in its two halves: the text is tokenized with each image
-marker kept as one token, which is then expanded into the run of placeholders the processor's own
-expansion produces (measured once, at start-up); images go through the image processor only when
-their preprocessed pixels are not already in the processor cache.
+The HF processor does the work, split in its two halves: images go through the image processor
+(only when their preprocessed inputs are not already in the processor cache), and the model family
+says how many placeholders each becomes; the text is tokenized with each image marker kept as one
+token, which is then expanded into that image's run, as the processor's own expansion would (checked
+once, at start-up, on two images of different sizes).
 """
 
 from __future__ import annotations
@@ -16,9 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 from PIL import Image
-from transformers import PretrainedConfig
 
 from mmengine.errors import (
     EmptyPromptError,
@@ -31,6 +30,7 @@ from mmengine.errors import (
 )
 from mmengine.api_inputs import check_prompt_text
 from mmengine.encoder_cache.hashing import hash_bytes, hash_image, hash_user_id, model_fingerprint, processor_settings_key
+from mmengine.models.family import EncoderInputs, ModelFamily
 from mmengine.models.registry import load_hf_processor
 from mmengine.multimodal.image_loading import ImageInput, encoded_bytes, load_image
 from mmengine.multimodal.processor_cache import ProcessorCache
@@ -43,17 +43,20 @@ class InputProcessor:
     def __init__(
         self,
         model_dir: Path,
-        hf_config: PretrainedConfig,
+        family: ModelFamily,
         max_model_len: int,
         limit_mm_per_prompt: dict[str, int],
         max_image_pixels: int,
         processor_cache_bytes: int = 0,
         hash_algo: str = "xxh3_128",
+        hf_processor: Any = None,
     ) -> None:
-        self.hf_processor = load_hf_processor(model_dir)
+        """`hf_processor`: the checkpoint's processor if already loaded (with any overrides applied)."""
+        self.hf_processor = hf_processor if hf_processor is not None else load_hf_processor(model_dir)
+        self.family = family
         self.tokenizer = self.hf_processor.tokenizer
         self.image_token: str = self.hf_processor.image_token
-        self.image_token_id: int = hf_config.image_token_id
+        self.image_token_id: int = family.image_token_id
         self.fingerprint = model_fingerprint(model_dir)
         self.settings_key = processor_settings_key(self.hf_processor.image_processor)
         self.max_model_len = max_model_len
@@ -72,35 +75,30 @@ class InputProcessor:
         self.hash_algo = hash_algo
         self.num_images_decoded = 0
         self.num_images_preprocessed = 0
-        self.tokens_per_image = 0
-        self._measure_tokens_per_image()
+        self._check_expansion()
 
-    def _measure_tokens_per_image(self) -> None:
-        """How many placeholder tokens the HF processor expands one image marker into (fixed-size
-        LLaVA-style processors: the same for every image). Also checks, on a probe prompt, that
-        tokenizing with markers kept whole and expanding them gives the processor's own ids."""
-        probe = Image.new("RGB", (64, 48), (127, 127, 127))
+    def _check_expansion(self) -> None:
+        """Checks, on a probe prompt with two images of different sizes, that tokenizing with markers
+        kept whole and expanding each into the family's count for its image gives the processor's own
+        ids: the processor and the model agree on every image's placeholder count."""
+        probes = [Image.new("RGB", (64, 48), (127, 127, 127)), Image.new("RGB", (40, 96), (60, 90, 120))]
         text = f"USER: {self.image_token}\nCompare{self.image_token} with this. ASSISTANT:"
-        ids = self.hf_processor(text=text, images=[probe, probe])["input_ids"][0]
-        per_image, rest = divmod(sum(t == self.image_token_id for t in ids), 2)
-        if rest or per_image == 0:
-            raise UnsupportedModelError("the processor does not expand each image marker into one run of image tokens")
-        self.tokens_per_image = per_image
-        if self._tokenize(text) != list(ids):
+        ids = list(self.hf_processor(text=text, images=probes)["input_ids"][0])
+        counts = [self.family.num_tokens(inputs) for inputs in self.family.split_images(self._preprocess(probes), len(probes))]
+        produced = sum(t == self.image_token_id for t in ids)
+        if produced != sum(counts):
+            raise UnsupportedModelError(
+                f"the processor expands two probe images into {produced} placeholder tokens but the model makes "
+                f"{sum(counts)} embeddings for them ({counts}): the checkpoint's processor and model configs disagree"
+            )
+        if self._tokenize(text, counts) != ids:
             raise UnsupportedModelError(
                 "the processor's tokenization differs from its tokenizer's with image markers expanded in place; "
                 "this processor is not supported"
             )
 
-    def check_tokens_per_image(self, expected: int) -> None:
-        """Fails at start-up if the processor expands an image into a different number of placeholders
-        than the model makes embeddings (a checkpoint whose processor and model configs disagree)."""
-        produced = self.tokens_per_image
-        if produced != expected:
-            raise UnsupportedModelError(
-                f"the processor expands an image into {produced} placeholder tokens but the model produces "
-                f"{expected} embeddings per image: the checkpoint's processor and model configs disagree"
-            )
+    def _preprocess(self, images: list[Image.Image]) -> Any:
+        return self.hf_processor.image_processor(images=images, return_tensors="pt")
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
         return self.hf_processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -132,37 +130,55 @@ class InputProcessor:
             raise ImageCountMismatchError(
                 f"the prompt has {num_markers} {self.image_token} marker(s) but {len(images)} image(s) were given"
             )
-        mm_hashes, pixels = self._load_items(images, mm_uuids)
-        token_ids = self._tokenize(prompt)
+        mm_hashes, preprocessed = self._load_items(images, mm_uuids)
+        counts = [self.family.num_tokens(inputs) for inputs in preprocessed]
+        self._check_item_sizes(counts)
+        token_ids = self._tokenize(prompt, counts)
         if not token_ids:
             raise EmptyPromptError("the prompt is empty after tokenization")
         self._check_length(len(token_ids), params.max_tokens)
-        items = self._placeholder_items(token_ids, pixels, mm_hashes)
-        return ProcessedPrompt(prompt=prompt, prompt_token_ids=token_ids, mm_items=items)
+        items = self._placeholder_items(token_ids, preprocessed, mm_hashes)
+        positions = self.family.prompt_positions(token_ids, items)
+        return ProcessedPrompt(prompt=prompt, prompt_token_ids=token_ids, mm_items=items, mrope_positions=positions)
 
-    def _tokenize(self, prompt: str) -> list[int]:
-        """The text tokenized as the processor does, each image marker (one added token) expanded in
-        place into its run of placeholders, as the processor's own expansion would, without pixels."""
+    def _tokenize(self, prompt: str, counts: Sequence[int]) -> list[int]:
+        """The text tokenized as the processor does, the k-th image marker (one added token) expanded in
+        place into a run of counts[k] placeholders, as the processor's own expansion would."""
         with self._lock:  # a fast tokenizer may refuse concurrent calls ("Already borrowed")
             ids = self.tokenizer(prompt)["input_ids"]
-        run = [self.image_token_id] * self.tokens_per_image
         expanded: list[int] = []
+        image = 0
         for token in ids:
-            if token == self.image_token_id:
-                expanded += run
+            if token == self.image_token_id and image < len(counts):
+                expanded += [token] * counts[image]
+                image += 1
             else:
                 expanded.append(token)
         return expanded
 
+    def _check_item_sizes(self, counts: Sequence[int]) -> None:
+        """Each image's run must fit one step's encoder budget and, with the prompt's other tokens, max_model_len."""
+        for index, count in enumerate(counts):
+            if self.max_tokens_per_item is not None and count > self.max_tokens_per_item:
+                raise ItemTooLargeError(
+                    f"image {index} needs {count} embeddings but the encoder cache budget is "
+                    f"{self.max_tokens_per_item} per step (raise encoder_cache_size, or lower max_pixels)"
+                )
+            if count >= self.max_model_len:
+                raise ItemTooLargeError(
+                    f"image {index} becomes {count} placeholder tokens, which cannot fit max_model_len="
+                    f"{self.max_model_len} (lower max_pixels in mm_processor_kwargs, or raise max_model_len)"
+                )
+
     def _load_items(
         self, images: list[ImageInput], mm_uuids: Sequence[str | None] | None
-    ) -> tuple[list[str], list[torch.Tensor]]:
-        """Each image's mm_hash and preprocessed pixels. A known item (same user id, same encoded
-        bytes, or same decoded pixels) reuses the cached tensor: no decode in the first two cases,
+    ) -> tuple[list[str], list[EncoderInputs]]:
+        """Each image's mm_hash and preprocessed inputs. A known item (same user id, same encoded
+        bytes, or same decoded pixels) reuses the cached inputs: no decode in the first two cases,
         no resize and normalize in any."""
         user_ids = self._validated_user_ids(mm_uuids, len(images))
         hashes: list[str] = []
-        pixels: list[torch.Tensor | None] = []
+        pixels: list[EncoderInputs | None] = []
         to_preprocess: dict[str, Image.Image] = {}
         for index, (image, user_id) in enumerate(zip(images, user_ids)):
             mm_hash = hash_user_id(user_id, self.fingerprint, self.settings_key, self.hash_algo) if user_id is not None else None
@@ -177,7 +193,9 @@ class InputProcessor:
                 cached = self.cache.get(mm_hash) if mm_hash is not None else None
             if cached is None and mm_hash not in to_preprocess:
                 loaded = load_image(image, max_pixels=self.max_image_pixels, image_index=index, encoded=encoded)
-                check_preprocessed_size(self.hf_processor.image_processor, *loaded.size, self.max_image_pixels, index)
+                check_preprocessed_size(
+                    self.hf_processor.image_processor, *loaded.size, self.max_image_pixels, index, self.family.resized_size
+                )
                 hashed_now = mm_hash is None
                 if hashed_now:
                     mm_hash = hash_image(loaded, self.fingerprint, self.settings_key, self.hash_algo)
@@ -192,10 +210,11 @@ class InputProcessor:
             hashes.append(mm_hash)
             pixels.append(cached)
         if to_preprocess:
-            batch = self.hf_processor.image_processor(images=list(to_preprocess.values()), return_tensors="pt")
+            batch = self._preprocess(list(to_preprocess.values()))
+            split = self.family.split_images(batch, len(to_preprocess))
             with self._lock:
                 self.num_images_preprocessed += len(to_preprocess)
-                fresh = {h: self.cache.put(h, t.clone()) for h, t in zip(to_preprocess, batch["pixel_values"])}
+                fresh = {h: self.cache.put(h, image) for h, image in zip(to_preprocess, split)}
             pixels = [p if p is not None else fresh[h] for p, h in zip(pixels, hashes)]
         return hashes, pixels  # type: ignore[return-value]
 
@@ -222,28 +241,23 @@ class InputProcessor:
                 f"would not fit in the whole KV cache ({self.max_tokens_in_kv_cache} tokens)"
             )
 
-    def _placeholder_items(self, token_ids: list[int], pixels: list[torch.Tensor], mm_hashes: list[str]) -> list[MMItem]:
-        """One item per image, in prompt order, each owning a contiguous run of image tokens."""
+    def _placeholder_items(
+        self, token_ids: list[int], images: list[EncoderInputs], mm_hashes: list[str]
+    ) -> list[MMItem]:
+        """One item per image, in prompt order, each owning the next contiguous run of its size."""
         positions = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        num_images = len(mm_hashes)
-        if num_images == 0:
-            if positions:
-                raise ImageCountMismatchError(f"the prompt contains {len(positions)} image token(s) but no image")
-            return []
-        per_image, rest = divmod(len(positions), num_images)
-        if rest or per_image == 0:
+        counts = [self.family.num_tokens(inputs) for inputs in images]
+        expected = sum(counts)
+        if len(positions) != expected:
             raise ImageCountMismatchError(
-                f"{len(positions)} image tokens cannot be split evenly over {num_images} image(s)"
+                f"the prompt holds {len(positions)} image tokens but its {len(images)} image(s) need {expected}"
             )
         items = []
-        for idx in range(num_images):
-            run = positions[idx * per_image : (idx + 1) * per_image]
-            if run[-1] - run[0] + 1 != per_image:
+        start = 0
+        for idx, (inputs, count, mm_hash) in enumerate(zip(images, counts, mm_hashes)):
+            run = positions[start : start + count]
+            start += count
+            if run[-1] - run[0] + 1 != count:
                 raise ImageCountMismatchError(f"the image tokens of image {idx} are not contiguous")
-            if self.max_tokens_per_item is not None and per_image > self.max_tokens_per_item:
-                raise ItemTooLargeError(
-                    f"image {idx} needs {per_image} embeddings but the encoder cache budget is "
-                    f"{self.max_tokens_per_item} per step (raise encoder_cache_size)"
-                )
-            items.append(MMItem("image", mm_hashes[idx], run[0], per_image, {"pixel_values": pixels[idx]}))
+            items.append(MMItem("image", mm_hash, run[0], count, inputs))
         return items

@@ -2,8 +2,9 @@
 normalized again.
 
 Two maps:
-- mm_hash -> pixel tensor: an LRU bounded in bytes, plus weak references to every tensor a live
-  request still holds (so queued requests share one tensor even past the LRU's capacity);
+- mm_hash -> preprocessed item (its encoder inputs and token count): an LRU bounded in bytes, plus
+  weak references to every item a live request still holds (so queued requests share one copy even
+  past the LRU's capacity);
 - digest of encoded input (file or bytes) -> mm_hash: a repeated file skips decoding too, since
   the content hash is over decoded pixels. Bounded in entries (a few hundred bytes each).
 """
@@ -13,7 +14,7 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 
-import torch
+from mmengine.models.family import EncoderInputs
 
 MAX_ENCODED_ENTRIES = 1 << 16
 
@@ -22,15 +23,15 @@ class ProcessorCache:
     def __init__(self, capacity_bytes: int, max_encoded_entries: int = MAX_ENCODED_ENTRIES) -> None:
         self.capacity_bytes = capacity_bytes
         self.max_encoded_entries = max_encoded_entries
-        self._lru: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self._alive: weakref.WeakValueDictionary[str, torch.Tensor] = weakref.WeakValueDictionary()
+        self._lru: OrderedDict[str, EncoderInputs] = OrderedDict()
+        self._alive: weakref.WeakValueDictionary[str, EncoderInputs] = weakref.WeakValueDictionary()
         self._encoded: OrderedDict[str, str] = OrderedDict()
         self.num_bytes = 0
         self.num_hits = 0
         self.num_misses = 0
 
-    def get(self, mm_hash: str) -> torch.Tensor | None:
-        """The item's preprocessed tensor if it is cached or held by a live request; counts a hit or a miss."""
+    def get(self, mm_hash: str) -> EncoderInputs | None:
+        """The preprocessed item if it is cached or held by a live request; counts a hit or a miss."""
         tensor = self._lru.get(mm_hash)
         if tensor is not None:
             self._lru.move_to_end(mm_hash)
@@ -44,8 +45,8 @@ class ProcessorCache:
             self.num_hits += 1
         return tensor
 
-    def put(self, mm_hash: str, tensor: torch.Tensor) -> torch.Tensor:
-        """Stores a freshly preprocessed item; returns the tensor to use (an equal one already held wins)."""
+    def put(self, mm_hash: str, tensor: EncoderInputs) -> EncoderInputs:
+        """Stores a freshly preprocessed item; returns the one to use (an equal one already held wins)."""
         held = self._alive.setdefault(mm_hash, tensor)
         self._insert(mm_hash, held)
         return held
@@ -67,12 +68,12 @@ class ProcessorCache:
         self._encoded.clear()
         self.num_bytes = 0
 
-    def _insert(self, mm_hash: str, tensor: torch.Tensor) -> None:
-        size = tensor.numel() * tensor.element_size()
+    def _insert(self, mm_hash: str, tensor: EncoderInputs) -> None:
+        size = tensor.nbytes
         if size > self.capacity_bytes or mm_hash in self._lru:
             return
         self._lru[mm_hash] = tensor
         self.num_bytes += size
         while self.num_bytes > self.capacity_bytes:
             _, evicted = self._lru.popitem(last=False)
-            self.num_bytes -= evicted.numel() * evicted.element_size()
+            self.num_bytes -= evicted.nbytes

@@ -8,6 +8,7 @@ against an aspect-ratio limit, and refused with ImageTooLargeError naming that s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -41,10 +42,19 @@ def resized_size(image_processor: Any, height: int, width: int) -> tuple[int, in
     return height, width  # an unknown rule: at least the image itself is bounded by max_image_pixels
 
 
-def check_preprocessed_size(image_processor: Any, width: int, height: int, max_pixels: int, image_index: int) -> None:
+def check_preprocessed_size(
+    image_processor: Any,
+    width: int,
+    height: int,
+    max_pixels: int,
+    image_index: int,
+    family_rule: Callable[[int, int], tuple[int, int] | None] | None = None,
+) -> None:
     """Raises ImageTooLargeError, naming the size the image would become, if the resize would exceed
-    `max_pixels` or the image's aspect ratio is beyond MAX_IMAGE_ASPECT_RATIO."""
-    new_height, new_width = resized_size(image_processor, height, width)
+    `max_pixels` or the image's aspect ratio is beyond MAX_IMAGE_ASPECT_RATIO. `family_rule` is the
+    model family's own resize rule, where it has one (else the processor's `size` settings apply)."""
+    new_size = family_rule(height, width) if family_rule is not None else None
+    new_height, new_width = new_size if new_size is not None else resized_size(image_processor, height, width)
     becomes = f"the processor would resize this {width}x{height} image to {new_width}x{new_height}"
     ratio = max(width, height) / max(min(width, height), 1)
     if ratio > MAX_IMAGE_ASPECT_RATIO:

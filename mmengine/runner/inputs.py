@@ -43,7 +43,7 @@ class StepInputs:
     """One step's packed batch: device views of the persistent buffers plus host-side facts."""
 
     input_ids: torch.Tensor  # [padded_tokens]
-    positions: torch.Tensor  # [padded_tokens]
+    positions: torch.Tensor  # [padded_tokens], or [padded_tokens, 3] with M-RoPE
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_sampled] rows of the hidden states whose logits are sampled
     sampling: SamplingTensors | None  # None when every sampled row is greedy
@@ -55,7 +55,14 @@ class StepInputs:
 
 class InputBuffers:
     def __init__(
-        self, max_tokens: int, max_reqs: int, max_blocks_per_req: int, block_size: int, vocab_size: int, device: torch.device
+        self,
+        max_tokens: int,
+        max_reqs: int,
+        max_blocks_per_req: int,
+        block_size: int,
+        vocab_size: int,
+        device: torch.device,
+        position_channels: int = 1,
     ) -> None:
         self.device = device
         self.block_size = block_size
@@ -67,7 +74,8 @@ class InputBuffers:
             return HostDeviceBuffer(shape, dtype, device)
 
         self.input_ids = buf(max_tokens, dtype=torch.int64)
-        self.positions = buf(max_tokens, dtype=torch.int64)
+        self.position_channels = position_channels
+        self.positions = buf(max_tokens, dtype=torch.int64) if position_channels == 1 else buf(max_tokens, position_channels, dtype=torch.int64)
         self.slot_mapping = buf(max_tokens, dtype=torch.int64)
         self.query_start_loc = buf(max_reqs + 1, dtype=torch.int32)
         self.seq_lens = buf(max_reqs, dtype=torch.int32)
@@ -122,7 +130,10 @@ class InputBuffers:
         slots[positions < hit_ends[req_of_token]] = PAD_SLOT
 
         ids[num_tokens:padded_tokens] = 0
-        self.positions.np[:num_tokens] = positions
+        if self.position_channels == 1:
+            self.positions.np[:num_tokens] = positions
+        else:
+            self._fill_mrope_positions(scheduled, positions, token_starts)
         self.positions.np[num_tokens:padded_tokens] = 0
         self.slot_mapping.np[:num_tokens] = slots
         self.slot_mapping.np[num_tokens:padded_tokens] = PAD_SLOT
@@ -164,6 +175,22 @@ class InputBuffers:
         if self._uploaded is not None:
             self._uploaded.record()
         return inputs
+
+    def _fill_mrope_positions(self, scheduled: list[ScheduledRequest], positions: np.ndarray, token_starts: np.ndarray) -> None:
+        """M-RoPE: every channel at the token index, except for requests with images: their prompt
+        tokens take the family's precomputed table and later tokens are shifted by its delta."""
+        out = self.positions.np
+        out[: len(positions)] = positions[:, None]
+        for row, s in enumerate(scheduled):
+            mrope = s.request.mrope_positions
+            if mrope is None:
+                continue
+            first, start, end = int(token_starts[row]), s.start, s.start + s.num_new_tokens
+            num_prompt = len(mrope.table)
+            if start < num_prompt:
+                out[first : first + min(end, num_prompt) - start] = mrope.table[start : min(end, num_prompt)]
+            if end > num_prompt:
+                out[first + max(start, num_prompt) - start : first + end - start] += mrope.delta
 
     def _sampling_tensors(self, sampled: list[ScheduledRequest]) -> SamplingTensors | None:
         params = [s.request.sampling_params for s in sampled]

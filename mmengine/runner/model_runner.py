@@ -12,15 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from transformers import PretrainedConfig
 
 from mmengine.config import EngineConfig
 from mmengine.errors import ConfigError
 from mmengine.kv_cache.manager import cdiv
 from mmengine.layers.attention import AttentionMetadata, get_attention_backend
-from mmengine.models.llama import head_dim_of
+from mmengine.models.family import ModelFamily
 from mmengine.models.loader import default_dtype, iter_checkpoint
-from mmengine.models.registry import model_class_for
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
 from mmengine.runner.inputs import InputBuffers
 from mmengine.sampling import Sampler, SamplingParams
@@ -33,7 +31,7 @@ class ModelRunner:
     def __init__(
         self,
         config: EngineConfig,
-        hf_config: PretrainedConfig,
+        family: ModelFamily,
         model_dir: Path,
         device: torch.device,
         dtype: torch.dtype,
@@ -44,9 +42,10 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.max_model_len = max_model_len
-        self.text_config = hf_config.text_config
+        self.family = family
+        self.text_config = family.text_config
         with torch.device(device), default_dtype(dtype):
-            self.model = model_class_for(hf_config)(hf_config)
+            self.model = family.model_class(family.hf_config)
         self.model.load_weights(iter_checkpoint(model_dir))
         self.model.eval()
         self.attn_backend = get_attention_backend(config.attn_backend, device)
@@ -61,6 +60,7 @@ class ModelRunner:
             block_size=self.block_size,
             vocab_size=self.text_config.vocab_size,
             device=device,
+            position_channels=family.position_channels,
         )
         self.decode_graphs: DecodeGraphs | None = None
         # The final hidden states of a graph step, at a fixed address (rows beyond the batch are padding).
@@ -72,7 +72,7 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         t = self.text_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * t.num_hidden_layers * self.block_size * t.num_key_value_heads * head_dim_of(t) * elem
+        return 2 * t.num_hidden_layers * self.block_size * t.num_key_value_heads * self.family.head_dim * elem
 
     @property
     def embedding_bytes(self) -> int:
@@ -100,7 +100,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         t = self.text_config
-        shape = (t.num_hidden_layers, 2, num_blocks, self.block_size, t.num_key_value_heads, head_dim_of(t))
+        shape = (t.num_hidden_layers, 2, num_blocks, self.block_size, t.num_key_value_heads, self.family.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._bind_kv_cache(self.kv_cache)
 
@@ -119,15 +119,14 @@ class ModelRunner:
         num_blocks = cdiv(num_tokens, self.block_size)
         self.allocate_kv_cache(num_blocks)
         with torch.inference_mode():
-            size = getattr(self.model.config.vision_config, "image_size", 336)
             if images_per_step > 0:
-                self.model.encode_images(torch.zeros(images_per_step, 3, size, size, device=self.device))
+                self.model.encode_items(self.family.dummy_items(images_per_step))
             metadata = AttentionMetadata.build(
                 query_lens=[num_tokens], seq_lens=[num_tokens], block_tables=[list(range(num_blocks))],
                 slot_mapping=torch.arange(num_tokens), device=self.device,
             )
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-            hidden = self.model(self.model.embed_tokens(ids), torch.arange(num_tokens, device=self.device), metadata)
+            hidden = self.model(self.model.embed_tokens(ids), self._plain_positions(num_tokens), metadata)
             rows = min(self.config.max_num_seqs, num_tokens)
             logits = self.model.compute_logits(hidden[-rows:])
             del hidden
@@ -150,6 +149,12 @@ class ModelRunner:
             total, peak, non_torch, graph_bytes, available,
         )
         return max(available, 0)
+
+    def _plain_positions(self, num_tokens: int) -> torch.Tensor:
+        """Positions 0..n-1 in the family's layout ([n], or [n, 3] with M-RoPE)."""
+        positions = torch.arange(num_tokens, device=self.device)
+        channels = self.family.position_channels
+        return positions if channels == 1 else positions[:, None].expand(num_tokens, channels).contiguous()
 
     # -- CUDA graphs and warm-up ----------------------------------------------
 
@@ -265,10 +270,7 @@ class ModelRunner:
         jobs = [(s.request, idx) for s in scheduled for idx in s.encoder_items]
         if not jobs:
             return
-        pixel_values = torch.stack([req.mm_items[idx].encoder_inputs["pixel_values"] for req, idx in jobs])
-        if self.device.type == "cuda":
-            pixel_values = pixel_values.pin_memory()
-        embeddings = self.model.encode_images(pixel_values.to(self.device, non_blocking=True))
+        embeddings = self.model.encode_items([req.mm_items[idx].encoder_inputs for req, idx in jobs])
         for (req, idx), emb in zip(jobs, embeddings):
             item = req.mm_items[idx]
             if emb.shape[0] != item.length:

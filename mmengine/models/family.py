@@ -1,0 +1,115 @@
+"""The model-family interface: everything outside `models/` asks a family, never a model's config.
+
+A family is one VLM architecture (LLaVA-1.5, Qwen2-VL, Qwen2.5-VL, ...). It owns:
+
+- the model class (vision tower + projector + decoder) the runner builds and loads;
+- how an image-processor output becomes per-item encoder inputs (`split_images`) and how many
+  placeholders (embeddings) an item's inputs make (`num_tokens`), and how a step's items go through the tower and come back per item
+  (the model's `encode_items`);
+- the largest item the configuration can produce (`max_tokens_per_item`), which sizes the encoder
+  budget, `mmengine budget` and the profiling run, with a one-line explanation of where it came from;
+- the dummy items used to profile memory (`dummy_items`);
+- positions: 1-D (nothing to do) or M-RoPE (`prompt_positions`: a [tokens, 3] table for the prompt
+  plus the delta that shifts every later position);
+- the text-model facts the runner and engine need (`text_config`, `head_dim`, `sliding_window`).
+
+Adding a family means one new file under `models/` with a `ModelFamily` subclass and its model, and
+one entry in `models/registry.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from mmengine.models.llama import head_dim_of, sliding_window_of
+from mmengine.request import MMItem
+
+
+class EncoderInputs(dict):
+    """One item's vision-tower inputs by name (e.g. "pixel_values"). A dict subclass so the processor
+    cache can hold it weakly while requests share it."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.values())
+
+
+@dataclass(frozen=True)
+class PromptPositions:
+    """M-RoPE positions of a prompt: row i holds token i's (temporal, height, width) position; every
+    token after the prompt (generated ones) sits at `index + delta` in all three channels."""
+
+    table: np.ndarray  # [num_prompt_tokens, 3] int64
+    delta: int
+
+
+class ModelFamily:
+    """Base class of a family; subclasses set the class attributes and override what differs."""
+
+    architectures: ClassVar[tuple[str, ...]] = ()
+    model_type: ClassVar[str] = ""  # the HF config's model_type, for configs without `architectures`
+    display_name: ClassVar[str] = ""
+    model_class: ClassVar[type[nn.Module]]
+    # Position channels per token: 1 (plain RoPE) or 3 (M-RoPE).
+    position_channels: ClassVar[int] = 1
+
+    def __init__(self, hf_config: PretrainedConfig, image_processor_settings: dict[str, Any] | None = None) -> None:
+        """`image_processor_settings`: the checkpoint's preprocessor config with the engine's overrides
+        applied (for families whose item size depends on it)."""
+        self.hf_config = hf_config
+        self.image_processor_settings = dict(image_processor_settings or {})
+
+    # -- text model -------------------------------------------------------------
+
+    @property
+    def text_config(self) -> PretrainedConfig:
+        return self.hf_config.text_config
+
+    @property
+    def head_dim(self) -> int:
+        return head_dim_of(self.text_config)
+
+    @property
+    def sliding_window(self) -> int | None:
+        return sliding_window_of(self.text_config)
+
+    @property
+    def image_token_id(self) -> int:
+        return self.hf_config.image_token_id
+
+    # -- items --------------------------------------------------------------------
+
+    def max_tokens_per_item(self) -> int:
+        raise NotImplementedError
+
+    def explain_max_tokens_per_item(self) -> str:
+        raise NotImplementedError
+
+    def split_images(self, batch: Any, num_images: int) -> list[EncoderInputs]:
+        """The image processor's output for `num_images` images, one entry per image, in order."""
+        raise NotImplementedError
+
+    def num_tokens(self, inputs: EncoderInputs) -> int:
+        """How many placeholder tokens (one embedding each) an item with these inputs takes."""
+        raise NotImplementedError
+
+    def resized_size(self, height: int, width: int) -> tuple[int, int] | None:
+        """(height, width) the image processor resizes an image to, or None where the generic rule of
+        `multimodal.resize_guard` (the processor's `size` settings) applies."""
+        return None
+
+    def dummy_items(self, num_items: int) -> list[EncoderInputs]:
+        """`num_items` items of the largest size, for the memory-profiling run."""
+        raise NotImplementedError
+
+    # -- positions ----------------------------------------------------------------
+
+    def prompt_positions(self, token_ids: Sequence[int], items: Sequence[MMItem]) -> PromptPositions | None:
+        """M-RoPE positions of a prompt, or None for plain 1-D positions (token index = position)."""
+        return None

@@ -1,0 +1,218 @@
+"""Qwen2-VL and Qwen2.5-VL: native-resolution images, a variable number of tokens per image, M-RoPE.
+
+An image is resized (transformers' `smart_resize`) to multiples of patch_size * merge_size pixels
+between min_pixels and max_pixels, cut into patch_size patches (two frames each, for the temporal
+patch), and each merge_size x merge_size group of patches becomes one embedding. The vision tower is
+transformers' own module: it takes every patch of a step as one sequence with per-image boundaries
+(and in 2.5, windowed attention in all but the full-attention layers), and its patch merger gives the
+embeddings in image order, so a step's items run as one batch and are split back by token count.
+
+The decoder is the Qwen2 text model with M-RoPE: every token has a (temporal, height, width)
+position; text tokens advance all three together, an image's tokens take its grid coordinates, and
+generated tokens continue at `index + delta` (transformers' `get_rope_index`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+from transformers import PretrainedConfig
+
+from mmengine.errors import UnsupportedModelError
+from mmengine.models.family import EncoderInputs, ModelFamily, PromptPositions
+from mmengine.models.vlm import VisionLanguageModel
+from mmengine.multimodal.resize_guard import MAX_IMAGE_ASPECT_RATIO
+from mmengine.request import MMItem
+
+# transformers' Qwen2-VL image processor defaults, for settings a checkpoint leaves out.
+_DEFAULT_MIN_PIXELS = 56 * 56
+_DEFAULT_MAX_PIXELS = 28 * 28 * 1280
+
+
+def _vision_tower_class(model_type: str) -> type[torch.nn.Module]:
+    if model_type == "qwen2_vl":
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+        return Qwen2VisionTransformerPretrainedModel
+    if model_type == "qwen2_5_vl":
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+        return Qwen2_5_VisionTransformerPretrainedModel
+    raise UnsupportedModelError(f"no Qwen vision tower for model_type {model_type!r}")
+
+
+class QwenVLModel(VisionLanguageModel):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.visual = _vision_tower_class(config.model_type)._from_config(config.vision_config)
+        self.merge_size = config.vision_config.spatial_merge_size
+        self._build_text(config)
+
+    @torch.inference_mode()
+    def encode_items(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """All patches of the step's images as one sequence; the tower keeps images apart by their grids."""
+        grids = torch.cat([item["image_grid_thw"] for item in items])
+        pixel_values = torch.cat([item["pixel_values"] for item in items])
+        if self.device.type == "cuda":
+            pixel_values = pixel_values.pin_memory()
+        dtype = self.visual.patch_embed.proj.weight.dtype
+        out = self.visual(pixel_values.to(self.device, dtype, non_blocking=True), grid_thw=grids.to(self.device))
+        merged = out.pooler_output if hasattr(out, "pooler_output") else out
+        sizes = (grids.prod(-1) // self.merge_size**2).tolist()
+        return list(torch.split(merged, sizes))
+
+    def checkpoint_name(self, raw_name: str) -> str:
+        """transformers >= 4.52 saves `model.visual.*` and `model.language_model.*`; the original
+        checkpoints saved `visual.*` and the decoder as `model.*`."""
+        if raw_name.startswith("model.visual."):
+            return raw_name.removeprefix("model.")
+        if raw_name.startswith("model.language_model."):
+            return "language_model." + raw_name.removeprefix("model.language_model.")
+        if raw_name.startswith(("visual.", "lm_head.")):
+            return raw_name
+        if raw_name.startswith("model."):
+            return "language_model." + raw_name.removeprefix("model.")
+        return raw_name
+
+
+class Qwen2VLFamily(ModelFamily):
+    architectures = ("Qwen2VLForConditionalGeneration",)
+    model_type = "qwen2_vl"
+    display_name = "Qwen2-VL (native resolution, M-RoPE)"
+    model_class = QwenVLModel
+    position_channels = 3
+
+    def __init__(self, hf_config: PretrainedConfig, image_processor_settings: dict[str, Any] | None = None) -> None:
+        super().__init__(hf_config, image_processor_settings)
+        vision = hf_config.vision_config
+        settings = self.image_processor_settings
+        self.patch_size = int(settings.get("patch_size") or vision.patch_size)
+        self.merge_size = int(settings.get("merge_size") or vision.spatial_merge_size)
+        self.temporal_patch_size = int(settings.get("temporal_patch_size") or vision.temporal_patch_size)
+        self.min_pixels, self.max_pixels = pixel_bounds(settings)
+        if self.merge_size != vision.spatial_merge_size or self.patch_size != vision.patch_size:
+            raise UnsupportedModelError(
+                f"the image processor's patch_size {self.patch_size} / merge_size {self.merge_size} differ from the "
+                f"vision tower's {vision.patch_size} / {vision.spatial_merge_size}"
+            )
+
+    @property
+    def factor(self) -> int:
+        """Resized images are multiples of this many pixels on each side; each such square is one embedding."""
+        return self.patch_size * self.merge_size
+
+    def max_tokens_per_item(self) -> int:
+        return max_tokens_for_pixels(self.min_pixels, self.max_pixels, self.factor)
+
+    def explain_max_tokens_per_item(self) -> str:
+        f = self.factor
+        return (
+            f"images resized to multiples of {f}x{f} px (patch {self.patch_size} x merge {self.merge_size}), "
+            f"one embedding each, within min_pixels {self.min_pixels} / max_pixels {self.max_pixels}: "
+            f"at most {self.max_tokens_per_item()} for any aspect ratio up to {MAX_IMAGE_ASPECT_RATIO}:1"
+        )
+
+    def resized_size(self, height: int, width: int) -> tuple[int, int]:
+        return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
+
+    def split_images(self, batch: Any, num_images: int) -> list[EncoderInputs]:
+        grids = batch["image_grid_thw"]
+        if grids.shape[0] != num_images:
+            raise UnsupportedModelError(f"the image processor returned {grids.shape[0]} grids for {num_images} images")
+        chunks = torch.split(batch["pixel_values"], grids.prod(-1).tolist())
+        return [EncoderInputs(pixel_values=chunk.clone(), image_grid_thw=grid.view(1, 3).clone()) for grid, chunk in zip(grids, chunks)]
+
+    def num_tokens(self, inputs: EncoderInputs) -> int:
+        return int(inputs["image_grid_thw"].prod()) // self.merge_size**2
+
+    def dummy_items(self, num_items: int) -> list[EncoderInputs]:
+        """Items of the largest token count: one row of merge-size squares (as many patches as any image)."""
+        m = self.merge_size
+        grid = torch.tensor([[1, m, m * self.max_tokens_per_item()]])
+        patch_dim = 3 * self.temporal_patch_size * self.patch_size**2
+        pixels = torch.zeros(int(grid.prod()), patch_dim)
+        return [EncoderInputs(pixel_values=pixels, image_grid_thw=grid) for _ in range(num_items)]
+
+    def prompt_positions(self, token_ids: Sequence[int], items: Sequence[MMItem]) -> PromptPositions | None:
+        if not items:
+            return None  # every channel equals the token index: plain positions
+        grids = [tuple(int(x) for x in item.encoder_inputs["image_grid_thw"].view(3).tolist()) for item in items]
+        return mrope_positions(len(token_ids), [(item.offset, item.length) for item in items], grids, self.merge_size)
+
+
+class Qwen2_5_VLFamily(Qwen2VLFamily):
+    """Qwen2.5-VL: Qwen2-VL's recipe with a windowed-attention vision tower (transformers' module)."""
+
+    architectures = ("Qwen2_5_VLForConditionalGeneration",)
+    model_type = "qwen2_5_vl"
+    display_name = "Qwen2.5-VL (native resolution, windowed vision attention, M-RoPE)"
+
+
+def pixel_bounds(settings: dict[str, Any]) -> tuple[int, int]:
+    """(min_pixels, max_pixels) from image-processor settings: the `size` dict its resize reads
+    (transformers 5: shortest_edge / longest_edge), else older checkpoints' min_pixels / max_pixels."""
+    size = settings.get("size") or {}
+    size = size if isinstance(size, dict) else {}
+    min_pixels = size.get("shortest_edge") or size.get("min_pixels") or settings.get("min_pixels") or _DEFAULT_MIN_PIXELS
+    max_pixels = size.get("longest_edge") or size.get("max_pixels") or settings.get("max_pixels") or _DEFAULT_MAX_PIXELS
+    return int(min_pixels), int(max_pixels)
+
+
+def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """transformers' Qwen2-VL resize rule: sides multiples of `factor`, area within [min, max] pixels."""
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def max_tokens_for_pixels(min_pixels: int, max_pixels: int, factor: int, max_aspect: int = MAX_IMAGE_ASPECT_RATIO) -> int:
+    """An upper bound, attained or nearly, on the embeddings of any image `smart_resize` can produce with
+    an aspect ratio up to `max_aspect`. Three regimes:
+    - both sides at least `factor` after scaling: the area stays within max_pixels;
+    - a very long, thin image: the short side is clamped up to `factor`, the long side is at most
+      sqrt(max_pixels * max_aspect);
+    - an upscaled small image: rounding up adds at most one unit per side to min_pixels' area."""
+    units = factor * factor
+    within_area = max_pixels // units
+    thin = int(math.sqrt(max_pixels * max_aspect) // factor)
+    side = math.sqrt(min_pixels) / factor
+    stretch = math.sqrt(max_aspect) + 1 / math.sqrt(max_aspect)
+    upscaled = math.ceil(min_pixels / units + side * stretch + 1)
+    return max(within_area, thin, upscaled, 1)
+
+
+def mrope_positions(
+    num_tokens: int, runs: Sequence[tuple[int, int]], grids: Sequence[tuple[int, int, int]], merge_size: int
+) -> PromptPositions:
+    """transformers' `get_rope_index` for one prompt: text advances all channels by one per token; an
+    image run of grid (t, h, w) patches takes (t, h / merge, w / merge) coordinates offset by the
+    current position, which then moves past the image by max(h, w) / merge."""
+    table = np.empty((num_tokens, 3), dtype=np.int64)
+    current = 0
+    previous_end = 0
+    for (offset, length), (t, h, w) in zip(runs, grids):
+        num_text = offset - previous_end
+        table[previous_end:offset] = (np.arange(num_text) + current)[:, None]
+        current += num_text
+        grid_h, grid_w = h // merge_size, w // merge_size
+        if t * grid_h * grid_w != length:
+            raise UnsupportedModelError(f"an image run of {length} tokens does not match its grid {t}x{h}x{w}")
+        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(grid_h), np.arange(grid_w), indexing="ij")
+        table[offset : offset + length] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()], axis=1) + current
+        current += max(grid_h, grid_w)
+        previous_end = offset + length
+    table[previous_end:] = (np.arange(num_tokens - previous_end) + current)[:, None]
+    delta = int(table.max()) + 1 - num_tokens if num_tokens else 0
+    return PromptPositions(table, delta)

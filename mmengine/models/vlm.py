@@ -1,0 +1,123 @@
+"""What every vision-language model shares: a Llama-family decoder (`language_model`), an LM head, the
+runner-facing calls (`embed_tokens`, `forward`, `compute_logits`, `encode_items`) and strict weight
+loading. A family's model subclasses it with its vision side and its checkpoint key layout.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from mmengine.errors import WeightsMismatchError
+from mmengine.layers.attention import AttentionMetadata
+from mmengine.models.llama import _STACKED, DecoderModel, head_dim_of
+from mmengine.models.loader import WeightCheck
+
+_ROTARY_CACHE = re.compile(r"(^|\.)rotary_emb\.")
+
+
+class VisionLanguageModel(nn.Module):
+    """Subclasses build their vision modules, then call `_build_text(config)`; they implement
+    `encode_items` and `checkpoint_name` (and `is_ignorable` for tensors they know and skip)."""
+
+    language_model: DecoderModel
+    lm_head: nn.Linear
+
+    def _build_text(self, config: PretrainedConfig) -> None:
+        text = config.text_config
+        self.language_model = DecoderModel(text)
+        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False)) or bool(
+            getattr(config, "tie_word_embeddings", False)
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    # -- encoder -----------------------------------------------------------------
+
+    def encode_items(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """One step's items (their encoder inputs, as the family split them) through the vision side,
+        batched as the tower likes; one [num_tokens, text_hidden] tensor per item, in order."""
+        raise NotImplementedError
+
+    # -- decoder -------------------------------------------------------------------
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.language_model.embed_tokens(input_ids)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+        return self.language_model(inputs_embeds, positions, metadata)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states).float()
+
+    # -- weights -------------------------------------------------------------------
+
+    def checkpoint_name(self, raw_name: str) -> str:
+        """Our name for a checkpoint tensor's name (each family maps its key layouts onto ours)."""
+        raise NotImplementedError
+
+    def is_ignorable(self, name: str) -> bool:
+        """Whether a checkpoint tensor the model has no parameter for is known and safely skipped."""
+        return name.startswith("language_model.") and bool(_ROTARY_CACHE.search(name))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads every parameter exactly once. A missing, unexpected, repeated or mis-shaped tensor raises
+        WeightsMismatchError naming it, the shapes and the file; a missing lm_head.weight is fine only
+        when the checkpoint ties word embeddings."""
+        expected = self.expected_weights()
+        check = WeightCheck(expected, weights, optional=["lm_head.weight"] if self.tie_word_embeddings else [])
+        for raw_name, tensor in weights:
+            name = self.checkpoint_name(raw_name)
+            if name not in expected and self.is_ignorable(name):
+                continue
+            check.accept(name, raw_name, tensor)
+            with torch.no_grad():
+                self._load_one(name, tensor)
+        check.finish()
+        if "lm_head.weight" not in check.loaded:
+            self.lm_head.weight = self.language_model.embed_tokens.weight
+
+    def expected_weights(self) -> dict[str, tuple[int, ...]]:
+        """Our name of every checkpoint tensor the model needs, with its shape."""
+        expected = {n: tuple(p.shape) for n, p in self.named_parameters() if not n.startswith("language_model.")}
+        expected.update({f"language_model.{n}": shape for n, shape in decoder_checkpoint_shapes(self.language_model).items()})
+        return expected
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        if name.startswith("language_model."):
+            if not self.language_model.load_weight(name.removeprefix("language_model."), tensor):
+                raise WeightsMismatchError(f"the decoder did not take tensor {name!r}")
+        else:
+            self.get_parameter(name).copy_(tensor)
+
+
+def decoder_checkpoint_shapes(decoder: DecoderModel) -> dict[str, tuple[int, ...]]:
+    """The decoder's checkpoint tensors (q/k/v and gate/up separately, as checkpoints store them) and
+    their shapes, from its parameters: a fused parameter is split into its shards along dim 0."""
+    config = decoder.config
+    head_dim = head_dim_of(config)
+    rows = {
+        "q": config.num_attention_heads * head_dim,
+        "k": config.num_key_value_heads * head_dim,
+        "v": config.num_key_value_heads * head_dim,
+        0: config.intermediate_size,
+        1: config.intermediate_size,
+    }
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, param in decoder.named_parameters():
+        owner, fused, leaf = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", name)
+        shards = [(proj, shard) for proj, (target, shard) in _STACKED.items() if target == fused]
+        if not shards:
+            shapes[name] = tuple(param.shape)
+            continue
+        assert sum(rows[shard] for _, shard in shards) == param.shape[0], (name, param.shape)
+        for proj, shard in shards:
+            shapes[f"{owner}.{proj}.{leaf}"] = (rows[shard], *param.shape[1:])
+    return shapes
