@@ -65,6 +65,13 @@ class ModelFamily:
         self.hf_config = hf_config
         self.image_processor_settings = dict(image_processor_settings or {})
 
+    @classmethod
+    def load_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
+        """The checkpoint's HF processor (tokenizer + image processor), with image-processor overrides."""
+        from transformers import AutoProcessor
+
+        return AutoProcessor.from_pretrained(model_dir, local_files_only=True, **overrides)
+
     # -- text model -------------------------------------------------------------
 
     @property

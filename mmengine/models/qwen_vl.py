@@ -100,6 +100,27 @@ class Qwen2VLFamily(ModelFamily):
                 f"vision tower's {vision.patch_size} / {vision.spatial_merge_size}"
             )
 
+    @classmethod
+    def load_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
+        """transformers' processor for the family. Its video processor needs torchvision; without
+        torchvision the same processor class is built without it (images and text are unaffected)."""
+        from transformers import AutoImageProcessor, AutoTokenizer
+        from transformers.utils import is_torchvision_available
+
+        if is_torchvision_available():
+            return super().load_processor(model_dir, overrides)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True, **overrides)
+        return image_only_processor_class(cls.processor_class())(
+            image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+        )
+
+    @classmethod
+    def processor_class(cls) -> type:
+        from transformers import Qwen2VLProcessor
+
+        return Qwen2VLProcessor
+
     @property
     def factor(self) -> int:
         """Resized images are multiples of this many pixels on each side; each such square is one embedding."""
@@ -150,6 +171,24 @@ class Qwen2_5_VLFamily(Qwen2VLFamily):
     architectures = ("Qwen2_5_VLForConditionalGeneration",)
     model_type = "qwen2_5_vl"
     display_name = "Qwen2.5-VL (native resolution, windowed vision attention, M-RoPE)"
+
+    @classmethod
+    def processor_class(cls) -> type:
+        from transformers import Qwen2_5_VLProcessor
+
+        return Qwen2_5_VLProcessor
+
+
+def image_only_processor_class(processor_class: type) -> type:
+    """`processor_class` without its video processor: transformers reads a processor's parts from its
+    __init__ signature, so leaving video_processor out of it skips the torchvision-only part."""
+
+    class ImageOnly(processor_class):  # type: ignore[misc,valid-type]
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    ImageOnly.__name__ = ImageOnly.__qualname__ = f"{processor_class.__name__}ImageOnly"
+    return ImageOnly
 
 
 def pixel_bounds(settings: dict[str, Any]) -> tuple[int, int]:

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from transformers import AutoConfig, AutoProcessor, PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from mmengine.errors import CheckpointError, UnsupportedModelError
 from mmengine.models.family import ModelFamily
@@ -82,12 +82,13 @@ _JSON_FILES = (
 
 
 def load_hf_processor(model_dir: Path, mm_processor_kwargs: dict[str, Any] | None = None) -> Any:
-    """The checkpoint's HF processor (tokenizer + image processor), with `mm_processor_kwargs`
-    overriding its saved settings. A missing or broken file is a CheckpointError naming it, rather
-    than whatever transformers raises."""
+    """The checkpoint's HF processor (tokenizer + image processor), loaded the way its family needs,
+    with `mm_processor_kwargs` overriding its saved settings. A missing or broken file is a
+    CheckpointError naming it, rather than whatever transformers raises."""
     _check_processor_files(model_dir)
+    family = family_class_for(load_hf_config(model_dir))
     try:
-        return AutoProcessor.from_pretrained(str(model_dir), local_files_only=True, **dict(mm_processor_kwargs or {}))
+        return family.load_processor(str(model_dir), dict(mm_processor_kwargs or {}))
     except Exception as err:  # transformers raises OSError, ValueError, TypeError, KeyError, ... here
         raise CheckpointError(f"cannot load the tokenizer and processor: {_first_line(err)}", model_dir) from err
 
