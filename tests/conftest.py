@@ -17,9 +17,10 @@ import torch
 # any kernel is decorated, i.e. before mmengine.kernels is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-from transformers import AutoProcessor, LlavaForConditionalGeneration
+from transformers import AutoModelForImageTextToText, PreTrainedModel
 
-from mmengine.testing import TinyLlavaSpec, tiny_llava_path
+from mmengine.models.registry import load_hf_processor
+from mmengine.testing import TinyLlavaSpec, TinyQwenVLSpec, tiny_llava_path, tiny_qwen_vl_path
 
 
 @dataclass(frozen=True)
@@ -100,10 +101,54 @@ def small_engine(checkpoint_dir):
     return MMEngine(str(checkpoint_dir()), max_model_len=128)
 
 
+# -- model families ---------------------------------------------------------------------------
+
+FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl"]
+
+
+@dataclass(frozen=True)
+class FamilyCase:
+    """One model family's tiny checkpoint and how its prompts mark images (as its chat template does)."""
+
+    name: str
+    path: Path
+
+    def prompt(self, text: str, num_images: int = 0) -> str:
+        if self.name == "llava":
+            return "USER: " + "<image>\n" * num_images + text + " ASSISTANT:"
+        images = "<|vision_start|><|image_pad|><|vision_end|>" * num_images
+        return f"<|im_start|>user\n{images}{text}<|im_end|>\n<|im_start|>assistant\n"
+
+    def continue_chat(self, prompt: str, answer: str, text: str, num_images: int = 0) -> str:
+        """The next turn's prompt: this one, the model's answer, and a new user message."""
+        end = "</s>" if self.name == "llava" else "<|im_end|>\n"
+        return prompt + answer + end + self.prompt(text, num_images)
+
+
+@pytest.fixture(scope="session")
+def family_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """family_checkpoint(name) -> path of the family's default tiny checkpoint, built once per session."""
+    root = tmp_path_factory.mktemp("family-checkpoints")
+
+    @functools.cache
+    def build(name: str) -> Path:
+        if name == "llava":
+            return tiny_llava_path(TinyLlavaSpec(), cache_dir=root)
+        return tiny_qwen_vl_path(TinyQwenVLSpec(family=name), cache_dir=root)
+
+    return build
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request: pytest.FixtureRequest, family_checkpoint) -> FamilyCase:
+    """Each supported model family in turn: engine-level tests written against it run on every family."""
+    return FamilyCase(request.param, family_checkpoint(request.param))
+
+
 @functools.cache
-def _hf_model(path: Path, precision: Precision) -> tuple[LlavaForConditionalGeneration, object]:
-    model = LlavaForConditionalGeneration.from_pretrained(str(path), dtype=precision.dtype).to(precision.device).eval()
-    return model, AutoProcessor.from_pretrained(str(path))
+def _hf_model(path: Path, precision: Precision) -> tuple[PreTrainedModel, object]:
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=precision.dtype).to(precision.device).eval()
+    return model, load_hf_processor(path)  # transformers' processor class (image-only where torchvision is absent)
 
 
 def _on_white(image: PIL.Image.Image) -> PIL.Image.Image:
@@ -125,7 +170,7 @@ def _hf_inputs(processor: object, prompt: str, images: list | None, precision: P
 
 
 def hf_greedy(path: Path, prompt: str, images: list | None, max_new_tokens: int, precision: Precision = CPU_FP32) -> list[int]:
-    """Greedy tokens from transformers' LlavaForConditionalGeneration.generate (the correctness anchor)."""
+    """Greedy tokens from transformers' own model class's generate (the correctness anchor)."""
     model, processor = _hf_model(path, precision)
     inputs = _hf_inputs(processor, prompt, images, precision)
     with torch.inference_mode():

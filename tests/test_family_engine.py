@@ -1,0 +1,160 @@
+"""Every supported model family through the public API: greedy tokens equal transformers' own
+model class's `generate` (fp32), and the encoder cache, prefix cache and scheduler hold for items of
+any size (Qwen2-VL's images become 4 to 64 tokens here; LLaVA's are all the same size)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import CPU_FP32, FamilyCase, hf_greedy
+from mmengine import MMEngine, SamplingParams
+from mmengine.errors import ImageCountMismatchError, ItemTooLargeError
+from mmengine.testing import make_test_image
+
+# Sizes that the tiny Qwen processor turns into 4, 8, 8, 25, 28 and 64 tokens (LLaVA: 16 each).
+SIZES = [(64, 48), (100, 60), (40, 96), (150, 150), (200, 120), (224, 224)]
+IMAGES = [make_test_image(300 + i, size=size) for i, size in enumerate(SIZES)]
+MAX_TOKENS = 8
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+FIXED = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+
+
+def _cases(family: FamilyCase) -> list[tuple[str, list]]:
+    return [
+        (family.prompt("Tell me a story about a boat."), []),
+        (family.prompt("What is shown here?", 1), [IMAGES[0]]),
+        (family.prompt("Compare the two pictures in detail please.", 2), [IMAGES[1], IMAGES[3]]),
+        (family.prompt("Describe it.", 1), [IMAGES[4]]),
+        (family.prompt("Which is larger?", 2), [IMAGES[5], IMAGES[2]]),
+    ]
+
+
+def _expected(family: FamilyCase, cases, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
+    return [hf_greedy(family.path, prompt, images, max_tokens, CPU_FP32) for prompt, images in cases]
+
+
+def _generate(engine: MMEngine, cases, params: SamplingParams = GREEDY):
+    return engine.generate([c[0] for c in cases], images=[c[1] for c in cases], sampling_params=params, use_tqdm=False)
+
+
+def test_a_batch_of_varied_images_matches_transformers(family):
+    """No image, one image, two images of different sizes in one prompt, and six sizes in one batch."""
+    engine = MMEngine(str(family.path), max_model_len=512, dtype="float32", device="cpu")
+    cases = _cases(family)
+    outputs = _generate(engine, cases)
+    assert [o.token_ids for o in outputs] == _expected(family, cases)
+    lengths = {item.length for prompt, images in cases for item in engine.input_processor.process(prompt, images, GREEDY).mm_items}
+    assert len(lengths) >= (4 if family.name != "llava" else 1)  # the batch really mixes item sizes
+
+
+def test_chunked_prefill_splitting_an_image_matches_transformers(family):
+    """A token budget smaller than an image: the image is encoded once and its run spans several steps."""
+    cases = _cases(family)[2:]
+    engine = MMEngine(str(family.path), max_model_len=512, dtype="float32", device="cpu", max_num_batched_tokens=12, block_size=4)
+    outputs = _generate(engine, cases)
+    assert [o.token_ids for o in outputs] == _expected(family, cases)
+    largest = max(item.length for p, imgs in cases for item in engine.input_processor.process(p, imgs, GREEDY).mm_items)
+    assert largest > 12
+    assert engine.stats()["encoder_runs"] == sum(len(images) for _, images in cases)
+
+
+def test_preemption_matches_transformers(family):
+    cases = _cases(family)[1:]
+    engine = MMEngine(str(family.path), max_model_len=256, dtype="float32", device="cpu", block_size=4, num_kv_blocks=40)
+    outputs = _generate(engine, cases, SamplingParams(max_tokens=24, temperature=0.0))
+    assert engine.stats()["num_preemptions"] > 0
+    assert [o.token_ids for o in outputs] == _expected(family, cases, max_tokens=24)
+
+
+def test_a_repeated_conversation_hits_the_prefix_cache_and_matches_transformers(family):
+    engine = MMEngine(str(family.path), max_model_len=512, dtype="float32", device="cpu", block_size=4)
+    first = family.prompt("What is in this picture?", 1)
+    (turn1,) = engine.generate(first, images=[IMAGES[3]], sampling_params=GREEDY, use_tqdm=False)
+    second = family.continue_chat(first, turn1.text, "And this one?", 1)
+    (turn2,) = engine.generate(second, images=[IMAGES[3], IMAGES[1]], sampling_params=GREEDY, use_tqdm=False)
+    assert turn1.token_ids == hf_greedy(family.path, first, [IMAGES[3]], MAX_TOKENS)
+    assert turn2.token_ids == hf_greedy(family.path, second, [IMAGES[3], IMAGES[1]], MAX_TOKENS)
+    assert turn2.num_cached_tokens >= len(turn1.prompt_token_ids) // 4 * 4 - 4
+    stats = engine.stats()
+    assert stats["encoder_runs"] == 2 and stats["reencodes_after_prefix_hit"] == 0
+
+
+def test_a_mixed_size_workload_encodes_each_distinct_image_once(family):
+    engine = MMEngine(str(family.path), max_model_len=512, dtype="float32", device="cpu", block_size=8,
+                      max_num_batched_tokens=48, num_kv_blocks=48)
+    prompts, images = [], []
+    for i in range(18):
+        picks = [IMAGES[(i * 5) % 6], IMAGES[(i * 7 + 1) % 6]][: 1 + i % 2]
+        prompts.append(family.prompt(f"Question {i % 4}: what differs?", len(picks)))
+        images.append(picks)
+    outputs = engine.generate(prompts, images=images, sampling_params=FIXED, use_tqdm=False)
+    assert all(len(o.token_ids) == 4 for o in outputs)
+    stats = engine.stats()
+    assert stats["encoder_runs"] == len({id(img) for imgs in images for img in imgs})
+    assert stats["reencodes_after_prefix_hit"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]  # no leaks
+    plain = MMEngine(str(family.path), max_model_len=512, dtype="float32", device="cpu", enable_prefix_caching=False)
+    reference = plain.generate(prompts, images=images, sampling_params=FIXED, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]  # no wrong reuse
+
+
+def _prompt_with_image_placed(engine: MMEngine, family: FamilyCase, image, block_size: int, placement: str) -> str:
+    """A one-image prompt whose length is a multiple of block_size, the image placed as asked."""
+    marker = "<image>" if family.name == "llava" else "<|image_pad|>"
+    for pad in range(0, 60):
+        for tail in ["", " x", " what", " what is it", " please describe it"]:
+            if placement == "ends_at_prompt_end":
+                prompt = "x" + " a" * pad + tail + marker
+            else:
+                prompt = family.prompt(" a" * pad + tail, 1)
+            processed = engine.input_processor.process(prompt, [image], FIXED)
+            n, item = len(processed.prompt_token_ids), processed.mm_items[0]
+            if n % block_size or n < 2 * block_size:
+                continue
+            if placement == "ends_in_last_full_block" and n - block_size < item.end < n:
+                return prompt
+            if placement == "ends_at_prompt_end" and item.end == n:
+                return prompt
+            if placement == "spans_blocks" and item.length > 2 * block_size and item.end < n:
+                return prompt
+    raise AssertionError(f"no prompt for placement={placement}")
+
+
+@pytest.mark.parametrize("placement", ["ends_in_last_full_block", "ends_at_prompt_end", "spans_blocks"])
+@pytest.mark.parametrize("copies", [2, 5])
+def test_identical_requests_with_the_image_in_the_recomputed_block(family, placement, copies):
+    """vLLM's #11895 crash, with items of any size: prompt length divisible by the block size, the
+    image in (or reaching) the recomputed last block, the smallest encoder budget. No crash, the
+    outputs of prefix caching off, one encode, and a later full hit."""
+    image = IMAGES[3] if placement == "spans_blocks" else IMAGES[1]
+    kwargs = dict(max_model_len=256, block_size=4, encoder_cache_size=1, dtype="float32", device="cpu")
+    cached = MMEngine(str(family.path), **kwargs)
+    plain = MMEngine(str(family.path), enable_prefix_caching=False, **kwargs)
+    prompt = _prompt_with_image_placed(cached, family, image, 4, placement)
+    outputs = cached.generate([prompt] * copies, images=[[image]] * copies, sampling_params=FIXED, use_tqdm=False)
+    again = cached.generate(prompt, images=[image], sampling_params=FIXED, use_tqdm=False)
+    reference = plain.generate([prompt] * copies, images=[[image]] * copies, sampling_params=FIXED, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference] == [again[0].token_ids] * copies
+    stats = cached.stats()
+    assert stats["encoder_runs"] == 1 and stats["reencodes_after_prefix_hit"] == 0
+    assert again[0].num_cached_tokens > 0
+    assert cached.encoder_budget.compute_budget_tokens == cached.family.max_tokens_per_item()  # the smallest budget
+
+
+def test_an_image_too_large_for_max_model_len_is_a_typed_error_naming_prompt_and_image(family):
+    big = IMAGES[5]  # 64 tokens for the Qwen families, 16 for LLaVA
+    probe = MMEngine(str(family.path), max_model_len=256, dtype="float32", device="cpu")
+    tokens = probe.input_processor.process(family.prompt("hi", 1), [big], FIXED).mm_items[0].length
+    engine = MMEngine(str(family.path), max_model_len=tokens, dtype="float32", device="cpu")
+    with pytest.raises(ItemTooLargeError) as err:
+        engine.generate(["hi", family.prompt("hi", 1)], images=[[], [big]], sampling_params=FIXED, use_tqdm=False)
+    message = str(err.value)
+    assert "prompt 1" in message and "image 0" in message and f"max_model_len={tokens}" in message
+    (ok,) = engine.generate("hi", sampling_params=FIXED, use_tqdm=False)  # the engine still serves
+    assert len(ok.token_ids) == 4
+
+
+def test_more_image_markers_than_images_is_a_typed_error(family):
+    engine = MMEngine(str(family.path), max_model_len=256, dtype="float32", device="cpu")
+    with pytest.raises(ImageCountMismatchError, match="2 .*marker.*1 image"):
+        engine.generate(family.prompt("two?", 2), images=[IMAGES[0]], sampling_params=FIXED, use_tqdm=False)
