@@ -18,6 +18,15 @@ from mmengine.testing.llava import (
     build_tiny_llava,
     tiny_llava_path,
 )
+from mmengine.testing.qwen_vl import (
+    QWEN2_5_VL_7B_SPEC,
+    QWEN_CHAT_TEMPLATE,
+    TinyQwenVLSpec,
+    build_qwen_vl_checkpoint,
+    build_tiny_qwen_vl,
+    load_qwen_vl_processor,
+    tiny_qwen_vl_path,
+)
 from mmengine.testing.weights import REAL_INITIALIZER_RANGE
 
 __all__ = [
@@ -29,4 +38,11 @@ __all__ = [
     "make_test_image",
     "CHAT_TEMPLATE",
     "REAL_INITIALIZER_RANGE",
+    "TinyQwenVLSpec",
+    "QWEN2_5_VL_7B_SPEC",
+    "QWEN_CHAT_TEMPLATE",
+    "build_qwen_vl_checkpoint",
+    "build_tiny_qwen_vl",
+    "tiny_qwen_vl_path",
+    "load_qwen_vl_processor",
 ]

@@ -34,11 +34,22 @@ def torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 def random_model(
-    model_class: type[PreTrainedModel], config: PretrainedConfig, *, seed: int, device: str, dtype: torch.dtype
+    model_class: type[PreTrainedModel],
+    config: PretrainedConfig,
+    *,
+    seed: int,
+    device: str,
+    dtype: torch.dtype,
+    constant_noise: float = 0.0,
 ) -> PreTrainedModel:
     """`model_class(config)` with transformers' own initialization drawn from `seed`, created directly on
     `device` in `dtype` (no fp32 copy, no host round trip). The caller's RNG state (the device's too) is
-    left untouched."""
+    left untouched.
+
+    `constant_noise` > 0 adds N(0, constant_noise) to every parameter that transformers initializes to a
+    constant (biases to 0, norm weights to 1), so that a parity test notices a bias or norm weight that an
+    implementation drops, swaps or misplaces; with constants it could not.
+    """
     import torch
 
     from mmengine.models.loader import default_dtype
@@ -47,7 +58,13 @@ def random_model(
     rng_devices = [target.index if target.index is not None else torch.cuda.current_device()] if target.type == "cuda" else []
     with _BUILD_LOCK, torch.random.fork_rng(devices=rng_devices), target, default_dtype(dtype):
         torch.manual_seed(seed)
-        return model_class(config).to(dtype)
+        model = model_class(config).to(dtype)
+        if constant_noise > 0:
+            with torch.no_grad():
+                for param in model.parameters():
+                    if param.numel() > 1 and bool((param == param.flatten()[0]).all()):
+                        param.add_(torch.randn_like(param) * constant_noise)
+        return model
 
 
 def save_random_model(
@@ -59,13 +76,14 @@ def save_random_model(
     seed: int,
     device: str,
     dtype: torch.dtype,
+    constant_noise: float = 0.0,
     max_shard_size: str | None = None,
 ) -> pathlib.Path:
     """Builds `random_model(...)` and saves it with `save_pretrained` as safetensors into `path` (sharded
     when `max_shard_size` is given, e.g. "200KB"); on a GPU its memory is given back afterwards."""
     import torch
 
-    model = random_model(model_class, config, seed=seed, device=device, dtype=dtype)
+    model = random_model(model_class, config, seed=seed, device=device, dtype=dtype, constant_noise=constant_noise)
     model.generation_config = generation_config
     save_kwargs = {"safe_serialization": True}
     if max_shard_size is not None:
