@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoProcessor, LlavaForConditionalGeneration
 
-import mmengine.testing as mt
+import mmengine.testing.llava as mt
 from mmengine import MMEngine, SamplingParams
 from mmengine.models.loader import checkpoint_dtype
 from mmengine.testing import LLAVA_1_5_7B_SPEC, REAL_INITIALIZER_RANGE, TinyLlavaSpec, build_llava_checkpoint, make_test_image

@@ -12,7 +12,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer, GenerationConfig, LlavaForConditionalGeneration
 from transformers.utils import logging as hf_logging
 
-import mmengine.testing as mt
+import mmengine.testing.llava as mt
 from mmengine.testing import TinyLlavaSpec, build_tiny_llava, make_test_image, tiny_llava_path
 
 hf_logging.disable_progress_bar()

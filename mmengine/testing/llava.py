@@ -11,20 +11,14 @@ transformers and mmengine's loader read exactly the same files. No network or mo
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
-import json
 import os
 import pathlib
-import shutil
-import tempfile
-import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-import PIL.Image
-import PIL.ImageDraw
+from mmengine.testing.cache import cached_build, spec_key
+from mmengine.testing.tokenizer import train_byte_level_bpe
+from mmengine.testing.weights import REAL_INITIALIZER_RANGE, save_random_model, torch_dtype
 
 if TYPE_CHECKING:
     import torch
@@ -36,16 +30,11 @@ __all__ = [
     "build_llava_checkpoint",
     "build_tiny_llava",
     "tiny_llava_path",
-    "make_test_image",
     "CHAT_TEMPLATE",
-    "REAL_INITIALIZER_RANGE",
 ]
 
 # Bump when the builder changes what it writes, so cached checkpoints are rebuilt.
 _BUILDER_VERSION = 1
-
-# Weight init draws from torch's global RNG; serialize builds so concurrent threads can't interleave draws.
-_BUILD_LOCK = threading.Lock()
 
 # With the transformers default (initializer_range=0.02) the residual stream is dominated by the current
 # token's embedding: tied-embedding models greedily repeat one token whatever the image or prompt, and
@@ -55,11 +44,6 @@ _BUILD_LOCK = threading.Lock()
 # implementations is well defined. Activations stay small (|logits| < 10) and fp16-safe. SigLIP ignores
 # it (fixed lecun/xavier init); for CLIP it scales the patch and position embeddings.
 _INITIALIZER_RANGE = 0.2
-
-# The weight scale of the real models (and transformers' default): what benchmark checkpoints use.
-REAL_INITIALIZER_RANGE = 0.02
-
-_BUILD_DTYPES = ("float32", "float16", "bfloat16")
 
 BOS, EOS, PAD, UNK, IMAGE = "<s>", "</s>", "<pad>", "<unk>", "<image>"
 
@@ -92,35 +76,6 @@ CHAT_TEMPLATE = r"""
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{ ' ASSISTANT:' }}{%- endif -%}
 """.strip()
-
-# Training text for the byte-level BPE: plain, varied English so the merges cover common words.
-_CORPUS = """\
-The quick brown fox jumps over the lazy dog. A picture is worth a thousand words, and this one shows
-a small red house next to a tall green tree. What is in the image? There is a cat sitting on a wooden
-table near the window. The sky is blue and the clouds are white. Two children are playing with a
-yellow ball in the park while their parents watch from a bench.
-Describe the image in detail. The photo was taken in the morning, when the light was soft and warm.
-A man in a black coat is walking his dog along the river. Boats float on the water, and birds fly
-above the bridge. On the left side there is a street with shops, cars, and people riding bicycles.
-Question: how many apples are on the plate? Answer: there are three apples, two red and one green.
-Question: what color is the car? Answer: the car is silver with a dark blue stripe.
-The weather today is cold and rainy, so please bring an umbrella and wear a warm jacket.
-She opened the old book and read the first page aloud. It was a story about a sailor who crossed
-the ocean to find a hidden island full of strange animals and bright flowers.
-Numbers and dates: 1, 2, 3, 10, 42, 100, 2024. The meeting starts at 9:30 and ends at 11:00.
-Computers process images by splitting them into small patches. Each patch becomes a vector, and a
-language model reads these vectors together with the words of the question.
-The kitchen smells of fresh bread and coffee. A bowl of soup, a glass of water, and a slice of cheese
-are waiting on the counter. Somebody left the door open, and the wind is moving the curtains.
-Mountains rise behind the village, covered with snow at the top and forests below. A narrow road
-climbs through the valley, past farms, fences, horses, and a small stone church.
-Can you tell me what this sign says? It says: stop, look, and listen before you cross the road.
-The team won the game after a long and difficult match. Everyone cheered, and the coach smiled.
-Thank you for your help! You are welcome. Have a nice day, and see you tomorrow.
-USER: What is shown in this picture? ASSISTANT: A dog running on the beach.
-USER: Is there a person in the image? ASSISTANT: Yes, a woman is reading a newspaper.
-"""
-
 
 @dataclass(frozen=True)
 class TinyLlavaSpec:
@@ -212,21 +167,10 @@ def _build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     Ids 0..2 are <unk>, <s>, </s> (as in Llama); <image> and <pad> are added special tokens at the end
     of the vocabulary (as in llava-hf checkpoints). Every encoded sequence starts with <s>.
     """
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import processors
     from transformers import PreTrainedTokenizerFast
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=1,
-        special_tokens=[UNK, BOS, EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in (IMAGE, PAD)])
+    tok = train_byte_level_bpe(vocab_size, leading_special_tokens=[UNK, BOS, EOS], added_special_tokens=[IMAGE, PAD])
     bos_id = tok.token_to_id(BOS)
     tok.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
@@ -352,34 +296,27 @@ def build_llava_checkpoint(
 
     `max_shard_size` (e.g. "200KB") makes a sharded safetensors checkpoint (model.safetensors.index.json).
     """
-    import torch
     from transformers import GenerationConfig, LlavaForConditionalGeneration
 
-    from mmengine.models.loader import default_dtype
-
-    dtype = _torch_dtype(dtype)
-    target = torch.device(device)
     path = pathlib.Path(path)
     tokenizer = _build_tokenizer(spec.tokenizer_vocab_size)
     config = _build_config(spec, tokenizer, initializer_range)
-    # Leave the caller's RNG state untouched (the device's too when building on a GPU).
-    rng_devices = [target.index if target.index is not None else torch.cuda.current_device()] if target.type == "cuda" else []
-    with _BUILD_LOCK, torch.random.fork_rng(devices=rng_devices), target, default_dtype(dtype):
-        torch.manual_seed(spec.seed)
-        model = LlavaForConditionalGeneration(config).to(dtype)
-    model.generation_config = GenerationConfig(
+    generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    save_kwargs = {"safe_serialization": True}
-    if max_shard_size is not None:
-        save_kwargs["max_shard_size"] = max_shard_size
-    model.save_pretrained(path, **save_kwargs)
+    save_random_model(
+        LlavaForConditionalGeneration,
+        config,
+        generation_config,
+        path,
+        seed=spec.seed,
+        device=device,
+        dtype=torch_dtype(dtype),
+        max_shard_size=max_shard_size,
+    )
     _build_processor(spec, tokenizer).save_pretrained(path)
-    del model
-    if target.type == "cuda":
-        torch.cuda.empty_cache()
     return path
 
 
@@ -396,78 +333,11 @@ def build_tiny_llava(
     )
 
 
-def _torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    import torch
-
-    if isinstance(dtype, str):
-        if dtype not in _BUILD_DTYPES:
-            raise ValueError(f"dtype must be one of {_BUILD_DTYPES} or a torch dtype, got {dtype!r}")
-        return getattr(torch, dtype)
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"dtype must be float32, float16 or bfloat16, got {dtype}")
-    return dtype
-
-
-def _spec_key(spec: TinyLlavaSpec) -> str:
-    """A stable hash of the spec, the builder version and the transformers version."""
-    import transformers
-
-    payload = {"spec": dataclasses.asdict(spec), "builder": _BUILDER_VERSION, "transformers": transformers.__version__}
-    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def tiny_llava_path(spec: TinyLlavaSpec = TinyLlavaSpec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """The path of a cached checkpoint for `spec`, building it on first use.
 
     The cache dir defaults to $MMENGINE_CACHE_DIR or ~/.cache/mmengine/tiny-models. The checkpoint is built
     in a temporary directory and renamed into place, so concurrent callers never see a partial build.
     """
-    if cache_dir is None:
-        cache_dir = os.environ.get("MMENGINE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "mmengine" / "tiny-models"
-    cache_dir = pathlib.Path(cache_dir)
-    final = cache_dir / f"llava-{spec.text_model}-{spec.vision_model}-{_spec_key(spec)}"
-    if final.is_dir():
-        return final
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; the finished cache entry should not be
-        build_tiny_llava(tmp, spec)
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():  # a real failure, not a lost race against another builder
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-def make_test_image(seed: int, size: tuple[int, int] = (48, 40), mode: str = "RGB") -> PIL.Image.Image:
-    """A deterministic, structured (non-constant) image of `size` = (width, height) in any PIL `mode`.
-
-    A seed-dependent colour gradient with a few rectangles and ellipses on top; modes with an alpha band
-    (RGBA, LA, ...) get a non-constant alpha and CMYK a non-zero K band, so conversions are exercised.
-    """
-    rng = np.random.default_rng(seed)
-    width, height = size
-    ys, xs = np.mgrid[0:height, 0:width].astype(np.float32)
-    u, v = xs / max(width - 1, 1), ys / max(height - 1, 1)
-    start, end, cross = (rng.uniform(0, 255, 3).astype(np.float32) for _ in range(3))
-    rgb = start * (1 - u[..., None]) + end * u[..., None] + (cross - 128) * (v[..., None] - 0.5)
-    img = PIL.Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8), "RGB")
-    draw = PIL.ImageDraw.Draw(img)
-    for _ in range(4):
-        x0, x1 = sorted(int(x) for x in rng.integers(0, width, 2))
-        y0, y1 = sorted(int(y) for y in rng.integers(0, height, 2))
-        fill = tuple(int(c) for c in rng.integers(0, 256, 3))
-        shape = draw.rectangle if rng.random() < 0.5 else draw.ellipse
-        shape((x0, y0, x1 + 1, y1 + 1), fill=fill)
-    if mode == "CMYK":  # PIL's RGB->CMYK leaves K at 0; separate properly so all four bands carry signal
-        rgb01 = np.asarray(img, dtype=np.float32) / 255
-        k = 1 - rgb01.max(axis=-1, keepdims=True)
-        cmy = (1 - rgb01 - k) / np.maximum(1 - k, 1e-6)
-        return PIL.Image.fromarray(np.round(np.concatenate([cmy, k], -1) * 255).astype(np.uint8), "CMYK")
-    if "A" in PIL.Image.new(mode, (1, 1)).getbands():
-        alpha = (64 + 191 * np.abs(np.sin(3 * u + 2 * v + seed))).astype(np.uint8)
-        img.putalpha(PIL.Image.fromarray(alpha, "L"))
-    return img if img.mode == mode else img.convert(mode)
+    name = f"llava-{spec.text_model}-{spec.vision_model}-{spec_key(spec, _BUILDER_VERSION)}"
+    return cached_build(name, lambda path: build_tiny_llava(path, spec), cache_dir)

@@ -1,0 +1,48 @@
+"""Builders for random-weight checkpoints (tests, the demo, benchmarks) and deterministic test images.
+
+Everything is built locally with transformers' own classes and saved with `save_pretrained`, so
+transformers and mmengine's loader read exactly the same files. No network or model hub is needed.
+
+- LLaVA-1.5 (`llava`): `TinyLlavaSpec`, `build_tiny_llava`, `tiny_llava_path`, and `build_llava_checkpoint`
+  with `LLAVA_1_5_7B_SPEC` for benchmarks.
+- Qwen2-VL / Qwen2.5-VL (`qwen_vl`): `TinyQwenVLSpec`, `build_tiny_qwen_vl`, `tiny_qwen_vl_path`, and
+  `build_qwen_vl_checkpoint` with `QWEN2_5_VL_7B_SPEC` for benchmarks.
+"""
+
+from mmengine.testing.images import make_test_image
+from mmengine.testing.llava import (
+    CHAT_TEMPLATE,
+    LLAVA_1_5_7B_SPEC,
+    TinyLlavaSpec,
+    build_llava_checkpoint,
+    build_tiny_llava,
+    tiny_llava_path,
+)
+from mmengine.testing.qwen_vl import (
+    QWEN2_5_VL_7B_SPEC,
+    QWEN_CHAT_TEMPLATE,
+    TinyQwenVLSpec,
+    build_qwen_vl_checkpoint,
+    build_tiny_qwen_vl,
+    load_qwen_vl_processor,
+    tiny_qwen_vl_path,
+)
+from mmengine.testing.weights import REAL_INITIALIZER_RANGE
+
+__all__ = [
+    "TinyLlavaSpec",
+    "LLAVA_1_5_7B_SPEC",
+    "build_llava_checkpoint",
+    "build_tiny_llava",
+    "tiny_llava_path",
+    "make_test_image",
+    "CHAT_TEMPLATE",
+    "REAL_INITIALIZER_RANGE",
+    "TinyQwenVLSpec",
+    "QWEN2_5_VL_7B_SPEC",
+    "QWEN_CHAT_TEMPLATE",
+    "build_qwen_vl_checkpoint",
+    "build_tiny_qwen_vl",
+    "tiny_qwen_vl_path",
+    "load_qwen_vl_processor",
+]

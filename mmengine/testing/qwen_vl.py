@@ -1,0 +1,450 @@
+"""Random-weight Qwen2-VL and Qwen2.5-VL checkpoints for tests, demos and benchmarks.
+
+Built locally with transformers' own classes (`Qwen2VLForConditionalGeneration`,
+`Qwen2_5_VLForConditionalGeneration`, the PIL `Qwen2VLImageProcessorPil`) and a locally trained tokenizer
+carrying Qwen's special tokens; saved with `save_pretrained` in the layout of the published checkpoints
+(config, generation config, safetensors, tokenizer, preprocessor config, chat template). No network.
+
+- `build_tiny_qwen_vl` / `tiny_qwen_vl_path`: tiny shapes on CPU, weights scaled so that greedy parity
+  between implementations is well defined (tests, the demo).
+- `build_qwen_vl_checkpoint` with `QWEN2_5_VL_7B_SPEC`: the published model's shape, built directly on a
+  GPU in bf16 at the real models' weight scale (benchmarks). Never commit one: it is 16 GB.
+
+Without torchvision, transformers cannot build a Qwen-VL processor through `AutoProcessor` (it always
+loads the torchvision-only video processor); `load_qwen_vl_processor` builds the same processor for
+images only there, and is `AutoProcessor.from_pretrained` where torchvision is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mmengine.testing.cache import cached_build, spec_key
+from mmengine.testing.tokenizer import train_byte_level_bpe
+from mmengine.testing.weights import BUILD_DTYPES, REAL_INITIALIZER_RANGE, save_random_model, torch_dtype
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast, ProcessorMixin
+
+__all__ = [
+    "TinyQwenVLSpec",
+    "QWEN2_5_VL_7B_SPEC",
+    "QWEN_CHAT_TEMPLATE",
+    "build_qwen_vl_checkpoint",
+    "build_tiny_qwen_vl",
+    "tiny_qwen_vl_path",
+    "load_qwen_vl_processor",
+]
+
+# Bump when the builder changes what it writes, so cached checkpoints are rebuilt.
+_BUILDER_VERSION = 1
+
+# Same reasoning as the LLaVA builders' _INITIALIZER_RANGE: at transformers' default (0.02) the residual
+# stream is dominated by the current token's embedding and greedy output barely depends on the image.
+# Measured on the default tiny specs of both families (tests/test_qwen_builders.py checks it): at 0.2
+# greedy 8-token continuations differ for every (image, prompt) pair tried, and top-2 logit gaps have a
+# median of ~0.3 and a minimum above 1e-3, so greedy parity between implementations is well defined.
+_INITIALIZER_RANGE = 0.2
+
+# transformers initializes biases (q/k/v, the vision tower's) to 0 and norm weights to 1; the tiny
+# checkpoints perturb them by this much, so parity tests catch a bias or norm weight that is dropped,
+# swapped between layers or applied in the wrong place.
+_CONSTANT_NOISE = 0.2
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
+# In the published tokenizers' order (151643, 151644, 151645, then the vision tokens 151652, 151653,
+# 151655, 151656); here they follow the small BPE vocabulary directly.
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
+
+# Qwen's ChatML format, as in the published Qwen2-VL / Qwen2.5-VL templates but without the default
+# system message:
+#   <|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is this?<|im_end|>\n<|im_start|>assistant\n
+# `content` is a string or a list of {"type": "text", "text": ...} / {"type": "image"} parts (an "image"
+# key also marks an image part, as transformers' chat templating passes images that way), in order.
+QWEN_CHAT_TEMPLATE = r"""
+{%- for message in messages -%}
+  {{ '<|im_start|>' + message['role'] + '\n' }}
+  {%- if message['content'] is string -%}
+    {{ message['content'] }}
+  {%- else -%}
+    {%- for part in message['content'] -%}
+      {%- if part['type'] == 'image' or 'image' in part -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}
+      {%- elif part['type'] == 'text' -%}{{ part['text'] }}
+      {%- else -%}{{ raise_exception('unsupported content part type: ' + part['type']) }}
+      {%- endif -%}
+    {%- endfor -%}
+  {%- endif -%}
+  {{ '<|im_end|>\n' }}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}
+""".strip()
+
+
+@dataclass(frozen=True)
+class TinyQwenVLSpec:
+    """Shape and family of a Qwen2-VL / Qwen2.5-VL checkpoint; tiny by default (`QWEN2_5_VL_7B_SPEC` is
+    a real shape). Equal specs built on the same device give byte-identical checkpoints.
+
+    The text model's head_dim is hidden_size // num_attention_heads (as in Qwen2-VL), and `mrope_section`
+    (temporal, height, width rotary frequencies) must sum to head_dim // 2. Images are resized to
+    multiples of patch_size * spatial_merge_size with min_pixels <= h * w <= max_pixels; each becomes
+    (h / patch) * (w / patch) / spatial_merge_size**2 tokens. `window_size` and `fullatt_block_indexes`
+    are Qwen2.5-VL's window attention (in pixels; the layers that attend over the whole image).
+    """
+
+    family: str = "qwen2_5_vl"  # "qwen2_vl" | "qwen2_5_vl"
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    mrope_section: tuple[int, int, int] = (2, 3, 3)
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    vision_hidden_size: int = 32
+    vision_intermediate_size: int = 64  # Qwen2-VL: vision_hidden_size * mlp_ratio
+    vision_num_heads: int = 2
+    vision_depth: int | None = None  # None: 2 for qwen2_vl, 4 for qwen2_5_vl
+    fullatt_block_indexes: tuple[int, ...] | None = None  # None: (1, 3) for qwen2_5_vl; qwen2_vl has none
+    window_size: int = 56  # qwen2_5_vl only: 2x2 merged tokens (4x4 patches) a window
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    min_pixels: int = 28 * 28 * 4
+    max_pixels: int = 28 * 28 * 64
+    tokenizer_vocab_size: int = 400  # target for BPE training
+    # The model's vocabulary (embedding and lm_head rows). None: len(tokenizer) exactly. Larger pads it
+    # past the tokenizer, as the published checkpoints do (152064 rows for 151665 tokens).
+    vocab_size: int | None = None
+    dtype: str = "float32"  # what build_tiny_qwen_vl / tiny_qwen_vl_path save
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        if self.dtype not in BUILD_DTYPES:
+            raise ValueError(f"dtype must be one of {BUILD_DTYPES}, got {self.dtype!r}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
+            )
+        if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.head_dim // 2:
+            raise ValueError(
+                f"mrope_section {self.mrope_section} must be three sections summing to head_dim // 2 = {self.head_dim // 2}"
+            )
+        if self.vision_hidden_size % self.vision_num_heads or (self.vision_hidden_size // self.vision_num_heads) % 4:
+            raise ValueError(
+                f"vision_hidden_size {self.vision_hidden_size} / vision_num_heads {self.vision_num_heads} must be "
+                "a multiple of 4 (the vision rotary embedding splits each head in height and width halves)"
+            )
+        if self.family == "qwen2_vl":
+            if self.vision_intermediate_size % self.vision_hidden_size:
+                raise ValueError(
+                    f"qwen2_vl: vision_intermediate_size {self.vision_intermediate_size} must be a multiple of "
+                    f"vision_hidden_size {self.vision_hidden_size} (Qwen2-VL's vision MLP has an integer mlp_ratio)"
+                )
+            if self.fullatt_block_indexes:
+                raise ValueError("qwen2_vl has no window attention: fullatt_block_indexes must be None or empty")
+        depth = self.vision_layers
+        if any(not 0 <= i < depth for i in self.full_attention_blocks):
+            raise ValueError(f"fullatt_block_indexes {self.full_attention_blocks} must index the {depth} vision layers")
+        factor = self.patch_size * self.spatial_merge_size
+        if self.window_size % factor:
+            raise ValueError(f"window_size {self.window_size} is not a multiple of patch_size * spatial_merge_size = {factor}")
+        if not factor * factor <= self.min_pixels <= self.max_pixels:
+            raise ValueError(
+                f"need {factor * factor} <= min_pixels <= max_pixels, got min_pixels={self.min_pixels}, "
+                f"max_pixels={self.max_pixels}"
+            )
+        if self.vocab_size is not None and (not isinstance(self.vocab_size, int) or self.vocab_size <= 0):
+            raise ValueError(f"vocab_size must be None or a positive int, got {self.vocab_size!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def vision_layers(self) -> int:
+        """The effective vision depth."""
+        if self.vision_depth is not None:
+            return self.vision_depth
+        return 2 if self.family == "qwen2_vl" else 4
+
+    @property
+    def full_attention_blocks(self) -> tuple[int, ...]:
+        """The effective fullatt_block_indexes (always empty for qwen2_vl, whose layers all attend fully)."""
+        if self.fullatt_block_indexes is not None:
+            return tuple(self.fullatt_block_indexes)
+        return () if self.family == "qwen2_vl" else (1, 3)
+
+    @property
+    def max_image_tokens(self) -> int:
+        """The most tokens one image can become (an image at max_pixels)."""
+        return self.max_pixels // (self.patch_size * self.spatial_merge_size) ** 2
+
+
+# Qwen2.5-VL-7B-Instruct: a Qwen2 decoder (3584 hidden, 18944 MLP, 28 layers, 28 heads, 4 KV heads,
+# head_dim 128, M-RoPE sections 16/24/24, 152064-row vocabulary, untied) over a 32-layer, 1280-wide
+# window-attention ViT (16 heads, SiLU MLP 3420, full attention in layers 7/15/23/31, 112-pixel windows)
+# and a patch merger to 3584. 8,292,166,656 parameters, like the published checkpoint; the tokenizer is
+# the small built-in one, so text is noise.
+QWEN2_5_VL_7B_SPEC = TinyQwenVLSpec(
+    family="qwen2_5_vl",
+    hidden_size=3584,
+    intermediate_size=18944,
+    num_hidden_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    mrope_section=(16, 24, 24),
+    rms_norm_eps=1e-6,
+    max_position_embeddings=128000,
+    vision_hidden_size=1280,
+    vision_intermediate_size=3420,
+    vision_num_heads=16,
+    vision_depth=32,
+    fullatt_block_indexes=(7, 15, 23, 31),
+    window_size=112,
+    min_pixels=56 * 56,
+    max_pixels=28 * 28 * 1280,
+    vocab_size=152064,
+    dtype="bfloat16",
+)
+
+
+def _build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
+    """A deterministic byte-level BPE wrapped as a transformers fast tokenizer, with Qwen's special tokens
+    added after the learned vocabulary. As in Qwen's tokenizers there is no BOS, eos is <|im_end|> and
+    padding is <|endoftext|>; padding is on the left, for batched generation."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = train_byte_level_bpe(vocab_size, added_special_tokens=SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT, padding_side="left"
+    )
+
+
+def _build_config(
+    spec: TinyQwenVLSpec, tokenizer: PreTrainedTokenizerFast, initializer_range: float | None = None
+) -> PretrainedConfig:
+    """The Qwen2VLConfig / Qwen2_5_VLConfig for `spec`, with the vocabulary and special ids taken from
+    `tokenizer`. `initializer_range` None: the tiny checkpoints' scale (_INITIALIZER_RANGE)."""
+    from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
+
+    if initializer_range is None:
+        initializer_range = _INITIALIZER_RANGE
+    vocab_size = len(tokenizer) if spec.vocab_size is None else spec.vocab_size
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
+    text_config = dict(
+        vocab_size=vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        hidden_act="silu",
+        max_position_embeddings=spec.max_position_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta, "mrope_section": list(spec.mrope_section)},
+        use_sliding_window=False,
+        max_window_layers=spec.num_hidden_layers,
+        initializer_range=initializer_range,
+        bos_token_id=ids[ENDOFTEXT],
+        eos_token_id=ids[IM_END],
+        pad_token_id=ids[ENDOFTEXT],
+    )
+    common_vision = dict(
+        depth=spec.vision_layers,
+        num_heads=spec.vision_num_heads,
+        in_channels=3,
+        patch_size=spec.patch_size,
+        temporal_patch_size=spec.temporal_patch_size,
+        spatial_merge_size=spec.spatial_merge_size,
+        initializer_range=initializer_range,
+    )
+    token_ids = dict(
+        image_token_id=ids[IMAGE_PAD],
+        video_token_id=ids[VIDEO_PAD],
+        vision_start_token_id=ids[VISION_START],
+        vision_end_token_id=ids[VISION_END],
+    )
+    if spec.family == "qwen2_vl":
+        # Qwen2-VL names the ViT width embed_dim and the merger's output (the decoder width) hidden_size.
+        vision_config = dict(
+            embed_dim=spec.vision_hidden_size,
+            hidden_size=spec.hidden_size,
+            mlp_ratio=spec.vision_intermediate_size // spec.vision_hidden_size,
+            hidden_act="quick_gelu",
+            **common_vision,
+        )
+        config_class = Qwen2VLConfig
+    else:
+        vision_config = dict(
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=spec.vision_intermediate_size,
+            out_hidden_size=spec.hidden_size,
+            hidden_act="silu",
+            window_size=spec.window_size,
+            fullatt_block_indexes=list(spec.full_attention_blocks),
+            tokens_per_second=2,
+            **common_vision,
+        )
+        config_class = Qwen2_5_VLConfig
+    return config_class(
+        text_config=text_config,
+        vision_config=vision_config,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        **token_ids,
+    )
+
+
+def _build_image_processor(spec: TinyQwenVLSpec):
+    """Qwen2VLImageProcessorPil with the spec's pixel bounds. It is what Qwen2VLImageProcessor resolves to
+    without torchvision and saves under that name, so where torchvision is installed AutoProcessor loads
+    the torchvision backend with the same settings (same resize, same token counts)."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(
+        min_pixels=spec.min_pixels,
+        max_pixels=spec.max_pixels,
+        patch_size=spec.patch_size,
+        temporal_patch_size=spec.temporal_patch_size,
+        merge_size=spec.spatial_merge_size,
+    )
+
+
+def _processor_class(family: str) -> type[ProcessorMixin]:
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
+
+    return Qwen2VLProcessor if family == "qwen2_vl" else Qwen2_5_VLProcessor
+
+
+def _image_only(processor_class: type[ProcessorMixin]) -> type[ProcessorMixin]:
+    """`processor_class` without its video processor. transformers reads a processor's parts from its
+    __init__ signature; leaving video_processor out of it skips the torchvision-only video processor
+    while the image and text paths stay transformers' own."""
+
+    class ImageOnly(processor_class):  # type: ignore[misc,valid-type]
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    ImageOnly.__name__ = ImageOnly.__qualname__ = f"{processor_class.__name__}ImageOnly"
+    return ImageOnly
+
+
+def _build_processor(spec: TinyQwenVLSpec, tokenizer: PreTrainedTokenizerFast) -> ProcessorMixin:
+    """The family's processor (PIL image processor, tokenizer, chat template), images only."""
+    return _image_only(_processor_class(spec.family))(
+        image_processor=_build_image_processor(spec), tokenizer=tokenizer, chat_template=QWEN_CHAT_TEMPLATE
+    )
+
+
+def _save_processor(spec: TinyQwenVLSpec, tokenizer: PreTrainedTokenizerFast, path: pathlib.Path) -> None:
+    """Saves the processor's parts as the published checkpoints lay them out: tokenizer files, the image
+    processor's preprocessor_config.json and chat_template.jinja. No processor_config.json: transformers
+    resolves the processor class from config.json's model_type (or tokenizer_config.json's processor_class)."""
+    image_processor = _build_image_processor(spec)
+    tokenizer._processor_class = _processor_class(spec.family).__name__
+    tokenizer.chat_template = QWEN_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    image_processor.save_pretrained(path)
+
+
+def load_qwen_vl_processor(path: str | os.PathLike) -> ProcessorMixin:
+    """The checkpoint's processor: `AutoProcessor.from_pretrained(path)` where torchvision is installed,
+    else the same processor class without its (torchvision-only) video processor, built from the
+    checkpoint's own tokenizer, image processor (the PIL backend) and chat template."""
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer, Qwen2VLImageProcessorPil
+    from transformers.utils import is_torchvision_available
+
+    if is_torchvision_available():
+        return AutoProcessor.from_pretrained(path)
+    family = AutoConfig.from_pretrained(path).model_type
+    if family not in FAMILIES:
+        raise ValueError(f"{path} is not a Qwen2-VL / Qwen2.5-VL checkpoint (model_type {family!r})")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return _image_only(_processor_class(family))(
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(path),
+        tokenizer=tokenizer,
+        chat_template=tokenizer.chat_template,
+    )
+
+
+def build_qwen_vl_checkpoint(
+    path: str | os.PathLike,
+    spec: TinyQwenVLSpec = TinyQwenVLSpec(),
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype | str | None = None,
+    initializer_range: float = REAL_INITIALIZER_RANGE,
+    constant_noise: float = 0.0,
+    max_shard_size: str | None = None,
+) -> pathlib.Path:
+    """Builds a random-weight checkpoint of `spec` and saves it (weights, config, generation config,
+    tokenizer, image processor, chat template) into `path`; returns the path.
+
+    The weights are created directly on `device` in `dtype` (None: `spec.dtype`), drawn with transformers'
+    own initialization at `initializer_range` (0.02, the real models' scale) from seed `spec.seed`, plus
+    `constant_noise` on the parameters it sets to constants (see weights.random_model). On a
+    GPU the Qwen2.5-VL-7B shape takes about 16 GB:
+
+        build_qwen_vl_checkpoint(path, QWEN2_5_VL_7B_SPEC, device="cuda")
+
+    `max_shard_size` (e.g. "200KB") makes a sharded safetensors checkpoint (model.safetensors.index.json).
+    """
+    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
+
+    path = pathlib.Path(path)
+    tokenizer = _build_tokenizer(spec.tokenizer_vocab_size)
+    config = _build_config(spec, tokenizer, initializer_range)
+    end_of_text = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    # As the published Instruct checkpoints: a turn ends at <|im_end|>, a document at <|endoftext|>.
+    generation_config = GenerationConfig(
+        bos_token_id=end_of_text, eos_token_id=[tokenizer.eos_token_id, end_of_text], pad_token_id=end_of_text
+    )
+    model_class = Qwen2VLForConditionalGeneration if spec.family == "qwen2_vl" else Qwen2_5_VLForConditionalGeneration
+    save_random_model(
+        model_class,
+        config,
+        generation_config,
+        path,
+        seed=spec.seed,
+        device=device,
+        dtype=torch_dtype(spec.dtype if dtype is None else dtype),
+        constant_noise=constant_noise,
+        max_shard_size=max_shard_size,
+    )
+    _save_processor(spec, tokenizer, path)
+    return path
+
+
+def build_tiny_qwen_vl(
+    path: str | os.PathLike, spec: TinyQwenVLSpec = TinyQwenVLSpec(), *, max_shard_size: str | None = None
+) -> pathlib.Path:
+    """Builds and saves a tiny test checkpoint (on CPU, in `spec.dtype`, weights at the parity-friendly
+    scale explained at _INITIALIZER_RANGE, constants perturbed by _CONSTANT_NOISE); returns the path."""
+    return build_qwen_vl_checkpoint(
+        path,
+        spec,
+        device="cpu",
+        initializer_range=_INITIALIZER_RANGE,
+        constant_noise=_CONSTANT_NOISE,
+        max_shard_size=max_shard_size,
+    )
+
+
+def tiny_qwen_vl_path(spec: TinyQwenVLSpec = TinyQwenVLSpec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """The path of a cached tiny checkpoint for `spec`, building it on first use (cache dir as for
+    tiny_llava_path: $MMENGINE_CACHE_DIR or ~/.cache/mmengine/tiny-models)."""
+    name = f"{spec.family}-{spec_key(spec, _BUILDER_VERSION)}"
+    return cached_build(name, lambda path: build_tiny_qwen_vl(path, spec), cache_dir)
