@@ -101,12 +101,12 @@ def test_a_mixed_size_workload_encodes_each_distinct_image_once(family):
 def _prompt_with_image_placed(engine: MMEngine, family: FamilyCase, image, block_size: int, placement: str) -> str:
     """A one-image prompt whose length is a multiple of block_size, the image placed as asked."""
     marker = "<image>" if family.name == "llava" else "<|image_pad|>"
+    if placement != "ends_at_prompt_end" and family.name != "llava":
+        marker = "<|vision_start|><|image_pad|><|vision_end|>"
     for pad in range(0, 60):
-        for tail in ["", " x", " what", " what is it", " please describe it"]:
-            if placement == "ends_at_prompt_end":
-                prompt = "x" + " a" * pad + tail + marker
-            else:
-                prompt = family.prompt(" a" * pad + tail, 1)
+        for tail in ["", " x", " what", " what is it"]:
+            tail = "" if placement == "ends_at_prompt_end" else tail
+            prompt = "x" + " a" * pad + marker + tail
             processed = engine.input_processor.process(prompt, [image], FIXED)
             n, item = len(processed.prompt_token_ids), processed.mm_items[0]
             if n % block_size or n < 2 * block_size:
