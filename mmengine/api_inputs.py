@@ -58,7 +58,7 @@ def check_image_list(images: object, prompt_index: int | None = None) -> list[An
         return list(images)
     if _looks_like_one_image(images):
         raise InvalidInputError(
-            f"images must be a list with one image per <image> marker, got a bare {type_name(images)}: "
+            f"images must be a list with one image per image marker, got a bare {type_name(images)}: "
             "pass [image] instead",
             prompt_index,
         )

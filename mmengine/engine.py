@@ -57,7 +57,8 @@ class MMEngine:
     - `add_request(prompt, images)` and `step()` in a loop: continuous batching driven by you;
       each step returns the outputs of the requests that got a token; `abort_request(id)` stops one.
 
-    Images in a prompt are marked with the processor's image token (`<image>`), one per image.
+    Images in a prompt are marked with the processor's image token, one per image (`<image>` for LLaVA,
+    `<|vision_start|><|image_pad|><|vision_end|>` for Qwen2-VL; `chat()` writes them).
     Identical images share one encoder run and identical prefixes share KV blocks (`stats()`
     counts both). Bad input raises a ValueError subclass from mmengine.errors before anything is
     queued. Every public method may be called from several threads (see README, "Threads").

@@ -158,3 +158,13 @@ def test_more_image_markers_than_images_is_a_typed_error(family):
     engine = MMEngine(str(family.path), max_model_len=256, dtype="float32", device="cpu")
     with pytest.raises(ImageCountMismatchError, match="2 .*marker.*1 image"):
         engine.generate(family.prompt("two?", 2), images=[IMAGES[0]], sampling_params=FIXED, use_tqdm=False)
+
+
+def test_chat_renders_the_family_template_and_matches_generate(family):
+    engine = MMEngine(str(family.path), max_model_len=512, dtype="float32", device="cpu")
+    conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    (chat,) = engine.chat(conversation, images=[IMAGES[3]], sampling_params=FIXED)
+    prompt = engine.input_processor.apply_chat_template(conversation)
+    assert prompt.count("<image>" if family.name == "llava" else "<|image_pad|>") == 1
+    (direct,) = engine.generate(prompt, images=[IMAGES[3]], sampling_params=FIXED, use_tqdm=False)
+    assert chat.token_ids == direct.token_ids and len(chat.token_ids) == 4
