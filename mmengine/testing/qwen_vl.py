@@ -38,6 +38,7 @@ __all__ = [
     "build_tiny_qwen_vl",
     "tiny_qwen_vl_path",
     "load_qwen_vl_processor",
+    "qwen_vl_prompt",
 ]
 
 # Bump when the builder changes what it writes, so cached checkpoints are rebuilt.
@@ -85,6 +86,13 @@ QWEN_CHAT_TEMPLATE = r"""
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}
 """.strip()
+
+
+def qwen_vl_prompt(text: str, num_images: int = 0) -> str:
+    """A one-turn user prompt in the chat template's format, its images first, ready for generation:
+    what `apply_chat_template` renders for [image] * num_images + [text]."""
+    images = f"{VISION_START}{IMAGE_PAD}{VISION_END}" * num_images
+    return f"{IM_START}user\n{images}{text}{IM_END}\n{IM_START}assistant\n"
 
 
 @dataclass(frozen=True)
@@ -367,11 +375,11 @@ def load_qwen_vl_processor(path: str | os.PathLike) -> ProcessorMixin:
     from transformers import AutoConfig, AutoProcessor, AutoTokenizer, Qwen2VLImageProcessorPil
     from transformers.utils import is_torchvision_available
 
-    if is_torchvision_available():
-        return AutoProcessor.from_pretrained(path)
     family = AutoConfig.from_pretrained(path).model_type
     if family not in FAMILIES:
         raise ValueError(f"{path} is not a Qwen2-VL / Qwen2.5-VL checkpoint (model_type {family!r})")
+    if is_torchvision_available():
+        return AutoProcessor.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return _image_only(_processor_class(family))(
         image_processor=Qwen2VLImageProcessorPil.from_pretrained(path),
