@@ -25,6 +25,7 @@ from mmengine.testing.qwen_vl import (
     build_qwen_vl_checkpoint,
     build_tiny_qwen_vl,
     load_qwen_vl_processor,
+    qwen_vl_prompt,
     tiny_qwen_vl_path,
 )
 from mmengine.testing.weights import REAL_INITIALIZER_RANGE
@@ -45,4 +46,5 @@ __all__ = [
     "build_tiny_qwen_vl",
     "tiny_qwen_vl_path",
     "load_qwen_vl_processor",
+    "qwen_vl_prompt",
 ]

@@ -38,16 +38,18 @@ __all__ = [
     "build_tiny_qwen_vl",
     "tiny_qwen_vl_path",
     "load_qwen_vl_processor",
+    "qwen_vl_prompt",
 ]
 
 # Bump when the builder changes what it writes, so cached checkpoints are rebuilt.
 _BUILDER_VERSION = 1
 
-# Same reasoning as the LLaVA builders' _INITIALIZER_RANGE: at transformers' default (0.02) the residual
-# stream is dominated by the current token's embedding and greedy output barely depends on the image.
-# Measured on the default tiny specs of both families (tests/test_qwen_builders.py checks it): at 0.2
-# greedy 8-token continuations differ for every (image, prompt) pair tried, and top-2 logit gaps have a
-# median of ~0.3 and a minimum above 1e-3, so greedy parity between implementations is well defined.
+# Same reasoning as the LLaVA builders' _INITIALIZER_RANGE. Measured on the default tiny specs over 16
+# prompts (4 image sizes x 3 texts, two two-image prompts, two text-only), 8 greedy tokens each: at
+# transformers' default 0.02 logits stay below 0.6, top-2 gaps have a median of ~0.035 and go down to
+# 3e-4, and some prompts share their continuation. At 0.2 (with _CONSTANT_NOISE) all 16 continuations
+# differ, median gap ~0.3-0.4, 5th percentile ~3e-2, minimum 2.6e-3 (2.5) / 1.9e-2 (2), |logits| < 7
+# (fp16-safe), so greedy parity between implementations is well defined.
 _INITIALIZER_RANGE = 0.2
 
 # transformers initializes biases (q/k/v, the vision tower's) to 0 and norm weights to 1; the tiny
@@ -85,6 +87,13 @@ QWEN_CHAT_TEMPLATE = r"""
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}
 """.strip()
+
+
+def qwen_vl_prompt(text: str, num_images: int = 0) -> str:
+    """A one-turn user prompt in the chat template's format, its images first, ready for generation:
+    what `apply_chat_template` renders for [image] * num_images + [text]."""
+    images = f"{VISION_START}{IMAGE_PAD}{VISION_END}" * num_images
+    return f"{IM_START}user\n{images}{text}{IM_END}\n{IM_START}assistant\n"
 
 
 @dataclass(frozen=True)
@@ -367,11 +376,11 @@ def load_qwen_vl_processor(path: str | os.PathLike) -> ProcessorMixin:
     from transformers import AutoConfig, AutoProcessor, AutoTokenizer, Qwen2VLImageProcessorPil
     from transformers.utils import is_torchvision_available
 
-    if is_torchvision_available():
-        return AutoProcessor.from_pretrained(path)
     family = AutoConfig.from_pretrained(path).model_type
     if family not in FAMILIES:
         raise ValueError(f"{path} is not a Qwen2-VL / Qwen2.5-VL checkpoint (model_type {family!r})")
+    if is_torchvision_available():
+        return AutoProcessor.from_pretrained(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return _image_only(_processor_class(family))(
         image_processor=Qwen2VLImageProcessorPil.from_pretrained(path),
