@@ -169,12 +169,16 @@ def _hf_inputs(processor: object, prompt: str, images: list | None, precision: P
     return inputs
 
 
-def hf_greedy(path: Path, prompt: str, images: list | None, max_new_tokens: int, precision: Precision = CPU_FP32) -> list[int]:
-    """Greedy tokens from transformers' own model class's generate (the correctness anchor)."""
-    model, processor = _hf_model(path, precision)
+def hf_greedy(
+    path: Path, prompt: str, images: list | None, max_new_tokens: int, precision: Precision = CPU_FP32, ignore_eos: bool = False
+) -> list[int]:
+    """Greedy tokens from transformers' own model class's generate (the correctness anchor); it stops
+    after an eos token (included) unless `ignore_eos`, like SamplingParams(ignore_eos=True)."""
+    model, processor = _hf_model(Path(path), precision)
     inputs = _hf_inputs(processor, prompt, images, precision)
+    eos = {"eos_token_id": None} if ignore_eos else {}
     with torch.inference_mode():
-        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, **eos)
     return out[0, inputs["input_ids"].shape[1] :].tolist()
 
 

@@ -35,7 +35,7 @@ from mmengine.testing import (
     qwen_vl_prompt,
     tiny_qwen_vl_path,
 )
-from qwen_oracle import hf_qwen_vl_generate, hf_qwen_vl_greedy
+from conftest import hf_greedy
 
 hf_logging.disable_progress_bar()
 
@@ -260,7 +260,7 @@ def test_load_qwen_vl_processor(checkpoints, tmp_path):
             assert type(processor).get_attributes() == ["image_processor", "tokenizer"]
             assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessorPil"
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llava"}))
-    with pytest.raises(ValueError, match="not a Qwen2-VL"):
+    with pytest.raises(ValueError, match="not a Qwen2-VL"):  # (a LLaVA config)
         load_qwen_vl_processor(tmp_path)
 
 
@@ -272,15 +272,15 @@ def test_generate_two_images_of_different_sizes_and_text_only(checkpoints, famil
     path = checkpoints[family]
     images = [make_test_image(1, (48, 40)), make_test_image(2, (120, 90))]
     prompts = [qwen_vl_prompt("Compare the two pictures.", 2), qwen_vl_prompt("Tell me a story about a boat.")]
-    two, text_only = hf_qwen_vl_generate(path, prompts, [images, []], 8, ignore_eos=True)
+    two, text_only = (hf_greedy(path, prompt, imgs, 8, ignore_eos=True) for prompt, imgs in zip(prompts, [images, []]))
     assert len(two) == len(text_only) == 8
     vocab = AutoConfig.from_pretrained(path).text_config.vocab_size
     assert all(0 <= t < vocab for t in two + text_only)
     # Deterministic, and the images matter: swapping them changes the continuation.
-    assert hf_qwen_vl_greedy(path, prompts[0], images, 8, ignore_eos=True) == two
-    assert hf_qwen_vl_greedy(path, prompts[0], images[::-1], 8, ignore_eos=True) != two
+    assert hf_greedy(path, prompts[0], images, 8, ignore_eos=True) == two
+    assert hf_greedy(path, prompts[0], images[::-1], 8, ignore_eos=True) != two
     # Stopping at eos: the same tokens up to and including the first <|im_end|> / <|endoftext|>.
-    stopped = hf_qwen_vl_greedy(path, prompts[0], images, 8)
+    stopped = hf_greedy(path, prompts[0], images, 8)
     eos = set(GenerationConfig.from_pretrained(path).eos_token_id)
     cut = next((i + 1 for i, t in enumerate(two) if t in eos), 8)
     assert stopped == two[:cut]

@@ -104,13 +104,14 @@ class Qwen2VLFamily(ModelFamily):
     def load_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
         """transformers' processor for the family. Its video processor needs torchvision; without
         torchvision the same processor class is built without it (images and text are unaffected)."""
-        from transformers import AutoImageProcessor, AutoTokenizer
+        from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
         from transformers.utils import is_torchvision_available
 
         if is_torchvision_available():
             return super().load_processor(model_dir, overrides)
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        image_processor = AutoImageProcessor.from_pretrained(model_dir, local_files_only=True, **overrides)
+        # (AutoImageProcessor itself asks for torchvision in some transformers 5 releases)
+        image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True, **overrides)
         return image_only_processor_class(cls.processor_class())(
             image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
         )

@@ -338,22 +338,11 @@ def _processor_class(family: str) -> type[ProcessorMixin]:
     return Qwen2VLProcessor if family == "qwen2_vl" else Qwen2_5_VLProcessor
 
 
-def _image_only(processor_class: type[ProcessorMixin]) -> type[ProcessorMixin]:
-    """`processor_class` without its video processor. transformers reads a processor's parts from its
-    __init__ signature; leaving video_processor out of it skips the torchvision-only video processor
-    while the image and text paths stay transformers' own."""
-
-    class ImageOnly(processor_class):  # type: ignore[misc,valid-type]
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-    ImageOnly.__name__ = ImageOnly.__qualname__ = f"{processor_class.__name__}ImageOnly"
-    return ImageOnly
-
-
 def _build_processor(spec: TinyQwenVLSpec, tokenizer: PreTrainedTokenizerFast) -> ProcessorMixin:
     """The family's processor (PIL image processor, tokenizer, chat template), images only."""
-    return _image_only(_processor_class(spec.family))(
+    from mmengine.models.qwen_vl import image_only_processor_class
+
+    return image_only_processor_class(_processor_class(spec.family))(
         image_processor=_build_image_processor(spec), tokenizer=tokenizer, chat_template=QWEN_CHAT_TEMPLATE
     )
 
@@ -370,23 +359,16 @@ def _save_processor(spec: TinyQwenVLSpec, tokenizer: PreTrainedTokenizerFast, pa
 
 
 def load_qwen_vl_processor(path: str | os.PathLike) -> ProcessorMixin:
-    """The checkpoint's processor: `AutoProcessor.from_pretrained(path)` where torchvision is installed,
-    else the same processor class without its (torchvision-only) video processor, built from the
-    checkpoint's own tokenizer, image processor (the PIL backend) and chat template."""
-    from transformers import AutoConfig, AutoProcessor, AutoTokenizer, Qwen2VLImageProcessorPil
-    from transformers.utils import is_torchvision_available
+    """The checkpoint's processor, loaded as the engine loads it: `AutoProcessor` where torchvision is
+    installed, else the family's processor class without its torchvision-only video processor."""
+    from transformers import AutoConfig
+
+    from mmengine.models.registry import load_hf_processor
 
     family = AutoConfig.from_pretrained(path).model_type
     if family not in FAMILIES:
         raise ValueError(f"{path} is not a Qwen2-VL / Qwen2.5-VL checkpoint (model_type {family!r})")
-    if is_torchvision_available():
-        return AutoProcessor.from_pretrained(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    return _image_only(_processor_class(family))(
-        image_processor=Qwen2VLImageProcessorPil.from_pretrained(path),
-        tokenizer=tokenizer,
-        chat_template=tokenizer.chat_template,
-    )
+    return load_hf_processor(pathlib.Path(path))
 
 
 def build_qwen_vl_checkpoint(
