@@ -168,3 +168,31 @@ def test_chat_renders_the_family_template_and_matches_generate(family):
     assert prompt.count("<image>" if family.name == "llava" else "<|image_pad|>") == 1
     (direct,) = engine.generate(prompt, images=[IMAGES[3]], sampling_params=FIXED, use_tqdm=False)
     assert chat.token_ids == direct.token_ids and len(chat.token_ids) == 4
+
+
+def test_decode_graph_steps_give_the_eager_tokens(family):
+    """Decode steps through the static graph buffers (positions [N, 3] for M-RoPE, shifted by each
+    request's delta) give the eager tokens. On CPU the capture is the EagerCapturer stand-in."""
+    from mmengine.runner.cuda_graphs import EagerCapturer
+
+    cases = _cases(family)
+    results = {}
+    for graphs in (False, True):
+        engine = MMEngine(str(family.path), device="cpu", dtype="float32", max_model_len=512, max_num_seqs=8)
+        if graphs:
+            engine.runner.capture_cuda_graphs(EagerCapturer())
+        results[graphs] = [o.token_ids for o in _generate(engine, cases, FIXED)]
+        if graphs:
+            assert engine.runner.decode_graphs.num_replays >= 3
+    assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])  # LLaVA's: test_fused_engine.py, test_triton_engine.py
+def test_triton_backend_with_fused_kernels_matches_transformers(family_checkpoint, name):
+    """The Triton attention backend and the fused kernels (M-RoPE rotary + K/V store included), in
+    Triton's interpreter on CPU (compiled on a GPU), against transformers."""
+    family = FamilyCase(name, family_checkpoint(name))
+    cases = _cases(family)[1:3]
+    engine = MMEngine(str(family.path), max_model_len=256, dtype="float32", attn_backend="triton", enforce_eager=True)
+    outputs = _generate(engine, cases, SamplingParams(max_tokens=4, temperature=0.0))
+    assert [o.token_ids for o in outputs] == _expected(family, cases, max_tokens=4)
