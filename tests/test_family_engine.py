@@ -29,8 +29,8 @@ def _cases(family: FamilyCase) -> list[tuple[str, list]]:
     ]
 
 
-def _expected(family: FamilyCase, cases, max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    return [hf_greedy(family.path, prompt, images, max_tokens, CPU_FP32) for prompt, images in cases]
+def _expected(family: FamilyCase, cases, max_tokens: int = MAX_TOKENS, precision=CPU_FP32) -> list[list[int]]:
+    return [hf_greedy(family.path, prompt, images, max_tokens, precision) for prompt, images in cases]
 
 
 def _generate(engine: MMEngine, cases, params: SamplingParams = GREEDY):
@@ -188,11 +188,11 @@ def test_decode_graph_steps_give_the_eager_tokens(family):
 
 
 @pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])  # LLaVA's: test_fused_engine.py, test_triton_engine.py
-def test_triton_backend_with_fused_kernels_matches_transformers(family_checkpoint, name):
+def test_triton_backend_with_fused_kernels_matches_transformers(family_checkpoint, exact_precision, name):
     """The Triton attention backend and the fused kernels (M-RoPE rotary + K/V store included), in
     Triton's interpreter on CPU (compiled on a GPU), against transformers."""
     family = FamilyCase(name, family_checkpoint(name))
     cases = _cases(family)[1:3]
-    engine = MMEngine(str(family.path), max_model_len=256, dtype="float32", attn_backend="triton", enforce_eager=True)
+    engine = MMEngine(str(family.path), max_model_len=256, attn_backend="triton", enforce_eager=True, **exact_precision.engine_kwargs)
     outputs = _generate(engine, cases, SamplingParams(max_tokens=4, temperature=0.0))
-    assert [o.token_ids for o in outputs] == _expected(family, cases, max_tokens=4)
+    assert [o.token_ids for o in outputs] == _expected(family, cases, max_tokens=4, precision=exact_precision)
