@@ -3,6 +3,7 @@ the share of a decode step the GPU is busy.
 
     python benchmarks/latency.py                               # built-in tiny model, a quick CPU run
     python benchmarks/latency.py --build-7b /tmp/llava-1.5-7b  # LLaVA-1.5-7B shape, random bf16 weights
+    python benchmarks/latency.py --family qwen2_5_vl --build-7b /tmp/qwen2.5-vl-7b  # Qwen2.5-VL-7B shape
     python benchmarks/latency.py --model PATH --batch-sizes 1,16,64,256
 
 Decode: per batch size, that many text requests (128-token prompts) are prefilled, then steady decode
@@ -19,8 +20,9 @@ the prefix up to the question cached). Shapes are warmed up first, so no JIT is 
 GPU-busy share: torch.profiler over steady decode steps; the device's busy time per step (the union
 of its kernel and copy intervals) over the unprofiled step time. Kernels per step are counted too.
 
---build-7b DIR builds the LLaVA-1.5-7B-shaped checkpoint there if it is missing (directly on the GPU
-in bf16, about 20 s and 14 GB of disk; never commit it).
+--build-7b DIR builds the family's 7B-shaped checkpoint there if it is missing (directly on the GPU
+in bf16, about 20 s and 14-17 GB of disk; never commit it). Prompts go through the model's chat
+template, so every family is asked the same questions.
 """
 
 from __future__ import annotations
@@ -39,13 +41,30 @@ import torch
 
 from mmengine import MMEngine, SamplingParams
 from mmengine.config import EngineConfig
-from mmengine.testing import LLAVA_1_5_7B_SPEC, TinyLlavaSpec, build_llava_checkpoint, make_test_image, tiny_llava_path
+from mmengine.testing import (
+    LLAVA_1_5_7B_SPEC,
+    QWEN2_5_VL_7B_SPEC,
+    TinyLlavaSpec,
+    TinyQwenVLSpec,
+    build_llava_checkpoint,
+    build_qwen_vl_checkpoint,
+    make_test_image,
+    tiny_llava_path,
+    tiny_qwen_vl_path,
+)
 
 WORDS = ("the a picture of small large red blue green cat dog boat house tree river sky cloud road "
          "man woman child table window book car street bird water light morning").split()
 SYSTEM = "A chat between a curious human and an artificial intelligence assistant. " * 4
-QUESTION = SYSTEM + "USER: <image>\nWhat is shown in this picture? Describe it in detail. ASSISTANT:"
-OTHER_QUESTION = SYSTEM + "USER: <image>\nHow many animals are there, and what colour are they? ASSISTANT:"
+QUESTIONS = ("What is shown in this picture? Describe it in detail.", "How many animals are there, and what colour are they?")
+
+
+def image_question(engine: MMEngine, question: str) -> str:
+    """A system prompt, one image and `question`, in the model's chat template."""
+    return engine.input_processor.apply_chat_template([
+        {"role": "system", "content": SYSTEM.strip()},
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]},
+    ])
 
 
 def sync(device: torch.device) -> None:
@@ -56,7 +75,7 @@ def sync(device: torch.device) -> None:
 # -- checkpoint -----------------------------------------------------------------------------------
 
 
-def ensure_checkpoint(path: Path, spec: TinyLlavaSpec, device: str, dtype: str) -> tuple[Path, float]:
+def ensure_checkpoint(path: Path, spec: object, device: str, dtype: str) -> tuple[Path, float]:
     """`path` if it holds a checkpoint, else builds one there (in a sibling directory renamed into
     place, so an interrupted build is never mistaken for a finished one). Returns (path, build seconds)."""
     if (path / "config.json").is_file():
@@ -64,7 +83,8 @@ def ensure_checkpoint(path: Path, spec: TinyLlavaSpec, device: str, dtype: str) 
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     start = time.perf_counter()
-    build_llava_checkpoint(partial, spec, device=device, dtype=dtype)
+    build = build_llava_checkpoint if isinstance(spec, TinyLlavaSpec) else build_qwen_vl_checkpoint
+    build(partial, spec, device=device, dtype=dtype)
     elapsed = time.perf_counter() - start
     partial.rename(path)
     return path, elapsed
@@ -207,14 +227,15 @@ def ttft_ms(engine: MMEngine, prompt: str, images: list) -> tuple[float, int]:
 
 def run_ttft(engine: MMEngine, image_size: tuple[int, int], repeats: int) -> dict:
     warm = make_test_image(10_000, size=image_size)
-    for prompt in (QUESTION, QUESTION, OTHER_QUESTION):  # every shape the three cases take, compiled
+    question, other_question = (image_question(engine, q) for q in QUESTIONS)
+    for prompt in (question, question, other_question):  # every shape the three cases take, compiled
         ttft_ms(engine, prompt, [warm])
     cases: dict[str, list[tuple[float, int]]] = {"new_image": [], "same_request": [], "same_image_new_question": []}
     for r in range(repeats):
         image = make_test_image(20_000 + r, size=image_size)
-        cases["new_image"].append(ttft_ms(engine, QUESTION, [image]))
-        cases["same_request"].append(ttft_ms(engine, QUESTION, [image]))
-        cases["same_image_new_question"].append(ttft_ms(engine, OTHER_QUESTION, [image]))
+        cases["new_image"].append(ttft_ms(engine, question, [image]))
+        cases["same_request"].append(ttft_ms(engine, question, [image]))
+        cases["same_image_new_question"].append(ttft_ms(engine, other_question, [image]))
     return {
         name: {"median_ms": statistics.median(ms for ms, _ in runs), "all_ms": [ms for ms, _ in runs],
                "encoder_runs": sum(n for _, n in runs)}
@@ -271,7 +292,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny model)")
     source.add_argument("--build-7b", metavar="DIR", default=None,
-                        help="use the LLaVA-1.5-7B-shaped random checkpoint in DIR, building it there if missing")
+                        help="use the family's 7B-shaped random checkpoint in DIR, building it there if missing")
+    parser.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen2_5_vl"],
+                        help="the built-in model's family (tiny, or the 7B shape with --build-7b; qwen2_vl: tiny only)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch-sizes", type=_positive_ints, default="1,16,64,256", help="comma-separated decode batch sizes")
@@ -310,11 +333,15 @@ def _image_size(text: str) -> tuple[int, int]:
 def resolve_model(args: argparse.Namespace) -> tuple[str, dict]:
     if args.model:
         return args.model, {}
+    llava = args.family == "llava"
     if args.build_7b:
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        path, seconds = ensure_checkpoint(Path(args.build_7b), LLAVA_1_5_7B_SPEC, device, "bfloat16")
-        return str(path), {"build_s": seconds, "spec": "LLAVA_1_5_7B_SPEC"}
-    return str(tiny_llava_path(TinyLlavaSpec())), {"spec": "TinyLlavaSpec()"}
+        spec, name = (LLAVA_1_5_7B_SPEC, "LLAVA_1_5_7B_SPEC") if llava else (QWEN2_5_VL_7B_SPEC, "QWEN2_5_VL_7B_SPEC")
+        path, seconds = ensure_checkpoint(Path(args.build_7b), spec, device, "bfloat16")
+        return str(path), {"build_s": seconds, "spec": name}
+    if llava:
+        return str(tiny_llava_path(TinyLlavaSpec())), {"spec": "TinyLlavaSpec()"}
+    return str(tiny_qwen_vl_path(TinyQwenVLSpec(family=args.family))), {"spec": f"TinyQwenVLSpec(family={args.family!r})"}
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
