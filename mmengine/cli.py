@@ -46,23 +46,32 @@ def run_demo(args: argparse.Namespace) -> None:
     _require_positive(args, "requests", "unique_images", "max_tokens")
     from mmengine import MMEngine, SamplingParams
     from mmengine.config import EngineConfig
-    from mmengine.testing import TinyLlavaSpec, make_test_image, tiny_llava_path
+    from mmengine.testing import TinyLlavaSpec, TinyQwenVLSpec, make_test_image, tiny_llava_path, tiny_qwen_vl_path
 
     EngineConfig(model="demo", **_engine_kwargs(args))  # the engine's own rules, before the model is built
-    path = tiny_llava_path(TinyLlavaSpec(), cache_dir=args.cache_dir)
-    print(f"tiny LLaVA checkpoint (random weights): {path}")
+    if args.family == "llava":
+        path = tiny_llava_path(TinyLlavaSpec(), cache_dir=args.cache_dir)
+    else:
+        path = tiny_qwen_vl_path(TinyQwenVLSpec(family=args.family), cache_dir=args.cache_dir)
+    print(f"tiny {args.family} checkpoint (random weights): {path}")
     engine = MMEngine(str(path), **_engine_kwargs(args))
-    images = [make_test_image(seed) for seed in range(args.unique_images)]
+
+    def user_turn(question: str, num_images: int) -> str:  # the model's own chat template
+        content = [{"type": "image"}] * num_images + [{"type": "text", "text": question}]
+        return engine.input_processor.apply_chat_template([{"role": "user", "content": content}])
+
+    # (different sizes: a native-resolution family gives each its own token count)
+    images = [make_test_image(seed, size=(48 + 16 * (seed % 4), 40 + 8 * (seed % 3))) for seed in range(args.unique_images)]
     questions = ["What is shown?", "Describe the colours.", "Is there a pattern?", "Count the shapes."]
     prompts, image_lists = [], []
     num_image_requests = 0
     for i in range(args.requests):
         question = questions[i % len(questions)]
         if i % 4 == 3:  # some text-only requests in the mix
-            prompts.append(f"USER: {question} ASSISTANT:")
+            prompts.append(user_turn(question, 0))
             image_lists.append([])
         else:  # the image requests cycle through every unique image
-            prompts.append(f"USER: <image>\n{question} ASSISTANT:")
+            prompts.append(user_turn(question, 1))
             image_lists.append([images[num_image_requests % len(images)]])
             num_image_requests += 1
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
@@ -201,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    demo = sub.add_parser("demo", help="run a small workload on a built-in tiny random-weight LLaVA model")
+    demo = sub.add_parser("demo", help="run a small workload on a built-in tiny random-weight model")
+    demo.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen2_5_vl"], help="the tiny model's family")
     demo.add_argument("--requests", type=int, default=32)
     demo.add_argument("--unique-images", type=int, default=4)
     demo.add_argument("--max-tokens", type=int, default=16)
