@@ -55,3 +55,14 @@ def make_scheduler(
     encoder = EncoderCacheManager(encoder_capacity, kv.uncache_pinning)
     kv.pin_listener = encoder
     return Scheduler(engine_config, kv, encoder, encoder_budget, max_model_len=1024)
+
+
+def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
+    """Every tensor of a saved checkpoint's safetensors files, by name."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out

@@ -9,7 +9,6 @@ import pathlib
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import (
     AutoConfig,
     AutoModelForImageTextToText,
@@ -36,6 +35,7 @@ from mmengine.testing import (
     tiny_qwen_vl_path,
 )
 from conftest import hf_greedy
+from helpers import checkpoint_tensors
 
 hf_logging.disable_progress_bar()
 
@@ -47,14 +47,6 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>", "<
 # (width, height) -> merged tokens: each side rounded to a multiple of 28 (scaled up to min_pixels = 4 * 28^2
 # or down to max_pixels = 64 * 28^2, keeping the aspect ratio), then (h / 28) * (w / 28) tokens.
 IMAGE_TOKENS = {(40, 40): 4, (48, 40): 6, (64, 100): 8, (120, 60): 8, (90, 120): 12, (120, 120): 16, (1000, 1000): 64}
-
-
-def _tensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +110,7 @@ def test_checkpoint_files_and_config(checkpoints, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_weights_layout_and_scale(checkpoints, loaded, family):
-    tensors = _tensors(checkpoints[family])
+    tensors = checkpoint_tensors(checkpoints[family])
     # The published checkpoints' key layout, which transformers converts on load.
     assert {"lm_head.weight", "model.embed_tokens.weight", "model.norm.weight", "visual.patch_embed.proj.weight"} <= set(tensors)
     assert "model.layers.1.self_attn.q_proj.bias" in tensors and "visual.blocks.1.attn.qkv.bias" in tensors
@@ -140,7 +132,7 @@ def test_weights_layout_and_scale(checkpoints, loaded, family):
 
 def test_tied_embeddings_and_dtype(tmp_path):
     path = build_tiny_qwen_vl(tmp_path / "m", TinyQwenVLSpec(family="qwen2_vl", tie_word_embeddings=True, dtype="float16"))
-    tensors = _tensors(path)
+    tensors = checkpoint_tensors(path)
     assert "lm_head.weight" not in tensors and {t.dtype for t in tensors.values()} == {torch.float16}
     model = AutoModelForImageTextToText.from_pretrained(path)
     assert model.config.tie_word_embeddings and model.dtype == torch.float16
@@ -421,7 +413,7 @@ def test_the_7b_spec_has_the_published_shape():
 def test_real_scale_builds_in_bf16(tmp_path):
     small = TinyQwenVLSpec(hidden_size=128, intermediate_size=256, vocab_size=600, mrope_section=(4, 6, 6))
     path = build_qwen_vl_checkpoint(tmp_path / "m", small, dtype="bfloat16")
-    tensors = _tensors(path)
+    tensors = checkpoint_tensors(path)
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     assert tensors["model.layers.0.mlp.up_proj.weight"].float().std().item() == pytest.approx(0.02, rel=0.1)
     assert tensors["model.embed_tokens.weight"].shape == (600, 128)  # padded past the tokenizer
@@ -436,7 +428,7 @@ def test_builds_directly_on_a_gpu(tmp_path):
     cuda_rng = torch.cuda.get_rng_state()
     path = build_qwen_vl_checkpoint(tmp_path / "m", TinyQwenVLSpec(), device="cuda", dtype="bfloat16")
     assert torch.equal(torch.cuda.get_rng_state(), cuda_rng)
-    tensors = _tensors(path)
+    tensors = checkpoint_tensors(path)
     assert {t.dtype for t in tensors.values()} == {torch.bfloat16}
     model = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.bfloat16).to("cuda")
     processor = load_qwen_vl_processor(path)

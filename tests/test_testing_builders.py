@@ -8,12 +8,12 @@ import pathlib
 import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, AutoProcessor, AutoTokenizer, GenerationConfig, LlavaForConditionalGeneration
 from transformers.utils import logging as hf_logging
 
 import mmengine.testing.llava as mt
 from mmengine.testing import TinyLlavaSpec, build_tiny_llava, make_test_image, tiny_llava_path
+from helpers import checkpoint_tensors
 
 hf_logging.disable_progress_bar()
 
@@ -35,14 +35,6 @@ def _image_processor_class(processor) -> str:
 def _saved_image_processor_type(path: pathlib.Path) -> str:
     """What the checkpoint itself names, whatever is installed where it is read."""
     return json.loads((path / "processor_config.json").read_text())["image_processor"]["image_processor_type"]
-
-
-def _tensors(path: pathlib.Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +90,7 @@ def test_config_consistent_with_tokenizer(default_ckpt):
 
 def test_saved_weight_layout(default_ckpt):
     """transformers 5 saves LLaVA in the legacy llava-hf layout, but with CLIP's `vision_model.` level dropped."""
-    keys = set(_tensors(default_ckpt))
+    keys = set(checkpoint_tensors(default_ckpt))
     assert "language_model.lm_head.weight" in keys
     assert "language_model.model.embed_tokens.weight" in keys
     assert "language_model.model.layers.0.self_attn.q_proj.weight" in keys
@@ -114,7 +106,7 @@ def test_saved_weight_layout(default_ckpt):
 
 def test_loaded_weights_match_files(default_ckpt, default_loaded):
     _, model = default_loaded
-    saved = _tensors(default_ckpt)
+    saved = checkpoint_tensors(default_ckpt)
     assert model.lm_head.weight.dtype == torch.float32
     torch.testing.assert_close(model.lm_head.weight, saved["language_model.lm_head.weight"], rtol=0, atol=0)
     torch.testing.assert_close(
@@ -281,7 +273,7 @@ def test_architectures_load_and_run(tmp_path, text_model, vision_model):
     processor, model = _load(path)
     expected = f"{'CLIP' if vision_model == 'clip' else 'Siglip'}ImageProcessor"
     assert _image_processor_class(processor) == _saved_image_processor_type(path) == expected
-    keys = set(_tensors(path))
+    keys = set(checkpoint_tensors(path))
     assert ("language_model.model.layers.0.self_attn.q_proj.bias" in keys) == (text_model == "qwen2")
     assert ("vision_tower.embeddings.class_embedding" in keys) == (vision_model == "clip")
     assert not any(".head." in k for k in keys)  # no SigLIP pooling head
@@ -298,7 +290,7 @@ def test_architectures_load_and_run(tmp_path, text_model, vision_model):
 @pytest.mark.parametrize("text_model", ["llama", "qwen2"])
 def test_tied_embeddings(tmp_path, text_model):
     path = build_tiny_llava(tmp_path / "m", TinyLlavaSpec(text_model=text_model, tie_word_embeddings=True))
-    keys = set(_tensors(path))
+    keys = set(checkpoint_tensors(path))
     assert "language_model.lm_head.weight" not in keys
     assert "language_model.model.embed_tokens.weight" in keys
     config = AutoConfig.from_pretrained(path)
@@ -313,7 +305,7 @@ def test_image_tokens_follow_strategy_and_feature_layers(tmp_path):
     path = build_tiny_llava(tmp_path / "m", spec)
     config = AutoConfig.from_pretrained(path)
     assert config.vision_feature_layer == [-3, -1] and config.text_config.head_dim == 32
-    keys = _tensors(path)
+    keys = checkpoint_tensors(path)
     assert keys["multi_modal_projector.linear_1.weight"].shape == (64, 2 * 32)
     assert keys["language_model.model.layers.0.self_attn.q_proj.weight"].shape == (4 * 32, 64)
     processor, model = _load(path)
@@ -329,7 +321,7 @@ def test_sharded_checkpoint(tmp_path, default_ckpt):
     shards = set(index["weight_map"].values())
     assert len(shards) > 1 and all((path / s).is_file() for s in shards)
     assert not (path / "model.safetensors").exists()
-    sharded, single = _tensors(path), _tensors(default_ckpt)
+    sharded, single = checkpoint_tensors(path), checkpoint_tensors(default_ckpt)
     assert set(sharded) == set(single) == set(index["weight_map"])
     assert all(torch.equal(sharded[k], single[k]) for k in single)
     _, model = _load(path)

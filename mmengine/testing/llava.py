@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmengine.testing.cache import cached_build, spec_key
-from mmengine.testing.tokenizer import train_byte_level_bpe
+from mmengine.testing.tokenizer import model_vocab_size, train_byte_level_bpe
 from mmengine.testing.weights import REAL_INITIALIZER_RANGE, save_random_model, torch_dtype
 
 if TYPE_CHECKING:
@@ -195,9 +195,7 @@ def _build_config(
 
     if initializer_range is None:
         initializer_range = _INITIALIZER_RANGE
-    vocab_size = len(tokenizer) if spec.vocab_size is None else spec.vocab_size
-    if vocab_size < len(tokenizer):
-        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    vocab_size = model_vocab_size(tokenizer, spec.vocab_size)
     special_ids = dict(
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
     )

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmengine.testing.cache import cached_build, spec_key
-from mmengine.testing.tokenizer import train_byte_level_bpe
+from mmengine.testing.tokenizer import model_vocab_size, train_byte_level_bpe
 from mmengine.testing.weights import BUILD_DTYPES, REAL_INITIALIZER_RANGE, save_random_model, torch_dtype
 
 if TYPE_CHECKING:
@@ -250,9 +250,7 @@ def _build_config(
 
     if initializer_range is None:
         initializer_range = _INITIALIZER_RANGE
-    vocab_size = len(tokenizer) if spec.vocab_size is None else spec.vocab_size
-    if vocab_size < len(tokenizer):
-        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    vocab_size = model_vocab_size(tokenizer, spec.vocab_size)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     text_config = dict(
         vocab_size=vocab_size,

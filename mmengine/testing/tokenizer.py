@@ -61,3 +61,11 @@ def train_byte_level_bpe(
     tok.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in added_special_tokens])
     return tok
+
+
+def model_vocab_size(tokenizer, requested: int | None) -> int:
+    """The model's vocabulary: the tokenizer's size, or `requested` when given (never smaller)."""
+    vocab_size = len(tokenizer) if requested is None else requested
+    if vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens")
+    return vocab_size
