@@ -80,8 +80,9 @@ def test_a_repeated_conversation_hits_the_prefix_cache_and_matches_transformers(
 
 
 def test_a_mixed_size_workload_encodes_each_distinct_image_once(family):
+    """Tight KV and encoder budgets (one largest item a step), so requests wait for the encoder."""
     engine = MMEngine(str(family.path), max_model_len=512, dtype="float32", device="cpu", block_size=8,
-                      max_num_batched_tokens=48, num_kv_blocks=48)
+                      max_num_batched_tokens=48, num_kv_blocks=48, encoder_cache_size=1)
     prompts, images = [], []
     for i in range(18):
         picks = [IMAGES[(i * 5) % 6], IMAGES[(i * 7 + 1) % 6]][: 1 + i % 2]
@@ -96,6 +97,22 @@ def test_a_mixed_size_workload_encodes_each_distinct_image_once(family):
     plain = MMEngine(str(family.path), max_model_len=512, dtype="float32", device="cpu", enable_prefix_caching=False)
     reference = plain.generate(prompts, images=images, sampling_params=FIXED, use_tqdm=False)
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]  # no wrong reuse
+
+
+def test_zero_token_steps_with_variable_items_are_harmless(family):
+    """The smallest encoder budget (the largest item) and items of 64 and 28 tokens (Qwen): requests
+    wait at their image with zero tokens, then finish with the outputs of prefix caching off."""
+    sizes = [(224, 224), (200, 120)] * 3
+    images = [[make_test_image(400 + i, size=size)] for i, size in enumerate(sizes)]
+    prompts = ["x" + " word" * i + ("<image>" if family.name == "llava" else "<|vision_start|><|image_pad|><|vision_end|>") + " Describe."
+               for i in range(len(images))]
+    kwargs = dict(max_model_len=256, block_size=8, encoder_cache_size=1, dtype="float32", device="cpu")
+    cached = MMEngine(str(family.path), **kwargs)
+    plain = MMEngine(str(family.path), enable_prefix_caching=False, **kwargs)
+    ours = cached.generate(prompts, images=images, sampling_params=FIXED, use_tqdm=False)
+    assert cached.scheduler.num_zero_token_schedules > 0
+    assert [o.token_ids for o in ours] == [o.token_ids for o in plain.generate(prompts, images=images, sampling_params=FIXED, use_tqdm=False)]
+    assert cached.encoder_cache.num_referenced == 0
 
 
 def _prompt_with_image_placed(engine: MMEngine, family: FamilyCase, image, block_size: int, placement: str) -> str:
