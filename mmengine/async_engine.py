@@ -75,7 +75,8 @@ class RequestStream:
         self.request_id = request_id
         self.sampling_params = params
         self.num_prompt_tokens = 0  # known once the prompt is processed
-        self.finished = False
+        self.finished = False  # its last output (or its error) has arrived
+        self.aborted = False  # left before it finished
         self.started = False  # its first token has arrived
         self.cancelled = False  # aborted by its consumer (the worker that queues it checks this)
         self.added = False  # queued in the engine
@@ -95,8 +96,8 @@ class RequestStream:
 
     def abort(self) -> None:
         """Stops the request and frees what it holds (no-op once it has finished)."""
-        if not self.finished:
-            self.finished = True
+        if not self.finished and not self.aborted:
+            self.aborted = True
             self._engine.abort(self.request_id)
 
     async def _deltas(self) -> AsyncIterator[DeltaOutput]:
