@@ -99,7 +99,8 @@ def from_engine_error(err: Exception, *, input_param: str, sampling_fields: dict
         match = _SAMPLING_FIELD.search(str(err))
         field = match.group(1) if match else None
         param = (sampling_fields or {}).get(field, field) if field else None
-        return APIError(400, str(err), param=param, code="invalid_value")
+        message = str(err).replace(f"SamplingParams.{field}", param) if field else str(err)
+        return APIError(400, message, param=param, code="invalid_value")
     logger.error("request failed", exc_info=err)
     return APIError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error")
 
