@@ -205,10 +205,10 @@ def test_a_request_cancelled_while_preprocessing_is_never_run(fresh_engine, monk
             adding = asyncio.create_task(async_engine.add_request(TEXT_PROMPT, None, greedy(50)))
             await gate.wait_entered()
             adding.cancel()
-            gate.release.set()
             with pytest.raises(asyncio.CancelledError):
-                await adding
-            await asyncio.sleep(0.1)  # the worker finishes meanwhile
+                await adding  # returns at once: the worker is still inside process()
+            gate.release.set()
+            await asyncio.sleep(0.1)  # the worker finishes meanwhile, and must not queue it
             return await wait_until_idle(fresh_engine), async_engine.num_in_flight, async_engine.num_queued
 
     stats, in_flight, queued = run(main())
