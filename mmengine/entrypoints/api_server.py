@@ -169,11 +169,10 @@ class _OpenAIServer:
             if writer.chat:
                 yield _event(writer.chunk("", role=True, with_usage_field=include_usage))
             last = None
-            async for delta in deltas:
+            async for delta in deltas:  # one chunk per delta: new tokens (their text may still be held back) or the end
                 last = delta
-                if delta.text or delta.finished:
-                    yield _event(writer.chunk(delta.text, delta.finish_reason, stop_reason=delta.stop_reason,
-                                              with_usage_field=include_usage))
+                yield _event(writer.chunk(delta.text, delta.finish_reason, stop_reason=delta.stop_reason,
+                                          with_usage_field=include_usage))
             if include_usage and last is not None:
                 yield _event(writer.usage_chunk(last))
             yield _DONE
