@@ -30,13 +30,7 @@ from typing import Any, TypeVar
 
 from mmengine.api_inputs import check_image_list, check_request_id, check_salt, check_sampling_params, normalize_uuids
 from mmengine.engine import MMEngine
-from mmengine.errors import (
-    ConfigError,
-    EngineDeadError,
-    EngineOverloadedError,
-    InvalidInputError,
-    RequestFailedError,
-)
+from mmengine.errors import ConfigError, InvalidInputError, MMEngineError
 from mmengine.multimodal.image_loading import ImageInput
 from mmengine.outputs import RequestOutput
 from mmengine.sampling import SamplingParams
@@ -44,6 +38,27 @@ from mmengine.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class EngineOverloadedError(MMEngineError, RuntimeError):
+    """More requests wait for their first token than `max_queued_requests` allows; retry later."""
+
+    def __init__(self, reason: str, retry_after: int = 1) -> None:
+        self.reason = reason
+        self.retry_after = retry_after  # seconds
+        super().__init__(reason)
+
+    def __reduce__(self):
+        return (self.__class__, (self.reason, self.retry_after))
+
+
+class EngineDeadError(MMEngineError, RuntimeError):
+    """The step loop has failed (or the engine was shut down): nothing more is served."""
+
+
+class RequestFailedError(MMEngineError, RuntimeError):
+    """A request the engine failed: steps kept raising while it was in flight, and the newest request
+    is removed until they run again. The requests left keep running."""
 
 
 @dataclass

@@ -88,24 +88,3 @@ class PromptTooLongError(InvalidInputError):
 
 class EmptyPromptError(InvalidInputError):
     """The prompt tokenizes to zero tokens."""
-
-
-class EngineOverloadedError(MMEngineError):
-    """More requests are queued than the async engine's `max_queued_requests`; retry later."""
-
-    def __init__(self, reason: str, retry_after: int = 1) -> None:
-        self.reason = reason
-        self.retry_after = retry_after  # seconds
-        super().__init__(reason)
-
-    def __reduce__(self):
-        return (self.__class__, (self.reason, self.retry_after))
-
-
-class EngineDeadError(MMEngineError):
-    """The async engine's step loop has failed: nothing more is served (restart the process)."""
-
-
-class RequestFailedError(MMEngineError):
-    """A request was failed by the engine: steps kept raising while it was in flight, and the async
-    engine removes the newest request until they run again. The requests left keep running."""

@@ -11,8 +11,8 @@ import time
 import pytest
 
 from mmengine import MMEngine, SamplingParams
-from mmengine.async_engine import AsyncMMEngine, DeltaOutput
-from mmengine.errors import EngineDeadError, EngineOverloadedError, ImageCountMismatchError, RequestFailedError
+from mmengine.async_engine import AsyncMMEngine, DeltaOutput, EngineDeadError, EngineOverloadedError, RequestFailedError
+from mmengine.errors import ImageCountMismatchError
 from mmengine.testing import make_test_image
 
 IMAGE_PROMPT = "USER: <image>\nWhat is shown here? ASSISTANT:"

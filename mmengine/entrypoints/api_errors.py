@@ -13,18 +13,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from mmengine.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
 from mmengine.errors import (
     ConfigError,
     CorruptImageError,
     EmptyPromptError,
-    EngineDeadError,
-    EngineOverloadedError,
     ImageCountMismatchError,
     ImageTooLargeError,
     InvalidInputError,
     ItemTooLargeError,
     PromptTooLongError,
-    RequestFailedError,
     TooManyImagesError,
     UnsupportedImageTypeError,
 )
