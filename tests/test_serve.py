@@ -213,3 +213,25 @@ def test_models_health_and_metrics(server):
     for name in stats:  # every stats() entry is exported under its own name
         assert f"mmengine_{name}" in metrics or f"mmengine_{name}_total" in metrics, name
     assert metrics['mmengine_api_requests_total{endpoint="chat",finish_reason="length"}'] > 0
+
+
+def test_cache_salt_mm_uuids_and_seed_are_honoured(client, server):
+    def ask(image, **extra):
+        return client.chat.completions.create(model=MODEL_NAME, messages=[_user(image, "Salted question?")],
+                                              max_tokens=4, temperature=0, extra_body=extra)
+
+    image = make_test_image(130)
+    assert ask(image, cache_salt="alice").usage.prompt_tokens_details.cached_tokens == 0
+    assert ask(image, cache_salt="alice").usage.prompt_tokens_details.cached_tokens > 0
+    assert ask(image, cache_salt="bob").usage.prompt_tokens_details.cached_tokens == 0  # salts never share blocks
+
+    before = server.metrics()["mmengine_encoder_runs_total"]
+    first = ask(make_test_image(131), mm_uuids=["picture-131"])
+    again = ask(make_test_image(132), mm_uuids=["picture-131"], cache_salt="other")  # same id: taken as the same image
+    assert server.metrics()["mmengine_encoder_runs_total"] == before + 1
+    assert again.choices[0].message.content == first.choices[0].message.content
+
+    sampled = [client.completions.create(model=MODEL_NAME, prompt="USER: Sing. ASSISTANT:", max_tokens=8,
+                                         temperature=1.0, top_p=0.9, seed=seed, extra_body={"top_k": 50}).choices[0].text
+               for seed in (7, 7, 8)]
+    assert sampled[0] == sampled[1]
