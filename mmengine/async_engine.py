@@ -188,7 +188,8 @@ class AsyncMMEngine:
             ("max_step_retries", max_step_retries, 0),
         ):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
-                raise ConfigError(f"{name} must be an int >= {low}{' or None' if name == 'max_queued_requests' else ''}, got {value!r}")
+                optional = " or None" if name == "max_queued_requests" else ""
+                raise ConfigError(f"{name} must be an int >= {low}{optional}, got {value!r}")
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.max_step_retries = max_step_retries
@@ -255,11 +256,7 @@ class AsyncMMEngine:
         and the KV cache), as OpenAI's API does when max_tokens is not given.
         """
         self._start()
-        if self.max_queued_requests is not None and self._num_queued >= self.max_queued_requests:
-            raise EngineOverloadedError(
-                f"{self._num_queued} requests are waiting for their first token "
-                f"(max_queued_requests={self.max_queued_requests}); retry later"
-            )
+        self.check_not_overloaded()
         params = check_sampling_params(sampling_params)
         check_salt(cache_salt)
         request_id = check_request_id(request_id) or f"req-{uuid.uuid4().hex}"
@@ -277,6 +274,15 @@ class AsyncMMEngine:
             stream.abort()  # unregisters it; if the worker still queues it, the worker aborts it
             raise
         return stream
+
+    def check_not_overloaded(self) -> None:
+        """Raises EngineOverloadedError while `max_queued_requests` requests wait for their first token
+        (add_request() checks it too; a caller may check first, before doing its own work)."""
+        if self.max_queued_requests is not None and self._num_queued >= self.max_queued_requests:
+            raise EngineOverloadedError(
+                f"{self._num_queued} requests are waiting for their first token "
+                f"(max_queued_requests={self.max_queued_requests}); retry later"
+            )
 
     async def generate(
         self,

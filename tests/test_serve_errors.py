@@ -157,3 +157,44 @@ def test_an_overloaded_server_answers_503_with_retry_after(checkpoint_dir):
         server.wait_until_idle()
         retried = httpx.post(server.base_url + "/v1/completions", json={**body, "max_tokens": 2}, timeout=60)
         assert retried.status_code == 200 and retried.json()["usage"]["completion_tokens"] == 2
+
+
+def test_an_unexpected_failure_fails_only_its_request(checkpoint_dir, monkeypatch):
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
+    process = engine.input_processor.process
+
+    def fragile(prompt, *args, **kwargs):
+        if "boom" in prompt:
+            raise RuntimeError("a bug met this request")
+        return process(prompt, *args, **kwargs)
+
+    monkeypatch.setattr(engine.input_processor, "process", fragile)
+    with running_server(AsyncMMEngine(engine), ServerSettings(MODEL_NAME)) as server:
+        def complete(prompt: str) -> httpx.Response:
+            return httpx.post(server.v1 + "/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 3},
+                              timeout=60)
+
+        failed = complete("USER: boom ASSISTANT:")
+        assert failed.status_code == 500
+        error = failed.json()["error"]
+        assert error["code"] == "internal_error" and "a bug met this request" in error["message"]
+        assert complete("USER: hello ASSISTANT:").status_code == 200
+        assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_a_dead_engine_loop_fails_health_and_requests(checkpoint_dir, monkeypatch):
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
+
+    def broken() -> bool:
+        raise RuntimeError("the step loop is broken")
+
+    monkeypatch.setattr(engine, "has_unfinished_requests", broken)
+    body = {"model": MODEL_NAME, "prompt": "USER: hi ASSISTANT:", "max_tokens": 3}
+    with running_server(AsyncMMEngine(engine), ServerSettings(MODEL_NAME)) as server:
+        assert httpx.get(server.base_url + "/health").status_code == 200
+        for _ in range(2):  # the request that meets the dying loop, and one after
+            answer = httpx.post(server.v1 + "/completions", json=body, timeout=60)
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_dead"
+        health = httpx.get(server.base_url + "/health")
+        assert health.status_code == 503 and "the step loop is broken" in health.json()["error"]["message"]
+        assert server.metrics()["mmengine_engine_healthy"] == 0

@@ -115,12 +115,13 @@ class _OpenAIServer:
         body.check_supported()
         params, fill_max_tokens = body.sampling_params()
         chat = kind == "chat"
-        if chat:
-            prompt, images = await self._chat_prompt(body)
-        else:
-            prompt, images = body.single_prompt(), None
         request_id = new_id("chatcmpl" if chat else "cmpl")
         try:
+            self.engine.check_not_overloaded()  # before decoding anything
+            if chat:
+                prompt, images = await self._chat_prompt(body)
+            else:
+                prompt, images = body.single_prompt(), None
             stream = await self.engine.add_request(
                 prompt, images, params, request_id=request_id, cache_salt=body.cache_salt,
                 mm_uuids=body.mm_uuids if chat else None, fill_max_tokens=fill_max_tokens,
