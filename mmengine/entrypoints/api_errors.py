@@ -130,8 +130,7 @@ def install_error_handlers(app: FastAPI, on_error: Callable[[int], None] | None 
         return answer(APIError(err.status_code, message, code=code, headers=getattr(err, "headers", None)))
 
     @app.exception_handler(Exception)
-    async def _unexpected(request: Request, err: Exception) -> JSONResponse:
-        logger.exception("unexpected error on %s %s", request.method, request.url.path)
+    async def _unexpected(request: Request, err: Exception) -> JSONResponse:  # Starlette then re-raises it to be logged
         return answer(APIError(500, f"internal error: {type(err).__name__}: {err}", code="internal_error"))
 
 
