@@ -1,4 +1,5 @@
-"""The `mmengine` command: `demo` on a built-in tiny model, `generate` for one-off use on a checkpoint."""
+"""The `mmengine` command: `demo` on a built-in tiny model, `generate` for one-off use on a checkpoint,
+`budget` for the encoder-cache budget, `serve` for the OpenAI-compatible server."""
 
 from __future__ import annotations
 
@@ -248,13 +249,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     budget.add_argument("--json", action="store_true", help="print the terms as JSON")
     budget.set_defaults(func=run_budget)
+
+    # Its options (EngineConfig's fields among them) are built by mmengine.entrypoints.serve_cli on use,
+    # so that `mmengine --help` imports neither torch nor the server's packages.
+    sub.add_parser("serve", help="run the OpenAI-compatible HTTP server (`mmengine serve --help` for its options)",
+                   add_help=False)
     return parser
 
 
+def run_serve(argv: Sequence[str]) -> None:
+    from mmengine.entrypoints.serve_cli import run_serve as serve
+
+    serve(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv[:1] if argv[:1] == ["serve"] else argv)  # `serve` parses its own options
     try:
-        args.func(args)
+        if args.command == "serve":
+            run_serve(argv[1:])
+        else:
+            args.func(args)
     except (MMEngineError, argparse.ArgumentTypeError) as err:
         message = " ".join(str(err).split())  # one line, whatever the message holds
         print(f"mmengine: error: {message}", file=sys.stderr)

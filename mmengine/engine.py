@@ -168,6 +168,20 @@ class MMEngine:
         check_request_id(request_id)
         uuids = normalize_uuids(mm_uuids, single=True, num_prompts=1)[0]
         processed = self.input_processor.process(prompt, check_image_list(images), params, mm_uuids=uuids)  # outside the lock
+        return self.add_processed_request(processed, params, request_id, cache_salt)
+
+    def add_processed_request(
+        self,
+        processed: ProcessedPrompt,
+        sampling_params: SamplingParams,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+    ) -> str:
+        """Queues a prompt that `input_processor.process` already validated and preprocessed (on any
+        thread, e.g. a worker pool's); returns its id. add_request() is process() and then this."""
+        params = check_sampling_params(sampling_params)
+        check_salt(cache_salt)
+        check_request_id(request_id)
         with self._lock:
             return self._enqueue(processed, params, request_id, cache_salt)
 
@@ -335,6 +349,9 @@ class MMEngine:
             "kv_blocks_free": self.kv_cache.num_free_blocks,
             "kv_blocks_cached": self.kv_cache.num_cached_blocks,
             "kv_blocks_evicted": self.kv_cache.pool.num_evictions,
+            "requests_running": len(self.scheduler.running),
+            "requests_waiting": len(self.scheduler.waiting),
+            "encoder_cache_referenced": self.encoder_cache.num_referenced,
         }
 
     # -- internals -------------------------------------------------------------

@@ -1,0 +1,390 @@
+"""Online serving: a multi-turn image-chat workload against `mmengine serve`, next to transformers.
+
+N users each chat T turns about one of K shared pictures (user u talks about picture u % K; the
+picture is sent in the first turn and stays in the history). Users arrive at --request-rate per
+second (Poisson; inf: all at once) and send each turn as soon as the previous answer is complete,
+streaming it. Reported: TTFT and inter-token latency percentiles, requests/s and output tokens/s,
+and from the server's /metrics how often the vision encoder ran and the prefix cache hit.
+
+The baseline is transformers' generate() answering the same conversations one request at a time
+(TTFT and inter-token gaps timed with a streamer), as a plain script would serve them.
+
+    python benchmarks/serve.py                                   # tiny built-in model on CPU
+    python benchmarks/serve.py --build-7b /tmp/llava-1.5-7b --device cuda --num-users 64 --turns 4 \\
+        --request-rate 4 --output-len 128 --skip-baseline        # the LLaVA-1.5-7B shape on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import importlib.util
+import io
+import json
+import math
+import os
+import platform
+import random
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+import torch
+
+from mmengine.testing import LLAVA_1_5_7B_SPEC, make_test_image, tiny_llava_path
+
+MODEL_NAME = "bench"
+QUESTIONS = ["What is shown in this picture?", "Describe the colours.", "Is there a pattern?", "What stands out?",
+             "Count the shapes.", "Give it a title."]
+
+
+@dataclass
+class Conversation:
+    user: int
+    picture: int
+    start_s: float  # arrival offset from the start of the run
+
+
+@dataclass
+class TurnResult:
+    user: int
+    turn: int
+    ttft_s: float
+    itl_s: list[float]
+    latency_s: float
+    output_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class RunResult:
+    elapsed_s: float
+    turns: list[TurnResult] = field(default_factory=list)
+
+
+def workload(num_users: int, num_pictures: int, request_rate: float, seed: int) -> list[Conversation]:
+    rng = random.Random(seed)
+    start, conversations = 0.0, []
+    for user in range(num_users):
+        conversations.append(Conversation(user, user % num_pictures, start))
+        if math.isfinite(request_rate):
+            start += rng.expovariate(request_rate)
+    return conversations
+
+
+def picture_urls(num_pictures: int, size: tuple[int, int]) -> list[str]:
+    urls = []
+    for index in range(num_pictures):
+        buffer = io.BytesIO()
+        make_test_image(1000 + index, size=size).save(buffer, "JPEG", quality=90)
+        urls.append("data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode())
+    return urls
+
+
+def user_turn(turn: int, user: int, picture_url: str | None) -> dict:
+    text = f"{QUESTIONS[turn % len(QUESTIONS)]} (user {user})"
+    if picture_url is None:
+        return {"role": "user", "content": text}
+    return {"role": "user", "content": [{"type": "image_url", "image_url": {"url": picture_url}}, {"type": "text", "text": text}]}
+
+
+# -- mmengine: the server and its clients ------------------------------------------------------
+
+
+@contextlib.contextmanager
+def mmengine_server(model: str, how: str, engine_args: list[str]) -> Iterator[str]:
+    """A running `mmengine serve` (a subprocess, or uvicorn in a thread of this process); yields its URL."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    base = f"http://127.0.0.1:{port}"
+    if how == "thread":
+        yield from _thread_server(model, port, engine_args)
+        return
+    command = [sys.executable, "-m", "mmengine", "serve", "--model", model, "--port", str(port),
+               "--served-model-name", MODEL_NAME, "--log-level", "warning", *engine_args]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_healthy(base, process)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
+def _thread_server(model: str, port: int, engine_args: list[str]) -> Iterator[str]:
+    import uvicorn
+
+    from mmengine.async_engine import AsyncMMEngine
+    from mmengine.entrypoints.api_server import ServerSettings, build_app
+    from mmengine.entrypoints.serve_cli import build_serve_parser, engine_options
+
+    args = build_serve_parser().parse_args(["--model", model, *engine_args])
+    app = build_app(AsyncMMEngine.from_model(model, **engine_options(args)), ServerSettings(MODEL_NAME))
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        _wait_healthy(f"http://127.0.0.1:{port}", None)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def _wait_healthy(base: str, process: subprocess.Popen | None, timeout_s: float = 600) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"mmengine serve exited: {process.stderr.read()}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(base + "/health", timeout=5).status_code == 200:
+                return
+        time.sleep(0.25)
+    raise TimeoutError("mmengine serve did not become healthy")
+
+
+def scrape(base: str) -> dict[str, float]:
+    samples = {}
+    for line in httpx.get(base + "/metrics", timeout=60).text.splitlines():
+        match = re.match(r"^(mmengine_\w+) (\S+)$", line)
+        if match:
+            samples[match.group(1)] = float(match.group(2))
+    return samples
+
+
+async def _one_turn(client: httpx.AsyncClient, messages: list[dict], output_len: int) -> tuple[str, dict]:
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = time.perf_counter()
+    token_times, text, usage = [], [], None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            raise RuntimeError(f"HTTP {response.status_code}: {await response.aread()!r}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            delta = chunk["choices"][0]["delta"] if chunk["choices"] else None
+            if delta is not None and "role" not in delta:  # a chunk per step that gave this request tokens
+                token_times.append(time.perf_counter())
+                text.append(delta.get("content", ""))
+    end = time.perf_counter()
+    timing = {"ttft_s": (token_times[0] if token_times else end) - start,
+              "itl_s": list(np.diff(token_times)) if len(token_times) > 1 else [], "latency_s": end - start}
+    return "".join(text), {**timing, "usage": usage}
+
+
+async def run_clients(base: str, conversations: list[Conversation], urls: list[str], turns: int, output_len: int) -> RunResult:
+    result = RunResult(0.0)
+
+    async def user(client: httpx.AsyncClient, conversation: Conversation, t0: float) -> None:
+        await asyncio.sleep(max(0.0, t0 + conversation.start_s - time.perf_counter()))
+        messages: list[dict] = []
+        for turn in range(turns):
+            messages.append(user_turn(turn, conversation.user, urls[conversation.picture] if turn == 0 else None))
+            answer, stats = await _one_turn(client, messages, output_len)
+            messages.append({"role": "assistant", "content": answer})
+            usage = stats["usage"]
+            result.turns.append(TurnResult(conversation.user, turn, stats["ttft_s"], [float(x) for x in stats["itl_s"]],
+                                           stats["latency_s"], usage["completion_tokens"], usage["prompt_tokens"],
+                                           usage["prompt_tokens_details"]["cached_tokens"]))
+
+    limits = httpx.Limits(max_connections=len(conversations) + 4)
+    async with httpx.AsyncClient(base_url=base, timeout=None, limits=limits) as client:
+        await _one_turn(client, [user_turn(0, -1, None)], 2)  # warm-up (not timed)
+        t0 = time.perf_counter()
+        await asyncio.gather(*(user(client, c, t0) for c in conversations))
+        result.elapsed_s = time.perf_counter() - t0
+    return result
+
+
+# -- transformers: the same conversations, one request at a time -------------------------------
+
+
+def run_transformers(model: str, conversations: list[Conversation], turns: int, output_len: int, num_pictures: int,
+                     image_size: tuple[int, int], device: str, dtype: torch.dtype) -> RunResult:
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+    from transformers.generation.streamers import BaseStreamer
+
+    class Clock(BaseStreamer):
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        def put(self, value) -> None:  # the first call carries the prompt, then one call per new token
+            self.times.append(time.perf_counter())
+
+        def end(self) -> None:
+            pass
+
+    hf = LlavaForConditionalGeneration.from_pretrained(model, dtype=dtype).to(device).eval()
+    processor = AutoProcessor.from_pretrained(model)
+    pictures = []
+    for index in range(num_pictures):  # the pictures the server gets, after the same JPEG round trip
+        buffer = io.BytesIO()
+        make_test_image(1000 + index, size=image_size).save(buffer, "JPEG", quality=90)
+        pictures.append(Image.open(io.BytesIO(buffer.getvalue())).convert("RGB"))
+    result = RunResult(0.0)
+    start_all = time.perf_counter()
+    with torch.inference_mode():
+        for conversation in sorted(conversations, key=lambda c: c.start_s):
+            messages: list[dict] = []
+            for turn in range(turns):
+                text = user_turn(turn, conversation.user, None)["content"]
+                content = [{"type": "image"}, {"type": "text", "text": text}] if turn == 0 else text
+                messages.append({"role": "user", "content": content})
+                prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+                clock = Clock()
+                start = time.perf_counter()
+                inputs = processor(text=prompt, images=[pictures[conversation.picture]], return_tensors="pt").to(device)
+                inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+                out = hf.generate(**inputs, do_sample=False, max_new_tokens=output_len, min_new_tokens=output_len,
+                                  streamer=clock)
+                end = time.perf_counter()
+                new = out[0, inputs["input_ids"].shape[1]:]
+                messages.append({"role": "assistant", "content": processor.decode(new, skip_special_tokens=True)})
+                token_times = clock.times[1:]
+                result.turns.append(TurnResult(conversation.user, turn, token_times[0] - start,
+                                               [float(x) for x in np.diff(token_times)], end - start, len(new),
+                                               inputs["input_ids"].shape[1], 0))
+    result.elapsed_s = time.perf_counter() - start_all
+    return result
+
+
+# -- report --------------------------------------------------------------------------------------
+
+
+def summarize(run: RunResult) -> dict:
+    ttft = np.array([t.ttft_s for t in run.turns]) * 1e3
+    itl = np.array([gap for t in run.turns for gap in t.itl_s]) * 1e3
+    latency = np.array([t.latency_s for t in run.turns]) * 1e3
+    output_tokens = sum(t.output_tokens for t in run.turns)
+    prompt_tokens = sum(t.prompt_tokens for t in run.turns)
+
+    def percentiles(values: np.ndarray) -> dict[str, float]:
+        if values.size == 0:
+            return {}
+        return {f"p{q}": float(np.percentile(values, q)) for q in (50, 90, 99)} | {"mean": float(values.mean())}
+
+    return {
+        "requests": len(run.turns),
+        "elapsed_s": run.elapsed_s,
+        "requests_per_s": len(run.turns) / run.elapsed_s,
+        "output_tokens_per_s": output_tokens / run.elapsed_s,
+        "ttft_ms": percentiles(ttft),
+        "itl_ms": percentiles(itl),
+        "latency_ms": percentiles(latency),
+        "cached_prompt_token_share": sum(t.cached_tokens for t in run.turns) / max(1, prompt_tokens),
+    }
+
+
+def _size(text: str) -> tuple[int, int]:
+    width, _, height = text.partition("x")
+    return int(width), int(height)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny model)")
+    source.add_argument("--build-7b", metavar="DIR", default=None,
+                        help="build (if missing) and use a random-weight LLaVA-1.5-7B-shaped bf16 checkpoint in DIR (GPU)")
+    parser.add_argument("--num-users", type=int, default=16)
+    parser.add_argument("--turns", type=int, default=3)
+    parser.add_argument("--num-pictures", type=int, default=4, help="pictures shared among the users")
+    parser.add_argument("--request-rate", type=float, default=math.inf, help="user arrivals per second (default: inf)")
+    parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--image-size", type=_size, default="640x480", help="WIDTHxHEIGHT of the pictures")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--server", choices=["subprocess", "thread"], default="subprocess",
+                        help="run `mmengine serve` as a subprocess (default) or in a thread of this process")
+    parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default="benchmarks/results/serve.json")
+    return parser.parse_args(argv)
+
+
+def _ensure_7b(path: Path) -> Path:
+    spec = importlib.util.spec_from_file_location("latency_benchmark", Path(__file__).with_name("latency.py"))
+    latency = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(latency)
+    return latency.ensure_checkpoint(path, LLAVA_1_5_7B_SPEC, "cuda", "bfloat16")[0]
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    args = parse_args(argv)
+    for name in ("num_users", "turns", "num_pictures", "output_len"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    model = str(_ensure_7b(Path(args.build_7b)) if args.build_7b else (args.model or tiny_llava_path()))
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    dtype = {"auto": torch.float32 if device == "cpu" else torch.bfloat16, "float32": torch.float32,
+             "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
+    engine_args = ["--device", device, "--dtype", str(dtype).removeprefix("torch."), "--max-model-len", str(args.max_model_len)]
+    conversations = workload(args.num_users, args.num_pictures, args.request_rate, args.seed)
+    urls = picture_urls(args.num_pictures, args.image_size)
+
+    with mmengine_server(model, args.server, engine_args) as base:
+        before = scrape(base)
+        run = asyncio.run(run_clients(base, conversations, urls, args.turns, args.output_len))
+        after = scrape(base)
+    delta = {name: after[name] - before.get(name, 0.0) for name in after if name.endswith("_total")}
+    ours = summarize(run) | {
+        "encoder_runs": delta["mmengine_encoder_runs_total"],
+        "images_sent": len(conversations) * args.turns,  # the picture stays in every turn's history
+        "unique_pictures": len({c.picture for c in conversations}),
+        "encoder_cache_hits": delta["mmengine_encoder_cache_hits_total"],
+        "prefix_cache_hit_rate": delta["mmengine_prefix_cache_hits_total"] / max(1.0, delta["mmengine_prefix_cache_queries_total"]),
+    }
+    result = {"model": model, "device": device, "dtype": str(dtype).removeprefix("torch."),
+              "workload": {k: v for k, v in vars(args).items() if k not in ("output", "model", "build_7b")} | {
+                  "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate},
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                          "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
+              "mmengine": ours}
+    _print("mmengine serve", ours)
+    print(f"  vision encoder: {ours['encoder_runs']:.0f} runs for {ours['images_sent']} images sent "
+          f"({ours['unique_pictures']} unique), prefix cache hit rate {ours['prefix_cache_hit_rate']:.1%}")
+    if not args.skip_baseline:
+        base_run = run_transformers(model, conversations, args.turns, args.output_len, args.num_pictures,
+                                    args.image_size, device, dtype)
+        baseline = summarize(base_run) | {"encoder_runs": len(base_run.turns)}
+        result["transformers_sequential"] = baseline
+        result["speedup_requests_per_s"] = ours["requests_per_s"] / baseline["requests_per_s"]
+        _print("transformers, one request at a time", baseline)
+        print(f"  mmengine serves {result['speedup_requests_per_s']:.1f}x the requests/s")
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.output}")
+    return result
+
+
+def _print(name: str, row: dict) -> None:
+    ttft, itl = row["ttft_ms"], row["itl_ms"]
+    print(f"{name}: {row['requests']} requests in {row['elapsed_s']:.2f}s = {row['requests_per_s']:.2f} req/s, "
+          f"{row['output_tokens_per_s']:.1f} output tok/s")
+    print(f"  TTFT ms p50/p90/p99 {ttft['p50']:.1f}/{ttft['p90']:.1f}/{ttft['p99']:.1f}; "
+          f"inter-token ms p50/p90/p99 {itl.get('p50', 0):.1f}/{itl.get('p90', 0):.1f}/{itl.get('p99', 0):.1f}")
+
+
+if __name__ == "__main__":
+    main()

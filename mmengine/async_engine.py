@@ -1,0 +1,462 @@
+"""AsyncMMEngine: MMEngine behind one background step loop, for servers and other asyncio code.
+
+- One thread drives `MMEngine.step()` while there is work; requests join at any time.
+- `add_request()` validates and preprocesses the prompt and its images on a worker pool (off the
+  event loop and off the step loop), queues it, and returns a RequestStream; iterating the stream
+  yields DeltaOutputs: the text and tokens that are new since the previous one.
+- A stream left before its end (the consumer breaks, is cancelled, or calls `abort()`) aborts the
+  request: its KV blocks and encoder references are freed before the next step.
+- Back-pressure: with `max_queued_requests` set, a request arriving while that many are still
+  waiting for their first token is refused with EngineOverloadedError.
+- A step that raises is retried (MMEngine.step leaves nothing half-done); if it keeps raising, the
+  newest request is failed with RequestFailedError and the loop goes on without it. Any other
+  failure of the loop is fatal: `is_healthy` turns False and every stream ends with EngineDeadError.
+
+All methods but `abort()` are called from the one event loop the engine was started on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from mmengine.api_inputs import check_image_list, check_request_id, check_salt, check_sampling_params, normalize_uuids
+from mmengine.engine import MMEngine
+from mmengine.errors import ConfigError, InvalidInputError, MMEngineError
+from mmengine.multimodal.image_loading import ImageInput
+from mmengine.outputs import RequestOutput
+from mmengine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class EngineOverloadedError(MMEngineError, RuntimeError):
+    """More requests wait for their first token than `max_queued_requests` allows; retry later."""
+
+    def __init__(self, reason: str, retry_after: int = 1) -> None:
+        self.reason = reason
+        self.retry_after = retry_after  # seconds
+        super().__init__(reason)
+
+    def __reduce__(self):
+        return (self.__class__, (self.reason, self.retry_after))
+
+
+class EngineDeadError(MMEngineError, RuntimeError):
+    """The step loop has failed (or the engine was shut down): nothing more is served."""
+
+
+class RequestFailedError(MMEngineError, RuntimeError):
+    """A request the engine failed: steps kept raising while it was in flight, and the newest request
+    is removed until they run again. The requests left keep running."""
+
+
+@dataclass
+class DeltaOutput:
+    """What a request produced since its previous DeltaOutput, and its running totals."""
+
+    request_id: str
+    text: str  # new text (concatenating every delta's text gives the request's whole text)
+    token_ids: list[int]  # new tokens
+    finish_reason: str | None  # "stop" | "length" | "abort" on the last delta, else None
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # generated so far
+    num_cached_tokens: int  # prompt tokens served from the prefix cache
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class RequestStream:
+    """One request's outputs as DeltaOutputs. Iterate it once; leaving early aborts the request.
+
+    With stop strings, the last (longest stop string - 1) characters are held back until the
+    request ends, since they may turn out to begin a stop string (which is cut from the text).
+    """
+
+    def __init__(self, engine: AsyncMMEngine, request_id: str, params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.sampling_params = params
+        self.num_prompt_tokens = 0  # known once the prompt is processed
+        self.finished = False  # its last output (or its error) has arrived
+        self.aborted = False  # left before it finished
+        self.started = False  # its first token has arrived
+        self.cancelled = False  # aborted by its consumer (the worker that queues it checks this)
+        self.added = False  # queued in the engine
+        self._engine = engine
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self._items: deque[RequestOutput | BaseException] = deque()
+        self._ready = asyncio.Event()
+        self._iterated = False
+        self._sent_chars = 0
+        self._sent_tokens = 0
+
+    def __aiter__(self) -> AsyncIterator[DeltaOutput]:
+        if self._iterated:
+            raise RuntimeError(f"the stream of request {self.request_id!r} can be iterated only once")
+        self._iterated = True
+        return self._deltas()
+
+    def abort(self) -> None:
+        """Stops the request and frees what it holds (no-op once it has finished)."""
+        if not self.finished and not self.aborted:
+            self.aborted = True
+            self._engine.abort(self.request_id)
+
+    async def _deltas(self) -> AsyncIterator[DeltaOutput]:
+        try:
+            while True:
+                item = await self._next_item()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                delta = self._delta(item)
+                if delta is not None:
+                    yield delta
+                if item.finished:
+                    return
+        finally:
+            self.abort()
+
+    def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop
+        self._items.append(item)
+        self._ready.set()
+
+    async def _next_item(self) -> RequestOutput | BaseException:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        item = self._items.popleft()
+        # Outputs are cumulative: when the consumer fell behind, the latest one carries everything.
+        while isinstance(item, RequestOutput) and self._items and isinstance(self._items[0], RequestOutput):
+            item = self._items.popleft()
+        return item
+
+    def _delta(self, output: RequestOutput) -> DeltaOutput | None:
+        text = output.text
+        end = len(text) if output.finished else max(self._sent_chars, len(text) - self._holdback)
+        new_text = text[self._sent_chars : end]
+        self._sent_chars += len(new_text)
+        new_tokens = output.token_ids[self._sent_tokens :]
+        self._sent_tokens = len(output.token_ids)
+        if output.finished:
+            self.finished = True
+        elif not new_tokens and not new_text:
+            return None
+        return DeltaOutput(
+            request_id=output.request_id,
+            text=new_text,
+            token_ids=new_tokens,
+            finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
+            num_prompt_tokens=len(output.prompt_token_ids),
+            num_output_tokens=len(output.token_ids),
+            num_cached_tokens=output.num_cached_tokens,
+        )
+
+
+class AsyncMMEngine:
+    """An MMEngine driven by a background step loop; requests stream their outputs as deltas.
+
+    `AsyncMMEngine(engine)` wraps an engine (or `AsyncMMEngine.from_model(path, **options)` builds
+    one). The loop starts with the first request, on the running event loop; `shutdown()` stops it.
+    """
+
+    def __init__(
+        self,
+        engine: MMEngine,
+        *,
+        max_queued_requests: int | None = None,
+        num_preprocess_workers: int = 2,
+        max_step_retries: int = 1,
+    ) -> None:
+        for name, value, low in (
+            ("max_queued_requests", max_queued_requests, 1),
+            ("num_preprocess_workers", num_preprocess_workers, 1),
+            ("max_step_retries", max_step_retries, 0),
+        ):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                optional = " or None" if name == "max_queued_requests" else ""
+                raise ConfigError(f"{name} must be an int >= {low}{optional}, got {value!r}")
+        self.engine = engine
+        self.max_queued_requests = max_queued_requests
+        self.max_step_retries = max_step_retries
+        self._pool = ThreadPoolExecutor(num_preprocess_workers, thread_name_prefix="mmengine-preprocess")
+        # Shared by the event loop, the workers and the step loop: the live streams and pending aborts.
+        self._lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}  # in arrival order
+        self._num_queued = 0  # streams whose first token has not arrived
+        self._aborts: list[str] = []
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = False
+        self.dead_error: BaseException | None = None  # why the step loop died, if it did
+
+    @classmethod
+    def from_model(
+        cls,
+        model: str,
+        *,
+        max_queued_requests: int | None = None,
+        num_preprocess_workers: int = 2,
+        **engine_options: Any,
+    ) -> AsyncMMEngine:
+        return cls(
+            MMEngine(model, **engine_options),
+            max_queued_requests=max_queued_requests,
+            num_preprocess_workers=num_preprocess_workers,
+        )
+
+    # -- state -------------------------------------------------------------------
+
+    @property
+    def is_healthy(self) -> bool:
+        """False once the step loop has died (or the engine was shut down)."""
+        return self.dead_error is None and not self._stopping and (self._thread is None or self._thread.is_alive())
+
+    @property
+    def num_queued(self) -> int:
+        """Requests accepted whose first token has not arrived (preprocessing, waiting or in prefill)."""
+        return self._num_queued
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._streams)
+
+    # -- requests ----------------------------------------------------------------
+
+    async def add_request(
+        self,
+        prompt: str,
+        images: Sequence[ImageInput] | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        mm_uuids: Sequence[str | None] | None = None,
+        fill_max_tokens: bool = False,
+    ) -> RequestStream:
+        """Validates, preprocesses (on the worker pool) and queues one request; returns its stream.
+
+        Bad input raises the engine's typed errors before anything is queued. `fill_max_tokens`
+        replaces `sampling_params.max_tokens` with all the room the prompt leaves (max_model_len
+        and the KV cache), as OpenAI's API does when max_tokens is not given.
+        """
+        self._start()
+        self.check_not_overloaded()
+        params = check_sampling_params(sampling_params)
+        check_salt(cache_salt)
+        request_id = check_request_id(request_id) or f"req-{uuid.uuid4().hex}"
+        uuids = normalize_uuids(mm_uuids, single=True, num_prompts=1)[0]
+        image_list = check_image_list(images)
+        stream = RequestStream(self, request_id, params)
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidInputError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._num_queued += 1
+        try:
+            await self.run_in_pool(self._process_and_queue, stream, prompt, image_list, params, uuids, cache_salt, fill_max_tokens)
+        except BaseException:
+            stream.abort()  # unregisters it; if the worker still queues it, the worker aborts it
+            raise
+        return stream
+
+    def check_not_overloaded(self) -> None:
+        """Raises EngineOverloadedError while `max_queued_requests` requests wait for their first token
+        (add_request() checks it too; a caller may check first, before doing its own work)."""
+        if self.max_queued_requests is not None and self._num_queued >= self.max_queued_requests:
+            raise EngineOverloadedError(
+                f"{self._num_queued} requests are waiting for their first token "
+                f"(max_queued_requests={self.max_queued_requests}); retry later"
+            )
+
+    async def generate(
+        self,
+        prompt: str,
+        images: Sequence[ImageInput] | None = None,
+        sampling_params: SamplingParams | None = None,
+        **options: Any,
+    ) -> AsyncIterator[DeltaOutput]:
+        """add_request() and iterate its stream; leaving the loop early aborts the request."""
+        stream = await self.add_request(prompt, images, sampling_params, **options)
+        deltas = aiter(stream)
+        try:
+            async for delta in deltas:
+                yield delta
+        finally:
+            await deltas.aclose()
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request and frees its KV blocks and encoder references before the next step; its
+        stream ends without more output. Safe from any thread; unknown ids are ignored."""
+        with self._lock:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                stream.cancelled = True
+                self._num_queued -= not stream.started
+            self._aborts.append(request_id)
+        self._wake.set()
+
+    async def run_in_pool(self, function: Callable[..., T], *args: Any) -> T:
+        """Runs `function(*args)` on the preprocessing worker pool (for work that must stay off the
+        event loop, such as decoding an upload)."""
+        return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
+
+    async def shutdown(self) -> None:
+        """Stops the step loop (requests in flight are aborted) and the worker pool."""
+        self._stopping = True
+        with self._lock:
+            ids = list(self._streams)
+        for request_id in ids:
+            self.abort(request_id)
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def __aenter__(self) -> AsyncMMEngine:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.shutdown()
+
+    # -- worker pool side --------------------------------------------------------
+
+    def _process_and_queue(
+        self,
+        stream: RequestStream,
+        prompt: str,
+        images: list[ImageInput],
+        params: SamplingParams,
+        mm_uuids: Sequence[str | None] | None,
+        cache_salt: str | None,
+        fill_max_tokens: bool,
+    ) -> None:
+        engine = self.engine
+        checked = dataclasses.replace(params, max_tokens=1) if fill_max_tokens else params
+        processed = engine.input_processor.process(prompt, images, checked, mm_uuids=mm_uuids)
+        stream.num_prompt_tokens = len(processed.prompt_token_ids)
+        if fill_max_tokens:  # process() checked that one token fits; take all the room there is
+            params = dataclasses.replace(params, max_tokens=self.max_output_tokens(stream.num_prompt_tokens))
+            stream.sampling_params = params
+        if stream.cancelled:
+            return
+        engine.add_processed_request(processed, params, stream.request_id, cache_salt)
+        stream.added = True
+        self._wake.set()
+        if stream.cancelled:  # cancelled while being queued: the step loop's abort may have missed it
+            engine.abort_request(stream.request_id)
+
+    def max_output_tokens(self, num_prompt_tokens: int) -> int:
+        """The most tokens a prompt of this length may generate: what max_model_len and the whole KV
+        cache leave after it."""
+        limit = self.engine.max_model_len
+        in_kv_cache = self.engine.input_processor.max_tokens_in_kv_cache
+        if in_kv_cache is not None:
+            limit = min(limit, in_kv_cache)
+        return limit - num_prompt_tokens
+
+    # -- the step loop -----------------------------------------------------------
+
+    def _start(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine loop has failed: {self.dead_error!r}")
+        if self._stopping:
+            raise EngineDeadError("the engine has been shut down")
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._run, name="mmengine-step-loop", daemon=True)
+            self._thread.start()
+        elif asyncio.get_running_loop() is not self._loop:
+            raise RuntimeError("an AsyncMMEngine serves the event loop it was started on")
+
+    def _run(self) -> None:
+        failures = 0
+        try:
+            while True:
+                self._wake.clear()
+                self._apply_aborts()
+                if self._stopping:
+                    return
+                if not self.engine.has_unfinished_requests():
+                    self._wake.wait()
+                    continue
+                try:
+                    outputs = self.engine.step()
+                except Exception as err:  # the step advanced nothing, so it can be retried
+                    failures += 1
+                    logger.exception("engine step failed (%d in a row)", failures)
+                    if failures > self.max_step_retries:
+                        self._fail_newest_request(err)
+                    continue
+                failures = 0
+                if outputs:
+                    self._post(self._dispatch, outputs)
+        except BaseException as err:
+            logger.exception("the engine loop died")
+            self.dead_error = err
+            self._post(self._fail_all, err)
+
+    def _apply_aborts(self) -> None:
+        with self._lock:
+            aborts, self._aborts = self._aborts, []
+        for request_id in aborts:
+            self.engine.abort_request(request_id)  # False if not queued yet: its worker aborts it
+
+    def _fail_newest_request(self, err: Exception) -> None:
+        with self._lock:
+            queued = [stream for stream in self._streams.values() if stream.added]
+            if not queued:
+                raise RuntimeError("engine steps keep failing and no request of this AsyncMMEngine is left to fail") from err
+            stream = queued[-1]
+            del self._streams[stream.request_id]
+            self._num_queued -= not stream.started
+        self.engine.abort_request(stream.request_id)
+        logger.error("failing request %s: engine steps keep failing while it is in flight", stream.request_id)
+        failure = RequestFailedError(f"request {stream.request_id} failed: engine steps kept raising {err!r}")
+        self._post(stream._put, failure)
+
+    def _post(self, callback: Callable[..., None], *args: Any) -> None:
+        try:
+            self._loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the event loop is closed: nobody is left to tell
+            pass
+
+    # -- on the event loop -------------------------------------------------------
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        delivered = []
+        with self._lock:
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:  # aborted or failed meanwhile
+                    continue
+                if not stream.started and (output.token_ids or output.finished):
+                    stream.started = True
+                    self._num_queued -= 1
+                if output.finished:
+                    del self._streams[output.request_id]
+                delivered.append((stream, output))
+        for stream, output in delivered:
+            stream._put(output)
+
+    def _fail_all(self, err: BaseException) -> None:
+        with self._lock:
+            streams, self._streams = list(self._streams.values()), {}
+            self._num_queued = 0
+        for stream in streams:
+            stream._put(EngineDeadError(f"the engine loop has failed: {err!r}"))

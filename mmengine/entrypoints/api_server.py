@@ -1,0 +1,215 @@
+"""The OpenAI-compatible server: a FastAPI app over one AsyncMMEngine.
+
+    POST /v1/chat/completions   messages with text and image_url parts (data: URLs, allowed file:// paths)
+    POST /v1/completions        a text prompt
+    GET  /v1/models, /health, /metrics
+
+Streaming answers are server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
+A client that goes away (mid-stream or while waiting for a whole answer) aborts its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
+
+from mmengine.async_engine import AsyncMMEngine, DeltaOutput, RequestStream
+from mmengine.entrypoints.api_errors import APIError, from_engine_error, install_error_handlers
+from mmengine.entrypoints.chat import ChatTemplate, parse_messages
+from mmengine.entrypoints.media import MediaPolicy, fetch_remote_image, is_remote, load_local_image_url
+from mmengine.entrypoints.metrics import ServerMetrics
+from mmengine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, ResponseWriter, new_id
+from mmengine.errors import MMEngineError
+
+logger = logging.getLogger(__name__)
+
+_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class ServerSettings:
+    served_model_name: str
+    api_key: str | None = None
+    chat_template: str | None = None  # the template's text (`--chat-template FILE`); None: the model's own
+    media: MediaPolicy = field(default_factory=MediaPolicy)
+
+
+def build_app(async_engine: AsyncMMEngine, settings: ServerSettings) -> FastAPI:
+    """The app serving `async_engine`; the engine is shut down with the app."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await async_engine.shutdown()
+
+    app = FastAPI(title="mmengine", description="OpenAI-compatible multimodal server", lifespan=lifespan)
+    server = _OpenAIServer(async_engine, settings)
+    install_error_handlers(app, on_error=lambda status: server.metrics.errors.labels(str(status)).inc())
+    app.state.server = server
+    auth = [Depends(server.check_api_key)]
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await server.generate("chat", body, request)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await server.generate("completion", body, request)
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models() -> dict[str, Any]:
+        return server.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not async_engine.is_healthy:
+            reason = repr(async_engine.dead_error) if async_engine.dead_error is not None else "shut down"
+            raise APIError(503, f"the engine loop is not running: {reason}", code="engine_dead")
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    def metrics() -> Response:  # a plain def: FastAPI runs it on a thread, so waiting for stats() blocks no one
+        return Response(server.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _OpenAIServer:
+    def __init__(self, async_engine: AsyncMMEngine, settings: ServerSettings) -> None:
+        self.engine = async_engine
+        self.settings = settings
+        self.metrics = ServerMetrics(async_engine)
+        self.template = ChatTemplate(async_engine.engine, settings.chat_template)
+        self.created = int(time.time())
+
+    def check_api_key(self, request: Request) -> None:
+        expected = self.settings.api_key
+        if expected is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    def models(self) -> dict[str, Any]:
+        card = {"id": self.settings.served_model_name, "object": "model", "created": self.created, "owned_by": "mmengine",
+                "max_model_len": self.engine.engine.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    async def generate(self, kind: str, body: ChatCompletionRequest | CompletionRequest, request: Request) -> Response:
+        arrival = time.monotonic()
+        if body.model != self.settings.served_model_name:
+            raise APIError(400, f"unknown model {body.model!r}: this server serves {self.settings.served_model_name!r}",
+                           param="model", code="model_not_found")
+        body.check_supported()
+        params, fill_max_tokens = body.sampling_params()
+        chat = kind == "chat"
+        request_id = new_id("chatcmpl" if chat else "cmpl")
+        try:
+            self.engine.check_not_overloaded()  # before decoding anything
+            if chat:
+                prompt, images = await self._chat_prompt(body)
+            else:
+                prompt, images = body.single_prompt(), None
+            stream = await self.engine.add_request(
+                prompt, images, params, request_id=request_id, cache_salt=body.cache_salt,
+                mm_uuids=body.mm_uuids if chat else None, fill_max_tokens=fill_max_tokens,
+            )
+        except MMEngineError as err:
+            raise from_engine_error(err, input_param="messages" if chat else "prompt") from err
+        writer = ResponseWriter(kind, request_id, self.settings.served_model_name)
+        deltas = self.metrics.timed(aiter(stream), arrival, "chat" if chat else "completions")
+        if body.stream:
+            events = self._events(writer, deltas, stream, body.include_usage)
+            return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(stream.abort))
+        answer = asyncio.ensure_future(self._whole(writer, deltas))
+        try:
+            if not await _finished_before_disconnect(request, answer):
+                self.metrics.client_disconnects.inc()
+                return Response(status_code=499)  # nobody reads it
+            return JSONResponse(answer.result())
+        except MMEngineError as err:
+            raise from_engine_error(err, input_param="messages" if chat else "prompt") from err
+        finally:
+            stream.abort()
+
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[bytes | str]]:
+        conversation, urls = parse_messages(body.messages)
+        policy = self.settings.media
+        remote = {i: await fetch_remote_image(url, i, policy) for i, url in enumerate(urls) if is_remote(url)}
+
+        def prepare() -> tuple[str, list[bytes | str]]:  # base64 decoding and the template, off the event loop
+            images = [remote[i] if i in remote else load_local_image_url(url, i, policy) for i, url in enumerate(urls)]
+            return self.template.render(conversation), images
+
+        return await self.engine.run_in_pool(prepare)
+
+    @staticmethod
+    async def _whole(writer: ResponseWriter, deltas: AsyncIterator[DeltaOutput]) -> dict[str, Any]:
+        parts, last = [], None
+        async for delta in deltas:
+            parts.append(delta.text)
+            last = delta
+        return writer.complete("".join(parts), last)
+
+    async def _events(
+        self, writer: ResponseWriter, deltas: AsyncIterator[DeltaOutput], stream: RequestStream, include_usage: bool
+    ) -> AsyncIterator[str]:
+        try:
+            if writer.chat:
+                yield _event(writer.chunk("", role=True, with_usage_field=include_usage))
+            last = None
+            async for delta in deltas:  # one chunk per delta: new tokens (their text may still be held back) or the end
+                last = delta
+                yield _event(writer.chunk(delta.text, delta.finish_reason, stop_reason=delta.stop_reason,
+                                          with_usage_field=include_usage))
+            if include_usage and last is not None:
+                yield _event(writer.usage_chunk(last))
+            yield _DONE
+        except MMEngineError as err:  # the request failed in the engine after the stream began
+            yield _event(from_engine_error(err, input_param="messages" if writer.chat else "prompt").body())
+            yield _DONE
+        finally:
+            if not stream.finished:  # the client went away (or the server is stopping)
+                self.metrics.client_disconnects.inc()
+            stream.abort()
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+async def _finished_before_disconnect(request: Request, answer: asyncio.Future) -> bool:
+    """Waits for `answer`; if the client disconnects first, cancels it and returns False."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({answer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not answer.done():
+            answer.cancel()
+    return answer.done() and not answer.cancelled()
+
+
+def run_server(async_engine: AsyncMMEngine, settings: ServerSettings, host: str, port: int, log_level: str = "info") -> None:
+    """Serves until interrupted (uvicorn handles SIGINT/SIGTERM)."""
+    import uvicorn
+
+    logger.info("serving %s as %r on http://%s:%d", async_engine.engine.config.model, settings.served_model_name, host, port)
+    uvicorn.run(build_app(async_engine, settings), host=host, port=port, log_level=log_level)

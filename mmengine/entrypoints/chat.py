@@ -1,0 +1,88 @@
+"""OpenAI chat messages -> the conversation MMEngine.chat takes (image parts as {"type": "image"})
+plus the image URLs in order, and the chat template that renders it into a prompt."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mmengine.api_inputs import normalize_conversations
+from mmengine.engine import Conversation, MMEngine
+from mmengine.entrypoints.api_errors import APIError
+from mmengine.errors import InvalidInputError
+
+_ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
+
+
+def _bad(reason: str) -> APIError:
+    return APIError(400, reason, param="messages", code="invalid_value")
+
+
+def parse_messages(messages: list[Any]) -> tuple[Conversation, list[str]]:
+    """Splits OpenAI messages into a template-ready conversation and the image URLs, in order."""
+    if not messages:
+        raise _bad("messages must be a non-empty list")
+    conversation: Conversation = []
+    urls: list[str] = []
+    for position, message in enumerate(messages):
+        where = f"messages[{position}]"
+        if not isinstance(message, dict):
+            raise _bad(f"{where} must be an object with 'role' and 'content'")
+        role = _ROLE_ALIASES.get(message.get("role"), message.get("role"))
+        content = message.get("content")
+        if content is None:
+            content = ""  # e.g. an assistant turn that only called tools
+        if isinstance(content, list):
+            content = [_part(part, f"{where}.content[{index}]", urls) for index, part in enumerate(content)]
+        conversation.append({"role": role, "content": content})
+    try:
+        normalize_conversations(conversation)  # roles, content types, valid text
+    except InvalidInputError as err:
+        raise _bad(err.reason) from None
+    return conversation, urls
+
+
+def _part(part: Any, where: str, urls: list[str]) -> dict[str, Any]:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise _bad(f"{where}: a text part needs a 'text' string")
+        return {"type": "text", "text": part["text"]}
+    if kind == "image_url":
+        image_url = part.get("image_url")
+        url = image_url.get("url") if isinstance(image_url, dict) else image_url
+        if not isinstance(url, str) or not url:
+            raise _bad(f"{where}: an image_url part needs {{'image_url': {{'url': ...}}}}")
+        urls.append(url)
+        return {"type": "image"}
+    raise _bad(f"{where}: unsupported content part {kind!r}; expected 'text' or 'image_url'")
+
+
+class ChatTemplate:
+    """The template chats are rendered with: `--chat-template`'s text, else the model's own."""
+
+    def __init__(self, engine: MMEngine, override: str | None = None) -> None:
+        self._engine = engine
+        processor_template = getattr(engine.input_processor.hf_processor, "chat_template", None)
+        tokenizer_template = getattr(engine.tokenizer, "chat_template", None)
+        # None: the processor's own, as MMEngine.chat renders it
+        self._template = override if override is not None else (None if processor_template else tokenizer_template)
+        self.available = bool(override or processor_template or tokenizer_template)
+
+    def render(self, conversation: Conversation) -> str:
+        if not self.available:
+            raise APIError(
+                400,
+                "this model has no chat template, so chat completions cannot be rendered: start the server "
+                "with --chat-template FILE (a Jinja template), or use /v1/completions with a raw prompt",
+                param="messages",
+                code="missing_chat_template",
+            )
+        processor = self._engine.input_processor
+        try:
+            if self._template is None:
+                return processor.apply_chat_template(conversation)
+            return processor.hf_processor.apply_chat_template(
+                conversation, chat_template=self._template, add_generation_prompt=True, tokenize=False
+            )
+        except Exception as err:  # jinja2's TemplateError and the template's own raise_exception
+            raise _bad(f"the chat template rejects this conversation: {err}") from err

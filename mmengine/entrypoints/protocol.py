@@ -1,0 +1,187 @@
+"""The OpenAI request bodies this server reads and the JSON it answers with.
+
+mmengine extras ride along in the body (OpenAI's client sends them with `extra_body=`), as vLLM's do:
+`cache_salt` (requests share cached KV blocks only under equal salts), `mm_uuids` (one id per image,
+in order, replacing the content hash), `top_k` and `ignore_eos`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from mmengine.async_engine import DeltaOutput
+from mmengine.entrypoints.api_errors import APIError, from_engine_error
+from mmengine.errors import ConfigError
+from mmengine.sampling import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False
+    cache_salt: str | None = None
+    user: str | None = None
+    # Accepted only at their neutral values: the engine does not implement them.
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    tools: list[Any] | None = None
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        """The output-length cap asked for, and the field that asked."""
+        return self.max_tokens, "max_tokens"
+
+    def check_supported(self) -> None:
+        if self.n != 1:
+            raise APIError(400, f"n must be 1 (one choice per request), got {self.n}", param="n", code="invalid_value")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name) not in (None, 0, 0.0):
+                raise APIError(400, f"{name} is not supported (only 0)", param=name, code="unsupported_parameter")
+        if self.logit_bias:
+            raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
+        if self.tools:
+            raise APIError(400, "tools are not supported", param="tools", code="unsupported_parameter")
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options",
+                           code="invalid_value")
+
+    def sampling_params(self) -> tuple[SamplingParams, bool]:
+        """The SamplingParams, and whether max_tokens was left out (then: all the room the prompt leaves)."""
+        max_tokens, field = self.requested_max_tokens()
+        values: dict[str, Any] = {"max_tokens": 1 if max_tokens is None else max_tokens, "ignore_eos": self.ignore_eos}
+        for name in ("temperature", "top_p", "top_k", "seed", "stop"):
+            value = getattr(self, name)
+            if value is not None:
+                values[name] = value
+        try:
+            return SamplingParams(**values), max_tokens is None
+        except ConfigError as err:
+            raise from_engine_error(err, input_param="", sampling_fields={"max_tokens": field}) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[Any]
+    max_completion_tokens: int | None = None
+    mm_uuids: list[str | None] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens, "max_completion_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs or self.top_logprobs:
+            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[str]
+    echo: bool = False
+    suffix: str | None = None
+    logprobs: int | None = None
+    best_of: int | None = None
+
+    def single_prompt(self) -> str:
+        if isinstance(self.prompt, str):
+            return self.prompt
+        if len(self.prompt) != 1:
+            raise APIError(400, f"prompt must be one string (got a list of {len(self.prompt)})", param="prompt",
+                           code="invalid_value")
+        return self.prompt[0]
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        for name in ("echo", "suffix", "logprobs"):
+            if getattr(self, name):
+                raise APIError(400, f"{name} is not supported", param=name, code="unsupported_parameter")
+        if self.best_of not in (None, 1):
+            raise APIError(400, "best_of must be 1", param="best_of", code="invalid_value")
+
+
+# -- responses ------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
+    }
+
+
+def usage_of(last: DeltaOutput) -> dict[str, Any]:
+    return usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+
+
+class ResponseWriter:
+    """Builds one request's response objects: the whole answer, or its stream's chunks."""
+
+    def __init__(self, kind: str, request_id: str, model: str) -> None:
+        self.chat = kind == "chat"
+        self.request_id = request_id
+        self.model = model
+        self.created = int(time.time())
+
+    def _envelope(self, object_name: str) -> dict[str, Any]:
+        return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model}
+
+    def complete(self, text: str, last: DeltaOutput) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None,
+                                  "stop_reason": last.stop_reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {**self._envelope("chat.completion" if self.chat else "text_completion"),
+                "choices": [choice], "usage": usage_of(last)}
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
+              stop_reason: str | int | None = None, with_usage_field: bool = False) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        body = {**self._envelope("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+        if with_usage_field:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, last: DeltaOutput) -> dict[str, Any]:
+        return {**self._envelope("chat.completion.chunk" if self.chat else "text_completion"),
+                "choices": [], "usage": usage_of(last)}

@@ -1,0 +1,147 @@
+"""`mmengine serve`: its arguments (server options, plus every EngineConfig field as a --kebab-case
+flag generated from the dataclass) and the command itself."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import types
+import typing
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from mmengine.config import EngineConfig
+from mmengine.errors import ConfigError
+
+_SERVE_EXTRA = 'pip install "mmengine-vlm[serve]"'
+
+
+def build_serve_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mmengine serve",
+        description="Serve a local checkpoint over an OpenAI-compatible HTTP API "
+        "(/v1/chat/completions, /v1/completions, /v1/models, /health, /metrics).",
+    )
+    server = parser.add_argument_group("server options")
+    server.add_argument("--model", required=True, help="path to a local Hugging Face checkpoint directory")
+    server.add_argument("--host", default="127.0.0.1")
+    server.add_argument("--port", type=int, default=8000)
+    server.add_argument("--served-model-name", default=None, help="the name clients send as `model` (default: --model as given)")
+    server.add_argument("--chat-template", default=None, metavar="FILE", help="a Jinja chat template (default: the model's own)")
+    server.add_argument("--api-key", default=os.environ.get("MMENGINE_API_KEY"),
+                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $MMENGINE_API_KEY, else none)")
+    server.add_argument("--max-queued-requests", type=int, default=None, metavar="N",
+                        help="answer 503 (Retry-After) while N requests wait for their first token (default: no limit)")
+    server.add_argument("--allowed-local-media-path", default=None, metavar="DIR",
+                        help="allow file:// image URLs under DIR (default: none allowed)")
+    server.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) image URLs (default: refused)")
+    server.add_argument("--preprocess-workers", type=int, default=2, metavar="N",
+                        help="threads decoding and preprocessing images (default: 2)")
+    server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_options(parser)
+    return parser
+
+
+def add_engine_options(parser: argparse.ArgumentParser) -> None:
+    """One flag per EngineConfig field (but `model`); a flag left out keeps the dataclass default."""
+    group = parser.add_argument_group("engine options (EngineConfig fields; see mmengine/config.py)")
+    hints = typing.get_type_hints(EngineConfig)
+    for field in dataclasses.fields(EngineConfig):
+        if field.name == "model":
+            continue
+        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
+        kind = _base_type(hints[field.name])
+        flag = "--" + field.name.replace("_", "-")
+        shown = f"default: {_shown(default)}"
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, dest=field.name, help=shown)
+        elif kind in (int, float, str):
+            group.add_argument(flag, type=kind, default=None, dest=field.name, metavar=kind.__name__.upper(), help=shown)
+        elif typing.get_origin(kind) is dict:
+            value_type = typing.get_args(kind)[1]
+            group.add_argument(flag, type=_mapping_parser(flag, value_type), default=None, dest=field.name,
+                               metavar="KEY=VALUE[,KEY=VALUE]", help=shown)
+        else:
+            raise TypeError(f"EngineConfig.{field.name}: no command-line form for {hints[field.name]!r}")
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        field.name: getattr(args, field.name)
+        for field in dataclasses.fields(EngineConfig)
+        if field.name != "model" and getattr(args, field.name) is not None
+    }
+
+
+def _base_type(hint: Any) -> Any:
+    """`int | None` -> int; other hints as they are."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return hint
+
+
+def _shown(value: object) -> str:
+    if isinstance(value, dict):
+        return ",".join(f"{k}={v}" for k, v in value.items())
+    return "none" if value is None else str(value)
+
+
+def _mapping_parser(flag: str, value_type: type) -> typing.Callable[[str], dict[str, Any]]:
+    def parse(text: str) -> dict[str, Any]:
+        mapping = {}
+        for item in text.split(","):
+            key, sep, value = item.partition("=")
+            try:
+                if not (sep and key):
+                    raise ValueError
+                mapping[key.strip()] = value_type(value)
+            except ValueError:
+                raise argparse.ArgumentTypeError(f"{flag} expects KEY=VALUE[,KEY=VALUE], got {text!r}") from None
+        return mapping
+
+    return parse
+
+
+def run_serve(argv: Sequence[str]) -> None:
+    args = build_serve_parser().parse_args(argv)
+    for module in ("fastapi", "uvicorn", "prometheus_client"):
+        try:
+            __import__(module)
+        except ImportError:
+            raise ConfigError(f"mmengine serve needs the serve extra ({module} is missing): {_SERVE_EXTRA}") from None
+    from mmengine.async_engine import AsyncMMEngine
+    from mmengine.entrypoints.api_server import ServerSettings, run_server
+    from mmengine.entrypoints.media import MediaPolicy
+
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port must be in 0..65535, got {args.port}")
+    template = None
+    if args.chat_template is not None:
+        try:
+            template = Path(args.chat_template).read_text()
+        except OSError as err:
+            raise ConfigError(f"--chat-template {args.chat_template}: cannot read it ({err.strerror or err})") from None
+    media_dir = None
+    if args.allowed_local_media_path is not None:
+        media_dir = Path(args.allowed_local_media_path).resolve()
+        if not media_dir.is_dir():
+            raise ConfigError(f"--allowed-local-media-path {args.allowed_local_media_path} is not a directory")
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    async_engine = AsyncMMEngine.from_model(
+        args.model,
+        max_queued_requests=args.max_queued_requests,
+        num_preprocess_workers=args.preprocess_workers,
+        **engine_options(args),
+    )
+    settings = ServerSettings(
+        served_model_name=args.served_model_name or args.model,
+        api_key=args.api_key,
+        chat_template=template,
+        media=MediaPolicy(allowed_local_media_path=media_dir, allow_remote_media=args.allow_remote_media),
+    )
+    run_server(async_engine, settings, args.host, args.port, log_level=args.log_level)

@@ -1,0 +1,35 @@
+"""benchmarks/serve.py runs end to end at tiny settings (server in a thread) and reports every field."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_serve_benchmark_reports_both_sides(checkpoint_dir, tmp_path):
+    spec = importlib.util.spec_from_file_location("serve_benchmark", ROOT / "benchmarks" / "serve.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    output = tmp_path / "serve.json"
+    result = module.main([
+        "--model", str(checkpoint_dir()), "--server", "thread", "--num-users", "3", "--turns", "2",
+        "--num-pictures", "2", "--output-len", "3", "--image-size", "64x48", "--max-model-len", "256",
+        "--request-rate", "50", "--output", str(output),
+    ])
+    assert json.loads(output.read_text()) == json.loads(json.dumps(result))
+    ours, baseline = result["mmengine"], result["transformers_sequential"]
+    assert ours["requests"] == baseline["requests"] == 6
+    assert ours["images_sent"] == 6 and ours["unique_pictures"] == 2
+    assert ours["encoder_runs"] == 2 and baseline["encoder_runs"] == 6  # each shared picture encoded once
+    assert ours["encoder_cache_hits"] >= 0 and 0 < ours["prefix_cache_hit_rate"] <= 1
+    assert ours["cached_prompt_token_share"] > 0  # second turns reuse their first turn's blocks
+    for row in (ours, baseline):
+        assert row["requests_per_s"] > 0 and row["output_tokens_per_s"] > 0
+        assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"]
+        assert row["itl_ms"]["p50"] > 0
+    assert result["speedup_requests_per_s"] == ours["requests_per_s"] / baseline["requests_per_s"]

@@ -1,0 +1,79 @@
+"""The `mmengine serve` command: engine flags generated from EngineConfig, clean errors, and the real
+command serving requests in a subprocess."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import httpx
+from serve_helpers import running_server
+
+from mmengine.cli import main
+from mmengine.config import EngineConfig
+from mmengine.entrypoints.serve_cli import build_serve_parser, engine_options
+
+
+def test_every_engine_config_field_is_a_flag():
+    parser = build_serve_parser()
+    flags = {option for action in parser._actions for option in action.option_strings}
+    for field in dataclasses.fields(EngineConfig):
+        if field.name != "model":
+            assert "--" + field.name.replace("_", "-") in flags, field.name
+    assert "--no-enable-prefix-caching" in flags and "--enforce-eager" in flags
+
+
+def test_flags_become_typed_engine_options():
+    args = build_serve_parser().parse_args([
+        "--model", "m", "--max-num-seqs", "4", "--no-enable-prefix-caching", "--limit-mm-per-prompt", "image=2",
+        "--gpu-memory-utilization", "0.5", "--max-model-len", "128", "--dtype", "float32", "--port", "9000",
+    ])
+    options = engine_options(args)
+    assert options == {"max_num_seqs": 4, "enable_prefix_caching": False, "limit_mm_per_prompt": {"image": 2},
+                       "gpu_memory_utilization": 0.5, "max_model_len": 128, "dtype": "float32"}
+    config = EngineConfig.from_kwargs("m", **options)  # flags left out keep the dataclass defaults
+    assert config.block_size == EngineConfig(model="m").block_size and config.max_num_seqs == 4
+    assert args.port == 9000 and args.served_model_name is None
+
+
+def test_bad_serve_options_are_clean_errors(checkpoint_dir, tmp_path, capsys):
+    missing = tmp_path / "template.jinja"
+    assert main(["serve", "--model", str(checkpoint_dir()), "--chat-template", str(missing)]) == 2
+    assert f"--chat-template {missing}: cannot read it" in capsys.readouterr().err
+    assert main(["serve", "--model", str(checkpoint_dir()), "--allowed-local-media-path", str(missing)]) == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert main(["serve", "--model", str(checkpoint_dir()), "--max-num-seqs", "0", "--port", "1"]) == 2
+    assert "max_num_seqs must be a positive int" in capsys.readouterr().err
+
+
+def test_the_serve_command_wires_the_engine_and_the_server(checkpoint_dir, monkeypatch):
+    """`main(["serve", ...])` in-process, up to uvicorn.run: the server it would run is started on a free
+    loopback port instead (a subprocess would spend most of its time importing torch)."""
+    served = {}
+
+    def run_on_a_free_port(async_engine, settings, host, port, log_level):
+        served.update(host=host, port=port, log_level=log_level, engine=async_engine.engine)
+        with running_server(async_engine, settings) as server:
+            auth = {"Authorization": "Bearer secret"}
+            served["models"] = httpx.get(server.v1 + "/models", headers=auth).json()
+            served["refused"] = httpx.get(server.v1 + "/models").status_code
+            served["answer"] = httpx.post(server.v1 + "/completions", headers=auth, timeout=60, json={
+                "model": "tiny", "prompt": "USER: hi ASSISTANT:", "max_tokens": 3, "ignore_eos": True}).json()
+            served["max_queued_requests"] = async_engine.max_queued_requests
+
+    monkeypatch.setattr("mmengine.entrypoints.api_server.run_server", run_on_a_free_port)
+    assert main(["serve", "--model", str(checkpoint_dir()), "--port", "8123", "--host", "127.0.0.2",
+                 "--served-model-name", "tiny", "--api-key", "secret", "--max-queued-requests", "5",
+                 "--max-model-len", "128", "--no-enable-prefix-caching", "--log-level", "warning"]) == 0
+    assert (served["host"], served["port"], served["log_level"]) == ("127.0.0.2", 8123, "warning")
+    config = served["engine"].config
+    assert config.max_model_len == 128 and config.enable_prefix_caching is False
+    assert [m["id"] for m in served["models"]["data"]] == ["tiny"] and served["refused"] == 401
+    assert served["answer"]["usage"]["completion_tokens"] == 3 and served["max_queued_requests"] == 5
+
+
+def test_the_served_name_defaults_to_the_model_argument(checkpoint_dir, monkeypatch):
+    names = []
+    monkeypatch.setattr("mmengine.entrypoints.api_server.run_server",
+                        lambda async_engine, settings, *args, **kwargs: names.append(settings.served_model_name))
+    assert main(["serve", "--model", str(checkpoint_dir()), "--max-model-len", "128"]) == 0
+    assert names == [str(checkpoint_dir())]
