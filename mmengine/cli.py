@@ -115,6 +115,7 @@ def run_budget(args: argparse.Namespace) -> None:
 
     from mmengine.config import EngineConfig
     from mmengine.encoder_cache.budget import compute_encoder_budget, explain_budget
+    from mmengine.entrypoints.serve_cli import mapping_parser
     from mmengine.kv_cache.manager import cdiv
     from mmengine.models.loader import checkpoint_dtype
     from mmengine.models.registry import family_class_for, load_family, load_hf_config, load_hf_processor
@@ -129,7 +130,7 @@ def run_budget(args: argparse.Namespace) -> None:
         "max_num_seqs": args.max_num_seqs,
         "limit_mm_per_prompt": _parse_limits(args.limit_mm_per_prompt),
         "encoder_cache_size": args.encoder_cache_size,
-        "mm_processor_kwargs": _parse_json_dict(args.mm_processor_kwargs, "--mm-processor-kwargs"),
+        "mm_processor_kwargs": mapping_parser("--mm-processor-kwargs", int)(args.mm_processor_kwargs) if args.mm_processor_kwargs else None,
     }
     # the engine's rules; the device decides what dtype "auto" becomes
     config = EngineConfig(model=args.model, device=args.device, **{k: v for k, v in explicit.items() if v is not None})
@@ -178,18 +179,6 @@ def run_budget(args: argparse.Namespace) -> None:
     print(f"encoder cache budget for {args.model}")
     for line in explain_budget(budget, inputs, family.explain_max_tokens_per_item()):
         print("  " + line)
-
-
-def _parse_json_dict(value: str | None, flag: str) -> dict | None:
-    if value is None:
-        return None
-    try:
-        parsed = json.loads(value)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"{flag} expects a JSON object, got {value!r} ({err})") from err
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError(f"{flag} expects a JSON object, got {value!r}")
-    return parsed
 
 
 def _parse_limits(values: list[str] | None) -> dict[str, int] | None:
@@ -244,8 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     budget.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto resolves the dtype per device)")
     budget.add_argument(
-        "--mm-processor-kwargs", default=None, metavar="JSON",
-        help='image-processor overrides, e.g. \'{"max_pixels": 1003520}\' (sets the largest item of native-resolution models)',
+        "--mm-processor-kwargs", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
+        help="image-processor overrides, e.g. max_pixels=1003520 (sets the largest item of native-resolution models)",
     )
     budget.add_argument("--json", action="store_true", help="print the terms as JSON")
     budget.set_defaults(func=run_budget)

@@ -51,7 +51,7 @@ def test_budget_cli_and_engine_use_the_largest_item_from_max_pixels(family_check
     path = family_checkpoint(family_name)
     argv = ["budget", "--model", str(path), "--json", "--device", "cpu", "--num-kv-blocks", "10"]
     if overrides:
-        argv += ["--mm-processor-kwargs", json.dumps(overrides)]
+        argv += ["--mm-processor-kwargs", ",".join(f"{k}={v}" for k, v in overrides.items())]
     assert main(argv) == 0
     report = json.loads(capsys.readouterr().out)
     max_pixels = (overrides or {}).get("max_pixels", 28 * 28 * 64)  # the tiny checkpoint's own setting

@@ -62,7 +62,7 @@ def add_engine_options(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=kind, default=None, dest=field.name, metavar=kind.__name__.upper(), help=shown)
         elif typing.get_origin(kind) is dict:
             value_type = typing.get_args(kind)[1]
-            group.add_argument(flag, type=_mapping_parser(flag, value_type), default=None, dest=field.name,
+            group.add_argument(flag, type=mapping_parser(flag, value_type), default=None, dest=field.name,
                                metavar="KEY=VALUE[,KEY=VALUE]", help=shown)
         else:
             raise TypeError(f"EngineConfig.{field.name}: no command-line form for {hints[field.name]!r}")
@@ -91,7 +91,7 @@ def _shown(value: object) -> str:
     return "none" if value is None else str(value)
 
 
-def _mapping_parser(flag: str, value_type: type) -> typing.Callable[[str], dict[str, Any]]:
+def mapping_parser(flag: str, value_type: type) -> typing.Callable[[str], dict[str, Any]]:
     def parse(text: str) -> dict[str, Any]:
         mapping = {}
         for item in text.split(","):
