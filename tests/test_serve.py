@@ -235,3 +235,29 @@ def test_cache_salt_mm_uuids_and_seed_are_honoured(client, server):
                                          temperature=1.0, top_p=0.9, seed=seed, extra_body={"top_k": 50}).choices[0].text
                for seed in (7, 7, 8)]
     assert sampled[0] == sampled[1]
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])  # LLaVA: the tests above
+def test_each_family_serves_image_chats_as_offline_chat(family_checkpoint, name):
+    """The server is family-agnostic: a Qwen chat with two images of different sizes, streamed,
+    answers as offline chat, and a second turn about the same pictures reuses the caches."""
+    path = str(family_checkpoint(name))
+    images = [make_test_image(201, size=(150, 150)), make_test_image(202, size=(100, 60))]
+    question = "Compare them."
+    content = [image_part(data_url(images[0])), image_part(data_url(images[1])), {"type": "text", "text": question}]
+    offline_content = [{"type": "image"}, {"type": "image"}, {"type": "text", "text": question}]
+    with running_server(AsyncMMEngine(MMEngine(path, **ENGINE_OPTIONS)), ServerSettings(MODEL_NAME, api_key=API_KEY)) as running:
+        with openai.OpenAI(base_url=running.v1, api_key=API_KEY, max_retries=0, timeout=60) as client:
+            stream = client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0, stream=True
+            )
+            text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+            again = client.chat.completions.create(
+                model=MODEL_NAME, messages=[{"role": "user", "content": content}], max_tokens=8, temperature=0
+            )
+    (expected,) = MMEngine(path, **ENGINE_OPTIONS).chat(
+        [{"role": "user", "content": offline_content}], images=images, sampling_params=_greedy(8), use_tqdm=False
+    )
+    assert text == expected.text == again.choices[0].message.content
+    assert again.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
