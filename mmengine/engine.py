@@ -255,6 +255,7 @@ class MMEngine:
                 for p, params, salt in zip(processed, params_list, salts):
                     ids.append(self._enqueue(p, params, None, salt))
                     self._owners[ids[-1]] = results
+                self.scheduler.group_batch(ids)
             with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
                 while True:
                     with self._lock:  # released between steps, so other callers get their turn
@@ -332,6 +333,7 @@ class MMEngine:
             "kv_blocks_free": self.kv_cache.num_free_blocks,
             "kv_blocks_cached": self.kv_cache.num_cached_blocks,
             "kv_blocks_evicted": self.kv_cache.pool.num_evictions,
+            **self.scheduler.sharing.stats(),
         }
 
     # -- internals -------------------------------------------------------------
