@@ -183,13 +183,17 @@ class Scheduler:
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, encoder_budget: int, encoding_now: set[str]) -> None:
-        """Admits waiting requests in order, charging only uncached tokens and blocks.
+        """Admits waiting requests, charging only uncached tokens and blocks. They are tried in queue
+        order or, with prefix grouping on, longest cached prefix first; members of prefix-sharing
+        groups must also pass the groups' KV gate (see prefix_sharing.py).
 
         A request that cannot be admitted now (not enough free blocks, no encoder budget or room
         for its next image, or its next uncached block is being computed by a running request
         and will be a hit soon) is skipped so that requests behind it can run. Skipping is
         bounded: a request skipped MAX_ADMISSION_SKIPS times blocks everything behind it.
         """
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return
         in_flight = self._blocks_in_flight()
         window = MAX_ADMISSION_LOOKAHEAD + self.config.max_num_seqs - len(self.running) + 1
         candidates = self.sharing.admission_order(self.waiting, window, MAX_ADMISSION_SKIPS)
