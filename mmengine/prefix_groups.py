@@ -49,6 +49,7 @@ class _Node:
     children: list[_Node] = field(default_factory=list)
     prompts: list[int] = field(default_factory=list)  # prompts whose chain ends exactly here
     num_leaves: int = 0  # prompts in this subtree
+    by_first: dict[BlockId, _Node] = field(default_factory=dict)  # children by first block (while building)
 
     def members(self) -> list[int]:
         out = list(self.prompts)
@@ -64,23 +65,23 @@ def _build_tree(chains: Sequence[Sequence[BlockId]]) -> _Node:
         node, pos = root, 0
         node.num_leaves += 1
         while pos < len(chain):
-            child = next((c for c in node.children if c.label[0] == chain[pos]), None)
+            child = node.by_first.get(chain[pos])
             if child is None:
                 child = _Node(list(chain[pos:]))
                 node.children.append(child)
-                node = child
-                node.num_leaves += 1
+                node.by_first[chain[pos]] = child
                 pos = len(chain)
-                break
-            common = 0
-            while common < len(child.label) and pos + common < len(chain) and child.label[common] == chain[pos + common]:
-                common += 1
-            if common < len(child.label):  # split the edge where the chain leaves it
-                lower = _Node(child.label[common:], child.children, child.prompts, child.num_leaves)
-                child.label, child.children, child.prompts = child.label[:common], [lower], []
+            else:
+                common = 1
+                while common < len(child.label) and pos + common < len(chain) and child.label[common] == chain[pos + common]:
+                    common += 1
+                if common < len(child.label):  # split the edge where the chain leaves it
+                    lower = _Node(child.label[common:], child.children, child.prompts, child.num_leaves, child.by_first)
+                    child.label, child.children, child.prompts = child.label[:common], [lower], []
+                    child.by_first = {lower.label[0]: lower}
+                pos += common
             node = child
             node.num_leaves += 1
-            pos += common
         node.prompts.append(index)
     return root
 
