@@ -134,7 +134,13 @@ class PrefixSharing:
     def progressed(self, request: Request) -> None:
         """After a step computed part of the request: its group holds the prefix once it is computed."""
         group = self._group_of.get(request.request_id)
-        if group is None or group.held or request.num_computed_tokens < group.num_shared_blocks * self.block_size:
+        if group is None:
+            return
+        # Held blocks can leave the prefix cache (reset_prefix_cache, or the encoder cache evicting
+        # an image they pin); a block leaves with its descendants, so the last one tells.
+        if group.held and group.held[-1].block_hash != group.prefix[-1]:
+            self._release(group)
+        if group.held or request.num_computed_tokens < group.num_shared_blocks * self.block_size:
             return
         group.held = self.kv_cache.hold_prefix(request, group.prefix)
         if group.held:  # most recently held last: released first under pressure

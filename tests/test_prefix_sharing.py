@@ -123,6 +123,23 @@ def test_a_group_holds_its_prefix_until_its_last_member_finishes():
     assert_all_free(sched)
 
 
+def test_a_hold_whose_blocks_left_the_cache_moves_to_the_recomputed_prefix():
+    sched = make_scheduler(num_blocks=8, block_size=4, max_num_seqs=1)
+    members = group_of_three()
+    add_batch(sched, members)
+    run_step(sched)
+    stale = sched.sharing.held_blocks()
+    sched.kv_cache.reset_prefix_cache()  # e.g. after a weight update
+    run_step(sched)
+    assert members[1].num_cached_tokens == 0  # nothing to hit: it computed the prefix again
+    fresh = sched.sharing.held_blocks()
+    assert len(fresh) == 2 and all(b.is_cached for b in fresh) and not set(fresh) & set(stale)
+    assert all(b.ref_cnt == 0 for b in stale)
+    run_step(sched)
+    assert members[2].num_cached_tokens == 8
+    assert_all_free(sched)
+
+
 def test_aborting_the_unfinished_members_releases_the_hold():
     sched = make_scheduler(num_blocks=8, block_size=4, max_num_seqs=1)
     members = group_of_three()
