@@ -106,13 +106,26 @@ class PrefixSharing:
     def admits(self, request: Request, hits: list[KVBlock], num_computed: int, starving: bool) -> bool:
         """The KV gate for group members: everything it will need fits beside what running requests
         will still need. Requests in no group, starving ones, and any when nothing runs pass."""
-        if starving or request.request_id not in self._group_of or not self._running:
+        if not self._gated(request, starving):
             return True
-        if self._reserve is None:
-            self._reserve = sum(self._blocks_still_needed(r) for r in self._running)
         final = self._final_kv_tokens(request)
         need = self.kv_cache.blocks_needed(request, max(0, final - num_computed), hits, num_computed)
         return need + self._reserve <= self.kv_cache.num_free_blocks
+
+    def surely_refused(self, request: Request, starving: bool) -> bool:
+        """Whether the gate refuses the request even if every full block of it were a hit: then the
+        scheduler need not look its blocks up (the costly part of trying a long prompt)."""
+        if not self._gated(request, starving):
+            return False
+        best = cdiv(self._final_kv_tokens(request), self.block_size) - len(request.block_hashes)
+        return best + self._reserve > self.kv_cache.num_free_blocks
+
+    def _gated(self, request: Request, starving: bool) -> bool:
+        if starving or request.request_id not in self._group_of or not self._running:
+            return False
+        if self._reserve is None:
+            self._reserve = sum(self._blocks_still_needed(r) for r in self._running)
+        return True
 
     def admitted(self, request: Request, num_computed: int) -> None:
         """Books an admitted request (already allocated and running)."""

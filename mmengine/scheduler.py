@@ -203,12 +203,15 @@ class Scheduler:
         for position, request in candidates:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or len(skipped) > MAX_ADMISSION_LOOKAHEAD:
                 break
+            starving = request.num_admission_skips >= MAX_ADMISSION_SKIPS
+            if self.sharing.surely_refused(request, starving):
+                skipped.append(request)
+                continue
             hits = self.kv_cache.get_computed_blocks(request)
             # A full hit still recomputes the last token: its logits are needed.
             num_computed = min(len(hits) * self.config.block_size, request.num_tokens - 1)
             num_new = min(request.num_tokens - num_computed, budget)
             num_new, plan = self._plan_encoder(request, num_computed, num_new, encoder_budget, encoding_now)
-            starving = request.num_admission_skips >= MAX_ADMISSION_SKIPS
             wait_for_hit = (
                 not starving and len(hits) < len(request.block_hashes) and request.block_hashes[len(hits)] in in_flight
             )
