@@ -11,8 +11,9 @@ by group. Then, for each group:
   admitting the next group never forces a preemption that recomputes a member. A request
   skipped too often (the scheduler's starvation bound) bypasses this gate, and so does a
   request when nothing runs.
-A hold never deadlocks the scheduler: before preempting, and whenever a step would otherwise
-schedule nothing, holds that no running request uses are released (they stay cached).
+A hold never deadlocks the scheduler: before preempting, for a starving request that does not fit,
+and whenever a step would otherwise schedule nothing, holds that free blocks (no running request
+uses them) are released, most recent first; the blocks stay cached.
 
 Waiting requests are tried longest cached prefix first (cache affinity), with the scheduler's
 starvation bound. Requests in no group are never gated or held.
@@ -50,7 +51,7 @@ class PrefixSharing:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enabled = enabled and kv_cache.enable_prefix_caching
-        self.groups: list[LiveGroup] = []  # in the order their holds were taken, then planned
+        self.groups: list[LiveGroup] = []  # live groups; one moves to the end when it takes its hold
         self._group_of: dict[str, LiveGroup] = {}
         self._running: Sequence[Request] = ()
         self._reserve: int | None = None  # blocks running requests may still take, this admission pass
