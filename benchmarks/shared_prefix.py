@@ -127,7 +127,8 @@ class AttentionProfiler:
         self.decodes = 0
         self._prof = None
         self._execute = engine.runner.execute
-        if engine.device.type == "cuda" and count > 0:
+        self._wrapping = engine.device.type == "cuda" and count > 0
+        if self._wrapping:
             engine.runner.execute = self._wrapped
 
     def _wrapped(self, out, block_tables):
@@ -135,7 +136,7 @@ class AttentionProfiler:
 
         if self.step == self.start:
             sync(self.engine.device)
-            self._prof = profile(activities=[ProfilerActivity.CUDA])
+            self._prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])  # as latency.py
             self._prof.__enter__()
         result = self._execute(out, block_tables)
         self.step += 1
@@ -151,7 +152,8 @@ class AttentionProfiler:
         self._prof.__exit__(None, None, None)
 
     def result(self) -> dict:
-        self.engine.runner.execute = self._execute
+        if self._wrapping:
+            del self.engine.runner.execute  # the class's method again
         if self.engine.device.type != "cuda":
             return {"decode_attention_ms_per_step": None, "note": "n/a on CPU (the attention path is plain PyTorch)"}
         if self._prof is None:
