@@ -48,6 +48,10 @@ class EngineConfig:
     enforce_eager: bool = False
     max_cuda_graph_batch_size: int | None = None  # None: max_num_seqs; larger decode batches run eagerly
     enable_prefix_caching: bool = True
+    # Batches added at once (generate()) are planned into prefix-sharing groups: queued group by
+    # group, each group's shared prefix computed once and held until its last member finishes;
+    # waiting requests are admitted longest cached prefix first. Needs prefix caching.
+    enable_prefix_grouping: bool = True
     # "sha256" where crafted collisions are a concern; also hashes image content (mm_hash), which
     # is part of a KV block's identity
     prefix_caching_hash_algo: str = "xxh3_128"
@@ -103,6 +107,7 @@ class EngineConfig:
         if self.max_cuda_graph_batch_size is not None:
             _positive_int("max_cuda_graph_batch_size", self.max_cuda_graph_batch_size)
         _require(isinstance(self.enable_prefix_caching, bool), "enable_prefix_caching", self.enable_prefix_caching, "a bool")
+        _require(isinstance(self.enable_prefix_grouping, bool), "enable_prefix_grouping", self.enable_prefix_grouping, "a bool")
         _require(
             self.prefix_caching_hash_algo in HASH_ALGORITHMS,
             "prefix_caching_hash_algo",

@@ -272,6 +272,7 @@ class MMEngine:
                 for p, params, salt in zip(processed, params_list, salts):
                     ids.append(self._enqueue(p, params, None, salt))
                     self._owners[ids[-1]] = results
+                self.scheduler.group_batch(ids)
             with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
                 while True:
                     with self._lock:  # released between steps, so other callers get their turn
@@ -352,6 +353,7 @@ class MMEngine:
             "requests_running": len(self.scheduler.running),
             "requests_waiting": len(self.scheduler.waiting),
             "encoder_cache_referenced": self.encoder_cache.num_referenced,
+            **self.scheduler.sharing.stats(),
         }
 
     # -- internals -------------------------------------------------------------

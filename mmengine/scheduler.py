@@ -19,6 +19,7 @@ from mmengine.config import EngineConfig
 from mmengine.encoder_cache.manager import EncoderCacheManager
 from mmengine.kv_cache.block_pool import KVBlock
 from mmengine.kv_cache.manager import KVCacheManager
+from mmengine.prefix_sharing import PrefixSharing
 from mmengine.request import Request, RequestStatus
 
 # A waiting request skipped this many times (later requests admitted ahead of it) stops
@@ -94,6 +95,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_reencodes_after_prefix_hit = 0
         self.num_zero_token_schedules = 0  # running requests held back a step by the encoder budget
+        # Prefix-sharing groups of batches, their held blocks, and cache-affinity admission.
+        self.sharing = PrefixSharing(kv_cache, config.block_size, max_model_len, config.enable_prefix_grouping)
 
     # -- queue management -------------------------------------------------
 
@@ -103,6 +106,15 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.kv_cache.hash_new_blocks(request)
         self.waiting.append(request)
+
+    def group_batch(self, request_ids: list[str]) -> None:
+        """Reorders a batch of just-added requests (the last ones queued) group by group."""
+        batch = [self.requests[request_id] for request_id in request_ids]
+        assert list(self.waiting)[len(self.waiting) - len(batch) :] == batch, "the batch is the tail of the queue"
+        ordered = self.sharing.plan(batch)
+        for _ in batch:
+            self.waiting.pop()
+        self.waiting.extend(ordered)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -117,6 +129,7 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self._release(request)
+        self.sharing.finished(request)
         del self.requests[request.request_id]
 
     def abort_request(self, request_id: str) -> Request | None:
@@ -146,6 +159,8 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv_cache.can_allocate(request, num_new):
+                if self.sharing.release_idle_hold():  # a held prefix nobody runs on goes before a request
+                    continue
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_ids.append(victim.request_id)
@@ -162,44 +177,54 @@ class Scheduler:
         # Then admit waiting requests, unless this step had to preempt.
         if not out.preempted_ids:
             self._admit_waiting(out, budget, encoder_budget, encoding_now)
+        if out.is_empty and self.waiting and self.sharing.release_idle_holds():  # held blocks stalled everything
+            self._admit_waiting(out, budget, encoder_budget, encoding_now)
         out.freed_encoder_hashes = self.encoder_cache.take_freed()
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, encoder_budget: int, encoding_now: set[str]) -> None:
-        """Admits waiting requests in order, charging only uncached tokens and blocks.
+        """Admits waiting requests, charging only uncached tokens and blocks. They are tried in queue
+        order or, with prefix grouping on, longest cached prefix first; members of prefix-sharing
+        groups must also pass the groups' KV gate (see prefix_sharing.py).
 
         A request that cannot be admitted now (not enough free blocks, no encoder budget or room
         for its next image, or its next uncached block is being computed by a running request
         and will be a hit soon) is skipped so that requests behind it can run. Skipping is
         bounded: a request skipped MAX_ADMISSION_SKIPS times blocks everything behind it.
         """
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            return
         in_flight = self._blocks_in_flight()
-        index = 0
+        window = MAX_ADMISSION_LOOKAHEAD + self.config.max_num_seqs - len(self.running) + 1
+        candidates = self.sharing.admission_order(self.waiting, window, MAX_ADMISSION_SKIPS)
+        self.sharing.begin_admission(self.running)
         skipped: list[Request] = []
-        while (
-            index < len(self.waiting)
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-            and len(skipped) <= MAX_ADMISSION_LOOKAHEAD
-        ):
-            request = self.waiting[index]
+        admitted: list[int] = []  # queue positions
+        for position, request in candidates:
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or len(skipped) > MAX_ADMISSION_LOOKAHEAD:
+                break
+            starving = request.num_admission_skips >= MAX_ADMISSION_SKIPS
+            if self.sharing.surely_refused(request, starving):
+                skipped.append(request)
+                continue
             hits = self.kv_cache.get_computed_blocks(request)
             # A full hit still recomputes the last token: its logits are needed.
             num_computed = min(len(hits) * self.config.block_size, request.num_tokens - 1)
             num_new = min(request.num_tokens - num_computed, budget)
             num_new, plan = self._plan_encoder(request, num_computed, num_new, encoder_budget, encoding_now)
-            starving = request.num_admission_skips >= MAX_ADMISSION_SKIPS
             wait_for_hit = (
                 not starving and len(hits) < len(request.block_hashes) and request.block_hashes[len(hits)] in in_flight
             )
-            if wait_for_hit or num_new == 0 or not self.kv_cache.can_allocate(request, num_new, hits, num_computed):
+            fits = self.kv_cache.can_allocate(request, num_new, hits, num_computed)
+            while not fits and starving and self.sharing.release_idle_hold():
+                fits = self.kv_cache.can_allocate(request, num_new, hits, num_computed)
+            if wait_for_hit or num_new == 0 or not fits or not self.sharing.admits(request, hits, num_computed, starving):
                 if starving:
                     break
                 skipped.append(request)
-                index += 1
                 continue
             scheduled = self._commit(request, num_computed, num_new, plan, encoding_now, hits)
-            del self.waiting[index]
+            self.waiting.remove(request)
             self.kv_cache.record_lookup(request.num_tokens, num_computed)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
@@ -207,12 +232,20 @@ class Scheduler:
             request.num_prefix_hit_tokens = len(hits) * self.config.block_size
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self.sharing.admitted(request, num_computed)
             out.scheduled.append(scheduled)
             in_flight.update(self._pending_block_hashes(request))
             budget -= num_new
             encoder_budget -= plan.cost
-            for earlier in skipped:
-                earlier.num_admission_skips += 1
+            admitted.append(position)
+        # Every request still waiting counts one skip per request admitted from behind it.
+        if admitted:
+            last = max(admitted)
+            for index, (position, request) in enumerate(candidates):
+                if index >= window and position >= last:  # past the reordered head, the queue is in order
+                    break
+                if position < last and request.status != RequestStatus.RUNNING:
+                    request.num_admission_skips += sum(1 for p in admitted if p > position)
 
     def _plan_encoder(
         self, request: Request, start: int, num_new: int, encoder_budget: int, encoding_now: set[str]
@@ -336,6 +369,7 @@ class Scheduler:
                 continue
             request.num_computed_tokens = s.end
             self.kv_cache.cache_blocks(request)  # pins items first: consumed ones are released next
+            self.sharing.progressed(request)
             self._release_consumed(request)
             if request.request_id not in sampled:
                 continue

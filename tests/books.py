@@ -19,6 +19,7 @@ def assert_books_consistent(engine: MMEngine) -> None:
 def _check_kv_blocks(engine: MMEngine) -> None:
     kv, pool, scheduler = engine.kv_cache, engine.kv_cache.pool, engine.scheduler
     holders = Counter(block.block_id for blocks in kv._req_blocks.values() for block in blocks)
+    holders.update(block.block_id for block in scheduler.sharing.held_blocks())  # prefix-sharing groups' holds
     for block in pool.blocks:
         assert block.ref_cnt == holders[block.block_id], f"block {block.block_id}: ref_cnt {block.ref_cnt}, held {holders[block.block_id]}x"
         assert (block.block_id in pool._free) == (block.ref_cnt == 0), f"block {block.block_id} free queue membership"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,3 +106,44 @@ def test_bad_options_are_clear_usage_errors(latency, args, capsys):
     with pytest.raises(SystemExit) as exit_info:
         latency.parse_args(args)
     assert exit_info.value.code == 2 and "expected" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def shared_prefix():
+    spec = importlib.util.spec_from_file_location("shared_prefix_benchmark", ROOT / "benchmarks" / "shared_prefix.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass resolves annotations through its module
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_shared_prefix_benchmark_runs_every_mode_on_the_same_workload(shared_prefix, checkpoint_dir, tmp_path, capsys):
+    output = tmp_path / "shared_prefix.json"
+    result = shared_prefix.main([
+        "--model", str(checkpoint_dir()), "--groups", "3", "--degree", "3", "--shared-len", "40", "--unique-len", "8",
+        "--output-len", "2", "--images", "1", "--num-kv-blocks", "10", "--block-size", "8", "--keep-outputs",
+        "--output", str(output),
+    ])
+    assert json.loads(output.read_text()) == json.loads(json.dumps(result, default=str))
+    modes = result["modes"]
+    expected = ["arrival", "sorted", "grouped"] + (["grouped+cascade=on"] if shared_prefix.HAS_CASCADE else [])
+    assert list(modes) == expected
+    if not shared_prefix.HAS_CASCADE:
+        assert "grouped+cascade skipped" in capsys.readouterr().out
+    outputs = [row["outputs"] for row in modes.values()]
+    assert all(o == outputs[0] for o in outputs) and len(outputs[0]) == 9  # same greedy tokens in every mode
+    for row in modes.values():
+        assert row["prefill_tokens_minimum"] == 3 * 40 + 9 * 8
+        assert row["prefill_tokens_computed"] >= row["prefill_tokens_minimum"] and row["requests_per_s"] > 0
+        assert row["decode_attention_ms_per_step"] is None and "n/a" in row["note"]
+    assert modes["grouped"]["shared_tokens_planned"] == 3 * 2 * 40 // 8 * 8
+    assert modes["grouped"]["prefill_tokens_computed"] <= modes["arrival"]["prefill_tokens_computed"]
+    assert modes["arrival"]["shared_tokens_planned"] == 0
+
+
+@pytest.mark.parametrize("args", [["--modes", "fast"], ["--modes", ""], ["--groups", "0"], ["--unique-len", "-1"]])
+def test_shared_prefix_bad_options_are_usage_errors(shared_prefix, args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        shared_prefix.parse_args(args)
+    assert exit_info.value.code == 2 and "error" in capsys.readouterr().err

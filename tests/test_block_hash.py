@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from helpers import make_request
-from mmengine.kv_cache.block_hash import BlockHasher, block_key, make_hash_function
+from mmengine.kv_cache.block_hash import BlockHasher, block_key, hash_chain, make_hash_function
 
 BS = 4
 
@@ -62,3 +62,13 @@ def test_each_block_is_hashed_once_as_tokens_arrive():
     assert hasher.num_hashed == len(request.block_hashes) == 16 // BS
     full = make_request("b", 16, tokens=request.all_token_ids)
     assert hashes(full) == request.block_hashes
+
+
+@pytest.mark.parametrize("salt,lora", [(None, None), ("s", None), (None, "l"), ("s", "l")])
+def test_block_identity_needs_no_request(salt, lora):
+    """The chain computed from (token ids, items, salt, adapter) alone is the one a Request gets, so
+    an offline pass (prefix grouping) can hash prompts before any Request exists."""
+    request = make_request("a", 23, images=[(2, 3), (5, 9)], cache_salt=salt, lora_name=lora)
+    chain = hash_chain(request.prompt_token_ids, request.mm_items, salt, lora, BS, make_hash_function("xxh3_128", 0))
+    assert chain == hashes(request) and len(chain) == 23 // BS
+    assert hash_chain(request.prompt_token_ids, [], salt, lora, BS, make_hash_function("xxh3_128", 0))[0] != chain[0]

@@ -60,6 +60,7 @@ CONFIG_MISUSES = [
     ("device='cuda:x'", {"device": "cuda:x"}, "'cuda:x'"),
     ("dtype=[...]", {"dtype": ["float32"]}, "dtype must be"),
     ("attn_backend=None", {"attn_backend": None}, "attn_backend must be"),
+    ("enable_prefix_grouping='yes'", {"enable_prefix_grouping": "yes"}, "enable_prefix_grouping must be a bool"),
     ("num_kv_blocks=10**8 on CPU", {"num_kv_blocks": 10**8, "device": "cpu"}, "num_kv_blocks=100000000 needs"),
 ]
 

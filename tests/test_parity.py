@@ -72,7 +72,10 @@ def test_preemption_matches_transformers(checkpoint_dir, exact_precision, name):
     """So few KV blocks that running requests are preempted and recomputed; outputs are unchanged."""
     path = checkpoint_dir(SPECS[name])
     cases = CASES * 2
-    engine = MMEngine(str(path), max_model_len=512, block_size=8, num_kv_blocks=16, **exact_precision.engine_kwargs)
+    # Without prefix grouping: its KV gate admits a group's members only when they fit, so the
+    # duplicated prompts would never be preempted.
+    engine = MMEngine(str(path), max_model_len=512, block_size=8, num_kv_blocks=16, enable_prefix_grouping=False,
+                      **exact_precision.engine_kwargs)
     outputs = engine.generate([c[0] for c in cases], images=[c[1] for c in cases], sampling_params=_params(), use_tqdm=False)
     assert engine.stats()["num_preemptions"] > 0
     assert [o.token_ids for o in outputs] == _expected(path, cases, exact_precision)

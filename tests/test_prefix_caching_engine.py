@@ -80,7 +80,8 @@ def test_shared_prefix_is_computed_once(checkpoint_dir):
     ids = [o.prompt_token_ids for o in outputs]
     shared = next(i for i in range(len(ids[0])) if len({tuple(t[: i + 1]) for t in ids}) > 1)
     cached_per_request = shared // 8 * 8
-    assert [o.num_cached_tokens for o in outputs] == [0] + [cached_per_request] * 5
+    # one request computes the prefix (prefix grouping may pick any of them), the others hit it
+    assert sorted(o.num_cached_tokens for o in outputs) == [0] + [cached_per_request] * 5
     stats = engine.stats()
     assert stats["prefill_tokens_computed"] == sum(len(t) for t in ids) - 5 * cached_per_request
     assert stats["prefix_cache_hits"] == 5 * cached_per_request

@@ -14,12 +14,12 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
 
-from mmengine.request import Request
+from mmengine.request import MMItem, Request
 
 BlockHash = bytes
 ExtraKey = tuple[object, ...]
@@ -49,16 +49,45 @@ class BlockKey:
 
 
 def block_key(request: Request, block_index: int, block_size: int) -> BlockKey:
+    return block_key_of(request.all_token_ids, request.mm_items, request.cache_salt, request.lora_name, block_index, block_size)
+
+
+def block_key_of(
+    token_ids: Sequence[int],
+    mm_items: Sequence[MMItem],
+    cache_salt: str | None,
+    lora_name: str | None,
+    block_index: int,
+    block_size: int,
+) -> BlockKey:
+    """A block's identity from what determines it, without a live Request (offline grouping uses it)."""
     start, end = block_index * block_size, (block_index + 1) * block_size
     extra: list[ExtraKey] = []
-    if request.lora_name is not None:
-        extra.append(("lora", request.lora_name))
-    for item in request.mm_items:
+    if lora_name is not None:
+        extra.append(("lora", lora_name))
+    for item in mm_items:
         if item.overlaps(start, end):
             extra.append((item.modality, item.mm_hash, start - item.offset))
-    if block_index == 0 and request.cache_salt is not None:
-        extra.append(("salt", request.cache_salt))
-    return BlockKey(tuple(request.all_token_ids[start:end]), tuple(extra))
+    if block_index == 0 and cache_salt is not None:
+        extra.append(("salt", cache_salt))
+    return BlockKey(tuple(token_ids[start:end]), tuple(extra))
+
+
+def hash_chain(
+    token_ids: Sequence[int],
+    mm_items: Sequence[MMItem],
+    cache_salt: str | None,
+    lora_name: str | None,
+    block_size: int,
+    hash_fn: HashFunction,
+) -> list[BlockHash]:
+    """The chained hashes of every full block of `token_ids`: equal to what BlockHasher gives a
+    Request with the same tokens, items, salt and adapter."""
+    hashes: list[BlockHash] = []
+    for index in range(len(token_ids) // block_size):
+        key = block_key_of(token_ids, mm_items, cache_salt, lora_name, index, block_size)
+        hashes.append(hash_fn(_encode(hashes[-1] if hashes else None, key)))
+    return hashes
 
 
 def _encode(parent: BlockHash | None, key: BlockKey) -> bytes:

@@ -68,6 +68,9 @@ class BlockPool:
 
     # -- prefix cache ---------------------------------------------------------
 
+    def is_hash_cached(self, block_hash: BlockHash) -> bool:
+        return block_hash in self._cached
+
     def lookup(self, block_hash: BlockHash, key: BlockKey, parent_cache_id: int | None) -> KVBlock | None:
         """The cached block with exactly this content after exactly this parent, else None."""
         block = self._cached.get(block_hash)

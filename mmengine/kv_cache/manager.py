@@ -5,9 +5,10 @@ Paired methods: `can_allocate` answers without changing anything, `allocate` the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
-from mmengine.kv_cache.block_hash import BlockHasher, HashFunction, block_key
+from mmengine.kv_cache.block_hash import BlockHash, BlockHasher, HashFunction, block_key
 from mmengine.kv_cache.block_pool import BlockPool, KVBlock
 from mmengine.request import Request
 
@@ -76,6 +77,17 @@ class KVCacheManager:
             hits.append(block)
             parent = block.cache_id
         return hits
+
+    def num_cached_prefix_blocks(self, request: Request) -> int:
+        """Leading blocks whose hashes are in the prefix cache, unverified: cheap, for ordering only."""
+        if not self.enable_prefix_caching:
+            return 0
+        count = 0
+        for block_hash in request.block_hashes:
+            if not self.pool.is_hash_cached(block_hash):
+                break
+            count += 1
+        return count
 
     def record_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_tokens
@@ -177,6 +189,24 @@ class KVCacheManager:
         self._req_block_ids.pop(request.request_id, None)
         self._num_chained.pop(request.request_id, None)
         self.pool.release(blocks[::-1])
+
+    def hold_prefix(self, request: Request, prefix: Sequence[BlockHash]) -> list[KVBlock]:
+        """References the request's first blocks once more when they are cached under exactly
+        `prefix` (a prefix-sharing group keeps its shared blocks out of the free queue, so LRU
+        cannot evict them); [] when they are not. `release_held` gives the references back."""
+        blocks = self._req_blocks.get(request.request_id, [])[: len(prefix)]
+        if len(blocks) < len(prefix) or any(b.block_hash != h for b, h in zip(blocks, prefix)):
+            return []
+        self.pool.touch(blocks)
+        return blocks
+
+    def release_held(self, blocks: list[KVBlock]) -> None:
+        """Drops the references hold_prefix took; the blocks stay cached (tail evicted first)."""
+        self.pool.release(blocks[::-1])
+
+    def num_freed_by_release(self, blocks: list[KVBlock]) -> int:
+        """Blocks that release_held(blocks) would return to the free queue (no one else uses them)."""
+        return sum(1 for block in blocks if block.ref_cnt == 1)
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block. Blocks in use stay with their requests, no longer shared."""
