@@ -107,3 +107,10 @@ def test_cascade_option_is_validated(value):
     with pytest.raises(ConfigError, match="cascade_attention"):
         EngineConfig(model="m", cascade_attention=value)
     assert EngineConfig(model="m").cascade_attention == "auto"
+
+
+def test_a_group_is_cut_to_what_its_members_really_share():
+    """Block ids that break the prefix cache's chain rule (same id in a column, different ids
+    before it) never make a group claim blocks a member lacks."""
+    tables = [[1, 9, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]]  # the binary search over columns sees 6 shared
+    assert as_tuples(policy("on").plan(tables, [1, 1], [96, 96])) == [([0, 1], 1)]

@@ -60,29 +60,29 @@ def layout_cascade(
 ) -> CascadeLayout:
     """block_tables [R, W] (rows padded with valid block ids); query_lens, seq_lens [R]."""
     num_reqs = len(query_lens)
-    token_starts = np.concatenate(([0], np.cumsum(query_lens)))
-    prefix_of_row = np.zeros(num_reqs, dtype=np.int64)
-    indices, positions, sizes = [], [], []
-    for group in groups:
-        prefix_of_row[group.rows] = group.num_prefix_blocks
-        for row in group.rows:
-            q_len = int(query_lens[row])
-            indices.append(np.arange(token_starts[row], token_starts[row] + q_len))
-            positions.append(np.arange(seq_lens[row] - q_len, seq_lens[row]))
-        sizes.append(int(query_lens[group.rows].sum()))
-    suffix_tables = block_tables[:num_reqs].copy()
-    for row in np.flatnonzero(prefix_of_row):
-        cut = prefix_of_row[row]
-        suffix_tables[row, : suffix_tables.shape[1] - cut] = block_tables[row, cut:]
-    empty = np.zeros(0, dtype=np.int64)
+    query_lens = np.asarray(query_lens, dtype=np.int64)
+    seq_lens = np.asarray(seq_lens, dtype=np.int64)
+    rows = np.array([row for g in groups for row in g.rows], dtype=np.int64)
+    cuts = np.zeros(num_reqs, dtype=np.int64)  # prefix blocks of each row's group (0: ungrouped)
+    cuts[rows] = np.repeat([g.num_prefix_blocks for g in groups], [len(g.rows) for g in groups]).astype(np.int64)
+    # every grouped row's tokens, in group order: batch row and position of each
+    lens = query_lens[rows]
+    first = np.cumsum(lens) - lens
+    offset = np.arange(int(lens.sum())) - np.repeat(first, lens)
+    token_starts = np.cumsum(query_lens) - query_lens
+    token_indices = np.repeat(token_starts[rows], lens) + offset
+    token_positions = np.repeat(seq_lens[rows] - lens, lens) + offset
+    sizes = [int(query_lens[g.rows].sum()) for g in groups]
+    width = block_tables.shape[1]
+    columns = np.minimum(np.arange(width)[None, :] + cuts[:, None], width - 1)
     return CascadeLayout(
-        token_indices=np.concatenate(indices) if indices else empty,
-        token_positions=np.concatenate(positions) if positions else empty,
+        token_indices=token_indices,
+        token_positions=token_positions,
         group_starts=np.concatenate(([0], np.cumsum(sizes))).astype(np.int64),
         prefix_lens=np.array([g.num_prefix_blocks * block_size for g in groups], dtype=np.int64),
         group_leaders=np.array([g.rows[0] for g in groups], dtype=np.int64),
-        suffix_seq_lens=np.asarray(seq_lens, dtype=np.int64) - prefix_of_row * block_size,
-        suffix_block_tables=suffix_tables,
+        suffix_seq_lens=seq_lens - cuts * block_size,
+        suffix_block_tables=np.take_along_axis(block_tables[:num_reqs], columns, axis=1),
     )
 
 

@@ -2,10 +2,10 @@
 and the scheduled token counts, with no device work.
 
 Groups. Requests whose block tables start with the same physical blocks (full blocks inside
-every member's context) can share a prefix pass. The candidates form a trie over block ids;
-sorting the tables makes every trie node a contiguous range, so one pass over the sorted ranges
-picks single-level groups: at each node, either the node is one group (its common prefix, all
-requests below it) or its children are grouped on their own, whichever is worth more.
+every member's context) can share a prefix pass. The candidates form a trie over block ids, and
+one bottom-up pass picks single-level groups: at each node, either the node is one group (its
+common prefix, all requests below it) or its children are grouped on their own, whichever is
+worth more (the first level of BatchLLM's grouping, over physical blocks).
 
 Worth, in key reads (the cost a memory-bound attention step pays). Without cascade a request
 reads its whole context once per tile of query rows: once for a decode, ceil(q / tile) times
@@ -67,78 +67,97 @@ class CascadePolicy:
             return (tiles_alone - tiles_packed) * num_blocks * self.block_size
 
         if self.mode == "on":
-            return choose_groups(prefixes, lambda rows, num_blocks: len(rows) * num_blocks)
+            return checked(choose_groups(prefixes, lambda rows, num_blocks: len(rows) * num_blocks), prefixes)
         groups = choose_groups(prefixes, saved_keys)
         saved = sum(saved_keys(g.rows, g.num_prefix_blocks) for g in groups)
         needed = MIN_SAVED_BYTES_PER_LAYER * (GRAPH_REPLAY_FACTOR if replaces_graph else 1)
-        return groups if saved * self.kv_bytes_per_token >= needed else []
+        return checked(groups, prefixes) if saved * self.kv_bytes_per_token >= needed else []
 
 
 def shared_candidates(
     block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], block_size: int
-) -> dict[int, tuple[int, ...]]:
+) -> dict[int, Sequence[int]]:
     """Row -> its full blocks, for the rows whose first block another row starts with too."""
     firsts: dict[int, int] = {}
     for row, blocks in enumerate(block_tables):
         if seq_lens[row] >= block_size and blocks:
             firsts[blocks[0]] = firsts.get(blocks[0], 0) + 1
     return {
-        row: tuple(blocks[: seq_lens[row] // block_size])
+        row: blocks[: seq_lens[row] // block_size]
         for row, blocks in enumerate(block_tables)
         if seq_lens[row] >= block_size and blocks and firsts[blocks[0]] > 1
     }
 
 
 def choose_groups(
-    prefixes: dict[int, tuple[int, ...]], worth: Callable[[list[int], int], int]
+    prefixes: dict[int, Sequence[int]], worth: Callable[[list[int], int], int]
 ) -> list[CascadeGroup]:
     """Single-level groups over the trie of `prefixes` (row -> block ids) that maximise the summed
-    worth(rows, num_prefix_blocks); groups worth nothing are dropped. Iterative post-order over
-    the sorted rows, so a deep trie cannot exhaust the recursion limit."""
-    order = sorted(prefixes, key=prefixes.__getitem__)
-    keys = [prefixes[row] for row in order]
-    best: dict[tuple[int, int], tuple[int, list[CascadeGroup]]] = {}
-    stack: list[tuple[int, int, int, list[tuple[int, int]] | None]] = [(0, len(order), 0, None)]
-    while stack:
-        lo, hi, depth, children = stack.pop()
-        if hi - lo < 2:
-            best[lo, hi] = (0, [])
-            continue
-        common = _common_length(keys[lo], keys[hi - 1], depth)
-        if children is None:
-            children = _children(keys, lo, hi, common)
-            stack.append((lo, hi, depth, children))
-            stack.extend((c_lo, c_hi, common + 1, None) for c_lo, c_hi in children)
-            continue
-        split_worth = sum(best[c][0] for c in children)
-        here = worth([order[i] for i in range(lo, hi)], common) if common else 0
+    worth(rows, num_prefix_blocks); groups worth nothing are dropped.
+
+    A prefix cache shares a physical block only between requests whose hash chains agree up to it,
+    so the same id in one column means the same ids in every column before it. That makes a set
+    of rows' common prefix a binary search over columns, and a node's children a split by the id
+    in the first column where they differ (`checked` makes sure of the chosen groups, so
+    correctness never rests on it). Nodes are built top-down into a list and valued bottom-up by
+    walking it backwards: no recursion, however deep the trie."""
+    rows_of: list[list[int]] = [sorted(prefixes)]
+    depth_of = [0]
+    common_of: list[int] = []
+    children_of: list[list[int]] = []
+    node = 0
+    while node < len(rows_of):  # top-down; children are appended behind their parent
+        rows, kids, common = rows_of[node], [], 0
+        if len(rows) >= 2:
+            common = _common_length(prefixes, rows, depth_of[node])
+            branches: dict[int, list[int]] = {}
+            for row in rows:
+                if len(prefixes[row]) > common:
+                    branches.setdefault(prefixes[row][common], []).append(row)
+            for branch in branches.values():
+                if len(branch) >= 2:
+                    kids.append(len(rows_of))
+                    rows_of.append(branch)
+                    depth_of.append(common + 1)
+        common_of.append(common)
+        children_of.append(kids)
+        node += 1
+    best: list[tuple[int, list[CascadeGroup]]] = [(0, [])] * len(rows_of)
+    for node in reversed(range(len(rows_of))):  # bottom-up
+        split_worth = sum(best[c][0] for c in children_of[node])
+        here = worth(rows_of[node], common_of[node]) if common_of[node] and len(rows_of[node]) >= 2 else 0
         if here > 0 and here >= split_worth:
-            best[lo, hi] = (here, [CascadeGroup(sorted(order[lo:hi]), common)])
+            best[node] = (here, [CascadeGroup(rows_of[node], common_of[node])])
         else:
-            best[lo, hi] = (split_worth, [g for c in children for g in best[c][1]])
-    return sorted(best[0, len(order)][1], key=lambda g: g.rows[0])
+            best[node] = (split_worth, [g for c in children_of[node] for g in best[c][1]])
+    return sorted(best[0][1], key=lambda g: g.rows[0])
 
 
-def _common_length(a: tuple[int, ...], b: tuple[int, ...], start: int) -> int:
-    """Length of the common prefix of a and b, which agree on their first `start` entries."""
-    n = min(len(a), len(b))
-    i = start
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+def checked(groups: list[CascadeGroup], prefixes: dict[int, Sequence[int]]) -> list[CascadeGroup]:
+    """The groups with each prefix cut to the blocks all its members really have in common, block
+    by block (empty ones dropped)."""
+    result = []
+    for group in groups:
+        leader = prefixes[group.rows[0]]
+        common = group.num_prefix_blocks
+        for row in group.rows[1:]:
+            blocks = prefixes[row]
+            if blocks[:common] != leader[:common]:
+                common = next(i for i in range(common) if blocks[i] != leader[i])
+        if common:
+            result.append(CascadeGroup(group.rows, common))
+    return result
 
 
-def _children(keys: list[tuple[int, ...]], lo: int, hi: int, depth: int) -> list[tuple[int, int]]:
-    """Ranges of sorted keys[lo:hi] (sharing their first `depth` entries) by their entry at `depth`;
-    keys that end at `depth` belong to no child."""
-    i = lo
-    while i < hi and len(keys[i]) == depth:  # a shorter key sorts before its extensions
-        i += 1
-    ranges = []
-    while i < hi:
-        j = i + 1
-        while j < hi and keys[j][depth] == keys[i][depth]:
-            j += 1
-        ranges.append((i, j))
-        i = j
-    return ranges
+def _common_length(prefixes: dict[int, Sequence[int]], rows: list[int], depth: int) -> int:
+    """Columns all rows share, given that they share the first `depth` (a binary search: sharing
+    is prefix-closed, see choose_groups)."""
+    leader = prefixes[rows[0]]
+    lo, hi = depth, min(len(prefixes[row]) for row in rows)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if all(prefixes[row][mid - 1] == leader[mid - 1] for row in rows):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
