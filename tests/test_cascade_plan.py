@@ -88,9 +88,9 @@ def test_auto_engages_only_when_the_saved_bytes_pay():
 
 
 def test_deep_tries_need_no_recursion():
-    """A chain of 1500 requests each one block longer than the last (a trie deeper than Python's
+    """A chain of 1100 requests each one block longer than the last (a trie deeper than Python's
     recursion limit): one group, at the node worth the most."""
-    n = 1500
+    n = 1100
     prefixes = {i: tuple(range(i + 1)) for i in range(n)}
     (group,) = choose_groups(prefixes, lambda rows, blocks: len(rows) * blocks)
     k = group.rows[0]
