@@ -8,7 +8,7 @@ group's prefix, read through a member's block table. The group's rows share ever
 up to its own position (causal inside the prefix). Long prefixes are split over programs, like
 split-KV decode; each split writes a partial state (fp32 output, natural-log lse).
 
-Merge: for each grouped token and head, the prefix partials and the suffix state already in
+Merge: for each grouped token (all its heads in one program), the prefix partials and the suffix state already in
 (out, lse) are combined by their log-sum-exps, in place. (merge_states.py merges two row-aligned
 states; here the grouped rows are scattered over the batch and the prefix comes in several
 splits, so one kernel gathers, reduces and merges in a single pass.)
@@ -84,32 +84,35 @@ def _merge_prefix_kernel(
     part_out_ptr, part_lse_ptr, token_indices_ptr, out_ptr, lse_ptr,
     num_splits,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh, stride_ft, stride_fh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    entry = tl.program_id(0)
-    head = tl.program_id(1)
+    entry = tl.program_id(0)  # one grouped token, all its heads
     token = tl.load(token_indices_ptr + entry)
+    h = tl.arange(0, BLOCK_H)
+    h_valid = h < NUM_HEADS
     d = tl.arange(0, BLOCK_D)
-    d_valid = d < HEAD_DIM
+    mask = h_valid[:, None] & (d < HEAD_DIM)[None, :]
+    out_rows = token * stride_ot + h[:, None] * stride_oh + d[None, :]
     # the suffix state, then each prefix split, folded in by an online log-sum-exp
-    m = tl.load(lse_ptr + token * stride_ft + head * stride_fh)
-    has = m != float("-inf")
-    weight = tl.where(has, 1.0, 0.0)
-    acc = tl.load(out_ptr + token * stride_ot + head * stride_oh + d, mask=d_valid, other=0.0).to(tl.float32) * weight
+    m = tl.load(lse_ptr + token * stride_ft + h * stride_fh, mask=h_valid, other=float("-inf"))
+    weight = tl.where(m != float("-inf"), 1.0, 0.0)
+    acc = tl.load(out_ptr + out_rows, mask=mask, other=0.0).to(tl.float32) * weight[:, None]
     for split in range(num_splits):
-        lse_s = tl.load(part_lse_ptr + entry * stride_lt + head * stride_lh + split)
-        out_s = tl.load(part_out_ptr + entry * stride_pt + head * stride_ph + split * stride_ps + d, mask=d_valid, other=0.0)
+        lse_s = tl.load(part_lse_ptr + entry * stride_lt + h * stride_lh + split, mask=h_valid, other=float("-inf"))
+        out_s = tl.load(part_out_ptr + entry * stride_pt + h[:, None] * stride_ph + split * stride_ps + d[None, :],
+                        mask=mask, other=0.0)
         m_new = tl.maximum(m, lse_s)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m - m_safe)
         beta = tl.exp(lse_s - m_safe)
         weight = weight * alpha + beta
-        acc = acc * alpha + out_s * beta
+        acc = acc * alpha[:, None] + out_s * beta[:, None]
         m = m_new
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.where(weight > 0, weight, 1.0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, (acc / total).to(out_ptr.dtype.element_ty), mask=d_valid)
-    tl.store(lse_ptr + token * stride_ft + head * stride_fh, tl.where(weight > 0, m_safe + tl.log(total), float("-inf")))
+    tl.store(out_ptr + out_rows, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + token * stride_ft + h * stride_fh, tl.where(weight > 0, m_safe + tl.log(total), float("-inf")),
+             mask=h_valid)
 
 
 def prefix_block_q(num_heads: int, num_kv_heads: int) -> int:
@@ -164,12 +167,12 @@ def merge_prefix_states(
     num_entries, num_heads, num_splits, head_dim = part_out.shape
     if num_entries == 0:
         return
-    _merge_prefix_kernel[(num_entries, num_heads)](
+    _merge_prefix_kernel[(num_entries,)](
         part_out, part_lse, token_indices, out, lse,
         num_splits,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+        NUM_HEADS=num_heads, BLOCK_H=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
         **launch_options(),
     )
 
