@@ -43,6 +43,10 @@ class EngineConfig:
     dtype: str = "auto"  # "auto" | "float32" | "float16" | "bfloat16"
     seed: int = 0
     attn_backend: str = "auto"  # "auto" | "torch" | "triton"
+    # Requests of a step that share KV blocks at the start attend to them together, the prefix read
+    # once per group ("auto": when the saved reads pay for it, see runner/cascade_plan.py; "on":
+    # whenever two requests share a block; "off"). Decode-only steps that use it run eagerly.
+    cascade_attention: str = "auto"
     # Decode-only steps replay CUDA graphs captured at start-up (CUDA + Triton kernels); True runs
     # every step eagerly (start-up is faster, steps are slower).
     enforce_eager: bool = False
@@ -121,6 +125,7 @@ class EngineConfig:
             "None or an int",
         )
         _require(self.attn_backend in ("auto", "torch", "triton"), "attn_backend", self.attn_backend, "'auto', 'torch' or 'triton'")
+        _require(self.cascade_attention in ("auto", "on", "off"), "cascade_attention", self.cascade_attention, "'auto', 'on' or 'off'")
         _require(isinstance(self.limit_mm_per_prompt, dict), "limit_mm_per_prompt", self.limit_mm_per_prompt, "a dict")
         for modality, limit in self.limit_mm_per_prompt.items():
             _require(modality == "image", "limit_mm_per_prompt", modality, "keys among {'image'}")

@@ -189,7 +189,8 @@ class AttentionCase:
 
 def record_attention_launches(case: AttentionCase) -> list[Launch]:
     """Every launch one mixed step makes: KV store, prefill over a paged prefix, split-KV decode
-    with its reduction, and the LSE merge."""
+    with its reduction, the LSE merge, and cascade's shared-prefix pass and its merge."""
+    from mmengine.kernels.cascade_attention import cascade_prefix_attention
     from mmengine.kernels.decode_attention import decode_attention
     from mmengine.kernels.kv_store import store_kv
     from mmengine.kernels.merge_states import merge_attn_states
@@ -206,7 +207,20 @@ def record_attention_launches(case: AttentionCase) -> list[Launch]:
         prefill_attention(query, cache, torch.tensor([0, 5, 8], dtype=torch.int32), seq_lens, tables, 0.1, max_query_len=5)
         out, lse = decode_attention(query[:2], cache, seq_lens, tables, 0.1, num_splits=4)
         merge_attn_states(out, lse, out, lse)
+        cascade = _cascade_metadata(case.block_size)
+        cascade_prefix_attention(query, cache, cascade, tables, 0.1, query, torch.empty(8, heads), num_splits=2)
     return launches
+
+
+def _cascade_metadata(block_size: int):
+    """One group of two requests (the first 1 and 7 tokens of the step) over a one-block prefix."""
+    import numpy as np
+
+    from mmengine.layers.cascade import CascadeGroup, CascadeMetadata, layout_cascade
+
+    layout = layout_cascade([CascadeGroup([0, 1], 1)], np.array([1, 7]), np.array([40, 33]), np.zeros((2, 4), dtype=np.int64),
+                            block_size)
+    return CascadeMetadata.from_layout(layout, torch.device("cpu"))
 
 
 def record_decoder_launches(case: AttentionCase) -> list[Launch]:

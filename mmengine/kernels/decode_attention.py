@@ -95,17 +95,18 @@ def decode_attention(
     num_splits: int,
     block_n: int = 32,
     out: torch.Tensor | None = None,
+    lse: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """query [reqs, q_heads, D], one token per request attending to its whole context of seq_lens keys.
-    Returns (out [reqs, q_heads, D], written into `out` when given, and lse [reqs, q_heads] natural
-    log; -inf for a context of zero)."""
+    Returns (out [reqs, q_heads, D] and lse [reqs, q_heads] fp32 natural log, -inf for a context of
+    zero), written into `out` and `lse` when given."""
     num_reqs, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     assert group * num_kv_heads == num_heads
     assert num_splits >= 1 and num_splits & (num_splits - 1) == 0, "num_splits must be a power of two"
     out = torch.empty_like(query) if out is None else out
-    lse = torch.empty(num_reqs, num_heads, device=query.device, dtype=torch.float32)
+    lse = torch.empty(num_reqs, num_heads, device=query.device, dtype=torch.float32) if lse is None else lse
     if num_reqs == 0:
         return out, lse
     block_d = padded_head_dim(head_dim)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from mmengine.errors import ConfigError
+from mmengine.layers.cascade import CascadeMetadata
 
 if TYPE_CHECKING:
     from mmengine.layers.rotary import RotaryStep
@@ -46,6 +47,8 @@ class AttentionMetadata:
     # Fixed by a CUDA graph for its batch size (a captured launch cannot change its grid);
     # None lets the backend choose per step from the batch and the longest context.
     decode_num_splits: int | None = None
+    # Shared-prefix groups of an eager step (layers/cascade.py); None attends every request alone.
+    cascade: CascadeMetadata | None = None
 
     @classmethod
     def build(

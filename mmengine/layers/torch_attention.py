@@ -2,6 +2,8 @@
 
 The leading decode requests (one new token each) are batched into one padded attention call;
 the other requests are handled one at a time with a causal mask offset by the cached context.
+With cascade metadata, the same decomposition as the kernels (layers/cascade.py): each request
+over its keys after its group's prefix, each group's tokens over the prefix, merged by lse.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mmengine.layers.attention import AttentionMetadata
+from mmengine.layers.cascade import CascadeMetadata
 
 
 def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,6 +57,68 @@ def batched_decode_attention(
     return out.view(num_reqs, *query.shape[1:])
 
 
+def attention_with_lse(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, visible: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """query [..., q, Hq, D] over key/value [..., k, Hkv, D] where visible [..., q, k]; computed in
+    fp32. Returns (out [..., q, Hq, D] fp32, lse [..., q, Hq] natural log): a row with no visible
+    key gives out 0 and lse -inf."""
+    group = query.shape[-2] // key.shape[-2]
+    key = key.float().repeat_interleave(group, -2)
+    value = value.float().repeat_interleave(group, -2)
+    scores = torch.einsum("...qhd,...khd->...hqk", query.float(), key) * scale
+    scores = scores.masked_fill(~visible.unsqueeze(-3), float("-inf"))
+    lse = torch.logsumexp(scores, -1)  # [..., h, q]
+    probs = torch.exp(scores - lse.masked_fill(lse == float("-inf"), 0.0).unsqueeze(-1))
+    out = torch.einsum("...hqk,...khd->...qhd", probs, value)
+    return out, lse.transpose(-1, -2)
+
+
+def merge_states(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of two disjoint key sets from each one's (out, lse)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    safe = lse.masked_fill(lse == float("-inf"), 0.0)
+    w_a, w_b = torch.exp(lse_a - safe).unsqueeze(-1), torch.exp(lse_b - safe).unsqueeze(-1)
+    return out_a * w_a + out_b * w_b, lse
+
+
+def cascade_attention(
+    query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, cascade: CascadeMetadata, scale: float
+) -> torch.Tensor:
+    num_tokens = query.shape[0]
+    out = torch.zeros(num_tokens, *query.shape[1:], dtype=torch.float32, device=query.device)
+    lse = torch.full((num_tokens, query.shape[1]), float("-inf"), device=query.device)
+    starts, seq_lens, suffix_lens = metadata.query_start_loc_cpu, metadata.seq_lens_cpu, cascade.suffix_seq_lens_cpu
+    nd = metadata.num_decodes
+    if nd:  # decodes: each one's whole suffix is visible
+        width = max(suffix_lens[:nd])
+        max_blocks = -(-width // kv_cache.shape[2])
+        tables = cascade.suffix_block_tables[:nd, :max_blocks].long()
+        key, value = kv_cache[0, tables].flatten(1, 2)[:, :width], kv_cache[1, tables].flatten(1, 2)[:, :width]
+        visible = torch.arange(width, device=query.device)[None, None, :] < cascade.suffix_seq_lens[:nd, None, None]
+        decode_out, decode_lse = attention_with_lse(query[:nd, None], key, value, visible, scale)
+        out[:nd], lse[:nd] = decode_out[:, 0], decode_lse[:, 0]
+    for i in range(nd, metadata.num_reqs):  # prefills: causal, positions shifted by the prefix
+        lo, hi = starts[i], starts[i + 1]
+        prefix = seq_lens[i] - suffix_lens[i]
+        key, value = gather_context(kv_cache, cascade.suffix_block_tables[i], suffix_lens[i])
+        q_pos = torch.arange(seq_lens[i] - (hi - lo), seq_lens[i], device=query.device)
+        visible = prefix + torch.arange(suffix_lens[i], device=query.device)[None, :] <= q_pos[:, None]
+        out[lo:hi], lse[lo:hi] = attention_with_lse(query[lo:hi], key, value, visible, scale)
+    group_starts = cascade.group_starts_cpu
+    for g in range(cascade.num_groups):  # each group's tokens, from all its requests, over its prefix
+        entries = slice(group_starts[g], group_starts[g + 1])
+        rows = cascade.token_indices[entries].long()
+        prefix = cascade.prefix_lens_cpu[g]
+        key, value = gather_context(kv_cache, metadata.block_tables[cascade.group_leaders_cpu[g]], prefix)
+        visible = torch.arange(prefix, device=query.device)[None, :] <= cascade.token_positions[entries, None]
+        prefix_out, prefix_lse = attention_with_lse(query[rows], key, value, visible, scale)
+        out[rows], lse[rows] = merge_states(prefix_out, prefix_lse, out[rows], lse[rows])
+    return out.to(query.dtype)
+
+
 class TorchAttentionBackend:
     name = "torch"
 
@@ -65,6 +130,8 @@ class TorchAttentionBackend:
         kv_cache[1].view(-1, *value.shape[1:])[slot_mapping] = value
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        if metadata.cascade is not None:
+            return cascade_attention(query, kv_cache, metadata, metadata.cascade, scale)
         out = torch.empty_like(query)
         nd = metadata.num_decodes  # the leading requests, one token each: tokens [0, nd)
         if nd:

@@ -2,17 +2,22 @@
 
 The leading decode requests (one new token each) go to the split-KV paged decode kernel; the
 other requests go to the varlen prefill kernel, which reads their cached context and new tokens
-from the cache.
+from the cache. With cascade metadata the same two kernels attend each request over its keys after
+its group's prefix (shortened block tables), then the prefix pass attends each group's tokens over
+the prefix and merges (kernels/cascade_attention.py).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from mmengine.kernels.cascade_attention import cascade_prefix_attention, prefix_block_q
 from mmengine.kernels.decode_attention import choose_num_splits, decode_attention
 from mmengine.kernels.kv_store import store_kv
 from mmengine.kernels.prefill_attention import prefill_attention
 from mmengine.layers.attention import AttentionMetadata
+from mmengine.layers.cascade import CascadeGroup, CascadeMetadata, layout_cascade
 
 
 class TritonAttentionBackend:
@@ -45,23 +50,50 @@ class TritonAttentionBackend:
         for first_req in (0, 1):
             prefill_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, 1.0, max_query_len=1,
                               first_req=first_req, num_reqs=2 - first_req)
+        # the cascade prefix pass and merge take their split count at run time: one compile each
+        block_size = kv_cache.shape[2]
+        layout = layout_cascade([CascadeGroup([0, 1], 1)], np.ones(2, dtype=np.int64), np.full(2, block_size),
+                                np.zeros((2, 1), dtype=np.int64), block_size)
+        cascade = CascadeMetadata.from_layout(layout, device)
+        lse = torch.zeros(2, num_heads, dtype=torch.float32, device=device)
+        cascade_prefix_attention(query, kv_cache, cascade, block_tables, 1.0, query.clone(), lse, num_splits=2)
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         store_kv(key, value, kv_cache, slot_mapping)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+        cascade = metadata.cascade
         out = torch.empty_like(query)
+        # with cascade, each request first attends to its keys after its group's prefix
+        seq_lens, block_tables = (metadata.seq_lens, metadata.block_tables) if cascade is None else (
+            cascade.suffix_seq_lens, cascade.suffix_block_tables
+        )
+        lse = None if cascade is None else torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
         nd = metadata.num_decodes  # the leading requests, one token each: tokens [0, nd)
         if nd:
+            longest = metadata.max_decode_seq_len if cascade is None else max(cascade.suffix_seq_lens_cpu[:nd])
             splits = metadata.decode_num_splits or self.num_splits or self.choose_num_splits(
-                nd, kv_cache.shape[3], metadata.max_decode_seq_len, query.device
+                nd, kv_cache.shape[3], longest, query.device
             )
             decode_attention(
-                query[:nd], kv_cache, metadata.seq_lens[:nd], metadata.block_tables[:nd], scale, splits, out=out[:nd]
+                query[:nd], kv_cache, seq_lens[:nd], block_tables[:nd], scale, splits, out=out[:nd],
+                lse=None if lse is None else lse[:nd],
             )
         if nd < metadata.num_reqs:
             prefill_attention(
-                query, kv_cache, metadata.query_start_loc, metadata.seq_lens, metadata.block_tables, scale,
+                query, kv_cache, metadata.query_start_loc, seq_lens, block_tables, scale,
                 max_query_len=metadata.max_prefill_query_len, first_req=nd, num_reqs=metadata.num_reqs - nd, out=out,
+                lse=lse,
             )
+        if cascade is not None:
+            splits = self.num_splits or self.choose_num_splits(
+                self.prefix_tiles(cascade, query.shape[1], kv_cache.shape[3]), 1, max(cascade.prefix_lens_cpu), query.device
+            ) if cascade.num_groups else 1
+            cascade_prefix_attention(query, kv_cache, cascade, metadata.block_tables, scale, out, lse, splits)
         return out
+
+    @staticmethod
+    def prefix_tiles(cascade: CascadeMetadata, num_heads: int, num_kv_heads: int) -> int:
+        """Programs of the prefix pass per split (the grid pads every group to the largest one)."""
+        block_q = prefix_block_q(num_heads, num_kv_heads)
+        return cascade.num_groups * -(-max(cascade.group_sizes()) // block_q) * num_kv_heads

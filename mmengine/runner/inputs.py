@@ -8,12 +8,14 @@ nothing is allocated per step and nothing is read back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from mmengine.layers.attention import AttentionMetadata, decode_prefix_length
+from mmengine.layers.cascade import CascadeGroup, CascadeLayout, CascadeMetadata, host_lists, layout_cascade
+from mmengine.runner.cascade_plan import CascadePolicy
 from mmengine.sampling import SamplingTensors, sampling_rows
 from mmengine.scheduler import ScheduledRequest
 
@@ -51,6 +53,7 @@ class StepInputs:
     sampled: list[ScheduledRequest]
     num_tokens: int  # real tokens; the batch may be padded beyond them to a CUDA-graph size
     graph_size: int | None  # the CUDA graph this step replays, or None (eager)
+    cascade_groups: list[CascadeGroup] = field(default_factory=list)  # shared-prefix groups (eager steps only)
 
 
 class InputBuffers:
@@ -63,6 +66,7 @@ class InputBuffers:
         vocab_size: int,
         device: torch.device,
         position_channels: int = 1,
+        cascade: CascadePolicy | None = None,
     ) -> None:
         self.device = device
         self.block_size = block_size
@@ -85,6 +89,9 @@ class InputBuffers:
         self.temperature = buf(max_reqs, dtype=torch.float32)
         self.top_k = buf(max_reqs, dtype=torch.int64)
         self.top_p = buf(max_reqs, dtype=torch.float32)
+        self.cascade = cascade if cascade is not None and cascade.mode != "off" else None
+        if self.cascade is not None:
+            self.cascade_buffers = CascadeBuffers(max_tokens, max_reqs, max_blocks_per_req, buf)
         # Recorded after each step's uploads: the host side may be rewritten once they are done.
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
 
@@ -104,11 +111,13 @@ class InputBuffers:
         hit_ends = np.empty(num_reqs, dtype=np.int64)
         table, ids = self.block_tables.np, self.input_ids.np
         sampled_rows: list[int] = []
+        row_blocks: list[list[int]] = []
         num_tokens = 0
         for row, s in enumerate(scheduled):  # one pass over the batch: the per-request host work
             request, start, length = s.request, s.start, s.num_new_tokens
             query_lens[row], starts[row], hit_ends[row] = length, start, request.num_prefix_hit_tokens
             blocks = block_tables[request.request_id]
+            row_blocks.append(blocks)
             table[row, : len(blocks)] = blocks
             if length == 1:
                 ids[num_tokens] = request.all_token_ids[start]
@@ -118,6 +127,11 @@ class InputBuffers:
             if s.samples:
                 sampled_rows.append(row)
         seq_lens = starts + query_lens
+        groups: list[CascadeGroup] = []
+        if self.cascade is not None:
+            groups = self.cascade.plan(row_blocks, query_lens.tolist(), seq_lens.tolist(), replaces_graph=graph_size is not None)
+            if groups:
+                graph_size = None  # cascade metadata varies per step: such a step runs eagerly
         padded_reqs = graph_size or num_reqs
         padded_tokens = num_tokens + (padded_reqs - num_reqs)
         assert padded_tokens <= self.max_tokens and padded_reqs <= self.max_reqs, (padded_tokens, padded_reqs)
@@ -160,6 +174,7 @@ class InputBuffers:
             num_decodes=num_decodes,
             max_decode_seq_len=max(seq_lens_list[:num_decodes], default=0),
             max_prefill_query_len=max(query_lens_list[num_decodes:], default=0),
+            cascade=self.cascade_buffers.fill(layout_cascade(groups, query_lens, seq_lens, table, bs)) if groups else None,
         )
         inputs = StepInputs(
             input_ids=self.input_ids.upload(padded_tokens),
@@ -171,6 +186,7 @@ class InputBuffers:
             sampled=sampled,
             num_tokens=num_tokens,
             graph_size=graph_size,
+            cascade_groups=groups,
         )
         if self._uploaded is not None:
             self._uploaded.record()
@@ -217,3 +233,26 @@ class InputBuffers:
         self.query_start_loc.upload(batch_size + 1)
         if self._uploaded is not None:
             self._uploaded.record()
+
+
+class CascadeBuffers:
+    """Persistent buffers of a step's cascade layout (layers/cascade.py)."""
+
+    def __init__(self, max_tokens: int, max_reqs: int, max_blocks_per_req: int, buf) -> None:
+        self.token_indices = buf(max_tokens, dtype=torch.int32)
+        self.token_positions = buf(max_tokens, dtype=torch.int32)
+        self.group_starts = buf(max_reqs + 1, dtype=torch.int32)
+        self.prefix_lens = buf(max_reqs, dtype=torch.int32)
+        self.group_leaders = buf(max_reqs, dtype=torch.int32)
+        self.suffix_seq_lens = buf(max_reqs, dtype=torch.int32)
+        self.suffix_block_tables = buf(max_reqs, max_blocks_per_req, dtype=torch.int32)
+
+    def fill(self, layout: CascadeLayout) -> CascadeMetadata:
+        views = {}
+        for name in ("token_indices", "token_positions", "group_starts", "prefix_lens", "group_leaders",
+                     "suffix_seq_lens", "suffix_block_tables"):
+            values: np.ndarray = getattr(layout, name)
+            buffer: HostDeviceBuffer = getattr(self, name)
+            buffer.np[: len(values)] = values
+            views[name] = buffer.upload(len(values))
+        return CascadeMetadata(**views, **host_lists(layout))

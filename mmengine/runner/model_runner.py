@@ -17,8 +17,10 @@ from mmengine.config import EngineConfig
 from mmengine.errors import ConfigError
 from mmengine.kv_cache.manager import cdiv
 from mmengine.layers.attention import AttentionMetadata, get_attention_backend
+from mmengine.layers.cascade import tokens_per_tile
 from mmengine.models.family import ModelFamily
 from mmengine.models.loader import default_dtype, iter_checkpoint
+from mmengine.runner.cascade_plan import CascadePolicy
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
 from mmengine.runner.inputs import InputBuffers
 from mmengine.sampling import Sampler, SamplingParams
@@ -53,6 +55,9 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # the encoder cache's tensors, by mm_hash
         self.kv_cache: torch.Tensor | None = None
         self.num_encoder_runs = 0  # items encoded
+        self.num_cascade_steps = 0  # steps that ran cascade attention
+        self.num_cascade_groups = 0  # shared-prefix groups over those steps
+        self.num_cascade_tokens = 0  # query tokens that attended to a shared prefix in a group
         self.inputs = InputBuffers(
             max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
             max_reqs=config.max_num_seqs,
@@ -61,10 +66,25 @@ class ModelRunner:
             vocab_size=self.text_config.vocab_size,
             device=device,
             position_channels=family.position_channels,
+            cascade=self._cascade_policy(),
         )
         self.decode_graphs: DecodeGraphs | None = None
         # The final hidden states of a graph step, at a fixed address (rows beyond the batch are padding).
         self._graph_hidden: torch.Tensor | None = None
+
+    def _cascade_policy(self) -> CascadePolicy:
+        """"auto" weighs cascade against the Triton kernels; the PyTorch reference runs it on "on" only."""
+        t = self.text_config
+        mode = self.config.cascade_attention
+        if mode == "auto" and self.attn_backend.name != "triton":
+            mode = "off"
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return CascadePolicy(
+            mode=mode,
+            block_size=self.block_size,
+            tokens_per_tile=tokens_per_tile(t.num_attention_heads, t.num_key_value_heads),
+            kv_bytes_per_token=2 * t.num_key_value_heads * self.family.head_dim * elem,
+        )
 
     # -- KV cache -----------------------------------------------------------
 
@@ -233,8 +253,12 @@ class ModelRunner:
             return {}
         graph_size = self._graph_size_for(scheduled)
         inputs = self.inputs.prepare(scheduled, block_tables, graph_size)
-        if graph_size is not None:
-            self.decode_graphs.replay(graph_size)
+        if inputs.cascade_groups:
+            self.num_cascade_steps += 1
+            self.num_cascade_groups += len(inputs.cascade_groups)
+            self.num_cascade_tokens += inputs.metadata.cascade.num_tokens
+        if inputs.graph_size is not None:
+            self.decode_graphs.replay(inputs.graph_size)
             hidden = self._graph_hidden
         else:
             embeds = self._embed(inputs.input_ids, inputs.scheduled)

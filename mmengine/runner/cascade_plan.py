@@ -1,0 +1,163 @@
+"""Whether a step runs cascade attention, and with which groups: host-side, from the block tables
+and the scheduled token counts, with no device work.
+
+Groups. Requests whose block tables start with the same physical blocks (full blocks inside
+every member's context) can share a prefix pass. The candidates form a trie over block ids, and
+one bottom-up pass picks single-level groups: at each node, either the node is one group (its
+common prefix, all requests below it) or its children are grouped on their own, whichever is
+worth more (the first level of BatchLLM's grouping, over physical blocks).
+
+Worth, in key reads (the cost a memory-bound attention step pays). Without cascade a request
+reads its whole context once per tile of query rows: once for a decode, ceil(q / tile) times
+for a chunk of q tokens. With cascade a group reads its prefix once per tile of the group's
+packed rows. So a group saves
+    (sum over members of ceil(q_r / tile) - ceil(sum of q_r / tile)) x prefix length
+key reads; decodes save the most (16 decodes in one tile: 15 prefix reads saved), long prefill
+chunks almost nothing (their tiles are already full).
+
+Decision ("auto"). Cascade costs a few extra launches per layer (the prefix pass and the merge)
+and, for a decode-only step, the CUDA graph it would have replayed. It runs when the K/V bytes
+it saves per layer exceed MIN_SAVED_BYTES_PER_LAYER (about 20 us of HBM traffic on an H100,
+versus a few us of launches), four times that when it would give up a graph replay. This
+follows vLLM's `use_cascade_attention` (no cascade for short prefixes or few requests, compare
+a cost model of both ways), generalised from one batch-wide prefix to many groups.
+"on" runs cascade whenever two requests share a block (groups chosen to cover the most shared
+keys); "off" never. "auto" needs the Triton kernels: the PyTorch backend is the reference and
+the CPU path, where the decomposition only adds work, so it runs cascade on "on" alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from mmengine.layers.cascade import CascadeGroup
+
+MIN_SAVED_BYTES_PER_LAYER = 64 << 20
+GRAPH_REPLAY_FACTOR = 4  # a decode-only step that runs eager for cascade must save this much more
+
+MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class CascadePolicy:
+    mode: str  # "auto" | "on" | "off", as resolved for the backend ("auto" without kernels is "off")
+    block_size: int
+    tokens_per_tile: int  # query tokens one tile of rows holds (see layers/cascade.py)
+    kv_bytes_per_token: int  # K and V of one token in one layer
+
+    def plan(
+        self,
+        block_tables: Sequence[Sequence[int]],
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        replaces_graph: bool = False,
+    ) -> list[CascadeGroup]:
+        """The groups of one step (rows in packed order), or [] when the step runs without cascade."""
+        if self.mode == "off" or len(query_lens) < 2:
+            return []
+        prefixes = shared_candidates(block_tables, seq_lens, self.block_size)
+        if not prefixes:
+            return []
+        tile = self.tokens_per_tile
+
+        def saved_keys(rows: list[int], num_blocks: int) -> int:
+            tiles_alone = sum(-(-query_lens[r] // tile) for r in rows)
+            tiles_packed = -(-sum(query_lens[r] for r in rows) // tile)
+            return (tiles_alone - tiles_packed) * num_blocks * self.block_size
+
+        if self.mode == "on":
+            return checked(choose_groups(prefixes, lambda rows, num_blocks: len(rows) * num_blocks), prefixes)
+        groups = choose_groups(prefixes, saved_keys)
+        saved = sum(saved_keys(g.rows, g.num_prefix_blocks) for g in groups)
+        needed = MIN_SAVED_BYTES_PER_LAYER * (GRAPH_REPLAY_FACTOR if replaces_graph else 1)
+        return checked(groups, prefixes) if saved * self.kv_bytes_per_token >= needed else []
+
+
+def shared_candidates(
+    block_tables: Sequence[Sequence[int]], seq_lens: Sequence[int], block_size: int
+) -> dict[int, Sequence[int]]:
+    """Row -> its full blocks, for the rows whose first block another row starts with too."""
+    firsts: dict[int, int] = {}
+    for row, blocks in enumerate(block_tables):
+        if seq_lens[row] >= block_size and blocks:
+            firsts[blocks[0]] = firsts.get(blocks[0], 0) + 1
+    return {
+        row: blocks[: seq_lens[row] // block_size]
+        for row, blocks in enumerate(block_tables)
+        if seq_lens[row] >= block_size and blocks and firsts[blocks[0]] > 1
+    }
+
+
+def choose_groups(
+    prefixes: dict[int, Sequence[int]], worth: Callable[[list[int], int], int]
+) -> list[CascadeGroup]:
+    """Single-level groups over the trie of `prefixes` (row -> block ids) that maximise the summed
+    worth(rows, num_prefix_blocks); groups worth nothing are dropped.
+
+    A prefix cache shares a physical block only between requests whose hash chains agree up to it,
+    so the same id in one column means the same ids in every column before it. That makes a set
+    of rows' common prefix a binary search over columns, and a node's children a split by the id
+    in the first column where they differ (`checked` makes sure of the chosen groups, so
+    correctness never rests on it). Nodes are built top-down into a list and valued bottom-up by
+    walking it backwards: no recursion, however deep the trie."""
+    rows_of: list[list[int]] = [sorted(prefixes)]
+    depth_of = [0]
+    common_of: list[int] = []
+    children_of: list[list[int]] = []
+    node = 0
+    while node < len(rows_of):  # top-down; children are appended behind their parent
+        rows, kids, common = rows_of[node], [], 0
+        if len(rows) >= 2:
+            common = _common_length(prefixes, rows, depth_of[node])
+            branches: dict[int, list[int]] = {}
+            for row in rows:
+                if len(prefixes[row]) > common:
+                    branches.setdefault(prefixes[row][common], []).append(row)
+            for branch in branches.values():
+                if len(branch) >= 2:
+                    kids.append(len(rows_of))
+                    rows_of.append(branch)
+                    depth_of.append(common + 1)
+        common_of.append(common)
+        children_of.append(kids)
+        node += 1
+    best: list[tuple[int, list[CascadeGroup]]] = [(0, [])] * len(rows_of)
+    for node in reversed(range(len(rows_of))):  # bottom-up
+        split_worth = sum(best[c][0] for c in children_of[node])
+        here = worth(rows_of[node], common_of[node]) if common_of[node] and len(rows_of[node]) >= 2 else 0
+        if here > 0 and here >= split_worth:
+            best[node] = (here, [CascadeGroup(rows_of[node], common_of[node])])
+        else:
+            best[node] = (split_worth, [g for c in children_of[node] for g in best[c][1]])
+    return sorted(best[0][1], key=lambda g: g.rows[0])
+
+
+def checked(groups: list[CascadeGroup], prefixes: dict[int, Sequence[int]]) -> list[CascadeGroup]:
+    """The groups with each prefix cut to the blocks all its members really have in common, block
+    by block (empty ones dropped)."""
+    result = []
+    for group in groups:
+        leader = prefixes[group.rows[0]]
+        common = group.num_prefix_blocks
+        for row in group.rows[1:]:
+            blocks = prefixes[row]
+            if blocks[:common] != leader[:common]:
+                common = next(i for i in range(common) if blocks[i] != leader[i])
+        if common:
+            result.append(CascadeGroup(group.rows, common))
+    return result
+
+
+def _common_length(prefixes: dict[int, Sequence[int]], rows: list[int], depth: int) -> int:
+    """Columns all rows share, given that they share the first `depth` (a binary search: sharing
+    is prefix-closed, see choose_groups)."""
+    leader = prefixes[rows[0]]
+    lo, hi = depth, min(len(prefixes[row]) for row in rows)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if all(prefixes[row][mid - 1] == leader[mid - 1] for row in rows):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,151 @@
+"""Cascade attention end to end: cascade "on" gives the greedy tokens of "off" (CPU, fp32, tiny
+shapes) for a batch with several groups under different prefixes, chunked prefills, images inside
+the shared prefixes, and a recomputed last token inside its group's prefix. A spy on the step
+inputs checks that each of those situations really ran through cascade.
+
+(In the engine a query inside a group's prefix is always the prefix's last position: only the
+last token of a full prefix hit is recomputed, so no later prefix key exists for it. Chunks that
+start earlier inside the prefix, where the causal mask matters, are covered kernel-level in
+test_cascade_kernels.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import make_request
+from mmengine import MMEngine, SamplingParams
+from mmengine.layers.cascade import CascadeGroup
+from mmengine.runner.cascade_plan import CascadePolicy
+from mmengine.runner.inputs import InputBuffers
+from mmengine.scheduler import ScheduledRequest
+from mmengine.testing import make_test_image
+
+SYSTEMS = [
+    ("USER: <image>\nYou are a careful assistant who describes pictures in plain words and short sentences.", [1]),
+    ("USER: You answer questions about cooking, travel and small gardens with patience and practical details.", []),
+    ("USER: <image>\nCompare the colours and the shapes in this picture with the ones you saw before.", [2]),
+]
+QUESTIONS = ["What is first?", "Tell me more about it, please.", "Why?"]
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def block_aligned(engine: MMEngine, text: str, block_size: int = 16) -> str:
+    """`text` extended word by word until its prompt is a whole number of blocks, so a repeat of it
+    is a full prefix hit whose recomputed last token lies inside the shared blocks."""
+    for extra in range(64):
+        candidate = text + " a" * extra
+        if len(engine.tokenizer(candidate)["input_ids"]) % block_size == 0:
+            return candidate
+    raise AssertionError("no block-aligned extension found")
+
+
+def batch(engine: MMEngine) -> tuple[list[str], list[list]]:
+    prompts, images = [], []
+    for question in QUESTIONS:  # interleaved: every group is in flight at once
+        for system, image_seeds in SYSTEMS:
+            prompts.append(f"{system} {question} ASSISTANT:")
+            images.append([make_test_image(seed) for seed in image_seeds])
+    repeated = block_aligned(engine, "USER: one plain question asked twice word for word ASSISTANT:")
+    return [*prompts, repeated, repeated], [*images, [], []]
+
+
+class CascadeSpy:
+    """Records what the cascade steps held: wraps InputBuffers.prepare."""
+
+    def __init__(self, engine: MMEngine) -> None:
+        self.steps: list[dict[str, int]] = []
+        buffers = engine.runner.inputs
+        prepare = buffers.prepare
+
+        def spy(scheduled, block_tables, graph_size=None):
+            inputs = prepare(scheduled, block_tables, graph_size)
+            if inputs.cascade_groups:
+                self.steps.append(self._summary(inputs.scheduled, inputs.cascade_groups, engine.config.block_size))
+            return inputs
+
+        buffers.prepare = spy
+
+    @staticmethod
+    def _summary(scheduled: list[ScheduledRequest], groups: list[CascadeGroup], block_size: int) -> dict[str, int]:
+        summary = {"groups": len(groups), "prefill_members": 0, "inside_prefix": 0, "image_in_prefix": 0}
+        for group in groups:
+            prefix = group.num_prefix_blocks * block_size
+            members = [scheduled[row] for row in group.rows]
+            summary["prefill_members"] += sum(s.num_new_tokens > 1 for s in members)
+            summary["inside_prefix"] += sum(max(0, min(s.end, prefix) - s.start) for s in members)
+            summary["image_in_prefix"] += any(item.end <= prefix for s in members for item in s.request.mm_items)
+        return summary
+
+
+def run(checkpoint_dir, cascade: str, backend: str = "torch", prompts=None, images=None, params=PARAMS, **kwargs):
+    engine = MMEngine(
+        str(checkpoint_dir()), attn_backend=backend, dtype="float32", max_model_len=256, block_size=16,
+        max_num_batched_tokens=40, cascade_attention=cascade, **kwargs,
+    )
+    spy = CascadeSpy(engine)
+    if prompts is None:
+        prompts, images = batch(engine)
+    outputs = engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+    return [o.token_ids for o in outputs], engine.stats(), spy.steps
+
+
+def test_cascade_on_gives_the_tokens_of_off(checkpoint_dir):
+    on, on_stats, steps = run(checkpoint_dir, "on")
+    off, off_stats, off_steps = run(checkpoint_dir, "off")
+    assert on == off
+    assert off_stats["cascade_steps"] == 0 and off_steps == []
+    # cascade really ran, in the situations this test is about
+    assert on_stats["cascade_steps"] == len(steps) > 0
+    assert on_stats["cascade_groups"] == sum(s["groups"] for s in steps)
+    assert on_stats["cascade_tokens"] > on_stats["cascade_steps"]
+    assert max(s["groups"] for s in steps) >= 3, "several groups with different prefixes in one step"
+    assert sum(s["prefill_members"] for s in steps) > 0, "a chunked prefill inside a group"
+    assert sum(s["image_in_prefix"] for s in steps) > 0, "an image inside a shared prefix"
+    assert sum(s["inside_prefix"] for s in steps) > 0, "a recomputed last token inside its group's prefix"
+    assert on_stats["prefix_cache_hits"] == off_stats["prefix_cache_hits"] > 0
+
+
+def test_auto_leaves_the_reference_backend_alone(checkpoint_dir):
+    """"auto" weighs cascade for the Triton kernels; on the PyTorch path it never engages."""
+    prompts = [f"{SYSTEMS[1][0]} {q} ASSISTANT:" for q in QUESTIONS]
+    _, stats, steps = run(checkpoint_dir, "auto", prompts=prompts, images=None)
+    assert stats["cascade_steps"] == 0 and steps == []
+
+
+def test_triton_cascade_gives_the_reference_tokens(checkpoint_dir, no_tf32):
+    """The Triton kernels (in the interpreter on CPU) with cascade on, against the reference with it
+    off: two groups (one prefix holds an image), short prompts, as the interpreter is slow."""
+    systems = [("USER: <image>\nDescribe it", [make_test_image(1)]), ("USER: You answer questions about small gardens", [])]
+    prompts = [f"{system} {q} ASSISTANT:" for q in ("first?", "why?") for system, _ in systems]
+    images = [systems[i % 2][1] for i in range(len(prompts))]
+    inputs = dict(prompts=prompts, images=images, params=SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+    triton_on, stats, steps = run(checkpoint_dir, "on", backend="triton", **inputs)
+    torch_off, _, _ = run(checkpoint_dir, "off", **inputs)
+    assert triton_on == torch_off
+    assert stats["cascade_steps"] > 0 and max(s["groups"] for s in steps) >= 2
+
+
+def test_a_cascade_step_runs_eager_instead_of_replaying_a_graph():
+    """Decode rows sharing blocks: the plan takes the step, so it is not padded to a graph bucket."""
+    policy = CascadePolicy(mode="on", block_size=4, tokens_per_tile=32, kv_bytes_per_token=8)
+    buffers = InputBuffers(16, 8, 4, 4, vocab_size=32, device=torch.device("cpu"), cascade=policy)
+    scheduled, tables = [], {}
+    for i in range(3):
+        request = make_request(f"r{i}", 9, temperature=0.0)
+        scheduled.append(ScheduledRequest(request, request.num_tokens - 1, 1, []))
+        tables[request.request_id] = [5, 6, 10 + i]  # the first two blocks shared
+    inputs = buffers.prepare(scheduled, tables, graph_size=4)
+    assert inputs.graph_size is None and inputs.num_tokens == 3 and inputs.metadata.num_reqs == 3
+    cascade = inputs.metadata.cascade
+    assert cascade.prefix_lens_cpu == [8] and cascade.suffix_seq_lens_cpu == [1, 1, 1]
+    assert cascade.suffix_block_tables[:, 0].tolist() == [10, 11, 12]
+    assert [g.rows for g in inputs.cascade_groups] == [[0, 1, 2]]
+    off = InputBuffers(16, 8, 4, 4, vocab_size=32, device=torch.device("cpu"))
+    assert off.prepare(scheduled, tables, graph_size=4).graph_size == 4
+
+
+@pytest.mark.parametrize("value", ["on", "off"])
+def test_cascade_option_reaches_the_runner(checkpoint_dir, value):
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=128, cascade_attention=value)
+    assert (engine.runner.inputs.cascade is None) == (value == "off")

@@ -1,0 +1,116 @@
+"""The host-side cascade plan: which requests of a step form shared-prefix groups, how deep each
+group's prefix goes, and when "auto" decides cascade pays for itself. No model, no tensors."""
+
+from __future__ import annotations
+
+import pytest
+
+from mmengine.config import EngineConfig
+from mmengine.errors import ConfigError
+from mmengine.layers.cascade import CascadeGroup, tokens_per_tile
+from mmengine.runner.cascade_plan import (
+    GRAPH_REPLAY_FACTOR,
+    MIN_SAVED_BYTES_PER_LAYER,
+    CascadePolicy,
+    choose_groups,
+    shared_candidates,
+)
+
+BS = 16
+
+
+def policy(mode: str, kv_bytes_per_token: int = 1, tile: int = 32) -> CascadePolicy:
+    return CascadePolicy(mode=mode, block_size=BS, tokens_per_tile=tile, kv_bytes_per_token=kv_bytes_per_token)
+
+
+def as_tuples(groups: list[CascadeGroup]) -> list[tuple[list[int], int]]:
+    return [(g.rows, g.num_prefix_blocks) for g in groups]
+
+
+def test_several_groups_with_different_prefixes_under_one_common_block():
+    """Every request shares block 100 (a system preamble); two groups share more. Grouping by the
+    deeper prefixes covers more shared keys than one group over the common block."""
+    tables = [[100, 1, 2, 50], [100, 1, 2, 51], [100, 3, 4, 5, 52], [100, 1, 2, 53], [100, 3, 4, 5, 54], [100, 60]]
+    seq_lens = [16 * len(t) for t in tables]
+    groups = policy("on").plan(tables, [1] * 6, seq_lens)
+    assert as_tuples(groups) == [([0, 1, 3], 3), ([2, 4], 4)]
+
+
+def test_a_group_never_reaches_past_any_members_full_blocks():
+    """Request 1 is 40 tokens into the shared third block: only its two full blocks can be shared."""
+    tables = [[7, 8, 9, 1], [7, 8, 9]]
+    groups = policy("on").plan(tables, [1, 1], [64, 40])
+    assert as_tuples(groups) == [([0, 1], 2)]
+
+
+def test_unshared_and_short_requests_are_left_alone():
+    tables = [[1, 2], [3, 4], [1, 9], [5]]
+    assert set(shared_candidates(tables, [32, 32, 20, 10], BS)) == {0, 2}
+    assert shared_candidates(tables, [32, 32, 15, 10], BS) == {}  # request 2 has no full block yet
+    assert policy("on").plan([[1, 2], [3, 4]], [1, 1], [32, 32]) == []
+    assert policy("on").plan([[1, 2]], [1], [32]) == []  # one request: nothing to share with
+
+
+def test_off_plans_nothing():
+    assert policy("off").plan([[1, 2], [1, 2]], [1, 1], [32, 32]) == []
+
+
+def test_worth_counts_saved_tile_reads_of_the_prefix():
+    """Decodes gain (each would read the prefix alone); full prefill tiles gain nothing."""
+    prefixes = {0: (1, 2), 1: (1, 2), 2: (1, 2)}
+    query_lens = {0: 1, 1: 1, 2: 64}
+
+    def saved(rows, blocks, tile=32):
+        return (sum(-(-query_lens[r] // tile) for r in rows) - -(-sum(query_lens[r] for r in rows) // tile)) * blocks * BS
+
+    # tiles alone 1 + 1 + 2 = 4, packed ceil(66 / 32) = 3: one prefix read of 32 keys saved
+    assert as_tuples(choose_groups(prefixes, saved)) == [([0, 1, 2], 2)]
+    assert saved([0, 1, 2], 2) == 32
+    assert choose_groups({0: (1, 2), 1: (1, 2)}, lambda rows, blocks: 0) == []  # worth nothing: no group
+
+
+def test_auto_engages_only_when_the_saved_bytes_pay():
+    """16 decodes over a 2000-token prefix with 7B-like K/V (16 KiB per token and layer): 15 prefix
+    reads saved per group, far above the threshold. Two decodes over one block: far below."""
+    kv = 2 * 32 * 128 * 2
+    prefix = list(range(125))
+    tables = [prefix + [1000 + i] for i in range(16)]
+    big = policy("auto", kv).plan(tables, [1] * 16, [2000 + 10] * 16)
+    assert as_tuples(big) == [(list(range(16)), 125)]
+    assert policy("auto", kv).plan([[1, 2], [1, 3]], [1, 1], [20, 20]) == []
+    # just enough for an eager step is not enough to give up a CUDA graph replay
+    blocks = -(-MIN_SAVED_BYTES_PER_LAYER // (kv * BS))  # one saved prefix read of this many blocks pays
+    pair = [list(range(blocks)) + [5000], list(range(blocks)) + [5001]]
+    lens = [blocks * BS + 5] * 2
+    assert policy("auto", kv).plan(pair, [1, 1], lens) != []
+    assert policy("auto", kv).plan(pair, [1, 1], lens, replaces_graph=True) == []
+    assert GRAPH_REPLAY_FACTOR > 1
+
+
+def test_deep_tries_need_no_recursion():
+    """A chain of 1100 requests each one block longer than the last (a trie deeper than Python's
+    recursion limit): one group, at the node worth the most."""
+    n = 1100
+    prefixes = {i: tuple(range(i + 1)) for i in range(n)}
+    (group,) = choose_groups(prefixes, lambda rows, blocks: len(rows) * blocks)
+    k = group.rows[0]
+    assert group.rows == list(range(k, n)) and group.num_prefix_blocks == k + 1
+    assert (n - k) * (k + 1) == max((n - j) * (j + 1) for j in range(n))
+
+
+def test_tokens_per_tile_follows_the_gqa_group():
+    assert tokens_per_tile(32, 32) == 64 and tokens_per_tile(32, 8) == 16 and tokens_per_tile(28, 4) == 8
+
+
+@pytest.mark.parametrize("value", ["always", True, None])
+def test_cascade_option_is_validated(value):
+    with pytest.raises(ConfigError, match="cascade_attention"):
+        EngineConfig(model="m", cascade_attention=value)
+    assert EngineConfig(model="m").cascade_attention == "auto"
+
+
+def test_a_group_is_cut_to_what_its_members_really_share():
+    """Block ids that break the prefix cache's chain rule (same id in a column, different ids
+    before it) never make a group claim blocks a member lacks."""
+    tables = [[1, 9, 3, 4, 5, 6], [1, 2, 3, 4, 5, 6]]  # the binary search over columns sees 6 shared
+    assert as_tuples(policy("on").plan(tables, [1, 1], [96, 96])) == [([0, 1], 1)]
