@@ -215,3 +215,20 @@ def test_triton_backend_with_fused_kernels_matches_transformers(family_checkpoin
     engine = MMEngine(str(family.path), max_model_len=256, attn_backend="triton", enforce_eager=True, **exact_precision.engine_kwargs)
     outputs = _generate(engine, cases, SamplingParams(max_tokens=4, temperature=0.0))
     assert [o.token_ids for o in outputs] == _expected(family, cases, max_tokens=4, precision=exact_precision)
+
+
+def test_cascade_attention_on_gives_the_tokens_of_off(family):
+    """Shared-prefix groups with images in the prefix, for every family (M-RoPE rotates before the
+    cascade decomposition, which only regroups attention)."""
+    system = family.prompt("Look carefully at these pictures and answer briefly, please, in detail.", 2)
+    prompts = [system + f" q{i} " + "word " * (i % 3) for i in range(6)]
+    images = [[IMAGES[3], IMAGES[1]]] * 3 + [[IMAGES[4], IMAGES[0]]] * 3
+    results = {}
+    for mode in ("on", "off"):
+        engine = MMEngine(str(family.path), dtype="float32", device="cpu", max_model_len=256, block_size=4,
+                          cascade_attention=mode)
+        results[mode] = ([o.token_ids for o in engine.generate(prompts, images=images, sampling_params=FIXED, use_tqdm=False)],
+                         engine.stats())
+    assert results["on"][0] == results["off"][0]
+    assert results["on"][1]["cascade_steps"] > 0 and results["on"][1]["cascade_groups"] >= 2
+    assert results["off"][1]["cascade_steps"] == 0
