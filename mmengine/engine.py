@@ -304,6 +304,11 @@ class MMEngine:
         """Like generate(), for one conversation (a list of {"role", "content"} messages) or a list of
         them, rendered with the model's chat template; `images` and `mm_uuids` follow generate()."""
         conversations, single = normalize_conversations(messages)
+        if not getattr(self.input_processor.hf_processor, "chat_template", None):
+            raise InvalidInputError(
+                "this checkpoint has no chat template (no chat_template.jinja or chat_template in its tokenizer or "
+                "processor config): write the prompt with the model's image markers and call generate()"
+            )
         prompts = []
         for index, conversation in enumerate(conversations):
             try:

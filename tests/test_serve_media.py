@@ -16,6 +16,7 @@ from serve_helpers import MODEL_NAME, data_url, image_part, running_server
 from mmengine import MMEngine, SamplingParams
 from mmengine.async_engine import AsyncMMEngine
 from mmengine.entrypoints.api_server import ServerSettings
+from mmengine.errors import InvalidInputError
 from mmengine.entrypoints.media import MediaPolicy
 from mmengine.testing import CHAT_TEMPLATE, make_test_image
 
@@ -91,6 +92,8 @@ def test_a_chat_needs_a_template(checkpoint_dir, tmp_path):
     shutil.copytree(checkpoint_dir(), bare)
     (bare / "chat_template.jinja").unlink()
     engine = MMEngine(str(bare), max_model_len=256)
+    with pytest.raises(InvalidInputError, match="no chat template"):  # offline chat() says so too
+        engine.chat([{"role": "user", "content": "hi"}])
     with running_server(AsyncMMEngine(engine), ServerSettings(MODEL_NAME)) as server:
         refused = _post(server, _chat(data_url(IMAGE)))
         assert refused.status_code == 400
