@@ -1,0 +1,154 @@
+"""Data-parallel serving on a local Ray cluster (CPU, tiny checkpoint): 2 engine replicas behind the
+cache-aware router. A multi-turn chat about one picture is answered every turn by the replica that
+encoded it (as the per-replica metrics show), a picture whose key hashes to the other replica is
+encoded there, answers equal offline greedy chat, and streaming, auth and /metrics pass through."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import httpx
+import openai
+import pytest
+from serve_helpers import API_KEY, MODEL_NAME, data_url, image_part, parse_metrics
+
+from mmengine import MMEngine, SamplingParams
+from mmengine.entrypoints.api_server import ServerSettings
+from mmengine.ray.routing import Router, chat_request_key
+from mmengine.testing import make_test_image
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+serve = pytest.importorskip("ray.serve", reason="the ray extra is not installed")
+
+ENGINE_OPTIONS = {"max_model_len": 512}
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+NUM_REPLICAS = 2
+MAX_ONGOING = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url(checkpoint_dir):
+    from mmengine.ray.serve import build_app
+
+    path = str(checkpoint_dir())
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_app(path, NUM_REPLICAS, ENGINE_OPTIONS, settings=ServerSettings(MODEL_NAME, api_key=API_KEY),
+                        max_ongoing_requests=MAX_ONGOING, num_cpus_per_replica=0.5)
+        serve.run(app, name="mmengine", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoint_dir):
+    return MMEngine(str(checkpoint_dir()), **ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    with openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as client:
+        yield client
+
+
+def _metrics(base_url: str) -> dict[str, float]:
+    return parse_metrics(httpx.get(base_url + "/metrics", timeout=60).text)
+
+
+def _per_replica(metrics: dict[str, float], name: str) -> list[float]:
+    return [metrics.get(f'{name}{{replica="{replica}"}}', 0.0) for replica in range(NUM_REPLICAS)]
+
+
+def _user(url: str, question: str) -> dict:
+    return {"role": "user", "content": [image_part(url), {"type": "text", "text": question}]}
+
+
+def _offline_user(question: str) -> dict:
+    return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
+
+
+def _replica_of(url: str) -> int:
+    return Router(NUM_REPLICAS, MAX_ONGOING).route(chat_request_key([_user(url, "")]), [0] * NUM_REPLICAS).replica
+
+
+def test_a_multi_turn_chat_stays_on_the_replica_that_encoded_its_picture(base_url, client, offline):
+    image = make_test_image(301)
+    url = data_url(image)
+    home = _replica_of(url)
+    questions = ["What is this?", "And its colours?", "Anything else?"]
+    messages, offline_turns = [], []
+    for turn, question in enumerate(questions):
+        messages.append(_user(url, question) if turn == 0 else {"role": "user", "content": question})
+        offline_turns.append(_offline_user(question) if turn == 0 else {"role": "user", "content": question})
+        answer = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0)
+        (expected,) = offline.chat(offline_turns, images=[image], sampling_params=SamplingParams(max_tokens=6, temperature=0),
+                                   use_tqdm=False)
+        text = answer.choices[0].message.content
+        assert text == expected.text  # as one engine answers it (greedy)
+        if turn > 0:
+            assert answer.usage.prompt_tokens_details.cached_tokens > 0  # the earlier turns' KV blocks, on this replica
+        metrics = _metrics(base_url)
+        encoder_runs = _per_replica(metrics, "mmengine_encoder_runs_total")
+        finished = _per_replica(metrics, "mmengine_requests_finished_total")
+        assert encoder_runs[home] == 1 and encoder_runs[1 - home] == 0, encoder_runs
+        assert finished[home] == turn + 1 and finished[1 - home] == 0, finished
+        assert metrics["mmengine_encoder_runs_total"] == 1  # the sum over replicas
+        messages.append({"role": "assistant", "content": text})
+        offline_turns.append({"role": "assistant", "content": text})
+    routed = metrics[f'mmengine_router_requests_total{{replica="{home}",route="affinity"}}']
+    assert routed == len(questions)
+
+
+def test_a_picture_that_hashes_elsewhere_is_encoded_on_the_other_replica(base_url, client, offline):
+    home = _replica_of(data_url(make_test_image(301)))
+    seed = next(seed for seed in range(302, 400) if _replica_of(data_url(make_test_image(seed))) != home)
+    image = make_test_image(seed)
+    before = _per_replica(_metrics(base_url), "mmengine_encoder_runs_total")
+    answer = client.chat.completions.create(model=MODEL_NAME, messages=[_user(data_url(image), "Describe it.")],
+                                            max_tokens=6, temperature=0)
+    after = _per_replica(_metrics(base_url), "mmengine_encoder_runs_total")
+    assert after[1 - home] == before[1 - home] + 1 and after[home] == before[home]
+    (expected,) = offline.chat([_offline_user("Describe it.")], images=[image],
+                               sampling_params=SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    assert answer.choices[0].message.content == expected.text
+
+
+def test_streams_pass_through_the_router(base_url, client):
+    request = dict(model=MODEL_NAME, messages=[_user(data_url(make_test_image(310)), "Tell me more.")], max_tokens=10,
+                   temperature=0)
+    whole = client.chat.completions.create(**request)
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json={**request, "stream": True}, headers=HEADERS,
+                      timeout=120) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    pieces = [event["choices"][0]["delta"].get("content", "") for event in events]
+    assert sum(1 for piece in pieces if piece) > 1  # streamed, not one blob
+    assert "".join(pieces) == whole.choices[0].message.content
+
+
+def test_models_health_auth_and_merged_metrics(base_url):
+    models = httpx.get(base_url + "/v1/models", headers=HEADERS, timeout=60).json()
+    assert [card["id"] for card in models["data"]] == [MODEL_NAME]
+    assert httpx.get(base_url + "/health", timeout=60).status_code == 200
+    refused = httpx.post(base_url + "/v1/chat/completions", json={"model": MODEL_NAME, "messages": []}, timeout=60)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    bad = httpx.post(base_url + "/v1/chat/completions", content=b"{not json", headers=HEADERS, timeout=60)
+    assert bad.status_code in (400, 422)  # answered by a replica, as the single server answers it
+    metrics = _metrics(base_url)
+    for name in ("mmengine_encoder_runs_total", "mmengine_kv_blocks_total", "mmengine_prompt_tokens_total"):
+        assert metrics[name] == sum(_per_replica(metrics, name)), name
+    assert all(value > 0 for value in _per_replica(metrics, "mmengine_kv_blocks_total"))
+    assert metrics["mmengine_engine_healthy"] == NUM_REPLICAS
