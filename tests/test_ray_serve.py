@@ -152,3 +152,41 @@ def test_models_health_auth_and_merged_metrics(base_url):
         assert metrics[name] == sum(_per_replica(metrics, name)), name
     assert all(value > 0 for value in _per_replica(metrics, "mmengine_kv_blocks_total"))
     assert metrics["mmengine_engine_healthy"] == NUM_REPLICAS
+
+
+def test_the_serve_command_with_data_parallel_size_builds_the_ray_app(checkpoint_dir, monkeypatch, capsys):
+    """`mmengine serve --data-parallel-size 3` hands its options to build_app and runs the app on Ray
+    Serve (intercepted here: the app itself is served by the fixture above); it loads no engine itself."""
+    from mmengine.cli import main
+
+    calls = {}
+    monkeypatch.setattr("mmengine.ray.serve.build_app", lambda *args, **kwargs: calls.update(build=(args, kwargs)) or "app")
+    monkeypatch.setattr("mmengine.ray.serve.run_app", lambda app, host, port: calls.update(run=(app, host, port)))
+    monkeypatch.setattr("mmengine.async_engine.AsyncMMEngine.from_model",
+                        lambda *args, **kwargs: pytest.fail("a data-parallel serve loads no engine in the driver"))
+    path = str(checkpoint_dir())
+    assert main(["serve", "--model", path, "--data-parallel-size", "3", "--max-ongoing-requests-per-replica", "5",
+                 "--max-model-len", "128", "--served-model-name", "tiny", "--port", "8124"]) == 0
+    (model, num_replicas, options), kwargs = calls["build"]
+    assert (model, num_replicas, options) == (path, 3, {"max_model_len": 128})
+    assert kwargs["max_ongoing_requests"] == 5 and kwargs["settings"].served_model_name == "tiny"
+    assert calls["run"] == ("app", "127.0.0.1", 8124)
+    assert main(["serve", "--model", path, "--data-parallel-size", "0"]) == 2
+    assert "--data-parallel-size must be >= 1" in capsys.readouterr().err
+
+
+def _modules_imported_by(argv: list[str]) -> tuple[str, list[str]]:
+    import subprocess
+    import sys
+
+    probe = (f"import sys\nfrom mmengine.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+             "print(sorted(name for name in ('torch', 'ray') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    *help_lines, imported = result.stdout.strip().splitlines()
+    return "\n".join(help_lines), eval(imported)
+
+
+def test_help_stays_light():
+    assert _modules_imported_by(["--help"])[1] == []  # neither torch nor ray
+    text, imported = _modules_imported_by(["serve", "--help"])
+    assert "--data-parallel-size" in text and "ray" not in imported

@@ -20,6 +20,7 @@ cache-aware routing.
 
 import asyncio
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -33,6 +34,8 @@ from mmengine.entrypoints.api_server import ServerSettings
 from mmengine.errors import ConfigError
 from mmengine.ray.metrics_merge import merge_replica_metrics
 from mmengine.ray.routing import Router, chat_request_key, completion_request_key
+
+logger = logging.getLogger(__name__)
 
 ENGINE_DEPLOYMENT_PREFIX = "mmengine-engine-"
 DEFAULT_MAX_ONGOING_REQUESTS = 32  # per replica, before the router sends a key's requests elsewhere
@@ -267,3 +270,24 @@ def _default_num_gpus(device: str) -> int:
     import ray
 
     return int(ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1)
+
+
+def run_app(app: serve.Application, host: str, port: int) -> None:
+    """Runs `app` on Ray Serve at http://host:port until interrupted (connects to the Ray cluster named
+    by RAY_ADDRESS, else starts a local one)."""
+    import time
+
+    import ray
+
+    if not ray.is_initialized():
+        ray.init()
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(app, name="mmengine", route_prefix="/")
+    logger.info("serving on http://%s:%d (Ray Serve); Ctrl-C stops", host, port)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        serve.shutdown()
