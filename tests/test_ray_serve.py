@@ -5,8 +5,10 @@ encoded there, answers equal offline greedy chat, and streaming, auth and /metri
 
 from __future__ import annotations
 
+import ast
 import json
 import socket
+import time
 
 import httpx
 import openai
@@ -139,6 +141,30 @@ def test_streams_pass_through_the_router(base_url, client):
     assert "".join(pieces) == whole.choices[0].message.content
 
 
+def test_a_client_that_leaves_mid_stream_frees_the_replica(base_url):
+    body = {"model": MODEL_NAME, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True,
+            "messages": [_user(data_url(make_test_image(320)), "A long story, please.")]}
+    before = _metrics(base_url)
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, headers=HEADERS, timeout=120) as response:
+        assert response.status_code == 200
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break  # closes the connection mid-stream
+    deadline = time.monotonic() + 60
+    while True:  # the abort crosses the proxy, the router and the replica's app (bounded wait)
+        after = _metrics(base_url)
+        idle = after["mmengine_requests_in_flight"] == 0 and after["mmengine_requests_running"] == 0
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert idle and _per_replica(after, "mmengine_router_requests_in_flight") == [0] * NUM_REPLICAS
+    assert after["mmengine_kv_blocks_free"] == after["mmengine_kv_blocks_total"]
+    assert after["mmengine_client_disconnects_total"] == before["mmengine_client_disconnects_total"] + 1
+    assert after["mmengine_generation_tokens_total"] - before["mmengine_generation_tokens_total"] < 300
+
+
 def test_models_health_auth_and_merged_metrics(base_url):
     models = httpx.get(base_url + "/v1/models", headers=HEADERS, timeout=60).json()
     assert [card["id"] for card in models["data"]] == [MODEL_NAME]
@@ -183,7 +209,7 @@ def _modules_imported_by(argv: list[str]) -> tuple[str, list[str]]:
              "print(sorted(name for name in ('torch', 'ray') if name in sys.modules))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     *help_lines, imported = result.stdout.strip().splitlines()
-    return "\n".join(help_lines), eval(imported)
+    return "\n".join(help_lines), ast.literal_eval(imported)
 
 
 def test_help_stays_light():
