@@ -178,6 +178,7 @@ def test_models_health_auth_and_merged_metrics(base_url):
         assert metrics[name] == sum(_per_replica(metrics, name)), name
     assert all(value > 0 for value in _per_replica(metrics, "mmengine_kv_blocks_total"))
     assert metrics["mmengine_engine_healthy"] == NUM_REPLICAS
+    assert _per_replica(metrics, "mmengine_router_requests_in_flight") == [0] * NUM_REPLICAS  # every answer released
 
 
 def test_the_serve_command_with_data_parallel_size_builds_the_ray_app(checkpoint_dir, monkeypatch, capsys):

@@ -98,6 +98,10 @@ class EngineReplica:
                 except BaseException:
                     app_task.cancel()
 
+    async def forward_whole(self, method: str, path: str, query_string: bytes, headers: list[tuple[bytes, bytes]],
+                            body: bytes) -> list[AsgiMessage]:
+        return [message async for message in self.forward(method, path, query_string, headers, body)]
+
     def metrics_text(self) -> str:  # a plain method: Serve runs it off the event loop, so stats() blocks no one
         return self.app.state.server.metrics.render().decode()
 
@@ -160,7 +164,7 @@ class OpenAIRouter:
     @ingress_app.get("/health")
     async def health(self, request: Request) -> Response:
         """Healthy when every replica is: the first unhealthy replica's answer otherwise."""
-        answers = [await self._forward(replica, request, b"") for replica in range(len(self.engines))]
+        answers = await asyncio.gather(*(self._whole(replica, request) for replica in range(len(self.engines))))
         unhealthy = [answer for answer in answers if answer.status_code != 200]
         return unhealthy[0] if unhealthy else answers[0]
 
@@ -169,12 +173,22 @@ class OpenAIRouter:
         body = await request.body()
         kind = _GENERATION_PATHS.get(request.url.path)
         if kind is None:  # /v1/models, unknown routes: any replica answers as the single server does
-            return await self._forward(0, request, body)
-        route = self.router.route(_request_key(kind, body), self.loads)
+            return await self._whole(0, request, body)
+        key = await asyncio.to_thread(_request_key, kind, body)  # parsing and hashing an upload: off the event loop
+        route = self.router.route(key, self.loads)
         self.routed.labels(str(route.replica), route.reason).inc()
         return await self._forward(route.replica, request, body)
 
+    async def _whole(self, replica: int, request: Request, body: bytes = b"") -> Response:
+        """A replica's whole answer to a short request (not counted as load)."""
+        start, *rest = await self.engines[replica].forward_whole.remote(
+            request.method, request.url.path, request.url.query.encode(), list(request.headers.raw), body)
+        response = Response(b"".join(message.get("body", b"") for message in rest), status_code=start["status"])
+        response.raw_headers = list(start.get("headers", []))
+        return response
+
     async def _forward(self, replica: int, request: Request, body: bytes) -> Response:
+        """Relays a generation request's answer as the replica sends it, counting it as the replica's load."""
         self.loads[replica] += 1
         released = False
 
@@ -269,7 +283,9 @@ def _default_num_gpus(device: str) -> int:
         return 1
     import ray
 
-    return int(ray.is_initialized() and ray.cluster_resources().get("GPU", 0) >= 1)
+    if not ray.is_initialized():
+        ray.init()  # as serve.run would: the cluster named by RAY_ADDRESS, else a local one
+    return int(ray.cluster_resources().get("GPU", 0) >= 1)
 
 
 def run_app(app: serve.Application, host: str, port: int) -> None:
