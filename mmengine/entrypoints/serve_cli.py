@@ -17,6 +17,7 @@ from mmengine.config import EngineConfig
 from mmengine.errors import ConfigError
 
 _SERVE_EXTRA = 'pip install "mmengine-vlm[serve]"'
+_RAY_EXTRA = 'pip install "mmengine-vlm[ray]"'
 
 
 def build_serve_parser() -> argparse.ArgumentParser:
@@ -40,6 +41,13 @@ def build_serve_parser() -> argparse.ArgumentParser:
     server.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) image URLs (default: refused)")
     server.add_argument("--preprocess-workers", type=int, default=2, metavar="N",
                         help="threads decoding and preprocessing images (default: 2)")
+    parallel = parser.add_argument_group("data parallelism (Ray Serve)")
+    parallel.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
+                          help="engine replicas (one GPU each, else a CPU slot) behind a cache-aware router on Ray "
+                          "Serve; 1 (default) serves one engine in this process")
+    parallel.add_argument("--max-ongoing-requests-per-replica", type=int, default=32, metavar="N",
+                          help="with --data-parallel-size > 1: a replica with N requests in flight is saturated, and "
+                          "the router sends requests that prefer it to the least-loaded replica (default: 32)")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_options(parser)
     return parser
@@ -131,17 +139,37 @@ def run_serve(argv: Sequence[str]) -> None:
         media_dir = Path(args.allowed_local_media_path).resolve()
         if not media_dir.is_dir():
             raise ConfigError(f"--allowed-local-media-path {args.allowed_local_media_path} is not a directory")
+    if args.data_parallel_size < 1:
+        raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    async_engine = AsyncMMEngine.from_model(
-        args.model,
-        max_queued_requests=args.max_queued_requests,
-        num_preprocess_workers=args.preprocess_workers,
-        **engine_options(args),
-    )
     settings = ServerSettings(
         served_model_name=args.served_model_name or args.model,
         api_key=args.api_key,
         chat_template=template,
         media=MediaPolicy(allowed_local_media_path=media_dir, allow_remote_media=args.allow_remote_media),
     )
+    if args.data_parallel_size > 1:
+        _run_data_parallel(args, settings)
+        return
+    async_engine = AsyncMMEngine.from_model(
+        args.model,
+        max_queued_requests=args.max_queued_requests,
+        num_preprocess_workers=args.preprocess_workers,
+        **engine_options(args),
+    )
     run_server(async_engine, settings, args.host, args.port, log_level=args.log_level)
+
+
+def _run_data_parallel(args: argparse.Namespace, settings: Any) -> None:
+    try:
+        __import__("ray.serve")
+    except ImportError:
+        raise ConfigError(f"--data-parallel-size needs Ray Serve (ray[serve] is missing): {_RAY_EXTRA}") from None
+    from mmengine.ray.serve import build_app, run_app
+
+    app = build_app(
+        args.model, args.data_parallel_size, engine_options(args), settings=settings,
+        max_ongoing_requests=args.max_ongoing_requests_per_replica, max_queued_requests=args.max_queued_requests,
+        num_preprocess_workers=args.preprocess_workers,
+    )
+    run_app(app, args.host, args.port)

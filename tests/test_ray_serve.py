@@ -1,0 +1,219 @@
+"""Data-parallel serving on a local Ray cluster (CPU, tiny checkpoint): 2 engine replicas behind the
+cache-aware router. A multi-turn chat about one picture is answered every turn by the replica that
+encoded it (as the per-replica metrics show), a picture whose key hashes to the other replica is
+encoded there, answers equal offline greedy chat, and streaming, auth and /metrics pass through."""
+
+from __future__ import annotations
+
+import ast
+import json
+import socket
+import time
+
+import httpx
+import openai
+import pytest
+from serve_helpers import API_KEY, MODEL_NAME, data_url, image_part, parse_metrics
+
+from mmengine import MMEngine, SamplingParams
+from mmengine.entrypoints.api_server import ServerSettings
+from mmengine.ray.routing import Router, chat_request_key
+from mmengine.testing import make_test_image
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed")
+serve = pytest.importorskip("ray.serve", reason="the ray extra is not installed")
+
+ENGINE_OPTIONS = {"max_model_len": 512}
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+NUM_REPLICAS = 2
+MAX_ONGOING = 8
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url(checkpoint_dir):
+    from mmengine.ray.serve import build_app
+
+    path = str(checkpoint_dir())
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        app = build_app(path, NUM_REPLICAS, ENGINE_OPTIONS, settings=ServerSettings(MODEL_NAME, api_key=API_KEY),
+                        max_ongoing_requests=MAX_ONGOING, num_cpus_per_replica=0.5)
+        serve.run(app, name="mmengine", route_prefix="/")
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def offline(checkpoint_dir):
+    return MMEngine(str(checkpoint_dir()), **ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    with openai.OpenAI(base_url=base_url + "/v1", api_key=API_KEY, max_retries=0, timeout=120) as client:
+        yield client
+
+
+def _metrics(base_url: str) -> dict[str, float]:
+    return parse_metrics(httpx.get(base_url + "/metrics", timeout=60).text)
+
+
+def _per_replica(metrics: dict[str, float], name: str) -> list[float]:
+    return [metrics.get(f'{name}{{replica="{replica}"}}', 0.0) for replica in range(NUM_REPLICAS)]
+
+
+def _user(url: str, question: str) -> dict:
+    return {"role": "user", "content": [image_part(url), {"type": "text", "text": question}]}
+
+
+def _offline_user(question: str) -> dict:
+    return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
+
+
+def _replica_of(url: str) -> int:
+    return Router(NUM_REPLICAS, MAX_ONGOING).route(chat_request_key([_user(url, "")]), [0] * NUM_REPLICAS).replica
+
+
+def test_a_multi_turn_chat_stays_on_the_replica_that_encoded_its_picture(base_url, client, offline):
+    image = make_test_image(301)
+    url = data_url(image)
+    home = _replica_of(url)
+    questions = ["What is this?", "And its colours?", "Anything else?"]
+    messages, offline_turns = [], []
+    for turn, question in enumerate(questions):
+        messages.append(_user(url, question) if turn == 0 else {"role": "user", "content": question})
+        offline_turns.append(_offline_user(question) if turn == 0 else {"role": "user", "content": question})
+        answer = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6, temperature=0)
+        (expected,) = offline.chat(offline_turns, images=[image], sampling_params=SamplingParams(max_tokens=6, temperature=0),
+                                   use_tqdm=False)
+        text = answer.choices[0].message.content
+        assert text == expected.text  # as one engine answers it (greedy)
+        if turn > 0:
+            assert answer.usage.prompt_tokens_details.cached_tokens > 0  # the earlier turns' KV blocks, on this replica
+        metrics = _metrics(base_url)
+        encoder_runs = _per_replica(metrics, "mmengine_encoder_runs_total")
+        finished = _per_replica(metrics, "mmengine_requests_finished_total")
+        assert encoder_runs[home] == 1 and encoder_runs[1 - home] == 0, encoder_runs
+        assert finished[home] == turn + 1 and finished[1 - home] == 0, finished
+        assert metrics["mmengine_encoder_runs_total"] == 1  # the sum over replicas
+        messages.append({"role": "assistant", "content": text})
+        offline_turns.append({"role": "assistant", "content": text})
+    routed = metrics[f'mmengine_router_requests_total{{replica="{home}",route="affinity"}}']
+    assert routed == len(questions)
+
+
+def test_a_picture_that_hashes_elsewhere_is_encoded_on_the_other_replica(base_url, client, offline):
+    home = _replica_of(data_url(make_test_image(301)))
+    seed = next(seed for seed in range(302, 400) if _replica_of(data_url(make_test_image(seed))) != home)
+    image = make_test_image(seed)
+    before = _per_replica(_metrics(base_url), "mmengine_encoder_runs_total")
+    answer = client.chat.completions.create(model=MODEL_NAME, messages=[_user(data_url(image), "Describe it.")],
+                                            max_tokens=6, temperature=0)
+    after = _per_replica(_metrics(base_url), "mmengine_encoder_runs_total")
+    assert after[1 - home] == before[1 - home] + 1 and after[home] == before[home]
+    (expected,) = offline.chat([_offline_user("Describe it.")], images=[image],
+                               sampling_params=SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    assert answer.choices[0].message.content == expected.text
+
+
+def test_streams_pass_through_the_router(base_url, client):
+    request = dict(model=MODEL_NAME, messages=[_user(data_url(make_test_image(310)), "Tell me more.")], max_tokens=10,
+                   temperature=0)
+    whole = client.chat.completions.create(**request)
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json={**request, "stream": True}, headers=HEADERS,
+                      timeout=120) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]"
+    events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    pieces = [event["choices"][0]["delta"].get("content", "") for event in events]
+    assert sum(1 for piece in pieces if piece) > 1  # streamed, not one blob
+    assert "".join(pieces) == whole.choices[0].message.content
+
+
+def test_a_client_that_leaves_mid_stream_frees_the_replica(base_url):
+    body = {"model": MODEL_NAME, "max_tokens": 300, "temperature": 0, "ignore_eos": True, "stream": True,
+            "messages": [_user(data_url(make_test_image(320)), "A long story, please.")]}
+    before = _metrics(base_url)
+    with httpx.stream("POST", base_url + "/v1/chat/completions", json=body, headers=HEADERS, timeout=120) as response:
+        assert response.status_code == 200
+        events = 0
+        for line in response.iter_lines():
+            events += line.startswith("data: ")
+            if events == 3:
+                break  # closes the connection mid-stream
+    deadline = time.monotonic() + 60
+    while True:  # the abort crosses the proxy, the router and the replica's app (bounded wait)
+        after = _metrics(base_url)
+        idle = after["mmengine_requests_in_flight"] == 0 and after["mmengine_requests_running"] == 0
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert idle and _per_replica(after, "mmengine_router_requests_in_flight") == [0] * NUM_REPLICAS
+    assert after["mmengine_kv_blocks_free"] == after["mmengine_kv_blocks_total"]
+    assert after["mmengine_client_disconnects_total"] == before["mmengine_client_disconnects_total"] + 1
+    assert after["mmengine_generation_tokens_total"] - before["mmengine_generation_tokens_total"] < 300
+
+
+def test_models_health_auth_and_merged_metrics(base_url):
+    models = httpx.get(base_url + "/v1/models", headers=HEADERS, timeout=60).json()
+    assert [card["id"] for card in models["data"]] == [MODEL_NAME]
+    assert httpx.get(base_url + "/health", timeout=60).status_code == 200
+    refused = httpx.post(base_url + "/v1/chat/completions", json={"model": MODEL_NAME, "messages": []}, timeout=60)
+    assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
+    bad = httpx.post(base_url + "/v1/chat/completions", content=b"{not json", headers=HEADERS, timeout=60)
+    assert bad.status_code in (400, 422)  # answered by a replica, as the single server answers it
+    metrics = _metrics(base_url)
+    for name in ("mmengine_encoder_runs_total", "mmengine_kv_blocks_total", "mmengine_prompt_tokens_total"):
+        assert metrics[name] == sum(_per_replica(metrics, name)), name
+    assert all(value > 0 for value in _per_replica(metrics, "mmengine_kv_blocks_total"))
+    assert metrics["mmengine_engine_healthy"] == NUM_REPLICAS
+    assert _per_replica(metrics, "mmengine_router_requests_in_flight") == [0] * NUM_REPLICAS  # every answer released
+
+
+def test_the_serve_command_with_data_parallel_size_builds_the_ray_app(checkpoint_dir, monkeypatch, capsys):
+    """`mmengine serve --data-parallel-size 3` hands its options to build_app and runs the app on Ray
+    Serve (intercepted here: the app itself is served by the fixture above); it loads no engine itself."""
+    from mmengine.cli import main
+
+    calls = {}
+    monkeypatch.setattr("mmengine.ray.serve.build_app", lambda *args, **kwargs: calls.update(build=(args, kwargs)) or "app")
+    monkeypatch.setattr("mmengine.ray.serve.run_app", lambda app, host, port: calls.update(run=(app, host, port)))
+    monkeypatch.setattr("mmengine.async_engine.AsyncMMEngine.from_model",
+                        lambda *args, **kwargs: pytest.fail("a data-parallel serve loads no engine in the driver"))
+    path = str(checkpoint_dir())
+    assert main(["serve", "--model", path, "--data-parallel-size", "3", "--max-ongoing-requests-per-replica", "5",
+                 "--max-model-len", "128", "--served-model-name", "tiny", "--port", "8124"]) == 0
+    (model, num_replicas, options), kwargs = calls["build"]
+    assert (model, num_replicas, options) == (path, 3, {"max_model_len": 128})
+    assert kwargs["max_ongoing_requests"] == 5 and kwargs["settings"].served_model_name == "tiny"
+    assert calls["run"] == ("app", "127.0.0.1", 8124)
+    assert main(["serve", "--model", path, "--data-parallel-size", "0"]) == 2
+    assert "--data-parallel-size must be >= 1" in capsys.readouterr().err
+
+
+def _modules_imported_by(argv: list[str]) -> tuple[str, list[str]]:
+    import subprocess
+    import sys
+
+    probe = (f"import sys\nfrom mmengine.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
+             "print(sorted(name for name in ('torch', 'ray') if name in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    *help_lines, imported = result.stdout.strip().splitlines()
+    return "\n".join(help_lines), ast.literal_eval(imported)
+
+
+def test_help_stays_light():
+    assert _modules_imported_by(["--help"])[1] == []  # neither torch nor ray
+    text, imported = _modules_imported_by(["serve", "--help"])
+    assert "--data-parallel-size" in text and "ray" not in imported
