@@ -61,7 +61,7 @@ class BatchRunner:
         self.engine_options = dict(engine_options or {})
         self.batch_size = batch_size
         if num_cpus is None:
-            num_cpus = 1 if num_gpus else 1.0
+            num_cpus = 1
         threads = None if num_gpus else max(1, math.floor(num_cpus))
         actor_class = ray.remote(EngineReplica).options(
             num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=max_restarts, max_task_retries=max_task_retries
