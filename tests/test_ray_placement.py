@@ -85,3 +85,11 @@ def test_text_rows_in_one_prefix_group_share_a_key(checkpoint_dir):
     assert keys[0] == keys[2] and keys[1] == keys[4] and keys[0] != keys[1]
     assert keys[0].startswith("prefix:") and keys[3] is None
     assert keys[5] == image_key(make_test_image(3))
+
+
+def test_importing_mmengine_ray_does_not_import_ray():
+    import subprocess
+    import sys
+
+    code = "import sys, mmengine, mmengine.ray; assert 'ray' not in sys.modules, 'ray was imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
