@@ -1,7 +1,7 @@
 """MMEngineProcessor: a callable class for `Dataset.map_batches`.
 
     ds.map_batches(MMEngineProcessor, fn_constructor_kwargs={"model": PATH, "engine_options": {...}},
-                   concurrency=N, batch_size=256, num_gpus=1)
+                   compute=ray.data.ActorPoolStrategy(size=N), batch_size=256, num_gpus=1)
 
 Ray Data runs N actors, each holding one MMEngine, and feeds them batches in dataset order: within a
 batch the engine shares images and prefixes, across batches each actor's caches help only by chance.
