@@ -126,22 +126,29 @@ def test_killing_a_replica_mid_batch_still_answers_every_row_once(ray_cluster, c
 
 
 def test_image_affinity_encodes_each_picture_once_across_replicas(four_replicas):
-    """8 images x 16 requests each over 4 replicas."""
+    """8 images x 16 requests each over 4 replicas; also streamed in windows of 32 rows, each window
+    showing every picture (a key keeps its replica from window to window)."""
     images = [png(seed) for seed in range(8)]
     rows = [
         {"prompt": f"USER: <image>\nQuestion {q}? ASSISTANT:", "images": [image],
          "sampling_params": {"max_tokens": 1, "temperature": 0.0}}
         for image in images for q in range(16)
     ]
+    interleaved = [rows[image * 16 + q] for q in range(16) for image in range(8)]
     runs = {}
-    for affinity in ("prefix+image", None):
+    for name, batch, affinity, window in (
+        ("affinity", rows, "prefix+image", None),
+        ("round-robin", rows, None, None),
+        ("affinity, windows of 32", interleaved, "prefix+image", 32),
+    ):
         four_replicas.reset()
-        result = four_replicas.run(ray.data.from_items(rows), affinity=affinity)
-        assert result.dataset.count() == len(rows)
-        runs[affinity] = sum(s["encoder_runs"] for s in result.replica_stats)
-    print(f"encoder runs, 8 images x 16 requests on 4 replicas: affinity {runs['prefix+image']}, round-robin {runs[None]}")
-    assert runs["prefix+image"] == 8
-    assert runs[None] == 32  # round-robin shows every picture to every replica
+        result = four_replicas.run(ray.data.from_items(batch), affinity=affinity, window_rows=window)
+        assert [r["prompt"] for r in result.dataset.take_all()] == [r["prompt"] for r in batch]  # input order
+        runs[name] = sum(s["encoder_runs"] for s in result.replica_stats)
+    print(f"encoder runs, 8 images x 16 requests on 4 replicas: {runs}")
+    assert runs["affinity"] == 8
+    assert runs["round-robin"] == 32  # round-robin shows every picture to every replica
+    assert runs["affinity, windows of 32"] == 8
 
 
 def test_prefix_affinity_prefills_each_shared_prefix_once(four_replicas):

@@ -93,3 +93,13 @@ def test_importing_mmengine_ray_does_not_import_ray():
 
     code = "import sys, mmengine, mmengine.ray; assert 'ray' not in sys.modules, 'ray was imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_preferred_replicas_make_placement_sticky_within_the_cap():
+    keys = ["a", "b", "c", "d"] * 2
+    placement = place_rows(keys, 2, preferred={"a": 1, "b": 1, "c": 0})
+    where = placement.replica_of()
+    assert where[0] == where[4] == 1 and where[1] == where[5] == 1 and where[2] == 0
+    assert placement.loads == [4, 4]
+    crowded = place_rows(["a"] * 3 + ["b"] * 3, 2, preferred={"a": 0, "b": 0})
+    assert crowded.loads == [3, 3]  # b's favourite is full: it goes elsewhere

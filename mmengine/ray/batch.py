@@ -1,7 +1,9 @@
 """run_batch and BatchRunner: offline batch inference over data-parallel engine replicas on Ray.
 
-The driver reads the rows, computes each row's sharing key (keys.py: no weights needed), places rows
-on replicas (placement.py), and sends each replica its rows in sub-batches, in grouped order. Each
+The driver reads the rows (all at once, or `window_rows` at a time so its memory stays bounded),
+computes each row's sharing key (keys.py: no weights needed), places rows on replicas (placement.py;
+a key keeps its replica from one window to the next), and sends each replica its rows in
+sub-batches, in grouped order. Each
 replica is a long-lived Ray actor holding one MMEngine (one GPU with num_gpus=1, else a CPU slot), so
 its prefix and encoder caches carry over from one sub-batch to the next.
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +72,7 @@ class BatchRunner:
         self.alive = [True] * num_replicas
         ray.get([r.ready.remote() for r in self.replicas])  # surfaces a bad checkpoint or option now
         self._keys: SharingKeys | None = None
+        self._sticky: dict[str, int] = {}  # sharing key -> the replica whose caches hold its state
 
     @property
     def num_replicas(self) -> int:
@@ -84,24 +87,59 @@ class BatchRunner:
             )
         return self._keys.keys(prompts, images)
 
-    def run(self, ds: Any, affinity: str | None = "prefix+image", progress: ProgressHook | None = None) -> BatchResult:
+    def run(
+        self,
+        ds: Any,
+        affinity: str | None = "prefix+image",
+        progress: ProgressHook | None = None,
+        window_rows: int | None = None,
+    ) -> BatchResult:
+        """Answers every row of `ds`. With `window_rows`, the driver holds one window of rows at a time
+        (keys, placement and dispatch per window); a key keeps its replica from window to window."""
         if affinity not in AFFINITIES:
             raise ConfigError(f"affinity must be one of {AFFINITIES}, got {affinity!r}")
-        rows = ds.take_all()
-        if not rows:
-            return BatchResult(ds.materialize(), self.stats(), Placement(((),) * self.num_replicas), 0)
-        check_columns(list(rows[0]))
+        if window_rows is not None and (not isinstance(window_rows, int) or window_rows < 1):
+            raise ConfigError(f"window_rows must be a positive int or None, got {window_rows!r}")
+        windows = [ds.take_all()] if window_rows is None else _windows(ds, window_rows)
+        parts, placed, retried, offset = [], [[] for _ in range(self.num_replicas)], 0, 0
+        for rows in windows:
+            if not rows:
+                continue
+            check_columns(list(rows[0]))
+            placement = self._place(rows, affinity)
+            outputs, window_retried = self._dispatch(rows, placement, progress)
+            parts.append(ray.data.from_items([{**rows[i], **outputs[i]} for i in range(len(rows))]))
+            for replica, replica_rows in enumerate(placement.rows):
+                placed[replica].extend(offset + i for i in replica_rows)
+            retried += window_retried
+            offset += len(rows)
+        if not parts:
+            dataset = ds
+        else:
+            dataset = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
+        dataset = dataset.materialize()
+        return BatchResult(dataset, self.stats(), Placement(tuple(tuple(r) for r in placed)), retried)
+
+    def _place(self, rows: list[dict[str, Any]], affinity: str | None) -> Placement:
+        """Placement over the live replicas; keys stick to the replica that took them before."""
+        live = [r for r in range(self.num_replicas) if self.alive[r]]
+        if not live:
+            raise RuntimeError("every replica died; no rows can be answered")
         if affinity is None:
-            placement = place_rows([None] * len(rows), self.num_replicas, affinity=False)
+            local = place_rows([None] * len(rows), len(live), affinity=False)
         else:
             keys = self.sharing_keys([r["prompt"] for r in rows], [r.get("images") for r in rows])
-            placement = place_rows(keys, self.num_replicas, affinity=True)
-        live = [r for r in range(self.num_replicas) if self.alive[r]]
-        if len(live) < self.num_replicas:  # replicas lost in an earlier run: their rows go to live ones
-            placement = _fold_dead(placement, live)
-        outputs, retried = self._dispatch(rows, placement, progress)
-        out_rows = [{**rows[i], **outputs[i]} for i in range(len(rows))]
-        return BatchResult(ray.data.from_items(out_rows).materialize(), self.stats(), placement, retried)
+            index_of = {replica: i for i, replica in enumerate(live)}
+            preferred = {k: index_of[r] for k, r in self._sticky.items() if r in index_of}
+            local = place_rows(keys, len(live), affinity=True, preferred=preferred)
+            for i, local_rows in enumerate(local.rows):
+                for row in local_rows:
+                    if keys[row] is not None:
+                        self._sticky.setdefault(keys[row], live[i])
+        placed: list[tuple[int, ...]] = [() for _ in range(self.num_replicas)]
+        for i, local_rows in enumerate(local.rows):
+            placed[live[i]] = local_rows
+        return Placement(tuple(placed))
 
     def _dispatch(
         self, rows: list[dict[str, Any]], placement: Placement, progress: ProgressHook | None
@@ -151,6 +189,7 @@ class BatchRunner:
     def reset(self) -> None:
         """Fresh engines (empty caches, zeroed counters) on every live replica."""
         ray.get([r.reset.remote() for i, r in enumerate(self.replicas) if self.alive[i]])
+        self._sticky.clear()
 
     def shutdown(self) -> None:
         for replica in self.replicas:
@@ -182,11 +221,7 @@ def run_batch(
         return runner.run(ds, affinity)
 
 
-def _fold_dead(placement: Placement, live: list[int]) -> Placement:
-    """The rows of dead replicas appended to live ones, round-robin by replica."""
-    rows = [list(r) for r in placement.rows]
-    dead = [r for r in range(len(rows)) if r not in live]
-    for n, replica in enumerate(dead):
-        rows[live[n % len(live)]].extend(rows[replica])
-        rows[replica] = []
-    return Placement(tuple(tuple(r) for r in rows))
+def _windows(ds: Any, size: int) -> Iterator[list[dict[str, Any]]]:
+    """The dataset's rows, `size` at a time, from one streaming pass."""
+    for batch in ds.iter_batches(batch_size=size, batch_format="pyarrow"):
+        yield batch.to_pylist()

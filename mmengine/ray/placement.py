@@ -7,13 +7,16 @@ chunks are placed largest first on the least-loaded replica, and no replica take
 `max_skew` times a fair share (a chunk that would overflow one is split at the cap). Rows without a
 key are chunks of one. Within a replica, each key's rows stay together, in input order.
 
+`preferred` (key -> replica) makes placement sticky across windows of a stream: a key's chunks go to
+the replica that already holds its cached state while that replica is under the cap.
+
 Without affinity, rows are dealt round-robin: row i goes to replica i % replicas.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
 from mmengine.errors import ConfigError
@@ -34,7 +37,11 @@ class Placement:
 
 
 def place_rows(
-    keys: Sequence[Hashable | None], num_replicas: int, affinity: bool = True, max_skew: float = 1.25
+    keys: Sequence[Hashable | None],
+    num_replicas: int,
+    affinity: bool = True,
+    max_skew: float = 1.25,
+    preferred: Mapping[Hashable, int] | None = None,
 ) -> Placement:
     """Places rows (given by their sharing keys) on `num_replicas` replicas."""
     if not isinstance(num_replicas, int) or num_replicas < 1:
@@ -53,8 +60,11 @@ def place_rows(
     while pending:
         chunk = pending.pop()
         replica = min(range(num_replicas), key=lambda r: (loads[r], r))
+        favourite = preferred.get(keys[chunk[0]]) if preferred and keys[chunk[0]] is not None else None
+        if favourite is not None and 0 <= favourite < num_replicas and loads[favourite] < cap:
+            replica = favourite
         room = cap - loads[replica]
-        if len(chunk) > room:  # room > 0: the least-loaded replica is below the cap while rows remain
+        if len(chunk) > room:  # room > 0: a favourite is below the cap, and so is the least loaded while rows remain
             chunk, rest = chunk[:room], chunk[room:]
             pending.append(rest)
         placed[replica].append(chunk)
