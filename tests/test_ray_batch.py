@@ -190,3 +190,25 @@ def test_map_batches_processor_answers_ray_data_batches_like_one_engine(ray_clus
     assert [int(a["item_id"]) for a in answered] == [r["item_id"] for r in rows]
     assert [list(a["token_ids"]) for a in answered] == [e.token_ids for e in expected]
     assert [a["text"] for a in answered] == [e.text for e in expected]
+
+
+def test_benchmark_reports_both_placements(ray_cluster, checkpoint_dir, tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ray_batch.py"
+    spec = importlib.util.spec_from_file_location("ray_batch_benchmark", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    output = tmp_path / "ray_batch.json"
+    report = module.main([
+        "--model", str(checkpoint_dir()), "--replicas", "2", "--images", "4", "--per-image", "4", "--groups", "1",
+        "--degree", "4", "--shared-len", "32", "--unique-len", "8", "--output-len", "2", "--repeats", "1",
+        "--num-cpus", "0.5", "--max-model-len", "256", "--output", str(output),
+    ])
+    assert json.loads(output.read_text()) == json.loads(json.dumps(report, default=str))
+    by_placement = {r["affinity"]: r for r in report["results"]}
+    assert by_placement["prefix+image"]["encoder_runs_per_image"] == 1.0
+    assert by_placement["round-robin"]["encoder_runs_per_image"] > 1.0
+    assert all(r["requests_per_s"] > 0 and sum(r["rows_per_replica"]) == 20 for r in report["results"])
