@@ -1,0 +1,99 @@
+"""One engine replica: an MMEngine that turns dataset rows into output rows.
+
+Used as the body of a long-lived Ray actor (batch.py) and by the map_batches processor
+(processor.py). Rows are plain dicts: `prompt` (str), `images` (a list of bytes / paths / pictures,
+optional), `sampling_params` (a dict of SamplingParams fields, optional); other columns pass through.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from mmengine.errors import InvalidInputError
+
+OUTPUT_COLUMNS = ("text", "token_ids", "finish_reason", "num_cached_tokens", "replica")
+
+
+def row_images(value: Any) -> list[Any] | None:
+    """A row's images as a list (Arrow hands lists back as numpy arrays); None when it has none."""
+    if value is None:
+        return None
+    if isinstance(value, (str, os.PathLike, bytes, bytearray, memoryview)):
+        return [value]
+    if isinstance(value, np.ndarray) and value.dtype != object and value.ndim >= 2:
+        return [value]  # one decoded picture (H, W[, C])
+    images = [bytes(v) if isinstance(v, np.bytes_) else v for v in value]
+    return images or None
+
+
+def row_sampling_params(value: Any, row: int) -> Any:
+    """SamplingParams from a row's dict. Arrow fills fields other rows set with None: those are dropped."""
+    from mmengine.sampling import SamplingParams
+
+    if value is None:
+        return SamplingParams()
+    if not isinstance(value, dict):
+        raise InvalidInputError(f"row {row}: sampling_params must be a dict of SamplingParams fields, got {type(value).__name__}")
+    fields = {k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in value.items() if v is not None}
+    try:
+        return SamplingParams(**fields)
+    except TypeError as err:
+        raise InvalidInputError(f"row {row}: bad sampling_params: {err}") from err
+
+
+def check_columns(columns: Sequence[str]) -> None:
+    if "prompt" not in columns:
+        raise InvalidInputError(f"the dataset needs a 'prompt' column; it has {sorted(columns)}")
+    clashes = sorted(set(columns) & set(OUTPUT_COLUMNS))
+    if clashes:
+        raise InvalidInputError(f"input columns {clashes} would be overwritten by the output; rename them")
+
+
+class EngineReplica:
+    """Holds one MMEngine; `generate` answers a list of rows with one output dict per row."""
+
+    def __init__(self, model: str, engine_options: dict[str, Any] | None, replica_id: int, num_threads: int | None = None) -> None:
+        if num_threads is not None:
+            import torch
+
+            torch.set_num_threads(num_threads)
+        self.model = str(model)
+        self.engine_options = dict(engine_options or {})
+        self.replica_id = replica_id
+        self.engine = self._build()
+
+    def _build(self) -> Any:
+        from mmengine.engine import MMEngine
+
+        return MMEngine(self.model, **self.engine_options)
+
+    def ready(self) -> int:
+        return self.replica_id
+
+    def generate(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        prompts = [row["prompt"] for row in rows]
+        images = [row_images(row.get("images")) for row in rows]
+        params = [row_sampling_params(row.get("sampling_params"), i) for i, row in enumerate(rows)]
+        outputs = self.engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+        return [
+            {
+                "text": out.text,
+                "token_ids": list(out.token_ids),
+                "finish_reason": out.finish_reason,
+                "num_cached_tokens": out.num_cached_tokens,
+                "replica": self.replica_id,
+            }
+            for out in outputs
+        ]
+
+    def stats(self) -> dict[str, int]:
+        return self.engine.stats()
+
+    def reset(self) -> None:
+        """A fresh engine (empty caches, zeroed counters) in the same process: no restart cost."""
+        self.engine = None
+        self.engine = self._build()

@@ -1,0 +1,214 @@
+"""run_batch on a local Ray cluster (CPU, tiny checkpoint): the same greedy outputs as one local
+engine, every row exactly once (also when a replica is killed mid-batch), and what cache-affine
+placement buys: encoder runs and prefill tokens summed over replicas, with and without affinity."""
+
+from __future__ import annotations
+
+import io
+import random
+from pathlib import Path
+
+import pytest
+
+from mmengine import MMEngine, SamplingParams
+from mmengine.testing import make_test_image
+
+ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install mmengine-vlm[ray])")
+
+from mmengine.ray import BatchRunner, run_batch  # noqa: E402
+
+ENGINE_OPTIONS = {"max_model_len": 256}
+ONE_TOKEN_WORDS = "the and are at be car dog image in is of on read small there this to was with you".split()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def four_replicas(ray_cluster, checkpoint_dir):
+    with BatchRunner(checkpoint_dir(), num_replicas=4, engine_options=ENGINE_OPTIONS, num_cpus=0.5, batch_size=64) as runner:
+        yield runner
+
+
+def png(seed: int) -> bytes:
+    buffer = io.BytesIO()
+    make_test_image(seed).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def words(rng: random.Random, n: int) -> str:
+    return "".join(" " + rng.choice(ONE_TOKEN_WORDS) for _ in range(n))
+
+
+def mixed_rows(tmp_path) -> list[dict]:
+    """Images as bytes and as paths, text rows sharing a prefix, per-row sampling params, an extra column."""
+    rng = random.Random(0)
+    path = tmp_path / "picture.png"
+    path.write_bytes(png(7))
+    shared = words(rng, 40)
+    rows = []
+    for i in range(12):
+        if i % 3 == 0:
+            prompt, images = f"USER: <image>\nWhat is in picture {i}? ASSISTANT:", [png(i % 2)]
+        elif i % 3 == 1:
+            prompt, images = "USER: <image>\nDescribe it. ASSISTANT:", [str(path)]
+        else:
+            prompt, images = shared + words(rng, 6), []
+        params = {"max_tokens": 3 + i % 3, "temperature": 0.0, "ignore_eos": True}
+        rows.append({"prompt": prompt, "images": images, "sampling_params": params, "item_id": 1000 + i})
+    return rows
+
+
+def local_outputs(model, rows):
+    engine = MMEngine(str(model), **ENGINE_OPTIONS)
+    return engine.generate(
+        [r["prompt"] for r in rows],
+        images=[r["images"] or None for r in rows],
+        sampling_params=[SamplingParams(**r["sampling_params"]) for r in rows],
+        use_tqdm=False,
+    )
+
+
+def by_item(dataset) -> dict[int, dict]:
+    out = dataset.take_all()
+    ids = [r["item_id"] for r in out]
+    assert len(ids) == len(set(ids)), "a row came back twice"
+    return {r["item_id"]: r for r in out}
+
+
+def test_two_replicas_match_one_local_engine_row_for_row(ray_cluster, checkpoint_dir, tmp_path):
+    rows = mixed_rows(tmp_path)
+    result = run_batch(
+        ray.data.from_items(rows), model=checkpoint_dir(), num_replicas=2, engine_options=ENGINE_OPTIONS, num_cpus=0.5
+    )
+    got = by_item(result.dataset)
+    assert sorted(got) == [r["item_id"] for r in rows]  # every row exactly once, extra column kept
+    for row, expected in zip(rows, local_outputs(checkpoint_dir(), rows)):
+        out = got[row["item_id"]]
+        assert out["prompt"] == row["prompt"]
+        assert list(out["token_ids"]) == expected.token_ids
+        assert out["text"] == expected.text
+        assert out["finish_reason"] == expected.finish_reason == "length"
+    assert {r["replica"] for r in got.values()} == {0, 1}
+    assert len(result.replica_stats) == 2
+    assert sum(s["requests_finished"] for s in result.replica_stats) == len(rows)
+
+
+def test_killing_a_replica_mid_batch_still_answers_every_row_once(ray_cluster, checkpoint_dir, tmp_path):
+    rows = mixed_rows(tmp_path) * 2
+    rows = [{**r, "item_id": i} for i, r in enumerate(rows)]
+    killed = []
+
+    def kill_replica_0_after_its_first_sub_batch(runner, replica, done):
+        if replica == 0 and not killed:
+            ray.kill(runner.replicas[0], no_restart=True)
+            killed.append(done)
+
+    runner = BatchRunner(checkpoint_dir(), num_replicas=2, engine_options=ENGINE_OPTIONS, num_cpus=0.5, batch_size=2)
+    try:
+        result = runner.run(ray.data.from_items(rows), progress=kill_replica_0_after_its_first_sub_batch)
+    finally:
+        runner.shutdown()
+    assert killed, "replica 0 never finished a sub-batch"
+    got = by_item(result.dataset)
+    assert sorted(got) == list(range(len(rows)))
+    assert result.num_retried_rows > 0
+    assert result.replica_stats[0] is None  # dead
+    on_zero = [i for i in range(len(rows)) if got[i]["replica"] == 0]
+    assert len(on_zero) == killed[0]  # only the rows it finished before it died
+    expected = local_outputs(checkpoint_dir(), rows)
+    assert [list(got[i]["token_ids"]) for i in range(len(rows))] == [e.token_ids for e in expected]
+
+
+def test_image_affinity_encodes_each_picture_once_across_replicas(four_replicas):
+    """8 images x 16 requests each over 4 replicas; also streamed in windows of 32 rows, each window
+    showing every picture (a key keeps its replica from window to window)."""
+    images = [png(seed) for seed in range(8)]
+    rows = [
+        {"prompt": f"USER: <image>\nQuestion {q}? ASSISTANT:", "images": [image],
+         "sampling_params": {"max_tokens": 1, "temperature": 0.0}}
+        for image in images for q in range(16)
+    ]
+    interleaved = [rows[image * 16 + q] for q in range(16) for image in range(8)]
+    runs = {}
+    for name, batch, affinity, window in (
+        ("affinity", rows, "prefix+image", None),
+        ("round-robin", rows, None, None),
+        ("affinity, windows of 32", interleaved, "prefix+image", 32),
+    ):
+        four_replicas.reset()
+        result = four_replicas.run(ray.data.from_items(batch), affinity=affinity, window_rows=window)
+        assert [r["prompt"] for r in result.dataset.take_all()] == [r["prompt"] for r in batch]  # input order
+        runs[name] = sum(s["encoder_runs"] for s in result.replica_stats)
+    print(f"encoder runs, 8 images x 16 requests on 4 replicas: {runs}")
+    assert runs["affinity"] == 8
+    assert runs["round-robin"] == 32  # round-robin shows every picture to every replica
+    assert runs["affinity, windows of 32"] == 8
+
+
+def test_prefix_affinity_prefills_each_shared_prefix_once(four_replicas):
+    """8 groups x 8 prompts: 64 shared tokens (BOS included) + 16 unique, shuffled."""
+    rng = random.Random(0)
+    prompts = []
+    for _ in range(8):
+        shared = words(rng, 63)
+        prompts += [shared + words(rng, 16) for _ in range(8)]
+    rng.shuffle(prompts)
+    rows = [{"prompt": p, "sampling_params": {"max_tokens": 1, "temperature": 0.0, "ignore_eos": True}} for p in prompts]
+    minimum = 8 * 64 + 64 * 16
+    computed = {}
+    for affinity in ("prefix+image", None):
+        four_replicas.reset()
+        result = four_replicas.run(ray.data.from_items(rows), affinity=affinity)
+        computed[affinity] = sum(s["prefill_tokens_computed"] for s in result.replica_stats)
+        assert sum(s["prompt_tokens"] for s in result.replica_stats) == 64 * 80
+    print(f"prefill tokens over 4 replicas (minimum {minimum}): affinity {computed['prefix+image']}, round-robin {computed[None]}")
+    assert computed["prefix+image"] == minimum
+    assert computed[None] > 1.5 * minimum
+
+
+def test_map_batches_processor_answers_ray_data_batches_like_one_engine(ray_cluster, checkpoint_dir, tmp_path):
+    """The processor on real Ray Data numpy batches (Arrow-converted lists, structs with None-filled
+    fields), called in-process: the same outputs as one engine, input columns kept."""
+    from mmengine.ray import MMEngineProcessor
+
+    rows = mixed_rows(tmp_path)
+    for row in rows:  # one Arrow type per column across batches: the pictures as bytes, not paths
+        row["images"] = [Path(i).read_bytes() if isinstance(i, str) else i for i in row["images"]]
+    rows[2]["sampling_params"] = {**rows[2]["sampling_params"], "stop": ["zzz"]}  # other rows' stop: None
+    processor = MMEngineProcessor(str(checkpoint_dir()), ENGINE_OPTIONS)
+    answered = []
+    for batch in ray.data.from_items(rows).iter_batches(batch_size=5, batch_format="numpy"):
+        out = processor(batch)
+        answered += [{name: out[name][i] for name in out} for i in range(len(out["prompt"]))]
+    expected = local_outputs(checkpoint_dir(), rows)
+    assert [int(a["item_id"]) for a in answered] == [r["item_id"] for r in rows]
+    assert [list(a["token_ids"]) for a in answered] == [e.token_ids for e in expected]
+    assert [a["text"] for a in answered] == [e.text for e in expected]
+
+
+def test_benchmark_reports_both_placements(ray_cluster, checkpoint_dir, tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ray_batch.py"
+    spec = importlib.util.spec_from_file_location("ray_batch_benchmark", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    output = tmp_path / "ray_batch.json"
+    report = module.main([
+        "--model", str(checkpoint_dir()), "--replicas", "2", "--images", "4", "--per-image", "4", "--groups", "1",
+        "--degree", "4", "--shared-len", "32", "--unique-len", "8", "--output-len", "2", "--repeats", "1",
+        "--num-cpus", "0.5", "--max-model-len", "256", "--output", str(output),
+    ])
+    assert json.loads(output.read_text()) == json.loads(json.dumps(report, default=str))
+    by_placement = {r["affinity"]: r for r in report["results"]}
+    assert by_placement["prefix+image"]["encoder_runs_per_image"] == 1.0
+    assert by_placement["round-robin"]["encoder_runs_per_image"] > 1.0
+    assert all(r["requests_per_s"] > 0 and sum(r["rows_per_replica"]) == 20 for r in report["results"])
