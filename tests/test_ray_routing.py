@@ -132,3 +132,18 @@ def test_replica_metrics_merge_into_sums_and_per_replica_samples():
     assert merged.count("# TYPE mmengine_encoder_runs counter") == 1  # one family each
     families = {family.name: family for family in text_string_to_metric_families(merged)}  # valid exposition text
     assert families["mmengine_e2e_request_latency_seconds"].type == "histogram"
+
+
+def test_a_picture_keys_alike_online_and_offline():
+    """The router's key for a data: URL equals the offline placement key of the same encoded bytes."""
+    import base64
+    import io
+
+    from mmengine.ray.keys import image_key
+    from mmengine.ray.routing import image_url_key
+    from mmengine.testing import make_test_image
+
+    buffer = io.BytesIO()
+    make_test_image(7).save(buffer, "PNG")
+    data = buffer.getvalue()
+    assert image_url_key("data:image/png;base64," + base64.b64encode(data).decode()) == image_key(data)

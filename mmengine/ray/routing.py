@@ -23,9 +23,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from mmengine.encoder_cache.hashing import hash_bytes
 from mmengine.errors import ConfigError
 
 DEFAULT_VIRTUAL_NODES = 128
+IMAGE_KEY_HASH = "xxh3_128"  # as mmengine.ray.keys.image_key, so a picture keys alike offline and online
 DEFAULT_PREFIX_CHARS = 512  # leading prompt characters a completion's key covers
 
 
@@ -91,14 +93,15 @@ class Router:
 
 def image_url_key(url: str) -> str:
     """A key for one image URL: a data: URL by the content hash of its decoded bytes (so the same
-    picture sent twice gets the same key), any other URL (file://, http) by its text."""
+    picture sent twice gets the same key, and the key `mmengine.ray.keys.image_key` gives those
+    bytes offline), any other URL (file://, http) by its text."""
     if url[:5].lower() == "data:":
         _, _, payload = url.partition(",")
         try:
             content = base64.b64decode(payload, validate=True)
         except (binascii.Error, ValueError):
             content = payload.encode()  # the replica rejects it with a clear error; any key will do
-        return "image:" + hashlib.sha256(content).hexdigest()
+        return "image:" + hash_bytes(content, IMAGE_KEY_HASH)
     return "image-url:" + hashlib.sha256(url.encode()).hexdigest()
 
 
