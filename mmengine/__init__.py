@@ -6,8 +6,9 @@ stays light: torch and transformers load only when the engine is actually needed
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mmengine.lazy_exports import lazy_exports
 
 __all__ = ["EngineConfig", "MMEngine", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
@@ -26,14 +27,4 @@ if TYPE_CHECKING:
     from mmengine.sampling import SamplingParams
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mmengine' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

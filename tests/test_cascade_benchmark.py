@@ -39,9 +39,8 @@ def test_tiny_run_reports_both_paths_and_they_agree(bench, tmp_path):
         assert not row["auto_engages"]  # tiny K/V never pays for cascade under "auto"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the full-size run is the benchmark itself")
 def test_without_a_gpu_the_full_run_explains_itself(bench, capsys):
-    if torch.cuda.is_available():
-        pytest.skip("on a GPU the full-size run is the benchmark itself")
     with pytest.raises(SystemExit) as exit_info:
         bench.main(["--output", "unused.json"])
     assert exit_info.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err

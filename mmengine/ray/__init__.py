@@ -9,8 +9,9 @@ on first use, so `import mmengine` never imports Ray.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from mmengine.lazy_exports import lazy_exports
 
 __all__ = [
     "BatchResult", "BatchRunner", "MMEngineProcessor", "SharingKeys", "build_app", "image_key", "place_rows", "run_app",
@@ -37,14 +38,4 @@ if TYPE_CHECKING:
     from mmengine.ray.serve import build_app, run_app
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'mmengine.ray' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_EXPORTS})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
