@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mmengine import MMEngine
 from mmengine.testing import TinyLlavaSpec
@@ -136,7 +137,9 @@ def test_shared_prefix_benchmark_runs_every_mode_on_the_same_workload(shared_pre
     for row in modes.values():
         assert row["prefill_tokens_minimum"] == 3 * 40 + 9 * 8
         assert row["prefill_tokens_computed"] >= row["prefill_tokens_minimum"] and row["requests_per_s"] > 0
-        assert row["decode_attention_ms_per_step"] is None and "n/a" in row["note"]
+        # Too few steps to reach the profiled window: on CPU there is no device profile at all.
+        assert row["decode_attention_ms_per_step"] is None
+        assert ("fewer than" if torch.cuda.is_available() else "n/a") in row["note"]
     assert modes["grouped"]["shared_tokens_planned"] == 3 * 2 * 40 // 8 * 8
     assert modes["grouped"]["prefill_tokens_computed"] <= modes["arrival"]["prefill_tokens_computed"]
     assert modes["arrival"]["shared_tokens_planned"] == 0
