@@ -7,8 +7,9 @@ the share of a decode step the GPU is busy.
     python benchmarks/latency.py --model PATH --batch-sizes 1,16,64,256
 
 Decode: per batch size, that many text requests (128-token prompts) are prefilled, then steady decode
-steps (every request gets a token, nothing is prefilled) are timed one by one, the device synchronized
-around each. The floor is what such a step must read from memory divided by the memory bandwidth: the
+steps (every request gets a token, nothing is prefilled) are timed as the intervals between
+consecutive step() returns (with async scheduling a step's host work overlaps the previous step on
+the device, so nothing is synchronized in between). The floor is what such a step must read from memory divided by the memory bandwidth: the
 decoder's weights (not the vision tower, not the embedding table, of which a step reads one row per
 request), plus the batch's KV cache. The bandwidth is measured with a large device-to-device copy
 unless --bandwidth-gbs gives it.
@@ -155,25 +156,21 @@ class DecodeBatch:
             for _ in range(batch_size)
         ]
 
-    def step(self) -> tuple[float, int] | None:
-        """(seconds, KV tokens read) of one step if it was a steady decode step, else None."""
-        prefilled = self.engine.stats()["prefill_tokens_computed"]
-        sync(self.engine.device)
-        start = time.perf_counter()
-        outputs = self.engine.step()
-        sync(self.engine.device)
-        elapsed = time.perf_counter() - start
-        if self.engine.stats()["prefill_tokens_computed"] != prefilled or len(outputs) != self.batch_size:
-            return None
-        return elapsed, sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outputs)
-
     def steady_steps(self, count: int) -> list[tuple[float, int]]:
-        """The next `count` steady steps (fewer if the requests finish first)."""
+        """(seconds, KV tokens read) of the next `count` steady steps (every request gets a token,
+        nothing is prefilled), fewer if the requests finish first. A step's time is the interval
+        between consecutive step() returns: with async scheduling steps overlap, so the device is
+        not synchronized between them (without it, each step() ends by waiting for its tokens)."""
         found = []
+        sync(self.engine.device)
+        last = time.perf_counter()
         while len(found) < count and self.engine.has_unfinished_requests():
-            result = self.step()
-            if result is not None:
-                found.append(result)
+            prefilled = self.engine.stats()["prefill_tokens_computed"]
+            outputs = self.engine.step()
+            now = time.perf_counter()
+            if self.engine.stats()["prefill_tokens_computed"] == prefilled and len(outputs) == self.batch_size:
+                found.append((now - last, sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outputs)))
+            last = now
         return found
 
     def __enter__(self) -> DecodeBatch:

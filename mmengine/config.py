@@ -51,6 +51,10 @@ class EngineConfig:
     # every step eagerly (start-up is faster, steps are slower).
     enforce_eager: bool = False
     max_cuda_graph_batch_size: int | None = None  # None: max_num_seqs; larger decode batches run eagerly
+    # The next step is scheduled and launched while the device still runs the current one, so host
+    # work hides behind device work; a request's last token arrives one step() later ("auto": on
+    # CUDA, where kernels run asynchronously; "on" also on CPU, where nothing overlaps).
+    async_scheduling: str = "auto"
     enable_prefix_caching: bool = True
     # Batches added at once (generate()) are planned into prefix-sharing groups: queued group by
     # group, each group's shared prefix computed once and held until its last member finishes;
@@ -126,6 +130,7 @@ class EngineConfig:
         )
         _require(self.attn_backend in ("auto", "torch", "triton"), "attn_backend", self.attn_backend, "'auto', 'torch' or 'triton'")
         _require(self.cascade_attention in ("auto", "on", "off"), "cascade_attention", self.cascade_attention, "'auto', 'on' or 'off'")
+        _require(self.async_scheduling in ("auto", "on", "off"), "async_scheduling", self.async_scheduling, "'auto', 'on' or 'off'")
         _require(isinstance(self.limit_mm_per_prompt, dict), "limit_mm_per_prompt", self.limit_mm_per_prompt, "a dict")
         for modality, limit in self.limit_mm_per_prompt.items():
             _require(modality == "image", "limit_mm_per_prompt", modality, "keys among {'image'}")

@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +40,9 @@ from mmengine.multimodal.processor import InputProcessor
 from mmengine.outputs import RequestOutput
 from mmengine.request import ProcessedPrompt, Request, RequestStatus
 from mmengine.runner import ModelRunner
+from mmengine.runner.launched_step import LaunchedStep
 from mmengine.sampling import SamplingParams
-from mmengine.scheduler import Scheduler
+from mmengine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +118,10 @@ class MMEngine:
         )
         self.eos_token_ids = _eos_token_ids(model_dir, self.hf_config, self.tokenizer)
 
+        self._async_scheduling = self.config.async_scheduling == "on" or (
+            self.config.async_scheduling == "auto" and self.device.type == "cuda"
+        )
+        self._in_flight: _InFlightStep | None = None  # async scheduling: the step launched, not yet booked
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
         # One lock over the engine's state, held briefly: validation and preprocessing run outside it.
@@ -188,9 +194,11 @@ class MMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduler step; returns an output for every request added with add_request() that
         got a token (finished or not) or was aborted since the last call. Does nothing on an idle engine.
+        With async scheduling (on CUDA by default) a step launches the next step before it reads the
+        tokens of the one in flight, so a token arrives one step() call after the step that computed it.
 
-        If the step fails (the exception propagates), no request has advanced and the caches' books
-        match the runner's tensors, so calling step() again retries it.
+        If the step fails (the exception propagates), no request has advanced past what its outputs
+        say and the caches' books match the runner's tensors, so calling step() again retries it.
         """
         with self._lock:
             self._advance()
@@ -199,35 +207,79 @@ class MMEngine:
 
     def _advance(self) -> None:
         """One step, if there is work; routes each output to its owner (a generate() call, or step())."""
-        if not self.scheduler.has_unfinished_requests():
+        if not self._has_work():
             return
         try:
-            outputs = self._step()
+            outputs = self._step_async() if self._async_scheduling else self._step()
         except BaseException:
             self._reconcile_encoder_books()
             raise
         for output in outputs:
             self._route(output)
 
+    def _has_work(self) -> bool:
+        """Requests to run, or a step in flight whose tokens someone still needs (a step left computing
+        only for finished requests, e.g. after a stop token, is not waited for)."""
+        step = self._in_flight
+        if step is not None and all(s.request.is_finished for s in step.out.scheduled):
+            self._in_flight = step = None
+        return self.scheduler.has_unfinished_requests() or step is not None
+
     def _step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
-        if out.is_empty and self.scheduler.has_unfinished_requests():
-            raise RuntimeError(f"scheduler made no progress: {self.scheduler.running + list(self.scheduler.waiting)}")
-        block_tables = {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled}
-        sampled = self.runner.execute(out, block_tables)
+        out = self._schedule()
+        sampled = self.runner.execute(out, self._block_tables(out))
         updated = self.scheduler.update_from_output(out, sampled, self.eos_token_ids)
-        self._counters["steps"] += 1
+        return self._outputs(updated)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Async scheduling: books the step in flight with placeholder tokens, schedules and launches
+        the next one, and only then waits for the step in flight's tokens. The host work of a step
+        (scheduling, input preparation, detokenization) so runs while the device computes.
+
+        A request that stops on a token computes one more step, whose token is discarded. A failure
+        before the launch leaves the step in flight to finish normally (its outputs are delivered),
+        so the books match the tensors as in a synchronous step.
+        """
+        previous, self._in_flight = self._in_flight, None
+        pending = self.scheduler.book_step(previous.out) if previous is not None else []
+        try:
+            out = self._schedule(allow_empty=previous is not None)
+            launched = self.runner.launch(out, self._block_tables(out), previous.launched if previous is not None else None)
+        except BaseException:
+            if previous is not None:
+                for output in self._resolve(previous, pending):
+                    self._route(output)
+            raise
+        if out.num_scheduled_tokens:
+            self._in_flight = _InFlightStep(out, launched)
+        return self._resolve(previous, pending) if previous is not None else []
+
+    def _resolve(self, step: _InFlightStep, pending: list[Request]) -> list[RequestOutput]:
+        sampled = step.launched.result()  # the wait for the device
+        return self._outputs(self.scheduler.resolve_tokens(pending, sampled, self.eos_token_ids))
+
+    def _schedule(self, allow_empty: bool = False) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        if out.is_empty and not allow_empty and self.scheduler.has_unfinished_requests():
+            raise RuntimeError(f"scheduler made no progress: {self.scheduler.running + list(self.scheduler.waiting)}")
+        self._counters["steps"] += not out.is_empty
         self._counters["tokens_computed"] += out.num_scheduled_tokens
         self._counters["prefill_tokens_computed"] += sum(
             max(0, min(s.end, s.request.num_prompt_tokens) - s.start) for s in out.scheduled
         )
+        return out
+
+    def _block_tables(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        return {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled}
+
+    def _outputs(self, updated: list[Request]) -> list[RequestOutput]:
         outputs = (self._after_token(request) for request in updated)
         return [output for output in outputs if output is not None]
 
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to do or to hand back: requests in flight, or outputs not yet returned."""
         with self._lock:
-            return self.scheduler.has_unfinished_requests() or bool(self._pending)
+            return self._has_work() or bool(self._pending)
 
     def abort_request(self, request_id: str) -> bool:
         """Stops a request and frees what it holds; False if no such request is in flight. Its final
@@ -277,7 +329,7 @@ class MMEngine:
                 while True:
                     with self._lock:  # released between steps, so other callers get their turn
                         if len(results) < len(ids):
-                            if not self.scheduler.has_unfinished_requests():
+                            if not self._has_work():
                                 raise RuntimeError(f"generate() lost track of requests {sorted(set(ids) - set(results))}")
                             self._advance()
                         done = len(results)
@@ -439,6 +491,12 @@ class MMEngine:
             num_cached_tokens=request.num_cached_tokens,
             stop_reason=request.stop_reason,
         )
+
+
+@dataclass
+class _InFlightStep:
+    out: SchedulerOutput
+    launched: LaunchedStep
 
 
 def _resolve_max_model_len(config: EngineConfig, family: ModelFamily) -> int:

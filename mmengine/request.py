@@ -11,6 +11,10 @@ import torch
 from mmengine.sampling import SamplingParams
 
 
+# The value of a sampled token that is still on the device (async scheduling): booked, not yet read.
+PLACEHOLDER_TOKEN = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -111,6 +115,12 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def resolve_placeholder(self, token_id: int) -> None:
+        """Replaces the placeholder that stands for the last sampled token with its value."""
+        assert self.output_token_ids[-1] == PLACEHOLDER_TOKEN, self
+        self.output_token_ids[-1] = token_id
+        self.all_token_ids[-1] = token_id
 
     def __repr__(self) -> str:
         return (

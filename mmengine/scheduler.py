@@ -20,7 +20,7 @@ from mmengine.encoder_cache.manager import EncoderCacheManager
 from mmengine.kv_cache.block_pool import KVBlock
 from mmengine.kv_cache.manager import KVCacheManager
 from mmengine.prefix_sharing import PrefixSharing
-from mmengine.request import Request, RequestStatus
+from mmengine.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 
 # A waiting request skipped this many times (later requests admitted ahead of it) stops
 # anything behind it from being admitted until it is: bounded skipping, no starvation.
@@ -365,22 +365,65 @@ class Scheduler:
         updated = []
         for s in out.scheduled:
             request = s.request
-            if request.is_finished or s.num_new_tokens == 0:
-                continue
-            request.num_computed_tokens = s.end
-            self.kv_cache.cache_blocks(request)  # pins items first: consumed ones are released next
-            self.sharing.progressed(request)
-            self._release_consumed(request)
-            if request.request_id not in sampled:
+            if not self._book_computed(s) or request.request_id not in sampled:
                 continue
             token = sampled[request.request_id]
             request.append_output_token(token)
             self.kv_cache.hash_new_blocks(request)
-            status = self._check_stop(request, token, eos_token_ids)
+            status = RequestStatus.FINISHED_STOPPED if self._stops_on(request, token, eos_token_ids) else None
+            if status is None and self._reached_length(request):
+                status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self.finish_request(request, status)
             updated.append(request)
         return updated
+
+    def book_step(self, out: SchedulerOutput) -> list[Request]:
+        """Async scheduling, before the step's sampled tokens are read: advances the scheduled
+        requests as update_from_output() does, giving each request that samples a placeholder token
+        (its next step reads the value on the device). Requests at their length limit finish now, so
+        no step is scheduled for them. Returns the requests holding a placeholder, for resolve_tokens()."""
+        pending = []
+        for s in out.scheduled:
+            samples = s.samples  # read before booking
+            if not self._book_computed(s) or not samples:
+                continue
+            request = s.request
+            request.append_output_token(PLACEHOLDER_TOKEN)
+            if self._reached_length(request):
+                self.finish_request(request, RequestStatus.FINISHED_LENGTH)
+            pending.append(request)
+        return pending
+
+    def resolve_tokens(
+        self, pending: list[Request], sampled: dict[str, int], eos_token_ids: frozenset[int]
+    ) -> list[Request]:
+        """Async scheduling: fills in the placeholders of book_step() and applies the stop tokens;
+        the end state is update_from_output()'s. Returns the requests (all of them got a token)."""
+        for request in pending:
+            token = sampled[request.request_id]
+            request.resolve_placeholder(token)
+            stops = self._stops_on(request, token, eos_token_ids)
+            if request.is_finished:  # at its length limit: a stop token on the last step still names the reason
+                if stops and request.status == RequestStatus.FINISHED_LENGTH:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                continue
+            self.kv_cache.hash_new_blocks(request)
+            if stops:
+                self.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        return pending
+
+    def _book_computed(self, s: ScheduledRequest) -> bool:
+        """Books a scheduled chunk as computed (caches its full blocks, releases consumed encoder
+        entries); False when there was nothing to book."""
+        request = s.request
+        if request.is_finished or s.num_new_tokens == 0:
+            return False
+        request.num_computed_tokens = s.end
+        self.kv_cache.cache_blocks(request)  # pins items first: consumed ones are released next
+        self.sharing.progressed(request)
+        self._release_consumed(request)
+        return True
 
     def _release_consumed(self, request: Request) -> None:
         held = self._held.get(request.request_id)
@@ -390,14 +433,14 @@ class Scheduler:
             held.discard(idx)
             self.encoder_cache.release(request.mm_items[idx].mm_hash, (request.request_id, idx))
 
-    def _check_stop(self, request: Request, token: int, eos_token_ids: frozenset[int]) -> RequestStatus | None:
+    @staticmethod
+    def _stops_on(request: Request, token: int, eos_token_ids: frozenset[int]) -> bool:
+        """Whether `token` is one of the request's stop tokens (EOS unless ignored); records the reason."""
         params = request.sampling_params
-        if not params.ignore_eos and token in eos_token_ids:
+        if (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids:
             request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
+            return True
+        return False
+
+    def _reached_length(self, request: Request) -> bool:
+        return request.num_output_tokens >= request.sampling_params.max_tokens or request.num_tokens >= self.max_model_len

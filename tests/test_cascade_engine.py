@@ -58,8 +58,8 @@ class CascadeSpy:
         buffers = engine.runner.inputs
         prepare = buffers.prepare
 
-        def spy(scheduled, block_tables, graph_size=None):
-            inputs = prepare(scheduled, block_tables, graph_size)
+        def spy(*args, **kwargs):
+            inputs = prepare(*args, **kwargs)
             if inputs.cascade_groups:
                 self.steps.append(self._summary(inputs.scheduled, inputs.cascade_groups, engine.config.block_size))
             return inputs

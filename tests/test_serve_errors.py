@@ -135,7 +135,9 @@ def test_every_bad_request_gets_its_status_and_error_json_while_a_good_one_strea
 def test_an_overloaded_server_answers_503_with_retry_after(checkpoint_dir):
     engine = MMEngine(str(checkpoint_dir()), max_model_len=512, max_num_seqs=1)
     async_engine = AsyncMMEngine(engine, max_queued_requests=1)
-    body = {"model": MODEL_NAME, "prompt": "USER: Tell me everything. ASSISTANT:", "temperature": 0, "ignore_eos": True}
+    # Long enough that the first request still runs when the third arrives, however fast the device.
+    body = {"model": MODEL_NAME, "prompt": "USER: Tell me everything. ASSISTANT:", "temperature": 0, "ignore_eos": True,
+            "max_tokens": 400}
 
     async def scenario(base_url: str) -> httpx.Response:
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:

@@ -58,9 +58,11 @@ class _FailOnce:
         return self.method(*args, **kwargs)
 
 
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
 @pytest.mark.parametrize("where", ["encode_items", "forward"])
-def test_a_failing_step_leaves_consistent_books_and_can_be_retried(checkpoint_dir, where):
-    engine = MMEngine(str(checkpoint_dir()), max_model_len=256, block_size=8, encoder_cache_size=2 * M, num_kv_blocks=24)
+def test_a_failing_step_leaves_consistent_books_and_can_be_retried(checkpoint_dir, where, async_scheduling):
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=256, block_size=8, encoder_cache_size=2 * M, num_kv_blocks=24,
+                      async_scheduling=async_scheduling)
     prompts = [ONE, TWO, ONE]
     images = [[IMAGES[0]], [IMAGES[1], IMAGES[0]], [IMAGES[2]]]
     ids = [engine.add_request(p, imgs, PARAMS) for p, imgs in zip(prompts, images)]
@@ -81,13 +83,13 @@ def test_a_failing_step_leaves_consistent_books_and_can_be_retried(checkpoint_di
     assert engine.encoder_cache.num_referenced == 0
 
 
-def _random_workload(checkpoint_dir, seed: int, prefix_caching: bool) -> None:
+def _random_workload(checkpoint_dir, seed: int, prefix_caching: bool, async_scheduling: str = "off") -> None:
     """Tight KV, an encoder cache at its minimum (one image), many distinct images, and the
     least-recently-seen image shown again often: steps interleaved with adds and aborts."""
     rng = random.Random(seed)
     engine = MMEngine(
         str(checkpoint_dir()), max_model_len=128, block_size=8, num_kv_blocks=12, encoder_cache_size=M,
-        max_num_batched_tokens=32, max_num_seqs=4, enable_prefix_caching=prefix_caching,
+        max_num_batched_tokens=32, max_num_seqs=4, enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling,
     )
     last_seen = {i: -1 for i in range(len(IMAGES))}
     requests: dict[str, tuple[str, list]] = {}
@@ -142,6 +144,12 @@ def _random_workload(checkpoint_dir, seed: int, prefix_caching: bool) -> None:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_random_workload_books_agree_with_the_runner_after_every_step(checkpoint_dir, seed):
     _random_workload(checkpoint_dir, seed, prefix_caching=True)
+
+
+@pytest.mark.parametrize("seed", [4, 5])
+def test_random_workload_with_async_scheduling(checkpoint_dir, seed):
+    """Steps launched before the previous step's tokens are read, with aborts of requests in flight."""
+    _random_workload(checkpoint_dir, seed, prefix_caching=True, async_scheduling="on")
 
 
 def test_random_workload_without_prefix_caching(checkpoint_dir):

@@ -16,6 +16,7 @@ import torch
 from mmengine.layers.attention import AttentionMetadata, decode_prefix_length
 from mmengine.layers.cascade import CascadeGroup, CascadeLayout, CascadeMetadata, host_lists, layout_cascade
 from mmengine.runner.cascade_plan import CascadePolicy
+from mmengine.request import PLACEHOLDER_TOKEN
 from mmengine.sampling import SamplingTensors, sampling_rows
 from mmengine.scheduler import ScheduledRequest
 
@@ -54,6 +55,10 @@ class StepInputs:
     num_tokens: int  # real tokens; the batch may be padded beyond them to a CUDA-graph size
     graph_size: int | None  # the CUDA graph this step replays, or None (eager)
     cascade_groups: list[CascadeGroup] = field(default_factory=list)  # shared-prefix groups (eager steps only)
+    # Async scheduling: token rows whose id the previous step sampled and the device still holds,
+    # with the index of each among that step's sampled tokens (device tensors; None when there are none).
+    deferred_rows: torch.Tensor | None = None
+    deferred_sources: torch.Tensor | None = None
 
 
 class InputBuffers:
@@ -89,6 +94,8 @@ class InputBuffers:
         self.temperature = buf(max_reqs, dtype=torch.float32)
         self.top_k = buf(max_reqs, dtype=torch.int64)
         self.top_p = buf(max_reqs, dtype=torch.float32)
+        self.deferred_rows = buf(max_reqs, dtype=torch.int64)
+        self.deferred_sources = buf(max_reqs, dtype=torch.int64)
         self.cascade = cascade if cascade is not None and cascade.mode != "off" else None
         if self.cascade is not None:
             self.cascade_buffers = CascadeBuffers(max_tokens, max_reqs, max_blocks_per_req, buf)
@@ -96,10 +103,16 @@ class InputBuffers:
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
 
     def prepare(
-        self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]], graph_size: int | None = None
+        self,
+        scheduled: list[ScheduledRequest],
+        block_tables: dict[str, list[int]],
+        graph_size: int | None = None,
+        previous_rows: dict[str, int] | None = None,
     ) -> StepInputs:
         """Packs the scheduled requests (decodes first, each with num_new_tokens > 0) into the
-        buffers. With a graph size, the batch is padded to it with rows that store nothing."""
+        buffers. With a graph size, the batch is padded to it with rows that store nothing.
+        `previous_rows` (async scheduling) maps a request whose last token is a placeholder to
+        that token's index among the previous step's sampled tokens."""
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's copies have read the host side
         scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
@@ -112,6 +125,7 @@ class InputBuffers:
         table, ids = self.block_tables.np, self.input_ids.np
         sampled_rows: list[int] = []
         row_blocks: list[list[int]] = []
+        deferred: list[tuple[int, int]] = []  # (token row, index among the previous step's sampled tokens)
         num_tokens = 0
         for row, s in enumerate(scheduled):  # one pass over the batch: the per-request host work
             request, start, length = s.request, s.start, s.num_new_tokens
@@ -120,8 +134,13 @@ class InputBuffers:
             row_blocks.append(blocks)
             table[row, : len(blocks)] = blocks
             if length == 1:
-                ids[num_tokens] = request.all_token_ids[start]
+                token = request.all_token_ids[start]
+                if token == PLACEHOLDER_TOKEN:
+                    deferred.append((num_tokens, previous_rows[request.request_id]))
+                    token = 0
+                ids[num_tokens] = token
             else:
+                assert request.all_token_ids[start + length - 1] != PLACEHOLDER_TOKEN, request  # only decodes wait on one
                 ids[num_tokens : num_tokens + length] = request.all_token_ids[start : start + length]
             num_tokens += length
             if s.samples:
@@ -176,6 +195,12 @@ class InputBuffers:
             max_prefill_query_len=max(query_lens_list[num_decodes:], default=0),
             cascade=self.cascade_buffers.fill(layout_cascade(groups, query_lens, seq_lens, table, bs)) if groups else None,
         )
+        deferred_rows = deferred_sources = None
+        if deferred:
+            rows, sources = zip(*deferred)
+            self.deferred_rows.np[: len(rows)] = rows
+            self.deferred_sources.np[: len(rows)] = sources
+            deferred_rows, deferred_sources = self.deferred_rows.upload(len(rows)), self.deferred_sources.upload(len(rows))
         inputs = StepInputs(
             input_ids=self.input_ids.upload(padded_tokens),
             positions=self.positions.upload(padded_tokens),
@@ -187,6 +212,8 @@ class InputBuffers:
             num_tokens=num_tokens,
             graph_size=graph_size,
             cascade_groups=groups,
+            deferred_rows=deferred_rows,
+            deferred_sources=deferred_sources,
         )
         if self._uploaded is not None:
             self._uploaded.record()

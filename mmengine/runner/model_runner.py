@@ -2,7 +2,9 @@
 
 No policy here: the runner computes exactly what the scheduler asked for. A step fills the
 persistent input buffers, replays a CUDA graph when the batch is decode-only (else runs eager),
-samples on the device and reads the sampled tokens back once: the step's only host sync.
+samples on the device and copies the sampled tokens back without waiting: reading them
+(LaunchedStep.result) is the step's only host sync, and with async scheduling the next step is
+already queued by then.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from mmengine.models.loader import default_dtype, iter_checkpoint
 from mmengine.runner.cascade_plan import CascadePolicy
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
 from mmengine.runner.inputs import InputBuffers
+from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, TokenReadback
 from mmengine.sampling import Sampler, SamplingParams
 from mmengine.scheduler import ScheduledRequest, SchedulerOutput
 
@@ -68,6 +71,7 @@ class ModelRunner:
             position_channels=family.position_channels,
             cascade=self._cascade_policy(),
         )
+        self._readback = TokenReadback(config.max_num_seqs, device)
         self.decode_graphs: DecodeGraphs | None = None
         # The final hidden states of a graph step, at a fixed address (rows beyond the batch are padding).
         self._graph_hidden: torch.Tensor | None = None
@@ -243,16 +247,25 @@ class ModelRunner:
 
     # -- one step -----------------------------------------------------------
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, int]:
         """Runs one step and returns the sampled token of every request whose step reached its last token."""
+        return self.launch(out, block_tables).result()
+
+    @torch.inference_mode()
+    def launch(
+        self, out: SchedulerOutput, block_tables: dict[str, list[int]], previous: LaunchedStep | None = None
+    ) -> LaunchedStep:
+        """Queues one step on the device without waiting for it; result() reads its tokens.
+        A decode whose input is a placeholder (async scheduling) takes `previous`'s token on the device."""
         self.free_encoder_outputs(out.freed_encoder_hashes)
         self._run_encoder(out.scheduled)
         scheduled = [s for s in out.scheduled if s.num_new_tokens > 0]  # zero-token requests just wait
         if not scheduled:
-            return {}
+            return NOTHING_SAMPLED
         graph_size = self._graph_size_for(scheduled)
-        inputs = self.inputs.prepare(scheduled, block_tables, graph_size)
+        inputs = self.inputs.prepare(scheduled, block_tables, graph_size, previous.token_rows() if previous else None)
+        if inputs.deferred_rows is not None:
+            inputs.input_ids.index_copy_(0, inputs.deferred_rows, previous.tokens.index_select(0, inputs.deferred_sources))
         if inputs.cascade_groups:
             self.num_cascade_steps += 1
             self.num_cascade_groups += len(inputs.cascade_groups)
@@ -264,15 +277,15 @@ class ModelRunner:
             embeds = self._embed(inputs.input_ids, inputs.scheduled)
             hidden = self.model(embeds, inputs.positions, inputs.metadata)
         if not inputs.sampled:
-            return {}
+            return NOTHING_SAMPLED
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
         tokens = self.sampler(
             logits,
             [s.request.sampling_params for s in inputs.sampled],
             [s.request.generator for s in inputs.sampled],
             inputs.sampling,
-        ).tolist()  # the step's one read back from the device
-        return {s.request.request_id: tok for s, tok in zip(inputs.sampled, tokens)}
+        )
+        return self._readback.start([s.request.request_id for s in inputs.sampled], tokens)
 
     def _graph_size_for(self, scheduled: list[ScheduledRequest]) -> int | None:
         """The graph bucket for a decode-only batch whose tokens are all text, else None (eager)."""

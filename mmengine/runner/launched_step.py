@@ -1,0 +1,56 @@
+"""A launched step: its kernels are queued on the device and its sampled tokens are read back later.
+
+Async scheduling launches step N+1 before reading step N's tokens: N's tokens stay on the device,
+where N+1's inputs take them, and a non-blocking copy brings them to pinned host memory for the
+scheduler. Reading them is the step's one wait for the device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LaunchedStep:
+    sampled_ids: list[str]  # request ids, in the order of `tokens`
+    tokens: torch.Tensor | None  # [len(sampled_ids)] int64 on the device
+    host: torch.Tensor | None  # their host copy, complete once `ready` has passed
+    ready: torch.cuda.Event | None  # None on CPU, where the copy is the tensor itself
+
+    def result(self) -> dict[str, int]:
+        """Waits for the step and returns each sampling request's token."""
+        if not self.sampled_ids:
+            return {}
+        if self.ready is not None:
+            self.ready.synchronize()
+        return dict(zip(self.sampled_ids, self.host.tolist()))
+
+    def token_rows(self) -> dict[str, int]:
+        """Request id -> index of its token in `tokens`."""
+        return {request_id: index for index, request_id in enumerate(self.sampled_ids)}
+
+
+NOTHING_SAMPLED = LaunchedStep([], None, None, None)
+
+
+class TokenReadback:
+    """Starts the copy of a step's sampled tokens to the host without waiting for them. Two pinned
+    buffers take turns: a step's tokens are read while the next step, which fills the other, runs."""
+
+    def __init__(self, max_reqs: int, device: torch.device) -> None:
+        self._host = []
+        if device.type == "cuda":
+            self._host = [torch.empty(max_reqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self._turn = 0
+
+    def start(self, sampled_ids: list[str], tokens: torch.Tensor) -> LaunchedStep:
+        if not self._host:
+            return LaunchedStep(sampled_ids, tokens, tokens, None)
+        host = self._host[self._turn][: len(sampled_ids)]
+        self._turn ^= 1
+        host.copy_(tokens, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return LaunchedStep(sampled_ids, tokens, host, ready)
