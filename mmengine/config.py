@@ -45,7 +45,8 @@ class EngineConfig:
     attn_backend: str = "auto"  # "auto" | "torch" | "triton"
     # Requests of a step that share KV blocks at the start attend to them together, the prefix read
     # once per group ("auto": when the saved reads pay for it, see runner/cascade_plan.py; "on":
-    # whenever two requests share a block; "off"). Decode-only steps that use it run eagerly.
+    # whenever two requests share a block; "off"). "auto" keeps a decode-only step's CUDA graph; a
+    # decode-only step that uses it ("on") runs eagerly.
     cascade_attention: str = "auto"
     # Decode-only steps replay CUDA graphs captured at start-up (CUDA + Triton kernels); True runs
     # every step eagerly (start-up is faster, steps are slower).

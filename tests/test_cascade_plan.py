@@ -9,7 +9,6 @@ from mmengine.config import EngineConfig
 from mmengine.errors import ConfigError
 from mmengine.layers.cascade import CascadeGroup, tokens_per_tile
 from mmengine.runner.cascade_plan import (
-    GRAPH_REPLAY_FACTOR,
     MIN_SAVED_BYTES_PER_LAYER,
     CascadePolicy,
     choose_groups,
@@ -78,13 +77,15 @@ def test_auto_engages_only_when_the_saved_bytes_pay():
     big = policy("auto", kv).plan(tables, [1] * 16, [2000 + 10] * 16)
     assert as_tuples(big) == [(list(range(16)), 125)]
     assert policy("auto", kv).plan([[1, 2], [1, 3]], [1, 1], [20, 20]) == []
-    # just enough for an eager step is not enough to give up a CUDA graph replay
+    # just enough for an eager step; a step that would replay a CUDA graph keeps it, however much
+    # cascade saves ("on" still forces it)
     blocks = -(-MIN_SAVED_BYTES_PER_LAYER // (kv * BS))  # one saved prefix read of this many blocks pays
     pair = [list(range(blocks)) + [5000], list(range(blocks)) + [5001]]
     lens = [blocks * BS + 5] * 2
     assert policy("auto", kv).plan(pair, [1, 1], lens) != []
     assert policy("auto", kv).plan(pair, [1, 1], lens, replaces_graph=True) == []
-    assert GRAPH_REPLAY_FACTOR > 1
+    assert policy("auto", kv).plan(tables, [1] * 16, [2000 + 10] * 16, replaces_graph=True) == []
+    assert policy("on", kv).plan(pair, [1, 1], lens, replaces_graph=True) != []
 
 
 def test_deep_tries_need_no_recursion():
