@@ -162,13 +162,13 @@ class DecodeBatch:
         between consecutive step() returns: with async scheduling steps overlap, so the device is
         not synchronized between them (without it, each step() ends by waiting for its tokens)."""
         found = []
-        sync(self.engine.device)
-        last = time.perf_counter()
+        last = None  # the first call only starts the clock: its interval would include whatever ran before
         while len(found) < count and self.engine.has_unfinished_requests():
             prefilled = self.engine.stats()["prefill_tokens_computed"]
             outputs = self.engine.step()
             now = time.perf_counter()
-            if self.engine.stats()["prefill_tokens_computed"] == prefilled and len(outputs) == self.batch_size:
+            steady = self.engine.stats()["prefill_tokens_computed"] == prefilled and len(outputs) == self.batch_size
+            if steady and last is not None:
                 found.append((now - last, sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outputs)))
             last = now
         return found

@@ -57,12 +57,18 @@ class IncrementalDetokenizer:
         """The stop string that ended the text, if any."""
         return self._stopped
 
-    def append(self, token_id: int) -> str | None:
+    def append(self, token_id: int, decode: bool = True) -> str | None:
         """Adds one generated token. Returns the stop string matched, if this token completed one;
-        from then on `text` ends just before the stop string (and later tokens are ignored)."""
+        from then on `text` ends just before the stop string (and later tokens are ignored).
+        decode=False only queues the token (for a caller that reads no text until the end, with no
+        stop strings): the next append() that decodes, or flush(), decodes the queued ones at once."""
         if self._stopped is not None:
             return None
         self._ids.append(token_id)
+        if not decode:
+            if self._stop:
+                raise ValueError("stop strings are matched as tokens arrive: append(decode=False) cannot watch for them")
+            return None
         return self._emit(self._decode_delta(final=False))
 
     def flush(self) -> str | None:

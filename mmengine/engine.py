@@ -464,9 +464,11 @@ class MMEngine:
 
     def _after_token(self, request: Request) -> RequestOutput | None:
         """Detokenizes the request's new token and applies stop strings. Returns its output, or None
-        for an unfinished request of a generate() call (which reads only final outputs)."""
+        for an unfinished request of a generate() call (which reads only final outputs): such a
+        request's tokens are decoded all at once when it finishes, unless it has stop strings."""
         detokenizer = self._detokenizers[request.request_id]
-        stop_string = detokenizer.append(request.output_token_ids[-1])
+        streamed = request.request_id not in self._owners or bool(request.sampling_params.stop)
+        stop_string = detokenizer.append(request.output_token_ids[-1], decode=streamed)
         self._counters["generation_tokens"] += 1
         if stop_string is not None and not request.is_finished:
             request.stop_reason = stop_string

@@ -4,6 +4,8 @@ captured function over the same static buffers); on a GPU the real CUDA graphs a
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -178,3 +180,16 @@ def test_cuda_graphs_give_the_eager_tokens_on_gpu(checkpoint_dir):
         if not eager:
             assert engine.runner.decode_graphs.num_replays > 0
     assert results[False] == results[True]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (the CPU stand-in covers the bookkeeping)")
+def test_graph_memory_is_measured_and_counted_against_the_kv_cache(checkpoint_dir, caplog):
+    """The graphs' private pool is positive (a capture empties the allocator's cache first, which
+    must not read as memory the graphs gave back) and comes off the KV cache's share."""
+    with caplog.at_level(logging.INFO, logger="mmengine"):
+        engine = MMEngine(str(checkpoint_dir()), device="cuda", dtype="float32", max_model_len=256, max_num_seqs=16,
+                          gpu_memory_utilization=0.3)
+    report = engine.runner.capture_cuda_graphs()
+    assert report.memory_bytes > 0 and report.sizes == engine.runner.decode_graphs.sizes
+    profile = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV cache profile")]
+    assert profile and int(profile[0].split("CUDA graphs ")[1].split(" ")[0]) > 0

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from mmengine.detokenizer import IncrementalDetokenizer
+from mmengine.testing import TinyLlavaSpec, tiny_llava_path
 
 CORPUS = (
     "Hello world! The quick brown fox jumps over the lazy dog. "
@@ -223,3 +225,23 @@ def test_single_stop_string_truncates_at_first_occurrence(ids: list[int], data: 
 def test_invalid_stop_strings(bad: list[Any]) -> None:
     with pytest.raises(ValueError):
         IncrementalDetokenizer(TOKENIZER, [], stop=bad)
+
+
+def test_queued_tokens_decode_to_the_text_of_token_by_token_decoding():
+    """append(decode=False) queues tokens (generate() reads no text before the end); decoding them at
+    once, or now and then, gives exactly the text of decoding each as it arrives, broken UTF-8 included."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llava_path(TinyLlavaSpec()))
+    rng = random.Random(0)
+    for _ in range(300):
+        prompt = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(0, 6))]
+        ids = [rng.randrange(len(tokenizer)) for _ in range(rng.randrange(1, 24))]
+        texts = []
+        for every in (1, 0, 4):  # each token, only at the end, every fourth token
+            detokenizer = IncrementalDetokenizer(tokenizer, prompt)
+            for i, token in enumerate(ids):
+                detokenizer.append(token, decode=every > 0 and i % every == every - 1)
+            detokenizer.flush()
+            texts.append(detokenizer.text)
+        assert texts[0] == texts[1] == texts[2]
+    with pytest.raises(ValueError, match="stop strings"):
+        IncrementalDetokenizer(tokenizer, [], stop=["x"]).append(5, decode=False)

@@ -98,7 +98,10 @@ class DecodeGraphs:
         """Captures step_for_size(size) for every bucket, largest first."""
         on_cuda = device.type == "cuda"
         if on_cuda:
+            # A capture empties the allocator's cache first: without this, memory cached before it
+            # (the profile run's) would be released during the capture and count against the graphs.
             torch.cuda.synchronize(device)
+            torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved(device)
         start = time.perf_counter()
         for size in reversed(self.sizes):
