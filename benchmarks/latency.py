@@ -18,8 +18,9 @@ TTFT (generate with max_tokens=1, preprocessing included) for a new image, for t
 again (full prefix and encoder cache hit), and for the same image with a new question (encoder hit,
 the prefix up to the question cached). Shapes are warmed up first, so no JIT is timed.
 
-GPU-busy share: torch.profiler over steady decode steps; the device's busy time per step (the union
-of its kernel and copy intervals) over the unprofiled step time. Kernels per step are counted too.
+GPU-busy share: torch.profiler over steady decode steps; the device's busy time (the union of its
+kernel and copy intervals) over the stretch of its timeline those steps cover, so idle gaps between
+kernels (the host not keeping up) are what lowers it. Kernels per step are counted too.
 
 --build-7b DIR builds the family's 7B-shaped checkpoint there if it is missing (directly on the GPU
 in bf16, about 20 s and 14-17 GB of disk; never commit it). Prompts go through the model's chat
@@ -264,20 +265,26 @@ def run_gpu_busy(engine: MMEngine, batch_size: int, args: argparse.Namespace) ->
     with DecodeBatch(engine, batch_size, args.prompt_tokens, args.warmup_steps + 2 * steps + 8, seed=batch_size) as batch:
         batch.steady_steps(args.warmup_steps)
         unprofiled = batch.steady_steps(steps)
+        if not unprofiled:
+            return {"skipped": f"no steady decode steps at batch {batch_size} (too few KV blocks?)"}
+        sync(engine.device)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            profiled = batch.steady_steps(steps)
-    if not unprofiled or not profiled:
-        return {"skipped": f"no steady decode steps at batch {batch_size} (too few KV blocks?)"}
+            for _ in range(steps):  # each call launches one step (and reads the previous one's tokens)
+                engine.step()
+            sync(engine.device)
     device_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    busy_ms = busy_union_us([(e.time_range.start, e.time_range.end) for e in device_events]) / 1e3 / len(profiled)
-    step_ms = statistics.median(1e3 * t for t, _ in unprofiled)
+    intervals = [(e.time_range.start, e.time_range.end) for e in device_events]
+    if not intervals:
+        return {"skipped": "the profiler recorded no device activity"}
+    busy_us = busy_union_us(intervals)
+    span_us = max(end for _, end in intervals) - min(start for start, _ in intervals)
     return {
         "batch_size": batch_size,
-        "steps_profiled": len(profiled),
-        "step_ms": step_ms,
-        "device_busy_ms_per_step": busy_ms,
-        "gpu_busy_share": busy_ms / step_ms,
-        "device_ops_per_step": len(device_events) / len(profiled),
+        "steps_profiled": steps,
+        "step_ms": statistics.median(1e3 * t for t, _ in unprofiled),
+        "device_busy_ms_per_step": busy_us / 1e3 / steps,
+        "gpu_busy_share": busy_us / span_us,  # within the profiled stretch of the device's timeline
+        "device_ops_per_step": len(device_events) / steps,
     }
 
 
