@@ -1,4 +1,4 @@
-"""Plain builders for unit tests of the scheduler and KV cache (no model needed)."""
+"""Plain builders for unit tests of the scheduler and KV cache (no model needed), and a failure injector."""
 
 from __future__ import annotations
 
@@ -66,3 +66,16 @@ def checkpoint_tensors(path) -> dict[str, torch.Tensor]:
         with safe_open(str(file), "pt") as f:
             out.update({k: f.get_tensor(k) for k in f.keys()})
     return out
+
+
+class FailOnce:
+    """Wraps a method so that its next call raises, as a CUDA OOM would; later calls go through."""
+
+    def __init__(self, method):
+        self.method, self.armed = method, True
+
+    def __call__(self, *args, **kwargs):
+        if self.armed:
+            self.armed = False
+            raise MemoryError("injected failure")
+        return self.method(*args, **kwargs)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from books import assert_books_consistent
+from helpers import FailOnce
 from mmengine import MMEngine, SamplingParams
 from mmengine.errors import ConfigError
 from mmengine.testing import make_test_image
@@ -123,23 +124,12 @@ def test_step_delivers_each_token_one_call_later_and_aborts_in_flight(checkpoint
     assert seen[keep][-1].token_ids == sync.generate("USER: hello ASSISTANT:", sampling_params=params, use_tqdm=False)[0].token_ids
 
 
-class _FailOnce:
-    def __init__(self, method):
-        self.method, self.armed = method, True
-
-    def __call__(self, *args, **kwargs):
-        if self.armed:
-            self.armed = False
-            raise MemoryError("injected failure")
-        return self.method(*args, **kwargs)
-
-
 def test_a_failing_launch_delivers_the_step_in_flight_and_can_be_retried(checkpoint_dir):
     engine = MMEngine(str(checkpoint_dir()), max_model_len=128, async_scheduling="on")
     params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     request_id = engine.add_request("USER: <image>\nWhat is it? ASSISTANT:", [IMAGES[0]], params)
     engine.step()  # the prefill is in flight
-    engine.runner.inputs.prepare = _FailOnce(engine.runner.inputs.prepare)  # a decode replays a graph on CUDA
+    engine.runner.inputs.prepare = FailOnce(engine.runner.inputs.prepare)  # a decode replays a graph on CUDA
     with pytest.raises(MemoryError, match="injected"):
         engine.step()
     assert_books_consistent(engine)

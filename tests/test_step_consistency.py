@@ -9,6 +9,7 @@ import random
 import pytest
 
 from books import assert_books_consistent
+from helpers import FailOnce
 from mmengine import MMEngine, SamplingParams
 from mmengine.testing import make_test_image
 
@@ -45,19 +46,6 @@ def test_reusing_the_lru_entry_while_encoding_a_new_image(checkpoint_dir, prefix
     assert_books_consistent(engine)
 
 
-class _FailOnce:
-    """Wraps a model method so that its next call raises, as a CUDA OOM would."""
-
-    def __init__(self, method):
-        self.method, self.armed = method, True
-
-    def __call__(self, *args, **kwargs):
-        if self.armed:
-            self.armed = False
-            raise MemoryError("injected failure")
-        return self.method(*args, **kwargs)
-
-
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
 @pytest.mark.parametrize("where", ["encode_items", "forward"])
 def test_a_failing_step_leaves_consistent_books_and_can_be_retried(checkpoint_dir, where, async_scheduling):
@@ -68,7 +56,7 @@ def test_a_failing_step_leaves_consistent_books_and_can_be_retried(checkpoint_di
     ids = [engine.add_request(p, imgs, PARAMS) for p, imgs in zip(prompts, images)]
     engine.step()  # something resident and in flight before the failure
     model = engine.runner.model
-    failing = _FailOnce(getattr(model, where))
+    failing = FailOnce(getattr(model, where))
     setattr(model, where, failing)
     with pytest.raises(MemoryError, match="injected"):
         while failing.armed:
