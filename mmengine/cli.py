@@ -9,29 +9,10 @@ import sys
 import time
 from collections.abc import Sequence
 
+from mmengine.entrypoints.engine_flags import add_engine_options, engine_options
 from mmengine.errors import MMEngineError
 
-
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto | float32 | float16 | bfloat16")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--attn-backend", default="auto", help="auto | torch | triton")
-
-
-def _engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    return {
-        "device": args.device,
-        "dtype": args.dtype,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "block_size": args.block_size,
-        "attn_backend": args.attn_backend,
-    }
+GENERATE_OWN_FLAGS = ("seed",)  # `generate --seed` seeds its request, not the engine
 
 
 def _require_positive(args: argparse.Namespace, *names: str) -> None:
@@ -49,13 +30,13 @@ def run_demo(args: argparse.Namespace) -> None:
     from mmengine.config import EngineConfig
     from mmengine.testing import TinyLlavaSpec, TinyQwenVLSpec, make_test_image, tiny_llava_path, tiny_qwen_vl_path
 
-    EngineConfig(model="demo", **_engine_kwargs(args))  # the engine's own rules, before the model is built
+    EngineConfig(model="demo", **engine_options(args))  # the engine's own rules, before the model is built
     if args.family == "llava":
         path = tiny_llava_path(TinyLlavaSpec(), cache_dir=args.cache_dir)
     else:
         path = tiny_qwen_vl_path(TinyQwenVLSpec(family=args.family), cache_dir=args.cache_dir)
     print(f"tiny {args.family} checkpoint (random weights): {path}")
-    engine = MMEngine(str(path), **_engine_kwargs(args))
+    engine = MMEngine(str(path), **engine_options(args))
 
     def user_turn(question: str, num_images: int) -> str:  # the model's own chat template
         content = [{"type": "image"}] * num_images + [{"type": "text", "text": question}]
@@ -96,7 +77,7 @@ def run_generate(args: argparse.Namespace) -> None:
     from mmengine import MMEngine, SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    engine = MMEngine(args.model, **_engine_kwargs(args))
+    engine = MMEngine(args.model, **engine_options(args, exclude=GENERATE_OWN_FLAGS))
     images = args.image or []
     if args.chat:
         content = [{"type": "image"} for _ in images] + [{"type": "text", "text": args.prompt}]
@@ -115,7 +96,7 @@ def run_budget(args: argparse.Namespace) -> None:
 
     from mmengine.config import EngineConfig
     from mmengine.encoder_cache.budget import compute_encoder_budget, explain_budget
-    from mmengine.entrypoints.serve_cli import mapping_parser
+    from mmengine.entrypoints.engine_flags import mapping_parser
     from mmengine.kv_cache.manager import cdiv
     from mmengine.models.loader import checkpoint_dtype
     from mmengine.models.registry import family_class_for, load_family, load_hf_config, load_hf_processor
@@ -206,7 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--unique-images", type=int, default=4)
     demo.add_argument("--max-tokens", type=int, default=16)
     demo.add_argument("--cache-dir", default=None, help="where the tiny checkpoint is built (default ~/.cache/mmengine)")
-    _add_engine_args(demo)
+    add_engine_options(demo)
     demo.set_defaults(func=run_demo)
 
     gen = sub.add_parser("generate", help="generate once from a local checkpoint")
@@ -217,8 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
-    _add_engine_args(gen)
+    gen.add_argument("--seed", type=int, default=None, help="the request's sampling seed")
+    add_engine_options(gen, exclude=GENERATE_OWN_FLAGS)
     gen.set_defaults(func=run_generate)
 
     budget = sub.add_parser("budget", help="show how the encoder-cache budget is derived (loads no weights)")

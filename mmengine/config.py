@@ -5,20 +5,23 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from mmengine.errors import ConfigError
 from mmengine.kv_cache.block_hash import HASH_ALGORITHMS
 
+if TYPE_CHECKING:  # torch is imported where a device or dtype is resolved: the CLI builds its flags without it
+    import torch
+
+# dtype names -> torch attribute names
 _DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
 }
 
 # On CPU the KV cache has no free-memory probe; this caps it unless num_kv_blocks is given.
@@ -153,6 +156,8 @@ class EngineConfig:
         return cls(model=model, **kwargs)  # type: ignore[arg-type]
 
     def resolve_device(self) -> torch.device:
+        import torch
+
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(self.device)
@@ -164,8 +169,10 @@ class EngineConfig:
 
     def resolve_dtype(self, checkpoint_dtype: torch.dtype | None, device: torch.device) -> torch.dtype:
         """'auto' is float32 on CPU and the checkpoint's dtype (fp16/bf16) on CUDA."""
+        import torch
+
         if self.dtype != "auto":
-            return _DTYPES[self.dtype]
+            return getattr(torch, _DTYPES[self.dtype])
         if device.type == "cpu":
             return torch.float32
         if checkpoint_dtype in (torch.float16, torch.bfloat16):

@@ -34,3 +34,26 @@ def test_bad_input_is_a_clean_error(checkpoint_dir, capsys):
 def test_console_entry_point_is_installed():
     result = subprocess.run([sys.executable, "-m", "mmengine.cli", "--help"], capture_output=True, text=True, check=True)
     assert "demo" in result.stdout and "generate" in result.stdout
+
+
+def test_demo_and_generate_take_every_engine_option(checkpoint_dir, monkeypatch, capsys):
+    """Their engine flags are generated from EngineConfig, as `serve`'s are; generate's --seed stays
+    the request's sampling seed."""
+    import dataclasses
+
+    from mmengine.cli import build_parser
+    from mmengine.config import EngineConfig
+
+    for command, required in (("demo", []), ("generate", ["--model", "m", "--prompt", "p"])):
+        parsed = vars(build_parser().parse_args([command, *required]))
+        assert {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "seed"} <= set(parsed)
+    seen = {}
+    monkeypatch.setattr("mmengine.MMEngine.__init__", lambda self, model, **kwargs: seen.update(kwargs) or None)
+    monkeypatch.setattr("mmengine.MMEngine.generate", lambda self, *a, sampling_params, **k: seen.update(seed=sampling_params.seed) or [
+        type("Output", (), {"text": "", "finish_reason": "length", "token_ids": []})()])
+    args = ["generate", "--model", str(checkpoint_dir()), "--prompt", "hi", "--seed", "7", "--temperature", "0.5",
+            "--async-scheduling", "off", "--cascade-attention", "on", "--max-num-seqs", "3"]
+    assert main(args) == 0
+    assert seen == {"async_scheduling": "off", "cascade_attention": "on", "max_num_seqs": 3, "seed": 7}
+    assert main(["demo", "--requests", "2", "--async-scheduling", "never"]) == 2
+    assert "async_scheduling must be 'auto', 'on' or 'off'" in capsys.readouterr().err

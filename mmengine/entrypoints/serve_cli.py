@@ -4,16 +4,13 @@ flag generated from the dataclass) and the command itself."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import os
-import types
-import typing
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from mmengine.config import EngineConfig
+from mmengine.entrypoints.engine_flags import add_engine_options, engine_options
 from mmengine.errors import ConfigError
 
 _SERVE_EXTRA = 'pip install "mmengine-vlm[serve]"'
@@ -51,68 +48,6 @@ def build_serve_parser() -> argparse.ArgumentParser:
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_options(parser)
     return parser
-
-
-def add_engine_options(parser: argparse.ArgumentParser) -> None:
-    """One flag per EngineConfig field (but `model`); a flag left out keeps the dataclass default."""
-    group = parser.add_argument_group("engine options (EngineConfig fields; see mmengine/config.py)")
-    hints = typing.get_type_hints(EngineConfig)
-    for field in dataclasses.fields(EngineConfig):
-        if field.name == "model":
-            continue
-        default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
-        kind = _base_type(hints[field.name])
-        flag = "--" + field.name.replace("_", "-")
-        shown = f"default: {_shown(default)}"
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, dest=field.name, help=shown)
-        elif kind in (int, float, str):
-            group.add_argument(flag, type=kind, default=None, dest=field.name, metavar=kind.__name__.upper(), help=shown)
-        elif typing.get_origin(kind) is dict:
-            value_type = typing.get_args(kind)[1]
-            group.add_argument(flag, type=mapping_parser(flag, value_type), default=None, dest=field.name,
-                               metavar="KEY=VALUE[,KEY=VALUE]", help=shown)
-        else:
-            raise TypeError(f"EngineConfig.{field.name}: no command-line form for {hints[field.name]!r}")
-
-
-def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        field.name: getattr(args, field.name)
-        for field in dataclasses.fields(EngineConfig)
-        if field.name != "model" and getattr(args, field.name) is not None
-    }
-
-
-def _base_type(hint: Any) -> Any:
-    """`int | None` -> int; other hints as they are."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        if len(args) == 1:
-            return args[0]
-    return hint
-
-
-def _shown(value: object) -> str:
-    if isinstance(value, dict):
-        return ",".join(f"{k}={v}" for k, v in value.items())
-    return "none" if value is None else str(value)
-
-
-def mapping_parser(flag: str, value_type: type) -> typing.Callable[[str], dict[str, Any]]:
-    def parse(text: str) -> dict[str, Any]:
-        mapping = {}
-        for item in text.split(","):
-            key, sep, value = item.partition("=")
-            try:
-                if not (sep and key):
-                    raise ValueError
-                mapping[key.strip()] = value_type(value)
-            except ValueError:
-                raise argparse.ArgumentTypeError(f"{flag} expects KEY=VALUE[,KEY=VALUE], got {text!r}") from None
-        return mapping
-
-    return parse
 
 
 def run_serve(argv: Sequence[str]) -> None:

@@ -16,10 +16,12 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import xxhash
 
-from mmengine.request import MMItem, Request
+if TYPE_CHECKING:  # annotations only: EngineConfig reads HASH_ALGORITHMS here without importing torch
+    from mmengine.request import MMItem, Request
 
 BlockHash = bytes
 ExtraKey = tuple[object, ...]
