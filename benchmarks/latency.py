@@ -69,6 +69,12 @@ def image_question(engine: MMEngine, question: str) -> str:
     ])
 
 
+def write_json(output: str, result: dict) -> None:
+    Path(output).parent.mkdir(parents=True, exist_ok=True)
+    Path(output).write_text(json.dumps(result, indent=2, default=str))
+    print(f"wrote {output}")
+
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -405,9 +411,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print(f"GPU-busy share at batch {profile_batch}: {busy['gpu_busy_share']:.0%} "
               f"({busy['device_busy_ms_per_step']:.2f} of {busy['step_ms']:.2f} ms, {busy['device_ops_per_step']:.0f} device ops per step)")
 
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {args.output}")
+    write_json(args.output, result)
     return result
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import json
 import platform
 import random
 import re
@@ -41,7 +40,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from latency import ensure_checkpoint, sync  # noqa: E402  (a sibling script)
+from latency import ensure_checkpoint, sync, write_json  # noqa: E402  (a sibling script)
 
 from mmengine import MMEngine, SamplingParams  # noqa: E402
 from mmengine.config import EngineConfig  # noqa: E402
@@ -359,9 +358,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         for row in result["modes"].values():
             row["speedup_over_arrival"] = row["requests_per_s"] / base["requests_per_s"]
         print("speedup over arrival order: " + ", ".join(f"{m} {r['speedup_over_arrival']:.2f}x" for m, r in result["modes"].items()))
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=2, default=str))
-    print(f"wrote {args.output}")
+    write_json(args.output, result)
     return result
 
 

@@ -25,6 +25,32 @@ def latency():
     return module
 
 
+def test_step_breakdown_times_each_phase_in_both_scheduling_modes(checkpoint_dir, tmp_path):
+    spec = importlib.util.spec_from_file_location("step_breakdown_benchmark", ROOT / "benchmarks" / "step_breakdown.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    output = tmp_path / "step_breakdown.json"
+    result = module.main([
+        "--model", str(checkpoint_dir()), "--batch-sizes", "1,3", "--prompt-tokens", "16", "--decode-steps", "3",
+        "--image-requests", "6", "--unique-images", "2", "--output-len", "3", "--max-model-len", "256",
+        "--output", str(output),
+    ])
+    assert json.loads(output.read_text()) == json.loads(json.dumps(result, default=str))
+    assert list(result["modes"]) == ["off", "on"]
+    for mode, rows in result["modes"].items():
+        assert list(rows) == ["decode bs 1", "decode bs 3", "images"]
+        for name, row in rows.items():
+            phases = row["phases_ms_per_step"]
+            assert set(phases) == set(module.PHASES) and row["step_ms"] > 0
+            assert phases["schedule"] > 0 and phases["prepare"] > 0 and phases["detokenize"] > 0
+            # synchronous steps update after the step; async ones book before and resolve after
+            assert (phases["update"] > 0) == (mode == "off") and (phases["book"] > 0) == (mode == "on")
+        images = rows["images"]
+        assert images["requests"] == 6 and images["output_tokens"] == 18 and images["encoder_runs"] == 2
+        assert images["phases_ms_per_step"]["encode"] > 0 and images["phases_ms_per_step"]["preprocess"] > 0
+        assert rows["decode bs 1"]["phases_ms_per_step"]["encode"] < images["phases_ms_per_step"]["encode"]
+
+
 def test_latency_benchmark_reports_every_field(latency, checkpoint_dir, tmp_path):
     output = tmp_path / "latency.json"
     result = latency.main([
