@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import threading
 
 import httpx
 import pytest
@@ -135,9 +136,18 @@ def test_every_bad_request_gets_its_status_and_error_json_while_a_good_one_strea
 def test_an_overloaded_server_answers_503_with_retry_after(checkpoint_dir):
     engine = MMEngine(str(checkpoint_dir()), max_model_len=512, max_num_seqs=1)
     async_engine = AsyncMMEngine(engine, max_queued_requests=1)
-    # Long enough that the first request still runs when the third arrives, however fast the device.
-    body = {"model": MODEL_NAME, "prompt": "USER: Tell me everything. ASSISTANT:", "temperature": 0, "ignore_eos": True,
-            "max_tokens": 400}
+    body = {"model": MODEL_NAME, "prompt": "USER: Tell me everything. ASSISTANT:", "temperature": 0, "ignore_eos": True}
+    # The test holds the engine's steps while it fills the queue, so the first request cannot finish
+    # before the third arrives, however fast the machine.
+    steps_may_run = threading.Event()
+    steps_may_run.set()
+    step = engine.step
+
+    def held_step():
+        steps_may_run.wait(timeout=60)
+        return step()
+
+    engine.step = held_step
 
     async def scenario(base_url: str) -> httpx.Response:
         async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
@@ -145,10 +155,14 @@ def test_an_overloaded_server_answers_503_with_retry_after(checkpoint_dir):
                 async for line in running.aiter_lines():  # the first request runs (max_num_seqs=1)...
                     if line.startswith("data: {"):
                         break
-                async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as queued:
-                    assert queued.status_code == 200  # ...the second is queued behind it...
-                    assert async_engine.num_queued == 1
-                    return await client.post("/v1/completions", json={**body, "max_tokens": 2})  # ...the third is refused
+                steps_may_run.clear()
+                try:
+                    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as queued:
+                        assert queued.status_code == 200  # ...the second is queued behind it...
+                        assert async_engine.num_queued == 1
+                        return await client.post("/v1/completions", json={**body, "max_tokens": 2})  # ...the third is refused
+                finally:
+                    steps_may_run.set()
 
     with running_server(async_engine, ServerSettings(MODEL_NAME)) as server:
         refused = asyncio.run(asyncio.wait_for(scenario(server.base_url), timeout=120))
