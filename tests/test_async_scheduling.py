@@ -165,3 +165,19 @@ def test_async_scheduling_on_cuda_gives_the_tokens_of_synchronous_steps(checkpoi
         results[mode] = _outputs(engine, prompts, images, params)
         assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.num_replays > 0
     assert results["on"] == results["off"]
+
+
+def test_async_scheduling_with_cascade_attention(family):
+    """Cascade steps (shared image prefixes attended to per group) take their decode inputs from the
+    previous step on the device too."""
+    system = family.prompt("Look carefully at this picture and answer briefly, please, in detail.", 1)
+    prompts = [system + f" q{i} " + "word " * (i % 3) for i in range(6)]
+    images = [[IMAGES[0]]] * 3 + [[IMAGES[1]]] * 3
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    results = {}
+    for mode in ("off", "on"):
+        engine = MMEngine(str(family.path), dtype="float32", device="cpu", max_model_len=256, block_size=4,
+                          cascade_attention="on", async_scheduling=mode)
+        results[mode] = _outputs(engine, prompts, images, params)
+        assert engine.stats()["cascade_steps"] > 0
+    assert results["on"] == results["off"]
