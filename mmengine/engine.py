@@ -7,6 +7,7 @@ import logging
 import os
 import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,8 @@ from mmengine.sampling import SamplingParams
 from mmengine.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+PREPROCESS_THREADS = min(8, os.cpu_count() or 1)
 
 Conversation = list[dict[str, Any]]
 
@@ -122,6 +125,7 @@ class MMEngine:
             self.config.async_scheduling == "auto" and self.device.type == "cuda"
         )
         self._in_flight: _InFlightStep | None = None  # async scheduling: the step launched, not yet booked
+        self._pool: ThreadPoolExecutor | None = None  # generate()'s preprocessing threads, made on first use
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._arrivals = itertools.count()
         # One lock over the engine's state, held briefly: validation and preprocessing run outside it.
@@ -313,10 +317,18 @@ class MMEngine:
         prompt_list, image_lists, params_list = normalize_batch(prompts, images, sampling_params)
         salts = normalize_salts(cache_salt, len(prompt_list))
         uuid_lists = normalize_uuids(mm_uuids, isinstance(prompts, str), len(prompt_list))
-        processed = [
-            self.input_processor.process(prompt, imgs, params, prompt_index=i, mm_uuids=uuids)
-            for i, (prompt, imgs, params, uuids) in enumerate(zip(prompt_list, image_lists, params_list, uuid_lists))
-        ]
+        jobs = list(zip(prompt_list, image_lists, params_list, uuid_lists))
+
+        def process(i: int) -> ProcessedPrompt:
+            prompt, imgs, params, uuids = jobs[i]
+            return self.input_processor.process(prompt, imgs, params, prompt_index=i, mm_uuids=uuids)
+
+        # Decoding, hashing and resizing release the GIL: a batch with images is preprocessed on a
+        # few threads (the first bad prompt, in input order, still raises before anything is queued).
+        if len(jobs) > 1 and any(image_lists):
+            processed = list(self._preprocess_pool().map(process, range(len(jobs))))
+        else:
+            processed = [process(i) for i in range(len(jobs))]
         results: dict[str, RequestOutput] = {}  # filled by whichever thread's step finishes them
         ids: list[str] = []
         try:
@@ -343,6 +355,12 @@ class MMEngine:
                     self._owners.pop(request_id, None)
             raise
         return [results[request_id] for request_id in ids]
+
+    def _preprocess_pool(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(PREPROCESS_THREADS, thread_name_prefix="mmengine-preprocess")
+            return self._pool
 
     def chat(
         self,

@@ -150,3 +150,91 @@ def test_sha256_prefix_caching_hashes_images_with_sha256_too(checkpoint_dir, tmp
         outs = engine.generate([PROMPT] * 2, images=[[str(path)]] * 2, sampling_params=PARAMS, use_tqdm=False)
         assert outs[1].num_cached_tokens > 0 and outs[0].token_ids == outs[1].token_ids
     assert len(hashes["xxh3_128"]) == 32 and len(hashes["sha256"]) == 64
+
+
+# -- concurrent preprocessing -----------------------------------------------------------------------
+
+
+def _slow_preprocess(processor, fail_first: bool = False):
+    """Makes the image processor slow (so concurrent calls overlap) and, optionally, fail its first call."""
+    import threading
+    import time
+
+    original, calls, lock = processor._preprocess, [], threading.Lock()
+
+    def slow(images):
+        with lock:
+            calls.append(len(images))
+            first = len(calls) == 1
+        time.sleep(0.2)
+        if fail_first and first:
+            raise MemoryError("injected failure")
+        return original(images)
+
+    processor._preprocess = slow
+    return calls
+
+
+@pytest.mark.parametrize("as_bytes", [False, True], ids=["pil", "encoded"])
+def test_a_picture_several_threads_bring_at_once_is_preprocessed_once(checkpoint_dir, as_bytes):
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
+    processor = engine.input_processor
+    calls = _slow_preprocess(processor)
+    picture = _jpeg(7) if as_bytes else make_test_image(7, size=(96, 80))
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda _: processor.process(PROMPT, [picture], PARAMS), range(6)))
+    assert calls == [1] and processor.num_images_preprocessed == 1
+    assert processor.num_images_decoded == (1 if as_bytes else 6)  # the same bytes are decoded once; each picture is read
+    first = results[0].mm_items[0]
+    assert all(r.mm_items[0].mm_hash == first.mm_hash and r.mm_items[0].encoder_inputs is first.encoder_inputs for r in results)
+    assert processor.cache.num_misses == 1 and processor.cache.num_hits == 5  # as one thread after another would count
+
+
+def test_when_the_preprocessing_thread_fails_a_waiting_one_does_it(checkpoint_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
+    processor = engine.input_processor
+    calls = _slow_preprocess(processor, fail_first=True)
+    picture = make_test_image(8, size=(96, 80))
+    with ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(processor.process, PROMPT, [picture], PARAMS) for _ in range(3)]
+        outcomes = [f.exception() or f.result() for f in futures]
+    failures = [o for o in outcomes if isinstance(o, MemoryError)]
+    done = [o for o in outcomes if not isinstance(o, BaseException)]
+    assert len(failures) == 1 and len(done) == 2 and len(calls) == 2 and processor.num_images_preprocessed == 1
+    assert done[0].mm_items[0].encoder_inputs is done[1].mm_items[0].encoder_inputs
+    assert not processor._in_progress  # nothing left claimed
+
+
+def test_generate_preprocesses_a_batch_on_threads_with_the_serial_counts(checkpoint_dir, monkeypatch):
+    import mmengine.engine
+
+    prompts = [PROMPT] * 8
+    images = [[make_test_image(20 + i % 3, size=(96, 80))] for i in range(8)]
+    runs = {}
+    for threads in (1, 4):
+        monkeypatch.setattr(mmengine.engine, "PREPROCESS_THREADS", threads)
+        engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
+        calls = _slow_preprocess(engine.input_processor)
+        outputs = engine.generate(prompts, images=images, sampling_params=PARAMS, use_tqdm=False)
+        stats = engine.stats()
+        runs[threads] = ([o.token_ids for o in outputs], {k: stats[k] for k in (
+            "images_decoded", "images_preprocessed", "mm_processor_cache_hits", "encoder_runs")}, sum(calls))
+    assert runs[4] == runs[1]
+    assert runs[1][1]["images_preprocessed"] == 3 and runs[1][2] == 3
+
+
+def test_threads_bringing_the_same_broken_bytes_each_get_the_error(checkpoint_dir):
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
+    processor = engine.input_processor
+    broken = _jpeg(9)[:200]
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(processor.process, PROMPT, [broken], PARAMS) for _ in range(4)]
+        errors = [f.exception(timeout=30) for f in futures]
+    assert all(isinstance(e, CorruptImageError) for e in errors)
+    assert not processor._in_progress and not processor._decoding

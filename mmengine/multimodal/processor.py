@@ -72,6 +72,8 @@ class InputProcessor:
         # Several threads may add requests at once: the cache, the counters and the tokenizer are
         # touched under this lock; decoding, hashing and the image processor run outside it.
         self._lock = threading.Lock()
+        self._in_progress: dict[str, threading.Event] = {}  # items a call is preprocessing right now
+        self._decoding: dict[str, threading.Event] = {}  # encoded bytes (by digest) a call is decoding right now
         self.hash_algo = hash_algo
         self.num_images_decoded = 0
         self.num_images_preprocessed = 0
@@ -175,48 +177,109 @@ class InputProcessor:
     ) -> tuple[list[str], list[EncoderInputs]]:
         """Each image's mm_hash and preprocessed inputs. A known item (same user id, same encoded
         bytes, or same decoded pixels) reuses the cached inputs: no decode in the first two cases,
-        no resize and normalize in any."""
+        no resize and normalize in any. An item another thread is preprocessing right now is waited
+        for, not preprocessed twice."""
         user_ids = self._validated_user_ids(mm_uuids, len(images))
         hashes: list[str] = []
         pixels: list[EncoderInputs | None] = []
-        to_preprocess: dict[str, Image.Image] = {}
-        for index, (image, user_id) in enumerate(zip(images, user_ids)):
-            mm_hash = hash_user_id(user_id, self.fingerprint, self.settings_key, self.hash_algo) if user_id is not None else None
-            digest = encoded = None
-            if mm_hash is None:
-                encoded = encoded_bytes(image, image_index=index)
-                if encoded is not None:
-                    digest = hash_bytes(encoded, self.hash_algo)
-                    with self._lock:
-                        mm_hash = self.cache.hash_of_encoded(digest)
-            with self._lock:
-                cached = self.cache.get(mm_hash) if mm_hash is not None else None
-            if cached is None and mm_hash not in to_preprocess:
-                loaded = load_image(image, max_pixels=self.max_image_pixels, image_index=index, encoded=encoded)
-                check_preprocessed_size(
-                    self.hf_processor.image_processor, *loaded.size, self.max_image_pixels, index, self.family.resized_size
-                )
-                hashed_now = mm_hash is None
-                if hashed_now:
-                    mm_hash = hash_image(loaded, self.fingerprint, self.settings_key, self.hash_algo)
-                with self._lock:
-                    self.num_images_decoded += 1
+        to_preprocess: dict[str, Image.Image] = {}  # items this call claimed (see _lookup)
+        waiting: dict[str, threading.Event] = {}  # items other calls are preprocessing
+        claimed: list[str] = []
+        decoding: list[str] = []  # digests of encoded bytes this call decodes (see _hash_of_encoded)
+        try:
+            for index, (image, user_id) in enumerate(zip(images, user_ids)):
+                mm_hash = hash_user_id(user_id, self.fingerprint, self.settings_key, self.hash_algo) if user_id is not None else None
+                digest = encoded = None
+                if mm_hash is None:
+                    encoded = encoded_bytes(image, image_index=index)
+                    if encoded is not None:
+                        digest = hash_bytes(encoded, self.hash_algo)
+                        mm_hash = self._hash_of_encoded(digest, decoding)
+                cached = self._lookup(mm_hash, claimed, waiting) if mm_hash is not None else None
+                if cached is None and mm_hash not in to_preprocess and mm_hash not in waiting:
+                    loaded = load_image(image, max_pixels=self.max_image_pixels, image_index=index, encoded=encoded)
+                    check_preprocessed_size(
+                        self.hf_processor.image_processor, *loaded.size, self.max_image_pixels, index, self.family.resized_size
+                    )
+                    hashed_now = mm_hash is None
                     if hashed_now:
-                        cached = self.cache.get(mm_hash)
-                    if digest is not None:
-                        self.cache.remember_encoded(digest, mm_hash)
-                if cached is None:
-                    to_preprocess.setdefault(mm_hash, loaded)
-            hashes.append(mm_hash)
-            pixels.append(cached)
-        if to_preprocess:
-            batch = self._preprocess(list(to_preprocess.values()))
-            split = self.family.split_images(batch, len(to_preprocess))
-            with self._lock:
-                self.num_images_preprocessed += len(to_preprocess)
-                fresh = {h: self.cache.put(h, image) for h, image in zip(to_preprocess, split)}
-            pixels = [p if p is not None else fresh[h] for p, h in zip(pixels, hashes)]
+                        mm_hash = hash_image(loaded, self.fingerprint, self.settings_key, self.hash_algo)
+                    with self._lock:
+                        self.num_images_decoded += 1
+                        if digest is not None:
+                            self.cache.remember_encoded(digest, mm_hash)
+                            if digest in decoding:
+                                decoding.remove(digest)
+                                self._decoding.pop(digest).set()
+                    if hashed_now:
+                        cached = self._lookup(mm_hash, claimed, waiting)
+                    if cached is None and mm_hash not in waiting:
+                        to_preprocess.setdefault(mm_hash, loaded)
+                hashes.append(mm_hash)
+                pixels.append(cached)
+            fresh: dict[str, EncoderInputs] = {}
+            if to_preprocess:
+                batch = self._preprocess(list(to_preprocess.values()))
+                split = self.family.split_images(batch, len(to_preprocess))
+                with self._lock:
+                    self.num_images_preprocessed += len(to_preprocess)
+                    fresh = {h: self.cache.put(h, image) for h, image in zip(to_preprocess, split)}
+        finally:
+            with self._lock:  # done, or failed: whoever waits reads the cache (or does the work itself)
+                for mm_hash in claimed:
+                    self._in_progress.pop(mm_hash).set()
+                for digest in decoding:
+                    self._decoding.pop(digest).set()
+        fresh.update(self._wait_for(waiting, hashes, images, user_ids))
+        pixels = [p if p is not None else fresh[h] for p, h in zip(pixels, hashes)]
         return hashes, pixels  # type: ignore[return-value]
+
+    def _hash_of_encoded(self, digest: str, decoding: list[str]) -> str | None:
+        """The mm_hash of these encoded bytes if it is known. Else None, and this call decodes them: it
+        holds the digest until it has recorded their hash, while other calls with the same bytes wait."""
+        while True:
+            with self._lock:
+                mm_hash = self.cache.hash_of_encoded(digest)
+                if mm_hash is not None or digest in decoding:
+                    return mm_hash
+                other = self._decoding.get(digest)
+                if other is None:
+                    self._decoding[digest] = threading.Event()
+                    decoding.append(digest)
+                    return None
+            other.wait()  # then look again: recorded, or (if that call failed) this call decodes them
+
+    def _lookup(self, mm_hash: str, claimed: list[str], waiting: dict[str, threading.Event]) -> EncoderInputs | None:
+        """The cached inputs of an item, else None: then either another call is preprocessing it
+        (recorded in `waiting`) or this call claims it (recorded in `claimed`) and must preprocess it."""
+        if mm_hash in claimed or mm_hash in waiting:
+            return None
+        with self._lock:
+            in_progress = self._in_progress.get(mm_hash)
+            if in_progress is not None:
+                waiting[mm_hash] = in_progress
+                return None
+            cached = self.cache.get(mm_hash)
+            if cached is None:
+                self._in_progress[mm_hash] = threading.Event()
+                claimed.append(mm_hash)
+            return cached
+
+    def _wait_for(
+        self, waiting: dict[str, threading.Event], hashes: list[str], images: list[ImageInput], user_ids: list[str | None]
+    ) -> dict[str, EncoderInputs]:
+        """The items other calls were preprocessing, once they are done; one whose preprocessing
+        failed (or whose inputs did not stay cached) is loaded by this call after all."""
+        found: dict[str, EncoderInputs] = {}
+        for mm_hash, done in waiting.items():
+            done.wait()
+            with self._lock:
+                cached = self.cache.get(mm_hash)
+            if cached is None:
+                index = hashes.index(mm_hash)
+                (_, (cached,)) = self._load_items([images[index]], [user_ids[index]])
+            found[mm_hash] = cached
+        return found
 
     def _validated_user_ids(self, mm_uuids: Sequence[str | None] | None, num_images: int) -> list[str | None]:
         if mm_uuids is None:
