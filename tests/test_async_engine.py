@@ -27,14 +27,15 @@ def greedy(max_tokens: int, **extra) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
 
 
-@pytest.fixture(scope="module")
-def engine(checkpoint_dir):
-    return MMEngine(str(checkpoint_dir()), max_model_len=256)
+# Every test runs with synchronous steps and with async scheduling (a CUDA engine's default).
+@pytest.fixture(scope="module", params=["off", "on"], ids=["sync", "async"])
+def engine(checkpoint_dir, request):
+    return MMEngine(str(checkpoint_dir()), max_model_len=256, async_scheduling=request.param)
 
 
-@pytest.fixture
-def fresh_engine(checkpoint_dir):
-    return MMEngine(str(checkpoint_dir()), max_model_len=256)
+@pytest.fixture(params=["off", "on"], ids=["sync", "async"])
+def fresh_engine(checkpoint_dir, request):
+    return MMEngine(str(checkpoint_dir()), max_model_len=256, async_scheduling=request.param)
 
 
 async def collect(stream) -> tuple[str, list[int], list[DeltaOutput]]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import threading
 
+import pytest
+
 from books import assert_books_consistent
 from mmengine import MMEngine, SamplingParams
 from mmengine.testing import make_test_image
@@ -53,10 +55,11 @@ def _run_threads(target, count: int) -> list[BaseException]:
     return errors
 
 
-def test_threads_adding_and_stepping_match_a_single_threaded_run(checkpoint_dir):
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_threads_adding_and_stepping_match_a_single_threaded_run(checkpoint_dir, async_scheduling):
     path = checkpoint_dir()
-    reference = _reference(path)
-    engine = MMEngine(str(path), **KWARGS)
+    reference = _reference(path)  # synchronous steps, one thread
+    engine = MMEngine(str(path), **KWARGS, async_scheduling=async_scheduling)
     for round_index in range(ROUNDS):
         finished: dict[str, list[int]] = {}
         aborted: dict[str, str | None] = {}
