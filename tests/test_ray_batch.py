@@ -120,7 +120,9 @@ def test_killing_a_replica_mid_batch_still_answers_every_row_once(ray_cluster, c
     assert result.num_retried_rows > 0
     assert result.replica_stats[0] is None  # dead
     on_zero = [i for i in range(len(rows)) if got[i]["replica"] == 0]
-    assert len(on_zero) == killed[0]  # only the rows it finished before it died
+    # the rows it finished before it died: at least those the hook saw, maybe a sub-batch more whose
+    # answer was already stored when the kill landed (all sub-batches are queued on the actor at once)
+    assert killed[0] <= len(on_zero) < len(rows)
     expected = local_outputs(checkpoint_dir(), rows)
     assert [list(got[i]["token_ids"]) for i in range(len(rows))] == [e.token_ids for e in expected]
 
