@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+import types
+from pathlib import Path
+
 import torch
 
 from mmengine.request import MMItem, ProcessedPrompt, Request
@@ -79,3 +84,13 @@ class FailOnce:
             self.armed = False
             raise MemoryError("injected failure")
         return self.method(*args, **kwargs)
+
+
+def load_benchmark(name: str) -> types.ModuleType:
+    """benchmarks/<name>.py as a module (registered in sys.modules, where its dataclasses look it up)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

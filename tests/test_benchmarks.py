@@ -3,32 +3,23 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+from helpers import load_benchmark
 from mmengine import MMEngine
 from mmengine.testing import TinyLlavaSpec
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def latency():
-    spec = importlib.util.spec_from_file_location("latency_benchmark", ROOT / "benchmarks" / "latency.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("latency")
 
 
 def test_step_breakdown_times_each_phase_in_both_scheduling_modes(checkpoint_dir, tmp_path):
-    spec = importlib.util.spec_from_file_location("step_breakdown_benchmark", ROOT / "benchmarks" / "step_breakdown.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("step_breakdown")
     output = tmp_path / "step_breakdown.json"
     result = module.main([
         "--model", str(checkpoint_dir()), "--batch-sizes", "1,3", "--prompt-tokens", "16", "--decode-steps", "3",
@@ -137,12 +128,7 @@ def test_bad_options_are_clear_usage_errors(latency, args, capsys):
 
 @pytest.fixture(scope="module")
 def shared_prefix():
-    spec = importlib.util.spec_from_file_location("shared_prefix_benchmark", ROOT / "benchmarks" / "shared_prefix.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass resolves annotations through its module
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    return load_benchmark("shared_prefix")
 
 
 def test_shared_prefix_benchmark_runs_every_mode_on_the_same_workload(shared_prefix, checkpoint_dir, tmp_path, capsys):

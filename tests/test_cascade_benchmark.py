@@ -3,22 +3,17 @@ two paths agree, and it reports every field; without a GPU the full-size run say
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("cascade_benchmark", ROOT / "benchmarks" / "cascade_attention.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("cascade_attention")
 
 
 def test_tiny_run_reports_both_paths_and_they_agree(bench, tmp_path):

@@ -195,14 +195,11 @@ def test_map_batches_processor_answers_ray_data_batches_like_one_engine(ray_clus
 
 
 def test_benchmark_reports_both_placements(ray_cluster, checkpoint_dir, tmp_path):
-    import importlib.util
     import json
-    from pathlib import Path
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "ray_batch.py"
-    spec = importlib.util.spec_from_file_location("ray_batch_benchmark", script)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    from helpers import load_benchmark
+
+    module = load_benchmark("ray_batch")
     output = tmp_path / "ray_batch.json"
     report = module.main([
         "--model", str(checkpoint_dir()), "--replicas", "2", "--images", "4", "--per-image", "4", "--groups", "1",

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import load_benchmark
 
 
 def test_serve_benchmark_reports_both_sides(checkpoint_dir, tmp_path):
-    spec = importlib.util.spec_from_file_location("serve_benchmark", ROOT / "benchmarks" / "serve.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
+    module = load_benchmark("serve")
     output = tmp_path / "serve.json"
     result = module.main([
         "--model", str(checkpoint_dir()), "--server", "thread", "--num-users", "3", "--turns", "2",
