@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--shuffle", action="store_true",
+                        help="scatter each group's requests over the batch (as arrivals do) instead of packing them")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (fp32); runs on CPU in Triton's interpreter")
     parser.add_argument("--output", default="benchmarks/results/cascade_attention.json")
     args = parser.parse_args(argv)
@@ -89,6 +91,8 @@ def decode_batch(args: argparse.Namespace, members: int, device: torch.device, d
     for _ in range(args.groups):
         prefix = [ids.pop() for _ in range(shared_blocks)]
         tables += [prefix + [ids.pop() for _ in range(own_blocks)] for _ in range(members)]
+    if args.shuffle:
+        tables = [tables[i] for i in torch.randperm(len(tables)).tolist()]
     query = torch.randn(num_reqs, args.num_heads, args.head_dim, device=device, dtype=dtype)
     return cache, query, tables, [seq_len] * num_reqs
 
@@ -97,7 +101,7 @@ def run_case(args: argparse.Namespace, members: int, device: torch.device, dtype
     import numpy as np
 
     from mmengine.layers.attention import AttentionMetadata
-    from mmengine.layers.cascade import CascadeMetadata, layout_cascade, tokens_per_tile
+    from mmengine.layers.cascade import CascadeMetadata, count_tiles, layout_cascade, tokens_per_tile
     from mmengine.layers.triton_attention import TritonAttentionBackend
     from mmengine.runner.cascade_plan import CascadePolicy
 
@@ -109,10 +113,15 @@ def run_case(args: argparse.Namespace, members: int, device: torch.device, dtype
     metadata = AttentionMetadata.build(query_lens, seq_lens, tables, [-1] * num_reqs, device)
 
     # the host plan as the runner makes it ("on": group whatever shares; "auto" is reported)
-    policy = CascadePolicy("on", args.block_size, tokens_per_tile(args.num_heads, args.num_kv_heads), kv_bytes_per_token)
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    policy = CascadePolicy("on", args.block_size, tokens_per_tile(args.num_heads, args.num_kv_heads), kv_bytes_per_token,
+                           num_kv_heads=args.num_kv_heads, num_sms=num_sms)
     start = time.perf_counter()
     groups = policy.plan(tables, query_lens, seq_lens)
-    layout = layout_cascade(groups, np.array(query_lens), np.array(seq_lens), np.array(tables), args.block_size)
+    num_tiles = count_tiles(groups, query_lens, policy.tokens_per_tile)
+    splits = policy.prefix_splits(num_tiles, max((g.num_prefix_blocks for g in groups), default=1) * args.block_size)
+    layout = layout_cascade(groups, np.array(query_lens), np.array(seq_lens), np.array(tables), args.block_size,
+                            policy.tokens_per_tile, splits)
     plan_ms = (time.perf_counter() - start) * 1e3
     auto_engages = bool(replace(policy, mode="auto").plan(tables, query_lens, seq_lens))
     cascade_md = replace(metadata, cascade=CascadeMetadata.from_layout(layout, device))
@@ -155,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.manual_seed(0)
     name = torch.cuda.get_device_name() if on_cuda else f"cpu ({platform.processor() or platform.machine()}), interpreter"
     rows = [run_case(args, members, device, dtype) for members in args.members]
-    print(f"{name}  {args.dtype}  heads {args.num_heads}/{args.num_kv_heads}  head_dim {args.head_dim}  "
+    print(f"{name}  {args.dtype}  rows {'shuffled' if args.shuffle else 'packed by group'}  heads {args.num_heads}/{args.num_kv_heads}  head_dim {args.head_dim}  "
           f"block {args.block_size}  shared {rows[0]['shared_tokens']} + unique {args.unique}")
     for r in rows:
         print(f"{r['groups']} groups x {r['members']:<3} (batch {r['batch']:<4}) no cascade {r['plain_ms']:8.3f} ms "

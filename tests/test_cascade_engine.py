@@ -10,14 +10,17 @@ test_cascade_kernels.py.)"""
 
 from __future__ import annotations
 
+from unittest.mock import patch
+
 import pytest
 import torch
 
 from helpers import make_request
 from mmengine import MMEngine, SamplingParams
 from mmengine.layers.cascade import CascadeGroup
-from mmengine.runner.cascade_plan import CascadePolicy
-from mmengine.runner.inputs import InputBuffers
+from mmengine.runner.cascade_plan import CascadePolicy, GraphBounds
+from mmengine.runner.cuda_graphs import EagerCapturer
+from mmengine.runner.inputs import PAD_SEQ_LEN, InputBuffers
 from mmengine.scheduler import ScheduledRequest
 from mmengine.testing import make_test_image
 
@@ -126,17 +129,24 @@ def test_triton_cascade_gives_the_reference_tokens(checkpoint_dir, no_tf32):
     assert stats["cascade_steps"] > 0 and max(s["groups"] for s in steps) >= 2
 
 
-def test_a_cascade_step_runs_eager_instead_of_replaying_a_graph():
-    """Decode rows sharing blocks: the plan takes the step, so it is not padded to a graph bucket."""
-    policy = CascadePolicy(mode="on", block_size=4, tokens_per_tile=32, kv_bytes_per_token=8)
-    buffers = InputBuffers(16, 8, 4, 4, vocab_size=32, device=torch.device("cpu"), cascade=policy)
+def _shared_decodes(num: int, shared: list[int]) -> tuple[list[ScheduledRequest], dict[str, list[int]]]:
     scheduled, tables = [], {}
-    for i in range(3):
+    for i in range(num):
         request = make_request(f"r{i}", 9, temperature=0.0)
         scheduled.append(ScheduledRequest(request, request.num_tokens - 1, 1, []))
-        tables[request.request_id] = [5, 6, 10 + i]  # the first two blocks shared
+        tables[request.request_id] = [*shared, 10 + i]
+    return scheduled, tables
+
+
+def test_a_cascade_step_runs_eager_when_its_bucket_has_no_cascade_graph():
+    """Decode rows sharing blocks, and only a plain graph for their bucket: "on" takes the step
+    eagerly, so it is not padded to the bucket."""
+    policy = CascadePolicy(mode="on", block_size=4, tokens_per_tile=32, kv_bytes_per_token=8)
+    buffers = InputBuffers(16, 8, 4, 4, vocab_size=32, device=torch.device("cpu"), cascade=policy)
+    scheduled, tables = _shared_decodes(3, [5, 6])  # the first two blocks shared
     inputs = buffers.prepare(scheduled, tables, graph_size=4)
-    assert inputs.graph_size is None and inputs.num_tokens == 3 and inputs.metadata.num_reqs == 3
+    assert inputs.graph_size is None and not inputs.graph_cascade
+    assert inputs.num_tokens == 3 and inputs.metadata.num_reqs == 3
     cascade = inputs.metadata.cascade
     assert cascade.prefix_lens_cpu == [8] and cascade.suffix_seq_lens_cpu == [1, 1, 1]
     assert cascade.suffix_block_tables[:, 0].tolist() == [10, 11, 12]
@@ -145,7 +155,70 @@ def test_a_cascade_step_runs_eager_instead_of_replaying_a_graph():
     assert off.prepare(scheduled, tables, graph_size=4).graph_size == 4
 
 
+def test_a_cascade_step_fills_its_buckets_cascade_graph():
+    """With a cascade graph for the bucket, the step stays padded to it and writes its layout into
+    the buffers the graph was captured over: the counts it reads on the device, the padding rows'
+    one-key suffixes. Groups beyond the graph's tiles send an "on" step back to eager."""
+    policy = CascadePolicy(mode="on", block_size=4, tokens_per_tile=32, kv_bytes_per_token=8, num_kv_heads=2, num_sms=4)
+    buffers = InputBuffers(16, 8, 4, 4, vocab_size=32, device=torch.device("cpu"), cascade=policy)
+    captured = buffers.cascade_graph_metadata(4, GraphBounds(max_tiles=1, max_splits=2))
+    assert (captured.max_work, captured.max_tokens, captured.max_splits) == (2, 4, 2)
+    assert captured.counts.tolist() == [0, 1, 0]  # a capture runs no prefix work
+    scheduled, tables = _shared_decodes(3, [5, 6])
+    inputs = buffers.prepare(scheduled, tables, graph_size=4)
+    assert inputs.graph_size == 4 and inputs.graph_cascade and [g.rows for g in inputs.cascade_groups] == [[0, 1, 2]]
+    assert captured.counts.data_ptr() == inputs.metadata.cascade.counts.data_ptr()
+    assert captured.counts.tolist() == [1, 1, 3]  # one tile, one split (an 8-key prefix), three tokens
+    assert captured.suffix_seq_lens.tolist() == [1, 1, 1, PAD_SEQ_LEN]
+    assert captured.token_indices[:3].tolist() == [0, 1, 2] and captured.prefix_lens[:1].tolist() == [8]
+    # two groups, but the graph holds one tile: eager
+    scheduled, tables = _shared_decodes(4, [])
+    for i, blocks in enumerate(([5, 6], [5, 6], [7, 8], [7, 8])):
+        tables[f"r{i}"] = [*blocks, 10 + i]
+    inputs = buffers.prepare(scheduled, tables, graph_size=4)
+    assert inputs.graph_size is None and not inputs.graph_cascade and len(inputs.cascade_groups) == 2
+
+
+def test_cascade_graphs_give_the_eager_tokens(checkpoint_dir, no_tf32):
+    """Decode steps replay the cascade variant of their bucket (the CPU stand-in for the capture,
+    the Triton kernels in the interpreter) and give the tokens of cascade-free eager steps."""
+    prompt = "USER: You answer questions about small gardens with patience and practical details, always."
+    prompts = [f"{prompt} {q} ASSISTANT:" for q in ("first?", "why?", "how so?")]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    tokens = {}
+    for cascade in ("off", "auto"):
+        engine = MMEngine(str(checkpoint_dir()), attn_backend="triton", dtype="float32", max_model_len=128, block_size=16,
+                          max_num_seqs=4, cascade_attention=cascade)
+        engine.runner.capture_cuda_graphs(EagerCapturer())
+        graphs = engine.runner.decode_graphs
+        assert graphs.cascade_sizes == ([] if cascade == "off" else [2, 4])
+        with patch("mmengine.runner.cascade_plan.MIN_SAVED_BYTES_PER_LAYER", 0):  # tiny K/V: always worth it
+            tokens[cascade] = [o.token_ids for o in engine.generate(prompts, sampling_params=params, use_tqdm=False)]
+        assert graphs.num_replays == 3  # every decode step after the prefill ...
+        assert graphs.num_cascade_replays == (0 if cascade == "off" else 3)  # ... in its cascade variant
+        assert engine.stats()["cascade_steps"] >= graphs.num_cascade_replays
+    assert tokens["auto"] == tokens["off"]
+
+
 @pytest.mark.parametrize("value", ["on", "off"])
 def test_cascade_option_reaches_the_runner(checkpoint_dir, value):
     engine = MMEngine(str(checkpoint_dir()), max_model_len=128, cascade_attention=value)
     assert (engine.runner.inputs.cascade is None) == (value == "off")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU (the test above uses the CPU stand-in)")
+def test_real_cascade_cuda_graphs_give_the_eager_tokens(checkpoint_dir, no_tf32):
+    """Real cascade CUDA graphs (fp32, so greedy tokens are exact) against eager steps without
+    cascade, with requests joining and leaving: the groups change from replay to replay."""
+    prompt = "USER: You answer questions about small gardens with patience and practical details, always."
+    prompts = [f"{prompt} {q} ASSISTANT:" for q in ("first?", "why?", "how so?", "and then?", "really?")]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (9, 4, 12, 6, 7)]
+    tokens = {}
+    for cascade, eager in (("off", True), ("auto", False)):
+        engine = MMEngine(str(checkpoint_dir()), device="cuda", dtype="float32", max_model_len=128, block_size=16,
+                          max_num_seqs=8, cascade_attention=cascade, enforce_eager=eager, gpu_memory_utilization=0.3)
+        with patch("mmengine.runner.cascade_plan.MIN_SAVED_BYTES_PER_LAYER", 0):  # tiny K/V: always worth it
+            tokens[cascade] = [o.token_ids for o in engine.generate(prompts, sampling_params=params, use_tqdm=False)]
+        if not eager:
+            assert engine.runner.decode_graphs.num_cascade_replays >= 8
+    assert tokens["auto"] == tokens["off"]

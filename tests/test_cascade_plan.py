@@ -77,15 +77,45 @@ def test_auto_engages_only_when_the_saved_bytes_pay():
     big = policy("auto", kv).plan(tables, [1] * 16, [2000 + 10] * 16)
     assert as_tuples(big) == [(list(range(16)), 125)]
     assert policy("auto", kv).plan([[1, 2], [1, 3]], [1, 1], [20, 20]) == []
-    # just enough for an eager step; a step that would replay a CUDA graph keeps it, however much
-    # cascade saves ("on" still forces it)
+    # just enough for an eager step; a step that would replay a plain CUDA graph keeps it,
+    # however much cascade saves ("on" still returns groups, for an eager step)
     blocks = -(-MIN_SAVED_BYTES_PER_LAYER // (kv * BS))  # one saved prefix read of this many blocks pays
     pair = [list(range(blocks)) + [5000], list(range(blocks)) + [5001]]
     lens = [blocks * BS + 5] * 2
     assert policy("auto", kv).plan(pair, [1, 1], lens) != []
-    assert policy("auto", kv).plan(pair, [1, 1], lens, replaces_graph=True) == []
-    assert policy("auto", kv).plan(tables, [1] * 16, [2000 + 10] * 16, replaces_graph=True) == []
-    assert policy("on", kv).plan(pair, [1, 1], lens, replaces_graph=True) != []
+    assert policy("auto", kv).plan(pair, [1, 1], lens, graph_tiles=0) == []
+    assert policy("auto", kv).plan(tables, [1] * 16, [2000 + 10] * 16, graph_tiles=0) == []
+    assert policy("on", kv).plan(pair, [1, 1], lens, graph_tiles=0) != []
+    # with a cascade graph, the same step runs cascade inside it
+    assert as_tuples(policy("auto", kv).plan(tables, [1] * 16, [2000 + 10] * 16, graph_tiles=4)) == [(list(range(16)), 125)]
+
+
+def test_a_cascade_graph_keeps_the_groups_worth_most_that_fit():
+    """Three groups of decodes, one tile each: a graph holding two tiles keeps the two that save
+    the most prefix reads (members - 1, times the prefix), in row order; "on" returns all three."""
+    kv = 2 * 32 * 128 * 2
+    tables, lens = [], []
+    for first, members, blocks in ((100, 3, 40), (200, 8, 30), (300, 2, 60)):  # worth 80, 210, 60 block reads
+        for i in range(members):
+            tables.append([first + b for b in range(blocks)] + [9000 + len(tables)])
+            lens.append(blocks * BS + 3)
+    rows = len(tables)
+    kept = policy("auto", kv).plan(tables, [1] * rows, lens, graph_tiles=2)
+    assert as_tuples(kept) == [([0, 1, 2], 40), (list(range(3, 11)), 30)]
+    assert len(policy("auto", kv).plan(tables, [1] * rows, lens)) == 3  # an eager step keeps all
+    assert len(policy("on", kv).plan(tables, [1] * rows, lens, graph_tiles=2)) == 3
+
+
+@pytest.mark.parametrize("num_tiles,longest,splits", [(1, 4096, 8), (1, 300, 1), (64, 4096, 1), (2, 4096, 4)])
+def test_prefix_splits_fill_the_gpu_within_a_graphs_bounds(num_tiles, longest, splits):
+    """The split-KV rule over prefix tiles (two waves of 132 SMs x 32 KV heads), never past what a
+    cascade graph's partial states and work grid hold."""
+    policy_ = CascadePolicy("auto", BS, 64, 1, num_kv_heads=32, num_sms=132)
+    bounds = policy_.graph_bounds(batch_size=16, max_model_len=4096)
+    assert (bounds.max_tiles, bounds.max_splits, bounds.max_work) == (4, 8, 8)
+    assert policy_.prefix_splits(num_tiles, longest, bounds) == splits
+    assert num_tiles * splits <= max(bounds.max_work, num_tiles)
+    assert policy_.prefix_splits(1, 32768) == 8 and policy_.prefix_splits(1, 32768, policy_.graph_bounds(16, 32768)) == 8
 
 
 def test_deep_tries_need_no_recursion():

@@ -1,12 +1,17 @@
 """Shared-prefix (cascade) attention: many groups' queries against their groups' prefixes, then a
 merge with each request's own attention.
 
-Prefix pass: one program takes BLOCK_Q query tokens of one group (from any of its requests,
-listed by `token_indices`) times the GROUP query heads of one KV head, and walks one split of the
-group's prefix, read through a member's block table. The group's rows share every K/V tile, so
-16 decodes of one group read the prefix once instead of 16 times. Each row sees the prefix keys
-up to its own position (causal inside the prefix). Long prefixes are split over programs, like
-split-KV decode; each split writes a partial state (fp32 output, natural-log lse).
+Prefix pass: one program takes one tile (BLOCK_Q query tokens of one group, from any of its
+requests, listed by `token_indices`) times the GROUP query heads of one KV head, and walks one
+split of the group's prefix, read through a member's block table. The group's rows share every
+K/V tile, so 16 decodes of one group read the prefix once instead of 16 times. Each row sees the
+prefix keys up to its own position (causal inside the prefix). Long prefixes are split over
+programs, like split-KV decode; each split writes a partial state (fp32 output, natural-log lse).
+
+Fixed grids. The programs are a flat list of (tile, split) work items, and how many items, splits
+and grouped tokens a step has is read on the device (`counts`): programs past them exit at once.
+So a launch's grid depends only on its bounds, and a CUDA graph captured with a bucket's bounds
+replays any step's groups within them.
 
 Merge: for each grouped token (all its heads in one program), the prefix partials and the suffix state already in
 (out, lse) are combined by their log-sum-exps, in place. (merge_states.py merges two row-aligned
@@ -22,35 +27,36 @@ import triton.language as tl
 
 from mmengine.kernels.common import LOG2E, dot_precision, launch_options, padded_head_dim
 from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
-from mmengine.layers.cascade import TILE_ROWS, CascadeMetadata
+from mmengine.layers.cascade import CascadeMetadata, tokens_per_tile
 
 
-@triton.jit(do_not_specialize=["num_splits"])  # varies per step: one compiled kernel for all
+@triton.jit
 def _shared_prefix_kernel(
     q_ptr, cache_ptr, part_out_ptr, part_lse_ptr,
     token_indices_ptr, token_positions_ptr, group_starts_ptr, prefix_lens_ptr, group_leaders_ptr, block_tables_ptr,
-    num_splits, qk_scale,
+    tile_groups_ptr, tile_starts_ptr, counts_ptr,
+    qk_scale,
     stride_qt, stride_qh, stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    group = tl.program_id(0)
+    work = tl.program_id(0)  # one (tile, split); programs past the step's work exit at once
     kv_head = tl.program_id(1)
-    q_block = tl.program_id(2) // num_splits
-    split = tl.program_id(2) % num_splits
-    first = tl.load(group_starts_ptr + group)
-    num_tokens = tl.load(group_starts_ptr + group + 1) - first
-    if q_block * BLOCK_Q < num_tokens:
+    if work < tl.load(counts_ptr):
+        num_splits = tl.load(counts_ptr + 1)
+        tile = work // num_splits
+        split = work % num_splits
+        group = tl.load(tile_groups_ptr + tile)
+        group_end = tl.load(group_starts_ptr + group + 1)
         prefix_len = tl.load(prefix_lens_ptr + group)
         leader = tl.load(group_leaders_ptr + group)
         BLOCK_M: tl.constexpr = BLOCK_Q * GROUP_PAD
         rows = tl.arange(0, BLOCK_M)
-        local = q_block * BLOCK_Q + rows // GROUP_PAD
+        entry = tl.load(tile_starts_ptr + tile) + rows // GROUP_PAD
         head_in_group = rows % GROUP_PAD
         head = kv_head * GROUP + head_in_group
-        row_valid = (local < num_tokens) & (head_in_group < GROUP)
-        entry = first + local
+        row_valid = (entry < group_end) & (head_in_group < GROUP)
         token = tl.load(token_indices_ptr + entry, mask=row_valid, other=0)
         q_pos = tl.load(token_positions_ptr + entry, mask=row_valid, other=-1)
         d = tl.arange(0, BLOCK_D)
@@ -79,45 +85,46 @@ def _shared_prefix_kernel(
         tl.store(part_lse_ptr + entry * stride_lt + head * stride_lh + split, lse, mask=row_valid)
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit
 def _merge_prefix_kernel(
-    part_out_ptr, part_lse_ptr, token_indices_ptr, out_ptr, lse_ptr,
-    num_splits,
+    part_out_ptr, part_lse_ptr, token_indices_ptr, counts_ptr, out_ptr, lse_ptr,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh, stride_ft, stride_fh,
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    entry = tl.program_id(0)  # one grouped token, all its heads
-    token = tl.load(token_indices_ptr + entry)
-    h = tl.arange(0, BLOCK_H)
-    h_valid = h < NUM_HEADS
-    d = tl.arange(0, BLOCK_D)
-    mask = h_valid[:, None] & (d < HEAD_DIM)[None, :]
-    out_rows = token * stride_ot + h[:, None] * stride_oh + d[None, :]
-    # the suffix state, then each prefix split, folded in by an online log-sum-exp
-    m = tl.load(lse_ptr + token * stride_ft + h * stride_fh, mask=h_valid, other=float("-inf"))
-    weight = tl.where(m != float("-inf"), 1.0, 0.0)
-    acc = tl.load(out_ptr + out_rows, mask=mask, other=0.0).to(tl.float32) * weight[:, None]
-    for split in range(num_splits):
-        lse_s = tl.load(part_lse_ptr + entry * stride_lt + h * stride_lh + split, mask=h_valid, other=float("-inf"))
-        out_s = tl.load(part_out_ptr + entry * stride_pt + h[:, None] * stride_ph + split * stride_ps + d[None, :],
-                        mask=mask, other=0.0)
-        m_new = tl.maximum(m, lse_s)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m - m_safe)
-        beta = tl.exp(lse_s - m_safe)
-        weight = weight * alpha + beta
-        acc = acc * alpha[:, None] + out_s * beta[:, None]
-        m = m_new
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.where(weight > 0, weight, 1.0)
-    tl.store(out_ptr + out_rows, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
-    tl.store(lse_ptr + token * stride_ft + h * stride_fh, tl.where(weight > 0, m_safe + tl.log(total), float("-inf")),
-             mask=h_valid)
+    entry = tl.program_id(0)  # one grouped token, all its heads; programs past the step's tokens exit
+    if entry < tl.load(counts_ptr + 2):
+        num_splits = tl.load(counts_ptr + 1)
+        token = tl.load(token_indices_ptr + entry)
+        h = tl.arange(0, BLOCK_H)
+        h_valid = h < NUM_HEADS
+        d = tl.arange(0, BLOCK_D)
+        mask = h_valid[:, None] & (d < HEAD_DIM)[None, :]
+        out_rows = token * stride_ot + h[:, None] * stride_oh + d[None, :]
+        # the suffix state, then each prefix split, folded in by an online log-sum-exp
+        m = tl.load(lse_ptr + token * stride_ft + h * stride_fh, mask=h_valid, other=float("-inf"))
+        weight = tl.where(m != float("-inf"), 1.0, 0.0)
+        acc = tl.load(out_ptr + out_rows, mask=mask, other=0.0).to(tl.float32) * weight[:, None]
+        for split in range(num_splits):
+            lse_s = tl.load(part_lse_ptr + entry * stride_lt + h * stride_lh + split, mask=h_valid, other=float("-inf"))
+            out_s = tl.load(part_out_ptr + entry * stride_pt + h[:, None] * stride_ph + split * stride_ps + d[None, :],
+                            mask=mask, other=0.0)
+            m_new = tl.maximum(m, lse_s)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m - m_safe)
+            beta = tl.exp(lse_s - m_safe)
+            weight = weight * alpha + beta
+            acc = acc * alpha[:, None] + out_s * beta[:, None]
+            m = m_new
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        total = tl.where(weight > 0, weight, 1.0)
+        tl.store(out_ptr + out_rows, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(lse_ptr + token * stride_ft + h * stride_fh, tl.where(weight > 0, m_safe + tl.log(total), float("-inf")),
+                 mask=h_valid)
 
 
 def prefix_block_q(num_heads: int, num_kv_heads: int) -> int:
-    group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
-    return max(1, TILE_ROWS // group_pad, 16 // group_pad)
+    """Grouped tokens per program of the prefix pass (the layout's tile_tokens must match)."""
+    return tokens_per_tile(num_heads, num_kv_heads)
 
 
 def shared_prefix_attention(
@@ -126,28 +133,27 @@ def shared_prefix_attention(
     cascade: CascadeMetadata,
     block_tables: torch.Tensor,
     scale: float,
-    num_splits: int,
     block_n: int = 32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The prefix pass alone. Returns partial states of the grouped tokens, in cascade order:
-    out [T, q_heads, num_splits, D] fp32 and lse [T, q_heads, num_splits] (natural log)."""
+    out [max_tokens, q_heads, max_splits, D] fp32 and lse [max_tokens, q_heads, max_splits]
+    (natural log); the first num_tokens rows and num_splits splits (cascade.counts) are written."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     assert group * num_kv_heads == num_heads, "query heads must be a multiple of KV heads"
-    assert num_splits >= 1
-    num_tokens = cascade.num_tokens
-    part_out = torch.empty(num_tokens, num_heads, num_splits, head_dim, device=query.device, dtype=torch.float32)
-    part_lse = torch.empty(num_tokens, num_heads, num_splits, device=query.device, dtype=torch.float32)
-    if num_tokens == 0:
-        return part_out, part_lse
     block_q = prefix_block_q(num_heads, num_kv_heads)
-    q_blocks = triton.cdiv(max(cascade.group_sizes()), block_q)
-    _shared_prefix_kernel[(cascade.num_groups, num_kv_heads, q_blocks * num_splits)](
+    assert cascade.tile_tokens == block_q, f"the layout's tiles hold {cascade.tile_tokens} tokens, the kernel's {block_q}"
+    shape = (cascade.max_tokens, num_heads, max(cascade.max_splits, 1))
+    part_out = torch.empty(*shape, head_dim, device=query.device, dtype=torch.float32)
+    part_lse = torch.empty(shape, device=query.device, dtype=torch.float32)
+    if cascade.max_work == 0:
+        return part_out, part_lse
+    _shared_prefix_kernel[(cascade.max_work, num_kv_heads)](
         query, kv_cache, part_out, part_lse,
         cascade.token_indices, cascade.token_positions, cascade.group_starts, cascade.prefix_lens, cascade.group_leaders,
-        block_tables,
-        num_splits, scale * LOG2E,
+        block_tables, cascade.tile_groups, cascade.tile_starts, cascade.counts,
+        scale * LOG2E,
         query.stride(0), query.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
@@ -160,16 +166,24 @@ def shared_prefix_attention(
 
 
 def merge_prefix_states(
-    out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, token_indices: torch.Tensor
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    token_indices: torch.Tensor,
+    counts: torch.Tensor,
+    num_programs: int | None = None,
 ) -> None:
     """Folds the prefix partials (cascade order) into the suffix states (out [tokens, heads, D],
-    lse [tokens, heads], batch order) of the grouped tokens, in place."""
-    num_entries, num_heads, num_splits, head_dim = part_out.shape
-    if num_entries == 0:
+    lse [tokens, heads], batch order) of the grouped tokens, in place. counts[1] (splits) and
+    counts[2] (grouped tokens) are read on the device; num_programs (default: every entry of
+    token_indices) bounds the grid."""
+    num_heads, head_dim = part_out.shape[1], part_out.shape[3]
+    num_programs = token_indices.shape[0] if num_programs is None else num_programs
+    if num_programs == 0:
         return
-    _merge_prefix_kernel[(num_entries,)](
-        part_out, part_lse, token_indices, out, lse,
-        num_splits,
+    _merge_prefix_kernel[(num_programs,)](
+        part_out, part_lse, token_indices, counts, out, lse,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         NUM_HEADS=num_heads, BLOCK_H=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
@@ -185,9 +199,8 @@ def cascade_prefix_attention(
     scale: float,
     out: torch.Tensor,
     lse: torch.Tensor,
-    num_splits: int,
 ) -> None:
     """The prefix pass and the merge: (out, lse) hold every token's suffix state on entry and its
     whole attention on return."""
-    part_out, part_lse = shared_prefix_attention(query, kv_cache, cascade, block_tables, scale, num_splits)
-    merge_prefix_states(out, lse, part_out, part_lse, cascade.token_indices)
+    part_out, part_lse = shared_prefix_attention(query, kv_cache, cascade, block_tables, scale)
+    merge_prefix_states(out, lse, part_out, part_lse, cascade.token_indices, cascade.counts, cascade.max_tokens)

@@ -207,19 +207,19 @@ def record_attention_launches(case: AttentionCase) -> list[Launch]:
         prefill_attention(query, cache, torch.tensor([0, 5, 8], dtype=torch.int32), seq_lens, tables, 0.1, max_query_len=5)
         out, lse = decode_attention(query[:2], cache, seq_lens, tables, 0.1, num_splits=4)
         merge_attn_states(out, lse, out, lse)
-        cascade = _cascade_metadata(case.block_size)
-        cascade_prefix_attention(query, cache, cascade, tables, 0.1, query, torch.empty(8, heads), num_splits=2)
+        cascade = _cascade_metadata(case.block_size, heads, kv_heads)
+        cascade_prefix_attention(query, cache, cascade, tables, 0.1, query, torch.empty(8, heads))
     return launches
 
 
-def _cascade_metadata(block_size: int):
-    """One group of two requests (the first 1 and 7 tokens of the step) over a one-block prefix."""
+def _cascade_metadata(block_size: int, num_heads: int, num_kv_heads: int):
+    """One group of two requests (the first 1 and 7 tokens of the step) over a one-block prefix, in two splits."""
     import numpy as np
 
-    from mmengine.layers.cascade import CascadeGroup, CascadeMetadata, layout_cascade
+    from mmengine.layers.cascade import CascadeGroup, CascadeMetadata, layout_cascade, tokens_per_tile
 
     layout = layout_cascade([CascadeGroup([0, 1], 1)], np.array([1, 7]), np.array([40, 33]), np.zeros((2, 4), dtype=np.int64),
-                            block_size)
+                            block_size, tokens_per_tile(num_heads, num_kv_heads), num_splits=2)
     return CascadeMetadata.from_layout(layout, torch.device("cpu"))
 
 

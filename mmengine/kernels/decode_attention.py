@@ -14,6 +14,7 @@ import triton.language as tl
 
 from mmengine.kernels.common import launch_options, LOG2E, dot_precision, padded_head_dim
 from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
+from mmengine.layers.split_kv import choose_num_splits  # noqa: F401  (the decode launch's heuristic, re-exported)
 
 
 @triton.jit
@@ -76,14 +77,6 @@ def _decode_reduce_kernel(
     out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + req * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_valid)
     tl.store(lse_ptr + req * stride_ft + head * stride_fh, tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
-
-
-def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Enough programs to fill the GPU (about two waves), no split shorter than 256 keys; a power of two."""
-    wanted = triton.cdiv(2 * num_sms, max(1, num_reqs * num_kv_heads))
-    longest = max(1, max_seq_len // 256)
-    splits = max(1, min(wanted, longest, 64))
-    return 1 << (splits.bit_length() - 1)
 
 
 def decode_attention(

@@ -49,6 +49,19 @@ class CascadeLayout:
     group_leaders: np.ndarray  # [G] a member's batch row: the first blocks of its table are the prefix
     suffix_seq_lens: np.ndarray  # [R] keys after each request's shared prefix (its whole context if ungrouped)
     suffix_block_tables: np.ndarray  # [R, W] each request's block table without its shared prefix blocks
+    tile_groups: np.ndarray  # [N] the group of each tile of the prefix pass (tile_tokens of one group's tokens)
+    tile_starts: np.ndarray  # [N] each tile's first token, an offset into token_indices
+    tile_tokens: int  # grouped tokens one tile holds (tokens_per_tile)
+    num_splits: int  # the prefix pass cuts each group's prefix into this many slices
+
+    @property
+    def num_work(self) -> int:
+        """Programs of the prefix pass per KV head: one per tile and split."""
+        return len(self.tile_groups) * self.num_splits
+
+
+def count_tiles(groups: Sequence[CascadeGroup], query_lens: Sequence[int], tile_tokens: int) -> int:
+    return sum(-(-sum(query_lens[r] for r in g.rows) // tile_tokens) for g in groups)
 
 
 def layout_cascade(
@@ -57,6 +70,8 @@ def layout_cascade(
     seq_lens: np.ndarray,
     block_tables: np.ndarray,
     block_size: int,
+    tile_tokens: int,
+    num_splits: int = 1,
 ) -> CascadeLayout:
     """block_tables [R, W] (rows padded with valid block ids); query_lens, seq_lens [R]."""
     num_reqs = len(query_lens)
@@ -72,23 +87,40 @@ def layout_cascade(
     token_starts = np.cumsum(query_lens) - query_lens
     token_indices = np.repeat(token_starts[rows], lens) + offset
     token_positions = np.repeat(seq_lens[rows] - lens, lens) + offset
-    sizes = [int(query_lens[g.rows].sum()) for g in groups]
+    sizes = np.array([int(query_lens[g.rows].sum()) for g in groups], dtype=np.int64)
+    group_starts = np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+    tiles_per_group = -(-sizes // tile_tokens)
+    tile_groups = np.repeat(np.arange(len(groups)), tiles_per_group)
+    tile_index = np.arange(len(tile_groups)) - np.repeat(np.cumsum(tiles_per_group) - tiles_per_group, tiles_per_group)
     width = block_tables.shape[1]
     columns = np.minimum(np.arange(width)[None, :] + cuts[:, None], width - 1)
     return CascadeLayout(
         token_indices=token_indices,
         token_positions=token_positions,
-        group_starts=np.concatenate(([0], np.cumsum(sizes))).astype(np.int64),
+        group_starts=group_starts,
         prefix_lens=np.array([g.num_prefix_blocks * block_size for g in groups], dtype=np.int64),
         group_leaders=np.array([g.rows[0] for g in groups], dtype=np.int64),
         suffix_seq_lens=seq_lens - cuts * block_size,
         suffix_block_tables=np.take_along_axis(block_tables[:num_reqs], columns, axis=1),
+        tile_groups=tile_groups.astype(np.int64),
+        tile_starts=(group_starts[tile_groups] + tile_index * tile_tokens).astype(np.int64),
+        tile_tokens=tile_tokens,
+        num_splits=num_splits,
     )
+
+
+DEVICE_ARRAYS = ("token_indices", "token_positions", "group_starts", "prefix_lens", "group_leaders",
+                 "suffix_seq_lens", "suffix_block_tables", "tile_groups", "tile_starts")
 
 
 @dataclass
 class CascadeMetadata:
-    """The device tensors of a CascadeLayout (int32) and the host copies the launchers size grids with."""
+    """The device tensors of a CascadeLayout (int32), its host copies, and the launch bounds.
+
+    `counts` holds [prefix-pass programs per KV head (tiles x splits), splits, grouped tokens] on
+    the device: the kernels read them there, so a CUDA graph launched with fixed grids (max_work
+    programs per KV head, max_tokens merge programs, partial states for max_splits) replays on
+    any layout within those bounds. An eager step's bounds are its own counts."""
 
     token_indices: torch.Tensor
     token_positions: torch.Tensor
@@ -97,12 +129,19 @@ class CascadeMetadata:
     group_leaders: torch.Tensor
     suffix_seq_lens: torch.Tensor
     suffix_block_tables: torch.Tensor
+    tile_groups: torch.Tensor
+    tile_starts: torch.Tensor
+    counts: torch.Tensor
     token_indices_cpu: list[int]
     token_positions_cpu: list[int]
     group_starts_cpu: list[int]
     prefix_lens_cpu: list[int]
     group_leaders_cpu: list[int]
     suffix_seq_lens_cpu: list[int]
+    tile_tokens: int
+    max_work: int
+    max_tokens: int
+    max_splits: int
 
     @property
     def num_groups(self) -> int:
@@ -120,22 +159,27 @@ class CascadeMetadata:
     def from_layout(cls, layout: CascadeLayout, device: torch.device) -> CascadeMetadata:
         """One-off device copies (the runner fills persistent buffers instead)."""
 
-        def dev(array: np.ndarray) -> torch.Tensor:
+        def dev(array: np.ndarray | list[int]) -> torch.Tensor:
             return torch.as_tensor(np.ascontiguousarray(array), dtype=torch.int32).to(device)
 
         return cls(
-            token_indices=dev(layout.token_indices),
-            token_positions=dev(layout.token_positions),
-            group_starts=dev(layout.group_starts),
-            prefix_lens=dev(layout.prefix_lens),
-            group_leaders=dev(layout.group_leaders),
-            suffix_seq_lens=dev(layout.suffix_seq_lens),
-            suffix_block_tables=dev(layout.suffix_block_tables),
+            **{name: dev(getattr(layout, name)) for name in DEVICE_ARRAYS},
+            counts=dev(layout_counts(layout)),
             **host_lists(layout),
+            **launch_bounds(layout),
         )
 
 
-def host_lists(layout: CascadeLayout) -> dict[str, list[int]]:
+def layout_counts(layout: CascadeLayout) -> list[int]:
+    return [layout.num_work, layout.num_splits, len(layout.token_indices)]
+
+
+def launch_bounds(layout: CascadeLayout) -> dict[str, int]:
+    """An eager step's grids: exactly its own work."""
+    return {"max_work": layout.num_work, "max_tokens": len(layout.token_indices), "max_splits": layout.num_splits}
+
+
+def host_lists(layout: CascadeLayout) -> dict[str, list[int] | int]:
     return {
         "token_indices_cpu": layout.token_indices.tolist(),
         "token_positions_cpu": layout.token_positions.tolist(),
@@ -143,4 +187,5 @@ def host_lists(layout: CascadeLayout) -> dict[str, list[int]]:
         "prefix_lens_cpu": layout.prefix_lens.tolist(),
         "group_leaders_cpu": layout.group_leaders.tolist(),
         "suffix_seq_lens_cpu": layout.suffix_seq_lens.tolist(),
+        "tile_tokens": layout.tile_tokens,
     }

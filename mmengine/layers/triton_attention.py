@@ -27,13 +27,13 @@ class TritonAttentionBackend:
         self.num_splits = num_splits  # None: chosen per step from the batch and the longest context
         self._num_sms: int | None = None
 
-    def _sm_count(self, device: torch.device) -> int:
+    def sm_count(self, device: torch.device) -> int:
         if self._num_sms is None:
             self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
         return self._num_sms
 
     def choose_num_splits(self, num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-        return choose_num_splits(num_reqs, num_kv_heads, max_seq_len, self._sm_count(device))
+        return choose_num_splits(num_reqs, num_kv_heads, max_seq_len, self.sm_count(device))
 
     def warm_up(self, num_heads: int, head_dim: int, kv_cache: torch.Tensor, max_seq_len: int, dtype: torch.dtype) -> None:
         """Compiles every configuration an eager step can launch on this cache: the decode kernels
@@ -50,13 +50,13 @@ class TritonAttentionBackend:
         for first_req in (0, 1):
             prefill_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, 1.0, max_query_len=1,
                               first_req=first_req, num_reqs=2 - first_req)
-        # the cascade prefix pass and merge take their split count at run time: one compile each
+        # the cascade prefix pass and merge read their counts on the device: one compile each
         block_size = kv_cache.shape[2]
         layout = layout_cascade([CascadeGroup([0, 1], 1)], np.ones(2, dtype=np.int64), np.full(2, block_size),
-                                np.zeros((2, 1), dtype=np.int64), block_size)
+                                np.zeros((2, 1), dtype=np.int64), block_size, prefix_block_q(num_heads, num_kv_heads), 2)
         cascade = CascadeMetadata.from_layout(layout, device)
         lse = torch.zeros(2, num_heads, dtype=torch.float32, device=device)
-        cascade_prefix_attention(query, kv_cache, cascade, block_tables, 1.0, query.clone(), lse, num_splits=2)
+        cascade_prefix_attention(query, kv_cache, cascade, block_tables, 1.0, query.clone(), lse)
 
     def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         store_kv(key, value, kv_cache, slot_mapping)
@@ -71,10 +71,10 @@ class TritonAttentionBackend:
         lse = None if cascade is None else torch.empty(query.shape[:2], dtype=torch.float32, device=query.device)
         nd = metadata.num_decodes  # the leading requests, one token each: tokens [0, nd)
         if nd:
-            longest = metadata.max_decode_seq_len if cascade is None else max(cascade.suffix_seq_lens_cpu[:nd])
-            splits = metadata.decode_num_splits or self.num_splits or self.choose_num_splits(
-                nd, kv_cache.shape[3], longest, query.device
-            )
+            splits = metadata.decode_num_splits or self.num_splits
+            if splits is None:
+                longest = metadata.max_decode_seq_len if cascade is None else max(cascade.suffix_seq_lens_cpu[:nd])
+                splits = self.choose_num_splits(nd, kv_cache.shape[3], longest, query.device)
             decode_attention(
                 query[:nd], kv_cache, seq_lens[:nd], block_tables[:nd], scale, splits, out=out[:nd],
                 lse=None if lse is None else lse[:nd],
@@ -86,14 +86,5 @@ class TritonAttentionBackend:
                 lse=lse,
             )
         if cascade is not None:
-            splits = self.num_splits or self.choose_num_splits(
-                self.prefix_tiles(cascade, query.shape[1], kv_cache.shape[3]), 1, max(cascade.prefix_lens_cpu), query.device
-            ) if cascade.num_groups else 1
-            cascade_prefix_attention(query, kv_cache, cascade, metadata.block_tables, scale, out, lse, splits)
+            cascade_prefix_attention(query, kv_cache, cascade, metadata.block_tables, scale, out, lse)
         return out
-
-    @staticmethod
-    def prefix_tiles(cascade: CascadeMetadata, num_heads: int, num_kv_heads: int) -> int:
-        """Programs of the prefix pass per split (the grid pads every group to the largest one)."""
-        block_q = prefix_block_q(num_heads, num_kv_heads)
-        return cascade.num_groups * -(-max(cascade.group_sizes()) // block_q) * num_kv_heads

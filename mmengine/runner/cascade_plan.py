@@ -15,18 +15,20 @@ packed rows. So a group saves
 key reads; decodes save the most (16 decodes in one tile: 15 prefix reads saved), long prefill
 chunks almost nothing (their tiles are already full).
 
-Decision ("auto"). Cascade costs a few extra launches per layer (the prefix pass and the merge).
+Decision ("auto"). Cascade costs two more launches per layer (the prefix pass and the merge).
 On a step that runs eagerly anyway (prefill or mixed) it runs when the K/V bytes it saves per
 layer exceed MIN_SAVED_BYTES_PER_LAYER (about 20 us of HBM traffic on an H100, versus a few us of
-launches). A decode-only step that would replay a CUDA graph never gives the graph up: measured
-on an H100 (LLaVA-1.5-7B shape, 256 decodes in groups of about 4 sharing a 600-token image
-prefix), the eager cascade steps made a 512-request run 15% slower than graph replays, although
-the model above counted gigabytes saved per step (members reading a shared block at the same time
-mostly hit L2). This follows vLLM's `use_cascade_attention` (no cascade for short prefixes or few
-requests, compare a cost model of both ways), generalised from one batch-wide prefix to many groups.
+launches). A decode-only step runs cascade only inside a cascade CUDA graph, never eagerly in
+place of a graph: measured on an H100 (LLaVA-1.5-7B shape, 256 decodes in groups of about 4
+sharing a 600-token image prefix), eager cascade steps made a 512-request run 15% slower than
+plain graph replays, from the launches alone (their kernels took 21.6 ms a step against 25.7).
+A cascade graph holds at most `GraphBounds.max_tiles` tiles: the groups worth most are kept. This
+follows vLLM's `use_cascade_attention` (no cascade for short prefixes or few requests, compare a
+cost model of both ways), generalised from one batch-wide prefix to many groups.
 "on" runs cascade whenever two requests share a block (groups chosen to cover the most shared
-keys); "off" never. "auto" needs the Triton kernels: the PyTorch backend is the reference and
-the CPU path, where the decomposition only adds work, so it runs cascade on "on" alone.
+keys; in a cascade graph when they fit it, else eagerly); "off" never. "auto" needs the Triton
+kernels: the PyTorch backend is the reference and the CPU path, where the decomposition only adds
+work, so it runs cascade on "on" alone.
 """
 
 from __future__ import annotations
@@ -34,11 +36,26 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mmengine.layers.cascade import CascadeGroup
+from mmengine.layers.cascade import CascadeGroup, count_tiles
+from mmengine.layers.split_kv import choose_num_splits
 
 MIN_SAVED_BYTES_PER_LAYER = 64 << 20
+MAX_GRAPH_PREFIX_SPLITS = 16  # a cascade graph's partial states are sized for this many splits
 
 MODES = ("auto", "on", "off")
+
+
+@dataclass(frozen=True)
+class GraphBounds:
+    """What a cascade decode graph of one batch size holds: its grids and partial states are sized
+    for these, and a step's layout must fit them (tiles x splits <= max_work)."""
+
+    max_tiles: int
+    max_splits: int
+
+    @property
+    def max_work(self) -> int:
+        return max(self.max_tiles, self.max_splits)
 
 
 @dataclass(frozen=True)
@@ -47,16 +64,21 @@ class CascadePolicy:
     block_size: int
     tokens_per_tile: int  # query tokens one tile of rows holds (see layers/cascade.py)
     kv_bytes_per_token: int  # K and V of one token in one layer
+    num_kv_heads: int = 1
+    num_sms: int = 8  # the GPU's multiprocessors (the split heuristic fills them)
 
     def plan(
         self,
         block_tables: Sequence[Sequence[int]],
         query_lens: Sequence[int],
         seq_lens: Sequence[int],
-        replaces_graph: bool = False,
+        graph_tiles: int | None = None,
     ) -> list[CascadeGroup]:
-        """The groups of one step (rows in packed order), or [] when the step runs without cascade."""
-        if self.mode == "off" or len(query_lens) < 2 or (self.mode == "auto" and replaces_graph):
+        """The groups of one step (rows in packed order), or [] when the step runs without cascade.
+        `graph_tiles`: None for an eager step; for a step that would replay a decode graph, the
+        tiles its cascade graph holds (0: it has none). "auto" keeps such a step in a graph:
+        plain, or cascade with the groups that fit; "on" may return more, run eagerly."""
+        if self.mode == "off" or len(query_lens) < 2 or (self.mode == "auto" and graph_tiles == 0):
             return []
         prefixes = shared_candidates(block_tables, seq_lens, self.block_size)
         if not prefixes:
@@ -70,9 +92,37 @@ class CascadePolicy:
 
         if self.mode == "on":
             return checked(choose_groups(prefixes, lambda rows, num_blocks: len(rows) * num_blocks), prefixes)
-        groups = choose_groups(prefixes, saved_keys)
+        groups = checked(choose_groups(prefixes, saved_keys), prefixes)
+        if graph_tiles is not None:
+            groups = self._most_worth(groups, saved_keys, query_lens, graph_tiles)
         saved = sum(saved_keys(g.rows, g.num_prefix_blocks) for g in groups)
-        return checked(groups, prefixes) if saved * self.kv_bytes_per_token >= MIN_SAVED_BYTES_PER_LAYER else []
+        return groups if saved * self.kv_bytes_per_token >= MIN_SAVED_BYTES_PER_LAYER else []
+
+    def _most_worth(self, groups: list[CascadeGroup], worth: Callable[[list[int], int], int],
+                    query_lens: Sequence[int], max_tiles: int) -> list[CascadeGroup]:
+        """The groups worth most whose tiles fit in max_tiles, in row order."""
+        kept, tiles = [], 0
+        for group in sorted(groups, key=lambda g: -worth(g.rows, g.num_prefix_blocks)):
+            need = count_tiles([group], query_lens, self.tokens_per_tile)
+            if tiles + need <= max_tiles:
+                kept.append(group)
+                tiles += need
+        return sorted(kept, key=lambda g: g.rows[0])
+
+    def prefix_splits(self, num_tiles: int, longest_prefix: int, bounds: GraphBounds | None = None) -> int:
+        """Splits of the prefix pass: the split-KV rule over its tiles, within a cascade graph's bounds."""
+        most = 64 if bounds is None else bounds.max_splits
+        splits = choose_num_splits(num_tiles, self.num_kv_heads, longest_prefix, self.num_sms, most=most)
+        while bounds is not None and splits > 1 and num_tiles * splits > bounds.max_work:
+            splits //= 2
+        return splits
+
+    def graph_bounds(self, batch_size: int, max_model_len: int) -> GraphBounds:
+        """A decode graph of batch_size rows holds groups of four members on average (pairs gain
+        little: concurrent reads of a shared block mostly hit L2), and as many splits as one tile
+        over the longest context would take."""
+        most = choose_num_splits(1, self.num_kv_heads, max_model_len, self.num_sms, most=MAX_GRAPH_PREFIX_SPLITS)
+        return GraphBounds(max_tiles=max(1, batch_size // 4), max_splits=most)
 
 
 def shared_candidates(

@@ -14,8 +14,18 @@ import numpy as np
 import torch
 
 from mmengine.layers.attention import AttentionMetadata, decode_prefix_length
-from mmengine.layers.cascade import CascadeGroup, CascadeLayout, CascadeMetadata, host_lists, layout_cascade
-from mmengine.runner.cascade_plan import CascadePolicy
+from mmengine.layers.cascade import (
+    DEVICE_ARRAYS,
+    CascadeGroup,
+    CascadeLayout,
+    CascadeMetadata,
+    count_tiles,
+    host_lists,
+    launch_bounds,
+    layout_counts,
+    layout_cascade,
+)
+from mmengine.runner.cascade_plan import CascadePolicy, GraphBounds
 from mmengine.request import PLACEHOLDER_TOKEN
 from mmengine.sampling import SamplingTensors, sampling_rows
 from mmengine.scheduler import ScheduledRequest
@@ -54,7 +64,8 @@ class StepInputs:
     sampled: list[ScheduledRequest]
     num_tokens: int  # real tokens; the batch may be padded beyond them to a CUDA-graph size
     graph_size: int | None  # the CUDA graph this step replays, or None (eager)
-    cascade_groups: list[CascadeGroup] = field(default_factory=list)  # shared-prefix groups (eager steps only)
+    cascade_groups: list[CascadeGroup] = field(default_factory=list)  # shared-prefix groups
+    graph_cascade: bool = False  # the graph replayed is the bucket's cascade variant
     # Async scheduling: token rows whose id the previous step sampled and the device still holds,
     # with the index of each among that step's sampled tokens (device tensors; None when there are none).
     deferred_rows: torch.Tensor | None = None
@@ -99,6 +110,8 @@ class InputBuffers:
         self.cascade = cascade if cascade is not None and cascade.mode != "off" else None
         if self.cascade is not None:
             self.cascade_buffers = CascadeBuffers(max_tokens, max_reqs, max_blocks_per_req, buf)
+        # Batch sizes whose decode graph has a cascade variant, and what that variant holds (set at capture).
+        self.cascade_graph_bounds: dict[int, GraphBounds] = {}
         # Recorded after each step's uploads: the host side may be rewritten once they are done.
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
 
@@ -147,10 +160,15 @@ class InputBuffers:
                 sampled_rows.append(row)
         seq_lens = starts + query_lens
         groups: list[CascadeGroup] = []
+        bounds: GraphBounds | None = None
         if self.cascade is not None:
-            groups = self.cascade.plan(row_blocks, query_lens.tolist(), seq_lens.tolist(), replaces_graph=graph_size is not None)
-            if groups:
-                graph_size = None  # cascade metadata varies per step: such a step runs eagerly
+            graph_tiles = None
+            if graph_size is not None:
+                bounds = self.cascade_graph_bounds.get(graph_size)
+                graph_tiles = bounds.max_tiles if bounds else 0
+            groups = self.cascade.plan(row_blocks, query_lens.tolist(), seq_lens.tolist(), graph_tiles=graph_tiles)
+            if groups and graph_size is not None and count_tiles(groups, query_lens, self.cascade.tokens_per_tile) > (graph_tiles or 0):
+                graph_size = bounds = None  # more groups than the cascade graph holds ("on"): run eagerly
         padded_reqs = graph_size or num_reqs
         padded_tokens = num_tokens + (padded_reqs - num_reqs)
         assert padded_tokens <= self.max_tokens and padded_reqs <= self.max_reqs, (padded_tokens, padded_reqs)
@@ -193,7 +211,7 @@ class InputBuffers:
             num_decodes=num_decodes,
             max_decode_seq_len=max(seq_lens_list[:num_decodes], default=0),
             max_prefill_query_len=max(query_lens_list[num_decodes:], default=0),
-            cascade=self.cascade_buffers.fill(layout_cascade(groups, query_lens, seq_lens, table, bs)) if groups else None,
+            cascade=self._cascade_metadata(groups, query_lens, seq_lens, bounds, padded_reqs) if groups else None,
         )
         deferred_rows = deferred_sources = None
         if deferred:
@@ -212,12 +230,29 @@ class InputBuffers:
             num_tokens=num_tokens,
             graph_size=graph_size,
             cascade_groups=groups,
+            graph_cascade=bool(groups) and graph_size is not None,
             deferred_rows=deferred_rows,
             deferred_sources=deferred_sources,
         )
         if self._uploaded is not None:
             self._uploaded.record()
         return inputs
+
+    def _cascade_metadata(self, groups: list[CascadeGroup], query_lens: np.ndarray, seq_lens: np.ndarray,
+                          bounds: GraphBounds | None, padded_reqs: int) -> CascadeMetadata:
+        """Lays the groups out into the cascade buffers; in a cascade graph (bounds given), within its bounds."""
+        policy = self.cascade
+        num_tiles = count_tiles(groups, query_lens, policy.tokens_per_tile)
+        longest = max(g.num_prefix_blocks for g in groups) * self.block_size
+        splits = policy.prefix_splits(num_tiles, longest, bounds)
+        layout = layout_cascade(groups, query_lens, seq_lens, self.block_tables.np, self.block_size, policy.tokens_per_tile, splits)
+        return self.cascade_buffers.fill(layout, padded_reqs if bounds is not None else None)
+
+    def cascade_graph_metadata(self, batch_size: int, bounds: GraphBounds) -> CascadeMetadata:
+        """The cascade metadata a cascade decode graph of batch_size rows is captured with: the
+        persistent buffers, and grids sized for its bounds (a dummy layout with no work is written)."""
+        self.cascade_graph_bounds[batch_size] = bounds
+        return self.cascade_buffers.graph_view(batch_size, bounds, self.cascade.tokens_per_tile)
 
     def _fill_mrope_positions(self, scheduled: list[ScheduledRequest], positions: np.ndarray, token_starts: np.ndarray) -> None:
         """M-RoPE: every channel at the token index, except for requests with images: their prompt
@@ -273,13 +308,38 @@ class CascadeBuffers:
         self.group_leaders = buf(max_reqs, dtype=torch.int32)
         self.suffix_seq_lens = buf(max_reqs, dtype=torch.int32)
         self.suffix_block_tables = buf(max_reqs, max_blocks_per_req, dtype=torch.int32)
+        self.tile_groups = buf(max_tokens, dtype=torch.int32)
+        self.tile_starts = buf(max_tokens, dtype=torch.int32)
+        self.counts = buf(3, dtype=torch.int32)
 
-    def fill(self, layout: CascadeLayout) -> CascadeMetadata:
+    def fill(self, layout: CascadeLayout, graph_size: int | None = None) -> CascadeMetadata:
+        """Writes the layout; for a cascade graph of graph_size rows, the padding rows' suffixes too
+        (one harmless key each, as in the plain graph)."""
         views = {}
-        for name in ("token_indices", "token_positions", "group_starts", "prefix_lens", "group_leaders",
-                     "suffix_seq_lens", "suffix_block_tables"):
+        for name in DEVICE_ARRAYS:
             values: np.ndarray = getattr(layout, name)
             buffer: HostDeviceBuffer = getattr(self, name)
             buffer.np[: len(values)] = values
             views[name] = buffer.upload(len(values))
-        return CascadeMetadata(**views, **host_lists(layout))
+        if graph_size is not None:
+            num_reqs = len(layout.suffix_seq_lens)
+            self.suffix_seq_lens.np[num_reqs:graph_size] = PAD_SEQ_LEN
+            self.suffix_seq_lens.upload(graph_size)
+        self.counts.np[:] = layout_counts(layout)
+        return CascadeMetadata(**views, counts=self.counts.upload(3), **host_lists(layout), **launch_bounds(layout))
+
+    def graph_view(self, batch_size: int, bounds: GraphBounds, tile_tokens: int) -> CascadeMetadata:
+        self.suffix_seq_lens.np[:batch_size] = PAD_SEQ_LEN
+        self.suffix_block_tables.np[:batch_size] = 0
+        self.counts.np[:] = (0, 1, 0)
+        for buffer in (self.suffix_seq_lens, self.suffix_block_tables):
+            buffer.upload(batch_size)
+        views = {name: getattr(self, name).device for name in DEVICE_ARRAYS}
+        views["suffix_seq_lens"] = self.suffix_seq_lens.device[:batch_size]
+        views["suffix_block_tables"] = self.suffix_block_tables.device[:batch_size]
+        return CascadeMetadata(
+            **views, counts=self.counts.upload(3),
+            token_indices_cpu=[], token_positions_cpu=[], group_starts_cpu=[0], prefix_lens_cpu=[], group_leaders_cpu=[],
+            suffix_seq_lens_cpu=[PAD_SEQ_LEN] * batch_size, tile_tokens=tile_tokens,
+            max_work=bounds.max_work, max_tokens=batch_size, max_splits=bounds.max_splits,
+        )

@@ -83,11 +83,14 @@ class ModelRunner:
         if mode == "auto" and self.attn_backend.name != "triton":
             mode = "off"
         elem = torch.empty((), dtype=self.dtype).element_size()
+        sm_count = getattr(self.attn_backend, "sm_count", None)
         return CascadePolicy(
             mode=mode,
             block_size=self.block_size,
             tokens_per_tile=tokens_per_tile(t.num_attention_heads, t.num_key_value_heads),
             kv_bytes_per_token=2 * t.num_key_value_heads * self.family.head_dim * elem,
+            num_kv_heads=t.num_key_value_heads,
+            num_sms=sm_count(self.device) if sm_count is not None else 8,
         )
 
     # -- KV cache -----------------------------------------------------------
@@ -193,24 +196,29 @@ class ModelRunner:
         assert self.kv_cache is not None, "allocate the KV cache before capturing"
         sizes = graph_batch_sizes(self.config.max_num_seqs, self.config.max_cuda_graph_batch_size)
         self._graph_hidden = torch.zeros(max(sizes), self.text_config.hidden_size, dtype=self.dtype, device=self.device)
-        graphs = DecodeGraphs(sizes)
+        # The cascade variants read their groups from device buffers, as only the Triton kernels do.
+        with_cascade = self.inputs.cascade is not None and self.attn_backend.name == "triton"
+        cascade_sizes = [size for size in sizes if size >= 2] if with_cascade else []
+        graphs = DecodeGraphs(sizes, cascade_sizes)
         with torch.inference_mode():
             report = graphs.capture_all(self._decode_step, capturer or CudaGraphCapturer(), self.device)
         self.decode_graphs = graphs
         logger.info(
-            "captured %d decode graphs (batch sizes %d..%d) in %.2f s using %.1f MiB",
-            len(sizes), sizes[0], sizes[-1], report.seconds, report.memory_bytes / 2**20,
+            "captured %d decode graphs (batch sizes %d..%d, %d with a cascade variant) in %.2f s using %.1f MiB",
+            len(sizes), sizes[0], sizes[-1], len(cascade_sizes), report.seconds, report.memory_bytes / 2**20,
         )
         return report
 
     def release_cuda_graphs(self) -> None:
         self.decode_graphs = None
         self._graph_hidden = None
+        self.inputs.cascade_graph_bounds.clear()
 
-    def _decode_step(self, size: int) -> Callable[[], None]:
+    def _decode_step(self, size: int, cascade: bool = False) -> Callable[[], None]:
         """A decode step of `size` rows over the persistent buffers, writing the final hidden states
         into the static output. Everything the launches depend on is fixed per size: the decode
-        attention's split count, and a context bound of max_model_len."""
+        attention's split count, a context bound of max_model_len and, for the cascade variant, the
+        prefix pass's grids (runner/cascade_plan.py's GraphBounds)."""
         self.inputs.fill_dummy_decode(size)
         splits = None
         if hasattr(self.attn_backend, "choose_num_splits"):
@@ -228,6 +236,8 @@ class ModelRunner:
             max_decode_seq_len=self.max_model_len,
             max_prefill_query_len=0,
             decode_num_splits=splits,
+            cascade=self.inputs.cascade_graph_metadata(size, self.inputs.cascade.graph_bounds(size, self.max_model_len))
+            if cascade else None,
         )
         input_ids, positions = buffers.input_ids.device[:size], buffers.positions.device[:size]
         hidden_out = self._graph_hidden[:size]
@@ -271,7 +281,7 @@ class ModelRunner:
             self.num_cascade_groups += len(inputs.cascade_groups)
             self.num_cascade_tokens += inputs.metadata.cascade.num_tokens
         if inputs.graph_size is not None:
-            self.decode_graphs.replay(inputs.graph_size)
+            self.decode_graphs.replay(inputs.graph_size, inputs.graph_cascade)
             hidden = self._graph_hidden
         else:
             embeds = self._embed(inputs.input_ids, inputs.scheduled)
