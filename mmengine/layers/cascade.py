@@ -61,7 +61,7 @@ class CascadeLayout:
 
 
 def count_tiles(groups: Sequence[CascadeGroup], query_lens: Sequence[int], tile_tokens: int) -> int:
-    return sum(-(-sum(query_lens[r] for r in g.rows) // tile_tokens) for g in groups)
+    return int(sum(-(-sum(query_lens[r] for r in g.rows) // tile_tokens) for g in groups))
 
 
 def layout_cascade(

@@ -11,5 +11,5 @@ def choose_num_splits(num_reqs: int, num_kv_heads: int, max_seq_len: int, num_sm
     (`num_reqs` counts the units that run in parallel before splitting: requests, or prefix tiles.)"""
     wanted = -(-2 * num_sms // max(1, num_reqs * num_kv_heads))
     longest = max(1, max_seq_len // MIN_SPLIT_KEYS)
-    splits = max(1, min(wanted, longest, most))
+    splits = int(max(1, min(wanted, longest, most)))
     return 1 << (splits.bit_length() - 1)
