@@ -319,9 +319,11 @@ class MMEngine:
         uuid_lists = normalize_uuids(mm_uuids, isinstance(prompts, str), len(prompt_list))
         jobs = list(zip(prompt_list, image_lists, params_list, uuid_lists))
 
+        batch_hashes: dict[int, str] = {}  # a picture object given for many prompts is read and hashed once
+
         def process(i: int) -> ProcessedPrompt:
             prompt, imgs, params, uuids = jobs[i]
-            return self.input_processor.process(prompt, imgs, params, prompt_index=i, mm_uuids=uuids)
+            return self.input_processor.process(prompt, imgs, params, prompt_index=i, mm_uuids=uuids, batch_hashes=batch_hashes)
 
         # Decoding, hashing and resizing release the GIL: a batch with images is preprocessed on a
         # few threads (the first bad prompt, in input order, still raises before anything is queued).

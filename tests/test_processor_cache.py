@@ -238,3 +238,23 @@ def test_threads_bringing_the_same_broken_bytes_each_get_the_error(checkpoint_di
         errors = [f.exception(timeout=30) for f in futures]
     assert all(isinstance(e, CorruptImageError) for e in errors)
     assert not processor._in_progress and not processor._decoding
+
+
+def test_a_picture_object_a_batch_repeats_is_read_and_hashed_once(checkpoint_dir):
+    """generate() with 12 prompts over 3 picture objects reads (and hashes) 3 pictures; equal
+    copies (distinct objects) are each read, and give the same items and tokens."""
+    pictures = [make_test_image(seed, size=(90, 70)) for seed in (1, 2, 3)]
+    prompts = [f"USER: <image>\nQuestion {i}? ASSISTANT:" for i in range(12)]
+    results = {}
+    for shared in (True, False):
+        engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
+        images = [[pictures[i % 3] if shared else pictures[i % 3].copy()] for i in range(12)]
+        outs = engine.generate(prompts, images=images, sampling_params=PARAMS, use_tqdm=False)
+        stats = engine.stats()
+        assert stats["images_decoded"] == (3 if shared else 12)
+        assert engine.input_processor.num_images_preprocessed == 3
+        results[shared] = [o.token_ids for o in outs]
+    assert results[True] == results[False]
+    # the memo lives for one call: a later call reads the picture again (it may have changed since)
+    engine.generate(prompts[:2], images=[[pictures[0]], [pictures[0]]], sampling_params=PARAMS, use_tqdm=False)
+    assert engine.stats()["images_decoded"] == 12 + 1

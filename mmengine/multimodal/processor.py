@@ -112,15 +112,24 @@ class InputProcessor:
         params: SamplingParams,
         prompt_index: int = 0,
         mm_uuids: Sequence[str | None] | None = None,
+        batch_hashes: dict[int, str] | None = None,
     ) -> ProcessedPrompt:
-        """`mm_uuids` optionally names each image: equal ids mean equal images (content is not hashed)."""
+        """`mm_uuids` optionally names each image: equal ids mean equal images (content is not hashed).
+        `batch_hashes` is shared by the calls of one batch (id of an image object -> its mm_hash): an
+        object the batch gives several times is read and hashed once. It must not outlive the batch,
+        whose image objects stay alive and unchanged meanwhile (ids are reused after an object dies)."""
         try:
-            return self._process(prompt, list(images or ()), params, mm_uuids)
+            return self._process(prompt, list(images or ()), params, mm_uuids, batch_hashes)
         except InvalidInputError as err:
             raise err.at_prompt(prompt_index) from err
 
     def _process(
-        self, prompt: str, images: list[ImageInput], params: SamplingParams, mm_uuids: Sequence[str | None] | None
+        self,
+        prompt: str,
+        images: list[ImageInput],
+        params: SamplingParams,
+        mm_uuids: Sequence[str | None] | None,
+        batch_hashes: dict[int, str] | None = None,
     ) -> ProcessedPrompt:
         check_prompt_text(prompt)
         if len(images) > self.max_images:
@@ -132,7 +141,7 @@ class InputProcessor:
             raise ImageCountMismatchError(
                 f"the prompt has {num_markers} {self.image_token} marker(s) but {len(images)} image(s) were given"
             )
-        mm_hashes, preprocessed = self._load_items(images, mm_uuids)
+        mm_hashes, preprocessed = self._load_items(images, mm_uuids, batch_hashes)
         counts = [self.family.num_tokens(inputs) for inputs in preprocessed]
         self._check_item_sizes(counts)
         token_ids = self._tokenize(prompt, counts)
@@ -173,12 +182,13 @@ class InputProcessor:
                 )
 
     def _load_items(
-        self, images: list[ImageInput], mm_uuids: Sequence[str | None] | None
+        self, images: list[ImageInput], mm_uuids: Sequence[str | None] | None, batch_hashes: dict[int, str] | None = None
     ) -> tuple[list[str], list[EncoderInputs]]:
-        """Each image's mm_hash and preprocessed inputs. A known item (same user id, same encoded
-        bytes, or same decoded pixels) reuses the cached inputs: no decode in the first two cases,
-        no resize and normalize in any. An item another thread is preprocessing right now is waited
-        for, not preprocessed twice."""
+        """Each image's mm_hash and preprocessed inputs. A known item (same user id, same object
+        earlier in the batch, same encoded bytes, or same decoded pixels) reuses the cached inputs:
+        no decode in the first three cases, no resize and normalize in any. An item another thread
+        is preprocessing right now is waited for, not preprocessed twice."""
+        batch_hashes = {} if batch_hashes is None else batch_hashes
         user_ids = self._validated_user_ids(mm_uuids, len(images))
         hashes: list[str] = []
         pixels: list[EncoderInputs | None] = []
@@ -189,6 +199,8 @@ class InputProcessor:
         try:
             for index, (image, user_id) in enumerate(zip(images, user_ids)):
                 mm_hash = hash_user_id(user_id, self.fingerprint, self.settings_key, self.hash_algo) if user_id is not None else None
+                if mm_hash is None:
+                    mm_hash = batch_hashes.get(id(image))
                 digest = encoded = None
                 if mm_hash is None:
                     encoded = encoded_bytes(image, image_index=index)
@@ -217,6 +229,8 @@ class InputProcessor:
                         to_preprocess.setdefault(mm_hash, loaded)
                 hashes.append(mm_hash)
                 pixels.append(cached)
+                if user_id is None:
+                    batch_hashes[id(image)] = mm_hash
             fresh: dict[str, EncoderInputs] = {}
             if to_preprocess:
                 batch = self._preprocess(list(to_preprocess.values()))
