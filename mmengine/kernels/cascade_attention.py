@@ -30,7 +30,12 @@ from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
 from mmengine.layers.cascade import CascadeMetadata, tokens_per_tile
 
 
-@triton.jit
+# The partial states' strides follow the step's split count; unspecialized, one compiled kernel serves
+# every count (warm-up compiles it once, so no split count compiles on the request path).
+PARTIAL_STRIDES = ["stride_pt", "stride_ph", "stride_ps", "stride_lt", "stride_lh"]
+
+
+@triton.jit(do_not_specialize=PARTIAL_STRIDES)
 def _shared_prefix_kernel(
     q_ptr, cache_ptr, part_out_ptr, part_lse_ptr,
     token_indices_ptr, token_positions_ptr, group_starts_ptr, prefix_lens_ptr, group_leaders_ptr, block_tables_ptr,
@@ -85,7 +90,7 @@ def _shared_prefix_kernel(
         tl.store(part_lse_ptr + entry * stride_lt + head * stride_lh + split, lse, mask=row_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=PARTIAL_STRIDES)
 def _merge_prefix_kernel(
     part_out_ptr, part_lse_ptr, token_indices_ptr, counts_ptr, out_ptr, lse_ptr,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh, stride_ft, stride_fh,

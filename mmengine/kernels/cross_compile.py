@@ -109,12 +109,13 @@ def _specialize(value: Any) -> tuple[str, Any, bool]:
     raise TypeError(f"cannot specialize a kernel argument of type {type(value).__name__}")
 
 
-def compile_launch(launch: Launch, arch: int) -> tuple[Any, dict[str, Any]]:
-    """Compiles a recorded launch for sm_<arch>; returns (compiled kernel, its constexprs)."""
+def specialization(launch: Launch) -> tuple[dict[str, str], dict[str, Any], dict[tuple[int, ...], list[list[Any]]]]:
+    """The (signature, constexprs, attributes) Triton compiles a launch with: what decides whether
+    two launches share a compiled kernel. Arguments in the kernel's do_not_specialize keep their
+    plain type."""
     kernel = launch.kernel
-    options = {k: launch.kwargs[k] for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in launch.kwargs}
     bound = dict(zip(kernel.arg_names, launch.args))
-    bound.update({k: v for k, v in launch.kwargs.items() if k not in options})
+    bound.update({k: v for k, v in launch.kwargs.items() if k not in LAUNCH_OPTIONS})
     signature: dict[str, str] = {}
     constexprs: dict[str, Any] = {}
     attrs: dict[tuple[int, ...], list[list[Any]]] = {}
@@ -123,12 +124,25 @@ def compile_launch(launch: Launch, arch: int) -> tuple[Any, dict[str, Any]]:
         if param.is_constexpr:
             signature[param.name], constexprs[param.name] = "constexpr", value
             continue
+        if param.do_not_specialize and isinstance(value, int) and not isinstance(value, bool):
+            signature[param.name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            continue
         signature[param.name], constant, divisible = _specialize(value)
         if signature[param.name] == "constexpr":
             constexprs[param.name] = constant
         elif divisible:
             attrs[(index,)] = [["tt.divisibility", 16]]
-    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
+    return signature, constexprs, attrs
+
+
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+
+
+def compile_launch(launch: Launch, arch: int) -> tuple[Any, dict[str, Any]]:
+    """Compiles a recorded launch for sm_<arch>; returns (compiled kernel, its constexprs)."""
+    options = {k: launch.kwargs[k] for k in LAUNCH_OPTIONS if k in launch.kwargs}
+    signature, constexprs, attrs = specialization(launch)
+    source = ASTSource(fn=launch.kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=options), constexprs
 
 
