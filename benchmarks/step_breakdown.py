@@ -162,12 +162,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--image-size-max", type=int, default=64, help="pictures are up to this many pixels a side")
     parser.add_argument("--prompt-words", type=int, default=40)
     parser.add_argument("--output-len", type=int, default=8)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="the engine's batch limit, which the image workload runs at (default: the largest batch size)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--output", default="benchmarks/results/step_breakdown.json")
     args = parser.parse_args(argv)
     args.batch_sizes = [int(v) for v in args.batch_sizes.split(",")]
+    if args.max_num_seqs is not None and args.max_num_seqs < max(args.batch_sizes):
+        parser.error(f"--max-num-seqs {args.max_num_seqs} is below the largest batch size {max(args.batch_sizes)}")
     args.async_scheduling = args.async_scheduling.split(",")
     return args
 
@@ -187,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                     "modes": {}}
     print(f"{'scenario':<16} {'async':>5} {'step ms':>8} " + " ".join(f"{p[:10]:>10}" for p in PHASES))
     for mode in args.async_scheduling:
-        engine = MMEngine(model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch_sizes),
+        engine = MMEngine(model, device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs or max(args.batch_sizes),
                           max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                           gpu_memory_utilization=args.gpu_memory_utilization, async_scheduling=mode,
                           cascade_attention=args.cascade_attention)
