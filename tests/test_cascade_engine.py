@@ -181,23 +181,28 @@ def test_a_cascade_step_fills_its_buckets_cascade_graph():
 
 def test_cascade_graphs_give_the_eager_tokens(checkpoint_dir, no_tf32):
     """Decode steps replay the cascade variant of their bucket (the CPU stand-in for the capture,
-    the Triton kernels in the interpreter) and give the tokens of cascade-free eager steps."""
-    prompt = "USER: You answer questions about small gardens with patience and practical details, always."
-    prompts = [f"{prompt} {q} ASSISTANT:" for q in ("first?", "why?", "how so?")]
-    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
-    tokens = {}
+    the Triton kernels in the interpreter) and give the tokens of cascade-free eager steps: two
+    groups under different prefixes and an ungrouped request, padded to a bucket, with requests
+    finishing at different steps so the groups change from replay to replay."""
+    gardens = "USER: You answer questions about small gardens with patience and practical details, always."
+    cooking = "USER: You are a cook who explains every recipe slowly, with the reasons for each step."
+    prompts = [f"{gardens} {q} ASSISTANT:" for q in ("first?", "why?", "how so?")]
+    prompts += [f"{cooking} {q} ASSISTANT:" for q in ("soup?", "bread?")] + ["USER: hi ASSISTANT:"]
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (5, 3, 4, 5, 2, 4)]
+    tokens, replays = {}, {}
     for cascade in ("off", "auto"):
         engine = MMEngine(str(checkpoint_dir()), attn_backend="triton", dtype="float32", max_model_len=128, block_size=16,
-                          max_num_seqs=4, cascade_attention=cascade)
+                          max_num_seqs=8, cascade_attention=cascade)
         engine.runner.capture_cuda_graphs(EagerCapturer())
         graphs = engine.runner.decode_graphs
-        assert graphs.cascade_sizes == ([] if cascade == "off" else [2, 4])
+        assert graphs.cascade_sizes == ([] if cascade == "off" else [2, 4, 8])
         with patch("mmengine.runner.cascade_plan.MIN_SAVED_BYTES_PER_LAYER", 0):  # tiny K/V: always worth it
             tokens[cascade] = [o.token_ids for o in engine.generate(prompts, sampling_params=params, use_tqdm=False)]
-        assert graphs.num_replays == 3  # every decode step after the prefill ...
-        assert graphs.num_cascade_replays == (0 if cascade == "off" else 3)  # ... in its cascade variant
+        replays[cascade] = (graphs.num_replays, graphs.num_cascade_replays)
         assert engine.stats()["cascade_steps"] >= graphs.num_cascade_replays
     assert tokens["auto"] == tokens["off"]
+    # the same decode steps replayed graphs; with cascade, those that had a group their cascade variant
+    assert replays["off"] == (replays["auto"][0], 0) and replays["auto"][1] >= 2
 
 
 @pytest.mark.parametrize("value", ["on", "off"])
