@@ -10,6 +10,10 @@ prefix (a last prompt token recomputed after a full prefix hit, or any chunk tha
 the prefix ends) never sees a later prefix key. The suffix pass reads a request's block table
 with the prefix blocks cut off and a context shortened by the prefix: the prefix is whole blocks,
 so the existing paged kernels run on it unchanged, their positions shifted by the prefix.
+
+The prefix pass's work is a list of tiles (up to tile_tokens of one group's tokens each), each
+cut into the same number of splits; its counts travel to the device with the layout, so the
+kernels' grids only need bounds (kernels/cascade_attention.py), and a CUDA graph can hold them.
 """
 
 from __future__ import annotations
