@@ -319,12 +319,13 @@ class CascadeBuffers:
         for name in DEVICE_ARRAYS:
             values: np.ndarray = getattr(layout, name)
             buffer: HostDeviceBuffer = getattr(self, name)
-            buffer.np[: len(values)] = values
-            views[name] = buffer.upload(len(values))
-        if graph_size is not None:
-            num_reqs = len(layout.suffix_seq_lens)
-            self.suffix_seq_lens.np[num_reqs:graph_size] = PAD_SEQ_LEN
-            self.suffix_seq_lens.upload(graph_size)
+            rows = len(values)
+            buffer.np[:rows] = values
+            if name == "suffix_seq_lens" and graph_size is not None:
+                buffer.np[rows:graph_size] = PAD_SEQ_LEN
+                views[name] = buffer.upload(graph_size)[:rows]
+            else:
+                views[name] = buffer.upload(rows)
         self.counts.np[:] = layout_counts(layout)
         return CascadeMetadata(**views, counts=self.counts.upload(3), **host_lists(layout), **launch_bounds(layout))
 
