@@ -162,3 +162,20 @@ def test_shared_prefix_bad_options_are_usage_errors(shared_prefix, args, capsys)
     with pytest.raises(SystemExit) as exit_info:
         shared_prefix.parse_args(args)
     assert exit_info.value.code == 2 and "error" in capsys.readouterr().err
+
+
+def test_throughput_benchmark_runs_both_engines_batched(checkpoint_dir, tmp_path):
+    module = load_benchmark("throughput")
+    output = tmp_path / "throughput.json"
+    result = module.main([
+        "--model", str(checkpoint_dir()), "--num-requests", "6", "--unique-images", "2", "--image-fraction", "0.5",
+        "--image-size-max", "64", "--prompt-words", "6", "--output-len", "3", "--max-num-seqs", "4",
+        "--max-model-len", "256", "--baseline-batch-size", "3", "--baseline-requests", "4", "--output", str(output),
+    ])
+    assert json.loads(output.read_text()) == json.loads(json.dumps(result, default=str))
+    ours, base = result["mmengine"], result["transformers"]
+    assert ours["requests"] == 6 and ours["output_tokens"] == 6 * 3
+    assert 0 < ours["counts"]["encoder_runs"] <= 2  # each picture is encoded at most once
+    # transformers ran the first 4 prompts as a batch of 3 and one of 1, each row to the full length
+    assert base["requests"] == 4 and base["output_tokens"] == 4 * 3 and base["batch_size"] == 3
+    assert result["speedup_requests_per_s"] == pytest.approx(ours["requests_per_s"] / base["requests_per_s"])
