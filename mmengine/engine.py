@@ -320,10 +320,13 @@ class MMEngine:
         jobs = list(zip(prompt_list, image_lists, params_list, uuid_lists))
 
         batch_hashes: dict[int, str] = {}  # a picture object given for many prompts is read and hashed once
+        text_ids = self.input_processor.tokenize_batch(prompt_list) if len(jobs) > 1 else [None]
 
         def process(i: int) -> ProcessedPrompt:
             prompt, imgs, params, uuids = jobs[i]
-            return self.input_processor.process(prompt, imgs, params, prompt_index=i, mm_uuids=uuids, batch_hashes=batch_hashes)
+            return self.input_processor.process(
+                prompt, imgs, params, prompt_index=i, mm_uuids=uuids, batch_hashes=batch_hashes, text_ids=text_ids[i]
+            )
 
         # Decoding, hashing and resizing release the GIL: a batch with images is preprocessed on a
         # few threads (the first bad prompt, in input order, still raises before anything is queued).

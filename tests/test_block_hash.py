@@ -72,3 +72,25 @@ def test_block_identity_needs_no_request(salt, lora):
     chain = hash_chain(request.prompt_token_ids, request.mm_items, salt, lora, BS, make_hash_function("xxh3_128", 0))
     assert chain == hashes(request) and len(chain) == 23 // BS
     assert hash_chain(request.prompt_token_ids, [], salt, lora, BS, make_hash_function("xxh3_128", 0))[0] != chain[0]
+
+
+@pytest.mark.parametrize("salt,lora", [(None, None), ("s", "l")])
+def test_the_chain_hashes_exactly_each_blocks_key(salt, lora):
+    """extend_chain assembles each block's bytes without building its key; they must be the bytes of
+    _encode(parent, block_key): the key is what the pool verifies, the hash only finds it."""
+    from mmengine.kv_cache.block_hash import _encode
+
+    seen: list[bytes] = []
+    request = make_request("a", 23, images=[(2, 3), (5, 9)], cache_salt=salt, lora_name=lora)
+    request.prompt_token_ids[7] = request.all_token_ids[7] = 2**40  # a wide id packs as int64 too
+    chain = hashes(request)
+
+    def recording(data: bytes) -> bytes:
+        seen.append(data)
+        return make_hash_function("xxh3_128", 0)(data)
+
+    assert hash_chain(request.all_token_ids, request.mm_items, salt, lora, BS, recording) == chain
+    parent = None
+    for index, data in enumerate(seen):
+        assert data == _encode(parent, block_key(request, index, BS))
+        parent = chain[index]

@@ -11,9 +11,12 @@ block pool compares tokens, extra keys and parent before it calls anything a hit
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import struct
+import sys
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -86,21 +89,69 @@ def hash_chain(
     """The chained hashes of every full block of `token_ids`: equal to what BlockHasher gives a
     Request with the same tokens, items, salt and adapter."""
     hashes: list[BlockHash] = []
-    for index in range(len(token_ids) // block_size):
-        key = block_key_of(token_ids, mm_items, cache_salt, lora_name, index, block_size)
-        hashes.append(hash_fn(_encode(hashes[-1] if hashes else None, key)))
+    extend_chain(hashes, token_ids, mm_items, cache_salt, lora_name, block_size, hash_fn)
     return hashes
 
 
+def extend_chain(
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    mm_items: Sequence[MMItem],
+    cache_salt: str | None,
+    lora_name: str | None,
+    block_size: int,
+    hash_fn: HashFunction,
+) -> int:
+    """Appends to `hashes` (the chain of the first len(hashes) blocks) the hashes of the remaining
+    full blocks of `token_ids`; returns how many it appended. Each block's bytes are exactly
+    `_encode(parent, block_key_of(...))`, assembled without building the key: the new blocks'
+    tokens are packed in one call, and an item's or adapter's bytes are encoded once."""
+    first, stop = len(hashes), len(token_ids) // block_size
+    if first >= stop:
+        return 0
+    packed = _pack_token_ids(token_ids[first * block_size : stop * block_size])
+    width = 8 * block_size
+    count = struct.pack("<I", block_size)
+    lora = _encode_extra(("lora", lora_name)) if lora_name is not None else b""
+    parent = hashes[-1] if hashes else None
+    for index in range(first, stop):
+        start = index * block_size
+        offset = (index - first) * width
+        parts = [b"\x00" if parent is None else b"\x01" + parent, count, packed[offset : offset + width], lora]
+        for item in mm_items:
+            if item.overlaps(start, start + block_size):
+                parts.append(_encode_extra((item.modality, item.mm_hash, start - item.offset)))
+        if index == 0 and cache_salt is not None:
+            parts.append(_encode_extra(("salt", cache_salt)))
+        parent = hash_fn(b"".join(parts))
+        hashes.append(parent)
+    return stop - first
+
+
 def _encode(parent: BlockHash | None, key: BlockKey) -> bytes:
+    """The bytes a block's hash is taken of (the definition extend_chain's fast path must equal)."""
     parts = [b"\x01" + parent if parent is not None else b"\x00"]
     parts.append(struct.pack(f"<I{len(key.token_ids)}q", len(key.token_ids), *key.token_ids))
-    for extra in key.extra_keys:
-        for field in extra:
-            data = field.encode() if isinstance(field, str) else struct.pack("<q", field)
-            parts.append(struct.pack("<cI", b"s" if isinstance(field, str) else b"i", len(data)) + data)
-        parts.append(b"|")
+    parts.extend(_encode_extra(extra) for extra in key.extra_keys)
     return b"".join(parts)
+
+
+@functools.lru_cache(maxsize=4096)  # a picture's (modality, hash, relative offset) recurs in every prompt showing it
+def _encode_extra(extra: ExtraKey) -> bytes:
+    parts = []
+    for field in extra:
+        data = field.encode() if isinstance(field, str) else struct.pack("<q", field)
+        parts.append(struct.pack("<cI", b"s" if isinstance(field, str) else b"i", len(data)) + data)
+    parts.append(b"|")
+    return b"".join(parts)
+
+
+def _pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """Little-endian int64s, as struct's "<q" packs them."""
+    packed = array("q", token_ids)
+    if sys.byteorder != "little":
+        packed.byteswap()
+    return packed.tobytes()
 
 
 class BlockHasher:
@@ -112,8 +163,7 @@ class BlockHasher:
         self.num_hashed = 0  # blocks hashed so far (all requests)
 
     def update(self, request: Request) -> None:
-        hashes = request.block_hashes
-        for index in range(len(hashes), request.num_tokens // self.block_size):
-            parent = hashes[-1] if hashes else None
-            hashes.append(self.hash_fn(_encode(parent, block_key(request, index, self.block_size))))
-            self.num_hashed += 1
+        self.num_hashed += extend_chain(
+            request.block_hashes, request.all_token_ids, request.mm_items, request.cache_salt, request.lora_name,
+            self.block_size, self.hash_fn,
+        )

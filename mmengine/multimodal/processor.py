@@ -93,7 +93,7 @@ class InputProcessor:
                 f"the processor expands two probe images into {produced} placeholder tokens but the model makes "
                 f"{sum(counts)} embeddings for them ({counts}): the checkpoint's processor and model configs disagree"
             )
-        if self._tokenize(text, counts) != ids:
+        if self._tokenize(text, counts)[0] != ids:
             raise UnsupportedModelError(
                 "the processor's tokenization differs from its tokenizer's with image markers expanded in place; "
                 "this processor is not supported"
@@ -113,13 +113,15 @@ class InputProcessor:
         prompt_index: int = 0,
         mm_uuids: Sequence[str | None] | None = None,
         batch_hashes: dict[int, str] | None = None,
+        text_ids: list[int] | None = None,
     ) -> ProcessedPrompt:
         """`mm_uuids` optionally names each image: equal ids mean equal images (content is not hashed).
         `batch_hashes` is shared by the calls of one batch (id of an image object -> its mm_hash): an
         object the batch gives several times is read and hashed once. It must not outlive the batch,
-        whose image objects stay alive and unchanged meanwhile (ids are reused after an object dies)."""
+        whose image objects stay alive and unchanged meanwhile (ids are reused after an object dies).
+        `text_ids`: the prompt's ids from `tokenize_batch`, if the batch was tokenized up front."""
         try:
-            return self._process(prompt, list(images or ()), params, mm_uuids, batch_hashes)
+            return self._process(prompt, list(images or ()), params, mm_uuids, batch_hashes, text_ids)
         except InvalidInputError as err:
             raise err.at_prompt(prompt_index) from err
 
@@ -130,6 +132,7 @@ class InputProcessor:
         params: SamplingParams,
         mm_uuids: Sequence[str | None] | None,
         batch_hashes: dict[int, str] | None = None,
+        text_ids: list[int] | None = None,
     ) -> ProcessedPrompt:
         check_prompt_text(prompt)
         if len(images) > self.max_images:
@@ -144,28 +147,48 @@ class InputProcessor:
         mm_hashes, preprocessed = self._load_items(images, mm_uuids, batch_hashes)
         counts = [self.family.num_tokens(inputs) for inputs in preprocessed]
         self._check_item_sizes(counts)
-        token_ids = self._tokenize(prompt, counts)
+        token_ids, starts = self._tokenize(prompt, counts, text_ids)
         if not token_ids:
             raise EmptyPromptError("the prompt is empty after tokenization")
         self._check_length(len(token_ids), params.max_tokens)
-        items = self._placeholder_items(token_ids, preprocessed, mm_hashes)
+        items = self._placeholder_items(token_ids, starts, counts, preprocessed, mm_hashes)
         positions = self.family.prompt_positions(token_ids, items)
         return ProcessedPrompt(prompt=prompt, prompt_token_ids=token_ids, mm_items=items, mrope_positions=positions)
 
-    def _tokenize(self, prompt: str, counts: Sequence[int]) -> list[int]:
-        """The text tokenized as the processor does, the k-th image marker (one added token) expanded in
-        place into a run of counts[k] placeholders, as the processor's own expansion would."""
-        with self._lock:  # a fast tokenizer may refuse concurrent calls ("Already borrowed")
-            ids = self.tokenizer(prompt)["input_ids"]
+    def tokenize_batch(self, prompts: Sequence[object]) -> list[list[int] | None]:
+        """Each prompt's ids as the tokenizer gives them, from one call (a fast tokenizer encodes a batch
+        on its own threads, outside the GIL); None for a prompt that is not valid text, which process()
+        then rejects with its usual error."""
+        valid = []
+        for index, prompt in enumerate(prompts):
+            try:
+                valid.append((index, check_prompt_text(prompt)))
+            except InvalidInputError:
+                pass
+        ids: list[list[int] | None] = [None] * len(prompts)
+        if valid:
+            with self._lock:
+                encoded = self.tokenizer([prompt for _, prompt in valid])["input_ids"]
+            for (index, _), prompt_ids in zip(valid, encoded):
+                ids[index] = list(prompt_ids)
+        return ids
+
+    def _tokenize(self, prompt: str, counts: Sequence[int], ids: list[int] | None = None) -> tuple[list[int], list[int]]:
+        """The text tokenized as the processor does (or `ids`, its tokenization done earlier), the k-th
+        image marker (one added token) expanded in place into a run of counts[k] placeholders, as the
+        processor's own expansion would; also where each run starts."""
+        if ids is None:
+            with self._lock:  # a fast tokenizer may refuse concurrent calls ("Already borrowed")
+                ids = self.tokenizer(prompt)["input_ids"]
         expanded: list[int] = []
-        image = 0
+        starts: list[int] = []
         for token in ids:
-            if token == self.image_token_id and image < len(counts):
-                expanded += [token] * counts[image]
-                image += 1
+            if token == self.image_token_id and len(starts) < len(counts):
+                starts.append(len(expanded))
+                expanded += [token] * counts[len(starts) - 1]
             else:
                 expanded.append(token)
-        return expanded
+        return expanded, starts
 
     def _check_item_sizes(self, counts: Sequence[int]) -> None:
         """Each image's run must fit one step's encoder budget and, with the prompt's other tokens, max_model_len."""
@@ -319,22 +342,16 @@ class InputProcessor:
             )
 
     def _placeholder_items(
-        self, token_ids: list[int], images: list[EncoderInputs], mm_hashes: list[str]
+        self, token_ids: list[int], starts: list[int], counts: list[int], images: list[EncoderInputs], mm_hashes: list[str]
     ) -> list[MMItem]:
-        """One item per image, in prompt order, each owning the next contiguous run of its size."""
-        positions = [i for i, t in enumerate(token_ids) if t == self.image_token_id]
-        counts = [self.family.num_tokens(inputs) for inputs in images]
-        expected = sum(counts)
-        if len(positions) != expected:
+        """One item per image, in prompt order, each owning the run `_tokenize` expanded for it; the
+        prompt must hold no image tokens besides those runs."""
+        found, expected = token_ids.count(self.image_token_id), sum(counts)
+        if found != expected or len(starts) != len(images):
             raise ImageCountMismatchError(
-                f"the prompt holds {len(positions)} image tokens but its {len(images)} image(s) need {expected}"
+                f"the prompt holds {found} image tokens but its {len(images)} image(s) need {expected}"
             )
-        items = []
-        start = 0
-        for idx, (inputs, count, mm_hash) in enumerate(zip(images, counts, mm_hashes)):
-            run = positions[start : start + count]
-            start += count
-            if run[-1] - run[0] + 1 != count:
-                raise ImageCountMismatchError(f"the image tokens of image {idx} are not contiguous")
-            items.append(MMItem("image", mm_hash, run[0], count, inputs))
-        return items
+        return [
+            MMItem("image", mm_hash, start, count, inputs)
+            for inputs, start, count, mm_hash in zip(images, starts, counts, mm_hashes)
+        ]
