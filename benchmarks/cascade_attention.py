@@ -77,6 +77,24 @@ def bench_ms(fn, on_cuda: bool) -> float:
     return sorted(times)[1]
 
 
+def graph_ms(fn, calls: int = 20) -> float:
+    """Median device milliseconds per call, with `calls` calls captured in one CUDA graph: the
+    engine's decode steps replay graphs, so this leaves out the launch cost that eager timing
+    (bench_ms) includes, and that dominates at small batches."""
+    import triton.testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return triton.testing.do_bench(graph.replay, warmup=5, rep=100, return_mode="median") / calls
+
+
 def decode_batch(args: argparse.Namespace, members: int, device: torch.device, dtype: torch.dtype):
     """The paged cache, the queries and the host-side tables of one decode step."""
     bs = args.block_size
@@ -134,6 +152,11 @@ def run_case(args: argparse.Namespace, members: int, device: torch.device, dtype
     on_cuda = device.type == "cuda"
     plain_ms = bench_ms(lambda: backend.forward(query, cache, metadata, scale), on_cuda)
     cascade_ms = bench_ms(lambda: backend.forward(query, cache, cascade_md, scale), on_cuda)
+    graphed = {}
+    if on_cuda:
+        plain_graph = graph_ms(lambda: backend.forward(query, cache, metadata, scale))
+        cascade_graph = graph_ms(lambda: backend.forward(query, cache, cascade_md, scale))
+        graphed = {"plain_graph_ms": plain_graph, "cascade_graph_ms": cascade_graph, "graph_speedup": plain_graph / cascade_graph}
 
     shared = args.shared // args.block_size * args.block_size
     plain_bytes = sum(seq_lens) * kv_bytes_per_token
@@ -144,7 +167,7 @@ def run_case(args: argparse.Namespace, members: int, device: torch.device, dtype
         "plain_ms": plain_ms, "cascade_ms": cascade_ms, "speedup": plain_ms / cascade_ms,
         "plain_kv_bytes": plain_bytes, "cascade_kv_bytes": cascade_bytes,
         "plain_gb_per_s": plain_bytes / plain_ms / 1e6, "cascade_effective_gb_per_s": plain_bytes / cascade_ms / 1e6,
-        "host_plan_ms": plan_ms, "max_abs_diff": max_abs_diff,
+        "host_plan_ms": plan_ms, "max_abs_diff": max_abs_diff, **graphed,
     }
 
 
@@ -171,6 +194,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"({r['plain_gb_per_s']:6.0f} GB/s) | cascade {r['cascade_ms']:8.3f} ms | {r['speedup']:5.2f}x "
               f"| K/V read {r['plain_kv_bytes'] / r['cascade_kv_bytes']:5.2f}x less | auto: {'on' if r['auto_engages'] else 'off'} "
               f"| plan {r['host_plan_ms']:.2f} ms | max diff {r['max_abs_diff']:.2e}")
+        if "graph_speedup" in r:
+            print(f"{'':>30} in CUDA graphs: no cascade {r['plain_graph_ms']:8.3f} ms | cascade {r['cascade_graph_ms']:8.3f} ms | "
+                  f"{r['graph_speedup']:5.2f}x")
     if not on_cuda:
         print("(interpreter: a correctness run; the times say nothing about a GPU)")
     result = {"device": name, "dtype": args.dtype, "args": {k: v for k, v in vars(args).items() if k != "output"}, "rows": rows}
