@@ -93,10 +93,11 @@ class MMEngine:
         self.tokenizer = self.input_processor.tokenizer
         self.runner = ModelRunner(self.config, self.family, model_dir, self.device, self.dtype, self.max_model_len)
         unpinned = self._encoder_budget(pinned_room_tokens=0, warn=False)  # the real one below warns
+        images_per_step = unpinned.compute_budget_tokens // unpinned.max_tokens_per_item
         num_blocks = self.runner.determine_num_kv_blocks(
             encoder_fixed_bytes=unpinned.compute_budget_tokens * self.runner.embedding_bytes,
             encoder_bytes_per_block=self.config.block_size * self.runner.embedding_bytes,
-            images_per_step=unpinned.compute_budget_tokens // unpinned.max_tokens_per_item,
+            images_per_step=images_per_step,
         )
         if self.device.type == "cpu":
             per_block = self.runner.kv_block_bytes + self.config.block_size * self.runner.embedding_bytes
@@ -104,7 +105,7 @@ class MMEngine:
         self.runner.allocate_kv_cache(num_blocks)
         if self.runner.use_cuda_graphs:
             self.runner.capture_cuda_graphs()
-        self.runner.warm_up()
+        self.runner.warm_up(images_per_step)
         self.encoder_budget = self._encoder_budget(pinned_room_tokens=num_blocks * self.config.block_size)
         self.kv_cache = KVCacheManager(
             num_blocks,

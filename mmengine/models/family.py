@@ -115,6 +115,10 @@ class ModelFamily:
         """`num_items` items of the largest size, for the memory-profiling run."""
         raise NotImplementedError
 
+    # Whether every item reaches the encoder at one size (dummy_items' size), so that the encoder's
+    # input shapes are exactly its batch sizes and start-up can warm each of them.
+    items_have_one_size: bool = False
+
     # -- positions ----------------------------------------------------------------
 
     def prompt_positions(self, token_ids: Sequence[int], items: Sequence[MMItem]) -> PromptPositions | None:

@@ -124,6 +124,7 @@ class LlavaFamily(ModelFamily):
 
     architectures = ("LlavaForConditionalGeneration",)
     model_type = "llava"
+    items_have_one_size = True
     display_name = "LLaVA-1.5 (CLIP or SigLIP tower, Llama/Mistral/Qwen2 decoder)"
     model_class = LlavaModel
 
