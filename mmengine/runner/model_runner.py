@@ -58,6 +58,10 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # the encoder cache's tensors, by mm_hash
         self.kv_cache: torch.Tensor | None = None
         self.num_encoder_runs = 0  # items encoded
+        # On a GPU, one-size items go through the tower in batches padded to a power of two: cuDNN
+        # plans its attention and convolution per input shape (60-70 ms for each new image count on
+        # an H100 at the LLaVA-1.5-7B shape), so start-up warms the few batch sizes there are.
+        self.pad_encoder_batches = device.type == "cuda" and family.items_have_one_size
         self.num_cascade_steps = 0  # steps that ran cascade attention
         self.num_cascade_groups = 0  # shared-prefix groups over those steps
         self.num_cascade_tokens = 0  # query tokens that attended to a shared prefix in a group
@@ -249,23 +253,21 @@ class ModelRunner:
 
     def warm_up(self, images_per_step: int = 0) -> None:
         """Compiles every kernel configuration an eager step can launch, so no request pays for a JIT:
-        the attention kernels and, on a GPU, the vision tower at each image count a step can bring."""
+        the attention kernels and, on a GPU, the vision tower at each batch size a step can use."""
         warm_up = getattr(self.attn_backend, "warm_up", None)
         if warm_up is not None and self.kv_cache is not None:
             layer = self.model.language_model.attention_layers()[0]
             with torch.inference_mode():
                 warm_up(layer.num_heads, layer.head_dim, self.kv_cache[0], self.max_model_len, self.dtype)
-        if self.device.type == "cuda":
-            self.warm_up_encoder(images_per_step)
+        self.warm_up_encoder(images_per_step)
 
     def warm_up_encoder(self, images_per_step: int) -> list[int]:
-        """Runs the vision tower once at every batch size 1..images_per_step; returns those sizes.
-        cuDNN plans its attention and convolution per input shape, and the first step with a new
-        image count paid for that on the request path (60-70 ms each on an H100, LLaVA-1.5-7B shape).
-        Only for families whose items have one size: other shapes are not known ahead."""
-        if not self.family.items_have_one_size:
+        """Runs the vision tower once at every padded batch size a step of up to images_per_step
+        images can use; returns those sizes (none when batches are not padded: other shapes are
+        not known ahead)."""
+        if not self.pad_encoder_batches or images_per_step < 1:
             return []
-        sizes = list(range(1, images_per_step + 1))
+        sizes = [1 << i for i in range(encoder_batch_size(images_per_step).bit_length())]
         for size in sizes:
             self.model.encode_items(self.family.dummy_items(size))
         return sizes
@@ -332,7 +334,10 @@ class ModelRunner:
         jobs = [(s.request, idx) for s in scheduled for idx in s.encoder_items]
         if not jobs:
             return
-        embeddings = self.model.encode_items([req.mm_items[idx].encoder_inputs for req, idx in jobs])
+        inputs = [req.mm_items[idx].encoder_inputs for req, idx in jobs]
+        if self.pad_encoder_batches:
+            inputs += self.family.dummy_items(encoder_batch_size(len(inputs)) - len(inputs))
+        embeddings = self.model.encode_items(inputs)[: len(jobs)]
         for (req, idx), emb in zip(jobs, embeddings):
             item = req.mm_items[idx]
             if emb.shape[0] != item.length:
@@ -362,3 +367,7 @@ class ModelRunner:
             embeds[torch.cat(dst)] = torch.cat(src).to(embeds.dtype)
         return embeds
 
+
+def encoder_batch_size(num_items: int) -> int:
+    """The padded batch a step's one-size items go through the vision tower in: a power of two."""
+    return 1 << (num_items - 1).bit_length()
