@@ -341,9 +341,11 @@ def _image_size(text: str) -> tuple[int, int]:
 
 
 def resolve_model(args: argparse.Namespace) -> tuple[str, dict]:
+    """The checkpoint `args` name (--model, or --build-7b built if missing, or the built-in tiny
+    model of --family, LLaVA without one) and how it came about. Shared by the sibling scripts."""
     if args.model:
         return args.model, {}
-    llava = args.family == "llava"
+    llava = getattr(args, "family", "llava") == "llava"
     if args.build_7b:
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
         spec, name = (LLAVA_1_5_7B_SPEC, "LLAVA_1_5_7B_SPEC") if llava else (QWEN2_5_VL_7B_SPEC, "QWEN2_5_VL_7B_SPEC")

@@ -28,10 +28,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from latency import WORDS, ensure_checkpoint, sync, text_prompt, write_json  # noqa: E402  (a sibling script)
+from latency import WORDS, resolve_model, sync, text_prompt, write_json  # noqa: E402  (a sibling script)
 
 from mmengine import MMEngine, SamplingParams  # noqa: E402
-from mmengine.testing import LLAVA_1_5_7B_SPEC, TinyLlavaSpec, make_test_image, tiny_llava_path  # noqa: E402
+from mmengine.testing import make_test_image  # noqa: E402
 
 PHASES = ("preprocess", "schedule", "encode", "prepare", "launch_other", "wait", "update", "book", "resolve", "detokenize")
 
@@ -178,13 +178,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    origin: dict = {}
-    if args.build_7b:
-        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        path, seconds = ensure_checkpoint(Path(args.build_7b), LLAVA_1_5_7B_SPEC, device, "bfloat16")
-        model, origin = str(path), {"build_s": seconds, "spec": "LLAVA_1_5_7B_SPEC"}
-    else:
-        model = args.model or str(tiny_llava_path(TinyLlavaSpec()))
+    model, origin = resolve_model(args)
     result: dict = {"model": model, "checkpoint": origin, "settings": vars(args),
                     "machine": {"platform": platform.platform(), "torch": torch.__version__,
                                 "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import platform
 import random
 import sys
@@ -29,10 +28,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from latency import WORDS, ensure_checkpoint, sync, write_json  # noqa: E402  (a sibling script)
+from latency import WORDS, resolve_model, sync, write_json  # noqa: E402  (a sibling script)
 
 from mmengine import MMEngine, SamplingParams  # noqa: E402
-from mmengine.testing import LLAVA_1_5_7B_SPEC, TinyLlavaSpec, make_test_image, tiny_llava_path  # noqa: E402
+from mmengine.testing import make_test_image  # noqa: E402
 
 COUNTED = ("steps", "prefill_tokens_computed", "encoder_runs", "encoder_cache_hits", "cascade_steps", "num_preemptions")
 
@@ -145,13 +144,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    origin: dict = {}
-    if args.build_7b:
-        device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        path, seconds = ensure_checkpoint(Path(args.build_7b), LLAVA_1_5_7B_SPEC, device, "bfloat16")
-        model, origin = str(path), {"build_s": seconds, "spec": "LLAVA_1_5_7B_SPEC"}
-    else:
-        model = args.model or str(tiny_llava_path(TinyLlavaSpec()))
+    model, origin = resolve_model(args)
     prompts, image_lists = make_workload(args)
     engine_kwargs = dict(
         device=args.device, dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
