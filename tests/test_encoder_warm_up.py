@@ -66,6 +66,19 @@ def test_a_padded_batch_gives_the_same_tokens_and_counts(family_checkpoint):
     assert runs[True][:2] == runs[False][:2] and runs[True][1] == 3  # the padding is neither kept nor counted
 
 
+def test_each_cached_embedding_owns_its_memory(family_checkpoint):
+    """A cached item must not be a view into its step's batch: that would keep the whole batch
+    (padding included) alive while any one item of it stays cached, beyond the cache's count."""
+    engine = MMEngine(str(family_checkpoint("llava")), max_model_len=256, dtype="float32")
+    engine.runner.pad_encoder_batches = True
+    prompts = [f"USER: <image>\nWhat is picture {i}? ASSISTANT:" for i in range(3)]
+    images = [[make_test_image(40 + i, size=(64, 48))] for i in range(3)]
+    engine.generate(prompts, images=images, sampling_params=SamplingParams(max_tokens=1), use_tqdm=False)
+    outputs = list(engine.runner.encoder_outputs.values())
+    assert len(outputs) == 3
+    assert all(o.untyped_storage().nbytes() == o.numel() * o.element_size() for o in outputs)
+
+
 def test_engine_start_up_warms_the_encoder_on_a_gpu_only(family_checkpoint, monkeypatch):
     from mmengine.runner.model_runner import ModelRunner
 

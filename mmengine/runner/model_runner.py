@@ -345,7 +345,9 @@ class ModelRunner:
                     f"the vision encoder produced {emb.shape[0]} embeddings for an item with {item.length} "
                     "placeholder tokens; the processor and model configs disagree"
                 )
-            self.encoder_outputs[item.mm_hash] = emb.to(self.dtype)
+            # a copy: a view would keep the whole step's batch (padding included) alive while any one
+            # of its items stays cached, past what the encoder cache counts
+            self.encoder_outputs[item.mm_hash] = emb.to(self.dtype, copy=True)
         self.num_encoder_runs += len(jobs)
 
     def _embed(self, input_ids: torch.Tensor, scheduled: list[ScheduledRequest]) -> torch.Tensor:
