@@ -37,7 +37,7 @@ from mmengine.models.loader import checkpoint_dtype
 from mmengine.models.family import ModelFamily
 from mmengine.models.registry import family_class_for, load_family, load_hf_config, load_hf_processor
 from mmengine.multimodal.image_loading import ImageInput
-from mmengine.multimodal.processor import InputProcessor
+from mmengine.multimodal.processor import BatchMemo, InputProcessor
 from mmengine.outputs import RequestOutput
 from mmengine.request import ProcessedPrompt, Request, RequestStatus
 from mmengine.runner import ModelRunner
@@ -320,13 +320,13 @@ class MMEngine:
         uuid_lists = normalize_uuids(mm_uuids, isinstance(prompts, str), len(prompt_list))
         jobs = list(zip(prompt_list, image_lists, params_list, uuid_lists))
 
-        batch_hashes: dict[int, str] = {}  # a picture object given for many prompts is read and hashed once
+        memo = BatchMemo()  # a picture object given for many prompts is read and hashed once
         text_ids = self.input_processor.tokenize_batch(prompt_list) if len(jobs) > 1 else [None]
 
         def process(i: int) -> ProcessedPrompt:
             prompt, imgs, params, uuids = jobs[i]
             return self.input_processor.process(
-                prompt, imgs, params, prompt_index=i, mm_uuids=uuids, batch_hashes=batch_hashes, text_ids=text_ids[i]
+                prompt, imgs, params, prompt_index=i, mm_uuids=uuids, memo=memo, text_ids=text_ids[i]
             )
 
         # Decoding, hashing and resizing release the GIL: a batch with images is preprocessed on a

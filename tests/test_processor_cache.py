@@ -206,7 +206,7 @@ def test_when_the_preprocessing_thread_fails_a_waiting_one_does_it(checkpoint_di
     done = [o for o in outcomes if not isinstance(o, BaseException)]
     assert len(failures) == 1 and len(done) == 2 and len(calls) == 2 and processor.num_images_preprocessed == 1
     assert done[0].mm_items[0].encoder_inputs is done[1].mm_items[0].encoder_inputs
-    assert not processor._in_progress  # nothing left claimed
+    assert not len(processor._preprocessing)  # no lock left behind
 
 
 def test_generate_preprocesses_a_batch_on_threads_with_the_serial_counts(checkpoint_dir, monkeypatch):
@@ -237,7 +237,7 @@ def test_threads_bringing_the_same_broken_bytes_each_get_the_error(checkpoint_di
         futures = [pool.submit(processor.process, PROMPT, [broken], PARAMS) for _ in range(4)]
         errors = [f.exception(timeout=30) for f in futures]
     assert all(isinstance(e, CorruptImageError) for e in errors)
-    assert not processor._in_progress and not processor._decoding
+    assert not len(processor._preprocessing) and not len(processor._decoding)
 
 
 def test_a_picture_object_a_batch_repeats_is_read_and_hashed_once(checkpoint_dir):
@@ -258,3 +258,54 @@ def test_a_picture_object_a_batch_repeats_is_read_and_hashed_once(checkpoint_dir
     # the memo lives for one call: a later call reads the picture again (it may have changed since)
     engine.generate(prompts[:2], images=[[pictures[0]], [pictures[0]]], sampling_params=PARAMS, use_tqdm=False)
     assert engine.stats()["images_decoded"] == 12 + 1
+
+
+def test_many_threads_over_many_shared_pictures_read_each_once(checkpoint_dir, monkeypatch):
+    """Concurrent generate() calls on many threads, each batch naming shared picture objects, shared
+    encoded bytes and shared user ids many times: per call, each object is read once; across calls,
+    equal bytes are decoded once and equal user ids read once, and every item is preprocessed once.
+    The image loader is slowed so that threads collide on the same keys."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    import mmengine.engine
+    import mmengine.multimodal.processor as processor_module
+
+    monkeypatch.setattr(mmengine.engine, "PREPROCESS_THREADS", 6)
+    original_load, reads, lock = processor_module.load_image, {}, threading.Lock()
+
+    def slow_load(image, **kwargs):
+        key = ("bytes", bytes(kwargs["encoded"])) if kwargs.get("encoded") is not None else ("object", id(image))
+        with lock:
+            reads[key] = reads.get(key, 0) + 1
+        time.sleep(0.01)
+        return original_load(image, **kwargs)
+
+    monkeypatch.setattr(processor_module, "load_image", slow_load)
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
+    processor = engine.input_processor
+    pictures = [make_test_image(40 + i, size=(48 + 8 * i, 40)) for i in range(4)]
+    encoded = [_jpeg(50 + i) for i in range(3)]
+    named = [make_test_image(60 + i, size=(40, 56)) for i in range(2)]
+    prompt = "USER: <image><image><image>\nCompare. ASSISTANT:"
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    num_callers, per_call = 4, 6
+
+    def caller(c: int) -> list[list[str]]:
+        images = [[pictures[(c + i) % 4], encoded[i % 3], named[i % 2]] for i in range(per_call)]
+        uuids = [[None, None, f"named-{i % 2}"] for i in range(per_call)]
+        outs = engine.generate([prompt] * per_call, images=images, sampling_params=params, use_tqdm=False, mm_uuids=uuids)
+        return [o.token_ids for o in outs]
+
+    with ThreadPoolExecutor(num_callers) as pool:
+        results = list(pool.map(caller, range(num_callers)))
+    assert all(len(r) == per_call for r in results)
+    for picture in pictures:  # each call reads each of its objects once (the memo lives for one call)
+        assert reads[("object", id(picture))] == num_callers
+    for data in encoded:  # equal bytes are decoded once across all calls
+        assert reads[("bytes", data)] == 1
+    assert sum(reads.get(("object", id(p)), 0) for p in named) == 2  # one read per user id, across calls
+    assert processor.num_images_decoded == sum(reads.values()) == 4 * num_callers + 3 + 2
+    assert processor.num_images_preprocessed == 4 + 3 + 2
+    assert not len(processor._preprocessing) and not len(processor._decoding)

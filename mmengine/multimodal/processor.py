@@ -13,7 +13,8 @@ once, at start-up, on two images of different sizes).
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from mmengine.errors import (
     UnsupportedModelError,
 )
 from mmengine.api_inputs import check_prompt_text
+from mmengine.keyed_lock import KeyedLock
 from mmengine.encoder_cache.hashing import hash_bytes, hash_image, hash_user_id, model_fingerprint, processor_settings_key
 from mmengine.models.family import EncoderInputs, ModelFamily
 from mmengine.models.registry import load_hf_processor
@@ -37,6 +39,16 @@ from mmengine.multimodal.processor_cache import ProcessorCache
 from mmengine.multimodal.resize_guard import check_preprocessed_size
 from mmengine.request import MMItem, ProcessedPrompt
 from mmengine.sampling import SamplingParams
+
+
+@dataclass
+class BatchMemo:
+    """The mm_hash of each picture object one batch (one generate() call) has read, by the object's id.
+    It must not outlive the batch, whose objects stay alive and unchanged meanwhile (an id is reused
+    once its object dies)."""
+
+    hashes: dict[int, str] = field(default_factory=dict)
+    locks: KeyedLock = field(default_factory=KeyedLock)
 
 
 class InputProcessor:
@@ -72,8 +84,8 @@ class InputProcessor:
         # Several threads may add requests at once: the cache, the counters and the tokenizer are
         # touched under this lock; decoding, hashing and the image processor run outside it.
         self._lock = threading.Lock()
-        self._in_progress: dict[str, threading.Event] = {}  # items a call is preprocessing right now
-        self._decoding: dict[str, threading.Event] = {}  # encoded bytes (by digest) a call is decoding right now
+        self._decoding = KeyedLock()  # by digest of encoded bytes: equal bytes are decoded once
+        self._preprocessing = KeyedLock()  # by mm_hash: an item is preprocessed once
         self.hash_algo = hash_algo
         self.num_images_decoded = 0
         self.num_images_preprocessed = 0
@@ -112,16 +124,15 @@ class InputProcessor:
         params: SamplingParams,
         prompt_index: int = 0,
         mm_uuids: Sequence[str | None] | None = None,
-        batch_hashes: dict[int, str] | None = None,
+        memo: BatchMemo | None = None,
         text_ids: list[int] | None = None,
     ) -> ProcessedPrompt:
         """`mm_uuids` optionally names each image: equal ids mean equal images (content is not hashed).
-        `batch_hashes` is shared by the calls of one batch (id of an image object -> its mm_hash): an
-        object the batch gives several times is read and hashed once. It must not outlive the batch,
-        whose image objects stay alive and unchanged meanwhile (ids are reused after an object dies).
-        `text_ids`: the prompt's ids from `tokenize_batch`, if the batch was tokenized up front."""
+        `memo` is shared by the calls of one batch, so a picture object it gives for several prompts
+        is read and hashed once. `text_ids`: the prompt's ids from `tokenize_batch`, if the batch was
+        tokenized up front."""
         try:
-            return self._process(prompt, list(images or ()), params, mm_uuids, batch_hashes, text_ids)
+            return self._process(prompt, list(images or ()), params, mm_uuids, memo, text_ids)
         except InvalidInputError as err:
             raise err.at_prompt(prompt_index) from err
 
@@ -131,7 +142,7 @@ class InputProcessor:
         images: list[ImageInput],
         params: SamplingParams,
         mm_uuids: Sequence[str | None] | None,
-        batch_hashes: dict[int, str] | None = None,
+        memo: BatchMemo | None = None,
         text_ids: list[int] | None = None,
     ) -> ProcessedPrompt:
         check_prompt_text(prompt)
@@ -144,7 +155,7 @@ class InputProcessor:
             raise ImageCountMismatchError(
                 f"the prompt has {num_markers} {self.image_token} marker(s) but {len(images)} image(s) were given"
             )
-        mm_hashes, preprocessed = self._load_items(images, mm_uuids, batch_hashes)
+        mm_hashes, preprocessed = self._load_items(images, mm_uuids, memo)
         counts = [self.family.num_tokens(inputs) for inputs in preprocessed]
         self._check_item_sizes(counts)
         token_ids, starts = self._tokenize(prompt, counts, text_ids)
@@ -205,118 +216,77 @@ class InputProcessor:
                 )
 
     def _load_items(
-        self, images: list[ImageInput], mm_uuids: Sequence[str | None] | None, batch_hashes: dict[int, str] | None = None
+        self, images: list[ImageInput], mm_uuids: Sequence[str | None] | None, memo: BatchMemo | None
     ) -> tuple[list[str], list[EncoderInputs]]:
-        """Each image's mm_hash and preprocessed inputs. A known item (same user id, same object
-        earlier in the batch, same encoded bytes, or same decoded pixels) reuses the cached inputs:
-        no decode in the first three cases, no resize and normalize in any. An item another thread
-        is preprocessing right now is waited for, not preprocessed twice."""
-        batch_hashes = {} if batch_hashes is None else batch_hashes
+        """Each image's mm_hash and preprocessed inputs, one image after another."""
         user_ids = self._validated_user_ids(mm_uuids, len(images))
-        hashes: list[str] = []
-        pixels: list[EncoderInputs | None] = []
-        to_preprocess: dict[str, Image.Image] = {}  # items this call claimed (see _lookup)
-        waiting: dict[str, threading.Event] = {}  # items other calls are preprocessing
-        claimed: list[str] = []
-        decoding: list[str] = []  # digests of encoded bytes this call decodes (see _hash_of_encoded)
-        try:
-            for index, (image, user_id) in enumerate(zip(images, user_ids)):
-                mm_hash = hash_user_id(user_id, self.fingerprint, self.settings_key, self.hash_algo) if user_id is not None else None
-                if mm_hash is None:
-                    mm_hash = batch_hashes.get(id(image))
-                digest = encoded = None
-                if mm_hash is None:
-                    encoded = encoded_bytes(image, image_index=index)
-                    if encoded is not None:
-                        digest = hash_bytes(encoded, self.hash_algo)
-                        mm_hash = self._hash_of_encoded(digest, decoding)
-                cached = self._lookup(mm_hash, claimed, waiting) if mm_hash is not None else None
-                if cached is None and mm_hash not in to_preprocess and mm_hash not in waiting:
-                    loaded = load_image(image, max_pixels=self.max_image_pixels, image_index=index, encoded=encoded)
-                    check_preprocessed_size(
-                        self.hf_processor.image_processor, *loaded.size, self.max_image_pixels, index, self.family.resized_size
-                    )
-                    hashed_now = mm_hash is None
-                    if hashed_now:
-                        mm_hash = hash_image(loaded, self.fingerprint, self.settings_key, self.hash_algo)
-                    with self._lock:
-                        self.num_images_decoded += 1
-                        if digest is not None:
-                            self.cache.remember_encoded(digest, mm_hash)
-                            if digest in decoding:
-                                decoding.remove(digest)
-                                self._decoding.pop(digest).set()
-                    if hashed_now:
-                        cached = self._lookup(mm_hash, claimed, waiting)
-                    if cached is None and mm_hash not in waiting:
-                        to_preprocess.setdefault(mm_hash, loaded)
-                hashes.append(mm_hash)
-                pixels.append(cached)
-                if user_id is None:
-                    batch_hashes[id(image)] = mm_hash
-            fresh: dict[str, EncoderInputs] = {}
-            if to_preprocess:
-                batch = self._preprocess(list(to_preprocess.values()))
-                split = self.family.split_images(batch, len(to_preprocess))
-                with self._lock:
-                    self.num_images_preprocessed += len(to_preprocess)
-                    fresh = {h: self.cache.put(h, image) for h, image in zip(to_preprocess, split)}
-        finally:
-            with self._lock:  # done, or failed: whoever waits reads the cache (or does the work itself)
-                for mm_hash in claimed:
-                    self._in_progress.pop(mm_hash).set()
-                for digest in decoding:
-                    self._decoding.pop(digest).set()
-        fresh.update(self._wait_for(waiting, hashes, images, user_ids))
-        pixels = [p if p is not None else fresh[h] for p, h in zip(pixels, hashes)]
-        return hashes, pixels  # type: ignore[return-value]
+        items = [self._load_item(image, user_id, index, memo) for index, (image, user_id) in enumerate(zip(images, user_ids))]
+        return [mm_hash for mm_hash, _ in items], [inputs for _, inputs in items]
 
-    def _hash_of_encoded(self, digest: str, decoding: list[str]) -> str | None:
-        """The mm_hash of these encoded bytes if it is known. Else None, and this call decodes them: it
-        holds the digest until it has recorded their hash, while other calls with the same bytes wait."""
-        while True:
+    def _load_item(
+        self, image: ImageInput, user_id: str | None, index: int, memo: BatchMemo | None
+    ) -> tuple[str, EncoderInputs]:
+        """One image's mm_hash and preprocessed inputs. What is known is not done again: a user id
+        names the item (nothing is read to hash it), an object this batch has read has its hash in
+        `memo`, encoded bytes seen before have theirs in the cache (no decode), and a known item's
+        inputs come from the cache (no resize and normalize). Each of these is looked up and, if
+        missing, made under its key's lock, so threads that bring the same object, bytes or item at
+        once do the work once between them."""
+        if user_id is not None:
+            mm_hash = hash_user_id(user_id, self.fingerprint, self.settings_key, self.hash_algo)
+            return mm_hash, self._inputs(mm_hash, lambda: self._read(image, index))
+        if memo is None:
+            return self._load_by_content(image, index)
+        with memo.locks.hold(id(image)):
+            mm_hash = memo.hashes.get(id(image))
+            if mm_hash is None:
+                mm_hash, inputs = self._load_by_content(image, index)
+                memo.hashes[id(image)] = mm_hash
+                return mm_hash, inputs
+        return mm_hash, self._inputs(mm_hash, lambda: self._read(image, index))
+
+    def _load_by_content(self, image: ImageInput, index: int) -> tuple[str, EncoderInputs]:
+        """An image known only by its content: encoded bytes (a file or bytes) by their digest, whose
+        mm_hash the cache may already know; anything else by its decoded pixels."""
+        encoded = encoded_bytes(image, image_index=index)
+        if encoded is None:
+            picture = self._read(image, index)
+            mm_hash = hash_image(picture, self.fingerprint, self.settings_key, self.hash_algo)
+            return mm_hash, self._inputs(mm_hash, lambda: picture)
+        digest = hash_bytes(encoded, self.hash_algo)
+        with self._decoding.hold(digest):
             with self._lock:
                 mm_hash = self.cache.hash_of_encoded(digest)
-                if mm_hash is not None or digest in decoding:
-                    return mm_hash
-                other = self._decoding.get(digest)
-                if other is None:
-                    self._decoding[digest] = threading.Event()
-                    decoding.append(digest)
-                    return None
-            other.wait()  # then look again: recorded, or (if that call failed) this call decodes them
+            if mm_hash is None:
+                picture = self._read(image, index, encoded)
+                mm_hash = hash_image(picture, self.fingerprint, self.settings_key, self.hash_algo)
+                with self._lock:
+                    self.cache.remember_encoded(digest, mm_hash)
+                return mm_hash, self._inputs(mm_hash, lambda: picture)
+        return mm_hash, self._inputs(mm_hash, lambda: self._read(image, index, encoded))
 
-    def _lookup(self, mm_hash: str, claimed: list[str], waiting: dict[str, threading.Event]) -> EncoderInputs | None:
-        """The cached inputs of an item, else None: then either another call is preprocessing it
-        (recorded in `waiting`) or this call claims it (recorded in `claimed`) and must preprocess it."""
-        if mm_hash in claimed or mm_hash in waiting:
-            return None
-        with self._lock:
-            in_progress = self._in_progress.get(mm_hash)
-            if in_progress is not None:
-                waiting[mm_hash] = in_progress
-                return None
-            cached = self.cache.get(mm_hash)
-            if cached is None:
-                self._in_progress[mm_hash] = threading.Event()
-                claimed.append(mm_hash)
-            return cached
-
-    def _wait_for(
-        self, waiting: dict[str, threading.Event], hashes: list[str], images: list[ImageInput], user_ids: list[str | None]
-    ) -> dict[str, EncoderInputs]:
-        """The items other calls were preprocessing, once they are done; one whose preprocessing
-        failed (or whose inputs did not stay cached) is loaded by this call after all."""
-        found: dict[str, EncoderInputs] = {}
-        for mm_hash, done in waiting.items():
-            done.wait()
+    def _inputs(self, mm_hash: str, read: Callable[[], Image.Image]) -> EncoderInputs:
+        """The item's preprocessed inputs: cached, else preprocessed now from the picture `read()` gives."""
+        with self._preprocessing.hold(mm_hash):
             with self._lock:
                 cached = self.cache.get(mm_hash)
-            if cached is None:
-                index = hashes.index(mm_hash)
-                (_, (cached,)) = self._load_items([images[index]], [user_ids[index]])
-            found[mm_hash] = cached
-        return found
+            if cached is not None:
+                return cached
+            (inputs,) = self.family.split_images(self._preprocess([read()]), 1)
+            with self._lock:
+                self.num_images_preprocessed += 1
+                return self.cache.put(mm_hash, inputs)
+
+    def _read(self, image: ImageInput, index: int, encoded: bytes | None = None) -> Image.Image:
+        """The picture decoded (or converted), once it is known that preprocessing it stays within
+        max_image_pixels."""
+        picture = load_image(image, max_pixels=self.max_image_pixels, image_index=index, encoded=encoded)
+        check_preprocessed_size(
+            self.hf_processor.image_processor, *picture.size, self.max_image_pixels, index, self.family.resized_size
+        )
+        with self._lock:
+            self.num_images_decoded += 1
+        return picture
 
     def _validated_user_ids(self, mm_uuids: Sequence[str | None] | None, num_images: int) -> list[str | None]:
         if mm_uuids is None:

@@ -1,0 +1,212 @@
+"""A fuzz case: an engine configuration and a workload, drawn from one seed (and nothing else).
+
+The case is plain data. Sizes that depend on the model (how many tokens a picture becomes, how long
+the longest prompt is) are not known here: the case says how far above the minimum to go
+(`kv_blocks_extra`, `encoder_items_extra`), and `fuzzer.py` resolves that against the checkpoint.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl")
+WORDS = (
+    "the a cat dog red blue green look picture what is this why how small large left right top bottom "
+    "colour shape count tell me more about it please describe short long first next again line box"
+).split()
+# How a picture is handed to the engine: the case's one PIL object for it (repeated objects), a
+# fresh equal PIL image, PNG bytes, a PNG file's path, or a numpy array. All decode to the same pixels.
+FORMS = ("object", "copy", "png", "path", "array")
+# Bad requests and the error each must raise (names in mmengine.errors).
+DEFECTS = {
+    "corrupt": "CorruptImageError",  # one image is truncated PNG bytes
+    "count": "ImageCountMismatchError",  # one image fewer than the prompt's markers
+    "too_many": "TooManyImagesError",  # more images than limit_mm_per_prompt
+    "too_long": "PromptTooLongError",  # longer than max_model_len
+    "uuids": "InvalidInputError",  # mm_uuids of the wrong length
+    "image_type": "UnsupportedImageTypeError",  # a dict where an image belongs
+}
+MAX_IMAGES = 4  # limit_mm_per_prompt
+MAX_MODEL_LEN = 640
+
+
+@dataclass(frozen=True)
+class Picture:
+    seed: int
+    size: tuple[int, int]  # (width, height)
+    uuid: str | None  # the mm_uuid that may name it (always this picture)
+
+
+@dataclass
+class RequestSpec:
+    prompt: str
+    pictures: list[int]  # indices into FuzzCase.pictures, in marker order
+    forms: list[str]
+    use_uuids: bool  # pass each named picture's uuid (None for the others)
+    salt: str | None
+    max_tokens: int
+    defect: str | None = None
+    abort_after_steps: int | None = None  # driver requests: aborted this many of its steps after being added
+
+
+@dataclass
+class FuzzCase:
+    seed: int
+    family: str
+    options: dict[str, object]  # engine options that need no model facts
+    kv_blocks_extra: int  # KV blocks above the minimum (the longest request's blocks)
+    encoder_items_extra: int | None  # None: the autotuned encoder cache; else largest item x (1 + extra)
+    pictures: list[Picture]
+    driver: list[RequestSpec]  # added one by one between steps, in the main thread, with aborts
+    callers: list[list[list[RequestSpec]]] = field(default_factory=list)  # per thread, its generate() calls
+    quick: bool = False
+
+    def requests(self) -> list[RequestSpec]:
+        return self.driver + [spec for calls in self.callers for call in calls for spec in call]
+
+    def summary(self) -> str:
+        opts = ", ".join(f"{k}={v}" for k, v in sorted(self.options.items()))
+        return (
+            f"seed {self.seed}: {self.family}, {len(self.requests())} requests ({len(self.driver)} driver, "
+            f"{len(self.callers)} callers), {len(self.pictures)} pictures, kv +{self.kv_blocks_extra}, "
+            f"encoder {'auto' if self.encoder_items_extra is None else f'+{self.encoder_items_extra}'}; {opts}"
+        )
+
+
+def turn(family: str, text: str, num_images: int, system: str | None = None) -> str:
+    """One user turn as the family's chat template writes it, images first, with an optional system text."""
+    if family == "llava":
+        return (f"{system} " if system else "") + "USER: " + "<image>\n" * num_images + text + " ASSISTANT:"
+    head = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
+    images = "<|vision_start|><|image_pad|><|vision_end|>" * num_images
+    return f"{head}<|im_start|>user\n{images}{text}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def continue_chat(family: str, prompt: str, answer: str, text: str, num_images: int) -> str:
+    """The next turn's prompt: the previous prompt, an answer, and a new user message."""
+    end = "</s>" if family == "llava" else "<|im_end|>\n"
+    return prompt + answer + end + turn(family, text, num_images)
+
+
+def make_case(seed: int, quick: bool = False) -> FuzzCase:
+    """The case of `seed`. `quick` keeps it small (the suite's seeded test)."""
+    rng = random.Random(seed)
+    family = FAMILIES[seed % len(FAMILIES)] if quick else rng.choice(FAMILIES)
+    prefix_caching = rng.random() < 0.8
+    options: dict[str, object] = {
+        "block_size": rng.choice((2, 4, 8, 16, 32)),
+        "max_num_batched_tokens": rng.choice((8, 16, 24, 48, 96, 512)),
+        "max_num_seqs": rng.randint(1, 8),
+        "enable_prefix_caching": prefix_caching,
+        "enable_prefix_grouping": prefix_caching and rng.random() < 0.6,
+        "cascade_attention": rng.choice(("on", "off", "auto")),
+        "async_scheduling": rng.choice(("on", "off")),
+        "prefix_caching_hash_algo": rng.choice(("xxh3_128", "xxh3_128", "sha256")),
+        "mm_processor_cache_bytes": rng.choice((0, 1 << 30)),
+        "limit_mm_per_prompt": {"image": MAX_IMAGES},
+        "max_model_len": MAX_MODEL_LEN,
+    }
+    if not quick and rng.random() < 0.1:
+        options["attn_backend"] = "triton"  # Triton's interpreter on a CPU: slow, so only now and then
+    num_pictures = rng.randint(2, 5 if quick else 24)
+    pictures = [
+        Picture(1000 * seed + i, (rng.randint(16, 100), rng.randint(16, 100)), f"pic-{seed}-{i}" if rng.random() < 0.3 else None)
+        for i in range(num_pictures)
+    ]
+    systems = [_words(rng, rng.randint(4, 40)) for _ in range(rng.randint(1, 3))]
+    draw = _Drawer(rng, family, pictures, systems, quick, repeat_rate=rng.choice((0.1, 0.5, 0.8)))
+    num_driver = rng.randint(2, 6 if quick else 14)
+    driver = [draw.request(driver=True) for _ in range(num_driver)]
+    callers = []
+    for _ in range(rng.randint(0, 2 if quick else 3)):
+        calls, previous = [], []
+        for _ in range(rng.randint(1, 2 if quick else 3)):
+            call = [draw.request(earlier=previous) for _ in range(rng.randint(1, 3 if quick else 6))]
+            calls.append(call)
+            previous = [spec for spec in call if spec.defect is None]
+        callers.append(calls)
+    return FuzzCase(
+        seed=seed,
+        family=family,
+        options=options,
+        kv_blocks_extra=rng.choice((0, 0, 1, 2, 5, 20, 200)),
+        encoder_items_extra=rng.choice((None, 0, 0, 1, 3, 50)),
+        pictures=pictures,
+        driver=driver,
+        callers=callers,
+        quick=quick,
+    )
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+class _Drawer:
+    """Draws requests: shared system prefixes, repeated pictures (recently used ones more often),
+    multi-turn extensions of earlier requests, salts, uuids, and about 5% bad requests."""
+
+    def __init__(
+        self, rng: random.Random, family: str, pictures: list[Picture], systems: list[str], quick: bool, repeat_rate: float
+    ) -> None:
+        self.rng, self.family, self.pictures, self.systems, self.quick = rng, family, pictures, systems, quick
+        self.repeat_rate = repeat_rate  # how often a picture drawn is one of the last few requests' pictures
+        self.made: list[RequestSpec] = []  # valid driver requests so far (multi-turn bases)
+
+    def request(self, driver: bool = False, earlier: list[RequestSpec] = ()) -> RequestSpec:
+        rng = self.rng
+        bases = self.made if driver else list(earlier)
+        num_images = rng.choice((0, 1, 1, 1, 2, 2, 3))
+        picked = [self._picture() for _ in range(num_images)]
+        question = _words(rng, rng.randint(1, 10))
+        if bases and rng.random() < 0.3:
+            base = rng.choice(bases)
+            prompt = continue_chat(self.family, base.prompt, _words(rng, rng.randint(1, 6)), question, num_images)
+            picked = base.pictures + picked
+            if len(picked) > MAX_IMAGES:
+                picked, prompt = base.pictures, continue_chat(self.family, base.prompt, "yes", question, 0)
+        else:
+            system = rng.choice(self.systems) if rng.random() < 0.7 else None
+            prompt = turn(self.family, question, num_images, system)
+        spec = RequestSpec(
+            prompt=prompt,
+            pictures=picked,
+            forms=[rng.choice(FORMS) for _ in picked],
+            use_uuids=rng.random() < 0.5,
+            salt=rng.choice((None, None, None, "tenant-a", "tenant-b")),
+            max_tokens=rng.randint(1, 6 if self.quick else 10),
+        )
+        if rng.random() < 0.05:
+            self._spoil(spec)
+        elif driver:
+            if rng.random() < 0.15:
+                spec.abort_after_steps = rng.randint(0, 12)
+            self.made.append(spec)
+        return spec
+
+    def _picture(self) -> int:
+        """Recently drawn pictures come back more often: the workload repeats images."""
+        rng = self.rng
+        if self.made and rng.random() < self.repeat_rate:
+            recent = [i for spec in self.made[-3:] for i in spec.pictures]
+            if recent:
+                return rng.choice(recent)
+        return rng.randrange(len(self.pictures))
+
+    def _spoil(self, spec: RequestSpec) -> None:
+        defect = self.rng.choice(sorted(DEFECTS))
+        if defect in ("corrupt", "count", "image_type") and not spec.pictures:
+            defect = "too_long"
+        spec.defect = defect
+        if defect in ("corrupt", "image_type"):
+            spec.use_uuids = False  # a known uuid stands for its picture, which is then never read
+        if defect == "too_many":
+            spec.prompt = turn(self.family, "too many", MAX_IMAGES + 1)
+            spec.pictures = [self._picture() for _ in range(MAX_IMAGES + 1)]
+            spec.forms = ["object"] * len(spec.pictures)
+        elif defect == "too_long":
+            spec.prompt = turn(self.family, _words(self.rng, 2 * MAX_MODEL_LEN), 0)
+            spec.pictures, spec.forms = [], []
+        elif defect == "uuids":
+            spec.use_uuids = True  # fuzzer.py gives one uuid more than there are images
