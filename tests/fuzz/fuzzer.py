@@ -364,7 +364,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the small cases of the suite's seeded test")
     parser.add_argument("--json", help="write the counts here")
     args = parser.parse_args(argv)
-    logging.getLogger("mmengine.encoder_cache.budget").setLevel(logging.ERROR)  # "raised to one item": expected here
+    budget_log = logging.getLogger("mmengine.encoder_cache.budget")
+    level = budget_log.level
+    budget_log.setLevel(logging.ERROR)  # "encoder_cache_size ... raised to one item" is expected here
+    try:
+        return _main(args)
+    finally:
+        budget_log.setLevel(level)
+
+
+def _main(args: argparse.Namespace) -> int:
     env = FuzzEnv()
     if args.seed is not None:
         case = make_case(args.seed, quick=args.quick)
@@ -386,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
     totals = {key: sum(getattr(r, key) for r in reports) for key in CaseReport.__dataclass_fields__ if key not in ("seed", "family")}
     by_family = {f: sum(r.family == f for r in reports) for f in sorted({r.family for r in reports})}
     summary = {"cases": len(reports) + len(failures), "passed": len(reports), "failed": len(failures), "seeds": [args.start, seed - 1],
-               "minutes": args.minutes, "by_family": by_family, "totals": totals, "failures": failures}
+               "minutes": args.minutes, "threads_at_end": threading.active_count(), "by_family": by_family, "totals": totals, "failures": failures}
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=1))
     for failure in failures:
         print(f"seed {failure['seed']}: {REPLAY.format(seed=failure['seed'])}")
