@@ -119,11 +119,15 @@ def mmengine_server(model: str, how: str, engine_args: list[str]) -> Iterator[st
         _wait_healthy(base, process)
         yield base
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        stop_process(process)
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 def _thread_server(model: str, port: int, engine_args: list[str]) -> Iterator[str]:

@@ -308,11 +308,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         final_rss = rss_bytes(process.pid)
         alive = process.poll() is None
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        serve.stop_process(process)
     back_to_idle = {k: after[k] == idle[k] for k in ("kv_blocks_free", "encoder_cache_referenced", "requests_running",
                                                      "requests_waiting", "requests_in_flight")}
     result = {
