@@ -10,11 +10,12 @@ from typing import TYPE_CHECKING
 
 from mmengine.lazy_exports import lazy_exports
 
-__all__ = ["EngineConfig", "MMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["EngineConfig", "LoRARequest", "MMEngine", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 _EXPORTS = {
     "EngineConfig": "mmengine.config",
+    "LoRARequest": "mmengine.lora.request",
     "MMEngine": "mmengine.engine",
     "RequestOutput": "mmengine.outputs",
     "SamplingParams": "mmengine.sampling",
@@ -22,6 +23,7 @@ _EXPORTS = {
 
 if TYPE_CHECKING:
     from mmengine.config import EngineConfig
+    from mmengine.lora.request import LoRARequest
     from mmengine.engine import MMEngine
     from mmengine.outputs import RequestOutput
     from mmengine.sampling import SamplingParams

@@ -77,6 +77,13 @@ class EngineConfig:
     # Overrides of the checkpoint's image-processor settings, e.g. {"max_pixels": 1003520} for
     # native-resolution families (Qwen2-VL): they bound each image's token count and so the encoder budget.
     mm_processor_kwargs: dict[str, int] | None = None
+    # LoRA adapters (PEFT) on the language model: a step mixes requests of up to max_loras adapters
+    # (device slots, loaded on demand, LRU) and base-model requests; max_cpu_loras adapters are kept
+    # in host memory (None: max_loras), others are read from disk again when needed.
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
 
     def __post_init__(self) -> None:
         _require(isinstance(self.model, str) and self.model, "model", self.model, "a checkpoint path")
@@ -139,6 +146,12 @@ class EngineConfig:
         for modality, limit in self.limit_mm_per_prompt.items():
             _require(modality == "image", "limit_mm_per_prompt", modality, "keys among {'image'}")
             _require(isinstance(limit, int) and limit >= 0, f"limit_mm_per_prompt[{modality!r}]", limit, "an int >= 0")
+        _require(isinstance(self.enable_lora, bool), "enable_lora", self.enable_lora, "a bool")
+        for name in ("max_loras", "max_lora_rank"):
+            _positive_int(name, getattr(self, name))
+        if self.max_cpu_loras is not None:
+            _positive_int("max_cpu_loras", self.max_cpu_loras)
+            _require(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", self.max_cpu_loras, f">= max_loras ({self.max_loras})")
         kwargs = self.mm_processor_kwargs
         _require(kwargs is None or isinstance(kwargs, dict), "mm_processor_kwargs", kwargs, "None or a dict")
         for key, value in (kwargs or {}).items():

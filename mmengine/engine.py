@@ -27,12 +27,15 @@ from mmengine.api_inputs import (
 )
 from mmengine.config import EngineConfig
 from mmengine.detokenizer import IncrementalDetokenizer
-from mmengine.errors import CheckpointError, ConfigError, InvalidInputError
+from mmengine.errors import CheckpointError, ConfigError, InvalidInputError, UnknownAdapterError
 from mmengine.encoder_cache.budget import EncoderBudget, compute_encoder_budget
 from mmengine.encoder_cache.manager import EncoderCacheManager
 from mmengine.host_memory import check_cpu_kv_cache_fits
 from mmengine.kv_cache.block_hash import make_hash_function
 from mmengine.kv_cache.manager import KVCacheManager
+from mmengine.lora.adapter import DecoderShape
+from mmengine.lora.manager import LoRAManager
+from mmengine.lora.request import LoRARequest
 from mmengine.models.loader import checkpoint_dtype
 from mmengine.models.family import ModelFamily
 from mmengine.models.registry import family_class_for, load_family, load_hf_config, load_hf_processor
@@ -121,6 +124,10 @@ class MMEngine:
             self.config, self.kv_cache, self.encoder_cache, self.encoder_budget.compute_budget_tokens, self.max_model_len
         )
         self.eos_token_ids = _eos_token_ids(model_dir, self.hf_config, self.tokenizer)
+        self.loras: LoRAManager | None = None
+        if self.config.enable_lora:
+            shape = DecoderShape.of(self.family.text_config, self.family.head_dim)
+            self.loras = LoRAManager(shape, self.config.max_loras, self.config.max_lora_rank, self.config.max_cpu_loras)
 
         self._async_scheduling = self.config.async_scheduling == "on" or (
             self.config.async_scheduling == "auto" and self.device.type == "cuda"
@@ -168,18 +175,21 @@ class MMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         mm_uuids: Sequence[str | None] | None = None,
+        lora: LoRARequest | str | None = None,
     ) -> str:
         """Validates and queues one request; returns its id. Bad input raises before anything is queued.
 
         Requests share cached KV blocks only when their cache_salt is equal (None is a salt too).
-        `mm_uuids` optionally gives each image an id that replaces hashing its content.
+        `mm_uuids` optionally gives each image an id that replaces hashing its content. `lora` runs
+        the request under an adapter (a LoRARequest, registered on first use, or a registered name).
         """
         params = check_sampling_params(sampling_params)
         check_salt(cache_salt)
         check_request_id(request_id)
         uuids = normalize_uuids(mm_uuids, single=True, num_prompts=1)[0]
+        self._lora_key(lora)  # an unknown or broken adapter fails before preprocessing
         processed = self.input_processor.process(prompt, check_image_list(images), params, mm_uuids=uuids)  # outside the lock
-        return self.add_processed_request(processed, params, request_id, cache_salt)
+        return self.add_processed_request(processed, params, request_id, cache_salt, lora)
 
     def add_processed_request(
         self,
@@ -187,6 +197,7 @@ class MMEngine:
         sampling_params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora: LoRARequest | str | None = None,
     ) -> str:
         """Queues a prompt that `input_processor.process` already validated and preprocessed (on any
         thread, e.g. a worker pool's); returns its id. add_request() is process() and then this."""
@@ -194,7 +205,7 @@ class MMEngine:
         check_salt(cache_salt)
         check_request_id(request_id)
         with self._lock:
-            return self._enqueue(processed, params, request_id, cache_salt)
+            return self._enqueue(processed, params, request_id, cache_salt, self._lora_key(lora))
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduler step; returns an output for every request added with add_request() that
@@ -265,6 +276,8 @@ class MMEngine:
 
     def _schedule(self, allow_empty: bool = False) -> SchedulerOutput:
         out = self.scheduler.schedule()
+        if self.loras is not None:
+            self._activate_loras(out)
         if out.is_empty and not allow_empty and self.scheduler.has_unfinished_requests():
             raise RuntimeError(f"scheduler made no progress: {self.scheduler.running + list(self.scheduler.waiting)}")
         self._counters["steps"] += not out.is_empty
@@ -273,6 +286,15 @@ class MMEngine:
             max(0, min(s.end, s.request.num_prompt_tokens) - s.start) for s in out.scheduled
         )
         return out
+
+    def _activate_loras(self, out: SchedulerOutput) -> None:
+        """Makes the step's adapters resident in device slots and tells the runner each request's slot."""
+        with_lora = [s.request for s in out.scheduled if s.num_new_tokens > 0 and s.request.lora_name is not None]
+        if not with_lora:
+            return
+        running = {r.lora_name for r in self.scheduler.running if r.lora_name is not None}
+        slot_of = self.loras.activate([r.lora_name for r in with_lora], running, self.runner.load_lora_slot)
+        out.lora_slots = {r.request_id: slot_of[r.lora_name] for r in with_lora}
 
     def _block_tables(self, out: SchedulerOutput) -> dict[str, list[int]]:
         return {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled}
@@ -308,16 +330,19 @@ class MMEngine:
         use_tqdm: bool = True,
         cache_salt: str | Sequence[str | None] | None = None,
         mm_uuids: Sequence[str | None] | Sequence[Sequence[str | None] | None] | None = None,
+        lora: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for one prompt or a batch; returns one output per prompt, in input order.
 
         For one prompt, `images` is that prompt's list of images; for a batch, one list (or None) per prompt.
         `cache_salt` is one salt for all prompts or one per prompt; `mm_uuids` follows the shape of
-        `images`. Every prompt is validated before any is queued, so bad input queues nothing.
+        `images`; `lora` is one adapter (or None, the base model) for all prompts or one per prompt.
+        Every prompt is validated before any is queued, so bad input queues nothing.
         """
         prompt_list, image_lists, params_list = normalize_batch(prompts, images, sampling_params)
         salts = normalize_salts(cache_salt, len(prompt_list))
         uuid_lists = normalize_uuids(mm_uuids, isinstance(prompts, str), len(prompt_list))
+        lora_keys = self._lora_keys(lora, len(prompt_list))
         jobs = list(zip(prompt_list, image_lists, params_list, uuid_lists))
 
         memo = BatchMemo()  # a picture object given for many prompts is read and hashed once
@@ -339,8 +364,8 @@ class MMEngine:
         ids: list[str] = []
         try:
             with self._lock:
-                for p, params, salt in zip(processed, params_list, salts):
-                    ids.append(self._enqueue(p, params, None, salt))
+                for p, params, salt, lora_key in zip(processed, params_list, salts, lora_keys):
+                    ids.append(self._enqueue(p, params, None, salt, lora_key))
                     self._owners[ids[-1]] = results
                 self.scheduler.group_batch(ids)
             with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
@@ -376,9 +401,10 @@ class MMEngine:
         use_tqdm: bool = True,
         cache_salt: str | Sequence[str | None] | None = None,
         mm_uuids: Sequence[str | None] | Sequence[Sequence[str | None] | None] | None = None,
+        lora: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
     ) -> list[RequestOutput]:
         """Like generate(), for one conversation (a list of {"role", "content"} messages) or a list of
-        them, rendered with the model's chat template; `images` and `mm_uuids` follow generate()."""
+        them, rendered with the model's chat template; `images`, `mm_uuids` and `lora` follow generate()."""
         conversations, single = normalize_conversations(messages)
         if not getattr(self.input_processor.hf_processor, "chat_template", None):
             raise InvalidInputError(
@@ -391,7 +417,66 @@ class MMEngine:
                 prompts.append(self.input_processor.apply_chat_template(conversation))
             except Exception as err:  # jinja2's TemplateError and the template's own raise_exception
                 raise InvalidInputError(f"the chat template rejects this conversation: {err}", index) from err
-        return self.generate(prompts[0] if single else prompts, images, sampling_params, use_tqdm, cache_salt, mm_uuids)
+        return self.generate(prompts[0] if single else prompts, images, sampling_params, use_tqdm, cache_salt, mm_uuids, lora)
+
+    # -- LoRA adapters -----------------------------------------------------------
+
+    def add_lora(self, lora: LoRARequest) -> bool:
+        """Registers an adapter (its files are read and checked now: AdapterError if they do not fit);
+        False if that name and path were registered already."""
+        loras = self._require_lora()
+        with self._lock:
+            known = lora.name in loras.registered if isinstance(lora, LoRARequest) else False
+            loras.add(lora)
+            return not known
+
+    def remove_lora(self, name: str) -> bool:
+        """Unregisters an adapter; False if there is none of that name. Refused (AdapterInUseError)
+        while queued or running requests use it: removal is never deferred behind your back."""
+        loras = self._require_lora()
+        with self._lock:
+            key = loras.remove(name, lambda k: sum(r.lora_name == k for r in self.scheduler.requests.values()))
+            if key is None:
+                return False
+            slot = loras.vacate(key)
+            if slot is not None:
+                self.runner.clear_lora_slot(slot)
+            return True
+
+    def list_loras(self) -> list[str]:
+        """The registered adapters' names."""
+        if self.loras is None:
+            return []
+        with self._lock:
+            return sorted(self.loras.registered)
+
+    def _require_lora(self) -> LoRAManager:
+        if self.loras is None:
+            raise ConfigError("LoRA adapters need an engine started with enable_lora=True")
+        return self.loras
+
+    def _lora_key(self, lora: object) -> str | None:
+        if lora is None:
+            return None
+        if self.loras is None:
+            raise UnknownAdapterError(f"request asks for LoRA adapter {getattr(lora, 'name', lora)!r}, but this engine "
+                                      "was started without enable_lora=True")
+        with self._lock:
+            return self.loras.key_of(lora)  # type: ignore[arg-type]
+
+    def _lora_keys(self, lora: object, num_prompts: int) -> list[str | None]:
+        """One adapter key per prompt from generate()'s `lora` (one for all, or a list of one per prompt)."""
+        if isinstance(lora, list | tuple):
+            if len(lora) != num_prompts:
+                raise InvalidInputError(f"lora has {len(lora)} entries for {num_prompts} prompt(s)")
+            keys = []
+            for index, item in enumerate(lora):
+                try:
+                    keys.append(self._lora_key(item))
+                except InvalidInputError as err:
+                    raise err.at_prompt(index) from err
+            return keys
+        return [self._lora_key(lora)] * num_prompts
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached KV block (e.g. after changing weights). Running requests are unaffected."""
@@ -438,6 +523,7 @@ class MMEngine:
             "requests_waiting": len(self.scheduler.waiting),
             "encoder_cache_referenced": self.encoder_cache.num_referenced,
             **self.scheduler.sharing.stats(),
+            **(self.loras.stats() if self.loras is not None else {}),
         }
 
     # -- internals -------------------------------------------------------------
@@ -448,6 +534,7 @@ class MMEngine:
         params: SamplingParams,
         request_id: str | None = None,
         cache_salt: str | None = None,
+        lora_key: str | None = None,
     ) -> str:
         arrival = next(self._arrivals)
         if request_id is None:
@@ -458,7 +545,7 @@ class MMEngine:
         elif request_id in self.scheduler.requests:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         generator = self.runner.sampler.make_generator(params, self.device)
-        request = Request(request_id, processed, params, arrival, generator, cache_salt=cache_salt)
+        request = Request(request_id, processed, params, arrival, generator, cache_salt=cache_salt, lora_name=lora_key)
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, stop=params.stop)
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = detokenizer

@@ -34,6 +34,16 @@ class WeightsMismatchError(CheckpointError):
     wrong shape. The message names the tensor, the expected and actual shape, and the file."""
 
 
+class AdapterError(MMEngineError, ValueError):
+    """A LoRA adapter cannot be used: a file is missing or malformed, it does not fit the base model
+    (shapes, target modules), its rank exceeds max_lora_rank, or it uses a feature mmengine refuses
+    (DoRA, modules_to_save, trained biases, ...). The message names the file and the tensor or field."""
+
+
+class AdapterInUseError(AdapterError):
+    """An adapter cannot be removed while requests that use it are queued or running."""
+
+
 class InvalidInputError(MMEngineError, ValueError):
     """A request's input is invalid. `prompt_index` names the offending prompt when known."""
 
@@ -56,6 +66,10 @@ class InvalidInputError(MMEngineError, ValueError):
 
     def __reduce__(self):  # keep pickling (e.g. across processes) working with the extra field
         return (self.__class__, (self.reason, self.prompt_index))
+
+
+class UnknownAdapterError(InvalidInputError):
+    """A request names a LoRA adapter that is not registered (or LoRA is not enabled)."""
 
 
 class ImageCountMismatchError(InvalidInputError):

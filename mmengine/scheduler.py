@@ -51,6 +51,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     freed_encoder_hashes: list[str] = field(default_factory=list)  # evicted: the runner drops them
+    lora_slots: dict[str, int] = field(default_factory=dict)  # request id -> its adapter's device slot (set by the engine)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -200,11 +201,17 @@ class Scheduler:
         self.sharing.begin_admission(self.running)
         skipped: list[Request] = []
         admitted: list[int] = []  # queue positions
+        adapters = {r.lora_name for r in self.running if r.lora_name is not None}  # each needs a device slot
         for position, request in candidates:
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs or len(skipped) > MAX_ADMISSION_LOOKAHEAD:
                 break
             starving = request.num_admission_skips >= MAX_ADMISSION_SKIPS
             if self.sharing.surely_refused(request, starving):
+                skipped.append(request)
+                continue
+            if request.lora_name is not None and request.lora_name not in adapters and len(adapters) >= self.config.max_loras:
+                if starving:  # its adapter gets a slot once the running ones drain
+                    break
                 skipped.append(request)
                 continue
             hits = self.kv_cache.get_computed_blocks(request)
@@ -232,6 +239,8 @@ class Scheduler:
             request.num_prefix_hit_tokens = len(hits) * self.config.block_size
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            if request.lora_name is not None:
+                adapters.add(request.lora_name)
             self.sharing.admitted(request, num_computed)
             out.scheduled.append(scheduled)
             in_flight.update(self._pending_block_hashes(request))

@@ -15,6 +15,7 @@ from mmengine.errors import UnsupportedModelError
 from mmengine.layers.activation import GatedActivation
 from mmengine.layers.attention import Attention, AttentionMetadata
 from mmengine.layers.kernel_dispatch import use_fused_kernels
+from mmengine.layers.lora import LoRAContext, LoRALinear, LoRASlice
 from mmengine.layers.norm import RMSNorm
 from mmengine.layers.rotary import RotaryEmbedding, RotaryStep
 
@@ -136,6 +137,30 @@ class DecoderModel(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> LoRAContext:
+        """Gives every projection `max_loras` adapter slots (LoRALinear, sharing the loaded weights);
+        returns the context through which the runner sets each step's adapter rows."""
+        context = LoRAContext()
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            q, kv, inter = attn.q_size, attn.kv_size, mlp.intermediate_size
+            attn.qkv_proj = LoRALinear(attn.qkv_proj, [LoRASlice("q_proj", 0, q), LoRASlice("k_proj", q, kv),
+                                                       LoRASlice("v_proj", q + kv, kv)], context, max_loras, max_rank)
+            attn.o_proj = LoRALinear(attn.o_proj, [LoRASlice("o_proj", 0, attn.o_proj.out_features)], context, max_loras, max_rank)
+            mlp.gate_up_proj = LoRALinear(mlp.gate_up_proj, [LoRASlice("gate_proj", 0, inter), LoRASlice("up_proj", inter, inter)],
+                                          context, max_loras, max_rank)
+            mlp.down_proj = LoRALinear(mlp.down_proj, [LoRASlice("down_proj", 0, mlp.down_proj.out_features)], context, max_loras, max_rank)
+        return context
+
+    def lora_modules(self) -> list[tuple[int, LoRALinear]]:
+        """(layer index, projection) for every LoRALinear, after enable_lora."""
+        return [
+            (index, module)
+            for index, layer in enumerate(self.layers)
+            for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+            if isinstance(module, LoRALinear)
+        ]
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
         """Loads one checkpoint tensor named relative to this module; False if the name is unknown."""

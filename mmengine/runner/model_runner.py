@@ -20,7 +20,10 @@ from mmengine.errors import ConfigError
 from mmengine.kv_cache.manager import cdiv
 from mmengine.layers.attention import AttentionMetadata, get_attention_backend
 from mmengine.layers.cascade import tokens_per_tile
+from mmengine.layers.kernel_dispatch import use_fused_kernels
+from mmengine.layers.lora import LoRAContext, LoRASegments
 from mmengine.models.family import ModelFamily
+from mmengine.lora.adapter import LoRAAdapter
 from mmengine.models.loader import default_dtype, iter_checkpoint
 from mmengine.runner.cascade_plan import CascadePolicy
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
@@ -53,7 +56,13 @@ class ModelRunner:
             self.model = family.model_class(family.hf_config)
         self.model.load_weights(iter_checkpoint(model_dir))
         self.model.eval()
+        # LoRA slots are allocated here, before the KV cache is sized, so its profile counts them.
+        self.lora_context: LoRAContext | None = None
+        if config.enable_lora:
+            self.lora_context = self.model.language_model.enable_lora(config.max_loras, config.max_lora_rank)
         self.attn_backend = get_attention_backend(config.attn_backend, device)
+        if self.lora_context is not None:
+            self.lora_context.use_kernels = use_fused_kernels(device, self.attn_backend.name)
         self.sampler = Sampler(config.seed)
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # the encoder cache's tensors, by mm_hash
         self.kv_cache: torch.Tensor | None = None
@@ -289,8 +298,10 @@ class ModelRunner:
         scheduled = [s for s in out.scheduled if s.num_new_tokens > 0]  # zero-token requests just wait
         if not scheduled:
             return NOTHING_SAMPLED
-        graph_size = self._graph_size_for(scheduled)
+        graph_size = None if out.lora_slots else self._graph_size_for(scheduled)
         inputs = self.inputs.prepare(scheduled, block_tables, graph_size, previous.token_rows() if previous else None)
+        if self.lora_context is not None:
+            self.lora_context.segments = self._lora_segments(inputs.scheduled, out.lora_slots)
         if inputs.deferred_rows is not None:
             inputs.input_ids.index_copy_(0, inputs.deferred_rows, previous.tokens.index_select(0, inputs.deferred_sources))
         if inputs.cascade_groups:
@@ -325,6 +336,29 @@ class ModelRunner:
             if items and items[-1].end > s.start:  # the token may be an image placeholder
                 return None
         return self.decode_graphs.bucket_for(len(scheduled))
+
+    def _lora_segments(self, scheduled: list[ScheduledRequest], slots: dict[str, int]) -> LoRASegments | None:
+        """The packed batch's rows that run an adapter, one segment per request (None when there are none)."""
+        if not slots:
+            return None
+        starts, lens, slot_ids, row = [], [], [], 0
+        for s in scheduled:
+            slot = slots.get(s.request.request_id)
+            if slot is not None:
+                starts.append(row)
+                lens.append(s.num_new_tokens)
+                slot_ids.append(slot)
+            row += s.num_new_tokens
+        return LoRASegments.build(starts, lens, slot_ids, self.device) if starts else None
+
+    def load_lora_slot(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Writes an adapter's weights into device slot `slot` of every projection."""
+        for layer, module in self.model.language_model.lora_modules():
+            module.load_slot(slot, adapter.layer_pairs(layer, tuple(piece.name for piece in module.slices)))
+
+    def clear_lora_slot(self, slot: int) -> None:
+        for _, module in self.model.language_model.lora_modules():
+            module.clear_slot(slot)
 
     def free_encoder_outputs(self, mm_hashes: list[str]) -> None:
         for mm_hash in mm_hashes:

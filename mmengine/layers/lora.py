@@ -1,0 +1,120 @@
+"""LoRA on the decoder's projections: a linear layer plus a per-row low-rank delta from device slots.
+
+    y = x W^T + b + (x A[slot]^T) B[slot]^T        for the rows of a request that runs an adapter
+
+Fused projections keep their fusion. Each of the S slices of a fused projection (q, k, v or gate,
+up) has its own pair; the slot holds them stacked: A as [S * R, in] (slice j's rows at j * R) and B
+as [out, S * R], block-diagonal (slice j's output rows read only its R columns). So one shrink and
+one expand serve the whole fused projection; R is max_lora_rank, and an adapter of lower rank
+leaves its extra rows and columns zero. B is stored scaled (alpha / r, or alpha / sqrt(r) with
+rsLoRA). The runner fills the slots (lora/slots.py keeps their books) and sets the step's segments
+on the shared LoRAContext before the forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class LoRASegments:
+    """The step's rows that run an adapter: segment i is rows [starts[i], starts[i] + lens[i]) on slot slots[i]."""
+
+    starts: list[int]
+    lens: list[int]
+    slots: list[int]
+    device_starts: torch.Tensor  # int32 copies of the three lists on the model's device, for the kernels
+    device_lens: torch.Tensor
+    device_slots: torch.Tensor
+
+    @classmethod
+    def build(cls, starts: list[int], lens: list[int], slots: list[int], device: torch.device) -> "LoRASegments":
+        packed = torch.tensor([starts, lens, slots], dtype=torch.int32).to(device)
+        return cls(starts, lens, slots, packed[0], packed[1], packed[2])
+
+    @property
+    def max_len(self) -> int:
+        return max(self.lens, default=0)
+
+
+class LoRAContext:
+    """Shared by every LoRALinear of a model: the current step's segments (None: no adapter rows) and
+    whether the Triton kernels or the PyTorch reference compute the deltas."""
+
+    def __init__(self) -> None:
+        self.segments: LoRASegments | None = None
+        self.use_kernels = False
+
+
+@dataclass(frozen=True)
+class LoRASlice:
+    name: str  # the checkpoint's projection name (q_proj, gate_proj, ...)
+    offset: int  # first output row of the slice in the fused projection
+    size: int
+
+
+class LoRALinear(nn.Linear):
+    """An nn.Linear (sharing the original's parameters) with `max_loras` adapter slots."""
+
+    def __init__(self, linear: nn.Linear, slices: list[LoRASlice], context: LoRAContext, max_loras: int, max_rank: int) -> None:
+        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.slices = slices
+        self.context = context
+        self.max_rank = max_rank
+        width = len(slices) * max_rank
+        factory = {"dtype": linear.weight.dtype, "device": linear.weight.device}
+        self.register_buffer("lora_a", torch.zeros(max_loras, width, self.in_features, **factory), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, self.out_features, width, **factory), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        segments = self.context.segments
+        if segments is not None:
+            add_lora(y, x, self.lora_a, self.lora_b, segments, self.context.use_kernels)
+        return y
+
+    def load_slot(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Writes one adapter's pairs (slice name -> (A [r, in], scaled B [size, r])) into `slot`;
+        slices the adapter does not target stay zero."""
+        a, b = self.lora_a[slot], self.lora_b[slot]
+        a.zero_()
+        b.zero_()
+        for j, piece in enumerate(self.slices):
+            pair = pairs.get(piece.name)
+            if pair is None:
+                continue
+            lora_a, lora_b = pair
+            rank = lora_a.shape[0]
+            a[j * self.max_rank : j * self.max_rank + rank].copy_(lora_a)
+            b[piece.offset : piece.offset + piece.size, j * self.max_rank : j * self.max_rank + rank].copy_(lora_b)
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+
+def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, segments: LoRASegments, use_kernels: bool) -> None:
+    """y[rows] += (x[rows] @ lora_a[slot].T) @ lora_b[slot].T for each segment, in place."""
+    x = x.contiguous()
+    if use_kernels:
+        from mmengine.kernels.lora import segmented_matmul
+
+        shrunk = torch.empty(x.shape[0], lora_a.shape[1], dtype=x.dtype, device=x.device)
+        args = (segments.device_starts, segments.device_lens, segments.device_slots, segments.max_len)
+        segmented_matmul(x, lora_a, shrunk, *args, accumulate=False)
+        segmented_matmul(shrunk, lora_b, y, *args, accumulate=True)
+        return
+    lora_reference(y, x, lora_a, lora_b, segments)
+
+
+def lora_reference(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, segments: LoRASegments) -> None:
+    """The PyTorch reference of add_lora (the CPU path): the same shrink, then expand-and-add, per segment."""
+    for start, length, slot in zip(segments.starts, segments.lens, segments.slots):
+        rows = slice(start, start + length)
+        shrunk = (x[rows].float() @ lora_a[slot].float().T).to(x.dtype)
+        y[rows] = (y[rows].float() + shrunk.float() @ lora_b[slot].float().T).to(y.dtype)

@@ -1,0 +1,156 @@
+"""LoRA adapters end to end: for each family, three PEFT adapters of different ranks and target
+modules (built here with `peft` itself, random non-zero weights) give the greedy tokens of
+transformers + PEFT's own generate, in one batch that mixes all three with base-model requests,
+through chunked prefill, preemption and prefix hits; the caches keep adapters apart (prefill counts)
+while the encoder cache is shared (encoder-run counts); more adapters than slots queue and load."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import CPU_FP32, FAMILIES, FamilyCase, _hf_inputs, _hf_model
+from mmengine import LoRARequest, MMEngine, SamplingParams
+from mmengine.testing import make_test_image
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# name -> (rank, alpha, rsLoRA, target projections of the language model)
+ADAPTERS = {
+    "qv4": (4, 8, False, ("q_proj", "v_proj")),
+    "all8": (8, 16, True, ALL),
+    "mlp2": (2, 4, False, ("o_proj", "gate_proj", "down_proj")),
+}
+IMAGES = [make_test_image(900 + i, size=size) for i, size in enumerate([(64, 48), (100, 60), (40, 96)])]
+MAX_TOKENS = 16
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def save_peft_adapter(base_path: Path, out: Path, rank: int, alpha: int, rslora: bool, targets: tuple[str, ...], seed: int) -> Path:
+    """A PEFT LoRA adapter on the language model's `targets`, with random (non-zero) A and B."""
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = _hf_model(base_path, CPU_FP32)
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, init_lora_weights=False,
+                        target_modules=rf".*language_model.*\.({'|'.join(targets)})")
+    peft_model = get_peft_model(copy.deepcopy(model), config)
+    peft_model.save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(family_checkpoint, tmp_path_factory):
+    """lora_adapters(family) -> {name: adapter dir} for ADAPTERS, built once per session."""
+    root = tmp_path_factory.mktemp("lora-adapters")
+
+    @functools.cache
+    def build(family: str) -> dict[str, Path]:
+        base = family_checkpoint(family)
+        return {
+            name: save_peft_adapter(base, root / family / name, *spec, seed=seed)
+            for seed, (name, spec) in enumerate(ADAPTERS.items())
+        }
+
+    return build
+
+
+@functools.cache
+def _peft_model(base_path: Path, adapter_dir: Path):
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    base = AutoModelForImageTextToText.from_pretrained(str(base_path), dtype=torch.float32).eval()
+    return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+
+
+def hf_lora_greedy(base_path: Path, adapter_dir: Path | None, prompt: str, images: list, max_new_tokens: int) -> list[int]:
+    """transformers + PEFT's greedy tokens for one prompt (the base model's when adapter_dir is None)."""
+    model = _peft_model(base_path, adapter_dir) if adapter_dir is not None else _hf_model(base_path, CPU_FP32)[0]
+    inputs = _hf_inputs(_hf_model(base_path, CPU_FP32)[1], prompt, images, CPU_FP32)
+    with torch.inference_mode():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+def _cases(family: FamilyCase) -> list[tuple[str, list, str | None]]:
+    """(prompt, images, adapter) rows: every adapter and the base model, with and without pictures."""
+    return [
+        (family.prompt("Describe the picture in a few words.", 1), [IMAGES[0]], "qv4"),
+        (family.prompt("Describe the picture in a few words.", 1), [IMAGES[0]], "all8"),
+        (family.prompt("Tell me a story about a boat on the sea.", 0), [], "mlp2"),
+        (family.prompt("Describe the picture in a few words.", 1), [IMAGES[0]], None),
+        (family.prompt("Compare these two pictures.", 2), [IMAGES[1], IMAGES[2]], "all8"),
+        (family.prompt("Compare these two pictures.", 2), [IMAGES[1], IMAGES[2]], "mlp2"),
+        (family.prompt("Tell me a story about a boat on the sea.", 0), [], None),
+    ]
+
+
+def _run(engine: MMEngine, cases, adapters: dict[str, Path]) -> list[list[int]]:
+    loras = [LoRARequest(name, str(adapters[name])) if name else None for _, _, name in cases]
+    outs = engine.generate([c[0] for c in cases], images=[c[1] for c in cases], sampling_params=GREEDY,
+                           lora=loras, use_tqdm=False)
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("family_name", FAMILIES)
+def test_mixed_adapter_batch_matches_transformers_and_peft(family_checkpoint, lora_adapters, family_name):
+    family = FamilyCase(family_name, family_checkpoint(family_name))
+    adapters = lora_adapters(family_name)
+    cases = _cases(family)
+    expected = [hf_lora_greedy(family.path, adapters[name] if name else None, prompt, images, MAX_TOKENS)
+                for prompt, images, name in cases]
+    assert len({tuple(e) for e in expected[:2] + [expected[3]]}) == 3, "the adapters must change the output"
+    engine = MMEngine(str(family.path), max_model_len=512, enable_lora=True, max_loras=3, max_lora_rank=8)
+    assert _run(engine, cases, adapters) == expected
+    stats = engine.stats()
+    assert stats["lora_adapters_registered"] == 3 and stats["lora_slot_loads"] == 3
+    # chunked prefill that splits images gives the same tokens
+    chunked = MMEngine(str(family.path), max_model_len=512, enable_lora=True, max_loras=3, max_lora_rank=8,
+                       max_num_batched_tokens=16, block_size=8)
+    assert _run(chunked, cases, adapters) == expected
+    # and so does preemption on a tight KV cache (without prefix grouping, whose gate would avoid it)
+    tight = MMEngine(str(family.path), max_model_len=512, enable_lora=True, max_loras=3, max_lora_rank=8,
+                     block_size=4, num_kv_blocks=40, enable_prefix_grouping=False)
+    assert _run(tight, cases, adapters) == expected
+    assert tight.stats()["num_preemptions"] > 0
+    # a second round hits the prefix cache under each adapter and still matches
+    again = _run(engine, cases, adapters)
+    assert again == expected and engine.stats()["prefix_cache_hits"] > 0
+
+
+def test_adapters_never_share_kv_blocks_but_share_encoder_outputs(family_checkpoint, lora_adapters):
+    path = family_checkpoint("llava")
+    adapters = lora_adapters("llava")
+    family = FamilyCase("llava", path)
+    prompt = family.prompt("Describe the picture in a few words, please, with all the details you see.", 1)
+    engine = MMEngine(str(path), max_model_len=512, enable_lora=True, max_loras=2, max_lora_rank=8,
+                      enable_prefix_grouping=False)
+
+    def prefill(lora) -> int:
+        before = engine.stats()["prefill_tokens_computed"]
+        engine.generate(prompt, images=[IMAGES[0]], sampling_params=GREEDY, lora=lora, use_tqdm=False)
+        return engine.stats()["prefill_tokens_computed"] - before
+
+    full = prefill(LoRARequest("qv4", str(adapters["qv4"])))
+    assert prefill("qv4") == 1  # the same adapter: a full prefix hit recomputes the last token only
+    assert prefill(LoRARequest("all8", str(adapters["all8"]))) == full  # another adapter: computed again
+    assert prefill(None) == full  # the base model never sees an adapter's blocks
+    assert engine.stats()["encoder_runs"] == 1  # language-model adapters share the picture's encoder output
+
+
+def test_more_adapters_than_slots_queue_and_load_in_turn(family_checkpoint, lora_adapters):
+    path = family_checkpoint("qwen2_vl")
+    adapters = lora_adapters("qwen2_vl")
+    family = FamilyCase("qwen2_vl", path)
+    cases = _cases(family)
+    expected = [hf_lora_greedy(path, adapters[name] if name else None, prompt, images, MAX_TOKENS)
+                for prompt, images, name in cases]
+    engine = MMEngine(str(path), max_model_len=512, enable_lora=True, max_loras=1, max_lora_rank=8, max_cpu_loras=2)
+    assert _run(engine, cases, adapters) == expected
+    stats = engine.stats()
+    assert stats["lora_slot_loads"] >= 3 and stats["lora_slot_evictions"] >= 2 and stats["lora_slots_used"] == 1
+    assert stats["lora_disk_reads"] > 3  # three adapters through two host copies: one was read again
