@@ -1,4 +1,4 @@
-"""Compiles the Triton kernels (attention and the decoder's fused ops) for NVIDIA GPUs on a machine without one.
+"""Compiles the Triton kernels (attention, the decoder's fused ops, LoRA) for NVIDIA GPUs on a machine without one.
 
 The launchers run on small CPU tensors with Triton's launch intercepted: each launch is recorded
 (kernel, arguments, options) instead of executed, then compiled ahead of time to a cubin for a
@@ -262,6 +262,27 @@ def record_decoder_launches(case: AttentionCase) -> list[Launch]:
     return launches
 
 
+def record_lora_launches(case: AttentionCase, max_rank: int = 16) -> list[Launch]:
+    """A LoRA delta on the fused QKV projection: the shrink (hidden -> 3 x rank) and the expand with
+    accumulation (3 x rank -> q + k + v), for a decode row and a prefill chunk."""
+    from mmengine.kernels.lora import segmented_matmul
+
+    heads = case.num_kv_heads * case.group
+    out = (heads + 2 * case.num_kv_heads) * case.head_dim
+    width = 3 * max_rank
+    x = torch.empty(24, case.hidden_size, dtype=case.dtype)
+    a = torch.empty(2, width, case.hidden_size, dtype=case.dtype)
+    b = torch.empty(2, out, width, dtype=case.dtype)
+    shrunk = torch.empty(24, width, dtype=case.dtype)
+    y = torch.empty(24, out, dtype=case.dtype)
+    segments = [torch.tensor(v, dtype=torch.int32) for v in ([0, 1], [1, 23], [0, 1])]
+    with capture_launches() as launches:
+        for max_len in (1, 23):
+            segmented_matmul(x, a, shrunk, *segments, max_len, accumulate=False)
+            segmented_matmul(shrunk, b, y, *segments, max_len, accumulate=True)
+    return launches
+
+
 def default_cases() -> list[AttentionCase]:
     """The issue's head dims and block sizes in both 16-bit types, GQA groups 1 to 8 (7 is padded),
     and the fp32 path (exact dot products) the engine takes for float32 checkpoints."""
@@ -280,7 +301,7 @@ def default_cases() -> list[AttentionCase]:
 def report(cases: list[AttentionCase], archs: list[int], log: Callable[[str], None] = print) -> list[KernelResources]:
     results = []
     for case in cases:
-        for launch in record_attention_launches(case) + record_decoder_launches(case):
+        for launch in record_attention_launches(case) + record_decoder_launches(case) + record_lora_launches(case):
             for arch in archs:
                 res = resources_of(launch, arch, case.label)
                 results.append(res)
