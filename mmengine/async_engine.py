@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 from mmengine.api_inputs import check_image_list, check_request_id, check_salt, check_sampling_params, normalize_uuids
 from mmengine.engine import MMEngine
 from mmengine.errors import ConfigError, InvalidInputError, MMEngineError
+from mmengine.lora.request import LoRARequest
 from mmengine.multimodal.image_loading import ImageInput
 from mmengine.outputs import RequestOutput
 from mmengine.sampling import SamplingParams
@@ -248,15 +249,18 @@ class AsyncMMEngine:
         cache_salt: str | None = None,
         mm_uuids: Sequence[str | None] | None = None,
         fill_max_tokens: bool = False,
+        lora: LoRARequest | str | None = None,
     ) -> RequestStream:
         """Validates, preprocesses (on the worker pool) and queues one request; returns its stream.
 
         Bad input raises the engine's typed errors before anything is queued. `fill_max_tokens`
         replaces `sampling_params.max_tokens` with all the room the prompt leaves (max_model_len
-        and the KV cache), as OpenAI's API does when max_tokens is not given.
+        and the KV cache), as OpenAI's API does when max_tokens is not given. `lora` selects an adapter
+        (a registered name, or a LoRARequest registered on first use).
         """
         self._start()
         self.check_not_overloaded()
+        self.engine._lora_key(lora)  # an unknown adapter fails before anything is queued
         params = check_sampling_params(sampling_params)
         check_salt(cache_salt)
         request_id = check_request_id(request_id) or f"req-{uuid.uuid4().hex}"
@@ -269,7 +273,9 @@ class AsyncMMEngine:
             self._streams[request_id] = stream
             self._num_queued += 1
         try:
-            await self.run_in_pool(self._process_and_queue, stream, prompt, image_list, params, uuids, cache_salt, fill_max_tokens)
+            await self.run_in_pool(
+                self._process_and_queue, stream, prompt, image_list, params, uuids, cache_salt, fill_max_tokens, lora
+            )
         except BaseException:
             stream.abort()  # unregisters it; if the worker still queues it, the worker aborts it
             raise
@@ -345,6 +351,7 @@ class AsyncMMEngine:
         mm_uuids: Sequence[str | None] | None,
         cache_salt: str | None,
         fill_max_tokens: bool,
+        lora: LoRARequest | str | None = None,
     ) -> None:
         engine = self.engine
         checked = dataclasses.replace(params, max_tokens=1) if fill_max_tokens else params
@@ -355,7 +362,7 @@ class AsyncMMEngine:
             stream.sampling_params = params
         if stream.cancelled:
             return
-        engine.add_processed_request(processed, params, stream.request_id, cache_salt)
+        engine.add_processed_request(processed, params, stream.request_id, cache_salt, lora)
         stream.added = True
         self._wake.set()
         if stream.cancelled:  # cancelled while being queued: the step loop's abort may have missed it

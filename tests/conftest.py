@@ -188,3 +188,45 @@ def hf_logits(path: Path, prompt: str, images: list | None, precision: Precision
     inputs = _hf_inputs(processor, prompt, images, precision)
     with torch.inference_mode():
         return model(**inputs).logits[0, -1].float()
+
+
+# -- LoRA adapters ------------------------------------------------------------------------------
+
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# name -> (rank, alpha, rsLoRA, target projections of the language model)
+LORA_ADAPTERS = {
+    "qv4": (4, 8, False, ("q_proj", "v_proj")),
+    "all8": (8, 16, True, LORA_PROJECTIONS),
+    "mlp2": (2, 4, False, ("o_proj", "gate_proj", "down_proj")),
+}
+
+
+def save_peft_adapter(base_path: Path, out: Path, rank: int, alpha: int, rslora: bool, targets: tuple[str, ...], seed: int) -> Path:
+    """A PEFT LoRA adapter (saved by `peft` itself) on the language model's `targets`, with random
+    non-zero A and B, so that it changes the model's answers."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    model, _ = _hf_model(base_path, CPU_FP32)
+    torch.manual_seed(seed)
+    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, init_lora_weights=False,
+                        target_modules=rf".*language_model.*\.({'|'.join(targets)})")
+    get_peft_model(copy.deepcopy(model), config).save_pretrained(str(out))
+    return out
+
+
+@pytest.fixture(scope="session")
+def lora_adapters(family_checkpoint, tmp_path_factory):
+    """lora_adapters(family) -> {name: adapter dir} for LORA_ADAPTERS, built once per session."""
+    root = tmp_path_factory.mktemp("lora-adapters")
+
+    @functools.cache
+    def build(family: str) -> dict[str, Path]:
+        base = family_checkpoint(family)
+        return {
+            name: save_peft_adapter(base, root / family / name, *spec, seed=seed)
+            for seed, (name, spec) in enumerate(LORA_ADAPTERS.items())
+        }
+
+    return build

@@ -6,7 +6,6 @@ while the encoder cache is shared (encoder-run counts); more adapters than slots
 
 from __future__ import annotations
 
-import copy
 import functools
 from pathlib import Path
 
@@ -17,45 +16,9 @@ from conftest import CPU_FP32, FAMILIES, FamilyCase, _hf_inputs, _hf_model
 from mmengine import LoRARequest, MMEngine, SamplingParams
 from mmengine.testing import make_test_image
 
-ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# name -> (rank, alpha, rsLoRA, target projections of the language model)
-ADAPTERS = {
-    "qv4": (4, 8, False, ("q_proj", "v_proj")),
-    "all8": (8, 16, True, ALL),
-    "mlp2": (2, 4, False, ("o_proj", "gate_proj", "down_proj")),
-}
 IMAGES = [make_test_image(900 + i, size=size) for i, size in enumerate([(64, 48), (100, 60), (40, 96)])]
 MAX_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
-
-
-def save_peft_adapter(base_path: Path, out: Path, rank: int, alpha: int, rslora: bool, targets: tuple[str, ...], seed: int) -> Path:
-    """A PEFT LoRA adapter on the language model's `targets`, with random (non-zero) A and B."""
-    from peft import LoraConfig, get_peft_model
-
-    model, _ = _hf_model(base_path, CPU_FP32)
-    torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, init_lora_weights=False,
-                        target_modules=rf".*language_model.*\.({'|'.join(targets)})")
-    peft_model = get_peft_model(copy.deepcopy(model), config)
-    peft_model.save_pretrained(str(out))
-    return out
-
-
-@pytest.fixture(scope="session")
-def lora_adapters(family_checkpoint, tmp_path_factory):
-    """lora_adapters(family) -> {name: adapter dir} for ADAPTERS, built once per session."""
-    root = tmp_path_factory.mktemp("lora-adapters")
-
-    @functools.cache
-    def build(family: str) -> dict[str, Path]:
-        base = family_checkpoint(family)
-        return {
-            name: save_peft_adapter(base, root / family / name, *spec, seed=seed)
-            for seed, (name, spec) in enumerate(ADAPTERS.items())
-        }
-
-    return build
 
 
 @functools.cache

@@ -62,7 +62,7 @@ BAD_REQUESTS = [
     ("n > 1", "POST", CHAT, _chat(n=2), HEADERS, 400, "invalid_value", "n", "n must be 1"),
     ("temperature of the wrong type", "POST", CHAT, _chat(temperature="hot"), HEADERS, 400, "invalid_type", "temperature",
      "temperature"),
-    ("unknown model", "POST", CHAT, {**_chat(), "model": "gpt-9"}, HEADERS, 400, "model_not_found", "model", "gpt-9"),
+    ("unknown model", "POST", CHAT, {**_chat(), "model": "gpt-9"}, HEADERS, 404, "model_not_found", "model", "gpt-9"),
     ("bad JSON", "POST", CHAT, b'{"model": "tiny-llava", "messages": [', HEADERS, 400, "invalid_json", None, "not valid JSON"),
     ("no messages field", "POST", CHAT, {"model": MODEL_NAME}, HEADERS, 400, "missing_required_parameter", "messages",
      "messages"),

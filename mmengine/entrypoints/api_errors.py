@@ -24,6 +24,7 @@ from mmengine.errors import (
     ItemTooLargeError,
     PromptTooLongError,
     TooManyImagesError,
+    UnknownAdapterError,
     UnsupportedImageTypeError,
 )
 
@@ -90,6 +91,8 @@ def from_engine_error(err: Exception, *, input_param: str, sampling_fields: dict
         return APIError(503, str(err), code="engine_dead")
     if isinstance(err, RequestFailedError):
         return APIError(500, str(err), code="request_failed")
+    if isinstance(err, UnknownAdapterError):
+        return APIError(404, err.reason, param="model", code="model_not_found")
     if isinstance(err, InvalidInputError):
         code = next((code for cls, code in _INPUT_ERROR_CODES if isinstance(err, cls)), "invalid_value")
         return APIError(400, err.reason, param=input_param, code=code)

@@ -3,6 +3,9 @@
     POST /v1/chat/completions   messages with text and image_url parts (data: URLs, allowed file:// paths)
     POST /v1/completions        a text prompt
     GET  /v1/models, /health, /metrics
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   with --enable-lora-runtime-updates
+
+A request's `model` is the served model's name (the base model) or a LoRA adapter's name.
 
 Streaming answers are server-sent events in OpenAI's chunk format, ending with `data: [DONE]`.
 A client that goes away (mid-stream or while waiting for a whole answer) aborts its request.
@@ -30,8 +33,16 @@ from mmengine.entrypoints.api_errors import APIError, from_engine_error, install
 from mmengine.entrypoints.chat import ChatTemplate, parse_messages
 from mmengine.entrypoints.media import MediaPolicy, fetch_remote_image, is_remote, load_local_image_url
 from mmengine.entrypoints.metrics import ServerMetrics
-from mmengine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest, ResponseWriter, new_id
-from mmengine.errors import MMEngineError
+from mmengine.entrypoints.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    LoadLoRARequest,
+    ResponseWriter,
+    UnloadLoRARequest,
+    new_id,
+)
+from mmengine.errors import AdapterError, AdapterInUseError, ConfigError, MMEngineError
+from mmengine.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +55,8 @@ class ServerSettings:
     api_key: str | None = None
     chat_template: str | None = None  # the template's text (`--chat-template FILE`); None: the model's own
     media: MediaPolicy = field(default_factory=MediaPolicy)
+    lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> directory, registered at start
+    lora_runtime_updates: bool = False  # the load/unload endpoints
 
 
 def build_app(async_engine: AsyncMMEngine, settings: ServerSettings) -> FastAPI:
@@ -72,6 +85,16 @@ def build_app(async_engine: AsyncMMEngine, settings: ServerSettings) -> FastAPI:
     async def models() -> dict[str, Any]:
         return server.models()
 
+    if settings.lora_runtime_updates:
+
+        @app.post("/v1/load_lora_adapter", dependencies=auth)
+        async def load_lora_adapter(body: LoadLoRARequest) -> Response:
+            return await server.load_lora(body)
+
+        @app.post("/v1/unload_lora_adapter", dependencies=auth)
+        async def unload_lora_adapter(body: UnloadLoRARequest) -> Response:
+            return await server.unload_lora(body)
+
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.is_healthy:
@@ -93,6 +116,9 @@ class _OpenAIServer:
         self.metrics = ServerMetrics(async_engine)
         self.template = ChatTemplate(async_engine.engine, settings.chat_template)
         self.created = int(time.time())
+        for name, path in settings.lora_modules.items():
+            self._check_adapter_name(name)
+            async_engine.engine.add_lora(LoRARequest(name, path))
 
     def check_api_key(self, request: Request) -> None:
         expected = self.settings.api_key
@@ -103,15 +129,56 @@ class _OpenAIServer:
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     def models(self) -> dict[str, Any]:
-        card = {"id": self.settings.served_model_name, "object": "model", "created": self.created, "owned_by": "mmengine",
-                "max_model_len": self.engine.engine.max_model_len}
-        return {"object": "list", "data": [card]}
+        base = self.settings.served_model_name
+        engine = self.engine.engine
+        card = {"id": base, "object": "model", "created": self.created, "owned_by": "mmengine", "root": engine.config.model,
+                "parent": None, "max_model_len": engine.max_model_len}
+        adapters = [
+            {"id": name, "object": "model", "created": self.created, "owned_by": "mmengine",
+             "root": str(engine.loras.registered[name].path), "parent": base, "max_model_len": engine.max_model_len}
+            for name in engine.list_loras()
+        ]
+        return {"object": "list", "data": [card, *adapters]}
+
+    def _adapter_for(self, model: str) -> str | None:
+        """The LoRA adapter a request's `model` selects (None: the base model); 404 for any other name."""
+        if model == self.settings.served_model_name:
+            return None
+        if model in self.engine.engine.list_loras():
+            return model
+        raise APIError(404, f"the model {model!r} does not exist: this server serves {self.settings.served_model_name!r}"
+                       + "".join(f", {name!r}" for name in self.engine.engine.list_loras()), param="model", code="model_not_found")
+
+    def _check_adapter_name(self, name: str) -> None:
+        if not name or name == self.settings.served_model_name:
+            raise APIError(400, f"an adapter cannot be named {name!r} (the served model's name)", param="lora_name",
+                           code="invalid_value")
+
+    async def load_lora(self, body: LoadLoRARequest) -> Response:
+        self._check_adapter_name(body.lora_name)
+        if body.lora_name in self.engine.engine.list_loras():
+            raise APIError(400, f"an adapter named {body.lora_name!r} is already loaded: unload it first", param="lora_name",
+                           code="invalid_value")
+        try:  # reads and checks the files: off the event loop
+            await self.engine.run_in_pool(lambda: self.engine.engine.add_lora(LoRARequest(body.lora_name, body.lora_path)))
+        except (AdapterError, ConfigError) as err:
+            raise APIError(400, str(err), param="lora_path", code="invalid_adapter") from err
+        return JSONResponse({"status": "ok", "message": f"adapter {body.lora_name!r} loaded"})
+
+    async def unload_lora(self, body: UnloadLoRARequest) -> Response:
+        try:
+            removed = self.engine.engine.remove_lora(body.lora_name)
+        except AdapterInUseError as err:
+            raise APIError(409, str(err), param="lora_name", code="adapter_in_use") from err
+        except ConfigError as err:
+            raise APIError(400, str(err), param="lora_name", code="invalid_value") from err
+        if not removed:
+            raise APIError(404, f"no adapter named {body.lora_name!r} is loaded", param="lora_name", code="model_not_found")
+        return JSONResponse({"status": "ok", "message": f"adapter {body.lora_name!r} unloaded"})
 
     async def generate(self, kind: str, body: ChatCompletionRequest | CompletionRequest, request: Request) -> Response:
         arrival = time.monotonic()
-        if body.model != self.settings.served_model_name:
-            raise APIError(400, f"unknown model {body.model!r}: this server serves {self.settings.served_model_name!r}",
-                           param="model", code="model_not_found")
+        lora = self._adapter_for(body.model)
         body.check_supported()
         params, fill_max_tokens = body.sampling_params()
         chat = kind == "chat"
@@ -124,11 +191,11 @@ class _OpenAIServer:
                 prompt, images = body.single_prompt(), None
             stream = await self.engine.add_request(
                 prompt, images, params, request_id=request_id, cache_salt=body.cache_salt,
-                mm_uuids=body.mm_uuids if chat else None, fill_max_tokens=fill_max_tokens,
+                mm_uuids=body.mm_uuids if chat else None, fill_max_tokens=fill_max_tokens, lora=lora,
             )
         except MMEngineError as err:
             raise from_engine_error(err, input_param="messages" if chat else "prompt") from err
-        writer = ResponseWriter(kind, request_id, self.settings.served_model_name)
+        writer = ResponseWriter(kind, request_id, body.model)
         deltas = self.metrics.timed(aiter(stream), arrival, "chat" if chat else "completions")
         if body.stream:
             events = self._events(writer, deltas, stream, body.include_usage)

@@ -19,6 +19,22 @@ from mmengine.errors import ConfigError
 from mmengine.sampling import SamplingParams
 
 
+class LoadLoRARequest(BaseModel):
+    """POST /v1/load_lora_adapter (vLLM's name and fields)."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(BaseModel):
+    """POST /v1/unload_lora_adapter."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str
+    lora_int_id: int | None = None  # vLLM clients may send it; names identify adapters here
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 

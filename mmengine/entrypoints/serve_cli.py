@@ -45,6 +45,11 @@ def build_serve_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--max-ongoing-requests-per-replica", type=int, default=32, metavar="N",
                           help="with --data-parallel-size > 1: a replica with N requests in flight is saturated, and "
                           "the router sends requests that prefer it to the least-loaded replica (default: 32)")
+    server.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                        help="LoRA adapters (PEFT directories) to register at start; a request selects one by its "
+                        "`model` field (needs --enable-lora)")
+    server.add_argument("--enable-lora-runtime-updates", action="store_true",
+                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora)")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_options(parser)
     return parser
@@ -74,6 +79,9 @@ def run_serve(argv: Sequence[str]) -> None:
         media_dir = Path(args.allowed_local_media_path).resolve()
         if not media_dir.is_dir():
             raise ConfigError(f"--allowed-local-media-path {args.allowed_local_media_path} is not a directory")
+    lora_modules = parse_lora_modules(args.lora_modules)
+    if (lora_modules or args.enable_lora_runtime_updates) and not args.enable_lora:
+        raise ConfigError("--lora-modules and --enable-lora-runtime-updates need --enable-lora")
     if args.data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -82,6 +90,8 @@ def run_serve(argv: Sequence[str]) -> None:
         api_key=args.api_key,
         chat_template=template,
         media=MediaPolicy(allowed_local_media_path=media_dir, allow_remote_media=args.allow_remote_media),
+        lora_modules=lora_modules,
+        lora_runtime_updates=args.enable_lora_runtime_updates,
     )
     if args.data_parallel_size > 1:
         _run_data_parallel(args, settings)
@@ -93,6 +103,19 @@ def run_serve(argv: Sequence[str]) -> None:
         **engine_options(args),
     )
     run_server(async_engine, settings, args.host, args.port, log_level=args.log_level)
+
+
+def parse_lora_modules(items: Sequence[str]) -> dict[str, str]:
+    """--lora-modules NAME=PATH ... as {name: path}; a malformed or repeated name is a ConfigError."""
+    modules: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not (sep and name and path):
+            raise ConfigError(f"--lora-modules expects NAME=PATH, got {item!r}")
+        if name in modules:
+            raise ConfigError(f"--lora-modules names {name!r} twice")
+        modules[name] = path
+    return modules
 
 
 def _run_data_parallel(args: argparse.Namespace, settings: Any) -> None:
