@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mmengine import MMEngine, SamplingParams
+from mmengine import LoRARequest, MMEngine, SamplingParams
 from mmengine.testing import make_test_image
 
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install mmengine-vlm[ray])")
@@ -211,3 +211,26 @@ def test_benchmark_reports_both_placements(ray_cluster, checkpoint_dir, tmp_path
     assert by_placement["prefix+image"]["encoder_runs_per_image"] == 1.0
     assert by_placement["round-robin"]["encoder_runs_per_image"] > 1.0
     assert all(r["requests_per_s"] > 0 and sum(r["rows_per_replica"]) == 20 for r in report["results"])
+
+
+def test_rows_under_lora_adapters_match_one_engine_and_stay_with_their_adapter(ray_cluster, checkpoint_dir, lora_adapters):
+    """A `lora` column: each row runs under its adapter (or the base model) as one local engine runs it,
+    and the adapter is part of the placement key, so one adapter's rows about one picture share a replica."""
+    adapters = {name: str(path) for name, path in lora_adapters("llava").items() if name in ("qv4", "mlp2")}
+    options = {**ENGINE_OPTIONS, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    lora_of = [None, "qv4", "mlp2"]
+    rows = [{"prompt": f"USER: <image>\nQuestion {i}? ASSISTANT:", "images": [png(5)], "lora": lora_of[i % 3],
+             "sampling_params": {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}, "item_id": i} for i in range(9)]
+    result = run_batch(ray.data.from_items(rows), model=checkpoint_dir(), num_replicas=2, engine_options=options,
+                       num_cpus=0.5, lora_modules=adapters)
+    got = by_item(result.dataset)
+    local = MMEngine(str(checkpoint_dir()), **options)
+    for name, path in adapters.items():
+        local.add_lora(LoRARequest(name, path))
+    expected = local.generate([r["prompt"] for r in rows], images=[r["images"] for r in rows],
+                              sampling_params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
+                              lora=[r["lora"] for r in rows], use_tqdm=False)
+    assert [list(got[i]["token_ids"]) for i in range(9)] == [e.token_ids for e in expected]
+    assert len({tuple(e.token_ids) for e in expected[:3]}) == 3  # the adapters change the answers
+    for name in lora_of:
+        assert len({got[i]["replica"] for i in range(9) if rows[i]["lora"] == name}) == 1

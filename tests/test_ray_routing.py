@@ -147,3 +147,17 @@ def test_a_picture_keys_alike_online_and_offline():
     make_test_image(7).save(buffer, "PNG")
     data = buffer.getvalue()
     assert image_url_key("data:image/png;base64," + base64.b64encode(data).decode()) == image_key(data)
+
+
+def test_an_adapter_is_part_of_the_routing_key():
+    from mmengine.ray.routing import with_adapter
+
+    pytest.importorskip("ray.serve", reason="the ray extra is not installed")
+    from mmengine.ray.serve import _request_key
+
+    assert with_adapter("image:abc", None) == "image:abc" and with_adapter(None, None) is None
+    assert with_adapter("image:abc", "ocr") == "lora:ocr|image:abc" and with_adapter(None, "ocr") == "lora:ocr"
+    body = b'{"model": "%s", "messages": [{"role": "user", "content": "hi"}]}'
+    base = _request_key("chat", body % b"base", base_model="base")
+    assert base == _request_key("chat", body % b"base")  # the base model keys as before
+    assert _request_key("chat", body % b"ocr", base_model="base") == "lora:ocr|" + base

@@ -84,6 +84,9 @@ def run_serve(argv: Sequence[str]) -> None:
         raise ConfigError("--lora-modules and --enable-lora-runtime-updates need --enable-lora")
     if args.data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.data_parallel_size > 1 and args.enable_lora_runtime_updates:
+        raise ConfigError("--enable-lora-runtime-updates is not supported with --data-parallel-size > 1 (a load would "
+                          "reach one replica): register adapters with --lora-modules")
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = ServerSettings(
         served_model_name=args.served_model_name or args.model,

@@ -28,6 +28,7 @@ from mmengine.errors import ConfigError
 from mmengine.ray.keys import SharingKeys
 from mmengine.ray.placement import Placement, place_rows
 from mmengine.ray.replica import EngineReplica, check_columns
+from mmengine.ray.routing import with_adapter
 
 AFFINITIES = ("prefix+image", None)
 ProgressHook = Callable[["BatchRunner", int, int], None]  # (runner, replica, rows done so far)
@@ -54,7 +55,10 @@ class BatchRunner:
         batch_size: int = 64,
         max_restarts: int = 1,
         max_task_retries: int = 1,
+        lora_modules: dict[str, str] | None = None,
     ) -> None:
+        """`lora_modules` ({name: PEFT directory}) are registered on every replica (with
+        engine_options' enable_lora=True); a row's `lora` column names the adapter it runs under."""
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ConfigError(f"num_replicas must be a positive int, got {num_replicas!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
@@ -68,7 +72,9 @@ class BatchRunner:
         actor_class = ray.remote(EngineReplica).options(
             num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=max_restarts, max_task_retries=max_task_retries
         )
-        self.replicas = [actor_class.remote(self.model, self.engine_options, i, threads) for i in range(num_replicas)]
+        self.replicas = [
+            actor_class.remote(self.model, self.engine_options, i, threads, lora_modules) for i in range(num_replicas)
+        ]
         self.alive = [True] * num_replicas
         ray.get([r.ready.remote() for r in self.replicas])  # surfaces a bad checkpoint or option now
         self._keys: SharingKeys | None = None
@@ -129,6 +135,7 @@ class BatchRunner:
             local = place_rows([None] * len(rows), len(live), affinity=False)
         else:
             keys = self.sharing_keys([r["prompt"] for r in rows], [r.get("images") for r in rows])
+            keys = [with_adapter(key, row.get("lora") or None) for key, row in zip(keys, rows)]
             index_of = {replica: i for i, replica in enumerate(live)}
             preferred = {k: index_of[r] for k, r in self._sticky.items() if r in index_of}
             local = place_rows(keys, len(live), affinity=True, preferred=preferred)
@@ -213,11 +220,12 @@ def run_batch(
     num_gpus: float = 0,
     num_cpus: float | None = None,
     batch_size: int = 64,
+    lora_modules: dict[str, str] | None = None,
 ) -> BatchResult:
     """Runs every row of `ds` through `num_replicas` engine replicas and returns the materialized
     outputs (input columns + text, token_ids, finish_reason, num_cached_tokens, replica) and each
     replica's engine stats. The replicas are shut down afterwards; keep a BatchRunner to reuse them."""
-    with BatchRunner(model, num_replicas, engine_options, num_gpus, num_cpus, batch_size) as runner:
+    with BatchRunner(model, num_replicas, engine_options, num_gpus, num_cpus, batch_size, lora_modules=lora_modules) as runner:
         return runner.run(ds, affinity)
 
 

@@ -2,7 +2,8 @@
 
 Used as the body of a long-lived Ray actor (batch.py) and by the map_batches processor
 (processor.py). Rows are plain dicts: `prompt` (str), `images` (a list of bytes / paths / pictures,
-optional), `sampling_params` (a dict of SamplingParams fields, optional); other columns pass through.
+optional), `sampling_params` (a dict of SamplingParams fields, optional), `lora` (the name of a LoRA
+adapter the replica registered from `lora_modules`, optional); other columns pass through.
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ def check_columns(columns: Sequence[str]) -> None:
 class EngineReplica:
     """Holds one MMEngine; `generate` answers a list of rows with one output dict per row."""
 
-    def __init__(self, model: str, engine_options: dict[str, Any] | None, replica_id: int, num_threads: int | None = None) -> None:
+    def __init__(
+        self, model: str, engine_options: dict[str, Any] | None, replica_id: int, num_threads: int | None = None,
+        lora_modules: dict[str, str] | None = None,
+    ) -> None:
         if num_threads is not None:
             import torch
 
@@ -64,12 +68,17 @@ class EngineReplica:
         self.model = str(model)
         self.engine_options = dict(engine_options or {})
         self.replica_id = replica_id
+        self.lora_modules = dict(lora_modules or {})
         self.engine = self._build()
 
     def _build(self) -> Any:
         from mmengine.engine import MMEngine
+        from mmengine.lora.request import LoRARequest
 
-        return MMEngine(self.model, **self.engine_options)
+        engine = MMEngine(self.model, **self.engine_options)
+        for name, path in self.lora_modules.items():
+            engine.add_lora(LoRARequest(name, str(path)))
+        return engine
 
     def ready(self) -> int:
         return self.replica_id
@@ -78,7 +87,9 @@ class EngineReplica:
         prompts = [row["prompt"] for row in rows]
         images = [row_images(row.get("images")) for row in rows]
         params = [row_sampling_params(row.get("sampling_params"), i) for i, row in enumerate(rows)]
-        outputs = self.engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+        loras = [row.get("lora") or None for row in rows]
+        outputs = self.engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False,
+                                       lora=loras if any(loras) else None)
         return [
             {
                 "text": out.text,

@@ -142,6 +142,15 @@ def chat_request_key(messages: list[Any], mm_uuids: Sequence[str | None] | None 
     return salt + "prefix:" + hashlib.sha256(leading.encode()).hexdigest()
 
 
+def with_adapter(key: str | None, lora: str | None) -> str | None:
+    """A sharing key for a request under a LoRA adapter: its KV blocks are the adapter's own, so its
+    key (None: the request has none) becomes the adapter's, and an adapter's requests go where its
+    weights and prefix blocks already are. The base model's keys are unchanged."""
+    if lora is None:
+        return key
+    return f"lora:{lora}" if key is None else f"lora:{lora}|{key}"
+
+
 def completion_request_key(prompt: str, cache_salt: str | None = None, prefix_chars: int = DEFAULT_PREFIX_CHARS) -> str:
     """The routing key of a text completion: a hash of the prompt's leading characters."""
     salt = f"salt:{cache_salt}|" if cache_salt is not None else ""

@@ -33,7 +33,7 @@ from ray.serve.handle import DeploymentHandle
 from mmengine.entrypoints.api_server import ServerSettings
 from mmengine.errors import ConfigError
 from mmengine.ray.metrics_merge import merge_replica_metrics
-from mmengine.ray.routing import Router, chat_request_key, completion_request_key
+from mmengine.ray.routing import Router, chat_request_key, completion_request_key, with_adapter
 
 logger = logging.getLogger(__name__)
 
@@ -111,9 +111,10 @@ class EngineReplica:
             raise RuntimeError(f"the engine loop has failed: {self.async_engine.dead_error!r}")
 
 
-def _request_key(kind: str, body: bytes) -> str:
+def _request_key(kind: str, body: bytes, base_model: str | None = None) -> str:
     """The request's routing key, read with the server's protocol models. A body they reject gets a
-    key all the same (the replica answers it with the single server's error)."""
+    key all the same (the replica answers it with the single server's error). A request whose `model`
+    is not the base model names a LoRA adapter, which is part of its key."""
     from pydantic import ValidationError
 
     from mmengine.entrypoints.protocol import ChatCompletionRequest, CompletionRequest
@@ -121,12 +122,14 @@ def _request_key(kind: str, body: bytes) -> str:
     try:
         if kind == "chat":
             chat = ChatCompletionRequest.model_validate_json(body)
-            return chat_request_key(chat.messages, chat.mm_uuids, chat.cache_salt)
-        completion = CompletionRequest.model_validate_json(body)
-        prompt = completion.prompt if isinstance(completion.prompt, str) else json.dumps(completion.prompt)
-        return completion_request_key(prompt, completion.cache_salt)
+            key, model = chat_request_key(chat.messages, chat.mm_uuids, chat.cache_salt), chat.model
+        else:
+            completion = CompletionRequest.model_validate_json(body)
+            prompt = completion.prompt if isinstance(completion.prompt, str) else json.dumps(completion.prompt)
+            key, model = completion_request_key(prompt, completion.cache_salt), completion.model
     except (ValidationError, ValueError):
         return "invalid-body"
+    return with_adapter(key, model if base_model is not None and model != base_model else None)
 
 
 # Serve pickles the ingress app when the class below is decorated: everything its routes use is defined above.
@@ -139,10 +142,11 @@ _GENERATION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "complet
 class OpenAIRouter:
     """Routes each request to an engine replica by its cache key; merges the replicas' metrics."""
 
-    def __init__(self, engines: list[DeploymentHandle], max_ongoing_requests: int) -> None:
+    def __init__(self, engines: list[DeploymentHandle], max_ongoing_requests: int, base_model: str | None = None) -> None:
         from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
         self.engines = engines
+        self.base_model = base_model
         self.router = Router(len(engines), max_ongoing_requests)
         self.loads = [0] * len(engines)
         self._generate_latest = generate_latest
@@ -174,7 +178,7 @@ class OpenAIRouter:
         kind = _GENERATION_PATHS.get(request.url.path)
         if kind is None:  # /v1/models, unknown routes: any replica answers as the single server does
             return await self._whole(0, request, body)
-        key = await asyncio.to_thread(_request_key, kind, body)  # parsing and hashing an upload: off the event loop
+        key = await asyncio.to_thread(_request_key, kind, body, self.base_model)  # parsing and hashing: off the event loop
         route = self.router.route(key, self.loads)
         self.routed.labels(str(route.replica), route.reason).inc()
         return await self._forward(route.replica, request, body)
@@ -273,7 +277,7 @@ def build_app(
         name="mmengine-router", num_replicas=1, ray_actor_options={"num_cpus": 0},
         max_ongoing_requests=max(max_ongoing_requests * num_replicas * 4, 256),
     )
-    return ingress.bind(engines, max_ongoing_requests)
+    return ingress.bind(engines, max_ongoing_requests, settings.served_model_name)
 
 
 def _default_num_gpus(device: str) -> int:
