@@ -179,3 +179,20 @@ def test_throughput_benchmark_runs_both_engines_batched(checkpoint_dir, tmp_path
     # transformers ran the first 4 prompts as a batch of 3 and one of 1, each row to the full length
     assert base["requests"] == 4 and base["output_tokens"] == 4 * 3 and base["batch_size"] == 3
     assert result["speedup_requests_per_s"] == pytest.approx(ours["requests_per_s"] / base["requests_per_s"])
+
+
+def test_lora_benchmark_runs_each_adapter_count_on_the_same_workload(checkpoint_dir, tmp_path):
+    module = load_benchmark("lora")
+    output = tmp_path / "lora.json"
+    result = module.main(["--model", str(checkpoint_dir()), "--adapters", "0,1,3", "--ranks", "4,8", "--num-requests", "6",
+                          "--unique-images", "2", "--output-len", "3", "--decode-batch-size", "3", "--decode-steps", "2",
+                          "--max-model-len", "256", "--output", str(output)])
+    assert json.loads(output.read_text()) == json.loads(json.dumps(result, default=str))
+    runs = [(r["adapters"], r["rank"]) for r in result["runs"]]
+    assert runs == [(0, 0), (1, 4), (3, 4), (1, 8), (3, 8)]
+    for row in result["runs"]:
+        assert row["requests_per_s"] > 0 and row["decode_step_ms"] > 0 and row["throughput_vs_no_lora"] > 0
+    # one adapter shares prefixes as the base model does; three split requests about one picture apart
+    prefill = [r["prefill_tokens_computed"] for r in result["runs"]]
+    assert prefill[1] == prefill[3] == prefill[0] and prefill[2] == prefill[4] > prefill[0]
+    assert [r["lora_slot_loads"] > 0 for r in result["runs"]] == [False, False, True, False, True]
