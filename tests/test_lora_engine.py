@@ -71,9 +71,9 @@ def test_mixed_adapter_batch_matches_transformers_and_peft(family_checkpoint, lo
     assert _run(engine, cases, adapters) == expected
     stats = engine.stats()
     assert stats["lora_adapters_registered"] == 3 and stats["lora_slot_loads"] == 3
-    # chunked prefill that splits images gives the same tokens
+    # chunked prefill that splits images gives the same tokens (with async scheduling too)
     chunked = MMEngine(str(family.path), max_model_len=512, enable_lora=True, max_loras=3, max_lora_rank=8,
-                       max_num_batched_tokens=16, block_size=8)
+                       max_num_batched_tokens=16, block_size=8, async_scheduling="on")
     assert _run(chunked, cases, adapters) == expected
     # and so does preemption on a tight KV cache (without prefix grouping, whose gate would avoid it)
     tight = MMEngine(str(family.path), max_model_len=512, enable_lora=True, max_loras=3, max_lora_rank=8,
@@ -117,3 +117,20 @@ def test_more_adapters_than_slots_queue_and_load_in_turn(family_checkpoint, lora
     stats = engine.stats()
     assert stats["lora_slot_loads"] >= 3 and stats["lora_slot_evictions"] >= 2 and stats["lora_slots_used"] == 1
     assert stats["lora_disk_reads"] > 3  # three adapters through two host copies: one was read again
+
+
+def test_the_triton_path_matches_transformers(family_checkpoint, lora_adapters):
+    """The Triton attention backend (Triton's interpreter on a CPU) takes the segmented LoRA kernels in
+    the engine, as a GPU does: the same tokens as transformers + PEFT."""
+    family = FamilyCase("qwen2_5_vl", family_checkpoint("qwen2_5_vl"))
+    adapters = lora_adapters("qwen2_5_vl")
+    cases = _cases(family)[:4]
+    expected = [hf_lora_greedy(family.path, adapters[name] if name else None, prompt, images, 4)
+                for prompt, images, name in cases]
+    engine = MMEngine(str(family.path), max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8,
+                      attn_backend="triton", max_num_batched_tokens=24)
+    assert engine.runner.lora_context.use_kernels
+    loras = [LoRARequest(name, str(adapters[name])) if name else None for _, _, name in cases]
+    outs = engine.generate([c[0] for c in cases], images=[c[1] for c in cases],
+                           sampling_params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), lora=loras, use_tqdm=False)
+    assert [o.token_ids for o in outs] == expected

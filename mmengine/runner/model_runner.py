@@ -21,7 +21,7 @@ from mmengine.kv_cache.manager import cdiv
 from mmengine.layers.attention import AttentionMetadata, get_attention_backend
 from mmengine.layers.cascade import tokens_per_tile
 from mmengine.layers.kernel_dispatch import use_fused_kernels
-from mmengine.layers.lora import LoRAContext, LoRASegments
+from mmengine.layers.lora import LoRAContext, LoRASegments, add_lora
 from mmengine.models.family import ModelFamily
 from mmengine.lora.adapter import LoRAAdapter
 from mmengine.models.loader import default_dtype, iter_checkpoint
@@ -269,6 +269,25 @@ class ModelRunner:
             with torch.inference_mode():
                 warm_up(layer.num_heads, layer.head_dim, self.kv_cache[0], self.max_model_len, self.dtype)
         self.warm_up_encoder(images_per_step)
+        self.warm_up_lora()
+
+    def warm_up_lora(self) -> int:
+        """On a GPU, compiles the LoRA kernels for each projection's shapes, for decode rows and for
+        prefill chunks (their tile sizes differ), so the first adapter request pays no JIT. Returns
+        how many shapes were warmed."""
+        context = self.lora_context
+        if context is None or not context.use_kernels or self.device.type != "cuda":
+            return 0
+        shapes = {}
+        for _, module in self.model.language_model.lora_modules():
+            shapes.setdefault((module.in_features, module.lora_a.shape[1], module.out_features), module)
+        with torch.inference_mode():
+            for module in shapes.values():
+                for length in (1, 17):  # the decode tile and the prefill tile
+                    x = torch.zeros(length, module.in_features, dtype=self.dtype, device=self.device)
+                    y = torch.zeros(length, module.out_features, dtype=self.dtype, device=self.device)
+                    add_lora(y, x, module.lora_a, module.lora_b, LoRASegments.build([0], [length], [0], self.device), True)
+        return len(shapes)
 
     def warm_up_encoder(self, images_per_step: int) -> list[int]:
         """Runs the vision tower once at every padded batch size a step of up to images_per_step
