@@ -342,17 +342,21 @@ class MMEngine:
         prompt_list, image_lists, params_list = normalize_batch(prompts, images, sampling_params)
         salts = normalize_salts(cache_salt, len(prompt_list))
         uuid_lists = normalize_uuids(mm_uuids, isinstance(prompts, str), len(prompt_list))
-        lora_keys = self._lora_keys(lora, len(prompt_list))
+        loras = self._per_prompt_loras(lora, len(prompt_list))
         jobs = list(zip(prompt_list, image_lists, params_list, uuid_lists))
 
         memo = BatchMemo()  # a picture object given for many prompts is read and hashed once
         text_ids = self.input_processor.tokenize_batch(prompt_list) if len(jobs) > 1 else [None]
 
-        def process(i: int) -> ProcessedPrompt:
+        def process(i: int) -> tuple[ProcessedPrompt, str | None]:
             prompt, imgs, params, uuids = jobs[i]
+            try:
+                lora_key = self._lora_key(loras[i])  # an unknown adapter is this prompt's error, in input order
+            except InvalidInputError as err:
+                raise err.at_prompt(i) from err
             return self.input_processor.process(
                 prompt, imgs, params, prompt_index=i, mm_uuids=uuids, memo=memo, text_ids=text_ids[i]
-            )
+            ), lora_key
 
         # Decoding, hashing and resizing release the GIL: a batch with images is preprocessed on a
         # few threads (the first bad prompt, in input order, still raises before anything is queued).
@@ -364,7 +368,7 @@ class MMEngine:
         ids: list[str] = []
         try:
             with self._lock:
-                for p, params, salt, lora_key in zip(processed, params_list, salts, lora_keys):
+                for (p, lora_key), params, salt in zip(processed, params_list, salts):
                     ids.append(self._enqueue(p, params, None, salt, lora_key))
                     self._owners[ids[-1]] = results
                 self.scheduler.group_batch(ids)
@@ -464,19 +468,14 @@ class MMEngine:
         with self._lock:
             return self.loras.key_of(lora)  # type: ignore[arg-type]
 
-    def _lora_keys(self, lora: object, num_prompts: int) -> list[str | None]:
-        """One adapter key per prompt from generate()'s `lora` (one for all, or a list of one per prompt)."""
+    @staticmethod
+    def _per_prompt_loras(lora: object, num_prompts: int) -> list[object]:
+        """generate()'s `lora` (one adapter for all prompts, or a list of one per prompt) as one per prompt."""
         if isinstance(lora, list | tuple):
             if len(lora) != num_prompts:
                 raise InvalidInputError(f"lora has {len(lora)} entries for {num_prompts} prompt(s)")
-            keys = []
-            for index, item in enumerate(lora):
-                try:
-                    keys.append(self._lora_key(item))
-                except InvalidInputError as err:
-                    raise err.at_prompt(index) from err
-            return keys
-        return [self._lora_key(lora)] * num_prompts
+            return list(lora)
+        return [lora] * num_prompts
 
     def reset_prefix_cache(self) -> None:
         """Forgets every cached KV block (e.g. after changing weights). Running requests are unaffected."""

@@ -26,6 +26,7 @@ DEFECTS = {
     "too_long": "PromptTooLongError",  # longer than max_model_len
     "uuids": "InvalidInputError",  # mm_uuids of the wrong length
     "image_type": "UnsupportedImageTypeError",  # a dict where an image belongs
+    "unknown_adapter": "UnknownAdapterError",  # a LoRA adapter name nobody registered
 }
 MAX_IMAGES = 4  # limit_mm_per_prompt
 MAX_MODEL_LEN = 640
@@ -48,6 +49,16 @@ class RequestSpec:
     max_tokens: int
     defect: str | None = None
     abort_after_steps: int | None = None  # driver requests: aborted this many of its steps after being added
+    lora: int | None = None  # index into FuzzCase.adapters; None: the base model
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A random LoRA adapter (mmengine.testing.lora) the case registers."""
+
+    rank: int
+    targets: tuple[str, ...]
+    seed: int
 
 
 @dataclass
@@ -61,6 +72,7 @@ class FuzzCase:
     driver: list[RequestSpec]  # added one by one between steps, in the main thread, with aborts
     callers: list[list[list[RequestSpec]]] = field(default_factory=list)  # per thread, its generate() calls
     quick: bool = False
+    adapters: list[Adapter] = field(default_factory=list)  # with options' enable_lora
 
     def requests(self) -> list[RequestSpec]:
         return self.driver + [spec for calls in self.callers for call in calls for spec in call]
@@ -109,14 +121,22 @@ def make_case(seed: int, quick: bool = False) -> FuzzCase:
     }
     if not quick and rng.random() < 0.1:
         options["attn_backend"] = "triton"  # Triton's interpreter on a CPU: slow, so only now and then
-    num_pictures = rng.randint(2, 5 if quick else 24)
+    adapters = []
+    if rng.random() < 0.3:
+        projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+        adapters = [Adapter(rng.choice((1, 2, 4, 8)), tuple(rng.sample(projections, rng.randint(1, 7))), 77 * seed + i)
+                    for i in range(rng.randint(1, 4))]
+        options |= {"enable_lora": True, "max_loras": rng.randint(1, 3), "max_lora_rank": 8, "max_cpu_loras": rng.choice((None, 4))}
+        if options["max_cpu_loras"] is None:
+            del options["max_cpu_loras"]
+    num_pictures = rng.randint(2, 5 if quick else 40)
     pictures = [
         Picture(1000 * seed + i, (rng.randint(16, 100), rng.randint(16, 100)), f"pic-{seed}-{i}" if rng.random() < 0.3 else None)
         for i in range(num_pictures)
     ]
     systems = [_words(rng, rng.randint(4, 40)) for _ in range(rng.randint(1, 3))]
-    draw = _Drawer(rng, family, pictures, systems, quick, repeat_rate=rng.choice((0.1, 0.5, 0.8)))
-    num_driver = rng.randint(2, 6 if quick else 14)
+    draw = _Drawer(rng, family, pictures, systems, quick, repeat_rate=rng.choice((0.1, 0.5, 0.8)), num_adapters=len(adapters))
+    num_driver = rng.randint(2, 6 if quick else 20)
     driver = [draw.request(driver=True) for _ in range(num_driver)]
     callers = []
     for _ in range(rng.randint(0, 2 if quick else 3)):
@@ -136,6 +156,7 @@ def make_case(seed: int, quick: bool = False) -> FuzzCase:
         driver=driver,
         callers=callers,
         quick=quick,
+        adapters=adapters,
     )
 
 
@@ -148,9 +169,11 @@ class _Drawer:
     multi-turn extensions of earlier requests, salts, uuids, and about 5% bad requests."""
 
     def __init__(
-        self, rng: random.Random, family: str, pictures: list[Picture], systems: list[str], quick: bool, repeat_rate: float
+        self, rng: random.Random, family: str, pictures: list[Picture], systems: list[str], quick: bool, repeat_rate: float,
+        num_adapters: int = 0,
     ) -> None:
         self.rng, self.family, self.pictures, self.systems, self.quick = rng, family, pictures, systems, quick
+        self.num_adapters = num_adapters
         self.repeat_rate = repeat_rate  # how often a picture drawn is one of the last few requests' pictures
         self.made: list[RequestSpec] = []  # valid driver requests so far (multi-turn bases)
 
@@ -160,6 +183,7 @@ class _Drawer:
         num_images = rng.choice((0, 1, 1, 1, 2, 2, 3))
         picked = [self._picture() for _ in range(num_images)]
         question = _words(rng, rng.randint(1, 10))
+        base = None
         if bases and rng.random() < 0.3:
             base = rng.choice(bases)
             prompt = continue_chat(self.family, base.prompt, _words(rng, rng.randint(1, 6)), question, num_images)
@@ -177,6 +201,11 @@ class _Drawer:
             salt=rng.choice((None, None, None, "tenant-a", "tenant-b")),
             max_tokens=rng.randint(1, 6 if self.quick else 10),
         )
+        if self.num_adapters:  # an extension mostly keeps its conversation's adapter (and so its prefix blocks)
+            if base is not None and rng.random() < 0.8:
+                spec.lora = base.lora
+            elif rng.random() < 0.7:
+                spec.lora = rng.randrange(self.num_adapters)
         if rng.random() < 0.05:
             self._spoil(spec)
         elif driver:
@@ -197,6 +226,8 @@ class _Drawer:
     def _spoil(self, spec: RequestSpec) -> None:
         defect = self.rng.choice(sorted(DEFECTS))
         if defect in ("corrupt", "count", "image_type") and not spec.pictures:
+            defect = "too_long"
+        if defect == "unknown_adapter" and not self.num_adapters:
             defect = "too_long"
         spec.defect = defect
         if defect in ("corrupt", "image_type"):

@@ -5,7 +5,8 @@ every case, that nothing went wrong that a user could see or that the books coul
     python tests/fuzz/fuzzer.py --minutes 30        # cases 0, 1, 2, ... until the time is up
     python tests/fuzz/fuzzer.py --minutes 30 --start 5000 --json out.json
 
-Per case: one engine with the case's options, driven by the main thread (add_request, step and
+Per case: one engine with the case's options (and, in some cases, random LoRA adapters that requests
+run under), driven by the main thread (add_request, step and
 aborts, the books audited after every step) while caller threads run generate() batches on it.
 Checked:
 - greedy tokens equal a reference engine's with caches and options off (aborted requests: a prefix);
@@ -47,8 +48,9 @@ from books import assert_books_consistent  # noqa: E402
 from fuzz_case import DEFECTS, MAX_IMAGES, MAX_MODEL_LEN, FuzzCase, RequestSpec, make_case  # noqa: E402
 
 import mmengine.errors  # noqa: E402
-from mmengine import MMEngine, RequestOutput, SamplingParams  # noqa: E402
+from mmengine import LoRARequest, MMEngine, RequestOutput, SamplingParams  # noqa: E402
 from mmengine.testing import TinyLlavaSpec, TinyQwenVLSpec, make_test_image, tiny_llava_path, tiny_qwen_vl_path  # noqa: E402
+from mmengine.testing.lora import build_random_adapter  # noqa: E402
 
 REPLAY = "python tests/fuzz/fuzzer.py --seed {seed}"
 
@@ -75,6 +77,8 @@ class CaseReport:
     cascade_steps: int = 0
     encoder_evictions: int = 0
     kv_evictions: int = 0
+    adapters: int = 0
+    lora_slot_loads: int = 0
 
 
 @dataclass
@@ -85,6 +89,7 @@ class _Built:
     images: list[Any]
     uuids: list[str | None] | None
     params: SamplingParams
+    lora: str | None = None  # the adapter's name
     expected_error: type[Exception] | None = None
     num_prompt_tokens: int = 0
     items: dict[str, int] = field(default_factory=dict)  # mm_hash -> embeddings
@@ -126,11 +131,15 @@ def run_case(case: FuzzCase, env: FuzzEnv) -> CaseReport:
 
 
 def _run(case: FuzzCase, env: FuzzEnv, tmp: Path) -> CaseReport:
-    reference = env.reference(case.family)
+    checkpoint = env.checkpoint(case.family)
+    adapters = _adapters(case, checkpoint, tmp)
+    reference = env.reference(case.family) if not adapters else _lora_reference(checkpoint, adapters)
     built = _build(case, tmp)
     _expect(case, built, reference)
     valid = [b for b in built if b.expected_error is None]
-    engine = MMEngine(str(env.checkpoint(case.family)), device="cpu", dtype="float32", **_resolve(case, valid))
+    engine = MMEngine(str(checkpoint), device="cpu", dtype="float32", **_resolve(case, valid))
+    for name, path in adapters.items():
+        engine.add_lora(LoRARequest(name, str(path)))
     audit_lock = engine._lock  # the engine's own lock: an audit never sees a step half done
 
     def audit() -> None:
@@ -157,6 +166,27 @@ def _run(case: FuzzCase, env: FuzzEnv, tmp: Path) -> CaseReport:
         engine.step()
     _check(case, engine, built, outputs, report)
     return report
+
+
+def _adapters(case: FuzzCase, checkpoint: Path, tmp: Path) -> dict[str, Path]:
+    """The case's random LoRA adapters, written in PEFT's format, by name."""
+    return {
+        f"a{i}": build_random_adapter(checkpoint, tmp / f"adapter-{i}", a.rank, a.targets, seed=a.seed, scale=0.3)
+        for i, a in enumerate(case.adapters)
+    }
+
+
+def _lora_reference(checkpoint: Path, adapters: dict[str, Path]) -> MMEngine:
+    """A reference engine with every adapter in its own slot (caches and options off, as FuzzEnv's)."""
+    engine = MMEngine(
+        str(checkpoint), max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False, enable_prefix_grouping=False,
+        cascade_attention="off", async_scheduling="off", device="cpu", dtype="float32",
+        limit_mm_per_prompt={"image": MAX_IMAGES}, max_num_batched_tokens=4096,
+        enable_lora=True, max_loras=len(adapters), max_lora_rank=8,
+    )
+    for name, path in adapters.items():
+        engine.add_lora(LoRARequest(name, str(path)))
+    return engine
 
 
 def _build(case: FuzzCase, tmp: Path) -> list[_Built]:
@@ -192,7 +222,8 @@ def _build(case: FuzzCase, tmp: Path) -> list[_Built]:
         elif spec.defect == "uuids":
             uuids = [None] * (len(images) + 1)
         params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
-        built.append(_Built(spec, images, uuids, params))
+        lora = "no-such-adapter" if spec.defect == "unknown_adapter" else (None if spec.lora is None else f"a{spec.lora}")
+        built.append(_Built(spec, images, uuids, params, lora))
     return built
 
 
@@ -207,6 +238,8 @@ def _expect(case: FuzzCase, built: list[_Built], reference: MMEngine) -> None:
         else:
             b.num_prompt_tokens = len(processed.prompt_token_ids)
             b.items = {item.mm_hash: item.length for item in processed.mm_items}
+        if b.spec.defect == "unknown_adapter":  # refused before its input is looked at
+            b.expected_error = mmengine.errors.UnknownAdapterError
         if b.spec.defect is not None:
             wanted = getattr(mmengine.errors, DEFECTS[b.spec.defect])
             if b.expected_error is None or not issubclass(b.expected_error, wanted):
@@ -215,7 +248,7 @@ def _expect(case: FuzzCase, built: list[_Built], reference: MMEngine) -> None:
     if valid:
         outs = reference.generate(
             [b.spec.prompt for b in valid], images=[b.images for b in valid], sampling_params=[b.params for b in valid],
-            mm_uuids=[b.uuids for b in valid], use_tqdm=False,
+            mm_uuids=[b.uuids for b in valid], lora=[b.lora for b in valid] if case.adapters else None, use_tqdm=False,
         )
         for b, out in zip(valid, outs):
             b.reference = out.token_ids
@@ -249,7 +282,8 @@ def _drive(case: FuzzCase, engine: MMEngine, driver: list[_Built], audit: Callab
             index = queue.pop(0)
             b = driver[index]
             try:
-                request_id = engine.add_request(b.spec.prompt, b.images, b.params, cache_salt=b.spec.salt, mm_uuids=b.uuids)
+                request_id = engine.add_request(b.spec.prompt, b.images, b.params, cache_salt=b.spec.salt, mm_uuids=b.uuids,
+                                                lora=b.lora)
             except mmengine.errors.InvalidInputError as err:
                 _check_error(case, b, err, None)
                 continue
@@ -300,7 +334,8 @@ def _call(engine: MMEngine, calls: list[list[_Built]]) -> list[tuple[_Built, Req
 def _generate(engine: MMEngine, call: list[_Built]) -> list[RequestOutput]:
     return engine.generate(
         [b.spec.prompt for b in call], images=[b.images for b in call], sampling_params=[b.params for b in call],
-        cache_salt=[b.spec.salt for b in call], mm_uuids=[b.uuids for b in call], use_tqdm=False,
+        cache_salt=[b.spec.salt for b in call], mm_uuids=[b.uuids for b in call], lora=[b.lora for b in call],
+        use_tqdm=False,
     )
 
 
@@ -354,6 +389,8 @@ def _check(case: FuzzCase, engine: MMEngine, built: list[_Built], outputs: dict[
     report.cascade_steps = stats["cascade_steps"]
     report.encoder_evictions = stats["encoder_cache_evictions"]
     report.kv_evictions = stats["kv_blocks_evicted"]
+    report.adapters = len(case.adapters)
+    report.lora_slot_loads = stats.get("lora_slot_loads", 0)
 
 
 def main(argv: list[str] | None = None) -> int:
