@@ -134,3 +134,30 @@ def test_the_triton_path_matches_transformers(family_checkpoint, lora_adapters):
     outs = engine.generate([c[0] for c in cases], images=[c[1] for c in cases],
                            sampling_params=SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True), lora=loras, use_tqdm=False)
     assert [o.token_ids for o in outs] == expected
+
+
+def test_decode_steps_with_adapters_replay_the_lora_graph_variant(family_checkpoint, lora_adapters):
+    """With decode graphs (the CPU stand-in for CUDA graphs), a decode step whose rows run adapters
+    replays its bucket's LoRA variant (per-row slots in a persistent buffer, -1 for base rows and
+    padding), a step without adapters replays the base variant, and the tokens equal eager steps'."""
+    from mmengine.runner.cuda_graphs import EagerCapturer
+
+    family = FamilyCase("llava", family_checkpoint("llava"))
+    adapters = lora_adapters("llava")
+    cases = _cases(family)
+    results = {}
+    for graphs in (False, True):
+        engine = MMEngine(str(family.path), device="cpu", max_model_len=512, max_num_seqs=8, enable_lora=True, max_loras=3,
+                          max_lora_rank=8)
+        if graphs:
+            engine.runner.capture_cuda_graphs(EagerCapturer())
+            assert engine.runner.decode_graphs.variants(4) == [(False, False), (False, True)]
+        results[graphs] = _run(engine, cases, adapters)
+        if graphs:
+            decode_graphs = engine.runner.decode_graphs
+            assert decode_graphs.num_lora_replays >= MAX_TOKENS - 2  # the mixed batch decodes in the LoRA variant
+            replays, lora_replays = decode_graphs.num_replays, decode_graphs.num_lora_replays
+            engine.generate(cases[-1][0], sampling_params=GREEDY, use_tqdm=False)  # the base model alone
+            assert decode_graphs.num_replays - replays >= MAX_TOKENS - 2
+            assert decode_graphs.num_lora_replays == lora_replays  # base-only steps take the base variant
+    assert results[True] == results[False]

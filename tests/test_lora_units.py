@@ -222,3 +222,16 @@ def test_engine_api_errors(checkpoint_dir, tmp_path):
     assert engine.list_loras() == [] and engine.stats()["requests_waiting"] == 0
     with pytest.raises(ConfigError, match="max_cpu_loras"):
         MMEngine(str(checkpoint_dir()), enable_lora=True, max_loras=4, max_cpu_loras=2)
+
+
+@pytest.mark.parametrize("use_kernels", [False, True], ids=["reference", "triton"])
+def test_graph_style_segments_skip_rows_on_slot_minus_one(use_kernels):
+    """A decode graph's segments: one per row from device buffers, -1 for rows without an adapter."""
+    x, a, b = torch.randn(4, 8), torch.randn(2, 4, 8), torch.randn(2, 6, 4)
+    slots = torch.tensor([1, -1, 0, -1], dtype=torch.int32)
+    segments = LoRASegments(torch.arange(4, dtype=torch.int32), torch.ones(4, dtype=torch.int32), slots, max_len=1)
+    y = torch.zeros(4, 6)
+    add_lora(y, x, a, b, segments, use_kernels)
+    torch.testing.assert_close(y[0], x[0] @ a[1].T @ b[1].T, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y[2], x[2] @ a[0].T @ b[0].T, atol=1e-5, rtol=1e-5)
+    assert not y[1].any() and not y[3].any()

@@ -4,7 +4,8 @@ segment of consecutive rows that share one adapter slot.
 A LoRA delta is two of these: shrink (`x @ A[slot].T`, hidden -> rank) then expand with
 accumulation into the base projection's output (`s @ B[slot].T`, rank -> out features). A step's
 rows are packed request by request, so each request's rows are one segment and no sorting is
-needed. Rows outside every segment (base-model requests) are not touched.
+needed. Rows outside every segment (base-model requests) are not touched, nor are segments on slot
+-1 (a decode CUDA graph has one fixed segment per row and marks the rows without an adapter so).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def _segmented_matmul_kernel(
     slot = tl.load(seg_slot_ptr + seg).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    length = tl.where(slot >= 0, length, 0)  # slot -1: rows without an adapter (a CUDA graph's fixed segments)
     row_ok = rows < length
     col_ok = cols < N
     row_index = (start + rows).to(tl.int64)

@@ -21,23 +21,28 @@ from torch import nn
 
 @dataclass
 class LoRASegments:
-    """The step's rows that run an adapter: segment i is rows [starts[i], starts[i] + lens[i]) on slot slots[i]."""
+    """The step's rows that run an adapter: segment i is rows [starts[i], starts[i] + lens[i]) on slot
+    slots[i] (-1: no adapter). The int32 device tensors feed the kernels; the host lists, when there
+    are any, the reference. A decode CUDA graph's segments are device buffers only (one per row, the
+    slots rewritten every step), so they have no host lists."""
 
-    starts: list[int]
-    lens: list[int]
-    slots: list[int]
-    device_starts: torch.Tensor  # int32 copies of the three lists on the model's device, for the kernels
+    device_starts: torch.Tensor
     device_lens: torch.Tensor
     device_slots: torch.Tensor
+    max_len: int
+    starts: list[int] | None = None
+    lens: list[int] | None = None
+    slots: list[int] | None = None
 
     @classmethod
     def build(cls, starts: list[int], lens: list[int], slots: list[int], device: torch.device) -> "LoRASegments":
         packed = torch.tensor([starts, lens, slots], dtype=torch.int32).to(device)
-        return cls(starts, lens, slots, packed[0], packed[1], packed[2])
+        return cls(packed[0], packed[1], packed[2], max(lens, default=0), starts, lens, slots)
 
-    @property
-    def max_len(self) -> int:
-        return max(self.lens, default=0)
+    def host_lists(self) -> tuple[list[int], list[int], list[int]]:
+        if self.starts is not None:
+            return self.starts, self.lens, self.slots
+        return self.device_starts.tolist(), self.device_lens.tolist(), self.device_slots.tolist()
 
 
 class LoRAContext:
@@ -114,7 +119,9 @@ def add_lora(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: tor
 
 def lora_reference(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, segments: LoRASegments) -> None:
     """The PyTorch reference of add_lora (the CPU path): the same shrink, then expand-and-add, per segment."""
-    for start, length, slot in zip(segments.starts, segments.lens, segments.slots):
+    for start, length, slot in zip(*segments.host_lists()):
+        if slot < 0:
+            continue
         rows = slice(start, start + length)
         shrunk = (x[rows].float() @ lora_a[slot].float().T).to(x.dtype)
         y[rows] = (y[rows].float() + shrunk.float() @ lora_b[slot].float().T).to(y.dtype)

@@ -4,7 +4,9 @@ A decode step launches the same kernels every time; only the values in the input
 So each bucket size is captured once at start-up over the persistent input buffers and replayed
 as one launch. A batch is padded up to the next bucket with rows that store nothing. Prefill and
 mixed steps stay eager. With cascade attention on, sizes from 2 up also get a cascade variant:
-the same step with the shared-prefix pass, over the cascade buffers (runner/cascade_plan.py).
+the same step with the shared-prefix pass, over the cascade buffers (runner/cascade_plan.py). With
+LoRA enabled, every size also gets a LoRA variant: each row adds the delta of the adapter slot the
+per-row buffer names (-1: none), so the base variant of a step without adapters pays nothing for LoRA.
 
 The capture itself goes through a `GraphCapturer`: on CUDA it records a real graph; on CPU the
 `EagerCapturer` stand-in "replays" by calling the same function over the same static buffers,
@@ -90,16 +92,22 @@ class DecodeGraphs:
     """One replayable decode step per bucket size, and a cascade-attention variant of the sizes in
     `cascade_sizes` (its groups are read from buffers like every other input)."""
 
-    def __init__(self, sizes: list[int], cascade_sizes: list[int] | None = None) -> None:
+    def __init__(self, sizes: list[int], cascade_sizes: list[int] | None = None, lora_sizes: list[int] | None = None) -> None:
         self.sizes = sorted(sizes)
         self.cascade_sizes = sorted(cascade_sizes or [])
-        self._replays: dict[tuple[int, bool], Replay] = {}
+        self.lora_sizes = sorted(lora_sizes or [])
+        self._replays: dict[tuple[int, bool, bool], Replay] = {}
         self.num_replays = 0
         self.num_cascade_replays = 0
+        self.num_lora_replays = 0
 
-    def capture_all(self, step_for: Callable[[int, bool], Callable[[], None]], capturer: GraphCapturer,
+    def variants(self, size: int) -> list[tuple[bool, bool]]:
+        """(cascade, lora) of each graph captured for `size`."""
+        return [(False, False)] + [(True, False)] * (size in self.cascade_sizes) + [(False, True)] * (size in self.lora_sizes)
+
+    def capture_all(self, step_for: Callable[[int, bool, bool], Callable[[], None]], capturer: GraphCapturer,
                     device: torch.device) -> CaptureReport:
-        """Captures step_for(size, cascade) for every bucket (and cascade variant), largest first."""
+        """Captures step_for(size, cascade, lora) for every bucket and variant, largest first."""
         on_cuda = device.type == "cuda"
         if on_cuda:
             # A capture empties the allocator's cache first: without this, memory cached before it
@@ -109,8 +117,8 @@ class DecodeGraphs:
             before = torch.cuda.memory_reserved(device)
         start = time.perf_counter()
         for size in reversed(self.sizes):
-            for cascade in (False, True) if size in self.cascade_sizes else (False,):
-                self._replays[(size, cascade)] = capturer.capture(step_for(size, cascade))
+            for cascade, lora in self.variants(size):
+                self._replays[(size, cascade, lora)] = capturer.capture(step_for(size, cascade, lora))
         capturer.synchronize()
         seconds = time.perf_counter() - start
         memory = torch.cuda.memory_reserved(device) - before if on_cuda else 0
@@ -119,7 +127,8 @@ class DecodeGraphs:
     def bucket_for(self, num_reqs: int) -> int | None:
         return padded_batch_size(num_reqs, self.sizes)
 
-    def replay(self, size: int, cascade: bool = False) -> None:
-        self._replays[(size, cascade)]()
+    def replay(self, size: int, cascade: bool = False, lora: bool = False) -> None:
+        self._replays[(size, cascade, lora)]()
         self.num_replays += 1
         self.num_cascade_replays += cascade
+        self.num_lora_replays += lora

@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from mmengine.layers.attention import AttentionMetadata, decode_prefix_length
+from mmengine.layers.lora import LoRASegments
 from mmengine.layers.cascade import (
     DEVICE_ARRAYS,
     CascadeGroup,
@@ -66,6 +67,7 @@ class StepInputs:
     graph_size: int | None  # the CUDA graph this step replays, or None (eager)
     cascade_groups: list[CascadeGroup] = field(default_factory=list)  # shared-prefix groups
     graph_cascade: bool = False  # the graph replayed is the bucket's cascade variant
+    graph_lora: bool = False  # the graph replayed is the bucket's LoRA variant (slots in the per-row buffer)
     # Async scheduling: token rows whose id the previous step sampled and the device still holds,
     # with the index of each among that step's sampled tokens (device tensors; None when there are none).
     deferred_rows: torch.Tensor | None = None
@@ -83,6 +85,7 @@ class InputBuffers:
         device: torch.device,
         position_channels: int = 1,
         cascade: CascadePolicy | None = None,
+        lora: bool = False,
     ) -> None:
         self.device = device
         self.block_size = block_size
@@ -112,6 +115,11 @@ class InputBuffers:
             self.cascade_buffers = CascadeBuffers(max_tokens, max_reqs, max_blocks_per_req, buf)
         # Batch sizes whose decode graph has a cascade variant, and what that variant holds (set at capture).
         self.cascade_graph_bounds: dict[int, GraphBounds] = {}
+        # LoRA in decode graphs: one fixed segment per row, each row's adapter slot (-1: none) rewritten every step.
+        self.lora_slots = buf(max_reqs, dtype=torch.int32) if lora else None
+        if lora:
+            self._lora_row_starts = torch.arange(max_reqs, dtype=torch.int32, device=device)
+            self._lora_row_lens = torch.ones(max_reqs, dtype=torch.int32, device=device)
         # Recorded after each step's uploads: the host side may be rewritten once they are done.
         self._uploaded = torch.cuda.Event() if device.type == "cuda" else None
 
@@ -121,11 +129,14 @@ class InputBuffers:
         block_tables: dict[str, list[int]],
         graph_size: int | None = None,
         previous_rows: dict[str, int] | None = None,
+        lora_slots: dict[str, int] | None = None,
     ) -> StepInputs:
         """Packs the scheduled requests (decodes first, each with num_new_tokens > 0) into the
         buffers. With a graph size, the batch is padded to it with rows that store nothing.
         `previous_rows` (async scheduling) maps a request whose last token is a placeholder to
-        that token's index among the previous step's sampled tokens."""
+        that token's index among the previous step's sampled tokens. `lora_slots` maps requests that
+        run an adapter to its slot; in a graph step they go into the per-row slot buffer (and the
+        step takes no cascade variant: a graph has either)."""
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's copies have read the host side
         scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
@@ -161,7 +172,8 @@ class InputBuffers:
         seq_lens = starts + query_lens
         groups: list[CascadeGroup] = []
         bounds: GraphBounds | None = None
-        if self.cascade is not None:
+        graph_lora = bool(lora_slots) and graph_size is not None
+        if self.cascade is not None and not graph_lora:
             graph_tiles = None
             if graph_size is not None:
                 bounds = self.cascade_graph_bounds.get(graph_size)
@@ -213,6 +225,12 @@ class InputBuffers:
             max_prefill_query_len=max(query_lens_list[num_decodes:], default=0),
             cascade=self._cascade_metadata(groups, query_lens, seq_lens, bounds, padded_reqs) if groups else None,
         )
+        if graph_lora:
+            slots = self.lora_slots.np
+            slots[:padded_reqs] = -1
+            for row, s in enumerate(scheduled):
+                slots[row] = lora_slots.get(s.request.request_id, -1)
+            self.lora_slots.upload(padded_reqs)
         deferred_rows = deferred_sources = None
         if deferred:
             rows, sources = zip(*deferred)
@@ -231,6 +249,7 @@ class InputBuffers:
             graph_size=graph_size,
             cascade_groups=groups,
             graph_cascade=bool(groups) and graph_size is not None,
+            graph_lora=graph_lora,
             deferred_rows=deferred_rows,
             deferred_sources=deferred_sources,
         )
@@ -253,6 +272,12 @@ class InputBuffers:
         persistent buffers, and grids sized for its bounds (a dummy layout with no work is written)."""
         self.cascade_graph_bounds[batch_size] = bounds
         return self.cascade_buffers.graph_view(batch_size, bounds, self.cascade.tokens_per_tile)
+
+    def lora_graph_segments(self, batch_size: int) -> LoRASegments:
+        """The segments a LoRA decode graph of batch_size rows is captured with: row i is segment i,
+        on the slot the per-row buffer holds when the graph is replayed."""
+        return LoRASegments(self._lora_row_starts[:batch_size], self._lora_row_lens[:batch_size],
+                            self.lora_slots.device[:batch_size], max_len=1)
 
     def _fill_mrope_positions(self, scheduled: list[ScheduledRequest], positions: np.ndarray, token_starts: np.ndarray) -> None:
         """M-RoPE: every channel at the token index, except for requests with images: their prompt
@@ -290,6 +315,9 @@ class InputBuffers:
         self.query_start_loc.np[: batch_size + 1] = np.arange(batch_size + 1)
         self.seq_lens.np[:batch_size] = PAD_SEQ_LEN
         self.block_tables.np[:batch_size] = 0
+        if self.lora_slots is not None:
+            self.lora_slots.np[:batch_size] = -1
+            self.lora_slots.upload(batch_size)
         for buffer in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables):
             buffer.upload(batch_size)
         self.query_start_loc.upload(batch_size + 1)

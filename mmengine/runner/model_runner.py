@@ -83,6 +83,7 @@ class ModelRunner:
             device=device,
             position_channels=family.position_channels,
             cascade=self._cascade_policy(),
+            lora=config.enable_lora,
         )
         self._readback = TokenReadback(config.max_num_seqs, device)
         self.decode_graphs: DecodeGraphs | None = None
@@ -212,9 +213,11 @@ class ModelRunner:
         # The cascade variants read their groups from device buffers, as only the Triton kernels do.
         with_cascade = self.inputs.cascade is not None and self.attn_backend.name == "triton"
         cascade_sizes = [size for size in sizes if size >= 2] if with_cascade else []
-        graphs = DecodeGraphs(sizes, cascade_sizes)
+        graphs = DecodeGraphs(sizes, cascade_sizes, lora_sizes=sizes if self.lora_context is not None else [])
         with torch.inference_mode():
             report = graphs.capture_all(self._decode_step, capturer or CudaGraphCapturer(), self.device)
+        if self.lora_context is not None:
+            self.lora_context.segments = None
         self.decode_graphs = graphs
         logger.info(
             "captured %d decode graphs (batch sizes %d..%d, %d with a cascade variant) in %.2f s using %.1f MiB",
@@ -227,7 +230,7 @@ class ModelRunner:
         self._graph_hidden = None
         self.inputs.cascade_graph_bounds.clear()
 
-    def _decode_step(self, size: int, cascade: bool = False) -> Callable[[], None]:
+    def _decode_step(self, size: int, cascade: bool = False, lora: bool = False) -> Callable[[], None]:
         """A decode step of `size` rows over the persistent buffers, writing the final hidden states
         into the static output. Everything the launches depend on is fixed per size: the decode
         attention's split count, a context bound of max_model_len and, for the cascade variant, the
@@ -254,8 +257,12 @@ class ModelRunner:
         )
         input_ids, positions = buffers.input_ids.device[:size], buffers.positions.device[:size]
         hidden_out = self._graph_hidden[:size]
+        context = self.lora_context
+        segments = buffers.lora_graph_segments(size) if lora else None
 
         def step() -> None:
+            if context is not None:  # read while the step is recorded (or, on the CPU stand-in, re-run)
+                context.segments = segments
             hidden_out.copy_(self.model(self.model.embed_tokens(input_ids), positions, metadata))
 
         return step
@@ -317,9 +324,10 @@ class ModelRunner:
         scheduled = [s for s in out.scheduled if s.num_new_tokens > 0]  # zero-token requests just wait
         if not scheduled:
             return NOTHING_SAMPLED
-        graph_size = None if out.lora_slots else self._graph_size_for(scheduled)
-        inputs = self.inputs.prepare(scheduled, block_tables, graph_size, previous.token_rows() if previous else None)
-        if self.lora_context is not None:
+        graph_size = self._graph_size_for(scheduled)
+        inputs = self.inputs.prepare(scheduled, block_tables, graph_size, previous.token_rows() if previous else None,
+                                     lora_slots=out.lora_slots)
+        if self.lora_context is not None and inputs.graph_size is None:
             self.lora_context.segments = self._lora_segments(inputs.scheduled, out.lora_slots)
         if inputs.deferred_rows is not None:
             inputs.input_ids.index_copy_(0, inputs.deferred_rows, previous.tokens.index_select(0, inputs.deferred_sources))
@@ -328,7 +336,7 @@ class ModelRunner:
             self.num_cascade_groups += len(inputs.cascade_groups)
             self.num_cascade_tokens += inputs.metadata.cascade.num_tokens
         if inputs.graph_size is not None:
-            self.decode_graphs.replay(inputs.graph_size, inputs.graph_cascade)
+            self.decode_graphs.replay(inputs.graph_size, inputs.graph_cascade, inputs.graph_lora)
             hidden = self._graph_hidden
         else:
             embeds = self._embed(inputs.input_ids, inputs.scheduled)
