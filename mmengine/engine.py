@@ -543,6 +543,8 @@ class MMEngine:
                 request_id = f"req-{arrival}"
         elif request_id in self.scheduler.requests:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
+        if lora_key is not None and not self.loras.holds(lora_key):  # removed while the prompt was preprocessed
+            raise UnknownAdapterError(f"LoRA adapter {self.loras.name_of(lora_key)!r} was removed before the request was queued")
         generator = self.runner.sampler.make_generator(params, self.device)
         request = Request(request_id, processed, params, arrival, generator, cache_salt=cache_salt, lora_name=lora_key)
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, stop=params.stop)

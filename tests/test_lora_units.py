@@ -235,3 +235,27 @@ def test_graph_style_segments_skip_rows_on_slot_minus_one(use_kernels):
     torch.testing.assert_close(y[0], x[0] @ a[1].T @ b[1].T, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(y[2], x[2] @ a[0].T @ b[0].T, atol=1e-5, rtol=1e-5)
     assert not y[1].any() and not y[3].any()
+
+
+def test_an_adapter_removed_while_a_prompt_is_preprocessed_is_refused_at_queueing(checkpoint_dir, tmp_path):
+    from mmengine import MMEngine
+
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=128, enable_lora=True, max_lora_rank=4)
+    from mmengine.testing.lora import build_random_adapter
+
+    engine.add_lora(LoRARequest("a", str(build_random_adapter(checkpoint_dir(), tmp_path / "a", rank=2))))
+    original = engine.input_processor.process
+
+    def remove_meanwhile(*args, **kwargs):
+        processed = original(*args, **kwargs)
+        assert engine.remove_lora("a")  # no request uses it yet
+        return processed
+
+    engine.input_processor.process = remove_meanwhile
+    with pytest.raises(UnknownAdapterError, match="'a' was removed before the request was queued"):
+        engine.generate(["USER: hi ASSISTANT:"], lora="a", use_tqdm=False)
+    assert not engine.has_unfinished_requests() and engine.list_loras() == []
+    engine.add_lora(LoRARequest("a", str(tmp_path / "a")))
+    with pytest.raises(UnknownAdapterError, match="unknown LoRA adapter 'a'"):
+        engine.add_request("USER: hi ASSISTANT:", lora="a")
+    assert not engine.has_unfinished_requests()

@@ -84,6 +84,10 @@ class LoRAManager:
     def name_of(self, key: str) -> str:
         return key.rsplit("#", 1)[0]
 
+    def holds(self, key: str) -> bool:
+        """Whether `key` is a registered adapter's current key."""
+        return self._keys.get(self.name_of(key)) == key
+
     # -- host copies ----------------------------------------------------------
 
     def adapter(self, key: str) -> LoRAAdapter:
