@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -29,11 +30,12 @@ from mmengine.config import EngineConfig
 from mmengine.detokenizer import IncrementalDetokenizer
 from mmengine.errors import CheckpointError, ConfigError, InvalidInputError, UnknownAdapterError
 from mmengine.encoder_cache.budget import EncoderBudget, compute_encoder_budget
+from mmengine.encoder_cache.hashing import hash_bytes
 from mmengine.encoder_cache.manager import EncoderCacheManager
 from mmengine.host_memory import check_cpu_kv_cache_fits
 from mmengine.kv_cache.block_hash import make_hash_function
 from mmengine.kv_cache.manager import KVCacheManager
-from mmengine.lora.adapter import DecoderShape
+from mmengine.lora.adapter import DecoderShape, VisionTargets
 from mmengine.lora.manager import LoRAManager
 from mmengine.lora.request import LoRARequest
 from mmengine.models.loader import checkpoint_dtype
@@ -127,7 +129,9 @@ class MMEngine:
         self.loras: LoRAManager | None = None
         if self.config.enable_lora:
             shape = DecoderShape.of(self.family.text_config, self.family.head_dim)
-            self.loras = LoRAManager(shape, self.config.max_loras, self.config.max_lora_rank, self.config.max_cpu_loras)
+            vision = VisionTargets({name: (m.in_features, m.out_features) for name, m in self.runner.vision_lora_modules.items()},
+                                   self.runner.model.checkpoint_name, self.runner.model.is_ignorable)
+            self.loras = LoRAManager(shape, self.config.max_loras, self.config.max_lora_rank, self.config.max_cpu_loras, vision)
 
         self._async_scheduling = self.config.async_scheduling == "on" or (
             self.config.async_scheduling == "auto" and self.device.type == "cuda"
@@ -295,6 +299,7 @@ class MMEngine:
         running = {r.lora_name for r in self.scheduler.running if r.lora_name is not None}
         slot_of = self.loras.activate([r.lora_name for r in with_lora], running, self.runner.load_lora_slot)
         out.lora_slots = {r.request_id: slot_of[r.lora_name] for r in with_lora}
+        out.encoder_lora_slots = {r.request_id: slot_of[r.lora_name] for r in with_lora if self.loras.touches_vision(r.lora_name)}
 
     def _block_tables(self, out: SchedulerOutput) -> dict[str, list[int]]:
         return {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled}
@@ -545,6 +550,8 @@ class MMEngine:
             raise InvalidInputError(f"request id {request_id!r} is already in use")
         if lora_key is not None and not self.loras.holds(lora_key):  # removed while the prompt was preprocessed
             raise UnknownAdapterError(f"LoRA adapter {self.loras.name_of(lora_key)!r} was removed before the request was queued")
+        if lora_key is not None and processed.mm_items and self.loras.touches_vision(lora_key):
+            processed = _items_under_adapter(processed, lora_key, self.config.prefix_caching_hash_algo)
         generator = self.runner.sampler.make_generator(params, self.device)
         request = Request(request_id, processed, params, arrival, generator, cache_salt=cache_salt, lora_name=lora_key)
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, stop=params.stop)
@@ -611,6 +618,14 @@ class MMEngine:
 class _InFlightStep:
     out: SchedulerOutput
     launched: LaunchedStep
+
+
+def _items_under_adapter(processed: ProcessedPrompt, lora_key: str, hash_algo: str) -> ProcessedPrompt:
+    """The prompt with each item keyed by the adapter too: an adapter on the vision side makes its own
+    encoder outputs, which must neither hit nor feed the shared entries (nor KV blocks over them)."""
+    items = [dataclasses.replace(item, mm_hash=hash_bytes(f"{item.mm_hash}|lora|{lora_key}".encode(), hash_algo))
+             for item in processed.mm_items]
+    return dataclasses.replace(processed, mm_items=items)
 
 
 def _resolve_max_model_len(config: EngineConfig, family: ModelFamily) -> int:

@@ -52,6 +52,7 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     freed_encoder_hashes: list[str] = field(default_factory=list)  # evicted: the runner drops them
     lora_slots: dict[str, int] = field(default_factory=dict)  # request id -> its adapter's device slot (set by the engine)
+    encoder_lora_slots: dict[str, int] = field(default_factory=dict)  # the same, for adapters on the vision side
 
     @property
     def num_scheduled_tokens(self) -> int:

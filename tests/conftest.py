@@ -201,17 +201,18 @@ LORA_ADAPTERS = {
 }
 
 
-def save_peft_adapter(base_path: Path, out: Path, rank: int, alpha: int, rslora: bool, targets: tuple[str, ...], seed: int) -> Path:
-    """A PEFT LoRA adapter (saved by `peft` itself) on the language model's `targets`, with random
-    non-zero A and B, so that it changes the model's answers."""
+def save_peft_adapter(base_path: Path, out: Path, rank: int, alpha: int, rslora: bool, targets: tuple[str, ...] | str,
+                      seed: int) -> Path:
+    """A PEFT LoRA adapter (saved by `peft` itself) on the language model's projections `targets` (or
+    on the modules a `targets` regex names), with random non-zero A and B, so it changes the answers."""
     import copy
 
     from peft import LoraConfig, get_peft_model
 
     model, _ = _hf_model(base_path, CPU_FP32)
     torch.manual_seed(seed)
-    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, init_lora_weights=False,
-                        target_modules=rf".*language_model.*\.({'|'.join(targets)})")
+    regex = targets if isinstance(targets, str) else rf".*language_model.*\.({'|'.join(targets)})"
+    config = LoraConfig(r=rank, lora_alpha=alpha, use_rslora=rslora, init_lora_weights=False, target_modules=regex)
     get_peft_model(copy.deepcopy(model), config).save_pretrained(str(out))
     return out
 

@@ -161,3 +161,35 @@ def test_decode_steps_with_adapters_replay_the_lora_graph_variant(family_checkpo
             assert decode_graphs.num_replays - replays >= MAX_TOKENS - 2
             assert decode_graphs.num_lora_replays == lora_replays  # base-only steps take the base variant
     assert results[True] == results[False]
+
+
+# LoRA on the vision side too: layers of the tower, the projector (merger) and one decoder projection.
+VISION_TARGETS = {
+    "llava": r".*(vision_tower.*\.(q_proj|fc1)|multi_modal_projector\.linear_1|language_model.*\.v_proj)",
+    "qwen2_vl": r".*(visual\.blocks.*\.(qkv|fc2)|visual\.merger\.mlp\.0|language_model.*\.q_proj)",
+    "qwen2_5_vl": r".*(visual\.blocks.*\.(qkv|down_proj)|visual\.merger\.mlp\.2|language_model.*\.q_proj)",
+}
+
+
+@pytest.mark.parametrize("family_name", FAMILIES)
+def test_an_adapter_on_the_vision_side_matches_peft_and_keys_its_own_encoder_outputs(
+    family_checkpoint, lora_adapters, tmp_path, family_name
+):
+    from conftest import save_peft_adapter
+
+    family = FamilyCase(family_name, family_checkpoint(family_name))
+    vision_dir = save_peft_adapter(family.path, tmp_path / "vision", 4, 8, False, VISION_TARGETS[family_name], seed=11)
+    adapters = {**lora_adapters(family_name), "vis": vision_dir}
+    prompt = family.prompt("Describe the picture in a few words.", 1)
+    cases = [(prompt, [IMAGES[0]], "vis"), (prompt, [IMAGES[0]], None), (prompt, [IMAGES[0]], "qv4"),
+             (family.prompt("Compare these two pictures.", 2), [IMAGES[1], IMAGES[0]], "vis")]
+    expected = [hf_lora_greedy(family.path, adapters[name] if name else None, p, images, MAX_TOKENS)
+                for p, images, name in cases]
+    engine = MMEngine(str(family.path), max_model_len=512, enable_lora=True, max_loras=2, max_lora_rank=8)
+    assert _run(engine, cases, adapters) == expected
+    stats = engine.stats()
+    assert stats["lora_adapters_on_vision"] == 1
+    # IMAGES[0] once for the base model and the language-model adapter together, once under "vis";
+    # IMAGES[1] once, under "vis"
+    assert stats["encoder_runs"] == 3
+    assert _run(engine, cases, adapters) == expected and engine.stats()["encoder_runs"] == 3  # all cached now

@@ -46,12 +46,41 @@ class LoRASegments:
 
 
 class LoRAContext:
-    """Shared by every LoRALinear of a model: the current step's segments (None: no adapter rows) and
-    whether the Triton kernels or the PyTorch reference compute the deltas."""
+    """Shared by every LoRALinear of the language model: the current step's segments (None: no
+    adapter rows) and whether the Triton kernels or the PyTorch reference compute the deltas."""
 
     def __init__(self) -> None:
         self.segments: LoRASegments | None = None
         self.use_kernels = False
+
+    def segments_for(self, x: torch.Tensor) -> LoRASegments | None:
+        return self.segments
+
+
+class ItemLoRAContext(LoRAContext):
+    """Shared by the LoRALinears of the vision side, whose rows are an encoder batch's items: `items`
+    holds each item's adapter slot (-1: none) and its share of the rows (its patch count, or 1 for a
+    [batch, patches, dim] input); a layer's rows split in those proportions, so a merger that
+    pools 4 patches into one row splits the same way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items: list[tuple[int, int]] | None = None
+
+    def segments_for(self, x: torch.Tensor) -> LoRASegments | None:
+        if not self.items:
+            return None
+        num_rows = x.numel() // x.shape[-1]
+        total = sum(rows for _, rows in self.items)
+        starts, lens, slots, row = [], [], [], 0
+        for slot, rows in self.items:
+            length = rows * num_rows // total
+            if slot >= 0:
+                starts.append(row)
+                lens.append(length)
+                slots.append(slot)
+            row += length
+        return LoRASegments.build(starts, lens, slots, x.device) if starts else None
 
 
 @dataclass(frozen=True)
@@ -78,10 +107,12 @@ class LoRALinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
-        segments = self.context.segments
-        if segments is not None:
-            add_lora(y, x, self.lora_a, self.lora_b, segments, self.context.use_kernels)
-        return y
+        segments = self.context.segments_for(x)
+        if segments is None:
+            return y
+        rows = y.reshape(-1, self.out_features)  # [batch, patches, dim] inputs (vision towers) as rows
+        add_lora(rows, x.reshape(-1, self.in_features), self.lora_a, self.lora_b, segments, self.context.use_kernels)
+        return rows.view(y.shape)
 
     def load_slot(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Writes one adapter's pairs (slice name -> (A [r, in], scaled B [size, r])) into `slot`;

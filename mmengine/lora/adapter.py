@@ -3,11 +3,13 @@
 Keys are accepted in the layouts transformers and PEFT produce for the supported families, e.g.
 `base_model.model.model.language_model.layers.3.self_attn.q_proj.lora_A.weight` (transformers 5)
 and `base_model.model.language_model.model.layers.3...` or `base_model.model.model.layers.3...`
-(older layouts): what matters is the decoder layer, the projection and A or B. Anything else is an
-AdapterError naming the file and the tensor or field: a projection the decoder lacks, a shape that
-does not fit, a rank above max_lora_rank, and features mmengine does not run (DoRA, modules_to_save,
-trained biases, per-module rank or alpha patterns, LoRA on the vision tower or projector, on the
-embeddings or the LM head) are refused by name rather than ignored.
+(older layouts): what matters is the decoder layer, the projection and A or B. LoRA on the vision
+side (any linear layer of the tower or the projector, e.g. `...vision_tower...q_proj`, `...visual.
+blocks.0.attn.qkv`, `...multi_modal_projector.linear_1`) is mapped onto the model's layer through the
+family's checkpoint names. Anything else is an AdapterError naming the file and the tensor or field:
+a layer or projection the model lacks, a shape that does not fit, a rank above max_lora_rank, and
+features mmengine does not run (DoRA, modules_to_save, trained biases, per-module rank or alpha
+patterns, LoRA on the embeddings or the LM head) are refused by name rather than ignored.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import hashlib
 import json
 import math
 import re
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,6 +31,7 @@ _KEY = re.compile(
     r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>[a-z_]+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight$"
 )
 _VISION_MARKERS = ("vision_tower", "vision_model", "visual", "multi_modal_projector", "merger")
+_VISION_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<path>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
 # adapter_config.json fields that change what the weights mean; a set value is refused by name.
 _REFUSED_FIELDS = {
     "use_dora": "DoRA (use_dora)",
@@ -71,6 +75,24 @@ class DecoderShape:
         )
 
 
+@dataclass(frozen=True)
+class VisionTargets:
+    """The vision side's linear layers an adapter may target, by the model's module name, with their
+    (in, out) features, and the family's map from a checkpoint tensor name to the model's."""
+
+    features: dict[str, tuple[int, int]]
+    checkpoint_name: Callable[[str], str]
+    is_unused: Callable[[str], bool] = lambda name: False  # a checkpoint tensor the model knows and skips
+
+    def module_of(self, path: str) -> str | None:
+        """The model's module for an adapter key's path; "" for a layer the model does not build
+        because its output is never used (e.g. a LLaVA tower's layers past the selected feature layer)."""
+        name = self.checkpoint_name(path + ".weight")
+        if name.removesuffix(".weight") in self.features:
+            return name.removesuffix(".weight")
+        return "" if self.is_unused(name) else None
+
+
 @dataclass
 class LoRAAdapter:
     """One adapter in host memory: per (layer, projection) its A [r, in] and scaled B [out, r], in fp32."""
@@ -81,16 +103,22 @@ class LoRAAdapter:
     rank: int
     scaling: float
     pairs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    vision_pairs: dict[str, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # by module name
+
+    @property
+    def touches_vision(self) -> bool:
+        """Whether the adapter changes the vision side, so its encoder outputs are its own."""
+        return bool(self.vision_pairs)
 
     @property
     def nbytes(self) -> int:
-        return sum(a.nbytes + b.nbytes for a, b in self.pairs.values())
+        return sum(a.nbytes + b.nbytes for a, b in [*self.pairs.values(), *self.vision_pairs.values()])
 
     def layer_pairs(self, layer: int, projections: tuple[str, ...]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         return {p: self.pairs[(layer, p)] for p in projections if (layer, p) in self.pairs}
 
 
-def load_adapter(name: str, path: str | Path, shape: DecoderShape, max_rank: int) -> LoRAAdapter:
+def load_adapter(name: str, path: str | Path, shape: DecoderShape, max_rank: int, vision: VisionTargets | None = None) -> LoRAAdapter:
     directory = Path(path)
     config_path = directory / "adapter_config.json"
     weights_path = directory / "adapter_model.safetensors"
@@ -108,9 +136,12 @@ def load_adapter(name: str, path: str | Path, shape: DecoderShape, max_rank: int
     alpha = config.get("lora_alpha", rank)
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     tensors = _read_tensors(name, weights_path)
-    pairs = _pairs(name, weights_path, tensors, shape, rank, scaling)
+    vision_tensors = {k: t for k, t in tensors.items() if any(marker in k for marker in _VISION_MARKERS)}
+    vision_pairs = _vision_pairs(name, weights_path, vision_tensors, vision, rank, scaling)
+    pairs = _pairs(name, weights_path, {k: t for k, t in tensors.items() if k not in vision_tensors}, shape, rank, scaling,
+                   allow_empty=bool(vision_tensors))
     digest = hashlib.sha256(config_path.read_bytes() + weights_path.read_bytes()).hexdigest()[:16]
-    return LoRAAdapter(name, str(directory), f"{name}#{digest}", rank, scaling, pairs)
+    return LoRAAdapter(name, str(directory), f"{name}#{digest}", rank, scaling, pairs, vision_pairs)
 
 
 def _read_config(name: str, path: Path) -> dict:
@@ -146,15 +177,48 @@ def _read_tensors(name: str, path: Path) -> dict[str, torch.Tensor]:
         raise AdapterError(f"adapter {name!r}: {path} is not a readable safetensors file: {err}") from err
 
 
+def _vision_pairs(
+    name: str, path: Path, tensors: dict[str, torch.Tensor], vision: VisionTargets | None, rank: int, scaling: float
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The vision side's (A, scaled B) by the model's module name."""
+    halves: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        where = f"adapter {name!r}: {path}: tensor {key}"
+        match = _VISION_KEY.match(key)
+        module = vision.module_of(match["path"]) if match is not None and vision is not None else None
+        if module is None:
+            raise AdapterError(f"{where} is not a LoRA weight of a linear layer of this model's vision tower or projector")
+        if module == "":
+            continue  # its layer's output is never used, so neither is its delta
+        half = halves.setdefault(module, {})
+        if match["ab"] in half:
+            raise AdapterError(f"{where}: lora_{match['ab']} of this layer is given twice")
+        half[match["ab"]] = tensor
+    return {module: _checked_pair(name, path, module, half, vision.features[module], rank, scaling) for module, half in halves.items()}
+
+
+def _checked_pair(
+    name: str, path: Path, where: str, half: dict[str, torch.Tensor], features: tuple[int, int], rank: int, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    where = f"adapter {name!r}: {path}: {where}"
+    if set(half) != {"A", "B"}:
+        raise AdapterError(f"{where}: lora_{'B' if 'A' in half else 'A'} is missing")
+    in_features, out_features = features
+    a, b = half["A"], half["B"]
+    if tuple(a.shape) != (rank, in_features):
+        raise AdapterError(f"{where}.lora_A has shape {tuple(a.shape)}, expected {(rank, in_features)} for this base model")
+    if tuple(b.shape) != (out_features, rank):
+        raise AdapterError(f"{where}.lora_B has shape {tuple(b.shape)}, expected {(out_features, rank)} for this base model")
+    return a.float().contiguous(), (b.float() * scaling).contiguous()
+
+
 def _pairs(
-    name: str, path: Path, tensors: dict[str, torch.Tensor], shape: DecoderShape, rank: int, scaling: float
+    name: str, path: Path, tensors: dict[str, torch.Tensor], shape: DecoderShape, rank: int, scaling: float,
+    allow_empty: bool = False,
 ) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     halves: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         where = f"adapter {name!r}: {path}: tensor {key}"
-        if any(marker in key for marker in _VISION_MARKERS):
-            raise AdapterError(f"{where}: LoRA on the vision tower or projector is not supported yet (the encoder "
-                               "cache would have to be keyed by adapter); train the adapter on the language model only")
         if "lora_embedding" in key or "embed_tokens" in key or "lm_head" in key:
             raise AdapterError(f"{where}: LoRA on the embeddings or the LM head is not supported")
         if key.endswith(".bias"):
@@ -169,18 +233,9 @@ def _pairs(
         if match["ab"] in half:
             raise AdapterError(f"{where}: lora_{match['ab']} of this projection is given twice")
         half[match["ab"]] = tensor
-    if not halves:
+    if not halves and not allow_empty:
         raise AdapterError(f"adapter {name!r}: {path} holds no LoRA weights")
-    pairs = {}
-    for (layer, proj), half in sorted(halves.items()):
-        where = f"adapter {name!r}: {path}: layers.{layer}.{proj}"
-        if set(half) != {"A", "B"}:
-            raise AdapterError(f"{where}: lora_{'B' if 'A' in half else 'A'} is missing")
-        in_features, out_features = shape.features[proj]
-        a, b = half["A"], half["B"]
-        if tuple(a.shape) != (rank, in_features):
-            raise AdapterError(f"{where}.lora_A has shape {tuple(a.shape)}, expected {(rank, in_features)} for this base model")
-        if tuple(b.shape) != (out_features, rank):
-            raise AdapterError(f"{where}.lora_B has shape {tuple(b.shape)}, expected {(out_features, rank)} for this base model")
-        pairs[(layer, proj)] = (a.float().contiguous(), (b.float() * scaling).contiguous())
-    return pairs
+    return {
+        (layer, proj): _checked_pair(name, path, f"layers.{layer}.{proj}", half, shape.features[proj], rank, scaling)
+        for (layer, proj), half in sorted(halves.items())
+    }

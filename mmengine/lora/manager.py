@@ -16,17 +16,22 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
 from mmengine.errors import AdapterError, AdapterInUseError, UnknownAdapterError
-from mmengine.lora.adapter import DecoderShape, LoRAAdapter, load_adapter
+from mmengine.lora.adapter import DecoderShape, LoRAAdapter, VisionTargets, load_adapter
 from mmengine.lora.request import LoRARequest
 
 
 class LoRAManager:
-    def __init__(self, shape: DecoderShape, max_loras: int, max_rank: int, max_cpu_loras: int | None = None) -> None:
+    def __init__(
+        self, shape: DecoderShape, max_loras: int, max_rank: int, max_cpu_loras: int | None = None,
+        vision: VisionTargets | None = None,
+    ) -> None:
         self.shape = shape
+        self.vision = vision
         self.max_rank = max_rank
         self.max_cpu_loras = max_cpu_loras or max_loras
         self.registered: dict[str, LoRARequest] = {}
         self._keys: dict[str, str] = {}  # name -> key
+        self._on_vision: set[str] = set()  # keys of adapters that change the vision side
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # key -> weights, least recently used first
         self.slots: list[str | None] = [None] * max_loras  # key held by each device slot
         self._slot_order: OrderedDict[int, None] = OrderedDict((i, None) for i in range(max_loras))  # LRU first
@@ -51,6 +56,8 @@ class LoRAManager:
         adapter = self._read(request)
         self.registered[request.name] = request
         self._keys[request.name] = adapter.key
+        if adapter.touches_vision:
+            self._on_vision.add(adapter.key)
         self._remember(adapter)
         return adapter.key
 
@@ -65,6 +72,7 @@ class LoRAManager:
             raise AdapterInUseError(f"adapter {name!r} is used by {users} queued or running request(s); abort them or wait")
         del self.registered[name], self._keys[name]
         self._host.pop(key, None)
+        self._on_vision.discard(key)
         return key
 
     def key_of(self, lora: LoRARequest | str | None) -> str | None:
@@ -83,6 +91,10 @@ class LoRAManager:
 
     def name_of(self, key: str) -> str:
         return key.rsplit("#", 1)[0]
+
+    def touches_vision(self, key: str) -> bool:
+        """Whether the adapter changes the vision side: then its requests' encoder outputs are its own."""
+        return key in self._on_vision
 
     def holds(self, key: str) -> bool:
         """Whether `key` is a registered adapter's current key."""
@@ -107,7 +119,7 @@ class LoRAManager:
 
     def _read(self, request: LoRARequest) -> LoRAAdapter:
         self.num_disk_reads += 1
-        return load_adapter(request.name, request.path, self.shape, self.max_rank)
+        return load_adapter(request.name, request.path, self.shape, self.max_rank, self.vision)
 
     def _remember(self, adapter: LoRAAdapter) -> None:
         self._host[adapter.key] = adapter
@@ -162,6 +174,7 @@ class LoRAManager:
     def stats(self) -> dict[str, int]:
         return {
             "lora_adapters_registered": len(self.registered),
+            "lora_adapters_on_vision": len(self._on_vision),  # their encoder outputs are cached per adapter
             "lora_slots_used": sum(key is not None for key in self.slots),
             "lora_slot_loads": self.num_slot_loads,
             "lora_slot_evictions": self.num_slot_evictions,

@@ -65,6 +65,10 @@ class QwenVLModel(VisionLanguageModel):
         sizes = (grids.prod(-1) // self.merge_size**2).tolist()
         return list(torch.split(merged, sizes))
 
+    def encoder_rows(self, item: dict[str, torch.Tensor]) -> int:
+        """Patches are packed: an item's rows are its patches (t * h * w)."""
+        return int(item["image_grid_thw"].prod())
+
     def checkpoint_name(self, raw_name: str) -> str:
         """transformers >= 4.52 saves `model.visual.*` and `model.language_model.*`; the original
         checkpoints saved `visual.*` and the decoder as `model.*`."""

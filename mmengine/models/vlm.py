@@ -14,6 +14,7 @@ from transformers import PretrainedConfig
 
 from mmengine.errors import WeightsMismatchError
 from mmengine.layers.attention import AttentionMetadata
+from mmengine.layers.lora import ItemLoRAContext, LoRALinear, LoRASlice
 from mmengine.models.llama import _STACKED, DecoderModel, head_dim_of
 from mmengine.models.loader import WeightCheck
 
@@ -45,6 +46,32 @@ class VisionLanguageModel(nn.Module):
         """One step's items (their encoder inputs, as the family split them) through the vision side,
         batched as the tower likes; one [num_tokens, text_hidden] tensor per item, in order."""
         raise NotImplementedError
+
+    def encoder_rows(self, item: dict[str, torch.Tensor]) -> int:
+        """An item's share of the vision side's rows in encode_items (how a batch's rows split among
+        its items): 1 for a tower that takes a [batch, patches, dim] batch; families that pack
+        patches override it."""
+        return 1
+
+    def vision_linears(self) -> dict[str, nn.Linear]:
+        """Every linear layer of the vision side (tower and projector), by its name in this model:
+        what a LoRA adapter on the vision side may target."""
+        return {
+            name: module for name, module in self.named_modules()
+            if isinstance(module, nn.Linear) and not name.startswith(("language_model.", "lm_head"))
+        }
+
+    def enable_vision_lora(self, max_loras: int, max_rank: int) -> tuple[ItemLoRAContext, dict[str, LoRALinear]]:
+        """Gives every vision-side linear layer `max_loras` adapter slots; returns their shared context
+        and the layers by name."""
+        context = ItemLoRAContext()
+        wrapped = {}
+        for name, linear in self.vision_linears().items():
+            parent_name, _, attr = name.rpartition(".")
+            parent = self.get_submodule(parent_name) if parent_name else self
+            wrapped[name] = LoRALinear(linear, [LoRASlice(name, 0, linear.out_features)], context, max_loras, max_rank)
+            setattr(parent, attr, wrapped[name])
+        return context, wrapped
 
     # -- decoder -------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from mmengine.kv_cache.manager import cdiv
 from mmengine.layers.attention import AttentionMetadata, get_attention_backend
 from mmengine.layers.cascade import tokens_per_tile
 from mmengine.layers.kernel_dispatch import use_fused_kernels
-from mmengine.layers.lora import LoRAContext, LoRASegments, add_lora
+from mmengine.layers.lora import ItemLoRAContext, LoRAContext, LoRALinear, LoRASegments, add_lora
 from mmengine.models.family import ModelFamily
 from mmengine.lora.adapter import LoRAAdapter
 from mmengine.models.loader import default_dtype, iter_checkpoint
@@ -58,11 +58,14 @@ class ModelRunner:
         self.model.eval()
         # LoRA slots are allocated here, before the KV cache is sized, so its profile counts them.
         self.lora_context: LoRAContext | None = None
+        self.vision_lora_context: ItemLoRAContext | None = None
+        self.vision_lora_modules: dict[str, LoRALinear] = {}
         if config.enable_lora:
             self.lora_context = self.model.language_model.enable_lora(config.max_loras, config.max_lora_rank)
+            self.vision_lora_context, self.vision_lora_modules = self.model.enable_vision_lora(config.max_loras, config.max_lora_rank)
         self.attn_backend = get_attention_backend(config.attn_backend, device)
         if self.lora_context is not None:
-            self.lora_context.use_kernels = use_fused_kernels(device, self.attn_backend.name)
+            self.lora_context.use_kernels = self.vision_lora_context.use_kernels = use_fused_kernels(device, self.attn_backend.name)
         self.sampler = Sampler(config.seed)
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # the encoder cache's tensors, by mm_hash
         self.kv_cache: torch.Tensor | None = None
@@ -320,7 +323,7 @@ class ModelRunner:
         """Queues one step on the device without waiting for it; result() reads its tokens.
         A decode whose input is a placeholder (async scheduling) takes `previous`'s token on the device."""
         self.free_encoder_outputs(out.freed_encoder_hashes)
-        self._run_encoder(out.scheduled)
+        self._run_encoder(out.scheduled, out.encoder_lora_slots)
         scheduled = [s for s in out.scheduled if s.num_new_tokens > 0]  # zero-token requests just wait
         if not scheduled:
             return NOTHING_SAMPLED
@@ -379,26 +382,40 @@ class ModelRunner:
         return LoRASegments.build(starts, lens, slot_ids, self.device) if starts else None
 
     def load_lora_slot(self, slot: int, adapter: LoRAAdapter) -> None:
-        """Writes an adapter's weights into device slot `slot` of every projection."""
+        """Writes an adapter's weights into device slot `slot` of every projection (zeros where it has none)."""
         for layer, module in self.model.language_model.lora_modules():
             module.load_slot(slot, adapter.layer_pairs(layer, tuple(piece.name for piece in module.slices)))
+        for name, module in self.vision_lora_modules.items():
+            module.load_slot(slot, {name: adapter.vision_pairs[name]} if name in adapter.vision_pairs else {})
 
     def clear_lora_slot(self, slot: int) -> None:
         for _, module in self.model.language_model.lora_modules():
+            module.clear_slot(slot)
+        for module in self.vision_lora_modules.values():
             module.clear_slot(slot)
 
     def free_encoder_outputs(self, mm_hashes: list[str]) -> None:
         for mm_hash in mm_hashes:
             del self.encoder_outputs[mm_hash]
 
-    def _run_encoder(self, scheduled: list[ScheduledRequest]) -> None:
+    def _run_encoder(self, scheduled: list[ScheduledRequest], lora_slots: dict[str, int] | None = None) -> None:
+        """Encodes the step's items; those of requests whose adapter changes the vision side
+        (`lora_slots`) through their adapter's slot."""
         jobs = [(s.request, idx) for s in scheduled for idx in s.encoder_items]
         if not jobs:
             return
         inputs = [req.mm_items[idx].encoder_inputs for req, idx in jobs]
         if self.pad_encoder_batches:
             inputs += self.family.dummy_items(encoder_batch_size(len(inputs)) - len(inputs))
-        embeddings = self.model.encode_items(inputs)[: len(jobs)]
+        context = self.vision_lora_context
+        if context is not None and lora_slots:
+            slots = [lora_slots.get(req.request_id, -1) for req, _ in jobs] + [-1] * (len(inputs) - len(jobs))
+            context.items = [(slot, self.model.encoder_rows(item)) for slot, item in zip(slots, inputs)]
+        try:
+            embeddings = self.model.encode_items(inputs)[: len(jobs)]
+        finally:
+            if context is not None:
+                context.items = None
         for (req, idx), emb in zip(jobs, embeddings):
             item = req.mm_items[idx]
             if emb.shape[0] != item.length:
