@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
-from mmengine.errors import InvalidInputError
+from mmengine.errors import EmptyPromptError, InvalidInputError
 from mmengine.sampling import SamplingParams
 
 # A single image given where a list of images belongs is one of these.
@@ -86,18 +87,73 @@ def check_request_id(request_id: object) -> str | None:
     return request_id
 
 
+@dataclass
+class PromptInput:
+    """One prompt as the caller gave it: its text or its token ids (one of the two), and its pictures."""
+
+    text: str | None
+    token_ids: list[int] | None
+    images: list[Any]
+
+
+_PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
+
+
+def is_single_prompt(prompts: object) -> bool:
+    """A str or a prompt dict is one prompt; a list is a batch."""
+    return isinstance(prompts, (str, dict))
+
+
+def normalize_prompt(prompt: object, images: object, prompt_index: int | None = None) -> PromptInput:
+    """A str, or a dict as vLLM's LLM.generate takes it: {"prompt": str} or {"prompt_token_ids": [int]},
+    with an optional {"multi_modal_data": {"image": picture or [pictures]}} (then `images` must be None)."""
+    if not isinstance(prompt, dict):
+        return PromptInput(check_prompt_text(prompt, prompt_index), None, check_image_list(images, prompt_index))
+    unknown = sorted(set(prompt) - set(_PROMPT_DICT_KEYS))
+    if unknown:
+        raise InvalidInputError(f"unknown prompt dict key(s) {unknown}; known: {list(_PROMPT_DICT_KEYS)}", prompt_index)
+    if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+        raise InvalidInputError("a prompt dict needs exactly one of 'prompt' and 'prompt_token_ids'", prompt_index)
+    pictures = check_image_list(images, prompt_index)
+    data = prompt.get("multi_modal_data")
+    if data is not None:
+        if pictures:
+            raise InvalidInputError("pictures given twice: in multi_modal_data and in images=", prompt_index)
+        if not isinstance(data, dict) or set(data) - {"image"}:
+            kinds = sorted(set(data) - {"image"}) if isinstance(data, dict) else type_name(data)
+            raise InvalidInputError(f"multi_modal_data must be {{'image': picture or [pictures]}}; not supported: {kinds}", prompt_index)
+        value = data.get("image")
+        pictures = [] if value is None else list(value) if _is_list(value) else [value]
+    if "prompt" in prompt:
+        return PromptInput(check_prompt_text(prompt["prompt"], prompt_index), None, pictures)
+    return PromptInput(None, check_token_ids(prompt["prompt_token_ids"], prompt_index), pictures)
+
+
+def check_token_ids(token_ids: object, prompt_index: int | None = None) -> list[int]:
+    """A token prompt: a non-empty list of ints (the vocabulary bound is checked where it is known)."""
+    if not _is_list(token_ids) and type(token_ids).__module__ not in ("numpy", "torch"):
+        raise InvalidInputError(f"prompt_token_ids must be a list of ints, got {type_name(token_ids)}", prompt_index)
+    ids = list(token_ids.tolist() if hasattr(token_ids, "tolist") else token_ids)
+    if not ids:
+        raise EmptyPromptError("prompt_token_ids is empty", prompt_index)
+    for position, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, int):
+            raise InvalidInputError(f"prompt_token_ids[{position}] must be an int, got {token!r:.40}", prompt_index)
+    return ids
+
+
 def normalize_batch(
     prompts: object, images: object, sampling_params: object
-) -> tuple[list[str], list[list[Any]], list[SamplingParams]]:
-    """One prompt (a str) or a batch (a list of str), with images and sampling params to match."""
-    if isinstance(prompts, str):
-        prompt_list = [check_prompt_text(prompts, 0)]
-        image_lists = [check_image_list(images, 0)]
+) -> tuple[list[PromptInput], list[SamplingParams]]:
+    """One prompt (a str or a prompt dict) or a batch (a list of them), with images and sampling params to match."""
+    if is_single_prompt(prompts):
+        inputs = [normalize_prompt(prompts, images, 0)]
     elif _is_list(prompts):
-        prompt_list = [check_prompt_text(p, i) for i, p in enumerate(prompts)]
-        image_lists = _batch_images(images, len(prompt_list))
+        image_lists = _batch_images(images, len(prompts))
+        inputs = [normalize_prompt(p, imgs or None, i) for i, (p, imgs) in enumerate(zip(prompts, image_lists))]
     else:
-        raise InvalidInputError(f"prompts must be a str or a list of str, got {type_name(prompts)}")
+        raise InvalidInputError(f"prompts must be a str, a prompt dict, or a list of them, got {type_name(prompts)}")
+    prompt_list = inputs
     if sampling_params is None or isinstance(sampling_params, SamplingParams):
         params_list = [check_sampling_params(sampling_params)] * len(prompt_list)
     elif _is_list(sampling_params):
@@ -109,7 +165,7 @@ def normalize_batch(
             )
     else:
         params_list = [check_sampling_params(sampling_params)]
-    return prompt_list, image_lists, params_list
+    return inputs, params_list
 
 
 def _batch_images(images: object, num_prompts: int) -> list[list[Any]]:

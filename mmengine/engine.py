@@ -21,7 +21,9 @@ from mmengine.api_inputs import (
     check_request_id,
     check_salt,
     check_sampling_params,
+    is_single_prompt,
     normalize_batch,
+    normalize_prompt,
     normalize_conversations,
     normalize_salts,
     normalize_uuids,
@@ -173,7 +175,7 @@ class MMEngine:
 
     def add_request(
         self,
-        prompt: str,
+        prompt: str | dict[str, Any],
         images: Sequence[ImageInput] | None = None,
         sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
@@ -186,13 +188,17 @@ class MMEngine:
         Requests share cached KV blocks only when their cache_salt is equal (None is a salt too).
         `mm_uuids` optionally gives each image an id that replaces hashing its content. `lora` runs
         the request under an adapter (a LoRARequest, registered on first use, or a registered name).
+        `prompt` may also be a prompt dict, as generate() takes it.
         """
         params = check_sampling_params(sampling_params)
         check_salt(cache_salt)
         check_request_id(request_id)
         uuids = normalize_uuids(mm_uuids, single=True, num_prompts=1)[0]
         self._lora_key(lora)  # an unknown or broken adapter fails before preprocessing
-        processed = self.input_processor.process(prompt, check_image_list(images), params, mm_uuids=uuids)  # outside the lock
+        given = normalize_prompt(prompt, images)
+        processed = self.input_processor.process(  # outside the lock
+            given.text, given.images, params, mm_uuids=uuids, token_ids=given.token_ids
+        )
         return self.add_processed_request(processed, params, request_id, cache_salt, lora)
 
     def add_processed_request(
@@ -329,7 +335,7 @@ class MMEngine:
 
     def generate(
         self,
-        prompts: str | Sequence[str],
+        prompts: str | dict[str, Any] | Sequence[str | dict[str, Any]],
         images: Sequence[ImageInput] | Sequence[Sequence[ImageInput] | None] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
@@ -339,33 +345,38 @@ class MMEngine:
     ) -> list[RequestOutput]:
         """Generates for one prompt or a batch; returns one output per prompt, in input order.
 
+        A prompt is a str, or a dict as vLLM's LLM.generate takes it: {"prompt": str} or
+        {"prompt_token_ids": [int]} (a placeholder per picture, or the processor's expanded runs), with
+        optional "multi_modal_data": {"image": picture or [pictures]}. A token prompt and the text that
+        tokenizes the same share KV blocks and encoder outputs.
         For one prompt, `images` is that prompt's list of images; for a batch, one list (or None) per prompt.
         `cache_salt` is one salt for all prompts or one per prompt; `mm_uuids` follows the shape of
         `images`; `lora` is one adapter (or None, the base model) for all prompts or one per prompt.
         Every prompt is validated before any is queued, so bad input queues nothing.
         """
-        prompt_list, image_lists, params_list = normalize_batch(prompts, images, sampling_params)
-        salts = normalize_salts(cache_salt, len(prompt_list))
-        uuid_lists = normalize_uuids(mm_uuids, isinstance(prompts, str), len(prompt_list))
-        loras = self._per_prompt_loras(lora, len(prompt_list))
-        jobs = list(zip(prompt_list, image_lists, params_list, uuid_lists))
+        inputs, params_list = normalize_batch(prompts, images, sampling_params)
+        salts = normalize_salts(cache_salt, len(inputs))
+        uuid_lists = normalize_uuids(mm_uuids, is_single_prompt(prompts), len(inputs))
+        loras = self._per_prompt_loras(lora, len(inputs))
+        jobs = list(zip(inputs, params_list, uuid_lists))
 
         memo = BatchMemo()  # a picture object given for many prompts is read and hashed once
-        text_ids = self.input_processor.tokenize_batch(prompt_list) if len(jobs) > 1 else [None]
+        text_ids = self.input_processor.tokenize_batch([given.text for given in inputs]) if len(jobs) > 1 else [None]
 
         def process(i: int) -> tuple[ProcessedPrompt, str | None]:
-            prompt, imgs, params, uuids = jobs[i]
+            given, params, uuids = jobs[i]
             try:
                 lora_key = self._lora_key(loras[i])  # an unknown adapter is this prompt's error, in input order
             except InvalidInputError as err:
                 raise err.at_prompt(i) from err
             return self.input_processor.process(
-                prompt, imgs, params, prompt_index=i, mm_uuids=uuids, memo=memo, text_ids=text_ids[i]
+                given.text, given.images, params, prompt_index=i, mm_uuids=uuids, memo=memo, text_ids=text_ids[i],
+                token_ids=given.token_ids,
             ), lora_key
 
         # Decoding, hashing and resizing release the GIL: a batch with images is preprocessed on a
         # few threads (the first bad prompt, in input order, still raises before anything is queued).
-        if len(jobs) > 1 and any(image_lists):
+        if len(jobs) > 1 and any(given.images for given in inputs):
             processed = list(self._preprocess_pool().map(process, range(len(jobs))))
         else:
             processed = [process(i) for i in range(len(jobs))]

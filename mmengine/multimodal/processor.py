@@ -119,46 +119,53 @@ class InputProcessor:
 
     def process(
         self,
-        prompt: str,
+        prompt: str | None,
         images: Sequence[ImageInput] | None,
         params: SamplingParams,
         prompt_index: int = 0,
         mm_uuids: Sequence[str | None] | None = None,
         memo: BatchMemo | None = None,
         text_ids: list[int] | None = None,
+        token_ids: list[int] | None = None,
     ) -> ProcessedPrompt:
         """`mm_uuids` optionally names each image: equal ids mean equal images (content is not hashed).
         `memo` is shared by the calls of one batch, so a picture object it gives for several prompts
         is read and hashed once. `text_ids`: the prompt's ids from `tokenize_batch`, if the batch was
-        tokenized up front."""
+        tokenized up front. `token_ids` instead of `prompt`: a token prompt (see _expand_token_ids)."""
         try:
-            return self._process(prompt, list(images or ()), params, mm_uuids, memo, text_ids)
+            return self._process(prompt, list(images or ()), params, mm_uuids, memo, text_ids, token_ids)
         except InvalidInputError as err:
             raise err.at_prompt(prompt_index) from err
 
     def _process(
         self,
-        prompt: str,
+        prompt: str | None,
         images: list[ImageInput],
         params: SamplingParams,
         mm_uuids: Sequence[str | None] | None,
         memo: BatchMemo | None = None,
         text_ids: list[int] | None = None,
+        token_ids: list[int] | None = None,
     ) -> ProcessedPrompt:
-        check_prompt_text(prompt)
+        if token_ids is None:
+            check_prompt_text(prompt)
+        else:
+            self._check_vocabulary(token_ids)
         if len(images) > self.max_images:
             raise TooManyImagesError(
                 f"{len(images)} images given but limit_mm_per_prompt allows at most {self.max_images} per prompt"
             )
-        num_markers = prompt.count(self.image_token)
+        num_markers = prompt.count(self.image_token) if token_ids is None else self._count_placeholders(token_ids, len(images))
         if num_markers != len(images):
-            raise ImageCountMismatchError(
-                f"the prompt has {num_markers} {self.image_token} marker(s) but {len(images)} image(s) were given"
-            )
+            where = f"{self.image_token} marker(s)" if token_ids is None else "image placeholder(s) in its token ids"
+            raise ImageCountMismatchError(f"the prompt has {num_markers} {where} but {len(images)} image(s) were given")
         mm_hashes, preprocessed = self._load_items(images, mm_uuids, memo)
         counts = [self.family.num_tokens(inputs) for inputs in preprocessed]
         self._check_item_sizes(counts)
-        token_ids, starts = self._tokenize(prompt, counts, text_ids)
+        if token_ids is None:
+            token_ids, starts = self._tokenize(prompt, counts, text_ids)
+        else:
+            token_ids, starts = self._expand_token_ids(token_ids, counts)
         if not token_ids:
             raise EmptyPromptError("the prompt is empty after tokenization")
         self._check_length(len(token_ids), params.max_tokens)
@@ -199,6 +206,62 @@ class InputProcessor:
                 expanded += [token] * counts[len(starts) - 1]
             else:
                 expanded.append(token)
+        return expanded, starts
+
+    def _check_vocabulary(self, token_ids: list[int]) -> None:
+        vocab = self.family.text_config.vocab_size
+        for position, token in enumerate(token_ids):
+            if not 0 <= token < vocab:
+                raise InvalidInputError(f"prompt_token_ids[{position}] = {token} is outside the vocabulary (0..{vocab - 1})")
+
+    def _placeholder_runs(self, token_ids: list[int]) -> list[tuple[int, int]]:
+        """(start, length) of each maximal run of image placeholder tokens."""
+        runs: list[tuple[int, int]] = []
+        for index, token in enumerate(token_ids):
+            if token != self.image_token_id:
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == index:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((index, 1))
+        return runs
+
+    def _count_placeholders(self, token_ids: list[int], num_images: int) -> int:
+        """How many pictures a token prompt's placeholders stand for, before the pictures' sizes are
+        known: one per run when there are as many runs as pictures (expanded runs, or single
+        placeholders apart), else one per placeholder token."""
+        runs = self._placeholder_runs(token_ids)
+        if len(runs) == num_images:
+            return num_images
+        return sum(length for _, length in runs)
+
+    def _expand_token_ids(self, token_ids: list[int], counts: Sequence[int]) -> tuple[list[int], list[int]]:
+        """A token prompt with each picture's placeholders as the processor expands them, and where each
+        run starts. A run may be the processor's expanded form (as long as one picture's count, or the
+        sum of adjacent pictures' counts) or one placeholder per picture, which is expanded here."""
+        expanded: list[int] = []
+        starts: list[int] = []
+        image, position = 0, 0
+        for run_start, run_length in self._placeholder_runs(token_ids):
+            expanded += token_ids[position:run_start]
+            total, taken = 0, 0
+            while image + taken < len(counts) and total < run_length:  # expanded runs of adjacent pictures
+                total += counts[image + taken]
+                taken += 1
+            if total != run_length:  # one placeholder per picture
+                taken = run_length
+                if image + taken > len(counts):
+                    raise ImageCountMismatchError(
+                        f"the token ids hold more image placeholders than the {len(counts)} image(s) given need"
+                    )
+            for k in range(image, image + taken):
+                starts.append(len(expanded))
+                expanded += [self.image_token_id] * counts[k]
+            image += taken
+            position = run_start + run_length
+        expanded += token_ids[position:]
+        if image != len(counts):
+            raise ImageCountMismatchError(f"the token ids hold placeholders for {image} image(s) but {len(counts)} were given")
         return expanded, starts
 
     def _check_item_sizes(self, counts: Sequence[int]) -> None:
