@@ -28,7 +28,14 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mmengine.api_inputs import check_image_list, check_request_id, check_salt, check_sampling_params, normalize_uuids
+from mmengine.api_inputs import (
+    PromptInput,
+    check_request_id,
+    check_salt,
+    check_sampling_params,
+    normalize_prompt,
+    normalize_uuids,
+)
 from mmengine.engine import MMEngine
 from mmengine.errors import ConfigError, InvalidInputError, MMEngineError
 from mmengine.lora.request import LoRARequest
@@ -241,7 +248,7 @@ class AsyncMMEngine:
 
     async def add_request(
         self,
-        prompt: str,
+        prompt: str | dict[str, Any],
         images: Sequence[ImageInput] | None = None,
         sampling_params: SamplingParams | None = None,
         *,
@@ -265,7 +272,7 @@ class AsyncMMEngine:
         check_salt(cache_salt)
         request_id = check_request_id(request_id) or f"req-{uuid.uuid4().hex}"
         uuids = normalize_uuids(mm_uuids, single=True, num_prompts=1)[0]
-        image_list = check_image_list(images)
+        given = normalize_prompt(prompt, images)  # a str, or a prompt dict (token ids) as MMEngine takes it
         stream = RequestStream(self, request_id, params)
         with self._lock:
             if request_id in self._streams:
@@ -274,7 +281,7 @@ class AsyncMMEngine:
             self._num_queued += 1
         try:
             await self.run_in_pool(
-                self._process_and_queue, stream, prompt, image_list, params, uuids, cache_salt, fill_max_tokens, lora
+                self._process_and_queue, stream, given, params, uuids, cache_salt, fill_max_tokens, lora
             )
         except BaseException:
             stream.abort()  # unregisters it; if the worker still queues it, the worker aborts it
@@ -345,8 +352,7 @@ class AsyncMMEngine:
     def _process_and_queue(
         self,
         stream: RequestStream,
-        prompt: str,
-        images: list[ImageInput],
+        given: PromptInput,
         params: SamplingParams,
         mm_uuids: Sequence[str | None] | None,
         cache_salt: str | None,
@@ -355,7 +361,7 @@ class AsyncMMEngine:
     ) -> None:
         engine = self.engine
         checked = dataclasses.replace(params, max_tokens=1) if fill_max_tokens else params
-        processed = engine.input_processor.process(prompt, images, checked, mm_uuids=mm_uuids)
+        processed = engine.input_processor.process(given.text, given.images, checked, mm_uuids=mm_uuids, token_ids=given.token_ids)
         stream.num_prompt_tokens = len(processed.prompt_token_ids)
         if fill_max_tokens:  # process() checked that one token fits; take all the room there is
             params = dataclasses.replace(params, max_tokens=self.max_output_tokens(stream.num_prompt_tokens))

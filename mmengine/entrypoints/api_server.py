@@ -1,7 +1,7 @@
 """The OpenAI-compatible server: a FastAPI app over one AsyncMMEngine.
 
     POST /v1/chat/completions   messages with text and image_url parts (data: URLs, allowed file:// paths)
-    POST /v1/completions        a text prompt
+    POST /v1/completions        a prompt: a string, token ids, or a list of either (one choice per prompt)
     GET  /v1/models, /health, /metrics
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter   with --enable-lora-runtime-updates
 
@@ -40,8 +40,9 @@ from mmengine.entrypoints.protocol import (
     ResponseWriter,
     UnloadLoRARequest,
     new_id,
+    summed_usage,
 )
-from mmengine.errors import AdapterError, AdapterInUseError, ConfigError, MMEngineError
+from mmengine.errors import AdapterError, AdapterInUseError, ConfigError, InvalidInputError, MMEngineError
 from mmengine.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -177,39 +178,52 @@ class _OpenAIServer:
         return JSONResponse({"status": "ok", "message": f"adapter {body.lora_name!r} unloaded"})
 
     async def generate(self, kind: str, body: ChatCompletionRequest | CompletionRequest, request: Request) -> Response:
+        """One chat, or a completion of one or several prompts (one choice per prompt, indexed in order)."""
         arrival = time.monotonic()
         lora = self._adapter_for(body.model)
         body.check_supported()
         params, fill_max_tokens = body.sampling_params()
         chat = kind == "chat"
         request_id = new_id("chatcmpl" if chat else "cmpl")
+        input_param = "messages" if chat else "prompt"
+        streams: list[RequestStream] = []
+        inputs: list[tuple[Any, Any]] = []
         try:
             self.engine.check_not_overloaded()  # before decoding anything
-            if chat:
-                prompt, images = await self._chat_prompt(body)
-            else:
-                prompt, images = body.single_prompt(), None
-            stream = await self.engine.add_request(
-                prompt, images, params, request_id=request_id, cache_salt=body.cache_salt,
-                mm_uuids=body.mm_uuids if chat else None, fill_max_tokens=fill_max_tokens, lora=lora,
-            )
+            inputs = [await self._chat_prompt(body)] if chat else [(prompt, None) for prompt in body.prompts()]
+            for index, (prompt, images) in enumerate(inputs):
+                streams.append(await self.engine.add_request(
+                    prompt, images, params, request_id=request_id if len(inputs) == 1 else f"{request_id}-{index}",
+                    cache_salt=body.cache_salt, mm_uuids=body.mm_uuids if chat else None,
+                    fill_max_tokens=fill_max_tokens, lora=lora,
+                ))
         except MMEngineError as err:
-            raise from_engine_error(err, input_param="messages" if chat else "prompt") from err
-        writer = ResponseWriter(kind, request_id, body.model)
-        deltas = self.metrics.timed(aiter(stream), arrival, "chat" if chat else "completions")
+            for stream in streams:
+                stream.abort()
+            answer = from_engine_error(err, input_param=input_param)
+            if len(inputs) > 1 and isinstance(err, InvalidInputError):  # name the prompt of the list at fault
+                answer.message = f"prompt {len(streams)}: {answer.message}"
+            raise answer from err
+        writers = [ResponseWriter(kind, request_id, body.model, index) for index in range(len(streams))]
+        deltas = [self.metrics.timed(aiter(stream), arrival, "chat" if chat else "completions") for stream in streams]
+
+        def abort_all() -> None:
+            for stream in streams:
+                stream.abort()
+
         if body.stream:
-            events = self._events(writer, deltas, stream, body.include_usage)
-            return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(stream.abort))
-        answer = asyncio.ensure_future(self._whole(writer, deltas))
+            events = self._events(writers, deltas, streams, body.include_usage)
+            return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(abort_all))
+        answer = asyncio.ensure_future(self._wholes(writers, deltas))
         try:
             if not await _finished_before_disconnect(request, answer):
                 self.metrics.client_disconnects.inc()
                 return Response(status_code=499)  # nobody reads it
             return JSONResponse(answer.result())
         except MMEngineError as err:
-            raise from_engine_error(err, input_param="messages" if chat else "prompt") from err
+            raise from_engine_error(err, input_param=input_param) from err
         finally:
-            stream.abort()
+            abort_all()
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[bytes | str]]:
         conversation, urls = parse_messages(body.messages)
@@ -223,34 +237,79 @@ class _OpenAIServer:
         return await self.engine.run_in_pool(prepare)
 
     @staticmethod
-    async def _whole(writer: ResponseWriter, deltas: AsyncIterator[DeltaOutput]) -> dict[str, Any]:
-        parts, last = [], None
-        async for delta in deltas:
-            parts.append(delta.text)
-            last = delta
-        return writer.complete("".join(parts), last)
+    async def _wholes(writers: list[ResponseWriter], deltas: list[AsyncIterator[DeltaOutput]]) -> dict[str, Any]:
+        """The whole answer: one choice per request, usage summed over them."""
+
+        async def whole(deltas: AsyncIterator[DeltaOutput]) -> tuple[str, DeltaOutput]:
+            parts, last = [], None
+            async for delta in deltas:
+                parts.append(delta.text)
+                last = delta
+            return "".join(parts), last
+
+        answers = await asyncio.gather(*(whole(d) for d in deltas))
+        bodies = [writer.complete(text, last) for writer, (text, last) in zip(writers, answers)]
+        return {**bodies[0], "choices": [b["choices"][0] for b in bodies], "usage": summed_usage([last for _, last in answers])}
 
     async def _events(
-        self, writer: ResponseWriter, deltas: AsyncIterator[DeltaOutput], stream: RequestStream, include_usage: bool
+        self, writers: list[ResponseWriter], deltas: list[AsyncIterator[DeltaOutput]], streams: list[RequestStream],
+        include_usage: bool,
     ) -> AsyncIterator[str]:
+        """The chunks of every request, as they come (each carries its choice's index); then the usage
+        summed over them and [DONE]."""
+        chat = writers[0].chat
         try:
-            if writer.chat:
-                yield _event(writer.chunk("", role=True, with_usage_field=include_usage))
-            last = None
-            async for delta in deltas:  # one chunk per delta: new tokens (their text may still be held back) or the end
-                last = delta
-                yield _event(writer.chunk(delta.text, delta.finish_reason, stop_reason=delta.stop_reason,
-                                          with_usage_field=include_usage))
-            if include_usage and last is not None:
-                yield _event(writer.usage_chunk(last))
+            if chat:
+                yield _event(writers[0].chunk("", role=True, with_usage_field=include_usage))
+            lasts: list[DeltaOutput | None] = [None] * len(writers)
+            async for index, delta in _merged(deltas):  # one chunk per delta: new tokens (text may be held back) or the end
+                lasts[index] = delta
+                yield _event(writers[index].chunk(delta.text, delta.finish_reason, stop_reason=delta.stop_reason,
+                                                  with_usage_field=include_usage))
+            if include_usage and all(last is not None for last in lasts):
+                yield _event(writers[0].usage_chunk(*lasts))
             yield _DONE
-        except MMEngineError as err:  # the request failed in the engine after the stream began
-            yield _event(from_engine_error(err, input_param="messages" if writer.chat else "prompt").body())
+        except MMEngineError as err:  # a request failed in the engine after the stream began
+            yield _event(from_engine_error(err, input_param="messages" if chat else "prompt").body())
             yield _DONE
         finally:
-            if not stream.finished:  # the client went away (or the server is stopping)
+            if not all(stream.finished for stream in streams):  # the client went away (or the server is stopping)
                 self.metrics.client_disconnects.inc()
-            stream.abort()
+            for stream in streams:
+                stream.abort()
+
+
+async def _merged(iterators: list[AsyncIterator[DeltaOutput]]) -> AsyncIterator[tuple[int, DeltaOutput]]:
+    """(index, item) from several async iterators as each yields; an iterator's exception is raised here."""
+    if len(iterators) == 1:
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(index: int, iterator: AsyncIterator[DeltaOutput]) -> None:
+        try:
+            async for item in iterator:
+                await queue.put((index, item))
+            await queue.put((index, done))
+        except BaseException as err:  # noqa: BLE001 - handed to the consumer
+            await queue.put((index, err))
+
+    tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _event(payload: dict[str, Any]) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -116,19 +117,23 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[str]
+    # OpenAI's four forms: a string, a list of strings, a list of token ids, a list of lists of token ids
+    prompt: str | list[int] | list[list[int]] | list[str]
     echo: bool = False
     suffix: str | None = None
     logprobs: int | None = None
     best_of: int | None = None
 
-    def single_prompt(self) -> str:
-        if isinstance(self.prompt, str):
-            return self.prompt
-        if len(self.prompt) != 1:
-            raise APIError(400, f"prompt must be one string (got a list of {len(self.prompt)})", param="prompt",
-                           code="invalid_value")
-        return self.prompt[0]
+    def prompts(self) -> list[str | dict[str, list[int]]]:
+        """One engine prompt per choice group: a str, or a {"prompt_token_ids": [...]} dict."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise APIError(400, "prompt must not be an empty list", param="prompt", code="invalid_value")
+        if all(isinstance(token, int) for token in prompt):
+            return [{"prompt_token_ids": list(prompt)}]
+        return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
 
     def check_supported(self) -> None:
         super().check_supported()
@@ -162,17 +167,18 @@ def usage_of(last: DeltaOutput) -> dict[str, Any]:
 class ResponseWriter:
     """Builds one request's response objects: the whole answer, or its stream's chunks."""
 
-    def __init__(self, kind: str, request_id: str, model: str) -> None:
+    def __init__(self, kind: str, request_id: str, model: str, index: int = 0) -> None:
         self.chat = kind == "chat"
         self.request_id = request_id
         self.model = model
+        self.index = index  # the choice's index (a completion of several prompts has one choice per prompt)
         self.created = int(time.time())
 
     def _envelope(self, object_name: str) -> dict[str, Any]:
         return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model}
 
     def complete(self, text: str, last: DeltaOutput) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": last.finish_reason, "logprobs": None,
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": last.finish_reason, "logprobs": None,
                                   "stop_reason": last.stop_reason}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -183,7 +189,7 @@ class ResponseWriter:
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
               stop_reason: str | int | None = None, with_usage_field: bool = False) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        choice: dict[str, Any] = {"index": self.index, "finish_reason": finish_reason, "logprobs": None}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
         if self.chat:
@@ -198,6 +204,12 @@ class ResponseWriter:
             body["usage"] = None
         return body
 
-    def usage_chunk(self, last: DeltaOutput) -> dict[str, Any]:
+    def usage_chunk(self, *lasts: DeltaOutput) -> dict[str, Any]:
+        """The final usage chunk, summed over the choices' requests."""
         return {**self._envelope("chat.completion.chunk" if self.chat else "text_completion"),
-                "choices": [], "usage": usage_of(last)}
+                "choices": [], "usage": summed_usage(lasts)}
+
+
+def summed_usage(lasts: Sequence[DeltaOutput]) -> dict[str, Any]:
+    return usage(sum(d.num_prompt_tokens for d in lasts), sum(d.num_output_tokens for d in lasts),
+                 sum(d.num_cached_tokens for d in lasts))
