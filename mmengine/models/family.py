@@ -58,6 +58,8 @@ class ModelFamily:
     model_class: ClassVar[type[nn.Module]]
     # Position channels per token: 1 (plain RoPE) or 3 (M-RoPE).
     position_channels: ClassVar[int] = 1
+    # Whether precomputed embeddings need the picture's grid beside them (M-RoPE positions do)
+    embeds_need_grid: ClassVar[bool] = False
 
     def __init__(self, hf_config: PretrainedConfig, image_processor_settings: dict[str, Any] | None = None) -> None:
         """`image_processor_settings`: the checkpoint's preprocessor config with the engine's overrides

@@ -89,6 +89,7 @@ class Qwen2VLFamily(ModelFamily):
     display_name = "Qwen2-VL (native resolution, M-RoPE)"
     model_class = QwenVLModel
     position_channels = 3
+    embeds_need_grid = True
 
     def __init__(self, hf_config: PretrainedConfig, image_processor_settings: dict[str, Any] | None = None) -> None:
         super().__init__(hf_config, image_processor_settings)

@@ -34,6 +34,7 @@ from mmengine.keyed_lock import KeyedLock
 from mmengine.encoder_cache.hashing import hash_bytes, hash_image, hash_user_id, model_fingerprint, processor_settings_key
 from mmengine.models.family import EncoderInputs, ModelFamily
 from mmengine.models.registry import load_hf_processor
+from mmengine.multimodal.embeds import check_embeds, hash_embeds, is_embeds_item
 from mmengine.multimodal.image_loading import ImageInput, encoded_bytes, load_image
 from mmengine.multimodal.processor_cache import ProcessorCache
 from mmengine.multimodal.resize_guard import check_preprocessed_size
@@ -161,6 +162,10 @@ class InputProcessor:
             raise ImageCountMismatchError(f"the prompt has {num_markers} {where} but {len(images)} image(s) were given")
         mm_hashes, preprocessed = self._load_items(images, mm_uuids, memo)
         counts = [self.family.num_tokens(inputs) for inputs in preprocessed]
+        for index, (inputs, count) in enumerate(zip(preprocessed, counts)):
+            if "image_embeds" in inputs and inputs["image_embeds"].shape[0] != count:
+                raise InvalidInputError(f"image {index}: image_embeds has {inputs['image_embeds'].shape[0]} rows but the "
+                                        f"model gives this image {count} placeholder tokens")
         self._check_item_sizes(counts)
         if token_ids is None:
             token_ids, starts = self._tokenize(prompt, counts, text_ids)
@@ -295,6 +300,11 @@ class InputProcessor:
         inputs come from the cache (no resize and normalize). Each of these is looked up and, if
         missing, made under its key's lock, so threads that bring the same object, bytes or item at
         once do the work once between them."""
+        if is_embeds_item(image):  # precomputed embeddings: checked and hashed, never preprocessed
+            inputs = check_embeds(image, self.family.text_config.hidden_size, self.family.embeds_need_grid, index)
+            if user_id is not None:
+                return hash_user_id(user_id, self.fingerprint, self.settings_key, self.hash_algo), inputs
+            return hash_embeds(inputs, self.fingerprint, self.hash_algo), inputs
         if user_id is not None:
             mm_hash = hash_user_id(user_id, self.fingerprint, self.settings_key, self.hash_algo)
             return mm_hash, self._inputs(mm_hash, lambda: self._read(image, index))

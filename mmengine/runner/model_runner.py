@@ -402,6 +402,10 @@ class ModelRunner:
         """Encodes the step's items; those of requests whose adapter changes the vision side
         (`lora_slots`) through their adapter's slot."""
         jobs = [(s.request, idx) for s in scheduled for idx in s.encoder_items]
+        for req, idx in [job for job in jobs if "image_embeds" in job[0].mm_items[job[1]].encoder_inputs]:
+            item = req.mm_items[idx]  # precomputed embeddings go straight into the cache: no tower run
+            self.encoder_outputs[item.mm_hash] = item.encoder_inputs["image_embeds"].to(self.device, self.dtype, copy=True)
+        jobs = [(req, idx) for req, idx in jobs if "image_embeds" not in req.mm_items[idx].encoder_inputs]
         if not jobs:
             return
         inputs = [req.mm_items[idx].encoder_inputs for req, idx in jobs]
