@@ -30,7 +30,8 @@ from starlette.background import BackgroundTask
 
 from mmengine.async_engine import AsyncMMEngine, DeltaOutput, RequestStream
 from mmengine.entrypoints.api_errors import APIError, from_engine_error, install_error_handlers
-from mmengine.entrypoints.chat import ChatTemplate, parse_messages
+from mmengine.entrypoints.chat import ChatTemplate, EmbedsPart, parse_messages
+from mmengine.entrypoints.embeds_payload import decode_embeds_payload
 from mmengine.entrypoints.media import MediaPolicy, fetch_remote_image, is_remote, load_local_image_url
 from mmengine.entrypoints.metrics import ServerMetrics
 from mmengine.entrypoints.protocol import (
@@ -58,6 +59,7 @@ class ServerSettings:
     media: MediaPolicy = field(default_factory=MediaPolicy)
     lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> directory, registered at start
     lora_runtime_updates: bool = False  # the load/unload endpoints
+    enable_mm_embeds: bool = False  # image_embeds content parts (untrusted tensors: see embeds_payload.py)
 
 
 def build_app(async_engine: AsyncMMEngine, settings: ServerSettings) -> FastAPI:
@@ -225,14 +227,18 @@ class _OpenAIServer:
         finally:
             abort_all()
 
-    async def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[bytes | str]]:
-        conversation, urls = parse_messages(body.messages)
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[Any]]:
+        conversation, sources = parse_messages(body.messages, self.settings.enable_mm_embeds)
         policy = self.settings.media
-        remote = {i: await fetch_remote_image(url, i, policy) for i, url in enumerate(urls) if is_remote(url)}
+        remote = {i: await fetch_remote_image(src, i, policy) for i, src in enumerate(sources) if isinstance(src, str) and is_remote(src)}
 
-        def prepare() -> tuple[str, list[bytes | str]]:  # base64 decoding and the template, off the event loop
-            images = [remote[i] if i in remote else load_local_image_url(url, i, policy) for i, url in enumerate(urls)]
-            return self.template.render(conversation), images
+        def image(i: int, source: str | EmbedsPart) -> Any:
+            if isinstance(source, EmbedsPart):
+                return decode_embeds_payload(source.payload, i)
+            return remote[i] if i in remote else load_local_image_url(source, i, policy)
+
+        def prepare() -> tuple[str, list[Any]]:  # base64 decoding and the template, off the event loop
+            return self.template.render(conversation), [image(i, source) for i, source in enumerate(sources)]
 
         return await self.engine.run_in_pool(prepare)
 

@@ -3,6 +3,7 @@ plus the image URLs in order, and the chat template that renders it into a promp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from mmengine.api_inputs import normalize_conversations
@@ -17,8 +18,16 @@ def _bad(reason: str) -> APIError:
     return APIError(400, reason, param="messages", code="invalid_value")
 
 
-def parse_messages(messages: list[Any]) -> tuple[Conversation, list[str]]:
-    """Splits OpenAI messages into a template-ready conversation and the image URLs, in order."""
+@dataclass(frozen=True)
+class EmbedsPart:
+    """An image_embeds content part's payload (decoded later, off the event loop)."""
+
+    payload: Any
+
+
+def parse_messages(messages: list[Any], allow_embeds: bool = False) -> tuple[Conversation, list[str | EmbedsPart]]:
+    """Splits OpenAI messages into a template-ready conversation and the images (URLs, or image_embeds
+    parts when `allow_embeds`), in order."""
     if not messages:
         raise _bad("messages must be a non-empty list")
     conversation: Conversation = []
@@ -32,7 +41,7 @@ def parse_messages(messages: list[Any]) -> tuple[Conversation, list[str]]:
         if content is None:
             content = ""  # e.g. an assistant turn that only called tools
         if isinstance(content, list):
-            content = [_part(part, f"{where}.content[{index}]", urls) for index, part in enumerate(content)]
+            content = [_part(part, f"{where}.content[{index}]", urls, allow_embeds) for index, part in enumerate(content)]
         conversation.append({"role": role, "content": content})
     try:
         normalize_conversations(conversation)  # roles, content types, valid text
@@ -41,7 +50,7 @@ def parse_messages(messages: list[Any]) -> tuple[Conversation, list[str]]:
     return conversation, urls
 
 
-def _part(part: Any, where: str, urls: list[str]) -> dict[str, Any]:
+def _part(part: Any, where: str, urls: list[str | EmbedsPart], allow_embeds: bool) -> dict[str, Any]:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text":
         if not isinstance(part.get("text"), str):
@@ -54,7 +63,13 @@ def _part(part: Any, where: str, urls: list[str]) -> dict[str, Any]:
             raise _bad(f"{where}: an image_url part needs {{'image_url': {{'url': ...}}}}")
         urls.append(url)
         return {"type": "image"}
-    raise _bad(f"{where}: unsupported content part {kind!r}; expected 'text' or 'image_url'")
+    if kind == "image_embeds":
+        if not allow_embeds:
+            raise APIError(400, f"{where}: image_embeds parts are off; start the server with --enable-mm-embeds",
+                           param="messages", code="mm_embeds_disabled")
+        urls.append(EmbedsPart(part.get("image_embeds")))
+        return {"type": "image"}
+    raise _bad(f"{where}: unsupported content part {kind!r}; expected 'text', 'image_url' or 'image_embeds'")
 
 
 class ChatTemplate:

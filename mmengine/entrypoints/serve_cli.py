@@ -45,6 +45,9 @@ def build_serve_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--max-ongoing-requests-per-replica", type=int, default=32, metavar="N",
                           help="with --data-parallel-size > 1: a replica with N requests in flight is saturated, and "
                           "the router sends requests that prefer it to the least-loaded replica (default: 32)")
+    server.add_argument("--enable-mm-embeds", action="store_true",
+                        help="accept image_embeds content parts (base64 of torch.save(tensor)); off by default, as "
+                        "they are untrusted tensors")
     server.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
                         help="LoRA adapters (PEFT directories) to register at start; a request selects one by its "
                         "`model` field (needs --enable-lora)")
@@ -95,6 +98,7 @@ def run_serve(argv: Sequence[str]) -> None:
         media=MediaPolicy(allowed_local_media_path=media_dir, allow_remote_media=args.allow_remote_media),
         lora_modules=lora_modules,
         lora_runtime_updates=args.enable_lora_runtime_updates,
+        enable_mm_embeds=args.enable_mm_embeds,
     )
     if args.data_parallel_size > 1:
         _run_data_parallel(args, settings)
