@@ -50,6 +50,12 @@ class RequestSpec:
     defect: str | None = None
     abort_after_steps: int | None = None  # driver requests: aborted this many of its steps after being added
     lora: int | None = None  # index into FuzzCase.adapters; None: the base model
+    # How the prompt is given: its text, a {"prompt": text} dict, or token ids with one placeholder per
+    # picture ("markers") or the processor's expanded runs ("expanded"), pictures in multi_modal_data
+    prompt_form: str = "text"
+
+
+PROMPT_FORMS = ("text", "text", "dict", "markers", "expanded")
 
 
 @dataclass(frozen=True)
@@ -206,7 +212,9 @@ class _Drawer:
                 spec.lora = base.lora
             elif rng.random() < 0.7:
                 spec.lora = rng.randrange(self.num_adapters)
+        spec.prompt_form = rng.choice(PROMPT_FORMS)
         if rng.random() < 0.05:
+            spec.prompt_form = "text"  # the defects are written on the text and its images
             self._spoil(spec)
         elif driver:
             if rng.random() < 0.15:

@@ -90,7 +90,9 @@ class _Built:
     uuids: list[str | None] | None
     params: SamplingParams
     lora: str | None = None  # the adapter's name
+    prompt: Any = None  # what the engine is given: the text, or a prompt dict (see RequestSpec.prompt_form)
     expected_error: type[Exception] | None = None
+    expanded_ids: list[int] = field(default_factory=list)  # the prompt's ids, placeholders expanded
     num_prompt_tokens: int = 0
     items: dict[str, int] = field(default_factory=dict)  # mm_hash -> embeddings
     reference: list[int] = field(default_factory=list)
@@ -238,6 +240,8 @@ def _expect(case: FuzzCase, built: list[_Built], reference: MMEngine) -> None:
         else:
             b.num_prompt_tokens = len(processed.prompt_token_ids)
             b.items = {item.mm_hash: item.length for item in processed.mm_items}
+            b.expanded_ids = processed.prompt_token_ids
+        b.prompt = _engine_prompt(b, reference)
         if b.spec.defect == "unknown_adapter":  # refused before its input is looked at
             b.expected_error = mmengine.errors.UnknownAdapterError
         if b.spec.defect is not None:
@@ -252,6 +256,23 @@ def _expect(case: FuzzCase, built: list[_Built], reference: MMEngine) -> None:
         )
         for b, out in zip(valid, outs):
             b.reference = out.token_ids
+
+
+def _engine_prompt(b: _Built, reference: MMEngine) -> Any:
+    """The prompt in the spec's form: its text, or a dict whose multi_modal_data carries the images."""
+    form = b.spec.prompt_form
+    if form == "text":
+        return b.spec.prompt
+    data = {"multi_modal_data": {"image": b.images}} if b.images else {}
+    if form == "dict":
+        return {"prompt": b.spec.prompt, **data}
+    ids = reference.tokenizer(b.spec.prompt)["input_ids"] if form == "markers" else b.expanded_ids
+    return {"prompt_token_ids": list(ids), **data}
+
+
+def _images_arg(b: _Built) -> list[Any] | None:
+    """The images= argument beside the prompt: none when a prompt dict carries them."""
+    return b.images if isinstance(b.prompt, str) else None
 
 
 def _resolve(case: FuzzCase, valid: list[_Built]) -> dict[str, object]:
@@ -282,7 +303,7 @@ def _drive(case: FuzzCase, engine: MMEngine, driver: list[_Built], audit: Callab
             index = queue.pop(0)
             b = driver[index]
             try:
-                request_id = engine.add_request(b.spec.prompt, b.images, b.params, cache_salt=b.spec.salt, mm_uuids=b.uuids,
+                request_id = engine.add_request(b.prompt, _images_arg(b), b.params, cache_salt=b.spec.salt, mm_uuids=b.uuids,
                                                 lora=b.lora)
             except mmengine.errors.InvalidInputError as err:
                 _check_error(case, b, err, None)
@@ -326,14 +347,14 @@ def _call(engine: MMEngine, calls: list[list[_Built]]) -> list[tuple[_Built, Req
             call = [b for b in call if b.expected_error is None]
         if call:
             outs = _generate(engine, call)
-            assert [o.prompt for o in outs] == [b.spec.prompt for b in call], "generate() outputs out of input order"
+            assert [o.prompt_token_ids for o in outs] == [b.expanded_ids for b in call], "generate() outputs out of input order"
             results += zip(call, outs)
     return results
 
 
 def _generate(engine: MMEngine, call: list[_Built]) -> list[RequestOutput]:
     return engine.generate(
-        [b.spec.prompt for b in call], images=[b.images for b in call], sampling_params=[b.params for b in call],
+        [b.prompt for b in call], images=[_images_arg(b) for b in call], sampling_params=[b.params for b in call],
         cache_salt=[b.spec.salt for b in call], mm_uuids=[b.uuids for b in call], lora=[b.lora for b in call],
         use_tqdm=False,
     )
@@ -354,6 +375,8 @@ def _check(case: FuzzCase, engine: MMEngine, built: list[_Built], outputs: dict[
             continue
         if output is None:
             raise FuzzFailure(case, f"no output for {b.spec.prompt[-60:]!r}")
+        if output.prompt_token_ids != b.expanded_ids:
+            raise FuzzFailure(case, f"prompt given as {b.spec.prompt_form!r}: its ids differ from the text's expansion")
         if output.finish_reason == "abort":
             if output.token_ids != b.reference[: len(output.token_ids)]:
                 raise FuzzFailure(case, f"aborted request's tokens {output.token_ids} are not a prefix of {b.reference}")

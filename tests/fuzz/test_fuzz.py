@@ -44,6 +44,7 @@ def test_the_seeded_cases_reach_what_they_are_for(env):
     cases = [make_case(seed, quick=True) for seed in SEEDS]
     assert any(case.callers for case in cases) and any(s.defect for case in cases for s in case.requests())
     assert any(s.lora is not None for case in cases for s in case.requests())
+    assert {s.prompt_form for case in cases for s in case.requests()} == {"text", "dict", "markers", "expanded"}
     assert any(s.abort_after_steps is not None for case in cases for s in case.driver)
     reports = [run_case(case, env) for case in cases[:9]]
     assert sum(r.prefix_cache_hits for r in reports) > 0 and sum(r.bad_requests for r in reports) > 0
