@@ -253,9 +253,19 @@ class MMEngine:
 
     def _step(self) -> list[RequestOutput]:
         out = self._schedule()
-        sampled = self.runner.execute(out, self._block_tables(out))
+        launched = self.runner.launch(out, self._block_tables(out))
+        sampled = launched.result()
         updated = self.scheduler.update_from_output(out, sampled, self.eos_token_ids)
+        self._record_logprobs(launched, updated)
         return self._outputs(updated)
+
+    @staticmethod
+    def _record_logprobs(launched: LaunchedStep, updated: list[Request]) -> None:
+        logprobs = launched.token_logprobs()
+        if logprobs:
+            for request in updated:
+                if request.request_id in logprobs:
+                    request.output_logprobs.append(logprobs[request.request_id])
 
     def _step_async(self) -> list[RequestOutput]:
         """Async scheduling: books the step in flight with placeholder tokens, schedules and launches
@@ -282,7 +292,9 @@ class MMEngine:
 
     def _resolve(self, step: _InFlightStep, pending: list[Request]) -> list[RequestOutput]:
         sampled = step.launched.result()  # the wait for the device
-        return self._outputs(self.scheduler.resolve_tokens(pending, sampled, self.eos_token_ids))
+        updated = self.scheduler.resolve_tokens(pending, sampled, self.eos_token_ids)
+        self._record_logprobs(step.launched, updated)
+        return self._outputs(updated)
 
     def _schedule(self, allow_empty: bool = False) -> SchedulerOutput:
         out = self.scheduler.schedule()
@@ -622,6 +634,7 @@ class MMEngine:
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
             stop_reason=request.stop_reason,
+            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
         )
 
 

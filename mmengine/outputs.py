@@ -6,6 +6,15 @@ from dataclasses import dataclass
 
 
 @dataclass
+class TokenLogprobs:
+    """One generated token's raw log-probability and the most likely tokens at its position (best first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), SamplingParams.logprobs of them
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -15,6 +24,7 @@ class RequestOutput:
     finish_reason: str | None  # "stop" | "length" | "abort", None while running
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if any
+    logprobs: list[TokenLogprobs] | None = None  # one per generated token, with SamplingParams(logprobs=k)
 
     @property
     def finished(self) -> bool:

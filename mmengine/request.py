@@ -91,6 +91,7 @@ class Request:
         self.num_preemptions = 0
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None  # the stop string or stop token that finished it
+        self.output_logprobs: list[Any] = []  # outputs.TokenLogprobs per generated token, when asked for
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -42,6 +42,10 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)  # a str is accepted and wrapped in a list
     ignore_eos: bool = False
+    # Return each generated token's log-probability and the `logprobs` most likely alternatives (0: the
+    # sampled token's only; None: none). Raw: log_softmax of the model's logits, before temperature,
+    # top-k and top-p, as vLLM returns them by default.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.max_tokens = self._check_max_tokens(self.max_tokens)
@@ -53,6 +57,8 @@ class SamplingParams:
         self.stop = self._check_stop(self.stop)
         if not isinstance(self.ignore_eos, bool):
             raise _bad("ignore_eos", self.ignore_eos, "a bool")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise _bad("logprobs", self.logprobs, f"None or an int in [0, {MAX_LOGPROBS}]")
 
     @property
     def greedy(self) -> bool:
@@ -139,6 +145,18 @@ def sampling_rows(params: list[SamplingParams], vocab_size: int) -> tuple[np.nda
     top_k = np.array([min(p.top_k, vocab_size) if p.top_k_enabled and not p.greedy else vocab_size for p in params], dtype=np.int64)
     top_p = np.array([1.0 if p.greedy else p.top_p for p in params], dtype=np.float32)
     return greedy, temperature, top_k, top_p
+
+
+MAX_LOGPROBS = 64
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The sampled tokens' raw log-probabilities [rows] and the `top` most likely tokens' ids and
+    log-probabilities [rows, top] (descending), from logits [rows, vocab]; all on the logits' device."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    chosen = logprobs.gather(1, tokens.view(-1, 1)).view(-1)
+    values, ids = logprobs.topk(top, dim=-1) if top > 0 else (logprobs[:, :0], tokens.view(-1, 1)[:, :0])
+    return chosen, ids, values
 
 
 class Sampler:

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mmengine.outputs import TokenLogprobs
+
 
 @dataclass
 class LaunchedStep:
@@ -18,6 +20,8 @@ class LaunchedStep:
     tokens: torch.Tensor | None  # [len(sampled_ids)] int64 on the device
     host: torch.Tensor | None  # their host copy, complete once `ready` has passed
     ready: torch.cuda.Event | None  # None on CPU, where the copy is the tensor itself
+    # For the rows that asked for log-probabilities: (row indices, chosen [n], top ids [n, k], top values [n, k], k per row)
+    logprobs: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None = None
 
     def result(self) -> dict[str, int]:
         """Waits for the step and returns each sampling request's token."""
@@ -26,6 +30,18 @@ class LaunchedStep:
         if self.ready is not None:
             self.ready.synchronize()
         return dict(zip(self.sampled_ids, self.host.tolist()))
+
+    def token_logprobs(self) -> dict[str, TokenLogprobs]:
+        """The log-probabilities of the rows that asked for them (after result())."""
+        if self.logprobs is None:
+            return {}
+        rows, chosen, ids, values, ks = self.logprobs
+        tokens = self.host.tolist()
+        chosen, ids, values = chosen.tolist(), ids.tolist(), values.tolist()
+        return {
+            self.sampled_ids[row]: TokenLogprobs(tokens[row], chosen[i], list(zip(ids[i][:k], values[i][:k])))
+            for i, (row, k) in enumerate(zip(rows, ks))
+        }
 
     def token_rows(self) -> dict[str, int]:
         """Request id -> index of its token in `tokens`."""

@@ -29,7 +29,7 @@ from mmengine.runner.cascade_plan import CascadePolicy
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
 from mmengine.runner.inputs import InputBuffers
 from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, TokenReadback
-from mmengine.sampling import Sampler, SamplingParams
+from mmengine.sampling import Sampler, SamplingParams, token_logprobs
 from mmengine.scheduler import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -347,13 +347,15 @@ class ModelRunner:
         if not inputs.sampled:
             return NOTHING_SAMPLED
         logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        tokens = self.sampler(
-            logits,
-            [s.request.sampling_params for s in inputs.sampled],
-            [s.request.generator for s in inputs.sampled],
-            inputs.sampling,
-        )
-        return self._readback.start([s.request.request_id for s in inputs.sampled], tokens)
+        params = [s.request.sampling_params for s in inputs.sampled]
+        tokens = self.sampler(logits, params, [s.request.generator for s in inputs.sampled], inputs.sampling)
+        launched = self._readback.start([s.request.request_id for s in inputs.sampled], tokens)
+        asked = [row for row, p in enumerate(params) if p.logprobs is not None]
+        if asked:  # read back with the tokens (the copy waits for them anyway)
+            ks = [params[row].logprobs for row in asked]
+            index = torch.tensor(asked, device=logits.device)
+            launched.logprobs = (asked, *token_logprobs(logits.index_select(0, index), tokens.index_select(0, index), max(ks)), ks)
+        return launched
 
     def _graph_size_for(self, scheduled: list[ScheduledRequest]) -> int | None:
         """The graph bucket for a decode-only batch whose tokens are all text, else None (eager)."""
