@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 
 from mmengine.lazy_exports import lazy_exports
 
-__all__ = ["EngineConfig", "LoRARequest", "MMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["BeamSearchParams", "EngineConfig", "LoRARequest", "MMEngine", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "BeamSearchParams": "mmengine.beam_search",
     "EngineConfig": "mmengine.config",
     "LoRARequest": "mmengine.lora.request",
     "MMEngine": "mmengine.engine",
@@ -22,6 +23,7 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
+    from mmengine.beam_search import BeamSearchParams
     from mmengine.config import EngineConfig
     from mmengine.lora.request import LoRARequest
     from mmengine.engine import MMEngine

@@ -392,11 +392,33 @@ class MMEngine:
             processed = list(self._preprocess_pool().map(process, range(len(jobs))))
         else:
             processed = [process(i) for i in range(len(jobs))]
+        return self.run_processed([p for p, _ in processed], params_list, salts, [key for _, key in processed], use_tqdm)
+
+    def beam_search(self, prompts: Any, params: Any, images: Any = None, use_tqdm: bool = False) -> list[Any]:
+        """Beam search (mmengine.beam_search): one BeamSearchOutput per prompt, sequences best first.
+        `prompts` and `images` as generate() takes them; `params` a BeamSearchParams."""
+        from mmengine.beam_search import beam_search  # a layer above the engine: imported only when used
+
+        return beam_search(self, prompts, params, images, use_tqdm)
+
+    def run_processed(
+        self,
+        processed: Sequence[ProcessedPrompt],
+        params_list: Sequence[SamplingParams],
+        salts: Sequence[str | None] | None = None,
+        lora_keys: Sequence[str | None] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Runs prompts that `input_processor.process` already made to completion, as generate() does
+        (layers above the engine, such as beam search, use it to resubmit a prompt without preprocessing
+        its pictures again); one output per prompt, in order."""
+        salts = salts or [None] * len(processed)
+        lora_keys = lora_keys or [None] * len(processed)
         results: dict[str, RequestOutput] = {}  # filled by whichever thread's step finishes them
         ids: list[str] = []
         try:
             with self._lock:
-                for (p, lora_key), params, salt in zip(processed, params_list, salts):
+                for p, params, salt, lora_key in zip(processed, params_list, salts, lora_keys):
                     ids.append(self._enqueue(p, params, None, salt, lora_key))
                     self._owners[ids[-1]] = results
                 self.scheduler.group_batch(ids)

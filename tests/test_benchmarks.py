@@ -196,3 +196,15 @@ def test_lora_benchmark_runs_each_adapter_count_on_the_same_workload(checkpoint_
     prefill = [r["prefill_tokens_computed"] for r in result["runs"]]
     assert prefill[1] == prefill[3] == prefill[0] and prefill[2] == prefill[4] > prefill[0]
     assert [r["lora_slot_loads"] > 0 for r in result["runs"]] == [False, False, True, False, True]
+
+
+def test_beam_search_benchmark_reports_each_width(checkpoint_dir, tmp_path):
+    module = load_benchmark("beam_search")
+    output = tmp_path / "beam.json"
+    result = module.main(["--model", str(checkpoint_dir()), "--widths", "1,3", "--num-prompts", "2", "--max-tokens", "3",
+                          "--max-model-len", "256", "--output", str(output)])
+    assert json.loads(output.read_text()) == json.loads(json.dumps(result, default=str))
+    assert [row["width"] for row in result["widths"]] == [1, 3]
+    for row in result["widths"]:
+        assert row["beam_search"]["encoder_runs"] == 2  # one per picture, whatever the width
+        assert row["beam_ms_per_prompt"] > 0 and row["independent_ms_per_prompt"] > 0
