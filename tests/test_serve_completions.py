@@ -62,3 +62,30 @@ def test_streamed_choices_carry_their_index_and_usage_is_summed(client, offline)
     assert chunks[-1].usage.completion_tokens == 15 and not chunks[-1].choices
     finished = [c.choices[0].index for c in chunks if c.choices and c.choices[0].finish_reason]
     assert sorted(finished) == [0, 1, 2]
+
+
+def test_use_beam_search_returns_n_choices_best_first(client, offline):
+    from mmengine import BeamSearchParams
+
+    answer = client.completions.create(model=MODEL_NAME, prompt=TEXTS[:2], max_tokens=4, n=3,
+                                       extra_body={"use_beam_search": True, "ignore_eos": True})
+    expected = offline.beam_search(TEXTS[:2], BeamSearchParams(beam_width=3, max_tokens=4, ignore_eos=True))
+    assert [c.index for c in answer.choices] == list(range(6))
+    assert [c.text for c in answer.choices] == [s.text for result in expected for s in result.sequences]
+    assert answer.usage.completion_tokens == 6 * 4
+    with pytest.raises(openai.BadRequestError, match="cannot stream"):
+        client.completions.create(model=MODEL_NAME, prompt=TEXTS[0], max_tokens=4, n=2, stream=True,
+                                  extra_body={"use_beam_search": True})
+    with pytest.raises(openai.BadRequestError, match="unless use_beam_search"):
+        client.completions.create(model=MODEL_NAME, prompt=TEXTS[0], max_tokens=4, n=2)
+
+
+def test_chat_with_use_beam_search(client, offline):
+    from mmengine import BeamSearchParams
+
+    messages = [{"role": "user", "content": "Tell me about boats."}]
+    answer = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=3, n=2,
+                                            extra_body={"use_beam_search": True, "ignore_eos": True})
+    prompt = offline.input_processor.apply_chat_template(messages)
+    (expected,) = offline.beam_search(prompt, BeamSearchParams(beam_width=2, max_tokens=3, ignore_eos=True))
+    assert [c.message.content for c in answer.choices] == [s.text for s in expected.sequences]

@@ -44,6 +44,7 @@ from mmengine.entrypoints.protocol import (
     summed_usage,
 )
 from mmengine.errors import AdapterError, AdapterInUseError, ConfigError, InvalidInputError, MMEngineError
+from mmengine.beam_search import BeamSearchParams
 from mmengine.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)
@@ -188,6 +189,8 @@ class _OpenAIServer:
         chat = kind == "chat"
         request_id = new_id("chatcmpl" if chat else "cmpl")
         input_param = "messages" if chat else "prompt"
+        if body.use_beam_search:
+            return await self._beam_search(kind, body, request_id, params, lora)
         streams: list[RequestStream] = []
         inputs: list[tuple[Any, Any]] = []
         try:
@@ -226,6 +229,40 @@ class _OpenAIServer:
             raise from_engine_error(err, input_param=input_param) from err
         finally:
             abort_all()
+
+    async def _beam_search(self, kind: str, body: Any, request_id: str, params: Any, lora: str | None) -> Response:
+        """use_beam_search: width n, n choices per prompt (best first), answered whole."""
+        chat = kind == "chat"
+        if lora is not None:
+            raise APIError(400, "use_beam_search does not run under a LoRA adapter yet", param="model", code="unsupported_parameter")
+        try:
+            beam = BeamSearchParams(beam_width=body.n, max_tokens=params.max_tokens, length_penalty=body.length_penalty,
+                                    ignore_eos=body.ignore_eos)
+        except ConfigError as err:
+            raise APIError(400, str(err), param="length_penalty", code="invalid_value") from err
+        try:
+            if chat:
+                prompt, images = await self._chat_prompt(body)
+                prompts, pictures = [prompt], [images]
+            else:
+                prompts, pictures = body.prompts(), None
+            results = await self.engine.run_in_pool(lambda: self.engine.engine.beam_search(prompts, beam, images=pictures))
+        except MMEngineError as err:
+            raise from_engine_error(err, input_param="messages" if chat else "prompt") from err
+        choices, completion_tokens = [], 0
+        for result in results:
+            for seq in result.sequences:
+                finish = "stop" if seq.token_ids and seq.token_ids[-1] in self.engine.engine.eos_token_ids and not body.ignore_eos else "length"
+                choice = {"index": len(choices), "finish_reason": finish, "logprobs": None, "stop_reason": None}
+                choice |= {"message": {"role": "assistant", "content": seq.text}} if chat else {"text": seq.text}
+                choices.append(choice)
+                completion_tokens += len(seq.token_ids)
+        prompt_tokens = sum(len(result.prompt_token_ids) for result in results)
+        return JSONResponse({"id": request_id, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": body.model, "choices": choices,
+                             "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                                       "total_tokens": prompt_tokens + completion_tokens,
+                                       "prompt_tokens_details": {"cached_tokens": 0}}})
 
     async def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[Any]]:
         conversation, sources = parse_messages(body.messages, self.settings.enable_mm_embeds)

@@ -51,6 +51,8 @@ class _GenerationRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
+    use_beam_search: bool = False  # vLLM's extra: beam search of width n, n choices best first
+    length_penalty: float = 1.0  # with use_beam_search
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
@@ -67,8 +69,15 @@ class _GenerationRequest(BaseModel):
         return self.max_tokens, "max_tokens"
 
     def check_supported(self) -> None:
-        if self.n != 1:
-            raise APIError(400, f"n must be 1 (one choice per request), got {self.n}", param="n", code="invalid_value")
+        if self.use_beam_search:
+            if self.stream:
+                raise APIError(400, "use_beam_search cannot stream (the best beams are known at the end)", param="stream",
+                               code="invalid_value")
+            if not 1 <= self.n <= 32:
+                raise APIError(400, f"n is the beam width with use_beam_search: 1..32, got {self.n}", param="n", code="invalid_value")
+        elif self.n != 1:
+            raise APIError(400, f"n must be 1 (one choice per request) unless use_beam_search, got {self.n}", param="n",
+                           code="invalid_value")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) not in (None, 0, 0.0):
                 raise APIError(400, f"{name} is not supported (only 0)", param=name, code="unsupported_parameter")
