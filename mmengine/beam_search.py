@@ -8,7 +8,7 @@ since its last full block. The scheduler and the caches know nothing of beams.
 
 Selection follows transformers' beam search (`num_beams=W`, `early_stopping=False`): candidates are
 ranked by cumulative log-probability; one ending in EOS among the best W becomes a finished hypothesis
-scored `cum_logprob / generated_len ** length_penalty` (its length without the EOS); a prompt is done
+scored `cum_logprob / generated_len ** length_penalty` (its length with the EOS); a prompt is done
 when W hypotheses are finished and no live beam can beat the worst of them, or at max_tokens, when
 the live beams join the hypotheses. Sequences come back best first.
 """
@@ -130,7 +130,7 @@ def _advance(search: _PromptSearch, ranked: Sequence[tuple[float, int, _Beam]], 
     for rank, (cum, token, beam) in enumerate(ranked):
         if token in eos:
             if rank < width:  # as transformers: an EOS among the best W finishes a hypothesis
-                _add_hypothesis(search, beam.tokens + [token], cum, length, width, length_penalty)
+                _add_hypothesis(search, beam.tokens + [token], cum, length + 1, width, length_penalty)
             continue
         beams.append(_Beam(beam.tokens + [token], cum))
         if len(beams) == width:
