@@ -17,22 +17,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from latency import WORDS, resolve_model, sync, write_json  # noqa: E402  (a sibling script)
+from latency import WORDS, _positive_ints, add_model_source, resolve_model, sync, write_json  # noqa: E402  (a sibling script)
 
 from mmengine import BeamSearchParams, MMEngine, SamplingParams  # noqa: E402
 from mmengine.testing import make_test_image  # noqa: E402
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",")]
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny model)")
-    source.add_argument("--build-7b", metavar="DIR", default=None, help="build (if missing) and use a LLaVA-1.5-7B-shaped bf16 checkpoint")
-    parser.add_argument("--widths", type=_ints, default=[1, 2, 4, 8])
+    add_model_source(parser)
+    parser.add_argument("--widths", type=_positive_ints, default=[1, 2, 4, 8])
     parser.add_argument("--num-prompts", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--max-model-len", type=int, default=1024)

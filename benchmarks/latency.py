@@ -297,12 +297,28 @@ def run_gpu_busy(engine: MMEngine, batch_size: int, args: argparse.Namespace) ->
 # -- main -----------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_model_source(parser: argparse.ArgumentParser) -> None:
+    """--model or --build-7b (what resolve_model reads); shared by the sibling scripts."""
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny model)")
     source.add_argument("--build-7b", metavar="DIR", default=None,
                         help="use the family's 7B-shaped random checkpoint in DIR, building it there if missing")
+
+
+def non_negative_ints(text: str) -> list[int]:
+    """Comma-separated ints >= 0 (e.g. adapter counts, where 0 means none)."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints >= 0, got {text!r}")
+    return values
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_source(parser)
     parser.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen2_5_vl"],
                         help="the built-in model's family (tiny, or the 7B shape with --build-7b; qwen2_vl: tiny only)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")

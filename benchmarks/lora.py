@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from latency import WORDS, resolve_model, sync, write_json  # noqa: E402  (a sibling script)
+from latency import WORDS, _positive_ints, add_model_source, non_negative_ints, resolve_model, sync, write_json  # noqa: E402  (a sibling script)
 
 from mmengine import LoRARequest, MMEngine, SamplingParams  # noqa: E402
 from mmengine.testing import make_test_image  # noqa: E402
@@ -83,17 +83,11 @@ def decode_step_ms(engine: MMEngine, adapters: list[Path], args: argparse.Namesp
     return 1e3 * elapsed / args.decode_steps
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",")]
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    source = parser.add_mutually_exclusive_group()
-    source.add_argument("--model", default=None, help="checkpoint dir (default: the built-in tiny model)")
-    source.add_argument("--build-7b", metavar="DIR", default=None, help="build (if missing) and use a LLaVA-1.5-7B-shaped bf16 checkpoint")
-    parser.add_argument("--adapters", type=_ints, default=[0, 1, 4, 16], help="adapter counts to run (0: no LoRA)")
-    parser.add_argument("--ranks", type=_ints, default=[8, 64])
+    add_model_source(parser)
+    parser.add_argument("--adapters", type=non_negative_ints, default=[0, 1, 4, 16], help="adapter counts to run (0: no LoRA)")
+    parser.add_argument("--ranks", type=_positive_ints, default=[8, 64])
     parser.add_argument("--max-loras", type=int, default=16, help="device slots (capped at the adapter count)")
     parser.add_argument("--num-requests", type=int, default=32)
     parser.add_argument("--unique-images", type=int, default=8)
