@@ -36,14 +36,16 @@ class RunningServer:
     def metrics(self) -> dict[str, float]:
         return parse_metrics(httpx.get(self.base_url + "/metrics", timeout=30).text)
 
-    def wait_until_idle(self, timeout_s: float = 30.0) -> dict[str, float]:
-        """Polls /metrics until no request is in flight or in the engine (bounded); returns the last scrape."""
+    def wait_until_idle(self, timeout_s: float = 30.0, until=None) -> dict[str, float]:
+        """Polls /metrics until no request is in flight or in the engine and `until(metrics)` holds
+        (bounded); returns the last scrape. `until` names the outcome to wait for: a request the server
+        has received but not yet queued (its prompt still being prepared) is not in flight yet."""
         deadline = time.monotonic() + timeout_s
         while True:
             metrics = self.metrics()
             idle = (metrics["mmengine_requests_in_flight"] == 0 and metrics["mmengine_requests_running"] == 0
                     and metrics["mmengine_requests_waiting"] == 0)
-            if idle or time.monotonic() > deadline:
+            if (idle and (until is None or until(metrics))) or time.monotonic() > deadline:
                 return metrics
             time.sleep(0.05)
 
