@@ -14,10 +14,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from latency import WORDS, _positive_ints, add_model_source, resolve_model, sync, write_json  # noqa: E402  (a sibling script)
+from latency import WORDS, _positive_ints, add_model_source, run_record, resolve_model, sync, write_json  # noqa: E402  (a sibling script)
 
 from mmengine import BeamSearchParams, MMEngine, SamplingParams  # noqa: E402
 from mmengine.testing import make_test_image  # noqa: E402
@@ -74,8 +73,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         print(f"width {width}: beam search {row['beam_ms_per_prompt']:.1f} ms/prompt, {beams['prefill_tokens_computed']} prefill "
               f"tokens, {beams['encoder_runs']} encoder runs | independent {row['independent_ms_per_prompt']:.1f} ms/prompt, "
               f"{independent['prefill_tokens_computed']} prefill tokens")
-    result = {"model": model, **origin, "device": str(torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")),
-              "settings": {k: v for k, v in vars(args).items() if k != "output"}, "widths": rows}
+    result = {**run_record(model, origin, args), "widths": rows}
     write_json(args.output, result)
     return result
 

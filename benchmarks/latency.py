@@ -69,6 +69,12 @@ def image_question(engine: MMEngine, question: str) -> str:
     ])
 
 
+def run_record(model: str, origin: dict, args: argparse.Namespace) -> dict:
+    """What a result file says first: the checkpoint and how it came about, the device, the settings."""
+    device = "cuda" if torch.cuda.is_available() and getattr(args, "device", "auto") != "cpu" else "cpu"
+    return {"model": model, **origin, "device": device, "settings": {k: v for k, v in vars(args).items() if k != "output"}}
+
+
 def write_json(output: str, result: dict) -> None:
     Path(output).parent.mkdir(parents=True, exist_ok=True)
     Path(output).write_text(json.dumps(result, indent=2, default=str))

@@ -20,10 +20,9 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from latency import WORDS, _positive_ints, add_model_source, non_negative_ints, resolve_model, sync, write_json  # noqa: E402  (a sibling script)
+from latency import WORDS, _positive_ints, add_model_source, run_record, non_negative_ints, resolve_model, sync, write_json  # noqa: E402  (a sibling script)
 
 from mmengine import LoRARequest, MMEngine, SamplingParams  # noqa: E402
 from mmengine.testing import make_test_image  # noqa: E402
@@ -121,8 +120,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         if base is not None:
             row["throughput_vs_no_lora"] = row["requests_per_s"] / base["requests_per_s"]
             row["decode_step_vs_no_lora"] = row["decode_step_ms"] / base["decode_step_ms"]
-    result = {"model": model, **origin, "device": str(torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu")),
-              "settings": {k: v for k, v in vars(args).items() if k != "output"}, "runs": rows}
+    result = {**run_record(model, origin, args), "runs": rows}
     write_json(args.output, result)
     return result
 

@@ -61,26 +61,42 @@ class ItemLoRAContext(LoRAContext):
     """Shared by the LoRALinears of the vision side, whose rows are an encoder batch's items: `items`
     holds each item's adapter slot (-1: none) and its share of the rows (its patch count, or 1 for a
     [batch, patches, dim] input); a layer's rows split in those proportions, so a merger that
-    pools 4 patches into one row splits the same way."""
+    pools 4 patches into one row splits the same way. Every layer with the same row count gets the
+    same segments, so they are built once per row count (and per encoder batch)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.items: list[tuple[int, int]] | None = None
+        self._items: list[tuple[int, int]] | None = None
+        self._built: dict[int, LoRASegments | None] = {}  # row count -> segments, for the current items
+
+    @property
+    def items(self) -> list[tuple[int, int]] | None:
+        return self._items
+
+    @items.setter
+    def items(self, items: list[tuple[int, int]] | None) -> None:
+        self._items = items
+        self._built = {}
 
     def segments_for(self, x: torch.Tensor) -> LoRASegments | None:
-        if not self.items:
+        if not self._items:
             return None
         num_rows = x.numel() // x.shape[-1]
-        total = sum(rows for _, rows in self.items)
+        if num_rows not in self._built:
+            self._built[num_rows] = self._split(num_rows, x.device)
+        return self._built[num_rows]
+
+    def _split(self, num_rows: int, device: torch.device) -> LoRASegments | None:
+        total = sum(rows for _, rows in self._items)
         starts, lens, slots, row = [], [], [], 0
-        for slot, rows in self.items:
+        for slot, rows in self._items:
             length = rows * num_rows // total
             if slot >= 0:
                 starts.append(row)
                 lens.append(length)
                 slots.append(slot)
             row += length
-        return LoRASegments.build(starts, lens, slots, x.device) if starts else None
+        return LoRASegments.build(starts, lens, slots, device) if starts else None
 
 
 @dataclass(frozen=True)
