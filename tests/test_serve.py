@@ -185,8 +185,11 @@ def test_clients_that_go_away_leave_every_kv_block_free(server):
 
     async def wait_then_leave(client: httpx.AsyncClient) -> None:
         body = {**long_request, "messages": [{"role": "user", "content": "A long story, please."}]}
+        # Only the read is short: a connect or pool wait on a loaded machine must not end the client
+        # before the server has its request (CI once saw a ConnectTimeout here).
+        leave_while_waiting = httpx.Timeout(60, read=0.3)
         with pytest.raises(httpx.ReadTimeout):
-            await client.post("/v1/chat/completions", json=body, timeout=0.3)
+            await client.post("/v1/chat/completions", json=body, timeout=leave_while_waiting)
 
     async def clients() -> None:
         async with httpx.AsyncClient(base_url=server.base_url, headers=HEADERS, timeout=60) as client:
