@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from mmengine.lazy_exports import lazy_exports
 
-__all__ = ["BeamSearchParams", "EngineConfig", "LoRARequest", "MMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["BeamSearchParams", "EngineConfig", "LoRARequest", "MMEngine", "RequestOutput", "SamplingParams", "StructuredOutputParams"]
 __version__ = "0.1.0"
 
 _EXPORTS = {
@@ -20,6 +20,7 @@ _EXPORTS = {
     "MMEngine": "mmengine.engine",
     "RequestOutput": "mmengine.outputs",
     "SamplingParams": "mmengine.sampling",
+    "StructuredOutputParams": "mmengine.structured_output.params",
 }
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from mmengine.engine import MMEngine
     from mmengine.outputs import RequestOutput
     from mmengine.sampling import SamplingParams
+    from mmengine.structured_output.params import StructuredOutputParams
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -49,6 +49,7 @@ from mmengine.outputs import RequestOutput
 from mmengine.request import ProcessedPrompt, Request, RequestStatus
 from mmengine.runner import ModelRunner
 from mmengine.runner.launched_step import LaunchedStep
+from mmengine.structured_output.grammar import GrammarCompiler
 from mmengine.sampling import SamplingParams
 from mmengine.scheduler import Scheduler, SchedulerOutput
 
@@ -128,6 +129,7 @@ class MMEngine:
             self.config, self.kv_cache, self.encoder_cache, self.encoder_budget.compute_budget_tokens, self.max_model_len
         )
         self.eos_token_ids = _eos_token_ids(model_dir, self.hf_config, self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.family.text_config.vocab_size, self.eos_token_ids)
         self.loras: LoRAManager | None = None
         if self.config.enable_lora:
             shape = DecoderShape.of(self.family.text_config, self.family.head_dim)
@@ -193,6 +195,7 @@ class MMEngine:
         params = check_sampling_params(sampling_params)
         check_salt(cache_salt)
         check_request_id(request_id)
+        self._compile_grammar(params)
         uuids = normalize_uuids(mm_uuids, single=True, num_prompts=1)[0]
         self._lora_key(lora)  # an unknown or broken adapter fails before preprocessing
         given = normalize_prompt(prompt, images)
@@ -254,6 +257,8 @@ class MMEngine:
     def _step(self) -> list[RequestOutput]:
         out = self._schedule()
         launched = self.runner.launch(out, self._block_tables(out))
+        if launched.pending is not None:  # the grammars are current: mask while the forward runs
+            launched = self.runner.sample(launched)
         sampled = launched.result()
         updated = self.scheduler.update_from_output(out, sampled, self.eos_token_ids)
         self._record_logprobs(launched, updated)
@@ -286,9 +291,16 @@ class MMEngine:
                 for output in self._resolve(previous, pending):
                     self._route(output)
             raise
+        step = _InFlightStep(out, launched)
         if out.num_scheduled_tokens:
-            self._in_flight = _InFlightStep(out, launched)
-        return self._resolve(previous, pending) if previous is not None else []
+            self._in_flight = step
+        try:
+            return self._resolve(previous, pending) if previous is not None else []
+        finally:
+            if launched.pending is not None:
+                # Constrained rows: their masks need the tokens just resolved, so this step samples
+                # now, while its forward runs on the device.
+                step.launched = self.runner.sample(launched)
 
     def _resolve(self, step: _InFlightStep, pending: list[Request]) -> list[RequestOutput]:
         sampled = step.launched.result()  # the wait for the device
@@ -381,6 +393,7 @@ class MMEngine:
                 lora_key = self._lora_key(loras[i])  # an unknown adapter is this prompt's error, in input order
             except InvalidInputError as err:
                 raise err.at_prompt(i) from err
+            self._compile_grammar(params)
             return self.input_processor.process(
                 given.text, given.images, params, prompt_index=i, mm_uuids=uuids, memo=memo, text_ids=text_ids[i],
                 token_ids=given.token_ids,
@@ -440,6 +453,11 @@ class MMEngine:
                     self._owners.pop(request_id, None)
             raise
         return [results[request_id] for request_id in ids]
+
+    def _compile_grammar(self, params: SamplingParams) -> None:
+        """A structured-output spec compiles (once per spec, cached) before its prompt is preprocessed."""
+        if params.structured_output is not None:
+            self.grammars.compile(params.structured_output)
 
     def _preprocess_pool(self) -> ThreadPoolExecutor:
         with self._lock:
@@ -599,6 +617,8 @@ class MMEngine:
             processed = _items_under_adapter(processed, lora_key, self.config.prefix_caching_hash_algo)
         generator = self.runner.sampler.make_generator(params, self.device)
         request = Request(request_id, processed, params, arrival, generator, cache_salt=cache_salt, lora_name=lora_key)
+        if params.structured_output is not None:
+            request.grammar = self.grammars.matcher(params.structured_output)
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, stop=params.stop)
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = detokenizer
@@ -632,10 +652,13 @@ class MMEngine:
         request's tokens are decoded all at once when it finishes, unless it has stop strings."""
         detokenizer = self._detokenizers[request.request_id]
         streamed = request.request_id not in self._owners or bool(request.sampling_params.stop)
-        stop_string = detokenizer.append(request.output_token_ids[-1], decode=streamed)
+        token = request.output_token_ids[-1]
+        stop_string = detokenizer.append(token, decode=streamed)
         self._counters["generation_tokens"] += 1
         if stop_string is not None and not request.is_finished:
             request.stop_reason = stop_string
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        if request.grammar is not None and not request.is_finished and _grammar_done(request.grammar, token):
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
         if request.is_finished:
             detokenizer.flush()  # release a trailing partial character held back while streaming
@@ -664,6 +687,13 @@ class MMEngine:
 class _InFlightStep:
     out: SchedulerOutput
     launched: LaunchedStep
+
+
+def _grammar_done(matcher: Any, token: int) -> bool:
+    """Feeds a sampled token to a request's grammar; True when the grammar admits no further token
+    (complete: the request stops as on EOS)."""
+    matcher.consume_token(token)
+    return matcher.is_stopped() or matcher.is_error()
 
 
 def _items_under_adapter(processed: ProcessedPrompt, lora_key: str, hash_algo: str) -> ProcessedPrompt:

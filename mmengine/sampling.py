@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from mmengine.errors import ConfigError
+from mmengine.structured_output.params import StructuredOutputParams
 
 # Temperatures below this are treated as greedy: dividing logits by a smaller
 # value can overflow float32 and turn the softmax into NaNs.
@@ -46,6 +47,8 @@ class SamplingParams:
     # sampled token's only; None: none). Raw: log_softmax of the model's logits, before temperature,
     # top-k and top-p, as vLLM returns them by default.
     logprobs: int | None = None
+    # The output must match a JSON schema, a regex, a choice or a grammar (see StructuredOutputParams).
+    structured_output: StructuredOutputParams | None = None
 
     def __post_init__(self) -> None:
         self.max_tokens = self._check_max_tokens(self.max_tokens)
@@ -59,6 +62,8 @@ class SamplingParams:
             raise _bad("ignore_eos", self.ignore_eos, "a bool")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise _bad("logprobs", self.logprobs, f"None or an int in [0, {MAX_LOGPROBS}]")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputParams):
+            raise _bad("structured_output", self.structured_output, "None or a StructuredOutputParams")
 
     @property
     def greedy(self) -> bool:

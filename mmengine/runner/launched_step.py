@@ -8,10 +8,20 @@ scheduler. Reading them is the step's one wait for the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from mmengine.outputs import TokenLogprobs
+
+
+@dataclass
+class PendingSample:
+    """A step's logits, waiting for its grammar masks before they are sampled."""
+
+    logits: torch.Tensor  # [len(sampled), vocab] on the device
+    sampled: list[Any]  # the ScheduledRequests whose rows these are
+    sampling: Any  # their SamplingTensors (None when all are greedy)
 
 
 @dataclass
@@ -22,11 +32,13 @@ class LaunchedStep:
     ready: torch.cuda.Event | None  # None on CPU, where the copy is the tensor itself
     # For the rows that asked for log-probabilities: (row indices, chosen [n], top ids [n, k], top values [n, k], k per row)
     logprobs: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None = None
+    pending: PendingSample | None = None  # set while the forward is queued and sampling waits for masks
 
     def result(self) -> dict[str, int]:
         """Waits for the step and returns each sampling request's token."""
         if not self.sampled_ids:
             return {}
+        assert self.pending is None, "the step's sampling is still pending: ModelRunner.sample() it first"
         if self.ready is not None:
             self.ready.synchronize()
         return dict(zip(self.sampled_ids, self.host.tolist()))

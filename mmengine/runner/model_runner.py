@@ -28,9 +28,10 @@ from mmengine.models.loader import default_dtype, iter_checkpoint
 from mmengine.runner.cascade_plan import CascadePolicy
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
 from mmengine.runner.inputs import InputBuffers
-from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, TokenReadback
+from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, PendingSample, TokenReadback
 from mmengine.sampling import Sampler, SamplingParams, token_logprobs
 from mmengine.scheduler import ScheduledRequest, SchedulerOutput
+from mmengine.structured_output.masks import BitmaskFiller, apply_token_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ class ModelRunner:
             lora=config.enable_lora,
         )
         self._readback = TokenReadback(config.max_num_seqs, device)
+        self.grammar_masks = BitmaskFiller(self.text_config.vocab_size, config.max_num_seqs, device)
         self.decode_graphs: DecodeGraphs | None = None
         # The final hidden states of a graph step, at a fixed address (rows beyond the batch are padding).
         self._graph_hidden: torch.Tensor | None = None
@@ -346,10 +348,29 @@ class ModelRunner:
             hidden = self.model(embeds, inputs.positions, inputs.metadata)
         if not inputs.sampled:
             return NOTHING_SAMPLED
-        logits = self.model.compute_logits(hidden[inputs.logits_indices])
-        params = [s.request.sampling_params for s in inputs.sampled]
-        tokens = self.sampler(logits, params, [s.request.generator for s in inputs.sampled], inputs.sampling)
-        launched = self._readback.start([s.request.request_id for s in inputs.sampled], tokens)
+        pending = PendingSample(self.model.compute_logits(hidden[inputs.logits_indices]), inputs.sampled, inputs.sampling)
+        if any(s.request.grammar is not None for s in inputs.sampled):
+            # The masks need every token sampled so far: the engine calls sample() once the grammars
+            # have them (with async scheduling, after reading the previous step's tokens, while this
+            # step's forward runs on the device).
+            return LaunchedStep([s.request.request_id for s in inputs.sampled], None, None, None, pending=pending)
+        return self.sample(pending)
+
+    @torch.inference_mode()
+    def sample(self, pending: PendingSample | LaunchedStep) -> LaunchedStep:
+        """Samples a launched step's logits (under each constrained row's grammar mask) and starts
+        the copy of its tokens to the host."""
+        if isinstance(pending, LaunchedStep):
+            pending = pending.pending
+        logits, sampled = pending.logits, pending.sampled
+        constrained = [row for row, s in enumerate(sampled) if s.request.grammar is not None]
+        if constrained:
+            bitmask = self.grammar_masks.fill([sampled[row].request.grammar for row in constrained])
+            rows = torch.tensor(constrained, device=self.device)
+            logits = apply_token_bitmask(logits, rows, bitmask.to(self.device, non_blocking=True))
+        params = [s.request.sampling_params for s in sampled]
+        tokens = self.sampler(logits, params, [s.request.generator for s in sampled], pending.sampling)
+        launched = self._readback.start([s.request.request_id for s in sampled], tokens)
         asked = [row for row, p in enumerate(params) if p.logprobs is not None]
         if asked:  # read back with the tokens (the copy waits for them anyway)
             ks = [params[row].logprobs for row in asked]

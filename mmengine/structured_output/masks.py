@@ -1,0 +1,61 @@
+"""The next step's allowed tokens: one bitmask row per constrained request, filled on the host
+(llguidance, in parallel across rows) into pinned memory, and applied to the logits on the device.
+
+A row is ceil(vocab / 32) int32 words; bit j of word i allows token 32 i + j.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class BitmaskFiller:
+    """Fills the bitmask rows of a step's constrained requests; their matchers must have consumed
+    every token sampled so far."""
+
+    def __init__(self, vocab_size: int, max_rows: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        pin = device.type == "cuda"
+        self._host = torch.empty((max_rows, self.words), dtype=torch.int32, pin_memory=pin)
+        self._executor = None
+        self.num_masks = 0  # rows filled
+
+    def fill(self, matchers: list[Any]) -> torch.Tensor:
+        """[len(matchers), words] host bitmask; a matcher that is done (stopped or failed) allows
+        every token, as its request's token is discarded."""
+        import llguidance
+        import llguidance.numpy
+
+        host = self._host[: len(matchers)]
+        array = host.numpy()
+        live = []
+        for row, matcher in enumerate(matchers):
+            if matcher.is_error() or matcher.is_stopped():
+                array[row] = -1
+            else:
+                live.append((matcher, row))
+        if len(live) == 1:
+            llguidance.numpy.fill_next_token_bitmask(live[0][0], array, live[0][1])
+        elif live:
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llguidance.numpy.fill_next_token_bitmask_par(self._executor, live, array)
+        self.num_masks += len(matchers)
+        return host
+
+
+_BIT = torch.arange(32, dtype=torch.int32)
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits [n, vocab] with the tokens that `bitmask` [len(rows), words] (on the logits' device)
+    forbids in rows `rows` set to -inf; a new tensor, `logits` is left as it was."""
+    vocab = logits.shape[1]
+    bits = (bitmask.unsqueeze(-1) >> _BIT.to(bitmask.device)) & 1
+    allowed = bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+    masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
+    return logits.index_copy(0, rows, masked)
