@@ -40,7 +40,7 @@ from mmengine.engine import MMEngine
 from mmengine.errors import ConfigError, InvalidInputError, MMEngineError
 from mmengine.lora.request import LoRARequest
 from mmengine.multimodal.image_loading import ImageInput
-from mmengine.outputs import RequestOutput
+from mmengine.outputs import RequestOutput, TokenLogprobs
 from mmengine.sampling import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -81,6 +81,7 @@ class DeltaOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # generated so far
     num_cached_tokens: int  # prompt tokens served from the prefix cache
+    logprobs: list[TokenLogprobs] | None = None  # the new tokens' (SamplingParams.logprobs), else None
 
     @property
     def finished(self) -> bool:
@@ -158,6 +159,7 @@ class RequestStream:
         new_text = text[self._sent_chars : end]
         self._sent_chars += len(new_text)
         new_tokens = output.token_ids[self._sent_tokens :]
+        logprobs = output.logprobs[self._sent_tokens :] if output.logprobs is not None else None
         self._sent_tokens = len(output.token_ids)
         if output.finished:
             self.finished = True
@@ -172,6 +174,7 @@ class RequestStream:
             num_prompt_tokens=len(output.prompt_token_ids),
             num_output_tokens=len(output.token_ids),
             num_cached_tokens=output.num_cached_tokens,
+            logprobs=logprobs,
         )
 
 
@@ -360,6 +363,7 @@ class AsyncMMEngine:
         lora: LoRARequest | str | None = None,
     ) -> None:
         engine = self.engine
+        engine._compile_grammar(params)  # a bad spec fails before preprocessing, off the engine lock
         checked = dataclasses.replace(params, max_tokens=1) if fill_max_tokens else params
         processed = engine.input_processor.process(given.text, given.images, checked, mm_uuids=mm_uuids, token_ids=given.token_ids)
         stream.num_prompt_tokens = len(processed.prompt_token_ids)

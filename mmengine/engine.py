@@ -352,6 +352,7 @@ class MMEngine:
                 return False
             detokenizer = self._detokenizers.pop(request_id)
             detokenizer.flush()
+            self.runner.penalties.release(request_id)
             self._route(self._output(request, detokenizer))
             return True
 
@@ -663,6 +664,7 @@ class MMEngine:
         if request.is_finished:
             detokenizer.flush()  # release a trailing partial character held back while streaming
             del self._detokenizers[request.request_id]
+            self.runner.penalties.release(request.request_id)
             self._counters["requests_finished"] += 1
         elif request.request_id in self._owners:
             return None

@@ -49,6 +49,11 @@ class SamplingParams:
     logprobs: int | None = None
     # The output must match a JSON schema, a regex, a choice or a grammar (see StructuredOutputParams).
     structured_output: StructuredOutputParams | None = None
+    # mmengine/penalties.py: OpenAI's presence and frequency penalties over the generated tokens, in
+    # [-2, 2]; transformers' repetition penalty over prompt and generated tokens, > 0 (1: none).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         self.max_tokens = self._check_max_tokens(self.max_tokens)
@@ -62,6 +67,14 @@ class SamplingParams:
             raise _bad("ignore_eos", self.ignore_eos, "a bool")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise _bad("logprobs", self.logprobs, f"None or an int in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:  # also rejects NaN
+                raise _bad(name, value, "a number in [-2, 2]")
+            setattr(self, name, float(value))
+        if not _is_real(self.repetition_penalty) or not (0 < self.repetition_penalty < math.inf):
+            raise _bad("repetition_penalty", self.repetition_penalty, "a finite number > 0")
+        self.repetition_penalty = float(self.repetition_penalty)
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputParams):
             raise _bad("structured_output", self.structured_output, "None or a StructuredOutputParams")
 
@@ -69,6 +82,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when the next token is the argmax (temperature 0, or too small to sample with)."""
         return self.temperature < _GREEDY_EPS
+
+    @property
+    def penalized(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def top_k_enabled(self) -> bool:

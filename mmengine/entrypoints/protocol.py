@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mmengine.async_engine import DeltaOutput
 from mmengine.entrypoints.api_errors import APIError, from_engine_error
+from mmengine.entrypoints.response_format import ResponseFormat, structured_output_of
 from mmengine.errors import ConfigError
 from mmengine.sampling import SamplingParams
 
@@ -36,12 +37,20 @@ class UnloadLoRARequest(BaseModel):
     lora_int_id: int | None = None  # vLLM clients may send it; names identify adapters here
 
 
+MAX_N = 16  # samples per prompt (n, best_of) unless the server sets another limit
+
+
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
 
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+
+
 class _GenerationRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    # A field this server does not know is a 400 naming it (api_errors.validation_error), never dropped.
+    model_config = ConfigDict(extra="forbid")
 
     model: str
     max_tokens: int | None = None
@@ -57,50 +66,79 @@ class _GenerationRequest(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False
     cache_salt: str | None = None
-    user: str | None = None
-    # Accepted only at their neutral values: the engine does not implement them.
+    user: str | None = None  # an end-user id for the caller's own records; it changes no answer
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    repetition_penalty: float | None = None  # vLLM's extra (transformers' rule: > 1 discourages repeats)
     logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    # Accepted only at their neutral values: the engine does not implement them.
     tools: list[Any] | None = None
+    tool_choice: Any = None
+    store: bool | None = None
+    service_tier: str | None = None
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         """The output-length cap asked for, and the field that asked."""
         return self.max_tokens, "max_tokens"
 
-    def check_supported(self) -> None:
+    @property
+    def num_choices(self) -> int:
+        """Samples per prompt that are answered (n)."""
+        return self.n
+
+    def check_supported(self, max_n: int = MAX_N) -> None:
         if self.use_beam_search:
             if self.stream:
                 raise APIError(400, "use_beam_search cannot stream (the best beams are known at the end)", param="stream",
                                code="invalid_value")
             if not 1 <= self.n <= 32:
                 raise APIError(400, f"n is the beam width with use_beam_search: 1..32, got {self.n}", param="n", code="invalid_value")
-        elif self.n != 1:
-            raise APIError(400, f"n must be 1 (one choice per request) unless use_beam_search, got {self.n}", param="n",
-                           code="invalid_value")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) not in (None, 0, 0.0):
-                raise APIError(400, f"{name} is not supported (only 0)", param=name, code="unsupported_parameter")
+        elif not 1 <= self.n <= max_n:
+            raise APIError(400, f"n must be in 1..{max_n} (the server's --max-n), got {self.n}", param="n", code="invalid_value")
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
         if self.tools:
             raise APIError(400, "tools are not supported", param="tools", code="unsupported_parameter")
+        if self.tool_choice not in (None, "none"):
+            raise APIError(400, "tool_choice needs tools, which are not supported", param="tool_choice", code="unsupported_parameter")
+        if self.store:
+            raise APIError(400, "store=true is not supported (answers are not stored)", param="store", code="unsupported_parameter")
+        if self.service_tier not in (None, "auto", "default"):
+            raise APIError(400, f"service_tier {self.service_tier!r} is not supported (only auto/default)", param="service_tier",
+                           code="unsupported_parameter")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options",
                            code="invalid_value")
+
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: how many alternatives per token (None: no logprobs)."""
+        return None
 
     def sampling_params(self) -> tuple[SamplingParams, bool]:
         """The SamplingParams, and whether max_tokens was left out (then: all the room the prompt leaves)."""
         max_tokens, field = self.requested_max_tokens()
         values: dict[str, Any] = {"max_tokens": 1 if max_tokens is None else max_tokens, "ignore_eos": self.ignore_eos}
-        for name in ("temperature", "top_p", "top_k", "seed", "stop"):
+        for name in ("temperature", "top_p", "top_k", "seed", "stop", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty"):
             value = getattr(self, name)
             if value is not None:
                 values[name] = value
+        spec, spec_field = structured_output_of(self)
+        values["structured_output"] = spec
+        values["logprobs"] = self.num_logprobs()
         try:
             return SamplingParams(**values), max_tokens is None
         except ConfigError as err:
-            raise from_engine_error(err, input_param="", sampling_fields={"max_tokens": field}) from None
+            fields = {"max_tokens": field, "structured_output": spec_field or "response_format", "logprobs": self.logprobs_field}
+            raise from_engine_error(err, input_param="", sampling_fields=fields) from None
+
+    logprobs_field = "logprobs"
 
     @property
     def include_usage(self) -> bool:
@@ -113,16 +151,26 @@ class ChatCompletionRequest(_GenerationRequest):
     mm_uuids: list[str | None] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    parallel_tool_calls: bool | None = None
+
+    logprobs_field = "top_logprobs"
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens, "max_completion_tokens"
         return self.max_tokens, "max_tokens"
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        if self.logprobs or self.top_logprobs:
-            raise APIError(400, "logprobs are not supported", param="logprobs", code="unsupported_parameter")
+    def check_supported(self, max_n: int = MAX_N) -> None:
+        super().check_supported(max_n)
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")
+            if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
+                raise APIError(400, f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.top_logprobs}",
+                               param="top_logprobs", code="invalid_value")
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class CompletionRequest(_GenerationRequest):
@@ -144,13 +192,34 @@ class CompletionRequest(_GenerationRequest):
             return [{"prompt_token_ids": list(prompt)}]
         return [p if isinstance(p, str) else {"prompt_token_ids": list(p)} for p in prompt]
 
-    def check_supported(self) -> None:
-        super().check_supported()
-        for name in ("echo", "suffix", "logprobs"):
+    @property
+    def num_samples(self) -> int:
+        """Samples drawn per prompt: best_of (the n best of them are answered), else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    def check_supported(self, max_n: int = MAX_N) -> None:
+        super().check_supported(max_n)
+        for name in ("echo", "suffix"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported", param=name, code="unsupported_parameter")
-        if self.best_of not in (None, 1):
-            raise APIError(400, "best_of must be 1", param="best_of", code="invalid_value")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}", param="logprobs",
+                           code="invalid_value")
+        if self.best_of is not None:
+            if self.use_beam_search:
+                raise APIError(400, "best_of does not apply to use_beam_search (n is the width)", param="best_of",
+                               code="invalid_value")
+            if not self.n <= self.best_of <= max_n:
+                raise APIError(400, f"best_of must be in n..{max_n} (n={self.n}), got {self.best_of}", param="best_of",
+                               code="invalid_value")
+            if self.stream and self.best_of != self.n:
+                raise APIError(400, "best_of > n cannot stream (the best are known at the end)", param="best_of",
+                               code="invalid_value")
+
+    def num_logprobs(self) -> int | None:
+        if self.best_of is not None and self.best_of > self.n:
+            return self.logprobs or 0  # ranking the samples needs their log-probabilities
+        return self.logprobs
 
 
 # -- responses ------------------------------------------------------------------------------

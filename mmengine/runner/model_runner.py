@@ -28,6 +28,7 @@ from mmengine.models.loader import default_dtype, iter_checkpoint
 from mmengine.runner.cascade_plan import CascadePolicy
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
 from mmengine.runner.inputs import InputBuffers
+from mmengine.penalties import PenaltyState
 from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, PendingSample, TokenReadback
 from mmengine.sampling import Sampler, SamplingParams, token_logprobs
 from mmengine.scheduler import ScheduledRequest, SchedulerOutput
@@ -91,6 +92,7 @@ class ModelRunner:
         )
         self._readback = TokenReadback(config.max_num_seqs, device)
         self.grammar_masks = BitmaskFiller(self.text_config.vocab_size, config.max_num_seqs, device)
+        self.penalties = PenaltyState(self.text_config.vocab_size, device)
         self.decode_graphs: DecodeGraphs | None = None
         # The final hidden states of a graph step, at a fixed address (rows beyond the batch are padding).
         self._graph_hidden: torch.Tensor | None = None
@@ -369,7 +371,19 @@ class ModelRunner:
             rows = torch.tensor(constrained, device=self.device)
             logits = apply_token_bitmask(logits, rows, bitmask.to(self.device, non_blocking=True))
         params = [s.request.sampling_params for s in sampled]
+        # A finished request's row here is the extra step of async scheduling, whose token is dropped.
+        penalized = [row for row, p in enumerate(params) if p.penalized and not sampled[row].request.is_finished]
+        if penalized:
+            batch_rows = torch.tensor(penalized, device=self.device)
+            state_rows = torch.tensor([self.penalties.row_of(sampled[row].request.request_id, sampled[row].request.prompt_token_ids)
+                                       for row in penalized], device=self.device)
+            columns = [[params[row].presence_penalty for row in penalized], [params[row].frequency_penalty for row in penalized],
+                       [params[row].repetition_penalty for row in penalized]]
+            presence, frequency, repetition = torch.tensor(columns, dtype=torch.float32).to(self.device, non_blocking=True)
+            logits = self.penalties.apply(logits, batch_rows, state_rows, presence, frequency, repetition)
         tokens = self.sampler(logits, params, [s.request.generator for s in sampled], pending.sampling)
+        if penalized:
+            self.penalties.count(state_rows, tokens.index_select(0, batch_rows))
         launched = self._readback.start([s.request.request_id for s in sampled], tokens)
         asked = [row for row, p in enumerate(params) if p.logprobs is not None]
         if asked:  # read back with the tokens (the copy waits for them anyway)

@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from mmengine.errors import ConfigError
+from mmengine.errors import ConfigError, UnsupportedModelError
 from mmengine.structured_output.params import StructuredOutputParams
 
 _CACHE_SIZE = 512  # compiled specs kept (a grammar is a few KB of text)
@@ -39,8 +39,14 @@ class GrammarCompiler:
             if self._tokenizer is None:
                 import llguidance.hf
 
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
-                                                               eos_token=self._eos or None)
+                try:
+                    self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
+                                                                   eos_token=self._eos or None)
+                except BaseException as err:  # a Rust panic arrives as a BaseException, not an Exception
+                    if isinstance(err, (KeyboardInterrupt, SystemExit)):
+                        raise
+                    raise UnsupportedModelError(f"structured output cannot use this tokenizer: llguidance says "
+                                                f"{type(err).__name__}: {_one_line(str(err))}") from None
             return self._tokenizer
 
     def compile(self, params: StructuredOutputParams) -> str:
