@@ -76,8 +76,8 @@ def test_use_beam_search_returns_n_choices_best_first(client, offline):
     with pytest.raises(openai.BadRequestError, match="cannot stream"):
         client.completions.create(model=MODEL_NAME, prompt=TEXTS[0], max_tokens=4, n=2, stream=True,
                                   extra_body={"use_beam_search": True})
-    with pytest.raises(openai.BadRequestError, match="unless use_beam_search"):
-        client.completions.create(model=MODEL_NAME, prompt=TEXTS[0], max_tokens=4, n=2)
+    with pytest.raises(openai.BadRequestError, match="1..32"):
+        client.completions.create(model=MODEL_NAME, prompt=TEXTS[0], max_tokens=4, n=33, extra_body={"use_beam_search": True})
 
 
 def test_chat_with_use_beam_search(client, offline):

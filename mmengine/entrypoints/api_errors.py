@@ -146,6 +146,8 @@ def validation_error(errors: list[dict[str, Any]] | tuple[dict[str, Any], ...]) 
         return APIError(400, f"the request body is not valid JSON: {detail}", code="invalid_json")
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(loc) or None
+    if first.get("type") == "extra_forbidden":  # never dropped: a field the server does not know is refused
+        return APIError(400, f"{param} is not supported by this server", param=param, code="unsupported_parameter")
     where = f"{param}: " if param else "request body: "
     code = "missing_required_parameter" if first.get("type") == "missing" else "invalid_type"
     return APIError(400, where + str(first.get("msg", "invalid value")), param=param, code=code)

@@ -14,6 +14,7 @@ A client that goes away (mid-stream or while waiting for a whole answer) aborts 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import logging
@@ -34,15 +35,11 @@ from mmengine.entrypoints.chat import ChatTemplate, EmbedsPart, parse_messages
 from mmengine.entrypoints.embeds_payload import decode_embeds_payload
 from mmengine.entrypoints.media import MediaPolicy, fetch_remote_image, is_remote, load_local_image_url
 from mmengine.entrypoints.metrics import ServerMetrics
-from mmengine.entrypoints.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    LoadLoRARequest,
-    ResponseWriter,
-    UnloadLoRARequest,
-    new_id,
-    summed_usage,
-)
+from mmengine.entrypoints.logprobs_format import LogprobsFormatter, cumulative_logprob
+from mmengine.entrypoints.protocol import MAX_N, ChatCompletionRequest, CompletionRequest, LoadLoRARequest, UnloadLoRARequest
+from mmengine.entrypoints.response_format import structured_output_of
+from mmengine.entrypoints.responses import ResponseWriter, new_id, summed_usage
+from mmengine.outputs import TokenLogprobs
 from mmengine.errors import AdapterError, AdapterInUseError, ConfigError, InvalidInputError, MMEngineError
 from mmengine.beam_search import BeamSearchParams
 from mmengine.lora.request import LoRARequest
@@ -61,6 +58,7 @@ class ServerSettings:
     lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> directory, registered at start
     lora_runtime_updates: bool = False  # the load/unload endpoints
     enable_mm_embeds: bool = False  # image_embeds content parts (untrusted tensors: see embeds_payload.py)
+    max_n: int = MAX_N  # the most samples per prompt a request may ask for (n, best_of)
 
 
 def build_app(async_engine: AsyncMMEngine, settings: ServerSettings) -> FastAPI:
@@ -120,6 +118,7 @@ class _OpenAIServer:
         self.metrics = ServerMetrics(async_engine)
         self.template = ChatTemplate(async_engine.engine, settings.chat_template)
         self.created = int(time.time())
+        self._logprobs_formatter: LogprobsFormatter | None = None
         for name, path in settings.lora_modules.items():
             self._check_adapter_name(name)
             async_engine.engine.add_lora(LoRARequest(name, path))
@@ -181,45 +180,55 @@ class _OpenAIServer:
         return JSONResponse({"status": "ok", "message": f"adapter {body.lora_name!r} unloaded"})
 
     async def generate(self, kind: str, body: ChatCompletionRequest | CompletionRequest, request: Request) -> Response:
-        """One chat, or a completion of one or several prompts (one choice per prompt, indexed in order)."""
+        """A chat, or a completion of one or several prompts: n choices per prompt (the best n of
+        best_of samples), indexed prompt by prompt."""
         arrival = time.monotonic()
         lora = self._adapter_for(body.model)
-        body.check_supported()
+        body.check_supported(self.settings.max_n)
         params, fill_max_tokens = body.sampling_params()
         chat = kind == "chat"
         request_id = new_id("chatcmpl" if chat else "cmpl")
         input_param = "messages" if chat else "prompt"
         if body.use_beam_search:
             return await self._beam_search(kind, body, request_id, params, lora)
+        await self._compile_grammar(body, params)
+        samples = body.num_samples if isinstance(body, CompletionRequest) else body.n
         streams: list[RequestStream] = []
         inputs: list[tuple[Any, Any]] = []
         try:
             self.engine.check_not_overloaded()  # before decoding anything
             inputs = [await self._chat_prompt(body)] if chat else [(prompt, None) for prompt in body.prompts()]
             for index, (prompt, images) in enumerate(inputs):
-                streams.append(await self.engine.add_request(
-                    prompt, images, params, request_id=request_id if len(inputs) == 1 else f"{request_id}-{index}",
-                    cache_salt=body.cache_salt, mm_uuids=body.mm_uuids if chat else None,
-                    fill_max_tokens=fill_max_tokens, lora=lora,
-                ))
+                # The samples of a prompt queue one after another: the first prefills the prompt and
+                # the others wait for its blocks (the scheduler's wait for in-flight blocks), so the
+                # prompt is computed once; each sample has its own seed stream (seed + j).
+                for j in range(samples):
+                    sample_params = params if j == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + j)
+                    single = len(inputs) == 1 and samples == 1
+                    streams.append(await self.engine.add_request(
+                        prompt, images, sample_params, request_id=request_id if single else f"{request_id}-{index}-{j}",
+                        cache_salt=body.cache_salt, mm_uuids=body.mm_uuids if chat else None,
+                        fill_max_tokens=fill_max_tokens, lora=lora,
+                    ))
         except MMEngineError as err:
             for stream in streams:
                 stream.abort()
             answer = from_engine_error(err, input_param=input_param)
             if len(inputs) > 1 and isinstance(err, InvalidInputError):  # name the prompt of the list at fault
-                answer.message = f"prompt {len(streams)}: {answer.message}"
+                answer.message = f"prompt {len(streams) // samples}: {answer.message}"
             raise answer from err
         writers = [ResponseWriter(kind, request_id, body.model, index) for index in range(len(streams))]
         deltas = [self.metrics.timed(aiter(stream), arrival, "chat" if chat else "completions") for stream in streams]
+        shape = _Choices(len(inputs), samples, body.n, self._logprobs_shown(body))
 
         def abort_all() -> None:
             for stream in streams:
                 stream.abort()
 
         if body.stream:
-            events = self._events(writers, deltas, streams, body.include_usage)
+            events = self._events(writers, deltas, streams, body.include_usage, shape)
             return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(abort_all))
-        answer = asyncio.ensure_future(self._wholes(writers, deltas))
+        answer = asyncio.ensure_future(self._wholes(writers, deltas, shape))
         try:
             if not await _finished_before_disconnect(request, answer):
                 self.metrics.client_disconnects.inc()
@@ -229,6 +238,35 @@ class _OpenAIServer:
             raise from_engine_error(err, input_param=input_param) from err
         finally:
             abort_all()
+
+    async def _compile_grammar(self, body: Any, params: Any) -> None:
+        """A structured-output spec compiles (or is found in the cache) before anything is queued;
+        a spec llguidance rejects is a 400 naming the field that gave it."""
+        spec = params.structured_output
+        if spec is None:
+            return
+        _, field_name = structured_output_of(body)
+        try:
+            await self.engine.run_in_pool(self.engine.engine.grammars.compile, spec)
+        except ConfigError as err:
+            message = str(err).replace("SamplingParams.structured_output", field_name)
+            raise APIError(400, message, param=field_name, code="invalid_value") from err
+
+    def _logprobs_shown(self, body: Any) -> _LogprobsShown | None:
+        """How the answer shows logprobs (None: it does not)."""
+        if isinstance(body, ChatCompletionRequest):
+            if not body.logprobs:
+                return None
+            return _LogprobsShown(chat=True, top=body.top_logprobs or 0, formatter=self._formatter())
+        if body.logprobs is None:
+            return None
+        return _LogprobsShown(chat=False, top=body.logprobs, formatter=self._formatter())
+
+    def _formatter(self) -> LogprobsFormatter:
+        if self._logprobs_formatter is None:
+            tokenizer = self.engine.engine.grammars.tokenizer  # the tokenizer's own bytes per token
+            self._logprobs_formatter = LogprobsFormatter(lambda token: tokenizer.decode_bytes([token]))
+        return self._logprobs_formatter
 
     async def _beam_search(self, kind: str, body: Any, request_id: str, params: Any, lora: str | None) -> Response:
         """use_beam_search: width n, n choices per prompt (best first), answered whole."""
@@ -280,37 +318,49 @@ class _OpenAIServer:
         return await self.engine.run_in_pool(prepare)
 
     @staticmethod
-    async def _wholes(writers: list[ResponseWriter], deltas: list[AsyncIterator[DeltaOutput]]) -> dict[str, Any]:
-        """The whole answer: one choice per request, usage summed over them."""
+    async def _wholes(writers: list[ResponseWriter], deltas: list[AsyncIterator[DeltaOutput]], shape: _Choices) -> dict[str, Any]:
+        """The whole answer: n choices per prompt (the best n by cumulative log-probability when
+        best_of > n), usage over every sample drawn."""
 
-        async def whole(deltas: AsyncIterator[DeltaOutput]) -> tuple[str, DeltaOutput]:
-            parts, last = [], None
+        async def whole(deltas: AsyncIterator[DeltaOutput]) -> tuple[str, DeltaOutput, list[TokenLogprobs]]:
+            parts, last, logprobs = [], None, []
             async for delta in deltas:
                 parts.append(delta.text)
+                logprobs += delta.logprobs or []
                 last = delta
-            return "".join(parts), last
+            return "".join(parts), last, logprobs
 
         answers = await asyncio.gather(*(whole(d) for d in deltas))
-        bodies = [writer.complete(text, last) for writer, (text, last) in zip(writers, answers)]
-        return {**bodies[0], "choices": [b["choices"][0] for b in bodies], "usage": summed_usage([last for _, last in answers])}
+        choices = []
+        for prompt in range(shape.num_prompts):
+            drawn = list(range(prompt * shape.samples, (prompt + 1) * shape.samples))
+            if shape.samples > shape.n:
+                drawn = sorted(drawn, key=lambda i: cumulative_logprob(answers[i][2]), reverse=True)[: shape.n]
+            for i in drawn:
+                text, last, logprobs = answers[i]
+                choice = writers[i].choice(text, last, shape.shown.format(logprobs, 0) if shape.shown else None)
+                choices.append({**choice, "index": len(choices)})
+        return writers[0].complete(choices, summed_usage([last for _, last, _ in answers], shape.samples))
 
     async def _events(
         self, writers: list[ResponseWriter], deltas: list[AsyncIterator[DeltaOutput]], streams: list[RequestStream],
-        include_usage: bool,
+        include_usage: bool, shape: _Choices,
     ) -> AsyncIterator[str]:
-        """The chunks of every request, as they come (each carries its choice's index); then the usage
-        summed over them and [DONE]."""
+        """The chunks of every choice, as they come (each carries its index); then the usage and [DONE]."""
         chat = writers[0].chat
         try:
             if chat:
                 yield _event(writers[0].chunk("", role=True, with_usage_field=include_usage))
             lasts: list[DeltaOutput | None] = [None] * len(writers)
+            sent_chars = [0] * len(writers)
             async for index, delta in _merged(deltas):  # one chunk per delta: new tokens (text may be held back) or the end
                 lasts[index] = delta
+                logprobs = shape.shown.format(delta.logprobs or [], sent_chars[index]) if shape.shown else None
+                sent_chars[index] += len(delta.text)
                 yield _event(writers[index].chunk(delta.text, delta.finish_reason, stop_reason=delta.stop_reason,
-                                                  with_usage_field=include_usage))
+                                                  with_usage_field=include_usage, logprobs=logprobs))
             if include_usage and all(last is not None for last in lasts):
-                yield _event(writers[0].usage_chunk(*lasts))
+                yield _event(writers[0].usage_chunk(summed_usage(lasts, shape.samples)))
             yield _DONE
         except MMEngineError as err:  # a request failed in the engine after the stream began
             yield _event(from_engine_error(err, input_param="messages" if chat else "prompt").body())
@@ -320,6 +370,26 @@ class _OpenAIServer:
                 self.metrics.client_disconnects.inc()
             for stream in streams:
                 stream.abort()
+
+
+@dataclass
+class _LogprobsShown:
+    chat: bool
+    top: int
+    formatter: LogprobsFormatter
+
+    def format(self, entries: list[TokenLogprobs], text_offset: int) -> dict[str, Any]:
+        if self.chat:
+            return self.formatter.chat(entries, self.top)
+        return self.formatter.completion(entries, self.top, text_offset)
+
+
+@dataclass
+class _Choices:
+    num_prompts: int
+    samples: int  # drawn per prompt (best_of, else n)
+    n: int  # answered per prompt
+    shown: _LogprobsShown | None
 
 
 async def _merged(iterators: list[AsyncIterator[DeltaOutput]]) -> AsyncIterator[tuple[int, DeltaOutput]]:

@@ -1,4 +1,4 @@
-"""The OpenAI request bodies this server reads and the JSON it answers with.
+"""The OpenAI request bodies this server reads (responses.py writes the answers).
 
 mmengine extras ride along in the body (OpenAI's client sends them with `extra_body=`), as vLLM's do:
 `cache_salt` (requests share cached KV blocks only under equal salts), `mm_uuids` (one id per image,
@@ -7,14 +7,10 @@ in order, replacing the content hash), `top_k` and `ignore_eos`.
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict
 
-from mmengine.async_engine import DeltaOutput
 from mmengine.entrypoints.api_errors import APIError, from_engine_error
 from mmengine.entrypoints.response_format import ResponseFormat, structured_output_of
 from mmengine.errors import ConfigError
@@ -138,7 +134,7 @@ class _GenerationRequest(BaseModel):
             fields = {"max_tokens": field, "structured_output": spec_field or "response_format", "logprobs": self.logprobs_field}
             raise from_engine_error(err, input_param="", sampling_fields=fields) from None
 
-    logprobs_field = "logprobs"
+    logprobs_field: ClassVar[str] = "logprobs"
 
     @property
     def include_usage(self) -> bool:
@@ -153,7 +149,7 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: int | None = None
     parallel_tool_calls: bool | None = None
 
-    logprobs_field = "top_logprobs"
+    logprobs_field: ClassVar[str] = "top_logprobs"
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:
@@ -220,74 +216,3 @@ class CompletionRequest(_GenerationRequest):
         if self.best_of is not None and self.best_of > self.n:
             return self.logprobs or 0  # ranking the samples needs their log-probabilities
         return self.logprobs
-
-
-# -- responses ------------------------------------------------------------------------------
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
-    return {
-        "prompt_tokens": num_prompt_tokens,
-        "completion_tokens": num_output_tokens,
-        "total_tokens": num_prompt_tokens + num_output_tokens,
-        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
-    }
-
-
-def usage_of(last: DeltaOutput) -> dict[str, Any]:
-    return usage(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-
-
-class ResponseWriter:
-    """Builds one request's response objects: the whole answer, or its stream's chunks."""
-
-    def __init__(self, kind: str, request_id: str, model: str, index: int = 0) -> None:
-        self.chat = kind == "chat"
-        self.request_id = request_id
-        self.model = model
-        self.index = index  # the choice's index (a completion of several prompts has one choice per prompt)
-        self.created = int(time.time())
-
-    def _envelope(self, object_name: str) -> dict[str, Any]:
-        return {"id": self.request_id, "object": object_name, "created": self.created, "model": self.model}
-
-    def complete(self, text: str, last: DeltaOutput) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": self.index, "finish_reason": last.finish_reason, "logprobs": None,
-                                  "stop_reason": last.stop_reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        return {**self._envelope("chat.completion" if self.chat else "text_completion"),
-                "choices": [choice], "usage": usage_of(last)}
-
-    def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
-              stop_reason: str | int | None = None, with_usage_field: bool = False) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": self.index, "finish_reason": finish_reason, "logprobs": None}
-        if finish_reason is not None:
-            choice["stop_reason"] = stop_reason
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            choice["delta"] = delta
-        else:
-            choice["text"] = text or ""
-        body = {**self._envelope("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
-        if with_usage_field:
-            body["usage"] = None
-        return body
-
-    def usage_chunk(self, *lasts: DeltaOutput) -> dict[str, Any]:
-        """The final usage chunk, summed over the choices' requests."""
-        return {**self._envelope("chat.completion.chunk" if self.chat else "text_completion"),
-                "choices": [], "usage": summed_usage(lasts)}
-
-
-def summed_usage(lasts: Sequence[DeltaOutput]) -> dict[str, Any]:
-    return usage(sum(d.num_prompt_tokens for d in lasts), sum(d.num_output_tokens for d in lasts),
-                 sum(d.num_cached_tokens for d in lasts))

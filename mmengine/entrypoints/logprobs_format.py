@@ -1,0 +1,63 @@
+"""Log-probabilities in OpenAI's two formats: chat's `{"content": [{token, logprob, bytes,
+top_logprobs}]}` and completions' `{tokens, token_logprobs, top_logprobs, text_offset}`.
+
+The values are the engine's (SamplingParams.logprobs): log_softmax of the logits after a grammar's
+mask and the penalties, before temperature, top-k and top-p. A token's text is its bytes decoded as
+UTF-8, or `bytes:\\xNN...` when they are part of a character, as vLLM writes them. A token no grammar
+allows has -inf, which JSON cannot hold: it is written as -9999.0, as vLLM does.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from mmengine.outputs import TokenLogprobs
+
+_FLOOR = -9999.0
+
+
+def token_text(token_bytes: bytes) -> str:
+    try:
+        return token_bytes.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in token_bytes)
+
+
+def _value(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else _FLOOR
+
+
+class LogprobsFormatter:
+    """Formats TokenLogprobs with `decode_bytes(token_id) -> bytes` (the tokenizer's own bytes)."""
+
+    def __init__(self, decode_bytes: Callable[[int], bytes]) -> None:
+        self._bytes = decode_bytes
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = self._bytes(token_id)
+        return {"token": token_text(raw), "logprob": _value(logprob), "bytes": list(raw)}
+
+    def chat(self, entries: Sequence[TokenLogprobs], top: int) -> dict[str, Any]:
+        return {"content": [{**self._entry(e.token_id, e.logprob),
+                             "top_logprobs": [self._entry(t, v) for t, v in e.top[:top]]} for e in entries],
+                "refusal": None}
+
+    def completion(self, entries: Sequence[TokenLogprobs], top: int, text_offset: int = 0) -> dict[str, Any]:
+        """`text_offset` is where the first of `entries` starts in the choice's text."""
+        tokens, offsets, tops = [], [], []
+        for e in entries:
+            text = token_text(self._bytes(e.token_id))
+            tokens.append(text)
+            offsets.append(text_offset)
+            text_offset += len(text)
+            best = {token_text(self._bytes(t)): _value(v) for t, v in e.top[:top]}
+            best.setdefault(text, _value(e.logprob))  # the sampled token is always listed, as vLLM does
+            tops.append(best if top > 0 else None)
+        return {"tokens": tokens, "token_logprobs": [_value(e.logprob) for e in entries],
+                "top_logprobs": tops if top > 0 else None, "text_offset": offsets}
+
+
+def cumulative_logprob(entries: Sequence[TokenLogprobs]) -> float:
+    return sum(e.logprob for e in entries)
