@@ -37,8 +37,8 @@ from mmengine.entrypoints.media import MediaPolicy, fetch_remote_image, is_remot
 from mmengine.entrypoints.metrics import ServerMetrics
 from mmengine.entrypoints.logprobs_format import LogprobsFormatter, cumulative_logprob
 from mmengine.entrypoints.protocol import MAX_N, ChatCompletionRequest, CompletionRequest, LoadLoRARequest, UnloadLoRARequest
-from mmengine.entrypoints.response_format import structured_output_of
 from mmengine.entrypoints.responses import ResponseWriter, new_id, summed_usage
+from mmengine.entrypoints.tools import ToolCallStream, parse_tool_calls
 from mmengine.outputs import TokenLogprobs
 from mmengine.errors import AdapterError, AdapterInUseError, ConfigError, InvalidInputError, MMEngineError
 from mmengine.beam_search import BeamSearchParams
@@ -219,7 +219,8 @@ class _OpenAIServer:
             raise answer from err
         writers = [ResponseWriter(kind, request_id, body.model, index) for index in range(len(streams))]
         deltas = [self.metrics.timed(aiter(stream), arrival, "chat" if chat else "completions") for stream in streams]
-        shape = _Choices(len(inputs), samples, body.n, self._logprobs_shown(body))
+        tools = chat and bool(body.tools) and body.tool_mode()[0] != "none"
+        shape = _Choices(len(inputs), samples, body.n, self._logprobs_shown(body), tools)
 
         def abort_all() -> None:
             for stream in streams:
@@ -245,7 +246,7 @@ class _OpenAIServer:
         spec = params.structured_output
         if spec is None:
             return
-        _, field_name = structured_output_of(body)
+        _, field_name = body.structured_output()
         try:
             await self.engine.run_in_pool(self.engine.engine.grammars.compile, spec)
         except ConfigError as err:
@@ -312,8 +313,15 @@ class _OpenAIServer:
                 return decode_embeds_payload(source.payload, i)
             return remote[i] if i in remote else load_local_image_url(source, i, policy)
 
+        tools = None
+        if body.tools and body.tool_mode()[0] != "none":  # "none": the model is not offered them
+            if not self.template.renders_tools:
+                raise APIError(400, "this model's chat template does not render tools, so they cannot be offered: start "
+                               "the server with a --chat-template that does", param="tools", code="unsupported_parameter")
+            tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+
         def prepare() -> tuple[str, list[Any]]:  # base64 decoding and the template, off the event loop
-            return self.template.render(conversation), [image(i, source) for i, source in enumerate(sources)]
+            return self.template.render(conversation, tools), [image(i, source) for i, source in enumerate(sources)]
 
         return await self.engine.run_in_pool(prepare)
 
@@ -339,6 +347,11 @@ class _OpenAIServer:
             for i in drawn:
                 text, last, logprobs = answers[i]
                 choice = writers[i].choice(text, last, shape.shown.format(logprobs, 0) if shape.shown else None)
+                if shape.tools:
+                    parsed = parse_tool_calls(text)
+                    choice["message"] = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+                    if parsed.tool_calls and last.finish_reason == "stop":
+                        choice["finish_reason"] = "tool_calls"
                 choices.append({**choice, "index": len(choices)})
         return writers[0].complete(choices, summed_usage([last for _, last, _ in answers], shape.samples))
 
@@ -353,12 +366,18 @@ class _OpenAIServer:
                 yield _event(writers[0].chunk("", role=True, with_usage_field=include_usage))
             lasts: list[DeltaOutput | None] = [None] * len(writers)
             sent_chars = [0] * len(writers)
+            calls = [ToolCallStream() for _ in writers] if shape.tools else None
             async for index, delta in _merged(deltas):  # one chunk per delta: new tokens (text may be held back) or the end
                 lasts[index] = delta
                 logprobs = shape.shown.format(delta.logprobs or [], sent_chars[index]) if shape.shown else None
                 sent_chars[index] += len(delta.text)
-                yield _event(writers[index].chunk(delta.text, delta.finish_reason, stop_reason=delta.stop_reason,
-                                                  with_usage_field=include_usage, logprobs=logprobs))
+                text, finish, made = delta.text, delta.finish_reason, []
+                if calls is not None:
+                    text, made = calls[index].feed(delta.text, final=delta.finished)
+                    if finish == "stop" and calls[index].num_calls:
+                        finish = "tool_calls"
+                yield _event(writers[index].chunk(text, finish, stop_reason=delta.stop_reason,
+                                                  with_usage_field=include_usage, logprobs=logprobs, tool_calls=made))
             if include_usage and all(last is not None for last in lasts):
                 yield _event(writers[0].usage_chunk(summed_usage(lasts, shape.samples)))
             yield _DONE
@@ -390,6 +409,7 @@ class _Choices:
     samples: int  # drawn per prompt (best_of, else n)
     n: int  # answered per prompt
     shown: _LogprobsShown | None
+    tools: bool = False  # the answers' <tool_call> blocks become tool_calls
 
 
 async def _merged(iterators: list[AsyncIterator[DeltaOutput]]) -> AsyncIterator[tuple[int, DeltaOutput]]:

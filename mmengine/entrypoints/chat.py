@@ -3,6 +3,7 @@ plus the image URLs in order, and the chat template that renders it into a promp
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,12 +43,38 @@ def parse_messages(messages: list[Any], allow_embeds: bool = False) -> tuple[Con
             content = ""  # e.g. an assistant turn that only called tools
         if isinstance(content, list):
             content = [_part(part, f"{where}.content[{index}]", urls, allow_embeds) for index, part in enumerate(content)]
-        conversation.append({"role": role, "content": content})
+        turn: dict[str, Any] = {"role": role, "content": content}
+        if message.get("tool_calls"):
+            turn["tool_calls"] = _tool_calls(message["tool_calls"], where)
+        for key in ("tool_call_id", "name"):
+            if isinstance(message.get(key), str):
+                turn[key] = message[key]
+        conversation.append(turn)
     try:
         normalize_conversations(conversation)  # roles, content types, valid text
     except InvalidInputError as err:
         raise _bad(err.reason) from None
     return conversation, urls
+
+
+def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
+    """An assistant turn's calls for the template, their arguments as objects (the templates write
+    them with tojson, as vLLM passes them)."""
+    if not isinstance(calls, list):
+        raise _bad(f"{where}.tool_calls must be a list")
+    parsed = []
+    for index, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise _bad(f"{where}.tool_calls[{index}] needs {{'function': {{'name': ..., 'arguments': ...}}}}")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments or "{}")
+            except json.JSONDecodeError as err:
+                raise _bad(f"{where}.tool_calls[{index}].function.arguments is not valid JSON: {err}") from None
+        parsed.append({"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return parsed
 
 
 def _part(part: Any, where: str, urls: list[str | EmbedsPart], allow_embeds: bool) -> dict[str, Any]:
@@ -83,7 +110,14 @@ class ChatTemplate:
         self._template = override if override is not None else (None if processor_template else tokenizer_template)
         self.available = bool(override or processor_template or tokenizer_template)
 
-    def render(self, conversation: Conversation) -> str:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the template writes a request's tools into the prompt (else they cannot be offered)."""
+        processor = self._engine.input_processor.hf_processor
+        text = self._template or getattr(processor, "chat_template", None) or getattr(self._engine.tokenizer, "chat_template", None)
+        return isinstance(text, str) and "tools" in text
+
+    def render(self, conversation: Conversation, tools: list[dict[str, Any]] | None = None) -> str:
         if not self.available:
             raise APIError(
                 400,
@@ -94,10 +128,11 @@ class ChatTemplate:
             )
         processor = self._engine.input_processor
         try:
+            extra = {"tools": tools} if tools else {}
             if self._template is None:
-                return processor.apply_chat_template(conversation)
+                return processor.apply_chat_template(conversation, **extra)
             return processor.hf_processor.apply_chat_template(
-                conversation, chat_template=self._template, add_generation_prompt=True, tokenize=False
+                conversation, chat_template=self._template, add_generation_prompt=True, tokenize=False, **extra
             )
         except Exception as err:  # jinja2's TemplateError and the template's own raise_exception
             raise _bad(f"the chat template rejects this conversation: {err}") from err

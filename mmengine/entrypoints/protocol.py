@@ -13,8 +13,10 @@ from pydantic import BaseModel, ConfigDict
 
 from mmengine.entrypoints.api_errors import APIError, from_engine_error
 from mmengine.entrypoints.response_format import ResponseFormat, structured_output_of
+from mmengine.entrypoints.tools import Tool, call_grammar, forced_function
 from mmengine.errors import ConfigError
 from mmengine.sampling import SamplingParams
+from mmengine.structured_output import StructuredOutputParams
 
 
 class LoadLoRARequest(BaseModel):
@@ -74,8 +76,6 @@ class _GenerationRequest(BaseModel):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     # Accepted only at their neutral values: the engine does not implement them.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
     store: bool | None = None
     service_tier: str | None = None
 
@@ -99,10 +99,6 @@ class _GenerationRequest(BaseModel):
             raise APIError(400, f"n must be in 1..{max_n} (the server's --max-n), got {self.n}", param="n", code="invalid_value")
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
-        if self.tools:
-            raise APIError(400, "tools are not supported", param="tools", code="unsupported_parameter")
-        if self.tool_choice not in (None, "none"):
-            raise APIError(400, "tool_choice needs tools, which are not supported", param="tool_choice", code="unsupported_parameter")
         if self.store:
             raise APIError(400, "store=true is not supported (answers are not stored)", param="store", code="unsupported_parameter")
         if self.service_tier not in (None, "auto", "default"):
@@ -125,7 +121,7 @@ class _GenerationRequest(BaseModel):
             value = getattr(self, name)
             if value is not None:
                 values[name] = value
-        spec, spec_field = structured_output_of(self)
+        spec, spec_field = self.structured_output()
         values["structured_output"] = spec
         values["logprobs"] = self.num_logprobs()
         try:
@@ -135,6 +131,10 @@ class _GenerationRequest(BaseModel):
             raise from_engine_error(err, input_param="", sampling_fields=fields) from None
 
     logprobs_field: ClassVar[str] = "logprobs"
+
+    def structured_output(self) -> tuple[StructuredOutputParams | None, str | None]:
+        """The grammar the answer must follow and the field that asked for it."""
+        return structured_output_of(self)
 
     @property
     def include_usage(self) -> bool:
@@ -147,9 +147,25 @@ class ChatCompletionRequest(_GenerationRequest):
     mm_uuids: list[str | None] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Any = None
     parallel_tool_calls: bool | None = None
 
     logprobs_field: ClassVar[str] = "top_logprobs"
+
+    def tool_mode(self) -> tuple[str, str | None]:
+        """("none" | "auto" | "required" | "named", the named function)."""
+        return forced_function(self.tools, self.tool_choice)
+
+    def structured_output(self) -> tuple[StructuredOutputParams | None, str | None]:
+        spec, field = structured_output_of(self)
+        mode, name = self.tool_mode()
+        if mode in ("required", "named"):
+            if spec is not None:
+                raise APIError(400, f"tool_choice {self.tool_choice!r} forces a tool call, which {field} would contradict",
+                               param=field, code="invalid_value")
+            return call_grammar(self.tools, name, single=self.parallel_tool_calls is False), "tool_choice"
+        return spec, field
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:

@@ -115,8 +115,9 @@ class InputProcessor:
     def _preprocess(self, images: list[Image.Image]) -> Any:
         return self.hf_processor.image_processor(images=images, return_tensors="pt")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
-        return self.hf_processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    def apply_chat_template(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> str:
+        """The prompt for `messages`, ready for the assistant's turn (`template_kwargs`, e.g. tools, go to the template)."""
+        return self.hf_processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
 
     def process(
         self,

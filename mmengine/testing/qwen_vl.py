@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 # Bump when the builder changes what it writes, so cached checkpoints are rebuilt.
-_BUILDER_VERSION = 1
+_BUILDER_VERSION = 2  # 2: the chat template renders tools
 
 # Same reasoning as the LLaVA builders' _INITIALIZER_RANGE. Measured on the default tiny specs over 16
 # prompts (4 image sizes x 3 texts, two two-image prompts, two text-only), 8 greedy tokens each: at
@@ -70,20 +70,44 @@ SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, VISION_START, VISION_END, IMAGE_P
 #   <|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is this?<|im_end|>\n<|im_start|>assistant\n
 # `content` is a string or a list of {"type": "text", "text": ...} / {"type": "image"} parts (an "image"
 # key also marks an image part, as transformers' chat templating passes images that way), in order.
+# Tools as the published Qwen2.5 templates write them (Hermes style): their signatures in the system
+# turn, an assistant's calls as <tool_call> JSON, tool results as <tool_response> in a user turn.
 QWEN_CHAT_TEMPLATE = r"""
-{%- for message in messages -%}
-  {{ '<|im_start|>' + message['role'] + '\n' }}
-  {%- if message['content'] is string -%}
-    {{ message['content'] }}
-  {%- else -%}
-    {%- for part in message['content'] -%}
+{%- macro render(content) -%}
+  {%- if content is string -%}{{ content }}
+  {%- elif content is not none -%}
+    {%- for part in content -%}
       {%- if part['type'] == 'image' or 'image' in part -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}
       {%- elif part['type'] == 'text' -%}{{ part['text'] }}
       {%- else -%}{{ raise_exception('unsupported content part type: ' + part['type']) }}
       {%- endif -%}
     {%- endfor -%}
   {%- endif -%}
-  {{ '<|im_end|>\n' }}
+{%- endmacro -%}
+{%- if tools -%}
+  {{ '<|im_start|>system\n' }}
+  {%- if messages[0]['role'] == 'system' -%}{{ render(messages[0]['content']) + '\n\n' }}{%- endif -%}
+  {{ '# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>' }}
+  {%- for tool in tools -%}{{ '\n' + (tool | tojson) }}{%- endfor -%}
+  {{ '\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n' }}
+{%- endif -%}
+{%- for message in messages -%}
+  {%- if message['role'] == 'system' and tools and loop.first -%}
+  {%- elif message['role'] == 'tool' -%}
+    {%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{ '<|im_start|>user' }}{%- endif -%}
+    {{ '\n<tool_response>\n' + render(message['content']) + '\n</tool_response>' }}
+    {%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{ '<|im_end|>\n' }}{%- endif -%}
+  {%- elif message['role'] == 'assistant' and message['tool_calls'] -%}
+    {{ '<|im_start|>assistant' }}
+    {%- if message['content'] -%}{{ '\n' + render(message['content']) }}{%- endif -%}
+    {%- for call in message['tool_calls'] -%}
+      {%- set call = call['function'] if call['function'] is defined else call -%}
+      {{ '\n<tool_call>\n{"name": "' + call['name'] + '", "arguments": ' + (call['arguments'] | tojson) + '}\n</tool_call>' }}
+    {%- endfor -%}
+    {{ '<|im_end|>\n' }}
+  {%- else -%}
+    {{ '<|im_start|>' + message['role'] + '\n' + render(message['content']) + '<|im_end|>\n' }}
+  {%- endif -%}
 {%- endfor -%}
 {%- if add_generation_prompt -%}{{ '<|im_start|>assistant\n' }}{%- endif -%}
 """.strip()
