@@ -363,7 +363,7 @@ class AsyncMMEngine:
         lora: LoRARequest | str | None = None,
     ) -> None:
         engine = self.engine
-        engine._compile_grammar(params)  # a bad spec fails before preprocessing, off the engine lock
+        engine._check_sampling(params)  # a bad spec fails before preprocessing, off the engine lock
         checked = dataclasses.replace(params, max_tokens=1) if fill_max_tokens else params
         processed = engine.input_processor.process(given.text, given.images, checked, mm_uuids=mm_uuids, token_ids=given.token_ids)
         stream.num_prompt_tokens = len(processed.prompt_token_ids)

@@ -195,7 +195,7 @@ class MMEngine:
         params = check_sampling_params(sampling_params)
         check_salt(cache_salt)
         check_request_id(request_id)
-        self._compile_grammar(params)
+        self._check_sampling(params)
         uuids = normalize_uuids(mm_uuids, single=True, num_prompts=1)[0]
         self._lora_key(lora)  # an unknown or broken adapter fails before preprocessing
         given = normalize_prompt(prompt, images)
@@ -217,6 +217,7 @@ class MMEngine:
         params = check_sampling_params(sampling_params)
         check_salt(cache_salt)
         check_request_id(request_id)
+        self._check_sampling(params)
         with self._lock:
             return self._enqueue(processed, params, request_id, cache_salt, self._lora_key(lora))
 
@@ -394,7 +395,7 @@ class MMEngine:
                 lora_key = self._lora_key(loras[i])  # an unknown adapter is this prompt's error, in input order
             except InvalidInputError as err:
                 raise err.at_prompt(i) from err
-            self._compile_grammar(params)
+            self._check_sampling(params)
             return self.input_processor.process(
                 given.text, given.images, params, prompt_index=i, mm_uuids=uuids, memo=memo, text_ids=text_ids[i],
                 token_ids=given.token_ids,
@@ -455,10 +456,15 @@ class MMEngine:
             raise
         return [results[request_id] for request_id in ids]
 
-    def _compile_grammar(self, params: SamplingParams) -> None:
-        """A structured-output spec compiles (once per spec, cached) before its prompt is preprocessed."""
+    def _check_sampling(self, params: SamplingParams) -> None:
+        """What only the model can check, before the prompt is preprocessed: a structured-output spec
+        compiles (once per spec, cached) and logit_bias names tokens of the vocabulary."""
         if params.structured_output is not None:
             self.grammars.compile(params.structured_output)
+        vocab = self.family.text_config.vocab_size
+        outside = [token for token in params.logit_bias if token >= vocab]
+        if outside:
+            raise ConfigError(f"SamplingParams.logit_bias names token {outside[0]}, outside the vocabulary of {vocab}")
 
     def _preprocess_pool(self) -> ThreadPoolExecutor:
         with self._lock:

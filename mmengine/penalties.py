@@ -1,4 +1,4 @@
-"""Presence, frequency and repetition penalties, applied on the device from per-request token counts
+"""Presence, frequency and repetition penalties (and logit_bias), applied on the device from per-request token counts
 that stay on the device: a step's sampled tokens are added to their rows' counts where they were
 sampled, so nothing is read back and the decode CUDA graphs (which end before sampling) are unchanged.
 
@@ -74,3 +74,13 @@ class PenaltyState:
         """Adds each row's sampled token to its counts (on the device)."""
         one = torch.ones_like(tokens, dtype=torch.int32)
         self.counts.index_put_((state_rows, tokens), one, accumulate=True)
+
+
+def apply_logit_bias(logits: torch.Tensor, biases: list[tuple[int, dict[int, float]]]) -> torch.Tensor:
+    """logits [n, vocab] plus each (row, {token: bias}); a new tensor."""
+    rows = [row for row, bias in biases for _ in bias]
+    tokens = [token for _, bias in biases for token in bias]
+    values = [value for _, bias in biases for value in bias.values()]
+    index = torch.tensor([rows, tokens], dtype=torch.long).to(logits.device, non_blocking=True)
+    added = torch.tensor(values, dtype=logits.dtype).to(logits.device, non_blocking=True)
+    return logits.index_put((index[0], index[1]), added, accumulate=True)

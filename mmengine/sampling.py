@@ -54,6 +54,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    # Added to the token's logit before sampling (OpenAI's logit_bias: values in [-100, 100]).
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.max_tokens = self._check_max_tokens(self.max_tokens)
@@ -75,6 +77,11 @@ class SamplingParams:
         if not _is_real(self.repetition_penalty) or not (0 < self.repetition_penalty < math.inf):
             raise _bad("repetition_penalty", self.repetition_penalty, "a finite number > 0")
         self.repetition_penalty = float(self.repetition_penalty)
+        if not isinstance(self.logit_bias, dict) or not all(
+            _is_int(t) and t >= 0 and _is_real(v) and -100 <= v <= 100 for t, v in self.logit_bias.items()
+        ):
+            raise _bad("logit_bias", self.logit_bias, "a dict of token ids >= 0 to numbers in [-100, 100]")
+        self.logit_bias = {int(t): float(v) for t, v in self.logit_bias.items()}
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputParams):
             raise _bad("structured_output", self.structured_output, "None or a StructuredOutputParams")
 

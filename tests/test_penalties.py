@@ -56,3 +56,21 @@ def test_penalties_are_checked():
                 dict(repetition_penalty=float("nan"))):
         with pytest.raises(ConfigError, match=next(iter(bad))):
             SamplingParams(**bad)
+
+
+def test_logit_bias_moves_the_greedy_choice(checkpoint_dir):
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=256, device="cpu", dtype="float32")
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    (plain,) = engine.generate(PROMPT, sampling_params=greedy, use_tqdm=False)
+    forced, banned, unbiased = engine.generate(
+        [PROMPT] * 3, use_tqdm=False,
+        sampling_params=[SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logit_bias={42: 100}),
+                         SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, logit_bias={plain.token_ids[0]: -100}),
+                         greedy])
+    assert forced.token_ids == [42] * 4
+    assert banned.token_ids[0] != plain.token_ids[0]
+    assert unbiased.token_ids == plain.token_ids  # its neighbours' biases stay in their rows
+    with pytest.raises(ConfigError, match="logit_bias names token"):
+        engine.generate(PROMPT, sampling_params=SamplingParams(logit_bias={10**7: 1.0}), use_tqdm=False)
+    with pytest.raises(ConfigError, match="logit_bias"):
+        SamplingParams(logit_bias={1: 101})

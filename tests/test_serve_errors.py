@@ -234,3 +234,43 @@ def test_a_dead_engine_loop_fails_health_and_requests(checkpoint_dir, monkeypatc
         health = httpx.get(server.base_url + "/health")
         assert health.status_code == 503 and "the step loop is broken" in health.json()["error"]["message"]
         assert server.metrics()["mmengine_engine_healthy"] == 0
+
+
+# A value other than the default for OpenAI's request fields (a field not listed gets "x").
+FIELD_SAMPLES = {
+    "audio": {"voice": "alloy", "format": "wav"}, "frequency_penalty": 0.5, "function_call": "auto",
+    "functions": [{"name": "f", "parameters": {"type": "object"}}], "logit_bias": {"5": 1.0}, "logprobs": True,
+    "max_completion_tokens": 3, "max_tokens": 3, "metadata": {"k": "v"}, "modalities": ["text"], "n": 2,
+    "parallel_tool_calls": False, "prediction": {"type": "content", "content": "x"}, "presence_penalty": 0.5,
+    "reasoning_effort": "low", "response_format": {"type": "json_object"}, "seed": 1, "service_tier": "flex", "stop": ["x"],
+    "store": True, "stream_options": {"include_usage": True}, "temperature": 0.5, "tool_choice": "none",
+    "tools": [{"type": "function", "function": {"name": "f"}}], "top_logprobs": 2, "top_p": 0.5, "user": "u",
+    "best_of": 2, "echo": True, "suffix": "x", "web_search_options": {},
+}
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completion"])
+def test_every_openai_request_field_is_honoured_or_refused_by_name(server, endpoint):
+    import typing
+
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_create_params
+
+    params = (chat_create_params if endpoint == "chat" else completion_create_params).CompletionCreateParamsBase
+    base = (_chat() if endpoint == "chat" else {"model": MODEL_NAME, "prompt": "Hello", "max_tokens": 3})
+    verdicts = {}
+    for name in sorted(typing.get_type_hints(params)):
+        if name in ("model", "messages", "prompt"):
+            continue
+        body = {**base, name: FIELD_SAMPLES.get(name, "x")}
+        response = httpx.post(server.base_url + ("/v1/chat/completions" if endpoint == "chat" else "/v1/completions"),
+                              json=body, headers=HEADERS, timeout=60)
+        if response.status_code == 200:
+            verdicts[name] = "honoured"
+            continue
+        error = response.json()["error"]
+        assert response.status_code == 400 and (error["param"] or "").split(".")[0] == name, (name, response.text)
+        verdicts[name] = "refused"
+    assert verdicts.get("response_format", "honoured") == "honoured" and verdicts.get("n") == "honoured"
+    assert verdicts["logprobs"] == "honoured" and verdicts["presence_penalty"] == "honoured"
+    assert verdicts["logit_bias"] == "honoured"

@@ -97,8 +97,6 @@ class _GenerationRequest(BaseModel):
                 raise APIError(400, f"n is the beam width with use_beam_search: 1..32, got {self.n}", param="n", code="invalid_value")
         elif not 1 <= self.n <= max_n:
             raise APIError(400, f"n must be in 1..{max_n} (the server's --max-n), got {self.n}", param="n", code="invalid_value")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
         if self.store:
             raise APIError(400, "store=true is not supported (answers are not stored)", param="store", code="unsupported_parameter")
         if self.service_tier not in (None, "auto", "default"):
@@ -121,6 +119,11 @@ class _GenerationRequest(BaseModel):
             value = getattr(self, name)
             if value is not None:
                 values[name] = value
+        if self.logit_bias:
+            try:
+                values["logit_bias"] = {int(token): bias for token, bias in self.logit_bias.items()}
+            except ValueError:
+                raise APIError(400, "logit_bias keys must be token ids", param="logit_bias", code="invalid_value") from None
         spec, spec_field = self.structured_output()
         values["structured_output"] = spec
         values["logprobs"] = self.num_logprobs()

@@ -28,7 +28,7 @@ from mmengine.models.loader import default_dtype, iter_checkpoint
 from mmengine.runner.cascade_plan import CascadePolicy
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
 from mmengine.runner.inputs import InputBuffers
-from mmengine.penalties import PenaltyState
+from mmengine.penalties import PenaltyState, apply_logit_bias
 from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, PendingSample, TokenReadback
 from mmengine.sampling import Sampler, SamplingParams, token_logprobs
 from mmengine.scheduler import ScheduledRequest, SchedulerOutput
@@ -371,6 +371,9 @@ class ModelRunner:
             rows = torch.tensor(constrained, device=self.device)
             logits = apply_token_bitmask(logits, rows, bitmask.to(self.device, non_blocking=True))
         params = [s.request.sampling_params for s in sampled]
+        biased = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias]
+        if biased:
+            logits = apply_logit_bias(logits, biased)
         # A finished request's row here is the extra step of async scheduling, whose token is dropped.
         penalized = [row for row, p in enumerate(params) if p.penalized and not sampled[row].request.is_finished]
         if penalized:
