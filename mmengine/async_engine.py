@@ -82,6 +82,7 @@ class DeltaOutput:
     num_output_tokens: int  # generated so far
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # the new tokens' (SamplingParams.logprobs), else None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the last delta, with SamplingParams.prompt_logprobs
 
     @property
     def finished(self) -> bool:
@@ -175,6 +176,7 @@ class RequestStream:
             num_output_tokens=len(output.token_ids),
             num_cached_tokens=output.num_cached_tokens,
             logprobs=logprobs,
+            prompt_logprobs=output.prompt_logprobs if output.finished else None,
         )
 
 

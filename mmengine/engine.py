@@ -265,8 +265,14 @@ class MMEngine:
         self._record_logprobs(launched, updated)
         return self._outputs(updated)
 
-    @staticmethod
-    def _record_logprobs(launched: LaunchedStep, updated: list[Request]) -> None:
+    def _record_logprobs(self, launched: LaunchedStep, updated: list[Request]) -> None:
+        for found in launched.prompt_logprobs:
+            request = found.request
+            recorded = request.prompt_logprobs or [None]  # the first token has none
+            for position, entry in enumerate(found.entries(), start=found.first_position):
+                if position == len(recorded):  # a preempted request recomputes positions it already has
+                    recorded.append(entry)
+            request.prompt_logprobs = recorded
         logprobs = launched.token_logprobs()
         if logprobs:
             for request in updated:
@@ -688,6 +694,7 @@ class MMEngine:
             num_cached_tokens=request.num_cached_tokens,
             stop_reason=request.stop_reason,
             logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
+            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
         )
 
 

@@ -25,6 +25,8 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it, if any
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, with SamplingParams(logprobs=k)
+    # one per prompt token (None for the first), with SamplingParams(prompt_logprobs=k)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -92,6 +92,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.stop_reason: str | int | None = None  # the stop string or stop token that finished it
         self.output_logprobs: list[Any] = []  # outputs.TokenLogprobs per generated token, when asked for
+        self.prompt_logprobs: list[Any] | None = None  # TokenLogprobs per prompt token (None first), when asked for
         self.grammar: Any = None  # structured output: the matcher its output tokens are fed to
 
     @property

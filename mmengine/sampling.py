@@ -47,6 +47,10 @@ class SamplingParams:
     # sampled token's only; None: none). Raw: log_softmax of the model's logits, before temperature,
     # top-k and top-p, as vLLM returns them by default.
     logprobs: int | None = None
+    # Also return each prompt token's log-probability and the `prompt_logprobs` most likely tokens at
+    # its position (the first token has none). Such a request computes its whole prompt: it does not
+    # read the prefix cache, whose hits would skip the positions asked about (it still fills it).
+    prompt_logprobs: int | None = None
     # The output must match a JSON schema, a regex, a choice or a grammar (see StructuredOutputParams).
     structured_output: StructuredOutputParams | None = None
     # mmengine/penalties.py: OpenAI's presence and frequency penalties over the generated tokens, in
@@ -69,6 +73,8 @@ class SamplingParams:
             raise _bad("ignore_eos", self.ignore_eos, "a bool")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise _bad("logprobs", self.logprobs, f"None or an int in [0, {MAX_LOGPROBS}]")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise _bad("prompt_logprobs", self.prompt_logprobs, f"None or an int in [0, {MAX_LOGPROBS}]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -2.0 <= value <= 2.0:  # also rejects NaN

@@ -215,7 +215,8 @@ class Scheduler:
                     break
                 skipped.append(request)
                 continue
-            hits = self.kv_cache.get_computed_blocks(request)
+            # Prompt logprobs need every prompt position computed: such a request reads no cached blocks.
+            hits = [] if request.sampling_params.prompt_logprobs is not None else self.kv_cache.get_computed_blocks(request)
             # A full hit still recomputes the last token: its logits are needed.
             num_computed = min(len(hits) * self.config.block_size, request.num_tokens - 1)
             num_new = min(request.num_tokens - num_computed, budget)

@@ -47,3 +47,27 @@ def test_logprobs_is_checked():
         SamplingParams(logprobs=-1)
     with pytest.raises(ConfigError, match="logprobs"):
         SamplingParams(logprobs=1000)
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_prompt_logprobs_equal_transformers_over_chunks(checkpoint_dir, async_scheduling):
+    path = checkpoint_dir()
+    # a small token budget splits the prompt (and its picture) over several steps
+    engine = MMEngine(str(path), max_model_len=256, device="cpu", dtype="float32", async_scheduling=async_scheduling,
+                      max_num_batched_tokens=16)
+    (warm,) = engine.generate(PROMPT, images=[PICTURE], sampling_params=SamplingParams(max_tokens=1), use_tqdm=False)
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    (out,) = engine.generate(PROMPT, images=[PICTURE], sampling_params=params, use_tqdm=False)
+    assert out.num_cached_tokens == 0  # the cached prefix is not read: its positions must be computed
+    model, processor = _hf_model(path, CPU_FP32)
+    inputs = _hf_inputs(processor, PROMPT, [PICTURE], CPU_FP32)
+    with torch.inference_mode():
+        expected = model(**inputs).logits[0].float().log_softmax(-1)
+    ids = inputs["input_ids"][0].tolist()
+    assert out.prompt_token_ids == ids and len(out.prompt_logprobs) == len(ids) and out.prompt_logprobs[0] is None
+    for position in range(1, len(ids)):
+        entry = out.prompt_logprobs[position]
+        assert entry.token_id == ids[position]
+        assert entry.logprob == pytest.approx(expected[position - 1, ids[position]].item(), abs=1e-4)
+        assert [t for t, _ in entry.top] == expected[position - 1].topk(2).indices.tolist()
+    assert warm.prompt_logprobs is None

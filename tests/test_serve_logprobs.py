@@ -85,3 +85,26 @@ def test_chat_logprobs_streamed_equal_whole_and_are_sorted(served):
         assert token_text(bytes(entry.bytes)) == entry.token
     plain = client.chat.completions.create(**{**ask, "logprobs": None, "top_logprobs": None})
     assert plain.choices[0].logprobs is None
+
+
+def test_prompt_logprobs_extra_on_completions_and_chat(served):
+    path, engine, client = served
+    answer = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, temperature=0,
+                                       extra_body={"prompt_logprobs": 2})
+    entries = answer.choices[0].model_extra["prompt_logprobs"]
+    prompt_ids = engine.tokenizer(PROMPT)["input_ids"]
+    model, _ = _hf_model(path, CPU_FP32)
+    with torch.inference_mode():
+        expected = model(input_ids=torch.tensor([prompt_ids])).logits[0].float().log_softmax(-1)
+    assert entries[0] is None and len(entries) == len(prompt_ids)
+    for position in range(1, len(prompt_ids)):
+        token = prompt_ids[position]
+        entry = entries[position]
+        assert entry[str(token)]["logprob"] == pytest.approx(expected[position - 1, token].item(), abs=1e-4)
+        best = expected[position - 1].topk(2).indices.tolist()
+        assert [entry[str(t)]["rank"] for t in best] == [1, 2]
+    chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError, match="cannot stream"):
+        client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1})

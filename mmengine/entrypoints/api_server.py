@@ -19,7 +19,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +35,7 @@ from mmengine.entrypoints.chat import ChatTemplate, EmbedsPart, parse_messages
 from mmengine.entrypoints.embeds_payload import decode_embeds_payload
 from mmengine.entrypoints.media import MediaPolicy, fetch_remote_image, is_remote, load_local_image_url
 from mmengine.entrypoints.metrics import ServerMetrics
-from mmengine.entrypoints.logprobs_format import LogprobsFormatter, cumulative_logprob
+from mmengine.entrypoints.logprobs_format import LogprobsFormatter, cumulative_logprob, prompt_logprobs_json
 from mmengine.entrypoints.protocol import MAX_N, ChatCompletionRequest, CompletionRequest, LoadLoRARequest, UnloadLoRARequest
 from mmengine.entrypoints.responses import ResponseWriter, new_id, summed_usage
 from mmengine.entrypoints.tools import ToolCallStream, parse_tool_calls
@@ -221,6 +221,9 @@ class _OpenAIServer:
         deltas = [self.metrics.timed(aiter(stream), arrival, "chat" if chat else "completions") for stream in streams]
         tools = chat and bool(body.tools) and body.tool_mode()[0] != "none"
         shape = _Choices(len(inputs), samples, body.n, self._logprobs_shown(body), tools)
+        if body.prompt_logprobs is not None:
+            tokenizer = self.engine.engine.grammars.tokenizer
+            shape.prompt_logprobs = lambda entries: prompt_logprobs_json(entries, lambda t: tokenizer.decode_bytes([t]))
 
         def abort_all() -> None:
             for stream in streams:
@@ -352,8 +355,13 @@ class _OpenAIServer:
                     choice["message"] = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
                     if parsed.tool_calls and last.finish_reason == "stop":
                         choice["finish_reason"] = "tool_calls"
+                if shape.prompt_logprobs is not None and not writers[i].chat:  # completions: per choice, as vLLM
+                    choice["prompt_logprobs"] = shape.prompt_logprobs(last.prompt_logprobs or [])
                 choices.append({**choice, "index": len(choices)})
-        return writers[0].complete(choices, summed_usage([last for _, last, _ in answers], shape.samples))
+        body = writers[0].complete(choices, summed_usage([last for _, last, _ in answers], shape.samples))
+        if shape.prompt_logprobs is not None and writers[0].chat:  # chat: once, beside the choices, as vLLM
+            body["prompt_logprobs"] = shape.prompt_logprobs(answers[0][1].prompt_logprobs or [])
+        return body
 
     async def _events(
         self, writers: list[ResponseWriter], deltas: list[AsyncIterator[DeltaOutput]], streams: list[RequestStream],
@@ -410,6 +418,7 @@ class _Choices:
     n: int  # answered per prompt
     shown: _LogprobsShown | None
     tools: bool = False  # the answers' <tool_call> blocks become tool_calls
+    prompt_logprobs: Callable[[list[Any]], list[Any]] | None = None  # formats them, when asked for
 
 
 async def _merged(iterators: list[AsyncIterator[DeltaOutput]]) -> AsyncIterator[tuple[int, DeltaOutput]]:

@@ -61,3 +61,18 @@ class LogprobsFormatter:
 
 def cumulative_logprob(entries: Sequence[TokenLogprobs]) -> float:
     return sum(e.logprob for e in entries)
+
+
+def prompt_logprobs_json(entries: Sequence[TokenLogprobs | None], decode_bytes: Callable[[int], bytes]) -> list[Any]:
+    """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the token itself and the best k (rank: its place among those k, else None)."""
+    result: list[Any] = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        ranks = {token: rank for rank, (token, _) in enumerate(entry.top, start=1)}
+        tokens = {entry.token_id: entry.logprob, **dict(entry.top)}
+        result.append({str(token): {"logprob": _value(value), "rank": ranks.get(token),
+                                    "decoded_token": token_text(decode_bytes(token))} for token, value in tokens.items()})
+    return result

@@ -75,6 +75,7 @@ class _GenerationRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's extra: each prompt token's log-probability and the best k
     # Accepted only at their neutral values: the engine does not implement them.
     store: bool | None = None
     service_tier: str | None = None
@@ -102,6 +103,13 @@ class _GenerationRequest(BaseModel):
         if self.service_tier not in (None, "auto", "default"):
             raise APIError(400, f"service_tier {self.service_tier!r} is not supported (only auto/default)", param="service_tier",
                            code="unsupported_parameter")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS:
+                raise APIError(400, f"prompt_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.prompt_logprobs}",
+                               param="prompt_logprobs", code="invalid_value")
+            if self.stream:
+                raise APIError(400, "prompt_logprobs cannot stream (they come with the whole answer)", param="prompt_logprobs",
+                               code="invalid_value")
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream=true", param="stream_options",
                            code="invalid_value")
@@ -127,6 +135,7 @@ class _GenerationRequest(BaseModel):
         spec, spec_field = self.structured_output()
         values["structured_output"] = spec
         values["logprobs"] = self.num_logprobs()
+        values["prompt_logprobs"] = self.prompt_logprobs
         try:
             return SamplingParams(**values), max_tokens is None
         except ConfigError as err:

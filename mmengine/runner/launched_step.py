@@ -7,12 +7,30 @@ scheduler. Reading them is the step's one wait for the device.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from mmengine.outputs import TokenLogprobs
+
+
+@dataclass
+class PromptLogprobs:
+    """One request's prompt log-probabilities from one step's chunk (device tensors)."""
+
+    request: Any  # the Request (its prompt_logprobs are filled in when the step is read)
+    first_position: int  # the prompt position of the first token here
+    tokens: torch.Tensor  # [n] the prompt tokens at first_position, first_position + 1, ...
+    chosen: torch.Tensor  # [n] their log-probabilities
+    top_ids: torch.Tensor  # [n, k]
+    top_values: torch.Tensor  # [n, k]
+    k: int
+
+    def entries(self) -> list[TokenLogprobs]:
+        return [TokenLogprobs(token, value, list(zip(ids, values)))
+                for token, value, ids, values in zip(self.tokens.tolist(), self.chosen.tolist(), self.top_ids.tolist(),
+                                                     self.top_values.tolist())]
 
 
 @dataclass
@@ -22,6 +40,7 @@ class PendingSample:
     logits: torch.Tensor  # [len(sampled), vocab] on the device
     sampled: list[Any]  # the ScheduledRequests whose rows these are
     sampling: Any  # their SamplingTensors (None when all are greedy)
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -33,6 +52,7 @@ class LaunchedStep:
     # For the rows that asked for log-probabilities: (row indices, chosen [n], top ids [n, k], top values [n, k], k per row)
     logprobs: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None = None
     pending: PendingSample | None = None  # set while the forward is queued and sampling waits for masks
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
     def result(self) -> dict[str, int]:
         """Waits for the step and returns each sampling request's token."""

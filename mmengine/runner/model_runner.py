@@ -29,7 +29,7 @@ from mmengine.runner.cascade_plan import CascadePolicy
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
 from mmengine.runner.inputs import InputBuffers
 from mmengine.penalties import PenaltyState, apply_logit_bias
-from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, PendingSample, TokenReadback
+from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, PendingSample, PromptLogprobs, TokenReadback
 from mmengine.sampling import Sampler, SamplingParams, token_logprobs
 from mmengine.scheduler import ScheduledRequest, SchedulerOutput
 from mmengine.structured_output.masks import BitmaskFiller, apply_token_bitmask
@@ -348,15 +348,31 @@ class ModelRunner:
         else:
             embeds = self._embed(inputs.input_ids, inputs.scheduled)
             hidden = self.model(embeds, inputs.positions, inputs.metadata)
+        prompt_logprobs = self._prompt_logprobs(hidden, inputs.scheduled)
         if not inputs.sampled:
-            return NOTHING_SAMPLED
-        pending = PendingSample(self.model.compute_logits(hidden[inputs.logits_indices]), inputs.sampled, inputs.sampling)
+            return LaunchedStep([], None, None, None, prompt_logprobs=prompt_logprobs) if prompt_logprobs else NOTHING_SAMPLED
+        pending = PendingSample(self.model.compute_logits(hidden[inputs.logits_indices]), inputs.sampled, inputs.sampling,
+                                prompt_logprobs)
         if any(s.request.grammar is not None for s in inputs.sampled):
             # The masks need every token sampled so far: the engine calls sample() once the grammars
             # have them (with async scheduling, after reading the previous step's tokens, while this
             # step's forward runs on the device).
             return LaunchedStep([s.request.request_id for s in inputs.sampled], None, None, None, pending=pending)
         return self.sample(pending)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest]) -> list[PromptLogprobs]:
+        """For the requests that asked (SamplingParams.prompt_logprobs): the log-probability of each
+        prompt token this step's chunk predicts (the token after each position), and the best k."""
+        found, row = [], 0
+        for s in scheduled:
+            request, k = s.request, s.request.sampling_params.prompt_logprobs
+            last = min(s.end, request.num_prompt_tokens - 1)  # the last prompt position predicts the first output
+            if k is not None and last > s.start:
+                logits = self.model.compute_logits(hidden[row : row + last - s.start])
+                targets = torch.tensor(request.prompt_token_ids[s.start + 1 : last + 1], device=self.device)
+                found.append(PromptLogprobs(request, s.start + 1, targets, *token_logprobs(logits, targets, k), k))
+            row += s.num_new_tokens
+        return found
 
     @torch.inference_mode()
     def sample(self, pending: PendingSample | LaunchedStep) -> LaunchedStep:
@@ -388,6 +404,7 @@ class ModelRunner:
         if penalized:
             self.penalties.count(state_rows, tokens.index_select(0, batch_rows))
         launched = self._readback.start([s.request.request_id for s in sampled], tokens)
+        launched.prompt_logprobs = pending.prompt_logprobs
         asked = [row for row, p in enumerate(params) if p.logprobs is not None]
         if asked:  # read back with the tokens (the copy waits for them anyway)
             ks = [params[row].logprobs for row in asked]
