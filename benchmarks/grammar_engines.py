@@ -45,7 +45,9 @@ def build_tokenizer(vocab: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["</s>"], show_progress=False,
+    # Tokens of at most 16 characters, as real vocabularies: code's long runs of '#' or spaces would
+    # otherwise merge into tokens of hundreds of bytes.
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["</s>"], show_progress=False, max_token_length=16,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(_corpus(), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")

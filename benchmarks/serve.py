@@ -9,6 +9,10 @@ and from the server's /metrics how often the vision encoder ran and the prefix c
 The baseline is transformers' generate() answering the same conversations one request at a time
 (TTFT and inter-token gaps timed with a streamer), as a plain script would serve them.
 
+--structured runs the workload a second time on the same server with every turn constrained by a JSON
+schema (response_format json_schema, the schemas of mmengine.testing.schemas in turn) and reports the
+per-token overhead of constrained decoding: the mean inter-token gap against the unconstrained run's.
+
     python benchmarks/serve.py                                   # tiny built-in model on CPU
     python benchmarks/serve.py --build-7b /tmp/llava-1.5-7b --device cuda --num-users 64 --turns 4 \\
         --request-rate 4 --output-len 128 --skip-baseline        # the LLaVA-1.5-7B shape on a GPU
@@ -171,9 +175,12 @@ def scrape(base: str) -> dict[str, float]:
     return samples
 
 
-async def _one_turn(client: httpx.AsyncClient, messages: list[dict], output_len: int) -> tuple[str, dict]:
+async def _one_turn(client: httpx.AsyncClient, messages: list[dict], output_len: int,
+                    response_format: dict | None = None) -> tuple[str, dict]:
     body = {"model": MODEL_NAME, "messages": messages, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
+    if response_format is not None:
+        body["response_format"] = response_format
     start = time.perf_counter()
     token_times, text, usage = [], [], None
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
@@ -195,7 +202,16 @@ async def _one_turn(client: httpx.AsyncClient, messages: list[dict], output_len:
     return "".join(text), {**timing, "usage": usage}
 
 
-async def run_clients(base: str, conversations: list[Conversation], urls: list[str], turns: int, output_len: int) -> RunResult:
+def schema_format(user: int, turn: int) -> dict:
+    """The response_format of a --structured turn: the schemas of mmengine.testing.schemas in turn."""
+    from mmengine.testing.schemas import SCHEMAS
+
+    name = sorted(SCHEMAS)[(user + turn) % len(SCHEMAS)]
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}}
+
+
+async def run_clients(base: str, conversations: list[Conversation], urls: list[str], turns: int, output_len: int,
+                      structured: bool = False) -> RunResult:
     result = RunResult(0.0)
 
     async def user(client: httpx.AsyncClient, conversation: Conversation, t0: float) -> None:
@@ -203,7 +219,8 @@ async def run_clients(base: str, conversations: list[Conversation], urls: list[s
         messages: list[dict] = []
         for turn in range(turns):
             messages.append(user_turn(turn, conversation.user, urls[conversation.picture] if turn == 0 else None))
-            answer, stats = await _one_turn(client, messages, output_len)
+            fmt = schema_format(conversation.user, turn) if structured else None
+            answer, stats = await _one_turn(client, messages, output_len, fmt)
             messages.append({"role": "assistant", "content": answer})
             usage = stats["usage"]
             result.turns.append(TurnResult(conversation.user, turn, stats["ttft_s"], [float(x) for x in stats["itl_s"]],
@@ -322,6 +339,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--server", choices=["subprocess", "thread"], default="subprocess",
                         help="run `mmengine serve` as a subprocess (default) or in a thread of this process")
     parser.add_argument("--skip-baseline", action="store_true")
+    parser.add_argument("--structured", action="store_true",
+                        help="also run every turn under a JSON schema and report the per-token overhead")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="benchmarks/results/serve.json")
     return parser.parse_args(argv)
@@ -351,6 +370,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         before = scrape(base)
         run = asyncio.run(run_clients(base, conversations, urls, args.turns, args.output_len))
         after = scrape(base)
+        structured = asyncio.run(run_clients(base, conversations, urls, args.turns, args.output_len, structured=True)) \
+            if args.structured else None
     delta = {name: after[name] - before.get(name, 0.0) for name in after if name.endswith("_total")}
     ours = summarize(run) | {
         "encoder_runs": delta["mmengine_encoder_runs_total"],
@@ -368,6 +389,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     _print("mmengine serve", ours)
     print(f"  vision encoder: {ours['encoder_runs']:.0f} runs for {ours['images_sent']} images sent "
           f"({ours['unique_pictures']} unique), prefix cache hit rate {ours['prefix_cache_hit_rate']:.1%}")
+    if structured is not None:
+        constrained = summarize(structured)
+        overhead = constrained["itl_ms"]["mean"] / ours["itl_ms"]["mean"] - 1
+        result["structured"] = constrained | {"itl_overhead": overhead}
+        _print("mmengine serve, every turn under a JSON schema", constrained)
+        print(f"  constrained decoding costs {overhead:+.1%} per token (mean inter-token gap)")
     if not args.skip_baseline:
         base_run = run_transformers(model, conversations, args.turns, args.output_len, args.num_pictures,
                                     args.image_size, device, dtype)

@@ -27,3 +27,15 @@ def test_serve_benchmark_reports_both_sides(checkpoint_dir, tmp_path):
         assert 0 < row["ttft_ms"]["p50"] <= row["ttft_ms"]["p99"]
         assert row["itl_ms"]["p50"] > 0
     assert result["speedup_requests_per_s"] == ours["requests_per_s"] / baseline["requests_per_s"]
+
+
+def test_serve_benchmark_structured_mode(checkpoint_dir, tmp_path):
+    module = load_benchmark("serve")
+    result = module.main([
+        "--model", str(checkpoint_dir()), "--server", "thread", "--num-users", "2", "--turns", "1", "--num-pictures", "1",
+        "--output-len", "40", "--image-size", "64x48", "--max-model-len", "256", "--skip-baseline", "--structured",
+        "--output", str(tmp_path / "serve.json"),
+    ])
+    structured = result["structured"]
+    assert structured["requests"] == 2 and structured["itl_ms"]["mean"] > 0
+    assert structured["itl_overhead"] == structured["itl_ms"]["mean"] / result["mmengine"]["itl_ms"]["mean"] - 1

@@ -53,6 +53,8 @@ def build_serve_parser() -> argparse.ArgumentParser:
                         "`model` field (needs --enable-lora)")
     server.add_argument("--enable-lora-runtime-updates", action="store_true",
                         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (needs --enable-lora)")
+    server.add_argument("--max-n", type=int, default=16, metavar="N",
+                        help="the most samples a request may ask for per prompt (n, best_of; default: 16)")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_options(parser)
     return parser
@@ -87,6 +89,8 @@ def run_serve(argv: Sequence[str]) -> None:
         raise ConfigError("--lora-modules and --enable-lora-runtime-updates need --enable-lora")
     if args.data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.max_n < 1:
+        raise ConfigError(f"--max-n must be >= 1, got {args.max_n}")
     if args.data_parallel_size > 1 and args.enable_lora_runtime_updates:
         raise ConfigError("--enable-lora-runtime-updates is not supported with --data-parallel-size > 1 (a load would "
                           "reach one replica): register adapters with --lora-modules")
@@ -99,6 +103,7 @@ def run_serve(argv: Sequence[str]) -> None:
         lora_modules=lora_modules,
         lora_runtime_updates=args.enable_lora_runtime_updates,
         enable_mm_embeds=args.enable_mm_embeds,
+        max_n=args.max_n,
     )
     if args.data_parallel_size > 1:
         _run_data_parallel(args, settings)
