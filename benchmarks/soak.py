@@ -101,7 +101,7 @@ class Workload:
         elif kind == "too_many_images":
             content[:0] = [{"type": "image_url", "image_url": {"url": self.rng.choice(self.pool)}}] * (IMAGE_LIMIT + 1)
         elif kind == "unsupported_field":
-            body["logit_bias"] = {"1": 5}
+            body["reasoning_effort"] = "high"  # a field this server does not implement: a 400 naming it
         elif kind == "too_long":
             body["max_tokens"] = 10**7
         elif kind == "malformed_json":

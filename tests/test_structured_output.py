@@ -156,3 +156,29 @@ def test_apply_token_bitmask_matches_a_reference():
     for row, source in ((2, 0), (0, 1)):
         assert torch.equal(out[row].isinf(), ~allowed[source])
         assert torch.equal(out[row][allowed[source]], logits[row][allowed[source]])
+
+
+def test_with_async_scheduling_masks_wait_for_the_previous_tokens_not_the_forward(engines):
+    """Each constrained step launches its forward first, then reads the previous step's tokens (and
+    feeds them to the grammars), then samples: the forward runs while the host works."""
+    engine = engines["on"]
+    events: list[str] = []
+    runner, scheduler = engine.runner, engine.scheduler
+    launch, sample, resolve = runner.launch, runner.sample, scheduler.resolve_tokens
+
+    def record(name, method):
+        def wrapped(*args, **kwargs):
+            events.append(name)
+            return method(*args, **kwargs)
+        return wrapped
+
+    runner.launch, runner.sample, scheduler.resolve_tokens = record("launch", launch), record("sample", sample), record("resolve", resolve)
+    try:
+        spec = StructuredOutputParams(regex="[a-z]{12}")
+        (out,) = engine.generate("x", sampling_params=SamplingParams(max_tokens=20, temperature=0, structured_output=spec),
+                                 use_tqdm=False)
+    finally:
+        del runner.launch, runner.sample, scheduler.resolve_tokens
+    assert re.fullmatch("[a-z]{12}", out.text)
+    steady = "".join(e[0] for e in events)  # l(aunch) r(esolve) s(ample)
+    assert steady.startswith("ls") and "lrs" * 5 in steady and "srs" not in steady

@@ -48,7 +48,7 @@ from books import assert_books_consistent  # noqa: E402
 from fuzz_case import DEFECTS, MAX_IMAGES, MAX_MODEL_LEN, FuzzCase, RequestSpec, make_case  # noqa: E402
 
 import mmengine.errors  # noqa: E402
-from mmengine import LoRARequest, MMEngine, RequestOutput, SamplingParams  # noqa: E402
+from mmengine import LoRARequest, MMEngine, RequestOutput, SamplingParams, StructuredOutputParams  # noqa: E402
 from mmengine.testing import TinyLlavaSpec, TinyQwenVLSpec, make_test_image, tiny_llava_path, tiny_qwen_vl_path  # noqa: E402
 from mmengine.testing.lora import build_random_adapter  # noqa: E402
 
@@ -211,7 +211,7 @@ def _build(case: FuzzCase, tmp: Path) -> list[_Built]:
         }[how]()
 
     built = []
-    for spec in case.requests():
+    for index, spec in enumerate(case.requests()):
         images = [form(i, how) for i, how in zip(spec.pictures, spec.forms)]
         named = [case.pictures[i].uuid for i in spec.pictures]
         uuids = named if spec.use_uuids and any(named) else None
@@ -223,10 +223,25 @@ def _build(case: FuzzCase, tmp: Path) -> list[_Built]:
             images[0] = {"not": "an image"}
         elif spec.defect == "uuids":
             uuids = [None] * (len(images) + 1)
-        params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True, **_sampling_extras(case, index))
         lora = "no-such-adapter" if spec.defect == "unknown_adapter" else (None if spec.lora is None else f"a{spec.lora}")
         built.append(_Built(spec, images, uuids, params, lora))
     return built
+
+
+def _sampling_extras(case: FuzzCase, index: int) -> dict[str, Any]:
+    """Some requests are constrained by a grammar or penalized (drawn apart from the workload's own
+    draws, so a seed's workload stays what it was): the reference runs them the same way."""
+    rng = random.Random(f"{case.seed}-sampling-{index}")
+    extras: dict[str, Any] = {}
+    if rng.random() < 0.15:
+        extras["structured_output"] = rng.choice((
+            StructuredOutputParams(regex="[a-z ]{1,12}"), StructuredOutputParams(choice=["yes", "no", "maybe not"]),
+            StructuredOutputParams(json={"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+                                         "required": ["n"], "additionalProperties": False})))
+    if rng.random() < 0.15:
+        extras |= {"presence_penalty": 0.5, "frequency_penalty": 0.3, "repetition_penalty": 1.2}
+    return extras
 
 
 def _expect(case: FuzzCase, built: list[_Built], reference: MMEngine) -> None:
