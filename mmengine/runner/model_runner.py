@@ -360,6 +360,11 @@ class ModelRunner:
             return LaunchedStep([s.request.request_id for s in inputs.sampled], None, None, None, pending=pending)
         return self.sample(pending)
 
+    def _device_longs(self, values: list[int]) -> torch.Tensor:
+        """A small int64 tensor on the device without waiting for it: a blocking copy would wait for
+        the step's forward, which is still running when sampling is prepared."""
+        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
+
     def _prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest]) -> list[PromptLogprobs]:
         """For the requests that asked (SamplingParams.prompt_logprobs): the log-probability of each
         prompt token this step's chunk predicts (the token after each position), and the best k."""
@@ -369,7 +374,7 @@ class ModelRunner:
             last = min(s.end, request.num_prompt_tokens - 1)  # the last prompt position predicts the first output
             if k is not None and last > s.start:
                 logits = self.model.compute_logits(hidden[row : row + last - s.start])
-                targets = torch.tensor(request.prompt_token_ids[s.start + 1 : last + 1], device=self.device)
+                targets = self._device_longs(request.prompt_token_ids[s.start + 1 : last + 1])
                 found.append(PromptLogprobs(request, s.start + 1, targets, *token_logprobs(logits, targets, k), k))
             row += s.num_new_tokens
         return found
@@ -384,7 +389,7 @@ class ModelRunner:
         constrained = [row for row, s in enumerate(sampled) if s.request.grammar is not None]
         if constrained:
             bitmask = self.grammar_masks.fill([sampled[row].request.grammar for row in constrained])
-            rows = torch.tensor(constrained, device=self.device)
+            rows = self._device_longs(constrained)
             logits = apply_token_bitmask(logits, rows, bitmask.to(self.device, non_blocking=True))
         params = [s.request.sampling_params for s in sampled]
         biased = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias]
@@ -393,9 +398,9 @@ class ModelRunner:
         # A finished request's row here is the extra step of async scheduling, whose token is dropped.
         penalized = [row for row, p in enumerate(params) if p.penalized and not sampled[row].request.is_finished]
         if penalized:
-            batch_rows = torch.tensor(penalized, device=self.device)
-            state_rows = torch.tensor([self.penalties.row_of(sampled[row].request.request_id, sampled[row].request.prompt_token_ids)
-                                       for row in penalized], device=self.device)
+            batch_rows = self._device_longs(penalized)
+            state_rows = self._device_longs([self.penalties.row_of(sampled[row].request.request_id,
+                                                                   sampled[row].request.prompt_token_ids) for row in penalized])
             columns = [[params[row].presence_penalty for row in penalized], [params[row].frequency_penalty for row in penalized],
                        [params[row].repetition_penalty for row in penalized]]
             presence, frequency, repetition = torch.tensor(columns, dtype=torch.float32).to(self.device, non_blocking=True)
@@ -408,7 +413,7 @@ class ModelRunner:
         asked = [row for row, p in enumerate(params) if p.logprobs is not None]
         if asked:  # read back with the tokens (the copy waits for them anyway)
             ks = [params[row].logprobs for row in asked]
-            index = torch.tensor(asked, device=logits.device)
+            index = self._device_longs(asked)
             launched.logprobs = (asked, *token_logprobs(logits.index_select(0, index), tokens.index_select(0, index), max(ks)), ks)
         return launched
 

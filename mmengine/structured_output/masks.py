@@ -48,14 +48,12 @@ class BitmaskFiller:
         return host
 
 
-_BIT = torch.arange(32, dtype=torch.int32)
-
-
 def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
     """logits [n, vocab] with the tokens that `bitmask` [len(rows), words] (on the logits' device)
     forbids in rows `rows` set to -inf; a new tensor, `logits` is left as it was."""
     vocab = logits.shape[1]
-    bits = (bitmask.unsqueeze(-1) >> _BIT.to(bitmask.device)) & 1
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # made on the device: no copy to wait for
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
     allowed = bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
     masked = logits.index_select(0, rows).masked_fill(~allowed, float("-inf"))
     return logits.index_copy(0, rows, masked)
