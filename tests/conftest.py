@@ -103,7 +103,7 @@ def small_engine(checkpoint_dir):
 
 # -- model families ---------------------------------------------------------------------------
 
-FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl"]
+FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 
 
 @dataclass(frozen=True)

@@ -75,7 +75,8 @@ def test_async_scheduling_gives_what_synchronous_steps_give(family, kv_blocks):
         assert_books_consistent(engine)
         stats = engine.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["encoder_cache_referenced"] == 0
-        assert engine._in_flight is None and not engine.has_unfinished_requests()
+        # (a step left in flight only for finished requests, e.g. after a stop token, is dropped, not waited for)
+        assert not engine.has_unfinished_requests() and engine._in_flight is None
 
 
 def test_a_request_that_stops_on_a_token_costs_one_discarded_token(checkpoint_dir):

@@ -103,9 +103,11 @@ def test_a_mixed_size_workload_encodes_each_distinct_image_once(family):
 
 
 def test_zero_token_steps_with_variable_items_are_harmless(family):
-    """The smallest encoder budget (the largest item) and items of 64 and 28 tokens (Qwen): requests
+    """The smallest encoder budget (the largest item) and items of 64 and 28 tokens (Qwen2; Qwen3: 70 and 44): requests
     wait at their image with zero tokens, then finish with the outputs of prefix caching off."""
     sizes = [(224, 224), (200, 120)] * 3
+    if family.name == "qwen3_vl":  # 32-pixel merged patches: thin pictures of 70 tokens, two to the budget's 98
+        sizes = [(30, 3000), (32, 1400)] * 3
     images = [[make_test_image(400 + i, size=size)] for i, size in enumerate(sizes)]
     prompts = ["x" + " word" * i + ("<image>" if family.name == "llava" else "<|vision_start|><|image_pad|><|vision_end|>") + " Describe."
                for i in range(len(images))]

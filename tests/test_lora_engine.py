@@ -168,6 +168,8 @@ VISION_TARGETS = {
     "llava": r".*(vision_tower.*\.(q_proj|fc1)|multi_modal_projector\.linear_1|language_model.*\.v_proj)",
     "qwen2_vl": r".*(visual\.blocks.*\.(qkv|fc2)|visual\.merger\.mlp\.0|language_model.*\.q_proj)",
     "qwen2_5_vl": r".*(visual\.blocks.*\.(qkv|down_proj)|visual\.merger\.mlp\.2|language_model.*\.q_proj)",
+    # Qwen3-VL: a DeepStack merger too, so the adapter changes the levels the decoder layers add
+    "qwen3_vl": r".*(visual\.blocks.*\.(qkv|linear_fc2)|visual\.deepstack_merger_list\.0\.linear_fc1|language_model.*\.q_proj)",
 }
 
 

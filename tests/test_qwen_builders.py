@@ -367,7 +367,9 @@ def test_tiny_qwen_vl_path_caches(tmp_path, monkeypatch):
 
 def test_spec_validation(tmp_path):
     with pytest.raises(ValueError, match="family"):
-        TinyQwenVLSpec(family="qwen3_vl")
+        TinyQwenVLSpec(family="qwen4_vl")
+    with pytest.raises(ValueError, match="deepstack_visual_indexes"):
+        TinyQwenVLSpec(family="qwen3_vl", deepstack_visual_indexes=(0, 3))
     with pytest.raises(ValueError, match="mrope_section"):
         TinyQwenVLSpec(mrope_section=(4, 4, 4))
     with pytest.raises(ValueError, match="fullatt_block_indexes"):
@@ -387,6 +389,8 @@ def test_spec_validation(tmp_path):
     assert not (tmp_path / "x").exists()
     assert TinyQwenVLSpec(family="qwen2_vl").vision_layers == 2 and TinyQwenVLSpec().vision_layers == 4
     assert TinyQwenVLSpec().max_image_tokens == 64
+    qwen3 = TinyQwenVLSpec(family="qwen3_vl")
+    assert qwen3.vision_layers == 3 and qwen3.patch == 16 and qwen3.max_image_tokens == 49
 
 
 def test_the_7b_spec_has_the_published_shape():

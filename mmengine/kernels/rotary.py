@@ -8,6 +8,8 @@ rounded to q's dtype, and each product and the sum are rounded to it, computed i
 
 M-RoPE: positions are [tokens, 3] and frequency j is read at position channel 0 for j < S0, channel 1
 for S0 <= j < S0 + S1, else channel 2 (plain RoPE is the case S0 = head_dim / 2 with one channel).
+Interleaved (Qwen3-VL): channel 1 where j % 3 == 1 and j < 3 * S1, channel 2 where j % 3 == 2 and
+j < 3 * S2, else channel 0.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ def _rotary_kv_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr, SECTION_0: tl.constexpr, SECTION_1: tl.constexpr,
+    SECTION_2: tl.constexpr, INTERLEAVED: tl.constexpr,
 ):
     """Grid (tokens, 2): program (t, 0) rotates token t's query heads, (t, 1) its key heads and,
     with STORE_KV, writes its rotated keys and its values into the cache."""
@@ -60,7 +63,10 @@ def _rotary_kv_kernel(
     if SECTION_0 < HALF:  # M-RoPE: each frequency at its own channel's position
         pos_h = tl.load(token_pos + stride_pos_channel).to(tl.int64)
         pos_w = tl.load(token_pos + 2 * stride_pos_channel).to(tl.int64)
-        pos = tl.where(j < SECTION_0, pos, tl.where(j < SECTION_0 + SECTION_1, pos_h, pos_w))
+        if INTERLEAVED:
+            pos = tl.where((j % 3 == 1) & (j < 3 * SECTION_1), pos_h, tl.where((j % 3 == 2) & (j < 3 * SECTION_2), pos_w, pos))
+        else:
+            pos = tl.where(j < SECTION_0, pos, tl.where(j < SECTION_0 + SECTION_1, pos_h, pos_w))
     row = cos_sin_ptr + pos * stride_pos_row
     c1 = tl.load(row + j, mask=j_mask, other=0.0).to(dtype).to(tl.float32)
     c2 = tl.load(row + HALF + j, mask=j_mask, other=0.0).to(dtype).to(tl.float32)
@@ -108,9 +114,10 @@ def rotary_store_kv(
     kv_cache: torch.Tensor | None = None,
     slot_mapping: torch.Tensor | None = None,
     mrope_section: tuple[int, ...] | None = None,
+    mrope_interleaved: bool = False,
 ) -> None:
     """Rotates q [T, Hq, D] and k [T, Hkv, D] in place by the table rows of `positions` [T] (or
-    [T, 3] with `mrope_section`, see the module docstring); with a
+    [T, 3] with `mrope_section`, laid out as `mrope_interleaved` says: see the module docstring); with a
     kv_cache [2, blocks, block_size, Hkv, D], also writes the rotated k and v [T, Hkv, D] to each
     token's slot in `slot_mapping` [T] (-1: skip). q/k/v may be strided views (e.g. of one fused
     QKV output) whose last dim is contiguous. Positions must lie in [0, len(cos_sin)); they are
@@ -135,9 +142,9 @@ def rotary_store_kv(
     if mrope_section is not None:
         if positions.dim() != 2 or positions.shape[1] != 3 or len(mrope_section) != 3 or sum(mrope_section) != half:
             raise ValueError(f"M-RoPE needs positions [T, 3] and 3 sections summing to {half}: {tuple(positions.shape)}, {mrope_section}")
-        sections, pos_strides = (int(mrope_section[0]), int(mrope_section[1])), (positions.stride(0), positions.stride(1))
+        sections, pos_strides = tuple(int(n) for n in mrope_section), (positions.stride(0), positions.stride(1))
     else:
-        sections, pos_strides = (half, 0), (positions.stride(0), 0)
+        sections, pos_strides = (half, 0, 0), (positions.stride(0), 0)
     block_half = triton.next_power_of_2(half)
     heads_per_tile = _heads_per_tile(max(num_heads, num_kv_heads), block_half)
     num_warps = min(8, max(1, heads_per_tile * block_half // 256))
@@ -151,5 +158,6 @@ def rotary_store_kv(
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_HALF=block_half, BLOCK_D=triton.next_power_of_2(head_dim), HEADS_PER_TILE=heads_per_tile,
         BLOCK_SIZE=kv_cache.shape[2] if store else 1, STORE_KV=store, SECTION_0=sections[0], SECTION_1=sections[1],
+        SECTION_2=sections[2], INTERLEAVED=bool(mrope_interleaved) and mrope_section is not None,
         **launch_options(num_warps=num_warps, num_stages=1),
     )

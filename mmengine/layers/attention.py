@@ -152,7 +152,8 @@ class Attention(nn.Module):
         if rotary is not None and rotary.use_kernel:
             from mmengine.kernels.rotary import rotary_store_kv
 
-            rotary_store_kv(q, k, v, rotary.positions, rotary.cos_sin, self.kv_cache, metadata.slot_mapping, rotary.mrope_section)
+            rotary_store_kv(q, k, v, rotary.positions, rotary.cos_sin, self.kv_cache, metadata.slot_mapping, rotary.mrope_section,
+                            mrope_interleaved=rotary.mrope_interleaved)
         else:
             if rotary is not None:
                 q, k = rotary.apply(q, k)

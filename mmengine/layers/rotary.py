@@ -9,6 +9,8 @@ M-RoPE (Qwen2-VL): each token has three positions (temporal, height, width), and
 frequencies are split into three sections, section i rotating by position i. The table is the same;
 each frequency column is read at its own section's position, which is exactly transformers' per-
 channel cos/sin recomposed by section. Positions are then [tokens, 3] instead of [tokens].
+Interleaved M-RoPE (Qwen3-VL): frequency j rotates by the height position when j % 3 == 1 and
+j < 3 * S_h, by the width position when j % 3 == 2 and j < 3 * S_w, else by the temporal one.
 """
 
 from __future__ import annotations
@@ -69,19 +71,28 @@ def rotary_reference(
     positions: torch.Tensor,
     cos_sin: torch.Tensor,
     mrope_section: tuple[int, ...] | None = None,
+    mrope_interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """What the fused rotary kernel computes, in PyTorch: q [T, Hq, D] and k [T, Hkv, D] rotated by the
     table rows of `positions` ([T], or [T, 3] with `mrope_section`) (returns new tensors)."""
-    step = RotaryStep.gather(positions, cos_sin, use_kernel=False, mrope_section=mrope_section)
+    step = RotaryStep.gather(positions, cos_sin, use_kernel=False, mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
     return step.apply(q, k)
 
 
-def mrope_columns(mrope_section: tuple[int, ...], head_dim: int, device: torch.device | None = None) -> torch.Tensor:
+def mrope_columns(
+    mrope_section: tuple[int, ...], head_dim: int, device: torch.device | None = None, interleaved: bool = False
+) -> torch.Tensor:
     """[2 * head_dim]: which of the three positions each table column is read at (cos half, then sin half)."""
     half = head_dim // 2
     if len(mrope_section) != 3 or sum(mrope_section) != half:
         raise UnsupportedModelError(f"mrope_section {list(mrope_section)} must be three sizes summing to head_dim / 2 = {half}")
-    per_freq = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
+    if interleaved:
+        j = torch.arange(half)
+        per_freq = torch.zeros(half, dtype=torch.long)
+        per_freq[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
+        per_freq[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
+    else:
+        per_freq = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
     return per_freq.repeat(4).to(device)
 
 
@@ -96,15 +107,17 @@ class RotaryStep:
     mrope_section: tuple[int, ...] | None = None  # M-RoPE: frequencies per position channel
     cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim], reference path only
     sin: torch.Tensor | None = None
+    mrope_interleaved: bool = False  # Qwen3-VL's layout of the sections (module docstring)
 
     @classmethod
     def gather(
-        cls, positions: torch.Tensor, cos_sin: torch.Tensor, use_kernel: bool, mrope_section: tuple[int, ...] | None = None
+        cls, positions: torch.Tensor, cos_sin: torch.Tensor, use_kernel: bool, mrope_section: tuple[int, ...] | None = None,
+        mrope_interleaved: bool = False,
     ) -> RotaryStep:
         if mrope_section is not None and positions.dim() != 2:
             raise ValueError(f"M-RoPE needs positions of shape [tokens, 3], got {tuple(positions.shape)}")
         if use_kernel:
-            return cls(positions, cos_sin, use_kernel=True, mrope_section=mrope_section)
+            return cls(positions, cos_sin, use_kernel=True, mrope_section=mrope_section, mrope_interleaved=mrope_interleaved)
         try:
             rows = cos_sin[positions]  # [T, 2D] or [T, 3, 2D]
         except IndexError:  # (raised on a CPU; say which table was too short)
@@ -114,9 +127,10 @@ class RotaryStep:
         if mrope_section is None:
             rows = rows[:, None, :]
         else:
-            columns = mrope_columns(mrope_section, head_dim, rows.device)
+            columns = mrope_columns(mrope_section, head_dim, rows.device, mrope_interleaved)
             rows = rows.gather(1, columns.view(1, 1, -1).expand(rows.shape[0], 1, -1))
-        return cls(positions, cos_sin, False, mrope_section, cos=rows[..., :head_dim], sin=rows[..., head_dim:])
+        return cls(positions, cos_sin, False, mrope_section, cos=rows[..., :head_dim], sin=rows[..., head_dim:],
+                   mrope_interleaved=mrope_interleaved)
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference path: q and k rotated (new tensors)."""
@@ -140,6 +154,7 @@ class RotaryEmbedding(nn.Module):
         inv_freq, self.scaling = rope_inv_freq(config, head_dim)
         self.head_dim = head_dim
         self.mrope_section = mrope_section_of(config)
+        self.mrope_interleaved = self.mrope_section is not None and mrope_interleaved_of(config)
         if self.mrope_section is not None:
             mrope_columns(self.mrope_section, head_dim)  # validates it
         self.max_positions = max_positions or config.max_position_embeddings
@@ -148,12 +163,23 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin", table, persistent=False)
 
     def step(self, positions: torch.Tensor, use_kernel: bool) -> RotaryStep:
-        return RotaryStep.gather(positions, self.cos_sin, use_kernel, self.mrope_section)
+        return RotaryStep.gather(positions, self.cos_sin, use_kernel, self.mrope_section, self.mrope_interleaved)
+
+
+# Qwen3-VL's text model always uses M-RoPE, interleaved, with these sections unless its config names others
+# (transformers' Qwen3VLTextRotaryEmbedding).
+_QWEN3_VL_DEFAULT_SECTIONS = (24, 20, 20)
 
 
 def mrope_section_of(config: PretrainedConfig) -> tuple[int, ...] | None:
-    """The config's M-RoPE sections (Qwen2-VL family), or None for plain RoPE."""
+    """The config's M-RoPE sections (Qwen-VL families), or None for plain RoPE."""
     for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
         if isinstance(params, dict) and params.get("mrope_section"):
             return tuple(int(n) for n in params["mrope_section"])
-    return None
+    return _QWEN3_VL_DEFAULT_SECTIONS if config.model_type == "qwen3_vl_text" else None
+
+
+def mrope_interleaved_of(config: PretrainedConfig) -> bool:
+    """Whether the sections interleave (Qwen3-VL, whatever its config's mrope_interleaved says)."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    return config.model_type == "qwen3_vl_text" or bool(params.get("mrope_interleaved"))

@@ -92,6 +92,17 @@ class ModelFamily:
     def image_token_id(self) -> int:
         return self.hf_config.image_token_id
 
+    @property
+    def deepstack_levels(self) -> int:
+        """Vision features added to the first decoder layers besides the input embeddings (Qwen3-VL's
+        DeepStack); they travel in the item's encoder output, after its embedding."""
+        return 0
+
+    @property
+    def embedding_width(self) -> int:
+        """Values per placeholder token in an item's encoder output (what the encoder cache holds)."""
+        return self.text_config.hidden_size * (1 + self.deepstack_levels)
+
     # -- items --------------------------------------------------------------------
 
     def max_tokens_per_item(self) -> int:

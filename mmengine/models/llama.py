@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3-VL's text model) over a paged KV cache.
 
 Q/K/V and gate/up are fused into one matmul each; `load_weight` splits checkpoint
 tensors into them. The module layout otherwise follows transformers' names so that
@@ -6,6 +6,8 @@ checkpoint keys map one to one.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -19,9 +21,11 @@ from mmengine.layers.lora import LoRAContext, LoRALinear, LoRASlice
 from mmengine.layers.norm import RMSNorm
 from mmengine.layers.rotary import RotaryEmbedding, RotaryStep
 
-SUPPORTED_TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+SUPPORTED_TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
 # Qwen2-style attention: biases on q/k/v, none on o; sliding window only with use_sliding_window.
 _QWEN2_TEXT_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
+# Qwen3-style attention: an RMSNorm over each head of q and of k, before the rotary embedding.
+_QK_NORM_TEXT_MODEL_TYPES = ("qwen3_vl_text",)
 
 # checkpoint projection name -> (fused parameter name, shard)
 _STACKED = {
@@ -31,6 +35,15 @@ _STACKED = {
     "gate_proj": ("gate_up_proj", 0),
     "up_proj": ("gate_up_proj", 1),
 }
+
+
+@dataclass
+class DeepStack:
+    """Qwen3-VL's DeepStack: vision features added to the output of the first decoder layers at the
+    picture's token rows (level i after layer i)."""
+
+    rows: torch.Tensor  # [n] rows of the step's packed tokens that are picture placeholders
+    levels: torch.Tensor  # [num_levels, n, hidden]
 
 
 def head_dim_of(config: PretrainedConfig) -> int:
@@ -51,9 +64,16 @@ class DecoderAttention(nn.Module):
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attention_bias and not qwen2)
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+        self.q_norm = self.k_norm = None
+        if config.model_type in _QK_NORM_TEXT_MODEL_TYPES:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rotary: RotaryStep, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: RotaryStep, metadata: AttentionMetadata, fused: bool = False) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim), use_kernel=fused)
+            k = self.k_norm(k.reshape(-1, self.head_dim), use_kernel=fused)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
@@ -106,7 +126,7 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x, use_kernel=fused)
         else:
             h, residual = self.input_layernorm(x, residual, use_kernel=fused)
-        h = self.self_attn(h, rotary, metadata)
+        h = self.self_attn(h, rotary, metadata, fused)
         h, residual = self.post_attention_layernorm(h, residual, use_kernel=fused)
         return self.mlp(h, fused), residual
 
@@ -124,13 +144,19 @@ class DecoderModel(nn.Module):
         # One cos/sin table for every layer, up to max_position_embeddings (the engine's bound on max_model_len).
         self.rotary = RotaryEmbedding(config, head_dim_of(config))
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+        deepstack: DeepStack | None = None,
+    ) -> torch.Tensor:
         backend = self.layers[0].self_attn.attn.backend
         fused = use_fused_kernels(inputs_embeds.device, backend.name if backend is not None else None)
         rotary = self.rotary.step(positions, fused)  # the reference path gathers cos/sin here, once per step
         x, residual = inputs_embeds, None
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             x, residual = layer(x, residual, rotary, metadata, fused)
+            if deepstack is not None and index < deepstack.levels.shape[0]:
+                # the stream is x + residual: adding to x adds to the layer's output, as transformers does
+                x = x.index_add(0, deepstack.rows, deepstack.levels[index].to(x.dtype))
         if residual is None:
             return self.norm(x, use_kernel=fused)
         return self.norm(x, residual, use_kernel=fused)[0]

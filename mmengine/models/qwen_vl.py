@@ -41,6 +41,10 @@ def _vision_tower_class(model_type: str) -> type[torch.nn.Module]:
         from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
         return Qwen2_5_VisionTransformerPretrainedModel
+    if model_type == "qwen3_vl":
+        from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
+
+        return Qwen3VLVisionModel
     raise UnsupportedModelError(f"no Qwen vision tower for model_type {model_type!r}")
 
 
@@ -62,6 +66,9 @@ class QwenVLModel(VisionLanguageModel):
         dtype = self.visual.patch_embed.proj.weight.dtype
         out = self.visual(pixel_values.to(self.device, dtype, non_blocking=True), grid_thw=grids.to(self.device))
         merged = out.pooler_output if hasattr(out, "pooler_output") else out
+        levels = getattr(out, "deepstack_features", None)
+        if levels:  # Qwen3-VL: an item's DeepStack levels travel with its embeddings, [tokens, hidden * (1 + levels)]
+            merged = torch.cat([merged, *levels], dim=-1)
         sizes = (grids.prod(-1) // self.merge_size**2).tolist()
         return list(torch.split(merged, sizes))
 

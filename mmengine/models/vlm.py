@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 from mmengine.errors import WeightsMismatchError
 from mmengine.layers.attention import AttentionMetadata
 from mmengine.layers.lora import ItemLoRAContext, LoRALinear, LoRASlice
-from mmengine.models.llama import _STACKED, DecoderModel, head_dim_of
+from mmengine.models.llama import _STACKED, DecoderModel, DeepStack, head_dim_of
 from mmengine.models.loader import WeightCheck
 
 _ROTARY_CACHE = re.compile(r"(^|\.)rotary_emb\.")
@@ -78,8 +78,10 @@ class VisionLanguageModel(nn.Module):
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.language_model.embed_tokens(input_ids)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
-        return self.language_model(inputs_embeds, positions, metadata)
+    def forward(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, deepstack: DeepStack | None = None
+    ) -> torch.Tensor:
+        return self.language_model(inputs_embeds, positions, metadata, deepstack)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden_states).float()

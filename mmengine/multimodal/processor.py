@@ -302,7 +302,7 @@ class InputProcessor:
         missing, made under its key's lock, so threads that bring the same object, bytes or item at
         once do the work once between them."""
         if is_embeds_item(image):  # precomputed embeddings: checked and hashed, never preprocessed
-            inputs = check_embeds(image, self.family.text_config.hidden_size, self.family.embeds_need_grid, index)
+            inputs = check_embeds(image, self.family.embedding_width, self.family.embeds_need_grid, index)
             if user_id is not None:
                 return hash_user_id(user_id, self.fingerprint, self.settings_key, self.hash_algo), inputs
             return hash_embeds(inputs, self.fingerprint, self.hash_algo), inputs

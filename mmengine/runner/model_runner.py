@@ -23,6 +23,7 @@ from mmengine.layers.cascade import tokens_per_tile
 from mmengine.layers.kernel_dispatch import use_fused_kernels
 from mmengine.layers.lora import ItemLoRAContext, LoRAContext, LoRALinear, LoRASegments, add_lora
 from mmengine.models.family import ModelFamily
+from mmengine.models.llama import DeepStack
 from mmengine.lora.adapter import LoRAAdapter
 from mmengine.models.loader import default_dtype, iter_checkpoint
 from mmengine.runner.cascade_plan import CascadePolicy
@@ -124,8 +125,8 @@ class ModelRunner:
 
     @property
     def embedding_bytes(self) -> int:
-        """Bytes of one encoder output row (one image placeholder's embedding)."""
-        return self.text_config.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+        """Bytes of one encoder output row (one image placeholder's embedding, with its DeepStack levels)."""
+        return self.family.embedding_width * torch.empty((), dtype=self.dtype).element_size()
 
     def determine_num_kv_blocks(self, encoder_fixed_bytes: int, encoder_bytes_per_block: int, images_per_step: int) -> int:
         """KV blocks that fit in the memory left after the encoder cache's fixed part; each block
@@ -346,8 +347,8 @@ class ModelRunner:
             self.decode_graphs.replay(inputs.graph_size, inputs.graph_cascade, inputs.graph_lora)
             hidden = self._graph_hidden
         else:
-            embeds = self._embed(inputs.input_ids, inputs.scheduled)
-            hidden = self.model(embeds, inputs.positions, inputs.metadata)
+            embeds, deepstack = self._embed(inputs.input_ids, inputs.scheduled)
+            hidden = self.model(embeds, inputs.positions, inputs.metadata, deepstack)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs.scheduled)
         if not inputs.sampled:
             return LaunchedStep([], None, None, None, prompt_logprobs=prompt_logprobs) if prompt_logprobs else NOTHING_SAMPLED
@@ -494,8 +495,9 @@ class ModelRunner:
             self.encoder_outputs[item.mm_hash] = emb.to(self.dtype, copy=True)
         self.num_encoder_runs += len(jobs)
 
-    def _embed(self, input_ids: torch.Tensor, scheduled: list[ScheduledRequest]) -> torch.Tensor:
-        """Text embeddings, with each image's embeddings written over its placeholder positions."""
+    def _embed(self, input_ids: torch.Tensor, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, DeepStack | None]:
+        """Text embeddings, with each image's embeddings written over its placeholder positions, and
+        (Qwen3-VL) the DeepStack levels of those positions."""
         embeds = self.model.embed_tokens(input_ids)
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
@@ -509,9 +511,14 @@ class ModelRunner:
                 src.append(emb[lo - item.offset : hi - item.offset])
                 dst.append(torch.arange(offset + lo - s.start, offset + hi - s.start, device=self.device))
             offset += s.num_new_tokens
-        if dst:
-            embeds[torch.cat(dst)] = torch.cat(src).to(embeds.dtype)
-        return embeds
+        if not dst:
+            return embeds, None
+        rows, values = torch.cat(dst), torch.cat(src).to(embeds.dtype)
+        hidden = embeds.shape[1]
+        embeds[rows] = values[:, :hidden]
+        if values.shape[1] == hidden:
+            return embeds, None
+        return embeds, DeepStack(rows, values[:, hidden:].reshape(len(rows), -1, hidden).transpose(0, 1))
 
 
 def encoder_batch_size(num_items: int) -> int:

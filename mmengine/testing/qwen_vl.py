@@ -57,7 +57,7 @@ _INITIALIZER_RANGE = 0.2
 # swapped between layers or applied in the wrong place.
 _CONSTANT_NOISE = 0.2
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
@@ -122,7 +122,7 @@ def qwen_vl_prompt(text: str, num_images: int = 0) -> str:
 
 @dataclass(frozen=True)
 class TinyQwenVLSpec:
-    """Shape and family of a Qwen2-VL / Qwen2.5-VL checkpoint; tiny by default (`QWEN2_5_VL_7B_SPEC` is
+    """Shape and family of a Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint; tiny by default (`QWEN2_5_VL_7B_SPEC` is
     a real shape). Equal specs built on the same device give byte-identical checkpoints.
 
     The text model's head_dim is hidden_size // num_attention_heads (as in Qwen2-VL), and `mrope_section`
@@ -132,7 +132,7 @@ class TinyQwenVLSpec:
     are Qwen2.5-VL's window attention (in pixels; the layers that attend over the whole image).
     """
 
-    family: str = "qwen2_5_vl"  # "qwen2_vl" | "qwen2_5_vl"
+    family: str = "qwen2_5_vl"  # "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl"
     hidden_size: int = 64
     intermediate_size: int = 128
     num_hidden_layers: int = 2
@@ -149,7 +149,11 @@ class TinyQwenVLSpec:
     vision_depth: int | None = None  # None: 2 for qwen2_vl, 4 for qwen2_5_vl
     fullatt_block_indexes: tuple[int, ...] | None = None  # None: (1, 3) for qwen2_5_vl; qwen2_vl has none
     window_size: int = 56  # qwen2_5_vl only: 2x2 merged tokens (4x4 patches) a window
-    patch_size: int = 14
+    patch_size: int | None = None  # None: 14, or 16 for qwen3_vl
+    # qwen3_vl: the vision layers whose features DeepStack adds to the first decoder layers (one level
+    # each), and the learned position grid (a square number of entries, interpolated to each image)
+    deepstack_visual_indexes: tuple[int, ...] = (0, 2)
+    num_position_embeddings: int = 64
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
     min_pixels: int = 28 * 28 * 4
@@ -188,10 +192,13 @@ class TinyQwenVLSpec:
             if self.fullatt_block_indexes:
                 raise ValueError("qwen2_vl has no window attention: fullatt_block_indexes must be None or empty")
         depth = self.vision_layers
+        if self.family == "qwen3_vl" and (not self.deepstack_visual_indexes
+                                          or any(not 0 <= i < depth for i in self.deepstack_visual_indexes)):
+            raise ValueError(f"deepstack_visual_indexes {self.deepstack_visual_indexes} must index the {depth} vision layers")
         if any(not 0 <= i < depth for i in self.full_attention_blocks):
             raise ValueError(f"fullatt_block_indexes {self.full_attention_blocks} must index the {depth} vision layers")
-        factor = self.patch_size * self.spatial_merge_size
-        if self.window_size % factor:
+        factor = self.patch * self.spatial_merge_size
+        if self.family == "qwen2_5_vl" and self.window_size % factor:
             raise ValueError(f"window_size {self.window_size} is not a multiple of patch_size * spatial_merge_size = {factor}")
         if not factor * factor <= self.min_pixels <= self.max_pixels:
             raise ValueError(
@@ -206,23 +213,30 @@ class TinyQwenVLSpec:
         return self.hidden_size // self.num_attention_heads
 
     @property
+    def patch(self) -> int:
+        """The effective patch size."""
+        if self.patch_size is not None:
+            return self.patch_size
+        return 16 if self.family == "qwen3_vl" else 14
+
+    @property
     def vision_layers(self) -> int:
         """The effective vision depth."""
         if self.vision_depth is not None:
             return self.vision_depth
-        return 2 if self.family == "qwen2_vl" else 4
+        return {"qwen2_vl": 2, "qwen2_5_vl": 4, "qwen3_vl": 3}[self.family]
 
     @property
     def full_attention_blocks(self) -> tuple[int, ...]:
         """The effective fullatt_block_indexes (always empty for qwen2_vl, whose layers all attend fully)."""
         if self.fullatt_block_indexes is not None:
             return tuple(self.fullatt_block_indexes)
-        return () if self.family == "qwen2_vl" else (1, 3)
+        return (1, 3) if self.family == "qwen2_5_vl" else ()
 
     @property
     def max_image_tokens(self) -> int:
         """The most tokens one image can become (an image at max_pixels)."""
-        return self.max_pixels // (self.patch_size * self.spatial_merge_size) ** 2
+        return self.max_pixels // (self.patch * self.spatial_merge_size) ** 2
 
 
 # Qwen2.5-VL-7B-Instruct: a Qwen2 decoder (3584 hidden, 18944 MLP, 28 layers, 28 heads, 4 KV heads,
@@ -298,7 +312,7 @@ def _build_config(
         depth=spec.vision_layers,
         num_heads=spec.vision_num_heads,
         in_channels=3,
-        patch_size=spec.patch_size,
+        patch_size=spec.patch,
         temporal_patch_size=spec.temporal_patch_size,
         spatial_merge_size=spec.spatial_merge_size,
         initializer_range=initializer_range,
@@ -319,6 +333,24 @@ def _build_config(
             **common_vision,
         )
         config_class = Qwen2VLConfig
+    elif spec.family == "qwen3_vl":
+        from transformers import Qwen3VLConfig
+
+        text_config.update(head_dim=spec.head_dim, attention_bias=False)
+        for key in ("use_sliding_window", "max_window_layers"):
+            text_config.pop(key)
+        # as the published checkpoints: interleaved M-RoPE sections (transformers always interleaves them)
+        text_config["rope_parameters"] = {**text_config["rope_parameters"], "mrope_interleaved": True}
+        vision_config = dict(
+            hidden_size=spec.vision_hidden_size,
+            intermediate_size=spec.vision_intermediate_size,
+            out_hidden_size=spec.hidden_size,
+            hidden_act="gelu_pytorch_tanh",
+            num_position_embeddings=spec.num_position_embeddings,
+            deepstack_visual_indexes=list(spec.deepstack_visual_indexes),
+            **common_vision,
+        )
+        config_class = Qwen3VLConfig
     else:
         vision_config = dict(
             hidden_size=spec.vision_hidden_size,
@@ -345,19 +377,22 @@ def _build_image_processor(spec: TinyQwenVLSpec):
     the torchvision backend with the same settings (same resize, same token counts)."""
     from transformers import Qwen2VLImageProcessorPil
 
+    # Qwen3-VL normalizes with mean = std = 0.5 (its published preprocessor config)
+    normalize = dict(image_mean=[0.5] * 3, image_std=[0.5] * 3) if spec.family == "qwen3_vl" else {}
     return Qwen2VLImageProcessorPil(
         min_pixels=spec.min_pixels,
         max_pixels=spec.max_pixels,
-        patch_size=spec.patch_size,
+        patch_size=spec.patch,
         temporal_patch_size=spec.temporal_patch_size,
         merge_size=spec.spatial_merge_size,
+        **normalize,
     )
 
 
 def _processor_class(family: str) -> type[ProcessorMixin]:
-    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor
+    from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
-    return Qwen2VLProcessor if family == "qwen2_vl" else Qwen2_5_VLProcessor
+    return {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[family]
 
 
 def _build_processor(spec: TinyQwenVLSpec, tokenizer: PreTrainedTokenizerFast) -> ProcessorMixin:
@@ -425,7 +460,10 @@ def build_qwen_vl_checkpoint(
     generation_config = GenerationConfig(
         bos_token_id=end_of_text, eos_token_id=[tokenizer.eos_token_id, end_of_text], pad_token_id=end_of_text
     )
-    model_class = Qwen2VLForConditionalGeneration if spec.family == "qwen2_vl" else Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen3VLForConditionalGeneration
+
+    model_class = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+                   "qwen3_vl": Qwen3VLForConditionalGeneration}[spec.family]
     save_random_model(
         model_class,
         config,

@@ -1,0 +1,31 @@
+"""Qwen3-VL (dense): Qwen2-VL's image recipe with 16-pixel patches, a Qwen3 decoder (an RMSNorm on each
+head of q and k), interleaved M-RoPE, and DeepStack: the vision tower's intermediate features (one
+level per `deepstack_visual_indexes` layer, each through its own merger) are added to the hidden
+states of the first decoder layers at the picture's positions.
+
+An item's encoder output is its embeddings with its DeepStack levels concatenated after them
+([tokens, hidden * (1 + levels)]), so the encoder cache, its budget, pins, chunked prefill and a
+full-hit recompute carry every level without knowing about them; the runner splits them when it
+writes a step's embeddings. Image positions follow Qwen2-VL's rule (transformers' get_rope_index).
+"""
+
+from __future__ import annotations
+
+from mmengine.models.qwen_vl import QwenVLModel, Qwen2VLFamily
+
+
+class Qwen3VLFamily(Qwen2VLFamily):
+    architectures = ("Qwen3VLForConditionalGeneration",)
+    model_type = "qwen3_vl"
+    display_name = "Qwen3-VL (native resolution, DeepStack, interleaved M-RoPE)"
+    model_class = QwenVLModel
+
+    @classmethod
+    def processor_class(cls) -> type:
+        from transformers import Qwen3VLProcessor
+
+        return Qwen3VLProcessor
+
+    @property
+    def deepstack_levels(self) -> int:
+        return len(self.hf_config.vision_config.deepstack_visual_indexes)
