@@ -140,10 +140,12 @@ def run_budget(args: argparse.Namespace) -> None:
     dtype = config.resolve_dtype(checkpoint_dtype(Path(args.model)), device)
     elem = torch.empty((), dtype=dtype).element_size()
     hidden = hf_config.text_config.hidden_size
+    width = family.embedding_width  # Qwen3-VL: the DeepStack levels are cached beside the embedding
+    levels = f" x (1 + {family.deepstack_levels} DeepStack levels)" if family.deepstack_levels else ""
     inputs["kv_tokens"] = kv_tokens
     inputs["bytes_per_token"] = (
-        hidden * elem,
-        f"text hidden_size {hidden} x {elem} bytes ({str(dtype).removeprefix('torch.')}: --dtype {args.dtype} on {device})",
+        width * elem,
+        f"text hidden_size {hidden}{levels} x {elem} bytes ({str(dtype).removeprefix('torch.')}: --dtype {args.dtype} on {device})",
     )
     budget = compute_encoder_budget(
         family.max_tokens_per_item(),
@@ -151,7 +153,7 @@ def run_budget(args: argparse.Namespace) -> None:
         inputs["max_num_seqs"][0],
         inputs["limit_mm_per_prompt"][0],
         pinned_room_tokens=kv_tokens[0],
-        bytes_per_token=hidden * elem,
+        bytes_per_token=width * elem,
         encoder_cache_size=inputs["encoder_cache_size"][0],
     )
     if args.json:

@@ -209,7 +209,7 @@ def test_decode_graph_steps_give_the_eager_tokens(family):
     assert results[True] == results[False]
 
 
-@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])  # LLaVA's: test_fused_engine.py, test_triton_engine.py
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])  # LLaVA's: test_fused_engine.py, test_triton_engine.py
 def test_triton_backend_with_fused_kernels_matches_transformers(family_checkpoint, exact_precision, name):
     """The Triton attention backend and the fused kernels (M-RoPE rotary + K/V store included), in
     Triton's interpreter on CPU (compiled on a GPU), against transformers."""

@@ -131,3 +131,58 @@ def test_equal_channels_are_plain_rope():
     mrope = rotary_reference(q, k, flat[:, None].expand(3, 3), table, tuple(SECTION))
     plain = rotary_reference(q, k, flat, table)
     assert torch.equal(mrope[0], plain[0]) and torch.equal(mrope[1], plain[1])
+
+
+# -- Qwen3-VL: interleaved sections --------------------------------------------------------------
+
+
+def _qwen3_text_config():
+    from transformers import Qwen3VLTextConfig
+
+    return Qwen3VLTextConfig(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=HEAD_DIM,
+                             intermediate_size=64, vocab_size=32, max_position_embeddings=256,
+                             rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": SECTION,
+                                              "mrope_interleaved": True})
+
+
+def _qwen3_table(dtype: torch.dtype) -> torch.Tensor:
+    torch.set_default_dtype(dtype)
+    try:
+        rotary = RotaryEmbedding(_qwen3_text_config(), HEAD_DIM)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert rotary.mrope_interleaved and rotary.mrope_section == tuple(SECTION)
+    return rotary.cos_sin
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_interleaved_reference_equals_transformers_qwen3_vl(dtype):
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding, apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(len(POSITIONS), 4, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(len(POSITIONS), 2, HEAD_DIM, generator=gen).to(dtype)
+    ours_q, ours_k = rotary_reference(q, k, POSITIONS, _qwen3_table(dtype), tuple(SECTION), mrope_interleaved=True)
+    cos, sin = Qwen3VLTextRotaryEmbedding(_qwen3_text_config())(torch.empty(1, dtype=dtype), POSITIONS.T[:, None, :])
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
+    assert torch.equal(ours_q, hf_q[0].transpose(0, 1)) and torch.equal(ours_k, hf_k[0].transpose(0, 1))
+    sectioned = rotary_reference(q, k, POSITIONS, _qwen3_table(dtype), tuple(SECTION))
+    assert not torch.equal(sectioned[0], ours_q)  # the layouts differ on these positions
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_kernel_interleaved_mrope_equals_the_reference(dtype):
+    gen = torch.Generator().manual_seed(4)
+    num_tokens = len(POSITIONS)
+    q = torch.randn(num_tokens, 4, HEAD_DIM, generator=gen).to(KERNEL_DEVICE, dtype)
+    k = torch.randn(num_tokens, 2, HEAD_DIM, generator=gen).to(KERNEL_DEVICE, dtype)
+    v = torch.randn(num_tokens, 2, HEAD_DIM, generator=gen).to(KERNEL_DEVICE, dtype)
+    table, positions = _qwen3_table(dtype).to(KERNEL_DEVICE), POSITIONS.to(KERNEL_DEVICE)
+    ref_q, ref_k = rotary_reference(q.clone(), k.clone(), positions, table, tuple(SECTION), mrope_interleaved=True)
+    cache = torch.zeros(2, 2, 4, 2, HEAD_DIM, device=KERNEL_DEVICE, dtype=dtype)
+    slots = torch.tensor([0, 1, -1, 5, 6, 7], device=KERNEL_DEVICE)
+    rotary_store_kv(q, k, v, positions, table, cache, slots, tuple(SECTION), mrope_interleaved=True)
+    tol = dict(atol=0, rtol=0) if not CUDA else dict(atol=1e-3, rtol=1e-3)
+    torch.testing.assert_close(q, ref_q, **tol)
+    torch.testing.assert_close(k, ref_k, **tol)
+    torch.testing.assert_close(cache[0].view(-1, 2, HEAD_DIM)[5], ref_k[3], **tol)
