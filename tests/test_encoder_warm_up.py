@@ -42,7 +42,7 @@ def test_start_up_warms_each_padded_batch_size_up_to_the_step_budget(family_chec
     assert stats["encoder_runs"] == 0 and stats["encoder_cache_entries"] == 0  # nothing was booked or cached
 
 
-@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl"])
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
 def test_families_with_items_of_many_sizes_neither_pad_nor_warm(family_checkpoint, name):
     engine = MMEngine(str(family_checkpoint(name)), max_model_len=256)
     assert not engine.runner.pad_encoder_batches  # on a GPU too: their shapes are not known ahead

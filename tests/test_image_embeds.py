@@ -22,14 +22,17 @@ def hf_embeds(path, picture) -> dict:
     model, processor = _hf_model(path, CPU_FP32)
     inputs = processor.image_processor(images=[picture], return_tensors="pt")
     with torch.inference_mode():
-        (embeds,) = model.get_image_features(**inputs).pooler_output
+        features = model.get_image_features(**inputs)
+    (embeds,) = features.pooler_output
+    levels = getattr(features, "deepstack_features", None) or []  # Qwen3-VL: its DeepStack levels after the embedding
+    embeds = torch.cat([embeds, *(level[0] for level in levels)], dim=-1)
     item = {"image_embeds": embeds.clone()}
     if "image_grid_thw" in inputs:
         item["image_grid_thw"] = inputs["image_grid_thw"][0]
     return item
 
 
-@pytest.mark.parametrize("family_name", ["llava", "qwen2_5_vl"])
+@pytest.mark.parametrize("family_name", ["llava", "qwen2_5_vl", "qwen3_vl"])
 def test_embeddings_give_the_pictures_tokens_without_the_tower(family_checkpoint, family_name):
     family = FamilyCase(family_name, family_checkpoint(family_name))
     prompt = family.prompt("Compare the two pictures.", 2)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl")
+FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 WORDS = (
     "the a cat dog red blue green look picture what is this why how small large left right top bottom "
     "colour shape count tell me more about it please describe short long first next again line box"
