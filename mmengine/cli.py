@@ -162,6 +162,12 @@ def run_budget(args: argparse.Namespace) -> None:
     print(f"encoder cache budget for {args.model}")
     for line in explain_budget(budget, inputs, family.explain_max_tokens_per_item()):
         print("  " + line)
+    from mmengine.encoder_cache.host_tier import host_tier_bytes
+
+    host = host_tier_bytes(args.encoder_cache_host_bytes, device.type)
+    source = "--encoder-cache-host-bytes" if args.encoder_cache_host_bytes is not None else f"default on {device.type}"
+    per_item = budget.max_tokens_per_item * budget.bytes_per_token
+    print(f"  host tier (evicted outputs)   {host:>12}   bytes ({source}): {host // per_item} items of the largest size")
 
 
 def _parse_limits(values: list[str] | None) -> dict[str, int] | None:
@@ -211,6 +217,8 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--limit-mm-per-prompt", action="append", metavar="MODALITY=COUNT", help="e.g. image=4")
     budget.add_argument("--encoder-cache-size", type=int, default=None, help="override the compute budget (embeddings)")
     budget.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks, for the exact pinned room")
+    budget.add_argument("--encoder-cache-host-bytes", type=int, default=None,
+                        help="the encoder cache's host tier (default: a tenth of the available RAM on CUDA, 0 on CPU)")
     budget.add_argument("--block-size", type=int, default=16)
     budget.add_argument("--max-model-len", type=int, default=None)
     budget.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])

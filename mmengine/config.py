@@ -69,6 +69,10 @@ class EngineConfig:
     prefix_caching_hash_algo: str = "xxh3_128"
     prefix_caching_hash_seed: int | None = None  # None: random per process
     encoder_cache_size: int | None = None  # embeddings; None: autotuned (see encoder_cache/budget.py)
+    # Host memory for encoder outputs evicted from the device (encoder_cache/host_tier.py): a later
+    # request copies them back instead of encoding again. None: on CUDA a tenth of the available RAM
+    # (at most 32 GiB), on CPU 0 (the device is host memory already); 0: off.
+    encoder_cache_host_bytes: int | None = None
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8})
     max_image_pixels: int = 64 * 1024 * 1024
     # Preprocessed pixels kept (host memory) after their requests finish, so a repeated image is
@@ -97,6 +101,9 @@ class EngineConfig:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
         if self.encoder_cache_size is not None:
             _positive_int("encoder_cache_size", self.encoder_cache_size)
+        host = self.encoder_cache_host_bytes
+        _require(host is None or (isinstance(host, int) and not isinstance(host, bool) and host >= 0),
+                 "encoder_cache_host_bytes", host, "None or an int >= 0")
         _positive_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
         _require(
             isinstance(self.mm_processor_cache_bytes, int) and not isinstance(self.mm_processor_cache_bytes, bool)

@@ -33,6 +33,7 @@ from mmengine.detokenizer import IncrementalDetokenizer
 from mmengine.errors import CheckpointError, ConfigError, InvalidInputError, UnknownAdapterError
 from mmengine.encoder_cache.budget import EncoderBudget, compute_encoder_budget
 from mmengine.encoder_cache.hashing import hash_bytes
+from mmengine.encoder_cache.host_tier import EncoderHostTier, host_tier_bytes
 from mmengine.encoder_cache.manager import EncoderCacheManager
 from mmengine.host_memory import check_cpu_kv_cache_fits
 from mmengine.kv_cache.block_hash import make_hash_function
@@ -125,8 +126,11 @@ class MMEngine:
         self.kv_cache.pin_listener = self.encoder_cache
         self.input_processor.max_tokens_in_kv_cache = num_blocks * self.config.block_size
         self.input_processor.max_tokens_per_item = self.encoder_budget.compute_budget_tokens
+        self.encoder_host_tier = _encoder_host_tier(self.config, self.device)
+        self.runner.encoder_host_tier = self.encoder_host_tier
         self.scheduler = Scheduler(
-            self.config, self.kv_cache, self.encoder_cache, self.encoder_budget.compute_budget_tokens, self.max_model_len
+            self.config, self.kv_cache, self.encoder_cache, self.encoder_budget.compute_budget_tokens, self.max_model_len,
+            self.encoder_host_tier,
         )
         self.eos_token_ids = _eos_token_ids(model_dir, self.hf_config, self.tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, self.family.text_config.vocab_size, self.eos_token_ids)
@@ -569,6 +573,8 @@ class MMEngine:
         with self._lock:
             self.encoder_cache.reset()
             self.runner.free_encoder_outputs(self.encoder_cache.take_freed())
+            if self.encoder_host_tier is not None:
+                self.encoder_host_tier.clear()
 
     def stats(self) -> dict[str, int]:
         with self._lock:
@@ -588,6 +594,7 @@ class MMEngine:
             "encoder_cache_pinned": self.encoder_cache.num_pinned,
             "encoder_cache_entries": len(self.encoder_cache.entries),
             "encoder_cache_bytes": self.encoder_cache.num_used * self.runner.embedding_bytes,
+            **_host_tier_stats(self.encoder_host_tier),
             "reencodes_after_prefix_hit": self.scheduler.num_reencodes_after_prefix_hit,
             "images_decoded": self.input_processor.num_images_decoded,
             "images_preprocessed": self.input_processor.num_images_preprocessed,
@@ -702,6 +709,21 @@ class MMEngine:
 class _InFlightStep:
     out: SchedulerOutput
     launched: LaunchedStep
+
+
+def _encoder_host_tier(config: EngineConfig, device: Any) -> EncoderHostTier | None:
+    """The host tier of the encoder cache, sized by encoder_cache_host_bytes (None: see EngineConfig)."""
+    size = host_tier_bytes(config.encoder_cache_host_bytes, device.type)
+    return EncoderHostTier(size) if size > 0 else None
+
+
+def _host_tier_stats(tier: EncoderHostTier | None) -> dict[str, int]:
+    if tier is None:
+        return {name: 0 for name in ("encoder_host_hits", "encoder_host_entries", "encoder_host_bytes", "encoder_host_stored",
+                                     "encoder_host_evictions", "encoder_host_bytes_copied_in", "encoder_host_bytes_copied_out")}
+    return {"encoder_host_hits": tier.num_hits, "encoder_host_entries": len(tier), "encoder_host_bytes": tier.num_bytes,
+            "encoder_host_stored": tier.num_stored, "encoder_host_evictions": tier.num_evictions,
+            "encoder_host_bytes_copied_in": tier.bytes_in, "encoder_host_bytes_copied_out": tier.bytes_out}
 
 
 def _grammar_done(matcher: Any, token: int) -> bool:

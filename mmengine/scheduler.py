@@ -16,6 +16,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from mmengine.config import EngineConfig
+from mmengine.encoder_cache.host_tier import EncoderHostTier
 from mmengine.encoder_cache.manager import EncoderCacheManager
 from mmengine.kv_cache.block_pool import KVBlock
 from mmengine.kv_cache.manager import KVCacheManager
@@ -35,6 +36,7 @@ class ScheduledRequest:
     start: int  # first position computed this step (= num_computed_tokens when scheduled)
     num_new_tokens: int  # may be 0: the request keeps its place and blocks but computes nothing
     encoder_items: list[int]  # indices of the request's mm items to encode this step
+    restored_items: list[int] = field(default_factory=list)  # items copied back from the host tier this step
 
     @property
     def end(self) -> int:
@@ -74,6 +76,8 @@ class EncoderPlan:
     encode: list[int] = field(default_factory=list)  # misses: items to encode
     reuse: list[int] = field(default_factory=list)  # resident, or encoded this step by another request
     cost: int = 0  # embeddings to encode
+    restore: list[int] = field(default_factory=list)  # misses the host tier holds: copied back, not encoded
+    restore_room: int = 0  # their embeddings (cache room, no encoder budget)
 
 
 class Scheduler:
@@ -84,8 +88,10 @@ class Scheduler:
         encoder_cache: EncoderCacheManager,
         encoder_compute_budget: int,
         max_model_len: int,
+        encoder_host_tier: EncoderHostTier | None = None,
     ) -> None:
         self.config = config
+        self.encoder_host_tier = encoder_host_tier  # asked whether a missing item can be copied back
         self.kv_cache = kv_cache
         self.encoder_cache = encoder_cache
         self.encoder_compute_budget = encoder_compute_budget
@@ -277,11 +283,18 @@ class Scheduler:
                 plan.reuse.append(idx)
                 continue
             reused = [request.mm_items[j].mm_hash for j in plan.reuse]
-            if plan.cost + item.length > encoder_budget or not self.encoder_cache.can_allocate(plan.cost + item.length, reused):
+            room = plan.cost + plan.restore_room + item.length
+            host = self.encoder_host_tier is not None and self.encoder_host_tier.holds(item.mm_hash)
+            over_budget = not host and plan.cost + item.length > encoder_budget
+            if over_budget or not self.encoder_cache.can_allocate(room, reused):
                 num_new = max(0, item.offset - start)  # compute the text before the item, or nothing
                 break
-            plan.encode.append(idx)
             planned.add(item.mm_hash)
+            if host:  # a copy back costs no encoder budget, only cache room
+                plan.restore.append(idx)
+                plan.restore_room += item.length
+                continue
+            plan.encode.append(idx)
             plan.cost += item.length
         assert num_new >= 0, (request, start, num_new)
         return num_new, plan
@@ -299,20 +312,20 @@ class Scheduler:
         check fails) none. Reuse references are added before new encodes allocate, so an allocation
         can never evict an entry this same chunk is about to reuse."""
         assert num_new > 0 and start + num_new <= request.num_tokens, (request, start, num_new)
-        if not plan.encode and not plan.reuse:  # text only: just the KV blocks
+        if not plan.encode and not plan.reuse and not plan.restore:  # text only: just the KV blocks
             if not self.kv_cache.can_allocate(request, num_new, hits, start):
                 raise RuntimeError(f"KV blocks for {request} are no longer free")
             self.kv_cache.allocate(request, num_new, hits, start)
             return ScheduledRequest(request, start, num_new, [])
         items = request.mm_items
-        planned = {items[idx].mm_hash for idx in plan.encode}
+        planned = {items[idx].mm_hash for idx in plan.encode + plan.restore}
         resident = [idx for idx in plan.reuse if items[idx].mm_hash in self.encoder_cache]
         shared = [idx for idx in plan.reuse if items[idx].mm_hash not in self.encoder_cache]
         if any(items[idx].mm_hash not in planned for idx in shared) or any(
-            items[idx].mm_hash in self.encoder_cache for idx in plan.encode
+            items[idx].mm_hash in self.encoder_cache for idx in plan.encode + plan.restore
         ):
             raise RuntimeError(f"stale encoder plan for {request}: {plan}")
-        if not self.encoder_cache.can_allocate(plan.cost, [items[idx].mm_hash for idx in resident]):
+        if not self.encoder_cache.can_allocate(plan.cost + plan.restore_room, [items[idx].mm_hash for idx in resident]):
             raise RuntimeError(f"encoder plan for {request} no longer fits the encoder cache: {plan}")
         if not self.kv_cache.can_allocate(request, num_new, hits, start):
             raise RuntimeError(f"KV blocks for {request} are no longer free")
@@ -331,11 +344,16 @@ class Scheduler:
             held.add(idx)
             if item.offset < start:  # part of this item's KV came from the prefix cache
                 self.num_reencodes_after_prefix_hit += 1
+        for idx in plan.restore:  # booked like an encode; the runner copies the output back instead
+            item = items[idx]
+            self.encoder_cache.allocate(item.mm_hash, item.length, (request.request_id, idx))
+            encoding_now.add(item.mm_hash)
+            held.add(idx)
         for idx in shared:  # the same picture shown twice in this chunk: its encode is above
             self.encoder_cache.add_reference(items[idx].mm_hash, (request.request_id, idx))
             self.encoder_cache.num_hits += 1
             held.add(idx)
-        return ScheduledRequest(request, start, num_new, list(plan.encode))
+        return ScheduledRequest(request, start, num_new, list(plan.encode), list(plan.restore))
 
     def _blocks_in_flight(self) -> set[bytes]:
         """Hashes of blocks that running requests are still computing (future cache hits)."""

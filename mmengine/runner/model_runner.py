@@ -17,6 +17,7 @@ import torch
 
 from mmengine.config import EngineConfig
 from mmengine.errors import ConfigError
+from mmengine.encoder_cache.host_tier import EncoderHostTier
 from mmengine.kv_cache.manager import cdiv
 from mmengine.layers.attention import AttentionMetadata, get_attention_backend
 from mmengine.layers.cascade import tokens_per_tile
@@ -71,6 +72,7 @@ class ModelRunner:
             self.lora_context.use_kernels = self.vision_lora_context.use_kernels = use_fused_kernels(device, self.attn_backend.name)
         self.sampler = Sampler(config.seed)
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # the encoder cache's tensors, by mm_hash
+        self.encoder_host_tier: EncoderHostTier | None = None  # where evicted outputs wait (set by the engine)
         self.kv_cache: torch.Tensor | None = None
         self.num_encoder_runs = 0  # items encoded
         # On a GPU, one-size items go through the tower in batches padded to a power of two: cuDNN
@@ -327,6 +329,7 @@ class ModelRunner:
     ) -> LaunchedStep:
         """Queues one step on the device without waiting for it; result() reads its tokens.
         A decode whose input is a placeholder (async scheduling) takes `previous`'s token on the device."""
+        self._restore_encoder_outputs(out.scheduled)  # before the evicted go to the host tier (they may push these out)
         self.free_encoder_outputs(out.freed_encoder_hashes)
         self._run_encoder(out.scheduled, out.encoder_lora_slots)
         scheduled = [s for s in out.scheduled if s.num_new_tokens > 0]  # zero-token requests just wait
@@ -458,8 +461,18 @@ class ModelRunner:
             module.clear_slot(slot)
 
     def free_encoder_outputs(self, mm_hashes: list[str]) -> None:
+        """Drops evicted outputs from the device; the host tier, if any, keeps a copy."""
         for mm_hash in mm_hashes:
-            del self.encoder_outputs[mm_hash]
+            output = self.encoder_outputs.pop(mm_hash)
+            if self.encoder_host_tier is not None:
+                self.encoder_host_tier.store(mm_hash, output)
+
+    def _restore_encoder_outputs(self, scheduled: list[ScheduledRequest]) -> None:
+        """Copies the step's items that the host tier holds back to the device (queued, no wait)."""
+        for s in scheduled:
+            for idx in s.restored_items:
+                mm_hash = s.request.mm_items[idx].mm_hash
+                self.encoder_outputs[mm_hash] = self.encoder_host_tier.load(mm_hash, self.device)
 
     def _run_encoder(self, scheduled: list[ScheduledRequest], lora_slots: dict[str, int] | None = None) -> None:
         """Encodes the step's items; those of requests whose adapter changes the vision side
