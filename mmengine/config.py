@@ -73,6 +73,9 @@ class EngineConfig:
     # request copies them back instead of encoding again. None: on CUDA a tenth of the available RAM
     # (at most 32 GiB), on CPU 0 (the device is host memory already); 0: off.
     encoder_cache_host_bytes: int | None = None
+    # Host memory for prefix-cached KV blocks evicted from the device (kv_cache/host_tier.py): a later
+    # hit copies them back instead of prefilling again. None and 0 as for encoder_cache_host_bytes.
+    kv_cache_host_bytes: int | None = None
     limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8})
     max_image_pixels: int = 64 * 1024 * 1024
     # Preprocessed pixels kept (host memory) after their requests finish, so a repeated image is
@@ -101,9 +104,10 @@ class EngineConfig:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
         if self.encoder_cache_size is not None:
             _positive_int("encoder_cache_size", self.encoder_cache_size)
-        host = self.encoder_cache_host_bytes
-        _require(host is None or (isinstance(host, int) and not isinstance(host, bool) and host >= 0),
-                 "encoder_cache_host_bytes", host, "None or an int >= 0")
+        for name in ("encoder_cache_host_bytes", "kv_cache_host_bytes"):
+            host = getattr(self, name)
+            _require(host is None or (isinstance(host, int) and not isinstance(host, bool) and host >= 0),
+                     name, host, "None or an int >= 0")
         _positive_int("cpu_kv_cache_bytes", self.cpu_kv_cache_bytes)
         _require(
             isinstance(self.mm_processor_cache_bytes, int) and not isinstance(self.mm_processor_cache_bytes, bool)

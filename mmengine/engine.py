@@ -37,6 +37,7 @@ from mmengine.encoder_cache.host_tier import EncoderHostTier, host_tier_bytes
 from mmengine.encoder_cache.manager import EncoderCacheManager
 from mmengine.host_memory import check_cpu_kv_cache_fits
 from mmengine.kv_cache.block_hash import make_hash_function
+from mmengine.kv_cache.host_tier import KVHostTier
 from mmengine.kv_cache.manager import KVCacheManager
 from mmengine.lora.adapter import DecoderShape, VisionTargets
 from mmengine.lora.manager import LoRAManager
@@ -116,11 +117,13 @@ class MMEngine:
             self.runner.capture_cuda_graphs()
         self.runner.warm_up(images_per_step)
         self.encoder_budget = self._encoder_budget(pinned_room_tokens=num_blocks * self.config.block_size)
+        kv_host_bytes = host_tier_bytes(self.config.kv_cache_host_bytes, self.device.type)
         self.kv_cache = KVCacheManager(
             num_blocks,
             self.config.block_size,
             make_hash_function(self.config.prefix_caching_hash_algo, self.config.prefix_caching_hash_seed),
             enable_prefix_caching=self.config.enable_prefix_caching,
+            host_tier=KVHostTier(kv_host_bytes, self.runner.kv_block_bytes) if kv_host_bytes else None,
         )
         self.encoder_cache = EncoderCacheManager(self.encoder_budget.cache_capacity_tokens, self.kv_cache.uncache_pinning)
         self.kv_cache.pin_listener = self.encoder_cache
@@ -321,6 +324,8 @@ class MMEngine:
 
     def _schedule(self, allow_empty: bool = False) -> SchedulerOutput:
         out = self.scheduler.schedule()
+        if out.kv_offloads or out.kv_restores:
+            self._copy_kv_blocks(out)
         if self.loras is not None:
             self._activate_loras(out)
         if out.is_empty and not allow_empty and self.scheduler.has_unfinished_requests():
@@ -331,6 +336,17 @@ class MMEngine:
             max(0, min(s.end, s.request.num_prompt_tokens) - s.start) for s in out.scheduled
         )
         return out
+
+    def _copy_kv_blocks(self, out: SchedulerOutput) -> None:
+        """Queues the copies between the KV tiers first thing in the step. If they cannot be queued, the
+        blocks that were to be restored leave the cache and their requests recompute (preempted): a
+        failed copy costs a prefill, never a wrong result."""
+        try:
+            self.runner.copy_kv_blocks(out.kv_offloads, out.kv_restores)
+        except BaseException:
+            for request_id in self.kv_cache.abandon_copies():
+                self.scheduler.recompute(request_id)
+            raise
 
     def _activate_loras(self, out: SchedulerOutput) -> None:
         """Makes the step's adapters resident in device slots and tells the runner each request's slot."""
@@ -595,6 +611,7 @@ class MMEngine:
             "encoder_cache_entries": len(self.encoder_cache.entries),
             "encoder_cache_bytes": self.encoder_cache.num_used * self.runner.embedding_bytes,
             **_host_tier_stats(self.encoder_host_tier),
+            **_kv_host_tier_stats(self.kv_cache.host_tier),
             "reencodes_after_prefix_hit": self.scheduler.num_reencodes_after_prefix_hit,
             "images_decoded": self.input_processor.num_images_decoded,
             "images_preprocessed": self.input_processor.num_images_preprocessed,
@@ -724,6 +741,13 @@ def _host_tier_stats(tier: EncoderHostTier | None) -> dict[str, int]:
     return {"encoder_host_hits": tier.num_hits, "encoder_host_entries": len(tier), "encoder_host_bytes": tier.num_bytes,
             "encoder_host_stored": tier.num_stored, "encoder_host_evictions": tier.num_evictions,
             "encoder_host_bytes_copied_in": tier.bytes_in, "encoder_host_bytes_copied_out": tier.bytes_out}
+
+
+def _kv_host_tier_stats(tier: KVHostTier | None) -> dict[str, int]:
+    if tier is None:
+        return {name: 0 for name in ("kv_host_hits", "kv_host_blocks", "kv_host_bytes", "kv_host_stored", "kv_host_evictions")}
+    return {"kv_host_hits": tier.num_hits, "kv_host_blocks": len(tier), "kv_host_bytes": tier.num_bytes,
+            "kv_host_stored": tier.num_stored, "kv_host_evictions": tier.num_evictions}
 
 
 def _grammar_done(matcher: Any, token: int) -> bool:

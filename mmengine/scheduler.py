@@ -53,6 +53,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     freed_encoder_hashes: list[str] = field(default_factory=list)  # evicted: the runner drops them
+    kv_offloads: list = field(default_factory=list)  # KVCopy: evicted blocks' KV to the host tier, before the forward
+    kv_restores: list = field(default_factory=list)  # KVCopy: host-tier hits' KV back into their new blocks
     lora_slots: dict[str, int] = field(default_factory=dict)  # request id -> its adapter's device slot (set by the engine)
     encoder_lora_slots: dict[str, int] = field(default_factory=dict)  # the same, for adapters on the vision side
 
@@ -188,6 +190,7 @@ class Scheduler:
         if out.is_empty and self.waiting and self.sharing.release_idle_holds():  # held blocks stalled everything
             self._admit_waiting(out, budget, encoder_budget, encoding_now)
         out.freed_encoder_hashes = self.encoder_cache.take_freed()
+        out.kv_offloads, out.kv_restores = self.kv_cache.take_copies()
         return out
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, encoder_budget: int, encoding_now: set[str]) -> None:
@@ -223,12 +226,14 @@ class Scheduler:
                 continue
             # Prompt logprobs need every prompt position computed: such a request reads no cached blocks.
             hits = [] if request.sampling_params.prompt_logprobs is not None else self.kv_cache.get_computed_blocks(request)
+            host_hits = [] if request.sampling_params.prompt_logprobs is not None else self.kv_cache.get_host_hits(request, hits)
+            num_hit_blocks = len(hits) + len(host_hits)  # host hits cost a copy, not a prefill
             # A full hit still recomputes the last token: its logits are needed.
-            num_computed = min(len(hits) * self.config.block_size, request.num_tokens - 1)
+            num_computed = min(num_hit_blocks * self.config.block_size, request.num_tokens - 1)
             num_new = min(request.num_tokens - num_computed, budget)
             num_new, plan = self._plan_encoder(request, num_computed, num_new, encoder_budget, encoding_now)
             wait_for_hit = (
-                not starving and len(hits) < len(request.block_hashes) and request.block_hashes[len(hits)] in in_flight
+                not starving and num_hit_blocks < len(request.block_hashes) and request.block_hashes[num_hit_blocks] in in_flight
             )
             fits = self.kv_cache.can_allocate(request, num_new, hits, num_computed)
             while not fits and starving and self.sharing.release_idle_hold():
@@ -238,13 +243,13 @@ class Scheduler:
                     break
                 skipped.append(request)
                 continue
-            scheduled = self._commit(request, num_computed, num_new, plan, encoding_now, hits)
+            scheduled = self._commit(request, num_computed, num_new, plan, encoding_now, hits, host_hits)
             self.waiting.remove(request)
             self.kv_cache.record_lookup(request.num_tokens, num_computed)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed
             request.num_computed_tokens = num_computed
-            request.num_prefix_hit_tokens = len(hits) * self.config.block_size
+            request.num_prefix_hit_tokens = num_hit_blocks * self.config.block_size
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if request.lora_name is not None:
@@ -307,6 +312,7 @@ class Scheduler:
         plan: EncoderPlan,
         encoding_now: set[str],
         hits: list[KVBlock] = (),
+        host_hits: list = (),
     ) -> ScheduledRequest:
         """Takes the KV blocks and encoder entries a planned chunk needs: all of them, or (when a
         check fails) none. Reuse references are added before new encodes allocate, so an allocation
@@ -315,7 +321,7 @@ class Scheduler:
         if not plan.encode and not plan.reuse and not plan.restore:  # text only: just the KV blocks
             if not self.kv_cache.can_allocate(request, num_new, hits, start):
                 raise RuntimeError(f"KV blocks for {request} are no longer free")
-            self.kv_cache.allocate(request, num_new, hits, start)
+            self.kv_cache.allocate(request, num_new, hits, start, host_hits)
             return ScheduledRequest(request, start, num_new, [])
         items = request.mm_items
         planned = {items[idx].mm_hash for idx in plan.encode + plan.restore}
@@ -330,7 +336,7 @@ class Scheduler:
         if not self.kv_cache.can_allocate(request, num_new, hits, start):
             raise RuntimeError(f"KV blocks for {request} are no longer free")
 
-        self.kv_cache.allocate(request, num_new, hits, start)
+        self.kv_cache.allocate(request, num_new, hits, start, host_hits)
         held = self._held.setdefault(request.request_id, set())
         for idx in resident:
             self.encoder_cache.add_reference(items[idx].mm_hash, (request.request_id, idx))
@@ -363,6 +369,14 @@ class Scheduler:
         if not self.kv_cache.enable_prefix_caching:
             return []
         return request.block_hashes[request.num_computed_tokens // self.config.block_size :]
+
+    def recompute(self, request_id: str) -> None:
+        """Sends a running request back to the queue to compute again from its first token (its
+        blocks freed): after a step whose copies into its blocks could not be made."""
+        request = self.requests.get(request_id)
+        if request is not None and request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+            self._preempt(request)
 
     def _preempt(self, request: Request) -> None:
         self._release(request)

@@ -36,6 +36,7 @@ class KVBlock:
     # mm_hashes of the items whose placeholder run this cached block ends inside: their
     # encoder outputs must stay resident while the block is cached.
     pins: tuple[str, ...] = ()
+    parent_hash: BlockHash | None = None  # the hash of the block before it (the host tier verifies it)
 
     @property
     def is_cached(self) -> bool:
@@ -43,7 +44,8 @@ class KVBlock:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, on_uncache: Callable[[KVBlock], None] | None = None) -> None:
+    def __init__(self, num_blocks: int, on_uncache: Callable[[KVBlock], None] | None = None,
+                 on_evict: Callable[[KVBlock], None] | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
@@ -53,6 +55,7 @@ class BlockPool:
         self._cache_ids = itertools.count()
         self.num_evictions = 0
         self.on_uncache = on_uncache  # called whenever a block leaves the prefix cache
+        self.on_evict = on_evict  # called, before on_uncache, for each block an allocation evicts (its KV still there)
 
     @property
     def num_blocks(self) -> int:
@@ -85,20 +88,23 @@ class BlockPool:
         key: BlockKey,
         parent_cache_id: int | None,
         pins: tuple[str, ...] = (),
+        parent_hash: BlockHash | None = None,
     ) -> bool:
         """Registers a block whose KV is complete. False if another block already holds this hash."""
         assert not block.is_cached and block.ref_cnt > 0, block
         if block_hash in self._cached:
             return False
         block.block_hash, block.key, block.parent_cache_id, block.pins = block_hash, key, parent_cache_id, pins
+        block.parent_hash = parent_hash
         block.cache_id = next(self._cache_ids)
         self._cached[block_hash] = block
         if parent_cache_id is not None:
             self._children.setdefault(parent_cache_id, set()).add(block)
         return True
 
-    def uncache(self, block: KVBlock) -> None:
-        """Takes a block and its cached descendants out of the prefix cache; whoever holds them keeps them."""
+    def uncache(self, block: KVBlock, evicting: bool = False) -> None:
+        """Takes a block and its cached descendants out of the prefix cache; whoever holds them keeps them.
+        `evicting`: an allocation takes the block (on_evict hears of each block first)."""
         if not block.is_cached:
             return
         siblings = self._children.get(block.parent_cache_id)
@@ -111,6 +117,8 @@ class BlockPool:
             current = stack.pop()
             stack.extend(self._children.pop(current.cache_id, ()))
             del self._cached[current.block_hash]
+            if evicting and self.on_evict is not None:
+                self.on_evict(current)
             self._forget(current)
 
     def reset_cache(self) -> None:
@@ -120,7 +128,7 @@ class BlockPool:
     def _forget(self, block: KVBlock) -> None:
         if self.on_uncache is not None:
             self.on_uncache(block)
-        block.block_hash = block.key = block.cache_id = block.parent_cache_id = None
+        block.block_hash = block.key = block.cache_id = block.parent_cache_id = block.parent_hash = None
         block.pins = ()
 
     # -- allocation -----------------------------------------------------------
@@ -134,7 +142,7 @@ class BlockPool:
             _, block = self._free.popitem(last=False)
             assert block.ref_cnt == 0, block
             if block.is_cached:
-                self.uncache(block)
+                self.uncache(block, evicting=True)
                 self.num_evictions += 1
             block.ref_cnt = 1
             taken.append(block)

@@ -10,6 +10,7 @@ from typing import Protocol
 
 from mmengine.kv_cache.block_hash import BlockHash, BlockHasher, HashFunction, block_key
 from mmengine.kv_cache.block_pool import BlockPool, KVBlock
+from mmengine.kv_cache.host_tier import HostBlock, KVCopy, KVHostTier
 from mmengine.request import Request
 
 
@@ -32,10 +33,17 @@ class KVCacheManager:
         block_size: int,
         hash_fn: HashFunction,
         enable_prefix_caching: bool = True,
+        host_tier: KVHostTier | None = None,
     ) -> None:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks, on_uncache=self._on_uncache)
+        self.host_tier = host_tier if enable_prefix_caching else None
+        self.pool = BlockPool(num_blocks, on_uncache=self._on_uncache,
+                              on_evict=self._on_evict if self.host_tier is not None else None)
+        # Copies between the tiers booked since the runner last took them (it queues them before the step's forward)
+        self._offloads: list[KVCopy] = []
+        self._restores: list[KVCopy] = []
+        self._handed_out: list[KVCopy] = []  # taken by the runner, until it confirms they are queued
         self.pin_listener: PinListener | None = None
         self._pinning: dict[str, set[KVBlock]] = {}  # mm_hash -> cached blocks that pin it
         self.hasher = BlockHasher(block_size, hash_fn)
@@ -78,6 +86,48 @@ class KVCacheManager:
             parent = block.cache_id
         return hits
 
+    def get_host_hits(self, request: Request, device_hits: list[KVBlock]) -> list[HostBlock]:
+        """Full blocks past the device hits that the host tier holds (verified), in order."""
+        if self.host_tier is None:
+            return []
+        found: list[HostBlock] = []
+        for index in range(len(device_hits), len(request.block_hashes)):
+            block_hash = request.block_hashes[index]
+            if self.pool.is_hash_cached(block_hash):  # another block holds this hash on the device: stop
+                break
+            parent = request.block_hashes[index - 1] if index else None
+            entry = self.host_tier.lookup(block_hash, block_key(request, index, self.block_size), parent)
+            if entry is None:
+                break
+            found.append(entry)
+        return found
+
+    def take_copies(self) -> tuple[list[KVCopy], list[KVCopy]]:
+        """(device -> host, host -> device) copies to queue before the next step's forward, offloads
+        first (a block evicted now may be the target of a restore)."""
+        offloads, restores = self._offloads, self._restores
+        self._offloads, self._restores = [], []
+        self._handed_out = offloads + restores
+        return offloads, restores
+
+    def abandon_copies(self) -> set[str]:
+        """After copies failed to be queued: restored blocks whose copy was not queued leave the cache
+        (their KV is not there) and offloads not made are forgotten. Returns the requests holding such
+        blocks: they must recompute (the engine preempts them), never read a block that was not filled."""
+        victims: set[str] = set()
+        for copy in self._handed_out + self._offloads + self._restores:
+            if copy.done:
+                continue
+            if not copy.restore:
+                self.host_tier.forget(copy.entry)
+                continue
+            block = self.pool.blocks[copy.block_id]
+            if block.block_hash == copy.entry.block_hash:
+                self.pool.uncache(block)
+            victims.update(rid for rid, ids in self._req_block_ids.items() if copy.block_id in ids)
+        self._handed_out, self._offloads, self._restores = [], [], []
+        return victims
+
     def num_cached_prefix_blocks(self, request: Request) -> int:
         """Leading blocks whose hashes are in the prefix cache, unverified: cheap, for ordering only."""
         if not self.enable_prefix_caching:
@@ -114,9 +164,12 @@ class KVCacheManager:
         return self.blocks_needed(request, num_new_tokens, computed_blocks, num_computed) <= self.pool.num_free_blocks
 
     def allocate(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = (), num_computed: int | None = None
+        self, request: Request, num_new_tokens: int, computed_blocks: list[KVBlock] = (), num_computed: int | None = None,
+        host_hits: list[HostBlock] = (),
     ) -> None:
-        """Takes the blocks; the caller has checked can_allocate (the pool raises if it runs dry)."""
+        """Takes the blocks; the caller has checked can_allocate (the pool raises if it runs dry).
+        `host_hits` (after the device hits) get fresh blocks, cached at once, whose KV the runner
+        copies back before the step's forward."""
         if num_computed is None:
             num_computed = request.num_computed_tokens
         blocks = self._req_blocks.setdefault(request.request_id, [])
@@ -126,7 +179,17 @@ class KVCacheManager:
             self.pool.touch(list(computed_blocks))
             blocks.extend(computed_blocks)
             block_ids.extend(b.block_id for b in computed_blocks)
-        self._num_chained.setdefault(request.request_id, len(computed_blocks))
+        if host_hits:
+            assert len(blocks) == len(computed_blocks), "host hits follow the device hits at admission"
+            for entry, block in zip(host_hits, self.pool.take(len(host_hits))):
+                parent = blocks[-1].cache_id if blocks else None
+                cached = self.pool.cache(block, entry.block_hash, entry.key, parent, (), parent_hash=entry.parent_hash)
+                assert cached, entry
+                self.host_tier.touch(entry)
+                self._restores.append(KVCopy(entry, block.block_id, restore=True))
+                blocks.append(block)
+                block_ids.append(block.block_id)
+        self._num_chained.setdefault(request.request_id, len(computed_blocks) + len(host_hits))
         needed = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks))
         if needed:
             taken = self.pool.take(needed)
@@ -151,7 +214,8 @@ class KVCacheManager:
             if not block.is_cached:
                 key = block_key(request, index, self.block_size)
                 pins = self._items_pinned_by(request, index)
-                if not self.pool.cache(block, request.block_hashes[index], key, parent, pins):
+                parent_hash = request.block_hashes[index - 1] if index else None
+                if not self.pool.cache(block, request.block_hashes[index], key, parent, pins, parent_hash=parent_hash):
                     self._num_chained[request.request_id] = None
                     return
                 for mm_hash in pins:
@@ -169,6 +233,14 @@ class KVCacheManager:
         """
         end = (block_index + 1) * self.block_size
         return tuple(item.mm_hash for item in request.mm_items if item.offset < end <= item.end)
+
+    def _on_evict(self, block: KVBlock) -> None:
+        """An allocation takes a cached block: its KV goes to the host tier, unless it pins an item."""
+        if block.pins:
+            return
+        entry = self.host_tier.admit(block.block_hash, block.key, block.parent_hash)
+        if entry is not None:
+            self._offloads.append(KVCopy(entry, block.block_id))
 
     def _on_uncache(self, block: KVBlock) -> None:
         for mm_hash in block.pins:
@@ -209,8 +281,10 @@ class KVCacheManager:
         return sum(1 for block in blocks if block.ref_cnt == 1)
 
     def reset_prefix_cache(self) -> None:
-        """Forgets every cached block. Blocks in use stay with their requests, no longer shared."""
+        """Forgets every cached block, in both tiers. Blocks in use stay with their requests, no longer shared."""
         self.pool.reset_cache()
+        if self.host_tier is not None:
+            self.host_tier.clear()
         for request_id in self._num_chained:
             self._num_chained[request_id] = None
 

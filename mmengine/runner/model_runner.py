@@ -18,6 +18,7 @@ import torch
 from mmengine.config import EngineConfig
 from mmengine.errors import ConfigError
 from mmengine.encoder_cache.host_tier import EncoderHostTier
+from mmengine.kv_cache.host_tier import KVCopy
 from mmengine.kv_cache.manager import cdiv
 from mmengine.layers.attention import AttentionMetadata, get_attention_backend
 from mmengine.layers.cascade import tokens_per_tile
@@ -459,6 +460,23 @@ class ModelRunner:
             module.clear_slot(slot)
         for module in self.vision_lora_modules.values():
             module.clear_slot(slot)
+
+    @torch.inference_mode()
+    def copy_kv_blocks(self, offloads: list[KVCopy], restores: list[KVCopy]) -> None:
+        """Queues the step's copies between the KV tiers before anything else of the step: evicted
+        blocks' KV to host memory, then host-tier hits' KV into their new device blocks."""
+        pin = self.device.type == "cuda"
+        for copy in offloads:
+            block = self.kv_cache[:, :, copy.block_id]
+            if pin:
+                host = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
+                host.copy_(block, non_blocking=True)
+            else:
+                host = block.clone()
+            copy.entry.kv, copy.done = host, True
+        for copy in restores:
+            self.kv_cache[:, :, copy.block_id].copy_(copy.entry.kv, non_blocking=True)
+            copy.done = True
 
     def free_encoder_outputs(self, mm_hashes: list[str]) -> None:
         """Drops evicted outputs from the device; the host tier, if any, keeps a copy."""

@@ -139,10 +139,10 @@ def _run(case: FuzzCase, env: FuzzEnv, tmp: Path) -> CaseReport:
     built = _build(case, tmp)
     _expect(case, built, reference)
     valid = [b for b in built if b.expected_error is None]
-    # Half the cases keep evicted encoder outputs in a host tier (drawn apart from the case's own draws)
-    host_bytes = random.Random(f"{case.seed}-host-tier").choice((0, 1 << 20))
-    engine = MMEngine(str(checkpoint), device="cpu", dtype="float32", encoder_cache_host_bytes=host_bytes,
-                      **_resolve(case, valid))
+    # Half the cases keep evicted encoder outputs, half evicted KV blocks, in host tiers (drawn apart from the case's own draws)
+    tiers = random.Random(f"{case.seed}-host-tier")
+    engine = MMEngine(str(checkpoint), device="cpu", dtype="float32", encoder_cache_host_bytes=tiers.choice((0, 1 << 20)),
+                      kv_cache_host_bytes=tiers.choice((0, 1 << 20)), **_resolve(case, valid))
     for name, path in adapters.items():
         engine.add_lora(LoRARequest(name, str(path)))
     audit_lock = engine._lock  # the engine's own lock: an audit never sees a step half done

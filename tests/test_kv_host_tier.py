@@ -1,0 +1,86 @@
+"""The prefix cache's host tier (kv_cache_host_bytes): full blocks evicted from the device keep their
+KV in host memory and come back by a copy; a shared prefix evicted under pressure and asked again
+costs only its uncached tail; outputs equal a run without tiers; blocks that pin a picture stay out;
+a copy that cannot be made falls back to recomputing."""
+
+from __future__ import annotations
+
+import pytest
+
+from books import assert_books_consistent
+from mmengine import MMEngine, SamplingParams
+from mmengine.testing import make_test_image
+
+GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+SYSTEM = "SYSTEM: " + " ".join(f"rule {i} is that answers are short and clear." for i in range(12))
+PRESSURE = [f"USER: unrelated question number {i} about boats and rivers and the sea? ASSISTANT:" * 3 for i in range(6)]
+OPTIONS = dict(device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=24, enable_prefix_grouping=False)
+
+
+def _evict_then_ask_again(engine: MMEngine, images=None, system: str = SYSTEM) -> tuple[list[list[int]], int]:
+    """The system prompt once, unrelated prompts that push its blocks out, then the system prompt with a
+    new question: the tokens, and the prefill tokens that last request computed."""
+    first = engine.generate(system + " USER: first? ASSISTANT:", images=images, sampling_params=GREEDY, use_tqdm=False)[0]
+    engine.generate(PRESSURE, sampling_params=GREEDY, use_tqdm=False)
+    before = engine.stats()["prefill_tokens_computed"]
+    again = engine.generate(system + " USER: second? ASSISTANT:", images=images, sampling_params=GREEDY, use_tqdm=False)[0]
+    return [first.token_ids, again.token_ids], engine.stats()["prefill_tokens_computed"] - before
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_an_evicted_shared_prefix_comes_back_from_host_memory(checkpoint_dir, async_scheduling):
+    path = str(checkpoint_dir())
+    without = MMEngine(path, kv_cache_host_bytes=0, async_scheduling=async_scheduling, **OPTIONS)
+    expected, computed_without = _evict_then_ask_again(without)
+    engine = MMEngine(path, kv_cache_host_bytes=1 << 22, async_scheduling=async_scheduling, **OPTIONS)
+    tokens, computed = _evict_then_ask_again(engine)
+    assert tokens == expected
+    prompt_len = len(engine.tokenizer(SYSTEM + " USER: second? ASSISTANT:")["input_ids"])
+    assert computed_without == prompt_len  # without the tier the whole prompt is prefilled again
+    stats = engine.stats()
+    shared_blocks = stats["kv_host_hits"]
+    assert shared_blocks >= 10 and computed == prompt_len - shared_blocks * 16  # only the tail past the shared blocks
+    assert stats["kv_host_blocks"] > 0 and stats["kv_host_bytes"] == stats["kv_host_blocks"] * engine.runner.kv_block_bytes
+    assert_books_consistent(engine)
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_blocks_that_pin_a_picture_stay_out_of_the_host_tier(checkpoint_dir):
+    path = str(checkpoint_dir())
+    picture = [make_test_image(9, size=(64, 48))]
+    system = "USER: <image>\n" + SYSTEM
+    expected, _ = _evict_then_ask_again(MMEngine(path, kv_cache_host_bytes=0, **OPTIONS), picture, system)
+    engine = MMEngine(path, kv_cache_host_bytes=1 << 22, **OPTIONS)
+    tokens, _ = _evict_then_ask_again(engine, picture, system)
+    assert tokens == expected
+    stats = engine.stats()
+    assert stats["reencodes_after_prefix_hit"] == 0
+    assert stats["kv_host_hits"] == 0  # the chain starts at the picture's pinning block, which was not kept
+    assert_books_consistent(engine)
+
+
+def test_a_copy_that_fails_falls_back_to_recomputing(checkpoint_dir):
+    path = str(checkpoint_dir())
+    expected, _ = _evict_then_ask_again(MMEngine(path, kv_cache_host_bytes=0, **OPTIONS))
+    engine = MMEngine(path, kv_cache_host_bytes=1 << 22, **OPTIONS)
+    engine.generate(SYSTEM + " USER: first? ASSISTANT:", sampling_params=GREEDY, use_tqdm=False)
+    engine.generate(PRESSURE, sampling_params=GREEDY, use_tqdm=False)
+    copy = engine.runner.copy_kv_blocks
+    failures = []
+
+    def failing(offloads, restores):
+        if restores and not failures:
+            failures.append(len(restores))
+            raise RuntimeError("copy failed")
+        copy(offloads, restores)
+
+    engine.runner.copy_kv_blocks = failing
+    request_id = engine.add_request(SYSTEM + " USER: second? ASSISTANT:", sampling_params=GREEDY)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        engine.step()
+    assert failures
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == request_id and o.finished]
+    assert outputs[0].token_ids == expected[1]
+    assert_books_consistent(engine)
