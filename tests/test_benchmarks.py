@@ -213,11 +213,14 @@ def test_beam_search_benchmark_reports_each_width(checkpoint_dir, tmp_path):
 def test_tiered_cache_benchmark_encodes_each_picture_once_with_the_host_tier(checkpoint_dir, tmp_path):
     module = load_benchmark("tiered_cache")
     result = module.main(["--model", str(checkpoint_dir()), "--device", "cpu", "--working-set", "1.5", "--rounds", "2",
-                          "--image-size", "48", "--max-model-len", "256", "--timing-repeats", "1",
+                          "--image-size", "48", "--max-model-len", "256", "--timing-repeats", "1", "--num-kv-blocks", "8",
+                          "--max-num-batched-tokens", "64", "--document-words", "24",
                           "--output", str(tmp_path / "tiered.json")])
-    pictures, off, on = result["pictures"], result["tiers_off"], result["encoder_tier"]
+    pictures, off, on, both = result["pictures"], result["tiers_off"], result["encoder_tier"], result["both_tiers"]
     assert pictures > result["device_tier_pictures"]
     assert off["encoder_runs"] > pictures and off["encoder_host_hits"] == 0  # the evicted ones are encoded again
     assert on["encoder_runs"] == pictures and on["encoder_runs"] + on["encoder_host_hits"] == off["encoder_runs"]
-    assert on["prefill_tokens_computed"] == off["prefill_tokens_computed"]
+    assert on["prefill_tokens_computed"] == off["prefill_tokens_computed"] and on["kv_host_hits"] == 0
+    assert both["encoder_runs"] == pictures and both["kv_host_hits"] > 0
+    assert both["prefill_tokens_computed"] < off["prefill_tokens_computed"]  # the documents' blocks came back
     assert result["per_picture"]["embedding_bytes"] > 0 and result["per_picture"]["encode_ms"] > 0

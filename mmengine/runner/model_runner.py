@@ -463,20 +463,26 @@ class ModelRunner:
 
     @torch.inference_mode()
     def copy_kv_blocks(self, offloads: list[KVCopy], restores: list[KVCopy]) -> None:
-        """Queues the step's copies between the KV tiers before anything else of the step: evicted
-        blocks' KV to host memory, then host-tier hits' KV into their new device blocks."""
-        pin = self.device.type == "cuda"
-        for copy in offloads:
-            block = self.kv_cache[:, :, copy.block_id]
-            if pin:
-                host = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
-                host.copy_(block, non_blocking=True)
-            else:
-                host = block.clone()
-            copy.entry.kv, copy.done = host, True
-        for copy in restores:
-            self.kv_cache[:, :, copy.block_id].copy_(copy.entry.kv, non_blocking=True)
-            copy.done = True
+        """Queues the step's copies between the KV tiers before anything else of the step, batched: the
+        evicted blocks gathered in one launch and copied to host memory, then the host-tier hits stacked
+        and copied back in one transfer and one scatter."""
+        if offloads:
+            ids = torch.tensor([c.block_id for c in offloads]).to(self.device, non_blocking=True)
+            gathered = self.kv_cache.index_select(2, ids)  # [layers, 2, n, block_size, heads, dim]
+            pin = self.device.type == "cuda"
+            for index, copy in enumerate(offloads):
+                block = gathered[:, :, index]
+                host = torch.empty(block.shape, dtype=block.dtype, pin_memory=pin)
+                host.copy_(block, non_blocking=pin)  # its own buffer: an entry never keeps the batch alive
+                copy.entry.kv, copy.done = host, True
+        if restores:
+            ids = torch.tensor([c.block_id for c in restores]).to(self.device, non_blocking=True)
+            stacked = torch.stack([c.entry.kv for c in restores], dim=2)
+            if self.device.type == "cuda":
+                stacked = stacked.pin_memory()
+            self.kv_cache.index_copy_(2, ids, stacked.to(self.device, non_blocking=True))
+            for copy in restores:
+                copy.done = True
 
     def free_encoder_outputs(self, mm_hashes: list[str]) -> None:
         """Drops evicted outputs from the device; the host tier, if any, keeps a copy."""
