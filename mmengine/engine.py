@@ -7,7 +7,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -154,6 +154,8 @@ class MMEngine:
         # One lock over the engine's state, held briefly: validation and preprocessing run outside it.
         self._lock = threading.RLock()
         self._pending: list[RequestOutput] = []  # outputs for step() to return (add_request's requests)
+        # Told of prompts about to be queued, outside the lock (mmengine.ray's encoder store fetches their items)
+        self.before_enqueue: Callable[[list[ProcessedPrompt]], None] | None = None
         self._owners: dict[str, dict[str, RequestOutput]] = {}  # request id -> its generate() call's results
         self._counters = {
             "steps": 0,
@@ -225,6 +227,8 @@ class MMEngine:
         check_salt(cache_salt)
         check_request_id(request_id)
         self._check_sampling(params)
+        if self.before_enqueue is not None:
+            self.before_enqueue([processed])
         with self._lock:
             return self._enqueue(processed, params, request_id, cache_salt, self._lora_key(lora))
 
@@ -455,6 +459,8 @@ class MMEngine:
         its pictures again); one output per prompt, in order."""
         salts = salts or [None] * len(processed)
         lora_keys = lora_keys or [None] * len(processed)
+        if self.before_enqueue is not None:
+            self.before_enqueue(list(processed))
         results: dict[str, RequestOutput] = {}  # filled by whichever thread's step finishes them
         ids: list[str] = []
         try:

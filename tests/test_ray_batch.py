@@ -234,3 +234,34 @@ def test_rows_under_lora_adapters_match_one_engine_and_stay_with_their_adapter(r
     assert len({tuple(e.token_ids) for e in expected[:3]}) == 3  # the adapters change the answers
     for name in lora_of:
         assert len({got[i]["replica"] for i in range(9) if rows[i]["lora"] == name}) == 1
+
+
+@pytest.mark.parametrize("store_bytes", [0, 1 << 24], ids=["store-off", "store-on"])
+def test_the_encoder_store_encodes_each_picture_once_cluster_wide(ray_cluster, checkpoint_dir, store_bytes):
+    """Round-robin placement (affinity off), then the same pictures with other questions shifted onto
+    the other replica: with the store the second replica fetches what the first encoded."""
+    pictures = [png(40 + i) for i in range(6)]
+    first = [{"prompt": f"USER: <image>\nWhat is picture {i}? ASSISTANT:", "images": [pictures[i]],
+              "sampling_params": {"max_tokens": 2, "temperature": 0.0}} for i in range(6)]
+    # shifted by one row, so round robin sends each picture to the replica that did not see it
+    second = [{"prompt": f"USER: Again: <image>\nDescribe picture {i}. ASSISTANT:", "images": [pictures[i]],
+               "sampling_params": {"max_tokens": 2, "temperature": 0.0}} for i in [5, 0, 1, 2, 3, 4]]
+    with BatchRunner(checkpoint_dir(), num_replicas=2, engine_options={**ENGINE_OPTIONS, "encoder_cache_host_bytes": 1 << 24},
+                     num_cpus=0.5, encoder_store_bytes=store_bytes) as runner:
+        runner.run(ray.data.from_items(first), affinity=None)
+        import time
+
+        deadline = time.monotonic() + 30  # publications are asynchronous: wait until all six are in
+        while store_bytes and runner.store_stats()["published"] < 6 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        result = runner.run(ray.data.from_items(second), affinity=None)
+        stats = [s for s in result.replica_stats if s is not None]
+        encoder_runs = sum(s["encoder_runs"] for s in stats)
+        answers = sorted((row["prompt"], row["text"]) for row in result.dataset.take_all())
+    expected = local_outputs(checkpoint_dir(), second)
+    assert answers == sorted((row["prompt"], out.text) for row, out in zip(second, expected))
+    if store_bytes:
+        assert encoder_runs == 6 and sum(s["encoder_store_fetches"] for s in stats) == 6
+        assert sum(s["encoder_host_hits"] for s in stats) == 6
+    else:
+        assert encoder_runs == 12  # each picture once on each replica

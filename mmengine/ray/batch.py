@@ -56,15 +56,29 @@ class BatchRunner:
         max_restarts: int = 1,
         max_task_retries: int = 1,
         lora_modules: dict[str, str] | None = None,
+        encoder_store_bytes: int = 0,
     ) -> None:
         """`lora_modules` ({name: PEFT directory}) are registered on every replica (with
-        engine_options' enable_lora=True); a row's `lora` column names the adapter it runs under."""
+        engine_options' enable_lora=True); a row's `lora` column names the adapter it runs under.
+        `encoder_store_bytes` > 0 shares encoder outputs among the replicas through a cluster-wide store
+        of that many bytes (mmengine.ray.encoder_store); each replica's encoder host tier takes what it
+        fetches (encoder_cache_host_bytes, the same size unless engine_options set it)."""
         if not isinstance(num_replicas, int) or num_replicas < 1:
             raise ConfigError(f"num_replicas must be a positive int, got {num_replicas!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
+        if not isinstance(encoder_store_bytes, int) or encoder_store_bytes < 0:
+            raise ConfigError(f"encoder_store_bytes must be an int >= 0, got {encoder_store_bytes!r}")
         self.model = str(model)
         self.engine_options = dict(engine_options or {})
+        self.encoder_store = None
+        if encoder_store_bytes:
+            if self.engine_options.get("encoder_cache_host_bytes") == 0:
+                raise ConfigError("encoder_store_bytes needs the replicas' encoder host tier: encoder_cache_host_bytes must not be 0")
+            self.engine_options.setdefault("encoder_cache_host_bytes", encoder_store_bytes)
+            from mmengine.ray.encoder_store import create_store
+
+            self.encoder_store = create_store(encoder_store_bytes)
         self.batch_size = batch_size
         if num_cpus is None:
             num_cpus = 1
@@ -73,7 +87,8 @@ class BatchRunner:
             num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=max_restarts, max_task_retries=max_task_retries
         )
         self.replicas = [
-            actor_class.remote(self.model, self.engine_options, i, threads, lora_modules) for i in range(num_replicas)
+            actor_class.remote(self.model, self.engine_options, i, threads, lora_modules, self.encoder_store)
+            for i in range(num_replicas)
         ]
         self.alive = [True] * num_replicas
         ray.get([r.ready.remote() for r in self.replicas])  # surfaces a bad checkpoint or option now
@@ -198,9 +213,16 @@ class BatchRunner:
         ray.get([r.reset.remote() for i, r in enumerate(self.replicas) if self.alive[i]])
         self._sticky.clear()
 
+    def store_stats(self) -> dict[str, int] | None:
+        """The cluster-wide encoder store's counts (None without one)."""
+        return ray.get(self.encoder_store.stats.remote()) if self.encoder_store is not None else None
+
     def shutdown(self) -> None:
         for replica in self.replicas:
             ray.kill(replica)
+        if self.encoder_store is not None:
+            ray.kill(self.encoder_store)
+            self.encoder_store = None
         self.replicas = []
         self.alive = []
 
@@ -221,11 +243,13 @@ def run_batch(
     num_cpus: float | None = None,
     batch_size: int = 64,
     lora_modules: dict[str, str] | None = None,
+    encoder_store_bytes: int = 0,
 ) -> BatchResult:
     """Runs every row of `ds` through `num_replicas` engine replicas and returns the materialized
     outputs (input columns + text, token_ids, finish_reason, num_cached_tokens, replica) and each
     replica's engine stats. The replicas are shut down afterwards; keep a BatchRunner to reuse them."""
-    with BatchRunner(model, num_replicas, engine_options, num_gpus, num_cpus, batch_size, lora_modules=lora_modules) as runner:
+    with BatchRunner(model, num_replicas, engine_options, num_gpus, num_cpus, batch_size, lora_modules=lora_modules,
+                     encoder_store_bytes=encoder_store_bytes) as runner:
         return runner.run(ds, affinity)
 
 

@@ -59,8 +59,9 @@ class EngineReplica:
 
     def __init__(
         self, model: str, engine_options: dict[str, Any] | None, replica_id: int, num_threads: int | None = None,
-        lora_modules: dict[str, str] | None = None,
+        lora_modules: dict[str, str] | None = None, encoder_store: Any = None,
     ) -> None:
+        """`encoder_store`: the cluster's EncoderStore actor (mmengine.ray.encoder_store), or None."""
         if num_threads is not None:
             import torch
 
@@ -69,6 +70,8 @@ class EngineReplica:
         self.engine_options = dict(engine_options or {})
         self.replica_id = replica_id
         self.lora_modules = dict(lora_modules or {})
+        self.encoder_store = encoder_store
+        self.store_client = None
         self.engine = self._build()
 
     def _build(self) -> Any:
@@ -78,6 +81,10 @@ class EngineReplica:
         engine = MMEngine(self.model, **self.engine_options)
         for name, path in self.lora_modules.items():
             engine.add_lora(LoRARequest(name, str(path)))
+        if self.encoder_store is not None:
+            from mmengine.ray.encoder_store import EncoderStoreClient
+
+            self.store_client = EncoderStoreClient(self.encoder_store, engine)
         return engine
 
     def ready(self) -> int:
@@ -102,7 +109,8 @@ class EngineReplica:
         ]
 
     def stats(self) -> dict[str, int]:
-        return self.engine.stats()
+        counts = dict(self.store_client.counts) if self.store_client is not None else {}
+        return {**self.engine.stats(), **counts}
 
     def reset(self) -> None:
         """A fresh engine (empty caches, zeroed counters) in the same process: no restart cost."""

@@ -74,6 +74,7 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # the encoder cache's tensors, by mm_hash
         self.encoder_host_tier: EncoderHostTier | None = None  # where evicted outputs wait (set by the engine)
+        self.on_encoded: Callable[[tuple[str, torch.Tensor]], None] | None = None  # told of each output the tower makes
         self.kv_cache: torch.Tensor | None = None
         self.num_encoder_runs = 0  # items encoded
         # On a GPU, one-size items go through the tower in batches padded to a power of two: cuDNN
@@ -530,6 +531,8 @@ class ModelRunner:
             # a copy: a view would keep the whole step's batch (padding included) alive while any one
             # of its items stays cached, past what the encoder cache counts
             self.encoder_outputs[item.mm_hash] = emb.to(self.dtype, copy=True)
+            if self.on_encoded is not None:
+                self.on_encoded((item.mm_hash, self.encoder_outputs[item.mm_hash]))
         self.num_encoder_runs += len(jobs)
 
     def _embed(self, input_ids: torch.Tensor, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, DeepStack | None]:
