@@ -168,6 +168,13 @@ def run_budget(args: argparse.Namespace) -> None:
     source = "--encoder-cache-host-bytes" if args.encoder_cache_host_bytes is not None else f"default on {device.type}"
     per_item = budget.max_tokens_per_item * budget.bytes_per_token
     print(f"  host tier (evicted outputs)   {host:>12}   bytes ({source}): {host // per_item} items of the largest size")
+    text = family.text_config
+    block_bytes = 2 * text.num_hidden_layers * block_size * text.num_key_value_heads * family.head_dim * elem
+    kv_host = host_tier_bytes(args.kv_cache_host_bytes, device.type)
+    kv_source = "--kv-cache-host-bytes" if args.kv_cache_host_bytes is not None else f"default on {device.type}"
+    print("KV cache host tier (evicted prefix blocks)")
+    print(f"  host tier                     {kv_host:>12}   bytes ({kv_source}): {kv_host // block_bytes} blocks of "
+          f"{block_bytes} bytes")
 
 
 def _parse_limits(values: list[str] | None) -> dict[str, int] | None:
@@ -219,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks, for the exact pinned room")
     budget.add_argument("--encoder-cache-host-bytes", type=int, default=None,
                         help="the encoder cache's host tier (default: a tenth of the available RAM on CUDA, 0 on CPU)")
+    budget.add_argument("--kv-cache-host-bytes", type=int, default=None,
+                        help="the prefix cache's host tier (default: a tenth of the available RAM on CUDA, 0 on CPU)")
     budget.add_argument("--block-size", type=int, default=16)
     budget.add_argument("--max-model-len", type=int, default=None)
     budget.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])

@@ -84,3 +84,13 @@ def test_a_copy_that_fails_falls_back_to_recomputing(checkpoint_dir):
         outputs += [o for o in engine.step() if o.request_id == request_id and o.finished]
     assert outputs[0].token_ids == expected[1]
     assert_books_consistent(engine)
+
+
+def test_budget_prints_both_host_tiers(checkpoint_dir, capsys):
+    from mmengine.cli import main
+
+    assert main(["budget", "--model", str(checkpoint_dir()), "--device", "cpu", "--encoder-cache-host-bytes", "65536",
+                 "--kv-cache-host-bytes", "81920"]) == 0
+    out = capsys.readouterr().out
+    assert "65536   bytes (--encoder-cache-host-bytes): 16 items" in out  # 16 embeddings x 256 bytes per picture
+    assert "81920   bytes (--kv-cache-host-bytes): 10 blocks of 8192 bytes" in out
