@@ -45,7 +45,7 @@ def base_url(checkpoint_dir):
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = build_app(path, NUM_REPLICAS, ENGINE_OPTIONS, settings=ServerSettings(MODEL_NAME, api_key=API_KEY),
-                        max_ongoing_requests=MAX_ONGOING, num_cpus_per_replica=0.5)
+                        max_ongoing_requests=MAX_ONGOING, num_cpus_per_replica=0.5, encoder_store_bytes=1 << 24)
         serve.run(app, name="mmengine", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
@@ -127,6 +127,38 @@ def test_a_picture_that_hashes_elsewhere_is_encoded_on_the_other_replica(base_ur
     assert after[1 - home] == before[1 - home] + 1 and after[home] == before[home]
     (expected,) = offline.chat([_offline_user("Describe it.")], images=[image],
                                sampling_params=SamplingParams(max_tokens=6, temperature=0), use_tqdm=False)
+    assert answer.choices[0].message.content == expected.text
+
+
+def _store_stats() -> dict[str, int]:
+    (store,) = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("mmengine-encoder-store-")]
+    return ray.get(ray.get_actor(store["name"], namespace=store["namespace"]).stats.remote())
+
+
+def test_a_picture_routed_to_the_other_replica_is_fetched_from_the_encoder_store(base_url, client, offline):
+    """A cache salt sends the same picture to the other replica (salts share no KV blocks, but the
+    picture's embeddings are the same): it fetches them from the store instead of encoding."""
+    image = make_test_image(330)
+    url = data_url(image)
+    home = _replica_of(url)
+    salt = next(f"tenant-{i}" for i in range(100)
+                if Router(NUM_REPLICAS, MAX_ONGOING).route(chat_request_key([_user(url, "")], cache_salt=f"tenant-{i}"),
+                                                           [0] * NUM_REPLICAS).replica != home)
+    published = _store_stats()["published"]
+    client.chat.completions.create(model=MODEL_NAME, messages=[_user(url, "What is it?")], max_tokens=4, temperature=0)
+    deadline = time.monotonic() + 30  # publishing is asynchronous
+    while _store_stats()["published"] == published and time.monotonic() < deadline:
+        time.sleep(0.05)
+    before = _metrics(base_url)
+    answer = client.chat.completions.create(model=MODEL_NAME, messages=[_user(url, "What is it?")], max_tokens=4,
+                                            temperature=0, extra_body={"cache_salt": salt})
+    after = _metrics(base_url)
+    runs = [a - b for a, b in zip(_per_replica(after, "mmengine_encoder_runs_total"), _per_replica(before, "mmengine_encoder_runs_total"))]
+    hits = [a - b for a, b in zip(_per_replica(after, "mmengine_encoder_host_hits_total"),
+                                  _per_replica(before, "mmengine_encoder_host_hits_total"))]
+    assert runs == [0, 0] and hits[1 - home] == 1
+    (expected,) = offline.chat([_offline_user("What is it?")], images=[image],
+                               sampling_params=SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
     assert answer.choices[0].message.content == expected.text
 
 

@@ -71,13 +71,16 @@ def test_a_failing_step_leaves_consistent_books_and_can_be_retried(checkpoint_di
     assert engine.encoder_cache.num_referenced == 0
 
 
-def _random_workload(checkpoint_dir, seed: int, prefix_caching: bool, async_scheduling: str = "off") -> None:
+def _random_workload(checkpoint_dir, seed: int, prefix_caching: bool, async_scheduling: str = "off", tiers: bool = False) -> None:
     """Tight KV, an encoder cache at its minimum (one image), many distinct images, and the
-    least-recently-seen image shown again often: steps interleaved with adds and aborts."""
+    least-recently-seen image shown again often: steps interleaved with adds and aborts. With `tiers`,
+    both host tiers are on (small, so they evict too)."""
     rng = random.Random(seed)
+    host = dict(encoder_cache_host_bytes=4 * M * 256, kv_cache_host_bytes=6 * 8192) if tiers else {}
     engine = MMEngine(
         str(checkpoint_dir()), max_model_len=128, block_size=8, num_kv_blocks=12, encoder_cache_size=M,
         max_num_batched_tokens=32, max_num_seqs=4, enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling,
+        **host,
     )
     last_seen = {i: -1 for i in range(len(IMAGES))}
     requests: dict[str, tuple[str, list]] = {}
@@ -127,6 +130,8 @@ def _random_workload(checkpoint_dir, seed: int, prefix_caching: bool, async_sche
     stats = engine.stats()
     assert stats["encoder_cache_evictions"] > 0 and stats["encoder_cache_hits"] > 0  # the caches really churned
     assert engine.encoder_cache.num_referenced == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    if tiers:
+        assert stats["encoder_host_hits"] > 0 and stats["encoder_host_evictions"] > 0  # the host tier served and churned
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -142,3 +147,9 @@ def test_random_workload_with_async_scheduling(checkpoint_dir, seed):
 
 def test_random_workload_without_prefix_caching(checkpoint_dir):
     _random_workload(checkpoint_dir, 3, prefix_caching=False)
+
+
+@pytest.mark.parametrize("seed,async_scheduling", [(6, "off"), (7, "on")])
+def test_random_workload_with_both_host_tiers(checkpoint_dir, seed, async_scheduling):
+    """The same audit with evicted encoder outputs and KV blocks kept in host tiers and copied back."""
+    _random_workload(checkpoint_dir, seed, prefix_caching=True, async_scheduling=async_scheduling, tiers=True)

@@ -23,6 +23,8 @@ COUNTER_STATS = frozenset({
     "num_preemptions", "encoder_runs", "encoder_cache_hits", "encoder_cache_misses", "encoder_cache_evictions",
     "reencodes_after_prefix_hit", "images_decoded", "images_preprocessed", "mm_processor_cache_hits",
     "prefix_cache_queries", "prefix_cache_hits", "kv_blocks_evicted",
+    "encoder_host_hits", "encoder_host_stored", "encoder_host_evictions", "encoder_host_bytes_copied_in",
+    "encoder_host_bytes_copied_out", "kv_host_hits", "kv_host_stored", "kv_host_evictions",
 })
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)

@@ -67,6 +67,12 @@ def create_store(capacity_bytes: int) -> Any:
     return ray.remote(EncoderStore).options(num_cpus=0).remote(capacity_bytes)
 
 
+def named_store(name: str, capacity_bytes: int) -> Any:
+    """The store actor called `name`, made by the first replica that asks (detached: it outlives
+    any one replica; Ray Serve's replicas find it by name)."""
+    return ray.remote(EncoderStore).options(name=name, get_if_exists=True, lifetime="detached", num_cpus=0).remote(capacity_bytes)
+
+
 class EncoderStoreClient:
     """A replica's side: publishes what its engine encodes (from a background thread, so a device
     output's copy to host never holds up a step) and fills its host tier from the store before prompts

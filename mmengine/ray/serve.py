@@ -48,13 +48,19 @@ class EngineReplica:
     """One MMEngine behind the single-engine server's app; requests arrive as forwarded HTTP."""
 
     def __init__(self, model: str, engine_options: dict[str, Any], settings: ServerSettings, replica: int,
-                 max_queued_requests: int | None, num_preprocess_workers: int) -> None:
+                 max_queued_requests: int | None, num_preprocess_workers: int,
+                 encoder_store: tuple[str, int] | None = None) -> None:
+        """`encoder_store`: (the store actor's name, its bytes): the replicas share one, made by whichever asks first."""
         from mmengine.async_engine import AsyncMMEngine
         from mmengine.entrypoints.api_server import build_app as build_server_app
 
         self.replica = replica
         self.async_engine = AsyncMMEngine.from_model(model, max_queued_requests=max_queued_requests,
                                                      num_preprocess_workers=num_preprocess_workers, **engine_options)
+        if encoder_store is not None:
+            from mmengine.ray.encoder_store import EncoderStoreClient, named_store
+
+            self.store_client = EncoderStoreClient(named_store(*encoder_store), self.async_engine.engine)
         self.app = build_server_app(self.async_engine, settings)
 
     async def forward(self, method: str, path: str, query_string: bytes, headers: list[tuple[bytes, bytes]],
@@ -245,6 +251,7 @@ def build_app(
     num_preprocess_workers: int = 2,
     num_gpus_per_replica: float | None = None,
     num_cpus_per_replica: float | None = None,
+    encoder_store_bytes: int = 0,
 ) -> serve.Application:
     """The Serve application: `num_replicas` engine replicas of `model` behind a cache-aware router.
 
@@ -253,12 +260,22 @@ def build_app(
     `num_gpus_per_replica` GPUs (default: 1 when the engine's device is CUDA, or is "auto" and the
     Ray cluster has GPUs; else 0) and `num_cpus_per_replica` CPUs (default: 1 without a GPU, else 0).
     `max_ongoing_requests` is the queue bound past which the router falls back to the least-loaded
-    replica.
+    replica. `encoder_store_bytes` > 0 shares encoder outputs among the replicas through a cluster-wide
+    store (mmengine.ray.encoder_store), for requests the router sends away from the replica that
+    encoded their pictures (fallback, other salts) and for restarted replicas.
     """
     if not isinstance(num_replicas, int) or isinstance(num_replicas, bool) or num_replicas < 1:
         raise ConfigError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
     Router(num_replicas, max_ongoing_requests)  # checks max_ongoing_requests
     engine_options = dict(engine_options or {})
+    store = None
+    if encoder_store_bytes:
+        if engine_options.get("encoder_cache_host_bytes") == 0:
+            raise ConfigError("encoder_store_bytes needs the replicas' encoder host tier: encoder_cache_host_bytes must not be 0")
+        engine_options.setdefault("encoder_cache_host_bytes", encoder_store_bytes)
+        import uuid
+
+        store = (f"mmengine-encoder-store-{uuid.uuid4().hex[:12]}", encoder_store_bytes)
     if settings is None:
         settings = ServerSettings(served_model_name=served_model_name or model)
     num_gpus = _default_num_gpus(engine_options.get("device", "auto")) if num_gpus_per_replica is None else num_gpus_per_replica
@@ -270,7 +287,7 @@ def build_app(
     )
     engines = [
         engine_deployment.options(name=f"{ENGINE_DEPLOYMENT_PREFIX}{replica}").bind(
-            model, engine_options, settings, replica, max_queued_requests, num_preprocess_workers)
+            model, engine_options, settings, replica, max_queued_requests, num_preprocess_workers, store)
         for replica in range(num_replicas)
     ]
     ingress = serve.deployment(OpenAIRouter).options(
