@@ -229,10 +229,11 @@ def test_the_serve_command_with_data_parallel_size_builds_the_ray_app(checkpoint
                         lambda *args, **kwargs: pytest.fail("a data-parallel serve loads no engine in the driver"))
     path = str(checkpoint_dir())
     assert main(["serve", "--model", path, "--data-parallel-size", "3", "--max-ongoing-requests-per-replica", "5",
-                 "--max-model-len", "128", "--served-model-name", "tiny", "--port", "8124"]) == 0
+                 "--max-model-len", "128", "--served-model-name", "tiny", "--port", "8124", "--encoder-store-bytes", "4096"]) == 0
     (model, num_replicas, options), kwargs = calls["build"]
     assert (model, num_replicas, options) == (path, 3, {"max_model_len": 128})
     assert kwargs["max_ongoing_requests"] == 5 and kwargs["settings"].served_model_name == "tiny"
+    assert kwargs["encoder_store_bytes"] == 4096
     assert calls["run"] == ("app", "127.0.0.1", 8124)
     assert main(["serve", "--model", path, "--data-parallel-size", "0"]) == 2
     assert "--data-parallel-size must be >= 1" in capsys.readouterr().err

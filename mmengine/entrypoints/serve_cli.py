@@ -45,6 +45,9 @@ def build_serve_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--max-ongoing-requests-per-replica", type=int, default=32, metavar="N",
                           help="with --data-parallel-size > 1: a replica with N requests in flight is saturated, and "
                           "the router sends requests that prefer it to the least-loaded replica (default: 32)")
+    parallel.add_argument("--encoder-store-bytes", type=int, default=0, metavar="N",
+                          help="with --data-parallel-size > 1: share encoder outputs among the replicas through a "
+                          "cluster-wide store of N bytes (default: 0, off)")
     server.add_argument("--enable-mm-embeds", action="store_true",
                         help="accept image_embeds content parts (base64 of torch.save(tensor)); off by default, as "
                         "they are untrusted tensors")
@@ -140,6 +143,6 @@ def _run_data_parallel(args: argparse.Namespace, settings: Any) -> None:
     app = build_app(
         args.model, args.data_parallel_size, engine_options(args), settings=settings,
         max_ongoing_requests=args.max_ongoing_requests_per_replica, max_queued_requests=args.max_queued_requests,
-        num_preprocess_workers=args.preprocess_workers,
+        num_preprocess_workers=args.preprocess_workers, encoder_store_bytes=args.encoder_store_bytes,
     )
     run_app(app, args.host, args.port)
