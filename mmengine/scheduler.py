@@ -226,12 +226,16 @@ class Scheduler:
                 continue
             # Prompt logprobs need every prompt position computed: such a request reads no cached blocks.
             hits = [] if request.sampling_params.prompt_logprobs is not None else self.kv_cache.get_computed_blocks(request)
-            host_hits = [] if request.sampling_params.prompt_logprobs is not None else self.kv_cache.get_host_hits(request, hits)
+            host_hits = [] if request.sampling_params.prompt_logprobs is not None else self.kv_cache.get_host_hits(
+                request, hits, self._can_pin)
             num_hit_blocks = len(hits) + len(host_hits)  # host hits cost a copy, not a prefill
             # A full hit still recomputes the last token: its logits are needed.
             num_computed = min(num_hit_blocks * self.config.block_size, request.num_tokens - 1)
             num_new = min(request.num_tokens - num_computed, budget)
             num_new, plan = self._plan_encoder(request, num_computed, num_new, encoder_budget, encoding_now)
+            if host_hits and not self._plan_pinned_items(request, host_hits, plan, encoding_now):
+                skipped.append(request)  # the pictures its host blocks pin do not fit the encoder cache now
+                continue
             wait_for_hit = (
                 not starving and num_hit_blocks < len(request.block_hashes) and request.block_hashes[num_hit_blocks] in in_flight
             )
@@ -268,6 +272,28 @@ class Scheduler:
                     break
                 if position < last and request.status != RequestStatus.RUNNING:
                     request.num_admission_skips += sum(1 for p in admitted if p > position)
+
+    def _can_pin(self, mm_hash: str) -> bool:
+        """Whether a host-tier block pinning this picture can come back: its output is resident, or the
+        encoder host tier holds it (it is copied back too), so the block never needs it re-encoded."""
+        return mm_hash in self.encoder_cache or (self.encoder_host_tier is not None and self.encoder_host_tier.holds(mm_hash))
+
+    def _plan_pinned_items(self, request: Request, host_hits: list, plan: EncoderPlan, encoding_now: set[str]) -> bool:
+        """Adds to `plan` the pictures the host hits pin (referenced while the request is admitted, so
+        the blocks' pins find them resident); False when the copies back would not fit the cache."""
+        pinned = {mm_hash for entry in host_hits for mm_hash in entry.pins}
+        planned = {request.mm_items[i].mm_hash for i in plan.reuse + plan.encode + plan.restore}
+        for idx, item in enumerate(request.mm_items):
+            if item.mm_hash not in pinned or item.mm_hash in planned:
+                continue
+            planned.add(item.mm_hash)
+            if item.mm_hash in self.encoder_cache or item.mm_hash in encoding_now:
+                plan.reuse.append(idx)
+            else:
+                plan.restore.append(idx)
+                plan.restore_room += item.length
+        reused = [request.mm_items[j].mm_hash for j in plan.reuse]
+        return self.encoder_cache.can_allocate(plan.cost + plan.restore_room, reused)
 
     def _plan_encoder(
         self, request: Request, start: int, num_new: int, encoder_budget: int, encoding_now: set[str]
@@ -336,7 +362,6 @@ class Scheduler:
         if not self.kv_cache.can_allocate(request, num_new, hits, start):
             raise RuntimeError(f"KV blocks for {request} are no longer free")
 
-        self.kv_cache.allocate(request, num_new, hits, start, host_hits)
         held = self._held.setdefault(request.request_id, set())
         for idx in resident:
             self.encoder_cache.add_reference(items[idx].mm_hash, (request.request_id, idx))
@@ -359,6 +384,8 @@ class Scheduler:
             self.encoder_cache.add_reference(items[idx].mm_hash, (request.request_id, idx))
             self.encoder_cache.num_hits += 1
             held.add(idx)
+        # After the encoder bookings: a host-tier block that pins a picture re-pins its (now resident) entry.
+        self.kv_cache.allocate(request, num_new, hits, start, host_hits)
         return ScheduledRequest(request, start, num_new, list(plan.encode), list(plan.restore))
 
     def _blocks_in_flight(self) -> set[bytes]:

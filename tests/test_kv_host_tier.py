@@ -45,18 +45,43 @@ def test_an_evicted_shared_prefix_comes_back_from_host_memory(checkpoint_dir, as
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
-def test_blocks_that_pin_a_picture_stay_out_of_the_host_tier(checkpoint_dir):
+def _prompt_len(engine: MMEngine, prompt: str, picture) -> int:
+    return len(engine.input_processor.process(prompt, picture, GREEDY).prompt_token_ids)
+
+
+@pytest.mark.parametrize("picture_output", ["resident", "evicted", "in the encoder host tier"])
+def test_blocks_that_pin_a_picture_come_back_only_with_its_output(checkpoint_dir, picture_output):
+    """A picture early in the prompt: the block it ends in pins it. That block (and the chain after it)
+    comes back from the host tier while the picture's output is resident or in the encoder's host tier;
+    when it is gone, the chain stops before that block. Never a re-encode after a prefix hit."""
     path = str(checkpoint_dir())
     picture = [make_test_image(9, size=(64, 48))]
     system = "USER: <image>\n" + SYSTEM
+    options = dict(OPTIONS, encoder_cache_host_bytes=1 << 22 if picture_output == "in the encoder host tier" else 0)
     expected, _ = _evict_then_ask_again(MMEngine(path, kv_cache_host_bytes=0, **OPTIONS), picture, system)
-    engine = MMEngine(path, kv_cache_host_bytes=1 << 22, **OPTIONS)
-    tokens, _ = _evict_then_ask_again(engine, picture, system)
-    assert tokens == expected
+    engine = MMEngine(path, kv_cache_host_bytes=1 << 22, **options)
+    engine.generate(system + " USER: first? ASSISTANT:", images=picture, sampling_params=GREEDY, use_tqdm=False)
+    engine.generate(PRESSURE, sampling_params=GREEDY, use_tqdm=False)  # the system prompt's blocks go to the host tier
+    if picture_output != "resident":
+        engine.encoder_cache.reset()  # the picture's output leaves the device (to the encoder host tier, if any)
+        engine.runner.free_encoder_outputs(engine.encoder_cache.take_freed())
+    runs = engine.stats()["encoder_runs"]
+    (again,) = engine.generate(system + " USER: second? ASSISTANT:", images=picture, sampling_params=GREEDY, use_tqdm=False)
+    assert again.token_ids == expected[1]
     stats = engine.stats()
     assert stats["reencodes_after_prefix_hit"] == 0
-    assert stats["kv_host_hits"] == 0  # the chain starts at the picture's pinning block, which was not kept
+    item = engine.input_processor.process(system, picture, GREEDY).mm_items[0]
+    pinning_block = item.offset // 16  # the first block that ends inside the picture (or at its end) pins it
+    full_blocks = _prompt_len(engine, system + " USER: second? ASSISTANT:", picture) // 16
+    if picture_output == "evicted":
+        assert stats["kv_host_hits"] == pinning_block and stats["encoder_runs"] == runs + 1  # stops before it; encoded anew
+    else:
+        assert stats["kv_host_hits"] >= (item.end + 15) // 16 + 5 and stats["kv_host_hits"] <= full_blocks
+        assert stats["encoder_runs"] == runs  # the picture is not encoded again
+        if picture_output == "in the encoder host tier":
+            assert stats["encoder_host_hits"] == 1
     assert_books_consistent(engine)
+    assert stats["encoder_cache_referenced"] == 0
 
 
 def test_a_copy_that_fails_falls_back_to_recomputing(checkpoint_dir):

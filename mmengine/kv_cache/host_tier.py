@@ -3,9 +3,10 @@ memory, with their verified hash, token key and parent hash, LRU by bytes. A req
 continues past its device hits into the host tier gets those blocks back by a copy into fresh device
 blocks, queued in the step that reads them: admission counts them as computed (a copy, not a prefill).
 
-Blocks that pin an encoder output (an image ends inside them) are not kept: a block here never needs
-its image again, so the invariant "a cached KV block never needs its image re-encoded" holds for both
-tiers. The manager keeps the books (what to copy where); the runner moves the tensors.
+A block that pins an encoder output (a picture ends inside it) keeps its pins here and comes back only
+while that output is resident or in the encoder's host tier (the scheduler books it back with the
+block), so the invariant "a cached KV block never needs its image re-encoded" holds across both tiers.
+The manager keeps the books (what to copy where); the runner moves the tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class HostBlock:
     block_hash: BlockHash
     key: BlockKey
     parent_hash: BlockHash | None
+    pins: tuple[str, ...] = ()  # pictures this block ends inside: restorable only while their outputs can be had
     kv: torch.Tensor | None = None  # [layers, 2, block_size, kv_heads, head_dim], set once the copy is queued
 
 
@@ -58,7 +60,8 @@ class KVHostTier:
             return None
         return entry
 
-    def admit(self, block_hash: BlockHash, key: BlockKey, parent_hash: BlockHash | None) -> HostBlock | None:
+    def admit(self, block_hash: BlockHash, key: BlockKey, parent_hash: BlockHash | None,
+              pins: tuple[str, ...] = ()) -> HostBlock | None:
         """Room for a block the device evicts (LRU out); None when the tier has no room at all or holds it."""
         if self.capacity_blocks <= 0 or block_hash in self._entries:
             if block_hash in self._entries:
@@ -67,7 +70,7 @@ class KVHostTier:
         while len(self._entries) >= self.capacity_blocks:
             self._entries.popitem(last=False)
             self.num_evictions += 1
-        entry = HostBlock(block_hash, key, parent_hash)
+        entry = HostBlock(block_hash, key, parent_hash, tuple(pins))
         self._entries[block_hash] = entry
         self.num_stored += 1
         return entry

@@ -5,7 +5,7 @@ Paired methods: `can_allocate` answers without changing anything, `allocate` the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from mmengine.kv_cache.block_hash import BlockHash, BlockHasher, HashFunction, block_key
@@ -86,8 +86,11 @@ class KVCacheManager:
             parent = block.cache_id
         return hits
 
-    def get_host_hits(self, request: Request, device_hits: list[KVBlock]) -> list[HostBlock]:
-        """Full blocks past the device hits that the host tier holds (verified), in order."""
+    def get_host_hits(
+        self, request: Request, device_hits: list[KVBlock], can_pin: Callable[[str], bool] = lambda mm_hash: False
+    ) -> list[HostBlock]:
+        """Full blocks past the device hits that the host tier holds (verified), in order; a block that
+        pins a picture only while `can_pin` says its output can be had."""
         if self.host_tier is None:
             return []
         found: list[HostBlock] = []
@@ -97,7 +100,7 @@ class KVCacheManager:
                 break
             parent = request.block_hashes[index - 1] if index else None
             entry = self.host_tier.lookup(block_hash, block_key(request, index, self.block_size), parent)
-            if entry is None:
+            if entry is None or not all(can_pin(mm_hash) for mm_hash in entry.pins):
                 break
             found.append(entry)
         return found
@@ -183,8 +186,12 @@ class KVCacheManager:
             assert len(blocks) == len(computed_blocks), "host hits follow the device hits at admission"
             for entry, block in zip(host_hits, self.pool.take(len(host_hits))):
                 parent = blocks[-1].cache_id if blocks else None
-                cached = self.pool.cache(block, entry.block_hash, entry.key, parent, (), parent_hash=entry.parent_hash)
+                cached = self.pool.cache(block, entry.block_hash, entry.key, parent, entry.pins, parent_hash=entry.parent_hash)
                 assert cached, entry
+                for mm_hash in entry.pins:  # the scheduler made their outputs resident first
+                    self._pinning.setdefault(mm_hash, set()).add(block)
+                    if self.pin_listener is not None:
+                        self.pin_listener.pin(mm_hash)
                 self.host_tier.touch(entry)
                 self._restores.append(KVCopy(entry, block.block_id, restore=True))
                 blocks.append(block)
@@ -235,10 +242,8 @@ class KVCacheManager:
         return tuple(item.mm_hash for item in request.mm_items if item.offset < end <= item.end)
 
     def _on_evict(self, block: KVBlock) -> None:
-        """An allocation takes a cached block: its KV goes to the host tier, unless it pins an item."""
-        if block.pins:
-            return
-        entry = self.host_tier.admit(block.block_hash, block.key, block.parent_hash)
+        """An allocation takes a cached block: its KV goes to the host tier (with the pictures it pins)."""
+        entry = self.host_tier.admit(block.block_hash, block.key, block.parent_hash, block.pins)
         if entry is not None:
             self._offloads.append(KVCopy(entry, block.block_id))
 
