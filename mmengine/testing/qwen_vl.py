@@ -323,6 +323,9 @@ def _build_config(
         vision_start_token_id=ids[VISION_START],
         vision_end_token_id=ids[VISION_END],
     )
+    # Qwen2.5-VL and Qwen3-VL: the ViT's widths and the merger's output (the decoder width)
+    widths = dict(hidden_size=spec.vision_hidden_size, intermediate_size=spec.vision_intermediate_size,
+                  out_hidden_size=spec.hidden_size)
     if spec.family == "qwen2_vl":
         # Qwen2-VL names the ViT width embed_dim and the merger's output (the decoder width) hidden_size.
         vision_config = dict(
@@ -342,25 +345,21 @@ def _build_config(
         # as the published checkpoints: interleaved M-RoPE sections (transformers always interleaves them)
         text_config["rope_parameters"] = {**text_config["rope_parameters"], "mrope_interleaved": True}
         vision_config = dict(
-            hidden_size=spec.vision_hidden_size,
-            intermediate_size=spec.vision_intermediate_size,
-            out_hidden_size=spec.hidden_size,
             hidden_act="gelu_pytorch_tanh",
             num_position_embeddings=spec.num_position_embeddings,
             deepstack_visual_indexes=list(spec.deepstack_visual_indexes),
             **common_vision,
+            **widths,
         )
         config_class = Qwen3VLConfig
     else:
         vision_config = dict(
-            hidden_size=spec.vision_hidden_size,
-            intermediate_size=spec.vision_intermediate_size,
-            out_hidden_size=spec.hidden_size,
             hidden_act="silu",
             window_size=spec.window_size,
             fullatt_block_indexes=list(spec.full_attention_blocks),
             tokens_per_second=2,
             **common_vision,
+            **widths,
         )
         config_class = Qwen2_5_VLConfig
     return config_class(
