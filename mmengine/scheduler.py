@@ -228,14 +228,15 @@ class Scheduler:
             hits = [] if request.sampling_params.prompt_logprobs is not None else self.kv_cache.get_computed_blocks(request)
             host_hits = [] if request.sampling_params.prompt_logprobs is not None else self.kv_cache.get_host_hits(
                 request, hits, self._can_pin)
-            num_hit_blocks = len(hits) + len(host_hits)  # host hits cost a copy, not a prefill
-            # A full hit still recomputes the last token: its logits are needed.
-            num_computed = min(num_hit_blocks * self.config.block_size, request.num_tokens - 1)
-            num_new = min(request.num_tokens - num_computed, budget)
-            num_new, plan = self._plan_encoder(request, num_computed, num_new, encoder_budget, encoding_now)
-            if host_hits and not self._plan_pinned_items(request, host_hits, plan, encoding_now):
-                skipped.append(request)  # the pictures its host blocks pin do not fit the encoder cache now
-                continue
+            while True:
+                num_hit_blocks = len(hits) + len(host_hits)  # host hits cost a copy, not a prefill
+                # A full hit still recomputes the last token: its logits are needed.
+                num_computed = min(num_hit_blocks * self.config.block_size, request.num_tokens - 1)
+                num_new = min(request.num_tokens - num_computed, budget)
+                num_new, plan = self._plan_encoder(request, num_computed, num_new, encoder_budget, encoding_now)
+                if not host_hits or self._plan_pinned_items(request, host_hits, plan, encoding_now):
+                    break
+                host_hits = []  # the pictures its host blocks pin do not fit the encoder cache now: compute them
             wait_for_hit = (
                 not starving and num_hit_blocks < len(request.block_hashes) and request.block_hashes[num_hit_blocks] in in_flight
             )
