@@ -38,7 +38,7 @@ def _corpus(limit_bytes: int = 30_000_000):
             return
 
 
-def build_tokenizer(vocab: int):
+def build_tokenizer(vocab: int, corpus_bytes: int = 30_000_000):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -49,7 +49,7 @@ def build_tokenizer(vocab: int):
     # otherwise merge into tokens of hundreds of bytes.
     trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["</s>"], show_progress=False, max_token_length=16,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(_corpus(corpus_bytes), trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>")
 
 
@@ -135,11 +135,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--steps", type=int, default=48, help="random-walk steps per schema")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--corpus-bytes", type=int, default=30_000_000, help="text the BPE is trained on")
     parser.add_argument("--output", default="benchmarks/results/grammar_engines.json")
     args = parser.parse_args(argv)
 
     start = time.perf_counter()
-    tokenizer = build_tokenizer(args.vocab)
+    tokenizer = build_tokenizer(args.vocab, args.corpus_bytes)
     print(f"tokenizer: {len(tokenizer)} tokens, trained in {time.perf_counter() - start:.1f} s")
     result = {"vocab": len(tokenizer), "schemas": len(SCHEMAS), "engines": {}}
     for name, bench in (("llguidance", bench_llguidance), ("xgrammar", bench_xgrammar)):

@@ -224,3 +224,11 @@ def test_tiered_cache_benchmark_encodes_each_picture_once_with_the_host_tier(che
     assert both["encoder_runs"] == pictures and both["kv_host_hits"] > 0
     assert both["prefill_tokens_computed"] < off["prefill_tokens_computed"]  # the documents' blocks came back
     assert result["per_picture"]["embedding_bytes"] > 0 and result["per_picture"]["encode_ms"] > 0
+
+
+def test_grammar_engines_benchmark_times_llguidance_on_every_schema(tmp_path):
+    module = load_benchmark("grammar_engines")
+    result = module.main(["--vocab", "2000", "--steps", "4", "--corpus-bytes", "2000000", "--output", str(tmp_path / "g.json")])
+    numbers = result["engines"]["llguidance"]
+    assert result["schemas"] == 20 and result["vocab"] == 2000
+    assert numbers["compile_ms"]["median"] > 0 and numbers["mask_us"]["steps"] >= 20  # at least one mask per schema
