@@ -17,7 +17,6 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig, PretrainedConfig
 
 from mmengine.api_inputs import (
-    check_image_list,
     check_request_id,
     check_salt,
     check_sampling_params,

@@ -9,7 +9,7 @@ import pytest
 import torch
 from serve_helpers import MODEL_NAME, running_server
 
-from conftest import CPU_FP32, _hf_inputs, _hf_model
+from conftest import CPU_FP32, _hf_model
 from mmengine import MMEngine
 from mmengine.async_engine import AsyncMMEngine
 from mmengine.entrypoints.api_server import ServerSettings

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
 import numpy as np
-import torch
 from torch import nn
 from transformers import PretrainedConfig
 
