@@ -42,7 +42,10 @@ from mmengine.testing import make_test_image
 MODEL_NAME = "soak"
 IMAGE_LIMIT = 2  # the server's limit_mm_per_prompt in this soak
 # What each client does per request, with weights.
-GOOD = {"stream": 4, "plain": 3, "disconnect": 1}
+GOOD = {"stream": 4, "plain": 3, "disconnect": 1, "structured": 2}
+# "structured": n=2 answers under a small JSON schema, with logprobs and a presence penalty
+SCHEMA = {"type": "object", "properties": {"count": {"type": "integer", "minimum": 0, "maximum": 9},
+                                           "ok": {"type": "boolean"}}, "required": ["count", "ok"], "additionalProperties": False}
 BAD = ("corrupt_image", "too_many_images", "unsupported_field", "too_long", "malformed_json", "no_messages", "bad_url")
 BAD_SHARE = 0.15
 QUESTIONS = ["What is shown?", "Describe the colours.", "Count the shapes.", "Give it a title.", "What stands out?"]
@@ -128,10 +131,10 @@ async def one_request(client: httpx.AsyncClient, kind: str, body: dict | str, ta
             else:
                 tally.unexpected.append(f"{kind}: HTTP {response.status_code} {response.text[:200]!r}")
             return
-        if kind == "plain":
+        if kind in ("plain", "structured"):
             response = await client.post("/v1/chat/completions", json=body, timeout=timeout_s)
             tally.answers[f"{kind} {response.status_code}"] += 1
-            if response.status_code == 200 and response.json()["choices"][0]["message"]["content"] is not None:
+            if response.status_code == 200 and _answered(kind, response.json()):
                 tally.served[kind] += 1
                 tally.latency_s.append(time.perf_counter() - start)
             else:
@@ -141,6 +144,22 @@ async def one_request(client: httpx.AsyncClient, kind: str, body: dict | str, ta
     except (httpx.TransportError, asyncio.TimeoutError) as exc:
         tally.answers[f"{kind} {type(exc).__name__}"] += 1
         tally.unexpected.append(f"{kind}: {type(exc).__name__}: {exc}")
+
+
+def _answered(kind: str, answer: dict) -> bool:
+    """A plain answer has content; a structured one has two choices, each with logprobs, and each one
+    that stopped is JSON of its schema."""
+    choices = answer["choices"]
+    if kind == "plain":
+        return choices[0]["message"]["content"] is not None
+    if len(choices) != 2 or any(not c["logprobs"] or not c["logprobs"]["content"] for c in choices):
+        return False
+    for choice in choices:
+        if choice["finish_reason"] == "stop":
+            value = json.loads(choice["message"]["content"])
+            if set(value) != {"count", "ok"} or not 0 <= value["count"] <= 9 or not isinstance(value["ok"], bool):
+                return False
+    return True
 
 
 async def _stream(client: httpx.AsyncClient, kind: str, body: dict, tally: Tally, start: float, timeout_s: float) -> None:
@@ -183,6 +202,9 @@ async def run_clients(base: str, args: argparse.Namespace, tally: Tally, deadlin
             else:
                 kind = rng.choices(kinds, weights)[0]
                 body = workload.good(rng.randint(1, args.max_tokens))
+                if kind == "structured":
+                    body |= {"response_format": {"type": "json_schema", "json_schema": {"name": "count", "schema": SCHEMA}},
+                             "n": 2, "logprobs": True, "top_logprobs": 2, "presence_penalty": 0.5, "max_tokens": 32}
             await one_request(client, kind, body, tally, args.request_timeout)
 
     limits = httpx.Limits(max_connections=args.clients + 4)

@@ -18,6 +18,7 @@ def test_a_short_soak_serves_every_kind_and_returns_to_idle(checkpoint_dir, tmp_
     assert result["server_alive"] and all(result["back_to_idle"].values()), result["books_after"]
     served = result["served_by_kind"]
     assert served.get("stream", 0) > 0 and served.get("plain", 0) > 0 and served.get("disconnect", 0) > 0
+    assert served.get("structured", 0) > 0  # n=2 schema-bound answers with logprobs and a penalty
     bad = {kind: status for kind_status in result["answers_by_kind_and_status"]
            for kind, status in [kind_status.split()] if kind in soak.BAD}
     assert bad and all(status.startswith("4") for status in bad.values())
