@@ -96,8 +96,10 @@ def test_reference_mrope_equals_transformers(dtype):
     assert torch.equal(ours_q, hf_q) and torch.equal(ours_k, hf_k)
 
 
+@pytest.mark.parametrize("interleaved", [False, True], ids=["sections", "interleaved"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_kernel_mrope_rotates_and_stores_like_the_reference(dtype):
+def test_fused_kernel_mrope_rotates_and_stores_like_the_reference(dtype, interleaved):
+    """Both layouts: Qwen2-VL's contiguous sections and Qwen3-VL's interleaved ones (same table)."""
     gen = torch.Generator().manual_seed(1)
     num_tokens = len(POSITIONS)
     q = torch.randn(num_tokens, 4, HEAD_DIM, generator=gen).to(KERNEL_DEVICE, dtype)
@@ -109,10 +111,10 @@ def test_fused_kernel_mrope_rotates_and_stores_like_the_reference(dtype):
     finally:
         torch.set_default_dtype(torch.float32)
     positions = POSITIONS.to(KERNEL_DEVICE)
-    ref_q, ref_k = rotary_reference(q.clone(), k.clone(), positions, table, tuple(SECTION))
+    ref_q, ref_k = rotary_reference(q.clone(), k.clone(), positions, table, tuple(SECTION), mrope_interleaved=interleaved)
     cache = torch.zeros(2, 2, 4, 2, HEAD_DIM, device=KERNEL_DEVICE, dtype=dtype)
     slots = torch.tensor([0, 1, -1, 5, 6, 7], device=KERNEL_DEVICE)
-    rotary_store_kv(q, k, v, positions, table, cache, slots, tuple(SECTION))
+    rotary_store_kv(q, k, v, positions, table, cache, slots, tuple(SECTION), mrope_interleaved=interleaved)
     tol = dict(atol=0, rtol=0) if not CUDA else dict(atol=1e-3, rtol=1e-3)
     torch.testing.assert_close(q, ref_q, **tol)
     torch.testing.assert_close(k, ref_k, **tol)
@@ -168,21 +170,3 @@ def test_interleaved_reference_equals_transformers_qwen3_vl(dtype):
     assert torch.equal(ours_q, hf_q[0].transpose(0, 1)) and torch.equal(ours_k, hf_k[0].transpose(0, 1))
     sectioned = rotary_reference(q, k, POSITIONS, _qwen3_table(dtype), tuple(SECTION))
     assert not torch.equal(sectioned[0], ours_q)  # the layouts differ on these positions
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_fused_kernel_interleaved_mrope_equals_the_reference(dtype):
-    gen = torch.Generator().manual_seed(4)
-    num_tokens = len(POSITIONS)
-    q = torch.randn(num_tokens, 4, HEAD_DIM, generator=gen).to(KERNEL_DEVICE, dtype)
-    k = torch.randn(num_tokens, 2, HEAD_DIM, generator=gen).to(KERNEL_DEVICE, dtype)
-    v = torch.randn(num_tokens, 2, HEAD_DIM, generator=gen).to(KERNEL_DEVICE, dtype)
-    table, positions = _qwen3_table(dtype).to(KERNEL_DEVICE), POSITIONS.to(KERNEL_DEVICE)
-    ref_q, ref_k = rotary_reference(q.clone(), k.clone(), positions, table, tuple(SECTION), mrope_interleaved=True)
-    cache = torch.zeros(2, 2, 4, 2, HEAD_DIM, device=KERNEL_DEVICE, dtype=dtype)
-    slots = torch.tensor([0, 1, -1, 5, 6, 7], device=KERNEL_DEVICE)
-    rotary_store_kv(q, k, v, positions, table, cache, slots, tuple(SECTION), mrope_interleaved=True)
-    tol = dict(atol=0, rtol=0) if not CUDA else dict(atol=1e-3, rtol=1e-3)
-    torch.testing.assert_close(q, ref_q, **tol)
-    torch.testing.assert_close(k, ref_k, **tol)
-    torch.testing.assert_close(cache[0].view(-1, 2, HEAD_DIM)[5], ref_k[3], **tol)

@@ -139,6 +139,8 @@ class BatchRunner:
         else:
             dataset = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
         dataset = dataset.materialize()
+        if self.encoder_store is not None:  # what this run encoded is in the store before the next run asks
+            ray.get([r.flush_encoder_store.remote() for i, r in enumerate(self.replicas) if self.alive[i]])
         return BatchResult(dataset, self.stats(), Placement(tuple(tuple(r) for r in placed)), retried)
 
     def _place(self, rows: list[dict[str, Any]], affinity: str | None) -> Placement:

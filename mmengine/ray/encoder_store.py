@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -95,10 +96,24 @@ class EncoderStoreClient:
             mm_hash, output = self._outbox.get()
             try:
                 host = output.detach().to("cpu")
-                self.store.publish.remote(mm_hash, [ray.put(host)], host.numel() * host.element_size())
+                ray.get(self.store.publish.remote(mm_hash, [ray.put(host)], host.numel() * host.element_size()),
+                        timeout=FETCH_TIMEOUT_S)
                 self.counts["encoder_store_published"] += 1
             except Exception:  # noqa: BLE001 - a lost publication only costs another replica an encode
                 logger.warning("could not publish encoder output %s", mm_hash, exc_info=True)
+            finally:
+                self._outbox.task_done()
+
+    def flush(self, timeout_s: float = 60.0) -> bool:
+        """Waits until every output encoded so far is in the store (or failed to get there); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._outbox.all_tasks_done:
+            while self._outbox.unfinished_tasks:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._outbox.all_tasks_done.wait(remaining)
+        return True
 
     def prefetch(self, prompts: list[Any]) -> None:
         """Fetches the prompts' items that neither this engine's caches nor its host tier hold, when the

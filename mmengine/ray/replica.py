@@ -108,6 +108,10 @@ class EngineReplica:
             for out in outputs
         ]
 
+    def flush_encoder_store(self) -> bool:
+        """Waits until this replica's encoder outputs so far are in the cluster store (True without one)."""
+        return self.store_client.flush() if self.store_client is not None else True
+
     def stats(self) -> dict[str, int]:
         counts = dict(self.store_client.counts) if self.store_client is not None else {}
         return {**self.engine.stats(), **counts}

@@ -63,6 +63,11 @@ class EngineReplica:
             self.store_client = EncoderStoreClient(named_store(*encoder_store), self.async_engine.engine)
         self.app = build_server_app(self.async_engine, settings)
 
+    def flush_encoder_store(self) -> bool:
+        """Waits until this replica's encoder outputs so far are in the cluster store (True without one)."""
+        client = getattr(self, "store_client", None)
+        return client.flush() if client is not None else True
+
     async def forward(self, method: str, path: str, query_string: bytes, headers: list[tuple[bytes, bytes]],
                       body: bytes) -> AsyncIterator[AsgiMessage]:
         """Runs one HTTP request through the app; yields its ASGI send messages (start, body chunks).
