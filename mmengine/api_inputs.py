@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from mmengine.errors import EmptyPromptError, InvalidInputError
@@ -94,6 +94,7 @@ class PromptInput:
     text: str | None
     token_ids: list[int] | None
     images: list[Any]
+    videos: list[Any] = field(default_factory=list)
 
 
 _PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
@@ -104,11 +105,25 @@ def is_single_prompt(prompts: object) -> bool:
     return isinstance(prompts, (str, dict))
 
 
-def normalize_prompt(prompt: object, images: object, prompt_index: int | None = None) -> PromptInput:
+def check_video_list(videos: object, prompt_index: int | None = None) -> list[Any]:
+    """None or a list/tuple of videos; a bare video (a path, bytes, a Video or a frame array) is refused."""
+    if videos is None:
+        return []
+    if _is_list(videos):
+        return list(videos)
+    raise InvalidInputError(
+        f"videos must be a list with one video per video marker, got a bare {type_name(videos)}: pass [video] instead",
+        prompt_index,
+    )
+
+
+def normalize_prompt(prompt: object, images: object, prompt_index: int | None = None, videos: object = None) -> PromptInput:
     """A str, or a dict as vLLM's LLM.generate takes it: {"prompt": str} or {"prompt_token_ids": [int]},
-    with an optional {"multi_modal_data": {"image": picture or [pictures]}} (then `images` must be None)."""
+    with an optional {"multi_modal_data": {"image": picture or [pictures], "video": video or [videos]}}
+    (then `images` / `videos` must be None)."""
+    clips = check_video_list(videos, prompt_index)
     if not isinstance(prompt, dict):
-        return PromptInput(check_prompt_text(prompt, prompt_index), None, check_image_list(images, prompt_index))
+        return PromptInput(check_prompt_text(prompt, prompt_index), None, check_image_list(images, prompt_index), clips)
     unknown = sorted(set(prompt) - set(_PROMPT_DICT_KEYS))
     if unknown:
         raise InvalidInputError(f"unknown prompt dict key(s) {unknown}; known: {list(_PROMPT_DICT_KEYS)}", prompt_index)
@@ -117,16 +132,31 @@ def normalize_prompt(prompt: object, images: object, prompt_index: int | None = 
     pictures = check_image_list(images, prompt_index)
     data = prompt.get("multi_modal_data")
     if data is not None:
-        if pictures:
+        if not isinstance(data, dict) or set(data) - {"image", "video"}:
+            kinds = sorted(set(data) - {"image", "video"}) if isinstance(data, dict) else type_name(data)
+            raise InvalidInputError(
+                f"multi_modal_data must be {{'image': picture or [pictures], 'video': video or [videos]}}; not supported: {kinds}",
+                prompt_index,
+            )
+        if pictures and "image" in data:
             raise InvalidInputError("pictures given twice: in multi_modal_data and in images=", prompt_index)
-        if not isinstance(data, dict) or set(data) - {"image"}:
-            kinds = sorted(set(data) - {"image"}) if isinstance(data, dict) else type_name(data)
-            raise InvalidInputError(f"multi_modal_data must be {{'image': picture or [pictures]}}; not supported: {kinds}", prompt_index)
-        value = data.get("image")
-        pictures = [] if value is None else list(value) if _is_list(value) else [value]
+        if clips and "video" in data:
+            raise InvalidInputError("videos given twice: in multi_modal_data and in videos=", prompt_index)
+        if "image" in data:
+            value = data["image"]
+            pictures = [] if value is None else list(value) if _is_list(value) else [value]
+        if "video" in data:
+            value = data["video"]
+            # one video is a path, bytes, a Video, a frame array or a list of PIL frames
+            clips = [] if value is None else list(value) if _is_video_list(value) else [value]
     if "prompt" in prompt:
-        return PromptInput(check_prompt_text(prompt["prompt"], prompt_index), None, pictures)
-    return PromptInput(None, check_token_ids(prompt["prompt_token_ids"], prompt_index), pictures)
+        return PromptInput(check_prompt_text(prompt["prompt"], prompt_index), None, pictures, clips)
+    return PromptInput(None, check_token_ids(prompt["prompt_token_ids"], prompt_index), pictures, clips)
+
+
+def _is_video_list(value: object) -> bool:
+    """A list of videos (not one video given as a list of PIL frames)."""
+    return _is_list(value) and not (value and all(type(frame).__module__.startswith("PIL.") for frame in value))
 
 
 def check_token_ids(token_ids: object, prompt_index: int | None = None) -> list[int]:
@@ -143,14 +173,19 @@ def check_token_ids(token_ids: object, prompt_index: int | None = None) -> list[
 
 
 def normalize_batch(
-    prompts: object, images: object, sampling_params: object
+    prompts: object, images: object, sampling_params: object, videos: object = None
 ) -> tuple[list[PromptInput], list[SamplingParams]]:
-    """One prompt (a str or a prompt dict) or a batch (a list of them), with images and sampling params to match."""
+    """One prompt (a str or a prompt dict) or a batch (a list of them), with images, videos and sampling
+    params to match."""
     if is_single_prompt(prompts):
-        inputs = [normalize_prompt(prompts, images, 0)]
+        inputs = [normalize_prompt(prompts, images, 0, videos)]
     elif _is_list(prompts):
         image_lists = _batch_images(images, len(prompts))
-        inputs = [normalize_prompt(p, imgs or None, i) for i, (p, imgs) in enumerate(zip(prompts, image_lists))]
+        video_lists = _batch_images(videos, len(prompts), "videos")
+        inputs = [
+            normalize_prompt(p, imgs or None, i, clips or None)
+            for i, (p, imgs, clips) in enumerate(zip(prompts, image_lists, video_lists))
+        ]
     else:
         raise InvalidInputError(f"prompts must be a str, a prompt dict, or a list of them, got {type_name(prompts)}")
     prompt_list = inputs
@@ -168,16 +203,17 @@ def normalize_batch(
     return inputs, params_list
 
 
-def _batch_images(images: object, num_prompts: int) -> list[list[Any]]:
+def _batch_images(images: object, num_prompts: int, name: str = "images") -> list[list[Any]]:
     if images is None:
         return [[] for _ in range(num_prompts)]
     if not _is_list(images):
-        raise InvalidInputError(f"images must hold one list (or None) per prompt, got {type_name(images)}")
+        raise InvalidInputError(f"{name} must hold one list (or None) per prompt, got {type_name(images)}")
     if len(images) != num_prompts:
         raise InvalidInputError(
-            f"images must hold one list per prompt: got {len(images)} lists for {num_prompts} prompts"
+            f"{name} must hold one list per prompt: got {len(images)} lists for {num_prompts} prompts"
         )
-    return [check_image_list(imgs, i) for i, imgs in enumerate(images)]
+    check = check_image_list if name == "images" else check_video_list
+    return [check(imgs, i) for i, imgs in enumerate(images)]
 
 
 def normalize_salts(cache_salt: object, num_prompts: int) -> list[str | None]:
@@ -241,8 +277,9 @@ def _check_conversation(conversation: object, index: int) -> None:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
                 check_prompt_text(part["text"], index)
-            elif kind != "image":
+            elif kind not in ("image", "video"):
                 raise InvalidInputError(
-                    f"{where}: each content part must be {{'type': 'text', 'text': str}} or {{'type': 'image'}}, got {part!r:.80}",
+                    f"{where}: each content part must be {{'type': 'text', 'text': str}}, {{'type': 'image'}} or "
+                    f"{{'type': 'video'}}, got {part!r:.80}",
                     index,
                 )

@@ -117,7 +117,7 @@ def run_budget(args: argparse.Namespace) -> None:
     config = EngineConfig(model=args.model, device=args.device, **{k: v for k, v in explicit.items() if v is not None})
     hf_config = load_hf_config(Path(args.model))
     family_class_for(hf_config)  # an unsupported architecture fails before the processor loads
-    family = load_family(hf_config, load_hf_processor(Path(args.model), config.mm_processor_kwargs))
+    family = load_family(hf_config, load_hf_processor(Path(args.model), config.mm_processor_kwargs), args.model)
 
     def pick(name: str, value: object) -> tuple[object, str]:
         return (value, f"--{name.replace('_', '-')}") if value is not None else (getattr(defaults, name), "default")

@@ -76,8 +76,11 @@ class EngineConfig:
     # Host memory for prefix-cached KV blocks evicted from the device (kv_cache/host_tier.py): a later
     # hit copies them back instead of prefilling again. None and 0 as for encoder_cache_host_bytes.
     kv_cache_host_bytes: int | None = None
-    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8})
-    max_image_pixels: int = 64 * 1024 * 1024
+    # Items per prompt by modality; a modality left out allows none ("video": families that take videos)
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 1})
+    max_image_pixels: int = 64 * 1024 * 1024  # also bounds each decoded video frame
+    # Longer videos are refused before decoding (multimodal/video.py)
+    max_video_seconds: float = 3600.0
     # Preprocessed pixels kept (host memory) after their requests finish, so a repeated image is
     # neither decoded nor resized again; 0 keeps only what live requests hold.
     mm_processor_cache_bytes: int = 1 << 30
@@ -155,8 +158,12 @@ class EngineConfig:
         _require(self.async_scheduling in ("auto", "on", "off"), "async_scheduling", self.async_scheduling, "'auto', 'on' or 'off'")
         _require(isinstance(self.limit_mm_per_prompt, dict), "limit_mm_per_prompt", self.limit_mm_per_prompt, "a dict")
         for modality, limit in self.limit_mm_per_prompt.items():
-            _require(modality == "image", "limit_mm_per_prompt", modality, "keys among {'image'}")
+            _require(modality in ("image", "video"), "limit_mm_per_prompt", modality, "keys among {'image', 'video'}")
             _require(isinstance(limit, int) and limit >= 0, f"limit_mm_per_prompt[{modality!r}]", limit, "an int >= 0")
+        _require(
+            isinstance(self.max_video_seconds, (int, float)) and not isinstance(self.max_video_seconds, bool)
+            and self.max_video_seconds > 0, "max_video_seconds", self.max_video_seconds, "a positive number"
+        )
         _require(isinstance(self.enable_lora, bool), "enable_lora", self.enable_lora, "a bool")
         for name in ("max_loras", "max_lora_rank"):
             _positive_int(name, getattr(self, name))

@@ -84,7 +84,7 @@ class MMEngine:
         self.hf_config = load_hf_config(model_dir)
         family_class_for(self.hf_config)  # fail fast on unsupported architectures
         hf_processor = load_hf_processor(model_dir, self.config.mm_processor_kwargs)
-        self.family: ModelFamily = load_family(self.hf_config, hf_processor)
+        self.family: ModelFamily = load_family(self.hf_config, hf_processor, model_dir)
         self.max_model_len = _resolve_max_model_len(self.config, self.family)
         self.device = self.config.resolve_device()
         self.dtype = self.config.resolve_dtype(checkpoint_dtype(model_dir), self.device)
@@ -98,6 +98,7 @@ class MMEngine:
             self.config.mm_processor_cache_bytes,
             self.config.prefix_caching_hash_algo,
             hf_processor=hf_processor,
+            max_video_seconds=self.config.max_video_seconds,
         )
         self.tokenizer = self.input_processor.tokenizer
         self.runner = ModelRunner(self.config, self.family, model_dir, self.device, self.dtype, self.max_model_len)
@@ -192,6 +193,7 @@ class MMEngine:
         cache_salt: str | None = None,
         mm_uuids: Sequence[str | None] | None = None,
         lora: LoRARequest | str | None = None,
+        videos: Sequence[Any] | None = None,
     ) -> str:
         """Validates and queues one request; returns its id. Bad input raises before anything is queued.
 
@@ -206,9 +208,9 @@ class MMEngine:
         self._check_sampling(params)
         uuids = normalize_uuids(mm_uuids, single=True, num_prompts=1)[0]
         self._lora_key(lora)  # an unknown or broken adapter fails before preprocessing
-        given = normalize_prompt(prompt, images)
+        given = normalize_prompt(prompt, images, videos=videos)
         processed = self.input_processor.process(  # outside the lock
-            given.text, given.images, params, mm_uuids=uuids, token_ids=given.token_ids
+            given.text, given.images, params, mm_uuids=uuids, token_ids=given.token_ids, videos=given.videos
         )
         return self.add_processed_request(processed, params, request_id, cache_salt, lora)
 
@@ -397,6 +399,7 @@ class MMEngine:
         cache_salt: str | Sequence[str | None] | None = None,
         mm_uuids: Sequence[str | None] | Sequence[Sequence[str | None] | None] | None = None,
         lora: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
+        videos: Sequence[Any] | Sequence[Sequence[Any] | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for one prompt or a batch; returns one output per prompt, in input order.
 
@@ -407,9 +410,12 @@ class MMEngine:
         For one prompt, `images` is that prompt's list of images; for a batch, one list (or None) per prompt.
         `cache_salt` is one salt for all prompts or one per prompt; `mm_uuids` follows the shape of
         `images`; `lora` is one adapter (or None, the base model) for all prompts or one per prompt.
+        `videos` follows the shape of `images`, one per video marker (`<|video_pad|>` for Qwen): a path,
+        encoded bytes, frames (a list of PIL images or a uint8 array [frames, H, W, 3]), or a
+        multimodal.video.Video with its sampling (fps or num_frames) and size bounds.
         Every prompt is validated before any is queued, so bad input queues nothing.
         """
-        inputs, params_list = normalize_batch(prompts, images, sampling_params)
+        inputs, params_list = normalize_batch(prompts, images, sampling_params, videos)
         salts = normalize_salts(cache_salt, len(inputs))
         uuid_lists = normalize_uuids(mm_uuids, is_single_prompt(prompts), len(inputs))
         loras = self._per_prompt_loras(lora, len(inputs))
@@ -427,12 +433,12 @@ class MMEngine:
             self._check_sampling(params)
             return self.input_processor.process(
                 given.text, given.images, params, prompt_index=i, mm_uuids=uuids, memo=memo, text_ids=text_ids[i],
-                token_ids=given.token_ids,
+                token_ids=given.token_ids, videos=given.videos,
             ), lora_key
 
         # Decoding, hashing and resizing release the GIL: a batch with images is preprocessed on a
         # few threads (the first bad prompt, in input order, still raises before anything is queued).
-        if len(jobs) > 1 and any(given.images for given in inputs):
+        if len(jobs) > 1 and any(given.images or given.videos for given in inputs):
             processed = list(self._preprocess_pool().map(process, range(len(jobs))))
         else:
             processed = [process(i) for i in range(len(jobs))]
@@ -512,9 +518,11 @@ class MMEngine:
         cache_salt: str | Sequence[str | None] | None = None,
         mm_uuids: Sequence[str | None] | Sequence[Sequence[str | None] | None] | None = None,
         lora: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
+        videos: Sequence[Any] | Sequence[Sequence[Any] | None] | None = None,
     ) -> list[RequestOutput]:
         """Like generate(), for one conversation (a list of {"role", "content"} messages) or a list of
-        them, rendered with the model's chat template; `images`, `mm_uuids` and `lora` follow generate()."""
+        them, rendered with the model's chat template; `images`, `videos`, `mm_uuids` and `lora` follow
+        generate() ({"type": "video"} parts stand for the videos, in order)."""
         conversations, single = normalize_conversations(messages)
         if not getattr(self.input_processor.hf_processor, "chat_template", None):
             raise InvalidInputError(
@@ -527,7 +535,7 @@ class MMEngine:
                 prompts.append(self.input_processor.apply_chat_template(conversation))
             except Exception as err:  # jinja2's TemplateError and the template's own raise_exception
                 raise InvalidInputError(f"the chat template rejects this conversation: {err}", index) from err
-        return self.generate(prompts[0] if single else prompts, images, sampling_params, use_tqdm, cache_salt, mm_uuids, lora)
+        return self.generate(prompts[0] if single else prompts, images, sampling_params, use_tqdm, cache_salt, mm_uuids, lora, videos)
 
     # -- LoRA adapters -----------------------------------------------------------
 
@@ -620,6 +628,8 @@ class MMEngine:
             "reencodes_after_prefix_hit": self.scheduler.num_reencodes_after_prefix_hit,
             "images_decoded": self.input_processor.num_images_decoded,
             "images_preprocessed": self.input_processor.num_images_preprocessed,
+            "videos_decoded": self.input_processor.videos.num_videos_decoded,
+            "videos_preprocessed": self.input_processor.videos.num_videos_preprocessed,
             "mm_processor_cache_hits": self.input_processor.cache.num_hits,
             "mm_processor_cache_bytes": self.input_processor.cache.num_bytes,
             "prefix_cache_queries": self.kv_cache.prefix_cache_queries,

@@ -92,6 +92,22 @@ class UnsupportedImageTypeError(InvalidInputError):
     """An image was given as a type mmengine cannot read (or an array of a bad shape/dtype)."""
 
 
+class CorruptVideoError(InvalidInputError):
+    """A video could not be read or decoded, or ends before the frames its container announces."""
+
+
+class VideoTooLargeError(InvalidInputError):
+    """A video is longer than max_video_seconds, or its frames exceed max_image_pixels (checked before decoding)."""
+
+
+class TooManyVideosError(InvalidInputError):
+    """More videos in one prompt than `limit_mm_per_prompt` allows."""
+
+
+class VideoCountMismatchError(InvalidInputError):
+    """The number of videos differs from the number of video markers in the prompt."""
+
+
 class ItemTooLargeError(InvalidInputError):
     """A multimodal item produces more embeddings than the encoder cache can take in one step."""
 

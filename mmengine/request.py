@@ -28,6 +28,16 @@ class RequestStatus(enum.Enum):
         return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED)
 
 
+@dataclass(frozen=True)
+class VideoPatch:
+    """Where a video item sits in its video: temporal patch `index` of `count`, and the M-RoPE temporal
+    step between patches (Qwen2.5-VL: tokens_per_second x seconds per patch; 1 for Qwen2-VL)."""
+
+    index: int
+    count: int
+    time_step: float = 1.0
+
+
 @dataclass
 class MMItem:
     """One multimodal item of a prompt: its placeholder run and the encoder's input for it."""
@@ -37,6 +47,7 @@ class MMItem:
     offset: int  # index of the item's first placeholder token in the prompt
     length: int  # number of placeholder tokens, one embedding each
     encoder_inputs: dict[str, torch.Tensor] = field(repr=False)  # the family's, e.g. {"pixel_values": [3, H, W]}
+    video_patch: VideoPatch | None = None  # a video's items: one temporal patch each
 
     @property
     def end(self) -> int:

@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import xxhash
+import numpy as np
 from PIL import Image
 
 from mmengine.multimodal.image_loading import image_content_bytes
 
 # Files whose contents change what the vision encoder outputs for a given image.
-_FINGERPRINT_FILES = ("config.json", "preprocessor_config.json", "processor_config.json")
+_FINGERPRINT_FILES = ("config.json", "preprocessor_config.json", "processor_config.json", "video_preprocessor_config.json")
 
 
 def model_fingerprint(model_dir: Path) -> str:
@@ -70,3 +71,15 @@ def _hash_item(modality: bytes, fingerprint: str, settings_key: str, kind: bytes
         h.update(len(part).to_bytes(8, "little") + part)
     h.update(content)
     return h.hexdigest()
+
+
+def hash_video(frames: np.ndarray, indices: list[int] | tuple[int, ...], fps: float, fingerprint: str, settings_key: str, algo: str = "xxh3_128") -> str:
+    """A video by its sampled frames' pixels, which source frames they are and the source's rate
+    (timestamps and temporal positions follow from them)."""
+    header = f"{list(frames.shape)} {list(indices)} {fps!r}\n".encode("ascii")
+    return _hash_item(b"video", fingerprint, settings_key, b"content", header + frames.tobytes(), algo)
+
+
+def hash_video_patch(video_hash: str, index: int, algo: str = "xxh3_128") -> str:
+    """Temporal patch `index` of a video: one item, cached on its own."""
+    return _hash_item(b"video-patch", video_hash, str(index), b"patch", b"", algo)

@@ -48,6 +48,27 @@ class PromptPositions:
     delta: int
 
 
+@dataclass(frozen=True)
+class VideoPlan:
+    """How a video becomes items: the source frames kept (`indices`, at `source_fps`), the size every
+    frame is resized to, the temporal patches (items) and their embeddings each, and the M-RoPE
+    temporal step between patches."""
+
+    indices: tuple[int, ...]
+    source_fps: float
+    source_frames: int
+    height: int
+    width: int
+    num_patches: int
+    tokens_per_patch: int
+    time_step: float
+    timestamps: tuple[float, ...]  # seconds at each patch's middle
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_patches * self.tokens_per_patch
+
+
 class ModelFamily:
     """Base class of a family; subclasses set the class attributes and override what differs."""
 
@@ -60,11 +81,15 @@ class ModelFamily:
     # Whether precomputed embeddings need the picture's grid beside them (M-RoPE positions do)
     embeds_need_grid: ClassVar[bool] = False
 
-    def __init__(self, hf_config: PretrainedConfig, image_processor_settings: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self, hf_config: PretrainedConfig, image_processor_settings: dict[str, Any] | None = None, model_dir: str | None = None
+    ) -> None:
         """`image_processor_settings`: the checkpoint's preprocessor config with the engine's overrides
-        applied (for families whose item size depends on it)."""
+        applied (for families whose item size depends on it); `model_dir`: where other processor files
+        (a video processor's settings) are read from."""
         self.hf_config = hf_config
         self.image_processor_settings = dict(image_processor_settings or {})
+        self.model_dir = model_dir
 
     @classmethod
     def load_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
@@ -130,6 +155,28 @@ class ModelFamily:
     # Whether every item reaches the encoder at one size (dummy_items' size), so that the encoder's
     # input shapes are exactly its batch sizes and start-up can warm each of them.
     items_have_one_size: bool = False
+
+    # -- videos -------------------------------------------------------------------
+
+    @property
+    def video_token_id(self) -> int | None:
+        """The placeholder token of video items, or None for a family that takes no videos."""
+        return None
+
+    def plan_video(self, info: Any, video: Any, keep_all_frames: bool = False) -> VideoPlan:
+        """Which frames of a video (a multimodal.video.VideoInfo) are kept (all of them, or by the
+        family's sampling rule and the `Video`'s fps / num_frames) and their resized size; known before
+        any frame is decoded."""
+        raise NotImplementedError
+
+    def video_items(self, frames: np.ndarray, plan: VideoPlan) -> list[EncoderInputs]:
+        """The sampled frames [T, H, W, 3] as items, one per temporal patch, in order."""
+        raise NotImplementedError
+
+    def video_prompt_text(self, plan: VideoPlan) -> str | None:
+        """The text a video's marker becomes before tokenizing, with one video token per item (Qwen3-VL
+        writes each patch's timestamp), or None where the marker stays one token for all items."""
+        return None
 
     # -- positions ----------------------------------------------------------------
 

@@ -7,11 +7,17 @@ An item's encoder output is its embeddings with its DeepStack levels concatenate
 ([tokens, hidden * (1 + levels)]), so the encoder cache, its budget, pins, chunked prefill and a
 full-hit recompute carry every level without knowing about them; the runner splits them when it
 writes a step's embeddings. Image positions follow Qwen2-VL's rule (transformers' get_rope_index).
+
+A video's temporal patches are written into the prompt one by one, each after its timestamp
+(`<1.5 seconds><|vision_start|>...<|vision_end|>`), and each is positioned as an image.
 """
 
 from __future__ import annotations
 
+from mmengine.models.family import VideoPlan
 from mmengine.models.qwen_vl import QwenVLModel, Qwen2VLFamily
+
+VISION_START, VISION_END, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"
 
 
 class Qwen3VLFamily(Qwen2VLFamily):
@@ -29,3 +35,8 @@ class Qwen3VLFamily(Qwen2VLFamily):
     @property
     def deepstack_levels(self) -> int:
         return len(self.hf_config.vision_config.deepstack_visual_indexes)
+
+    video_runs_join = False
+
+    def video_prompt_text(self, plan: VideoPlan) -> str | None:
+        return "".join(f"<{seconds:.1f} seconds>{VISION_START}{VIDEO_PAD}{VISION_END}" for seconds in plan.timestamps)

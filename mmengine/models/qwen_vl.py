@@ -22,7 +22,8 @@ import torch
 from transformers import PretrainedConfig
 
 from mmengine.errors import UnsupportedModelError
-from mmengine.models.family import EncoderInputs, ModelFamily, PromptPositions
+from mmengine.models import qwen_video
+from mmengine.models.family import EncoderInputs, ModelFamily, PromptPositions, VideoPlan
 from mmengine.models.vlm import VisionLanguageModel
 from mmengine.multimodal.resize_guard import MAX_IMAGE_ASPECT_RATIO
 from mmengine.request import MMItem
@@ -98,8 +99,10 @@ class Qwen2VLFamily(ModelFamily):
     position_channels = 3
     embeds_need_grid = True
 
-    def __init__(self, hf_config: PretrainedConfig, image_processor_settings: dict[str, Any] | None = None) -> None:
-        super().__init__(hf_config, image_processor_settings)
+    def __init__(
+        self, hf_config: PretrainedConfig, image_processor_settings: dict[str, Any] | None = None, model_dir: str | None = None
+    ) -> None:
+        super().__init__(hf_config, image_processor_settings, model_dir)
         vision = hf_config.vision_config
         settings = self.image_processor_settings
         self.patch_size = int(settings.get("patch_size") or vision.patch_size)
@@ -110,6 +113,14 @@ class Qwen2VLFamily(ModelFamily):
             raise UnsupportedModelError(
                 f"the image processor's patch_size {self.patch_size} / merge_size {self.merge_size} differ from the "
                 f"vision tower's {vision.patch_size} / {vision.spatial_merge_size}"
+            )
+        self.video = qwen_video.load_video_settings(
+            model_dir, self.model_type, vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size
+        )
+        if (self.video.patch_size, self.video.merge_size) != (vision.patch_size, vision.spatial_merge_size):
+            raise UnsupportedModelError(
+                f"the video processor's patch_size {self.video.patch_size} / merge_size {self.video.merge_size} differ "
+                f"from the vision tower's {vision.patch_size} / {vision.spatial_merge_size}"
             )
 
     @classmethod
@@ -139,16 +150,62 @@ class Qwen2VLFamily(ModelFamily):
         """Resized images are multiples of this many pixels on each side; each such square is one embedding."""
         return self.patch_size * self.merge_size
 
-    def max_tokens_per_item(self) -> int:
+    def max_tokens_per_image(self) -> int:
         return max_tokens_for_pixels(self.min_pixels, self.max_pixels, self.factor)
+
+    def max_tokens_per_item(self) -> int:
+        """The larger of an image and a video's temporal patch (each is one item)."""
+        return max(self.max_tokens_per_image(), qwen_video.max_tokens_per_patch(self.video))
 
     def explain_max_tokens_per_item(self) -> str:
         f = self.factor
+        video = self.video
+        bounds = "all frames together" if video.whole_clip_bounds else "each frame"
         return (
             f"images resized to multiples of {f}x{f} px (patch {self.patch_size} x merge {self.merge_size}), "
             f"one embedding each, within min_pixels {self.min_pixels} / max_pixels {self.max_pixels}: "
-            f"at most {self.max_tokens_per_item()} for any aspect ratio up to {MAX_IMAGE_ASPECT_RATIO}:1"
+            f"at most {self.max_tokens_per_image()} for any aspect ratio up to {MAX_IMAGE_ASPECT_RATIO}:1; "
+            f"videos: one item per {video.temporal_patch_size} frames, within min_pixels {video.min_pixels} / "
+            f"max_pixels {video.max_pixels} for {bounds}: at most {qwen_video.max_tokens_per_patch(video)} per item"
         )
+
+    # -- videos -------------------------------------------------------------------
+
+    @property
+    def video_token_id(self) -> int | None:
+        return self.hf_config.video_token_id
+
+    def plan_video(self, info: Any, video: Any, keep_all_frames: bool = False) -> VideoPlan:
+        rules = self.video
+        if keep_all_frames:
+            indices = list(range(info.num_frames))
+        else:
+            indices = qwen_video.sample_indices(
+                rules, self.model_type == "qwen3_vl", info.num_frames, info.fps, video.fps, video.num_frames
+            )
+        height, width = qwen_video.resized_size(
+            rules, len(indices), info.height, info.width, video.min_pixels, video.max_pixels, video.total_pixels
+        )
+        num_patches = -(-len(indices) // rules.temporal_patch_size)
+        sampled_fps = len(indices) / info.num_frames * info.fps
+        return VideoPlan(
+            indices=tuple(indices),
+            source_fps=info.fps,
+            source_frames=info.num_frames,
+            height=height,
+            width=width,
+            num_patches=num_patches,
+            tokens_per_patch=(height // self.factor) * (width // self.factor),
+            time_step=self.video_time_step(sampled_fps),
+            timestamps=tuple(_patch_timestamps(indices, info.fps, rules.temporal_patch_size)),
+        )
+
+    def video_time_step(self, sampled_fps: float) -> float:
+        """M-RoPE temporal positions between a video's patches: one for Qwen2-VL."""
+        return 1.0
+
+    def video_items(self, frames: np.ndarray, plan: VideoPlan) -> list[EncoderInputs]:
+        return [EncoderInputs(item) for item in qwen_video.patch_items(self.video, frames, plan.height, plan.width)]
 
     def resized_size(self, height: int, width: int) -> tuple[int, int]:
         return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
@@ -172,18 +229,42 @@ class Qwen2VLFamily(ModelFamily):
         return [EncoderInputs(pixel_values=pixels, image_grid_thw=grid) for _ in range(num_items)]
 
     def prompt_positions(self, token_ids: Sequence[int], items: Sequence[MMItem]) -> PromptPositions | None:
+        """A video's items (its temporal patches, adjacent in the prompt) take one run of grid (patches,
+        h, w), as transformers positions the whole video."""
         if not items:
             return None  # every channel equals the token index: plain positions
-        grids = [tuple(int(x) for x in item.encoder_inputs["image_grid_thw"].view(3).tolist()) for item in items]
-        return mrope_positions(len(token_ids), [(item.offset, item.length) for item in items], grids, self.merge_size)
+        runs: list[tuple[int, int]] = []
+        grids: list[tuple[int, int, int]] = []
+        steps: list[float] = []
+        for item in items:
+            t, h, w = (int(x) for x in item.encoder_inputs["image_grid_thw"].view(3).tolist())
+            patch = item.video_patch
+            if patch is not None and patch.index > 0 and self.video_runs_join:
+                offset, length = runs[-1]
+                runs[-1] = (offset, length + item.length)
+                grids[-1] = (grids[-1][0] + t, h, w)
+                continue
+            runs.append((item.offset, item.length))
+            grids.append((t, h, w))
+            steps.append(patch.time_step if patch is not None else 1.0)
+        return mrope_positions(len(token_ids), runs, grids, self.merge_size, steps)
+
+    # Whether a video's patches form one position run (Qwen2-VL, Qwen2.5-VL) or are each their own,
+    # between timestamps (Qwen3-VL)
+    video_runs_join = True
 
 
 class Qwen2_5_VLFamily(Qwen2VLFamily):
-    """Qwen2.5-VL: Qwen2-VL's recipe with a windowed-attention vision tower (transformers' module)."""
+    """Qwen2.5-VL: Qwen2-VL's recipe with a windowed-attention vision tower (transformers' module), and
+    video patches spaced in time by tokens_per_second."""
 
     architectures = ("Qwen2_5_VLForConditionalGeneration",)
     model_type = "qwen2_5_vl"
     display_name = "Qwen2.5-VL (native resolution, windowed vision attention, M-RoPE)"
+
+    def video_time_step(self, sampled_fps: float) -> float:
+        """tokens_per_second x seconds per temporal patch (transformers' second_per_grid_ts)."""
+        return self.hf_config.vision_config.tokens_per_second * self.video.temporal_patch_size / sampled_fps
 
     @classmethod
     def processor_class(cls) -> type:
@@ -246,25 +327,40 @@ def max_tokens_for_pixels(min_pixels: int, max_pixels: int, factor: int, max_asp
 
 
 def mrope_positions(
-    num_tokens: int, runs: Sequence[tuple[int, int]], grids: Sequence[tuple[int, int, int]], merge_size: int
+    num_tokens: int,
+    runs: Sequence[tuple[int, int]],
+    grids: Sequence[tuple[int, int, int]],
+    merge_size: int,
+    time_steps: Sequence[float] | None = None,
 ) -> PromptPositions:
     """transformers' `get_rope_index` for one prompt: text advances all channels by one per token; an
-    image run of grid (t, h, w) patches takes (t, h / merge, w / merge) coordinates offset by the
-    current position, which then moves past the image by max(h, w) / merge."""
+    image or video run of grid (t, h, w) patches takes (floor(t x time step), h / merge, w / merge)
+    coordinates offset by the current position, which then moves on by max(h, w) / merge (transformers
+    5 does not move past a video's temporal extent)."""
     table = np.empty((num_tokens, 3), dtype=np.int64)
     current = 0
     previous_end = 0
-    for (offset, length), (t, h, w) in zip(runs, grids):
+    steps = time_steps if time_steps is not None else [1.0] * len(runs)
+    for (offset, length), (t, h, w), step in zip(runs, grids, steps):
         num_text = offset - previous_end
         table[previous_end:offset] = (np.arange(num_text) + current)[:, None]
         current += num_text
         grid_h, grid_w = h // merge_size, w // merge_size
         if t * grid_h * grid_w != length:
             raise UnsupportedModelError(f"an image run of {length} tokens does not match its grid {t}x{h}x{w}")
-        tt, hh, ww = np.meshgrid(np.arange(t), np.arange(grid_h), np.arange(grid_w), indexing="ij")
+        temporal = (torch.arange(t) * step).long().numpy()  # as transformers quantizes it
+        tt, hh, ww = np.meshgrid(temporal, np.arange(grid_h), np.arange(grid_w), indexing="ij")
         table[offset : offset + length] = np.stack([tt.ravel(), hh.ravel(), ww.ravel()], axis=1) + current
         current += max(grid_h, grid_w)
         previous_end = offset + length
     table[previous_end:] = (np.arange(num_tokens - previous_end) + current)[:, None]
     delta = int(table.max()) + 1 - num_tokens if num_tokens else 0
     return PromptPositions(table, delta)
+
+
+def _patch_timestamps(indices: Sequence[int], fps: float, temporal_patch_size: int) -> list[float]:
+    """Seconds at the middle of each temporal patch (its first and last frames averaged, the last patch
+    padded with its last frame), as Qwen3-VL's processor writes them."""
+    padded = list(indices) + [indices[-1]] * (-len(indices) % temporal_patch_size)
+    times = [i / fps for i in padded]
+    return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]

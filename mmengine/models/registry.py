@@ -55,9 +55,10 @@ def family_class_for(config: PretrainedConfig) -> type[ModelFamily]:
     )
 
 
-def load_family(config: PretrainedConfig, hf_processor: Any) -> ModelFamily:
-    """The checkpoint's family, told the settings its loaded image processor really uses."""
-    return family_class_for(config)(config, image_processor_settings(hf_processor.image_processor))
+def load_family(config: PretrainedConfig, hf_processor: Any, model_dir: str | Path | None = None) -> ModelFamily:
+    """The checkpoint's family, told the settings its loaded image processor really uses (and where the
+    checkpoint is, for its other processor files)."""
+    return family_class_for(config)(config, image_processor_settings(hf_processor.image_processor), model_dir)
 
 
 def image_processor_settings(image_processor: Any) -> dict[str, Any]:

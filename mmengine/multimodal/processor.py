@@ -27,7 +27,9 @@ from mmengine.errors import (
     ItemTooLargeError,
     PromptTooLongError,
     TooManyImagesError,
+    TooManyVideosError,
     UnsupportedModelError,
+    VideoCountMismatchError,
 )
 from mmengine.api_inputs import check_prompt_text
 from mmengine.keyed_lock import KeyedLock
@@ -38,7 +40,9 @@ from mmengine.multimodal.embeds import check_embeds, hash_embeds, is_embeds_item
 from mmengine.multimodal.image_loading import ImageInput, encoded_bytes, load_image
 from mmengine.multimodal.processor_cache import ProcessorCache
 from mmengine.multimodal.resize_guard import check_preprocessed_size
-from mmengine.request import MMItem, ProcessedPrompt
+from mmengine.multimodal.video import DEFAULT_MAX_VIDEO_SECONDS, as_video
+from mmengine.multimodal.video_loader import LoadedVideo, VideoLimits, VideoLoader
+from mmengine.request import MMItem, ProcessedPrompt, VideoPatch
 from mmengine.sampling import SamplingParams
 
 
@@ -63,6 +67,7 @@ class InputProcessor:
         processor_cache_bytes: int = 0,
         hash_algo: str = "xxh3_128",
         hf_processor: Any = None,
+        max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS,
     ) -> None:
         """`hf_processor`: the checkpoint's processor if already loaded (with any overrides applied)."""
         self.hf_processor = hf_processor if hf_processor is not None else load_hf_processor(model_dir)
@@ -74,11 +79,12 @@ class InputProcessor:
         self.settings_key = processor_settings_key(self.hf_processor.image_processor)
         self.max_model_len = max_model_len
         self.max_images = limit_mm_per_prompt.get("image", 0)
+        self.max_videos = limit_mm_per_prompt.get("video", 0)
         self.max_image_pixels = max_image_pixels
         # Set by the engine once the caches exist: a request must fit in the KV cache alone,
         # and each item in one step's encoder budget.
         self.max_tokens_in_kv_cache: int | None = None
-        self.max_tokens_per_item: int | None = None
+        self._max_tokens_per_item: int | None = None
         # One pixel tensor per distinct item, shared by every request that has it and kept after they
         # finish (up to processor_cache_bytes): the same picture is preprocessed once.
         self.cache = ProcessorCache(processor_cache_bytes)
@@ -90,7 +96,21 @@ class InputProcessor:
         self.hash_algo = hash_algo
         self.num_images_decoded = 0
         self.num_images_preprocessed = 0
+        self.video_token: str | None = getattr(self.hf_processor, "video_token", None) if family.video_token_id is not None else None
+        self.videos = VideoLoader(
+            family, self.cache, self._lock, self.fingerprint, self.settings_key,
+            VideoLimits(max_video_seconds, max_image_pixels, max_model_len=max_model_len), hash_algo,
+        )
         self._check_expansion()
+
+    @property
+    def max_tokens_per_item(self) -> int | None:
+        return self._max_tokens_per_item
+
+    @max_tokens_per_item.setter
+    def max_tokens_per_item(self, value: int | None) -> None:
+        self._max_tokens_per_item = value
+        self.videos.limits.max_tokens_per_item = value
 
     def _check_expansion(self) -> None:
         """Checks, on a probe prompt with two images of different sizes, that tokenizing with markers
@@ -129,13 +149,15 @@ class InputProcessor:
         memo: BatchMemo | None = None,
         text_ids: list[int] | None = None,
         token_ids: list[int] | None = None,
+        videos: Sequence[Any] | None = None,
     ) -> ProcessedPrompt:
         """`mm_uuids` optionally names each image: equal ids mean equal images (content is not hashed).
         `memo` is shared by the calls of one batch, so a picture object it gives for several prompts
         is read and hashed once. `text_ids`: the prompt's ids from `tokenize_batch`, if the batch was
-        tokenized up front. `token_ids` instead of `prompt`: a token prompt (see _expand_token_ids)."""
+        tokenized up front. `token_ids` instead of `prompt`: a token prompt (see _expand_token_ids).
+        `videos`: one per video marker (multimodal.video.Video, or what its `source` takes)."""
         try:
-            return self._process(prompt, list(images or ()), params, mm_uuids, memo, text_ids, token_ids)
+            return self._process(prompt, list(images or ()), params, mm_uuids, memo, text_ids, token_ids, list(videos or ()))
         except InvalidInputError as err:
             raise err.at_prompt(prompt_index) from err
 
@@ -148,11 +170,16 @@ class InputProcessor:
         memo: BatchMemo | None = None,
         text_ids: list[int] | None = None,
         token_ids: list[int] | None = None,
+        videos: list[Any] | None = None,
     ) -> ProcessedPrompt:
         if token_ids is None:
             check_prompt_text(prompt)
         else:
             self._check_vocabulary(token_ids)
+        loaded_videos = self._load_videos(prompt, token_ids, videos or [])
+        if any(self.family.video_prompt_text(v.plan) is not None for v in loaded_videos):
+            prompt = self._write_video_markers(prompt, [self.family.video_prompt_text(v.plan) for v in loaded_videos])
+            text_ids = None
         if len(images) > self.max_images:
             raise TooManyImagesError(
                 f"{len(images)} images given but limit_mm_per_prompt allows at most {self.max_images} per prompt"
@@ -169,13 +196,15 @@ class InputProcessor:
                                         f"model gives this image {count} placeholder tokens")
         self._check_item_sizes(counts)
         if token_ids is None:
-            token_ids, starts = self._tokenize(prompt, counts, text_ids)
+            token_ids, starts, video_starts = self._tokenize(prompt, counts, text_ids, self._video_runs(loaded_videos))
         else:
-            token_ids, starts = self._expand_token_ids(token_ids, counts)
+            (token_ids, starts), video_starts = self._expand_token_ids(token_ids, counts), []
         if not token_ids:
             raise EmptyPromptError("the prompt is empty after tokenization")
         self._check_length(len(token_ids), params.max_tokens)
         items = self._placeholder_items(token_ids, starts, counts, preprocessed, mm_hashes)
+        if loaded_videos:
+            items = sorted(items + self._video_items(token_ids, video_starts, loaded_videos), key=lambda item: item.offset)
         positions = self.family.prompt_positions(token_ids, items)
         return ProcessedPrompt(prompt=prompt, prompt_token_ids=token_ids, mm_items=items, mrope_positions=positions)
 
@@ -197,22 +226,93 @@ class InputProcessor:
                 ids[index] = list(prompt_ids)
         return ids
 
-    def _tokenize(self, prompt: str, counts: Sequence[int], ids: list[int] | None = None) -> tuple[list[int], list[int]]:
+    def _tokenize(
+        self, prompt: str, counts: Sequence[int], ids: list[int] | None = None, video_runs: Sequence[list[int]] = ()
+    ) -> tuple[list[int], list[int], list[int]]:
         """The text tokenized as the processor does (or `ids`, its tokenization done earlier), the k-th
         image marker (one added token) expanded in place into a run of counts[k] placeholders, as the
-        processor's own expansion would; also where each run starts."""
+        processor's own expansion would, and the k-th video marker into adjacent runs of video_runs[k];
+        also where each image's run and each video item's run starts."""
         if ids is None:
             with self._lock:  # a fast tokenizer may refuse concurrent calls ("Already borrowed")
                 ids = self.tokenizer(prompt)["input_ids"]
         expanded: list[int] = []
         starts: list[int] = []
+        video_starts: list[int] = []
+        video_token, videos = self.family.video_token_id, iter(video_runs)
         for token in ids:
             if token == self.image_token_id and len(starts) < len(counts):
                 starts.append(len(expanded))
                 expanded += [token] * counts[len(starts) - 1]
+            elif token == video_token and (run := next(videos, None)) is not None:
+                for count in run:
+                    video_starts.append(len(expanded))
+                    expanded += [token] * count
             else:
                 expanded.append(token)
-        return expanded, starts
+        return expanded, starts, video_starts
+
+    # -- videos ---------------------------------------------------------------------
+
+    def _load_videos(self, prompt: str | None, token_ids: list[int] | None, videos: list[Any]) -> list[LoadedVideo]:
+        """Each video checked against the prompt's markers and the limits, then loaded (multimodal/video_loader.py)."""
+        markers = prompt.count(self.video_token) if prompt is not None and self.video_token else 0
+        if token_ids is not None and self.family.video_token_id is not None and self.family.video_token_id in token_ids:
+            raise VideoCountMismatchError("the token ids hold video placeholders; videos need a text prompt with its video markers")
+        if not videos:
+            if markers:
+                raise VideoCountMismatchError(f"the prompt has {markers} {self.video_token} marker(s) but no video was given")
+            return []
+        if self.video_token is None:
+            raise InvalidInputError(f"{self.family.display_name} takes no videos")
+        if token_ids is not None:
+            raise InvalidInputError("videos need a text prompt (with its video markers); prompt_token_ids with videos is not supported")
+        if len(videos) > self.max_videos:
+            raise TooManyVideosError(
+                f"{len(videos)} videos given but limit_mm_per_prompt allows at most {self.max_videos} per prompt"
+            )
+        if markers != len(videos):
+            raise VideoCountMismatchError(f"the prompt has {markers} {self.video_token} marker(s) but {len(videos)} video(s) were given")
+        return [self.videos.load(as_video(video, index), index) for index, video in enumerate(videos)]
+
+    def _write_video_markers(self, prompt: str, texts: list[str | None]) -> str:
+        """The prompt with the k-th video marker (with the <|vision_start|> / <|vision_end|> around it, where
+        the chat template wrote them) replaced by texts[k], which holds one marker per item."""
+        start, end = getattr(self.hf_processor, "vision_start_token", ""), getattr(self.hf_processor, "vision_end_token", "")
+        parts, rest = [], prompt
+        for text in texts:
+            at = rest.index(self.video_token)
+            before, after = rest[:at], rest[at + len(self.video_token):]
+            if start and end and before.endswith(start) and after.startswith(end):
+                before, after = before[: -len(start)], after[len(end):]
+            parts += [before, text]
+            rest = after
+        return "".join(parts) + rest
+
+    def _video_runs(self, videos: list[LoadedVideo]) -> list[list[int]]:
+        """Per video marker in the tokenized prompt, its items' run lengths: all of a video's items behind
+        one marker, or one item per marker where the family writes a marker per item."""
+        runs: list[list[int]] = []
+        for video in videos:
+            plan = video.plan
+            if self.family.video_prompt_text(plan) is None:
+                runs.append([plan.tokens_per_patch] * plan.num_patches)
+            else:
+                runs += [[plan.tokens_per_patch] for _ in range(plan.num_patches)]
+        return runs
+
+    def _video_items(self, token_ids: list[int], starts: list[int], videos: list[LoadedVideo]) -> list[MMItem]:
+        expected = sum(video.plan.num_tokens for video in videos)
+        found = token_ids.count(self.family.video_token_id)
+        if found != expected or len(starts) != sum(len(video.inputs) for video in videos):
+            raise VideoCountMismatchError(f"the prompt holds {found} video tokens but its {len(videos)} video(s) need {expected}")
+        items, position = [], iter(starts)
+        for video in videos:
+            count = len(video.inputs)
+            for index, (mm_hash, inputs) in enumerate(zip(video.hashes, video.inputs)):
+                patch = VideoPatch(index, count, video.plan.time_step)
+                items.append(MMItem("video", mm_hash, next(position), video.plan.tokens_per_patch, inputs, patch))
+        return items
 
     def _check_vocabulary(self, token_ids: list[int]) -> None:
         vocab = self.family.text_config.vocab_size

@@ -17,11 +17,13 @@ images only there, and is `AutoProcessor.from_pretrained` where torchvision is i
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mmengine.models.qwen_video import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from mmengine.testing.cache import cached_build, spec_key
 from mmengine.testing.tokenizer import model_vocab_size, train_byte_level_bpe
 from mmengine.testing.weights import BUILD_DTYPES, REAL_INITIALIZER_RANGE, save_random_model, torch_dtype
@@ -42,7 +44,7 @@ __all__ = [
 ]
 
 # Bump when the builder changes what it writes, so cached checkpoints are rebuilt.
-_BUILDER_VERSION = 2  # 2: the chat template renders tools
+_BUILDER_VERSION = 3  # 2: the chat template renders tools; 3: videos (template parts, video_preprocessor_config.json)
 
 # Same reasoning as the LLaVA builders' _INITIALIZER_RANGE. Measured on the default tiny specs over 16
 # prompts (4 image sizes x 3 texts, two two-image prompts, two text-only), 8 greedy tokens each: at
@@ -78,6 +80,7 @@ QWEN_CHAT_TEMPLATE = r"""
   {%- elif content is not none -%}
     {%- for part in content -%}
       {%- if part['type'] == 'image' or 'image' in part -%}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}
+      {%- elif part['type'] == 'video' or 'video' in part -%}{{ '<|vision_start|><|video_pad|><|vision_end|>' }}
       {%- elif part['type'] == 'text' -%}{{ part['text'] }}
       {%- else -%}{{ raise_exception('unsupported content part type: ' + part['type']) }}
       {%- endif -%}
@@ -412,6 +415,29 @@ def _save_processor(spec: TinyQwenVLSpec, tokenizer: PreTrainedTokenizerFast, pa
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     image_processor.save_pretrained(path)
+    (path / "video_preprocessor_config.json").write_text(json.dumps(_video_processor_settings(spec), indent=2) + "\n")
+
+
+def _video_processor_settings(spec: TinyQwenVLSpec) -> dict[str, object]:
+    """What transformers' Qwen2VLVideoProcessor / Qwen3VLVideoProcessor save, at the spec's tiny sizes:
+    per-frame bounds of 4..16 embeddings (Qwen2-VL), or 8..64 for all frames together (Qwen3-VL)."""
+    qwen3 = spec.family == "qwen3_vl"
+    unit = spec.patch * spec.spatial_merge_size
+    low, high = (8, 64) if qwen3 else (4, 16)
+    mean, std = ([0.5] * 3, [0.5] * 3) if qwen3 else (list(OPENAI_CLIP_MEAN), list(OPENAI_CLIP_STD))
+    return {
+        "video_processor_type": "Qwen3VLVideoProcessor" if qwen3 else "Qwen2VLVideoProcessor",
+        "size": {"shortest_edge": low * unit * unit, "longest_edge": high * unit * unit},
+        "patch_size": spec.patch,
+        "temporal_patch_size": spec.temporal_patch_size,
+        "merge_size": spec.spatial_merge_size,
+        "image_mean": mean,
+        "image_std": std,
+        "do_sample_frames": qwen3,
+        "fps": 2.0,
+        "min_frames": 4,
+        "max_frames": 64,
+    }
 
 
 def load_qwen_vl_processor(path: str | os.PathLike) -> ProcessorMixin:

@@ -1,0 +1,200 @@
+"""Qwen's video recipe (Qwen2-VL, Qwen2.5-VL, Qwen3-VL), as transformers' video processors apply it:
+which frames are sampled, the size frames are resized to, normalization and patching, and what each
+temporal patch puts into the prompt.
+
+transformers' video processors need torchvision; these are the same rules on PIL and numpy (frames
+are resized with PIL's bicubic filter, as the PIL image processor resizes images). A video of
+`temporal_patch_size` copies of one frame is the image path's input for that frame, patch for patch.
+
+The vision towers attend within a temporal patch only (their attention windows and position grids
+repeat per patch), so each temporal patch is encoded as its own item of grid (1, h, w): a long clip is
+encoded in parts across steps and every part is cached under its own hash.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+from mmengine.errors import InvalidInputError, ItemTooLargeError
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+VIDEO_PROCESSOR_FILE = "video_preprocessor_config.json"
+MAX_ASPECT_RATIO = 200
+
+
+@dataclass(frozen=True)
+class QwenVideoSettings:
+    """A checkpoint's video processor settings (its video_preprocessor_config.json over transformers'
+    class defaults). `whole_clip_bounds`: min/max pixels bound all frames together (Qwen3-VL), not each."""
+
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+    image_mean: tuple[float, float, float]
+    image_std: tuple[float, float, float]
+    fps: float
+    min_frames: int
+    max_frames: int
+    whole_clip_bounds: bool
+    # Qwen2-VL's optional qwen-vl-utils cap: each frame limited to an even share of this many tokens' pixels
+    max_video_tokens: int
+    cap_pixels_per_frame: bool
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    def key(self) -> str:
+        return json.dumps(self.__dict__, sort_keys=True)
+
+
+def load_video_settings(model_dir: str | Path | None, family: str, patch_size: int, temporal_patch_size: int, merge_size: int) -> QwenVideoSettings:
+    """The settings of transformers' Qwen2VLVideoProcessor / Qwen3VLVideoProcessor, read from the
+    checkpoint's video_preprocessor_config.json where it has one."""
+    qwen3 = family == "qwen3_vl"
+    saved: dict[str, Any] = {}
+    path = Path(model_dir) / VIDEO_PROCESSOR_FILE if model_dir is not None else None
+    if path is not None and path.is_file():
+        saved = json.loads(path.read_text(encoding="utf-8"))
+    size = saved.get("size") or {}
+    unit = 32 if qwen3 else 28
+    min_pixels = saved.get("min_pixels") or size.get("shortest_edge") or 128 * unit * unit
+    max_pixels = saved.get("max_pixels") or size.get("longest_edge") or 768 * unit * unit
+    default_mean, default_std = ((0.5,) * 3, (0.5,) * 3) if qwen3 else (OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
+    return QwenVideoSettings(
+        patch_size=int(saved.get("patch_size") or patch_size),
+        temporal_patch_size=int(saved.get("temporal_patch_size") or temporal_patch_size),
+        merge_size=int(saved.get("merge_size") or merge_size),
+        min_pixels=int(min_pixels),
+        max_pixels=int(max_pixels),
+        image_mean=tuple(float(x) for x in saved.get("image_mean") or default_mean),
+        image_std=tuple(float(x) for x in saved.get("image_std") or default_std),
+        fps=float(saved.get("fps") or 2.0),
+        min_frames=int(saved.get("min_frames") or 4),
+        max_frames=int(saved.get("max_frames") or 768),
+        whole_clip_bounds=qwen3,
+        max_video_tokens=int(saved.get("max_video_tokens") or (768 if qwen3 else 128000)),
+        cap_pixels_per_frame=bool(saved.get("cap_pixels_per_frame") or False),
+    )
+
+
+def sample_indices(settings: QwenVideoSettings, qwen3: bool, total: int, source_fps: float, fps: float | None, num_frames: int | None) -> list[int]:
+    """Indices of the frames to keep, by transformers' `sample_frames` of the family's video processor."""
+    t = settings.temporal_patch_size
+    if qwen3:
+        if num_frames is None:
+            num_frames = int(total / source_fps * (fps if fps is not None else settings.fps))
+            num_frames = min(max(num_frames, settings.min_frames), settings.max_frames, total)
+        num_frames = min(num_frames, total)
+        return np.linspace(0, total - 1, num_frames).round().astype(int).tolist()
+    if num_frames is not None:
+        num_frames = round(num_frames / t) * t
+    else:
+        most = math.floor(min(settings.max_frames, total) / t) * t
+        wanted = total / source_fps * (fps if fps is not None else settings.fps)
+        num_frames = math.floor(min(max(wanted, settings.min_frames), most, total) / t) * t
+    if num_frames < 1:
+        raise InvalidInputError(f"sampling keeps no frame of this {total}-frame video (it needs {t} frames at least)")
+    if num_frames > total:
+        raise InvalidInputError(f"num_frames={num_frames} exceeds the video's {total} frames")
+    return torch.arange(0, total, total / num_frames).int().tolist()
+
+
+def resized_size(
+    settings: QwenVideoSettings, num_frames: int, height: int, width: int,
+    min_pixels: int | None = None, max_pixels: int | None = None, total_pixels: int | None = None,
+) -> tuple[int, int]:
+    """(height, width) every frame is resized to: transformers' video smart_resize for the family, with
+    a request's bounds in place of the checkpoint's. Qwen2-VL bounds each frame (and, with total_pixels
+    or cap_pixels_per_frame, limits each frame to its share of a total); Qwen3-VL bounds the whole clip."""
+    factor, temporal = settings.factor, settings.temporal_patch_size
+    low = min_pixels or settings.min_pixels
+    high = max_pixels or settings.max_pixels
+    ratio = max(height, width) / max(min(height, width), 1)
+    if ratio > MAX_ASPECT_RATIO:
+        raise InvalidInputError(f"aspect ratio {ratio:.0f}:1 exceeds {MAX_ASPECT_RATIO}:1")
+    if settings.whole_clip_bounds:
+        if total_pixels is not None:
+            high = total_pixels
+        elif settings.cap_pixels_per_frame:
+            per_frame = max(min(settings.max_video_tokens * factor * factor, high // num_frames), int(low * 1.05))
+            high = per_frame * num_frames
+        return _smart_resize_clip(num_frames, height, width, temporal, factor, low, high)
+    total = total_pixels or (int(settings.max_video_tokens * factor * factor * 0.9) if settings.cap_pixels_per_frame else None)
+    if total is not None:
+        high = max(min(high, total * temporal // num_frames), int(low * 1.05))
+    from mmengine.models.qwen_vl import smart_resize
+
+    return smart_resize(height, width, factor, low, high)
+
+
+def _smart_resize_clip(num_frames: int, height: int, width: int, temporal: int, factor: int, low: int, high: int) -> tuple[int, int]:
+    """transformers' Qwen3-VL video smart_resize: the bounds hold for all (rounded) frames together."""
+    num_frames = max(num_frames, temporal)  # a shorter clip is padded to one temporal patch
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal) * temporal
+    if t_bar * h_bar * w_bar > high:
+        beta = math.sqrt((num_frames * height * width) / high)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < low:
+        beta = math.sqrt(low / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def patch_items(settings: QwenVideoSettings, frames: np.ndarray, height: int, width: int) -> list[dict[str, torch.Tensor]]:
+    """Frames [T, H, W, 3] uint8 resized, rescaled, normalized and patched as transformers' video
+    processor patches them, split into one item per temporal patch: {"pixel_values": [h*w patches,
+    3 * temporal * patch**2], "image_grid_thw": [[1, h, w]]} (the last patch padded with the last frame)."""
+    p, m, t = settings.patch_size, settings.merge_size, settings.temporal_patch_size
+    mean = np.asarray(settings.image_mean, dtype=np.float32)[:, None, None]
+    std = np.asarray(settings.image_std, dtype=np.float32)[:, None, None]
+    resized = []
+    for frame in frames:
+        picture = Image.fromarray(frame)
+        if picture.size != (width, height):
+            picture = picture.resize((width, height), resample=Image.BICUBIC)
+        scaled = (np.asarray(picture, dtype=np.float64).transpose(2, 0, 1) * (1 / 255)).astype(np.float32)
+        resized.append((scaled - mean) / std)
+    resized += [resized[-1]] * (-len(resized) % t)
+    clip = np.stack(resized)  # [T, 3, H, W]
+    grid_t, grid_h, grid_w = len(clip) // t, height // p, width // p
+    patches = clip.reshape(grid_t, t, 3, grid_h // m, m, p, grid_w // m, m, p)
+    patches = patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(grid_t, grid_h * grid_w, 3 * t * p * p)
+    grid = torch.tensor([[1, grid_h, grid_w]])
+    return [{"pixel_values": torch.from_numpy(np.ascontiguousarray(chunk)), "image_grid_thw": grid.clone()} for chunk in patches]
+
+
+def max_tokens_per_patch(settings: QwenVideoSettings) -> int:
+    """An upper bound on one temporal patch's embeddings under the checkpoint's bounds (Qwen3-VL's
+    bound holds for at least one full temporal patch of frames)."""
+    from mmengine.models.qwen_vl import max_tokens_for_pixels
+
+    high = settings.max_pixels // settings.temporal_patch_size if settings.whole_clip_bounds else settings.max_pixels
+    low = settings.min_pixels // settings.temporal_patch_size if settings.whole_clip_bounds else settings.min_pixels
+    return max_tokens_for_pixels(low, max(high, 1), settings.factor)
+
+
+def check_patch_tokens(tokens: int, limit: int | None, index: int) -> None:
+    if limit is not None and tokens > limit:
+        raise ItemTooLargeError(
+            f"video {index}: each frame becomes {tokens} embeddings but the encoder cache budget is {limit} per step "
+            "(lower the video's max_pixels, or raise encoder_cache_size)"
+        )

@@ -1,0 +1,248 @@
+"""Videos: what a caller gives, what is known before decoding, and the sampled frames.
+
+A video is a file path, encoded bytes, or its frames (PIL images or a uint8 array [frames, H, W, 3]),
+optionally wrapped in `Video` with its sampling (`fps` or `num_frames`) and size bounds. Files and
+bytes are decoded with PyAV (the `video` extra), the one place untrusted video data is read: the
+container is probed first, and a clip that is too long, has too many frames or too large frames is
+refused before any frame is decoded (VideoTooLargeError); unreadable, corrupt or truncated data is a
+CorruptVideoError naming the video. Only the sampled frames are converted to RGB.
+
+Which frames are sampled and how they are resized is the model family's rule (`models/qwen_video.py`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from mmengine.errors import CorruptVideoError, InvalidInputError, VideoTooLargeError
+from mmengine.multimodal.image_loading import MAX_ENCODED_FILE_BYTES
+
+# One hour: longer than the clips vision-language models are trained on, and a bound on decoding work.
+DEFAULT_MAX_VIDEO_SECONDS: float = 3600.0
+# A frame rate above this is refused (slow-motion captures are 240 fps): with the duration it bounds the
+# frames a decode walks through.
+MAX_SOURCE_FPS: float = 240.0
+# The rate assumed for frames given as a list or an array without `frame_rate`: Qwen's sampling rate, so
+# pre-sampled frames get the timestamps the model was trained with.
+DEFAULT_FRAME_RATE: float = 2.0
+
+_SHOWN = 200
+
+
+@dataclass
+class Video:
+    """A video and how to read it. `source`: a path, encoded bytes, or frames (a list of PIL images, or
+    a uint8 array [frames, H, W, 3]). Sampling: `fps` frames per second, or `num_frames` in all (not
+    both); neither samples a file at the model's default rate and keeps every given frame. `frame_rate`:
+    the rate of given frames (default DEFAULT_FRAME_RATE). `min_pixels` / `max_pixels` / `total_pixels`
+    override the checkpoint's size bounds, as transformers' video processors take them. `uuid` names
+    the video (equal uuids mean equal videos; nothing is decoded to hash it)."""
+
+    source: Any
+    fps: float | None = None
+    num_frames: int | None = None
+    frame_rate: float | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    total_pixels: int | None = None
+    uuid: str | None = None
+
+    def check(self, index: int) -> None:
+        """Raises InvalidInputError naming the first setting that is not valid."""
+        where = f"video {index}"
+        if self.fps is not None and self.num_frames is not None:
+            raise InvalidInputError(f"{where}: fps and num_frames are exclusive; give one")
+        for name in ("fps", "frame_rate"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= MAX_SOURCE_FPS):
+                raise InvalidInputError(f"{where}: {name} must be a number in (0, {MAX_SOURCE_FPS:g}], got {value!r}")
+        for name in ("num_frames", "min_pixels", "max_pixels", "total_pixels"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise InvalidInputError(f"{where}: {name} must be a positive int, got {value!r}")
+        if self.uuid is not None and not (isinstance(self.uuid, str) and self.uuid):
+            raise InvalidInputError(f"{where}: uuid must be a non-empty str, got {self.uuid!r}")
+
+    def options_key(self) -> str:
+        """The settings that change what the model sees, for content keys."""
+        return f"fps={self.fps} n={self.num_frames} rate={self.frame_rate} px={self.min_pixels},{self.max_pixels},{self.total_pixels}"
+
+
+def as_video(value: object, index: int) -> Video:
+    video = value if isinstance(value, Video) else Video(value)
+    video.check(index)
+    return video
+
+
+@dataclass(frozen=True)
+class VideoInfo:
+    """What is known of a video before its frames are decoded."""
+
+    num_frames: int
+    fps: float  # the rate of its frames
+    height: int
+    width: int
+
+    @property
+    def seconds(self) -> float:
+        return self.num_frames / self.fps
+
+
+@dataclass
+class SampledVideo:
+    """The frames a video's sampling picked, as RGB uint8 [T, H, W, 3], with where they came from."""
+
+    frames: np.ndarray
+    indices: list[int]  # their indices among the source's frames
+    info: VideoInfo
+
+    @property
+    def sampled_fps(self) -> float:
+        """Frames per second of the sampled clip (transformers' VideoMetadata.sampled_fps)."""
+        return len(self.indices) / self.info.num_frames * self.info.fps
+
+
+def encoded_video_bytes(video: Video, index: int) -> bytes | None:
+    """A path's or bytes' content (read, not decoded); None for given frames."""
+    source = video.source
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            with open(source, "rb") as file:
+                if os.fstat(file.fileno()).st_size > MAX_ENCODED_FILE_BYTES * 16:
+                    raise VideoTooLargeError(f"video {index}: {_shown(source)} is larger than {MAX_ENCODED_FILE_BYTES * 16} bytes")
+                data = file.read()
+        except (OSError, ValueError) as exc:
+            raise CorruptVideoError(f"video {index}: cannot read {_shown(source)}: {exc}") from exc
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+    else:
+        return None
+    if not data:
+        raise CorruptVideoError(f"video {index}: the video bytes are empty")
+    return data
+
+
+def given_frames(video: Video, index: int, max_frame_pixels: int) -> np.ndarray:
+    """Frames given as a list of PIL images or an array, as RGB uint8 [T, H, W, 3]."""
+    source = video.source
+    if isinstance(source, np.ndarray) or hasattr(source, "numpy") and not isinstance(source, (str, bytes)):
+        array = np.asarray(source.numpy() if hasattr(source, "numpy") else source)
+        if array.ndim != 4 or array.shape[-1] != 3 or array.dtype != np.uint8 or 0 in array.shape:
+            raise InvalidInputError(
+                f"video {index}: a frame array must be uint8 [frames, height, width, 3], got {array.dtype} {list(array.shape)}"
+            )
+        _check_frame_size(array.shape[2], array.shape[1], max_frame_pixels, index)
+        return np.ascontiguousarray(array)
+    if isinstance(source, (list, tuple)) and source and all(isinstance(frame, Image.Image) for frame in source):
+        sizes = {frame.size for frame in source}
+        if len(sizes) != 1:
+            raise InvalidInputError(f"video {index}: its frames differ in size ({sorted(sizes)[:3]})")
+        _check_frame_size(*source[0].size, max_frame_pixels, index)
+        return np.stack([np.asarray(frame.convert("RGB")) for frame in source])
+    kind = type(source).__name__
+    raise InvalidInputError(
+        f"video {index}: expected a path, encoded bytes, a list of PIL images or a uint8 array [frames, H, W, 3], got {kind}"
+    )
+
+
+def probe(data: bytes, index: int, max_seconds: float, max_frame_pixels: int) -> VideoInfo:
+    """The container's frame count, rate and frame size, checked against the limits before decoding."""
+    av = _import_av()
+    with _decode_errors(av, index), av.open(io.BytesIO(data), mode="r") as container:
+        if not container.streams.video:
+            raise CorruptVideoError(f"video {index}: the data holds no video stream")
+        stream = container.streams.video[0]
+        rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+        fps = float(rate) if rate else 0.0
+        if not 0 < fps <= MAX_SOURCE_FPS:
+            raise CorruptVideoError(f"video {index}: frame rate {fps:g} is not in (0, {MAX_SOURCE_FPS:g}]")
+        seconds = _duration(container, stream)
+        num_frames = int(stream.frames) or (round(seconds * fps) if seconds else 0)
+        info = VideoInfo(num_frames=num_frames, fps=fps, height=stream.codec_context.height, width=stream.codec_context.width)
+    if info.num_frames < 1:
+        raise CorruptVideoError(f"video {index}: the container reports no frames and no duration")
+    check_limits(info, index, max_seconds, max_frame_pixels)
+    return info
+
+
+def check_limits(info: VideoInfo, index: int, max_seconds: float, max_frame_pixels: int) -> None:
+    if info.seconds > max_seconds:
+        raise VideoTooLargeError(
+            f"video {index}: {info.num_frames} frames at {info.fps:g} fps = {info.seconds:.1f} s exceeds max_video_seconds={max_seconds:g}"
+        )
+    _check_frame_size(info.width, info.height, max_frame_pixels, index)
+
+
+def decode(data: bytes, indices: Sequence[int], info: VideoInfo, index: int) -> np.ndarray:
+    """The frames at `indices` (sorted, within the probed count) as RGB uint8 [T, H, W, 3]. A stream
+    that ends before the last wanted frame is truncated: CorruptVideoError."""
+    av = _import_av()
+    wanted = sorted(set(indices))
+    picked: dict[int, np.ndarray] = {}
+    with _decode_errors(av, index), av.open(io.BytesIO(data), mode="r") as container:
+        stream = container.streams.video[0]
+        stream.thread_type = "AUTO"
+        for position, frame in enumerate(container.decode(stream)):
+            if position in wanted:
+                picked[position] = frame.to_ndarray(format="rgb24")
+                if len(picked) == len(wanted):
+                    break
+    if len(picked) < len(wanted):
+        raise CorruptVideoError(
+            f"video {index}: truncated: the container announces {info.num_frames} frames but frame {wanted[len(picked)]} "
+            "could not be decoded"
+        )
+    shapes = {frame.shape for frame in picked.values()}
+    if len(shapes) != 1:
+        raise CorruptVideoError(f"video {index}: its frames change size mid-stream ({sorted(shapes)[:2]})")
+    return np.stack([picked[i] for i in indices])
+
+
+def _duration(container: Any, stream: Any) -> float:
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        return container.duration / 1_000_000
+    return 0.0
+
+
+def _check_frame_size(width: int, height: int, max_pixels: int, index: int) -> None:
+    if width * height == 0:
+        raise CorruptVideoError(f"video {index}: its frames are empty ({width}x{height})")
+    if width * height > max_pixels:
+        raise VideoTooLargeError(
+            f"video {index}: frames of {width}x{height} = {width * height} pixels exceed max_image_pixels={max_pixels}"
+        )
+
+
+def _import_av() -> Any:
+    try:
+        import av
+    except ImportError as err:
+        raise InvalidInputError(
+            "decoding a video file needs PyAV: pip install 'mmengine[video]' (or give the frames as a list or an array)"
+        ) from err
+    return av
+
+
+@contextlib.contextmanager
+def _decode_errors(av: Any, index: int) -> Iterator[None]:
+    try:
+        yield
+    except (InvalidInputError, MemoryError):
+        raise
+    except Exception as exc:  # av.FFmpegError and its subclasses, and whatever a broken container raises
+        raise CorruptVideoError(f"video {index}: cannot decode the video: {type(exc).__name__}: {exc}") from exc
+
+
+def _shown(path: str | os.PathLike) -> str:
+    text = os.fspath(path)
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."

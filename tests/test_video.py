@@ -1,0 +1,193 @@
+"""Videos for the Qwen families: preprocessing against the image path frame by frame, greedy tokens
+against transformers' own model classes (given the pixel_values_videos, video_grid_thw,
+second_per_grid_ts and mm_token_type_ids its processor would give), timestamps, and the encoder
+cache's books (one run per temporal patch, shared by every question about a clip)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import CPU_FP32, _hf_model
+from mmengine import MMEngine, SamplingParams
+from mmengine.models import qwen_video
+from mmengine.multimodal.video import Video
+
+QWEN = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
+IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def chat(content: str) -> str:
+    return f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
+
+
+def clip(num_frames: int, height: int = 60, width: int = 84, seed: int = 0) -> np.ndarray:
+    """Frames of a moving gradient with noise: neighbouring frames differ, as in a real clip."""
+    rng = np.random.default_rng(seed)
+    ys, xs = np.mgrid[0:height, 0:width]
+    frames = [
+        np.stack([(xs * 3 + t * 20) % 256, (ys * 4 + t * 35) % 256, ((xs + ys) * 2 + t * 50) % 256], axis=-1)
+        for t in range(num_frames)
+    ]
+    noise = rng.integers(0, 40, (num_frames, height, width, 3))
+    return ((np.stack(frames) + noise) % 256).astype(np.uint8)
+
+
+@pytest.fixture(scope="module")
+def engines(family_checkpoint):
+    made: dict[str, MMEngine] = {}
+
+    def get(name: str) -> MMEngine:
+        if name not in made:
+            made[name] = MMEngine(str(family_checkpoint(name)), dtype="float32", device="cpu",
+                                  limit_mm_per_prompt={"image": 2, "video": 2})
+        return made[name]
+
+    return get
+
+
+def hf_video_greedy(
+    engine: MMEngine, path, prompt: str, images: list, videos: list, max_new_tokens: int, sampled_fps: float = 2.0
+) -> list[int]:
+    """transformers' generate on the prompt mmengine made (its ids and its videos' pixel values): what
+    transformers' processor gives for these frames and this text. `sampled_fps`: the rate of the kept
+    frames, from which transformers' processor derives second_per_grid_ts (Qwen2.5-VL)."""
+    model, processor = _hf_model(path, CPU_FP32)
+    processed = engine.input_processor.process(prompt, images, GREEDY, videos=videos)
+    ids = torch.tensor([processed.prompt_token_ids])
+    family = engine.family
+    types = torch.zeros_like(ids)
+    types[ids == family.image_token_id] = 1
+    types[ids == family.video_token_id] = 2
+    inputs: dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": types}
+    video_items = [item for item in processed.mm_items if item.modality == "video"]
+    if video_items:
+        inputs["pixel_values_videos"] = torch.cat([item.encoder_inputs["pixel_values"] for item in video_items])
+        grids = []
+        for item in video_items:
+            if item.video_patch.index == 0:
+                grids.append(item.encoder_inputs["image_grid_thw"].view(3).tolist())
+                grids[-1][0] = item.video_patch.count
+        inputs["video_grid_thw"] = torch.tensor(grids)
+        if family.model_type == "qwen2_5_vl":
+            inputs["second_per_grid_ts"] = torch.tensor([family.video.temporal_patch_size / sampled_fps] * len(grids))
+    if images:
+        pictures = processor.image_processor(images=images, return_tensors="pt")
+        inputs |= {"pixel_values": pictures["pixel_values"], "image_grid_thw": pictures["image_grid_thw"]}
+    with torch.inference_mode():
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def ours(engine: MMEngine, prompt: str, images: list, videos: list) -> list[int]:
+    return list(engine.generate(prompt, images=images or None, videos=videos, sampling_params=GREEDY, use_tqdm=False)[0].token_ids)
+
+
+@pytest.mark.parametrize("name", QWEN)
+def test_video_frames_patch_like_the_image_path(engines, name):
+    """A video of temporal_patch_size copies of a frame is the image processor's input for that frame."""
+    engine = engines(name)
+    family = engine.family
+    frame = clip(1, 70, 100)[0]
+    pictures = engine.input_processor.hf_processor.image_processor(images=[Image.fromarray(frame)], return_tensors="pt")
+    height, width = family.resized_size(70, 100)
+    settings = family.video
+    same_normalization = qwen_video.QwenVideoSettings(**{
+        **settings.__dict__, "image_mean": tuple(engine.input_processor.hf_processor.image_processor.image_mean),
+        "image_std": tuple(engine.input_processor.hf_processor.image_processor.image_std),
+    })
+    (item,) = qwen_video.patch_items(same_normalization, np.stack([frame] * settings.temporal_patch_size), height, width)
+    assert torch.equal(item["image_grid_thw"], pictures["image_grid_thw"])
+    torch.testing.assert_close(item["pixel_values"], pictures["pixel_values"], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", QWEN)
+@pytest.mark.parametrize(
+    "case",
+    ["video", "video+image", "fps1", "fps2"],
+)
+def test_video_greedy_tokens_equal_transformers(engines, family_checkpoint, name, case):
+    engine = engines(name)
+    images: list = []
+    sampled_fps = 2.0  # frames given without sampling: taken at the default frame rate, 2 frames/s
+    if case == "video":
+        videos, prompt = [clip(6)], chat(VIDEO + "What happens?")
+    elif case == "video+image":
+        images = [Image.fromarray(clip(1, 50, 70, seed=3)[0])]
+        videos, prompt = [clip(4, seed=1)], chat(IMAGE + "and then" + VIDEO + "Compare them.")
+    else:  # the same 16 frames at 4 frames/s, sampled at 1 or 2 frames/s: other frames, times and positions
+        fps = 1.0 if case == "fps1" else 2.0
+        videos, prompt = [Video(clip(16, seed=2), fps=fps, frame_rate=4.0)], chat(VIDEO + "Describe.")
+        sampled_fps = len(SAMPLED[name, fps]) / 16 * 4.0
+    expected = hf_video_greedy(engine, family_checkpoint(name), prompt, images, videos, GREEDY.max_tokens, sampled_fps)
+    assert ours(engine, prompt, images, videos) == expected
+
+
+# 16 frames at 4 frames/s sampled at 1 and 2 frames/s, by transformers' rules: Qwen2-VL's sample_frames
+# (arange over the clip, a multiple of temporal_patch_size frames) and Qwen3-VL's (linspace, rounded)
+SAMPLED = {
+    ("qwen2_vl", 1.0): [0, 4, 8, 12], ("qwen2_vl", 2.0): [0, 2, 4, 6, 8, 10, 12, 14],
+    ("qwen2_5_vl", 1.0): [0, 4, 8, 12], ("qwen2_5_vl", 2.0): [0, 2, 4, 6, 8, 10, 12, 14],
+    ("qwen3_vl", 1.0): [0, 5, 10, 15], ("qwen3_vl", 2.0): [0, 2, 4, 6, 9, 11, 13, 15],
+}
+
+
+@pytest.mark.parametrize("name", QWEN)
+@pytest.mark.parametrize("fps", [1.0, 2.0])
+def test_frame_sampling_follows_transformers(engines, name, fps):
+    from mmengine.multimodal.video import VideoInfo
+
+    plan = engines(name).family.plan_video(VideoInfo(16, 4.0, 60, 84), Video(None, fps=fps))
+    assert list(plan.indices) == SAMPLED[name, fps]
+    if name == "qwen3_vl":  # its video processor runs without torchvision: ask it too
+        from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+        from transformers.video_utils import VideoMetadata
+
+        theirs = Qwen3VLVideoProcessor(min_frames=4).sample_frames(VideoMetadata(total_num_frames=16, fps=4.0), fps=fps)
+        assert list(plan.indices) == theirs.tolist()
+
+
+def test_qwen2_5_positions_follow_the_frame_rate(engines):
+    """Qwen2.5-VL spaces a video's patches by tokens_per_second x seconds per patch: a clip sampled at
+    1 frame/s sits twice as far apart in time as at 2 frames/s."""
+    engine = engines("qwen2_5_vl")
+    tables = {}
+    for fps in (1.0, 2.0):
+        processed = engine.input_processor.process(chat(VIDEO + "x"), None, GREEDY, videos=[Video(clip(16), fps=fps, frame_rate=4.0)])
+        first = [item for item in processed.mm_items if item.video_patch.index in (0, 1)]
+        rows = processed.mrope_positions.table
+        tables[fps] = rows[first[1].offset, 0] - rows[first[0].offset, 0]
+    assert tables[1.0] == 2 * tables[2.0] > 0
+
+
+def test_qwen3_writes_each_patch_timestamp_into_the_prompt(engines):
+    engine = engines("qwen3_vl")
+    # 8 frames at 4 frames/s kept as given: patches of 2 frames at 0.125 s, 0.625 s, 1.125 s, 1.625 s
+    processed = engine.input_processor.process(chat(VIDEO + "x"), None, GREEDY, videos=[Video(clip(8), frame_rate=4.0)])
+    text = engine.tokenizer.decode(processed.prompt_token_ids)
+    assert [f"<{t} seconds>" in text for t in ("0.1", "0.6", "1.1", "1.6")] == [True] * 4
+    assert text.count("<|vision_start|>") == 4 and len(processed.mm_items) == 4
+
+
+@pytest.mark.parametrize("name", QWEN)
+def test_ten_questions_about_one_clip_encode_it_once(engines, family_checkpoint, name):
+    engine = MMEngine(str(family_checkpoint(name)), dtype="float32", device="cpu", num_kv_blocks=48, block_size=4)
+    frames = clip(8)
+    prompts = [chat(VIDEO + f"Question {k}: what is in frame {k}?") for k in range(10)]
+    texts = [chat(f"Unrelated question number {k} about nothing much at all.") for k in range(6)]
+    mixed = prompts + texts
+    order = np.random.default_rng(0).permutation(len(mixed))
+    videos = [[frames] if i < 10 else None for i in order]
+    engine.generate([mixed[i] for i in order], videos=videos, sampling_params=SamplingParams(max_tokens=4), use_tqdm=False)
+    stats = engine.stats()
+    patches = len(engine.input_processor.process(prompts[0], None, GREEDY, videos=[frames]).mm_items)
+    assert stats["kv_blocks_evicted"] > 0  # the KV cache is tight: the clip's blocks came and went
+    assert stats["encoder_runs"] == patches  # one run per temporal patch for all ten questions
+    assert stats["reencodes_after_prefix_hit"] == 0
+    assert stats["videos_preprocessed"] == 1
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats["encoder_cache_referenced"] == 0
