@@ -367,7 +367,9 @@ class AsyncMMEngine:
         engine = self.engine
         engine._check_sampling(params)  # a bad spec fails before preprocessing, off the engine lock
         checked = dataclasses.replace(params, max_tokens=1) if fill_max_tokens else params
-        processed = engine.input_processor.process(given.text, given.images, checked, mm_uuids=mm_uuids, token_ids=given.token_ids)
+        processed = engine.input_processor.process(
+            given.text, given.images, checked, mm_uuids=mm_uuids, token_ids=given.token_ids, videos=given.videos
+        )
         stream.num_prompt_tokens = len(processed.prompt_token_ids)
         if fill_max_tokens:  # process() checked that one token fits; take all the room there is
             params = dataclasses.replace(params, max_tokens=self.max_output_tokens(stream.num_prompt_tokens))

@@ -31,7 +31,7 @@ from starlette.background import BackgroundTask
 
 from mmengine.async_engine import AsyncMMEngine, DeltaOutput, RequestStream
 from mmengine.entrypoints.api_errors import APIError, from_engine_error, install_error_handlers
-from mmengine.entrypoints.chat import ChatTemplate, EmbedsPart, parse_messages
+from mmengine.entrypoints.chat import ChatTemplate, EmbedsPart, VideoPart, parse_messages
 from mmengine.entrypoints.embeds_payload import decode_embeds_payload
 from mmengine.entrypoints.media import MediaPolicy, fetch_remote_image, is_remote, load_local_image_url
 from mmengine.entrypoints.metrics import ServerMetrics
@@ -306,15 +306,23 @@ class _OpenAIServer:
                                        "total_tokens": prompt_tokens + completion_tokens,
                                        "prompt_tokens_details": {"cached_tokens": 0}}})
 
-    async def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str, list[Any]]:
+    async def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str | dict[str, Any], list[Any] | None]:
+        """The rendered prompt and its pictures; a prompt with videos is a prompt dict carrying both
+        (multi_modal_data), as MMEngine takes it."""
         conversation, sources = parse_messages(body.messages, self.settings.enable_mm_embeds)
         policy = self.settings.media
-        remote = {i: await fetch_remote_image(src, i, policy) for i, src in enumerate(sources) if isinstance(src, str) and is_remote(src)}
+        pictures = [s for s in sources if not isinstance(s, VideoPart)]
+        videos = [s.url for s in sources if isinstance(s, VideoPart)]
+        remote = {i: await fetch_remote_image(src, i, policy) for i, src in enumerate(pictures) if isinstance(src, str) and is_remote(src)}
+        remote_videos = {i: await fetch_remote_image(url, i, policy, "video") for i, url in enumerate(videos) if is_remote(url)}
 
         def image(i: int, source: str | EmbedsPart) -> Any:
             if isinstance(source, EmbedsPart):
                 return decode_embeds_payload(source.payload, i)
             return remote[i] if i in remote else load_local_image_url(source, i, policy)
+
+        def video(i: int, url: str) -> Any:
+            return remote_videos[i] if i in remote_videos else load_local_image_url(url, i, policy, "video")
 
         tools = None
         if body.tools and body.tool_mode()[0] != "none":  # "none": the model is not offered them
@@ -323,8 +331,12 @@ class _OpenAIServer:
                                "the server with a --chat-template that does", param="tools", code="unsupported_parameter")
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
 
-        def prepare() -> tuple[str, list[Any]]:  # base64 decoding and the template, off the event loop
-            return self.template.render(conversation, tools), [image(i, source) for i, source in enumerate(sources)]
+        def prepare() -> tuple[str | dict[str, Any], list[Any] | None]:  # base64 decoding and the template, off the event loop
+            prompt, images = self.template.render(conversation, tools), [image(i, source) for i, source in enumerate(pictures)]
+            if not videos:
+                return prompt, images
+            clips = [video(i, url) for i, url in enumerate(videos)]
+            return {"prompt": prompt, "multi_modal_data": {"image": images, "video": clips}}, None
 
         return await self.engine.run_in_pool(prepare)
 

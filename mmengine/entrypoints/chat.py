@@ -1,5 +1,6 @@
-"""OpenAI chat messages -> the conversation MMEngine.chat takes (image parts as {"type": "image"})
-plus the image URLs in order, and the chat template that renders it into a prompt."""
+"""OpenAI chat messages -> the conversation MMEngine.chat takes (image parts as {"type": "image"}, video
+parts as {"type": "video"}) plus the image and video sources in order, and the chat template that
+renders it into a prompt."""
 
 from __future__ import annotations
 
@@ -20,19 +21,26 @@ def _bad(reason: str) -> APIError:
 
 
 @dataclass(frozen=True)
+class VideoPart:
+    """A video_url content part's URL (loaded later, off the event loop)."""
+
+    url: str
+
+
+@dataclass(frozen=True)
 class EmbedsPart:
     """An image_embeds content part's payload (decoded later, off the event loop)."""
 
     payload: Any
 
 
-def parse_messages(messages: list[Any], allow_embeds: bool = False) -> tuple[Conversation, list[str | EmbedsPart]]:
-    """Splits OpenAI messages into a template-ready conversation and the images (URLs, or image_embeds
-    parts when `allow_embeds`), in order."""
+def parse_messages(messages: list[Any], allow_embeds: bool = False) -> tuple[Conversation, list[str | EmbedsPart | VideoPart]]:
+    """Splits OpenAI messages into a template-ready conversation and the media in order: images (URLs,
+    or image_embeds parts when `allow_embeds`) and videos (VideoPart)."""
     if not messages:
         raise _bad("messages must be a non-empty list")
     conversation: Conversation = []
-    urls: list[str] = []
+    urls: list[str | EmbedsPart | VideoPart] = []
     for position, message in enumerate(messages):
         where = f"messages[{position}]"
         if not isinstance(message, dict):
@@ -77,7 +85,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return parsed
 
 
-def _part(part: Any, where: str, urls: list[str | EmbedsPart], allow_embeds: bool) -> dict[str, Any]:
+def _part(part: Any, where: str, urls: list[str | EmbedsPart | VideoPart], allow_embeds: bool) -> dict[str, Any]:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text":
         if not isinstance(part.get("text"), str):
@@ -90,13 +98,20 @@ def _part(part: Any, where: str, urls: list[str | EmbedsPart], allow_embeds: boo
             raise _bad(f"{where}: an image_url part needs {{'image_url': {{'url': ...}}}}")
         urls.append(url)
         return {"type": "image"}
+    if kind == "video_url":
+        video_url = part.get("video_url")
+        url = video_url.get("url") if isinstance(video_url, dict) else video_url
+        if not isinstance(url, str) or not url:
+            raise _bad(f"{where}: a video_url part needs {{'video_url': {{'url': ...}}}}")
+        urls.append(VideoPart(url))
+        return {"type": "video"}
     if kind == "image_embeds":
         if not allow_embeds:
             raise APIError(400, f"{where}: image_embeds parts are off; start the server with --enable-mm-embeds",
                            param="messages", code="mm_embeds_disabled")
         urls.append(EmbedsPart(part.get("image_embeds")))
         return {"type": "image"}
-    raise _bad(f"{where}: unsupported content part {kind!r}; expected 'text', 'image_url' or 'image_embeds'")
+    raise _bad(f"{where}: unsupported content part {kind!r}; expected 'text', 'image_url', 'video_url' or 'image_embeds'")
 
 
 class ChatTemplate:

@@ -1,0 +1,141 @@
+"""Video inputs through the public API: files and bytes decoded with PyAV, the same clip given as
+frames, prompt dicts and chat parts; and bad input (corrupt, truncated, too long, too large, the wrong
+count, a model without videos) refused with a typed error naming the video, the engine serving on."""
+
+from __future__ import annotations
+
+import io
+
+import av
+import numpy as np
+import pytest
+
+from mmengine import MMEngine, SamplingParams
+from mmengine.errors import (
+    CorruptVideoError,
+    InvalidInputError,
+    ItemTooLargeError,
+    TooManyVideosError,
+    VideoCountMismatchError,
+    VideoTooLargeError,
+)
+from mmengine.multimodal.video import Video
+from test_video import VIDEO, chat, clip
+
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+PROMPT = chat(VIDEO + "What happens?")
+
+
+def encode_mp4(frames: np.ndarray, rate: int = 4) -> bytes:
+    """An MPEG-4 Part 2 clip (every PyAV wheel carries that encoder)."""
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=rate)
+        stream.height, stream.width = frames.shape[1:3]
+        stream.pix_fmt = "yuv420p"
+        for frame in frames:
+            container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        container.mux(stream.encode())
+    return out.getvalue()
+
+
+def decoded_frames(data: bytes) -> np.ndarray:
+    with av.open(io.BytesIO(data)) as container:
+        return np.stack([frame.to_ndarray(format="rgb24") for frame in container.decode(video=0)])
+
+
+@pytest.fixture(scope="module")
+def engine(family_checkpoint):
+    return MMEngine(str(family_checkpoint("qwen2_5_vl")), dtype="float32", device="cpu",
+                    limit_mm_per_prompt={"image": 1, "video": 2}, max_video_seconds=30)
+
+
+@pytest.fixture(scope="module")
+def mp4():
+    return encode_mp4(clip(16, 48, 64))
+
+
+def answer(engine: MMEngine, prompt, **kwargs) -> list[int]:
+    return list(engine.generate(prompt, sampling_params=GREEDY, use_tqdm=False, **kwargs)[0].token_ids)
+
+
+def test_a_file_bytes_and_its_decoded_frames_give_one_answer(engine, mp4, tmp_path):
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(mp4)
+    before = engine.stats()["videos_decoded"]
+    from_file = answer(engine, PROMPT, videos=[str(path)])
+    from_bytes = answer(engine, PROMPT, videos=[mp4])
+    # 16 frames at 4 frames/s, sampled at the checkpoint's 2 frames/s: the same frames, given decoded
+    from_frames = answer(engine, PROMPT, videos=[Video(decoded_frames(mp4), fps=2.0, frame_rate=4.0)])
+    assert from_file == from_bytes == from_frames
+    assert engine.stats()["videos_decoded"] - before == 1  # the same bytes again: the processor cache's
+
+
+def test_prompt_dicts_and_chat_parts_take_videos(engine, mp4):
+    expected = answer(engine, PROMPT, videos=[mp4])
+    assert answer(engine, {"prompt": PROMPT, "multi_modal_data": {"video": mp4}}) == expected
+    messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    out = engine.chat(messages, videos=[mp4], sampling_params=GREEDY, use_tqdm=False)
+    assert list(out[0].token_ids) == expected
+
+
+def test_a_batch_mixes_videos_images_and_text(engine, mp4):
+    prompts = [PROMPT, chat("just text"), chat(VIDEO + "again?"), PROMPT]
+    outs = engine.generate(prompts, videos=[[mp4], None, [clip(4)], [mp4]], sampling_params=GREEDY, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [4] * 4
+    assert outs[0].token_ids == outs[3].token_ids
+
+
+@pytest.mark.parametrize(
+    "bad, error, words",
+    [
+        (b"not a video at all", CorruptVideoError, "video 0: cannot decode"),
+        ("truncated", CorruptVideoError, "video 0"),
+        ("/nonexistent/clip.mp4", CorruptVideoError, "cannot read"),
+        ("long", VideoTooLargeError, "exceeds max_video_seconds=30"),
+        (np.zeros((4, 10, 10), np.uint8), InvalidInputError, "uint8 [frames, height, width, 3]"),
+        (Video(clip(4), fps=1.0, num_frames=4), InvalidInputError, "exclusive"),
+        (Video(clip(4), max_pixels=10**7, min_pixels=10**7), ItemTooLargeError, "video 0: each temporal patch becomes"),
+    ],
+    ids=["garbage", "truncated", "missing-file", "too-long", "bad-array", "fps-and-num-frames", "too-many-tokens"],
+)
+def test_bad_videos_are_refused_by_name_and_the_engine_serves_on(engine, mp4, bad, error, words):
+    if isinstance(bad, str) and bad == "truncated":
+        bad = mp4[: len(mp4) // 2]
+    elif isinstance(bad, str) and bad == "long":
+        bad = encode_mp4(clip(62, 16, 16), rate=2)  # 31 seconds
+    with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
+        engine.generate(PROMPT, videos=[bad], sampling_params=GREEDY, use_tqdm=False)
+    assert len(answer(engine, PROMPT, videos=[clip(4)])) == 4
+
+
+def test_frames_larger_than_max_image_pixels_are_refused_before_decoding(family_checkpoint, mp4):
+    small = MMEngine(str(family_checkpoint("qwen2_vl")), dtype="float32", device="cpu", max_image_pixels=1000)
+    with pytest.raises(VideoTooLargeError, match="64x48 = 3072 pixels exceed max_image_pixels=1000"):
+        small.generate(PROMPT, videos=[mp4], sampling_params=GREEDY, use_tqdm=False)
+    assert small.stats()["videos_decoded"] == 0
+
+
+def test_marker_counts_and_limits(engine):
+    with pytest.raises(VideoCountMismatchError, match="1 <|video_pad|> marker"):
+        engine.generate(PROMPT, videos=[clip(2), clip(2)], sampling_params=GREEDY, use_tqdm=False)
+    with pytest.raises(VideoCountMismatchError, match="no video was given"):
+        engine.generate(PROMPT, sampling_params=GREEDY, use_tqdm=False)
+    with pytest.raises(TooManyVideosError, match="at most 2"):
+        engine.generate(chat(VIDEO * 3), videos=[clip(2)] * 3, sampling_params=GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidInputError, match="bare"):
+        engine.generate(PROMPT, videos=clip(2), sampling_params=GREEDY, use_tqdm=False)
+
+
+def test_a_model_without_videos_says_so(family_checkpoint):
+    llava = MMEngine(str(family_checkpoint("llava")), dtype="float32", device="cpu")
+    with pytest.raises(InvalidInputError, match="takes no videos"):
+        llava.generate("USER: hi ASSISTANT:", videos=[clip(2)], sampling_params=GREEDY, use_tqdm=False)
+
+
+def test_a_uuid_names_a_video_without_reading_it_again(engine):
+    frames = clip(6, seed=9)
+    first = answer(engine, PROMPT, videos=[Video(frames, uuid="clip-9")])
+    before = engine.stats()["videos_preprocessed"]
+    assert answer(engine, PROMPT, videos=[Video(frames, uuid="clip-9")]) == first
+    assert engine.stats()["videos_preprocessed"] == before
