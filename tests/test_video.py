@@ -191,3 +191,61 @@ def test_ten_questions_about_one_clip_encode_it_once(engines, family_checkpoint,
     assert stats["videos_preprocessed"] == 1
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
     assert stats["encoder_cache_referenced"] == 0
+
+
+def _prompt_with_video_placed(engine: MMEngine, frames, block_size: int, placement: str) -> str:
+    """A one-video prompt whose length is a multiple of block_size, its last item ending in the last
+    full block (the recomputed one) or at the prompt's last token."""
+    for pad in range(0, 60):
+        for tail in ["", " x", " what", " what is it"]:
+            prompt = "x" + " a" * pad + VIDEO + tail
+            processed = engine.input_processor.process(prompt, None, GREEDY, videos=[frames])
+            n, last = len(processed.prompt_token_ids), processed.mm_items[-1]
+            if n % block_size or n < 2 * block_size:
+                continue
+            if placement == "ends_in_last_full_block" and n - block_size < last.end < n - 1:
+                return prompt
+            if placement == "ends_at_prompt_end" and last.end >= n - 1:
+                return prompt
+    raise AssertionError(f"no prompt for placement={placement}")
+
+
+@pytest.mark.parametrize("name", QWEN)
+@pytest.mark.parametrize("placement", ["ends_in_last_full_block", "ends_at_prompt_end"])
+def test_identical_requests_with_a_video_in_the_recomputed_block(family_checkpoint, name, placement):
+    """The divisible-block matrix with a video: the clip needs more embeddings than one step's encoder
+    budget, so it is encoded in parts across steps; the outputs equal prefix caching off, each part is
+    encoded once, and a later request is a full hit."""
+    kwargs = dict(max_model_len=512, block_size=4, encoder_cache_size=1, dtype="float32", device="cpu")
+    cached = MMEngine(str(family_checkpoint(name)), **kwargs)
+    plain = MMEngine(str(family_checkpoint(name)), enable_prefix_caching=False, **kwargs)
+    frames = Video(clip(48), total_pixels=32 * 32 * 400)  # Qwen3-VL's bound is over the whole clip
+    prompt = _prompt_with_video_placed(cached, frames, 4, placement)
+    items = cached.input_processor.process(prompt, None, GREEDY, videos=[frames]).mm_items
+    assert sum(item.length for item in items) > cached.encoder_budget.compute_budget_tokens  # parts across steps
+    outputs = cached.generate([prompt] * 3, videos=[[frames]] * 3, sampling_params=GREEDY, use_tqdm=False)
+    again = cached.generate(prompt, videos=[frames], sampling_params=GREEDY, use_tqdm=False)
+    reference = plain.generate([prompt] * 3, videos=[[frames]] * 3, sampling_params=GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference] == [again[0].token_ids] * 3
+    stats = cached.stats()
+    assert stats["encoder_runs"] == len(items) and stats["reencodes_after_prefix_hit"] == 0
+    assert again[0].num_cached_tokens > 0
+
+
+@pytest.mark.parametrize("name", QWEN)
+def test_chunked_prefill_and_preemption_across_a_video_keep_the_tokens(engines, family_checkpoint, name):
+    """Prompts prefilled 8 tokens a step (the chunks cut through the video's items), and requests
+    preempted for want of KV blocks (without prefix grouping, whose admission gate avoids them), give the
+    tokens the default engine gives (which equal transformers')."""
+    videos = [clip(8)]
+    prompts = [chat(VIDEO + f"What happens in part {k}?") for k in range(3)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    expected = [list(o.token_ids) for o in engines(name).generate(prompts, videos=[videos] * 3, sampling_params=params, use_tqdm=False)]
+    longest = max(len(engines(name).input_processor.process(p, None, params, videos=videos).prompt_token_ids) for p in prompts)
+    blocks = -(-(longest + 40) // 4) + 4  # one request fits with room to spare, two do not
+    chunked = MMEngine(str(family_checkpoint(name)), dtype="float32", device="cpu", max_num_batched_tokens=8, max_num_seqs=4,
+                       block_size=4, num_kv_blocks=blocks, enable_prefix_grouping=False)
+    outs = chunked.generate(prompts, videos=[videos] * 3, sampling_params=params, use_tqdm=False)
+    assert [list(o.token_ids) for o in outs] == expected
+    stats = chunked.stats()
+    assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
