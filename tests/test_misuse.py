@@ -49,7 +49,7 @@ API_MISUSES = [
     ("chat(str)", lambda e: e.chat("hello", use_tqdm=False), InvalidInputError, "messages must be a list"),
     ("chat unknown role", lambda e: e.chat([{"role": "wizard", "content": "hi"}], use_tqdm=False), InvalidInputError, "role 'wizard'"),
     ("chat without content", lambda e: e.chat([{"role": "user"}], use_tqdm=False), InvalidInputError, "message 0 has no 'content'"),
-    ("chat bad part", lambda e: e.chat([{"role": "user", "content": [{"type": "video"}]}], use_tqdm=False), InvalidInputError, "'video'"),
+    ("chat bad part", lambda e: e.chat([{"role": "user", "content": [{"type": "audio"}]}], use_tqdm=False), InvalidInputError, "'audio'"),
     ("chat lone surrogate", lambda e: e.chat(_chat("\udfff"), images=[IMG], use_tqdm=False), InvalidInputError, "lone surrogate"),
     ("request_id=5", lambda e: e.add_request(GOOD, [IMG], request_id=5), InvalidInputError, "request_id must be"),
     ("mm_uuids not a list", lambda e: e.add_request(GOOD, [IMG], mm_uuids="cat"), InvalidInputError, "mm_uuids must be a list"),
