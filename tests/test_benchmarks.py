@@ -232,3 +232,17 @@ def test_grammar_engines_benchmark_times_llguidance_on_every_schema(tmp_path):
     numbers = result["engines"]["llguidance"]
     assert result["schemas"] == 20 and result["vocab"] == 2000
     assert numbers["compile_ms"]["median"] > 0 and numbers["mask_us"]["steps"] >= 20  # at least one mask per schema
+
+
+def test_encoder_cache_benchmark_video_scenario_encodes_each_patch_once(family_checkpoint, tmp_path):
+    module = load_benchmark("encoder_cache")
+    output = tmp_path / "encoder_cache.json"
+    result = module.main(["--scenarios", "video", "--video-model", str(family_checkpoint("qwen2_5_vl")), "--device", "cpu",
+                          "--dtype", "float32", "--num-requests", "3", "--num-clips", "2", "--clip-seconds", "3",
+                          "--output-len", "2", "--output", str(output)])
+    assert json.loads(output.read_text()) == json.loads(json.dumps(result, default=str))
+    video = result["video"]
+    assert video["requests"] == 6 and video["patches_per_clip"] == 3  # 6 frames a clip, 2 frames a patch
+    assert video["mmengine"]["encoder_runs"] == 2 * 3  # each clip's patches once, for its three questions
+    assert video["transformers"]["encoder_runs"] == 6 * 3
+    assert video["ttft_first_s"] > 0 and video["ttft_second_s"] > 0

@@ -14,6 +14,7 @@ from conftest import CPU_FP32, _hf_model
 from mmengine import MMEngine, SamplingParams
 from mmengine.models import qwen_video
 from mmengine.multimodal.video import Video
+from mmengine.testing.video import hf_video_inputs, make_test_clip
 
 QWEN = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
@@ -25,16 +26,7 @@ def chat(content: str) -> str:
     return f"<|im_start|>user\n{content}<|im_end|>\n<|im_start|>assistant\n"
 
 
-def clip(num_frames: int, height: int = 60, width: int = 84, seed: int = 0) -> np.ndarray:
-    """Frames of a moving gradient with noise: neighbouring frames differ, as in a real clip."""
-    rng = np.random.default_rng(seed)
-    ys, xs = np.mgrid[0:height, 0:width]
-    frames = [
-        np.stack([(xs * 3 + t * 20) % 256, (ys * 4 + t * 35) % 256, ((xs + ys) * 2 + t * 50) % 256], axis=-1)
-        for t in range(num_frames)
-    ]
-    noise = rng.integers(0, 40, (num_frames, height, width, 3))
-    return ((np.stack(frames) + noise) % 256).astype(np.uint8)
+clip = make_test_clip
 
 
 @pytest.fixture(scope="module")
@@ -56,31 +48,11 @@ def hf_video_greedy(
     """transformers' generate on the prompt mmengine made (its ids and its videos' pixel values): what
     transformers' processor gives for these frames and this text. `sampled_fps`: the rate of the kept
     frames, from which transformers' processor derives second_per_grid_ts (Qwen2.5-VL)."""
-    model, processor = _hf_model(path, CPU_FP32)
-    processed = engine.input_processor.process(prompt, images, GREEDY, videos=videos)
-    ids = torch.tensor([processed.prompt_token_ids])
-    family = engine.family
-    types = torch.zeros_like(ids)
-    types[ids == family.image_token_id] = 1
-    types[ids == family.video_token_id] = 2
-    inputs: dict[str, torch.Tensor] = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "mm_token_type_ids": types}
-    video_items = [item for item in processed.mm_items if item.modality == "video"]
-    if video_items:
-        inputs["pixel_values_videos"] = torch.cat([item.encoder_inputs["pixel_values"] for item in video_items])
-        grids = []
-        for item in video_items:
-            if item.video_patch.index == 0:
-                grids.append(item.encoder_inputs["image_grid_thw"].view(3).tolist())
-                grids[-1][0] = item.video_patch.count
-        inputs["video_grid_thw"] = torch.tensor(grids)
-        if family.model_type == "qwen2_5_vl":
-            inputs["second_per_grid_ts"] = torch.tensor([family.video.temporal_patch_size / sampled_fps] * len(grids))
-    if images:
-        pictures = processor.image_processor(images=images, return_tensors="pt")
-        inputs |= {"pixel_values": pictures["pixel_values"], "image_grid_thw": pictures["image_grid_thw"]}
+    model, _ = _hf_model(path, CPU_FP32)
+    inputs = hf_video_inputs(engine, prompt, images, videos, sampled_fps)
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None)
-    return out[0, ids.shape[1]:].tolist()
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
 
 
 def ours(engine: MMEngine, prompt: str, images: list, videos: list) -> list[int]:
