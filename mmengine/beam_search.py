@@ -87,7 +87,7 @@ def beam_search(
     step_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * width)
     searches = [
         _PromptSearch(engine.input_processor.process(given.text, given.images, SamplingParams(max_tokens=params.max_tokens),
-                                                     prompt_index=i, token_ids=given.token_ids))
+                                                     prompt_index=i, token_ids=given.token_ids, videos=given.videos))
         for i, given in enumerate(inputs)
     ]
     eos = set() if params.ignore_eos else set(engine.eos_token_ids)

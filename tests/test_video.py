@@ -221,3 +221,27 @@ def test_chunked_prefill_and_preemption_across_a_video_keep_the_tokens(engines, 
     assert [list(o.token_ids) for o in outs] == expected
     stats = chunked.stats()
     assert stats["num_preemptions"] > 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+@pytest.mark.skipif(
+    not __import__("transformers").utils.is_torchvision_available(),
+    reason="transformers' Qwen video processors need torchvision; without it test_video_frames_patch_like_the_image_path "
+    "and test_frame_sampling_follows_transformers check the same rules on the PIL path",
+)
+@pytest.mark.parametrize("name", QWEN)
+def test_preprocessing_matches_transformers_video_processor(engines, family_checkpoint, name):
+    """Where transformers can run its video processor: the same frames kept, the same grid, and pixels
+    that differ only by the resize filter (torchvision's bicubic against PIL's)."""
+    from transformers import AutoVideoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    processor = AutoVideoProcessor.from_pretrained(str(family_checkpoint(name)))
+    frames = clip(16, 60, 84, seed=4)
+    theirs = processor(videos=[frames], video_metadata=[VideoMetadata(total_num_frames=16, fps=4.0)], do_sample_frames=True,
+                       fps=2, return_tensors="pt", **({} if name == "qwen3_vl" else {"cap_pixels_per_frame": False}))
+    processed = engines(name).input_processor.process(chat(VIDEO + "x"), None, GREEDY, videos=[Video(frames, fps=2.0, frame_rate=4.0)])
+    items = processed.mm_items
+    grid = [items[0].video_patch.count, *items[0].encoder_inputs["image_grid_thw"].view(3).tolist()[1:]]
+    assert theirs["video_grid_thw"].tolist() == [grid]
+    ours = torch.cat([item.encoder_inputs["pixel_values"] for item in items])
+    assert (ours - theirs["pixel_values_videos"]).abs().mean() < 0.05

@@ -140,3 +140,15 @@ def test_a_uuid_names_a_video_without_reading_it_again(engine):
     before = engine.stats()["videos_preprocessed"]
     assert answer(engine, PROMPT, videos=[Video(frames, uuid="clip-9")]) == first
     assert engine.stats()["videos_preprocessed"] == before
+
+
+def test_a_ray_replica_row_carries_videos(family_checkpoint, mp4):
+    """The replica a Ray batch or Serve deployment runs (here without Ray) answers rows with a videos column."""
+    from mmengine.ray.replica import EngineReplica
+
+    replica = EngineReplica(str(family_checkpoint("qwen2_5_vl")), {"dtype": "float32", "device": "cpu"}, replica_id=0)
+    rows = [{"prompt": PROMPT, "videos": [mp4], "sampling_params": {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}},
+            {"prompt": chat("text only"), "sampling_params": {"max_tokens": 2}}]
+    out = replica.generate(rows)
+    expected = answer(MMEngine(str(family_checkpoint("qwen2_5_vl")), dtype="float32", device="cpu"), PROMPT, videos=[mp4])
+    assert out[0]["token_ids"] == expected and len(out[1]["token_ids"]) == 2

@@ -2,7 +2,7 @@
 
 Used as the body of a long-lived Ray actor (batch.py) and by the map_batches processor
 (processor.py). Rows are plain dicts: `prompt` (str), `images` (a list of bytes / paths / pictures,
-optional), `sampling_params` (a dict of SamplingParams fields, optional), `lora` (the name of a LoRA
+optional), `videos` (a list of encoded videos or paths, optional), `sampling_params` (a dict of SamplingParams fields, optional), `lora` (the name of a LoRA
 adapter the replica registered from `lora_modules`, optional); other columns pass through.
 """
 
@@ -93,10 +93,11 @@ class EngineReplica:
     def generate(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         prompts = [row["prompt"] for row in rows]
         images = [row_images(row.get("images")) for row in rows]
+        videos = [row_images(row.get("videos")) for row in rows]
         params = [row_sampling_params(row.get("sampling_params"), i) for i, row in enumerate(rows)]
         loras = [row.get("lora") or None for row in rows]
         outputs = self.engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False,
-                                       lora=loras if any(loras) else None)
+                                       lora=loras if any(loras) else None, videos=videos if any(videos) else None)
         return [
             {
                 "text": out.text,
