@@ -30,6 +30,9 @@ DEFECTS = {
 }
 MAX_IMAGES = 4  # limit_mm_per_prompt
 MAX_MODEL_LEN = 640
+# Clips a Qwen case may show (frames, seed): 3 and 4 temporal patches of 2 frames, one padded
+CLIPS = ((5, 1), (8, 2))
+VIDEO_MARKER = "<|vision_start|><|video_pad|><|vision_end|>"
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class RequestSpec:
     # How the prompt is given: its text, a {"prompt": text} dict, or token ids with one placeholder per
     # picture ("markers") or the processor's expanded runs ("expanded"), pictures in multi_modal_data
     prompt_form: str = "text"
+    clip: int | None = None  # index into CLIPS: a video before the text (Qwen families; text or dict prompts)
 
 
 PROMPT_FORMS = ("text", "text", "dict", "markers", "expanded")
@@ -122,7 +126,7 @@ def make_case(seed: int, quick: bool = False) -> FuzzCase:
         "async_scheduling": rng.choice(("on", "off")),
         "prefix_caching_hash_algo": rng.choice(("xxh3_128", "xxh3_128", "sha256")),
         "mm_processor_cache_bytes": rng.choice((0, 1 << 30)),
-        "limit_mm_per_prompt": {"image": MAX_IMAGES},
+        "limit_mm_per_prompt": {"image": MAX_IMAGES, "video": 1},
         "max_model_len": MAX_MODEL_LEN,
     }
     if not quick and rng.random() < 0.1:
@@ -182,10 +186,12 @@ class _Drawer:
         self.num_adapters = num_adapters
         self.repeat_rate = repeat_rate  # how often a picture drawn is one of the last few requests' pictures
         self.made: list[RequestSpec] = []  # valid driver requests so far (multi-turn bases)
+        # videos are drawn apart from the workload's own draws, so a seed's workload stays what it was
+        self.video_rng = random.Random(f"{family}-{len(pictures)}-{len(systems)}-videos")
 
     def request(self, driver: bool = False, earlier: list[RequestSpec] = ()) -> RequestSpec:
         rng = self.rng
-        bases = self.made if driver else list(earlier)
+        bases = [spec for spec in (self.made if driver else earlier) if spec.clip is None]
         num_images = rng.choice((0, 1, 1, 1, 2, 2, 3))
         picked = [self._picture() for _ in range(num_images)]
         question = _words(rng, rng.randint(1, 10))
@@ -213,8 +219,14 @@ class _Drawer:
             elif rng.random() < 0.7:
                 spec.lora = rng.randrange(self.num_adapters)
         spec.prompt_form = rng.choice(PROMPT_FORMS)
+        if self.family != "llava" and base is None and self.video_rng.random() < 0.2:
+            spec.clip = self.video_rng.randrange(len(CLIPS))
+            head, user, rest = spec.prompt.rpartition("<|im_start|>user\n")
+            spec.prompt = head + user + VIDEO_MARKER + rest
+            spec.prompt_form = self.video_rng.choice(("text", "dict"))  # videos need a text prompt
         if rng.random() < 0.05:
-            spec.prompt_form = "text"  # the defects are written on the text and its images
+            spec.prompt_form, spec.clip = "text", None  # the defects are written on the text and its images
+            spec.prompt = spec.prompt.replace(VIDEO_MARKER, "")
             self._spoil(spec)
         elif driver:
             if rng.random() < 0.15:

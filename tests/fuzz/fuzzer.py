@@ -45,12 +45,13 @@ if not torch.cuda.is_available():  # as in tests/conftest.py: before any kernel 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for books.py
 
 from books import assert_books_consistent  # noqa: E402
-from fuzz_case import DEFECTS, MAX_IMAGES, MAX_MODEL_LEN, FuzzCase, RequestSpec, make_case  # noqa: E402
+from fuzz_case import CLIPS, DEFECTS, MAX_IMAGES, MAX_MODEL_LEN, FuzzCase, RequestSpec, make_case  # noqa: E402
 
 import mmengine.errors  # noqa: E402
 from mmengine import LoRARequest, MMEngine, RequestOutput, SamplingParams, StructuredOutputParams  # noqa: E402
 from mmengine.testing import TinyLlavaSpec, TinyQwenVLSpec, make_test_image, tiny_llava_path, tiny_qwen_vl_path  # noqa: E402
 from mmengine.testing.lora import build_random_adapter  # noqa: E402
+from mmengine.testing.video import make_test_clip  # noqa: E402
 
 REPLAY = "python tests/fuzz/fuzzer.py --seed {seed}"
 
@@ -90,6 +91,7 @@ class _Built:
     uuids: list[str | None] | None
     params: SamplingParams
     lora: str | None = None  # the adapter's name
+    videos: list[Any] = field(default_factory=list)  # the spec's clip, as frames
     prompt: Any = None  # what the engine is given: the text, or a prompt dict (see RequestSpec.prompt_form)
     expected_error: type[Exception] | None = None
     expanded_ids: list[int] = field(default_factory=list)  # the prompt's ids, placeholders expanded
@@ -110,7 +112,7 @@ class FuzzEnv:
             self._references[family] = MMEngine(
                 str(self.checkpoint(family)), max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False,
                 enable_prefix_grouping=False, cascade_attention="off", async_scheduling="off", device="cpu",
-                dtype="float32", limit_mm_per_prompt={"image": MAX_IMAGES}, max_num_batched_tokens=4096,
+                dtype="float32", limit_mm_per_prompt={"image": MAX_IMAGES, "video": 1}, max_num_batched_tokens=4096,
             )
         return self._references[family]
 
@@ -186,7 +188,7 @@ def _lora_reference(checkpoint: Path, adapters: dict[str, Path]) -> MMEngine:
     engine = MMEngine(
         str(checkpoint), max_model_len=MAX_MODEL_LEN, enable_prefix_caching=False, enable_prefix_grouping=False,
         cascade_attention="off", async_scheduling="off", device="cpu", dtype="float32",
-        limit_mm_per_prompt={"image": MAX_IMAGES}, max_num_batched_tokens=4096,
+        limit_mm_per_prompt={"image": MAX_IMAGES, "video": 1}, max_num_batched_tokens=4096,
         enable_lora=True, max_loras=len(adapters), max_lora_rank=8,
     )
     for name, path in adapters.items():
@@ -228,7 +230,8 @@ def _build(case: FuzzCase, tmp: Path) -> list[_Built]:
             uuids = [None] * (len(images) + 1)
         params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True, **_sampling_extras(case, index))
         lora = "no-such-adapter" if spec.defect == "unknown_adapter" else (None if spec.lora is None else f"a{spec.lora}")
-        built.append(_Built(spec, images, uuids, params, lora))
+        videos = [make_test_clip(CLIPS[spec.clip][0], 40, 56, seed=CLIPS[spec.clip][1])] if spec.clip is not None else []
+        built.append(_Built(spec, images, uuids, params, lora, videos))
     return built
 
 
@@ -252,7 +255,7 @@ def _expect(case: FuzzCase, built: list[_Built], reference: MMEngine) -> None:
     a defect must produce) and, for the valid ones, its greedy tokens."""
     for b in built:
         try:
-            processed = reference.input_processor.process(b.spec.prompt, b.images, b.params, mm_uuids=b.uuids)
+            processed = reference.input_processor.process(b.spec.prompt, b.images, b.params, mm_uuids=b.uuids, videos=b.videos)
         except mmengine.errors.InvalidInputError as err:
             b.expected_error = type(err)
         else:
@@ -271,6 +274,7 @@ def _expect(case: FuzzCase, built: list[_Built], reference: MMEngine) -> None:
         outs = reference.generate(
             [b.spec.prompt for b in valid], images=[b.images for b in valid], sampling_params=[b.params for b in valid],
             mm_uuids=[b.uuids for b in valid], lora=[b.lora for b in valid] if case.adapters else None, use_tqdm=False,
+            videos=[b.videos or None for b in valid],
         )
         for b, out in zip(valid, outs):
             b.reference = out.token_ids
@@ -282,6 +286,8 @@ def _engine_prompt(b: _Built, reference: MMEngine) -> Any:
     if form == "text":
         return b.spec.prompt
     data = {"multi_modal_data": {"image": b.images}} if b.images else {}
+    if b.videos:
+        data = {"multi_modal_data": data.get("multi_modal_data", {}) | {"video": b.videos}}
     if form == "dict":
         return {"prompt": b.spec.prompt, **data}
     ids = reference.tokenizer(b.spec.prompt)["input_ids"] if form == "markers" else b.expanded_ids
@@ -291,6 +297,10 @@ def _engine_prompt(b: _Built, reference: MMEngine) -> Any:
 def _images_arg(b: _Built) -> list[Any] | None:
     """The images= argument beside the prompt: none when a prompt dict carries them."""
     return b.images if isinstance(b.prompt, str) else None
+
+
+def _videos_arg(b: _Built) -> list[Any] | None:
+    return b.videos if isinstance(b.prompt, str) and b.videos else None
 
 
 def _resolve(case: FuzzCase, valid: list[_Built]) -> dict[str, object]:
@@ -322,7 +332,7 @@ def _drive(case: FuzzCase, engine: MMEngine, driver: list[_Built], audit: Callab
             b = driver[index]
             try:
                 request_id = engine.add_request(b.prompt, _images_arg(b), b.params, cache_salt=b.spec.salt, mm_uuids=b.uuids,
-                                                lora=b.lora)
+                                                lora=b.lora, videos=_videos_arg(b))
             except mmengine.errors.InvalidInputError as err:
                 _check_error(case, b, err, None)
                 continue
@@ -374,7 +384,7 @@ def _generate(engine: MMEngine, call: list[_Built]) -> list[RequestOutput]:
     return engine.generate(
         [b.prompt for b in call], images=[_images_arg(b) for b in call], sampling_params=[b.params for b in call],
         cache_salt=[b.spec.salt for b in call], mm_uuids=[b.uuids for b in call], lora=[b.lora for b in call],
-        use_tqdm=False,
+        use_tqdm=False, videos=[_videos_arg(b) for b in call],
     )
 
 

@@ -23,6 +23,9 @@ def test_cases_are_a_function_of_their_seed():
     assert make_case(5, quick=True) == make_case(5, quick=True)
     assert make_case(5) != make_case(6)
     assert {make_case(seed, quick=True).family for seed in SEEDS} == set(FAMILIES)
+    # the Qwen cases show videos too (text or dict prompts, never in a bad request)
+    clips = [spec for seed in SEEDS for spec in make_case(seed, quick=True).requests() if spec.clip is not None]
+    assert clips and all(spec.prompt_form in ("text", "dict") and spec.defect is None for spec in clips)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
