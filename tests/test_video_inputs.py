@@ -5,6 +5,8 @@ count, a model without videos) refused with a typed error naming the video, the 
 from __future__ import annotations
 
 import io
+import os
+import tempfile
 
 import av
 import numpy as np
@@ -26,17 +28,28 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 PROMPT = chat(VIDEO + "What happens?")
 
 
-def encode_mp4(frames: np.ndarray, rate: int = 4) -> bytes:
-    """An MPEG-4 Part 2 clip (every PyAV wheel carries that encoder)."""
+def encode_mp4(frames: np.ndarray, rate: int = 4, faststart: bool = False) -> bytes:
+    """An MPEG-4 Part 2 clip (every PyAV wheel carries that encoder); `faststart` puts the index (and its
+    frame count) before the frames, so a cut file still announces every frame."""
+    if faststart:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "clip.mp4")
+            _encode(av.open(path, mode="w", options={"movflags": "faststart"}), frames, rate)
+            with open(path, "rb") as file:
+                return file.read()
     out = io.BytesIO()
-    with av.open(out, mode="w", format="mp4") as container:
+    _encode(av.open(out, mode="w", format="mp4"), frames, rate)
+    return out.getvalue()
+
+
+def _encode(container, frames: np.ndarray, rate: int) -> None:
+    with container:
         stream = container.add_stream("mpeg4", rate=rate)
         stream.height, stream.width = frames.shape[1:3]
         stream.pix_fmt = "yuv420p"
         for frame in frames:
             container.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
         container.mux(stream.encode())
-    return out.getvalue()
 
 
 def decoded_frames(data: bytes) -> np.ndarray:
@@ -91,18 +104,22 @@ def test_a_batch_mixes_videos_images_and_text(engine, mp4):
     "bad, error, words",
     [
         (b"not a video at all", CorruptVideoError, "video 0: cannot decode"),
-        ("truncated", CorruptVideoError, "video 0"),
+        ("cut", CorruptVideoError, "video 0: cannot decode"),  # the index is at the end: the container is unreadable
+        ("truncated", CorruptVideoError, "video 0: truncated: the container announces 16 frames but frame"),
         ("/nonexistent/clip.mp4", CorruptVideoError, "cannot read"),
         ("long", VideoTooLargeError, "exceeds max_video_seconds=30"),
         (np.zeros((4, 10, 10), np.uint8), InvalidInputError, "uint8 [frames, height, width, 3]"),
         (Video(clip(4), fps=1.0, num_frames=4), InvalidInputError, "exclusive"),
         (Video(clip(4), max_pixels=10**7, min_pixels=10**7), ItemTooLargeError, "video 0: each temporal patch becomes"),
     ],
-    ids=["garbage", "truncated", "missing-file", "too-long", "bad-array", "fps-and-num-frames", "too-many-tokens"],
+    ids=["garbage", "cut", "truncated", "missing-file", "too-long", "bad-array", "fps-and-num-frames", "too-many-tokens"],
 )
 def test_bad_videos_are_refused_by_name_and_the_engine_serves_on(engine, mp4, bad, error, words):
-    if isinstance(bad, str) and bad == "truncated":
+    if isinstance(bad, str) and bad == "cut":
         bad = mp4[: len(mp4) // 2]
+    elif isinstance(bad, str) and bad == "truncated":
+        whole = encode_mp4(clip(16, 48, 64), faststart=True)
+        bad = whole[: len(whole) * 6 // 10]
     elif isinstance(bad, str) and bad == "long":
         bad = encode_mp4(clip(62, 16, 16), rate=2)  # 31 seconds
     with pytest.raises(error, match=words.replace("[", r"\[").replace("]", r"\]")):
