@@ -79,11 +79,16 @@ def run_generate(args: argparse.Namespace) -> None:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     engine = MMEngine(args.model, **engine_options(args, exclude=GENERATE_OWN_FLAGS))
     images = args.image or []
+    from mmengine.multimodal.video import Video
+
+    videos = [Video(path, fps=args.video_fps) for path in args.video or []] or None
     if args.chat:
-        content = [{"type": "image"} for _ in images] + [{"type": "text", "text": args.prompt}]
-        outputs = engine.chat([{"role": "user", "content": content}], images=images, sampling_params=params, use_tqdm=False)
+        content = [{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos or []]
+        content.append({"type": "text", "text": args.prompt})
+        outputs = engine.chat([{"role": "user", "content": content}], images=images, sampling_params=params, use_tqdm=False,
+                              videos=videos)
     else:
-        outputs = engine.generate(args.prompt, images=images, sampling_params=params, use_tqdm=False)
+        outputs = engine.generate(args.prompt, images=images, sampling_params=params, use_tqdm=False, videos=videos)
     print(outputs[0].text)
     print(f"[finish_reason={outputs[0].finish_reason}, tokens={len(outputs[0].token_ids)}]", file=sys.stderr)
 
@@ -209,7 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--model", required=True, help="path to a local Hugging Face checkpoint directory")
     gen.add_argument("--prompt", required=True, help="prompt text; put one <image> marker per --image unless --chat")
     gen.add_argument("--image", action="append", help="image file (repeat for several images)")
-    gen.add_argument("--chat", action="store_true", help="wrap the prompt and images with the model's chat template")
+    gen.add_argument("--video", action="append", help="video file (Qwen families; repeat for several videos)")
+    gen.add_argument("--video-fps", type=float, default=None, help="frames per second sampled from each --video "
+                     "(default: the checkpoint's video processor's)")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt, images and videos with the model's chat template")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

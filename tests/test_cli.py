@@ -25,6 +25,20 @@ def test_generate_on_a_checkpoint(checkpoint_dir, tmp_path, capsys):
     assert main([*args, "--chat", "--prompt", "hi", "--image", str(image)]) == 0
 
 
+def test_generate_with_a_video(family_checkpoint, tmp_path, capsys):
+    from test_video import clip
+    from test_video_inputs import encode_mp4
+
+    video = tmp_path / "clip.mp4"
+    video.write_bytes(encode_mp4(clip(8, 48, 64)))
+    args = ["generate", "--model", str(family_checkpoint("qwen2_vl")), "--max-tokens", "3", "--max-model-len", "512",
+            "--dtype", "float32", "--video", str(video), "--video-fps", "1"]
+    assert main([*args, "--chat", "--prompt", "What happens?"]) == 0
+    assert "tokens=3" in capsys.readouterr().err
+    assert main([*args, "--prompt", "no marker"]) == 2
+    assert "0 <|video_pad|> marker(s) but 1 video(s)" in capsys.readouterr().err
+
+
 def test_bad_input_is_a_clean_error(checkpoint_dir, capsys):
     code = main(["generate", "--model", str(checkpoint_dir()), "--max-model-len", "256", "--prompt", "USER: <image> ASSISTANT:"])
     assert code == 2
