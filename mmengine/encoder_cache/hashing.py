@@ -77,7 +77,12 @@ def hash_video(frames: np.ndarray, indices: list[int] | tuple[int, ...], fps: fl
     """A video by its sampled frames' pixels, which source frames they are and the source's rate
     (timestamps and temporal positions follow from them)."""
     header = f"{list(frames.shape)} {list(indices)} {fps!r}\n".encode("ascii")
-    return _hash_item(b"video", fingerprint, settings_key, b"content", header + frames.tobytes(), algo)
+    h = new_hasher(algo)
+    for part in (b"video", fingerprint.encode(), settings_key.encode(), b"content"):
+        h.update(len(part).to_bytes(8, "little") + part)
+    h.update(header)
+    h.update(memoryview(np.ascontiguousarray(frames)).cast("B"))  # the pixels without a copy
+    return h.hexdigest()
 
 
 def hash_video_patch(video_hash: str, index: int, algo: str = "xxh3_128") -> str:

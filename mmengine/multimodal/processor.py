@@ -42,7 +42,8 @@ from mmengine.multimodal.processor_cache import ProcessorCache
 from mmengine.multimodal.resize_guard import check_preprocessed_size
 from mmengine.multimodal.video import DEFAULT_MAX_VIDEO_SECONDS, as_video
 from mmengine.multimodal.video_loader import LoadedVideo, VideoLimits, VideoLoader
-from mmengine.request import MMItem, ProcessedPrompt, VideoPatch
+from mmengine.multimodal.video_prompt import video_items, video_runs, write_video_markers
+from mmengine.request import MMItem, ProcessedPrompt
 from mmengine.sampling import SamplingParams
 
 
@@ -178,7 +179,8 @@ class InputProcessor:
             self._check_vocabulary(token_ids)
         loaded_videos = self._load_videos(prompt, token_ids, videos or [])
         if any(self.family.video_prompt_text(v.plan) is not None for v in loaded_videos):
-            prompt = self._write_video_markers(prompt, [self.family.video_prompt_text(v.plan) for v in loaded_videos])
+            texts = [self.family.video_prompt_text(v.plan) for v in loaded_videos]
+            prompt = write_video_markers(prompt, self.video_token, texts, *self._vision_wrap())
             text_ids = None
         if len(images) > self.max_images:
             raise TooManyImagesError(
@@ -196,7 +198,7 @@ class InputProcessor:
                                         f"model gives this image {count} placeholder tokens")
         self._check_item_sizes(counts)
         if token_ids is None:
-            token_ids, starts, video_starts = self._tokenize(prompt, counts, text_ids, self._video_runs(loaded_videos))
+            token_ids, starts, video_starts = self._tokenize(prompt, counts, text_ids, video_runs(self.family, loaded_videos))
         else:
             (token_ids, starts), video_starts = self._expand_token_ids(token_ids, counts), []
         if not token_ids:
@@ -204,7 +206,8 @@ class InputProcessor:
         self._check_length(len(token_ids), params.max_tokens)
         items = self._placeholder_items(token_ids, starts, counts, preprocessed, mm_hashes)
         if loaded_videos:
-            items = sorted(items + self._video_items(token_ids, video_starts, loaded_videos), key=lambda item: item.offset)
+            videos = video_items(token_ids, video_starts, loaded_videos, self.family.video_token_id)
+            items = sorted(items + videos, key=lambda item: item.offset)
         positions = self.family.prompt_positions(token_ids, items)
         return ProcessedPrompt(prompt=prompt, prompt_token_ids=token_ids, mm_items=items, mrope_positions=positions)
 
@@ -275,44 +278,10 @@ class InputProcessor:
             raise VideoCountMismatchError(f"the prompt has {markers} {self.video_token} marker(s) but {len(videos)} video(s) were given")
         return [self.videos.load(as_video(video, index), index) for index, video in enumerate(videos)]
 
-    def _write_video_markers(self, prompt: str, texts: list[str | None]) -> str:
-        """The prompt with the k-th video marker (with the <|vision_start|> / <|vision_end|> around it, where
-        the chat template wrote them) replaced by texts[k], which holds one marker per item."""
-        start, end = getattr(self.hf_processor, "vision_start_token", ""), getattr(self.hf_processor, "vision_end_token", "")
-        parts, rest = [], prompt
-        for text in texts:
-            at = rest.index(self.video_token)
-            before, after = rest[:at], rest[at + len(self.video_token):]
-            if start and end and before.endswith(start) and after.startswith(end):
-                before, after = before[: -len(start)], after[len(end):]
-            parts += [before, text]
-            rest = after
-        return "".join(parts) + rest
+    def _vision_wrap(self) -> tuple[str, str]:
+        """The tokens a chat template writes around a video marker (<|vision_start|>, <|vision_end|>)."""
+        return getattr(self.hf_processor, "vision_start_token", ""), getattr(self.hf_processor, "vision_end_token", "")
 
-    def _video_runs(self, videos: list[LoadedVideo]) -> list[list[int]]:
-        """Per video marker in the tokenized prompt, its items' run lengths: all of a video's items behind
-        one marker, or one item per marker where the family writes a marker per item."""
-        runs: list[list[int]] = []
-        for video in videos:
-            plan = video.plan
-            if self.family.video_prompt_text(plan) is None:
-                runs.append([plan.tokens_per_patch] * plan.num_patches)
-            else:
-                runs += [[plan.tokens_per_patch] for _ in range(plan.num_patches)]
-        return runs
-
-    def _video_items(self, token_ids: list[int], starts: list[int], videos: list[LoadedVideo]) -> list[MMItem]:
-        expected = sum(video.plan.num_tokens for video in videos)
-        found = token_ids.count(self.family.video_token_id)
-        if found != expected or len(starts) != sum(len(video.inputs) for video in videos):
-            raise VideoCountMismatchError(f"the prompt holds {found} video tokens but its {len(videos)} video(s) need {expected}")
-        items, position = [], iter(starts)
-        for video in videos:
-            count = len(video.inputs)
-            for index, (mm_hash, inputs) in enumerate(zip(video.hashes, video.inputs)):
-                patch = VideoPatch(index, count, video.plan.time_step)
-                items.append(MMItem("video", mm_hash, next(position), video.plan.tokens_per_patch, inputs, patch))
-        return items
 
     def _check_vocabulary(self, token_ids: list[int]) -> None:
         vocab = self.family.text_config.vocab_size

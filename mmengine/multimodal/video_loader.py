@@ -96,7 +96,7 @@ class VideoLoader:
     def _hash_frames(self, frames: np.ndarray) -> str:
         h = new_hasher(self.hash_algo)
         h.update(f"{list(frames.shape)}\n".encode("ascii"))
-        h.update(frames.tobytes())
+        h.update(memoryview(np.ascontiguousarray(frames)).cast("B"))
         return h.hexdigest()
 
     def _read(
