@@ -161,6 +161,9 @@ class TinyQwenVLSpec:
     spatial_merge_size: int = 2
     min_pixels: int = 28 * 28 * 4
     max_pixels: int = 28 * 28 * 64
+    # The video processor's bounds in embeddings: per frame (Qwen2-VL, Qwen2.5-VL) or for all frames
+    # together (Qwen3-VL, whose bounds are over the clip). None: 4..16 per frame, 8..64 per clip.
+    video_tokens: tuple[int, int] | None = None
     tokenizer_vocab_size: int = 400  # target for BPE training
     # The model's vocabulary (embedding and lm_head rows). None: len(tokenizer) exactly. Larger pads it
     # past the tokenizer, as the published checkpoints do (152064 rows for 151665 tokens).
@@ -265,6 +268,7 @@ QWEN2_5_VL_7B_SPEC = TinyQwenVLSpec(
     window_size=112,
     min_pixels=56 * 56,
     max_pixels=28 * 28 * 1280,
+    video_tokens=(128, 768),  # the published video_preprocessor_config.json
     vocab_size=152064,
     dtype="bfloat16",
 )
@@ -419,11 +423,11 @@ def _save_processor(spec: TinyQwenVLSpec, tokenizer: PreTrainedTokenizerFast, pa
 
 
 def _video_processor_settings(spec: TinyQwenVLSpec) -> dict[str, object]:
-    """What transformers' Qwen2VLVideoProcessor / Qwen3VLVideoProcessor save, at the spec's tiny sizes:
-    per-frame bounds of 4..16 embeddings (Qwen2-VL), or 8..64 for all frames together (Qwen3-VL)."""
+    """What transformers' Qwen2VLVideoProcessor / Qwen3VLVideoProcessor save, with the spec's bounds
+    (by default tiny: 4..16 embeddings a frame for Qwen2-VL, 8..64 for all frames together for Qwen3-VL)."""
     qwen3 = spec.family == "qwen3_vl"
     unit = spec.patch * spec.spatial_merge_size
-    low, high = (8, 64) if qwen3 else (4, 16)
+    low, high = spec.video_tokens or ((8, 64) if qwen3 else (4, 16))
     mean, std = ([0.5] * 3, [0.5] * 3) if qwen3 else (list(OPENAI_CLIP_MEAN), list(OPENAI_CLIP_STD))
     return {
         "video_processor_type": "Qwen3VLVideoProcessor" if qwen3 else "Qwen2VLVideoProcessor",
