@@ -226,18 +226,24 @@ def normalize_salts(cache_salt: object, num_prompts: int) -> list[str | None]:
     return [check_salt(salt, index) for index, salt in enumerate(cache_salt)]
 
 
-def normalize_uuids(mm_uuids: object, single: bool, num_prompts: int) -> list[Sequence[str | None] | None]:
+def normalize_uuids(mm_uuids: object, single: bool, num_prompts: int) -> list[Any]:
+    """One prompt's ids (a list, one per image, or a dict {"image": [...], "video": [...]}) or one per
+    prompt in a batch."""
     if mm_uuids is None:
         return [None] * num_prompts
+    if single and isinstance(mm_uuids, dict):
+        return [mm_uuids]
     if not _is_list(mm_uuids):
-        raise InvalidInputError(f"mm_uuids must be a list (one id per image, or one list per prompt), got {type_name(mm_uuids)}")
+        raise InvalidInputError(
+            f"mm_uuids must be a list (one id per image, or one list per prompt) or a dict by modality, got {type_name(mm_uuids)}"
+        )
     if single:
         return [mm_uuids]
     if len(mm_uuids) != num_prompts:
         raise InvalidInputError(f"mm_uuids must hold one list per prompt: got {len(mm_uuids)} for {num_prompts} prompts")
     for index, uuids in enumerate(mm_uuids):
-        if uuids is not None and not _is_list(uuids):
-            raise InvalidInputError(f"mm_uuids must hold a list (or None) per prompt, got {type_name(uuids)}", index)
+        if uuids is not None and not _is_list(uuids) and not isinstance(uuids, dict):
+            raise InvalidInputError(f"mm_uuids must hold a list, a dict by modality or None per prompt, got {type_name(uuids)}", index)
     return list(mm_uuids)
 
 

@@ -169,3 +169,15 @@ def test_a_ray_replica_row_carries_videos(family_checkpoint, mp4):
     out = replica.generate(rows)
     expected = answer(MMEngine(str(family_checkpoint("qwen2_5_vl")), dtype="float32", device="cpu"), PROMPT, videos=[mp4])
     assert out[0]["token_ids"] == expected and len(out[1]["token_ids"]) == 2
+
+
+def test_mm_uuids_by_modality_name_videos(engine):
+    frames = clip(6, seed=11)
+    first = answer(engine, PROMPT, videos=[frames], mm_uuids={"video": ["clip-11"]})
+    before = engine.stats()["videos_preprocessed"]
+    assert answer(engine, PROMPT, videos=[frames.copy()], mm_uuids={"image": [], "video": ["clip-11"]}) == first
+    assert engine.stats()["videos_preprocessed"] == before  # the id stands for the clip: nothing read again
+    with pytest.raises(InvalidInputError, match="mm_uuids has 2 entries for 1 video"):
+        engine.generate(PROMPT, videos=[frames], mm_uuids={"video": ["a", "b"]}, sampling_params=GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidInputError, match="unknown modalities \\['audio'\\]"):
+        engine.generate(PROMPT, videos=[frames], mm_uuids={"audio": ["a"]}, sampling_params=GREEDY, use_tqdm=False)

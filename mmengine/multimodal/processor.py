@@ -12,6 +12,7 @@ once, at start-up, on two images of different sizes).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +56,16 @@ class BatchMemo:
 
     hashes: dict[int, str] = field(default_factory=dict)
     locks: KeyedLock = field(default_factory=KeyedLock)
+
+
+def split_uuids(mm_uuids: Any) -> tuple[Any, Any]:
+    """(image ids, video ids) of a request's mm_uuids: a list names images; a dict names each modality."""
+    if not isinstance(mm_uuids, dict):
+        return mm_uuids, None
+    unknown = sorted(set(mm_uuids) - {"image", "video"})
+    if unknown:
+        raise InvalidInputError(f"mm_uuids names unknown modalities {unknown}; known: image, video")
+    return mm_uuids.get("image"), mm_uuids.get("video")
 
 
 class InputProcessor:
@@ -152,7 +163,8 @@ class InputProcessor:
         token_ids: list[int] | None = None,
         videos: Sequence[Any] | None = None,
     ) -> ProcessedPrompt:
-        """`mm_uuids` optionally names each image: equal ids mean equal images (content is not hashed).
+        """`mm_uuids` optionally names each image: equal ids mean equal images (content is not hashed); a
+        dict {"image": [...], "video": [...]} names videos too (as vLLM's multi_modal_uuids).
         `memo` is shared by the calls of one batch, so a picture object it gives for several prompts
         is read and hashed once. `text_ids`: the prompt's ids from `tokenize_batch`, if the batch was
         tokenized up front. `token_ids` instead of `prompt`: a token prompt (see _expand_token_ids).
@@ -177,7 +189,8 @@ class InputProcessor:
             check_prompt_text(prompt)
         else:
             self._check_vocabulary(token_ids)
-        loaded_videos = self._load_videos(prompt, token_ids, videos or [])
+        mm_uuids, video_uuids = split_uuids(mm_uuids)
+        loaded_videos = self._load_videos(prompt, token_ids, videos or [], video_uuids)
         if any(self.family.video_prompt_text(v.plan) is not None for v in loaded_videos):
             texts = [self.family.video_prompt_text(v.plan) for v in loaded_videos]
             prompt = write_video_markers(prompt, self.video_token, texts, *self._vision_wrap())
@@ -257,7 +270,9 @@ class InputProcessor:
 
     # -- videos ---------------------------------------------------------------------
 
-    def _load_videos(self, prompt: str | None, token_ids: list[int] | None, videos: list[Any]) -> list[LoadedVideo]:
+    def _load_videos(
+        self, prompt: str | None, token_ids: list[int] | None, videos: list[Any], uuids: Sequence[str | None] | None = None
+    ) -> list[LoadedVideo]:
         """Each video checked against the prompt's markers and the limits, then loaded (multimodal/video_loader.py)."""
         markers = prompt.count(self.video_token) if prompt is not None and self.video_token else 0
         if token_ids is not None and self.family.video_token_id is not None and self.family.video_token_id in token_ids:
@@ -276,7 +291,11 @@ class InputProcessor:
             )
         if markers != len(videos):
             raise VideoCountMismatchError(f"the prompt has {markers} {self.video_token} marker(s) but {len(videos)} video(s) were given")
-        return [self.videos.load(as_video(video, index), index) for index, video in enumerate(videos)]
+        clips = [as_video(video, index) for index, video in enumerate(videos)]
+        for index, uuid in enumerate(self._validated_user_ids(uuids, len(clips), "video") if uuids is not None else []):
+            if uuid is not None:
+                clips[index] = dataclasses.replace(clips[index], uuid=uuid)
+        return [self.videos.load(clip, index) for index, clip in enumerate(clips)]
 
     def _vision_wrap(self) -> tuple[str, str]:
         """The tokens a chat template writes around a video marker (<|vision_start|>, <|vision_end|>)."""
@@ -431,11 +450,13 @@ class InputProcessor:
             self.num_images_decoded += 1
         return picture
 
-    def _validated_user_ids(self, mm_uuids: Sequence[str | None] | None, num_images: int) -> list[str | None]:
+    def _validated_user_ids(self, mm_uuids: Sequence[str | None] | None, num_images: int, kind: str = "image") -> list[str | None]:
         if mm_uuids is None:
             return [None] * num_images
+        if not isinstance(mm_uuids, (list, tuple)):
+            raise InvalidInputError(f"mm_uuids' {kind} ids must be a list, got {type(mm_uuids).__name__}")
         if len(mm_uuids) != num_images:
-            raise InvalidInputError(f"mm_uuids has {len(mm_uuids)} entries for {num_images} image(s)")
+            raise InvalidInputError(f"mm_uuids has {len(mm_uuids)} entries for {num_images} {kind}(s)")
         for index, user_id in enumerate(mm_uuids):
             if user_id is not None and not (isinstance(user_id, str) and user_id):
                 raise InvalidInputError(f"mm_uuids[{index}] must be a non-empty str or None, got {user_id!r}")
