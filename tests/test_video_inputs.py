@@ -105,7 +105,7 @@ def test_a_batch_mixes_videos_images_and_text(engine, mp4):
     [
         (b"not a video at all", CorruptVideoError, "video 0: cannot decode"),
         ("cut", CorruptVideoError, "video 0: cannot decode"),  # the index is at the end: the container is unreadable
-        ("truncated", CorruptVideoError, "video 0: truncated: the container announces 16 frames but frame"),
+        ("truncated", CorruptVideoError, "video 0: truncated: the container announces 16 frames but holds"),
         ("/nonexistent/clip.mp4", CorruptVideoError, "cannot read"),
         ("long", VideoTooLargeError, "exceeds max_video_seconds=30"),
         (np.zeros((4, 10, 10), np.uint8), InvalidInputError, "uint8 [frames, height, width, 3]"),
@@ -181,3 +181,24 @@ def test_mm_uuids_by_modality_name_videos(engine):
         engine.generate(PROMPT, videos=[frames], mm_uuids={"video": ["a", "b"]}, sampling_params=GREEDY, use_tqdm=False)
     with pytest.raises(InvalidInputError, match="unknown modalities \\['audio'\\]"):
         engine.generate(PROMPT, videos=[frames], mm_uuids={"audio": ["a"]}, sampling_params=GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize(("container", "codec"), [("mp4", "mpeg4"), ("webm", "libvpx-vp9"), ("matroska", "mpeg4"),
+                                                  ("mpegts", "mpeg4"), ("avi", "mpeg4")])
+def test_containers_whose_headers_lie_are_counted_by_their_packets(container, codec):
+    """Matroska and MPEG-TS announce wrong frame counts and rates (PyAV reads 4104 frames at 1 fps from
+    this Matroska file): frames are counted by demuxing, the rate is frames / duration."""
+    from mmengine.multimodal import video as video_io
+
+    frames = clip(15, 48, 64)
+    out = io.BytesIO()
+    with av.open(out, mode="w", format=container) as muxer:
+        stream = muxer.add_stream(codec, rate=5)
+        stream.height, stream.width, stream.pix_fmt = 48, 64, "yuv420p"
+        for frame in frames:
+            muxer.mux(stream.encode(av.VideoFrame.from_ndarray(frame, format="rgb24")))
+        muxer.mux(stream.encode())
+    info = video_io.probe(out.getvalue(), 0, max_seconds=60, max_frame_pixels=10**6)
+    assert (info.num_frames, info.fps, info.height, info.width) == (15, 5.0, 48, 64)
+    decoded = video_io.decode(out.getvalue(), [0, 7, 14], info, 0)
+    assert np.array_equal(decoded, decoded_frames(out.getvalue())[[0, 7, 14]])

@@ -154,21 +154,40 @@ def given_frames(video: Video, index: int, max_frame_pixels: int) -> np.ndarray:
 
 
 def probe(data: bytes, index: int, max_seconds: float, max_frame_pixels: int) -> VideoInfo:
-    """The container's frame count, rate and frame size, checked against the limits before decoding."""
+    """The video's frame count, rate and frame size, checked against the limits before any frame is
+    decoded. Containers' own frame counts and rates are often missing or wrong (Matroska, MPEG-TS), so
+    the frames are counted by demuxing their packets (no decoding), and the rate is frames / duration
+    where the duration is known. A count the container announces, consistent with its duration and
+    rate (an MP4 index), that the packets fall short of means a truncated file."""
     av = _import_av()
     with _decode_errors(av, index), av.open(io.BytesIO(data), mode="r") as container:
         if not container.streams.video:
             raise CorruptVideoError(f"video {index}: the data holds no video stream")
         stream = container.streams.video[0]
-        rate = stream.average_rate or stream.guessed_rate or stream.base_rate
-        fps = float(rate) if rate else 0.0
-        if not 0 < fps <= MAX_SOURCE_FPS:
-            raise CorruptVideoError(f"video {index}: frame rate {fps:g} is not in (0, {MAX_SOURCE_FPS:g}]")
+        rate = float(stream.average_rate or stream.guessed_rate or 0)
         seconds = _duration(container, stream)
-        num_frames = int(stream.frames) or (round(seconds * fps) if seconds else 0)
-        info = VideoInfo(num_frames=num_frames, fps=fps, height=stream.codec_context.height, width=stream.codec_context.width)
-    if info.num_frames < 1:
-        raise CorruptVideoError(f"video {index}: the container reports no frames and no duration")
+        if seconds > max_seconds:
+            raise VideoTooLargeError(f"video {index}: {seconds:.1f} s exceeds max_video_seconds={max_seconds:g}")
+        _check_frame_size(stream.codec_context.width, stream.codec_context.height, max_frame_pixels, index)
+        most = int(max_seconds * MAX_SOURCE_FPS)
+        count = 0
+        for packet in container.demux(stream):
+            if packet.size:
+                count += 1
+                if count > most:
+                    raise VideoTooLargeError(f"video {index}: more than {most} frames (max_video_seconds={max_seconds:g} at "
+                                             f"{MAX_SOURCE_FPS:g} fps)")
+        declared = int(stream.frames)
+        announced = declared > 0 and rate > 0 and seconds > 0 and abs(declared - seconds * rate) <= max(2.0, 0.1 * declared)
+        height, width = stream.codec_context.height, stream.codec_context.width
+    if count < 1:
+        raise CorruptVideoError(f"video {index}: the stream holds no frames")
+    if announced and count < declared:
+        raise CorruptVideoError(f"video {index}: truncated: the container announces {declared} frames but holds {count}")
+    fps = count / seconds if seconds > 0 else rate
+    if not 0 < fps <= MAX_SOURCE_FPS:
+        raise CorruptVideoError(f"video {index}: frame rate {fps:g} is not in (0, {MAX_SOURCE_FPS:g}]")
+    info = VideoInfo(num_frames=count, fps=fps, height=height, width=width)
     check_limits(info, index, max_seconds, max_frame_pixels)
     return info
 
@@ -182,8 +201,8 @@ def check_limits(info: VideoInfo, index: int, max_seconds: float, max_frame_pixe
 
 
 def decode(data: bytes, indices: Sequence[int], info: VideoInfo, index: int) -> np.ndarray:
-    """The frames at `indices` (sorted, within the probed count) as RGB uint8 [T, H, W, 3]. A stream
-    that ends before the last wanted frame is truncated: CorruptVideoError."""
+    """The frames at `indices` (within the probed count) as RGB uint8 [T, H, W, 3]. A stream whose
+    packets do not all decode is corrupt: CorruptVideoError."""
     av = _import_av()
     wanted = sorted(set(indices))
     picked: dict[int, np.ndarray] = {}
@@ -197,8 +216,7 @@ def decode(data: bytes, indices: Sequence[int], info: VideoInfo, index: int) -> 
                     break
     if len(picked) < len(wanted):
         raise CorruptVideoError(
-            f"video {index}: truncated: the container announces {info.num_frames} frames but frame {wanted[len(picked)]} "
-            "could not be decoded"
+            f"video {index}: frame {wanted[len(picked)]} of its {info.num_frames} could not be decoded (a corrupt stream)"
         )
     shapes = {frame.shape for frame in picked.values()}
     if len(shapes) != 1:
