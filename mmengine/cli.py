@@ -8,6 +8,7 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from mmengine.entrypoints.engine_flags import add_engine_options, engine_options
 from mmengine.errors import MMEngineError
@@ -70,7 +71,25 @@ def run_demo(args: argparse.Namespace) -> None:
         f"{len({id(img) for imgs in image_lists for img in imgs})} unique) "
         f"in {elapsed:.2f}s: {len(outputs) / elapsed:.1f} req/s, {generated / elapsed:.1f} output tok/s"
     )
+    if engine.family.video_token_id is not None:
+        _demo_video(engine, params)
     print("engine stats:", json.dumps(engine.stats(), indent=2))
+
+
+def _demo_video(engine: Any, params: Any) -> None:
+    """Questions about one synthetic clip: it is encoded once, one encoder run per temporal patch."""
+    from mmengine.testing.video import make_test_clip
+
+    clip = make_test_clip(16, 60, 84)  # 8 seconds at 2 frames/s
+    questions = ["What happens?", "What moves first?", "What colour is it at the end?", "Is it a loop?"]
+    prompts = [engine.input_processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": q}]}]) for q in questions]
+    before = engine.stats()["encoder_runs"]
+    outputs = engine.generate(prompts, videos=[[clip]] * len(prompts), sampling_params=params, use_tqdm=False)
+    patches = sum(item.modality == "video" for item in engine.input_processor.process(prompts[0], None, params, videos=[clip]).mm_items)
+    print(f"{len(outputs)} questions about one 16-frame clip ({patches} temporal patches): "
+          f"{engine.stats()['encoder_runs'] - before} encoder runs, {sum(o.num_cached_tokens for o in outputs)} prompt tokens "
+          "served from the prefix cache")
 
 
 def run_generate(args: argparse.Namespace) -> None:

@@ -16,6 +16,11 @@ def test_demo_runs_and_reports(tmp_path, capsys):
     assert "\"requests_finished\": 7" in out  # 6 + the warm-up request
 
 
+def test_demo_of_a_qwen_family_asks_about_a_clip(tmp_path, capsys):
+    assert main(["demo", "--family", "qwen2_vl", "--requests", "4", "--max-tokens", "2", "--cache-dir", str(tmp_path)]) == 0
+    assert "4 questions about one 16-frame clip (8 temporal patches): 8 encoder runs" in capsys.readouterr().out
+
+
 def test_generate_on_a_checkpoint(checkpoint_dir, tmp_path, capsys):
     image = tmp_path / "img.png"
     make_test_image(1).save(image)
