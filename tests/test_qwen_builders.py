@@ -440,3 +440,24 @@ def test_builds_directly_on_a_gpu(tmp_path):
     inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
     out = model.generate(**inputs, do_sample=False, max_new_tokens=3, eos_token_id=None)
     assert out.shape[1] == inputs["input_ids"].shape[1] + 3
+
+
+def test_the_qwen3_8b_spec_has_the_published_shape():
+    """About 8.77B parameters like Qwen/Qwen3-VL-8B-Instruct (counted on the meta device: no memory)."""
+    from transformers import Qwen3VLForConditionalGeneration
+
+    from mmengine.testing import QWEN3_VL_8B_SPEC
+
+    spec = QWEN3_VL_8B_SPEC
+    config = mq._build_config(spec, mq._build_tokenizer(spec.tokenizer_vocab_size), 0.02)
+    text, vision = config.text_config, config.vision_config
+    assert (text.hidden_size, text.intermediate_size, text.num_hidden_layers, text.head_dim) == (4096, 12288, 36, 128)
+    assert (text.num_attention_heads, text.num_key_value_heads, text.vocab_size) == (32, 8, 151936)
+    assert text.rope_parameters["mrope_section"] == [24, 20, 20] and text.rope_parameters["rope_theta"] == 5e6
+    assert (vision.depth, vision.hidden_size, vision.intermediate_size, vision.num_heads) == (27, 1152, 4304, 16)
+    assert (vision.out_hidden_size, list(vision.deepstack_visual_indexes), vision.patch_size) == (4096, [8, 16, 24], 16)
+    with torch.device("meta"):
+        model = Qwen3VLForConditionalGeneration(config)
+    assert 8.70e9 < sum(p.numel() for p in model.parameters()) < 8.85e9
+    settings = mq._video_processor_settings(spec)
+    assert settings["size"] == {"shortest_edge": 4096, "longest_edge": 25165824}  # the published video bounds

@@ -6,7 +6,7 @@ transformers and mmengine's loader read exactly the same files. No network or mo
 - LLaVA-1.5 (`llava`): `TinyLlavaSpec`, `build_tiny_llava`, `tiny_llava_path`, and `build_llava_checkpoint`
   with `LLAVA_1_5_7B_SPEC` for benchmarks.
 - Qwen2-VL / Qwen2.5-VL (`qwen_vl`): `TinyQwenVLSpec`, `build_tiny_qwen_vl`, `tiny_qwen_vl_path`, and
-  `build_qwen_vl_checkpoint` with `QWEN2_5_VL_7B_SPEC` for benchmarks.
+  `build_qwen_vl_checkpoint` with `QWEN2_5_VL_7B_SPEC` or `QWEN3_VL_8B_SPEC` for benchmarks.
 """
 
 from mmengine.testing.images import make_test_image
@@ -20,6 +20,7 @@ from mmengine.testing.llava import (
 )
 from mmengine.testing.qwen_vl import (
     QWEN2_5_VL_7B_SPEC,
+    QWEN3_VL_8B_SPEC,
     QWEN_CHAT_TEMPLATE,
     TinyQwenVLSpec,
     build_qwen_vl_checkpoint,
@@ -41,6 +42,7 @@ __all__ = [
     "REAL_INITIALIZER_RANGE",
     "TinyQwenVLSpec",
     "QWEN2_5_VL_7B_SPEC",
+    "QWEN3_VL_8B_SPEC",
     "QWEN_CHAT_TEMPLATE",
     "build_qwen_vl_checkpoint",
     "build_tiny_qwen_vl",

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "TinyQwenVLSpec",
     "QWEN2_5_VL_7B_SPEC",
+    "QWEN3_VL_8B_SPEC",
     "QWEN_CHAT_TEMPLATE",
     "build_qwen_vl_checkpoint",
     "build_tiny_qwen_vl",
@@ -270,6 +271,35 @@ QWEN2_5_VL_7B_SPEC = TinyQwenVLSpec(
     max_pixels=28 * 28 * 1280,
     video_tokens=(128, 768),  # the published video_preprocessor_config.json
     vocab_size=152064,
+    dtype="bfloat16",
+)
+
+
+# Qwen/Qwen3-VL-8B-Instruct's shape: a 36-layer Qwen3 decoder (4096 wide, 32 query / 8 KV heads of 128,
+# interleaved M-RoPE sections 24/20/20, rope_theta 5e6, 151936-row vocabulary, untied) over a 27-layer,
+# 1152-wide vision tower of 16 px patches with DeepStack levels from layers 8, 16 and 24; about 8.77B
+# parameters. Image and video bounds as its published processor configs.
+QWEN3_VL_8B_SPEC = TinyQwenVLSpec(
+    family="qwen3_vl",
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    mrope_section=(24, 20, 20),
+    rope_theta=5_000_000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=262144,
+    vision_hidden_size=1152,
+    vision_intermediate_size=4304,
+    vision_num_heads=16,
+    vision_depth=27,
+    deepstack_visual_indexes=(8, 16, 24),
+    num_position_embeddings=2304,
+    min_pixels=64 * 32 * 32,
+    max_pixels=16384 * 32 * 32,
+    video_tokens=(4, 24576),
+    vocab_size=151936,
     dtype="bfloat16",
 )
 
