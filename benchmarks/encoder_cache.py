@@ -15,6 +15,9 @@ transformers' generate() (which encodes every image of every prompt, every time)
     python benchmarks/encoder_cache.py                     # built-in tiny model
     python benchmarks/encoder_cache.py --model PATH --num-requests 64 --output-len 32
     python benchmarks/encoder_cache.py --scenarios video --video-model PATH --clip-seconds 30 --clip-size 448x448
+    # on a GPU, the published shapes built in place (once; random weights, bf16):
+    python benchmarks/encoder_cache.py --scenarios video --device cuda --video-model /tmp/qwen2.5-vl-7b \
+        --build-video-spec qwen2_5_vl_7b --clip-seconds 30 --clip-size 448x448
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import argparse
 import json
 import platform
 import random
+import sys
 import time
 from pathlib import Path
 
@@ -30,7 +34,14 @@ import torch
 
 from mmengine import MMEngine, SamplingParams
 from mmengine.multimodal.video import Video
-from mmengine.testing import TinyQwenVLSpec, make_test_image, tiny_llava_path, tiny_qwen_vl_path
+from mmengine.testing import (
+    QWEN2_5_VL_7B_SPEC,
+    QWEN3_VL_8B_SPEC,
+    TinyQwenVLSpec,
+    make_test_image,
+    tiny_llava_path,
+    tiny_qwen_vl_path,
+)
 from mmengine.testing.video import hf_video_inputs, make_test_clip
 
 VIDEO_MARKER = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -91,10 +102,19 @@ def _video_prompt(question: str) -> str:
     return f"<|im_start|>user\n{VIDEO_MARKER}{question}<|im_end|>\n<|im_start|>assistant\n"
 
 
+VIDEO_SPECS = {"qwen2_5_vl_7b": QWEN2_5_VL_7B_SPEC, "qwen3_vl_8b": QWEN3_VL_8B_SPEC}
+
+
 def run_video(args: argparse.Namespace, engine_kwargs: dict) -> dict:
     """N questions about each of K clips, shuffled; then, on a fresh engine, the time to first token of
     a first and a second question about one clip."""
     model = args.video_model or str(tiny_qwen_vl_path(TinyQwenVLSpec(family="qwen2_5_vl")))
+    if args.build_video_spec:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from latency import ensure_checkpoint  # a sibling script
+
+        device = "cuda" if args.device in ("auto", "cuda") and torch.cuda.is_available() else "cpu"
+        ensure_checkpoint(Path(model), VIDEO_SPECS[args.build_video_spec], device, "bfloat16")
     height, width = (int(x) for x in args.clip_size.split("x"))
     frames = int(args.clip_seconds * args.clip_fps)
     clips = [Video(make_test_clip(frames, height, width, seed=k), frame_rate=args.clip_fps) for k in range(args.num_clips)]
@@ -171,6 +191,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--clip-fps", type=float, default=2.0, help="frames per second of the clips (all kept)")
     parser.add_argument("--clip-size", default="60x84", help="HxW of the frames")
     parser.add_argument("--video-max-model-len", type=int, default=4096)
+    parser.add_argument("--build-video-spec", choices=sorted(VIDEO_SPECS), default=None,
+                        help="build this published shape at --video-model first (random weights, bf16; once)")
     args = parser.parse_args(argv)
     chosen = args.scenarios.split(",")
     unknown = sorted(set(chosen) - {*IMAGE_SCENARIOS, "video"})
