@@ -49,7 +49,7 @@ def hf_video_greedy(
     transformers' processor gives for these frames and this text. `sampled_fps`: the rate of the kept
     frames, from which transformers' processor derives second_per_grid_ts (Qwen2.5-VL)."""
     model, _ = _hf_model(path, CPU_FP32)
-    inputs = hf_video_inputs(engine, prompt, images, videos, sampled_fps)
+    inputs = hf_video_inputs(engine.input_processor, prompt, images, videos, sampled_fps)
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None)
     return out[0, inputs["input_ids"].shape[1]:].tolist()

@@ -23,15 +23,15 @@ def make_test_clip(num_frames: int, height: int = 60, width: int = 84, seed: int
     return ((np.stack(frames) + noise) % 256).astype(np.uint8)
 
 
-def hf_video_inputs(engine: Any, prompt: str, images: list, videos: list, sampled_fps: float = 2.0) -> dict[str, torch.Tensor]:
-    """transformers' Qwen-VL inputs for a prompt as `engine` (an MMEngine) processes it. `sampled_fps`:
-    the rate of the kept frames, from which transformers' processor derives Qwen2.5-VL's
-    second_per_grid_ts (temporal_patch_size / fps)."""
+def hf_video_inputs(processor: Any, prompt: str, images: list, videos: list, sampled_fps: float = 2.0) -> dict[str, torch.Tensor]:
+    """transformers' Qwen-VL inputs for a prompt as `processor` (an MMEngine's input_processor)
+    processes it. `sampled_fps`: the rate of the kept frames, from which transformers' processor derives
+    Qwen2.5-VL's second_per_grid_ts (temporal_patch_size / fps)."""
     from mmengine.sampling import SamplingParams
 
-    processed = engine.input_processor.process(prompt, images, SamplingParams(max_tokens=1), videos=videos)
+    processed = processor.process(prompt, images, SamplingParams(max_tokens=1), videos=videos)
     ids = torch.tensor([processed.prompt_token_ids])
-    family = engine.family
+    family = processor.family
     types = torch.zeros_like(ids)
     types[ids == family.image_token_id] = 1
     types[ids == family.video_token_id] = 2
@@ -47,6 +47,6 @@ def hf_video_inputs(engine: Any, prompt: str, images: list, videos: list, sample
         if family.model_type == "qwen2_5_vl":
             inputs["second_per_grid_ts"] = torch.tensor([family.video.temporal_patch_size / sampled_fps] * len(grids))
     if images:
-        pictures = engine.input_processor.hf_processor.image_processor(images=images, return_tensors="pt")
+        pictures = processor.hf_processor.image_processor(images=images, return_tensors="pt")
         inputs |= {"pixel_values": pictures["pixel_values"], "image_grid_thw": pictures["image_grid_thw"]}
     return inputs
