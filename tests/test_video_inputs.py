@@ -110,9 +110,11 @@ def test_a_batch_mixes_videos_images_and_text(engine, mp4):
         ("long", VideoTooLargeError, "exceeds max_video_seconds=30"),
         (np.zeros((4, 10, 10), np.uint8), InvalidInputError, "uint8 [frames, height, width, 3]"),
         (Video(clip(4), fps=1.0, num_frames=4), InvalidInputError, "exclusive"),
+        (Video(clip(4), num_frames=10**9), InvalidInputError, "video 0: num_frames=1000000000 exceeds the video processor's max_frames=64"),
         (Video(clip(4), max_pixels=10**7, min_pixels=10**7), ItemTooLargeError, "video 0: each temporal patch becomes"),
     ],
-    ids=["garbage", "cut", "truncated", "missing-file", "too-long", "bad-array", "fps-and-num-frames", "too-many-tokens"],
+    ids=["garbage", "cut", "truncated", "missing-file", "too-long", "bad-array", "fps-and-num-frames", "num-frames-bomb",
+         "too-many-tokens"],
 )
 def test_bad_videos_are_refused_by_name_and_the_engine_serves_on(engine, mp4, bad, error, words):
     if isinstance(bad, str) and bad == "cut":

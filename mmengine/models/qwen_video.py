@@ -92,12 +92,13 @@ def load_video_settings(model_dir: str | Path | None, family: str, patch_size: i
 def sample_indices(settings: QwenVideoSettings, qwen3: bool, total: int, source_fps: float, fps: float | None, num_frames: int | None) -> list[int]:
     """Indices of the frames to keep, by transformers' `sample_frames` of the family's video processor."""
     t = settings.temporal_patch_size
+    if num_frames is not None and num_frames > settings.max_frames:
+        raise InvalidInputError(f"num_frames={num_frames} exceeds the video processor's max_frames={settings.max_frames}")
     if qwen3:
         if num_frames is None:
             num_frames = int(total / source_fps * (fps if fps is not None else settings.fps))
             num_frames = min(max(num_frames, settings.min_frames), settings.max_frames, total)
-        num_frames = min(num_frames, total)
-        return np.linspace(0, total - 1, num_frames).round().astype(int).tolist()
+        return np.linspace(0, total - 1, num_frames).round().astype(int).tolist()  # (more than total repeats frames)
     if num_frames is not None:
         num_frames = round(num_frames / t) * t
     else:
