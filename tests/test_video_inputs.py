@@ -153,12 +153,15 @@ def test_a_model_without_videos_says_so(family_checkpoint):
         llava.generate("USER: hi ASSISTANT:", videos=[clip(2)], sampling_params=GREEDY, use_tqdm=False)
 
 
-def test_a_uuid_names_a_video_without_reading_it_again(engine):
-    frames = clip(6, seed=9)
-    first = answer(engine, PROMPT, videos=[Video(frames, uuid="clip-9")])
-    before = engine.stats()["videos_preprocessed"]
-    assert answer(engine, PROMPT, videos=[Video(frames, uuid="clip-9")]) == first
-    assert engine.stats()["videos_preprocessed"] == before
+def test_a_uuid_names_a_video_without_reading_it_again(engine, tmp_path):
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(encode_mp4(clip(8, 48, 64, seed=9)))
+    first = answer(engine, PROMPT, videos=[Video(str(path), uuid="clip-9")])
+    before = engine.stats()
+    path.unlink()  # a known id reads nothing: the file is not even opened
+    assert answer(engine, PROMPT, videos=[Video(str(path), uuid="clip-9")]) == first
+    after = engine.stats()
+    assert (after["videos_preprocessed"], after["videos_decoded"]) == (before["videos_preprocessed"], before["videos_decoded"])
 
 
 def test_a_ray_replica_row_carries_videos(family_checkpoint, mp4):

@@ -60,19 +60,29 @@ class VideoLoader:
 
     def load(self, video: video_io.Video, index: int) -> LoadedVideo:
         settings = f"{self.settings_key}|{video.options_key()}"
+        if video.uuid is not None:  # a known id reads nothing: the source is read only on a miss
+            key = hash_user_id(video.uuid, self.fingerprint, settings, self.hash_algo, modality="video")
+            return self._load_keyed(key, video, index, settings, named=True)
         encoded = video_io.encoded_video_bytes(video, index)
         frames = None if encoded is not None else video_io.given_frames(video, index, self.limits.max_frame_pixels)
-        if video.uuid is not None:
-            key = hash_user_id(video.uuid, self.fingerprint, settings, self.hash_algo, modality="video")
-        elif encoded is not None:
+        if encoded is not None:
             key = "bytes:" + hash_bytes(encoded, self.hash_algo) + settings
         else:
             key = "frames:" + self._hash_frames(frames) + settings
+        return self._load_keyed(key, video, index, settings, False, encoded, frames)
+
+    def _load_keyed(
+        self, key: str, video: video_io.Video, index: int, settings: str, named: bool,
+        encoded: bytes | None = None, frames: np.ndarray | None = None,
+    ) -> LoadedVideo:
         with self._loading.hold(key):
             known = self._lookup(key)
             if known is not None:
                 return known
-            loaded = self._read(video, index, encoded, frames, settings, key if video.uuid is not None else None)
+            if named:
+                encoded = video_io.encoded_video_bytes(video, index)
+                frames = None if encoded is not None else video_io.given_frames(video, index, self.limits.max_frame_pixels)
+            loaded = self._read(video, index, encoded, frames, settings, key if named else None)
             with self._cache_lock:
                 loaded.inputs = [self.cache.put(h, inputs) for h, inputs in zip(loaded.hashes, loaded.inputs)]
                 self._known[key] = (loaded.plan, loaded.hashes)
