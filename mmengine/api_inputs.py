@@ -8,7 +8,6 @@ a conversation that is not a list of messages.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 

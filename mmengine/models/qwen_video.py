@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from PIL import Image
 
-from mmengine.errors import InvalidInputError, ItemTooLargeError
+from mmengine.errors import InvalidInputError
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -54,9 +54,6 @@ class QwenVideoSettings:
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge_size
-
-    def key(self) -> str:
-        return json.dumps(self.__dict__, sort_keys=True)
 
 
 def load_video_settings(model_dir: str | Path | None, family: str, patch_size: int, temporal_patch_size: int, merge_size: int) -> QwenVideoSettings:
@@ -191,11 +188,3 @@ def max_tokens_per_patch(settings: QwenVideoSettings) -> int:
     high = settings.max_pixels // settings.temporal_patch_size if settings.whole_clip_bounds else settings.max_pixels
     low = settings.min_pixels // settings.temporal_patch_size if settings.whole_clip_bounds else settings.min_pixels
     return max_tokens_for_pixels(low, max(high, 1), settings.factor)
-
-
-def check_patch_tokens(tokens: int, limit: int | None, index: int) -> None:
-    if limit is not None and tokens > limit:
-        raise ItemTooLargeError(
-            f"video {index}: each frame becomes {tokens} embeddings but the encoder cache budget is {limit} per step "
-            "(lower the video's max_pixels, or raise encoder_cache_size)"
-        )
