@@ -262,13 +262,15 @@ class AsyncMMEngine:
         mm_uuids: Sequence[str | None] | None = None,
         fill_max_tokens: bool = False,
         lora: LoRARequest | str | None = None,
+        videos: Sequence[Any] | None = None,
     ) -> RequestStream:
         """Validates, preprocesses (on the worker pool) and queues one request; returns its stream.
 
         Bad input raises the engine's typed errors before anything is queued. `fill_max_tokens`
         replaces `sampling_params.max_tokens` with all the room the prompt leaves (max_model_len
         and the KV cache), as OpenAI's API does when max_tokens is not given. `lora` selects an adapter
-        (a registered name, or a LoRARequest registered on first use).
+        (a registered name, or a LoRARequest registered on first use). `videos`: one per video marker,
+        as MMEngine.generate takes them.
         """
         self._start()
         self.check_not_overloaded()
@@ -277,7 +279,7 @@ class AsyncMMEngine:
         check_salt(cache_salt)
         request_id = check_request_id(request_id) or f"req-{uuid.uuid4().hex}"
         uuids = normalize_uuids(mm_uuids, single=True, num_prompts=1)[0]
-        given = normalize_prompt(prompt, images)  # a str, or a prompt dict (token ids) as MMEngine takes it
+        given = normalize_prompt(prompt, images, videos=videos)  # a str, or a prompt dict (token ids) as MMEngine takes it
         stream = RequestStream(self, request_id, params)
         with self._lock:
             if request_id in self._streams:

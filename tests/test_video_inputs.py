@@ -207,3 +207,18 @@ def test_containers_whose_headers_lie_are_counted_by_their_packets(container, co
     assert (info.num_frames, info.fps, info.height, info.width) == (15, 5.0, 48, 64)
     decoded = video_io.decode(out.getvalue(), [0, 7, 14], info, 0)
     assert np.array_equal(decoded, decoded_frames(out.getvalue())[[0, 7, 14]])
+
+
+def test_the_async_engine_streams_an_answer_about_a_video(engine):
+    import asyncio
+
+    from mmengine.async_engine import AsyncMMEngine
+
+    async def ask() -> list[int]:
+        async with AsyncMMEngine(engine) as served:
+            tokens: list[int] = []
+            async for delta in served.generate(PROMPT, None, GREEDY, videos=[clip(4, seed=21)]):
+                tokens += delta.token_ids
+            return tokens
+
+    assert asyncio.run(ask()) == answer(engine, PROMPT, videos=[clip(4, seed=21)])
