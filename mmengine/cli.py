@@ -179,12 +179,13 @@ def run_budget(args: argparse.Namespace) -> None:
         pinned_room_tokens=kv_tokens[0],
         bytes_per_token=width * elem,
         encoder_cache_size=inputs["encoder_cache_size"][0],
+        items_per_video=family.max_items_per_video,
     )
     if args.json:
         print(json.dumps(budget.to_json(), indent=2))
         return
     print(f"encoder cache budget for {args.model}")
-    for line in explain_budget(budget, inputs, family.explain_max_tokens_per_item()):
+    for line in explain_budget(budget, inputs, family.explain_max_tokens_per_item(), family.max_items_per_video):
         print("  " + line)
     from mmengine.encoder_cache.host_tier import host_tier_bytes
 

@@ -180,6 +180,7 @@ class MMEngine:
             bytes_per_token=self.runner.embedding_bytes,
             encoder_cache_size=self.config.encoder_cache_size,
             warn=warn,
+            items_per_video=self.family.max_items_per_video,
         )
 
     # -- low-level API ---------------------------------------------------------

@@ -151,3 +151,12 @@ def test_an_item_bigger_than_one_steps_encoder_budget_is_rejected_at_input(check
     with pytest.raises(ItemTooLargeError, match="prompt 1: image 0 needs 16 embeddings"):
         engine.generate(["USER: hi", "USER: <image>\nhi"], images=[[], [make_test_image(0)]], use_tqdm=False)
     assert not engine.has_unfinished_requests()
+
+
+def test_a_video_counts_as_its_items_in_the_cap():
+    """One sequence with one video may need a whole step's worth of items (its temporal patches): the
+    cap counts a video as the most items it can make, not as one."""
+    as_one = compute_encoder_budget(100, 2048, 1, {"image": 2, "video": 1}, 0, 2)
+    as_items = compute_encoder_budget(100, 2048, 1, {"image": 2, "video": 1}, 0, 2, items_per_video=30)
+    assert (as_one.items_cap, as_one.num_items) == (2, 2)
+    assert (as_items.items_cap, as_items.num_items) == (30, 22)  # min(ceil(2048 / 100) + 1, 30)

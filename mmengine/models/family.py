@@ -163,6 +163,11 @@ class ModelFamily:
         """The placeholder token of video items, or None for a family that takes no videos."""
         return None
 
+    @property
+    def max_items_per_video(self) -> int:
+        """The most items one video can make (its temporal patches at the most frames sampled)."""
+        return 1
+
     def plan_video(self, info: Any, video: Any, keep_all_frames: bool = False) -> VideoPlan:
         """Which frames of a video (a multimodal.video.VideoInfo) are kept (all of them, or by the
         family's sampling rule and the `Video`'s fps / num_frames) and their resized size; known before

@@ -175,6 +175,10 @@ class Qwen2VLFamily(ModelFamily):
     def video_token_id(self) -> int | None:
         return self.hf_config.video_token_id
 
+    @property
+    def max_items_per_video(self) -> int:
+        return -(-self.video.max_frames // self.video.temporal_patch_size)
+
     def plan_video(self, info: Any, video: Any, keep_all_frames: bool = False) -> VideoPlan:
         rules = self.video
         if keep_all_frames:
