@@ -79,3 +79,21 @@ def test_budget_cli_explains_where_the_largest_item_comes_from(family_checkpoint
 def test_bad_processor_overrides_are_config_errors(family_checkpoint, overrides):
     with pytest.raises(ConfigError, match="mm_processor_kwargs"):
         MMEngine(str(family_checkpoint("qwen2_vl")), mm_processor_kwargs=overrides)
+
+
+def test_qwen3_video_resize_equals_transformers_whole_clip_rule():
+    """Qwen3-VL's video bounds hold for all frames together: our shared smart_resize with num_frames
+    equals transformers' video smart_resize (its module imports without torchvision) on random clips."""
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_clip_resize
+
+    from mmengine.models.qwen_video import load_video_settings, resized_size
+
+    settings = load_video_settings(None, "qwen3_vl", 16, 2, 2)
+    rng = random.Random(3)
+    for _ in range(500):
+        frames, height, width = rng.randint(2, 300), rng.randint(8, 2000), rng.randint(8, 2000)  # thin ones too
+        if max(height, width) / min(height, width) > 200:
+            continue
+        expected = hf_clip_resize(frames, height, width, 2, 32, settings.min_pixels, settings.max_pixels)
+        assert resized_size(settings, frames, height, width) == expected
+        assert smart_resize(height, width, 32, settings.min_pixels, settings.max_pixels, frames, 2) == expected

@@ -118,6 +118,8 @@ def resized_size(
     """(height, width) every frame is resized to: transformers' video smart_resize for the family, with
     a request's bounds in place of the checkpoint's. Qwen2-VL bounds each frame (and, with total_pixels
     or cap_pixels_per_frame, limits each frame to its share of a total); Qwen3-VL bounds the whole clip."""
+    from mmengine.models.qwen_vl import smart_resize  # (qwen_vl imports this module)
+
     factor, temporal = settings.factor, settings.temporal_patch_size
     low = min_pixels or settings.min_pixels
     high = max_pixels or settings.max_pixels
@@ -130,33 +132,15 @@ def resized_size(
         elif settings.cap_pixels_per_frame:
             per_frame = max(min(settings.max_video_tokens * factor * factor, high // num_frames), int(low * 1.05))
             high = per_frame * num_frames
-        return _smart_resize_clip(num_frames, height, width, temporal, factor, low, high)
+        num_frames = max(num_frames, temporal)  # a shorter clip is padded to one temporal patch
+        if height < factor or width < factor:  # Qwen3-VL scales a thin clip up to one factor first
+            scale = max(factor / height, factor / width)
+            height, width = int(height * scale), int(width * scale)
+        return smart_resize(height, width, factor, low, high, num_frames, temporal)
     total = total_pixels or (int(settings.max_video_tokens * factor * factor * 0.9) if settings.cap_pixels_per_frame else None)
     if total is not None:
         high = max(min(high, total * temporal // num_frames), int(low * 1.05))
-    from mmengine.models.qwen_vl import smart_resize
-
     return smart_resize(height, width, factor, low, high)
-
-
-def _smart_resize_clip(num_frames: int, height: int, width: int, temporal: int, factor: int, low: int, high: int) -> tuple[int, int]:
-    """transformers' Qwen3-VL video smart_resize: the bounds hold for all (rounded) frames together."""
-    num_frames = max(num_frames, temporal)  # a shorter clip is padded to one temporal patch
-    if height < factor or width < factor:
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    h_bar = round(height / factor) * factor
-    w_bar = round(width / factor) * factor
-    t_bar = round(num_frames / temporal) * temporal
-    if t_bar * h_bar * w_bar > high:
-        beta = math.sqrt((num_frames * height * width) / high)
-        h_bar = max(factor, math.floor(height / beta / factor) * factor)
-        w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif t_bar * h_bar * w_bar < low:
-        beta = math.sqrt(low / (num_frames * height * width))
-        h_bar = math.ceil(height * beta / factor) * factor
-        w_bar = math.ceil(width * beta / factor) * factor
-    return h_bar, w_bar
 
 
 def patch_items(settings: QwenVideoSettings, frames: np.ndarray, height: int, width: int) -> list[dict[str, torch.Tensor]]:

@@ -299,16 +299,21 @@ def pixel_bounds(settings: dict[str, Any]) -> tuple[int, int]:
     return int(min_pixels), int(max_pixels)
 
 
-def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """transformers' Qwen2-VL resize rule: sides multiples of `factor`, area within [min, max] pixels."""
+def smart_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int, num_frames: int = 1, temporal_factor: int = 1
+) -> tuple[int, int]:
+    """transformers' Qwen resize rule: sides multiples of `factor`, area within [min, max] pixels. For
+    Qwen3-VL's videos the bounds hold for all `num_frames` frames together (rounded to a multiple of
+    `temporal_factor`); one frame is the image rule."""
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
-    if h_bar * w_bar > max_pixels:
-        beta = math.sqrt((height * width) / max_pixels)
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
         h_bar = max(factor, math.floor(height / beta / factor) * factor)
         w_bar = max(factor, math.floor(width / beta / factor) * factor)
-    elif h_bar * w_bar < min_pixels:
-        beta = math.sqrt(min_pixels / (height * width))
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
