@@ -96,4 +96,5 @@ def test_qwen3_video_resize_equals_transformers_whole_clip_rule():
             continue
         expected = hf_clip_resize(frames, height, width, 2, 32, settings.min_pixels, settings.max_pixels)
         assert resized_size(settings, frames, height, width) == expected
-        assert smart_resize(height, width, 32, settings.min_pixels, settings.max_pixels, frames, 2) == expected
+        if min(height, width) >= 32:  # (resized_size scales a thinner clip up to one factor first)
+            assert smart_resize(height, width, 32, settings.min_pixels, settings.max_pixels, frames, 2) == expected
