@@ -137,7 +137,7 @@ def stop_process(process: subprocess.Popen) -> None:
 def _thread_server(model: str, port: int, engine_args: list[str]) -> Iterator[str]:
     import uvicorn
 
-    from mmengine.async_engine import AsyncMMEngine
+    from mmengine.engine.async_engine import AsyncMMEngine
     from mmengine.entrypoints.api_server import ServerSettings, build_app
     from mmengine.entrypoints.serve_cli import build_serve_parser, engine_options
 

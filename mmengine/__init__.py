@@ -8,29 +8,31 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mmengine.lazy_exports import lazy_exports
+from mmengine.utils.lazy_exports import lazy_exports
 
-__all__ = ["BeamSearchParams", "EngineConfig", "LoRARequest", "MMEngine", "RequestOutput", "SamplingParams", "StructuredOutputParams"]
+__all__ = ["AsyncMMEngine", "BeamSearchParams", "EngineConfig", "LoRARequest", "MMEngine", "RequestOutput", "SamplingParams", "StructuredOutputParams"]
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "BeamSearchParams": "mmengine.beam_search",
+    "AsyncMMEngine": "mmengine.engine.async_engine",
+    "BeamSearchParams": "mmengine.engine.beam_search",
     "EngineConfig": "mmengine.config",
     "LoRARequest": "mmengine.lora.request",
-    "MMEngine": "mmengine.engine",
+    "MMEngine": "mmengine.engine.mm_engine",
     "RequestOutput": "mmengine.outputs",
-    "SamplingParams": "mmengine.sampling",
-    "StructuredOutputParams": "mmengine.structured_output.params",
+    "SamplingParams": "mmengine.sample.params",
+    "StructuredOutputParams": "mmengine.sample.structured_output.params",
 }
 
 if TYPE_CHECKING:
-    from mmengine.beam_search import BeamSearchParams
+    from mmengine.engine.async_engine import AsyncMMEngine
+    from mmengine.engine.beam_search import BeamSearchParams
     from mmengine.config import EngineConfig
     from mmengine.lora.request import LoRARequest
-    from mmengine.engine import MMEngine
+    from mmengine.engine.mm_engine import MMEngine
     from mmengine.outputs import RequestOutput
-    from mmengine.sampling import SamplingParams
-    from mmengine.structured_output.params import StructuredOutputParams
+    from mmengine.sample.params import SamplingParams
+    from mmengine.sample.structured_output.params import StructuredOutputParams
 
 
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

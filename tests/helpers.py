@@ -9,8 +9,8 @@ from pathlib import Path
 
 import torch
 
-from mmengine.request import MMItem, ProcessedPrompt, Request
-from mmengine.sampling import SamplingParams
+from mmengine.core.request import MMItem, ProcessedPrompt, Request
+from mmengine.sample.params import SamplingParams
 
 
 # A one-image prompt and short greedy params, for tests that need any valid request.
@@ -53,7 +53,7 @@ def make_scheduler(
     from mmengine.encoder_cache.manager import EncoderCacheManager
     from mmengine.kv_cache.block_hash import make_hash_function
     from mmengine.kv_cache.manager import KVCacheManager
-    from mmengine.scheduler import Scheduler
+    from mmengine.core.scheduler import Scheduler
 
     engine_config = EngineConfig(model="unused", block_size=block_size, enable_prefix_caching=enable_prefix_caching, **config)
     kv = KVCacheManager(num_blocks, block_size, make_hash_function("xxh3_128", 0), enable_prefix_caching=enable_prefix_caching)

@@ -17,7 +17,7 @@ import httpx
 import PIL.Image
 import uvicorn
 
-from mmengine.async_engine import AsyncMMEngine
+from mmengine.engine.async_engine import AsyncMMEngine
 from mmengine.entrypoints.api_server import ServerSettings, build_app
 
 MODEL_NAME = "tiny-llava"

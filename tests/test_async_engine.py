@@ -11,7 +11,7 @@ import time
 import pytest
 
 from mmengine import MMEngine, SamplingParams
-from mmengine.async_engine import AsyncMMEngine, DeltaOutput, EngineDeadError, EngineOverloadedError, RequestFailedError
+from mmengine.engine.async_engine import AsyncMMEngine, DeltaOutput, EngineDeadError, EngineOverloadedError, RequestFailedError
 from mmengine.errors import ImageCountMismatchError
 from mmengine.testing import make_test_image
 

@@ -21,7 +21,7 @@ from mmengine.layers.cascade import CascadeGroup
 from mmengine.runner.cascade_plan import CascadePolicy, GraphBounds
 from mmengine.runner.cuda_graphs import EagerCapturer
 from mmengine.runner.inputs import PAD_SEQ_LEN, InputBuffers
-from mmengine.scheduler import ScheduledRequest
+from mmengine.core.scheduler import ScheduledRequest
 from mmengine.testing import make_test_image
 
 SYSTEMS = [

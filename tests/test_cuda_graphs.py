@@ -13,7 +13,7 @@ from helpers import make_request
 from mmengine import MMEngine, SamplingParams
 from mmengine.runner.cuda_graphs import EagerCapturer, graph_batch_sizes, padded_batch_size
 from mmengine.runner.inputs import PAD_SEQ_LEN, PAD_SLOT, InputBuffers
-from mmengine.scheduler import ScheduledRequest
+from mmengine.core.scheduler import ScheduledRequest
 from mmengine.testing import make_test_image
 
 PROMPTS = [

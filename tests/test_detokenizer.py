@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from mmengine.detokenizer import IncrementalDetokenizer
+from mmengine.sample.detokenizer import IncrementalDetokenizer
 from mmengine.testing import TinyLlavaSpec, tiny_llava_path
 
 CORPUS = (

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from mmengine import MMEngine, SamplingParams
-from mmengine.scheduler import ScheduledRequest, SchedulerOutput
+from mmengine.core.scheduler import ScheduledRequest, SchedulerOutput
 from mmengine.testing import make_test_image
 
 IMAGES = [make_test_image(100 + i) for i in range(6)]

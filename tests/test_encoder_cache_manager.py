@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from helpers import make_request, make_scheduler
 from mmengine.encoder_cache.manager import EncoderCacheManager
-from mmengine.scheduler import Scheduler
+from mmengine.core.scheduler import Scheduler
 
 EOS = frozenset({0})
 

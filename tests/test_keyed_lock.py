@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from mmengine.keyed_lock import KeyedLock
+from mmengine.utils.keyed_lock import KeyedLock
 
 
 def test_a_key_is_held_by_one_thread_at_a_time_and_the_work_is_done_once():

@@ -17,7 +17,7 @@ from mmengine.layers.lora import LoRASegments, add_lora, lora_reference
 from mmengine.lora.adapter import DecoderShape, load_adapter
 from mmengine.lora.manager import LoRAManager
 from mmengine.lora.request import LoRARequest
-from mmengine.request import RequestStatus
+from mmengine.core.request import RequestStatus
 
 SHAPE = DecoderShape(2, {"q_proj": (16, 16), "k_proj": (16, 8), "v_proj": (16, 8), "o_proj": (16, 16),
                          "gate_proj": (16, 32), "up_proj": (16, 32), "down_proj": (32, 16)})

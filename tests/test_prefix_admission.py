@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from helpers import make_request
 from helpers import make_scheduler as make_shared_scheduler
-from mmengine.request import RequestStatus
-from mmengine.scheduler import MAX_ADMISSION_SKIPS, Scheduler
+from mmengine.core.request import RequestStatus
+from mmengine.core.scheduler import MAX_ADMISSION_SKIPS, Scheduler
 
 EOS = frozenset({0})
 PREFIX = list(range(100, 116))  # 4 blocks of 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mmengine.prefix_groups import PrefixGroup, group_order, plan_prefix_groups
+from mmengine.core.prefix_groups import PrefixGroup, group_order, plan_prefix_groups
 
 
 def blocks(name: str, n: int) -> list[str]:

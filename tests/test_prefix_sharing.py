@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 
 from helpers import make_request, make_scheduler
-from mmengine.request import RequestStatus
-from mmengine.scheduler import MAX_ADMISSION_SKIPS, Scheduler
+from mmengine.core.request import RequestStatus
+from mmengine.core.scheduler import MAX_ADMISSION_SKIPS, Scheduler
 
 EOS = frozenset({0})
 

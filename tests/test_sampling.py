@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from mmengine.errors import ConfigError
-from mmengine.sampling import Sampler, SamplingParams
+from mmengine.sample.params import SamplingParams
+from mmengine.sample.sampler import Sampler
 
 CPU = torch.device("cpu")
 

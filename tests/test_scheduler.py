@@ -6,8 +6,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import make_request, make_scheduler
-from mmengine.request import RequestStatus
-from mmengine.scheduler import Scheduler
+from mmengine.core.request import RequestStatus
+from mmengine.core.scheduler import Scheduler
 
 EOS = frozenset({0})
 
@@ -155,7 +155,7 @@ def test_a_stale_encoder_plan_commits_nothing():
     """A plan checked against books that changed since is refused before anything is taken."""
     import pytest
 
-    from mmengine.scheduler import EncoderPlan
+    from mmengine.core.scheduler import EncoderPlan
 
     sched = make_scheduler(num_blocks=8, block_size=4, encoder_capacity=8, max_num_batched_tokens=3)
     holder = make_request("holder", 6, images=[(1, 4)], image_hashes=["x"])

@@ -14,7 +14,7 @@ import torch
 from serve_helpers import MODEL_NAME, running_server
 
 from mmengine import MMEngine, SamplingParams
-from mmengine.async_engine import AsyncMMEngine
+from mmengine.engine.async_engine import AsyncMMEngine
 from mmengine.entrypoints.api_server import ServerSettings
 
 OPTIONS = {"max_model_len": 256, "device": "cpu", "dtype": "float32"}

@@ -11,7 +11,7 @@ from serve_helpers import MODEL_NAME, running_server
 
 from conftest import CPU_FP32, _hf_model
 from mmengine import MMEngine
-from mmengine.async_engine import AsyncMMEngine
+from mmengine.engine.async_engine import AsyncMMEngine
 from mmengine.entrypoints.api_server import ServerSettings
 from mmengine.entrypoints.logprobs_format import token_text
 

@@ -10,7 +10,7 @@ import pytest
 from serve_helpers import MODEL_NAME, data_url, image_part, running_server
 
 from mmengine import LoRARequest, MMEngine, SamplingParams
-from mmengine.async_engine import AsyncMMEngine
+from mmengine.engine.async_engine import AsyncMMEngine
 from mmengine.entrypoints.api_server import ServerSettings
 from mmengine.testing import make_test_image
 

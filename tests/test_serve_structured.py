@@ -15,7 +15,7 @@ import pytest
 from serve_helpers import data_url, image_part, running_server
 
 from mmengine import MMEngine, SamplingParams
-from mmengine.async_engine import AsyncMMEngine
+from mmengine.engine.async_engine import AsyncMMEngine
 from mmengine.entrypoints.api_server import ServerSettings
 from mmengine.testing import make_test_image, tiny_qwen_vl_path
 from mmengine.testing.schemas import SCHEMAS

@@ -14,7 +14,7 @@ import pytest
 from serve_helpers import running_server
 
 from mmengine import MMEngine, SamplingParams
-from mmengine.async_engine import AsyncMMEngine
+from mmengine.engine.async_engine import AsyncMMEngine
 from mmengine.entrypoints.api_server import ServerSettings
 from mmengine.entrypoints.tools import ToolCallStream, parse_tool_calls
 from mmengine.testing import tiny_qwen_vl_path

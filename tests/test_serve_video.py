@@ -12,7 +12,7 @@ import pytest
 from serve_helpers import API_KEY, MODEL_NAME, running_server
 
 from mmengine import MMEngine
-from mmengine.async_engine import AsyncMMEngine
+from mmengine.engine.async_engine import AsyncMMEngine
 from mmengine.entrypoints.api_server import ServerSettings
 from mmengine.entrypoints.media import MediaPolicy
 from test_video import clip

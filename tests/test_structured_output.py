@@ -14,7 +14,7 @@ import torch
 
 from mmengine import MMEngine, SamplingParams, StructuredOutputParams
 from mmengine.errors import ConfigError
-from mmengine.structured_output.masks import apply_token_bitmask
+from mmengine.sample.structured_output.masks import apply_token_bitmask
 from mmengine.testing import make_test_image, tiny_qwen_vl_path
 from mmengine.testing.schemas import SCHEMAS
 

@@ -212,7 +212,7 @@ def test_containers_whose_headers_lie_are_counted_by_their_packets(container, co
 def test_the_async_engine_streams_an_answer_about_a_video(engine):
     import asyncio
 
-    from mmengine.async_engine import AsyncMMEngine
+    from mmengine.engine.async_engine import AsyncMMEngine
 
     async def ask() -> list[int]:
         async with AsyncMMEngine(engine) as served:

@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import torch
 
-from mmengine.host_memory import available_host_memory
+from mmengine.utils.host_memory import available_host_memory
 
 _MAX_DEFAULT_BYTES = 32 << 30
 

@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mmengine.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
+from mmengine.engine.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
 from mmengine.errors import (
     ConfigError,
     CorruptImageError,

@@ -29,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 
-from mmengine.async_engine import AsyncMMEngine, DeltaOutput, RequestStream
+from mmengine.engine.async_engine import AsyncMMEngine, DeltaOutput, RequestStream
 from mmengine.entrypoints.api_errors import APIError, from_engine_error, install_error_handlers
 from mmengine.entrypoints.chat import ChatTemplate, EmbedsPart, VideoPart, parse_messages
 from mmengine.entrypoints.embeds_payload import decode_embeds_payload
@@ -41,7 +41,7 @@ from mmengine.entrypoints.responses import ResponseWriter, new_id, summed_usage
 from mmengine.entrypoints.tools import ToolCallStream, parse_tool_calls
 from mmengine.outputs import TokenLogprobs
 from mmengine.errors import AdapterError, AdapterInUseError, ConfigError, InvalidInputError, MMEngineError
-from mmengine.beam_search import BeamSearchParams
+from mmengine.engine.beam_search import BeamSearchParams
 from mmengine.lora.request import LoRARequest
 
 logger = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from mmengine.api_inputs import normalize_conversations
-from mmengine.engine import Conversation, MMEngine
+from mmengine.engine.prompt_inputs import normalize_conversations
+from mmengine.engine.mm_engine import Conversation, MMEngine
 from mmengine.entrypoints.api_errors import APIError
 from mmengine.errors import InvalidInputError
 

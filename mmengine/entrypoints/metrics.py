@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from mmengine.async_engine import AsyncMMEngine, DeltaOutput
+from mmengine.engine.async_engine import AsyncMMEngine, DeltaOutput
 
 # stats() entries that only grow; every other entry is a level (a gauge).
 COUNTER_STATS = frozenset({

@@ -15,8 +15,8 @@ from mmengine.entrypoints.api_errors import APIError, from_engine_error
 from mmengine.entrypoints.response_format import ResponseFormat, structured_output_of
 from mmengine.entrypoints.tools import Tool, call_grammar, forced_function
 from mmengine.errors import ConfigError
-from mmengine.sampling import SamplingParams
-from mmengine.structured_output import StructuredOutputParams
+from mmengine.sample.params import SamplingParams
+from mmengine.sample.structured_output import StructuredOutputParams
 
 
 class LoadLoRARequest(BaseModel):

@@ -10,7 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mmengine.entrypoints.api_errors import APIError
 from mmengine.errors import ConfigError
-from mmengine.structured_output import StructuredOutputParams
+from mmengine.sample.structured_output import StructuredOutputParams
 
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
 

@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from mmengine.async_engine import DeltaOutput
+from mmengine.engine.async_engine import DeltaOutput
 
 
 def new_id(prefix: str) -> str:

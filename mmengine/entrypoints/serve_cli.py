@@ -70,7 +70,7 @@ def run_serve(argv: Sequence[str]) -> None:
             __import__(module)
         except ImportError:
             raise ConfigError(f"mmengine serve needs the serve extra ({module} is missing): {_SERVE_EXTRA}") from None
-    from mmengine.async_engine import AsyncMMEngine
+    from mmengine.engine.async_engine import AsyncMMEngine
     from mmengine.entrypoints.api_server import ServerSettings, run_server
     from mmengine.entrypoints.media import MediaPolicy
 

@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from mmengine.entrypoints.api_errors import APIError
-from mmengine.structured_output import StructuredOutputParams
+from mmengine.sample.structured_output import StructuredOutputParams
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 import xxhash
 
 if TYPE_CHECKING:  # annotations only: EngineConfig reads HASH_ALGORITHMS here without importing torch
-    from mmengine.request import MMItem, Request
+    from mmengine.core.request import MMItem, Request
 
 BlockHash = bytes
 ExtraKey = tuple[object, ...]

@@ -11,7 +11,7 @@ from typing import Protocol
 from mmengine.kv_cache.block_hash import BlockHash, BlockHasher, HashFunction, block_key
 from mmengine.kv_cache.block_pool import BlockPool, KVBlock
 from mmengine.kv_cache.host_tier import HostBlock, KVCopy, KVHostTier
-from mmengine.request import Request
+from mmengine.core.request import Request
 
 
 class PinListener(Protocol):

@@ -27,7 +27,7 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from mmengine.models.llama import head_dim_of, sliding_window_of
-from mmengine.request import MMItem
+from mmengine.core.request import MMItem
 
 
 class EncoderInputs(dict):

@@ -26,7 +26,7 @@ from mmengine.models import qwen_video
 from mmengine.models.family import EncoderInputs, ModelFamily, PromptPositions, VideoPlan
 from mmengine.models.vlm import VisionLanguageModel
 from mmengine.multimodal.resize_guard import MAX_IMAGE_ASPECT_RATIO
-from mmengine.request import MMItem
+from mmengine.core.request import MMItem
 
 # transformers' Qwen2-VL image processor defaults, for settings a checkpoint leaves out.
 _DEFAULT_MIN_PIXELS = 56 * 56

@@ -32,8 +32,8 @@ from mmengine.errors import (
     UnsupportedModelError,
     VideoCountMismatchError,
 )
-from mmengine.api_inputs import check_prompt_text
-from mmengine.keyed_lock import KeyedLock
+from mmengine.engine.prompt_inputs import check_prompt_text
+from mmengine.utils.keyed_lock import KeyedLock
 from mmengine.encoder_cache.hashing import hash_bytes, hash_image, hash_user_id, model_fingerprint, processor_settings_key
 from mmengine.models.family import EncoderInputs, ModelFamily
 from mmengine.models.registry import load_hf_processor
@@ -44,8 +44,8 @@ from mmengine.multimodal.resize_guard import check_preprocessed_size
 from mmengine.multimodal.video import DEFAULT_MAX_VIDEO_SECONDS, as_video
 from mmengine.multimodal.video_loader import LoadedVideo, VideoLimits, VideoLoader
 from mmengine.multimodal.video_prompt import video_items, video_runs, write_video_markers
-from mmengine.request import MMItem, ProcessedPrompt
-from mmengine.sampling import SamplingParams
+from mmengine.core.request import MMItem, ProcessedPrompt
+from mmengine.sample.params import SamplingParams
 
 
 @dataclass

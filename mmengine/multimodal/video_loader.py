@@ -18,7 +18,7 @@ import numpy as np
 
 from mmengine.encoder_cache.hashing import hash_bytes, hash_user_id, hash_video, hash_video_patch, new_hasher
 from mmengine.errors import InvalidInputError, ItemTooLargeError, VideoTooLargeError
-from mmengine.keyed_lock import KeyedLock
+from mmengine.utils.keyed_lock import KeyedLock
 from mmengine.models.family import EncoderInputs, ModelFamily, VideoPlan
 from mmengine.multimodal import video as video_io
 from mmengine.multimodal.processor_cache import ProcessorCache

@@ -6,7 +6,7 @@ from __future__ import annotations
 from mmengine.errors import VideoCountMismatchError
 from mmengine.models.family import ModelFamily
 from mmengine.multimodal.video_loader import LoadedVideo
-from mmengine.request import MMItem, VideoPatch
+from mmengine.core.request import MMItem, VideoPatch
 
 
 def write_video_markers(prompt: str, marker: str, texts: list[str | None], start: str = "", end: str = "") -> str:

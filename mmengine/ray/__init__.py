@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mmengine.lazy_exports import lazy_exports
+from mmengine.utils.lazy_exports import lazy_exports
 
 __all__ = [
     "BatchResult", "BatchRunner", "MMEngineProcessor", "SharingKeys", "build_app", "image_key", "place_rows", "run_app",

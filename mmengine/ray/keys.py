@@ -27,7 +27,7 @@ from mmengine.encoder_cache.hashing import hash_bytes, new_hasher
 from mmengine.errors import InvalidInputError
 from mmengine.kv_cache.block_hash import hash_chain, make_hash_function
 from mmengine.multimodal.image_loading import encoded_bytes, image_content_bytes
-from mmengine.prefix_groups import plan_prefix_groups
+from mmengine.core.prefix_groups import plan_prefix_groups
 
 SharingKey = str | None
 

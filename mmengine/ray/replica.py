@@ -33,7 +33,7 @@ def row_images(value: Any) -> list[Any] | None:
 
 def row_sampling_params(value: Any, row: int) -> Any:
     """SamplingParams from a row's dict. Arrow fills fields other rows set with None: those are dropped."""
-    from mmengine.sampling import SamplingParams
+    from mmengine.sample.params import SamplingParams
 
     if value is None:
         return SamplingParams()
@@ -75,7 +75,7 @@ class EngineReplica:
         self.engine = self._build()
 
     def _build(self) -> Any:
-        from mmengine.engine import MMEngine
+        from mmengine.engine.mm_engine import MMEngine
         from mmengine.lora.request import LoRARequest
 
         engine = MMEngine(self.model, **self.engine_options)

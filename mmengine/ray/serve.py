@@ -51,7 +51,7 @@ class EngineReplica:
                  max_queued_requests: int | None, num_preprocess_workers: int,
                  encoder_store: tuple[str, int] | None = None) -> None:
         """`encoder_store`: (the store actor's name, its bytes): the replicas share one, made by whichever asks first."""
-        from mmengine.async_engine import AsyncMMEngine
+        from mmengine.engine.async_engine import AsyncMMEngine
         from mmengine.entrypoints.api_server import build_app as build_server_app
 
         self.replica = replica

@@ -27,9 +27,9 @@ from mmengine.layers.cascade import (
     layout_cascade,
 )
 from mmengine.runner.cascade_plan import CascadePolicy, GraphBounds
-from mmengine.request import PLACEHOLDER_TOKEN
-from mmengine.sampling import SamplingTensors, sampling_rows
-from mmengine.scheduler import ScheduledRequest
+from mmengine.core.request import PLACEHOLDER_TOKEN
+from mmengine.sample.sampler import SamplingTensors, sampling_rows
+from mmengine.core.scheduler import ScheduledRequest
 
 PAD_SLOT = -1  # a padded row's K/V is never stored
 PAD_SEQ_LEN = 1  # a padded row attends to one (stale, harmless) key: no empty softmax anywhere

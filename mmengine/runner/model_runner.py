@@ -31,11 +31,12 @@ from mmengine.models.loader import default_dtype, iter_checkpoint
 from mmengine.runner.cascade_plan import CascadePolicy
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
 from mmengine.runner.inputs import InputBuffers
-from mmengine.penalties import PenaltyState, apply_logit_bias
+from mmengine.sample.penalties import PenaltyState, apply_logit_bias
 from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, PendingSample, PromptLogprobs, TokenReadback
-from mmengine.sampling import Sampler, SamplingParams, token_logprobs
-from mmengine.scheduler import ScheduledRequest, SchedulerOutput
-from mmengine.structured_output.masks import BitmaskFiller, apply_token_bitmask
+from mmengine.sample.params import SamplingParams
+from mmengine.sample.sampler import Sampler, token_logprobs
+from mmengine.core.scheduler import ScheduledRequest, SchedulerOutput
+from mmengine.sample.structured_output.masks import BitmaskFiller, apply_token_bitmask
 
 logger = logging.getLogger(__name__)
 

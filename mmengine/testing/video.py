@@ -27,7 +27,7 @@ def hf_video_inputs(processor: Any, prompt: str, images: list, videos: list, sam
     """transformers' Qwen-VL inputs for a prompt as `processor` (an MMEngine's input_processor)
     processes it. `sampled_fps`: the rate of the kept frames, from which transformers' processor derives
     Qwen2.5-VL's second_per_grid_ts (temporal_patch_size / fps)."""
-    from mmengine.sampling import SamplingParams
+    from mmengine.sample.params import SamplingParams
 
     processed = processor.process(prompt, images, SamplingParams(max_tokens=1), videos=videos)
     ids = torch.tensor([processed.prompt_token_ids])

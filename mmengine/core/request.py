@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mmengine.sampling import SamplingParams
+from mmengine.sample.params import SamplingParams
 
 
 # The value of a sampled token that is still on the device (async scheduling): booked, not yet read.

@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from mmengine.kv_cache.block_hash import BlockHash
 from mmengine.kv_cache.block_pool import KVBlock
 from mmengine.kv_cache.manager import KVCacheManager, cdiv
-from mmengine.prefix_groups import group_order, plan_prefix_groups
-from mmengine.request import Request
+from mmengine.core.prefix_groups import group_order, plan_prefix_groups
+from mmengine.core.request import Request
 
 
 @dataclass(eq=False)

@@ -20,8 +20,8 @@ from mmengine.encoder_cache.host_tier import EncoderHostTier
 from mmengine.encoder_cache.manager import EncoderCacheManager
 from mmengine.kv_cache.block_pool import KVBlock
 from mmengine.kv_cache.manager import KVCacheManager
-from mmengine.prefix_sharing import PrefixSharing
-from mmengine.request import PLACEHOLDER_TOKEN, Request, RequestStatus
+from mmengine.core.prefix_sharing import PrefixSharing
+from mmengine.core.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 
 # A waiting request skipped this many times (later requests admitted ahead of it) stops
 # anything behind it from being admitted until it is: bounded skipping, no starvation.

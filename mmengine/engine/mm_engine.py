@@ -16,7 +16,7 @@ from typing import Any
 from tqdm.auto import tqdm
 from transformers import GenerationConfig, PretrainedConfig
 
-from mmengine.api_inputs import (
+from mmengine.engine.prompt_inputs import (
     check_request_id,
     check_salt,
     check_sampling_params,
@@ -28,13 +28,13 @@ from mmengine.api_inputs import (
     normalize_uuids,
 )
 from mmengine.config import EngineConfig
-from mmengine.detokenizer import IncrementalDetokenizer
+from mmengine.sample.detokenizer import IncrementalDetokenizer
 from mmengine.errors import CheckpointError, ConfigError, InvalidInputError, UnknownAdapterError
 from mmengine.encoder_cache.budget import EncoderBudget, compute_encoder_budget
 from mmengine.encoder_cache.hashing import hash_bytes
 from mmengine.encoder_cache.host_tier import EncoderHostTier, host_tier_bytes
 from mmengine.encoder_cache.manager import EncoderCacheManager
-from mmengine.host_memory import check_cpu_kv_cache_fits
+from mmengine.utils.host_memory import check_cpu_kv_cache_fits
 from mmengine.kv_cache.block_hash import make_hash_function
 from mmengine.kv_cache.host_tier import KVHostTier
 from mmengine.kv_cache.manager import KVCacheManager
@@ -47,12 +47,12 @@ from mmengine.models.registry import family_class_for, load_family, load_hf_conf
 from mmengine.multimodal.image_loading import ImageInput
 from mmengine.multimodal.processor import BatchMemo, InputProcessor
 from mmengine.outputs import RequestOutput
-from mmengine.request import ProcessedPrompt, Request, RequestStatus
+from mmengine.core.request import ProcessedPrompt, Request, RequestStatus
 from mmengine.runner import ModelRunner
 from mmengine.runner.launched_step import LaunchedStep
-from mmengine.structured_output.grammar import GrammarCompiler
-from mmengine.sampling import SamplingParams
-from mmengine.scheduler import Scheduler, SchedulerOutput
+from mmengine.sample.structured_output.grammar import GrammarCompiler
+from mmengine.sample.params import SamplingParams
+from mmengine.core.scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -446,9 +446,9 @@ class MMEngine:
         return self.run_processed([p for p, _ in processed], params_list, salts, [key for _, key in processed], use_tqdm)
 
     def beam_search(self, prompts: Any, params: Any, images: Any = None, use_tqdm: bool = False) -> list[Any]:
-        """Beam search (mmengine.beam_search): one BeamSearchOutput per prompt, sequences best first.
+        """Beam search (mmengine.engine.beam_search): one BeamSearchOutput per prompt, sequences best first.
         `prompts` and `images` as generate() takes them; `params` a BeamSearchParams."""
-        from mmengine.beam_search import beam_search  # a layer above the engine: imported only when used
+        from mmengine.engine.beam_search import beam_search  # a layer above the engine: imported only when used
 
         return beam_search(self, prompts, params, images, use_tqdm)
 

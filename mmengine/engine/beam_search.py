@@ -20,13 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from mmengine.api_inputs import normalize_batch
+from mmengine.engine.prompt_inputs import normalize_batch
 from mmengine.errors import ConfigError
-from mmengine.request import ProcessedPrompt
-from mmengine.sampling import MAX_LOGPROBS, SamplingParams
+from mmengine.core.request import ProcessedPrompt
+from mmengine.sample.params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
-    from mmengine.engine import MMEngine
+    from mmengine.engine.mm_engine import MMEngine
 
 
 @dataclass(frozen=True)

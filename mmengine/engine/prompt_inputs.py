@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmengine.errors import EmptyPromptError, InvalidInputError
-from mmengine.sampling import SamplingParams
+from mmengine.sample.params import SamplingParams
 
 # A single image given where a list of images belongs is one of these.
 _IMAGE_LIKE = (str, bytes, bytearray, memoryview, os.PathLike)

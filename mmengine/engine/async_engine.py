@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mmengine.api_inputs import (
+from mmengine.engine.prompt_inputs import (
     PromptInput,
     check_request_id,
     check_salt,
@@ -36,12 +36,12 @@ from mmengine.api_inputs import (
     normalize_prompt,
     normalize_uuids,
 )
-from mmengine.engine import MMEngine
+from mmengine.engine.mm_engine import MMEngine
 from mmengine.errors import ConfigError, InvalidInputError, MMEngineError
 from mmengine.lora.request import LoRARequest
 from mmengine.multimodal.image_loading import ImageInput
 from mmengine.outputs import RequestOutput, TokenLogprobs
-from mmengine.sampling import SamplingParams
+from mmengine.sample.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

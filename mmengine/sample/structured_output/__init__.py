@@ -5,6 +5,6 @@ grammar.py  GrammarCompiler: specs -> llguidance grammars, validated once per sp
 masks.py    the next step's allowed-token bitmasks filled on the host, applied to logits on the device
 """
 
-from mmengine.structured_output.params import StructuredOutputParams
+from mmengine.sample.structured_output.params import StructuredOutputParams
 
 __all__ = ["StructuredOutputParams"]

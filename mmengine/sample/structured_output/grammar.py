@@ -20,7 +20,7 @@ from collections import OrderedDict
 from typing import Any
 
 from mmengine.errors import ConfigError, UnsupportedModelError
-from mmengine.structured_output.params import StructuredOutputParams
+from mmengine.sample.structured_output.params import StructuredOutputParams
 
 _CACHE_SIZE = 512  # compiled specs kept (a grammar is a few KB of text)
 

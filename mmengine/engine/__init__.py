@@ -1,0 +1,34 @@
+"""The engine: the public MMEngine and AsyncMMEngine and what sits directly behind them.
+
+  mm_engine.py      MMEngine: a thin facade (add_request / step / generate / chat / LoRA / caches / stats)
+  startup.py        EngineParts: the model, caches, runner, scheduler and grammars built once at start-up
+  prompt_inputs.py  the prompt forms callers hand in (str, prompt dicts, images, videos), checked and shaped
+  intake.py         RequestIntake: the one pass from a caller's arguments to validated, preprocessed prompts
+  step_loop.py      StepLoop: one scheduler step (sync or async), its tokens, outputs and their owners
+  stats.py          the counters stats() reports
+  async_engine.py   AsyncMMEngine: the engine loop on a thread, streams for asyncio callers
+  beam_search.py    beam search, a layer above the engine that drives it through its public methods
+
+Names are imported on first use, so `import mmengine.engine` stays light.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mmengine.utils.lazy_exports import lazy_exports
+
+__all__ = ["AsyncMMEngine", "BeamSearchParams", "MMEngine"]
+
+_EXPORTS = {
+    "AsyncMMEngine": "mmengine.engine.async_engine",
+    "BeamSearchParams": "mmengine.engine.beam_search",
+    "MMEngine": "mmengine.engine.mm_engine",
+}
+
+if TYPE_CHECKING:
+    from mmengine.engine.async_engine import AsyncMMEngine
+    from mmengine.engine.beam_search import BeamSearchParams
+    from mmengine.engine.mm_engine import MMEngine
+
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

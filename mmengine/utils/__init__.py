@@ -1,0 +1,6 @@
+"""Small helpers with no engine concept of their own.
+
+  keyed_lock.py    one lock per key (equal bytes decoded once, an item preprocessed once)
+  host_memory.py   how much host memory a tier or a CPU KV cache may take
+  lazy_exports.py  package attributes imported on first use
+"""
