@@ -63,7 +63,7 @@ class PhaseTimers:
         scheduler.resolve_tokens = self.wrap("resolve", scheduler.resolve_tokens)
         runner._run_encoder = self.wrap("encode", runner._run_encoder)
         runner.inputs.prepare = self.wrap("prepare", runner.inputs.prepare)
-        engine._after_token = self.wrap("detokenize", engine._after_token)
+        engine.steps.after_token = self.wrap("detokenize", engine.steps.after_token)
         launch = self.wrap("launch", runner.launch)
 
         def launch_and_time_the_wait(*args, **kwargs):

@@ -58,7 +58,7 @@ def test_async_scheduling_gives_what_synchronous_steps_give(family, kv_blocks):
                        async_scheduling=mode)
         for mode in ("off", "on")
     }
-    assert engines["on"]._async_scheduling and not engines["off"]._async_scheduling
+    assert engines["on"].steps.async_scheduling and not engines["off"].steps.async_scheduling
     prompts, images, params = _workload(family, engines["off"])
     engines["off"].reset_prefix_cache()  # the probe warmed it
     engines["off"].reset_encoder_cache()
@@ -76,7 +76,7 @@ def test_async_scheduling_gives_what_synchronous_steps_give(family, kv_blocks):
         stats = engine.stats()
         assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["encoder_cache_referenced"] == 0
         # (a step left in flight only for finished requests, e.g. after a stop token, is dropped, not waited for)
-        assert not engine.has_unfinished_requests() and engine._in_flight is None
+        assert not engine.has_unfinished_requests() and engine.steps.in_flight is None
 
 
 def test_a_request_that_stops_on_a_token_costs_one_discarded_token(checkpoint_dir):
@@ -110,7 +110,7 @@ def test_step_delivers_each_token_one_call_later_and_aborts_in_flight(checkpoint
     keep = engine.add_request("USER: hello ASSISTANT:", sampling_params=params)
     drop = engine.add_request("USER: bye ASSISTANT:", sampling_params=params)
     assert engine.step() == []  # the prefill is launched; its tokens are read by the next call
-    assert engine._in_flight is not None and engine.has_unfinished_requests()
+    assert engine.steps.in_flight is not None and engine.has_unfinished_requests()
     first = engine.step()
     assert sorted(o.request_id for o in first) == sorted([drop, keep]) and all(len(o.token_ids) == 1 for o in first)
     assert engine.abort_request(drop)  # its next token is computing: it is discarded, not delivered
@@ -150,7 +150,7 @@ def test_async_scheduling_is_validated_and_on_by_default_only_on_cuda(checkpoint
     with pytest.raises(ConfigError, match="async_scheduling"):
         MMEngine(str(checkpoint_dir()), async_scheduling="yes")
     engine = MMEngine(str(checkpoint_dir()), max_model_len=128)
-    assert engine._async_scheduling == (engine.device.type == "cuda")
+    assert engine.steps.async_scheduling == (engine.device.type == "cuda")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU tests above check the same logic")

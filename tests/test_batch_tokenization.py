@@ -48,11 +48,17 @@ def test_a_batch_is_tokenized_in_one_call_with_the_ids_of_one_by_one(checkpoint_
     ]
 
 
-def test_prompts_that_are_not_text_are_left_for_process_to_reject(checkpoint_dir):
+def test_prompts_that_are_not_text_are_refused_by_the_intake_before_tokenizing(checkpoint_dir):
     engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
     processor = engine.input_processor
-    batch = processor.tokenize_batch(["USER: hi ASSISTANT:", b"bytes", "lone \ud800 surrogate", "USER: ok ASSISTANT:"])
-    assert batch[0] and batch[3] and batch[1] is None and batch[2] is None
+    counting = processor.tokenizer = CountingTokenizer(processor.tokenizer)
+    batch = processor.tokenize_batch(["USER: hi ASSISTANT:", None, "USER: ok ASSISTANT:"])  # None: a token prompt
+    assert batch[0] and batch[2] and batch[1] is None and counting.calls == [2]
+    for bad in (b"bytes", "lone \ud800 surrogate"):
+        with pytest.raises(InvalidInputError) as info:
+            engine.generate(["USER: hi ASSISTANT:", bad], sampling_params=PARAMS, use_tqdm=False)
+        assert info.value.prompt_index == 1
+    assert counting.calls == [2]  # the intake refused them before the batch was tokenized
     with pytest.raises(InvalidInputError, match="lone surrogate") as info:
         engine.generate(["USER: hi ASSISTANT:", "USER: fine ASSISTANT:", "lone \ud800 surrogate"],
                         sampling_params=PARAMS, use_tqdm=False)

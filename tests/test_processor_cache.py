@@ -210,13 +210,13 @@ def test_when_the_preprocessing_thread_fails_a_waiting_one_does_it(checkpoint_di
 
 
 def test_generate_preprocesses_a_batch_on_threads_with_the_serial_counts(checkpoint_dir, monkeypatch):
-    import mmengine.engine.mm_engine
+    import mmengine.engine.intake
 
     prompts = [PROMPT] * 8
     images = [[make_test_image(20 + i % 3, size=(96, 80))] for i in range(8)]
     runs = {}
     for threads in (1, 4):
-        monkeypatch.setattr(mmengine.engine.mm_engine, "PREPROCESS_THREADS", threads)
+        monkeypatch.setattr(mmengine.engine.intake, "PREPROCESS_THREADS", threads)
         engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
         calls = _slow_preprocess(engine.input_processor)
         outputs = engine.generate(prompts, images=images, sampling_params=PARAMS, use_tqdm=False)
@@ -269,10 +269,10 @@ def test_many_threads_over_many_shared_pictures_read_each_once(checkpoint_dir, m
     import time
     from concurrent.futures import ThreadPoolExecutor
 
-    import mmengine.engine.mm_engine
+    import mmengine.engine.intake
     import mmengine.multimodal.processor as processor_module
 
-    monkeypatch.setattr(mmengine.engine.mm_engine, "PREPROCESS_THREADS", 6)
+    monkeypatch.setattr(mmengine.engine.intake, "PREPROCESS_THREADS", 6)
     original_load, reads, lock = processor_module.load_image, {}, threading.Lock()
 
     def slow_load(image, **kwargs):

@@ -28,14 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from mmengine.engine.prompt_inputs import (
-    PromptInput,
-    check_request_id,
-    check_salt,
-    check_sampling_params,
-    normalize_prompt,
-    normalize_uuids,
-)
+from mmengine.engine.intake import CheckedRequest
 from mmengine.engine.mm_engine import MMEngine
 from mmengine.errors import ConfigError, InvalidInputError, MMEngineError
 from mmengine.lora.request import LoRARequest
@@ -274,12 +267,10 @@ class AsyncMMEngine:
         """
         self._start()
         self.check_not_overloaded()
-        self.engine._lora_key(lora)  # an unknown adapter fails before anything is queued
-        params = check_sampling_params(sampling_params)
-        check_salt(cache_salt)
-        request_id = check_request_id(request_id) or f"req-{uuid.uuid4().hex}"
-        uuids = normalize_uuids(mm_uuids, single=True, num_prompts=1)[0]
-        given = normalize_prompt(prompt, images, videos=videos)  # a str, or a prompt dict (token ids) as MMEngine takes it
+        checked = self.engine.intake.check(prompt, images, sampling_params, request_id=request_id, cache_salt=cache_salt,
+                                           mm_uuids=mm_uuids, lora=lora, videos=videos)  # an unknown adapter fails here
+        request_id = checked.request_id = checked.request_id or f"req-{uuid.uuid4().hex}"
+        params = checked.params
         stream = RequestStream(self, request_id, params)
         with self._lock:
             if request_id in self._streams:
@@ -288,7 +279,7 @@ class AsyncMMEngine:
             self._num_queued += 1
         try:
             await self.run_in_pool(
-                self._process_and_queue, stream, given, params, uuids, cache_salt, fill_max_tokens, lora
+                self._process_and_queue, stream, checked, fill_max_tokens
             )
         except BaseException:
             stream.abort()  # unregisters it; if the worker still queues it, the worker aborts it
@@ -356,29 +347,19 @@ class AsyncMMEngine:
 
     # -- worker pool side --------------------------------------------------------
 
-    def _process_and_queue(
-        self,
-        stream: RequestStream,
-        given: PromptInput,
-        params: SamplingParams,
-        mm_uuids: Sequence[str | None] | None,
-        cache_salt: str | None,
-        fill_max_tokens: bool,
-        lora: LoRARequest | str | None = None,
-    ) -> None:
+    def _process_and_queue(self, stream: RequestStream, checked: CheckedRequest, fill_max_tokens: bool) -> None:
         engine = self.engine
-        engine._check_sampling(params)  # a bad spec fails before preprocessing, off the engine lock
-        checked = dataclasses.replace(params, max_tokens=1) if fill_max_tokens else params
-        processed = engine.input_processor.process(
-            given.text, given.images, checked, mm_uuids=mm_uuids, token_ids=given.token_ids, videos=given.videos
-        )
+        params = checked.params
+        if fill_max_tokens:  # the prompt is checked to leave room for one token; it gets all the room there is below
+            checked = dataclasses.replace(checked, params=dataclasses.replace(params, max_tokens=1))
+        processed = engine.intake.prepare(checked).processed  # a bad spec or prompt fails here, off the engine lock
         stream.num_prompt_tokens = len(processed.prompt_token_ids)
         if fill_max_tokens:  # process() checked that one token fits; take all the room there is
             params = dataclasses.replace(params, max_tokens=self.max_output_tokens(stream.num_prompt_tokens))
             stream.sampling_params = params
         if stream.cancelled:
             return
-        engine.add_processed_request(processed, params, stream.request_id, cache_salt, lora)
+        engine.add_processed_request(processed, params, stream.request_id, checked.cache_salt, checked.lora)
         stream.added = True
         self._wake.set()
         if stream.cancelled:  # cancelled while being queued: the step loop's abort may have missed it

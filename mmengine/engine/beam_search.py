@@ -18,15 +18,27 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from mmengine.engine.prompt_inputs import normalize_batch
-from mmengine.errors import ConfigError
 from mmengine.core.request import ProcessedPrompt
+from mmengine.engine.intake import RequestIntake
+from mmengine.errors import ConfigError
+from mmengine.models.family import ModelFamily
+from mmengine.outputs import RequestOutput
 from mmengine.sample.params import MAX_LOGPROBS, SamplingParams
 
-if TYPE_CHECKING:
-    from mmengine.engine.mm_engine import MMEngine
+
+class BeamSearchHost(Protocol):
+    """What beam search uses of the engine (MMEngine's public attributes and methods)."""
+
+    intake: RequestIntake
+    family: ModelFamily
+    tokenizer: Any
+    eos_token_ids: frozenset[int]
+
+    def run_processed(self, processed: Sequence[ProcessedPrompt], params_list: Sequence[SamplingParams],
+                      salts: Sequence[str | None] | None = None, lora_keys: Sequence[str | None] | None = None,
+                      use_tqdm: bool = False) -> list[RequestOutput]: ...
 
 
 @dataclass(frozen=True)
@@ -77,19 +89,15 @@ class _PromptSearch:
 
 
 def beam_search(
-    engine: MMEngine, prompts: Any, params: BeamSearchParams, images: Any = None, use_tqdm: bool = False
+    engine: BeamSearchHost, prompts: Any, params: BeamSearchParams, images: Any = None, use_tqdm: bool = False
 ) -> list[BeamSearchOutput]:
     """Beam search for one prompt or a batch (prompts and images as generate() takes them)."""
     if not isinstance(params, BeamSearchParams):
         raise ConfigError(f"params must be a BeamSearchParams, got {type(params).__name__}")
-    inputs, _ = normalize_batch(prompts, images, None)
+    checked = engine.intake.check_batch(prompts, images, SamplingParams(max_tokens=params.max_tokens))
     width = params.beam_width
     step_params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, logprobs=2 * width)
-    searches = [
-        _PromptSearch(engine.input_processor.process(given.text, given.images, SamplingParams(max_tokens=params.max_tokens),
-                                                     prompt_index=i, token_ids=given.token_ids, videos=given.videos))
-        for i, given in enumerate(inputs)
-    ]
+    searches = [_PromptSearch(prepared.processed) for prepared in engine.intake.prepare_batch(checked)]
     eos = set() if params.ignore_eos else set(engine.eos_token_ids)
     for length in range(params.max_tokens):
         live = [(search, beam) for search in searches if not search.done for beam in search.beams]
@@ -115,7 +123,7 @@ def beam_search(
     ]
 
 
-def _extended(engine: MMEngine, processed: ProcessedPrompt, tokens: list[int]) -> ProcessedPrompt:
+def _extended(engine: BeamSearchHost, processed: ProcessedPrompt, tokens: list[int]) -> ProcessedPrompt:
     """The prompt with a beam's tokens appended (same items; positions over the whole sequence)."""
     if not tokens:
         return processed
@@ -149,6 +157,6 @@ def _add_hypothesis(search: _PromptSearch, tokens: list[int], cum: float, genera
         search.finished.remove(min(search.finished, key=lambda s: s.score))
 
 
-def _with_text(engine: MMEngine, seq: BeamSequence) -> BeamSequence:
+def _with_text(engine: BeamSearchHost, seq: BeamSequence) -> BeamSequence:
     seq.text = engine.tokenizer.decode(seq.token_ids, skip_special_tokens=True)
     return seq

@@ -32,7 +32,6 @@ from mmengine.errors import (
     UnsupportedModelError,
     VideoCountMismatchError,
 )
-from mmengine.engine.prompt_inputs import check_prompt_text
 from mmengine.utils.keyed_lock import KeyedLock
 from mmengine.encoder_cache.hashing import hash_bytes, hash_image, hash_user_id, model_fingerprint, processor_settings_key
 from mmengine.models.family import EncoderInputs, ModelFamily
@@ -168,6 +167,7 @@ class InputProcessor:
         `memo` is shared by the calls of one batch, so a picture object it gives for several prompts
         is read and hashed once. `text_ids`: the prompt's ids from `tokenize_batch`, if the batch was
         tokenized up front. `token_ids` instead of `prompt`: a token prompt (see _expand_token_ids).
+        `prompt` is text the engine's intake checked (engine/prompt_inputs.py: a str of valid Unicode).
         `videos`: one per video marker (multimodal.video.Video, or what its `source` takes)."""
         try:
             return self._process(prompt, list(images or ()), params, mm_uuids, memo, text_ids, token_ids, list(videos or ()))
@@ -185,9 +185,7 @@ class InputProcessor:
         token_ids: list[int] | None = None,
         videos: list[Any] | None = None,
     ) -> ProcessedPrompt:
-        if token_ids is None:
-            check_prompt_text(prompt)
-        else:
+        if token_ids is not None:
             self._check_vocabulary(token_ids)
         mm_uuids, video_uuids = split_uuids(mm_uuids)
         loaded_videos = self._load_videos(prompt, token_ids, videos or [], video_uuids)
@@ -224,21 +222,15 @@ class InputProcessor:
         positions = self.family.prompt_positions(token_ids, items)
         return ProcessedPrompt(prompt=prompt, prompt_token_ids=token_ids, mm_items=items, mrope_positions=positions)
 
-    def tokenize_batch(self, prompts: Sequence[object]) -> list[list[int] | None]:
-        """Each prompt's ids as the tokenizer gives them, from one call (a fast tokenizer encodes a batch
-        on its own threads, outside the GIL); None for a prompt that is not valid text, which process()
-        then rejects with its usual error."""
-        valid = []
-        for index, prompt in enumerate(prompts):
-            try:
-                valid.append((index, check_prompt_text(prompt)))
-            except InvalidInputError:
-                pass
+    def tokenize_batch(self, prompts: Sequence[str | None]) -> list[list[int] | None]:
+        """Each text prompt's ids as the tokenizer gives them, from one call (a fast tokenizer encodes a
+        batch on its own threads, outside the GIL); None where the prompt is given as token ids (None)."""
+        texts = [(index, prompt) for index, prompt in enumerate(prompts) if prompt is not None]
         ids: list[list[int] | None] = [None] * len(prompts)
-        if valid:
+        if texts:
             with self._lock:
-                encoded = self.tokenizer([prompt for _, prompt in valid])["input_ids"]
-            for (index, _), prompt_ids in zip(valid, encoded):
+                encoded = self.tokenizer([prompt for _, prompt in texts])["input_ids"]
+            for (index, _), prompt_ids in zip(texts, encoded):
                 ids[index] = list(prompt_ids)
         return ids
 

@@ -119,7 +119,7 @@ class EncoderStoreClient:
         """Fetches the prompts' items that neither this engine's caches nor its host tier hold, when the
         store has them."""
         engine = self.engine
-        with engine._lock:
+        with engine.lock:
             missing = sorted({item.mm_hash for prompt in prompts for item in prompt.mm_items
                               if item.mm_hash not in engine.encoder_cache and not engine.encoder_host_tier.holds(item.mm_hash)})
         if not missing:
@@ -136,6 +136,6 @@ class EncoderStoreClient:
             except Exception:  # noqa: BLE001 - its owner died or the fetch timed out: encode it
                 self.counts["encoder_store_fetch_failures"] += 1
                 continue
-            with engine._lock:
+            with engine.lock:
                 engine.encoder_host_tier.store(mm_hash, output)
             self.counts["encoder_store_fetches"] += 1

@@ -147,7 +147,7 @@ def _run(case: FuzzCase, env: FuzzEnv, tmp: Path) -> CaseReport:
                       kv_cache_host_bytes=tiers.choice((0, 1 << 20)), **_resolve(case, valid))
     for name, path in adapters.items():
         engine.add_lora(LoRARequest(name, str(path)))
-    audit_lock = engine._lock  # the engine's own lock: an audit never sees a step half done
+    audit_lock = engine.lock  # the engine's own lock: an audit never sees a step half done
 
     def audit() -> None:
         with audit_lock:

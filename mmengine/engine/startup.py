@@ -1,0 +1,188 @@
+"""Start-up: everything an engine is made of, built once and in order from an EngineConfig.
+
+The order matters: the model and its processor first (they say how large an item can be), then the
+runner (weights and activations on the device), then the KV cache from the memory left after the
+encoder's share, then the caches' books and the scheduler over them. Nothing is patched afterwards.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, PretrainedConfig
+
+from mmengine.config import EngineConfig
+from mmengine.core.scheduler import Scheduler
+from mmengine.encoder_cache.budget import EncoderBudget, compute_encoder_budget
+from mmengine.encoder_cache.host_tier import EncoderHostTier, host_tier_bytes
+from mmengine.encoder_cache.manager import EncoderCacheManager
+from mmengine.errors import CheckpointError, ConfigError
+from mmengine.kv_cache.block_hash import make_hash_function
+from mmengine.kv_cache.host_tier import KVHostTier
+from mmengine.kv_cache.manager import KVCacheManager
+from mmengine.lora.adapter import DecoderShape, VisionTargets
+from mmengine.lora.manager import LoRAManager
+from mmengine.models.family import ModelFamily
+from mmengine.models.loader import checkpoint_dtype
+from mmengine.models.registry import family_class_for, load_family, load_hf_config, load_hf_processor
+from mmengine.multimodal.processor import InputProcessor
+from mmengine.runner import ModelRunner
+from mmengine.sample.structured_output.grammar import GrammarCompiler
+from mmengine.utils.host_memory import check_cpu_kv_cache_fits
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineParts:
+    """The engine's components, as MMEngine exposes them."""
+
+    config: EngineConfig
+    hf_config: PretrainedConfig
+    family: ModelFamily
+    max_model_len: int
+    device: torch.device
+    dtype: torch.dtype
+    input_processor: InputProcessor
+    runner: ModelRunner
+    encoder_budget: EncoderBudget
+    kv_cache: KVCacheManager
+    encoder_cache: EncoderCacheManager
+    encoder_host_tier: EncoderHostTier | None
+    scheduler: Scheduler
+    eos_token_ids: frozenset[int]
+    grammars: GrammarCompiler
+    loras: LoRAManager | None
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    model_dir = Path(config.model)
+    hf_config = load_hf_config(model_dir)
+    family_class_for(hf_config)  # fail fast on unsupported architectures
+    hf_processor = load_hf_processor(model_dir, config.mm_processor_kwargs)
+    family = load_family(hf_config, hf_processor, model_dir)
+    max_model_len = resolve_max_model_len(config, family)
+    device = config.resolve_device()
+    dtype = config.resolve_dtype(checkpoint_dtype(model_dir), device)
+    input_processor = InputProcessor(
+        model_dir, family, max_model_len, config.limit_mm_per_prompt, config.max_image_pixels,
+        config.mm_processor_cache_bytes, config.prefix_caching_hash_algo, hf_processor=hf_processor,
+        max_video_seconds=config.max_video_seconds,
+    )
+    runner = ModelRunner(config, family, model_dir, device, dtype, max_model_len)
+    num_blocks = _start_runner(config, family, runner)
+    encoder_budget = encoder_budget_for(config, family, runner, pinned_room_tokens=num_blocks * config.block_size)
+    kv_cache, encoder_cache, encoder_host_tier = _caches(config, runner, num_blocks, encoder_budget)
+    input_processor.max_tokens_in_kv_cache = num_blocks * config.block_size
+    input_processor.max_tokens_per_item = encoder_budget.compute_budget_tokens
+    scheduler = Scheduler(config, kv_cache, encoder_cache, encoder_budget.compute_budget_tokens, max_model_len, encoder_host_tier)
+    eos_token_ids = eos_token_ids_of(model_dir, hf_config, input_processor.tokenizer)
+    grammars = GrammarCompiler(input_processor.tokenizer, family.text_config.vocab_size, eos_token_ids)
+    logger.info("mmengine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
+                model_dir, device, dtype, num_blocks, config.block_size, max_model_len)
+    return EngineParts(config, hf_config, family, max_model_len, device, dtype, input_processor, runner, encoder_budget,
+                       kv_cache, encoder_cache, encoder_host_tier, scheduler, eos_token_ids, grammars,
+                       _lora_manager(config, family, runner))
+
+
+def _start_runner(config: EngineConfig, family: ModelFamily, runner: ModelRunner) -> int:
+    """Sizes and allocates the KV cache in the memory left after the encoder's working share, captures
+    the CUDA graphs and warms the runner up; returns the number of KV blocks."""
+    unpinned = encoder_budget_for(config, family, runner, pinned_room_tokens=0, warn=False)  # the real one warns
+    images_per_step = unpinned.compute_budget_tokens // unpinned.max_tokens_per_item
+    num_blocks = runner.determine_num_kv_blocks(
+        encoder_fixed_bytes=unpinned.compute_budget_tokens * runner.embedding_bytes,
+        encoder_bytes_per_block=config.block_size * runner.embedding_bytes,
+        images_per_step=images_per_step,
+    )
+    if runner.device.type == "cpu":
+        per_block = runner.kv_block_bytes + config.block_size * runner.embedding_bytes
+        check_cpu_kv_cache_fits(num_blocks, per_block, explicit=config.num_kv_blocks is not None)
+    runner.allocate_kv_cache(num_blocks)
+    if runner.use_cuda_graphs:
+        runner.capture_cuda_graphs()
+    runner.warm_up(images_per_step)
+    return num_blocks
+
+
+def encoder_budget_for(config: EngineConfig, family: ModelFamily, runner: ModelRunner, pinned_room_tokens: int,
+                       warn: bool = True) -> EncoderBudget:
+    return compute_encoder_budget(
+        family.max_tokens_per_item(),
+        config.max_num_batched_tokens,
+        config.max_num_seqs,
+        config.limit_mm_per_prompt,
+        pinned_room_tokens=pinned_room_tokens,
+        bytes_per_token=runner.embedding_bytes,
+        encoder_cache_size=config.encoder_cache_size,
+        warn=warn,
+        items_per_video=family.max_items_per_video,
+    )
+
+
+def _caches(config: EngineConfig, runner: ModelRunner, num_blocks: int,
+            budget: EncoderBudget) -> tuple[KVCacheManager, EncoderCacheManager, EncoderHostTier | None]:
+    """The KV cache's and the encoder cache's books, joined by the one path they talk through (pins),
+    and the encoder cache's host tier (sized by encoder_cache_host_bytes; None: see EngineConfig)."""
+    kv_host_bytes = host_tier_bytes(config.kv_cache_host_bytes, runner.device.type)
+    kv_cache = KVCacheManager(
+        num_blocks,
+        config.block_size,
+        make_hash_function(config.prefix_caching_hash_algo, config.prefix_caching_hash_seed),
+        enable_prefix_caching=config.enable_prefix_caching,
+        host_tier=KVHostTier(kv_host_bytes, runner.kv_block_bytes) if kv_host_bytes else None,
+    )
+    encoder_cache = EncoderCacheManager(budget.cache_capacity_tokens, kv_cache.uncache_pinning)
+    kv_cache.pin_listener = encoder_cache
+    encoder_host_bytes = host_tier_bytes(config.encoder_cache_host_bytes, runner.device.type)
+    encoder_host_tier = EncoderHostTier(encoder_host_bytes) if encoder_host_bytes > 0 else None
+    runner.encoder_host_tier = encoder_host_tier
+    return kv_cache, encoder_cache, encoder_host_tier
+
+
+def _lora_manager(config: EngineConfig, family: ModelFamily, runner: ModelRunner) -> LoRAManager | None:
+    if not config.enable_lora:
+        return None
+    shape = DecoderShape.of(family.text_config, family.head_dim)
+    vision = VisionTargets({name: (m.in_features, m.out_features) for name, m in runner.vision_lora_modules.items()},
+                           runner.model.checkpoint_name, runner.model.is_ignorable)
+    return LoRAManager(shape, config.max_loras, config.max_lora_rank, config.max_cpu_loras, vision)
+
+
+def resolve_max_model_len(config: EngineConfig, family: ModelFamily) -> int:
+    limit = family.text_config.max_position_embeddings
+    window = family.sliding_window
+    if config.max_model_len is not None:
+        if config.max_model_len > limit:
+            raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}")
+        if window is not None and config.max_model_len > window:
+            raise ConfigError(
+                f"max_model_len={config.max_model_len} exceeds the model's sliding window ({window}); "
+                "sliding-window attention is not supported, so max_model_len must stay within it"
+            )
+        return config.max_model_len
+    if window is not None and window < limit:
+        logger.warning("capping max_model_len to the model's sliding window (%d)", window)
+        return window
+    return limit
+
+
+def eos_token_ids_of(model_dir: Path, hf_config: PretrainedConfig, tokenizer: Any) -> frozenset[int]:
+    """The generation config's EOS ids (what transformers' generate() stops on), else the model's or tokenizer's."""
+    value: Any = None
+    path = model_dir / "generation_config.json"
+    if path.exists():
+        try:
+            value = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True).eos_token_id
+        except Exception as err:  # transformers raises OSError or ValueError for a broken file
+            raise CheckpointError(f"cannot read the generation config: {err}", path) from err
+    if value is None:
+        value = getattr(hf_config.text_config, "eos_token_id", None)
+    if value is None:
+        value = tokenizer.eos_token_id
+    values = value if isinstance(value, list | tuple) else [value]
+    return frozenset(v for v in values if isinstance(v, int))

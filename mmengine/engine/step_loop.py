@@ -1,0 +1,301 @@
+"""StepLoop: one scheduler step at a time, from the schedule to the outputs of the requests it advanced.
+
+The loop owns the requests' engine-side state (detokenizers, the step in flight, who reads each
+output) and the work counters; the scheduler decides, the caches keep their books, the runner
+computes. Every method runs under the engine's lock (MMEngine holds it).
+
+With async scheduling (on CUDA by default) a step launches the next step before it reads the tokens
+of the one in flight, so the host work of a step overlaps the device's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from mmengine.config import EngineConfig
+from mmengine.core.request import ProcessedPrompt, Request, RequestStatus
+from mmengine.core.scheduler import Scheduler, SchedulerOutput
+from mmengine.encoder_cache.hashing import hash_bytes
+from mmengine.encoder_cache.manager import EncoderCacheManager
+from mmengine.errors import InvalidInputError, UnknownAdapterError
+from mmengine.kv_cache.manager import KVCacheManager
+from mmengine.lora.manager import LoRAManager
+from mmengine.outputs import RequestOutput
+from mmengine.runner import ModelRunner
+from mmengine.runner.launched_step import LaunchedStep
+from mmengine.sample.detokenizer import IncrementalDetokenizer
+from mmengine.sample.params import SamplingParams
+from mmengine.sample.structured_output.grammar import GrammarCompiler
+
+
+@dataclass
+class InFlightStep:
+    out: SchedulerOutput
+    launched: LaunchedStep
+
+
+class StepLoop:
+    def __init__(self, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner, kv_cache: KVCacheManager,
+                 encoder_cache: EncoderCacheManager, grammars: GrammarCompiler, loras: LoRAManager | None,
+                 tokenizer: Any, eos_token_ids: frozenset[int], async_scheduling: bool) -> None:
+        self.config = config
+        self.scheduler = scheduler
+        self.runner = runner
+        self.kv_cache = kv_cache
+        self.encoder_cache = encoder_cache
+        self.grammars = grammars
+        self.loras = loras
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.async_scheduling = async_scheduling
+        self.in_flight: InFlightStep | None = None  # async scheduling: the step launched, not yet booked
+        self.pending: list[RequestOutput] = []  # outputs for step() to return (add_request's requests)
+        self.owners: dict[str, dict[str, RequestOutput]] = {}  # request id -> its generate() call's results
+        self.counters = dict.fromkeys(("steps", "tokens_computed", "prefill_tokens_computed", "prompt_tokens",
+                                       "generation_tokens", "requests_finished"), 0)
+        self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._arrivals = itertools.count()
+
+    # -- requests in and out ---------------------------------------------------
+
+    def enqueue(self, processed: ProcessedPrompt, params: SamplingParams, request_id: str | None = None,
+                cache_salt: str | None = None, lora_key: str | None = None) -> str:
+        """Makes the request and hands it to the scheduler; returns its id (one is made when None)."""
+        arrival = next(self._arrivals)
+        if request_id is None:
+            request_id = f"req-{arrival}"
+            while request_id in self.scheduler.requests:  # a caller chose this name: take the next
+                arrival = next(self._arrivals)
+                request_id = f"req-{arrival}"
+        elif request_id in self.scheduler.requests:
+            raise InvalidInputError(f"request id {request_id!r} is already in use")
+        if lora_key is not None and not self.loras.holds(lora_key):  # removed while the prompt was preprocessed
+            raise UnknownAdapterError(f"LoRA adapter {self.loras.name_of(lora_key)!r} was removed before the request was queued")
+        if lora_key is not None and processed.mm_items and self.loras.touches_vision(lora_key):
+            processed = _items_under_adapter(processed, lora_key, self.config.prefix_caching_hash_algo)
+        generator = self.runner.sampler.make_generator(params, self.runner.device)
+        request = Request(request_id, processed, params, arrival, generator, cache_salt=cache_salt, lora_name=lora_key)
+        if params.structured_output is not None:
+            request.grammar = self.grammars.matcher(params.structured_output)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, stop=params.stop)
+        self.scheduler.add_request(request)
+        self._detokenizers[request_id] = detokenizer
+        self.counters["prompt_tokens"] += request.num_prompt_tokens
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        """Stops a request and routes its final output (finish_reason "abort"); False if none is in flight."""
+        request = self.scheduler.abort_request(request_id)
+        if request is None:
+            return False
+        detokenizer = self._detokenizers.pop(request_id)
+        detokenizer.flush()
+        self.runner.penalties.release(request_id)
+        self.route(self._output(request, detokenizer))
+        return True
+
+    def route(self, output: RequestOutput) -> None:
+        """Hands an output to the generate() call that owns its request, else to the next step()."""
+        results = self.owners.get(output.request_id)
+        if results is None:
+            self.pending.append(output)
+        elif output.finished:
+            results[output.request_id] = output
+            del self.owners[output.request_id]
+
+    # -- one step --------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        """Requests to run, or a step in flight whose tokens someone still needs (a step left computing
+        only for finished requests, e.g. after a stop token, is not waited for)."""
+        step = self.in_flight
+        if step is not None and all(s.request.is_finished for s in step.out.scheduled):
+            self.in_flight = step = None
+        return self.scheduler.has_unfinished_requests() or step is not None
+
+    def advance(self) -> None:
+        """One step, if there is work; routes each output to its owner (a generate() call, or step()).
+
+        If the step fails (the exception propagates), no request has advanced past what its outputs
+        say and the caches' books match the runner's tensors, so advancing again retries it."""
+        if not self.has_work():
+            return
+        try:
+            outputs = self._step_async() if self.async_scheduling else self._step()
+        except BaseException:
+            self._reconcile_encoder_books()
+            raise
+        for output in outputs:
+            self.route(output)
+
+    def _step(self) -> list[RequestOutput]:
+        out = self._schedule()
+        launched = self.runner.launch(out, self._block_tables(out))
+        if launched.pending is not None:  # the grammars are current: mask while the forward runs
+            launched = self.runner.sample(launched)
+        sampled = launched.result()
+        updated = self.scheduler.update_from_output(out, sampled, self.eos_token_ids)
+        self._record_logprobs(launched, updated)
+        return self._outputs(updated)
+
+    def _step_async(self) -> list[RequestOutput]:
+        """Books the step in flight with placeholder tokens, schedules and launches the next one, and
+        only then waits for the step in flight's tokens.
+
+        A request that stops on a token computes one more step, whose token is discarded. A failure
+        before the launch leaves the step in flight to finish normally (its outputs are delivered),
+        so the books match the tensors as in a synchronous step.
+        """
+        previous, self.in_flight = self.in_flight, None
+        pending = self.scheduler.book_step(previous.out) if previous is not None else []
+        try:
+            out = self._schedule(allow_empty=previous is not None)
+            launched = self.runner.launch(out, self._block_tables(out), previous.launched if previous is not None else None)
+        except BaseException:
+            if previous is not None:
+                for output in self._resolve(previous, pending):
+                    self.route(output)
+            raise
+        step = InFlightStep(out, launched)
+        if out.num_scheduled_tokens:
+            self.in_flight = step
+        try:
+            return self._resolve(previous, pending) if previous is not None else []
+        finally:
+            if launched.pending is not None:
+                # Constrained rows: their masks need the tokens just resolved, so this step samples
+                # now, while its forward runs on the device.
+                step.launched = self.runner.sample(launched)
+
+    def _resolve(self, step: InFlightStep, pending: list[Request]) -> list[RequestOutput]:
+        sampled = step.launched.result()  # the wait for the device
+        updated = self.scheduler.resolve_tokens(pending, sampled, self.eos_token_ids)
+        self._record_logprobs(step.launched, updated)
+        return self._outputs(updated)
+
+    def _schedule(self, allow_empty: bool = False) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        if out.kv_offloads or out.kv_restores:
+            self._copy_kv_blocks(out)
+        if self.loras is not None:
+            self._activate_loras(out)
+        if out.is_empty and not allow_empty and self.scheduler.has_unfinished_requests():
+            raise RuntimeError(f"scheduler made no progress: {self.scheduler.running + list(self.scheduler.waiting)}")
+        self.counters["steps"] += not out.is_empty
+        self.counters["tokens_computed"] += out.num_scheduled_tokens
+        self.counters["prefill_tokens_computed"] += sum(
+            max(0, min(s.end, s.request.num_prompt_tokens) - s.start) for s in out.scheduled
+        )
+        return out
+
+    def _copy_kv_blocks(self, out: SchedulerOutput) -> None:
+        """Queues the copies between the KV tiers first thing in the step. If they cannot be queued, the
+        blocks that were to be restored leave the cache and their requests recompute (preempted): a
+        failed copy costs a prefill, never a wrong result."""
+        try:
+            self.runner.copy_kv_blocks(out.kv_offloads, out.kv_restores)
+        except BaseException:
+            for request_id in self.kv_cache.abandon_copies():
+                self.scheduler.recompute(request_id)
+            raise
+
+    def _activate_loras(self, out: SchedulerOutput) -> None:
+        """Makes the step's adapters resident in device slots and tells the runner each request's slot."""
+        with_lora = [s.request for s in out.scheduled if s.num_new_tokens > 0 and s.request.lora_name is not None]
+        if not with_lora:
+            return
+        running = {r.lora_name for r in self.scheduler.running if r.lora_name is not None}
+        slot_of = self.loras.activate([r.lora_name for r in with_lora], running, self.runner.load_lora_slot)
+        out.lora_slots = {r.request_id: slot_of[r.lora_name] for r in with_lora}
+        out.encoder_lora_slots = {r.request_id: slot_of[r.lora_name] for r in with_lora if self.loras.touches_vision(r.lora_name)}
+
+    def _block_tables(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        return {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled}
+
+    def _reconcile_encoder_books(self) -> None:
+        """After a failed step: the encoder cache books exactly the outputs the runner holds.
+
+        Nothing advanced (no request's computed tokens moved), so the step can simply run again,
+        except that entries booked for encodes that never ran must not look encoded: they are
+        unbooked and their requests encode them next time. Outputs whose entries were evicted go.
+        """
+        self.encoder_cache.take_freed()
+        outputs = self.runner.encoder_outputs
+        self.scheduler.forget_encoder_entries([h for h in self.encoder_cache.entries if h not in outputs])
+        self.runner.free_encoder_outputs([h for h in outputs if h not in self.encoder_cache.entries])
+
+    # -- the step's tokens -----------------------------------------------------
+
+    def _record_logprobs(self, launched: LaunchedStep, updated: list[Request]) -> None:
+        for found in launched.prompt_logprobs:
+            request = found.request
+            recorded = request.prompt_logprobs or [None]  # the first token has none
+            for position, entry in enumerate(found.entries(), start=found.first_position):
+                if position == len(recorded):  # a preempted request recomputes positions it already has
+                    recorded.append(entry)
+            request.prompt_logprobs = recorded
+        logprobs = launched.token_logprobs()
+        if logprobs:
+            for request in updated:
+                if request.request_id in logprobs:
+                    request.output_logprobs.append(logprobs[request.request_id])
+
+    def _outputs(self, updated: list[Request]) -> list[RequestOutput]:
+        outputs = (self.after_token(request) for request in updated)
+        return [output for output in outputs if output is not None]
+
+    def after_token(self, request: Request) -> RequestOutput | None:
+        """Detokenizes the request's new token and applies stop strings. Returns its output, or None
+        for an unfinished request of a generate() call (which reads only final outputs): such a
+        request's tokens are decoded all at once when it finishes, unless it has stop strings."""
+        detokenizer = self._detokenizers[request.request_id]
+        streamed = request.request_id not in self.owners or bool(request.sampling_params.stop)
+        token = request.output_token_ids[-1]
+        stop_string = detokenizer.append(token, decode=streamed)
+        self.counters["generation_tokens"] += 1
+        if stop_string is not None and not request.is_finished:
+            request.stop_reason = stop_string
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        if request.grammar is not None and not request.is_finished and _grammar_done(request.grammar, token):
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            detokenizer.flush()  # release a trailing partial character held back while streaming
+            del self._detokenizers[request.request_id]
+            self.runner.penalties.release(request.request_id)
+            self.counters["requests_finished"] += 1
+        elif request.request_id in self.owners:
+            return None
+        return self._output(request, detokenizer)
+
+    @staticmethod
+    def _output(request: Request, detokenizer: IncrementalDetokenizer) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=detokenizer.text,
+            finish_reason=request.finish_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            stop_reason=request.stop_reason,
+            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
+            prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
+        )
+
+
+def _grammar_done(matcher: Any, token: int) -> bool:
+    """Feeds a sampled token to a request's grammar; True when the grammar admits no further token
+    (complete: the request stops as on EOS)."""
+    matcher.consume_token(token)
+    return matcher.is_stopped() or matcher.is_error()
+
+
+def _items_under_adapter(processed: ProcessedPrompt, lora_key: str, hash_algo: str) -> ProcessedPrompt:
+    """The prompt with each item keyed by the adapter too: an adapter on the vision side makes its own
+    encoder outputs, which must neither hit nor feed the shared entries (nor KV blocks over them)."""
+    items = [dataclasses.replace(item, mm_hash=hash_bytes(f"{item.mm_hash}|lora|{lora_key}".encode(), hash_algo))
+             for item in processed.mm_items]
+    return dataclasses.replace(processed, mm_items=items)
