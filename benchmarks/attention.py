@@ -72,7 +72,8 @@ def prefill_case(batch: int, context: int, new: int, args, dtype) -> dict:
 
 
 def decode_case(batch: int, context: int, args, dtype) -> dict:
-    from mmengine.kernels.decode_attention import choose_num_splits, decode_attention
+    from mmengine.kernels.decode_attention import decode_attention
+    from mmengine.layers.split_kv import choose_num_splits
 
     lengths = [context] * batch
     cache, tables = paged_cache(lengths, args.num_kv_heads, args.head_dim, args.block_size, dtype)

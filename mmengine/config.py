@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from mmengine.errors import ConfigError
-from mmengine.kv_cache.block_hash import HASH_ALGORITHMS
 
 if TYPE_CHECKING:  # torch is imported where a device or dtype is resolved: the CLI builds its flags without it
     import torch
+
+# Block-hash algorithms prefix caching may use (kv_cache/block_hash.py implements each).
+HASH_ALGORITHMS = ("xxh3_128", "sha256")
 
 # dtype names -> torch attribute names
 _DTYPES = {

@@ -94,3 +94,11 @@ def test_the_chain_hashes_exactly_each_blocks_key(salt, lora):
     for index, data in enumerate(seen):
         assert data == _encode(parent, block_key(request, index, BS))
         parent = chain[index]
+
+
+def test_every_algorithm_the_config_offers_is_implemented():
+    from mmengine.config import HASH_ALGORITHMS
+    from mmengine.kv_cache.block_hash import make_hash_function
+
+    digests = {algo: make_hash_function(algo, seed=7)(b"block") for algo in HASH_ALGORITHMS}
+    assert len(set(digests.values())) == len(HASH_ALGORITHMS) and all(len(d) >= 16 for d in digests.values())

@@ -12,7 +12,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from mmengine import MMEngine, SamplingParams
 from mmengine.cli import main
 from mmengine.errors import ConfigError
-from mmengine.models.qwen_vl import max_tokens_for_pixels, smart_resize
+from mmengine.models.qwen_resize import max_tokens_for_pixels, smart_resize
 from mmengine.multimodal.resize_guard import MAX_IMAGE_ASPECT_RATIO
 from mmengine.testing import make_test_image
 

@@ -9,7 +9,8 @@ import math
 import pytest
 import torch
 
-from mmengine.kernels.decode_attention import choose_num_splits, decode_attention
+from mmengine.kernels.decode_attention import decode_attention
+from mmengine.layers.split_kv import choose_num_splits
 from mmengine.kernels.kv_store import store_kv
 from mmengine.kernels.merge_states import merge_attn_states
 from mmengine.kernels.prefill_attention import prefill_attention

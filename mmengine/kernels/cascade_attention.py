@@ -21,13 +21,15 @@ splits, so one kernel gathers, reduces and merges in a single pass.)
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import triton
 import triton.language as tl
 
 from mmengine.kernels.common import LOG2E, dot_precision, launch_options, padded_head_dim
 from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
-from mmengine.layers.cascade import CascadeMetadata, tokens_per_tile
+from mmengine.kernels.tiling import tokens_per_tile
 
 
 # The partial states' strides follow the step's split count; unspecialized, one compiled kernel serves
@@ -127,15 +129,28 @@ def _merge_prefix_kernel(
                  mask=h_valid)
 
 
-def prefix_block_q(num_heads: int, num_kv_heads: int) -> int:
-    """Grouped tokens per program of the prefix pass (the layout's tile_tokens must match)."""
-    return tokens_per_tile(num_heads, num_kv_heads)
+class CascadeTensors(Protocol):
+    """What the prefix pass reads of a step's cascade layout (the layer's CascadeMetadata has these):
+    int32 device tensors and the launch bounds, as plain attributes."""
+
+    token_indices: torch.Tensor  # [T] grouped tokens' rows in the packed batch
+    token_positions: torch.Tensor  # [T] their positions (for the causal mask)
+    group_starts: torch.Tensor  # [G + 1]
+    prefix_lens: torch.Tensor  # [G]
+    group_leaders: torch.Tensor  # [G] a member row whose block table starts with the prefix
+    tile_groups: torch.Tensor  # [N]
+    tile_starts: torch.Tensor  # [N]
+    counts: torch.Tensor  # [programs per KV head, splits, grouped tokens], read on the device
+    tile_tokens: int  # grouped tokens per tile: must be tiling.tokens_per_tile, the kernel's BLOCK_Q
+    max_work: int
+    max_tokens: int
+    max_splits: int
 
 
 def shared_prefix_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    cascade: CascadeMetadata,
+    cascade: CascadeTensors,
     block_tables: torch.Tensor,
     scale: float,
     block_n: int = 32,
@@ -147,7 +162,7 @@ def shared_prefix_attention(
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
     assert group * num_kv_heads == num_heads, "query heads must be a multiple of KV heads"
-    block_q = prefix_block_q(num_heads, num_kv_heads)
+    block_q = tokens_per_tile(num_heads, num_kv_heads)
     assert cascade.tile_tokens == block_q, f"the layout's tiles hold {cascade.tile_tokens} tokens, the kernel's {block_q}"
     shape = (cascade.max_tokens, num_heads, max(cascade.max_splits, 1))
     part_out = torch.empty(*shape, head_dim, device=query.device, dtype=torch.float32)
@@ -199,7 +214,7 @@ def merge_prefix_states(
 def cascade_prefix_attention(
     query: torch.Tensor,
     kv_cache: torch.Tensor,
-    cascade: CascadeMetadata,
+    cascade: CascadeTensors,
     block_tables: torch.Tensor,
     scale: float,
     out: torch.Tensor,

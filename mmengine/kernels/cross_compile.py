@@ -23,6 +23,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.runtime.jit import JITFunction
+
+from mmengine.kernels.tiling import tokens_per_tile
 
 # Per-SM shared memory a block may use (KiB): the kernels must fit on both generations.
 SHARED_MEMORY_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
@@ -226,15 +229,22 @@ def record_attention_launches(case: AttentionCase) -> list[Launch]:
     return launches
 
 
-def _cascade_metadata(block_size: int, num_heads: int, num_kv_heads: int):
-    """One group of two requests (the first 1 and 7 tokens of the step) over a one-block prefix, in two splits."""
-    import numpy as np
+def _cascade_metadata(block_size: int, num_heads: int, num_kv_heads: int) -> SimpleNamespace:
+    """The prefix pass's arguments for one group of two requests (the first 1 and 7 tokens of the step,
+    at positions 39 and 26..32) over a one-block prefix, in two splits; only shapes, dtypes and bounds
+    matter to a recorded launch."""
+    tile, tokens, splits = tokens_per_tile(num_heads, num_kv_heads), 8, 2
+    num_tiles = -(-tokens // tile)
 
-    from mmengine.layers.cascade import CascadeGroup, CascadeMetadata, layout_cascade, tokens_per_tile
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int32)
 
-    layout = layout_cascade([CascadeGroup([0, 1], 1)], np.array([1, 7]), np.array([40, 33]), np.zeros((2, 4), dtype=np.int64),
-                            block_size, tokens_per_tile(num_heads, num_kv_heads), num_splits=2)
-    return CascadeMetadata.from_layout(layout, torch.device("cpu"))
+    return SimpleNamespace(
+        token_indices=ints(list(range(tokens))), token_positions=ints([39, *range(26, 33)]), group_starts=ints([0, tokens]),
+        prefix_lens=ints([block_size]), group_leaders=ints([0]), tile_groups=ints([0] * num_tiles),
+        tile_starts=ints([i * tile for i in range(num_tiles)]), counts=ints([num_tiles * splits, splits, tokens]),
+        tile_tokens=tile, max_work=num_tiles * splits, max_tokens=tokens, max_splits=splits,
+    )
 
 
 def record_decoder_launches(case: AttentionCase) -> list[Launch]:

@@ -14,7 +14,6 @@ import triton.language as tl
 
 from mmengine.kernels.common import launch_options, LOG2E, dot_precision, padded_head_dim
 from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
-from mmengine.layers.split_kv import choose_num_splits  # noqa: F401  (the decode launch's heuristic, re-exported)
 
 
 @triton.jit

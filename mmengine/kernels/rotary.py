@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mmengine.kernels.checks import check_positions
 from mmengine.kernels.common import launch_options
 
 # Elements of one [heads, head_dim / 2] tile a program holds at a time (keeps registers bounded).
@@ -132,8 +133,6 @@ def rotary_store_kv(
     if num_tokens == 0:
         return
     if positions.device.type == "cpu":
-        from mmengine.layers.rotary import check_positions
-
         check_positions(positions, cos_sin.shape[0])
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.stride(-1) == 1
     if store:

@@ -23,14 +23,15 @@ from typing import TYPE_CHECKING
 
 import xxhash
 
-if TYPE_CHECKING:  # annotations only: EngineConfig reads HASH_ALGORITHMS here without importing torch
+from mmengine.config import HASH_ALGORITHMS
+
+if TYPE_CHECKING:  # annotations only: hashing a block needs no torch
     from mmengine.core.request import MMItem, Request
 
 BlockHash = bytes
 ExtraKey = tuple[object, ...]
 HashFunction = Callable[[bytes], BlockHash]
 
-HASH_ALGORITHMS = ("xxh3_128", "sha256")
 
 
 def make_hash_function(algo: str, seed: int | None) -> HashFunction:

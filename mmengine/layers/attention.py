@@ -1,15 +1,15 @@
-"""Attention over the paged KV cache: per-step metadata, the layer, and backend dispatch.
+"""Attention over the paged KV cache: per-step metadata, the backend protocol, and the layer.
 
 A backend provides `store_kv` (write the step's K/V into the cache through the slot
 mapping) and `forward` (each request's new queries attend causally to its new tokens
 and fully to its cached context, read through its block table). The PyTorch backend
-is the reference and the CPU path; kernel backends plug in under another name.
+is the reference and the CPU path; kernel backends plug in under another name
+(attention_backends.py picks one; the backends import this module, never the reverse).
 """
 
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmengine.errors import ConfigError
 from mmengine.layers.cascade import CascadeMetadata
 
 if TYPE_CHECKING:
@@ -95,36 +94,6 @@ class AttentionBackend(Protocol):
     def forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
     ) -> torch.Tensor: ...
-
-
-def triton_unavailable_reason(device: torch.device) -> str | None:
-    """Why the Triton kernels cannot run on this device, or None when they can."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "triton is not installed"
-    if device.type == "cuda":
-        return None
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return None
-    return f"Triton kernels need a CUDA device, or TRITON_INTERPRET=1 to run them (slowly) on {device.type}"
-
-
-def get_attention_backend(requested: str, device: torch.device) -> AttentionBackend:
-    """'auto' picks the Triton kernels on CUDA, else the PyTorch reference; 'triton' forces the kernels."""
-    from mmengine.layers.torch_attention import TorchAttentionBackend
-
-    reason = triton_unavailable_reason(device)
-    name = requested
-    if requested == "auto":
-        name = "triton" if device.type == "cuda" and reason is None else "torch"
-    if name == "torch":
-        return TorchAttentionBackend()
-    if reason is not None:
-        raise ConfigError(f"attn_backend='triton' is not available: {reason}")
-    from mmengine.layers.triton_attention import TritonAttentionBackend
-
-    return TritonAttentionBackend()
 
 
 class Attention(nn.Module):

@@ -24,15 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-# Query rows one tile of the prefix pass (and of the prefill kernel) holds: tokens x the query
-# heads of one KV head. The host plan counts tiles with it; the kernel launches with it.
-TILE_ROWS = 64
-
-
-def tokens_per_tile(num_heads: int, num_kv_heads: int) -> int:
-    group_pad = 1 << max(0, (num_heads // num_kv_heads - 1).bit_length())
-    return max(1, TILE_ROWS // group_pad)
-
+from mmengine.kernels.tiling import tokens_per_tile  # noqa: F401  (the layout's tile size is the kernel's)
 
 @dataclass
 class CascadeGroup:

@@ -23,6 +23,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from mmengine.errors import UnsupportedModelError
+from mmengine.kernels.checks import check_positions
 
 # Types whose frequencies depend on the current sequence length are not position-pure,
 # so a cached KV entry would no longer match a recomputed one.
@@ -136,14 +137,6 @@ class RotaryStep:
         """Reference path: q and k rotated (new tensors)."""
         assert self.cos is not None and self.sin is not None, "the kernel path rotates inside the kernel"
         return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
-
-
-def check_positions(positions: torch.Tensor, max_positions: int) -> None:
-    """Host-side check (CPU tensors only) that every position has a table row."""
-    if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= max_positions):
-        raise IndexError(
-            f"positions span [{int(positions.min())}, {int(positions.max())}] but the rotary table covers [0, {max_positions})"
-        )
 
 
 class RotaryEmbedding(nn.Module):

@@ -12,12 +12,13 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mmengine.kernels.cascade_attention import cascade_prefix_attention, prefix_block_q
-from mmengine.kernels.decode_attention import choose_num_splits, decode_attention
+from mmengine.kernels.cascade_attention import cascade_prefix_attention
+from mmengine.kernels.decode_attention import decode_attention
 from mmengine.kernels.kv_store import store_kv
 from mmengine.kernels.prefill_attention import prefill_attention
 from mmengine.layers.attention import AttentionMetadata
-from mmengine.layers.cascade import CascadeGroup, CascadeMetadata, layout_cascade
+from mmengine.layers.cascade import CascadeGroup, CascadeMetadata, layout_cascade, tokens_per_tile
+from mmengine.layers.split_kv import choose_num_splits
 
 
 class TritonAttentionBackend:
@@ -53,7 +54,7 @@ class TritonAttentionBackend:
         # the cascade prefix pass and merge read their counts on the device: one compile each
         block_size = kv_cache.shape[2]
         layout = layout_cascade([CascadeGroup([0, 1], 1)], np.ones(2, dtype=np.int64), np.full(2, block_size),
-                                np.zeros((2, 1), dtype=np.int64), block_size, prefix_block_q(num_heads, num_kv_heads), 2)
+                                np.zeros((2, 1), dtype=np.int64), block_size, tokens_per_tile(num_heads, num_kv_heads), 2)
         cascade = CascadeMetadata.from_layout(layout, device)
         lse = torch.zeros(2, num_heads, dtype=torch.float32, device=device)
         cascade_prefix_attention(query, kv_cache, cascade, block_tables, 1.0, query.clone(), lse)

@@ -28,7 +28,7 @@ _QWEN2_TEXT_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 _QK_NORM_TEXT_MODEL_TYPES = ("qwen3_vl_text",)
 
 # checkpoint projection name -> (fused parameter name, shard)
-_STACKED = {
+STACKED_PROJECTIONS = {
     "q_proj": ("qkv_proj", "q"),
     "k_proj": ("qkv_proj", "k"),
     "v_proj": ("qkv_proj", "v"),
@@ -193,8 +193,8 @@ class DecoderModel(nn.Module):
         parts = name.split(".")
         if "rotary_emb" in parts:  # old checkpoints saved inv_freq buffers; we recompute them
             return True
-        if len(parts) >= 5 and parts[0] == "layers" and parts[3] in _STACKED:
-            fused, shard = _STACKED[parts[3]]
+        if len(parts) >= 5 and parts[0] == "layers" and parts[3] in STACKED_PROJECTIONS:
+            fused, shard = STACKED_PROJECTIONS[parts[3]]
             owner = self.layers[int(parts[1])].get_submodule(parts[2])
             owner.load_shard(shard, parts[4], tensor)
             return True

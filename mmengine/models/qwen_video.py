@@ -26,6 +26,7 @@ import torch
 from PIL import Image
 
 from mmengine.errors import InvalidInputError
+from mmengine.models.qwen_resize import max_tokens_for_pixels, smart_resize
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -118,8 +119,6 @@ def resized_size(
     """(height, width) every frame is resized to: transformers' video smart_resize for the family, with
     a request's bounds in place of the checkpoint's. Qwen2-VL bounds each frame (and, with total_pixels
     or cap_pixels_per_frame, limits each frame to its share of a total); Qwen3-VL bounds the whole clip."""
-    from mmengine.models.qwen_vl import smart_resize  # (qwen_vl imports this module)
-
     factor, temporal = settings.factor, settings.temporal_patch_size
     low = min_pixels or settings.min_pixels
     high = max_pixels or settings.max_pixels
@@ -180,8 +179,6 @@ def _resized(frames: np.ndarray, height: int, width: int) -> np.ndarray:
 def max_tokens_per_patch(settings: QwenVideoSettings) -> int:
     """An upper bound on one temporal patch's embeddings under the checkpoint's bounds (Qwen3-VL's
     bound holds for at least one full temporal patch of frames)."""
-    from mmengine.models.qwen_vl import max_tokens_for_pixels
-
     high = settings.max_pixels // settings.temporal_patch_size if settings.whole_clip_bounds else settings.max_pixels
     low = settings.min_pixels // settings.temporal_patch_size if settings.whole_clip_bounds else settings.min_pixels
     return max_tokens_for_pixels(low, max(high, 1), settings.factor)

@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 from mmengine.errors import WeightsMismatchError
 from mmengine.layers.attention import AttentionMetadata
 from mmengine.layers.lora import ItemLoRAContext, LoRALinear, LoRASlice
-from mmengine.models.llama import _STACKED, DecoderModel, DeepStack, head_dim_of
+from mmengine.models.llama import STACKED_PROJECTIONS, DecoderModel, DeepStack, head_dim_of
 from mmengine.models.loader import WeightCheck
 
 _ROTARY_CACHE = re.compile(r"(^|\.)rotary_emb\.")
@@ -142,7 +142,7 @@ def decoder_checkpoint_shapes(decoder: DecoderModel) -> dict[str, tuple[int, ...
     shapes: dict[str, tuple[int, ...]] = {}
     for name, param in decoder.named_parameters():
         owner, fused, leaf = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", name)
-        shards = [(proj, shard) for proj, (target, shard) in _STACKED.items() if target == fused]
+        shards = [(proj, shard) for proj, (target, shard) in STACKED_PROJECTIONS.items() if target == fused]
         if not shards:
             shapes[name] = tuple(param.shape)
             continue

@@ -20,7 +20,8 @@ from mmengine.errors import ConfigError
 from mmengine.encoder_cache.host_tier import EncoderHostTier
 from mmengine.kv_cache.host_tier import KVCopy
 from mmengine.kv_cache.manager import cdiv
-from mmengine.layers.attention import AttentionMetadata, get_attention_backend
+from mmengine.layers.attention import AttentionMetadata
+from mmengine.layers.attention_backends import get_attention_backend
 from mmengine.layers.cascade import tokens_per_tile
 from mmengine.layers.kernel_dispatch import use_fused_kernels
 from mmengine.layers.lora import ItemLoRAContext, LoRAContext, LoRALinear, LoRASegments, add_lora
