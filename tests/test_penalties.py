@@ -1,4 +1,4 @@
-"""Presence, frequency and repetition penalties (mmengine/penalties.py): greedy tokens equal a
+"""Presence, frequency and repetition penalties (mmengine/sample/penalties.py): greedy tokens equal a
 reference of OpenAI's rule (and transformers' repetition penalty) over transformers' logits (fp32
 CPU), in a batch with unpenalized requests, with and without async scheduling; rows are given back."""
 

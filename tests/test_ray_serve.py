@@ -227,7 +227,7 @@ def test_the_serve_command_with_data_parallel_size_builds_the_ray_app(checkpoint
     calls = {}
     monkeypatch.setattr("mmengine.ray.serve.build_app", lambda *args, **kwargs: calls.update(build=(args, kwargs)) or "app")
     monkeypatch.setattr("mmengine.ray.serve.run_app", lambda app, host, port: calls.update(run=(app, host, port)))
-    monkeypatch.setattr("mmengine.async_engine.AsyncMMEngine.from_model",
+    monkeypatch.setattr("mmengine.engine.async_engine.AsyncMMEngine.from_model",
                         lambda *args, **kwargs: pytest.fail("a data-parallel serve loads no engine in the driver"))
     path = str(checkpoint_dir())
     assert main(["serve", "--model", path, "--data-parallel-size", "3", "--max-ongoing-requests-per-replica", "5",

@@ -5,7 +5,7 @@
   numpy array). The same file given as a path or as its bytes gets the same key.
 - A text-only row is keyed by its prefix-sharing group: the prompt is tokenized with the checkpoint's
   tokenizer, its full blocks are hashed into the same chains the engine's prefix cache uses
-  (kv_cache/block_hash.py), and the chains are grouped by prefix_groups.py, so every member of a group
+  (kv_cache/block_hash.py), and the chains are grouped by core/prefix_groups.py, so every member of a group
   gets the group's key. A row that shares no block with any other gets no key (None): any replica
   serves it equally well.
 

@@ -74,6 +74,28 @@ class StepInputs:
     deferred_sources: torch.Tensor | None = None
 
 
+@dataclass
+class _PackedBatch:
+    """One step's requests as host arrays, in packed (decodes first) order."""
+
+    query_lens: np.ndarray  # [R] new tokens per request
+    starts: np.ndarray  # [R] the first new token's position
+    hit_ends: np.ndarray  # [R] tokens of a prefix hit: their K/V is cached, never written again
+    row_blocks: list[list[int]] = field(default_factory=list)
+    deferred: list[tuple[int, int]] = field(default_factory=list)  # (token row, index among the previous step's sampled tokens)
+    sampled_rows: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+    query_start_loc: np.ndarray | None = None  # [padded R + 1], once the token buffers are filled
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return self.starts + self.query_lens
+
+
 class InputBuffers:
     def __init__(
         self,
@@ -140,112 +162,31 @@ class InputBuffers:
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's copies have read the host side
         scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
-        num_reqs = len(scheduled)
-        query_lens = np.empty(num_reqs, dtype=np.int64)
-        starts = np.empty(num_reqs, dtype=np.int64)
-        # A last token recomputed after a full prefix hit sits in a shared cached block
-        # that already holds its K/V: it is attended to, never written again (slot -1).
-        hit_ends = np.empty(num_reqs, dtype=np.int64)
-        table, ids = self.block_tables.np, self.input_ids.np
-        sampled_rows: list[int] = []
-        row_blocks: list[list[int]] = []
-        deferred: list[tuple[int, int]] = []  # (token row, index among the previous step's sampled tokens)
-        num_tokens = 0
-        for row, s in enumerate(scheduled):  # one pass over the batch: the per-request host work
-            request, start, length = s.request, s.start, s.num_new_tokens
-            query_lens[row], starts[row], hit_ends[row] = length, start, request.num_prefix_hit_tokens
-            blocks = block_tables[request.request_id]
-            row_blocks.append(blocks)
-            table[row, : len(blocks)] = blocks
-            if length == 1:
-                token = request.all_token_ids[start]
-                if token == PLACEHOLDER_TOKEN:
-                    deferred.append((num_tokens, previous_rows[request.request_id]))
-                    token = 0
-                ids[num_tokens] = token
-            else:
-                assert request.all_token_ids[start + length - 1] != PLACEHOLDER_TOKEN, request  # only decodes wait on one
-                ids[num_tokens : num_tokens + length] = request.all_token_ids[start : start + length]
-            num_tokens += length
-            if s.samples:
-                sampled_rows.append(row)
-        seq_lens = starts + query_lens
-        groups: list[CascadeGroup] = []
-        bounds: GraphBounds | None = None
+        batch = self._pack_requests(scheduled, block_tables, previous_rows)
         graph_lora = bool(lora_slots) and graph_size is not None
-        if self.cascade is not None and not graph_lora:
-            graph_tiles = None
-            if graph_size is not None:
-                bounds = self.cascade_graph_bounds.get(graph_size)
-                graph_tiles = bounds.max_tiles if bounds else 0
-            groups = self.cascade.plan(row_blocks, query_lens.tolist(), seq_lens.tolist(), graph_tiles=graph_tiles)
-            if groups and graph_size is not None and count_tiles(groups, query_lens, self.cascade.tokens_per_tile) > (graph_tiles or 0):
-                graph_size = bounds = None  # more groups than the cascade graph holds ("on"): run eagerly
-        padded_reqs = graph_size or num_reqs
-        padded_tokens = num_tokens + (padded_reqs - num_reqs)
+        groups, bounds, graph_size = self._plan_cascade(batch, graph_size) if self.cascade is not None and not graph_lora else ([], None, graph_size)
+        padded_reqs = graph_size or batch.num_reqs
+        padded_tokens = batch.num_tokens + (padded_reqs - batch.num_reqs)
         assert padded_tokens <= self.max_tokens and padded_reqs <= self.max_reqs, (padded_tokens, padded_reqs)
-
-        req_of_token = np.repeat(np.arange(num_reqs), query_lens)
-        token_starts = np.cumsum(query_lens) - query_lens
-        positions = np.arange(num_tokens) - token_starts[req_of_token] + starts[req_of_token]
-        bs = self.block_size
-        slots = table[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        slots[positions < hit_ends[req_of_token]] = PAD_SLOT
-
-        ids[num_tokens:padded_tokens] = 0
-        if self.position_channels == 1:
-            self.positions.np[:num_tokens] = positions
-        else:
-            self._fill_mrope_positions(scheduled, positions, token_starts)
-        self.positions.np[num_tokens:padded_tokens] = 0
-        self.slot_mapping.np[:num_tokens] = slots
-        self.slot_mapping.np[num_tokens:padded_tokens] = PAD_SLOT
-        query_start_loc = np.concatenate(([0], np.cumsum(query_lens), num_tokens + np.arange(1, padded_reqs - num_reqs + 1)))
-        self.query_start_loc.np[: padded_reqs + 1] = query_start_loc
-        self.seq_lens.np[:num_reqs] = seq_lens
-        self.seq_lens.np[num_reqs:padded_reqs] = PAD_SEQ_LEN
-
-        sampled = [scheduled[i] for i in sampled_rows]
-        self.logits_indices.np[: len(sampled_rows)] = (token_starts + query_lens - 1)[sampled_rows]
+        token_starts = self._fill_token_buffers(scheduled, batch, padded_tokens, padded_reqs)
+        sampled = [scheduled[i] for i in batch.sampled_rows]
+        self.logits_indices.np[: len(sampled)] = (token_starts + batch.query_lens - 1)[batch.sampled_rows]
         sampling = self._sampling_tensors(sampled)
-
-        query_lens_list = query_lens.tolist() + [1] * (padded_reqs - num_reqs)
-        seq_lens_list = seq_lens.tolist() + [PAD_SEQ_LEN] * (padded_reqs - num_reqs)
-        num_decodes = decode_prefix_length(query_lens_list)
-        metadata = AttentionMetadata(
-            slot_mapping=self.slot_mapping.upload(padded_tokens),
-            query_start_loc=self.query_start_loc.upload(padded_reqs + 1),
-            seq_lens=self.seq_lens.upload(padded_reqs),
-            block_tables=self.block_tables.upload(padded_reqs),
-            query_lens_cpu=query_lens_list,
-            seq_lens_cpu=seq_lens_list,
-            query_start_loc_cpu=query_start_loc.tolist(),
-            num_decodes=num_decodes,
-            max_decode_seq_len=max(seq_lens_list[:num_decodes], default=0),
-            max_prefill_query_len=max(query_lens_list[num_decodes:], default=0),
-            cascade=self._cascade_metadata(groups, query_lens, seq_lens, bounds, padded_reqs) if groups else None,
-        )
+        metadata = self._attention_metadata(batch, padded_tokens, padded_reqs)
+        if groups:
+            metadata.cascade = self._cascade_metadata(groups, batch.query_lens, batch.seq_lens, bounds, padded_reqs)
         if graph_lora:
-            slots = self.lora_slots.np
-            slots[:padded_reqs] = -1
-            for row, s in enumerate(scheduled):
-                slots[row] = lora_slots.get(s.request.request_id, -1)
-            self.lora_slots.upload(padded_reqs)
-        deferred_rows = deferred_sources = None
-        if deferred:
-            rows, sources = zip(*deferred)
-            self.deferred_rows.np[: len(rows)] = rows
-            self.deferred_sources.np[: len(rows)] = sources
-            deferred_rows, deferred_sources = self.deferred_rows.upload(len(rows)), self.deferred_sources.upload(len(rows))
+            self._upload_lora_slots(scheduled, lora_slots, padded_reqs)
+        deferred_rows, deferred_sources = self._upload_deferred(batch.deferred)
         inputs = StepInputs(
             input_ids=self.input_ids.upload(padded_tokens),
             positions=self.positions.upload(padded_tokens),
             metadata=metadata,
-            logits_indices=self.logits_indices.upload(len(sampled_rows)),
+            logits_indices=self.logits_indices.upload(len(sampled)),
             sampling=sampling,
             scheduled=scheduled,
             sampled=sampled,
-            num_tokens=num_tokens,
+            num_tokens=batch.num_tokens,
             graph_size=graph_size,
             cascade_groups=groups,
             graph_cascade=bool(groups) and graph_size is not None,
@@ -256,6 +197,108 @@ class InputBuffers:
         if self._uploaded is not None:
             self._uploaded.record()
         return inputs
+
+    def _pack_requests(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]],
+                       previous_rows: dict[str, int] | None) -> _PackedBatch:
+        """One pass over the batch, the per-request host work: token ids and block tables into the
+        buffers, each request's lengths into arrays."""
+        num_reqs = len(scheduled)
+        batch = _PackedBatch(np.empty(num_reqs, dtype=np.int64), np.empty(num_reqs, dtype=np.int64),
+                             np.empty(num_reqs, dtype=np.int64))
+        table, ids = self.block_tables.np, self.input_ids.np
+        for row, s in enumerate(scheduled):
+            request, start, length = s.request, s.start, s.num_new_tokens
+            batch.query_lens[row], batch.starts[row], batch.hit_ends[row] = length, start, request.num_prefix_hit_tokens
+            blocks = block_tables[request.request_id]
+            batch.row_blocks.append(blocks)
+            table[row, : len(blocks)] = blocks
+            if length == 1:
+                token = request.all_token_ids[start]
+                if token == PLACEHOLDER_TOKEN:
+                    batch.deferred.append((batch.num_tokens, previous_rows[request.request_id]))
+                    token = 0
+                ids[batch.num_tokens] = token
+            else:
+                assert request.all_token_ids[start + length - 1] != PLACEHOLDER_TOKEN, request  # only decodes wait on one
+                ids[batch.num_tokens : batch.num_tokens + length] = request.all_token_ids[start : start + length]
+            batch.num_tokens += length
+            if s.samples:
+                batch.sampled_rows.append(row)
+        return batch
+
+    def _plan_cascade(self, batch: _PackedBatch, graph_size: int | None) -> tuple[list[CascadeGroup], GraphBounds | None, int | None]:
+        """The step's prefix groups, and the graph it may still run in: one whose cascade bounds hold
+        the groups, else none (more groups than the cascade graph holds: the step runs eagerly)."""
+        graph_tiles, bounds = None, None
+        if graph_size is not None:
+            bounds = self.cascade_graph_bounds.get(graph_size)
+            graph_tiles = bounds.max_tiles if bounds else 0
+        groups = self.cascade.plan(batch.row_blocks, batch.query_lens.tolist(), batch.seq_lens.tolist(), graph_tiles=graph_tiles)
+        if groups and graph_size is not None and count_tiles(groups, batch.query_lens, self.cascade.tokens_per_tile) > (graph_tiles or 0):
+            graph_size = bounds = None
+        return groups, bounds, graph_size
+
+    def _fill_token_buffers(self, scheduled: list[ScheduledRequest], batch: _PackedBatch, padded_tokens: int,
+                            padded_reqs: int) -> np.ndarray:
+        """Positions, slots, query offsets and context lengths of every token and request, padded;
+        returns each request's first token row."""
+        num_tokens, num_reqs, query_lens = batch.num_tokens, batch.num_reqs, batch.query_lens
+        req_of_token = np.repeat(np.arange(num_reqs), query_lens)
+        token_starts = np.cumsum(query_lens) - query_lens
+        positions = np.arange(num_tokens) - token_starts[req_of_token] + batch.starts[req_of_token]
+        bs = self.block_size
+        slots = self.block_tables.np[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        # A last token recomputed after a full prefix hit sits in a shared cached block
+        # that already holds its K/V: it is attended to, never written again (slot -1).
+        slots[positions < batch.hit_ends[req_of_token]] = PAD_SLOT
+        self.input_ids.np[num_tokens:padded_tokens] = 0
+        if self.position_channels == 1:
+            self.positions.np[:num_tokens] = positions
+        else:
+            self._fill_mrope_positions(scheduled, positions, token_starts)
+        self.positions.np[num_tokens:padded_tokens] = 0
+        self.slot_mapping.np[:num_tokens] = slots
+        self.slot_mapping.np[num_tokens:padded_tokens] = PAD_SLOT
+        batch.query_start_loc = np.concatenate(([0], np.cumsum(query_lens), num_tokens + np.arange(1, padded_reqs - num_reqs + 1)))
+        self.query_start_loc.np[: padded_reqs + 1] = batch.query_start_loc
+        self.seq_lens.np[:num_reqs] = batch.seq_lens
+        self.seq_lens.np[num_reqs:padded_reqs] = PAD_SEQ_LEN
+        return token_starts
+
+    def _attention_metadata(self, batch: _PackedBatch, padded_tokens: int, padded_reqs: int) -> AttentionMetadata:
+        padding = padded_reqs - batch.num_reqs
+        query_lens_list = batch.query_lens.tolist() + [1] * padding
+        seq_lens_list = batch.seq_lens.tolist() + [PAD_SEQ_LEN] * padding
+        num_decodes = decode_prefix_length(query_lens_list)
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping.upload(padded_tokens),
+            query_start_loc=self.query_start_loc.upload(padded_reqs + 1),
+            seq_lens=self.seq_lens.upload(padded_reqs),
+            block_tables=self.block_tables.upload(padded_reqs),
+            query_lens_cpu=query_lens_list,
+            seq_lens_cpu=seq_lens_list,
+            query_start_loc_cpu=batch.query_start_loc.tolist(),
+            num_decodes=num_decodes,
+            max_decode_seq_len=max(seq_lens_list[:num_decodes], default=0),
+            max_prefill_query_len=max(query_lens_list[num_decodes:], default=0),
+            cascade=None,
+        )
+
+    def _upload_lora_slots(self, scheduled: list[ScheduledRequest], lora_slots: dict[str, int], padded_reqs: int) -> None:
+        slots = self.lora_slots.np
+        slots[:padded_reqs] = -1
+        for row, s in enumerate(scheduled):
+            slots[row] = lora_slots.get(s.request.request_id, -1)
+        self.lora_slots.upload(padded_reqs)
+
+    def _upload_deferred(self, deferred: list[tuple[int, int]]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(token rows, indices among the previous step's sampled tokens) of placeholder tokens, on the device."""
+        if not deferred:
+            return None, None
+        rows, sources = zip(*deferred)
+        self.deferred_rows.np[: len(rows)] = rows
+        self.deferred_sources.np[: len(rows)] = sources
+        return self.deferred_rows.upload(len(rows)), self.deferred_sources.upload(len(rows))
 
     def _cascade_metadata(self, groups: list[CascadeGroup], query_lens: np.ndarray, seq_lens: np.ndarray,
                           bounds: GraphBounds | None, padded_reqs: int) -> CascadeMetadata:

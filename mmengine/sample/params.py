@@ -51,7 +51,7 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     # The output must match a JSON schema, a regex, a choice or a grammar (see StructuredOutputParams).
     structured_output: StructuredOutputParams | None = None
-    # mmengine/penalties.py: OpenAI's presence and frequency penalties over the generated tokens, in
+    # mmengine/sample/penalties.py: OpenAI's presence and frequency penalties over the generated tokens, in
     # [-2, 2]; transformers' repetition penalty over prompt and generated tokens, > 0 (1: none).
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
