@@ -82,6 +82,18 @@ class EncoderPlan:
     restore_room: int = 0  # their embeddings (cache room, no encoder budget)
 
 
+@dataclass
+class _Admission:
+    """What admitting a waiting request now takes (Scheduler._plan_admission)."""
+
+    hits: list  # cached device blocks of its prefix
+    host_hits: list  # cached host blocks after them (a copy in, not a prefill)
+    num_hit_blocks: int
+    num_computed: int  # tokens it starts with (a full hit still recomputes the last)
+    num_new: int  # tokens it computes this step
+    plan: EncoderPlan  # the encoder work those tokens need
+
+
 class Scheduler:
     def __init__(
         self,
@@ -224,55 +236,61 @@ class Scheduler:
                     break
                 skipped.append(request)
                 continue
-            # Prompt logprobs need every prompt position computed: such a request reads no cached blocks.
-            hits = [] if request.sampling_params.prompt_logprobs is not None else self.kv_cache.get_computed_blocks(request)
-            host_hits = [] if request.sampling_params.prompt_logprobs is not None else self.kv_cache.get_host_hits(
-                request, hits, self._can_pin)
-            while True:
-                num_hit_blocks = len(hits) + len(host_hits)  # host hits cost a copy, not a prefill
-                # A full hit still recomputes the last token: its logits are needed.
-                num_computed = min(num_hit_blocks * self.config.block_size, request.num_tokens - 1)
-                num_new = min(request.num_tokens - num_computed, budget)
-                num_new, plan = self._plan_encoder(request, num_computed, num_new, encoder_budget, encoding_now)
-                if not host_hits or self._plan_pinned_items(request, host_hits, plan, encoding_now):
-                    break
-                host_hits = []  # the pictures its host blocks pin do not fit the encoder cache now: compute them
+            admission = self._plan_admission(request, budget, encoder_budget, encoding_now)
+            num_hit_blocks, num_computed, num_new = admission.num_hit_blocks, admission.num_computed, admission.num_new
             wait_for_hit = (
                 not starving and num_hit_blocks < len(request.block_hashes) and request.block_hashes[num_hit_blocks] in in_flight
             )
-            fits = self.kv_cache.can_allocate(request, num_new, hits, num_computed)
+            fits = self.kv_cache.can_allocate(request, num_new, admission.hits, num_computed)
             while not fits and starving and self.sharing.release_idle_hold():
-                fits = self.kv_cache.can_allocate(request, num_new, hits, num_computed)
-            if wait_for_hit or num_new == 0 or not fits or not self.sharing.admits(request, hits, num_computed, starving):
+                fits = self.kv_cache.can_allocate(request, num_new, admission.hits, num_computed)
+            if wait_for_hit or num_new == 0 or not fits or not self.sharing.admits(request, admission.hits, num_computed, starving):
                 if starving:
                     break
                 skipped.append(request)
                 continue
-            scheduled = self._commit(request, num_computed, num_new, plan, encoding_now, hits, host_hits)
-            self.waiting.remove(request)
-            self.kv_cache.record_lookup(request.num_tokens, num_computed)
-            if request.num_preemptions == 0:
-                request.num_cached_tokens = num_computed
-            request.num_computed_tokens = num_computed
-            request.num_prefix_hit_tokens = num_hit_blocks * self.config.block_size
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            out.scheduled.append(self._admit(request, admission, encoding_now))
             if request.lora_name is not None:
                 adapters.add(request.lora_name)
-            self.sharing.admitted(request, num_computed)
-            out.scheduled.append(scheduled)
             in_flight.update(self._pending_block_hashes(request))
             budget -= num_new
-            encoder_budget -= plan.cost
+            encoder_budget -= admission.plan.cost
             admitted.append(position)
-        # Every request still waiting counts one skip per request admitted from behind it.
         if admitted:
-            last = max(admitted)
-            for index, (position, request) in enumerate(candidates):
-                if index >= window and position >= last:  # past the reordered head, the queue is in order
-                    break
-                if position < last and request.status != RequestStatus.RUNNING:
-                    request.num_admission_skips += sum(1 for p in admitted if p > position)
+            _count_skips(candidates, admitted, window)
+
+    def _plan_admission(self, request: Request, budget: int, encoder_budget: int, encoding_now: set[str]) -> _Admission:
+        """What admitting the request now would take: its cached prefix (device blocks, then host blocks),
+        the tokens it computes within the budget, and the encoder work they need."""
+        # Prompt logprobs need every prompt position computed: such a request reads no cached blocks.
+        fresh = request.sampling_params.prompt_logprobs is not None
+        hits = [] if fresh else self.kv_cache.get_computed_blocks(request)
+        host_hits = [] if fresh else self.kv_cache.get_host_hits(request, hits, self._can_pin)
+        while True:
+            num_hit_blocks = len(hits) + len(host_hits)  # host hits cost a copy, not a prefill
+            # A full hit still recomputes the last token: its logits are needed.
+            num_computed = min(num_hit_blocks * self.config.block_size, request.num_tokens - 1)
+            num_new = min(request.num_tokens - num_computed, budget)
+            num_new, plan = self._plan_encoder(request, num_computed, num_new, encoder_budget, encoding_now)
+            if not host_hits or self._plan_pinned_items(request, host_hits, plan, encoding_now):
+                return _Admission(hits, host_hits, num_hit_blocks, num_computed, num_new, plan)
+            host_hits = []  # the pictures its host blocks pin do not fit the encoder cache now: compute them
+
+    def _admit(self, request: Request, admission: _Admission, encoding_now: set[str]) -> ScheduledRequest:
+        """Moves the request from waiting to running with its first chunk scheduled."""
+        num_computed = admission.num_computed
+        scheduled = self._commit(request, num_computed, admission.num_new, admission.plan, encoding_now, admission.hits,
+                                 admission.host_hits)
+        self.waiting.remove(request)
+        self.kv_cache.record_lookup(request.num_tokens, num_computed)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_computed
+        request.num_computed_tokens = num_computed
+        request.num_prefix_hit_tokens = admission.num_hit_blocks * self.config.block_size
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        self.sharing.admitted(request, num_computed)
+        return scheduled
 
     def _can_pin(self, mm_hash: str) -> bool:
         """Whether a host-tier block pinning this picture can come back: its output is resident, or the
@@ -515,3 +533,13 @@ class Scheduler:
 
     def _reached_length(self, request: Request) -> bool:
         return request.num_output_tokens >= request.sampling_params.max_tokens or request.num_tokens >= self.max_model_len
+
+
+def _count_skips(candidates: list[tuple[int, Request]], admitted: list[int], window: int) -> None:
+    """Every request still waiting counts one skip per request admitted from behind it."""
+    last = max(admitted)
+    for index, (position, request) in enumerate(candidates):
+        if index >= window and position >= last:  # past the reordered head, the queue is in order
+            break
+        if position < last and request.status != RequestStatus.RUNNING:
+            request.num_admission_skips += sum(1 for p in admitted if p > position)
