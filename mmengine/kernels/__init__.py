@@ -1,4 +1,11 @@
-"""Triton attention kernels over the paged KV cache.
+"""Triton kernels: plain tensors and numbers in; they never import layers/ or models/.
+
+  prefill_attention.py decode_attention.py cascade_attention.py merge_states.py online_softmax.py
+                       attention over the paged KV cache (varlen prefill, split-KV decode, shared prefix)
+  kv_store.py rotary.py rms_norm.py activation.py   the decoder's fused small ops
+  lora.py              the segmented LoRA matmul
+  tiling.py checks.py common.py   tile shapes layouts must match, host-side argument checks, launch helpers
+  cross_compile.py     compiles every kernel for sm_80/sm_90 without a GPU and reports its resources
 
 Conventions shared by every kernel here:
 - KV cache of one layer: [2, num_blocks, block_size, num_kv_heads, head_dim] (K at 0, V at 1).

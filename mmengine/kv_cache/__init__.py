@@ -1,0 +1,7 @@
+"""The paged KV cache and its prefix cache.
+
+  block_hash.py  chained content hashes of full blocks (token ids, items, LoRA, salt), verified on lookup
+  block_pool.py  BlockPool: physical blocks, reference counts, the LRU free queue, the prefix cache
+  manager.py     KVCacheManager: which blocks each request holds, what is cached, what more can be had; pins
+  host_tier.py   full blocks evicted from the device, kept in (pinned) host memory
+"""

@@ -1,0 +1,12 @@
+"""The decoder's layers (they call kernels/, never the reverse).
+
+  attention.py           per-step AttentionMetadata, the backend protocol, the Attention layer
+  attention_backends.py  which backend a device gets: Triton on CUDA, the PyTorch reference elsewhere
+  torch_attention.py     the reference backend in plain PyTorch (the CPU path)
+  triton_attention.py    the Triton backend behind the same interface
+  cascade.py             the shared-prefix (cascade) layout both backends read
+  split_kv.py            how many slices a split-KV pass cuts each context into
+  kernel_dispatch.py     whether the Triton kernels can run here; fused small ops or their references
+  rotary.py norm.py activation.py   rotary tables, RMSNorm, the gated MLP activation
+  lora.py                LoRA on the projections: a per-row low-rank delta from device slots
+"""

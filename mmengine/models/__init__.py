@@ -1,0 +1,13 @@
+"""Model families: everything outside models/ asks a ModelFamily, never a model's config.
+
+  family.py      the ModelFamily interface (tokens per item, the largest item, positions, encoder inputs)
+  registry.py    which architectures mmengine runs, and how to build them
+  loader.py      safetensors tensors, sharded or not, checked strictly
+  vlm.py         what every VLM shares: a decoder, an LM head, the vision side
+  llama.py       the Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache
+  llava.py       LLaVA-1.5
+  qwen_vl.py     Qwen2-VL and Qwen2.5-VL (native resolution, M-RoPE)
+  qwen3_vl.py    Qwen3-VL (dense; DeepStack)
+  qwen_resize.py Qwen's resize rule and the largest item it makes (images and videos)
+  qwen_video.py  Qwen's video rules, as transformers' video processors apply them
+"""

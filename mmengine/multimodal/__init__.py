@@ -1,0 +1,11 @@
+"""Images and videos: from what a caller gives to token ids and items.
+
+  processor.py        InputProcessor: prompt + pictures -> token ids with expanded runs, and items
+  image_loading.py    paths, bytes, PIL images, arrays -> RGB images, with limits
+  resize_guard.py     what the image processor's resize will allocate, known before it runs
+  embeds.py           precomputed image embeddings as an item kind
+  processor_cache.py  preprocessed items kept across requests
+  video.py            Video: a caller's clip, its sampling and bounds, probed before decoding
+  video_loader.py     a clip -> its plan, hashes and one item per temporal patch
+  video_prompt.py     where a prompt's videos go (markers, runs, items)
+"""

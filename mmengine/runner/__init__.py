@@ -3,6 +3,8 @@
   model_runner.py  ModelRunner: loads the model, sizes the KV cache, runs a step
   inputs.py        persistent host/device input buffers and the step's packed layout
   cuda_graphs.py   batch-size buckets, capture and replay of decode-only steps
+  cascade_plan.py  whether a step runs cascade attention, and with which groups
+  launched_step.py a step queued on the device, its tokens read back later
 """
 
 from mmengine.runner.model_runner import ModelRunner
