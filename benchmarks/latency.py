@@ -30,6 +30,7 @@ template, so every family is asked the same questions.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import platform
 import random
@@ -253,6 +254,35 @@ def run_ttft(engine: MMEngine, image_size: tuple[int, int], repeats: int) -> dic
     }
 
 
+def run_transformers_ttft(model: str, prompt: str, image_size: tuple[int, int], repeats: int, device: torch.device,
+                          dtype: torch.dtype) -> dict:
+    """transformers' time to first token for a new picture, as its users get it: the processor call and
+    `generate(max_new_tokens=1)` (the engine that measured its own TTFT must be freed first)."""
+    from transformers import AutoModelForImageTextToText
+
+    from mmengine.models.registry import load_hf_processor
+
+    hf = AutoModelForImageTextToText.from_pretrained(model, dtype=dtype).to(device).eval()
+    processor = load_hf_processor(Path(model))
+
+    def first_token(image) -> float:
+        sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            inputs = processor(text=[prompt], images=[image], return_tensors="pt").to(device)
+            for key in ("pixel_values", "pixel_values_videos"):
+                if key in inputs:
+                    inputs[key] = inputs[key].to(dtype)
+            hf.generate(**inputs, do_sample=False, max_new_tokens=1, min_new_tokens=1)
+        sync(device)
+        return 1e3 * (time.perf_counter() - start)
+
+    first_token(make_test_image(29_999, size=image_size))  # warm-up
+    all_ms = [first_token(make_test_image(30_000 + r, size=image_size)) for r in range(repeats)]
+    del hf
+    return {"median_ms": statistics.median(all_ms), "all_ms": all_ms}
+
+
 # -- GPU-busy share -------------------------------------------------------------------------------
 
 
@@ -338,6 +368,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-batch-size", type=int, default=64, help="decode batch for the GPU-busy share")
     parser.add_argument("--profile-steps", type=int, default=5)
     parser.add_argument("--bandwidth-gbs", type=float, default=None, help="memory bandwidth (default: measured)")
+    parser.add_argument("--transformers-ttft", action="store_true",
+                        help="also time transformers' processor + generate(max_new_tokens=1) on new pictures, after the engine is freed")
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -434,6 +466,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
     else:
         print(f"GPU-busy share at batch {profile_batch}: {busy['gpu_busy_share']:.0%} "
               f"({busy['device_busy_ms_per_step']:.2f} of {busy['step_ms']:.2f} ms, {busy['device_ops_per_step']:.0f} device ops per step)")
+
+    if args.transformers_ttft:
+        prompt, device, dtype = image_question(engine, QUESTIONS[0]), engine.device, engine.dtype
+        del engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        baseline = run_transformers_ttft(model, prompt, args.image_size, args.ttft_repeats, device, dtype)
+        result["ttft"]["transformers_new_image"] = baseline
+        result["ttft"]["new_image_over_transformers"] = result["ttft"]["new_image"]["median_ms"] / baseline["median_ms"]
+        print(f"TTFT {'transformers, new image':<24} {baseline['median_ms']:8.2f} ms median  "
+              f"(mmengine's new image: {result['ttft']['new_image_over_transformers']:.2f}x)")
 
     write_json(args.output, result)
     return result

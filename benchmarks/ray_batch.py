@@ -106,6 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-gpus", type=float, default=None, help="per replica (default: 1 with --build-7b, else 0)")
     parser.add_argument("--num-cpus", type=float, default=None, help="per replica on CPU (default: the cores / largest replica count)")
     parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="each replica's share of its GPU (replicas sharing one GPU: e.g. 0.45 with --num-gpus 0.5)")
     parser.add_argument("--output", default="benchmarks/results/ray_batch.json")
     args = parser.parse_args(argv)
 
@@ -125,6 +127,8 @@ def main(argv: list[str] | None = None) -> dict:
     ray.data.DataContext.get_current().enable_progress_bars = False
     ds = ray.data.from_items(rows).materialize()
     engine_options = {"max_model_len": args.max_model_len}
+    if args.gpu_memory_utilization is not None:
+        engine_options["gpu_memory_utilization"] = args.gpu_memory_utilization
 
     results = []
     for count in replica_counts:

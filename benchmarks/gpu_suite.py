@@ -1,0 +1,496 @@
+"""Every figure a GPU must show, in one run: builds the published shapes once, runs each measurement
+in its own process (memory is freed between parts, a failed part does not stop the rest), and writes
+one JSON and one Markdown report with each figure, its target and whether it was met.
+
+    python benchmarks/gpu_suite.py --out gpu-report                  # everything, on one H100/H200
+    python benchmarks/gpu_suite.py --out gpu-report --only decode,lora --budget-minutes 10
+    python benchmarks/gpu_suite.py --out dry-report --dry-run        # every part, tiny, on the CPU
+
+Run again with the same --out and the parts that finished are kept (--rerun measures them again).
+Random-weight checkpoints of the published shapes are built under --checkpoints (never commit them).
+docs/gpu.md says how to read the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import operator
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+# The guide's two commands (docs/gpu.md), printed at the top of every report.
+SETUP_COMMAND = 'python -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && pip install -e ".[test]"'
+RUN_COMMAND = "python benchmarks/gpu_suite.py --out gpu-report"
+
+# name -> (the spec in mmengine.testing, the tiny stand-in of a dry run)
+CHECKPOINTS = {
+    "llava_7b": ("LLAVA_1_5_7B_SPEC", "llava"),
+    "qwen2_5_vl_7b": ("QWEN2_5_VL_7B_SPEC", "qwen2_5_vl"),
+}
+# Decode-step figures of the last H100 run (issue 26: no regression), and the 512-request image workload
+DECODE_MS_BEFORE = {1: 5.7, 64: 7.8, 256: 14.4}
+IMAGE_WORKLOAD_REQ_S_BEFORE = 64.0
+
+
+@dataclass(frozen=True)
+class Target:
+    op: str  # "<=" or ">="
+    bound: float
+
+    def met(self, value: float) -> bool:
+        return {"<=": operator.le, ">=": operator.ge}[self.op](value, self.bound)
+
+    def __str__(self) -> str:
+        return f"{self.op} {self.bound:g}"
+
+
+def at_most(bound: float) -> Target:
+    return Target("<=", bound)
+
+
+def at_least(bound: float) -> Target:
+    return Target(">=", bound)
+
+
+@dataclass
+class Figure:
+    name: str
+    value: float | None
+    unit: str
+    target: str  # "" when the figure is reported, not judged
+    verdict: str  # pass | falls short | reported | dry run | no value
+
+
+@dataclass
+class Context:
+    out: Path
+    checkpoints: Path
+    dry_run: bool
+    models: dict[str, str] = field(default_factory=dict)
+
+    def output(self, part: str) -> Path:
+        return self.out / "parts" / f"{part}.json"
+
+
+Reading = tuple[str, Any, str, Target | None]  # (figure, value, unit, target)
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    issues: str
+    minutes: float  # device minutes on an H100, for --budget-minutes
+    needs: tuple[str, ...]  # checkpoints (CHECKPOINTS) it runs on
+    args: Callable[[Context], list[str]]  # the command after `python`, on the GPU
+    dry_args: Callable[[Context], list[str]]  # the same, tiny, on the CPU
+    read: Callable[[dict], list[Reading]]
+    writes_junit: bool = False  # the test suite: counts from pytest's JUnit XML, not a JSON file
+
+
+@dataclass
+class PartResult:
+    name: str
+    issues: str
+    status: str  # done | dry run | failed | skipped
+    seconds: float
+    command: list[str]
+    figures: list[Figure]
+    note: str = ""
+
+
+# -- the parts --------------------------------------------------------------------------------------
+
+def _bench(script: str, ctx: Context, part: str, *args: str) -> list[str]:
+    return [str(HERE / script), *args, "--output", str(ctx.output(part))]
+
+
+def _attention_reads(data: dict) -> list[Reading]:
+    prefill = [r for r in data["rows"] if r["kind"] == "prefill"]
+    plain = [r for r in prefill if r["context"] == 0 and 2048 <= r["new_tokens"] <= 16384] or prefill
+    paged = [r for r in prefill if r["context"] > 0]
+    decode = [r for r in data["rows"] if r["kind"] == "decode"]
+    return [
+        ("prefill 2k-16k, no prefix: slowest / flash SDPA", min(r["ratio_to_sdpa"] for r in plain), "x", at_least(0.9)),
+        ("prefill over a paged prefix: slowest / SDPA", min((r["ratio_to_sdpa"] for r in paged), default=None), "x", None),
+        ("decode: slowest / SDPA", min(r["ratio_to_sdpa"] for r in decode), "x", None),
+    ]
+
+
+def _attention(kv_heads: int, heads: int) -> tuple[Callable[[Context], list[str]], Callable[[Context], list[str]]]:
+    name = f"attention_gqa{heads // kv_heads}"
+    shape = ["--num-heads", str(heads), "--num-kv-heads", str(kv_heads)]
+    return (lambda ctx: _bench("attention.py", ctx, name, *shape)), (lambda ctx: _bench("attention.py", ctx, name, "--cpu-check"))
+
+
+def _decode_reads(data: dict) -> list[Reading]:
+    rows = {r["batch_size"]: r for r in data["decode"] if r.get("steps_timed")}
+    ttft = data["ttft"]
+    reads: list[Reading] = []
+    for batch, row in rows.items():
+        before = DECODE_MS_BEFORE.get(batch)
+        reads.append((f"decode step, batch {batch}", row["median_ms"], "ms", at_most(round(before * 1.05, 2)) if before else None))
+        reads.append((f"decode step, batch {batch} / read floor", row["median_over_floor"], "x", None))
+    reads += [
+        ("TTFT, new image", ttft["new_image"]["median_ms"], "ms", at_most(40.0)),
+        ("TTFT, new image / transformers", ttft.get("new_image_over_transformers"), "x", at_most(0.6)),
+        ("TTFT, same request again", ttft["same_request"]["median_ms"], "ms", None),
+    ]
+    return reads
+
+
+def _qwen_reads(data: dict) -> list[Reading]:
+    ttft = data["ttft"]
+    return [("TTFT, new 1-megapixel image", ttft["new_image"]["median_ms"], "ms", None),
+            ("TTFT, new image / transformers", ttft.get("new_image_over_transformers"), "x", at_most(0.6))] + [
+        (f"decode step, batch {r['batch_size']} / read floor", r["median_over_floor"], "x", None)
+        for r in data["decode"] if r.get("steps_timed")]
+
+
+def _images_reads(data: dict) -> list[Reading]:
+    return [("512 image requests: requests/s", data["mmengine"]["requests_per_s"], "req/s", at_least(IMAGE_WORKLOAD_REQ_S_BEFORE)),
+            ("requests/s / transformers (batch 32)", data.get("speedup_requests_per_s"), "x", None)]
+
+
+def _lora_reads(data: dict) -> list[Reading]:
+    with_lora = [r for r in data["runs"] if r["adapters"] > 0]
+    worst = max(with_lora, key=lambda r: r["decode_step_vs_no_lora"])
+    return [(f"decode step with {worst['adapters']} adapters of rank {worst['rank']} / no LoRA",
+             worst["decode_step_vs_no_lora"], "x", at_most(1.3))]
+
+
+def _video_reads(data: dict) -> list[Reading]:
+    video = data["video"]
+    patches = video["clips"] * video["patches_per_clip"]
+    return [("second question about a clip: TTFT", 1e3 * video["ttft_second_s"], "ms", None),
+            ("second question's TTFT / first's", video["ttft_second_s"] / video["ttft_first_s"], "x", None),
+            ("encoder runs per temporal patch", video["mmengine"]["encoder_runs"] / patches, "runs", at_most(1.0)),
+            ("requests/s / transformers", video.get("speedup"), "x", None)]
+
+
+def _tiers_reads(data: dict) -> list[Reading]:
+    return [("working set 5x the device caches: both tiers / none", data["speedup"], "x", at_least(1.5)),
+            ("encoder tier alone / none", data["encoder_tier"]["requests_per_s"] / data["tiers_off"]["requests_per_s"], "x", None)]
+
+
+def _shared_prefix_reads(data: dict) -> list[Reading]:
+    modes = data["modes"]
+    arrival = modes["arrival"]["requests_per_s"]
+    cascade = next(row for name, row in modes.items() if name.startswith("grouped+cascade"))
+    return [("RFC #12080 shape: grouped + cascade / arrival order", cascade["requests_per_s"] / arrival, "x", at_least(2.7)),
+            ("grouped + cascade: requests/s", cascade["requests_per_s"], "req/s", None),
+            ("prefill tokens / minimum, grouped + cascade", cascade["prefill_over_minimum"], "x", None)]
+
+
+def _serve_reads(data: dict) -> list[Reading]:
+    plain = data["mmengine"]
+    reads: list[Reading] = [("TTFT p50", plain["ttft_ms"]["p50"], "ms", None), ("TTFT p99", plain["ttft_ms"]["p99"], "ms", None),
+                            ("inter-token latency p50", plain["itl_ms"]["p50"], "ms", None),
+                            ("requests/s", plain["requests_per_s"], "req/s", None)]
+    if data.get("structured"):
+        reads.append(("JSON-schema decoding: inter-token overhead", data["structured"]["itl_overhead"], "x", at_most(0.10)))
+    return reads
+
+
+def _ray_reads(data: dict) -> list[Reading]:
+    rows = {(r["replicas"], r["affinity"]): r for r in data["results"]}
+    replicas = max(count for count, _ in rows)
+    affine, dealt = rows[(replicas, "prefix+image")], rows[(replicas, "round-robin")]
+    return [(f"{replicas} replicas, cache-affine: encoder runs per picture", affine["encoder_runs_per_image"], "runs", at_most(1.0)),
+            (f"{replicas} replicas: cache-affine / round-robin requests/s", affine["requests_per_s"] / dealt["requests_per_s"], "x", None)]
+
+
+def _cascade_reads(data: dict) -> list[Reading]:
+    rows = data["rows"]
+    misjudged = sum(1 for r in rows if (r["auto_engages"] and r["speedup"] < 1.0) or (not r["auto_engages"] and r["speedup"] > 1.1))
+    return [("cascade kernel: best speedup over plain", max(r["speedup"] for r in rows), "x", None),
+            ("shapes where cascade 'auto' misjudges (engages and loses, or skips a >10% win)", misjudged, "shapes", at_most(0))]
+
+
+def _tests_reads(data: dict) -> list[Reading]:
+    return [("tests failed or in error", data["failed"] + data["errors"], "tests", at_most(0)),
+            ("tests passed", data["passed"], "tests", None), ("tests skipped", data["skipped"], "tests", None)]
+
+
+def _tests_args(ctx: Context) -> list[str]:
+    workers = ["-n", "8"] if _has_xdist() else []
+    return ["-m", "pytest", "-q", *workers, "--junit-xml", str(ctx.output("tests").with_suffix(".xml"))]
+
+
+def _model(ctx: Context, name: str) -> str:
+    return ctx.models[name]
+
+
+_GPU_ATTENTION_4, _DRY_ATTENTION_4 = _attention(kv_heads=8, heads=32)
+_GPU_ATTENTION_7, _DRY_ATTENTION_7 = _attention(kv_heads=4, heads=28)
+_TINY_LATENCY = ["--batch-sizes", "1,3", "--prompt-tokens", "16", "--warmup-steps", "1", "--decode-steps", "3",
+                 "--ttft-repeats", "1", "--image-size", "64x48", "--profile-batch-size", "2", "--profile-steps", "1",
+                 "--max-model-len", "512", "--transformers-ttft"]
+
+PARTS: list[Part] = [
+    Part("attention_gqa4", "26", 3, (), _GPU_ATTENTION_4, _DRY_ATTENTION_4, _attention_reads),
+    Part("attention_gqa7", "26", 3, (), _GPU_ATTENTION_7, _DRY_ATTENTION_7, _attention_reads),
+    Part("decode_and_ttft", "26", 4, ("llava_7b",),
+         lambda ctx: _bench("latency.py", ctx, "decode_and_ttft", "--model", _model(ctx, "llava_7b"), "--device", "cuda",
+                            "--batch-sizes", "1,64,256", "--image-size", "640x480", "--max-model-len", "4096",
+                            "--transformers-ttft"),
+         lambda ctx: _bench("latency.py", ctx, "decode_and_ttft", "--model", _model(ctx, "llava_7b"), *_TINY_LATENCY),
+         _decode_reads),
+    Part("image_workload", "26", 6, ("llava_7b",),
+         lambda ctx: _bench("throughput.py", ctx, "image_workload", "--model", _model(ctx, "llava_7b"), "--device", "cuda",
+                            "--num-requests", "512", "--unique-images", "64", "--image-fraction", "1", "--image-size-max", "640",
+                            "--prompt-words", "40", "--prompt-words-min", "40", "--output-len", "128", "--max-num-seqs", "256",
+                            "--max-num-batched-tokens", "8192", "--max-model-len", "4096", "--baseline-batch-size", "32",
+                            "--baseline-requests", "64"),
+         lambda ctx: _bench("throughput.py", ctx, "image_workload", "--model", _model(ctx, "llava_7b"), "--num-requests", "6",
+                            "--unique-images", "2", "--image-size-max", "64", "--prompt-words", "6", "--output-len", "3",
+                            "--max-num-seqs", "4", "--max-model-len", "256", "--baseline-batch-size", "3", "--baseline-requests", "3"),
+         _images_reads),
+    Part("qwen2_5_vl_7b", "26", 4, ("qwen2_5_vl_7b",),
+         lambda ctx: _bench("latency.py", ctx, "qwen2_5_vl_7b", "--model", _model(ctx, "qwen2_5_vl_7b"), "--device", "cuda",
+                            "--batch-sizes", "1,64", "--image-size", "1155x866", "--max-model-len", "8192", "--transformers-ttft"),
+         lambda ctx: _bench("latency.py", ctx, "qwen2_5_vl_7b", "--model", _model(ctx, "qwen2_5_vl_7b"), *_TINY_LATENCY),
+         _qwen_reads),
+    Part("lora", "22", 3, ("llava_7b",),
+         lambda ctx: _bench("lora.py", ctx, "lora", "--model", _model(ctx, "llava_7b"), "--device", "cuda", "--adapters", "0,8",
+                            "--ranks", "16", "--max-loras", "8", "--num-requests", "64", "--decode-batch-size", "64",
+                            "--decode-steps", "20", "--output-len", "32"),
+         lambda ctx: _bench("lora.py", ctx, "lora", "--model", _model(ctx, "llava_7b"), "--adapters", "0,2", "--ranks", "4",
+                            "--num-requests", "4", "--unique-images", "2", "--output-len", "3", "--decode-batch-size", "3",
+                            "--decode-steps", "2", "--max-model-len", "256"),
+         _lora_reads),
+    Part("video", "24", 4, ("qwen2_5_vl_7b",),
+         lambda ctx: _bench("encoder_cache.py", ctx, "video", "--scenarios", "video", "--video-model", _model(ctx, "qwen2_5_vl_7b"),
+                            "--device", "cuda", "--num-clips", "2", "--num-requests", "8", "--clip-seconds", "30",
+                            "--clip-size", "448x448", "--video-max-model-len", "16384", "--output-len", "16"),
+         lambda ctx: _bench("encoder_cache.py", ctx, "video", "--scenarios", "video", "--video-model", _model(ctx, "qwen2_5_vl_7b"),
+                            "--device", "cpu", "--dtype", "float32", "--num-requests", "3", "--num-clips", "2",
+                            "--clip-seconds", "3", "--output-len", "2"),
+         _video_reads),
+    Part("tiers", "25", 3, ("llava_7b",),
+         lambda ctx: _bench("tiered_cache.py", ctx, "tiers", "--model", _model(ctx, "llava_7b"), "--device", "cuda"),
+         lambda ctx: _bench("tiered_cache.py", ctx, "tiers", "--model", _model(ctx, "llava_7b"), "--device", "cpu",
+                            "--working-set", "1.5", "--rounds", "2", "--image-size", "48", "--max-model-len", "256",
+                            "--timing-repeats", "1", "--num-kv-blocks", "8", "--max-num-batched-tokens", "64",
+                            "--document-words", "24"),
+         _tiers_reads),
+    Part("shared_prefix", "27", 5, ("llava_7b",),
+         lambda ctx: _bench("shared_prefix.py", ctx, "shared_prefix", "--model", _model(ctx, "llava_7b"), "--device", "cuda",
+                            "--groups", "16", "--degree", "32", "--shared-len", "2020", "--unique-len", "200",
+                            "--output-len", "100", "--modes", "arrival,grouped+cascade"),
+         lambda ctx: _bench("shared_prefix.py", ctx, "shared_prefix", "--model", _model(ctx, "llava_7b"), "--groups", "2",
+                            "--degree", "3", "--shared-len", "40", "--unique-len", "8", "--output-len", "2",
+                            "--num-kv-blocks", "12", "--block-size", "8", "--modes", "arrival,grouped+cascade"),
+         _shared_prefix_reads),
+    Part("cascade_kernel", "27", 2, (),
+         lambda ctx: _bench("cascade_attention.py", ctx, "cascade_kernel", "--members", "1,2,4,8,16,32"),
+         lambda ctx: _bench("cascade_attention.py", ctx, "cascade_kernel", "--tiny", "--members", "1,3"),
+         _cascade_reads),
+    Part("serve", "27", 4, ("llava_7b",),
+         lambda ctx: _bench("serve.py", ctx, "serve", "--model", _model(ctx, "llava_7b"), "--device", "cuda", "--num-users", "64",
+                            "--turns", "2", "--output-len", "128", "--skip-baseline", "--structured"),
+         lambda ctx: _bench("serve.py", ctx, "serve", "--model", _model(ctx, "llava_7b"), "--server", "thread", "--num-users", "2",
+                            "--turns", "1", "--num-pictures", "1", "--output-len", "8", "--image-size", "64x48",
+                            "--max-model-len", "256", "--skip-baseline", "--structured"),
+         _serve_reads),
+    Part("ray", "27", 4, ("llava_7b",),
+         lambda ctx: _bench("ray_batch.py", ctx, "ray", "--model", _model(ctx, "llava_7b"), "--replicas", "2", "--num-gpus", "0.5",
+                            "--gpu-memory-utilization", "0.42", "--images", "16", "--per-image", "16", "--output-len", "32",
+                            "--repeats", "1", "--max-model-len", "4096"),
+         lambda ctx: _bench("ray_batch.py", ctx, "ray", "--model", _model(ctx, "llava_7b"), "--replicas", "2", "--images", "2",
+                            "--per-image", "2", "--groups", "1", "--degree", "2", "--shared-len", "16", "--unique-len", "8",
+                            "--output-len", "2", "--repeats", "1", "--num-cpus", "0.5", "--max-model-len", "256"),
+         _ray_reads),
+    Part("tests", "27", 8, (), _tests_args,
+         lambda ctx: [*_tests_args(ctx)[:-2], "tests/test_import_graph.py", "--junit-xml", str(ctx.output("tests").with_suffix(".xml"))],
+         _tests_reads, writes_junit=True),
+]
+
+
+# -- running them -----------------------------------------------------------------------------------
+
+def _has_xdist() -> bool:
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def junit_counts(path: Path) -> dict[str, int]:
+    root = ElementTree.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    total = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+    return {"passed": total["tests"] - total["failures"] - total["errors"] - total["skipped"], "failed": total["failures"],
+            "errors": total["errors"], "skipped": total["skipped"]}
+
+
+def ensure_checkpoints(part: Part, ctx: Context, log: Path) -> None:
+    """The checkpoints `part` runs on: the published shapes built once under --checkpoints (random bf16
+    weights, on the GPU), or in a dry run the tiny stand-ins."""
+    for name in part.needs:
+        if name in ctx.models:
+            continue
+        spec, tiny_family = CHECKPOINTS[name]
+        if ctx.dry_run:
+            from mmengine.testing import TinyLlavaSpec, TinyQwenVLSpec, tiny_llava_path, tiny_qwen_vl_path
+
+            path = tiny_llava_path(TinyLlavaSpec()) if tiny_family == "llava" else tiny_qwen_vl_path(TinyQwenVLSpec(family=tiny_family))
+        else:
+            path = ctx.checkpoints / name
+            code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); from pathlib import Path; from latency import ensure_checkpoint; "
+                    f"import mmengine.testing as t; print(ensure_checkpoint(Path({str(path)!r}), t.{spec}, 'cuda', 'bfloat16')[1])")
+            with log.open("a") as sink:
+                subprocess.run([sys.executable, "-c", code], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, check=True)
+        ctx.models[name] = str(path)
+
+
+def run_part(part: Part, ctx: Context, timeout_s: float) -> PartResult:
+    log = ctx.out / "logs" / f"{part.name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    start = time.perf_counter()
+    command: list[str] = []
+    try:
+        ensure_checkpoints(part, ctx, log)
+        command = [sys.executable, *(part.dry_args if ctx.dry_run else part.args)(ctx)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        with log.open("a") as sink:
+            sink.write("$ " + " ".join(command) + "\n")
+            sink.flush()
+            done = subprocess.run(command, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, timeout=timeout_s, env=env)
+        if part.writes_junit:
+            data = junit_counts(ctx.output(part.name).with_suffix(".xml"))
+        else:
+            if done.returncode != 0:
+                raise RuntimeError(f"exit status {done.returncode}")
+            data = json.loads(ctx.output(part.name).read_text())
+        figures = [judge(name, value, unit, target, ctx.dry_run) for name, value, unit, target in part.read(data)]
+        status = "dry run" if ctx.dry_run else "done"
+        return PartResult(part.name, part.issues, status, time.perf_counter() - start, command, figures)
+    except Exception as err:  # noqa: BLE001 - a failed part is recorded and the suite goes on
+        tail = log.read_text()[-600:] if log.exists() else ""
+        return PartResult(part.name, part.issues, "failed", time.perf_counter() - start, command, [],
+                          f"{type(err).__name__}: {err} (log: {log}) {tail[-300:]!r}")
+
+
+def judge(name: str, value: Any, unit: str, target: Target | None, dry_run: bool) -> Figure:
+    if value is None:
+        return Figure(name, None, unit, str(target or ""), "no value")
+    value = float(value)
+    if dry_run:
+        verdict = "dry run"
+    elif target is None:
+        verdict = "reported"
+    else:
+        verdict = "pass" if target.met(value) else "falls short"
+    return Figure(name, value, unit, str(target or ""), verdict)
+
+
+# -- the report -------------------------------------------------------------------------------------
+
+def header(dry_run: bool) -> dict[str, str]:
+    try:
+        import torch
+
+        gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    except ImportError:
+        gpu = "none"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True, text=True).stdout
+    return {"gpu": gpu if not dry_run else f"{gpu} (dry run on the CPU)", "commit": (commit or "unknown") + (" (modified)" if dirty.strip() else ""),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "mode": "dry run" if dry_run else "full", "setup": SETUP_COMMAND, "run": RUN_COMMAND}
+
+
+def markdown(head: dict[str, str], results: list[PartResult]) -> str:
+    lines = ["# mmengine GPU suite", "", f"GPU: {head['gpu']} · commit {head['commit']} · {head['date']} · {head['mode']}", "",
+             f"Set up: `{head['setup']}`", "", f"Run: `{head['run']}`", "",
+             "| part | issues | figure | value | target | verdict |", "|---|---|---|---|---|---|"]
+    for result in results:
+        if not result.figures:
+            lines.append(f"| {result.name} | {result.issues} | | | | {result.status}: {result.note[:120]} |")
+        for fig in result.figures:
+            value = "" if fig.value is None else f"{fig.value:.3g} {fig.unit}"
+            lines.append(f"| {result.name} | {result.issues} | {fig.name} | {value} | {fig.target} | {fig.verdict} |")
+    lines += ["", "| part | status | seconds | command |", "|---|---|---|---|"]
+    lines += [f"| {r.name} | {r.status} | {r.seconds:.0f} | `{' '.join(r.command[1:])}` |" for r in results]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out: Path, head: dict[str, str], results: list[PartResult]) -> None:
+    (out / "report.json").write_text(json.dumps({"header": head, "parts": [asdict(r) for r in results]}, indent=2))
+    (out / "report.md").write_text(markdown(head, results))
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="gpu-report", help="the report, each part's JSON and log (kept across runs)")
+    parser.add_argument("--checkpoints", default=None, help="where the published shapes are built (default: OUT/checkpoints)")
+    parser.add_argument("--only", default=None, help="comma-separated parts to run (default: all; --list names them)")
+    parser.add_argument("--budget-minutes", type=float, default=25.0,
+                        help="skip a part whose estimated minutes no longer fit (the checkpoint builds count as they go)")
+    parser.add_argument("--dry-run", action="store_true", help="every part on tiny checkpoints on the CPU: checks the suite")
+    parser.add_argument("--rerun", action="store_true", help="measure again the parts an earlier run of this --out finished")
+    parser.add_argument("--list", action="store_true", help="print the parts and exit")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        for part in PARTS:
+            print(f"{part.name:<16} issue {part.issues:<4} ~{part.minutes:g} min  on {', '.join(part.needs) or 'no checkpoint'}")
+        return 0
+    names = [name.strip() for name in args.only.split(",")] if args.only else [part.name for part in PARTS]
+    unknown = sorted(set(names) - {part.name for part in PARTS})
+    if unknown:
+        print(f"unknown part(s) {unknown}; known: {[part.name for part in PARTS]}", file=sys.stderr)
+        return 2
+    out = Path(args.out).resolve()
+    (out / "parts").mkdir(parents=True, exist_ok=True)
+    ctx = Context(out, Path(args.checkpoints).resolve() if args.checkpoints else out / "checkpoints", args.dry_run)
+    earlier = _earlier_results(out, args.dry_run) if not args.rerun else {}
+    head, results, start = header(args.dry_run), [], time.perf_counter()
+    for part in (p for p in PARTS if p.name in names):
+        left = args.budget_minutes - (time.perf_counter() - start) / 60
+        if part.name in earlier:
+            result = earlier[part.name]
+        elif part.minutes > left and not args.dry_run:
+            result = PartResult(part.name, part.issues, "skipped", 0.0, [], [], f"~{part.minutes:g} min left the budget ({left:.1f} min)")
+        else:
+            print(f"== {part.name} (issue {part.issues}, ~{part.minutes:g} min)", flush=True)
+            result = run_part(part, ctx, timeout_s=max(60.0, 60 * min(2 * part.minutes, max(left, part.minutes))))
+        results.append(result)
+        write_report(out, head, results)  # after every part: a killed run keeps what finished
+    print(markdown(head, results))
+    print(f"wrote {out / 'report.md'} and {out / 'report.json'}")
+    return 1 if any(r.status == "failed" for r in results) else 0
+
+
+def _earlier_results(out: Path, dry_run: bool) -> dict[str, PartResult]:
+    """Parts a previous run of this --out finished in the same mode (kept unless --rerun)."""
+    path = out / "report.json"
+    if not path.exists():
+        return {}
+    finished = "dry run" if dry_run else "done"
+    kept = {}
+    for part in json.loads(path.read_text())["parts"]:
+        if part["status"] == finished:
+            part["figures"] = [Figure(**fig) for fig in part["figures"]]
+            kept[part["name"]] = PartResult(**part)
+    return kept
+
+
+if __name__ == "__main__":
+    sys.exit(main())
