@@ -172,7 +172,7 @@ def run_budget(args: argparse.Namespace) -> None:
         f"text hidden_size {hidden}{levels} x {elem} bytes ({str(dtype).removeprefix('torch.')}: --dtype {args.dtype} on {device})",
     )
     budget = compute_encoder_budget(
-        family.max_tokens_per_item(),
+        family.max_tokens_per_item(inputs["limit_mm_per_prompt"][0]),
         inputs["max_num_batched_tokens"][0],
         inputs["max_num_seqs"][0],
         inputs["limit_mm_per_prompt"][0],
@@ -185,7 +185,8 @@ def run_budget(args: argparse.Namespace) -> None:
         print(json.dumps(budget.to_json(), indent=2))
         return
     print(f"encoder cache budget for {args.model}")
-    for line in explain_budget(budget, inputs, family.explain_max_tokens_per_item(), family.max_items_per_video):
+    for line in explain_budget(budget, inputs, family.explain_max_tokens_per_item(inputs["limit_mm_per_prompt"][0]),
+                               family.max_items_per_video):
         print("  " + line)
     from mmengine.encoder_cache.host_tier import host_tier_bytes
 
@@ -203,15 +204,13 @@ def run_budget(args: argparse.Namespace) -> None:
 
 
 def _parse_limits(values: list[str] | None) -> dict[str, int] | None:
+    """--limit-mm-per-prompt, given once or more: MODALITY=COUNT[,MODALITY=COUNT] or a JSON object each."""
     if not values:
         return None
-    limits = {}
-    for value in values:
-        modality, _, count = value.partition("=")
-        if not count.isdigit():
-            raise argparse.ArgumentTypeError(f"--limit-mm-per-prompt expects MODALITY=COUNT, got {value!r}")
-        limits[modality] = int(count)
-    return limits
+    from mmengine.entrypoints.engine_flags import mapping_parser
+
+    parse = mapping_parser("--limit-mm-per-prompt", int)
+    return {modality: count for value in values for modality, count in parse(value).items()}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -249,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--model", required=True, help="path to a local checkpoint directory")
     budget.add_argument("--max-num-batched-tokens", type=int, default=None)
     budget.add_argument("--max-num-seqs", type=int, default=None)
-    budget.add_argument("--limit-mm-per-prompt", action="append", metavar="MODALITY=COUNT", help="e.g. image=4")
+    budget.add_argument("--limit-mm-per-prompt", action="append", metavar="MODALITY=COUNT[,...]",
+                        help='e.g. image=4,video=0 or \'{"image": 4, "video": 0}\'')
     budget.add_argument("--encoder-cache-size", type=int, default=None, help="override the compute budget (embeddings)")
     budget.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks, for the exact pinned room")
     budget.add_argument("--encoder-cache-host-bytes", type=int, default=None,

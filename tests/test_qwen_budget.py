@@ -98,3 +98,50 @@ def test_qwen3_video_resize_equals_transformers_whole_clip_rule():
         assert resized_size(settings, frames, height, width) == expected
         if min(height, width) >= 32:  # (resized_size scales a thinner clip up to one factor first)
             assert smart_resize(height, width, 32, settings.min_pixels, settings.max_pixels, frames, 2) == expected
+
+
+SMALL_IMAGES = 28 * 28 * 8  # max_pixels under which the largest image (40 embeddings) is below a video patch (56)
+
+
+@pytest.mark.parametrize("limits,modality", [(["image=2"], "image"), (["image=2,video=0"], "image"),
+                                             (['{"image": 2, "video": 0}'], "image"), (["image=2,video=1"], "video"),
+                                             (["image=2", "video=1"], "video")])
+def test_the_largest_item_counts_only_the_modalities_the_limits_allow(family_checkpoint, capsys, limits, modality):
+    path = family_checkpoint("qwen2_5_vl")
+    argv = ["budget", "--model", str(path), "--json", "--device", "cpu", "--num-kv-blocks", "10",
+            "--mm-processor-kwargs", f"max_pixels={SMALL_IMAGES}"]
+    for value in limits:
+        argv += ["--limit-mm-per-prompt", value]
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    engine_limits = {"image": 2, "video": 1 if modality == "video" else 0}
+    engine = MMEngine(str(path), max_model_len=512, num_kv_blocks=10, mm_processor_kwargs={"max_pixels": SMALL_IMAGES},
+                      limit_mm_per_prompt=engine_limits)
+    sizes = engine.family.max_tokens_by_modality()
+    assert sizes["image"] == max_tokens_for_pixels(28 * 28 * 4, SMALL_IMAGES, FACTOR) < sizes["video"]
+    assert report["max_tokens_per_item"] == engine.encoder_budget.max_tokens_per_item == sizes[modality]
+    assert report["items_cap"] == engine.encoder_budget.items_cap
+
+
+def test_budget_cli_says_a_forbidden_modality_is_not_counted(family_checkpoint, capsys):
+    assert main(["budget", "--model", str(family_checkpoint("qwen2_5_vl")), "--device", "cpu",
+                 "--limit-mm-per-prompt", "image=2"]) == 0
+    assert "video not allowed by limit_mm_per_prompt: not counted" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("text,expected", [("image=2,video=0", {"image": 2, "video": 0}), ("image = 3", {"image": 3}),
+                                           ('{"image": 2, "video": 0}', {"image": 2, "video": 0})])
+def test_limits_take_vllms_json_form_and_the_comma_form(text, expected):
+    from mmengine.entrypoints.engine_flags import mapping_parser
+
+    assert mapping_parser("--limit-mm-per-prompt", int)(text) == expected
+
+
+@pytest.mark.parametrize("text", ['{"image": "2"}', '{"image": true}', "[1, 2]", '{"image": 2', "image", "=2"])
+def test_malformed_limits_are_refused_by_name(text):
+    import argparse
+
+    from mmengine.entrypoints.engine_flags import mapping_parser
+
+    with pytest.raises(argparse.ArgumentTypeError, match="--limit-mm-per-prompt expects KEY=VALUE"):
+        mapping_parser("--limit-mm-per-prompt", int)(text)

@@ -108,3 +108,36 @@ def test_prompt_logprobs_extra_on_completions_and_chat(served):
     assert chat.model_extra["prompt_logprobs"][0] is None and len(chat.model_extra["prompt_logprobs"]) == chat.usage.prompt_tokens
     with pytest.raises(openai.BadRequestError, match="cannot stream"):
         client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1})
+
+
+def test_logprobs_need_no_grammar_engine_and_a_grammar_it_cannot_serve_is_a_400(checkpoint_dir, monkeypatch):
+    """A tokenizer the grammar engine cannot read (llguidance refuses WordPiece decoders): logprobs still
+    answer, with each token's text from the tokenizer itself; a request that needs a grammar is a 400
+    naming why, never a 500."""
+    from mmengine import SamplingParams
+    from mmengine.errors import UnsupportedModelError
+    from mmengine.sample.structured_output.grammar import GrammarCompiler
+
+    def unreadable(self):
+        raise UnsupportedModelError("structured output cannot use this tokenizer: llguidance says it has no byte decoder")
+
+    monkeypatch.setattr(GrammarCompiler, "tokenizer", property(unreadable))
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=256, device="cpu", dtype="float32")
+    with running_server(AsyncMMEngine(engine), ServerSettings(MODEL_NAME)) as running:
+        client = openai.OpenAI(base_url=running.v1, api_key="unused", max_retries=0)
+        answer = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+                                           extra_body={"ignore_eos": True, "prompt_logprobs": 1})
+        (offline,) = engine.generate(PROMPT, sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                                     use_tqdm=False)
+        decode = engine.tokenizer.decode
+        expected = [decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False) for t in offline.token_ids]
+        assert answer.choices[0].logprobs.tokens == expected
+        assert all(len(top) == 2 for top in answer.choices[0].logprobs.top_logprobs)
+        chat = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                              logprobs=True, top_logprobs=2)
+        assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+                                           response_format={"type": "json_object"})
+        assert refused.value.status_code == 400 and "cannot use this tokenizer" in refused.value.message
+        assert refused.value.body["param"] == "response_format"

@@ -112,7 +112,7 @@ def _start_runner(config: EngineConfig, family: ModelFamily, runner: ModelRunner
 def encoder_budget_for(config: EngineConfig, family: ModelFamily, runner: ModelRunner, pinned_room_tokens: int,
                        warn: bool = True) -> EncoderBudget:
     return compute_encoder_budget(
-        family.max_tokens_per_item(),
+        family.max_tokens_per_item(config.limit_mm_per_prompt),
         config.max_num_batched_tokens,
         config.max_num_seqs,
         config.limit_mm_per_prompt,

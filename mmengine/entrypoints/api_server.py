@@ -40,9 +40,17 @@ from mmengine.entrypoints.protocol import MAX_N, ChatCompletionRequest, Completi
 from mmengine.entrypoints.responses import ResponseWriter, new_id, summed_usage
 from mmengine.entrypoints.tools import ToolCallStream, parse_tool_calls
 from mmengine.outputs import TokenLogprobs
-from mmengine.errors import AdapterError, AdapterInUseError, ConfigError, InvalidInputError, MMEngineError
+from mmengine.errors import (
+    AdapterError,
+    AdapterInUseError,
+    ConfigError,
+    InvalidInputError,
+    MMEngineError,
+    UnsupportedModelError,
+)
 from mmengine.engine.beam_search import BeamSearchParams
 from mmengine.lora.request import LoRARequest
+from mmengine.sample.token_bytes import token_bytes_reader
 
 logger = logging.getLogger(__name__)
 
@@ -119,6 +127,7 @@ class _OpenAIServer:
         self.template = ChatTemplate(async_engine.engine, settings.chat_template)
         self.created = int(time.time())
         self._logprobs_formatter: LogprobsFormatter | None = None
+        self._read_token_bytes: Callable[[int], bytes] | None = None
         for name, path in settings.lora_modules.items():
             self._check_adapter_name(name)
             async_engine.engine.add_lora(LoRARequest(name, path))
@@ -222,8 +231,7 @@ class _OpenAIServer:
         tools = chat and bool(body.tools) and body.tool_mode()[0] != "none"
         shape = _Choices(len(inputs), samples, body.n, self._logprobs_shown(body), tools)
         if body.prompt_logprobs is not None:
-            tokenizer = self.engine.engine.grammars.tokenizer
-            shape.prompt_logprobs = lambda entries: prompt_logprobs_json(entries, lambda t: tokenizer.decode_bytes([t]))
+            shape.prompt_logprobs = lambda entries: prompt_logprobs_json(entries, self._token_bytes())
 
         def abort_all() -> None:
             for stream in streams:
@@ -255,6 +263,9 @@ class _OpenAIServer:
         except ConfigError as err:
             message = str(err).replace("SamplingParams.structured_output", field_name)
             raise APIError(400, message, param=field_name, code="invalid_value") from err
+        except UnsupportedModelError as err:  # the grammar engine cannot read this model's tokenizer
+            raise APIError(400, f"{field_name} needs structured output, which this model cannot use: {err}",
+                           param=field_name, code="unsupported_model") from err
 
     def _logprobs_shown(self, body: Any) -> _LogprobsShown | None:
         """How the answer shows logprobs (None: it does not)."""
@@ -268,9 +279,15 @@ class _OpenAIServer:
 
     def _formatter(self) -> LogprobsFormatter:
         if self._logprobs_formatter is None:
-            tokenizer = self.engine.engine.grammars.tokenizer  # the tokenizer's own bytes per token
-            self._logprobs_formatter = LogprobsFormatter(lambda token: tokenizer.decode_bytes([token]))
+            self._logprobs_formatter = LogprobsFormatter(self._token_bytes())
         return self._logprobs_formatter
+
+    def _token_bytes(self) -> Callable[[int], bytes]:
+        """The tokenizer's own bytes per token (sample/token_bytes.py), read once."""
+        if self._read_token_bytes is None:
+            engine = self.engine.engine
+            self._read_token_bytes = token_bytes_reader(engine.tokenizer, engine.grammars)
+        return self._read_token_bytes
 
     async def _beam_search(self, kind: str, body: Any, request_id: str, params: Any, lora: str | None) -> Response:
         """use_beam_search: width n, n choices per prompt (best first), answered whole."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from collections.abc import Collection
@@ -62,16 +63,34 @@ def _shown(value: object) -> str:
 
 
 def mapping_parser(flag: str, value_type: type) -> typing.Callable[[str], dict[str, Any]]:
+    """KEY=VALUE[,KEY=VALUE] or a JSON object (vLLM's form: '{"image": 2, "video": 0}')."""
+    expected = f"{flag} expects KEY=VALUE[,KEY=VALUE] or a JSON object"
+
     def parse(text: str) -> dict[str, Any]:
+        if text.lstrip().startswith("{"):
+            return _json_mapping(text, value_type, expected)
         mapping = {}
         for item in text.split(","):
             key, sep, value = item.partition("=")
             try:
-                if not (sep and key):
+                if not (sep and key.strip()):
                     raise ValueError
-                mapping[key.strip()] = value_type(value)
+                mapping[key.strip()] = value_type(value.strip())
             except ValueError:
-                raise argparse.ArgumentTypeError(f"{flag} expects KEY=VALUE[,KEY=VALUE], got {text!r}") from None
+                raise argparse.ArgumentTypeError(f"{expected}, got {text!r}") from None
         return mapping
 
     return parse
+
+
+def _json_mapping(text: str, value_type: type, expected: str) -> dict[str, Any]:
+    try:
+        mapping = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r} ({err.msg})") from None
+    if not isinstance(mapping, dict):
+        raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
+    for key, value in mapping.items():
+        if isinstance(value, bool) or not isinstance(value, value_type if value_type is not float else (int, float)):
+            raise argparse.ArgumentTypeError(f"{expected}: {key!r} must be a {value_type.__name__}, got {value!r}")
+    return {key: value_type(value) for key, value in mapping.items()}

@@ -19,6 +19,7 @@ one entry in `models/registry.py`.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
@@ -129,10 +130,18 @@ class ModelFamily:
 
     # -- items --------------------------------------------------------------------
 
-    def max_tokens_per_item(self) -> int:
+    def max_tokens_by_modality(self) -> dict[str, int]:
+        """The most embeddings one item of each modality the family takes can make."""
         raise NotImplementedError
 
-    def explain_max_tokens_per_item(self) -> str:
+    def max_tokens_per_item(self, limits: Mapping[str, int] | None = None) -> int:
+        """The largest item among the modalities `limits` (limit_mm_per_prompt) allows: a modality limited
+        to 0 cannot size the encoder budget. Every modality counts when `limits` is None or allows none."""
+        sizes = self.max_tokens_by_modality()
+        allowed = [tokens for modality, tokens in sizes.items() if limits is None or limits.get(modality, 0) > 0]
+        return max(allowed or sizes.values())
+
+    def explain_max_tokens_per_item(self, limits: Mapping[str, int] | None = None) -> str:
         raise NotImplementedError
 
     def split_images(self, batch: Any, num_images: int) -> list[EncoderInputs]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -128,7 +129,10 @@ class LlavaFamily(ModelFamily):
     display_name = "LLaVA-1.5 (CLIP or SigLIP tower, Llama/Mistral/Qwen2 decoder)"
     model_class = LlavaModel
 
-    def max_tokens_per_item(self) -> int:
+    def max_tokens_by_modality(self) -> dict[str, int]:
+        return {"image": self._tokens_per_image()}
+
+    def _tokens_per_image(self) -> int:
         vision = self.hf_config.vision_config
         patches = (vision.image_size // vision.patch_size) ** 2
         has_cls = vision.model_type == "clip_vision_model"
@@ -137,7 +141,7 @@ class LlavaFamily(ModelFamily):
             raise UnsupportedModelError(f"vision_feature_select_strategy {strategy!r} is not supported")
         return patches + int(has_cls) - int(strategy == "default")
 
-    def explain_max_tokens_per_item(self) -> str:
+    def explain_max_tokens_per_item(self, limits: Mapping[str, int] | None = None) -> str:
         vision = self.hf_config.vision_config
         side = vision.image_size // vision.patch_size
         parts = [f"{vision.model_type}: image_size {vision.image_size} / patch_size {vision.patch_size} = {side}x{side} patches"]
@@ -152,7 +156,7 @@ class LlavaFamily(ModelFamily):
         return [EncoderInputs(pixel_values=pixel_values[i].clone()) for i in range(num_images)]
 
     def num_tokens(self, inputs: EncoderInputs) -> int:
-        return self.max_tokens_per_item()
+        return self._tokens_per_image()
 
     def dummy_items(self, num_items: int) -> list[EncoderInputs]:
         size = self.hf_config.vision_config.image_size

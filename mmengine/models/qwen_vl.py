@@ -14,7 +14,8 @@ generated tokens continue at `index + delta` (transformers' `get_rope_index`).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -153,20 +154,23 @@ class Qwen2VLFamily(ModelFamily):
     def max_tokens_per_image(self) -> int:
         return max_tokens_for_pixels(self.min_pixels, self.max_pixels, self.factor)
 
-    def max_tokens_per_item(self) -> int:
-        """The larger of an image and a video's temporal patch (each is one item)."""
-        return max(self.max_tokens_per_image(), qwen_video.max_tokens_per_patch(self.video))
+    def max_tokens_by_modality(self) -> dict[str, int]:
+        """An image, and a video's temporal patch (each is one item)."""
+        return {"image": self.max_tokens_per_image(), "video": qwen_video.max_tokens_per_patch(self.video)}
 
-    def explain_max_tokens_per_item(self) -> str:
+    def explain_max_tokens_per_item(self, limits: Mapping[str, int] | None = None) -> str:
         f = self.factor
         video = self.video
         bounds = "all frames together" if video.whole_clip_bounds else "each frame"
+        modalities = self.max_tokens_by_modality()
+        shut = sorted(m for m in modalities if limits is not None and limits.get(m, 0) == 0)
+        unused = f" ({', '.join(shut)} not allowed by limit_mm_per_prompt: not counted)" if 0 < len(shut) < len(modalities) else ""
         return (
             f"images resized to multiples of {f}x{f} px (patch {self.patch_size} x merge {self.merge_size}), "
             f"one embedding each, within min_pixels {self.min_pixels} / max_pixels {self.max_pixels}: "
             f"at most {self.max_tokens_per_image()} for any aspect ratio up to {MAX_IMAGE_ASPECT_RATIO}:1; "
             f"videos: one item per {video.temporal_patch_size} frames, within min_pixels {video.min_pixels} / "
-            f"max_pixels {video.max_pixels} for {bounds}: at most {qwen_video.max_tokens_per_patch(video)} per item"
+            f"max_pixels {video.max_pixels} for {bounds}: at most {qwen_video.max_tokens_per_patch(video)} per item{unused}"
         )
 
     # -- videos -------------------------------------------------------------------
