@@ -36,8 +36,17 @@ from mmengine.entrypoints.embeds_payload import decode_embeds_payload
 from mmengine.entrypoints.media import MediaPolicy, fetch_remote_image, is_remote, load_local_image_url
 from mmengine.entrypoints.metrics import ServerMetrics
 from mmengine.entrypoints.logprobs_format import LogprobsFormatter, cumulative_logprob, prompt_logprobs_json
-from mmengine.entrypoints.protocol import MAX_N, ChatCompletionRequest, CompletionRequest, LoadLoRARequest, UnloadLoRARequest
+from mmengine.entrypoints.protocol import (
+    MAX_N,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    LoadLoRARequest,
+    TokenizeRequest,
+    UnloadLoRARequest,
+)
 from mmengine.entrypoints.responses import ResponseWriter, new_id, summed_usage
+from mmengine.entrypoints.tokenize import detokenize, tokenize, version
 from mmengine.entrypoints.tools import ToolCallStream, parse_tool_calls
 from mmengine.outputs import TokenLogprobs
 from mmengine.errors import (
@@ -105,6 +114,18 @@ def build_app(async_engine: AsyncMMEngine, settings: ServerSettings) -> FastAPI:
         async def unload_lora_adapter(body: UnloadLoRARequest) -> Response:
             return await server.unload_lora(body)
 
+    @app.post("/tokenize", dependencies=auth)
+    async def tokenize_route(body: TokenizeRequest) -> dict[str, Any]:
+        return await tokenize(server, body)
+
+    @app.post("/detokenize", dependencies=auth)
+    async def detokenize_route(body: DetokenizeRequest) -> dict[str, Any]:
+        return detokenize(server, body)
+
+    @app.get("/version")
+    async def version_route() -> dict[str, str]:
+        return version()
+
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.is_healthy:
@@ -152,7 +173,7 @@ class _OpenAIServer:
         ]
         return {"object": "list", "data": [card, *adapters]}
 
-    def _adapter_for(self, model: str) -> str | None:
+    def adapter_for(self, model: str) -> str | None:
         """The LoRA adapter a request's `model` selects (None: the base model); 404 for any other name."""
         if model == self.settings.served_model_name:
             return None
@@ -192,7 +213,7 @@ class _OpenAIServer:
         """A chat, or a completion of one or several prompts: n choices per prompt (the best n of
         best_of samples), indexed prompt by prompt."""
         arrival = time.monotonic()
-        lora = self._adapter_for(body.model)
+        lora = self.adapter_for(body.model)
         body.check_supported(self.settings.max_n)
         params, fill_max_tokens = body.sampling_params()
         chat = kind == "chat"
@@ -206,7 +227,7 @@ class _OpenAIServer:
         inputs: list[tuple[Any, Any]] = []
         try:
             self.engine.check_not_overloaded()  # before decoding anything
-            inputs = [await self._chat_prompt(body)] if chat else [(prompt, None) for prompt in body.prompts()]
+            inputs = [await self.chat_prompt(body)] if chat else [(prompt, None) for prompt in body.prompts()]
             for index, (prompt, images) in enumerate(inputs):
                 # The samples of a prompt queue one after another: the first prefills the prompt and
                 # the others wait for its blocks (the scheduler's wait for in-flight blocks), so the
@@ -231,7 +252,7 @@ class _OpenAIServer:
         tools = chat and bool(body.tools) and body.tool_mode()[0] != "none"
         shape = _Choices(len(inputs), samples, body.n, self._logprobs_shown(body), tools)
         if body.prompt_logprobs is not None:
-            shape.prompt_logprobs = lambda entries: prompt_logprobs_json(entries, self._token_bytes())
+            shape.prompt_logprobs = lambda entries: prompt_logprobs_json(entries, self.token_bytes)
 
         def abort_all() -> None:
             for stream in streams:
@@ -279,15 +300,15 @@ class _OpenAIServer:
 
     def _formatter(self) -> LogprobsFormatter:
         if self._logprobs_formatter is None:
-            self._logprobs_formatter = LogprobsFormatter(self._token_bytes())
+            self._logprobs_formatter = LogprobsFormatter(self.token_bytes)
         return self._logprobs_formatter
 
-    def _token_bytes(self) -> Callable[[int], bytes]:
-        """The tokenizer's own bytes per token (sample/token_bytes.py), read once."""
+    def token_bytes(self, token: int) -> bytes:
+        """The tokenizer's own bytes of a token (sample/token_bytes.py; the reader is made once)."""
         if self._read_token_bytes is None:
             engine = self.engine.engine
             self._read_token_bytes = token_bytes_reader(engine.tokenizer, engine.grammars)
-        return self._read_token_bytes
+        return self._read_token_bytes(token)
 
     async def _beam_search(self, kind: str, body: Any, request_id: str, params: Any, lora: str | None) -> Response:
         """use_beam_search: width n, n choices per prompt (best first), answered whole."""
@@ -301,7 +322,7 @@ class _OpenAIServer:
             raise APIError(400, str(err), param="length_penalty", code="invalid_value") from err
         try:
             if chat:
-                prompt, images = await self._chat_prompt(body)
+                prompt, images = await self.chat_prompt(body)
                 prompts, pictures = [prompt], [images]
             else:
                 prompts, pictures = body.prompts(), None
@@ -323,7 +344,7 @@ class _OpenAIServer:
                                        "total_tokens": prompt_tokens + completion_tokens,
                                        "prompt_tokens_details": {"cached_tokens": 0}}})
 
-    async def _chat_prompt(self, body: ChatCompletionRequest) -> tuple[str | dict[str, Any], list[Any] | None]:
+    async def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str | dict[str, Any], list[Any] | None]:
         """The rendered prompt and its pictures; a prompt with videos is a prompt dict carrying both
         (multi_modal_data), as MMEngine takes it."""
         conversation, sources = parse_messages(body.messages, self.settings.enable_mm_embeds)

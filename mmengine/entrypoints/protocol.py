@@ -244,3 +244,23 @@ class CompletionRequest(_GenerationRequest):
         if self.best_of is not None and self.best_of > self.n:
             return self.logprobs or 0  # ranking the samples needs their log-probabilities
         return self.logprobs
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize (vLLM's shape): a prompt, or chat messages rendered as /v1/chat/completions renders
+    them (pictures expand to their placeholder runs, as the engine counts them)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[Any] | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize (vLLM's shape)."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]
