@@ -68,6 +68,18 @@ class InvalidInputError(MMEngineError, ValueError):
         return (self.__class__, (self.reason, self.prompt_index))
 
 
+class ChatTemplateOptionError(InvalidInputError):
+    """A chat-template option is misused (`field` names it): chat_template_kwargs naming one of the
+    template's own variables, add_generation_prompt together with continue_final_message, a wrong type."""
+
+    def __init__(self, reason: str, field: str = "chat_template_kwargs", prompt_index: int | None = None) -> None:
+        self.field = field
+        super().__init__(reason, prompt_index)
+
+    def __reduce__(self):
+        return (self.__class__, (self.reason, self.field, self.prompt_index))
+
+
 class UnknownAdapterError(InvalidInputError):
     """A request names a LoRA adapter that is not registered (or LoRA is not enabled)."""
 

@@ -17,7 +17,13 @@ from mmengine.config import EngineConfig
 from mmengine.core.request import ProcessedPrompt
 from mmengine.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from mmengine.engine.intake import PreparedRequest, RequestIntake
-from mmengine.engine.prompt_inputs import check_request_id, check_salt, check_sampling_params, normalize_conversations
+from mmengine.engine.prompt_inputs import (
+    TemplateOptions,
+    check_request_id,
+    check_salt,
+    check_sampling_params,
+    normalize_conversations,
+)
 from mmengine.engine.startup import build_engine_parts
 from mmengine.engine.stats import engine_stats
 from mmengine.engine.step_loop import StepLoop
@@ -223,20 +229,31 @@ class MMEngine:
         mm_uuids: Sequence[str | None] | Sequence[Sequence[str | None] | None] | None = None,
         lora: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
         videos: Sequence[Any] | Sequence[Sequence[Any] | None] | None = None,
+        *,
+        chat_template: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[RequestOutput]:
         """Like generate(), for one conversation (a list of {"role", "content"} messages) or a list of
-        them, rendered with the model's chat template; `images`, `videos`, `mm_uuids` and `lora` follow
-        generate() ({"type": "video"} parts stand for the videos, in order)."""
+        them, rendered with the model's chat template (or `chat_template`); `images`, `videos`, `mm_uuids`
+        and `lora` follow generate() ({"type": "video"} parts stand for the videos, in order).
+        `chat_template_kwargs` are the template's own variables (e.g. {"enable_thinking": False});
+        `add_generation_prompt=False, continue_final_message=True` continues the last message instead of
+        opening the assistant's turn; `tools` (OpenAI function dicts) are rendered by the template."""
         conversations, single = normalize_conversations(messages)
-        if not getattr(self.input_processor.hf_processor, "chat_template", None):
+        options = TemplateOptions(chat_template, chat_template_kwargs or {}, add_generation_prompt,
+                                  continue_final_message, tools)
+        if chat_template is None and not getattr(self.input_processor.hf_processor, "chat_template", None):
             raise InvalidInputError(
                 "this checkpoint has no chat template (no chat_template.jinja or chat_template in its tokenizer or "
-                "processor config): write the prompt with the model's image markers and call generate()"
+                "processor config): pass chat_template=, or write the prompt with the model's image markers and call generate()"
             )
         prompts = []
         for index, conversation in enumerate(conversations):
             try:
-                prompts.append(self.input_processor.apply_chat_template(conversation))
+                prompts.append(self.input_processor.apply_chat_template(conversation, **options.render_kwargs()))
             except Exception as err:  # jinja2's TemplateError and the template's own raise_exception
                 raise InvalidInputError(f"the chat template rejects this conversation: {err}", index) from err
         return self.generate(prompts[0] if single else prompts, images, sampling_params, use_tqdm, cache_salt, mm_uuids, lora, videos)

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from mmengine.errors import EmptyPromptError, InvalidInputError
+from mmengine.errors import ChatTemplateOptionError, EmptyPromptError, InvalidInputError
 from mmengine.sample.params import SamplingParams
 
 # A single image given where a list of images belongs is one of these.
@@ -288,3 +288,55 @@ def _check_conversation(conversation: object, index: int) -> None:
                     f"{{'type': 'video'}}, got {part!r:.80}",
                     index,
                 )
+
+
+# What transformers' apply_chat_template passes to every template itself: chat_template_kwargs may not
+# set them (a collision would silently win or lose, depending on the template).
+TEMPLATE_OWN_VARIABLES = frozenset({
+    "messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "chat_template", "tokenize",
+    "return_dict", "return_assistant_tokens_mask", "padding", "truncation", "max_length", "return_tensors",
+    "tokenizer_kwargs", "processor_kwargs", "bos_token", "eos_token", "raise_exception", "strftime_now",
+})
+
+
+@dataclass(frozen=True)
+class TemplateOptions:
+    """How a conversation becomes a prompt: the template (None: the model's), extra variables for it,
+    whether the prompt opens the assistant's turn or continues the conversation's last message, tools."""
+
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        if self.chat_template is not None and not isinstance(self.chat_template, str):
+            raise ChatTemplateOptionError(f"chat_template must be a str (a Jinja template), got {type_name(self.chat_template)}",
+                                          "chat_template")
+        if not isinstance(self.chat_template_kwargs, dict) or not all(isinstance(k, str) for k in self.chat_template_kwargs):
+            raise ChatTemplateOptionError(f"chat_template_kwargs must be a dict with str keys, got {self.chat_template_kwargs!r:.80}")
+        taken = sorted(TEMPLATE_OWN_VARIABLES & set(self.chat_template_kwargs))
+        if taken:
+            raise ChatTemplateOptionError(
+                f"chat_template_kwargs may not set {taken[0]!r}: the template gets it from the request itself"
+                + (" (pass it as its own argument)" if taken[0] in ("tools", "add_generation_prompt", "continue_final_message",
+                                                                  "chat_template") else "")
+            )
+        for name in ("add_generation_prompt", "continue_final_message"):
+            if not isinstance(getattr(self, name), bool):
+                raise ChatTemplateOptionError(f"{name} must be a bool, got {getattr(self, name)!r}", name)
+        if self.add_generation_prompt and self.continue_final_message:
+            raise ChatTemplateOptionError("continue_final_message continues the last message, so it cannot be combined with "
+                                          "add_generation_prompt=true (which opens a new assistant turn): set it to false",
+                                          "continue_final_message")
+        if self.tools is not None and not (_is_list(self.tools) and all(isinstance(t, dict) for t in self.tools)):
+            raise ChatTemplateOptionError(f"tools must be a list of tool dicts, got {self.tools!r:.80}", "tools")
+
+    def render_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of apply_chat_template (besides the messages)."""
+        extra = {"tools": self.tools} if self.tools else {}
+        if self.chat_template is not None:
+            extra["chat_template"] = self.chat_template
+        return {**dict(self.chat_template_kwargs), **extra, "add_generation_prompt": self.add_generation_prompt,
+                "continue_final_message": self.continue_final_message}

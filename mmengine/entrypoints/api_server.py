@@ -52,12 +52,14 @@ from mmengine.outputs import TokenLogprobs
 from mmengine.errors import (
     AdapterError,
     AdapterInUseError,
+    ChatTemplateOptionError,
     ConfigError,
     InvalidInputError,
     MMEngineError,
     UnsupportedModelError,
 )
 from mmengine.engine.beam_search import BeamSearchParams
+from mmengine.engine.prompt_inputs import TemplateOptions
 from mmengine.lora.request import LoRARequest
 from mmengine.sample.token_bytes import token_bytes_reader
 
@@ -368,9 +370,14 @@ class _OpenAIServer:
                 raise APIError(400, "this model's chat template does not render tools, so they cannot be offered: start "
                                "the server with a --chat-template that does", param="tools", code="unsupported_parameter")
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+        try:
+            options = TemplateOptions(None, body.chat_template_kwargs or {}, body.add_generation_prompt,
+                                      body.continue_final_message, tools)
+        except ChatTemplateOptionError as err:
+            raise APIError(400, err.reason, param=err.field, code="invalid_value") from err
 
         def prepare() -> tuple[str | dict[str, Any], list[Any] | None]:  # base64 decoding and the template, off the event loop
-            prompt, images = self.template.render(conversation, tools), [image(i, source) for i, source in enumerate(pictures)]
+            prompt, images = self.template.render(conversation, options), [image(i, source) for i, source in enumerate(pictures)]
             if not videos:
                 return prompt, images
             clips = [video(i, url) for i, url in enumerate(videos)]

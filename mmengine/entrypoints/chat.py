@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from mmengine.engine.prompt_inputs import normalize_conversations
+from mmengine.engine.prompt_inputs import TemplateOptions, normalize_conversations
 from mmengine.engine.mm_engine import Conversation, MMEngine
 from mmengine.entrypoints.api_errors import APIError
 from mmengine.errors import InvalidInputError
@@ -132,7 +132,9 @@ class ChatTemplate:
         text = self._template or getattr(processor, "chat_template", None) or getattr(self._engine.tokenizer, "chat_template", None)
         return isinstance(text, str) and "tools" in text
 
-    def render(self, conversation: Conversation, tools: list[dict[str, Any]] | None = None) -> str:
+    def render(self, conversation: Conversation, options: TemplateOptions | None = None) -> str:
+        """The prompt: `options` (tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
+        applied to the server's template."""
         if not self.available:
             raise APIError(
                 400,
@@ -142,12 +144,10 @@ class ChatTemplate:
                 code="missing_chat_template",
             )
         processor = self._engine.input_processor
+        kwargs = (options or TemplateOptions()).render_kwargs()
+        if self._template is not None:
+            kwargs["chat_template"] = self._template
         try:
-            extra = {"tools": tools} if tools else {}
-            if self._template is None:
-                return processor.apply_chat_template(conversation, **extra)
-            return processor.hf_processor.apply_chat_template(
-                conversation, chat_template=self._template, add_generation_prompt=True, tokenize=False, **extra
-            )
+            return processor.apply_chat_template(conversation, **kwargs)
         except Exception as err:  # jinja2's TemplateError and the template's own raise_exception
             raise _bad(f"the chat template rejects this conversation: {err}") from err

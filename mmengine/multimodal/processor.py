@@ -146,9 +146,12 @@ class InputProcessor:
     def _preprocess(self, images: list[Image.Image]) -> Any:
         return self.hf_processor.image_processor(images=images, return_tensors="pt")
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> str:
-        """The prompt for `messages`, ready for the assistant's turn (`template_kwargs`, e.g. tools, go to the template)."""
-        return self.hf_processor.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **template_kwargs)
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> str:
+        """The prompt for `messages`, by default ready for the assistant's turn (`template_kwargs`, e.g. tools,
+        chat_template, continue_final_message or the template's own variables, go to the template)."""
+        return self.hf_processor.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+                                                     **template_kwargs)
 
     def process(
         self,
