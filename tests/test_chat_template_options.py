@@ -11,7 +11,7 @@ from serve_helpers import MODEL_NAME, running_server
 from mmengine import MMEngine, SamplingParams
 from mmengine.engine.async_engine import AsyncMMEngine
 from mmengine.entrypoints.api_server import ServerSettings
-from mmengine.errors import ChatTemplateOptionError
+from mmengine.errors import ChatTemplateOptionError, InvalidInputError
 
 # A template with a variable of its own, as Qwen3's enable_thinking
 THINKING_TEMPLATE = (
@@ -87,3 +87,40 @@ def test_the_server_takes_the_same_controls(engine):
                 client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                                extra_body=extra)
             assert refused.value.body["param"] == param, refused.value.body
+
+
+def test_chat_takes_openai_image_url_parts_like_images(engine, tmp_path):
+    import io
+
+    from mmengine.multimodal.media_urls import MediaPolicy, MediaURLError
+    from mmengine.testing import make_test_image
+
+    picture = make_test_image(7, size=(64, 48))
+    encoded = io.BytesIO()
+    picture.save(encoded, format="PNG")
+    import base64
+
+    url = "data:image/png;base64," + base64.b64encode(encoded.getvalue()).decode()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    as_part = engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                         {"type": "text", "text": "What is it?"}]}],
+                          sampling_params=params, use_tqdm=False)[0]
+    as_image = engine.chat([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}],
+                           images=[picture], sampling_params=params, use_tqdm=False)[0]
+    assert as_part.prompt_token_ids == as_image.prompt_token_ids and as_part.token_ids == as_image.token_ids
+    # a file under the allowed directory; anything else refused by name, as the server refuses it
+    path = tmp_path / "cat.png"
+    picture.save(path)
+    part = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": f"file://{path}"}}]}]
+    with pytest.raises(MediaURLError, match="file:// image URLs are not allowed") as refused:
+        engine.chat(part, sampling_params=params, use_tqdm=False)
+    assert refused.value.code == "local_media_disabled"
+    allowed = engine.chat(part, sampling_params=params, use_tqdm=False, media_policy=MediaPolicy(allowed_local_media_path=tmp_path))
+    assert allowed[0].prompt_token_ids.count(engine.family.image_token_id) == engine.family.max_tokens_per_item()
+    with pytest.raises(MediaURLError, match="remote_media|not fetched"):
+        engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": "https://example.com/cat.png"}]}],
+                    sampling_params=params, use_tqdm=False)
+    with pytest.raises(InvalidInputError, match="pictures given twice"):
+        engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}], images=[picture],
+                    sampling_params=params, use_tqdm=False)
+    assert not engine.has_unfinished_requests()

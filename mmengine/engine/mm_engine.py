@@ -16,6 +16,7 @@ from tqdm.auto import tqdm
 from mmengine.config import EngineConfig
 from mmengine.core.request import ProcessedPrompt
 from mmengine.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from mmengine.engine.chat_media import has_media_parts, take_media_parts
 from mmengine.engine.intake import PreparedRequest, RequestIntake
 from mmengine.engine.prompt_inputs import (
     TemplateOptions,
@@ -31,6 +32,7 @@ from mmengine.errors import ConfigError, InvalidInputError
 from mmengine.lora.manager import LoRAManager
 from mmengine.lora.request import LoRARequest
 from mmengine.multimodal.image_loading import ImageInput
+from mmengine.multimodal.media_urls import MediaPolicy
 from mmengine.outputs import RequestOutput
 from mmengine.sample.params import SamplingParams
 
@@ -235,14 +237,19 @@ class MMEngine:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        media_policy: MediaPolicy | None = None,
     ) -> list[RequestOutput]:
         """Like generate(), for one conversation (a list of {"role", "content"} messages) or a list of
         them, rendered with the model's chat template (or `chat_template`); `images`, `videos`, `mm_uuids`
         and `lora` follow generate() ({"type": "video"} parts stand for the videos, in order).
         `chat_template_kwargs` are the template's own variables (e.g. {"enable_thinking": False});
         `add_generation_prompt=False, continue_final_message=True` continues the last message instead of
-        opening the assistant's turn; `tools` (OpenAI function dicts) are rendered by the template."""
+        opening the assistant's turn; `tools` (OpenAI function dicts) are rendered by the template.
+        Pictures may instead come as OpenAI `image_url` / `video_url` parts, loaded under `media_policy`
+        (default: data: URLs only; file:// under its allowed directory, http(s) when it allows them)."""
         conversations, single = normalize_conversations(messages)
+        if any(has_media_parts(c) for c in conversations):
+            conversations, images, videos = self._media_from_parts(conversations, single, images, videos, media_policy)
         options = TemplateOptions(chat_template, chat_template_kwargs or {}, add_generation_prompt,
                                   continue_final_message, tools)
         if chat_template is None and not getattr(self.input_processor.hf_processor, "chat_template", None):
@@ -257,6 +264,15 @@ class MMEngine:
             except Exception as err:  # jinja2's TemplateError and the template's own raise_exception
                 raise InvalidInputError(f"the chat template rejects this conversation: {err}", index) from err
         return self.generate(prompts[0] if single else prompts, images, sampling_params, use_tqdm, cache_salt, mm_uuids, lora, videos)
+
+    @staticmethod
+    def _media_from_parts(conversations: list[Conversation], single: bool, images: Any, videos: Any,
+                          policy: MediaPolicy | None) -> tuple[list[Conversation], Any, Any]:
+        if images is not None or videos is not None:
+            raise InvalidInputError("pictures given twice: as image_url / video_url parts and in images= / videos=")
+        loaded = [take_media_parts(c, policy or MediaPolicy(), index) for index, c in enumerate(conversations)]
+        images, videos = [pictures for _, pictures, _ in loaded], [clips for _, _, clips in loaded]
+        return [c for c, _, _ in loaded], images[0] if single else images, videos[0] if single else videos
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, images: Any = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search (engine/beam_search.py): one BeamSearchOutput per prompt, sequences best first.

@@ -282,10 +282,15 @@ def _check_conversation(conversation: object, index: int) -> None:
             kind = part.get("type") if isinstance(part, dict) else None
             if kind == "text" and isinstance(part.get("text"), str):
                 check_prompt_text(part["text"], index)
+            elif kind in ("image_url", "video_url"):
+                value = part.get(kind)
+                url = value.get("url") if isinstance(value, dict) else value
+                if not isinstance(url, str) or not url:
+                    raise InvalidInputError(f"{where}: an {kind} part needs {{'{kind}': {{'url': str}}}}, got {part!r:.80}", index)
             elif kind not in ("image", "video"):
                 raise InvalidInputError(
-                    f"{where}: each content part must be {{'type': 'text', 'text': str}}, {{'type': 'image'}} or "
-                    f"{{'type': 'video'}}, got {part!r:.80}",
+                    f"{where}: each content part must be {{'type': 'text', 'text': str}}, {{'type': 'image'}}, "
+                    f"{{'type': 'video'}}, or an OpenAI image_url / video_url part, got {part!r:.80}",
                     index,
                 )
 
