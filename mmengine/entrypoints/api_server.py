@@ -46,6 +46,7 @@ from mmengine.entrypoints.protocol import (
     UnloadLoRARequest,
 )
 from mmengine.entrypoints.responses import ResponseWriter, new_id, summed_usage
+from mmengine.entrypoints.responses_api import ResponsesRequest, create_response
 from mmengine.entrypoints.tokenize import detokenize, tokenize, version
 from mmengine.entrypoints.tools import ToolCallStream, parse_tool_calls
 from mmengine.outputs import TokenLogprobs
@@ -101,6 +102,10 @@ def build_app(async_engine: AsyncMMEngine, settings: ServerSettings) -> FastAPI:
     @app.post("/v1/completions", dependencies=auth)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await server.generate("completion", body, request)
+
+    @app.post("/v1/responses", dependencies=auth)
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(body, lambda chat: server.generate("chat", chat, request))
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
