@@ -12,6 +12,8 @@ from mmengine.errors import ConfigError
 if TYPE_CHECKING:  # torch is imported where a device or dtype is resolved: the CLI builds its flags without it
     import torch
 
+REASONING_PARSERS = ("qwen3", "deepseek_r1")  # sample/reasoning.py: both split <think>...</think>
+
 # Block-hash algorithms prefix caching may use (kv_cache/block_hash.py implements each).
 HASH_ALGORITHMS = ("xxh3_128", "sha256")
 
@@ -61,6 +63,9 @@ class EngineConfig:
     # work hides behind device work; a request's last token arrives one step() later ("auto": on
     # CUDA, where kernels run asynchronously; "on" also on CPU, where nothing overlaps).
     async_scheduling: str = "auto"
+    # A thinking model's <think>...</think> apart from its answer (RequestOutput.reasoning_content, the
+    # server's reasoning_content): "qwen3" or "deepseek_r1", as vLLM's --reasoning-parser; None: off.
+    reasoning_parser: str | None = None
     enable_prefix_caching: bool = True
     # Batches added at once (generate()) are planned into prefix-sharing groups: queued group by
     # group, each group's shared prefix computed once and held until its last member finishes;
@@ -158,6 +163,8 @@ class EngineConfig:
         _require(self.attn_backend in ("auto", "torch", "triton"), "attn_backend", self.attn_backend, "'auto', 'torch' or 'triton'")
         _require(self.cascade_attention in ("auto", "on", "off"), "cascade_attention", self.cascade_attention, "'auto', 'on' or 'off'")
         _require(self.async_scheduling in ("auto", "on", "off"), "async_scheduling", self.async_scheduling, "'auto', 'on' or 'off'")
+        _require(self.reasoning_parser in (None, *REASONING_PARSERS), "reasoning_parser", self.reasoning_parser,
+                 f"None or one of {', '.join(REASONING_PARSERS)}")
         _require(isinstance(self.limit_mm_per_prompt, dict), "limit_mm_per_prompt", self.limit_mm_per_prompt, "a dict")
         for modality, limit in self.limit_mm_per_prompt.items():
             _require(modality in ("image", "video"), "limit_mm_per_prompt", modality, "keys among {'image', 'video'}")

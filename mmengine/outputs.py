@@ -27,6 +27,8 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None  # one per generated token, with SamplingParams(logprobs=k)
     # one per prompt token (None for the first), with SamplingParams(prompt_logprobs=k)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # with EngineConfig.reasoning_parser: the <think> part, and `text` is the answer after it
+    reasoning_content: str | None = None
 
     @property
     def finished(self) -> bool:

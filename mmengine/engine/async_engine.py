@@ -76,6 +76,7 @@ class DeltaOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # the new tokens' (SamplingParams.logprobs), else None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the last delta, with SamplingParams.prompt_logprobs
+    reasoning_text: str = ""  # new reasoning (EngineConfig.reasoning_parser); `text` is then the answer's
 
     @property
     def finished(self) -> bool:
@@ -104,6 +105,7 @@ class RequestStream:
         self._ready = asyncio.Event()
         self._iterated = False
         self._sent_chars = 0
+        self._sent_reasoning_chars = 0
         self._sent_tokens = 0
 
     def __aiter__(self) -> AsyncIterator[DeltaOutput]:
@@ -152,12 +154,15 @@ class RequestStream:
         end = len(text) if output.finished else max(self._sent_chars, len(text) - self._holdback)
         new_text = text[self._sent_chars : end]
         self._sent_chars += len(new_text)
+        reasoning = output.reasoning_content or ""
+        new_reasoning = reasoning[self._sent_reasoning_chars :]
+        self._sent_reasoning_chars += len(new_reasoning)
         new_tokens = output.token_ids[self._sent_tokens :]
         logprobs = output.logprobs[self._sent_tokens :] if output.logprobs is not None else None
         self._sent_tokens = len(output.token_ids)
         if output.finished:
             self.finished = True
-        elif not new_tokens and not new_text:
+        elif not new_tokens and not new_text and not new_reasoning:
             return None
         return DeltaOutput(
             request_id=output.request_id,
@@ -170,6 +175,7 @@ class RequestStream:
             num_cached_tokens=output.num_cached_tokens,
             logprobs=logprobs,
             prompt_logprobs=output.prompt_logprobs if output.finished else None,
+            reasoning_text=new_reasoning,
         )
 
 

@@ -28,6 +28,7 @@ from mmengine.runner import ModelRunner
 from mmengine.runner.launched_step import LaunchedStep
 from mmengine.sample.detokenizer import IncrementalDetokenizer
 from mmengine.sample.params import SamplingParams
+from mmengine.sample.reasoning import prompt_opens_reasoning, split_reasoning
 from mmengine.sample.structured_output.grammar import GrammarCompiler
 
 
@@ -57,6 +58,7 @@ class StepLoop:
         self.counters = dict.fromkeys(("steps", "tokens_computed", "prefill_tokens_computed", "prompt_tokens",
                                        "generation_tokens", "requests_finished"), 0)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
+        self._opens_reasoning: dict[str, bool] = {}  # with a reasoning parser: the prompt left <think> open
         self._arrivals = itertools.count()
 
     # -- requests in and out ---------------------------------------------------
@@ -83,6 +85,9 @@ class StepLoop:
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, stop=params.stop)
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = detokenizer
+        if self.config.reasoning_parser is not None:
+            prompt = request.prompt if request.prompt is not None else self.tokenizer.decode(request.prompt_token_ids)
+            self._opens_reasoning[request_id] = prompt_opens_reasoning(prompt)
         self.counters["prompt_tokens"] += request.num_prompt_tokens
         return request_id
 
@@ -95,6 +100,7 @@ class StepLoop:
         detokenizer.flush()
         self.runner.penalties.release(request_id)
         self.route(self._output(request, detokenizer))
+        self._opens_reasoning.pop(request_id, None)
         return True
 
     def route(self, output: RequestOutput) -> None:
@@ -264,20 +270,27 @@ class StepLoop:
         if request.is_finished:
             detokenizer.flush()  # release a trailing partial character held back while streaming
             del self._detokenizers[request.request_id]
+            output = self._output(request, detokenizer)
+            self._opens_reasoning.pop(request.request_id, None)
             self.runner.penalties.release(request.request_id)
             self.counters["requests_finished"] += 1
-        elif request.request_id in self.owners:
+            return output
+        if request.request_id in self.owners:
             return None
         return self._output(request, detokenizer)
 
-    @staticmethod
-    def _output(request: Request, detokenizer: IncrementalDetokenizer) -> RequestOutput:
+    def _output(self, request: Request, detokenizer: IncrementalDetokenizer) -> RequestOutput:
+        text, reasoning = detokenizer.text, None
+        if self.config.reasoning_parser is not None:
+            split = split_reasoning(text, self._opens_reasoning.get(request.request_id, False), final=request.is_finished)
+            text, reasoning = split.content, split.reasoning
         return RequestOutput(
             request_id=request.request_id,
             prompt=request.prompt,
             prompt_token_ids=request.prompt_token_ids,
             token_ids=list(request.output_token_ids),
-            text=detokenizer.text,
+            text=text,
+            reasoning_content=reasoning,
             finish_reason=request.finish_reason,
             num_cached_tokens=request.num_cached_tokens,
             stop_reason=request.stop_reason,

@@ -105,7 +105,9 @@ def build_app(async_engine: AsyncMMEngine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/responses", dependencies=auth)
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        return await create_response(body, lambda chat: server.generate("chat", chat, request))
+        tokenizer = async_engine.engine.tokenizer
+        return await create_response(body, lambda chat: server.generate("chat", chat, request),
+                                     lambda text: len(tokenizer(text, add_special_tokens=False)["input_ids"]))
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> dict[str, Any]:
@@ -257,7 +259,8 @@ class _OpenAIServer:
         writers = [ResponseWriter(kind, request_id, body.model, index) for index in range(len(streams))]
         deltas = [self.metrics.timed(aiter(stream), arrival, "chat" if chat else "completions") for stream in streams]
         tools = chat and bool(body.tools) and body.tool_mode()[0] != "none"
-        shape = _Choices(len(inputs), samples, body.n, self._logprobs_shown(body), tools)
+        shape = _Choices(len(inputs), samples, body.n, self._logprobs_shown(body), tools,
+                         reasoning=self.engine.engine.config.reasoning_parser is not None)
         if body.prompt_logprobs is not None:
             shape.prompt_logprobs = lambda entries: prompt_logprobs_json(entries, self.token_bytes)
 
@@ -286,6 +289,9 @@ class _OpenAIServer:
         if spec is None:
             return
         _, field_name = body.structured_output()
+        if self.engine.engine.config.reasoning_parser is not None:
+            raise APIError(400, f"{field_name} cannot be used with --reasoning-parser yet: its grammar would constrain the "
+                           "reasoning too (it should apply only after </think>)", param=field_name, code="unsupported_parameter")
         try:
             await self.engine.run_in_pool(self.engine.engine.grammars.compile, spec)
         except ConfigError as err:
@@ -395,13 +401,14 @@ class _OpenAIServer:
         """The whole answer: n choices per prompt (the best n by cumulative log-probability when
         best_of > n), usage over every sample drawn."""
 
-        async def whole(deltas: AsyncIterator[DeltaOutput]) -> tuple[str, DeltaOutput, list[TokenLogprobs]]:
-            parts, last, logprobs = [], None, []
+        async def whole(deltas: AsyncIterator[DeltaOutput]) -> tuple[str, DeltaOutput, list[TokenLogprobs], str]:
+            parts, last, logprobs, reasoning = [], None, [], []
             async for delta in deltas:
                 parts.append(delta.text)
+                reasoning.append(delta.reasoning_text)
                 logprobs += delta.logprobs or []
                 last = delta
-            return "".join(parts), last, logprobs
+            return "".join(parts), last, logprobs, "".join(reasoning)
 
         answers = await asyncio.gather(*(whole(d) for d in deltas))
         choices = []
@@ -410,17 +417,19 @@ class _OpenAIServer:
             if shape.samples > shape.n:
                 drawn = sorted(drawn, key=lambda i: cumulative_logprob(answers[i][2]), reverse=True)[: shape.n]
             for i in drawn:
-                text, last, logprobs = answers[i]
+                text, last, logprobs, reasoning = answers[i]
                 choice = writers[i].choice(text, last, shape.shown.format(logprobs, 0) if shape.shown else None)
+                if shape.reasoning and writers[i].chat:
+                    choice["message"]["reasoning_content"] = reasoning or None
                 if shape.tools:
                     parsed = parse_tool_calls(text)
-                    choice["message"] = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+                    choice["message"] = {**choice["message"], "content": parsed.content, "tool_calls": parsed.tool_calls}
                     if parsed.tool_calls and last.finish_reason == "stop":
                         choice["finish_reason"] = "tool_calls"
                 if shape.prompt_logprobs is not None and not writers[i].chat:  # completions: per choice, as vLLM
                     choice["prompt_logprobs"] = shape.prompt_logprobs(last.prompt_logprobs or [])
                 choices.append({**choice, "index": len(choices)})
-        body = writers[0].complete(choices, summed_usage([last for _, last, _ in answers], shape.samples))
+        body = writers[0].complete(choices, summed_usage([last for _, last, _, _ in answers], shape.samples))
         if shape.prompt_logprobs is not None and writers[0].chat:  # chat: once, beside the choices, as vLLM
             body["prompt_logprobs"] = shape.prompt_logprobs(answers[0][1].prompt_logprobs or [])
         return body
@@ -447,7 +456,8 @@ class _OpenAIServer:
                     if finish == "stop" and calls[index].num_calls:
                         finish = "tool_calls"
                 yield _event(writers[index].chunk(text, finish, stop_reason=delta.stop_reason,
-                                                  with_usage_field=include_usage, logprobs=logprobs, tool_calls=made))
+                                                  with_usage_field=include_usage, logprobs=logprobs, tool_calls=made,
+                                                  reasoning=delta.reasoning_text))
             if include_usage and all(last is not None for last in lasts):
                 yield _event(writers[0].usage_chunk(summed_usage(lasts, shape.samples)))
             yield _DONE
@@ -481,6 +491,7 @@ class _Choices:
     shown: _LogprobsShown | None
     tools: bool = False  # the answers' <tool_call> blocks become tool_calls
     prompt_logprobs: Callable[[list[Any]], list[Any]] | None = None  # formats them, when asked for
+    reasoning: bool = False  # a reasoning parser splits the answers: chat messages carry reasoning_content
 
 
 async def _merged(iterators: list[AsyncIterator[DeltaOutput]]) -> AsyncIterator[tuple[int, DeltaOutput]]:

@@ -59,12 +59,15 @@ class ResponseWriter:
 
     def chunk(self, text: str | None, finish_reason: str | None = None, *, role: bool = False,
               stop_reason: str | int | None = None, with_usage_field: bool = False,
-              logprobs: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+              logprobs: dict[str, Any] | None = None, tool_calls: list[dict[str, Any]] | None = None,
+              reasoning: str = "") -> dict[str, Any]:
         choice: dict[str, Any] = {"index": self.index, "finish_reason": finish_reason, "logprobs": logprobs}
         if finish_reason is not None:
             choice["stop_reason"] = stop_reason
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant"} if role else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if text is not None:
                 delta["content"] = text
             if tool_calls:

@@ -166,6 +166,7 @@ class ResponseBuilder:
         self.id = new_id("resp")
         self.created_at = time.time()
         self.message_id = new_id("msg")
+        self.reasoning_id = new_id("rs")
 
     def envelope(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                  incomplete: str | None = None) -> dict[str, Any]:
@@ -184,29 +185,38 @@ class ResponseBuilder:
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": []}] if status == "completed" or text else []}
 
+    def reasoning_item(self, text: str, status: str = "completed") -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.reasoning_id, "status": status, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}]}
+
     @staticmethod
     def call_item(call: dict[str, Any]) -> dict[str, Any]:
         return {"type": "function_call", "id": "fc_" + call["id"].removeprefix("call_"), "call_id": call["id"],
                 "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
 
     @staticmethod
-    def usage(chat_usage: dict[str, Any]) -> dict[str, Any]:
+    def usage(chat_usage: dict[str, Any], reasoning_tokens: int = 0) -> dict[str, Any]:
+        """`reasoning_tokens`: the reasoning text's tokens (counted again by the tokenizer)."""
         details = chat_usage.get("prompt_tokens_details") or {}
         return {"input_tokens": chat_usage["prompt_tokens"], "input_tokens_details": {"cached_tokens": details.get("cached_tokens", 0)},
-                "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens": chat_usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": chat_usage["total_tokens"]}
 
-    def whole(self, chat: dict[str, Any]) -> dict[str, Any]:
+    def whole(self, chat: dict[str, Any], count_tokens: Callable[[str], int]) -> dict[str, Any]:
         choice = chat["choices"][0]
         message = choice["message"]
-        output = [self.message_item(message["content"])] if message.get("content") else []
+        reasoning = message.get("reasoning_content")
+        output = [self.reasoning_item(reasoning)] if reasoning else []
+        output += [self.message_item(message["content"])] if message.get("content") else []
         output += [self.call_item(call) for call in message.get("tool_calls") or []]
         incomplete = "max_output_tokens" if choice["finish_reason"] == "length" else None
-        return self.envelope("incomplete" if incomplete else "completed", output, self.usage(chat["usage"]), incomplete)
+        usage = self.usage(chat["usage"], count_tokens(reasoning) if reasoning else 0)
+        return self.envelope("incomplete" if incomplete else "completed", output, usage, incomplete)
 
 
-async def create_response(body: ResponsesRequest, chat: Callable[[ChatCompletionRequest], Awaitable[Response]]) -> Response:
-    """Answers `body` through `chat` (the server's chat-completions path)."""
+async def create_response(body: ResponsesRequest, chat: Callable[[ChatCompletionRequest], Awaitable[Response]],
+                          count_tokens: Callable[[str], int]) -> Response:
+    """Answers `body` through `chat` (the server's chat-completions path); `count_tokens` counts a text's tokens."""
     body.check_supported()
     builder = ResponseBuilder(body)
     try:
@@ -214,11 +224,11 @@ async def create_response(body: ResponsesRequest, chat: Callable[[ChatCompletion
     except APIError as err:
         raise _renamed(err) from err
     if isinstance(answer, StreamingResponse):
-        return StreamingResponse(_events(builder, answer.body_iterator), media_type="text/event-stream",
+        return StreamingResponse(_events(builder, answer.body_iterator, count_tokens), media_type="text/event-stream",
                                  background=answer.background)
     if answer.status_code != 200:
         return answer
-    return JSONResponse(builder.whole(json.loads(answer.body)))
+    return JSONResponse(builder.whole(json.loads(answer.body), count_tokens))
 
 
 def _renamed(err: APIError) -> APIError:
@@ -229,19 +239,52 @@ def _renamed(err: APIError) -> APIError:
     return APIError(err.status, message, param=param, code=err.code, headers=err.headers)
 
 
-async def _events(builder: ResponseBuilder, chunks: AsyncIterator[str | bytes]) -> AsyncIterator[str]:
-    """The chat stream's chunks as the Responses events: created, in_progress, the message item with its
-    output_text deltas, a function_call item per tool call, completed (with usage)."""
+async def _events(builder: ResponseBuilder, chunks: AsyncIterator[str | bytes], count_tokens: Callable[[str], int]) -> AsyncIterator[str]:
+    """The chat stream's chunks as the Responses events: created, in_progress, a reasoning item (with a
+    reasoning parser) and the message item with their text deltas, a function_call item per tool call,
+    completed (with usage)."""
     sequence = 0
+    output: list[dict[str, Any]] = []  # finished items
+    open_kind: str | None = None  # the item being streamed: "reasoning" or "message"
+    texts: dict[str, list[str]] = {"reasoning": [], "message": []}
 
     def event(kind: str, **fields: Any) -> str:
         nonlocal sequence
         sequence += 1
         return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': sequence - 1, **fields})}\n\n"
 
+    def opened(kind: str) -> list[str]:
+        nonlocal open_kind
+        events = close()
+        open_kind = kind
+        index = len(output)
+        if kind == "reasoning":
+            return events + [event("response.output_item.added", output_index=index, item=builder.reasoning_item("", "in_progress"))]
+        return events + [event("response.output_item.added", output_index=index, item=builder.message_item("", "in_progress")),
+                         event("response.content_part.added", item_id=builder.message_id, output_index=index, content_index=0,
+                               part={"type": "output_text", "text": "", "annotations": []})]
+
+    def close() -> list[str]:
+        nonlocal open_kind
+        if open_kind is None:
+            return []
+        kind, open_kind, index = open_kind, None, len(output)
+        whole = "".join(texts[kind])
+        if kind == "reasoning":
+            output.append(builder.reasoning_item(whole))
+            return [event("response.reasoning_text.done", item_id=builder.reasoning_id, output_index=index, content_index=0, text=whole),
+                    event("response.output_item.done", output_index=index, item=output[-1])]
+        output.append(builder.message_item(whole))
+        return [event("response.output_text.done", item_id=builder.message_id, output_index=index, content_index=0, text=whole,
+                      logprobs=[]),
+                event("response.content_part.done", item_id=builder.message_id, output_index=index, content_index=0,
+                      part={"type": "output_text", "text": whole, "annotations": []}),
+                event("response.output_item.done", output_index=index, item=output[-1])]
+
     yield event("response.created", response=builder.envelope("in_progress", []))
     yield event("response.in_progress", response=builder.envelope("in_progress", []))
-    text, calls, usage, finish, opened = [], {}, None, None, False
+    calls: dict[int, dict[str, Any]] = {}
+    usage, finish = None, None
     async for raw in chunks:
         line = raw.decode() if isinstance(raw, bytes) else raw
         payload = line.removeprefix("data: ").strip()
@@ -251,37 +294,27 @@ async def _events(builder: ResponseBuilder, chunks: AsyncIterator[str | bytes]) 
         if "error" in chunk:
             yield event("error", message=chunk["error"].get("message"), code=chunk["error"].get("code"), param=None)
             return
-        if chunk.get("usage"):
-            usage = chunk["usage"]
+        usage = chunk.get("usage") or usage
         for choice in chunk.get("choices", []):
             delta = choice.get("delta", {})
             finish = choice.get("finish_reason") or finish
-            if delta.get("content"):
-                if not opened:
-                    opened = True
-                    yield event("response.output_item.added", output_index=0, item=builder.message_item("", "in_progress"))
-                    yield event("response.content_part.added", item_id=builder.message_id, output_index=0, content_index=0,
-                                part={"type": "output_text", "text": "", "annotations": []})
-                text.append(delta["content"])
-                yield event("response.output_text.delta", item_id=builder.message_id, output_index=0, content_index=0,
-                            delta=delta["content"], logprobs=[])
+            for kind, key, item_id in (("reasoning", "reasoning_content", builder.reasoning_id), ("message", "content", builder.message_id)):
+                if delta.get(key):
+                    for opening in (opened(kind) if open_kind != kind else []):
+                        yield opening
+                    texts[kind].append(delta[key])
+                    name = "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
+                    extra = {} if kind == "reasoning" else {"logprobs": []}
+                    yield event(name, item_id=item_id, output_index=len(output), content_index=0, delta=delta[key], **extra)
             for call in delta.get("tool_calls") or []:
-                calls.setdefault(call["index"], {"id": call.get("id"), "function": {"name": None, "arguments": ""}})
-                entry = calls[call["index"]]
+                entry = calls.setdefault(call["index"], {"id": call.get("id"), "function": {"name": None, "arguments": ""}})
                 entry["id"] = call.get("id") or entry["id"]
                 entry["function"]["name"] = call.get("function", {}).get("name") or entry["function"]["name"]
                 entry["function"]["arguments"] += call.get("function", {}).get("arguments") or ""
-    output = []
-    if opened:
-        whole = "".join(text)
-        yield event("response.output_text.done", item_id=builder.message_id, output_index=0, content_index=0, text=whole, logprobs=[])
-        yield event("response.content_part.done", item_id=builder.message_id, output_index=0, content_index=0,
-                    part={"type": "output_text", "text": whole, "annotations": []})
-        output.append(builder.message_item(whole))
-        yield event("response.output_item.done", output_index=0, item=output[-1])
+    for closing in close():
+        yield closing
     for _, call in sorted(calls.items()):
-        item = builder.call_item(call)
-        index = len(output)
+        item, index = builder.call_item(call), len(output)
         yield event("response.output_item.added", output_index=index, item={**item, "status": "in_progress", "arguments": ""})
         yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=index, delta=item["arguments"])
         yield event("response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments=item["arguments"],
@@ -289,6 +322,7 @@ async def _events(builder: ResponseBuilder, chunks: AsyncIterator[str | bytes]) 
         output.append(item)
         yield event("response.output_item.done", output_index=index, item=item)
     incomplete = "max_output_tokens" if finish == "length" else None
-    final = builder.envelope("incomplete" if incomplete else "completed", output, builder.usage(usage) if usage else None, incomplete)
+    reasoning_tokens = count_tokens("".join(texts["reasoning"])) if texts["reasoning"] else 0
+    final = builder.envelope("incomplete" if incomplete else "completed", output,
+                             builder.usage(usage, reasoning_tokens) if usage else None, incomplete)
     yield event("response.incomplete" if incomplete else "response.completed", response=final)
-

@@ -1,0 +1,56 @@
+"""Reasoning parsers: a thinking model's `<think>...</think>` apart from its answer, as vLLM's
+`--reasoning-parser` splits it ("qwen3" for Qwen3 / Qwen3.5, "deepseek_r1" for DeepSeek-R1; the two
+write the same tags).
+
+The answer starts inside the reasoning when the prompt left a `<think>` open (templates that open it
+for the model, or when the model writes `<think>` first; a template that closes it, as Qwen3's
+`enable_thinking=False` does, leaves the answer all content). Everything up to `</think>` is reasoning,
+everything after it content. While a request runs, a trailing piece that may still become a tag is
+held back, so the reasoning and the content each only grow as tokens arrive.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START, END = "<think>", "</think>"
+
+
+@dataclass(frozen=True)
+class ReasoningSplit:
+    reasoning: str | None  # None: the answer has no reasoning part
+    content: str
+
+
+def prompt_opens_reasoning(prompt: str | None) -> bool:
+    """Whether the prompt ends inside a `<think>` the template opened (and did not close)."""
+    if not prompt:
+        return False
+    opened = prompt.rfind(START)
+    return opened >= 0 and prompt.find(END, opened) < 0
+
+
+def split_reasoning(text: str, opened: bool, final: bool) -> ReasoningSplit:
+    """`text` (the whole generated text so far) as reasoning and content; `final`: the request ended,
+    so nothing is held back."""
+    if not opened:
+        if text.startswith(START):
+            opened, text = True, text[len(START):]
+        elif not final and START.startswith(text):  # "<th": may still become the opening tag
+            return ReasoningSplit(None, "")
+        else:
+            return ReasoningSplit(None, text)
+    end = text.find(END)
+    if end >= 0:
+        return ReasoningSplit(text[:end], text[end + len(END):])
+    if final:
+        return ReasoningSplit(text, "")
+    return ReasoningSplit(text[: len(text) - _partial_tag(text, END)], "")
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag` (0 if none)."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-length:]):
+            return length
+    return 0
