@@ -3,7 +3,6 @@ server's messages (whole and streamed), with the split only ever growing while a
 
 from __future__ import annotations
 
-import httpx
 import openai
 import pytest
 from hypothesis import given, settings
@@ -71,11 +70,6 @@ def test_the_engine_splits_what_the_model_wrote(engines):
     (closed,) = thinking.chat(hello, sampling_params=GREEDY, use_tqdm=False, chat_template=CLOSES)
     (closed_reference,) = plain.chat(hello, sampling_params=GREEDY, use_tqdm=False, chat_template=CLOSES)
     assert closed.reasoning_content is None and closed.text == closed_reference.text
-    with pytest.raises(ConfigError, match="reasoning parser"):
-        from mmengine import StructuredOutputParams
-
-        thinking.chat(hello, sampling_params=SamplingParams(structured_output=StructuredOutputParams(json_object=True)),
-                      use_tqdm=False)
     with pytest.raises(ConfigError, match="reasoning_parser"):
         MMEngine("unused", reasoning_parser="granite")
 
@@ -102,7 +96,46 @@ def test_the_server_gives_reasoning_content_whole_and_streamed(engines):
         kinds = [item.type for item in response.output]
         assert kinds[0] == "reasoning" and response.output[0].content[0].text == stops_at_eos.reasoning_content
         assert response.usage.output_tokens_details.reasoning_tokens > 0
-        refused = httpx.post(f"{running.v1}/chat/completions", timeout=60, json={
-            "model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
-            "response_format": {"type": "json_object"}})
-        assert refused.status_code == 400 and refused.json()["error"]["param"] == "response_format"
+
+
+@pytest.fixture(scope="module")
+def think_tokens_checkpoint(tmp_path_factory):
+    """The tiny LLaVA with <think> and </think> as tokens of their own (as Qwen3's tokenizer has them),
+    in rows of the model's vocabulary the tokenizer did not use."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from mmengine.testing import TinyLlavaSpec, tiny_llava_path
+
+    source = tiny_llava_path(TinyLlavaSpec(vocab_size=416))
+    path = tmp_path_factory.mktemp("think-tokens") / "model"
+    shutil.copytree(source, path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer.add_tokens(["<think>", "</think>"], special_tokens=False)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_a_grammar_applies_after_the_reasoning_ends(think_tokens_checkpoint):
+    """With a reasoning parser the grammar waits for </think> (the reasoning is free text); the answer
+    after it follows the schema. The model is steered to close the reasoning at once by logit_bias,
+    which the grammar then overrides."""
+    import jsonschema
+
+    from mmengine import StructuredOutputParams
+
+    engine = MMEngine(str(think_tokens_checkpoint), max_model_len=256, device="cpu", dtype="float32", reasoning_parser="qwen3")
+    end = engine.tokenizer.convert_tokens_to_ids("</think>")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["n"],
+              "additionalProperties": False}
+    params = SamplingParams(max_tokens=40, temperature=0, logit_bias={end: 100.0},
+                            structured_output=StructuredOutputParams(json=schema))
+    (answer,) = engine.chat([{"role": "user", "content": "hi"}], sampling_params=params, use_tqdm=False, chat_template=OPENS)
+    assert answer.token_ids[0] == end and answer.token_ids.count(end) == 1  # the grammar forbids it after
+    assert answer.reasoning_content == "" and answer.finish_reason == "stop"
+    jsonschema.validate(__import__("json").loads(answer.text), schema)
+    # a prompt that closed the reasoning itself: the grammar rules from the first token
+    (closed,) = engine.chat([{"role": "user", "content": "hi"}], sampling_params=params, use_tqdm=False, chat_template=CLOSES)
+    assert end not in closed.token_ids and closed.reasoning_content is None
+    jsonschema.validate(__import__("json").loads(closed.text), schema)

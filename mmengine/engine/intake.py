@@ -63,10 +63,9 @@ class PreparedRequest:
 
 class RequestIntake:
     def __init__(self, processor: InputProcessor, grammars: GrammarCompiler, vocab_size: int,
-                 loras: LoRAManager | None, lock: threading.RLock, reasoning_parser: str | None = None) -> None:
+                 loras: LoRAManager | None, lock: threading.RLock) -> None:
         """`lock`: the engine's lock, under which the adapter books are read."""
         self.processor = processor
-        self.reasoning_parser = reasoning_parser
         self.grammars = grammars
         self.vocab_size = vocab_size
         self.loras = loras
@@ -132,9 +131,6 @@ class RequestIntake:
         """What only the model can check before the prompt is preprocessed: a structured-output spec
         compiles (once per spec, cached) and logit_bias names tokens of the vocabulary."""
         if params.structured_output is not None:
-            if self.reasoning_parser is not None:
-                raise ConfigError("SamplingParams.structured_output cannot be used with a reasoning parser yet: the grammar "
-                                  "would constrain the reasoning too (it should apply only after </think>)")
             self.grammars.compile(params.structured_output)
         outside = [token for token in params.logit_bias if token >= self.vocab_size]
         if outside:

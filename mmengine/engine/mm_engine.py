@@ -68,8 +68,7 @@ class MMEngine:
         # The engine's one lock, held briefly: validation and preprocessing run outside it. Layers above
         # the engine that must never see a step half done (an audit, the Ray encoder store) take it too.
         self.lock = threading.RLock()
-        self.intake = RequestIntake(self.input_processor, self.grammars, self.family.text_config.vocab_size, self.loras, self.lock,
-                                    self.config.reasoning_parser)
+        self.intake = RequestIntake(self.input_processor, self.grammars, self.family.text_config.vocab_size, self.loras, self.lock)
         async_scheduling = self.config.async_scheduling == "on" or (self.config.async_scheduling == "auto" and self.device.type == "cuda")
         self.steps = StepLoop(self.config, self.scheduler, self.runner, self.kv_cache, self.encoder_cache, self.grammars,
                               self.loras, self.tokenizer, self.eos_token_ids, async_scheduling)

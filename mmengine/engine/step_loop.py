@@ -28,7 +28,7 @@ from mmengine.runner import ModelRunner
 from mmengine.runner.launched_step import LaunchedStep
 from mmengine.sample.detokenizer import IncrementalDetokenizer
 from mmengine.sample.params import SamplingParams
-from mmengine.sample.reasoning import prompt_opens_reasoning, split_reasoning
+from mmengine.sample.reasoning import ReasoningGate, prompt_closes_reasoning, prompt_opens_reasoning, split_reasoning
 from mmengine.sample.structured_output.grammar import GrammarCompiler
 
 
@@ -80,13 +80,17 @@ class StepLoop:
             processed = _items_under_adapter(processed, lora_key, self.config.prefix_caching_hash_algo)
         generator = self.runner.sampler.make_generator(params, self.runner.device)
         request = Request(request_id, processed, params, arrival, generator, cache_salt=cache_salt, lora_name=lora_key)
+        prompt = request.prompt
+        if prompt is None and self.config.reasoning_parser is not None:  # a token prompt
+            prompt = self.tokenizer.decode(request.prompt_token_ids)
         if params.structured_output is not None:
             request.grammar = self.grammars.matcher(params.structured_output)
+            if self.config.reasoning_parser is not None:
+                request.grammar = ReasoningGate(request.grammar, waiting=not prompt_closes_reasoning(prompt))
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, stop=params.stop)
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = detokenizer
         if self.config.reasoning_parser is not None:
-            prompt = request.prompt if request.prompt is not None else self.tokenizer.decode(request.prompt_token_ids)
             self._opens_reasoning[request_id] = prompt_opens_reasoning(prompt)
         self.counters["prompt_tokens"] += request.num_prompt_tokens
         return request_id
@@ -258,7 +262,8 @@ class StepLoop:
         for an unfinished request of a generate() call (which reads only final outputs): such a
         request's tokens are decoded all at once when it finishes, unless it has stop strings."""
         detokenizer = self._detokenizers[request.request_id]
-        streamed = request.request_id not in self.owners or bool(request.sampling_params.stop)
+        gate = request.grammar if isinstance(request.grammar, ReasoningGate) else None
+        streamed = request.request_id not in self.owners or bool(request.sampling_params.stop) or gate is not None
         token = request.output_token_ids[-1]
         stop_string = detokenizer.append(token, decode=streamed)
         self.counters["generation_tokens"] += 1
@@ -267,6 +272,8 @@ class StepLoop:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
         if request.grammar is not None and not request.is_finished and _grammar_done(request.grammar, token):
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        if gate is not None:
+            gate.see(detokenizer.text)
         if request.is_finished:
             detokenizer.flush()  # release a trailing partial character held back while streaming
             del self._detokenizers[request.request_id]

@@ -289,9 +289,6 @@ class _OpenAIServer:
         if spec is None:
             return
         _, field_name = body.structured_output()
-        if self.engine.engine.config.reasoning_parser is not None:
-            raise APIError(400, f"{field_name} cannot be used with --reasoning-parser yet: its grammar would constrain the "
-                           "reasoning too (it should apply only after </think>)", param=field_name, code="unsupported_parameter")
         try:
             await self.engine.run_in_pool(self.engine.engine.grammars.compile, spec)
         except ConfigError as err:

@@ -12,6 +12,7 @@ held back, so the reasoning and the content each only grow as tokens arrive.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 START, END = "<think>", "</think>"
 
@@ -54,3 +55,39 @@ def _partial_tag(text: str, tag: str) -> int:
         if tag.startswith(text[-length:]):
             return length
     return 0
+
+
+def prompt_closes_reasoning(prompt: str | None) -> bool:
+    """Whether the prompt ends after a closed `<think>...</think>` (Qwen3's enable_thinking=False): the
+    answer has no reasoning, so a grammar applies from its first token."""
+    if not prompt:
+        return False
+    opened = prompt.rfind(START)
+    return opened >= 0 and prompt.find(END, opened) >= 0
+
+
+class ReasoningGate:
+    """A request's grammar that applies only after its reasoning (vLLM's rule for structured output
+    with a reasoning parser): while `waiting`, every token is allowed and none reaches the matcher; the
+    first token after the one that completes `</think>` is the grammar's first. It stands in for the
+    llguidance matcher (is_error / is_stopped / consume_token), so the step loop and the mask filler
+    need nothing else. Text that the closing tag's own token carries after `</think>` is not checked."""
+
+    def __init__(self, matcher: Any, waiting: bool) -> None:
+        self.matcher = matcher
+        self.waiting = waiting
+
+    def is_error(self) -> bool:
+        return not self.waiting and self.matcher.is_error()
+
+    def is_stopped(self) -> bool:
+        return not self.waiting and self.matcher.is_stopped()
+
+    def consume_token(self, token: int) -> None:
+        if not self.waiting:
+            self.matcher.consume_token(token)
+
+    def see(self, text: str) -> None:
+        """The request's whole generated text, after each token."""
+        if self.waiting and END in text:
+            self.waiting = False

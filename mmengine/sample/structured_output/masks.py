@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from mmengine.sample.reasoning import ReasoningGate
+
 
 class BitmaskFiller:
     """Fills the bitmask rows of a step's constrained requests; their matchers must have consumed
@@ -25,7 +27,8 @@ class BitmaskFiller:
 
     def fill(self, matchers: list[Any]) -> torch.Tensor:
         """[len(matchers), words] host bitmask; a matcher that is done (stopped or failed) allows
-        every token, as its request's token is discarded."""
+        every token, as its request's token is discarded, and so does one still waiting for its request's
+        reasoning to end."""
         import llguidance
         import llguidance.numpy
 
@@ -33,6 +36,11 @@ class BitmaskFiller:
         array = host.numpy()
         live = []
         for row, matcher in enumerate(matchers):
+            if isinstance(matcher, ReasoningGate):  # a grammar that applies after the reasoning (sample/reasoning.py)
+                if matcher.waiting:
+                    array[row] = -1
+                    continue
+                matcher = matcher.matcher
             if matcher.is_error() or matcher.is_stopped():
                 array[row] = -1
             else:
