@@ -82,7 +82,7 @@ def test_the_server_takes_the_same_controls(engine):
         assert prompt_tokens(add_generation_prompt=False) == expected["open"]
         for extra, param in [({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
                              ({"continue_final_message": True}, "continue_final_message"),
-                             ({"chat_template": "{{ messages }}"}, "chat_template")]:
+                             ({"chat_template": "{{ messages }}"}, "chat_template")]:  # not trusted by this server
             with pytest.raises(openai.BadRequestError) as refused:
                 client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                                extra_body=extra)
@@ -124,3 +124,13 @@ def test_chat_takes_openai_image_url_parts_like_images(engine, tmp_path):
         engine.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}], images=[picture],
                     sampling_params=params, use_tqdm=False)
     assert not engine.has_unfinished_requests()
+
+
+def test_a_trusting_server_renders_a_requests_own_template(engine):
+    settings = ServerSettings(MODEL_NAME, trust_request_chat_template=True)
+    with running_server(AsyncMMEngine(engine), settings) as running:
+        client = openai.OpenAI(base_url=running.v1, api_key="unused", max_retries=0)
+        answer = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+                                                extra_body={"chat_template": THINKING_TEMPLATE,
+                                                            "chat_template_kwargs": {"enable_thinking": False}})
+        assert answer.usage.prompt_tokens == len(engine.tokenizer("USER: hi\nASSISTANT: <think></think>")["input_ids"])

@@ -2,8 +2,9 @@
 
   mm_engine.py      MMEngine: a thin facade (add_request / step / generate / chat / LoRA / caches / stats)
   startup.py        EngineParts: the model, caches, runner, scheduler and grammars built once at start-up
-  prompt_inputs.py  the prompt forms callers hand in (str, prompt dicts, images, videos), checked and shaped
+  prompt_inputs.py  the prompt forms callers hand in (str, prompt dicts, images, videos, chat-template options), checked
   intake.py         RequestIntake: the one pass from a caller's arguments to validated, preprocessed prompts
+  chat_media.py     OpenAI image_url / video_url parts in MMEngine.chat, loaded under a MediaPolicy
   step_loop.py      StepLoop: one scheduler step (sync or async), its tokens, outputs and their owners
   stats.py          the counters stats() reports
   async_engine.py   AsyncMMEngine: the engine loop on a thread, streams for asyncio callers

@@ -79,6 +79,7 @@ class ServerSettings:
     lora_runtime_updates: bool = False  # the load/unload endpoints
     enable_mm_embeds: bool = False  # image_embeds content parts (untrusted tensors: see embeds_payload.py)
     max_n: int = MAX_N  # the most samples per prompt a request may ask for (n, best_of)
+    trust_request_chat_template: bool = False  # a request's own chat_template is rendered (else a 400)
 
 
 def build_app(async_engine: AsyncMMEngine, settings: ServerSettings) -> FastAPI:
@@ -378,8 +379,11 @@ class _OpenAIServer:
                 raise APIError(400, "this model's chat template does not render tools, so they cannot be offered: start "
                                "the server with a --chat-template that does", param="tools", code="unsupported_parameter")
             tools = [tool.model_dump(exclude_none=True) for tool in body.tools]
+        if body.chat_template is not None and not self.settings.trust_request_chat_template:
+            raise APIError(400, "this server does not render a request's own chat_template: it uses its own (start it with "
+                           "--trust-request-chat-template to allow them)", param="chat_template", code="unsupported_parameter")
         try:
-            options = TemplateOptions(None, body.chat_template_kwargs or {}, body.add_generation_prompt,
+            options = TemplateOptions(body.chat_template, body.chat_template_kwargs or {}, body.add_generation_prompt,
                                       body.continue_final_message, tools)
         except ChatTemplateOptionError as err:
             raise APIError(400, err.reason, param=err.field, code="invalid_value") from err

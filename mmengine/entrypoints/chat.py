@@ -134,8 +134,8 @@ class ChatTemplate:
 
     def render(self, conversation: Conversation, options: TemplateOptions | None = None) -> str:
         """The prompt: `options` (tools, chat_template_kwargs, add_generation_prompt, continue_final_message)
-        applied to the server's template."""
-        if not self.available:
+        applied to the server's template (or to the request's own, when the server trusts them)."""
+        if not self.available and (options is None or options.chat_template is None):
             raise APIError(
                 400,
                 "this model has no chat template, so chat completions cannot be rendered: start the server "
@@ -145,7 +145,7 @@ class ChatTemplate:
             )
         processor = self._engine.input_processor
         kwargs = (options or TemplateOptions()).render_kwargs()
-        if self._template is not None:
+        if self._template is not None and "chat_template" not in kwargs:  # a request's own (trusted) template wins
             kwargs["chat_template"] = self._template
         try:
             return processor.apply_chat_template(conversation, **kwargs)

@@ -163,7 +163,7 @@ class ChatCompletionRequest(_GenerationRequest):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     # the chat template's controls (vLLM's extras)
-    chat_template: str | None = None  # refused: a client does not run its own template here (--chat-template FILE does)
+    chat_template: str | None = None  # a request's own template: only with --trust-request-chat-template
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -191,9 +191,6 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def check_supported(self, max_n: int = MAX_N) -> None:
         super().check_supported(max_n)
-        if self.chat_template is not None:
-            raise APIError(400, "a request cannot bring its own chat template: start the server with --chat-template FILE",
-                           param="chat_template", code="unsupported_parameter")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs", code="invalid_value")

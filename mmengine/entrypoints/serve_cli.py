@@ -48,6 +48,9 @@ def build_serve_parser() -> argparse.ArgumentParser:
     parallel.add_argument("--encoder-store-bytes", type=int, default=0, metavar="N",
                           help="with --data-parallel-size > 1: share encoder outputs among the replicas through a "
                           "cluster-wide store of N bytes (default: 0, off)")
+    server.add_argument("--trust-request-chat-template", action="store_true",
+                        help="let a chat request bring its own chat_template (rendered in transformers' sandboxed Jinja); "
+                        "off by default: a request's chat_template is then a 400")
     server.add_argument("--enable-mm-embeds", action="store_true",
                         help="accept image_embeds content parts (base64 of torch.save(tensor)); off by default, as "
                         "they are untrusted tensors")
@@ -107,6 +110,7 @@ def run_serve(argv: Sequence[str]) -> None:
         lora_runtime_updates=args.enable_lora_runtime_updates,
         enable_mm_embeds=args.enable_mm_embeds,
         max_n=args.max_n,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
     if args.data_parallel_size > 1:
         _run_data_parallel(args, settings)

@@ -4,6 +4,7 @@
   image_loading.py    paths, bytes, PIL images, arrays -> RGB images, with limits
   resize_guard.py     what the image processor's resize will allocate, known before it runs
   embeds.py           precomputed image embeddings as an item kind
+  media_urls.py       image and video URLs (data:, file://, http(s)) under a MediaPolicy: the server's and chat()'s
   processor_cache.py  preprocessed items kept across requests
   video.py            Video: a caller's clip, its sampling and bounds, probed before decoding
   video_loader.py     a clip -> its plan, hashes and one item per temporal patch
