@@ -91,6 +91,12 @@ def test_prompt_dicts_and_chat_parts_take_videos(engine, mp4):
     messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
     out = engine.chat(messages, videos=[mp4], sampling_params=GREEDY, use_tqdm=False)
     assert list(out[0].token_ids) == expected
+    # an OpenAI video_url part (a data: URL), as the server takes it
+    import base64
+
+    url = "data:video/mp4;base64," + base64.b64encode(mp4).decode()
+    parts = [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens?"}]}]
+    assert list(engine.chat(parts, sampling_params=GREEDY, use_tqdm=False)[0].token_ids) == expected
 
 
 def test_a_batch_mixes_videos_images_and_text(engine, mp4):
