@@ -23,7 +23,7 @@ def suite():
 @pytest.fixture(scope="module")
 def dry_run(suite, tmp_path_factory):
     out = tmp_path_factory.mktemp("dry-report")
-    status = suite.main(["--dry-run", "--out", str(out)])
+    status = suite.main(["--dry-run", "--out", str(out), "--jobs", "2"])
     return status, out, json.loads((out / "report.json").read_text())
 
 
