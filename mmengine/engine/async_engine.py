@@ -358,14 +358,14 @@ class AsyncMMEngine:
         params = checked.params
         if fill_max_tokens:  # the prompt is checked to leave room for one token; it gets all the room there is below
             checked = dataclasses.replace(checked, params=dataclasses.replace(params, max_tokens=1))
-        processed = engine.intake.prepare(checked).processed  # a bad spec or prompt fails here, off the engine lock
-        stream.num_prompt_tokens = len(processed.prompt_token_ids)
-        if fill_max_tokens:  # process() checked that one token fits; take all the room there is
+        prepared = engine.intake.prepare(checked)  # a bad spec or prompt fails here, off the engine lock
+        stream.num_prompt_tokens = len(prepared.processed.prompt_token_ids)
+        if fill_max_tokens:  # the intake checked that one token fits; take all the room there is
             params = dataclasses.replace(params, max_tokens=self.max_output_tokens(stream.num_prompt_tokens))
             stream.sampling_params = params
         if stream.cancelled:
             return
-        engine.add_processed_request(processed, params, stream.request_id, checked.cache_salt, checked.lora)
+        engine.add_prepared_request(dataclasses.replace(prepared, params=params, request_id=stream.request_id))
         stream.added = True
         self._wake.set()
         if stream.cancelled:  # cancelled while being queued: the step loop's abort may have missed it

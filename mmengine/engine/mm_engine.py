@@ -97,8 +97,7 @@ class MMEngine:
         """
         checked = self.intake.check(prompt, images, sampling_params, request_id=request_id, cache_salt=cache_salt,
                                     mm_uuids=mm_uuids, lora=lora, videos=videos)
-        prepared = self.intake.prepare(checked)  # outside the lock
-        return self.add_processed_request(prepared.processed, prepared.params, prepared.request_id, prepared.cache_salt, lora)
+        return self.add_prepared_request(self.intake.prepare(checked))  # preprocessed outside the lock
 
     def add_processed_request(
         self,
@@ -114,10 +113,15 @@ class MMEngine:
         check_salt(cache_salt)
         check_request_id(request_id)
         self.intake.check_sampling(params)
+        return self.add_prepared_request(PreparedRequest(processed, params, cache_salt, self.intake.lora_key(lora), request_id))
+
+    def add_prepared_request(self, prepared: PreparedRequest) -> str:
+        """Queues a request the intake prepared (`intake.check` then `intake.prepare`, on any thread); its id."""
         if self.before_enqueue is not None:
-            self.before_enqueue([processed])
+            self.before_enqueue([prepared.processed])
         with self.lock:
-            return self.steps.enqueue(processed, params, request_id, cache_salt, self.intake.lora_key(lora))
+            return self.steps.enqueue(prepared.processed, prepared.params, prepared.request_id, prepared.cache_salt,
+                                      prepared.lora_key)
 
     def step(self) -> list[RequestOutput]:
         """Runs one scheduler step; returns an output for every request added with add_request() that
