@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from mmengine.errors import InvalidInputError
-from mmengine.multimodal.media_urls import MediaPolicy, load_media_url
+from mmengine.multimodal.media_urls import MediaPolicy, load_media_url, part_url
 
 URL_PARTS = {"image_url": "image", "video_url": "video"}
 
@@ -36,9 +36,8 @@ def take_media_parts(conversation: list[dict[str, Any]], policy: MediaPolicy,
                 parts.append(part)
                 continue
             found = videos if kind == "video" else images
-            url = part[part["type"]]["url"] if isinstance(part[part["type"]], dict) else part[part["type"]]
             try:
-                found.append(load_media_url(url, len(found), policy, kind, fetch=True))
+                found.append(load_media_url(part_url(part), len(found), policy, kind, fetch=True))
             except InvalidInputError as err:
                 raise err.at_prompt(prompt_index) from err
             parts.append({"type": kind})

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmengine.errors import ChatTemplateOptionError, EmptyPromptError, InvalidInputError
+from mmengine.multimodal.media_urls import part_url
 from mmengine.sample.params import SamplingParams
 
 # A single image given where a list of images belongs is one of these.
@@ -283,9 +284,7 @@ def _check_conversation(conversation: object, index: int) -> None:
             if kind == "text" and isinstance(part.get("text"), str):
                 check_prompt_text(part["text"], index)
             elif kind in ("image_url", "video_url"):
-                value = part.get(kind)
-                url = value.get("url") if isinstance(value, dict) else value
-                if not isinstance(url, str) or not url:
+                if part_url(part) is None:
                     raise InvalidInputError(f"{where}: an {kind} part needs {{'{kind}': {{'url': str}}}}, got {part!r:.80}", index)
             elif kind not in ("image", "video"):
                 raise InvalidInputError(

@@ -12,6 +12,7 @@ from mmengine.engine.prompt_inputs import TemplateOptions, normalize_conversatio
 from mmengine.engine.mm_engine import Conversation, MMEngine
 from mmengine.entrypoints.api_errors import APIError
 from mmengine.errors import InvalidInputError
+from mmengine.multimodal.media_urls import part_url
 
 _ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 
@@ -92,16 +93,14 @@ def _part(part: Any, where: str, urls: list[str | EmbedsPart | VideoPart], allow
             raise _bad(f"{where}: a text part needs a 'text' string")
         return {"type": "text", "text": part["text"]}
     if kind == "image_url":
-        image_url = part.get("image_url")
-        url = image_url.get("url") if isinstance(image_url, dict) else image_url
-        if not isinstance(url, str) or not url:
+        url = part_url(part)
+        if url is None:
             raise _bad(f"{where}: an image_url part needs {{'image_url': {{'url': ...}}}}")
         urls.append(url)
         return {"type": "image"}
     if kind == "video_url":
-        video_url = part.get("video_url")
-        url = video_url.get("url") if isinstance(video_url, dict) else video_url
-        if not isinstance(url, str) or not url:
+        url = part_url(part)
+        if url is None:
             raise _bad(f"{where}: a video_url part needs {{'video_url': {{'url': ...}}}}")
         urls.append(VideoPart(url))
         return {"type": "video"}

@@ -47,6 +47,14 @@ class MediaURLError(InvalidInputError):
         return (self.__class__, (self.reason, self.code, self.prompt_index))
 
 
+def part_url(part: dict) -> str | None:
+    """The URL of an OpenAI `image_url` / `video_url` content part ({"image_url": {"url": ...}}, or the
+    bare string some clients send), None when it has none."""
+    value = part.get(part.get("type"))
+    url = value.get("url") if isinstance(value, dict) else value
+    return url if isinstance(url, str) and url else None
+
+
 def media_error(index: int, reason: str, code: str = "invalid_image_url", kind: str = "image") -> MediaURLError:
     return MediaURLError(f"{kind} {index}: {reason}", code.replace("image", kind))
 

@@ -25,6 +25,7 @@ from typing import Any
 
 from mmengine.encoder_cache.hashing import hash_bytes
 from mmengine.errors import ConfigError
+from mmengine.multimodal.media_urls import part_url
 
 DEFAULT_VIRTUAL_NODES = 128
 IMAGE_KEY_HASH = "xxh3_128"  # as mmengine.ray.keys.image_key, so a picture keys alike offline and online
@@ -111,11 +112,8 @@ def _first_image_url(messages: list[Any]) -> str | None:
         if not isinstance(content, list):
             continue
         for part in content:
-            if isinstance(part, dict) and part.get("type") == "image_url":
-                image_url = part.get("image_url")
-                url = image_url.get("url") if isinstance(image_url, dict) else image_url
-                if isinstance(url, str) and url:
-                    return url
+            if isinstance(part, dict) and part.get("type") == "image_url" and (url := part_url(part)) is not None:
+                return url
     return None
 
 
