@@ -44,6 +44,10 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     num_kv_blocks: int | None = None  # explicit cap on KV blocks (tests use it to force preemption)
+    # Hybrid models (Qwen3.5): the share of the cache memory (after the live states) that holds recurrent
+    # state checkpoints for prefix hits (kv_cache/recurrent_state.py), and an explicit count instead.
+    state_checkpoint_memory_fraction: float = 0.1
+    num_state_checkpoints: int | None = None
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
@@ -112,6 +116,11 @@ class EngineConfig:
             _positive_int("max_model_len", self.max_model_len)
         if self.num_kv_blocks is not None:
             _positive_int("num_kv_blocks", self.num_kv_blocks)
+        _require(isinstance(self.num_state_checkpoints, (int, type(None))) and not isinstance(self.num_state_checkpoints, bool)
+                 and (self.num_state_checkpoints or 0) >= 0, "num_state_checkpoints", self.num_state_checkpoints, "None or an int >= 0")
+        _require(isinstance(self.state_checkpoint_memory_fraction, (int, float)) and not isinstance(self.state_checkpoint_memory_fraction, bool)
+                 and 0 <= self.state_checkpoint_memory_fraction < 1, "state_checkpoint_memory_fraction",
+                 self.state_checkpoint_memory_fraction, "a number in [0, 1)")
         if self.encoder_cache_size is not None:
             _positive_int("encoder_cache_size", self.encoder_cache_size)
         for name in ("encoder_cache_host_bytes", "kv_cache_host_bytes"):

@@ -9,7 +9,7 @@ import torch
 from transformers import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
-from mmengine.layers.gated_delta import GatedDeltaNet, GatedDeltaShape, GatedDeltaStates
+from mmengine.layers.gated_delta import GatedDeltaNet, GatedDeltaShape, GatedDeltaStates, RecurrentStep
 
 
 def _config() -> Qwen3_5TextConfig:
@@ -35,14 +35,14 @@ def layers():
 def _ours(layer: GatedDeltaNet, pieces: list[list[torch.Tensor]], num_slots: int) -> list[torch.Tensor]:
     """Runs `pieces` (per step, one tensor [n, H] per request, request i in slot i) and returns each
     request's outputs concatenated over the steps."""
-    states = GatedDeltaStates(layer.shape, num_slots, torch.device("cpu"), torch.float32)
+    layer.states = GatedDeltaStates(layer.shape, num_slots, torch.device("cpu"), torch.float32)
     outputs: list[list[torch.Tensor]] = [[] for _ in range(num_slots)]
     for step in pieces:
         starts = [0]
         for piece in step:
             starts.append(starts[-1] + piece.shape[0])
         with torch.no_grad():
-            out = layer(torch.cat(step), starts, list(range(len(step))), states)
+            out = layer(torch.cat(step), RecurrentStep(starts, list(range(len(step)))))
         for i in range(len(step)):
             outputs[i].append(out[starts[i]:starts[i + 1]])
     return [torch.cat(chunks) for chunks in outputs]
@@ -85,11 +85,45 @@ def test_packed_requests_each_get_what_they_get_alone(layers):
 def test_a_reset_slot_starts_from_nothing(layers):
     _, ours = layers
     x = torch.randn(5, 48)
-    states = GatedDeltaStates(ours.shape, 1, torch.device("cpu"), torch.float32)
+    ours.states = states = GatedDeltaStates(ours.shape, 1, torch.device("cpu"), torch.float32)
     with torch.no_grad():
-        first = ours(x, [0, 5], [0], states)
-        continued = ours(x, [0, 5], [0], states)
+        first = ours(x, RecurrentStep([0, 5], [0]))
+        continued = ours(x, RecurrentStep([0, 5], [0]))
         states.reset(0)
-        again = ours(x, [0, 5], [0], states)
+        again = ours(x, RecurrentStep([0, 5], [0]))
     assert not torch.allclose(first, continued)  # the second pass continued the first's state
     torch.testing.assert_close(again, first)
+
+
+def test_saves_copy_the_state_as_it_stands_after_that_many_tokens(layers):
+    """A chunk of 9 tokens saving after 4 and after 9 leaves the states of a 4-token and of a
+    9-token pass in those slots: continuing either gives what one pass gives."""
+    reference, ours = layers
+    x = torch.randn(13, 48)
+    with torch.no_grad():
+        expected = reference(x[None])[0]
+        ours.states = states = GatedDeltaStates(ours.shape, 3, torch.device("cpu"), torch.float32)
+        first = ours(x[:9], RecurrentStep([0, 9], [0], [[(4, 1), (9, 2)]]))
+        torch.testing.assert_close(states.recurrent[0], states.recurrent[2])  # a save at the chunk's end is the live state
+        from_four = ours(x[4:], RecurrentStep([0, 9], [1]))
+        from_nine = ours(x[9:], RecurrentStep([0, 4], [2]))
+    torch.testing.assert_close(first, expected[:9], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(from_four, expected[4:], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(from_nine, expected[9:], atol=2e-5, rtol=1e-4)
+
+
+def test_decodes_batched_equal_decodes_alone(layers):
+    _, ours = layers
+    prompts = [torch.randn(n, 48) for n in (3, 6, 1)]
+    steps = [torch.randn(3, 48) for _ in range(4)]
+    with torch.no_grad():
+        ours.states = GatedDeltaStates(ours.shape, 3, torch.device("cpu"), torch.float32)
+        for i, p in enumerate(prompts):
+            ours(p, RecurrentStep([0, p.shape[0]], [i]))
+        saved = (ours.states.conv.clone(), ours.states.recurrent.clone())
+        together = [ours(x, RecurrentStep([0, 1, 2, 3], [2, 0, 1])) for x in steps]
+        ours.states.conv.copy_(saved[0])
+        ours.states.recurrent.copy_(saved[1])
+        alone = [torch.cat([ours(x[j:j + 1], RecurrentStep([0, 1], [slot])) for j, slot in enumerate([2, 0, 1])]) for x in steps]
+    for a, b in zip(together, alone):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

@@ -20,6 +20,7 @@ from mmengine.encoder_cache.host_tier import EncoderHostTier
 from mmengine.encoder_cache.manager import EncoderCacheManager
 from mmengine.kv_cache.block_pool import KVBlock
 from mmengine.kv_cache.manager import KVCacheManager
+from mmengine.kv_cache.recurrent_state import RecurrentStateManager, StatePlan
 from mmengine.core.prefix_sharing import PrefixSharing
 from mmengine.core.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 
@@ -37,6 +38,7 @@ class ScheduledRequest:
     num_new_tokens: int  # may be 0: the request keeps its place and blocks but computes nothing
     encoder_items: list[int]  # indices of the request's mm items to encode this step
     restored_items: list[int] = field(default_factory=list)  # items copied back from the host tier this step
+    state: StatePlan | None = None  # hybrid models: the recurrent state's slot, start and checkpoints this step
 
     @property
     def end(self) -> int:
@@ -90,6 +92,7 @@ class _Admission:
     host_hits: list  # cached host blocks after them (a copy in, not a prefill)
     num_hit_blocks: int
     num_computed: int  # tokens it starts with (a full hit still recomputes the last)
+    resume_blocks: int  # hybrid models: the blocks whose checkpointed state it starts from (num_computed / block_size)
     num_new: int  # tokens it computes this step
     plan: EncoderPlan  # the encoder work those tokens need
 
@@ -103,8 +106,11 @@ class Scheduler:
         encoder_compute_budget: int,
         max_model_len: int,
         encoder_host_tier: EncoderHostTier | None = None,
+        states: RecurrentStateManager | None = None,
     ) -> None:
+        """`states`: the recurrent-state books of a hybrid model (None for attention-only models)."""
         self.config = config
+        self.states = states
         self.encoder_host_tier = encoder_host_tier  # asked whether a missing item can be copied back
         self.kv_cache = kv_cache
         self.encoder_cache = encoder_cache
@@ -189,7 +195,11 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(self._commit(request, start, num_new, plan, encoding_now))
+                scheduled = self._commit(request, start, num_new, plan, encoding_now)
+                if self.states is not None:
+                    scheduled.state = StatePlan(self.states.live_slot(request.request_id))
+                    self.states.plan_saves(request, scheduled.state, start, num_new)
+                out.scheduled.append(scheduled)
                 budget -= num_new
                 encoder_budget -= plan.cost
                 i += 1
@@ -270,10 +280,14 @@ class Scheduler:
             num_hit_blocks = len(hits) + len(host_hits)  # host hits cost a copy, not a prefill
             # A full hit still recomputes the last token: its logits are needed.
             num_computed = min(num_hit_blocks * self.config.block_size, request.num_tokens - 1)
+            resume_blocks = 0
+            if self.states is not None:  # a hybrid model starts where a checkpointed state is
+                resume_blocks = self.states.resume_point(request, num_hit_blocks, request.num_tokens - 1)
+                num_computed = resume_blocks * self.config.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             num_new, plan = self._plan_encoder(request, num_computed, num_new, encoder_budget, encoding_now)
             if not host_hits or self._plan_pinned_items(request, host_hits, plan, encoding_now):
-                return _Admission(hits, host_hits, num_hit_blocks, num_computed, num_new, plan)
+                return _Admission(hits, host_hits, num_hit_blocks, num_computed, resume_blocks, num_new, plan)
             host_hits = []  # the pictures its host blocks pin do not fit the encoder cache now: compute them
 
     def _admit(self, request: Request, admission: _Admission, encoding_now: set[str]) -> ScheduledRequest:
@@ -281,6 +295,13 @@ class Scheduler:
         num_computed = admission.num_computed
         scheduled = self._commit(request, num_computed, admission.num_new, admission.plan, encoding_now, admission.hits,
                                  admission.host_hits)
+        if self.states is not None:
+            bs = self.config.block_size
+            # a KV hit past the checkpoint: the stretch is recomputed, and a checkpoint at its end spares the next request
+            branch_end = min(admission.num_hit_blocks, (request.num_tokens - 1) // bs) * bs
+            scheduled.state = self.states.admit(request, admission.resume_blocks)
+            self.states.plan_saves(request, scheduled.state, num_computed, admission.num_new,
+                                   branch_end if branch_end > num_computed else 0)
         self.waiting.remove(request)
         self.kv_cache.record_lookup(request.num_tokens, num_computed)
         if request.num_preemptions == 0:
@@ -434,6 +455,8 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _release(self, request: Request) -> None:
+        if self.states is not None:
+            self.states.release(request)
         self.kv_cache.free(request)
         for idx in self._held.pop(request.request_id, ()):
             self.encoder_cache.release(request.mm_items[idx].mm_hash, (request.request_id, idx))
@@ -510,6 +533,8 @@ class Scheduler:
             return False
         request.num_computed_tokens = s.end
         self.kv_cache.cache_blocks(request)  # pins items first: consumed ones are released next
+        if self.states is not None:
+            self.states.commit(request)
         self.sharing.progressed(request)
         self._release_consumed(request)
         return True

@@ -24,6 +24,7 @@ from mmengine.errors import CheckpointError, ConfigError
 from mmengine.kv_cache.block_hash import make_hash_function
 from mmengine.kv_cache.host_tier import KVHostTier
 from mmengine.kv_cache.manager import KVCacheManager
+from mmengine.kv_cache.recurrent_state import RecurrentStateManager
 from mmengine.lora.adapter import DecoderShape, VisionTargets
 from mmengine.lora.manager import LoRAManager
 from mmengine.models.family import ModelFamily
@@ -79,7 +80,8 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     kv_cache, encoder_cache, encoder_host_tier = _caches(config, runner, num_blocks, encoder_budget)
     input_processor.max_tokens_in_kv_cache = num_blocks * config.block_size
     input_processor.max_tokens_per_item = encoder_budget.compute_budget_tokens
-    scheduler = Scheduler(config, kv_cache, encoder_cache, encoder_budget.compute_budget_tokens, max_model_len, encoder_host_tier)
+    scheduler = Scheduler(config, kv_cache, encoder_cache, encoder_budget.compute_budget_tokens, max_model_len, encoder_host_tier,
+                          _recurrent_states(config, family, runner, kv_cache))
     eos_token_ids = eos_token_ids_of(model_dir, hf_config, input_processor.tokenizer)
     grammars = GrammarCompiler(input_processor.tokenizer, family.text_config.vocab_size, eos_token_ids)
     logger.info("mmengine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
@@ -135,6 +137,7 @@ def _caches(config: EngineConfig, runner: ModelRunner, num_blocks: int,
         make_hash_function(config.prefix_caching_hash_algo, config.prefix_caching_hash_seed),
         enable_prefix_caching=config.enable_prefix_caching,
         host_tier=KVHostTier(kv_host_bytes, runner.kv_block_bytes) if kv_host_bytes else None,
+        pin_overlapping_items=runner.family.recurrent_shape is not None,
     )
     encoder_cache = EncoderCacheManager(budget.cache_capacity_tokens, kv_cache.uncache_pinning)
     kv_cache.pin_listener = encoder_cache
@@ -142,6 +145,17 @@ def _caches(config: EngineConfig, runner: ModelRunner, num_blocks: int,
     encoder_host_tier = EncoderHostTier(encoder_host_bytes) if encoder_host_bytes > 0 else None
     runner.encoder_host_tier = encoder_host_tier
     return kv_cache, encoder_cache, encoder_host_tier
+
+
+def _recurrent_states(config: EngineConfig, family: ModelFamily, runner: ModelRunner,
+                      kv_cache: KVCacheManager) -> RecurrentStateManager | None:
+    """A hybrid model's recurrent-state books, told when a block a checkpoint marks leaves the KV cache."""
+    if family.recurrent_shape is None:
+        return None
+    states = RecurrentStateManager(config.max_num_seqs, runner.num_state_checkpoints, config.block_size,
+                                   is_block_cached=kv_cache.pool.is_hash_cached)
+    kv_cache.on_block_uncached = states.drop
+    return states
 
 
 def _lora_manager(config: EngineConfig, family: ModelFamily, runner: ModelRunner) -> LoRAManager | None:

@@ -34,7 +34,10 @@ class KVCacheManager:
         hash_fn: HashFunction,
         enable_prefix_caching: bool = True,
         host_tier: KVHostTier | None = None,
+        pin_overlapping_items: bool = False,
     ) -> None:
+        """`pin_overlapping_items`: a cached block pins every item with a token in it, not just those
+        ending in it (hybrid models, which may recompute any block after their nearest checkpoint)."""
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.host_tier = host_tier if enable_prefix_caching else None
@@ -45,6 +48,8 @@ class KVCacheManager:
         self._restores: list[KVCopy] = []
         self._handed_out: list[KVCopy] = []  # taken by the runner, until it confirms they are queued
         self.pin_listener: PinListener | None = None
+        self.pin_overlapping_items = pin_overlapping_items
+        self.on_block_uncached: Callable[[BlockHash], None] | None = None  # told of every hash that leaves the cache
         self._pinning: dict[str, set[KVBlock]] = {}  # mm_hash -> cached blocks that pin it
         self.hasher = BlockHasher(block_size, hash_fn)
         self._req_blocks: dict[str, list[KVBlock]] = {}
@@ -239,6 +244,8 @@ class KVCacheManager:
         the last token, which is one of the item's placeholders.
         """
         end = (block_index + 1) * self.block_size
+        if self.pin_overlapping_items:
+            return tuple(dict.fromkeys(item.mm_hash for item in request.mm_items if item.offset < end and item.end > end - self.block_size))
         return tuple(item.mm_hash for item in request.mm_items if item.offset < end <= item.end)
 
     def _on_evict(self, block: KVBlock) -> None:
@@ -248,6 +255,8 @@ class KVCacheManager:
             self._offloads.append(KVCopy(entry, block.block_id))
 
     def _on_uncache(self, block: KVBlock) -> None:
+        if self.on_block_uncached is not None:
+            self.on_block_uncached(block.block_hash)
         for mm_hash in block.pins:
             self._pinning[mm_hash].discard(block)
             if not self._pinning[mm_hash]:

@@ -21,6 +21,7 @@ from torch import nn
 from mmengine.layers.cascade import CascadeMetadata
 
 if TYPE_CHECKING:
+    from mmengine.layers.gated_delta import RecurrentStep
     from mmengine.layers.rotary import RotaryStep
 
 
@@ -48,6 +49,8 @@ class AttentionMetadata:
     decode_num_splits: int | None = None
     # Shared-prefix groups of an eager step (layers/cascade.py); None attends every request alone.
     cascade: CascadeMetadata | None = None
+    # The step as the linear-attention layers of a hybrid model see it (layers/gated_delta.py); None otherwise.
+    recurrent: RecurrentStep | None = None
 
     @classmethod
     def build(

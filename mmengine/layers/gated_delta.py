@@ -6,15 +6,20 @@ of the q/k/v projection) and the recurrent state [value heads, key dim, value di
 new tokens for a request, whatever their number (a prefill chunk, a decode token), continue that
 state exactly, so chunked prefill and decode give the tokens of one full pass.
 
+A step may also copy a request's state, as it stands after some of its new tokens, into other slots:
+the sparse checkpoints the prefix cache resumes from (kv_cache/recurrent_state.py decides where).
+The runner binds each layer's `states` and passes one `RecurrentStep` per step, like the KV cache
+and AttentionMetadata of the attention layers.
+
 This is the PyTorch path (the CPU, and the reference the CUDA kernels are tested against): the delta
-rule runs token by token per request, as transformers' `torch_recurrent_gated_delta_rule` does. The
-parameters are named as transformers names them, so a checkpoint's tensors load one to one.
+rule runs token by token per request, as transformers' `torch_recurrent_gated_delta_rule` does, and a
+step's single-token requests (decodes) advance together in one batched update. The parameters are
+named as transformers names them, so a checkpoint's tensors load one to one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -51,8 +56,23 @@ class GatedDeltaShape:
                    c.linear_value_head_dim, c.linear_conv_kernel_dim, c.rms_norm_eps)
 
 
+@dataclass
+class RecurrentStep:
+    """One step's requests as the linear-attention layers see them (host lists, packed order): request
+    i owns tokens query_start_loc[i]:query_start_loc[i + 1] and continues the state in slots[i]; after
+    its first n new tokens, for each (n, slot) in saves[i], its state is copied into that slot."""
+
+    query_start_loc: list[int]
+    slots: list[int]
+    saves: list[list[tuple[int, int]]] = field(default_factory=list)
+
+    def saves_of(self, index: int) -> list[tuple[int, int]]:
+        return self.saves[index] if index < len(self.saves) else []
+
+
 class GatedDeltaStates:
-    """The live states of one linear-attention layer, one slot per running request."""
+    """The states of one linear-attention layer, by slot: the live state of each running request and
+    the checkpoints kept for prefix hits (the runner lays the slots out; this holds the tensors)."""
 
     def __init__(self, shape: GatedDeltaShape, num_slots: int, device: torch.device, dtype: torch.dtype) -> None:
         self.conv = torch.zeros(num_slots, shape.conv_dim, shape.conv_kernel - 1, device=device, dtype=dtype)
@@ -63,6 +83,14 @@ class GatedDeltaStates:
         """A new request in `slot` starts from nothing."""
         self.conv[slot].zero_()
         self.recurrent[slot].zero_()
+
+    def copy(self, source: int, target: int) -> None:
+        self.conv[target].copy_(self.conv[source])
+        self.recurrent[target].copy_(self.recurrent[source])
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return (self.conv[0].numel() * self.conv.element_size()) + (self.recurrent[0].numel() * self.recurrent.element_size())
 
 
 class GatedRMSNorm(nn.Module):
@@ -93,25 +121,67 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(s.num_value_heads))
         self.norm = GatedRMSNorm(s.value_head_dim, s.eps)
         self.out_proj = nn.Linear(s.value_dim, s.hidden_size, bias=False)
+        self.states: GatedDeltaStates | None = None  # bound by the runner
 
-    def forward(self, hidden: torch.Tensor, query_start_loc: Sequence[int], slots: Sequence[int],
-                states: GatedDeltaStates) -> torch.Tensor:
-        """hidden [tokens, hidden_size], requests packed one after another (request i owns tokens
-        query_start_loc[i]:query_start_loc[i + 1] and state slot slots[i]); the states advance in place."""
-        s = self.shape
+    def forward(self, hidden: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
+        """hidden [tokens, hidden_size], packed as `step` says; the bound states advance in place."""
+        assert self.states is not None, "recurrent states not bound"
+        s, states = self.shape, self.states
         mixed = self.in_proj_qkv(hidden)
         z = self.in_proj_z(hidden).view(-1, s.num_value_heads, s.value_head_dim)
         beta = self.in_proj_b(hidden).sigmoid()
         decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
         out = torch.empty(hidden.shape[0], s.num_value_heads, s.value_head_dim, device=hidden.device, dtype=hidden.dtype)
-        for i, slot in enumerate(slots):
-            start, end = query_start_loc[i], query_start_loc[i + 1]
-            if end == start:
+        starts = step.query_start_loc
+        decodes = [i for i in range(len(step.slots)) if starts[i + 1] - starts[i] == 1 and not step.saves_of(i)]
+        if decodes:  # always batched, so a request's decode is computed alike whatever else is in the step
+            rows = [starts[i] for i in decodes]
+            slots = torch.tensor([step.slots[i] for i in decodes], device=hidden.device)
+            out[rows] = self._decode(mixed[rows], beta[rows], decay[rows], slots).to(hidden.dtype)
+        batched = set(decodes)
+        for i, slot in enumerate(step.slots):
+            if i in batched:
                 continue
-            qkv = self._conv(mixed[start:end], states.conv[slot])
-            out[start:end] = self._delta_rule(qkv, beta[start:end], decay[start:end], states.recurrent[slot]).to(hidden.dtype)
+            saves = step.saves_of(i)  # run up to each save point, then copy the state there
+            bounds = [0, *(n for n, _ in saves), starts[i + 1] - starts[i]]
+            targets = [*(target for _, target in saves), None]
+            for k, target in enumerate(targets):
+                lo, hi = starts[i] + bounds[k], starts[i] + bounds[k + 1]
+                if hi > lo:
+                    qkv = self._conv(mixed[lo:hi], states.conv[slot])
+                    out[lo:hi] = self._delta_rule(qkv, beta[lo:hi], decay[lo:hi], states.recurrent[slot]).to(hidden.dtype)
+                if target is not None:
+                    states.copy(slot, target)
         normed = self.norm(out.reshape(-1, s.value_head_dim), z.reshape(-1, s.value_head_dim))
         return self.out_proj(normed.view(hidden.shape[0], s.value_dim))
+
+    def _decode(self, x: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """One token for each of several requests (x [n, conv_dim], request j in slots[j]), batched:
+        the same arithmetic as _conv and _delta_rule on a single token."""
+        s, states = self.shape, self.states
+        window = states.conv.index_select(0, slots)  # [n, conv_dim, kernel - 1]
+        joined = torch.cat([window, x[:, :, None].to(window.dtype)], dim=-1)  # [n, conv_dim, kernel]
+        states.conv.index_copy_(0, slots, joined[:, :, 1:])
+        conv = F.conv1d(joined.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=s.conv_dim)  # [n, conv_dim, 1]
+        qkv = F.silu(conv[:, :, 0]).to(x.dtype)
+        query, key, value = self._heads(qkv)
+        state = states.recurrent.index_select(0, slots)  # [n, Hv, Dk, Dv]
+        state = state * decay.exp()[:, :, None, None]
+        remembered = (state * key[:, :, :, None]).sum(dim=2)  # [n, Hv, Dv]
+        delta = (value - remembered) * beta[:, :, None].float()
+        state = state + key[:, :, :, None] * delta[:, :, None, :]
+        states.recurrent.index_copy_(0, slots, state)
+        return (state * query[:, :, :, None]).sum(dim=2)
+
+    def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The conv's output [n, conv_dim] as fp32 query (l2-normed, scaled), key (l2-normed) and value,
+        each [n, value heads, dim]: every q/k head serves `group` consecutive value heads."""
+        s = self.shape
+        query, key, value = torch.split(qkv.float(), [s.key_dim, s.key_dim, s.value_dim], dim=-1)
+        group = s.num_value_heads // s.num_key_heads
+        query = _l2norm(query.view(-1, s.num_key_heads, s.key_head_dim)).repeat_interleave(group, dim=1) * s.key_head_dim**-0.5
+        key = _l2norm(key.view(-1, s.num_key_heads, s.key_head_dim)).repeat_interleave(group, dim=1)
+        return query, key, value.view(-1, s.num_value_heads, s.value_head_dim)
 
     def _conv(self, x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         """The causal depthwise conv (then silu) of one request's new inputs x [n, conv_dim], continuing
@@ -124,12 +194,7 @@ class GatedDeltaNet(nn.Module):
     def _delta_rule(self, qkv: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
         """The gated delta rule over one request's tokens, from and into `state` [Hv, Dk, Dv] (fp32).
         Returns the outputs [n, Hv, Dv] in fp32."""
-        s = self.shape
-        query, key, value = torch.split(qkv.float(), [s.key_dim, s.key_dim, s.value_dim], dim=-1)
-        group = s.num_value_heads // s.num_key_heads  # each q/k head serves `group` consecutive value heads
-        query = _l2norm(query.view(-1, s.num_key_heads, s.key_head_dim)).repeat_interleave(group, dim=1) * s.key_head_dim**-0.5
-        key = _l2norm(key.view(-1, s.num_key_heads, s.key_head_dim)).repeat_interleave(group, dim=1)
-        value = value.view(-1, s.num_value_heads, s.value_head_dim)
+        query, key, value = self._heads(qkv)
         outputs = torch.empty_like(value)
         current = state.clone()
         for t in range(value.shape[0]):

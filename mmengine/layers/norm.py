@@ -45,3 +45,26 @@ class RMSNorm(nn.Module):
         if residual is None:
             return rms_norm_reference(x, self.weight, self.eps)
         return fused_add_rms_norm_reference(x, residual, self.weight, self.eps)
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """Qwen3.5's RMSNorm: the weight is stored as an offset from one (initialised to zeros) and the
+    product is taken in float32 before rounding, `(norm(x) * (1 + w)).to(dtype)`, unlike Llama's
+    `w * norm(x).to(dtype)`. Always the PyTorch path: the fused kernel rounds at Llama's place."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(hidden_size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, use_kernel: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); or, given the residual stream, (norm(residual + x), residual + x)."""
+        if residual is not None:
+            residual = residual + x
+            x = residual
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (h * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)

@@ -162,6 +162,9 @@ class RotaryEmbedding(nn.Module):
 # Qwen3-VL's text model always uses M-RoPE, interleaved, with these sections unless its config names others
 # (transformers' Qwen3VLTextRotaryEmbedding).
 _QWEN3_VL_DEFAULT_SECTIONS = (24, 20, 20)
+# Qwen3.5's text model: interleaved M-RoPE over its rotary part (a quarter of each head), sections (11, 11, 10)
+# unless named (transformers' Qwen3_5TextRotaryEmbedding).
+_DEFAULT_SECTIONS = {"qwen3_vl_text": _QWEN3_VL_DEFAULT_SECTIONS, "qwen3_5_text": (11, 11, 10)}
 
 
 def mrope_section_of(config: PretrainedConfig) -> tuple[int, ...] | None:
@@ -169,10 +172,10 @@ def mrope_section_of(config: PretrainedConfig) -> tuple[int, ...] | None:
     for params in (getattr(config, "rope_parameters", None), getattr(config, "rope_scaling", None)):
         if isinstance(params, dict) and params.get("mrope_section"):
             return tuple(int(n) for n in params["mrope_section"])
-    return _QWEN3_VL_DEFAULT_SECTIONS if config.model_type == "qwen3_vl_text" else None
+    return _DEFAULT_SECTIONS.get(config.model_type)
 
 
 def mrope_interleaved_of(config: PretrainedConfig) -> bool:
-    """Whether the sections interleave (Qwen3-VL, whatever its config's mrope_interleaved says)."""
+    """Whether the sections interleave (Qwen3-VL and Qwen3.5, whatever their config's mrope_interleaved says)."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    return config.model_type == "qwen3_vl_text" or bool(params.get("mrope_interleaved"))
+    return config.model_type in _DEFAULT_SECTIONS or bool(params.get("mrope_interleaved"))

@@ -114,6 +114,20 @@ class ModelFamily:
         return sliding_window_of(self.text_config)
 
     @property
+    def num_attention_layers(self) -> int:
+        """Decoder layers with a KV cache (all of them, but in a hybrid decoder)."""
+        return self.text_config.num_hidden_layers
+
+    @property
+    def recurrent_shape(self) -> Any:
+        """A hybrid decoder's linear-attention state shape (layers/gated_delta.GatedDeltaShape), else None."""
+        return None
+
+    @property
+    def num_recurrent_layers(self) -> int:
+        return 0
+
+    @property
     def image_token_id(self) -> int:
         return self.hf_config.image_token_id
 

@@ -59,10 +59,14 @@ class QwenVideoSettings:
         return self.patch_size * self.merge_size
 
 
+# Families that sample and bound videos as Qwen3-VL's video processor does (over the clip, 32-px units).
+QWEN3_VIDEO_FAMILIES = ("qwen3_vl", "qwen3_5")
+
+
 def load_video_settings(model_dir: str | Path | None, family: str, patch_size: int, temporal_patch_size: int, merge_size: int) -> QwenVideoSettings:
     """The settings of transformers' Qwen2VLVideoProcessor / Qwen3VLVideoProcessor, read from the
     checkpoint's video_preprocessor_config.json where it has one."""
-    qwen3 = family == "qwen3_vl"
+    qwen3 = family in QWEN3_VIDEO_FAMILIES
     saved: dict[str, Any] = {}
     path = Path(model_dir) / VIDEO_PROCESSOR_FILE if model_dir is not None else None
     if path is not None and path.is_file():

@@ -47,6 +47,10 @@ def _vision_tower_class(model_type: str) -> type[torch.nn.Module]:
         from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionModel
 
         return Qwen3VLVisionModel
+    if model_type == "qwen3_5":
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
+
+        return Qwen3_5VisionModel
     raise UnsupportedModelError(f"no Qwen vision tower for model_type {model_type!r}")
 
 
@@ -189,7 +193,7 @@ class Qwen2VLFamily(ModelFamily):
             indices = list(range(info.num_frames))
         else:
             indices = qwen_video.sample_indices(
-                rules, self.model_type == "qwen3_vl", info.num_frames, info.fps, video.fps, video.num_frames
+                rules, self.model_type in qwen_video.QWEN3_VIDEO_FAMILIES, info.num_frames, info.fps, video.fps, video.num_frames
             )
         height, width = qwen_video.resized_size(
             rules, len(indices), info.height, info.width, video.min_pixels, video.max_pixels, video.total_pixels

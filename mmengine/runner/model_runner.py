@@ -23,6 +23,7 @@ from mmengine.kv_cache.manager import cdiv
 from mmengine.layers.attention import AttentionMetadata
 from mmengine.layers.attention_backends import get_attention_backend
 from mmengine.layers.cascade import tokens_per_tile
+from mmengine.layers.gated_delta import GatedDeltaStates, RecurrentStep
 from mmengine.layers.kernel_dispatch import use_fused_kernels
 from mmengine.layers.lora import ItemLoRAContext, LoRAContext, LoRALinear, LoRASegments, add_lora
 from mmengine.models.family import ModelFamily
@@ -78,6 +79,9 @@ class ModelRunner:
         self.encoder_host_tier: EncoderHostTier | None = None  # where evicted outputs wait (set by the engine)
         self.on_encoded: Callable[[tuple[str, torch.Tensor]], None] | None = None  # told of each output the tower makes
         self.kv_cache: torch.Tensor | None = None
+        # Hybrid models: each linear-attention layer's states, slots 0..max_num_seqs-1 live, then checkpoints
+        self.recurrent_states: list[GatedDeltaStates] = []
+        self.num_state_checkpoints = 0
         self.num_encoder_runs = 0  # items encoded
         # On a GPU, one-size items go through the tower in batches padded to a power of two: cuDNN
         # plans its attention and convolution per input shape (60-70 ms for each new image count on
@@ -127,7 +131,33 @@ class ModelRunner:
     def kv_block_bytes(self) -> int:
         t = self.text_config
         elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * t.num_hidden_layers * self.block_size * t.num_key_value_heads * self.family.head_dim * elem
+        return 2 * self.family.num_attention_layers * self.block_size * t.num_key_value_heads * self.family.head_dim * elem
+
+    @property
+    def state_slot_bytes(self) -> int:
+        """Bytes of one recurrent state (every linear-attention layer's): a live state or a checkpoint."""
+        shape = self.family.recurrent_shape
+        if shape is None:
+            return 0
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        conv = shape.conv_dim * (shape.conv_kernel - 1) * elem
+        recurrent = shape.num_value_heads * shape.key_head_dim * shape.value_head_dim * 4  # fp32
+        return self.family.num_recurrent_layers * (conv + recurrent)
+
+    def _reserve_state_memory(self, available: int) -> int:
+        """Hybrid models: takes the live states and the checkpoints out of `available` (cache memory);
+        sets num_state_checkpoints and returns what is left for the KV cache."""
+        slot = self.state_slot_bytes
+        if slot == 0:
+            return available
+        available -= self.config.max_num_seqs * slot
+        if not self.config.enable_prefix_caching:
+            self.num_state_checkpoints = 0
+        elif self.config.num_state_checkpoints is not None:
+            self.num_state_checkpoints = self.config.num_state_checkpoints
+        else:
+            self.num_state_checkpoints = max(0, int(available * self.config.state_checkpoint_memory_fraction) // slot)
+        return available - self.num_state_checkpoints * slot
 
     @property
     def embedding_bytes(self) -> int:
@@ -142,6 +172,7 @@ class ModelRunner:
             available = self._profile_kv_cache_bytes(images_per_step)
         else:
             available = self.config.cpu_kv_cache_bytes
+        available = self._reserve_state_memory(available)
         per_block = self.kv_block_bytes + encoder_bytes_per_block
         num_blocks = min((available - encoder_fixed_bytes) // per_block, useful)
         if self.config.num_kv_blocks is not None:
@@ -153,11 +184,20 @@ class ModelRunner:
             )
         return int(num_blocks)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int | None = None) -> None:
+        """The KV cache of `num_blocks` blocks and, for a hybrid model, its recurrent states (None:
+        max_num_seqs live slots plus num_state_checkpoints)."""
         t = self.text_config
-        shape = (t.num_hidden_layers, 2, num_blocks, self.block_size, t.num_key_value_heads, self.family.head_dim)
+        shape = (self.family.num_attention_layers, 2, num_blocks, self.block_size, t.num_key_value_heads, self.family.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._bind_kv_cache(self.kv_cache)
+        recurrent = self.family.recurrent_shape
+        if recurrent is not None:
+            slots = num_state_slots or self.config.max_num_seqs + self.num_state_checkpoints
+            self.recurrent_states = []  # the old ones go first (the profiling run's)
+            for layer in self.model.language_model.linear_layers():
+                layer.states = GatedDeltaStates(recurrent, slots, self.device, self.dtype)
+                self.recurrent_states.append(layer.states)
 
     def _bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         for i, attn in enumerate(self.model.language_model.attention_layers()):
@@ -172,7 +212,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         num_blocks = cdiv(num_tokens, self.block_size)
-        self.allocate_kv_cache(num_blocks)
+        self.allocate_kv_cache(num_blocks, num_state_slots=1)
         with torch.inference_mode():
             if images_per_step > 0:
                 self.model.encode_items(self.family.dummy_items(images_per_step))
@@ -180,6 +220,8 @@ class ModelRunner:
                 query_lens=[num_tokens], seq_lens=[num_tokens], block_tables=[list(range(num_blocks))],
                 slot_mapping=torch.arange(num_tokens), device=self.device,
             )
+            if self.recurrent_states:
+                metadata.recurrent = RecurrentStep([0, num_tokens], [0])
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             hidden = self.model(self.model.embed_tokens(ids), self._plain_positions(num_tokens), metadata)
             rows = min(self.config.max_num_seqs, num_tokens)
@@ -195,6 +237,9 @@ class ModelRunner:
             graph_bytes = self.capture_cuda_graphs().memory_bytes
             self.release_cuda_graphs()
         self.kv_cache = None
+        for layer in self.model.language_model.linear_layers() if self.recurrent_states else ():
+            layer.states = None
+        self.recurrent_states = []
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
@@ -215,8 +260,10 @@ class ModelRunner:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        """Decode steps replay CUDA graphs on CUDA with the Triton kernels, unless enforce_eager."""
-        return not self.config.enforce_eager and self.device.type == "cuda" and self.attn_backend.name == "triton"
+        """Decode steps replay CUDA graphs on CUDA with the Triton kernels, unless enforce_eager. (Not yet
+        for hybrid models: their decode reads its state slots from the step's host lists.)"""
+        return (not self.config.enforce_eager and self.device.type == "cuda" and self.attn_backend.name == "triton"
+                and self.family.recurrent_shape is None)
 
     def capture_cuda_graphs(self, capturer: GraphCapturer | None = None) -> CaptureReport:
         """Captures one decode step per batch-size bucket over the bound KV cache and the
@@ -350,6 +397,8 @@ class ModelRunner:
             self.num_cascade_steps += 1
             self.num_cascade_groups += len(inputs.cascade_groups)
             self.num_cascade_tokens += inputs.metadata.cascade.num_tokens
+        if self.recurrent_states:
+            inputs.metadata.recurrent = self._recurrent_step(inputs.scheduled, inputs.metadata.query_start_loc_cpu)
         if inputs.graph_size is not None:
             self.decode_graphs.replay(inputs.graph_size, inputs.graph_cascade, inputs.graph_lora)
             hidden = self._graph_hidden
@@ -367,6 +416,23 @@ class ModelRunner:
             # step's forward runs on the device).
             return LaunchedStep([s.request.request_id for s in inputs.sampled], None, None, None, pending=pending)
         return self.sample(pending)
+
+    def _recurrent_step(self, scheduled: list[ScheduledRequest], query_start_loc: list[int]) -> RecurrentStep:
+        """Starts each admitted request's live state (zeros, or a checkpoint copied in), then describes
+        the step to the linear-attention layers: slots and saves in packed order."""
+        for s in scheduled:
+            plan = s.state
+            if plan.reset or plan.restore_from is not None:
+                for states in self.recurrent_states:
+                    if plan.reset:
+                        states.reset(plan.slot)
+                    else:
+                        states.copy(plan.restore_from, plan.slot)
+        return RecurrentStep(
+            query_start_loc[: len(scheduled) + 1],
+            [s.state.slot for s in scheduled],
+            [[(position - s.start, slot) for position, slot in s.state.saves] for s in scheduled],
+        )
 
     def _device_longs(self, values: list[int]) -> torch.Tensor:
         """A small int64 tensor on the device without waiting for it: a blocking copy would wait for

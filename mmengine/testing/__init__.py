@@ -21,6 +21,8 @@ from mmengine.testing.llava import (
 from mmengine.testing.qwen_vl import (
     QWEN2_5_VL_7B_SPEC,
     QWEN3_VL_8B_SPEC,
+    QWEN3_5_9B_SPEC,
+    TINY_QWEN3_5_SPEC,
     QWEN_CHAT_TEMPLATE,
     TinyQwenVLSpec,
     build_qwen_vl_checkpoint,
@@ -43,6 +45,8 @@ __all__ = [
     "TinyQwenVLSpec",
     "QWEN2_5_VL_7B_SPEC",
     "QWEN3_VL_8B_SPEC",
+    "QWEN3_5_9B_SPEC",
+    "TINY_QWEN3_5_SPEC",
     "QWEN_CHAT_TEMPLATE",
     "build_qwen_vl_checkpoint",
     "build_tiny_qwen_vl",

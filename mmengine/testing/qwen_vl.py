@@ -36,6 +36,8 @@ __all__ = [
     "TinyQwenVLSpec",
     "QWEN2_5_VL_7B_SPEC",
     "QWEN3_VL_8B_SPEC",
+    "QWEN3_5_9B_SPEC",
+    "TINY_QWEN3_5_SPEC",
     "QWEN_CHAT_TEMPLATE",
     "build_qwen_vl_checkpoint",
     "build_tiny_qwen_vl",
@@ -45,7 +47,7 @@ __all__ = [
 ]
 
 # Bump when the builder changes what it writes, so cached checkpoints are rebuilt.
-_BUILDER_VERSION = 3  # 2: the chat template renders tools; 3: videos (template parts, video_preprocessor_config.json)
+_BUILDER_VERSION = 4  # 2: the chat template renders tools; 3: videos (template parts, video_preprocessor_config.json); 4: qwen3_5
 
 # Same reasoning as the LLaVA builders' _INITIALIZER_RANGE. Measured on the default tiny specs over 16
 # prompts (4 image sizes x 3 texts, two two-image prompts, two text-only), 8 greedy tokens each: at
@@ -60,7 +62,9 @@ _INITIALIZER_RANGE = 0.2
 # swapped between layers or applied in the wrong place.
 _CONSTANT_NOISE = 0.2
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+# Families with Qwen3-VL's vision tower, image normalisation and video processor.
+_QWEN3_VISION = ("qwen3_vl", "qwen3_5")
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
@@ -136,7 +140,7 @@ class TinyQwenVLSpec:
     are Qwen2.5-VL's window attention (in pixels; the layers that attend over the whole image).
     """
 
-    family: str = "qwen2_5_vl"  # "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl"
+    family: str = "qwen2_5_vl"  # "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl" | "qwen3_5"
     hidden_size: int = 64
     intermediate_size: int = 128
     num_hidden_layers: int = 2
@@ -158,6 +162,16 @@ class TinyQwenVLSpec:
     # each), and the learned position grid (a square number of entries, interpolated to each image)
     deepstack_visual_indexes: tuple[int, ...] = (0, 2)
     num_position_embeddings: int = 64
+    # qwen3_5: the hybrid decoder. Every `full_attention_interval`-th layer is gated full attention, the
+    # others Gated DeltaNet with these heads; only `partial_rotary_factor` of each attention head rotates
+    # (mrope_section then sums to the rotated half).
+    full_attention_interval: int = 4
+    linear_num_key_heads: int = 2
+    linear_num_value_heads: int = 4
+    linear_key_head_dim: int = 16
+    linear_value_head_dim: int = 16
+    linear_conv_kernel_dim: int = 4
+    partial_rotary_factor: float = 1.0
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
     min_pixels: int = 28 * 28 * 4
@@ -181,10 +195,14 @@ class TinyQwenVLSpec:
             raise ValueError(
                 f"hidden_size {self.hidden_size} is not a multiple of num_attention_heads {self.num_attention_heads}"
             )
-        if len(self.mrope_section) != 3 or sum(self.mrope_section) != self.head_dim // 2:
+        rotary_half = int(self.head_dim * self.partial_rotary_factor) // 2
+        if len(self.mrope_section) != 3 or sum(self.mrope_section) != rotary_half:
             raise ValueError(
-                f"mrope_section {self.mrope_section} must be three sections summing to head_dim // 2 = {self.head_dim // 2}"
+                f"mrope_section {self.mrope_section} must be three sections summing to the rotary half of the head "
+                f"(head_dim {self.head_dim} x partial_rotary_factor {self.partial_rotary_factor} / 2 = {rotary_half})"
             )
+        if self.partial_rotary_factor != 1.0 and self.family != "qwen3_5":
+            raise ValueError("partial_rotary_factor is Qwen3.5's (family qwen3_5)")
         if self.vision_hidden_size % self.vision_num_heads or (self.vision_hidden_size // self.vision_num_heads) % 4:
             raise ValueError(
                 f"vision_hidden_size {self.vision_hidden_size} / vision_num_heads {self.vision_num_heads} must be "
@@ -224,14 +242,14 @@ class TinyQwenVLSpec:
         """The effective patch size."""
         if self.patch_size is not None:
             return self.patch_size
-        return 16 if self.family == "qwen3_vl" else 14
+        return 16 if self.family in _QWEN3_VISION else 14
 
     @property
     def vision_layers(self) -> int:
         """The effective vision depth."""
         if self.vision_depth is not None:
             return self.vision_depth
-        return {"qwen2_vl": 2, "qwen2_5_vl": 4, "qwen3_vl": 3}[self.family]
+        return {"qwen2_vl": 2, "qwen2_5_vl": 4, "qwen3_vl": 3, "qwen3_5": 3}[self.family]
 
     @property
     def full_attention_blocks(self) -> tuple[int, ...]:
@@ -300,6 +318,45 @@ QWEN3_VL_8B_SPEC = TinyQwenVLSpec(
     max_pixels=16384 * 32 * 32,
     video_tokens=(4, 24576),
     vocab_size=151936,
+    dtype="bfloat16",
+)
+
+
+# A tiny Qwen3.5: four decoder layers (three Gated DeltaNet, then one gated attention layer), half of
+# each attention head rotated with interleaved M-RoPE sections 2/1/1, Qwen3-VL's vision tower.
+TINY_QWEN3_5_SPEC = TinyQwenVLSpec(family="qwen3_5", num_hidden_layers=4, mrope_section=(2, 1, 1), partial_rotary_factor=0.5)
+
+
+# Qwen/Qwen3.5-9B's shape: 32 decoder layers (24 Gated DeltaNet with 16 key / 32 value heads of 128 and a
+# 4-wide conv; 8 gated attention layers, 16 query / 4 KV heads of 256, a quarter of each rotated, interleaved
+# M-RoPE 11/11/10, rope_theta 1e7), 4096 wide, MLP 12288, 248320-row vocabulary; the vision tower as Qwen3-VL's
+# (27 layers, 1152 wide, 16 px patches) without DeepStack. One recurrent state is 24 x (32 x 128 x 128 x 4 B +
+# conv) ~ 48 MiB; the KV cache is 32 KiB a token.
+QWEN3_5_9B_SPEC = TinyQwenVLSpec(
+    family="qwen3_5",
+    hidden_size=4096,
+    intermediate_size=12288,
+    num_hidden_layers=32,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    mrope_section=(11, 11, 10),
+    partial_rotary_factor=0.25,
+    rope_theta=10_000_000.0,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=262144,
+    linear_num_key_heads=16,
+    linear_num_value_heads=32,
+    linear_key_head_dim=128,
+    linear_value_head_dim=128,
+    vision_hidden_size=1152,
+    vision_intermediate_size=4304,
+    vision_num_heads=16,
+    vision_depth=27,
+    num_position_embeddings=2304,
+    min_pixels=64 * 32 * 32,
+    max_pixels=16384 * 32 * 32,
+    video_tokens=(4, 24576),
+    vocab_size=248320,
     dtype="bfloat16",
 )
 
@@ -373,6 +430,27 @@ def _build_config(
             **common_vision,
         )
         config_class = Qwen2VLConfig
+    elif spec.family == "qwen3_5":
+        from transformers import Qwen3_5Config
+
+        for key in ("use_sliding_window", "max_window_layers"):
+            text_config.pop(key)
+        interval = spec.full_attention_interval
+        text_config.update(
+            head_dim=spec.head_dim,
+            attention_bias=False,
+            layer_types=["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(spec.num_hidden_layers)],
+            linear_num_key_heads=spec.linear_num_key_heads,
+            linear_num_value_heads=spec.linear_num_value_heads,
+            linear_key_head_dim=spec.linear_key_head_dim,
+            linear_value_head_dim=spec.linear_value_head_dim,
+            linear_conv_kernel_dim=spec.linear_conv_kernel_dim,
+        )
+        text_config["rope_parameters"] = {**text_config["rope_parameters"], "mrope_interleaved": True,
+                                          "partial_rotary_factor": spec.partial_rotary_factor}
+        vision_config = dict(hidden_act="gelu_pytorch_tanh", num_position_embeddings=spec.num_position_embeddings,
+                             **common_vision, **widths)
+        config_class = Qwen3_5Config
     elif spec.family == "qwen3_vl":
         from transformers import Qwen3VLConfig
 
@@ -414,7 +492,7 @@ def _build_image_processor(spec: TinyQwenVLSpec):
     from transformers import Qwen2VLImageProcessorPil
 
     # Qwen3-VL normalizes with mean = std = 0.5 (its published preprocessor config)
-    normalize = dict(image_mean=[0.5] * 3, image_std=[0.5] * 3) if spec.family == "qwen3_vl" else {}
+    normalize = dict(image_mean=[0.5] * 3, image_std=[0.5] * 3) if spec.family in _QWEN3_VISION else {}
     return Qwen2VLImageProcessorPil(
         min_pixels=spec.min_pixels,
         max_pixels=spec.max_pixels,
@@ -428,7 +506,8 @@ def _build_image_processor(spec: TinyQwenVLSpec):
 def _processor_class(family: str) -> type[ProcessorMixin]:
     from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
-    return {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor}[family]
+    return {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor,
+            "qwen3_5": Qwen3VLProcessor}[family]
 
 
 def _build_processor(spec: TinyQwenVLSpec, tokenizer: PreTrainedTokenizerFast) -> ProcessorMixin:
@@ -455,7 +534,7 @@ def _save_processor(spec: TinyQwenVLSpec, tokenizer: PreTrainedTokenizerFast, pa
 def _video_processor_settings(spec: TinyQwenVLSpec) -> dict[str, object]:
     """What transformers' Qwen2VLVideoProcessor / Qwen3VLVideoProcessor save, with the spec's bounds
     (by default tiny: 4..16 embeddings a frame for Qwen2-VL, 8..64 for all frames together for Qwen3-VL)."""
-    qwen3 = spec.family == "qwen3_vl"
+    qwen3 = spec.family in _QWEN3_VISION
     unit = spec.patch * spec.spatial_merge_size
     low, high = spec.video_tokens or ((8, 64) if qwen3 else (4, 16))
     mean, std = ([0.5] * 3, [0.5] * 3) if qwen3 else (list(OPENAI_CLIP_MEAN), list(OPENAI_CLIP_STD))
@@ -496,6 +575,7 @@ def build_qwen_vl_checkpoint(
     initializer_range: float = REAL_INITIALIZER_RANGE,
     constant_noise: float = 0.0,
     max_shard_size: str | None = None,
+    tweak: Callable[[torch.nn.Module], None] | None = None,
 ) -> pathlib.Path:
     """Builds a random-weight checkpoint of `spec` and saves it (weights, config, generation config,
     tokenizer, image processor, chat template) into `path`; returns the path.
@@ -519,10 +599,10 @@ def build_qwen_vl_checkpoint(
     generation_config = GenerationConfig(
         bos_token_id=end_of_text, eos_token_id=[tokenizer.eos_token_id, end_of_text], pad_token_id=end_of_text
     )
-    from transformers import Qwen3VLForConditionalGeneration
+    from transformers import Qwen3_5ForConditionalGeneration, Qwen3VLForConditionalGeneration
 
     model_class = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-                   "qwen3_vl": Qwen3VLForConditionalGeneration}[spec.family]
+                   "qwen3_vl": Qwen3VLForConditionalGeneration, "qwen3_5": Qwen3_5ForConditionalGeneration}[spec.family]
     save_random_model(
         model_class,
         config,
@@ -533,6 +613,7 @@ def build_qwen_vl_checkpoint(
         dtype=torch_dtype(spec.dtype if dtype is None else dtype),
         constant_noise=constant_noise,
         max_shard_size=max_shard_size,
+        tweak=tweak,
     )
     _save_processor(spec, tokenizer, path)
     return path
@@ -550,7 +631,17 @@ def build_tiny_qwen_vl(
         initializer_range=_INITIALIZER_RANGE,
         constant_noise=_CONSTANT_NOISE,
         max_shard_size=max_shard_size,
+        tweak=_slow_recurrent_decay if spec.family == "qwen3_5" else None,
     )
+
+
+def _slow_recurrent_decay(model: torch.nn.Module) -> None:
+    """Gated DeltaNet layers with A drawn from U(0.02, 0.3) instead of transformers' U(0.01, 16): at random
+    weights a large A forgets every token at once, so every prompt ending in the chat template's tail
+    continued alike and a parity test could not tell a state carried across steps from a lost one."""
+    for name, param in model.named_parameters():
+        if name.endswith("linear_attn.A_log"):
+            param.copy_(param.new_empty(param.shape).uniform_(0.02, 0.3).log())
 
 
 def tiny_qwen_vl_path(spec: TinyQwenVLSpec = TinyQwenVLSpec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:

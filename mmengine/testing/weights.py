@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ def random_model(
     device: str,
     dtype: torch.dtype,
     constant_noise: float = 0.0,
+    tweak: Callable[[PreTrainedModel], None] | None = None,
 ) -> PreTrainedModel:
     """`model_class(config)` with transformers' own initialization drawn from `seed`, created directly on
     `device` in `dtype` (no fp32 copy, no host round trip). The caller's RNG state (the device's too) is
@@ -48,7 +50,8 @@ def random_model(
 
     `constant_noise` > 0 adds N(0, constant_noise) to every parameter that transformers initializes to a
     constant (biases to 0, norm weights to 1), so that a parity test notices a bias or norm weight that an
-    implementation drops, swaps or misplaces; with constants it could not.
+    implementation drops, swaps or misplaces; with constants it could not. `tweak` then changes the
+    model in place, under the same seeded RNG (a family's test-friendly adjustments).
     """
     import torch
 
@@ -64,6 +67,9 @@ def random_model(
                 for param in model.parameters():
                     if param.numel() > 1 and bool((param == param.flatten()[0]).all()):
                         param.add_(torch.randn_like(param) * constant_noise)
+        if tweak is not None:
+            with torch.no_grad():
+                tweak(model)
         return model
 
 
@@ -78,12 +84,13 @@ def save_random_model(
     dtype: torch.dtype,
     constant_noise: float = 0.0,
     max_shard_size: str | None = None,
+    tweak: Callable[[PreTrainedModel], None] | None = None,
 ) -> pathlib.Path:
     """Builds `random_model(...)` and saves it with `save_pretrained` as safetensors into `path` (sharded
     when `max_shard_size` is given, e.g. "200KB"); on a GPU its memory is given back afterwards."""
     import torch
 
-    model = random_model(model_class, config, seed=seed, device=device, dtype=dtype, constant_noise=constant_noise)
+    model = random_model(model_class, config, seed=seed, device=device, dtype=dtype, constant_noise=constant_noise, tweak=tweak)
     model.generation_config = generation_config
     save_kwargs = {"safe_serialization": True}
     if max_shard_size is not None:

@@ -1,0 +1,223 @@
+"""Qwen3.5 (dense): a hybrid decoder under Qwen3-VL's vision tower (without DeepStack).
+
+Three of every four decoder layers (`layer_types` "linear_attention") are Gated DeltaNet: no KV cache,
+a recurrent state per request instead (layers/gated_delta.py). The others are gated full attention
+over the paged KV cache: q_proj gives each head its query and an output gate, q and k are
+RMS-normed per head, only the first quarter of each head is rotated (interleaved M-RoPE), and the
+attention output is multiplied by sigmoid(gate). Every RMSNorm of the decoder is zero-centred.
+
+The KV cache holds the attention layers only; the runner gives the linear layers their states and
+each step's `RecurrentStep` (which slot each request continues, which checkpoints it saves).
+Images, videos and positions are Qwen3-VL's (transformers uses Qwen3-VL's processor for Qwen3.5).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from mmengine.errors import UnsupportedModelError
+from mmengine.layers.attention import Attention, AttentionMetadata
+from mmengine.layers.gated_delta import GatedDeltaNet, GatedDeltaShape
+from mmengine.layers.kernel_dispatch import use_fused_kernels
+from mmengine.layers.lora import LoRAContext, LoRALinear
+from mmengine.layers.norm import ZeroCenteredRMSNorm
+from mmengine.layers.rotary import RotaryEmbedding, RotaryStep
+from mmengine.models.llama import DecoderMLP, DeepStack, head_dim_of
+from mmengine.models.qwen3_vl import Qwen3VLFamily
+from mmengine.models.qwen_vl import QwenVLModel
+
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
+SUPPORTED_TEXT_MODEL_TYPES = ("qwen3_5_text",)
+
+
+def rotary_dim_of(config: PretrainedConfig) -> int:
+    """How many leading dims of each head rotate (partial_rotary_factor of head_dim)."""
+    factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)
+    return int(head_dim_of(config) * factor)
+
+
+class GatedAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.rotary_dim = rotary_dim_of(config)
+        bias = bool(getattr(config, "attention_bias", False))
+        self.q_proj = nn.Linear(config.hidden_size, 2 * self.num_heads * self.head_dim, bias=bias)  # query | gate, per head
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=bias)
+        self.q_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(self.head_dim, config.rms_norm_eps)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5)
+
+    def forward(self, x: torch.Tensor, rotary: RotaryStep, metadata: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        query, gate = self.q_proj(x).view(tokens, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+        q = self.q_norm(query)
+        k = self.k_norm(self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        r = self.rotary_dim
+        q_rot, k_rot = rotary.apply(q[..., :r], k[..., :r])
+        q, k = torch.cat([q_rot, q[..., r:]], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
+        out = self.attn(q, k, v, metadata)  # already rotated: the cache stores k as is
+        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == LINEAR_ATTENTION:
+            self.linear_attn = GatedDeltaNet(GatedDeltaShape.of(config))
+        else:
+            self.self_attn = GatedAttention(config)
+        self.mlp = DecoderMLP(config)
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryStep, metadata: AttentionMetadata, fused: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As models/llama.DecoderLayer: returns (this layer's output, the stream before it)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        if self.layer_type == LINEAR_ATTENTION:
+            assert metadata.recurrent is not None, "a hybrid model's step needs its RecurrentStep"
+            h = self.linear_attn(h, metadata.recurrent)
+        else:
+            h = self.self_attn(h, rotary, metadata)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h, fused), residual
+
+
+class HybridDecoderModel(nn.Module):
+    """The decoder's embeddings, layers and final norm, with the calls the runner and VisionLanguageModel make."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        check_hybrid_text_config(config)
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(HybridDecoderLayer(config, kind) for kind in config.layer_types)
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, rotary_dim_of(config))
+
+    def forward(
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, deepstack: DeepStack | None = None
+    ) -> torch.Tensor:
+        backend = self.attention_layers()[0].backend
+        fused = use_fused_kernels(inputs_embeds.device, backend.name if backend is not None else None)
+        rotary = self.rotary.step(positions, use_kernel=False)  # partial rotation: the PyTorch path rotates
+        x, residual = inputs_embeds, None
+        for layer in self.layers:
+            x, residual = layer(x, residual, rotary, metadata, fused)
+        return self.norm(x, residual)[0] if residual is not None else self.norm(x)
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers if layer.layer_type == FULL_ATTENTION]
+
+    def linear_layers(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.layers if layer.layer_type == LINEAR_ATTENTION]
+
+    def enable_lora(self, max_loras: int, max_rank: int) -> LoRAContext:
+        raise UnsupportedModelError("LoRA adapters are not supported on Qwen3.5's hybrid decoder yet")
+
+    def lora_modules(self) -> list[tuple[int, LoRALinear]]:
+        return []
+
+    def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Loads one checkpoint tensor named relative to this module; False if the name is unknown."""
+        parts = name.split(".")
+        if "rotary_emb" in parts:
+            return True
+        if len(parts) == 5 and parts[0] == "layers" and parts[3] in ("gate_proj", "up_proj"):
+            self.layers[int(parts[1])].mlp.load_shard(("gate_proj", "up_proj").index(parts[3]), parts[4], tensor)
+            return True
+        try:
+            param = self.get_parameter(name)
+        except AttributeError:
+            return False
+        if param.shape != tensor.shape:
+            raise UnsupportedModelError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+        param.data.copy_(tensor)
+        return True
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint tensor of the decoder and its shape (gate and up separately, as saved)."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name, param in self.named_parameters():
+            if name.endswith("mlp.gate_up_proj.weight"):
+                owner = name.removesuffix("gate_up_proj.weight")
+                half = (param.shape[0] // 2, *param.shape[1:])
+                shapes[owner + "gate_proj.weight"] = shapes[owner + "up_proj.weight"] = half
+            else:
+                shapes[name] = tuple(param.shape)
+        return shapes
+
+
+def check_hybrid_text_config(config: PretrainedConfig) -> None:
+    if config.model_type not in SUPPORTED_TEXT_MODEL_TYPES:
+        raise UnsupportedModelError(f"text model type {config.model_type!r} is not a hybrid decoder mmengine runs")
+    kinds = set(config.layer_types)
+    if not kinds <= {LINEAR_ATTENTION, FULL_ATTENTION} or FULL_ATTENTION not in kinds:
+        raise UnsupportedModelError(f"layer_types {sorted(kinds)}: need full_attention layers and, besides, only linear_attention")
+    if len(config.layer_types) != config.num_hidden_layers:
+        raise UnsupportedModelError(f"{len(config.layer_types)} layer_types for {config.num_hidden_layers} layers")
+    if config.num_attention_heads % config.num_key_value_heads:
+        raise UnsupportedModelError("num_attention_heads must be a multiple of num_key_value_heads")
+    if config.linear_num_value_heads % config.linear_num_key_heads:
+        raise UnsupportedModelError("linear_num_value_heads must be a multiple of linear_num_key_heads")
+
+
+class Qwen3_5Model(QwenVLModel):
+    language_model: HybridDecoderModel
+
+    def _build_text(self, config: PretrainedConfig) -> None:
+        text = config.text_config
+        self.language_model = HybridDecoderModel(text)
+        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False)) or bool(
+            getattr(config, "tie_word_embeddings", False)
+        )
+
+    def is_ignorable(self, name: str) -> bool:
+        """The published checkpoints carry a multi-token-prediction head (`mtp.*`) that decoding does not use."""
+        return name.startswith("mtp.") or super().is_ignorable(name)
+
+    def expected_weights(self) -> dict[str, tuple[int, ...]]:
+        expected = {n: tuple(p.shape) for n, p in self.named_parameters() if not n.startswith("language_model.")}
+        expected.update({f"language_model.{n}": shape for n, shape in self.language_model.checkpoint_shapes().items()})
+        return expected
+
+
+class Qwen3_5Family(Qwen3VLFamily):
+    architectures = ("Qwen3_5ForConditionalGeneration",)
+    model_type = "qwen3_5"
+    display_name = "Qwen3.5 (hybrid Gated DeltaNet / gated attention decoder, native-resolution vision)"
+    model_class = Qwen3_5Model
+
+    @property
+    def deepstack_levels(self) -> int:
+        return 0
+
+    @property
+    def layer_types(self) -> list[str]:
+        return list(self.text_config.layer_types)
+
+    @property
+    def num_attention_layers(self) -> int:
+        return self.layer_types.count(FULL_ATTENTION)
+
+    @property
+    def recurrent_shape(self) -> GatedDeltaShape | None:
+        return GatedDeltaShape.of(self.text_config)
+
+    @property
+    def num_recurrent_layers(self) -> int:
+        return self.layer_types.count(LINEAR_ATTENTION)
