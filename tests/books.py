@@ -14,6 +14,7 @@ def assert_books_consistent(engine: MMEngine) -> None:
     _check_kv_blocks(engine)
     _check_encoder_entries(engine)
     _check_requests(engine)
+    _check_recurrent_states(engine)
 
 
 def _check_kv_blocks(engine: MMEngine) -> None:
@@ -71,3 +72,15 @@ def _check_requests(engine: MMEngine) -> None:
         for idx, item in enumerate(request.mm_items):
             if item.offset < request.num_computed_tokens < item.end:  # half-computed: the rest needs the embeddings
                 assert idx in held and item.mm_hash in engine.runner.encoder_outputs, f"{request} item {idx} lost"
+
+
+def _check_recurrent_states(engine: MMEngine) -> None:
+    """Hybrid models: every state slot is free, live, a checkpoint or a booked save, exactly once; the
+    running requests are exactly the live ones; every checkpoint marks a block the KV cache holds."""
+    states = engine.scheduler.states
+    if states is None:
+        return
+    states.audit()
+    assert set(states._live) == {r.request_id for r in engine.scheduler.running}, "live state slots != running requests"
+    for block_hash in states._checkpoints:
+        assert engine.kv_cache.pool.is_hash_cached(block_hash), "a checkpoint outlived the block it marks"

@@ -21,6 +21,7 @@ from transformers import AutoModelForImageTextToText, PreTrainedModel
 
 from mmengine.models.registry import load_hf_processor
 from mmengine.testing import TinyLlavaSpec, TinyQwenVLSpec, tiny_llava_path, tiny_qwen_vl_path
+from mmengine.testing.qwen_vl import tiny_spec
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def small_engine(checkpoint_dir):
 
 # -- model families ---------------------------------------------------------------------------
 
-FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def family_checkpoint(tmp_path_factory: pytest.TempPathFactory):
     def build(name: str) -> Path:
         if name == "llava":
             return tiny_llava_path(TinyLlavaSpec(), cache_dir=root)
-        return tiny_qwen_vl_path(TinyQwenVLSpec(family=name), cache_dir=root)
+        return tiny_qwen_vl_path(tiny_spec(name), cache_dir=root)
 
     return build
 

@@ -275,7 +275,9 @@ class Scheduler:
         # Prompt logprobs need every prompt position computed: such a request reads no cached blocks.
         fresh = request.sampling_params.prompt_logprobs is not None
         hits = [] if fresh else self.kv_cache.get_computed_blocks(request)
-        host_hits = [] if fresh else self.kv_cache.get_host_hits(request, hits, self._can_pin)
+        # A hybrid model resumes at a checkpoint, and checkpoints die with their device blocks: host hits
+        # past them would only spare the recomputation's KV writes, for a copy.
+        host_hits = [] if fresh or self.states is not None else self.kv_cache.get_host_hits(request, hits, self._can_pin)
         while True:
             num_hit_blocks = len(hits) + len(host_hits)  # host hits cost a copy, not a prefill
             # A full hit still recomputes the last token: its logits are needed.

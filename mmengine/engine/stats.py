@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from mmengine.encoder_cache.host_tier import EncoderHostTier
 from mmengine.kv_cache.host_tier import KVHostTier
+from mmengine.kv_cache.recurrent_state import RecurrentStateManager
 
 if TYPE_CHECKING:
     from mmengine.engine.startup import EngineParts
@@ -47,6 +48,7 @@ def engine_stats(parts: EngineParts, steps: StepLoop) -> dict[str, int]:
         "requests_running": len(scheduler.running),
         "requests_waiting": len(scheduler.waiting),
         "encoder_cache_referenced": encoder_cache.num_referenced,
+        **_state_stats(scheduler.states, runner.state_slot_bytes),
         **scheduler.sharing.stats(),
         **(parts.loras.stats() if parts.loras is not None else {}),
     }
@@ -66,3 +68,13 @@ def _kv_host_tier_stats(tier: KVHostTier | None) -> dict[str, int]:
         return {name: 0 for name in ("kv_host_hits", "kv_host_blocks", "kv_host_bytes", "kv_host_stored", "kv_host_evictions")}
     return {"kv_host_hits": tier.num_hits, "kv_host_blocks": len(tier), "kv_host_bytes": tier.num_bytes,
             "kv_host_stored": tier.num_stored, "kv_host_evictions": tier.num_evictions}
+
+
+def _state_stats(states: RecurrentStateManager | None, slot_bytes: int) -> dict[str, int]:
+    """Hybrid models' recurrent-state checkpoints (zeros for attention-only models)."""
+    if states is None:
+        return {name: 0 for name in ("state_checkpoints_total", "state_checkpoints_cached", "state_checkpoints_saved",
+                                     "state_checkpoint_hits", "state_checkpoints_evicted", "state_checkpoint_bytes")}
+    return {"state_checkpoints_total": states.num_checkpoints, "state_checkpoints_cached": states.num_cached_checkpoints,
+            "state_checkpoints_saved": states.checkpoints_saved, "state_checkpoint_hits": states.checkpoint_hits,
+            "state_checkpoints_evicted": states.checkpoints_evicted, "state_checkpoint_bytes": slot_bytes}

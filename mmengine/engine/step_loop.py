@@ -53,6 +53,7 @@ class StepLoop:
         self.eos_token_ids = eos_token_ids
         self.async_scheduling = async_scheduling
         self.in_flight: InFlightStep | None = None  # async scheduling: the step launched, not yet booked
+        self._last_scheduled: SchedulerOutput | None = None  # this advance()'s step, for _recompute_lost_states
         self.pending: list[RequestOutput] = []  # outputs for step() to return (add_request's requests)
         self.owners: dict[str, dict[str, RequestOutput]] = {}  # request id -> its generate() call's results
         self.counters = dict.fromkeys(("steps", "tokens_computed", "prefill_tokens_computed", "prompt_tokens",
@@ -133,10 +134,12 @@ class StepLoop:
         say and the caches' books match the runner's tensors, so advancing again retries it."""
         if not self.has_work():
             return
+        self._last_scheduled = None
         try:
             outputs = self._step_async() if self.async_scheduling else self._step()
         except BaseException:
             self._reconcile_encoder_books()
+            self._recompute_lost_states()
             raise
         for output in outputs:
             self.route(output)
@@ -188,6 +191,7 @@ class StepLoop:
 
     def _schedule(self, allow_empty: bool = False) -> SchedulerOutput:
         out = self.scheduler.schedule()
+        self._last_scheduled = out
         if out.kv_offloads or out.kv_restores:
             self._copy_kv_blocks(out)
         if self.loras is not None:
@@ -224,6 +228,17 @@ class StepLoop:
 
     def _block_tables(self, out: SchedulerOutput) -> dict[str, list[int]]:
         return {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled}
+
+    def _recompute_lost_states(self) -> None:
+        """After a failed step, a hybrid model's requests in it recompute from a checkpoint (preempted):
+        the step may have advanced their recurrent states in place, which running it again would
+        apply twice. (KV writes are idempotent; a state update is not.)"""
+        out, self._last_scheduled = self._last_scheduled, None
+        if self.scheduler.states is None or out is None:
+            return
+        for s in out.scheduled:
+            if s.num_new_tokens > 0:
+                self.scheduler.recompute(s.request.request_id)
 
     def _reconcile_encoder_books(self) -> None:
         """After a failed step: the encoder cache books exactly the outputs the runner holds.

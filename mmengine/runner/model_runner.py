@@ -269,6 +269,8 @@ class ModelRunner:
         """Captures one decode step per batch-size bucket over the bound KV cache and the
         persistent input buffers. `capturer` defaults to real CUDA graphs (tests pass a stand-in)."""
         assert self.kv_cache is not None, "allocate the KV cache before capturing"
+        if self.family.recurrent_shape is not None:
+            raise ConfigError(f"decode CUDA graphs are not supported yet for {self.family.display_name}: its steps run eagerly")
         sizes = graph_batch_sizes(self.config.max_num_seqs, self.config.max_cuda_graph_batch_size)
         self._graph_hidden = torch.zeros(max(sizes), self.text_config.hidden_size, dtype=self.dtype, device=self.device)
         # The cascade variants read their groups from device buffers, as only the Triton kernels do.

@@ -38,6 +38,7 @@ __all__ = [
     "QWEN3_VL_8B_SPEC",
     "QWEN3_5_9B_SPEC",
     "TINY_QWEN3_5_SPEC",
+    "tiny_spec",
     "QWEN_CHAT_TEMPLATE",
     "build_qwen_vl_checkpoint",
     "build_tiny_qwen_vl",
@@ -325,6 +326,11 @@ QWEN3_VL_8B_SPEC = TinyQwenVLSpec(
 # A tiny Qwen3.5: four decoder layers (three Gated DeltaNet, then one gated attention layer), half of
 # each attention head rotated with interleaved M-RoPE sections 2/1/1, Qwen3-VL's vision tower.
 TINY_QWEN3_5_SPEC = TinyQwenVLSpec(family="qwen3_5", num_hidden_layers=4, mrope_section=(2, 1, 1), partial_rotary_factor=0.5)
+
+
+def tiny_spec(family: str) -> TinyQwenVLSpec:
+    """The default tiny spec of a Qwen family (Qwen3.5's needs its own layer pattern and rotary split)."""
+    return TINY_QWEN3_5_SPEC if family == "qwen3_5" else TinyQwenVLSpec(family=family)
 
 
 # Qwen/Qwen3.5-9B's shape: 32 decoder layers (24 Gated DeltaNet with 16 key / 32 value heads of 128 and a

@@ -49,7 +49,8 @@ from fuzz_case import CLIPS, DEFECTS, MAX_IMAGES, MAX_MODEL_LEN, FuzzCase, Reque
 
 import mmengine.errors  # noqa: E402
 from mmengine import LoRARequest, MMEngine, RequestOutput, SamplingParams, StructuredOutputParams  # noqa: E402
-from mmengine.testing import TinyLlavaSpec, TinyQwenVLSpec, make_test_image, tiny_llava_path, tiny_qwen_vl_path  # noqa: E402
+from mmengine.testing import TinyLlavaSpec, make_test_image, tiny_llava_path, tiny_qwen_vl_path  # noqa: E402
+from mmengine.testing.qwen_vl import tiny_spec  # noqa: E402
 from mmengine.testing.lora import build_random_adapter  # noqa: E402
 from mmengine.testing.video import make_test_clip  # noqa: E402
 
@@ -120,7 +121,7 @@ class FuzzEnv:
 def default_checkpoint(family: str) -> Path:
     if family == "llava":
         return tiny_llava_path(TinyLlavaSpec())
-    return tiny_qwen_vl_path(TinyQwenVLSpec(family=family))
+    return tiny_qwen_vl_path(tiny_spec(family))
 
 
 def run_case(case: FuzzCase, env: FuzzEnv) -> CaseReport:
