@@ -195,12 +195,36 @@ def run_budget(args: argparse.Namespace) -> None:
     per_item = budget.max_tokens_per_item * budget.bytes_per_token
     print(f"  host tier (evicted outputs)   {host:>12}   bytes ({source}): {host // per_item} items of the largest size")
     text = family.text_config
-    block_bytes = 2 * text.num_hidden_layers * block_size * text.num_key_value_heads * family.head_dim * elem
+    block_bytes = 2 * family.num_attention_layers * block_size * text.num_key_value_heads * family.head_dim * elem
+    if family.recurrent_shape is not None:
+        _print_state_budget(family, config, elem, block_bytes // block_size)
     kv_host = host_tier_bytes(args.kv_cache_host_bytes, device.type)
     kv_source = "--kv-cache-host-bytes" if args.kv_cache_host_bytes is not None else f"default on {device.type}"
     print("KV cache host tier (evicted prefix blocks)")
     print(f"  host tier                     {kv_host:>12}   bytes ({kv_source}): {kv_host // block_bytes} blocks of "
           f"{block_bytes} bytes")
+
+
+def _print_state_budget(family: Any, config: Any, elem: int, kv_bytes_per_token: int) -> None:
+    """A hybrid decoder's recurrent states: what one weighs, the live ones, and the checkpoints' share."""
+    shape = family.recurrent_shape
+    layers = family.num_recurrent_layers
+    state = layers * shape.state_bytes(elem)
+    live = config.max_num_seqs * state
+    print(f"recurrent states ({layers} Gated DeltaNet layers; the KV cache holds the {family.num_attention_layers} attention layers)")
+    print(f"  one state (live or checkpoint) {state:>12}   bytes: {layers} x ({shape.num_value_heads} heads x {shape.key_head_dim} x "
+          f"{shape.value_head_dim} x 4 B + conv {shape.conv_dim} x {shape.conv_kernel - 1} x {elem} B), as much as "
+          f"{state // kv_bytes_per_token} tokens of KV ({kv_bytes_per_token} bytes a token)")
+    print(f"  live states                   {live:>12}   bytes: max_num_seqs {config.max_num_seqs} x one state")
+    if not config.enable_prefix_caching:
+        print("  checkpoints                              0   (prefix caching off)")
+    elif config.num_state_checkpoints is not None:
+        print(f"  checkpoints                   {config.num_state_checkpoints * state:>12}   bytes: --num-state-checkpoints "
+              f"{config.num_state_checkpoints}")
+    else:
+        share = config.state_checkpoint_memory_fraction
+        print(f"  checkpoints                   {share:>12.0%}   of the cache memory left after the live states "
+              f"(--state-checkpoint-memory-fraction): {int(share * (1 << 30)) // state} per GiB of it")
 
 
 def _parse_limits(values: list[str] | None) -> dict[str, int] | None:

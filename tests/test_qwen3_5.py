@@ -202,3 +202,17 @@ def test_a_step_that_fails_midway_recomputes_its_requests_and_loses_nothing(path
     assert failures == 1 and engine.scheduler.num_preemptions >= 1
     for index, (prompt, pics) in enumerate(zip(prompts, images)):
         assert outputs[str(index)] == hf_greedy(path, prompt, pics, 6, ignore_eos=True)
+
+
+def test_the_budget_shows_what_a_recurrent_state_weighs(path, capsys):
+    from mmengine.cli import main
+
+    main(["budget", "--model", str(path), "--device", "cpu", "--max-num-seqs", "4"])
+    shown = capsys.readouterr().out
+    engine = _engine(path, max_num_seqs=4)
+    per_state = engine.runner.state_slot_bytes
+    assert per_state == 3 * (4 * 16 * 16 * 4 + 128 * 3 * 4)  # three linear layers: fp32 state + conv window
+    assert f"one state (live or checkpoint) {per_state:>12}" in shown
+    assert f"live states                   {4 * per_state:>12}" in shown
+    assert engine.stats()["state_checkpoint_bytes"] == per_state
+    assert engine.runner.recurrent_states[0].conv.shape[0] == 4 + engine.runner.num_state_checkpoints

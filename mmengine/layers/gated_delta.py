@@ -48,6 +48,10 @@ class GatedDeltaShape:
     def conv_dim(self) -> int:
         return 2 * self.key_dim + self.value_dim
 
+    def state_bytes(self, element_size: int) -> int:
+        """One layer's state for one request: the conv window in the model dtype, the recurrent state in fp32."""
+        return self.conv_dim * (self.conv_kernel - 1) * element_size + self.num_value_heads * self.key_head_dim * self.value_head_dim * 4
+
     @classmethod
     def of(cls, text_config: object) -> GatedDeltaShape:
         """The shape a transformers Qwen3.5 text config gives its linear-attention layers."""

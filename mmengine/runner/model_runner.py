@@ -139,10 +139,7 @@ class ModelRunner:
         shape = self.family.recurrent_shape
         if shape is None:
             return 0
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        conv = shape.conv_dim * (shape.conv_kernel - 1) * elem
-        recurrent = shape.num_value_heads * shape.key_head_dim * shape.value_head_dim * 4  # fp32
-        return self.family.num_recurrent_layers * (conv + recurrent)
+        return self.family.num_recurrent_layers * shape.state_bytes(torch.empty((), dtype=self.dtype).element_size())
 
     def _reserve_state_memory(self, available: int) -> int:
         """Hybrid models: takes the live states and the checkpoints out of `available` (cache memory);
