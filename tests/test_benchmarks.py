@@ -246,3 +246,19 @@ def test_encoder_cache_benchmark_video_scenario_encodes_each_patch_once(family_c
     assert video["mmengine"]["encoder_runs"] == 2 * 3  # each clip's patches once, for its three questions
     assert video["transformers"]["encoder_runs"] == 6 * 3
     assert video["ttft_first_s"] > 0 and video["ttft_second_s"] > 0
+
+
+def test_hybrid_prefix_benchmark_counts_what_checkpoints_save(family_checkpoint, tmp_path):
+    hybrid = load_benchmark("hybrid_prefix")
+    output = tmp_path / "hybrid.json"
+    result = hybrid.main(["--model", str(family_checkpoint("qwen3_5")), "--device", "cpu", "--dtype", "float32", "--turns", "3",
+                          "--output-len", "5", "--requests", "4", "--system-len", "40", "--tail-len", "6",
+                          "--picture-size", "64", "--output", str(output)])
+    assert json.loads(output.read_text()) == json.loads(json.dumps(result, default=str))
+    runs = result["runs"]
+    assert runs["system / prefix caching off"]["prefill_tokens_computed"] == 4 * 46  # everything, every time
+    assert runs["system / prefix caching on"]["prefill_tokens_computed"] <= 2 * 46 + 2 * (46 - 32)  # the 3rd on: its tail
+    chat_on, chat_off = runs["chat / prefix caching on"], runs["chat / prefix caching off"]
+    assert chat_on["state_checkpoint_hits"] == 2 and chat_off["state_checkpoint_hits"] == 0
+    assert chat_on["prefill_tokens_computed"] < chat_off["prefill_tokens_computed"]
+    assert chat_on["encoder_runs"] == 1 and chat_on["state_checkpoint_bytes"] > 0
