@@ -16,7 +16,7 @@ from mmengine.models import qwen_video
 from mmengine.multimodal.video import Video
 from mmengine.testing.video import hf_video_inputs, make_test_clip
 
-QWEN = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"]
+QWEN = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 VIDEO = "<|vision_start|><|video_pad|><|vision_end|>"
 IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -105,6 +105,7 @@ SAMPLED = {
     ("qwen2_vl", 1.0): [0, 4, 8, 12], ("qwen2_vl", 2.0): [0, 2, 4, 6, 8, 10, 12, 14],
     ("qwen2_5_vl", 1.0): [0, 4, 8, 12], ("qwen2_5_vl", 2.0): [0, 2, 4, 6, 8, 10, 12, 14],
     ("qwen3_vl", 1.0): [0, 5, 10, 15], ("qwen3_vl", 2.0): [0, 2, 4, 6, 9, 11, 13, 15],
+    ("qwen3_5", 1.0): [0, 5, 10, 15], ("qwen3_5", 2.0): [0, 2, 4, 6, 9, 11, 13, 15],  # Qwen3-VL's video processor
 }
 
 
@@ -115,7 +116,7 @@ def test_frame_sampling_follows_transformers(engines, name, fps):
 
     plan = engines(name).family.plan_video(VideoInfo(16, 4.0, 60, 84), Video(None, fps=fps))
     assert list(plan.indices) == SAMPLED[name, fps]
-    if name == "qwen3_vl":  # its video processor runs without torchvision: ask it too
+    if name in ("qwen3_vl", "qwen3_5"):  # its video processor runs without torchvision: ask it too
         from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
         from transformers.video_utils import VideoMetadata
 
