@@ -11,10 +11,10 @@ the sparse checkpoints the prefix cache resumes from (kv_cache/recurrent_state.p
 The runner binds each layer's `states` and passes one `RecurrentStep` per step, like the KV cache
 and AttentionMetadata of the attention layers.
 
-This is the PyTorch path (the CPU, and the reference the CUDA kernels are tested against): the delta
-rule runs token by token per request, as transformers' `torch_recurrent_gated_delta_rule` does, and a
-step's single-token requests (decodes) advance together in one batched update. The parameters are
-named as transformers names them, so a checkpoint's tensors load one to one.
+The delta rule itself is layers/gated_delta_rule.py's: PyTorch (chunked for prefill, one batched update
+for a step's decodes) on any device, fla-core's Triton kernels on CUDA where installed. The causal
+conv is PyTorch. The parameters are named as transformers names them, so a checkpoint's tensors load
+one to one.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mmengine.layers import gated_delta_rule
 
 
 @dataclass
@@ -128,54 +130,61 @@ class GatedDeltaNet(nn.Module):
         self.states: GatedDeltaStates | None = None  # bound by the runner
 
     def forward(self, hidden: torch.Tensor, step: RecurrentStep) -> torch.Tensor:
-        """hidden [tokens, hidden_size], packed as `step` says; the bound states advance in place."""
+        """hidden [tokens, hidden_size], packed as `step` says; the bound states advance in place.
+
+        Single-token requests (decodes) advance together in one batched update. The others run in
+        rounds: round r takes every request's r-th stretch (its new tokens split at its save points),
+        all of them in one varlen call from their slots' states, then copies the saved states."""
         assert self.states is not None, "recurrent states not bound"
         s, states = self.shape, self.states
         mixed = self.in_proj_qkv(hidden)
         z = self.in_proj_z(hidden).view(-1, s.num_value_heads, s.value_head_dim)
-        beta = self.in_proj_b(hidden).sigmoid()
+        beta = self.in_proj_b(hidden).sigmoid().float()  # in the model dtype first, as transformers rounds it
         decay = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
         out = torch.empty(hidden.shape[0], s.num_value_heads, s.value_head_dim, device=hidden.device, dtype=hidden.dtype)
+        varlen, decode = gated_delta_rule.kernels_for(hidden.device)
         starts = step.query_start_loc
         decodes = [i for i in range(len(step.slots)) if starts[i + 1] - starts[i] == 1 and not step.saves_of(i)]
         if decodes:  # always batched, so a request's decode is computed alike whatever else is in the step
-            rows = [starts[i] for i in decodes]
+            rows = torch.tensor([starts[i] for i in decodes], device=hidden.device)
             slots = torch.tensor([step.slots[i] for i in decodes], device=hidden.device)
-            out[rows] = self._decode(mixed[rows], beta[rows], decay[rows], slots).to(hidden.dtype)
-        batched = set(decodes)
-        for i, slot in enumerate(step.slots):
-            if i in batched:
-                continue
-            saves = step.saves_of(i)  # run up to each save point, then copy the state there
-            bounds = [0, *(n for n, _ in saves), starts[i + 1] - starts[i]]
-            targets = [*(target for _, target in saves), None]
-            for k, target in enumerate(targets):
-                lo, hi = starts[i] + bounds[k], starts[i] + bounds[k + 1]
-                if hi > lo:
-                    qkv = self._conv(mixed[lo:hi], states.conv[slot])
-                    out[lo:hi] = self._delta_rule(qkv, beta[lo:hi], decay[lo:hi], states.recurrent[slot]).to(hidden.dtype)
+            qkv = self._conv_decode(mixed.index_select(0, rows), slots)
+            outputs, new_states = decode(*self._heads(qkv), beta.index_select(0, rows), decay.index_select(0, rows),
+                                         states.recurrent.index_select(0, slots))
+            states.recurrent.index_copy_(0, slots, new_states.float())
+            out.index_copy_(0, rows, outputs.to(hidden.dtype))
+        for stretches in _rounds(step, set(decodes)):
+            qkv = torch.cat([self._conv(mixed[lo:hi], states.conv[slot]) for lo, hi, slot, _ in stretches])
+            rows = torch.cat([torch.arange(lo, hi, device=hidden.device) for lo, hi, _, _ in stretches])
+            cu = [0]
+            for lo, hi, _, _ in stretches:
+                cu.append(cu[-1] + hi - lo)
+            slots = torch.tensor([slot for _, _, slot, _ in stretches], device=hidden.device)
+            outputs, finals = varlen(*self._heads(qkv), beta.index_select(0, rows), decay.index_select(0, rows),
+                                     states.recurrent.index_select(0, slots), cu)
+            states.recurrent.index_copy_(0, slots, finals.float())
+            out.index_copy_(0, rows, outputs.to(hidden.dtype))
+            for _, _, slot, target in stretches:
                 if target is not None:
                     states.copy(slot, target)
         normed = self.norm(out.reshape(-1, s.value_head_dim), z.reshape(-1, s.value_head_dim))
         return self.out_proj(normed.view(hidden.shape[0], s.value_dim))
 
-    def _decode(self, x: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """One token for each of several requests (x [n, conv_dim], request j in slots[j]), batched:
-        the same arithmetic as _conv and _delta_rule on a single token."""
-        s, states = self.shape, self.states
-        window = states.conv.index_select(0, slots)  # [n, conv_dim, kernel - 1]
+    def _conv(self, x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
+        """The causal depthwise conv (then silu) of one request's new inputs x [n, conv_dim], continuing
+        `window` [conv_dim, kernel - 1], which then holds the last kernel - 1 inputs."""
+        joined = torch.cat([window, x.transpose(0, 1).to(window.dtype)], dim=-1)  # [conv_dim, kernel - 1 + n]
+        window.copy_(joined[:, -window.shape[-1]:])
+        conv = F.conv1d(joined.unsqueeze(0).to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.shape.conv_dim)
+        return F.silu(conv[0]).transpose(0, 1).to(x.dtype)  # [n, conv_dim]
+
+    def _conv_decode(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """_conv of one token for each of several requests (x [n, conv_dim], request j in slots[j])."""
+        window = self.states.conv.index_select(0, slots)  # [n, conv_dim, kernel - 1]
         joined = torch.cat([window, x[:, :, None].to(window.dtype)], dim=-1)  # [n, conv_dim, kernel]
-        states.conv.index_copy_(0, slots, joined[:, :, 1:])
-        conv = F.conv1d(joined.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=s.conv_dim)  # [n, conv_dim, 1]
-        qkv = F.silu(conv[:, :, 0]).to(x.dtype)
-        query, key, value = self._heads(qkv)
-        state = states.recurrent.index_select(0, slots)  # [n, Hv, Dk, Dv]
-        state = state * decay.exp()[:, :, None, None]
-        remembered = (state * key[:, :, :, None]).sum(dim=2)  # [n, Hv, Dv]
-        delta = (value - remembered) * beta[:, :, None].float()
-        state = state + key[:, :, :, None] * delta[:, :, None, :]
-        states.recurrent.index_copy_(0, slots, state)
-        return (state * query[:, :, :, None]).sum(dim=2)
+        self.states.conv.index_copy_(0, slots, joined[:, :, 1:])
+        conv = F.conv1d(joined.to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.shape.conv_dim)  # [n, conv_dim, 1]
+        return F.silu(conv[:, :, 0]).to(x.dtype)
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The conv's output [n, conv_dim] as fp32 query (l2-normed, scaled), key (l2-normed) and value,
@@ -187,28 +196,25 @@ class GatedDeltaNet(nn.Module):
         key = _l2norm(key.view(-1, s.num_key_heads, s.key_head_dim)).repeat_interleave(group, dim=1)
         return query, key, value.view(-1, s.num_value_heads, s.value_head_dim)
 
-    def _conv(self, x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
-        """The causal depthwise conv (then silu) of one request's new inputs x [n, conv_dim], continuing
-        `window` [conv_dim, kernel - 1], which then holds the last kernel - 1 inputs."""
-        joined = torch.cat([window, x.transpose(0, 1).to(window.dtype)], dim=-1)  # [conv_dim, kernel - 1 + n]
-        window.copy_(joined[:, -window.shape[-1]:])
-        conv = F.conv1d(joined.unsqueeze(0).to(self.conv1d.weight.dtype), self.conv1d.weight, groups=self.shape.conv_dim)
-        return F.silu(conv[0]).transpose(0, 1).to(x.dtype)  # [n, conv_dim]
 
-    def _delta_rule(self, qkv: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
-        """The gated delta rule over one request's tokens, from and into `state` [Hv, Dk, Dv] (fp32).
-        Returns the outputs [n, Hv, Dv] in fp32."""
-        query, key, value = self._heads(qkv)
-        outputs = torch.empty_like(value)
-        current = state.clone()
-        for t in range(value.shape[0]):
-            current = current * decay[t].exp()[:, None, None]
-            remembered = (current * key[t][:, :, None]).sum(dim=1)  # [Hv, Dv]
-            delta = (value[t] - remembered) * beta[t][:, None].float()
-            current = current + key[t][:, :, None] * delta[:, None, :]
-            outputs[t] = (current * query[t][:, :, None]).sum(dim=1)
-        state.copy_(current)
-        return outputs
+def _rounds(step: RecurrentStep, skip: set[int]) -> list[list[tuple[int, int, int, int | None]]]:
+    """The step's multi-token work as rounds of (first row, end row, slot, slot to save into after it):
+    round r holds each request's r-th stretch, so a request's stretches run in order."""
+    rounds: list[list[tuple[int, int, int, int | None]]] = []
+    starts = step.query_start_loc
+    for i, slot in enumerate(step.slots):
+        if i in skip or starts[i + 1] == starts[i]:
+            continue
+        saves = step.saves_of(i)
+        bounds = [0, *(n for n, _ in saves), starts[i + 1] - starts[i]]
+        targets = [*(target for _, target in saves), None]
+        for r, target in enumerate(targets):
+            if bounds[r + 1] == bounds[r]:  # nothing after the last save point
+                continue
+            if r == len(rounds):
+                rounds.append([])
+            rounds[r].append((starts[i] + bounds[r], starts[i] + bounds[r + 1], slot, target))
+    return rounds
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
