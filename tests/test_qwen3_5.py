@@ -219,3 +219,25 @@ def test_the_budget_shows_what_a_recurrent_state_weighs(path, capsys):
     assert f"live states                   {4 * per_state:>12}" in shown
     assert engine.stats()["state_checkpoint_bytes"] == per_state
     assert engine.runner.recurrent_states[0].conv.shape[0] == 4 + engine.runner.num_state_checkpoints
+
+
+def test_decode_graph_steps_save_checkpoints_and_give_the_eager_tokens(path):
+    """Decodes replay a graph (on CPU, the EagerCapturer stand-in) reading each row's live slot from a
+    device buffer, padding rows writing a scratch slot; a decode that crosses a block boundary saves
+    its trailing checkpoint after the replay, which the next turn resumes from."""
+    from mmengine.runner.cuda_graphs import EagerCapturer
+
+    prompts = [{"prompt_token_ids": [random.Random(i).randrange(10, 300) for _ in range(9 + 5 * i)]} for i in range(3)]
+    results, hits = {}, {}
+    for graphs in (False, True):
+        engine = _engine(path, block_size=4, max_num_seqs=4)
+        if graphs:
+            engine.runner.capture_cuda_graphs(EagerCapturer())
+        first = [o.token_ids for o in engine.generate(prompts, sampling_params=_greedy(9), use_tqdm=False)]
+        follow = [{"prompt_token_ids": p["prompt_token_ids"] + t + [42]} for p, t in zip(prompts, first)]
+        results[graphs] = first + [o.token_ids for o in engine.generate(follow, sampling_params=_greedy(3), use_tqdm=False)]
+        hits[graphs] = engine.stats()["state_checkpoint_hits"], engine.stats()["prefill_tokens_computed"]
+        if graphs:
+            assert engine.runner.decode_graphs.num_replays >= 8
+    assert results[True] == results[False]
+    assert hits[True] == hits[False] and hits[True][0] == 3  # each follow-up resumed where its first turn's decode saved

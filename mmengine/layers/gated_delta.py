@@ -71,6 +71,9 @@ class RecurrentStep:
     query_start_loc: list[int]
     slots: list[int]
     saves: list[list[tuple[int, int]]] = field(default_factory=list)
+    # A decode CUDA graph's step: every row is one request's one token, in the slots this device buffer
+    # holds (rewritten before each replay; padding rows use a scratch slot); the host lists are unused.
+    decode_slots: torch.Tensor | None = None
 
     def saves_of(self, index: int) -> list[tuple[int, int]]:
         return self.saves[index] if index < len(self.saves) else []
@@ -144,15 +147,18 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(hidden.shape[0], s.num_value_heads, s.value_head_dim, device=hidden.device, dtype=hidden.dtype)
         varlen, decode = gated_delta_rule.kernels_for(hidden.device)
         starts = step.query_start_loc
-        decodes = [i for i in range(len(step.slots)) if starts[i + 1] - starts[i] == 1 and not step.saves_of(i)]
-        if decodes:  # always batched, so a request's decode is computed alike whatever else is in the step
-            rows = torch.tensor([starts[i] for i in decodes], device=hidden.device)
-            slots = torch.tensor([step.slots[i] for i in decodes], device=hidden.device)
-            qkv = self._conv_decode(mixed.index_select(0, rows), slots)
-            outputs, new_states = decode(*self._heads(qkv), beta.index_select(0, rows), decay.index_select(0, rows),
-                                         states.recurrent.index_select(0, slots))
-            states.recurrent.index_copy_(0, slots, new_states.float())
-            out.index_copy_(0, rows, outputs.to(hidden.dtype))
+        if step.decode_slots is not None:  # a graph step: no host values, no saves (the runner copies after)
+            decodes = []
+            self._decode_rows(mixed, beta, decay, out, torch.arange(hidden.shape[0], device=hidden.device), step.decode_slots, decode)
+        else:  # always batched, so a request's decode is computed alike whatever else is in the step
+            decodes = [i for i in range(len(step.slots)) if starts[i + 1] - starts[i] == 1]
+            if decodes:
+                rows = torch.tensor([starts[i] for i in decodes], device=hidden.device)
+                slots = torch.tensor([step.slots[i] for i in decodes], device=hidden.device)
+                self._decode_rows(mixed, beta, decay, out, rows, slots, decode)
+                for i in decodes:
+                    for _, target in step.saves_of(i):  # a decode saves after its one token
+                        states.copy(step.slots[i], target)
         for stretches in _rounds(step, set(decodes)):
             qkv = torch.cat([self._conv(mixed[lo:hi], states.conv[slot]) for lo, hi, slot, _ in stretches])
             rows = torch.cat([torch.arange(lo, hi, device=hidden.device) for lo, hi, _, _ in stretches])
@@ -169,6 +175,16 @@ class GatedDeltaNet(nn.Module):
                     states.copy(slot, target)
         normed = self.norm(out.reshape(-1, s.value_head_dim), z.reshape(-1, s.value_head_dim))
         return self.out_proj(normed.view(hidden.shape[0], s.value_dim))
+
+    def _decode_rows(self, mixed: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
+                     slots: torch.Tensor, decode: gated_delta_rule.VarlenKernel) -> None:
+        """One token each for the requests at `rows` (in `slots`), batched; writes their outputs into `out`."""
+        states = self.states
+        qkv = self._conv_decode(mixed.index_select(0, rows), slots)
+        outputs, new_states = decode(*self._heads(qkv), beta.index_select(0, rows), decay.index_select(0, rows),
+                                     states.recurrent.index_select(0, slots))
+        states.recurrent.index_copy_(0, slots, new_states.float())
+        out.index_copy_(0, rows, outputs.to(out.dtype))
 
     def _conv(self, x: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
         """The causal depthwise conv (then silu) of one request's new inputs x [n, conv_dim], continuing

@@ -79,9 +79,11 @@ class ModelRunner:
         self.encoder_host_tier: EncoderHostTier | None = None  # where evicted outputs wait (set by the engine)
         self.on_encoded: Callable[[tuple[str, torch.Tensor]], None] | None = None  # told of each output the tower makes
         self.kv_cache: torch.Tensor | None = None
-        # Hybrid models: each linear-attention layer's states, slots 0..max_num_seqs-1 live, then checkpoints
+        # Hybrid models: each linear-attention layer's states, slots 0..max_num_seqs-1 live, then checkpoints,
+        # then one scratch slot that a decode graph's padding rows write into
         self.recurrent_states: list[GatedDeltaStates] = []
         self.num_state_checkpoints = 0
+        self._graph_state_slots: torch.Tensor | None = None  # a decode graph's slot per row, rewritten before each replay
         self.num_encoder_runs = 0  # items encoded
         # On a GPU, one-size items go through the tower in batches padded to a power of two: cuDNN
         # plans its attention and convolution per input shape (60-70 ms for each new image count on
@@ -147,7 +149,7 @@ class ModelRunner:
         slot = self.state_slot_bytes
         if slot == 0:
             return available
-        available -= self.config.max_num_seqs * slot
+        available -= (self.config.max_num_seqs + 1) * slot  # the live states and the scratch slot
         if not self.config.enable_prefix_caching:
             self.num_state_checkpoints = 0
         elif self.config.num_state_checkpoints is not None:
@@ -183,14 +185,14 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, num_state_slots: int | None = None) -> None:
         """The KV cache of `num_blocks` blocks and, for a hybrid model, its recurrent states (None:
-        max_num_seqs live slots plus num_state_checkpoints)."""
+        max_num_seqs live slots, num_state_checkpoints, one scratch slot)."""
         t = self.text_config
         shape = (self.family.num_attention_layers, 2, num_blocks, self.block_size, t.num_key_value_heads, self.family.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self._bind_kv_cache(self.kv_cache)
         recurrent = self.family.recurrent_shape
         if recurrent is not None:
-            slots = num_state_slots or self.config.max_num_seqs + self.num_state_checkpoints
+            slots = num_state_slots or self.config.max_num_seqs + self.num_state_checkpoints + 1
             self.recurrent_states = []  # the old ones go first (the profiling run's)
             for layer in self.model.language_model.linear_layers():
                 layer.states = GatedDeltaStates(recurrent, slots, self.device, self.dtype)
@@ -257,19 +259,17 @@ class ModelRunner:
 
     @property
     def use_cuda_graphs(self) -> bool:
-        """Decode steps replay CUDA graphs on CUDA with the Triton kernels, unless enforce_eager. (Not yet
-        for hybrid models: their decode reads its state slots from the step's host lists.)"""
-        return (not self.config.enforce_eager and self.device.type == "cuda" and self.attn_backend.name == "triton"
-                and self.family.recurrent_shape is None)
+        """Decode steps replay CUDA graphs on CUDA with the Triton kernels, unless enforce_eager."""
+        return not self.config.enforce_eager and self.device.type == "cuda" and self.attn_backend.name == "triton"
 
     def capture_cuda_graphs(self, capturer: GraphCapturer | None = None) -> CaptureReport:
         """Captures one decode step per batch-size bucket over the bound KV cache and the
         persistent input buffers. `capturer` defaults to real CUDA graphs (tests pass a stand-in)."""
         assert self.kv_cache is not None, "allocate the KV cache before capturing"
-        if self.family.recurrent_shape is not None:
-            raise ConfigError(f"decode CUDA graphs are not supported yet for {self.family.display_name}: its steps run eagerly")
         sizes = graph_batch_sizes(self.config.max_num_seqs, self.config.max_cuda_graph_batch_size)
         self._graph_hidden = torch.zeros(max(sizes), self.text_config.hidden_size, dtype=self.dtype, device=self.device)
+        if self.recurrent_states:
+            self._graph_state_slots = torch.full((max(sizes),), self._scratch_state_slot, dtype=torch.long, device=self.device)
         # The cascade variants read their groups from device buffers, as only the Triton kernels do.
         with_cascade = self.inputs.cascade is not None and self.attn_backend.name == "triton"
         cascade_sizes = [size for size in sizes if size >= 2] if with_cascade else []
@@ -288,6 +288,7 @@ class ModelRunner:
     def release_cuda_graphs(self) -> None:
         self.decode_graphs = None
         self._graph_hidden = None
+        self._graph_state_slots = None
         self.inputs.cascade_graph_bounds.clear()
 
     def _decode_step(self, size: int, cascade: bool = False, lora: bool = False) -> Callable[[], None]:
@@ -315,6 +316,9 @@ class ModelRunner:
             cascade=self.inputs.cascade_graph_metadata(size, self.inputs.cascade.graph_bounds(size, self.max_model_len))
             if cascade else None,
         )
+        if self.recurrent_states:
+            self._graph_state_slots.fill_(self._scratch_state_slot)
+            metadata.recurrent = RecurrentStep(list(range(size + 1)), [], decode_slots=self._graph_state_slots[:size])
         input_ids, positions = buffers.input_ids.device[:size], buffers.positions.device[:size]
         hidden_out = self._graph_hidden[:size]
         context = self.lora_context
@@ -399,8 +403,14 @@ class ModelRunner:
         if self.recurrent_states:
             inputs.metadata.recurrent = self._recurrent_step(inputs.scheduled, inputs.metadata.query_start_loc_cpu)
         if inputs.graph_size is not None:
+            if self.recurrent_states:
+                self._set_graph_state_slots(inputs.scheduled, inputs.graph_size)
             self.decode_graphs.replay(inputs.graph_size, inputs.graph_cascade, inputs.graph_lora)
             hidden = self._graph_hidden
+            for s in inputs.scheduled if self.recurrent_states else ():
+                for _, target in s.state.saves:  # a decode saves after its one token
+                    for states in self.recurrent_states:
+                        states.copy(s.state.slot, target)
         else:
             embeds, deepstack = self._embed(inputs.input_ids, inputs.scheduled)
             hidden = self.model(embeds, inputs.positions, inputs.metadata, deepstack)
@@ -432,6 +442,16 @@ class ModelRunner:
             [s.state.slot for s in scheduled],
             [[(position - s.start, slot) for position, slot in s.state.saves] for s in scheduled],
         )
+
+    @property
+    def _scratch_state_slot(self) -> int:
+        return self.recurrent_states[0].conv.shape[0] - 1
+
+    def _set_graph_state_slots(self, scheduled: list[ScheduledRequest], graph_size: int) -> None:
+        """Each row's live slot for the graph step (padding rows: the scratch slot). Copied from a fresh
+        host tensor, which the copy has read when it returns, so the next step may rewrite nothing early."""
+        slots = [s.state.slot for s in scheduled] + [self._scratch_state_slot] * (graph_size - len(scheduled))
+        self._graph_state_slots[:graph_size].copy_(torch.tensor(slots, dtype=torch.long))
 
     def _device_longs(self, values: list[int]) -> torch.Tensor:
         """A small int64 tensor on the device without waiting for it: a blocking copy would wait for
