@@ -210,12 +210,13 @@ def _print_state_budget(family: Any, config: Any, elem: int, kv_bytes_per_token:
     shape = family.recurrent_shape
     layers = family.num_recurrent_layers
     state = layers * shape.state_bytes(elem)
-    live = config.max_num_seqs * state
+    live = (config.max_num_seqs + 1) * state
     print(f"recurrent states ({layers} Gated DeltaNet layers; the KV cache holds the {family.num_attention_layers} attention layers)")
     print(f"  one state (live or checkpoint) {state:>12}   bytes: {layers} x ({shape.num_value_heads} heads x {shape.key_head_dim} x "
           f"{shape.value_head_dim} x 4 B + conv {shape.conv_dim} x {shape.conv_kernel - 1} x {elem} B), as much as "
           f"{state // kv_bytes_per_token} tokens of KV ({kv_bytes_per_token} bytes a token)")
-    print(f"  live states                   {live:>12}   bytes: max_num_seqs {config.max_num_seqs} x one state")
+    print(f"  live states                   {live:>12}   bytes: (max_num_seqs {config.max_num_seqs} + 1 scratch for CUDA-graph "
+          "padding) x one state")
     if not config.enable_prefix_caching:
         print("  checkpoints                              0   (prefix caching off)")
     elif config.num_state_checkpoints is not None:

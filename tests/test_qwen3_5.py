@@ -216,9 +216,9 @@ def test_the_budget_shows_what_a_recurrent_state_weighs(path, capsys):
     per_state = engine.runner.state_slot_bytes
     assert per_state == 3 * (4 * 16 * 16 * 4 + 128 * 3 * 4)  # three linear layers: fp32 state + conv window
     assert f"one state (live or checkpoint) {per_state:>12}" in shown
-    assert f"live states                   {4 * per_state:>12}" in shown
+    assert f"live states                   {5 * per_state:>12}" in shown  # four and the scratch slot
     assert engine.stats()["state_checkpoint_bytes"] == per_state
-    assert engine.runner.recurrent_states[0].conv.shape[0] == 4 + engine.runner.num_state_checkpoints
+    assert engine.runner.recurrent_states[0].conv.shape[0] == 4 + engine.runner.num_state_checkpoints + 1
 
 
 def test_decode_graph_steps_save_checkpoints_and_give_the_eager_tokens(path):
