@@ -20,6 +20,7 @@ from mmengine.encoder_cache.host_tier import EncoderHostTier
 from mmengine.encoder_cache.manager import EncoderCacheManager
 from mmengine.kv_cache.block_pool import KVBlock
 from mmengine.kv_cache.manager import KVCacheManager
+from mmengine.kv_cache.coordinator import CacheCoordinator, PrefixHit
 from mmengine.kv_cache.recurrent_state import RecurrentStateManager, StatePlan
 from mmengine.core.prefix_sharing import PrefixSharing
 from mmengine.core.request import PLACEHOLDER_TOKEN, Request, RequestStatus
@@ -88,13 +89,13 @@ class EncoderPlan:
 class _Admission:
     """What admitting a waiting request now takes (Scheduler._plan_admission)."""
 
-    hits: list  # cached device blocks of its prefix
-    host_hits: list  # cached host blocks after them (a copy in, not a prefill)
-    num_hit_blocks: int
-    num_computed: int  # tokens it starts with (a full hit still recomputes the last)
-    resume_blocks: int  # hybrid models: the blocks whose checkpointed state it starts from (num_computed / block_size)
+    hit: PrefixHit  # its cached prefix, in every cache group
     num_new: int  # tokens it computes this step
     plan: EncoderPlan  # the encoder work those tokens need
+
+    @property
+    def num_computed(self) -> int:
+        return self.hit.num_computed
 
 
 class Scheduler:
@@ -110,7 +111,7 @@ class Scheduler:
     ) -> None:
         """`states`: the recurrent-state books of a hybrid model (None for attention-only models)."""
         self.config = config
-        self.states = states
+        self.caches = CacheCoordinator(kv_cache, states, config.block_size)
         self.encoder_host_tier = encoder_host_tier  # asked whether a missing item can be copied back
         self.kv_cache = kv_cache
         self.encoder_cache = encoder_cache
@@ -125,6 +126,11 @@ class Scheduler:
         self.num_zero_token_schedules = 0  # running requests held back a step by the encoder budget
         # Prefix-sharing groups of batches, their held blocks, and cache-affinity admission.
         self.sharing = PrefixSharing(kv_cache, config.block_size, max_model_len, config.enable_prefix_grouping)
+
+    @property
+    def states(self) -> RecurrentStateManager | None:
+        """A hybrid model's recurrent-state books (None for attention-only models)."""
+        return self.caches.states
 
     # -- queue management -------------------------------------------------
 
@@ -196,9 +202,7 @@ class Scheduler:
                     break
             else:
                 scheduled = self._commit(request, start, num_new, plan, encoding_now)
-                if self.states is not None:
-                    scheduled.state = StatePlan(self.states.live_slot(request.request_id))
-                    self.states.plan_saves(request, scheduled.state, start, num_new)
+                scheduled.state = self.caches.plan_running(request, start, num_new)
                 out.scheduled.append(scheduled)
                 budget -= num_new
                 encoder_budget -= plan.cost
@@ -247,14 +251,14 @@ class Scheduler:
                 skipped.append(request)
                 continue
             admission = self._plan_admission(request, budget, encoder_budget, encoding_now)
-            num_hit_blocks, num_computed, num_new = admission.num_hit_blocks, admission.num_computed, admission.num_new
+            num_hit_blocks, num_computed, num_new = admission.hit.num_hit_blocks, admission.num_computed, admission.num_new
             wait_for_hit = (
                 not starving and num_hit_blocks < len(request.block_hashes) and request.block_hashes[num_hit_blocks] in in_flight
             )
-            fits = self.kv_cache.can_allocate(request, num_new, admission.hits, num_computed)
+            fits = self.kv_cache.can_allocate(request, num_new, admission.hit.hits, num_computed)
             while not fits and starving and self.sharing.release_idle_hold():
-                fits = self.kv_cache.can_allocate(request, num_new, admission.hits, num_computed)
-            if wait_for_hit or num_new == 0 or not fits or not self.sharing.admits(request, admission.hits, num_computed, starving):
+                fits = self.kv_cache.can_allocate(request, num_new, admission.hit.hits, num_computed)
+            if wait_for_hit or num_new == 0 or not fits or not self.sharing.admits(request, admission.hit.hits, num_computed, starving):
                 if starving:
                     break
                 skipped.append(request)
@@ -273,43 +277,26 @@ class Scheduler:
         """What admitting the request now would take: its cached prefix (device blocks, then host blocks),
         the tokens it computes within the budget, and the encoder work they need."""
         # Prompt logprobs need every prompt position computed: such a request reads no cached blocks.
-        fresh = request.sampling_params.prompt_logprobs is not None
-        hits = [] if fresh else self.kv_cache.get_computed_blocks(request)
-        # A hybrid model resumes at a checkpoint, and checkpoints die with their device blocks: host hits
-        # past them would only spare the recomputation's KV writes, for a copy.
-        host_hits = [] if fresh or self.states is not None else self.kv_cache.get_host_hits(request, hits, self._can_pin)
+        hit = self.caches.find_hit(request, request.sampling_params.prompt_logprobs is not None, self._can_pin)
         while True:
-            num_hit_blocks = len(hits) + len(host_hits)  # host hits cost a copy, not a prefill
-            # A full hit still recomputes the last token: its logits are needed.
-            num_computed = min(num_hit_blocks * self.config.block_size, request.num_tokens - 1)
-            resume_blocks = 0
-            if self.states is not None:  # a hybrid model starts where a checkpointed state is
-                resume_blocks = self.states.resume_point(request, num_hit_blocks, request.num_tokens - 1)
-                num_computed = resume_blocks * self.config.block_size
-            num_new = min(request.num_tokens - num_computed, budget)
-            num_new, plan = self._plan_encoder(request, num_computed, num_new, encoder_budget, encoding_now)
-            if not host_hits or self._plan_pinned_items(request, host_hits, plan, encoding_now):
-                return _Admission(hits, host_hits, num_hit_blocks, num_computed, resume_blocks, num_new, plan)
-            host_hits = []  # the pictures its host blocks pin do not fit the encoder cache now: compute them
+            num_new = min(request.num_tokens - hit.num_computed, budget)
+            num_new, plan = self._plan_encoder(request, hit.num_computed, num_new, encoder_budget, encoding_now)
+            if not hit.host_hits or self._plan_pinned_items(request, hit.host_hits, plan, encoding_now):
+                return _Admission(hit, num_new, plan)
+            hit = self.caches.without_host_hits(request, hit)  # the pictures its host blocks pin do not fit now: compute them
 
     def _admit(self, request: Request, admission: _Admission, encoding_now: set[str]) -> ScheduledRequest:
         """Moves the request from waiting to running with its first chunk scheduled."""
         num_computed = admission.num_computed
-        scheduled = self._commit(request, num_computed, admission.num_new, admission.plan, encoding_now, admission.hits,
-                                 admission.host_hits)
-        if self.states is not None:
-            bs = self.config.block_size
-            # a KV hit past the checkpoint: the stretch is recomputed, and a checkpoint at its end spares the next request
-            branch_end = min(admission.num_hit_blocks, (request.num_tokens - 1) // bs) * bs
-            scheduled.state = self.states.admit(request, admission.resume_blocks)
-            self.states.plan_saves(request, scheduled.state, num_computed, admission.num_new,
-                                   branch_end if branch_end > num_computed else 0)
+        hit = admission.hit
+        scheduled = self._commit(request, num_computed, admission.num_new, admission.plan, encoding_now, hit.hits, hit.host_hits)
+        scheduled.state = self.caches.plan_admitted(request, hit, admission.num_new)
         self.waiting.remove(request)
         self.kv_cache.record_lookup(request.num_tokens, num_computed)
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_computed
         request.num_computed_tokens = num_computed
-        request.num_prefix_hit_tokens = admission.num_hit_blocks * self.config.block_size
+        request.num_prefix_hit_tokens = hit.num_hit_blocks * self.config.block_size
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self.sharing.admitted(request, num_computed)
@@ -457,9 +444,7 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def _release(self, request: Request) -> None:
-        if self.states is not None:
-            self.states.release(request)
-        self.kv_cache.free(request)
+        self.caches.release(request)
         for idx in self._held.pop(request.request_id, ()):
             self.encoder_cache.release(request.mm_items[idx].mm_hash, (request.request_id, idx))
 
@@ -534,9 +519,7 @@ class Scheduler:
         if request.is_finished or s.num_new_tokens == 0:
             return False
         request.num_computed_tokens = s.end
-        self.kv_cache.cache_blocks(request)  # pins items first: consumed ones are released next
-        if self.states is not None:
-            self.states.commit(request)
+        self.caches.booked(request)  # pins items first: consumed ones are released next
         self.sharing.progressed(request)
         self._release_consumed(request)
         return True

@@ -4,4 +4,6 @@
   block_pool.py  BlockPool: physical blocks, reference counts, the LRU free queue, the prefix cache
   manager.py     KVCacheManager: which blocks each request holds, what is cached, what more can be had; pins
   host_tier.py   full blocks evicted from the device, kept in (pinned) host memory
+  recurrent_state.py  hybrid models: a live state slot per running request, sparse state checkpoints for hits
+  coordinator.py CacheCoordinator: one prefix hit across the cache groups (attention blocks, recurrent states)
 """

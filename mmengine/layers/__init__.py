@@ -9,4 +9,6 @@
   kernel_dispatch.py     whether the Triton kernels can run here; fused small ops or their references
   rotary.py norm.py activation.py   rotary tables, RMSNorm, the gated MLP activation
   lora.py                LoRA on the projections: a per-row low-rank delta from device slots
+  gated_delta.py         Gated DeltaNet (Qwen3.5's linear attention) over state slots, with checkpoint saves
+  gated_delta_rule.py    the gated delta rule: recurrent, chunked, batched decode; fla-core's kernels on CUDA
 """

@@ -8,6 +8,7 @@
   llava.py       LLaVA-1.5
   qwen_vl.py     Qwen2-VL and Qwen2.5-VL (native resolution, M-RoPE)
   qwen3_vl.py    Qwen3-VL (dense; DeepStack)
+  qwen3_5.py     Qwen3.5 (dense): a hybrid decoder (Gated DeltaNet + gated attention) under Qwen3-VL's tower
   qwen_resize.py Qwen's resize rule and the largest item it makes (images and videos)
   qwen_video.py  Qwen's video rules, as transformers' video processors apply them
 """

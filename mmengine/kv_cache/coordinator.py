@@ -1,0 +1,99 @@
+"""CacheCoordinator: a prefix hit that holds in every cache group of the decoder.
+
+A decoder's layers fall into groups that cache differently. Full-attention layers keep every token's
+K/V in blocks (KVCacheManager: the verified hash chain, device and host tiers). Gated DeltaNet layers
+(Qwen3.5) keep one live state per running request and sparse checkpoints (RecurrentStateManager). A
+request may skip its first n tokens only if every group can give it what those tokens left: for a
+hybrid decoder, the longest verified block chain whose end has a checkpoint. Blocks of the chain past
+that point are still taken: the stretch after the checkpoint is recomputed for the recurrent layers
+while the attention layers read its cached K/V and write nothing (slot -1 below num_prefix_hit_tokens).
+
+The scheduler asks here for the hit when it admits a request, and tells the groups when a chunk is
+planned, when it is booked and when the request leaves; the managers keep their own books. (Sliding
+window layers, Gemma 4's, are the next group.)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mmengine.core.request import Request
+from mmengine.kv_cache.block_pool import KVBlock
+from mmengine.kv_cache.host_tier import HostBlock
+from mmengine.kv_cache.manager import KVCacheManager
+from mmengine.kv_cache.recurrent_state import RecurrentStateManager, StatePlan
+
+
+@dataclass
+class PrefixHit:
+    hits: list[KVBlock]  # cached device blocks of the prefix, taken as they are
+    host_hits: list[HostBlock] = field(default_factory=list)  # cached host blocks after them (a copy in, not a prefill)
+    num_computed: int = 0  # tokens the request starts with (a full hit still recomputes the last)
+    resume_blocks: int = 0  # recurrent groups: the blocks whose checkpointed state it starts from
+
+    @property
+    def num_hit_blocks(self) -> int:
+        return len(self.hits) + len(self.host_hits)
+
+
+class CacheCoordinator:
+    def __init__(self, kv_cache: KVCacheManager, states: RecurrentStateManager | None, block_size: int) -> None:
+        self.kv_cache = kv_cache
+        self.states = states
+        self.block_size = block_size
+
+    def find_hit(self, request: Request, fresh: bool, can_pin: Callable[[str], bool]) -> PrefixHit:
+        """The request's prefix hit now; `fresh` (prompt logprobs need every position) takes none."""
+        if fresh:
+            return PrefixHit([])
+        hits = self.kv_cache.get_computed_blocks(request)
+        # A hybrid model resumes at a checkpoint, and checkpoints die with their device blocks: host hits
+        # past them would only spare the recomputation's K/V writes, for a copy.
+        host_hits = [] if self.states is not None else self.kv_cache.get_host_hits(request, hits, can_pin)
+        return self._hit(request, hits, host_hits)
+
+    def without_host_hits(self, request: Request, hit: PrefixHit) -> PrefixHit:
+        return self._hit(request, hit.hits, [])
+
+    def _hit(self, request: Request, hits: list[KVBlock], host_hits: list[HostBlock]) -> PrefixHit:
+        hit = PrefixHit(hits, host_hits)
+        last = request.num_tokens - 1  # a full hit still recomputes the last token: its logits are needed
+        if self.states is None:
+            hit.num_computed = min(hit.num_hit_blocks * self.block_size, last)
+        else:
+            hit.resume_blocks = self.states.resume_point(request, hit.num_hit_blocks, last)
+            hit.num_computed = hit.resume_blocks * self.block_size
+        return hit
+
+    # -- a chunk planned, booked; a request leaving ----------------------------
+
+    def plan_admitted(self, request: Request, hit: PrefixHit, num_new: int) -> StatePlan | None:
+        """The recurrent groups' part of an admitted request's first chunk: its live slot, started from
+        the hit's checkpoint, and a branch point where the KV hit runs past it."""
+        if self.states is None:
+            return None
+        bs = self.block_size
+        branch_end = min(hit.num_hit_blocks, (request.num_tokens - 1) // bs) * bs
+        plan = self.states.admit(request, hit.resume_blocks)
+        self.states.plan_saves(request, plan, hit.num_computed, num_new, branch_end if branch_end > hit.num_computed else 0)
+        return plan
+
+    def plan_running(self, request: Request, start: int, num_new: int) -> StatePlan | None:
+        if self.states is None:
+            return None
+        plan = StatePlan(self.states.live_slot(request.request_id))
+        self.states.plan_saves(request, plan, start, num_new)
+        return plan
+
+    def booked(self, request: Request) -> None:
+        """The request's computed tokens moved on: its full blocks are cached, then its saves that they
+        reached become visible."""
+        self.kv_cache.cache_blocks(request)
+        if self.states is not None:
+            self.states.commit(request)
+
+    def release(self, request: Request) -> None:
+        if self.states is not None:
+            self.states.release(request)
+        self.kv_cache.free(request)
