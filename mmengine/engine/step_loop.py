@@ -141,6 +141,7 @@ class StepLoop:
             self._reconcile_encoder_books()
             self._recompute_lost_states()
             raise
+        self._last_scheduled = None  # (it would keep the step's requests, and their pictures, alive)
         for output in outputs:
             self.route(output)
 
