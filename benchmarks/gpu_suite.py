@@ -37,6 +37,7 @@ RUN_COMMAND = "python benchmarks/gpu_suite.py --out gpu-report"
 CHECKPOINTS = {
     "llava_7b": ("LLAVA_1_5_7B_SPEC", "llava"),
     "qwen2_5_vl_7b": ("QWEN2_5_VL_7B_SPEC", "qwen2_5_vl"),
+    "qwen3_5_9b": ("QWEN3_5_9B_SPEC", "qwen3_5"),
 }
 # Decode-step figures of the last H100 run (issue 26: no regression), and the 512-request image workload
 DECODE_MS_BEFORE = {1: 5.7, 64: 7.8, 256: 14.4}
@@ -217,6 +218,23 @@ def _cascade_reads(data: dict) -> list[Reading]:
             ("shapes where cascade 'auto' misjudges (engages and loses, or skips a >10% win)", misjudged, "shapes", at_most(0))]
 
 
+def _hybrid_reads(data: dict) -> list[Reading]:
+    runs = data["runs"]
+    chat_on, chat_off = runs["chat / prefix caching on"], runs["chat / prefix caching off"]
+    system_on, system_off = runs["system / prefix caching on"], runs["system / prefix caching off"]
+
+    def ratio(run: dict) -> float:
+        return run["prefill_tokens_computed"] / run["prefill_tokens_minimum"]
+
+    return [("multi-turn image chat: prefill tokens / minimum", ratio(chat_on), "x", None),
+            ("... prefix caching off (vLLM below 528 tokens)", ratio(chat_off), "x", None),
+            ("multi-turn image chat: TTFT last turn / first", chat_on["ttft_last_over_first"], "x", None),
+            ("... prefix caching off", chat_off["ttft_last_over_first"], "x", None),
+            ("shared system prompt: prefill tokens / minimum", ratio(system_on), "x", None),
+            ("... prefix caching off", ratio(system_off), "x", None),
+            ("bytes per state checkpoint", chat_on["state_checkpoint_bytes"], "bytes", None)]
+
+
 def _tests_reads(data: dict) -> list[Reading]:
     return [("tests failed or in error", data["failed"] + data["errors"], "tests", at_most(0)),
             ("tests passed", data["passed"], "tests", None), ("tests skipped", data["skipped"], "tests", None)]
@@ -311,6 +329,14 @@ PARTS: list[Part] = [
                             "--per-image", "2", "--groups", "1", "--degree", "2", "--shared-len", "16", "--unique-len", "8",
                             "--output-len", "2", "--repeats", "1", "--num-cpus", "0.5", "--max-model-len", "256"),
          _ray_reads),
+    Part("qwen3_5_9b", "33", 4, ("qwen3_5_9b",),
+         lambda ctx: _bench("hybrid_prefix.py", ctx, "qwen3_5_9b", "--model", _model(ctx, "qwen3_5_9b"), "--device", "cuda",
+                            "--turns", "4", "--output-len", "128", "--system-len", "2000", "--tail-len", "200",
+                            "--picture-size", "896"),
+         lambda ctx: _bench("hybrid_prefix.py", ctx, "qwen3_5_9b", "--model", _model(ctx, "qwen3_5_9b"), "--device", "cpu",
+                            "--dtype", "float32", "--turns", "3", "--output-len", "4", "--requests", "3", "--system-len", "40",
+                            "--tail-len", "6", "--picture-size", "64"),
+         _hybrid_reads),
     Part("tests", "27", 8, (), _tests_args,
          lambda ctx: [*_tests_args(ctx)[:-2], "--noconftest", "tests/test_import_graph.py", "--junit-xml",
                       str(ctx.output("tests").with_suffix(".xml"))],
@@ -344,9 +370,10 @@ def ensure_checkpoints(part: Part, ctx: Context, log: Path) -> None:
             continue
         spec, tiny_family = CHECKPOINTS[name]
         if ctx.dry_run:
-            from mmengine.testing import TinyLlavaSpec, TinyQwenVLSpec, tiny_llava_path, tiny_qwen_vl_path
+            from mmengine.testing import TinyLlavaSpec, tiny_llava_path, tiny_qwen_vl_path
+            from mmengine.testing.qwen_vl import tiny_spec
 
-            path = tiny_llava_path(TinyLlavaSpec()) if tiny_family == "llava" else tiny_qwen_vl_path(TinyQwenVLSpec(family=tiny_family))
+            path = tiny_llava_path(TinyLlavaSpec()) if tiny_family == "llava" else tiny_qwen_vl_path(tiny_spec(tiny_family))
         else:
             path = ctx.checkpoints / name
             code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); from pathlib import Path; from latency import ensure_checkpoint; "
