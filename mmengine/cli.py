@@ -29,13 +29,14 @@ def run_demo(args: argparse.Namespace) -> None:
     _require_positive(args, "requests", "unique_images", "max_tokens")
     from mmengine import MMEngine, SamplingParams
     from mmengine.config import EngineConfig
-    from mmengine.testing import TinyLlavaSpec, TinyQwenVLSpec, make_test_image, tiny_llava_path, tiny_qwen_vl_path
+    from mmengine.testing import TinyLlavaSpec, make_test_image, tiny_llava_path, tiny_qwen_vl_path
+    from mmengine.testing.qwen_vl import tiny_spec
 
     EngineConfig(model="demo", **engine_options(args))  # the engine's own rules, before the model is built
     if args.family == "llava":
         path = tiny_llava_path(TinyLlavaSpec(), cache_dir=args.cache_dir)
     else:
-        path = tiny_qwen_vl_path(TinyQwenVLSpec(family=args.family), cache_dir=args.cache_dir)
+        path = tiny_qwen_vl_path(tiny_spec(args.family), cache_dir=args.cache_dir)
     print(f"tiny {args.family} checkpoint (random weights): {path}")
     engine = MMEngine(str(path), **engine_options(args))
 
@@ -246,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a small workload on a built-in tiny random-weight model")
-    demo.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl"], help="the tiny model's family")
+    demo.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"], help="the tiny model's family")
     demo.add_argument("--requests", type=int, default=32)
     demo.add_argument("--unique-images", type=int, default=4)
     demo.add_argument("--max-tokens", type=int, default=16)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from mmengine.cli import main
 from mmengine.testing import make_test_image
 
@@ -16,8 +18,9 @@ def test_demo_runs_and_reports(tmp_path, capsys):
     assert "\"requests_finished\": 7" in out  # 6 + the warm-up request
 
 
-def test_demo_of_a_qwen_family_asks_about_a_clip(tmp_path, capsys):
-    assert main(["demo", "--family", "qwen2_vl", "--requests", "4", "--max-tokens", "2", "--cache-dir", str(tmp_path)]) == 0
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5"])
+def test_demo_of_a_qwen_family_asks_about_a_clip(tmp_path, capsys, family):
+    assert main(["demo", "--family", family, "--requests", "4", "--max-tokens", "2", "--cache-dir", str(tmp_path)]) == 0
     assert "4 questions about one 16-frame clip (8 temporal patches): 8 encoder runs" in capsys.readouterr().out
 
 
