@@ -164,7 +164,8 @@ class RotaryEmbedding(nn.Module):
 _QWEN3_VL_DEFAULT_SECTIONS = (24, 20, 20)
 # Qwen3.5's text model: interleaved M-RoPE over its rotary part (a quarter of each head), sections (11, 11, 10)
 # unless named (transformers' Qwen3_5TextRotaryEmbedding).
-_DEFAULT_SECTIONS = {"qwen3_vl_text": _QWEN3_VL_DEFAULT_SECTIONS, "qwen3_5_text": (11, 11, 10)}
+_DEFAULT_SECTIONS = {"qwen3_vl_text": _QWEN3_VL_DEFAULT_SECTIONS, "qwen3_vl_moe_text": _QWEN3_VL_DEFAULT_SECTIONS,
+                     "qwen3_5_text": (11, 11, 10), "qwen3_5_moe_text": (11, 11, 10)}
 
 
 def mrope_section_of(config: PretrainedConfig) -> tuple[int, ...] | None:

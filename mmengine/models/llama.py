@@ -18,14 +18,15 @@ from mmengine.layers.activation import GatedActivation
 from mmengine.layers.attention import Attention, AttentionMetadata
 from mmengine.layers.kernel_dispatch import use_fused_kernels
 from mmengine.layers.lora import LoRAContext, LoRALinear, LoRASlice
+from mmengine.layers.moe import SparseMoeBlock, is_sparse_layer
 from mmengine.layers.norm import RMSNorm
 from mmengine.layers.rotary import RotaryEmbedding, RotaryStep
 
-SUPPORTED_TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text")
+SUPPORTED_TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
 # Qwen2-style attention: biases on q/k/v, none on o; sliding window only with use_sliding_window.
 _QWEN2_TEXT_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 # Qwen3-style attention: an RMSNorm over each head of q and of k, before the rotary embedding.
-_QK_NORM_TEXT_MODEL_TYPES = ("qwen3_vl_text",)
+_QK_NORM_TEXT_MODEL_TYPES = ("qwen3_vl_text", "qwen3_vl_moe_text")
 
 # checkpoint projection name -> (fused parameter name, shard)
 STACKED_PROJECTIONS = {
@@ -86,12 +87,13 @@ class DecoderAttention(nn.Module):
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: the config's unless given (a MoE block's shared expert has its own)."""
         super().__init__()
         bias = bool(getattr(config, "mlp_bias", False))
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.intermediate_size = intermediate_size or config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=bias)
         self.act = GatedActivation(config.hidden_act)
 
     def forward(self, x: torch.Tensor, use_kernels: bool = False) -> torch.Tensor:
@@ -104,10 +106,10 @@ class DecoderMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig) -> None:
+    def __init__(self, config: PretrainedConfig, index: int = 0) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(config)
-        self.mlp = DecoderMLP(config)
+        self.mlp = SparseMoeBlock(config) if is_sparse_layer(config, index) else DecoderMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -139,7 +141,7 @@ class DecoderModel(nn.Module):
         check_text_config(config)
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, index) for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         # One cos/sin table for every layer, up to max_position_embeddings (the engine's bound on max_model_len).
         self.rotary = RotaryEmbedding(config, head_dim_of(config))
@@ -167,6 +169,8 @@ class DecoderModel(nn.Module):
     def enable_lora(self, max_loras: int, max_rank: int) -> LoRAContext:
         """Gives every projection `max_loras` adapter slots (LoRALinear, sharing the loaded weights);
         returns the context through which the runner sets each step's adapter rows."""
+        if any(isinstance(layer.mlp, SparseMoeBlock) for layer in self.layers):
+            raise UnsupportedModelError("LoRA adapters are not supported on mixture-of-experts decoders yet")
         context = LoRAContext()
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -193,10 +197,10 @@ class DecoderModel(nn.Module):
         parts = name.split(".")
         if "rotary_emb" in parts:  # old checkpoints saved inv_freq buffers; we recompute them
             return True
-        if len(parts) >= 5 and parts[0] == "layers" and parts[3] in STACKED_PROJECTIONS:
-            fused, shard = STACKED_PROJECTIONS[parts[3]]
-            owner = self.layers[int(parts[1])].get_submodule(parts[2])
-            owner.load_shard(shard, parts[4], tensor)
+        if len(parts) >= 5 and parts[0] == "layers" and parts[-2] in STACKED_PROJECTIONS:  # (a shared expert's too)
+            fused, shard = STACKED_PROJECTIONS[parts[-2]]
+            owner = self.get_submodule(".".join(parts[:-2]))
+            owner.load_shard(shard, parts[-1], tensor)
             return True
         try:
             param = self.get_parameter(name)

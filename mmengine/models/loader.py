@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
@@ -164,3 +165,35 @@ class WeightCheck:
                 f"the checkpoint lacks {len(missing)} tensor(s) the model needs: {listed}{more} (expected shape in brackets)",
                 self._where(),
             )
+
+
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def fuse_expert_tensors(weights: Iterable[tuple[str, torch.Tensor]], num_experts: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors with per-expert MLP weights (`...experts.{e}.gate_proj.weight`, the layout
+    transformers saves Qwen3.5-MoE in and older MoE checkpoints use) stacked into transformers 5's fused
+    ones: `...experts.gate_up_proj` [experts, 2 x inter, hidden] and `...experts.down_proj` [experts,
+    hidden, inter]. A layer's stack is yielded once its last expert tensor is read; one missing or
+    repeated is a WeightsMismatchError naming it. Every other tensor passes through as is."""
+    pending: dict[str, dict[tuple[str, int], torch.Tensor]] = {}
+    for name, tensor in weights:
+        match = _PER_EXPERT.match(name)
+        if match is None:
+            yield name, tensor
+            continue
+        prefix, expert, proj = match["prefix"], int(match["expert"]), match["proj"]
+        if expert >= num_experts:
+            raise WeightsMismatchError(f"tensor {name!r} names expert {expert}, but the model has {num_experts}")
+        group = pending.setdefault(prefix, {})
+        if (proj, expert) in group:
+            raise WeightsMismatchError(f"tensor {name!r} appears twice (a parameter must be loaded once)")
+        group[(proj, expert)] = tensor
+        if len(group) == 3 * num_experts:
+            del pending[prefix]
+            yield f"{prefix}.gate_up_proj", torch.stack([torch.cat([group["gate_proj", e], group["up_proj", e]]) for e in range(num_experts)])
+            yield f"{prefix}.down_proj", torch.stack([group["down_proj", e] for e in range(num_experts)])
+    for prefix, group in pending.items():
+        missing = [f"{prefix}.{e}.{proj}.weight" for e in range(num_experts) for proj in ("gate_proj", "up_proj", "down_proj")
+                   if (proj, e) not in group]
+        raise WeightsMismatchError(f"the checkpoint lacks {len(missing)} expert tensor(s): {', '.join(missing[:_MAX_LISTED])}")

@@ -22,6 +22,7 @@ from mmengine.layers.attention import Attention, AttentionMetadata
 from mmengine.layers.gated_delta import GatedDeltaNet, GatedDeltaShape
 from mmengine.layers.kernel_dispatch import use_fused_kernels
 from mmengine.layers.lora import LoRAContext, LoRALinear
+from mmengine.layers.moe import SparseMoeBlock
 from mmengine.layers.norm import ZeroCenteredRMSNorm
 from mmengine.layers.rotary import RotaryEmbedding, RotaryStep
 from mmengine.models.llama import DecoderMLP, DeepStack, head_dim_of
@@ -29,7 +30,7 @@ from mmengine.models.qwen3_vl import Qwen3VLFamily
 from mmengine.models.qwen_vl import QwenVLModel
 
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
-SUPPORTED_TEXT_MODEL_TYPES = ("qwen3_5_text",)
+SUPPORTED_TEXT_MODEL_TYPES = ("qwen3_5_text", "qwen3_5_moe_text")
 
 
 def rotary_dim_of(config: PretrainedConfig) -> int:
@@ -75,7 +76,10 @@ class HybridDecoderLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(GatedDeltaShape.of(config))
         else:
             self.self_attn = GatedAttention(config)
-        self.mlp = DecoderMLP(config)
+        if getattr(config, "num_experts", 0) > 0:  # Qwen3.5-MoE: routed experts and a gated shared expert in every layer
+            self.mlp = SparseMoeBlock(config, DecoderMLP(config, config.shared_expert_intermediate_size))
+        else:
+            self.mlp = DecoderMLP(config)
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -136,8 +140,8 @@ class HybridDecoderModel(nn.Module):
         parts = name.split(".")
         if "rotary_emb" in parts:
             return True
-        if len(parts) == 5 and parts[0] == "layers" and parts[3] in ("gate_proj", "up_proj"):
-            self.layers[int(parts[1])].mlp.load_shard(("gate_proj", "up_proj").index(parts[3]), parts[4], tensor)
+        if len(parts) >= 5 and parts[0] == "layers" and parts[-2] in ("gate_proj", "up_proj"):  # (a shared expert's too)
+            self.get_submodule(".".join(parts[:-2])).load_shard(("gate_proj", "up_proj").index(parts[-2]), parts[-1], tensor)
             return True
         try:
             param = self.get_parameter(name)
@@ -152,7 +156,7 @@ class HybridDecoderModel(nn.Module):
         """Every checkpoint tensor of the decoder and its shape (gate and up separately, as saved)."""
         shapes: dict[str, tuple[int, ...]] = {}
         for name, param in self.named_parameters():
-            if name.endswith("mlp.gate_up_proj.weight"):
+            if name.endswith("gate_up_proj.weight"):  # a DecoderMLP's (the experts' is one 3-D tensor, as saved)
                 owner = name.removesuffix("gate_up_proj.weight")
                 half = (param.shape[0] // 2, *param.shape[1:])
                 shapes[owner + "gate_proj.weight"] = shapes[owner + "up_proj.weight"] = half
@@ -221,3 +225,9 @@ class Qwen3_5Family(Qwen3VLFamily):
     @property
     def num_recurrent_layers(self) -> int:
         return self.layer_types.count(LINEAR_ATTENTION)
+
+
+class Qwen3_5MoeFamily(Qwen3_5Family):
+    architectures = ("Qwen3_5MoeForConditionalGeneration",)
+    model_type = "qwen3_5_moe"
+    display_name = "Qwen3.5-MoE (hybrid decoder with routed and shared experts, native-resolution vision)"

@@ -40,3 +40,11 @@ class Qwen3VLFamily(Qwen2VLFamily):
 
     def video_prompt_text(self, plan: VideoPlan) -> str | None:
         return "".join(f"<{seconds:.1f} seconds>{VISION_START}{VIDEO_PAD}{VISION_END}" for seconds in plan.timestamps)
+
+
+class Qwen3VLMoeFamily(Qwen3VLFamily):
+    """Qwen3-VL-MoE: Qwen3-VL with routed experts in the decoder's sparse layers (layers/moe.py)."""
+
+    architectures = ("Qwen3VLMoeForConditionalGeneration",)
+    model_type = "qwen3_vl_moe"
+    display_name = "Qwen3-VL-MoE (routed experts, DeepStack, interleaved M-RoPE)"

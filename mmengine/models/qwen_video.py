@@ -60,7 +60,7 @@ class QwenVideoSettings:
 
 
 # Families that sample and bound videos as Qwen3-VL's video processor does (over the clip, 32-px units).
-QWEN3_VIDEO_FAMILIES = ("qwen3_vl", "qwen3_5")
+QWEN3_VIDEO_FAMILIES = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 
 def load_video_settings(model_dir: str | Path | None, family: str, patch_size: int, temporal_patch_size: int, merge_size: int) -> QwenVideoSettings:

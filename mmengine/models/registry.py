@@ -11,12 +11,13 @@ from transformers import AutoConfig, PretrainedConfig
 from mmengine.errors import CheckpointError, UnsupportedModelError
 from mmengine.models.family import ModelFamily
 from mmengine.models.llava import LlavaFamily
-from mmengine.models.qwen3_5 import Qwen3_5Family
-from mmengine.models.qwen3_vl import Qwen3VLFamily
+from mmengine.models.qwen3_5 import Qwen3_5Family, Qwen3_5MoeFamily
+from mmengine.models.qwen3_vl import Qwen3VLFamily, Qwen3VLMoeFamily
 from mmengine.models.qwen_vl import Qwen2VLFamily, Qwen2_5_VLFamily
 
 # Every supported family; adding one is a new file under models/ and an entry here.
-FAMILIES: tuple[type[ModelFamily], ...] = (LlavaFamily, Qwen2VLFamily, Qwen2_5_VLFamily, Qwen3VLFamily, Qwen3_5Family)
+FAMILIES: tuple[type[ModelFamily], ...] = (LlavaFamily, Qwen2VLFamily, Qwen2_5_VLFamily, Qwen3VLFamily, Qwen3VLMoeFamily,
+                                           Qwen3_5Family, Qwen3_5MoeFamily)
 _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
 _BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
 

@@ -16,7 +16,7 @@ from mmengine.errors import WeightsMismatchError
 from mmengine.layers.attention import AttentionMetadata
 from mmengine.layers.lora import ItemLoRAContext, LoRALinear, LoRASlice
 from mmengine.models.llama import STACKED_PROJECTIONS, DecoderModel, DeepStack, head_dim_of
-from mmengine.models.loader import WeightCheck
+from mmengine.models.loader import WeightCheck, fuse_expert_tensors
 
 _ROTARY_CACHE = re.compile(r"(^|\.)rotary_emb\.")
 
@@ -102,7 +102,8 @@ class VisionLanguageModel(nn.Module):
         when the checkpoint ties word embeddings."""
         expected = self.expected_weights()
         check = WeightCheck(expected, weights, optional=["lm_head.weight"] if self.tie_word_embeddings else [])
-        for raw_name, tensor in weights:
+        num_experts = getattr(self.language_model.config, "num_experts", 0)
+        for raw_name, tensor in fuse_expert_tensors(weights, num_experts) if num_experts > 0 else weights:
             name = self.checkpoint_name(raw_name)
             if name not in expected and self.is_ignorable(name):
                 continue
@@ -136,8 +137,6 @@ def decoder_checkpoint_shapes(decoder: DecoderModel) -> dict[str, tuple[int, ...
         "q": config.num_attention_heads * head_dim,
         "k": config.num_key_value_heads * head_dim,
         "v": config.num_key_value_heads * head_dim,
-        0: config.intermediate_size,
-        1: config.intermediate_size,
     }
     shapes: dict[str, tuple[int, ...]] = {}
     for name, param in decoder.named_parameters():
@@ -146,6 +145,7 @@ def decoder_checkpoint_shapes(decoder: DecoderModel) -> dict[str, tuple[int, ...
         if not shards:
             shapes[name] = tuple(param.shape)
             continue
+        rows[0] = rows[1] = param.shape[0] // 2  # gate and up: this MLP's intermediate size (a shared expert has its own)
         assert sum(rows[shard] for _, shard in shards) == param.shape[0], (name, param.shape)
         for proj, shard in shards:
             shapes[f"{owner}.{proj}.{leaf}"] = (rows[shard], *param.shape[1:])

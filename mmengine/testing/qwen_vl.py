@@ -63,9 +63,11 @@ _INITIALIZER_RANGE = 0.2
 # swapped between layers or applied in the wrong place.
 _CONSTANT_NOISE = 0.2
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # Families with Qwen3-VL's vision tower, image normalisation and video processor.
-_QWEN3_VISION = ("qwen3_vl", "qwen3_5")
+_QWEN3_VISION = ("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+_QWEN3_5 = ("qwen3_5", "qwen3_5_moe")  # the hybrid decoder
+_DEEPSTACK = ("qwen3_vl", "qwen3_vl_moe")
 
 ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"
@@ -141,7 +143,7 @@ class TinyQwenVLSpec:
     are Qwen2.5-VL's window attention (in pixels; the layers that attend over the whole image).
     """
 
-    family: str = "qwen2_5_vl"  # "qwen2_vl" | "qwen2_5_vl" | "qwen3_vl" | "qwen3_5"
+    family: str = "qwen2_5_vl"  # one of FAMILIES
     hidden_size: int = 64
     intermediate_size: int = 128
     num_hidden_layers: int = 2
@@ -173,6 +175,13 @@ class TinyQwenVLSpec:
     linear_value_head_dim: int = 16
     linear_conv_kernel_dim: int = 4
     partial_rotary_factor: float = 1.0
+    # qwen3_vl_moe / qwen3_5_moe: routed experts (top-k of num_experts, each an MLP of moe_intermediate_size)
+    # in every layer but mlp_only_layers (qwen3_vl_moe), plus a gated shared expert (qwen3_5_moe)
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int = 32
+    shared_expert_intermediate_size: int = 48
+    mlp_only_layers: tuple[int, ...] = ()
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
     min_pixels: int = 28 * 28 * 4
@@ -202,8 +211,8 @@ class TinyQwenVLSpec:
                 f"mrope_section {self.mrope_section} must be three sections summing to the rotary half of the head "
                 f"(head_dim {self.head_dim} x partial_rotary_factor {self.partial_rotary_factor} / 2 = {rotary_half})"
             )
-        if self.partial_rotary_factor != 1.0 and self.family != "qwen3_5":
-            raise ValueError("partial_rotary_factor is Qwen3.5's (family qwen3_5)")
+        if self.partial_rotary_factor != 1.0 and self.family not in _QWEN3_5:
+            raise ValueError("partial_rotary_factor is Qwen3.5's (family qwen3_5 or qwen3_5_moe)")
         if self.vision_hidden_size % self.vision_num_heads or (self.vision_hidden_size // self.vision_num_heads) % 4:
             raise ValueError(
                 f"vision_hidden_size {self.vision_hidden_size} / vision_num_heads {self.vision_num_heads} must be "
@@ -218,7 +227,7 @@ class TinyQwenVLSpec:
             if self.fullatt_block_indexes:
                 raise ValueError("qwen2_vl has no window attention: fullatt_block_indexes must be None or empty")
         depth = self.vision_layers
-        if self.family == "qwen3_vl" and (not self.deepstack_visual_indexes
+        if self.family in _DEEPSTACK and (not self.deepstack_visual_indexes
                                           or any(not 0 <= i < depth for i in self.deepstack_visual_indexes)):
             raise ValueError(f"deepstack_visual_indexes {self.deepstack_visual_indexes} must index the {depth} vision layers")
         if any(not 0 <= i < depth for i in self.full_attention_blocks):
@@ -250,7 +259,7 @@ class TinyQwenVLSpec:
         """The effective vision depth."""
         if self.vision_depth is not None:
             return self.vision_depth
-        return {"qwen2_vl": 2, "qwen2_5_vl": 4, "qwen3_vl": 3, "qwen3_5": 3}[self.family]
+        return {"qwen2_vl": 2, "qwen2_5_vl": 4}.get(self.family, 3)
 
     @property
     def full_attention_blocks(self) -> tuple[int, ...]:
@@ -328,9 +337,16 @@ QWEN3_VL_8B_SPEC = TinyQwenVLSpec(
 TINY_QWEN3_5_SPEC = TinyQwenVLSpec(family="qwen3_5", num_hidden_layers=4, mrope_section=(2, 1, 1), partial_rotary_factor=0.5)
 
 
+# Tiny MoE variants: 8 experts, top-2. Qwen3-VL-MoE's second layer keeps a dense MLP (mlp_only_layers), so
+# both kinds of layer are exercised; Qwen3.5-MoE has experts and a gated shared expert in every layer.
+TINY_QWEN3_VL_MOE_SPEC = TinyQwenVLSpec(family="qwen3_vl_moe", mlp_only_layers=(1,))
+TINY_QWEN3_5_MOE_SPEC = TinyQwenVLSpec(family="qwen3_5_moe", num_hidden_layers=4, mrope_section=(2, 1, 1), partial_rotary_factor=0.5)
+
+
 def tiny_spec(family: str) -> TinyQwenVLSpec:
     """The default tiny spec of a Qwen family (Qwen3.5's needs its own layer pattern and rotary split)."""
-    return TINY_QWEN3_5_SPEC if family == "qwen3_5" else TinyQwenVLSpec(family=family)
+    specials = {"qwen3_5": TINY_QWEN3_5_SPEC, "qwen3_vl_moe": TINY_QWEN3_VL_MOE_SPEC, "qwen3_5_moe": TINY_QWEN3_5_MOE_SPEC}
+    return specials.get(family) or TinyQwenVLSpec(family=family)
 
 
 # Qwen/Qwen3.5-9B's shape: 32 decoder layers (24 Gated DeltaNet with 16 key / 32 value heads of 128 and a
@@ -436,8 +452,8 @@ def _build_config(
             **common_vision,
         )
         config_class = Qwen2VLConfig
-    elif spec.family == "qwen3_5":
-        from transformers import Qwen3_5Config
+    elif spec.family in _QWEN3_5:
+        from transformers import Qwen3_5Config, Qwen3_5MoeConfig
 
         for key in ("use_sliding_window", "max_window_layers"):
             text_config.pop(key)
@@ -454,11 +470,15 @@ def _build_config(
         )
         text_config["rope_parameters"] = {**text_config["rope_parameters"], "mrope_interleaved": True,
                                           "partial_rotary_factor": spec.partial_rotary_factor}
+        if spec.family == "qwen3_5_moe":
+            text_config.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                               moe_intermediate_size=spec.moe_intermediate_size,
+                               shared_expert_intermediate_size=spec.shared_expert_intermediate_size)
         vision_config = dict(hidden_act="gelu_pytorch_tanh", num_position_embeddings=spec.num_position_embeddings,
                              **common_vision, **widths)
-        config_class = Qwen3_5Config
-    elif spec.family == "qwen3_vl":
-        from transformers import Qwen3VLConfig
+        config_class = Qwen3_5MoeConfig if spec.family == "qwen3_5_moe" else Qwen3_5Config
+    elif spec.family in _DEEPSTACK:
+        from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
         text_config.update(head_dim=spec.head_dim, attention_bias=False)
         for key in ("use_sliding_window", "max_window_layers"):
@@ -473,6 +493,11 @@ def _build_config(
             **widths,
         )
         config_class = Qwen3VLConfig
+        if spec.family == "qwen3_vl_moe":
+            text_config.update(num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+                               moe_intermediate_size=spec.moe_intermediate_size, decoder_sparse_step=1,
+                               mlp_only_layers=list(spec.mlp_only_layers))
+            config_class = Qwen3VLMoeConfig
     else:
         vision_config = dict(
             hidden_act="silu",
@@ -512,8 +537,7 @@ def _build_image_processor(spec: TinyQwenVLSpec):
 def _processor_class(family: str) -> type[ProcessorMixin]:
     from transformers import Qwen2_5_VLProcessor, Qwen2VLProcessor, Qwen3VLProcessor
 
-    return {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor, "qwen3_vl": Qwen3VLProcessor,
-            "qwen3_5": Qwen3VLProcessor}[family]
+    return {"qwen2_vl": Qwen2VLProcessor, "qwen2_5_vl": Qwen2_5_VLProcessor}.get(family, Qwen3VLProcessor)
 
 
 def _build_processor(spec: TinyQwenVLSpec, tokenizer: PreTrainedTokenizerFast) -> ProcessorMixin:
@@ -605,10 +629,16 @@ def build_qwen_vl_checkpoint(
     generation_config = GenerationConfig(
         bos_token_id=end_of_text, eos_token_id=[tokenizer.eos_token_id, end_of_text], pad_token_id=end_of_text
     )
-    from transformers import Qwen3_5ForConditionalGeneration, Qwen3VLForConditionalGeneration
+    from transformers import (
+        Qwen3_5ForConditionalGeneration,
+        Qwen3_5MoeForConditionalGeneration,
+        Qwen3VLForConditionalGeneration,
+        Qwen3VLMoeForConditionalGeneration,
+    )
 
     model_class = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
-                   "qwen3_vl": Qwen3VLForConditionalGeneration, "qwen3_5": Qwen3_5ForConditionalGeneration}[spec.family]
+                   "qwen3_vl": Qwen3VLForConditionalGeneration, "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
+                   "qwen3_5": Qwen3_5ForConditionalGeneration, "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration}[spec.family]
     save_random_model(
         model_class,
         config,
@@ -637,7 +667,7 @@ def build_tiny_qwen_vl(
         initializer_range=_INITIALIZER_RANGE,
         constant_noise=_CONSTANT_NOISE,
         max_shard_size=max_shard_size,
-        tweak=_slow_recurrent_decay if spec.family == "qwen3_5" else None,
+        tweak=_slow_recurrent_decay if spec.family in _QWEN3_5 else None,
     )
 
 

@@ -1,0 +1,81 @@
+"""Mixture-of-experts MLPs (Qwen3-VL-MoE, Qwen3.5-MoE): a softmax top-k router over fused expert weights,
+and, in Qwen3.5-MoE, a shared expert gated by sigmoid(shared_expert_gate(x)).
+
+The router is transformers' to the letter (logits in the model dtype, softmax in fp32, top-k, the
+chosen weights renormalised to sum to one, cast back), so ties break alike and greedy tokens match.
+Expert weights are stored as transformers 5 saves them, `experts.gate_up_proj` [experts, 2 x inter,
+hidden] and `experts.down_proj` [experts, hidden, inter]; checkpoints with one tensor per expert are
+stacked at load (models/loader.py's `fuse_expert_tensors`). The PyTorch path computes each expert
+that received tokens on its tokens, in expert order, as transformers does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from mmengine.layers.activation import GatedActivation
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (routing weights [T, k] in x's dtype, expert ids [T, k])."""
+        logits = F.linear(x, self.weight)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(logits.dtype), experts
+
+
+class FusedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+        super().__init__()
+        self.num_experts = num_experts
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.act = GatedActivation(hidden_act)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for every token t."""
+        out = torch.zeros_like(x)
+        tokens_of = torch.nn.functional.one_hot(experts, self.num_experts).permute(2, 1, 0)  # [E, k, T]
+        for expert in (tokens_of.sum(dim=(1, 2)) > 0).nonzero()[:, 0].tolist():
+            slot, token = torch.where(tokens_of[expert])
+            h = F.linear(self.act(F.linear(x[token], self.gate_up_proj[expert])), self.down_proj[expert]) * weights[token, slot, None]
+            out.index_add_(0, token, h.to(out.dtype))
+        return out
+
+
+class SparseMoeBlock(nn.Module):
+    """The router and the experts, plus Qwen3.5-MoE's gated shared expert when `shared_mlp` is given."""
+
+    def __init__(self, config: PretrainedConfig, shared_mlp: nn.Module | None = None) -> None:
+        super().__init__()
+        self.gate = TopKRouter(config.num_experts, config.num_experts_per_tok, config.hidden_size)
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, config.hidden_act)
+        self.shared_expert = shared_mlp
+        self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared_mlp is not None else None
+
+    def forward(self, x: torch.Tensor, use_kernels: bool = False) -> torch.Tensor:
+        weights, experts = self.gate(x)
+        out = self.experts(x, weights, experts)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, use_kernels)
+        return out
+
+
+def is_sparse_layer(config: PretrainedConfig, index: int) -> bool:
+    """Whether decoder layer `index` has experts (Qwen3-VL-MoE: every decoder_sparse_step-th layer not in
+    mlp_only_layers; Qwen3.5-MoE: every layer)."""
+    if getattr(config, "num_experts", 0) <= 0:
+        return False
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    return index not in (getattr(config, "mlp_only_layers", None) or ()) and (index + 1) % step == 0
