@@ -121,3 +121,30 @@ def test_per_expert_tensors_are_stacked_and_a_missing_one_is_named():
 def test_lora_on_a_moe_decoder_is_refused_by_name(family_checkpoint):
     with pytest.raises(UnsupportedModelError, match="LoRA adapters are not supported on mixture-of-experts decoders"):
         MMEngine(str(family_checkpoint("qwen3_vl_moe")), enable_lora=True, max_loras=1, max_lora_rank=8)
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_the_fused_moe_kernel_in_the_engine_matches_transformers(family_checkpoint, exact_precision, name):
+    """The Triton backend with the fused kernels (the MoE kernel among them): in Triton's interpreter on
+    CPU, compiled on a GPU."""
+    if exact_precision.device == "cpu" and torch.cuda.is_available():
+        pytest.skip("with a GPU present Triton compiles for CUDA: the cuda-fp32 variant runs this check")
+    path = family_checkpoint(name)
+    engine = MMEngine(str(path), max_model_len=256, attn_backend="triton", enforce_eager=True, **exact_precision.engine_kwargs)
+    prompt = qwen_vl_prompt("Compare them.", 1)
+    from mmengine.kernels import fused_moe as kernel_module
+
+    calls = {"n": 0}
+    original = kernel_module.fused_moe
+
+    def counted(*args):
+        calls["n"] += 1
+        return original(*args)
+
+    kernel_module.fused_moe = counted
+    try:
+        (out,) = engine.generate(prompt, images=PICTURES[:1], sampling_params=_greedy(4), use_tqdm=False)
+    finally:
+        kernel_module.fused_moe = original
+    assert calls["n"] > 0  # the kernel ran, not the PyTorch experts
+    assert out.token_ids == hf_greedy(path, prompt, PICTURES[:1], 4, exact_precision, ignore_eos=True)

@@ -6,7 +6,8 @@ chosen weights renormalised to sum to one, cast back), so ties break alike and g
 Expert weights are stored as transformers 5 saves them, `experts.gate_up_proj` [experts, 2 x inter,
 hidden] and `experts.down_proj` [experts, hidden, inter]; checkpoints with one tensor per expert are
 stacked at load (models/loader.py's `fuse_expert_tensors`). The PyTorch path computes each expert
-that received tokens on its tokens, in expert order, as transformers does.
+that received tokens on its tokens, in expert order, as transformers does; with the fused kernels on
+(CUDA, or Triton's interpreter) kernels/fused_moe.py runs them all in two grouped GEMMs.
 """
 
 from __future__ import annotations
@@ -43,8 +44,13 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.act = GatedActivation(hidden_act)
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for every token t."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, use_kernel: bool = False) -> torch.Tensor:
+        """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for every token t: kernels/fused_moe.py's two
+        grouped GEMMs when `use_kernel` (SiLU experts), else each expert that got tokens in turn."""
+        if use_kernel and self.act.fusable:
+            from mmengine.kernels.fused_moe import fused_moe
+
+            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts)
         out = torch.zeros_like(x)
         tokens_of = torch.nn.functional.one_hot(experts, self.num_experts).permute(2, 1, 0)  # [E, k, T]
         for expert in (tokens_of.sum(dim=(1, 2)) > 0).nonzero()[:, 0].tolist():
@@ -66,7 +72,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, use_kernels: bool = False) -> torch.Tensor:
         weights, experts = self.gate(x)
-        out = self.experts(x, weights, experts)
+        out = self.experts(x, weights, experts, use_kernels)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, use_kernels)
         return out

@@ -1,0 +1,143 @@
+"""Fused mixture-of-experts MLP: every (token, chosen expert) pair through its expert in two grouped GEMMs.
+
+1. `align_by_expert` sorts the T x k pairs by expert and pads each expert's run to a multiple of
+   BLOCK_M (vLLM's moe_align_block_size): one BLOCK_M tile of sorted rows then belongs to one expert.
+   The padded layout has a fixed upper size (T x k + experts x (BLOCK_M - 1) rows), so nothing here
+   reads a count back to the host: a step stays free of syncs and a CUDA graph can replay it.
+2. `_gate_up_kernel`: per tile, x[token] @ gate_up[expert].T for the gate and the up halves, then
+   silu(gate) * up, stored per pair.
+3. `_down_kernel`: per tile, that @ down[expert].T times the pair's routing weight, stored per pair;
+   the k pairs of a token are then summed (a fixed order: no atomics, deterministic).
+Tiles past the padded count, rows of padding and experts that got no token cost nothing but a check.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mmengine.kernels.common import dot_precision, launch_options
+
+BLOCK_M = 16
+
+
+def align_by_expert(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """experts [T, k] -> (sorted_pairs [capacity]: flat pair indices t * k + j grouped by expert, each group
+    padded to a multiple of block_m with T * k; tile_expert [capacity / block_m]: the expert of each tile
+    (-1 past the end); num_padded [1]: rows in use)."""
+    flat = experts.reshape(-1)
+    num_pairs = flat.numel()
+    capacity = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))  # (bincount syncs)
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    order = torch.sort(flat, stable=True).indices  # pairs grouped by expert, in token order within one
+    sorted_experts = flat[order]
+    first_of_expert = counts.cumsum(0) - counts
+    rank = torch.arange(num_pairs, device=flat.device) - first_of_expert[sorted_experts]
+    sorted_pairs = torch.full((capacity,), num_pairs, dtype=torch.long, device=flat.device)
+    sorted_pairs[starts[sorted_experts] + rank] = order
+    tile_starts = torch.arange(0, capacity, block_m, device=flat.device)
+    tile_expert = torch.searchsorted(ends, tile_starts, right=True)
+    tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1)
+    return sorted_pairs, tile_expert, ends[-1:]
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, out_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
+    num_pairs, top_k, hidden, inter,
+    stride_x, stride_we, stride_wn, stride_out,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    if tile * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    pairs = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_pairs
+    tokens = (pairs // top_k).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < inter
+    gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w = w_ptr + expert * stride_we
+    for k0 in range(0, hidden, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < hidden
+        a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        wg = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        wu = tl.load(w + (inter + cols[None, :]) * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        gate = tl.dot(a, wg, gate, input_precision=PRECISION)
+        up = tl.dot(a, wu, up, input_precision=PRECISION)
+    act = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_out + cols[None, :], act.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
+    num_pairs, hidden, inter,
+    stride_h, stride_we, stride_wn, stride_out,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    if tile * BLOCK_M >= tl.load(num_padded_ptr):
+        return
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    pairs = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = pairs < num_pairs
+    rows = pairs.to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < hidden
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    w = w_ptr + expert * stride_we
+    for k0 in range(0, inter, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < inter
+        a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    routing = tl.load(weight_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc * routing[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _block(n: int, cap: int) -> int:
+    return max(16, min(cap, triton.next_power_of_2(n)))
+
+
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
+              experts: torch.Tensor) -> torch.Tensor:
+    """sum_j weights[t, j] * down[e] @ silu(gate_up[e, :I] @ x[t]) * (gate_up[e, I:] @ x[t]), e = experts[t, j].
+    x [T, H], gate_up [E, 2I, H], down [E, H, I], weights / experts [T, k] -> [T, H] in x's dtype."""
+    num_tokens, hidden = x.shape
+    num_experts, two_inter, _ = gate_up.shape
+    inter = two_inter // 2
+    top_k = experts.shape[1]
+    if num_tokens == 0:
+        return torch.zeros_like(x)
+    assert x.stride(-1) == 1 and gate_up.stride(-1) == 1 and down.stride(-1) == 1
+    sorted_pairs, tile_expert, num_padded = align_by_expert(experts, num_experts)
+    num_pairs = num_tokens * top_k
+    num_tiles = tile_expert.shape[0]
+    precision = dot_precision(x.dtype)
+    h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
+    block_n, block_k = _block(inter, 64), _block(hidden, 64)
+    _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n))](
+        x, gate_up, h, sorted_pairs, tile_expert, num_padded, num_pairs, top_k, hidden, inter,
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, **launch_options(num_stages=2),
+    )
+    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    block_n, block_k = _block(hidden, 64), _block(inter, 64)
+    _down_kernel[(num_tiles, triton.cdiv(hidden, block_n))](
+        h, down, per_pair, weights.reshape(-1).contiguous(), sorted_pairs, tile_expert, num_padded, num_pairs, hidden, inter,
+        h.stride(0), down.stride(0), down.stride(1), per_pair.stride(0),
+        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, **launch_options(num_stages=2),
+    )
+    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype) if top_k > 1 else per_pair

@@ -1,0 +1,63 @@
+"""The fused MoE Triton kernel (kernels/fused_moe.py) equals the PyTorch experts (layers/moe.py) in
+Triton's interpreter on CPU (compiled on a GPU), fp32 and fp16, over expert counts, top-k and token
+counts, experts that receive no token included; and the alignment it rests on."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mmengine.kernels.fused_moe import BLOCK_M, align_by_expert, fused_moe
+from mmengine.layers.moe import FusedExperts
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _case(num_experts: int, top_k: int, num_tokens: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    experts = FusedExperts(num_experts, hidden, inter, "silu")
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.2)
+        experts.down_proj.copy_(torch.randn(num_experts, hidden, inter, generator=gen) * 0.2)
+    experts = experts.to(DEVICE, dtype)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, dtype)
+    # a skewed draw: a few experts take most pairs and some get none
+    scores = torch.randn(num_tokens, num_experts, generator=gen) + torch.linspace(2, -2, num_experts)
+    ids = scores.topk(top_k, dim=-1).indices.to(DEVICE)
+    weights = torch.rand(num_tokens, top_k, generator=gen).softmax(-1).to(DEVICE, dtype)
+    return experts, x, weights, ids
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("num_experts,top_k,num_tokens,hidden,inter", [
+    (1, 1, 1, 32, 16), (3, 2, 7, 48, 24), (8, 2, 33, 32, 40), (64, 8, 300, 32, 16), (16, 4, 130, 40, 32),
+    (64, 1, 3, 32, 16),  # most experts get no token
+])
+def test_the_kernel_equals_the_pytorch_experts(num_experts, top_k, num_tokens, hidden, inter, dtype):
+    experts, x, weights, ids = _case(num_experts, top_k, num_tokens, hidden, inter, dtype, seed=num_experts * 7 + top_k)
+    with torch.no_grad():
+        expected = copy.deepcopy(experts).float()(x.float(), weights.float(), ids)  # fp16: against an fp32 reference
+        got = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+    if num_experts == 64 and top_k == 1:
+        assert len(set(ids.flatten().tolist())) <= 3
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+    assert got.dtype == dtype
+
+
+def test_alignment_groups_pairs_by_expert_in_padded_tiles():
+    ids = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 0]])
+    pairs, tile_expert, num_padded = align_by_expert(ids, num_experts=4, block_m=4)
+    flat = ids.flatten()
+    used = pairs[: int(num_padded)]
+    assert int(num_padded) == 4 + 4 + 4  # experts 0 (3 pairs), 1 (1), 2 (4): one tile each; expert 3 none
+    for tile, expert in enumerate(tile_expert[: int(num_padded) // 4].tolist()):
+        rows = used[tile * 4:(tile + 1) * 4]
+        real = rows[rows < flat.numel()]
+        assert (flat[real] == expert).all() and real.tolist() == sorted(real.tolist())
+    assert sorted(used[used < flat.numel()].tolist()) == list(range(flat.numel()))
+    assert (tile_expert[int(num_padded) // 4:] == -1).all()
+    assert pairs.numel() % 4 == 0 and pairs.numel() >= flat.numel() + 4 * 3  # a fixed upper size: no count read back
+    assert BLOCK_M == 16
