@@ -293,6 +293,21 @@ def record_lora_launches(case: AttentionCase, max_rank: int = 16) -> list[Launch
     return launches
 
 
+def record_moe_launches(case: AttentionCase, num_experts: int = 4, moe_intermediate: int = 512) -> list[Launch]:
+    """The fused MoE MLP's two grouped GEMMs (gate/up with SiLU, down with the routing weights) for a
+    decode-sized and a prefill-sized batch, top-2 over `num_experts` experts of Qwen3.5-MoE's width."""
+    from mmengine.kernels.fused_moe import fused_moe
+
+    gate_up = torch.empty(num_experts, 2 * moe_intermediate, case.hidden_size, dtype=case.dtype)
+    down = torch.empty(num_experts, case.hidden_size, moe_intermediate, dtype=case.dtype)
+    with capture_launches() as launches:
+        for tokens in (1, 24):
+            ids = torch.arange(2 * tokens).remainder(num_experts).view(tokens, 2)
+            fused_moe(torch.empty(tokens, case.hidden_size, dtype=case.dtype), gate_up, down,
+                      torch.full((tokens, 2), 0.5, dtype=case.dtype), ids)
+    return launches
+
+
 def default_cases() -> list[AttentionCase]:
     """The issue's head dims and block sizes in both 16-bit types, GQA groups 1 to 8 (7 is padded),
     and the fp32 path (exact dot products) the engine takes for float32 checkpoints."""
@@ -311,7 +326,8 @@ def default_cases() -> list[AttentionCase]:
 def report(cases: list[AttentionCase], archs: list[int], log: Callable[[str], None] = print) -> list[KernelResources]:
     results = []
     for case in cases:
-        for launch in record_attention_launches(case) + record_decoder_launches(case) + record_lora_launches(case):
+        launches = record_attention_launches(case) + record_decoder_launches(case) + record_lora_launches(case) + record_moe_launches(case)
+        for launch in launches:
             for arch in archs:
                 res = resources_of(launch, arch, case.label)
                 results.append(res)
