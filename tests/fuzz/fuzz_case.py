@@ -10,7 +10,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
+NO_LORA = ("qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")  # families that refuse LoRA adapters at start-up
 WORDS = (
     "the a cat dog red blue green look picture what is this why how small large left right top bottom "
     "colour shape count tell me more about it please describe short long first next again line box"
@@ -132,7 +133,7 @@ def make_case(seed: int, quick: bool = False) -> FuzzCase:
     if not quick and rng.random() < 0.1:
         options["attn_backend"] = "triton"  # Triton's interpreter on a CPU: slow, so only now and then
     adapters = []
-    if rng.random() < 0.3 and family != "qwen3_5":  # LoRA on Qwen3.5's hybrid decoder is refused at start-up
+    if rng.random() < 0.3 and family not in NO_LORA:
         projections = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
         adapters = [Adapter(rng.choice((1, 2, 4, 8)), tuple(rng.sample(projections, rng.randint(1, 7))), 77 * seed + i)
                     for i in range(rng.randint(1, 4))]
