@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Sequence
@@ -196,6 +197,7 @@ def run_budget(args: argparse.Namespace) -> None:
     per_item = budget.max_tokens_per_item * budget.bytes_per_token
     print(f"  host tier (evicted outputs)   {host:>12}   bytes ({source}): {host // per_item} items of the largest size")
     text = family.text_config
+    _print_weights(family, args.model, elem)
     block_bytes = 2 * family.num_attention_layers * block_size * text.num_key_value_heads * family.head_dim * elem
     if family.recurrent_shape is not None:
         _print_state_budget(family, config, elem, block_bytes // block_size)
@@ -204,6 +206,24 @@ def run_budget(args: argparse.Namespace) -> None:
     print("KV cache host tier (evicted prefix blocks)")
     print(f"  host tier                     {kv_host:>12}   bytes ({kv_source}): {kv_host // block_bytes} blocks of "
           f"{block_bytes} bytes")
+
+
+def _print_weights(family: Any, model_dir: str, elem: int) -> None:
+    """The checkpoint's weights from its safetensors headers (no tensor is read), in the engine's dtype:
+    every expert of a mixture-of-experts decoder is in memory, though a token reads only its top-k."""
+    from pathlib import Path
+
+    from mmengine.models.loader import checkpoint_shapes
+
+    numels = {name: math.prod(shape) for name, shape in checkpoint_shapes(Path(model_dir)).items()}
+    total = sum(numels.values())
+    print(f"weights                         {total * elem:>12}   bytes: {total} parameters x {elem} B (all loaded at start-up)")
+    routed = sum(n for name, n in numels.items() if ".experts." in name)
+    if routed:
+        text = family.text_config
+        active = total - routed + routed * text.num_experts_per_tok // text.num_experts
+        print(f"  of which routed experts       {routed * elem:>12}   bytes: {text.num_experts} experts a MoE layer, a token reads "
+              f"{text.num_experts_per_tok}: {active * elem} bytes of weights active per token")
 
 
 def _print_state_budget(family: Any, config: Any, elem: int, kv_bytes_per_token: int) -> None:

@@ -148,3 +148,19 @@ def test_the_fused_moe_kernel_in_the_engine_matches_transformers(family_checkpoi
         kernel_module.fused_moe = original
     assert calls["n"] > 0  # the kernel ran, not the PyTorch experts
     assert out.token_ids == hf_greedy(path, prompt, PICTURES[:1], 4, exact_precision, ignore_eos=True)
+
+
+def test_the_budget_counts_every_experts_weights(family_checkpoint, capsys):
+    from mmengine.cli import main
+
+    path = family_checkpoint("qwen3_vl_moe")
+    main(["budget", "--model", str(path), "--device", "cpu"])
+    shown = capsys.readouterr().out
+    engine = MMEngine(str(path), device="cpu", dtype="float32")
+    params = sum(p.numel() for p in engine.runner.model.parameters())
+    routed = sum(layer.mlp.experts.gate_up_proj.numel() + layer.mlp.experts.down_proj.numel()
+                 for layer in engine.runner.model.language_model.layers if hasattr(layer.mlp, "experts"))
+    assert routed == 1 * 8 * 3 * 32 * 64  # one MoE layer (the other is mlp_only), 8 experts of gate, up and down
+    assert f"weights                         {params * 4:>12}   bytes: {params} parameters" in shown
+    assert f"of which routed experts       {routed * 4:>12}   bytes: 8 experts a MoE layer, a token reads 2: " \
+           f"{(params - routed + routed // 4) * 4} bytes" in shown

@@ -106,6 +106,15 @@ def iter_checkpoint(model_dir: Path, device: str = "cpu") -> CheckpointTensors:
     return CheckpointTensors(model_dir, device)
 
 
+def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the safetensors headers alone."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for path in safetensors_files(model_dir):
+        with _reading(path), safe_open(str(path), framework="pt") as f:
+            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
+    return shapes
+
+
 def checkpoint_dtype(model_dir: Path) -> torch.dtype | None:
     """The floating dtype the checkpoint stores its weights in (read from one tensor header)."""
     path = safetensors_files(model_dir)[0]
