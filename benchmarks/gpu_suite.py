@@ -38,6 +38,7 @@ CHECKPOINTS = {
     "llava_7b": ("LLAVA_1_5_7B_SPEC", "llava"),
     "qwen2_5_vl_7b": ("QWEN2_5_VL_7B_SPEC", "qwen2_5_vl"),
     "qwen3_5_9b": ("QWEN3_5_9B_SPEC", "qwen3_5"),
+    "qwen3_vl_30b_a3b": ("QWEN3_VL_30B_A3B_SPEC", "qwen3_vl_moe"),
 }
 # Decode-step figures of the last H100 run (issue 26: no regression), and the 512-request image workload
 DECODE_MS_BEFORE = {1: 5.7, 64: 7.8, 256: 14.4}
@@ -147,6 +148,17 @@ def _decode_reads(data: dict) -> list[Reading]:
         ("TTFT, new image / transformers", ttft.get("new_image_over_transformers"), "x", at_most(0.6)),
         ("TTFT, same request again", ttft["same_request"]["median_ms"], "ms", None),
     ]
+    return reads
+
+
+def _moe_reads(data: dict) -> list[Reading]:
+    rows = {r["batch_size"]: r for r in data["decode"] if r.get("steps_timed")}
+    reads: list[Reading] = []
+    for batch, row in sorted(rows.items()):
+        reads.append((f"decode step, batch {batch}", row["median_ms"], "ms", None))
+        target = at_most(1.5) if batch == 1 else None
+        reads.append((f"decode step, batch {batch} / read floor of the active weights", row["median_over_weight_floor"], "x", target))
+    reads.append(("TTFT, new image / transformers", data["ttft"].get("new_image_over_transformers"), "x", None))
     return reads
 
 
@@ -329,6 +341,11 @@ PARTS: list[Part] = [
                             "--per-image", "2", "--groups", "1", "--degree", "2", "--shared-len", "16", "--unique-len", "8",
                             "--output-len", "2", "--repeats", "1", "--num-cpus", "0.5", "--max-model-len", "256"),
          _ray_reads),
+    Part("qwen3_vl_30b_a3b", "34", 6, ("qwen3_vl_30b_a3b",),
+         lambda ctx: _bench("latency.py", ctx, "qwen3_vl_30b_a3b", "--model", _model(ctx, "qwen3_vl_30b_a3b"), "--device", "cuda",
+                            "--batch-sizes", "1,64", "--image-size", "640x480", "--max-model-len", "8192", "--transformers-ttft"),
+         lambda ctx: _bench("latency.py", ctx, "qwen3_vl_30b_a3b", "--model", _model(ctx, "qwen3_vl_30b_a3b"), *_TINY_LATENCY),
+         _moe_reads),
     Part("qwen3_5_9b", "33", 4, ("qwen3_5_9b",),
          lambda ctx: _bench("hybrid_prefix.py", ctx, "qwen3_5_9b", "--model", _model(ctx, "qwen3_5_9b"), "--device", "cuda",
                             "--turns", "4", "--output-len", "128", "--system-len", "2000", "--tail-len", "200",

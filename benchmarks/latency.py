@@ -47,14 +47,15 @@ from mmengine.config import EngineConfig
 from mmengine.testing import (
     LLAVA_1_5_7B_SPEC,
     QWEN2_5_VL_7B_SPEC,
+    QWEN3_VL_30B_A3B_SPEC,
     TinyLlavaSpec,
-    TinyQwenVLSpec,
     build_llava_checkpoint,
     build_qwen_vl_checkpoint,
     make_test_image,
     tiny_llava_path,
     tiny_qwen_vl_path,
 )
+from mmengine.testing.qwen_vl import tiny_spec  # noqa: E402
 
 WORDS = ("the a picture of small large red blue green cat dog boat house tree river sky cloud road "
          "man woman child table window book car street bird water light morning").split()
@@ -127,22 +128,31 @@ def measure_bandwidth_gbs(device: torch.device) -> float:
     return 2 * nbytes * reps / elapsed / 1e9
 
 
-def decode_weight_bytes(model: torch.nn.Module) -> int:
+def decode_weight_bytes(model: torch.nn.Module, batch_size: int | None = None) -> int:
     """Bytes of the parameters a decode step reads in full: decoder layers, final norm, lm_head (also
-    when it is tied to the embedding). Not the vision tower or projector, nor the embedding table."""
-    unread = ("vision_tower.", "multi_modal_projector.", "embed_tokens.")
+    when it is tied to the embedding). Not the vision tower or projector, nor the embedding table.
+    Routed experts (a MoE layer's E experts, top-k a token) count as the experts a batch of
+    `batch_size` tokens is expected to touch under uniform routing, E x (1 - (1 - k/E)^batch): the
+    *active* weights (all of them when batch_size is None)."""
+    from mmengine.layers.moe import FusedExperts
+
+    unread = ("vision_tower.", "visual.", "multi_modal_projector.", "embed_tokens.")
     names: dict[int, list[str]] = {}
     sizes: dict[int, int] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(param.data_ptr(), []).append(name)
         sizes[param.data_ptr()] = param.numel() * param.element_size()
+    for module in model.modules():
+        if isinstance(module, FusedExperts) and batch_size is not None:
+            share = 1 - (1 - module.top_k / module.num_experts) ** batch_size
+            for param in (module.gate_up_proj, module.down_proj):
+                sizes[param.data_ptr()] = int(sizes[param.data_ptr()] * share)
     return sum(sizes[ptr] for ptr, ns in names.items() if any(not any(u in n for u in unread) for n in ns))
 
 
 def kv_bytes_per_token(engine: MMEngine) -> int:
     text = engine.hf_config.text_config
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    return 2 * text.num_hidden_layers * text.num_key_value_heads * head_dim * engine.dtype.itemsize
+    return 2 * engine.family.num_attention_layers * text.num_key_value_heads * engine.family.head_dim * engine.dtype.itemsize
 
 
 # -- decode ---------------------------------------------------------------------------------------
@@ -355,8 +365,9 @@ def non_negative_ints(text: str) -> list[int]:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_source(parser)
-    parser.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen2_5_vl"],
-                        help="the built-in model's family (tiny, or the 7B shape with --build-7b; qwen2_vl: tiny only)")
+    parser.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"],
+                        help="the built-in model's family (tiny, or the published shape with --build-7b: LLaVA-1.5-7B, "
+                             "Qwen2.5-VL-7B, Qwen3-VL-30B-A3B; qwen2_vl and the Qwen3.5 ones: tiny only)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--batch-sizes", type=_positive_ints, default="1,16,64,256", help="comma-separated decode batch sizes")
@@ -402,12 +413,14 @@ def resolve_model(args: argparse.Namespace) -> tuple[str, dict]:
     llava = getattr(args, "family", "llava") == "llava"
     if args.build_7b:
         device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-        spec, name = (LLAVA_1_5_7B_SPEC, "LLAVA_1_5_7B_SPEC") if llava else (QWEN2_5_VL_7B_SPEC, "QWEN2_5_VL_7B_SPEC")
+        spec, name = {"llava": (LLAVA_1_5_7B_SPEC, "LLAVA_1_5_7B_SPEC"),
+                      "qwen3_vl_moe": (QWEN3_VL_30B_A3B_SPEC, "QWEN3_VL_30B_A3B_SPEC")}.get(
+            getattr(args, "family", "llava"), (QWEN2_5_VL_7B_SPEC, "QWEN2_5_VL_7B_SPEC"))
         path, seconds = ensure_checkpoint(Path(args.build_7b), spec, device, "bfloat16")
         return str(path), {"build_s": seconds, "spec": name}
     if llava:
         return str(tiny_llava_path(TinyLlavaSpec())), {"spec": "TinyLlavaSpec()"}
-    return str(tiny_qwen_vl_path(TinyQwenVLSpec(family=args.family))), {"spec": f"TinyQwenVLSpec(family={args.family!r})"}
+    return str(tiny_qwen_vl_path(tiny_spec(args.family))), {"spec": f"tiny_spec({args.family!r})"}
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -446,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(f"{'batch':>6} {'median ms':>10} {'min ms':>8} {'weight floor':>13} {'+KV floor':>10} {'x floor':>8} {'context':>8}")
     result["decode"] = []
     for batch_size in args.batch_sizes:
-        row = run_decode(engine, batch_size, args, weight_bytes, kv_token_bytes, bandwidth)
+        row = run_decode(engine, batch_size, args, decode_weight_bytes(engine.runner.model, batch_size), kv_token_bytes, bandwidth)
         result["decode"].append(row)
         if row["steps_timed"]:
             print(f"{batch_size:>6} {row['median_ms']:>10.2f} {row['min_ms']:>8.2f} {row['weight_floor_ms']:>13.2f} "

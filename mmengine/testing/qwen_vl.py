@@ -37,6 +37,7 @@ __all__ = [
     "QWEN2_5_VL_7B_SPEC",
     "QWEN3_VL_8B_SPEC",
     "QWEN3_5_9B_SPEC",
+    "QWEN3_VL_30B_A3B_SPEC",
     "TINY_QWEN3_5_SPEC",
     "tiny_spec",
     "QWEN_CHAT_TEMPLATE",
@@ -182,6 +183,8 @@ class TinyQwenVLSpec:
     moe_intermediate_size: int = 32
     shared_expert_intermediate_size: int = 48
     mlp_only_layers: tuple[int, ...] = ()
+    # Qwen3 families write head_dim into the config: the published MoE shape's is not hidden / heads
+    attention_head_dim: int | None = None
     temporal_patch_size: int = 2
     spatial_merge_size: int = 2
     min_pixels: int = 28 * 28 * 4
@@ -211,6 +214,8 @@ class TinyQwenVLSpec:
                 f"mrope_section {self.mrope_section} must be three sections summing to the rotary half of the head "
                 f"(head_dim {self.head_dim} x partial_rotary_factor {self.partial_rotary_factor} / 2 = {rotary_half})"
             )
+        if self.attention_head_dim is not None and self.family not in _QWEN3_VISION:
+            raise ValueError("attention_head_dim is for the Qwen3 families (Qwen2-VL's head_dim is hidden_size / heads)")
         if self.partial_rotary_factor != 1.0 and self.family not in _QWEN3_5:
             raise ValueError("partial_rotary_factor is Qwen3.5's (family qwen3_5 or qwen3_5_moe)")
         if self.vision_hidden_size % self.vision_num_heads or (self.vision_hidden_size // self.vision_num_heads) % 4:
@@ -245,7 +250,7 @@ class TinyQwenVLSpec:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.attention_head_dim or self.hidden_size // self.num_attention_heads
 
     @property
     def patch(self) -> int:
@@ -335,6 +340,37 @@ QWEN3_VL_8B_SPEC = TinyQwenVLSpec(
 # A tiny Qwen3.5: four decoder layers (three Gated DeltaNet, then one gated attention layer), half of
 # each attention head rotated with interleaved M-RoPE sections 2/1/1, Qwen3-VL's vision tower.
 TINY_QWEN3_5_SPEC = TinyQwenVLSpec(family="qwen3_5", num_hidden_layers=4, mrope_section=(2, 1, 1), partial_rotary_factor=0.5)
+
+
+# Qwen/Qwen3-VL-30B-A3B-Instruct's shape: a 48-layer MoE decoder (2048 wide, 32 query / 4 KV heads of 128,
+# 128 experts of 768 in every layer, top-8), Qwen3-VL-8B's vision tower with DeepStack into 2048; about
+# 31B parameters, ~3.3B active per token. Random bf16 weights: ~62 GB, one H100.
+QWEN3_VL_30B_A3B_SPEC = TinyQwenVLSpec(
+    family="qwen3_vl_moe",
+    hidden_size=2048,
+    intermediate_size=6144,
+    num_hidden_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    attention_head_dim=128,
+    mrope_section=(24, 20, 20),
+    rope_theta=5_000_000.0,
+    max_position_embeddings=262144,
+    num_experts=128,
+    num_experts_per_tok=8,
+    moe_intermediate_size=768,
+    vision_hidden_size=1152,
+    vision_intermediate_size=4304,
+    vision_num_heads=16,
+    vision_depth=27,
+    deepstack_visual_indexes=(8, 16, 24),
+    num_position_embeddings=2304,
+    min_pixels=64 * 32 * 32,
+    max_pixels=16384 * 32 * 32,
+    video_tokens=(4, 24576),
+    vocab_size=151936,
+    dtype="bfloat16",
+)
 
 
 # Tiny MoE variants: 8 experts, top-2. Qwen3-VL-MoE's second layer keeps a dense MLP (mlp_only_layers), so
