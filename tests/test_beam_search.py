@@ -26,7 +26,7 @@ def hf_beams(path, prompt, images, width, max_tokens, length_penalty=1.0):
     return [seq[start:].tolist() for seq in out.sequences], out.sequences_scores.tolist()
 
 
-@pytest.mark.parametrize("family_name,width", [("llava", 2), ("llava", 4), ("qwen2_5_vl", 3), ("qwen3_5", 3)])
+@pytest.mark.parametrize("family_name,width", [("llava", 2), ("llava", 4), ("qwen2_5_vl", 3), ("qwen3_5", 3), ("qwen3_vl_moe", 2)])
 def test_beam_search_matches_transformers(family_checkpoint, family_name, width):
     family = FamilyCase(family_name, family_checkpoint(family_name))
     prompt = family.prompt("Describe the picture.", 1)

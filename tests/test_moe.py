@@ -44,11 +44,22 @@ def test_a_batch_and_prefix_hits_give_each_prompt_its_tokens_alone(family_checkp
     together = engine.generate(prompts, images=images, sampling_params=_greedy(6), use_tqdm=False)
     again = engine.generate(prompts, images=images, sampling_params=_greedy(6), use_tqdm=False)  # prefix hits now
     assert engine.stats()["prefix_cache_hits"] > 0
-    alone = [MMEngine(str(path), device="cpu", dtype="float32", enable_prefix_caching=False)
-             .generate(p, images=i, sampling_params=_greedy(6), use_tqdm=False)[0].token_ids
-             for p, i in list(zip(prompts, images))[:3]]
-    assert [o.token_ids for o in together[:3]] == alone
-    assert [o.token_ids for o in again] == [o.token_ids for o in together]
+    plain = MMEngine(str(path), device="cpu", dtype="float32", enable_prefix_caching=False)
+    alone = [plain.generate(p, images=i, sampling_params=_greedy(6), use_tqdm=False)[0].token_ids for p, i in zip(prompts, images)]
+    assert [o.token_ids for o in together] == alone
+    assert [o.token_ids for o in again] == alone
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_preemption_recomputes_to_the_same_tokens(family_checkpoint, name):
+    path = family_checkpoint(name)
+    prompts = [qwen_vl_prompt(f"Question {i}: " + "what is here? " * (i % 3), i % 2) for i in range(6)]
+    images = [PICTURES[: i % 2] or None for i in range(6)]
+    engine = MMEngine(str(path), device="cpu", dtype="float32", block_size=4, num_kv_blocks=40, enable_prefix_grouping=False)
+    outs = engine.generate(prompts, images=images, sampling_params=_greedy(16), use_tqdm=False)
+    assert engine.stats()["num_preemptions"] > 0
+    for prompt, pics, out in zip(prompts, images, outs):
+        assert out.token_ids == hf_greedy(path, prompt, pics, 16, ignore_eos=True)
 
 
 def test_a_video_on_qwen3_vl_moe_equals_transformers(family_checkpoint):
