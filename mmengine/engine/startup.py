@@ -29,6 +29,7 @@ from mmengine.lora.adapter import DecoderShape, VisionTargets
 from mmengine.lora.manager import LoRAManager
 from mmengine.models.family import ModelFamily
 from mmengine.models.loader import checkpoint_dtype
+from mmengine.models.quantization import quantization_of
 from mmengine.models.registry import family_class_for, load_family, load_hf_config, load_hf_processor
 from mmengine.multimodal.processor import InputProcessor
 from mmengine.runner import ModelRunner
@@ -64,6 +65,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model_dir = Path(config.model)
     hf_config = load_hf_config(model_dir)
     family_class_for(hf_config)  # fail fast on unsupported architectures
+    quantization_of(hf_config)  # ... and quantization methods
     hf_processor = load_hf_processor(model_dir, config.mm_processor_kwargs)
     family = load_family(hf_config, hf_processor, model_dir)
     max_model_len = resolve_max_model_len(config, family)

@@ -2,7 +2,8 @@
 
   family.py      the ModelFamily interface (tokens per item, the largest item, positions, encoder inputs)
   registry.py    which architectures mmengine runs, and how to build them
-  loader.py      safetensors tensors, sharded or not, checked strictly
+  loader.py      safetensors tensors, sharded or not, checked strictly; per-expert MoE tensors stacked
+  quantization.py  a checkpoint's quantization_config: FP8 (block, per channel) dequantized at load
   vlm.py         what every VLM shares: a decoder, an LM head, the vision side
   llama.py       the Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache
   llava.py       LLaVA-1.5

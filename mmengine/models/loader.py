@@ -116,12 +116,14 @@ def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
 
 
 def checkpoint_dtype(model_dir: Path) -> torch.dtype | None:
-    """The floating dtype the checkpoint stores its weights in (read from one tensor header)."""
+    """The floating dtype the checkpoint stores its weights in (the first 16- or 32-bit float tensor's
+    header: a quantized checkpoint's 8-bit weights and scales do not say)."""
     path = safetensors_files(model_dir)[0]
     with _reading(path), safe_open(str(path), framework="pt") as f:
         for name in f.keys():
-            dtype = f.get_slice(name).get_dtype()
-            return {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(dtype)
+            dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}.get(f.get_slice(name).get_dtype())
+            if dtype is not None and not name.endswith(("_scale", "_scale_inv")):
+                return dtype
     return None
 
 

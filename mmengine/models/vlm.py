@@ -17,6 +17,7 @@ from mmengine.layers.attention import AttentionMetadata
 from mmengine.layers.lora import ItemLoRAContext, LoRALinear, LoRASlice
 from mmengine.models.llama import STACKED_PROJECTIONS, DecoderModel, DeepStack, head_dim_of
 from mmengine.models.loader import WeightCheck, fuse_expert_tensors
+from mmengine.models.quantization import WeightQuantization, dequantize_tensors
 
 _ROTARY_CACHE = re.compile(r"(^|\.)rotary_emb\.")
 
@@ -96,14 +97,15 @@ class VisionLanguageModel(nn.Module):
         """Whether a checkpoint tensor the model has no parameter for is known and safely skipped."""
         return name.startswith("language_model.") and bool(_ROTARY_CACHE.search(name))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: WeightQuantization | None = None) -> None:
         """Loads every parameter exactly once. A missing, unexpected, repeated or mis-shaped tensor raises
         WeightsMismatchError naming it, the shapes and the file; a missing lm_head.weight is fine only
         when the checkpoint ties word embeddings."""
         expected = self.expected_weights()
         check = WeightCheck(expected, weights, optional=["lm_head.weight"] if self.tie_word_embeddings else [])
+        tensors = dequantize_tensors(weights, quantization) if quantization is not None else weights
         num_experts = getattr(self.language_model.config, "num_experts", 0)
-        for raw_name, tensor in fuse_expert_tensors(weights, num_experts) if num_experts > 0 else weights:
+        for raw_name, tensor in fuse_expert_tensors(tensors, num_experts) if num_experts > 0 else tensors:
             name = self.checkpoint_name(raw_name)
             if name not in expected and self.is_ignorable(name):
                 continue

@@ -30,6 +30,7 @@ from mmengine.models.family import ModelFamily
 from mmengine.models.llama import DeepStack
 from mmengine.lora.adapter import LoRAAdapter
 from mmengine.models.loader import default_dtype, iter_checkpoint
+from mmengine.models.quantization import quantization_of
 from mmengine.runner.cascade_plan import CascadePolicy
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
 from mmengine.runner.inputs import InputBuffers
@@ -62,7 +63,7 @@ class ModelRunner:
         self.text_config = family.text_config
         with torch.device(device), default_dtype(dtype):
             self.model = family.model_class(family.hf_config)
-        self.model.load_weights(iter_checkpoint(model_dir))
+        self.model.load_weights(iter_checkpoint(model_dir), quantization_of(family.hf_config))
         self.model.eval()
         # LoRA slots are allocated here, before the KV cache is sized, so its profile counts them.
         self.lora_context: LoRAContext | None = None

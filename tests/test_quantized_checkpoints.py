@@ -1,0 +1,65 @@
+"""Quantized checkpoints (models/quantization.py): FP8 with block scales (Qwen's -FP8) and
+compressed-tensors float-quantized (llm-compressor's FP8), built in the documented layouts
+(mmengine.testing.quantize) from the tiny checkpoints, load and give exactly the logits of the same
+model with the dequantized weights; what is not supported is refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from mmengine import MMEngine, SamplingParams
+from mmengine.errors import UnsupportedModelError, WeightsMismatchError
+from mmengine.testing import make_test_image
+from mmengine.testing.quantize import quantize_checkpoint
+
+PICTURE = make_test_image(41, size=(64, 48))
+
+
+def _logprobs(path, prompt, images) -> tuple[list[int], list]:
+    engine = MMEngine(str(path), device="cpu", dtype="float32", max_model_len=256)
+    (out,) = engine.generate(prompt, images=images, sampling_params=SamplingParams(max_tokens=6, temperature=0, ignore_eos=True,
+                                                                                     logprobs=5), use_tqdm=False)
+    return out.token_ids, [lp.top for lp in out.logprobs]
+
+
+@pytest.mark.parametrize("method", ["fp8", "compressed-tensors"])
+@pytest.mark.parametrize("name", ["llava", "qwen2_5_vl"])
+def test_a_quantized_checkpoint_computes_its_dequantized_weights(family_checkpoint, tmp_path, method, name):
+    source = family_checkpoint(name)
+    quantized, reference = quantize_checkpoint(source, tmp_path / "quantized", method)
+    prompt = ("USER: <image>\nWhat is it? ASSISTANT:" if name == "llava" else
+              "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n<|im_start|>assistant\n")
+    ours = _logprobs(quantized, prompt, [PICTURE])
+    assert ours == _logprobs(reference, prompt, [PICTURE])  # the same tokens and log-probabilities, exactly
+    original = _logprobs(source, prompt, [PICTURE])
+    assert ours[1] != original[1]  # the weights really were quantized (the logits moved)
+
+
+def test_a_block_scale_of_the_wrong_shape_is_named(family_checkpoint, tmp_path):
+    quantized, _ = quantize_checkpoint(family_checkpoint("llava"), tmp_path / "q", "fp8", block=(32, 32))
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"]["weight_block_size"] = [16, 16]
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(WeightsMismatchError, match=r"block scale of \(\d+, \d+\) for a weight of .* in 16x16 blocks"):
+        MMEngine(str(quantized), device="cpu", dtype="float32", max_model_len=256)
+
+
+@pytest.mark.parametrize("quantization_config,named", [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "quant_method 'awq' is not supported yet"),
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported yet"),
+    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
+    ({"quant_method": "fp8"}, "weight_block_size None"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "format 'pack-quantized'"),
+])
+def test_an_unsupported_quantization_is_refused_by_name(family_checkpoint, tmp_path, quantization_config, named):
+    path = tmp_path / "model"
+    shutil.copytree(family_checkpoint("llava"), path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = quantization_config
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match=named):
+        MMEngine(str(path), device="cpu", dtype="float32", max_model_len=256)
