@@ -175,3 +175,21 @@ def test_the_budget_counts_every_experts_weights(family_checkpoint, capsys):
     assert f"weights                         {params * 4:>12}   bytes: {params} parameters" in shown
     assert f"of which routed experts       {routed * 4:>12}   bytes: 8 experts a MoE layer, a token reads 2: " \
            f"{(params - routed + routed // 4) * 4} bytes" in shown
+
+
+def test_decode_graph_steps_give_the_eager_tokens(family_checkpoint):
+    """Decode steps through the static graph buffers (on CPU the EagerCapturer stand-in) of a MoE decoder."""
+    from mmengine.runner.cuda_graphs import EagerCapturer
+
+    path = family_checkpoint("qwen3_vl_moe")
+    prompts = [qwen_vl_prompt(f"Question {i}: what now?", i % 2) for i in range(3)]
+    images = [PICTURES[: i % 2] or None for i in range(3)]
+    results = {}
+    for graphs in (False, True):
+        engine = MMEngine(str(path), device="cpu", dtype="float32", max_model_len=512, max_num_seqs=4)
+        if graphs:
+            engine.runner.capture_cuda_graphs(EagerCapturer())
+        results[graphs] = [o.token_ids for o in engine.generate(prompts, images=images, sampling_params=_greedy(6), use_tqdm=False)]
+        if graphs:
+            assert engine.runner.decode_graphs.num_replays >= 3
+    assert results[True] == results[False]

@@ -248,7 +248,7 @@ def test_cache_salt_mm_uuids_and_seed_are_honoured(client, server):
     assert sampled[0] == sampled[1]
 
 
-@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])  # LLaVA: the tests above
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe"])  # LLaVA: the tests above
 def test_each_family_serves_image_chats_as_offline_chat(family_checkpoint, name):
     """The server is family-agnostic: a Qwen chat with two images of different sizes, streamed,
     answers as offline chat, and a second turn about the same pictures reuses the caches."""
