@@ -26,7 +26,7 @@ def _logprobs(path, prompt, images) -> tuple[list[int], list]:
     return out.token_ids, [lp.top for lp in out.logprobs]
 
 
-@pytest.mark.parametrize("method", ["fp8", "compressed-tensors"])
+@pytest.mark.parametrize("method", ["fp8", "compressed-tensors", "gptq", "gptq-act-order", "awq"])
 @pytest.mark.parametrize("name", ["llava", "qwen2_5_vl"])
 def test_a_quantized_checkpoint_computes_its_dequantized_weights(family_checkpoint, tmp_path, method, name):
     source = family_checkpoint(name)
@@ -49,8 +49,9 @@ def test_a_block_scale_of_the_wrong_shape_is_named(family_checkpoint, tmp_path):
 
 
 @pytest.mark.parametrize("quantization_config,named", [
-    ({"quant_method": "awq", "bits": 4, "group_size": 128}, "quant_method 'awq' is not supported yet"),
-    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported yet"),
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "version 'gemv'"),
+    ({"quant_method": "gptq", "bits": 8, "group_size": 128}, "bits 8"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "group_size -1"),
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
     ({"quant_method": "fp8"}, "weight_block_size None"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "format 'pack-quantized'"),
@@ -63,3 +64,22 @@ def test_an_unsupported_quantization_is_refused_by_name(family_checkpoint, tmp_p
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModelError, match=named):
         MMEngine(str(path), device="cpu", dtype="float32", max_model_len=256)
+
+
+def test_int4_unpacking_follows_each_formats_documented_nibble_order():
+    """Nibble i of a word is bits 4i..4i+3; GPTQ packs eight consecutive input rows in order (values
+    0..7 make 0x76543210), AWQ's GEMM packing eight output columns in the order 0, 2, 4, 6, 1, 3, 5, 7
+    (values 0..7 make the well-known 0x75316420)."""
+    from mmengine.models.quantization import dequantize_awq, dequantize_gptq, unpack_int4
+
+    gptq_word = torch.tensor([[0x76543210]], dtype=torch.int32)
+    assert unpack_int4(gptq_word, 0).flatten().tolist() == list(range(8))
+    awq_word = torch.tensor([[0x75316420]], dtype=torch.int32)
+    parts = {"qweight": awq_word, "qzeros": torch.zeros(1, 1, dtype=torch.int32), "scales": torch.ones(1, 8)}
+    assert dequantize_awq(parts, 1, "x").flatten().tolist() == list(range(8))  # column c holds value c
+    top = torch.tensor([[-0x10000000]], dtype=torch.int32)  # 0xF0000000: the top nibble is 15 despite the sign bit
+    assert unpack_int4(top, 1).flatten().tolist() == [0] * 7 + [15]
+    # GPTQ v1 stores zero - 1: a stored 0 is a zero point of 1
+    gptq = {"qweight": gptq_word.repeat(1, 8), "qzeros": torch.zeros(1, 1, dtype=torch.int32), "scales": torch.full((1, 8), 0.5),
+            "g_idx": torch.zeros(8, dtype=torch.int32)}  # 8 inputs (values 0..7 in every column), 8 outputs, one group
+    assert dequantize_gptq(gptq, 8, "x")[3].tolist() == [(v - 1) * 0.5 for v in range(8)]

@@ -1,16 +1,18 @@
 """Quantized checkpoints, read from the checkpoint's `quantization_config` (never guessed).
 
 Supported now, dequantized once at load into the model dtype (correct on every device; the quantized
-GEMM kernels that keep the weights in 8 bits on a GPU are the next step of this work):
+GEMM kernels that keep the weights in 8 or 4 bits on a GPU are the next step of this work):
 - `quant_method: "fp8"` with `weight_block_size` (Qwen's -FP8 releases): e4m3 weights `W` with one
   scale per block of `weight_block_size` (`weight_scale_inv`, [ceil(out / bo), ceil(in / bi)]):
   w = W * scale[i // bo, j // bi];
 - `quant_method: "compressed-tensors"` in the `float-quantized` format (llm-compressor's FP8 exports):
   e4m3 weights with `weight_scale` per output channel ([out, 1]) or per tensor; the activations'
   dynamic scheme needs nothing stored.
+- `quant_method: "gptq"` (4 bits, the v1 `gptq` checkpoint format, any group size; `desc_act` too: each
+  input row's group comes from `g_idx`) and `"awq"` (4 bits, GEMM packing).
 Modules the config leaves unquantized (`modules_to_not_convert`, `ignore`) are plain tensors and load
-as they are. Anything else (AWQ, GPTQ, int4 `pack-quantized`, an unknown method or field) is an
-UnsupportedModelError naming the method and the field.
+as they are. Anything else (compressed-tensors' int4 `pack-quantized`, other bit widths, an unknown
+method or field) is an UnsupportedModelError naming the method and the field.
 """
 
 from __future__ import annotations
@@ -29,13 +31,27 @@ _IGNORED_SUFFIXES = ("input_scale",)  # static activation scales: not used by de
 
 @dataclass(frozen=True)
 class WeightQuantization:
-    method: str  # "fp8" | "compressed-tensors"
-    scale_name: str  # the tensor beside each quantized weight: "weight_scale_inv" or "weight_scale"
-    block: tuple[int, int] | None  # fp8: (rows, cols) of one scale's block; None: per channel or tensor
+    method: str  # "fp8" | "compressed-tensors" | "gptq" | "awq"
+    scale_name: str = "weight_scale"  # FP8: the tensor beside each quantized weight
+    block: tuple[int, int] | None = None  # fp8: (rows, cols) of one scale's block; None: per channel or tensor
+    group_size: int = 0  # gptq / awq: input rows sharing one scale and zero point
 
     @property
-    def label(self) -> str:
-        return f"{self.method} (block {self.block[0]}x{self.block[1]})" if self.block else f"{self.method} (per channel / tensor)"
+    def int4(self) -> bool:
+        return self.method in ("gptq", "awq")
+
+    def parts(self) -> frozenset[str]:
+        """The tensors that make up one quantized linear layer's weight."""
+        if self.method == "gptq":
+            return frozenset({"qweight", "qzeros", "scales", "g_idx"})
+        if self.method == "awq":
+            return frozenset({"qweight", "qzeros", "scales"})
+        return frozenset({"weight", self.scale_name})
+
+    def is_part(self, leaf: str, tensor: torch.Tensor) -> bool:
+        if self.int4:
+            return leaf in self.parts()
+        return leaf == self.scale_name or (leaf == "weight" and tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2))
 
 
 def quantization_of(hf_config: Any) -> WeightQuantization | None:
@@ -64,13 +80,27 @@ def quantization_of(hf_config: Any) -> WeightQuantization | None:
             if weights.get("type") != "float" or weights.get("num_bits") != 8 or weights.get("strategy") not in ("channel", "tensor"):
                 raise UnsupportedModelError(f"quantization_config.config_groups.{name}.weights {weights!r}: supported are 8-bit "
                                             "float weights per channel or per tensor")
-        return WeightQuantization("compressed-tensors", "weight_scale", None)
+        return WeightQuantization("compressed-tensors", "weight_scale")
+    if method in ("gptq", "awq"):
+        bits = config.get("bits", config.get("w_bit"))
+        group = config.get("group_size", config.get("q_group_size"))
+        if bits != 4:
+            raise UnsupportedModelError(f"quantization_config.bits {bits!r}: {method} is supported with 4-bit weights")
+        if not isinstance(group, int) or group <= 0:
+            raise UnsupportedModelError(f"quantization_config.group_size {group!r}: {method} needs a positive group size "
+                                        "(per-channel -1 is not supported yet)")
+        if method == "awq" and str(config.get("version", "gemm")).lower() != "gemm":
+            raise UnsupportedModelError(f"quantization_config.version {config.get('version')!r}: AWQ is supported in its GEMM packing")
+        if method == "gptq" and config.get("checkpoint_format", "gptq") != "gptq":
+            raise UnsupportedModelError(f"quantization_config.checkpoint_format {config.get('checkpoint_format')!r}: GPTQ is "
+                                        "supported in the 'gptq' (v1) format")
+        return WeightQuantization(method, group_size=group)
     raise UnsupportedModelError(f"quantization_config.quant_method {method!r} is not supported yet "
-                                "(supported: 'fp8' with weight_block_size, 'compressed-tensors' float-quantized)")
+                                "(supported: 'fp8' with weight_block_size, 'compressed-tensors' float-quantized, 'gptq', 'awq')")
 
 
-def dequantize(weight: torch.Tensor, scale: torch.Tensor, spec: WeightQuantization, name: str) -> torch.Tensor:
-    """One quantized weight [out, in] and its scale -> float32."""
+def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, spec: WeightQuantization, name: str) -> torch.Tensor:
+    """One FP8 weight [out, in] and its scale -> float32."""
     w = weight.float()
     if spec.block is None:
         if scale.numel() not in (1, w.shape[0]):
@@ -86,31 +116,80 @@ def dequantize(weight: torch.Tensor, scale: torch.Tensor, spec: WeightQuantizati
     return w * full
 
 
+# AWQ's GEMM packing puts the 8 nibbles of one int32 in this column order (AutoAWQ's order_map);
+# unpacking reads nibble i and puts it back at column AWQ_ORDER[i].
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+
+
+def unpack_int4(packed: torch.Tensor, dim: int) -> torch.Tensor:
+    """int32 words holding 8 unsigned 4-bit values each (nibble i = bits 4i..4i+3) -> the values, the
+    packed dimension 8 times longer (nibble i of word j at index 8j + i)."""
+    nibbles = (packed.to(torch.int32).unsqueeze(-1) >> _SHIFTS) & 0xF  # [..., words, 8]
+    if dim in (0, -packed.dim()):
+        return nibbles.movedim(-1, 1).reshape(packed.shape[0] * 8, *packed.shape[1:])
+    return nibbles.reshape(*packed.shape[:-1], packed.shape[-1] * 8)
+
+
+def dequantize_gptq(parts: dict[str, torch.Tensor], group_size: int, name: str) -> torch.Tensor:
+    """GPTQ (v1 format): qweight [in / 8, out] packed along the input, qzeros [groups, out / 8] packed along
+    the output and stored minus one, scales [groups, out], g_idx [in] (each input row's group, any order:
+    act-order included) -> the linear weight [out, in] in float32."""
+    q = unpack_int4(parts["qweight"], 0)  # [in, out]
+    zeros = unpack_int4(parts["qzeros"], 1) + 1  # [groups, out]
+    groups = parts["g_idx"].long()
+    if q.shape[0] != groups.shape[0] or zeros.shape[1] != q.shape[1] or parts["scales"].shape != zeros.shape:
+        raise WeightsMismatchError(f"{name}: GPTQ tensors disagree: qweight {tuple(parts['qweight'].shape)}, qzeros "
+                                   f"{tuple(parts['qzeros'].shape)}, scales {tuple(parts['scales'].shape)}, g_idx {tuple(groups.shape)}")
+    return ((q - zeros[groups]).float() * parts["scales"].float()[groups]).t()
+
+
+def dequantize_awq(parts: dict[str, torch.Tensor], group_size: int, name: str) -> torch.Tensor:
+    """AWQ (GEMM): qweight [in, out / 8] and qzeros [in / group, out / 8] packed along the output in AWQ's
+    nibble order, scales [in / group, out] -> the linear weight [out, in] in float32."""
+    reverse = torch.tensor([AWQ_ORDER.index(i) for i in range(8)])
+
+    def columns(packed: torch.Tensor) -> torch.Tensor:
+        values = unpack_int4(packed, 1).view(packed.shape[0], -1, 8)
+        return values[:, :, reverse].reshape(packed.shape[0], -1)
+
+    q, zeros, scales = columns(parts["qweight"]), columns(parts["qzeros"]), parts["scales"].float()
+    groups = torch.arange(q.shape[0]) // group_size
+    if zeros.shape != scales.shape or zeros.shape[0] != -(-q.shape[0] // group_size) or zeros.shape[1] != q.shape[1]:
+        raise WeightsMismatchError(f"{name}: AWQ tensors disagree: qweight {tuple(parts['qweight'].shape)}, qzeros "
+                                   f"{tuple(parts['qzeros'].shape)}, scales {tuple(parts['scales'].shape)} (group size {group_size})")
+    return ((q - zeros[groups]).float() * scales[groups]).t()
+
+
+def _dequantize(parts: dict[str, torch.Tensor], spec: WeightQuantization, name: str) -> torch.Tensor:
+    if spec.method == "gptq":
+        return dequantize_gptq(parts, spec.group_size, name)
+    if spec.method == "awq":
+        return dequantize_awq(parts, spec.group_size, name)
+    return dequantize_fp8(parts["weight"], parts[spec.scale_name], spec, name)
+
+
 def dequantize_tensors(weights: Iterable[tuple[str, torch.Tensor]], spec: WeightQuantization) -> Iterator[tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with each quantized weight (an 8-bit float `X.weight` with its `X.<scale>`)
-    dequantized to float32 under its own name, scales consumed; every other tensor passes through. A
-    weight without its scale, or a scale without its weight, is a WeightsMismatchError naming it."""
-    waiting_weights: dict[str, torch.Tensor] = {}
-    waiting_scales: dict[str, torch.Tensor] = {}
+    """The checkpoint's tensors with each quantized linear weight (FP8 `X.weight` with its scale; GPTQ's or
+    AWQ's `X.qweight`, `X.qzeros`, `X.scales`, `X.g_idx`) dequantized to float32 as `X.weight` once all its
+    parts are read; every other tensor passes through. A part left without the others is a
+    WeightsMismatchError naming it."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    needed = spec.parts()
     for name, tensor in weights:
         owner, _, leaf = name.rpartition(".")
         if leaf in _IGNORED_SUFFIXES:
             continue
-        if leaf == spec.scale_name:
-            if owner in waiting_weights:
-                yield f"{owner}.weight", dequantize(waiting_weights.pop(owner), tensor, spec, f"{owner}.weight")
-            else:
-                waiting_scales[owner] = tensor
+        if not spec.is_part(leaf, tensor):
+            if leaf in _SCALE_SUFFIXES:
+                raise WeightsMismatchError(f"tensor {name!r}: a {spec.method} checkpoint stores its scales as {spec.scale_name!r}")
+            yield name, tensor
             continue
-        if leaf in _SCALE_SUFFIXES:
-            raise WeightsMismatchError(f"tensor {name!r}: a {spec.method} checkpoint stores its scales as {spec.scale_name!r}")
-        if leaf == "weight" and tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            if owner in waiting_scales:
-                yield name, dequantize(tensor, waiting_scales.pop(owner), spec, name)
-            else:
-                waiting_weights[owner] = tensor
-            continue
-        yield name, tensor
-    if waiting_weights or waiting_scales:
-        lost = [f"{o}.weight (no {spec.scale_name})" for o in waiting_weights] + [f"{o}.{spec.scale_name} (no weight)" for o in waiting_scales]
-        raise WeightsMismatchError(f"unpaired quantized tensors: {', '.join(lost[:8])}")
+        group = pending.setdefault(owner, {})
+        group[leaf] = tensor
+        if needed <= group.keys():
+            del pending[owner]
+            yield f"{owner}.weight", _dequantize(group, spec, f"{owner}.weight")
+    if pending:
+        lost = [f"{owner} ({', '.join(sorted(needed - group.keys()))} missing)" for owner, group in pending.items()]
+        raise WeightsMismatchError(f"incomplete quantized weights: {', '.join(lost[:8])}")

@@ -6,8 +6,15 @@
 - `compressed-tensors` float-quantized (llm-compressor's FP8-Dynamic): float8_e4m3fn weights with a
   `weight_scale` per output channel ([out, 1]), the vision side and lm_head in `ignore`.
 
-Each also writes, beside it, the same model with the dequantized weights (q x scale, computed here in
-float32) as a plain checkpoint: what the quantized one must compute exactly.
+- `gptq` (v1 format, 4 bits): `qweight` [in / 8, out] packed along the input (nibble i of a word is
+  row 8r + i), `qzeros` [groups, out / 8] packed along the output and stored minus one, `scales`
+  [groups, out] fp16, `g_idx` [in]; with act_order the rows are assigned to groups in a shuffled order;
+- `awq` (GEMM packing, 4 bits): `qweight` [in, out / 8] and `qzeros` [groups, out / 8] packed along the
+  output with AutoAWQ's nibble order (0, 2, 4, 6, 1, 3, 5, 7), `scales` [groups, out] fp16.
+
+Each also writes, beside it, the same model with the dequantized weights (computed here in float32
+from the integer values, before any packing) as a plain checkpoint: what the quantized one must
+compute exactly.
 """
 
 from __future__ import annotations
@@ -43,6 +50,28 @@ def _quantize_channels(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q, scale, q.float() * scale
 
 
+def _int4_groups(weight: torch.Tensor, groups: torch.Tensor, num_groups: int) -> tuple[torch.Tensor, ...]:
+    """Asymmetric 4-bit quantization of W^T [in, out], rows grouped by `groups` [in]: returns q [in, out],
+    zeros and scales [num_groups, out] (scales rounded to fp16, as stored) and the dequantized W [out, in]."""
+    w = weight.float().t()
+    lo = torch.stack([w[groups == g].amin(0) for g in range(num_groups)]).clamp(max=0)
+    hi = torch.stack([w[groups == g].amax(0) for g in range(num_groups)]).clamp(min=0)
+    scales = ((hi - lo).clamp(min=1e-8) / 15).half().float()
+    zeros = (-lo / scales).round().clamp(1, 15)  # >= 1: GPTQ v1 stores zero - 1 in a nibble
+    q = (w / scales[groups] + zeros[groups]).round().clamp(0, 15)
+    return q.to(torch.int32), zeros.to(torch.int32), scales, ((q - zeros[groups]) * scales[groups]).t()
+
+
+def pack_int4(values: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """8 unsigned 4-bit values per int32 along `dim` (nibble i holds element order[i] of each 8), as the
+    formats store them (the top nibble wraps into the sign bit)."""
+    v = values.to(torch.int64).movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], -1, 8)[..., list(order)]
+    words = (v << torch.arange(0, 32, 4)).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.movedim(-1, dim).contiguous()
+
+
 def _quantizable(name: str, tensor: torch.Tensor) -> bool:
     """The decoder's linear weights (not embeddings, norms, the vision side or lm_head), in either key
     layout (`model.language_model.layers.*`, or the original Qwen-VL `model.layers.*`)."""
@@ -51,7 +80,7 @@ def _quantizable(name: str, tensor: torch.Tensor) -> bool:
 
 
 def quantize_checkpoint(source: str | pathlib.Path, target: str | pathlib.Path, method: str = "fp8",
-                        block: tuple[int, int] = (32, 32)) -> tuple[pathlib.Path, pathlib.Path]:
+                        block: tuple[int, int] = (32, 32), group_size: int = 32) -> tuple[pathlib.Path, pathlib.Path]:
     """Writes the quantized copy of the single-file checkpoint `source` to `target`, and the dequantized
     reference to `target` + "-dequantized"; returns both paths."""
     source, target = pathlib.Path(source), pathlib.Path(target)
@@ -65,6 +94,24 @@ def quantize_checkpoint(source: str | pathlib.Path, target: str | pathlib.Path, 
             quantized[name] = dequantized[name] = tensor
             continue
         owner = name.removesuffix(".weight")
+        if method in ("gptq", "gptq-act-order", "awq"):
+            rows = tensor.shape[1]
+            num_groups = rows // group_size
+            groups = torch.arange(rows) // group_size
+            if method == "gptq-act-order":
+                groups = groups[torch.randperm(rows, generator=torch.Generator().manual_seed(rows))]
+            q, zeros, scales, exact = _int4_groups(tensor, groups, num_groups)
+            if method == "awq":
+                awq_order = (0, 2, 4, 6, 1, 3, 5, 7)
+                quantized[f"{owner}.qweight"] = pack_int4(q, 1, awq_order)
+                quantized[f"{owner}.qzeros"] = pack_int4(zeros, 1, awq_order)
+            else:
+                quantized[f"{owner}.qweight"] = pack_int4(q, 0)
+                quantized[f"{owner}.qzeros"] = pack_int4(zeros - 1, 1)
+                quantized[f"{owner}.g_idx"] = groups.to(torch.int32)
+            quantized[f"{owner}.scales"] = scales.half()
+            dequantized[name] = exact.to(tensor.dtype)
+            continue
         if method == "fp8":
             q, scale, exact = _quantize_blocks(tensor, block)
             quantized[f"{owner}.weight_scale_inv"] = scale
@@ -78,7 +125,13 @@ def quantize_checkpoint(source: str | pathlib.Path, target: str | pathlib.Path, 
     save_file(quantized, str(target / "model.safetensors"))
     save_file(dequantized, str(reference / "model.safetensors"))
     config = json.loads((target / "config.json").read_text())
-    if method == "fp8":
+    if method in ("gptq", "gptq-act-order"):
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": False,
+                                         "desc_act": method == "gptq-act-order", "checkpoint_format": "gptq"}
+    elif method == "awq":
+        config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": group_size, "version": "gemm",
+                                         "zero_point": True}
+    elif method == "fp8":
         config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                          "weight_block_size": list(block)}
     else:
