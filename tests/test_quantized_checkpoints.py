@@ -26,7 +26,7 @@ def _logprobs(path, prompt, images) -> tuple[list[int], list]:
     return out.token_ids, [lp.top for lp in out.logprobs]
 
 
-@pytest.mark.parametrize("method", ["fp8", "compressed-tensors", "gptq", "gptq-act-order", "awq"])
+@pytest.mark.parametrize("method", ["fp8", "compressed-tensors", "w4a16", "w4a16-asym", "gptq", "gptq-act-order", "awq"])
 @pytest.mark.parametrize("name", ["llava", "qwen2_5_vl"])
 def test_a_quantized_checkpoint_computes_its_dequantized_weights(family_checkpoint, tmp_path, method, name):
     source = family_checkpoint(name)
@@ -54,7 +54,9 @@ def test_a_block_scale_of_the_wrong_shape_is_named(family_checkpoint, tmp_path):
     ({"quant_method": "gptq", "bits": 4, "group_size": -1}, "group_size -1"),
     ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
     ({"quant_method": "fp8"}, "weight_block_size None"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized"}, "format 'pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "marlin-24"}, "format 'marlin-24'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized",
+      "config_groups": {"g": {"weights": {"num_bits": 8, "type": "int", "strategy": "group"}}}}, "4-bit int weights"),
 ])
 def test_an_unsupported_quantization_is_refused_by_name(family_checkpoint, tmp_path, quantization_config, named):
     path = tmp_path / "model"
@@ -83,3 +85,13 @@ def test_int4_unpacking_follows_each_formats_documented_nibble_order():
     gptq = {"qweight": gptq_word.repeat(1, 8), "qzeros": torch.zeros(1, 1, dtype=torch.int32), "scales": torch.full((1, 8), 0.5),
             "g_idx": torch.zeros(8, dtype=torch.int32)}  # 8 inputs (values 0..7 in every column), 8 outputs, one group
     assert dequantize_gptq(gptq, 8, "x")[3].tolist() == [(v - 1) * 0.5 for v in range(8)]
+
+
+def test_unpacking_equals_compressed_tensors_own_packer_along_both_dims():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    from mmengine.models.quantization import unpack_int4
+
+    values = torch.randint(-8, 8, (5, 40), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
+    assert torch.equal(unpack_int4(pack_to_int32(values, 4), 1)[:, :40] - 8, values.int())
+    assert torch.equal(unpack_int4(pack_to_int32(values, 4, packed_dim=0), 0)[:5] - 8, values.int())

@@ -8,15 +8,18 @@ GEMM kernels that keep the weights in 8 or 4 bits on a GPU are the next step of 
 - `quant_method: "compressed-tensors"` in the `float-quantized` format (llm-compressor's FP8 exports):
   e4m3 weights with `weight_scale` per output channel ([out, 1]) or per tensor; the activations'
   dynamic scheme needs nothing stored.
+- `quant_method: "compressed-tensors"` in the `pack-quantized` format (W4A16): int4 weights per group or
+  channel, symmetric or with zero points;
 - `quant_method: "gptq"` (4 bits, the v1 `gptq` checkpoint format, any group size; `desc_act` too: each
   input row's group comes from `g_idx`) and `"awq"` (4 bits, GEMM packing).
 Modules the config leaves unquantized (`modules_to_not_convert`, `ignore`) are plain tensors and load
-as they are. Anything else (compressed-tensors' int4 `pack-quantized`, other bit widths, an unknown
-method or field) is an UnsupportedModelError naming the method and the field.
+as they are. Anything else (other bit widths or formats, an unknown method or field) is an
+UnsupportedModelError naming the method and the field.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -31,17 +34,20 @@ _IGNORED_SUFFIXES = ("input_scale",)  # static activation scales: not used by de
 
 @dataclass(frozen=True)
 class WeightQuantization:
-    method: str  # "fp8" | "compressed-tensors" | "gptq" | "awq"
+    method: str  # "fp8" | "compressed-tensors" | "compressed-tensors-int4" | "gptq" | "awq"
     scale_name: str = "weight_scale"  # FP8: the tensor beside each quantized weight
     block: tuple[int, int] | None = None  # fp8: (rows, cols) of one scale's block; None: per channel or tensor
-    group_size: int = 0  # gptq / awq: input rows sharing one scale and zero point
+    group_size: int = 0  # int4: inputs sharing one scale and zero point (compressed-tensors: 0 = per channel)
+    symmetric: bool = True  # compressed-tensors int4: no zero points stored
 
     @property
     def int4(self) -> bool:
-        return self.method in ("gptq", "awq")
+        return self.method in ("gptq", "awq", "compressed-tensors-int4")
 
     def parts(self) -> frozenset[str]:
         """The tensors that make up one quantized linear layer's weight."""
+        if self.method == "compressed-tensors-int4":
+            return frozenset({"weight_packed", "weight_scale", "weight_shape"} | (set() if self.symmetric else {"weight_zero_point"}))
         if self.method == "gptq":
             return frozenset({"qweight", "qzeros", "scales", "g_idx"})
         if self.method == "awq":
@@ -72,9 +78,11 @@ def quantization_of(hf_config: Any) -> WeightQuantization | None:
         return WeightQuantization("fp8", "weight_scale_inv", (block[0], block[1]))
     if method == "compressed-tensors":
         fmt = config.get("format")
+        if fmt == "pack-quantized":
+            return _compressed_int4(config)
         if fmt != "float-quantized":
             raise UnsupportedModelError(f"quantization_config.format {fmt!r} of compressed-tensors is not supported yet "
-                                        "(supported: 'float-quantized')")
+                                        "(supported: 'float-quantized', 'pack-quantized')")
         for name, group in (config.get("config_groups") or {}).items():
             weights = group.get("weights") or {}
             if weights.get("type") != "float" or weights.get("num_bits") != 8 or weights.get("strategy") not in ("channel", "tensor"):
@@ -97,6 +105,27 @@ def quantization_of(hf_config: Any) -> WeightQuantization | None:
         return WeightQuantization(method, group_size=group)
     raise UnsupportedModelError(f"quantization_config.quant_method {method!r} is not supported yet "
                                 "(supported: 'fp8' with weight_block_size, 'compressed-tensors' float-quantized, 'gptq', 'awq')")
+
+
+def _compressed_int4(config: dict) -> WeightQuantization:
+    """compressed-tensors' pack-quantized format: one scheme of 4-bit int weights, per group or channel."""
+    groups = config.get("config_groups") or {}
+    schemes = {_scheme_key(group.get("weights") or {}) for group in groups.values()}
+    if len(schemes) != 1:
+        raise UnsupportedModelError(f"quantization_config.config_groups: {len(schemes)} weight schemes; pack-quantized is "
+                                    "supported with one")
+    weights = next(iter(groups.values())).get("weights") or {}
+    if weights.get("type") != "int" or weights.get("num_bits") != 4 or weights.get("strategy") not in ("group", "channel"):
+        raise UnsupportedModelError(f"quantization_config.config_groups weights {weights!r}: pack-quantized is supported with "
+                                    "4-bit int weights per group or channel")
+    group = weights.get("group_size") if weights.get("strategy") == "group" else 0
+    if group is not None and (not isinstance(group, int) or group < 0):
+        raise UnsupportedModelError(f"quantization_config.config_groups weights.group_size {group!r}")
+    return WeightQuantization("compressed-tensors-int4", group_size=group or 0, symmetric=bool(weights.get("symmetric", True)))
+
+
+def _scheme_key(value: dict) -> str:
+    return json.dumps(value, sort_keys=True)
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, spec: WeightQuantization, name: str) -> torch.Tensor:
@@ -161,7 +190,27 @@ def dequantize_awq(parts: dict[str, torch.Tensor], group_size: int, name: str) -
     return ((q - zeros[groups]).float() * scales[groups]).t()
 
 
+def dequantize_compressed_int4(parts: dict[str, torch.Tensor], spec: WeightQuantization, name: str) -> torch.Tensor:
+    """compressed-tensors pack-quantized: weight_packed [out, ceil(in / 8)] (nibble i of a word is input
+    8j + i, stored + 8), weight_scale [out, groups], weight_shape [out, in], weight_zero_point
+    [ceil(out / 8), groups] packed along the output (asymmetric only) -> the weight [out, in] in float32."""
+    out_features, in_features = (int(v) for v in parts["weight_shape"].tolist())
+    q = unpack_int4(parts["weight_packed"], 1)[:, :in_features] - 8
+    scales = parts["weight_scale"].float()
+    group = spec.group_size or in_features
+    if q.shape[0] != out_features or scales.shape != (out_features, -(-in_features // group)):
+        raise WeightsMismatchError(f"{name}: pack-quantized tensors disagree: weight_packed {tuple(parts['weight_packed'].shape)}, "
+                                   f"weight_scale {tuple(scales.shape)}, weight_shape {(out_features, in_features)}")
+    columns = torch.arange(in_features) // group
+    zeros = torch.zeros_like(scales)
+    if not spec.symmetric:
+        zeros = (unpack_int4(parts["weight_zero_point"], 0)[:out_features] - 8).float()
+    return (q.float() - zeros[:, columns]) * scales[:, columns]
+
+
 def _dequantize(parts: dict[str, torch.Tensor], spec: WeightQuantization, name: str) -> torch.Tensor:
+    if spec.method == "compressed-tensors-int4":
+        return dequantize_compressed_int4(parts, spec, name)
     if spec.method == "gptq":
         return dequantize_gptq(parts, spec.group_size, name)
     if spec.method == "awq":

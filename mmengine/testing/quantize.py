@@ -9,6 +9,9 @@
 - `gptq` (v1 format, 4 bits): `qweight` [in / 8, out] packed along the input (nibble i of a word is
   row 8r + i), `qzeros` [groups, out / 8] packed along the output and stored minus one, `scales`
   [groups, out] fp16, `g_idx` [in]; with act_order the rows are assigned to groups in a shuffled order;
+- `w4a16` / `w4a16-asym` (compressed-tensors pack-quantized, llm-compressor's W4A16): int4 weights per
+  group of 32 inputs packed by compressed-tensors' own `pack_to_int32`, `weight_scale` [out, groups],
+  `weight_shape`, and for the asymmetric scheme `weight_zero_point` packed along the output;
 - `awq` (GEMM packing, 4 bits): `qweight` [in, out / 8] and `qzeros` [groups, out / 8] packed along the
   output with AutoAWQ's nibble order (0, 2, 4, 6, 1, 3, 5, 7), `scales` [groups, out] fp16.
 
@@ -62,6 +65,25 @@ def _int4_groups(weight: torch.Tensor, groups: torch.Tensor, num_groups: int) ->
     return q.to(torch.int32), zeros.to(torch.int32), scales, ((q - zeros[groups]) * scales[groups]).t()
 
 
+def _int4_signed_groups(weight: torch.Tensor, group_size: int, symmetric: bool) -> tuple[torch.Tensor, ...]:
+    """compressed-tensors' int4 scheme per group of inputs: q in [-8, 7] as int8, scales [out, groups],
+    zero points [out, groups] int8 (None when symmetric), and the dequantized weight (q - zero) x scale."""
+    w = weight.float()
+    grouped = w.view(w.shape[0], -1, group_size)
+    if symmetric:
+        scales = (grouped.abs().amax(-1) / 7).clamp(min=1e-8)
+        zeros = torch.zeros_like(scales)
+    else:
+        lo, hi = grouped.amin(-1).clamp(max=0), grouped.amax(-1).clamp(min=0)
+        scales = ((hi - lo) / 15).clamp(min=1e-8)
+        zeros = (-8 - lo / scales).round().clamp(-8, 7)
+    scales = scales.to(weight.dtype).float()  # stored in the model dtype
+    q = (grouped / scales[..., None] + zeros[..., None]).round().clamp(-8, 7)
+    exact = ((q - zeros[..., None]) * scales[..., None]).reshape(w.shape)
+    return (q.reshape(w.shape).to(torch.int8), scales.to(weight.dtype),
+            None if symmetric else zeros.to(torch.int8), exact)
+
+
 def pack_int4(values: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
     """8 unsigned 4-bit values per int32 along `dim` (nibble i holds element order[i] of each 8), as the
     formats store them (the top nibble wraps into the sign bit)."""
@@ -94,6 +116,17 @@ def quantize_checkpoint(source: str | pathlib.Path, target: str | pathlib.Path, 
             quantized[name] = dequantized[name] = tensor
             continue
         owner = name.removesuffix(".weight")
+        if method in ("w4a16", "w4a16-asym"):
+            q, scales, zeros, exact = _int4_signed_groups(tensor, group_size, symmetric=method == "w4a16")
+            from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32  # the format's own packer
+
+            quantized[f"{owner}.weight_packed"] = pack_to_int32(q, 4)
+            quantized[f"{owner}.weight_scale"] = scales
+            quantized[f"{owner}.weight_shape"] = torch.tensor(tensor.shape)
+            if zeros is not None:
+                quantized[f"{owner}.weight_zero_point"] = pack_to_int32(zeros, 4, packed_dim=0)
+            dequantized[name] = exact.to(tensor.dtype)
+            continue
         if method in ("gptq", "gptq-act-order", "awq"):
             rows = tensor.shape[1]
             num_groups = rows // group_size
@@ -125,7 +158,15 @@ def quantize_checkpoint(source: str | pathlib.Path, target: str | pathlib.Path, 
     save_file(quantized, str(target / "model.safetensors"))
     save_file(dequantized, str(reference / "model.safetensors"))
     config = json.loads((target / "config.json").read_text())
-    if method in ("gptq", "gptq-act-order"):
+    if method in ("w4a16", "w4a16-asym"):
+        scheme = {"num_bits": 4, "type": "int", "symmetric": method == "w4a16", "strategy": "group", "group_size": group_size,
+                  "dynamic": False}
+        config["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": scheme, "input_activations": None}},
+            "ignore": ["lm_head", "re:.*visual.*", "re:.*vision_tower.*", "re:.*multi_modal_projector.*"],
+        }
+    elif method in ("gptq", "gptq-act-order"):
         config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": False,
                                          "desc_act": method == "gptq-act-order", "checkpoint_format": "gptq"}
     elif method == "awq":
