@@ -28,6 +28,8 @@ _DTYPES = {
     "bf16": "bfloat16",
 }
 
+QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "none")
+
 # On CPU the KV cache has no free-memory probe; this caps it unless num_kv_blocks is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -70,6 +72,9 @@ class EngineConfig:
     # A thinking model's <think>...</think> apart from its answer (RequestOutput.reasoning_content, the
     # server's reasoning_content): "qwen3" or "deepseek_r1", as vLLM's --reasoning-parser; None: off.
     reasoning_parser: str | None = None
+    # The quantization the checkpoint is expected to have ("fp8", "compressed-tensors", "gptq", "awq" or
+    # "none"): only asserted against its quantization_config, which alone decides how weights load.
+    quantization: str | None = None
     enable_prefix_caching: bool = True
     # Batches added at once (generate()) are planned into prefix-sharing groups: queued group by
     # group, each group's shared prefix computed once and held until its last member finishes;
@@ -172,6 +177,8 @@ class EngineConfig:
         _require(self.attn_backend in ("auto", "torch", "triton"), "attn_backend", self.attn_backend, "'auto', 'torch' or 'triton'")
         _require(self.cascade_attention in ("auto", "on", "off"), "cascade_attention", self.cascade_attention, "'auto', 'on' or 'off'")
         _require(self.async_scheduling in ("auto", "on", "off"), "async_scheduling", self.async_scheduling, "'auto', 'on' or 'off'")
+        _require(self.quantization in (None, *QUANTIZATION_METHODS), "quantization", self.quantization,
+                 f"None or one of {', '.join(QUANTIZATION_METHODS)}")
         _require(self.reasoning_parser in (None, *REASONING_PARSERS), "reasoning_parser", self.reasoning_parser,
                  f"None or one of {', '.join(REASONING_PARSERS)}")
         _require(isinstance(self.limit_mm_per_prompt, dict), "limit_mm_per_prompt", self.limit_mm_per_prompt, "a dict")

@@ -95,3 +95,16 @@ def test_unpacking_equals_compressed_tensors_own_packer_along_both_dims():
     values = torch.randint(-8, 8, (5, 40), generator=torch.Generator().manual_seed(0), dtype=torch.int8)
     assert torch.equal(unpack_int4(pack_to_int32(values, 4), 1)[:, :40] - 8, values.int())
     assert torch.equal(unpack_int4(pack_to_int32(values, 4, packed_dim=0), 0)[:5] - 8, values.int())
+
+
+def test_quantization_only_asserts_what_the_checkpoint_says(family_checkpoint, tmp_path):
+    from mmengine.errors import ConfigError
+
+    quantized, _ = quantize_checkpoint(family_checkpoint("llava"), tmp_path / "q", "gptq")
+    MMEngine(str(quantized), device="cpu", dtype="float32", max_model_len=256, quantization="gptq")
+    with pytest.raises(ConfigError, match="quantization='awq', but the checkpoint's quantization_config says 'gptq'"):
+        MMEngine(str(quantized), device="cpu", dtype="float32", max_model_len=256, quantization="awq")
+    with pytest.raises(ConfigError, match="quantization='fp8', but the checkpoint's quantization_config says 'none'"):
+        MMEngine(str(family_checkpoint("llava")), device="cpu", dtype="float32", max_model_len=256, quantization="fp8")
+    with pytest.raises(ConfigError, match="quantization"):
+        MMEngine(str(quantized), quantization="int3")

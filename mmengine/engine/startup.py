@@ -29,7 +29,7 @@ from mmengine.lora.adapter import DecoderShape, VisionTargets
 from mmengine.lora.manager import LoRAManager
 from mmengine.models.family import ModelFamily
 from mmengine.models.loader import checkpoint_dtype
-from mmengine.models.quantization import quantization_of
+from mmengine.models.quantization import WeightQuantization, quantization_of
 from mmengine.models.registry import family_class_for, load_family, load_hf_config, load_hf_processor
 from mmengine.multimodal.processor import InputProcessor
 from mmengine.runner import ModelRunner
@@ -65,7 +65,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     model_dir = Path(config.model)
     hf_config = load_hf_config(model_dir)
     family_class_for(hf_config)  # fail fast on unsupported architectures
-    quantization_of(hf_config)  # ... and quantization methods
+    _check_quantization(config, quantization_of(hf_config))  # ... and quantization methods
     hf_processor = load_hf_processor(model_dir, config.mm_processor_kwargs)
     family = load_family(hf_config, hf_processor, model_dir)
     max_model_len = resolve_max_model_len(config, family)
@@ -91,6 +91,13 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     return EngineParts(config, hf_config, family, max_model_len, device, dtype, input_processor, runner, encoder_budget,
                        kv_cache, encoder_cache, encoder_host_tier, scheduler, eos_token_ids, grammars,
                        _lora_manager(config, family, runner))
+
+
+def _check_quantization(config: EngineConfig, spec: WeightQuantization | None) -> None:
+    """EngineConfig.quantization only asserts what the checkpoint's quantization_config says."""
+    actual = "none" if spec is None else spec.method.removesuffix("-int4")
+    if config.quantization is not None and config.quantization != actual:
+        raise ConfigError(f"quantization={config.quantization!r}, but the checkpoint's quantization_config says {actual!r}")
 
 
 def _start_runner(config: EngineConfig, family: ModelFamily, runner: ModelRunner) -> int:
