@@ -36,10 +36,11 @@ class TopKRouter(nn.Module):
 
 
 class FusedExperts(nn.Module):
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str) -> None:
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, hidden_act: str, top_k: int = 1) -> None:
+        """`top_k`: experts per token (what reads the weights needs to know, e.g. a read floor)."""
         super().__init__()
         self.num_experts = num_experts
-        self.top_k = 1  # set by the owning block (for what reads them, e.g. benchmarks' read floors)
+        self.top_k = top_k
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
@@ -67,8 +68,8 @@ class SparseMoeBlock(nn.Module):
     def __init__(self, config: PretrainedConfig, shared_mlp: nn.Module | None = None) -> None:
         super().__init__()
         self.gate = TopKRouter(config.num_experts, config.num_experts_per_tok, config.hidden_size)
-        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, config.hidden_act)
-        self.experts.top_k = config.num_experts_per_tok
+        self.experts = FusedExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size, config.hidden_act,
+                                    config.num_experts_per_tok)
         self.shared_expert = shared_mlp
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False) if shared_mlp is not None else None
 
