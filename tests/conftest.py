@@ -20,7 +20,7 @@ if not torch.cuda.is_available():
 from transformers import AutoModelForImageTextToText, PreTrainedModel
 
 from mmengine.models.registry import load_hf_processor
-from mmengine.testing import TinyLlavaSpec, TinyQwenVLSpec, tiny_llava_path, tiny_qwen_vl_path
+from mmengine.testing import TinyLlavaSpec, tiny_llava_path, tiny_qwen_vl_path
 from mmengine.testing.qwen_vl import tiny_spec
 
 
