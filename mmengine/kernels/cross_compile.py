@@ -308,6 +308,20 @@ def record_moe_launches(case: AttentionCase, num_experts: int = 4, moe_intermedi
     return launches
 
 
+def record_w4a16_launches(case: AttentionCase, group_size: int = 128) -> list[Launch]:
+    """The W4A16 GEMM on the MLP's down projection (intermediate -> hidden) for a decode-sized and a
+    prefill-sized batch."""
+    from mmengine.kernels.w4a16 import w4a16_matmul
+
+    k, n = case.intermediate_size, case.hidden_size
+    qweight = torch.empty(k // 8, n, dtype=torch.int32)
+    scales = torch.empty(k // group_size, n, dtype=case.dtype)
+    with capture_launches() as launches:
+        for rows in (1, 64):
+            w4a16_matmul(torch.empty(rows, k, dtype=case.dtype), qweight, scales, scales, group_size)
+    return launches
+
+
 def default_cases() -> list[AttentionCase]:
     """The issue's head dims and block sizes in both 16-bit types, GQA groups 1 to 8 (7 is padded),
     and the fp32 path (exact dot products) the engine takes for float32 checkpoints."""
@@ -326,7 +340,8 @@ def default_cases() -> list[AttentionCase]:
 def report(cases: list[AttentionCase], archs: list[int], log: Callable[[str], None] = print) -> list[KernelResources]:
     results = []
     for case in cases:
-        launches = record_attention_launches(case) + record_decoder_launches(case) + record_lora_launches(case) + record_moe_launches(case)
+        launches = (record_attention_launches(case) + record_decoder_launches(case) + record_lora_launches(case)
+                    + record_moe_launches(case) + record_w4a16_launches(case))
         for launch in launches:
             for arch in archs:
                 res = resources_of(launch, arch, case.label)
