@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from mmengine.kernels.w4a16 import w4a16_matmul
-from mmengine.models.quantization import unpack_int4
-from mmengine.testing.quantize import pack_int4
+from mmengine.models.quantization import pack_int4, unpack_int4
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

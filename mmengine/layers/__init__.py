@@ -11,4 +11,6 @@
   lora.py                LoRA on the projections: a per-row low-rank delta from device slots
   gated_delta.py         Gated DeltaNet (Qwen3.5's linear attention) over state slots, with checkpoint saves
   gated_delta_rule.py    the gated delta rule: recurrent, chunked, batched decode; fla-core's kernels on CUDA
+  moe.py                 mixture-of-experts MLPs: the top-k router, fused expert weights, a gated shared expert
+  int4_linear.py         a projection kept in 4 bits, through the W4A16 GEMM
 """

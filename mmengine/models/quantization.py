@@ -173,16 +173,27 @@ def dequantize_gptq(parts: dict[str, torch.Tensor], group_size: int, name: str) 
     return ((q - zeros[groups]).float() * parts["scales"].float()[groups]).t()
 
 
+def pack_int4(values: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """8 unsigned 4-bit values per int32 along `dim` (nibble i holds element order[i] of each 8), as the
+    formats store them (the top nibble wraps into the sign bit). The inverse of unpack_int4."""
+    v = values.to(torch.int64).movedim(dim, -1)
+    v = v.reshape(*v.shape[:-1], -1, 8)[..., list(order)]
+    words = (v << torch.arange(0, 32, 4)).sum(-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return words.movedim(-1, dim).contiguous()
+
+
+def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
+    """AWQ's GEMM packing along the output, unpacked into natural column order."""
+    reverse = torch.tensor([AWQ_ORDER.index(i) for i in range(8)])
+    values = unpack_int4(packed, 1).view(packed.shape[0], -1, 8)
+    return values[:, :, reverse].reshape(packed.shape[0], -1)
+
+
 def dequantize_awq(parts: dict[str, torch.Tensor], group_size: int, name: str) -> torch.Tensor:
     """AWQ (GEMM): qweight [in, out / 8] and qzeros [in / group, out / 8] packed along the output in AWQ's
     nibble order, scales [in / group, out] -> the linear weight [out, in] in float32."""
-    reverse = torch.tensor([AWQ_ORDER.index(i) for i in range(8)])
-
-    def columns(packed: torch.Tensor) -> torch.Tensor:
-        values = unpack_int4(packed, 1).view(packed.shape[0], -1, 8)
-        return values[:, :, reverse].reshape(packed.shape[0], -1)
-
-    q, zeros, scales = columns(parts["qweight"]), columns(parts["qzeros"]), parts["scales"].float()
+    q, zeros, scales = _awq_columns(parts["qweight"]), _awq_columns(parts["qzeros"]), parts["scales"].float()
     groups = torch.arange(q.shape[0]) // group_size
     if zeros.shape != scales.shape or zeros.shape[0] != -(-q.shape[0] // group_size) or zeros.shape[1] != q.shape[1]:
         raise WeightsMismatchError(f"{name}: AWQ tensors disagree: qweight {tuple(parts['qweight'].shape)}, qzeros "
@@ -218,7 +229,36 @@ def _dequantize(parts: dict[str, torch.Tensor], spec: WeightQuantization, name: 
     return dequantize_fp8(parts["weight"], parts[spec.scale_name], spec, name)
 
 
-def dequantize_tensors(weights: Iterable[tuple[str, torch.Tensor]], spec: WeightQuantization) -> Iterator[tuple[str, torch.Tensor]]:
+@dataclass
+class PackedInt4:
+    """One int4 linear weight as the W4A16 GEMM reads it: qweight [in / 8, out] (nibble i of word r is
+    input 8r + i, 0..15), scales and zeros [in / group, out] (float32 here)."""
+
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group_size: int
+
+
+def pack_for_kernel(parts: dict[str, torch.Tensor], spec: WeightQuantization) -> PackedInt4 | None:
+    """The kernel's layout of one int4 weight, or None where it has none yet (GPTQ act-order: inputs not
+    grouped in order; a group size that is not a multiple of 8)."""
+    if spec.group_size % 8:
+        return None
+    if spec.method == "gptq":
+        rows = parts["qweight"].shape[0] * 8
+        if not torch.equal(parts["g_idx"].long(), torch.arange(rows) // spec.group_size):
+            return None
+        return PackedInt4(parts["qweight"].to(torch.int32), parts["scales"].float(),
+                          (unpack_int4(parts["qzeros"], 1) + 1).float(), spec.group_size)
+    if spec.method == "awq":
+        return PackedInt4(pack_int4(_awq_columns(parts["qweight"]), 0), parts["scales"].float(),
+                          _awq_columns(parts["qzeros"]).float(), spec.group_size)
+    return None
+
+
+def dequantize_tensors(weights: Iterable[tuple[str, torch.Tensor]], spec: WeightQuantization,
+                       packed: dict[str, PackedInt4] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with each quantized linear weight (FP8 `X.weight` with its scale; GPTQ's or
     AWQ's `X.qweight`, `X.qzeros`, `X.scales`, `X.g_idx`) dequantized to float32 as `X.weight` once all its
     parts are read; every other tensor passes through. A part left without the others is a
@@ -238,6 +278,10 @@ def dequantize_tensors(weights: Iterable[tuple[str, torch.Tensor]], spec: Weight
         group[leaf] = tensor
         if needed <= group.keys():
             del pending[owner]
+            if packed is not None and spec.int4:  # kept for the W4A16 GEMM (layers/int4_linear.py)
+                kernel_layout = pack_for_kernel(group, spec)
+                if kernel_layout is not None:
+                    packed[owner] = kernel_layout
             yield f"{owner}.weight", _dequantize(group, spec, f"{owner}.weight")
     if pending:
         lost = [f"{owner} ({', '.join(sorted(needed - group.keys()))} missing)" for owner, group in pending.items()]

@@ -17,7 +17,7 @@ from mmengine.layers.attention import AttentionMetadata
 from mmengine.layers.lora import ItemLoRAContext, LoRALinear, LoRASlice
 from mmengine.models.llama import STACKED_PROJECTIONS, DecoderModel, DeepStack, head_dim_of
 from mmengine.models.loader import WeightCheck, fuse_expert_tensors
-from mmengine.models.quantization import WeightQuantization, dequantize_tensors
+from mmengine.models.quantization import PackedInt4, WeightQuantization, dequantize_tensors
 
 _ROTARY_CACHE = re.compile(r"(^|\.)rotary_emb\.")
 
@@ -97,13 +97,14 @@ class VisionLanguageModel(nn.Module):
         """Whether a checkpoint tensor the model has no parameter for is known and safely skipped."""
         return name.startswith("language_model.") and bool(_ROTARY_CACHE.search(name))
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: WeightQuantization | None = None) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: WeightQuantization | None = None,
+                     packed: dict[str, PackedInt4] | None = None) -> None:
         """Loads every parameter exactly once. A missing, unexpected, repeated or mis-shaped tensor raises
         WeightsMismatchError naming it, the shapes and the file; a missing lm_head.weight is fine only
         when the checkpoint ties word embeddings."""
         expected = self.expected_weights()
         check = WeightCheck(expected, weights, optional=["lm_head.weight"] if self.tie_word_embeddings else [])
-        tensors = dequantize_tensors(weights, quantization) if quantization is not None else weights
+        tensors = dequantize_tensors(weights, quantization, packed) if quantization is not None else weights
         num_experts = getattr(self.language_model.config, "num_experts", 0)
         for raw_name, tensor in fuse_expert_tensors(tensors, num_experts) if num_experts > 0 else tensors:
             name = self.checkpoint_name(raw_name)
@@ -115,6 +116,12 @@ class VisionLanguageModel(nn.Module):
         check.finish()
         if "lm_head.weight" not in check.loaded:
             self.lm_head.weight = self.language_model.embed_tokens.weight
+
+    def use_int4_weights(self, packed: dict[str, PackedInt4]) -> int:
+        """Swaps the decoder's dense projections for Int4Linear layers wherever the checkpoint's int4 weights
+        (by checkpoint name, as dequantize_tensors kept them) cover all their shards; returns how many."""
+        ours = {self.checkpoint_name(f"{name}.weight").removesuffix(".weight"): p for name, p in packed.items()}
+        return use_int4_projections(self.language_model, {n.removeprefix("language_model."): p for n, p in ours.items()})
 
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         """Our name of every checkpoint tensor the model needs, with its shape."""
@@ -152,3 +159,35 @@ def decoder_checkpoint_shapes(decoder: DecoderModel) -> dict[str, tuple[int, ...
         for proj, shard in shards:
             shapes[f"{owner}.{proj}.{leaf}"] = (rows[shard], *param.shape[1:])
     return shapes
+
+
+def use_int4_projections(decoder: DecoderModel, packed: dict[str, PackedInt4]) -> int:
+    """Int4Linear for each of the decoder's fused projections whose shards all have int4 weights of one
+    group size (`packed` by our decoder-relative names, e.g. "layers.0.self_attn.q_proj")."""
+    from mmengine.layers.int4_linear import Int4Linear
+
+    swapped = 0
+    for index, layer in enumerate(decoder.layers):
+        owners = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                  "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                  "mlp.down_proj": ("mlp.down_proj",)}
+        for fused, shards in owners.items():
+            parts = [packed.get(f"layers.{index}.{shard}") for shard in shards]
+            if any(p is None for p in parts) or len({p.group_size for p in parts}) != 1:
+                continue
+            parent_name, _, attr = fused.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            dense = getattr(parent, attr)
+            if not isinstance(dense, torch.nn.Linear):
+                continue
+            device = dense.weight.device
+            replacement = Int4Linear(torch.cat([p.qweight for p in parts], dim=1).to(device),
+                                     torch.cat([p.scales for p in parts], dim=1).to(device),
+                                     torch.cat([p.zeros for p in parts], dim=1).to(device), parts[0].group_size,
+                                     None if dense.bias is None else dense.bias.data)
+            if (replacement.in_features, replacement.out_features) != (dense.in_features, dense.out_features):
+                raise WeightsMismatchError(f"int4 shards of layers.{index}.{fused} make a {replacement.in_features} x "
+                                           f"{replacement.out_features} projection, expected {dense.in_features} x {dense.out_features}")
+            setattr(parent, attr, replacement)
+            swapped += 1
+    return swapped

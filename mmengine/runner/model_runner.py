@@ -63,7 +63,13 @@ class ModelRunner:
         self.text_config = family.text_config
         with torch.device(device), default_dtype(dtype):
             self.model = family.model_class(family.hf_config)
-        self.model.load_weights(iter_checkpoint(model_dir), quantization_of(family.hf_config))
+        quantization = quantization_of(family.hf_config)
+        # int4 weights stay packed for the W4A16 GEMM where the fused kernels run (not under LoRA, which
+        # wraps the dense projections); elsewhere they are dequantized at load
+        packed: dict | None = {} if quantization is not None and quantization.int4 and not config.enable_lora and \
+            use_fused_kernels(device, get_attention_backend(config.attn_backend, device).name) else None
+        self.model.load_weights(iter_checkpoint(model_dir), quantization, packed)
+        self.num_int4_projections = self.model.use_int4_weights(packed) if packed else 0
         self.model.eval()
         # LoRA slots are allocated here, before the KV cache is sized, so its profile counts them.
         self.lora_context: LoRAContext | None = None

@@ -29,6 +29,8 @@ import shutil
 import torch
 from safetensors.torch import load_file, save_file
 
+from mmengine.models.quantization import pack_int4
+
 FP8_MAX = 448.0
 
 
@@ -82,16 +84,6 @@ def _int4_signed_groups(weight: torch.Tensor, group_size: int, symmetric: bool) 
     exact = ((q - zeros[..., None]) * scales[..., None]).reshape(w.shape)
     return (q.reshape(w.shape).to(torch.int8), scales.to(weight.dtype),
             None if symmetric else zeros.to(torch.int8), exact)
-
-
-def pack_int4(values: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
-    """8 unsigned 4-bit values per int32 along `dim` (nibble i holds element order[i] of each 8), as the
-    formats store them (the top nibble wraps into the sign bit)."""
-    v = values.to(torch.int64).movedim(dim, -1)
-    v = v.reshape(*v.shape[:-1], -1, 8)[..., list(order)]
-    words = (v << torch.arange(0, 32, 4)).sum(-1)
-    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-    return words.movedim(-1, dim).contiguous()
 
 
 def _quantizable(name: str, tensor: torch.Tensor) -> bool:
