@@ -267,6 +267,15 @@ _TINY_LATENCY = ["--batch-sizes", "1,3", "--prompt-tokens", "16", "--warmup-step
                  "--ttft-repeats", "1", "--image-size", "64x48", "--profile-batch-size", "2", "--profile-steps", "1",
                  "--max-model-len", "512", "--transformers-ttft"]
 
+def _latency_part(name: str, issue: str, minutes: int, image_size: str, reads: Callable[[dict], list[Reading]]) -> Part:
+    """`latency.py` on the checkpoint `name` (decode at batch 1 and 64, TTFT beside transformers'), tiny in a dry run."""
+    return Part(name, issue, minutes, (name,),
+                lambda ctx: _bench("latency.py", ctx, name, "--model", _model(ctx, name), "--device", "cuda", "--batch-sizes", "1,64",
+                                   "--image-size", image_size, "--max-model-len", "8192", "--transformers-ttft"),
+                lambda ctx: _bench("latency.py", ctx, name, "--model", _model(ctx, name), *_TINY_LATENCY),
+                reads)
+
+
 PARTS: list[Part] = [
     Part("attention_gqa4", "26", 3, (), _GPU_ATTENTION_4, _DRY_ATTENTION_4, _attention_reads),
     Part("attention_gqa7", "26", 3, (), _GPU_ATTENTION_7, _DRY_ATTENTION_7, _attention_reads),
@@ -286,11 +295,7 @@ PARTS: list[Part] = [
                             "--unique-images", "2", "--image-size-max", "64", "--prompt-words", "6", "--output-len", "3",
                             "--max-num-seqs", "4", "--max-model-len", "256", "--baseline-batch-size", "3", "--baseline-requests", "3"),
          _images_reads),
-    Part("qwen2_5_vl_7b", "26", 4, ("qwen2_5_vl_7b",),
-         lambda ctx: _bench("latency.py", ctx, "qwen2_5_vl_7b", "--model", _model(ctx, "qwen2_5_vl_7b"), "--device", "cuda",
-                            "--batch-sizes", "1,64", "--image-size", "1155x866", "--max-model-len", "8192", "--transformers-ttft"),
-         lambda ctx: _bench("latency.py", ctx, "qwen2_5_vl_7b", "--model", _model(ctx, "qwen2_5_vl_7b"), *_TINY_LATENCY),
-         _qwen_reads),
+    _latency_part("qwen2_5_vl_7b", "26", 4, "1155x866", _qwen_reads),
     Part("lora", "22", 3, ("llava_7b",),
          lambda ctx: _bench("lora.py", ctx, "lora", "--model", _model(ctx, "llava_7b"), "--device", "cuda", "--adapters", "0,8",
                             "--ranks", "16", "--max-loras", "8", "--num-requests", "64", "--decode-batch-size", "64",
@@ -341,11 +346,7 @@ PARTS: list[Part] = [
                             "--per-image", "2", "--groups", "1", "--degree", "2", "--shared-len", "16", "--unique-len", "8",
                             "--output-len", "2", "--repeats", "1", "--num-cpus", "0.5", "--max-model-len", "256"),
          _ray_reads),
-    Part("qwen3_vl_30b_a3b", "34", 6, ("qwen3_vl_30b_a3b",),
-         lambda ctx: _bench("latency.py", ctx, "qwen3_vl_30b_a3b", "--model", _model(ctx, "qwen3_vl_30b_a3b"), "--device", "cuda",
-                            "--batch-sizes", "1,64", "--image-size", "640x480", "--max-model-len", "8192", "--transformers-ttft"),
-         lambda ctx: _bench("latency.py", ctx, "qwen3_vl_30b_a3b", "--model", _model(ctx, "qwen3_vl_30b_a3b"), *_TINY_LATENCY),
-         _moe_reads),
+    _latency_part("qwen3_vl_30b_a3b", "34", 6, "640x480", _moe_reads),
     Part("qwen3_5_9b", "33", 4, ("qwen3_5_9b",),
          lambda ctx: _bench("hybrid_prefix.py", ctx, "qwen3_5_9b", "--model", _model(ctx, "qwen3_5_9b"), "--device", "cuda",
                             "--turns", "4", "--output-len", "128", "--system-len", "2000", "--tail-len", "200",

@@ -43,6 +43,8 @@ class Precision:
 
 
 CPU_FP32 = Precision("cpu", torch.float32)
+# Where the Triton kernels run: compiled on a GPU when one is present, else in Triton's interpreter on CPU
+KERNEL_FP32 = Precision("cuda" if torch.cuda.is_available() else "cpu", torch.float32)
 _NEEDS_CUDA = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU; the cpu variant of the same dtype checks the same on CPU"
 )

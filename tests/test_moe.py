@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hf_greedy
+from conftest import KERNEL_FP32, hf_greedy
 from mmengine import MMEngine, SamplingParams
 from mmengine.errors import UnsupportedModelError, WeightsMismatchError
 from mmengine.layers.moe import FusedExperts, SparseMoeBlock
@@ -135,13 +135,11 @@ def test_lora_on_a_moe_decoder_is_refused_by_name(family_checkpoint):
 
 
 @pytest.mark.parametrize("name", MOE)
-def test_the_fused_moe_kernel_in_the_engine_matches_transformers(family_checkpoint, exact_precision, name):
-    """The Triton backend with the fused kernels (the MoE kernel among them): in Triton's interpreter on
-    CPU, compiled on a GPU."""
-    if exact_precision.device == "cpu" and torch.cuda.is_available():
-        pytest.skip("with a GPU present Triton compiles for CUDA: the cuda-fp32 variant runs this check")
+def test_the_fused_moe_kernel_in_the_engine_matches_transformers(family_checkpoint, no_tf32, name):
+    """The Triton backend with the fused kernels (the MoE kernel among them): compiled on a GPU, in
+    Triton's interpreter on CPU."""
     path = family_checkpoint(name)
-    engine = MMEngine(str(path), max_model_len=256, attn_backend="triton", enforce_eager=True, **exact_precision.engine_kwargs)
+    engine = MMEngine(str(path), max_model_len=256, attn_backend="triton", enforce_eager=True, **KERNEL_FP32.engine_kwargs)
     prompt = qwen_vl_prompt("Compare them.", 1)
     from mmengine.kernels import fused_moe as kernel_module
 
@@ -158,7 +156,7 @@ def test_the_fused_moe_kernel_in_the_engine_matches_transformers(family_checkpoi
     finally:
         kernel_module.fused_moe = original
     assert calls["n"] > 0  # the kernel ran, not the PyTorch experts
-    assert out.token_ids == hf_greedy(path, prompt, PICTURES[:1], 4, exact_precision, ignore_eos=True)
+    assert out.token_ids == hf_greedy(path, prompt, PICTURES[:1], 4, KERNEL_FP32, ignore_eos=True)
 
 
 def test_the_budget_counts_every_experts_weights(family_checkpoint, capsys):

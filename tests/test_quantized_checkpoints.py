@@ -111,21 +111,21 @@ def test_quantization_only_asserts_what_the_checkpoint_says(family_checkpoint, t
 
 
 @pytest.mark.parametrize("method,swapped", [("gptq", 8), ("awq", 8), ("gptq-act-order", 0)])
-def test_int4_weights_stay_packed_for_the_w4a16_gemm_where_the_fused_kernels_run(family_checkpoint, tmp_path, exact_precision,
+def test_int4_weights_stay_packed_for_the_w4a16_gemm_where_the_fused_kernels_run(family_checkpoint, tmp_path, no_tf32,
                                                                                   method, swapped):
     """With the Triton backend (the interpreter on CPU), GPTQ and AWQ projections become Int4Linear layers
     (q/k/v and gate/up fused; 4 a layer, 2 layers) and give the dequantized model's tokens; act-order
     GPTQ has no kernel layout yet and stays dense."""
-    if exact_precision.device == "cpu" and torch.cuda.is_available():
-        pytest.skip("with a GPU present Triton compiles for CUDA: the cuda-fp32 variant runs this check")
+    from conftest import KERNEL_FP32
+
     from mmengine.layers.int4_linear import Int4Linear
 
     quantized, reference = quantize_checkpoint(family_checkpoint("llava"), tmp_path / "q", method)
     prompt = "USER: <image>\nWhat is it? ASSISTANT:"
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    engine = MMEngine(str(quantized), max_model_len=256, attn_backend="triton", enforce_eager=True, **exact_precision.engine_kwargs)
+    engine = MMEngine(str(quantized), max_model_len=256, attn_backend="triton", enforce_eager=True, **KERNEL_FP32.engine_kwargs)
     assert engine.runner.num_int4_projections == swapped
     assert isinstance(engine.runner.model.language_model.layers[0].mlp.down_proj, Int4Linear) == (swapped > 0)
     ours = engine.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids
-    plain = MMEngine(str(reference), max_model_len=256, **exact_precision.engine_kwargs)
+    plain = MMEngine(str(reference), max_model_len=256, **KERNEL_FP32.engine_kwargs)
     assert ours == plain.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids

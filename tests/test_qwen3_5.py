@@ -7,10 +7,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from books import assert_books_consistent
-from conftest import CPU_FP32, _hf_inputs, _hf_model, hf_greedy
+from conftest import hf_greedy, hf_logits
 from mmengine import MMEngine, SamplingParams
 from mmengine.testing import make_test_image
 from mmengine.testing.qwen_vl import qwen_vl_prompt
@@ -47,9 +46,7 @@ def test_logits_equal_transformers_with_two_pictures(path):
     prompt = qwen_vl_prompt("Compare them.", 2)
     (out,) = _engine(path).generate(prompt, images=PICTURES, sampling_params=SamplingParams(max_tokens=1, logprobs=8),
                                     use_tqdm=False)
-    model, processor = _hf_model(path, CPU_FP32)
-    with torch.inference_mode():
-        expected = model(**_hf_inputs(processor, prompt, PICTURES, CPU_FP32)).logits[0, -1].float().log_softmax(-1)
+    expected = hf_logits(path, prompt, PICTURES).log_softmax(-1)
     for token, value in out.logprobs[0].top:
         assert value == pytest.approx(expected[token].item(), abs=1e-5)
 

@@ -46,6 +46,14 @@ def align_by_expert(experts: torch.Tensor, num_experts: int, block_m: int = BLOC
 
 
 @triton.jit
+def _tile_pairs(sorted_ptr, tile_expert_ptr, tile, num_pairs, BLOCK_M: tl.constexpr):
+    """A tile's expert, its BLOCK_M sorted pair indices, and which of them are real (not padding)."""
+    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    pairs = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    return expert, pairs, pairs < num_pairs
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, out_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
     num_pairs, top_k, hidden, inter,
@@ -55,9 +63,7 @@ def _gate_up_kernel(
     tile = tl.program_id(0)
     if tile * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    pairs = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
+    expert, pairs, row_ok = _tile_pairs(sorted_ptr, tile_expert_ptr, tile, num_pairs, BLOCK_M)
     tokens = (pairs // top_k).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < inter
@@ -87,9 +93,7 @@ def _down_kernel(
     tile = tl.program_id(0)
     if tile * BLOCK_M >= tl.load(num_padded_ptr):
         return
-    expert = tl.load(tile_expert_ptr + tile).to(tl.int64)
-    pairs = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    row_ok = pairs < num_pairs
+    expert, pairs, row_ok = _tile_pairs(sorted_ptr, tile_expert_ptr, tile, num_pairs, BLOCK_M)
     rows = pairs.to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden

@@ -83,7 +83,7 @@ class DecoderAttention(nn.Module):
     def load_shard(self, shard: str, param: str, tensor: torch.Tensor) -> None:
         target = getattr(self.qkv_proj, param)
         offset, size = {"q": (0, self.q_size), "k": (self.q_size, self.kv_size), "v": (self.q_size + self.kv_size, self.kv_size)}[shard]
-        _copy_checked(target.data[offset : offset + size], tensor, f"qkv_proj.{param}[{shard}]")
+        copy_checked(target.data[offset : offset + size], tensor, f"qkv_proj.{param}[{shard}]")
 
 
 class DecoderMLP(nn.Module):
@@ -102,7 +102,7 @@ class DecoderMLP(nn.Module):
     def load_shard(self, shard: int, param: str, tensor: torch.Tensor) -> None:
         target = getattr(self.gate_up_proj, param).data
         n = self.intermediate_size
-        _copy_checked(target[shard * n : (shard + 1) * n], tensor, f"gate_up_proj.{param}[{shard}]")
+        copy_checked(target[shard * n : (shard + 1) * n], tensor, f"gate_up_proj.{param}[{shard}]")
 
 
 class DecoderLayer(nn.Module):
@@ -192,6 +192,10 @@ class DecoderModel(nn.Module):
             if isinstance(module, LoRALinear)
         ]
 
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every checkpoint tensor of the decoder and its shape (q/k/v and gate/up separately, as saved)."""
+        return decoder_checkpoint_shapes(self)
+
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
         """Loads one checkpoint tensor named relative to this module; False if the name is unknown."""
         parts = name.split(".")
@@ -206,7 +210,7 @@ class DecoderModel(nn.Module):
             param = self.get_parameter(name)
         except AttributeError:
             return False
-        _copy_checked(param.data, tensor, name)
+        copy_checked(param.data, tensor, name)
         return True
 
 
@@ -226,7 +230,31 @@ def sliding_window_of(config: PretrainedConfig) -> int | None:
     return getattr(config, "sliding_window", None)
 
 
-def _copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
         raise UnsupportedModelError(f"checkpoint tensor {name} has shape {tuple(src.shape)}, expected {tuple(dst.shape)}")
     dst.copy_(src)
+
+
+def decoder_checkpoint_shapes(decoder: DecoderModel) -> dict[str, tuple[int, ...]]:
+    """The decoder's checkpoint tensors (q/k/v and gate/up separately, as checkpoints store them) and
+    their shapes, from its parameters: a fused parameter is split into its shards along dim 0."""
+    config = decoder.config
+    head_dim = head_dim_of(config)
+    rows = {
+        "q": config.num_attention_heads * head_dim,
+        "k": config.num_key_value_heads * head_dim,
+        "v": config.num_key_value_heads * head_dim,
+    }
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, param in decoder.named_parameters():
+        owner, fused, leaf = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", name)
+        shards = [(proj, shard) for proj, (target, shard) in STACKED_PROJECTIONS.items() if target == fused]
+        if not shards:
+            shapes[name] = tuple(param.shape)
+            continue
+        rows[0] = rows[1] = param.shape[0] // 2  # gate and up: this MLP's intermediate size (a shared expert has its own)
+        assert sum(rows[shard] for _, shard in shards) == param.shape[0], (name, param.shape)
+        for proj, shard in shards:
+            shapes[f"{owner}.{proj}.{leaf}"] = (rows[shard], *param.shape[1:])
+    return shapes

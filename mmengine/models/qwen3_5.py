@@ -25,7 +25,7 @@ from mmengine.layers.lora import LoRAContext, LoRALinear
 from mmengine.layers.moe import SparseMoeBlock
 from mmengine.layers.norm import ZeroCenteredRMSNorm
 from mmengine.layers.rotary import RotaryEmbedding, RotaryStep
-from mmengine.models.llama import DecoderMLP, DeepStack, head_dim_of
+from mmengine.models.llama import DecoderMLP, DeepStack, copy_checked, head_dim_of
 from mmengine.models.qwen3_vl import Qwen3VLFamily
 from mmengine.models.qwen_vl import QwenVLModel
 
@@ -147,9 +147,7 @@ class HybridDecoderModel(nn.Module):
             param = self.get_parameter(name)
         except AttributeError:
             return False
-        if param.shape != tensor.shape:
-            raise UnsupportedModelError(f"checkpoint tensor {name} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-        param.data.copy_(tensor)
+        copy_checked(param.data, tensor, name)
         return True
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
@@ -181,23 +179,11 @@ def check_hybrid_text_config(config: PretrainedConfig) -> None:
 
 class Qwen3_5Model(QwenVLModel):
     language_model: HybridDecoderModel
-
-    def _build_text(self, config: PretrainedConfig) -> None:
-        text = config.text_config
-        self.language_model = HybridDecoderModel(text)
-        self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
-        self.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False)) or bool(
-            getattr(config, "tie_word_embeddings", False)
-        )
+    decoder_class = HybridDecoderModel
 
     def is_ignorable(self, name: str) -> bool:
         """The published checkpoints carry a multi-token-prediction head (`mtp.*`) that decoding does not use."""
         return name.startswith("mtp.") or super().is_ignorable(name)
-
-    def expected_weights(self) -> dict[str, tuple[int, ...]]:
-        expected = {n: tuple(p.shape) for n, p in self.named_parameters() if not n.startswith("language_model.")}
-        expected.update({f"language_model.{n}": shape for n, shape in self.language_model.checkpoint_shapes().items()})
-        return expected
 
 
 class Qwen3_5Family(Qwen3VLFamily):

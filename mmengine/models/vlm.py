@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 from mmengine.errors import WeightsMismatchError
 from mmengine.layers.attention import AttentionMetadata
 from mmengine.layers.lora import ItemLoRAContext, LoRALinear, LoRASlice
-from mmengine.models.llama import STACKED_PROJECTIONS, DecoderModel, DeepStack, head_dim_of
+from mmengine.models.llama import DecoderModel, DeepStack
 from mmengine.models.loader import WeightCheck, fuse_expert_tensors
 from mmengine.models.quantization import PackedInt4, WeightQuantization, dequantize_tensors
 
@@ -28,10 +28,11 @@ class VisionLanguageModel(nn.Module):
 
     language_model: DecoderModel
     lm_head: nn.Linear
+    decoder_class: type[nn.Module] = DecoderModel  # a hybrid decoder's family sets its own
 
     def _build_text(self, config: PretrainedConfig) -> None:
         text = config.text_config
-        self.language_model = DecoderModel(text)
+        self.language_model = self.decoder_class(text)
         self.lm_head = nn.Linear(text.hidden_size, text.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(text, "tie_word_embeddings", False)) or bool(
             getattr(config, "tie_word_embeddings", False)
@@ -126,7 +127,7 @@ class VisionLanguageModel(nn.Module):
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         """Our name of every checkpoint tensor the model needs, with its shape."""
         expected = {n: tuple(p.shape) for n, p in self.named_parameters() if not n.startswith("language_model.")}
-        expected.update({f"language_model.{n}": shape for n, shape in decoder_checkpoint_shapes(self.language_model).items()})
+        expected.update({f"language_model.{n}": shape for n, shape in self.language_model.checkpoint_shapes().items()})
         return expected
 
     def _load_one(self, name: str, tensor: torch.Tensor) -> None:
@@ -135,30 +136,6 @@ class VisionLanguageModel(nn.Module):
                 raise WeightsMismatchError(f"the decoder did not take tensor {name!r}")
         else:
             self.get_parameter(name).copy_(tensor)
-
-
-def decoder_checkpoint_shapes(decoder: DecoderModel) -> dict[str, tuple[int, ...]]:
-    """The decoder's checkpoint tensors (q/k/v and gate/up separately, as checkpoints store them) and
-    their shapes, from its parameters: a fused parameter is split into its shards along dim 0."""
-    config = decoder.config
-    head_dim = head_dim_of(config)
-    rows = {
-        "q": config.num_attention_heads * head_dim,
-        "k": config.num_key_value_heads * head_dim,
-        "v": config.num_key_value_heads * head_dim,
-    }
-    shapes: dict[str, tuple[int, ...]] = {}
-    for name, param in decoder.named_parameters():
-        owner, fused, leaf = name.rsplit(".", 2) if name.count(".") >= 2 else ("", "", name)
-        shards = [(proj, shard) for proj, (target, shard) in STACKED_PROJECTIONS.items() if target == fused]
-        if not shards:
-            shapes[name] = tuple(param.shape)
-            continue
-        rows[0] = rows[1] = param.shape[0] // 2  # gate and up: this MLP's intermediate size (a shared expert has its own)
-        assert sum(rows[shard] for _, shard in shards) == param.shape[0], (name, param.shape)
-        for proj, shard in shards:
-            shapes[f"{owner}.{proj}.{leaf}"] = (rows[shard], *param.shape[1:])
-    return shapes
 
 
 def use_int4_projections(decoder: DecoderModel, packed: dict[str, PackedInt4]) -> int:

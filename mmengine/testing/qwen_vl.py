@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from mmengine.models.qwen_video import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
@@ -345,7 +345,8 @@ TINY_QWEN3_5_SPEC = TinyQwenVLSpec(family="qwen3_5", num_hidden_layers=4, mrope_
 # Qwen/Qwen3-VL-30B-A3B-Instruct's shape: a 48-layer MoE decoder (2048 wide, 32 query / 4 KV heads of 128,
 # 128 experts of 768 in every layer, top-8), Qwen3-VL-8B's vision tower with DeepStack into 2048; about
 # 31B parameters, ~3.3B active per token. Random bf16 weights: ~62 GB, one H100.
-QWEN3_VL_30B_A3B_SPEC = TinyQwenVLSpec(
+QWEN3_VL_30B_A3B_SPEC = replace(
+    QWEN3_VL_8B_SPEC,  # the same vision tower, image and video bounds, rotary and vocabulary
     family="qwen3_vl_moe",
     hidden_size=2048,
     intermediate_size=6144,
@@ -353,23 +354,9 @@ QWEN3_VL_30B_A3B_SPEC = TinyQwenVLSpec(
     num_attention_heads=32,
     num_key_value_heads=4,
     attention_head_dim=128,
-    mrope_section=(24, 20, 20),
-    rope_theta=5_000_000.0,
-    max_position_embeddings=262144,
     num_experts=128,
     num_experts_per_tok=8,
     moe_intermediate_size=768,
-    vision_hidden_size=1152,
-    vision_intermediate_size=4304,
-    vision_num_heads=16,
-    vision_depth=27,
-    deepstack_visual_indexes=(8, 16, 24),
-    num_position_embeddings=2304,
-    min_pixels=64 * 32 * 32,
-    max_pixels=16384 * 32 * 32,
-    video_tokens=(4, 24576),
-    vocab_size=151936,
-    dtype="bfloat16",
 )
 
 
@@ -390,7 +377,8 @@ def tiny_spec(family: str) -> TinyQwenVLSpec:
 # M-RoPE 11/11/10, rope_theta 1e7), 4096 wide, MLP 12288, 248320-row vocabulary; the vision tower as Qwen3-VL's
 # (27 layers, 1152 wide, 16 px patches) without DeepStack. One recurrent state is 24 x (32 x 128 x 128 x 4 B +
 # conv) ~ 48 MiB; the KV cache is 32 KiB a token.
-QWEN3_5_9B_SPEC = TinyQwenVLSpec(
+QWEN3_5_9B_SPEC = replace(
+    QWEN3_VL_8B_SPEC,  # the same vision tower (DeepStack unused), image and video bounds
     family="qwen3_5",
     hidden_size=4096,
     intermediate_size=12288,
@@ -400,22 +388,11 @@ QWEN3_5_9B_SPEC = TinyQwenVLSpec(
     mrope_section=(11, 11, 10),
     partial_rotary_factor=0.25,
     rope_theta=10_000_000.0,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=262144,
     linear_num_key_heads=16,
     linear_num_value_heads=32,
     linear_key_head_dim=128,
     linear_value_head_dim=128,
-    vision_hidden_size=1152,
-    vision_intermediate_size=4304,
-    vision_num_heads=16,
-    vision_depth=27,
-    num_position_embeddings=2304,
-    min_pixels=64 * 32 * 32,
-    max_pixels=16384 * 32 * 32,
-    video_tokens=(4, 24576),
     vocab_size=248320,
-    dtype="bfloat16",
 )
 
 
