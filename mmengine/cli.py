@@ -198,7 +198,10 @@ def run_budget(args: argparse.Namespace) -> None:
     print(f"  host tier (evicted outputs)   {host:>12}   bytes ({source}): {host // per_item} items of the largest size")
     text = family.text_config
     _print_weights(family, args.model, elem)
-    block_bytes = 2 * family.num_attention_layers * block_size * text.num_key_value_heads * family.head_dim * elem
+    kv_dtype = EngineConfig(model=args.model, kv_cache_dtype=args.kv_cache_dtype).resolve_kv_cache_dtype(dtype)
+    kv_elem = torch.empty((), dtype=kv_dtype).element_size()
+    block_bytes = 2 * family.num_attention_layers * block_size * text.num_key_value_heads * family.head_dim * kv_elem
+    _print_kv_budget(family, block_size, kv_dtype, dtype, args.kv_cache_dtype)
     if family.recurrent_shape is not None:
         _print_state_budget(family, config, elem, block_bytes // block_size)
     kv_host = host_tier_bytes(args.kv_cache_host_bytes, device.type)
@@ -224,6 +227,22 @@ def _print_weights(family: Any, model_dir: str, elem: int) -> None:
         active = total - routed + routed * text.num_experts_per_tok // text.num_experts
         print(f"  of which routed experts       {routed * elem:>12}   bytes: {text.num_experts} experts a MoE layer, a token reads "
               f"{text.num_experts_per_tok}: {active * elem} bytes of weights active per token")
+
+
+def _print_kv_budget(family: Any, block_size: int, kv_dtype: Any, model_dtype: Any, flag: str) -> None:
+    """The KV cache's bytes per token in its dtype, and how many tokens a GiB holds."""
+    import torch
+
+    text = family.text_config
+    kv_elem, model_elem = (torch.empty((), dtype=d).element_size() for d in (kv_dtype, model_dtype))
+    per_token = 2 * family.num_attention_layers * text.num_key_value_heads * family.head_dim * kv_elem
+    name = str(kv_dtype).removeprefix("torch.")
+    print(f"KV cache ({name}: --kv-cache-dtype {flag})")
+    print(f"  one token                     {per_token:>12}   bytes: 2 x {family.num_attention_layers} attention layers x "
+          f"{text.num_key_value_heads} KV heads x {family.head_dim} x {kv_elem} B")
+    print(f"  one block                     {per_token * block_size:>12}   bytes: {block_size} tokens; {(1 << 30) // per_token} "
+          f"tokens per GiB" + (f" ({model_elem // kv_elem}x those of a {str(model_dtype).removeprefix('torch.')} cache)"
+                               if kv_elem < model_elem else ""))
 
 
 def _print_state_budget(family: Any, config: Any, elem: int, kv_bytes_per_token: int) -> None:
@@ -305,6 +324,8 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--block-size", type=int, default=16)
     budget.add_argument("--max-model-len", type=int, default=None)
     budget.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    budget.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                        help="the KV cache's element type (auto: the model dtype)")
     budget.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto resolves the dtype per device)")
     budget.add_argument(
         "--mm-processor-kwargs", default=None, metavar="KEY=VALUE[,KEY=VALUE]",

@@ -30,6 +30,9 @@ _DTYPES = {
 
 QUANTIZATION_METHODS = ("fp8", "compressed-tensors", "gptq", "awq", "none")
 
+# KV cache element types: "auto" is the model dtype; "fp8" (= "fp8_e4m3") stores e4m3 with per-layer scales
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+
 # On CPU the KV cache has no free-memory probe; this caps it unless num_kv_blocks is given.
 DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
 
@@ -75,6 +78,9 @@ class EngineConfig:
     # The quantization the checkpoint is expected to have ("fp8", "compressed-tensors", "gptq", "awq" or
     # "none"): only asserted against its quantization_config, which alone decides how weights load.
     quantization: str | None = None
+    # "fp8": the KV cache holds e4m3 values (half of bf16's bytes: twice the cached tokens), divided by
+    # the checkpoint's per-layer k_scale / v_scale where it has them, else by 1.0 (a warning says so).
+    kv_cache_dtype: str = "auto"
     enable_prefix_caching: bool = True
     # Batches added at once (generate()) are planned into prefix-sharing groups: queued group by
     # group, each group's shared prefix computed once and held until its last member finishes;
@@ -179,6 +185,7 @@ class EngineConfig:
         _require(self.async_scheduling in ("auto", "on", "off"), "async_scheduling", self.async_scheduling, "'auto', 'on' or 'off'")
         _require(self.quantization in (None, *QUANTIZATION_METHODS), "quantization", self.quantization,
                  f"None or one of {', '.join(QUANTIZATION_METHODS)}")
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype, f"one of {', '.join(KV_CACHE_DTYPES)}")
         _require(self.reasoning_parser in (None, *REASONING_PARSERS), "reasoning_parser", self.reasoning_parser,
                  f"None or one of {', '.join(REASONING_PARSERS)}")
         _require(isinstance(self.limit_mm_per_prompt, dict), "limit_mm_per_prompt", self.limit_mm_per_prompt, "a dict")
@@ -234,6 +241,11 @@ class EngineConfig:
         if checkpoint_dtype in (torch.float16, torch.bfloat16):
             return checkpoint_dtype
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+    def resolve_kv_cache_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        import torch
+
+        return model_dtype if self.kv_cache_dtype == "auto" else torch.float8_e4m3fn
 
 
 def _require(ok: bool, name: str, value: object, expected: str) -> None:

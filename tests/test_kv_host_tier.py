@@ -45,6 +45,18 @@ def test_an_evicted_shared_prefix_comes_back_from_host_memory(checkpoint_dir, as
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
 
 
+def test_fp8_blocks_come_back_from_host_memory_bit_for_bit(checkpoint_dir):
+    """kv_cache_dtype="fp8": the tier copies the e4m3 bytes out and back (index_copy_ has no FP8 kernel,
+    so the restore scatters bytes): the tokens equal the same FP8 engine without a tier."""
+    path = str(checkpoint_dir())
+    without = MMEngine(path, kv_cache_host_bytes=0, kv_cache_dtype="fp8", **OPTIONS)
+    expected, _ = _evict_then_ask_again(without)
+    engine = MMEngine(path, kv_cache_host_bytes=1 << 22, kv_cache_dtype="fp8", **OPTIONS)
+    tokens, _ = _evict_then_ask_again(engine)
+    assert tokens == expected and engine.stats()["kv_host_hits"] >= 10
+    assert engine.stats()["kv_host_bytes"] == engine.stats()["kv_host_blocks"] * engine.runner.kv_block_bytes
+
+
 def _prompt_len(engine: MMEngine, prompt: str, picture) -> int:
     return len(engine.input_processor.process(prompt, picture, GREEDY).prompt_token_ids)
 

@@ -110,22 +110,26 @@ def test_quantization_only_asserts_what_the_checkpoint_says(family_checkpoint, t
         MMEngine(str(quantized), quantization="int3")
 
 
-@pytest.mark.parametrize("method,swapped", [("gptq", 8), ("awq", 8), ("gptq-act-order", 0)])
-def test_int4_weights_stay_packed_for_the_w4a16_gemm_where_the_fused_kernels_run(family_checkpoint, tmp_path, no_tf32,
-                                                                                  method, swapped):
+@pytest.mark.parametrize("method,swapped,layer", [("gptq", 8, "Int4Linear"), ("awq", 8, "Int4Linear"), ("gptq-act-order", 0, None),
+                                                   ("fp8", 8, "Fp8Linear"), ("compressed-tensors", 8, "Fp8Linear")])
+def test_quantized_weights_stay_quantized_where_the_fused_kernels_run(family_checkpoint, tmp_path, no_tf32, method, swapped, layer):
     """With the Triton backend (the interpreter on CPU), GPTQ and AWQ projections become Int4Linear layers
-    (q/k/v and gate/up fused; 4 a layer, 2 layers) and give the dequantized model's tokens; act-order
-    GPTQ has no kernel layout yet and stays dense."""
+    and FP8 ones Fp8Linear layers (q/k/v and gate/up fused; 4 a layer, 2 layers), and give the dequantized
+    model's tokens; act-order GPTQ has no kernel layout yet and stays dense."""
     from conftest import KERNEL_FP32
 
-    from mmengine.layers.int4_linear import Int4Linear
+    from mmengine.layers import quantized_linear
+
+    if torch.cuda.is_available() and method in ("fp8", "compressed-tensors") and torch.cuda.get_device_capability() < (8, 9):
+        swapped, layer = 0, None  # Triton's e4m3 needs sm_89+: the weights are dequantized at load
 
     quantized, reference = quantize_checkpoint(family_checkpoint("llava"), tmp_path / "q", method)
     prompt = "USER: <image>\nWhat is it? ASSISTANT:"
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     engine = MMEngine(str(quantized), max_model_len=256, attn_backend="triton", enforce_eager=True, **KERNEL_FP32.engine_kwargs)
-    assert engine.runner.num_int4_projections == swapped
-    assert isinstance(engine.runner.model.language_model.layers[0].mlp.down_proj, Int4Linear) == (swapped > 0)
+    assert engine.runner.num_quantized_projections == swapped
+    down_proj = engine.runner.model.language_model.layers[0].mlp.down_proj
+    assert type(down_proj) is (torch.nn.Linear if layer is None else getattr(quantized_linear, layer))
     ours = engine.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids
     plain = MMEngine(str(reference), max_model_len=256, **KERNEL_FP32.engine_kwargs)
     assert ours == plain.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids

@@ -34,11 +34,13 @@ from triton.runtime.jit import JITFunction
 
 from mmengine.kernels.tiling import tokens_per_tile
 
+# Triton's e4m3 type (the FP8 KV cache) needs compute capability 8.9 (Ada, Hopper and later).
+FP8_MIN_ARCH = 89
 # Per-SM shared memory a block may use (KiB): the kernels must fit on both generations.
 SHARED_MEMORY_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 _TORCH_TO_TRITON = {
     torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
-    torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1",
+    torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8", torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv",
 }
 
 
@@ -49,6 +51,7 @@ class Launch:
     kernel: JITFunction
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
+    min_arch: int = 0  # FP8 (e4m3) pointers need sm_89+: Triton refuses them for sm_80
 
     @property
     def name(self) -> str:
@@ -229,6 +232,32 @@ def record_attention_launches(case: AttentionCase) -> list[Launch]:
     return launches
 
 
+def record_fp8_kv_launches(case: AttentionCase) -> list[Launch]:
+    """kv_cache_dtype="fp8": the stores that quantize into an e4m3 cache (plain and fused with rotary),
+    and prefill and split-KV decode reading it; sm_89+ only (the engine refuses an FP8 cache on the
+    Triton kernels below that)."""
+    from mmengine.kernels.decode_attention import decode_attention
+    from mmengine.kernels.kv_store import store_kv
+    from mmengine.kernels.prefill_attention import prefill_attention
+    from mmengine.kernels.rotary import rotary_store_kv
+
+    kv_heads, heads, dim = case.num_kv_heads, case.num_kv_heads * case.group, case.head_dim
+    cache = torch.empty(2, 8, case.block_size, kv_heads, dim, dtype=torch.float8_e4m3fn)
+    tables = torch.zeros(2, 4, dtype=torch.int32)
+    seq_lens = torch.tensor([40, 33], dtype=torch.int32)
+    query = torch.empty(8, heads, dim, dtype=case.dtype)
+    key = torch.empty(8, kv_heads, dim, dtype=case.dtype)
+    slots = torch.zeros(8, dtype=torch.long)
+    with capture_launches() as launches:
+        store_kv(key, key, cache, slots, 0.5, 0.25)
+        rotary_store_kv(query, key, key, slots, torch.empty(16, 2 * dim, dtype=case.dtype), cache, slots, k_scale=0.5, v_scale=0.25)
+        prefill_attention(query, cache, torch.tensor([0, 5, 8], dtype=torch.int32), seq_lens, tables, 0.1, max_query_len=5)
+        decode_attention(query[:2], cache, seq_lens, tables, 0.1, num_splits=4)
+    for launch in launches:
+        launch.min_arch = FP8_MIN_ARCH
+    return launches
+
+
 def _cascade_metadata(block_size: int, num_heads: int, num_kv_heads: int) -> SimpleNamespace:
     """The prefix pass's arguments for one group of two requests (the first 1 and 7 tokens of the step,
     at positions 39 and 26..32) over a one-block prefix, in two splits; only shapes, dtypes and bounds
@@ -340,10 +369,10 @@ def default_cases() -> list[AttentionCase]:
 def report(cases: list[AttentionCase], archs: list[int], log: Callable[[str], None] = print) -> list[KernelResources]:
     results = []
     for case in cases:
-        launches = (record_attention_launches(case) + record_decoder_launches(case) + record_lora_launches(case)
-                    + record_moe_launches(case) + record_w4a16_launches(case))
+        launches = (record_attention_launches(case) + record_fp8_kv_launches(case) + record_decoder_launches(case)
+                    + record_lora_launches(case) + record_moe_launches(case) + record_w4a16_launches(case))
         for launch in launches:
-            for arch in archs:
+            for arch in (a for a in archs if a >= launch.min_arch):
                 res = resources_of(launch, arch, case.label)
                 results.append(res)
                 note = "; ".join(res.problems()) or "ok"

@@ -23,7 +23,10 @@ def load_kv_tile(
 
 @triton.jit
 def attend_tile(q, k, v, visible, m_i, l_i, acc, qk_scale, PRECISION: tl.constexpr):
-    """One online-softmax step (base 2, scores pre-scaled by log2(e)) over the visible keys of a tile."""
+    """One online-softmax step (base 2, scores pre-scaled by log2(e)) over the visible keys of a tile.
+    K/V of an FP8 cache are cast to q's dtype (exactly); their scales are applied by the caller."""
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))

@@ -20,6 +20,7 @@ import triton.language as tl
 
 from mmengine.kernels.checks import check_positions
 from mmengine.kernels.common import launch_options
+from mmengine.kernels.kv_quant import is_fp8, to_cache
 
 # Elements of one [heads, head_dim / 2] tile a program holds at a time (keeps registers bounded).
 _TILE_ELEMENTS = 2048
@@ -43,14 +44,14 @@ def _rotate_heads(x_ptr, stride_xh, heads, head_mask, j, j_mask, c1, c2, s1, s2,
 
 @triton.jit
 def _rotary_kv_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, cache_ptr, slot_ptr,
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, cache_ptr, slot_ptr, inv_k_scale, inv_v_scale,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos_row,
     stride_pos_token, stride_pos_channel,
     stride_ckv, stride_cb, stride_cs, stride_ch,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr, SECTION_0: tl.constexpr, SECTION_1: tl.constexpr,
-    SECTION_2: tl.constexpr, INTERLEAVED: tl.constexpr,
+    SECTION_2: tl.constexpr, INTERLEAVED: tl.constexpr, FP8: tl.constexpr,
 ):
     """Grid (tokens, 2): program (t, 0) rotates token t's query heads, (t, 1) its key heads and,
     with STORE_KV, writes its rotated keys and its values into the cache."""
@@ -94,12 +95,12 @@ def _rotary_kv_kernel(
                 row_mask = head_mask & stored
                 k_mask = row_mask[:, None] & j_mask[None, :]
                 k_dst = dst[:, None] + heads[:, None] * stride_ch + j[None, :]
-                tl.store(k_dst, o1.to(cache_dtype), mask=k_mask)
-                tl.store(k_dst + HALF, o2.to(cache_dtype), mask=k_mask)
+                tl.store(k_dst, to_cache(o1, inv_k_scale, cache_dtype, FP8), mask=k_mask)
+                tl.store(k_dst + HALF, to_cache(o2, inv_k_scale, cache_dtype, FP8), mask=k_mask)
                 v_mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
                 v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=v_mask)
                 v_dst = dst[:, None] + stride_ckv + heads[:, None] * stride_ch + d[None, :]
-                tl.store(v_dst, v.to(cache_dtype), mask=v_mask)
+                tl.store(v_dst, to_cache(v, inv_v_scale, cache_dtype, FP8), mask=v_mask)
 
 
 def _heads_per_tile(num_heads: int, block_half: int) -> int:
@@ -116,13 +117,15 @@ def rotary_store_kv(
     slot_mapping: torch.Tensor | None = None,
     mrope_section: tuple[int, ...] | None = None,
     mrope_interleaved: bool = False,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Rotates q [T, Hq, D] and k [T, Hkv, D] in place by the table rows of `positions` [T] (or
     [T, 3] with `mrope_section`, laid out as `mrope_interleaved` says: see the module docstring); with a
     kv_cache [2, blocks, block_size, Hkv, D], also writes the rotated k and v [T, Hkv, D] to each
-    token's slot in `slot_mapping` [T] (-1: skip). q/k/v may be strided views (e.g. of one fused
-    QKV output) whose last dim is contiguous. Positions must lie in [0, len(cos_sin)); they are
-    checked only for CPU tensors (the check would sync a GPU)."""
+    token's slot in `slot_mapping` [T] (-1: skip), into an FP8 cache divided by k_scale / v_scale.
+    q/k/v may be strided views (e.g. of one fused QKV output) whose last dim is contiguous. Positions
+    must lie in [0, len(cos_sin)); they are checked only for CPU tensors (the check would sync a GPU)."""
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if head_dim % 2 or k.shape != (num_tokens, num_kv_heads, head_dim) or cos_sin.shape[1] != 2 * head_dim:
@@ -150,7 +153,7 @@ def rotary_store_kv(
     cache_arg = kv_cache if store else q  # unused pointers when not storing
     v_arg = v if store else k
     _rotary_kv_kernel[(num_tokens, 2)](
-        q, k, v_arg, positions, cos_sin, cache_arg, slot_mapping if store else positions,
+        q, k, v_arg, positions, cos_sin, cache_arg, slot_mapping if store else positions, 1.0 / k_scale, 1.0 / v_scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_arg.stride(0), v_arg.stride(1), cos_sin.stride(0),
         *pos_strides,
         *(kv_cache.stride()[:4] if store else (0, 0, 0, 0)),
@@ -158,5 +161,6 @@ def rotary_store_kv(
         BLOCK_HALF=block_half, BLOCK_D=triton.next_power_of_2(head_dim), HEADS_PER_TILE=heads_per_tile,
         BLOCK_SIZE=kv_cache.shape[2] if store else 1, STORE_KV=store, SECTION_0=sections[0], SECTION_1=sections[1],
         SECTION_2=sections[2], INTERLEAVED=bool(mrope_interleaved) and mrope_section is not None,
+        FP8=store and is_fp8(kv_cache.dtype),
         **launch_options(num_warps=num_warps, num_stages=1),
     )

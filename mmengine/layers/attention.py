@@ -92,7 +92,8 @@ def decode_prefix_length(query_lens: Sequence[int]) -> int:
 class AttentionBackend(Protocol):
     name: str
 
-    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None: ...
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None: ...
 
     def forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
@@ -104,7 +105,9 @@ class Attention(nn.Module):
 
     On the fused path one Triton kernel rotates q and k and writes k and v into the cache, so the
     backend's store is skipped; on the reference path the rotation is PyTorch and the backend stores.
-    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], bound by the runner.
+    kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], bound by the runner. An FP8 cache
+    holds K / k_scale and V / v_scale (the checkpoint's per-layer scales, else 1.0): the key scale
+    joins the softmax scale and the value scale multiplies the output.
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
@@ -115,6 +118,8 @@ class Attention(nn.Module):
         self.scale = scale
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata, rotary: RotaryStep | None = None
@@ -125,10 +130,12 @@ class Attention(nn.Module):
             from mmengine.kernels.rotary import rotary_store_kv
 
             rotary_store_kv(q, k, v, rotary.positions, rotary.cos_sin, self.kv_cache, metadata.slot_mapping, rotary.mrope_section,
-                            mrope_interleaved=rotary.mrope_interleaved)
+                            mrope_interleaved=rotary.mrope_interleaved, k_scale=self.k_scale, v_scale=self.v_scale)
         else:
             if rotary is not None:
                 q, k = rotary.apply(q, k)
-            self.backend.store_kv(k, v, self.kv_cache, metadata.slot_mapping)
-        out = self.backend.forward(q, self.kv_cache, metadata, self.scale)
+            self.backend.store_kv(k, v, self.kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
+        out = self.backend.forward(q, self.kv_cache, metadata, self.scale * self.k_scale)
+        if self.v_scale != 1.0:
+            out = out * self.v_scale
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

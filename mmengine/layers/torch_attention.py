@@ -11,12 +11,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mmengine.kernels.kv_quant import is_fp8, quantize_e4m3
 from mmengine.layers.attention import AttentionMetadata
 from mmengine.layers.cascade import CascadeMetadata
 
 
 def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A request's first seq_len keys and values, [seq_len, Hkv, D] each, read through its block table."""
+    """A request's first seq_len keys and values, [seq_len, Hkv, D] each, read through its block table
+    (as the cache stores them: the callers cast an FP8 cache's values)."""
     block_size = kv_cache.shape[2]
     blocks = block_table[: -(-seq_len // block_size)].long()
     return kv_cache[0, blocks].flatten(0, 1)[:seq_len], kv_cache[1, blocks].flatten(0, 1)[:seq_len]
@@ -25,6 +27,7 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: i
 def causal_paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
     """query [q, Hq, D] holds the last q positions of a context of len(key) positions."""
     q_len, kv_len = query.shape[0], key.shape[0]
+    key, value = key.to(query.dtype), value.to(query.dtype)
     q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)[:, None]
     mask = torch.arange(kv_len, device=query.device)[None, :] <= q_pos
     out = F.scaled_dot_product_attention(
@@ -47,8 +50,8 @@ def batched_decode_attention(
     num_reqs, block_size = query.shape[0], kv_cache.shape[2]
     max_blocks = min(-(-max_seq_len // block_size), block_tables.shape[1])
     tables = block_tables[:, :max_blocks].long()
-    key = kv_cache[0, tables].flatten(1, 2)  # [B, L, Hkv, D]; padding blocks read block 0 and are masked
-    value = kv_cache[1, tables].flatten(1, 2)
+    key = kv_cache[0, tables].flatten(1, 2).to(query.dtype)  # [B, L, Hkv, D]; padding blocks read block 0 and are masked
+    value = kv_cache[1, tables].flatten(1, 2).to(query.dtype)
     mask = torch.arange(key.shape[1], device=query.device)[None, :] < seq_lens[:, None]
     out = F.scaled_dot_product_attention(
         query[:, :, None, :], key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale,
@@ -122,10 +125,13 @@ def cascade_attention(
 class TorchAttentionBackend:
     name = "torch"
 
-    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         valid = slot_mapping >= 0
         if not bool(valid.all()):
             key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+        if is_fp8(kv_cache.dtype):
+            key, value = quantize_e4m3(key, 1.0 / k_scale), quantize_e4m3(value, 1.0 / v_scale)
         kv_cache[0].view(-1, *key.shape[1:])[slot_mapping] = key
         kv_cache[1].view(-1, *value.shape[1:])[slot_mapping] = value
 

@@ -59,8 +59,9 @@ class TritonAttentionBackend:
         lse = torch.zeros(2, num_heads, dtype=torch.float32, device=device)
         cascade_prefix_attention(query, kv_cache, cascade, block_tables, 1.0, query.clone(), lse)
 
-    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        store_kv(key, value, kv_cache, slot_mapping)
+    def store_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+        store_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
         cascade = metadata.cascade

@@ -1,7 +1,8 @@
 """Quantized checkpoints, read from the checkpoint's `quantization_config` (never guessed).
 
-Supported now, dequantized once at load into the model dtype (correct on every device; the quantized
-GEMM kernels that keep the weights in 8 or 4 bits on a GPU are the next step of this work):
+Supported, dequantized once at load into the model dtype (correct on every device); where the fused
+kernels run, the decoder's projections keep their 8- or 4-bit weights instead (PackedFp8, PackedInt4:
+layers/quantized_linear.py):
 - `quant_method: "fp8"` with `weight_block_size` (Qwen's -FP8 releases): e4m3 weights `W` with one
   scale per block of `weight_block_size` (`weight_scale_inv`, [ceil(out / bo), ceil(in / bi)]):
   w = W * scale[i // bo, j // bi];
@@ -240,9 +241,32 @@ class PackedInt4:
     group_size: int
 
 
-def pack_for_kernel(parts: dict[str, torch.Tensor], spec: WeightQuantization) -> PackedInt4 | None:
-    """The kernel's layout of one int4 weight, or None where it has none yet (GPTQ act-order: inputs not
-    grouped in order; a group size that is not a multiple of 8)."""
+@dataclass
+class PackedFp8:
+    """One FP8 linear weight as the FP8 GEMM reads it: weight e4m3 [out, in], scales fp32
+    [out, ceil(in / group_k)] (a block's scale repeated over its rows; per channel: group_k = in)."""
+
+    weight: torch.Tensor
+    scales: torch.Tensor
+    group_k: int
+
+
+def fp8_for_kernel(weight: torch.Tensor, scale: torch.Tensor, spec: WeightQuantization) -> PackedFp8 | None:
+    """The FP8 GEMM's layout of one e4m3 weight and its scale (checked by dequantize_fp8 first)."""
+    if weight.dtype != torch.float8_e4m3fn:
+        return None
+    rows, cols = weight.shape
+    if spec.block is None:
+        return PackedFp8(weight, scale.float().reshape(-1, 1).expand(rows, 1).contiguous(), cols)
+    block_rows, block_cols = spec.block
+    return PackedFp8(weight, scale.float().repeat_interleave(block_rows, 0)[:rows].contiguous(), block_cols)
+
+
+def pack_for_kernel(parts: dict[str, torch.Tensor], spec: WeightQuantization) -> PackedInt4 | PackedFp8 | None:
+    """The kernel's layout of one quantized weight, or None where it has none yet (GPTQ act-order: inputs
+    not grouped in order; an int4 group size that is not a multiple of 8; compressed-tensors W4A16)."""
+    if not spec.int4:
+        return fp8_for_kernel(parts["weight"], parts[spec.scale_name], spec)
     if spec.group_size % 8:
         return None
     if spec.method == "gptq":
@@ -258,7 +282,7 @@ def pack_for_kernel(parts: dict[str, torch.Tensor], spec: WeightQuantization) ->
 
 
 def dequantize_tensors(weights: Iterable[tuple[str, torch.Tensor]], spec: WeightQuantization,
-                       packed: dict[str, PackedInt4] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                       packed: dict[str, PackedInt4 | PackedFp8] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with each quantized linear weight (FP8 `X.weight` with its scale; GPTQ's or
     AWQ's `X.qweight`, `X.qzeros`, `X.scales`, `X.g_idx`) dequantized to float32 as `X.weight` once all its
     parts are read; every other tensor passes through. A part left without the others is a
@@ -278,11 +302,12 @@ def dequantize_tensors(weights: Iterable[tuple[str, torch.Tensor]], spec: Weight
         group[leaf] = tensor
         if needed <= group.keys():
             del pending[owner]
-            if packed is not None and spec.int4:  # kept for the W4A16 GEMM (layers/int4_linear.py)
+            dense = _dequantize(group, spec, f"{owner}.weight")  # checks the parts' shapes first
+            if packed is not None:  # kept for the quantized GEMMs (layers/quantized_linear.py)
                 kernel_layout = pack_for_kernel(group, spec)
                 if kernel_layout is not None:
                     packed[owner] = kernel_layout
-            yield f"{owner}.weight", _dequantize(group, spec, f"{owner}.weight")
+            yield f"{owner}.weight", dense
     if pending:
         lost = [f"{owner} ({', '.join(sorted(needed - group.keys()))} missing)" for owner, group in pending.items()]
         raise WeightsMismatchError(f"incomplete quantized weights: {', '.join(lost[:8])}")

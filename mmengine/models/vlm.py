@@ -17,9 +17,11 @@ from mmengine.layers.attention import AttentionMetadata
 from mmengine.layers.lora import ItemLoRAContext, LoRALinear, LoRASlice
 from mmengine.models.llama import DecoderModel, DeepStack
 from mmengine.models.loader import WeightCheck, fuse_expert_tensors
-from mmengine.models.quantization import PackedInt4, WeightQuantization, dequantize_tensors
+from mmengine.models.quantization import PackedFp8, PackedInt4, WeightQuantization, dequantize_tensors
 
 _ROTARY_CACHE = re.compile(r"(^|\.)rotary_emb\.")
+# An FP8-KV checkpoint's per-layer scales (llm-compressor and vLLM name them so), by our name
+_KV_SCALE = re.compile(r"^language_model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
 class VisionLanguageModel(nn.Module):
@@ -99,7 +101,7 @@ class VisionLanguageModel(nn.Module):
         return name.startswith("language_model.") and bool(_ROTARY_CACHE.search(name))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], quantization: WeightQuantization | None = None,
-                     packed: dict[str, PackedInt4] | None = None) -> None:
+                     packed: dict[str, PackedInt4 | PackedFp8] | None = None) -> None:
         """Loads every parameter exactly once. A missing, unexpected, repeated or mis-shaped tensor raises
         WeightsMismatchError naming it, the shapes and the file; a missing lm_head.weight is fine only
         when the checkpoint ties word embeddings."""
@@ -107,8 +109,13 @@ class VisionLanguageModel(nn.Module):
         check = WeightCheck(expected, weights, optional=["lm_head.weight"] if self.tie_word_embeddings else [])
         tensors = dequantize_tensors(weights, quantization, packed) if quantization is not None else weights
         num_experts = getattr(self.language_model.config, "num_experts", 0)
+        self.kv_scales: dict[tuple[int, str], float] = {}
         for raw_name, tensor in fuse_expert_tensors(tensors, num_experts) if num_experts > 0 else tensors:
             name = self.checkpoint_name(raw_name)
+            kv_scale = _KV_SCALE.match(name)
+            if kv_scale is not None:  # used by an FP8 KV cache only (apply_kv_scales)
+                self._keep_kv_scale(int(kv_scale[1]), kv_scale[2], raw_name, tensor)
+                continue
             if name not in expected and self.is_ignorable(name):
                 continue
             check.accept(name, raw_name, tensor)
@@ -118,11 +125,32 @@ class VisionLanguageModel(nn.Module):
         if "lm_head.weight" not in check.loaded:
             self.lm_head.weight = self.language_model.embed_tokens.weight
 
-    def use_int4_weights(self, packed: dict[str, PackedInt4]) -> int:
-        """Swaps the decoder's dense projections for Int4Linear layers wherever the checkpoint's int4 weights
-        (by checkpoint name, as dequantize_tensors kept them) cover all their shards; returns how many."""
+    def _keep_kv_scale(self, layer: int, which: str, raw_name: str, tensor: torch.Tensor) -> None:
+        attention = getattr(self.language_model.layers[layer], "self_attn", None) if layer < len(self.language_model.layers) else None
+        if attention is None or tensor.numel() != 1 or not bool(torch.isfinite(tensor).all()) or float(tensor) <= 0:
+            raise WeightsMismatchError(f"tensor {raw_name!r}: a KV scale must be one positive number of an attention layer, "
+                                       f"got {tuple(tensor.shape)}")
+        self.kv_scales[(layer, which)] = float(tensor)
+
+    def apply_kv_scales(self) -> int:
+        """Gives each attention layer the checkpoint's K and V scales for an FP8 cache (1.0 where it has
+        none); returns how many layers had theirs."""
+        found = 0
+        for index, layer in enumerate(self.language_model.layers):
+            attention = getattr(getattr(layer, "self_attn", None), "attn", None)
+            if attention is None:
+                continue
+            attention.k_scale = self.kv_scales.get((index, "k"), 1.0)
+            attention.v_scale = self.kv_scales.get((index, "v"), 1.0)
+            found += (index, "k") in self.kv_scales or (index, "v") in self.kv_scales
+        return found
+
+    def use_quantized_weights(self, packed: dict[str, PackedInt4 | PackedFp8]) -> int:
+        """Swaps the decoder's dense projections for quantized layers wherever the checkpoint's int4 or
+        FP8 weights (by checkpoint name, as dequantize_tensors kept them) cover all their shards; returns
+        how many."""
         ours = {self.checkpoint_name(f"{name}.weight").removesuffix(".weight"): p for name, p in packed.items()}
-        return use_int4_projections(self.language_model, {n.removeprefix("language_model."): p for n, p in ours.items()})
+        return use_quantized_projections(self.language_model, {n.removeprefix("language_model."): p for n, p in ours.items()})
 
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         """Our name of every checkpoint tensor the model needs, with its shape."""
@@ -138,32 +166,30 @@ class VisionLanguageModel(nn.Module):
             self.get_parameter(name).copy_(tensor)
 
 
-def use_int4_projections(decoder: DecoderModel, packed: dict[str, PackedInt4]) -> int:
-    """Int4Linear for each of the decoder's fused projections whose shards all have int4 weights of one
-    group size (`packed` by our decoder-relative names, e.g. "layers.0.self_attn.q_proj")."""
-    from mmengine.layers.int4_linear import Int4Linear
+def use_quantized_projections(decoder: DecoderModel, packed: dict[str, PackedInt4 | PackedFp8]) -> int:
+    """A quantized layer for each of the decoder's fused projections whose shards all have quantized
+    weights of one layout (`packed` by our decoder-relative names, e.g. "layers.0.self_attn.q_proj")."""
+    from mmengine.layers.quantized_linear import fuse_shards
 
     swapped = 0
+    owners = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+              "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+              "mlp.down_proj": ("mlp.down_proj",)}
     for index, layer in enumerate(decoder.layers):
-        owners = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                  "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-                  "mlp.down_proj": ("mlp.down_proj",)}
         for fused, shards in owners.items():
             parts = [packed.get(f"layers.{index}.{shard}") for shard in shards]
-            if any(p is None for p in parts) or len({p.group_size for p in parts}) != 1:
+            if any(p is None for p in parts):
                 continue
             parent_name, _, attr = fused.rpartition(".")
             parent = layer.get_submodule(parent_name)
             dense = getattr(parent, attr)
             if not isinstance(dense, torch.nn.Linear):
                 continue
-            device = dense.weight.device
-            replacement = Int4Linear(torch.cat([p.qweight for p in parts], dim=1).to(device),
-                                     torch.cat([p.scales for p in parts], dim=1).to(device),
-                                     torch.cat([p.zeros for p in parts], dim=1).to(device), parts[0].group_size,
-                                     None if dense.bias is None else dense.bias.data)
+            replacement = fuse_shards(parts, None if dense.bias is None else dense.bias.data, dense.weight.device)
+            if replacement is None:
+                continue
             if (replacement.in_features, replacement.out_features) != (dense.in_features, dense.out_features):
-                raise WeightsMismatchError(f"int4 shards of layers.{index}.{fused} make a {replacement.in_features} x "
+                raise WeightsMismatchError(f"quantized shards of layers.{index}.{fused} make a {replacement.in_features} x "
                                            f"{replacement.out_features} projection, expected {dense.in_features} x {dense.out_features}")
             setattr(parent, attr, replacement)
             swapped += 1

@@ -18,6 +18,7 @@ import torch
 from mmengine.config import EngineConfig
 from mmengine.errors import ConfigError
 from mmengine.encoder_cache.host_tier import EncoderHostTier
+from mmengine.kernels.kv_quant import is_fp8
 from mmengine.kv_cache.host_tier import KVCopy
 from mmengine.kv_cache.manager import cdiv
 from mmengine.layers.attention import AttentionMetadata
@@ -44,6 +45,11 @@ from mmengine.sample.structured_output.masks import BitmaskFiller, apply_token_b
 logger = logging.getLogger(__name__)
 
 
+def _has_fp8_type(device: torch.device) -> bool:
+    """Whether Triton's e4m3 type compiles here: compute capability 8.9+, or the interpreter on CPU."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -64,12 +70,14 @@ class ModelRunner:
         with torch.device(device), default_dtype(dtype):
             self.model = family.model_class(family.hf_config)
         quantization = quantization_of(family.hf_config)
-        # int4 weights stay packed for the W4A16 GEMM where the fused kernels run (not under LoRA, which
-        # wraps the dense projections); elsewhere they are dequantized at load
-        packed: dict | None = {} if quantization is not None and quantization.int4 and not config.enable_lora and \
-            use_fused_kernels(device, get_attention_backend(config.attn_backend, device).name) else None
+        # int4 and FP8 weights stay quantized for their GEMMs where the fused kernels run (not under LoRA,
+        # which wraps the dense projections); elsewhere they are dequantized at load
+        packed: dict | None = {} if quantization is not None and not config.enable_lora and \
+            use_fused_kernels(device, get_attention_backend(config.attn_backend, device).name) and \
+            (quantization.int4 or _has_fp8_type(device)) else None
         self.model.load_weights(iter_checkpoint(model_dir), quantization, packed)
-        self.num_int4_projections = self.model.use_int4_weights(packed) if packed else 0
+        self.num_quantized_projections = self.model.use_quantized_weights(packed) if packed else 0
+        self.kv_dtype = config.resolve_kv_cache_dtype(dtype)
         self.model.eval()
         # LoRA slots are allocated here, before the KV cache is sized, so its profile counts them.
         self.lora_context: LoRAContext | None = None
@@ -79,6 +87,8 @@ class ModelRunner:
             self.lora_context = self.model.language_model.enable_lora(config.max_loras, config.max_lora_rank)
             self.vision_lora_context, self.vision_lora_modules = self.model.enable_vision_lora(config.max_loras, config.max_lora_rank)
         self.attn_backend = get_attention_backend(config.attn_backend, device)
+        self._check_kv_dtype()
+        self._set_kv_scales()
         if self.lora_context is not None:
             self.lora_context.use_kernels = self.vision_lora_context.use_kernels = use_fused_kernels(device, self.attn_backend.name)
         self.sampler = Sampler(config.seed)
@@ -123,7 +133,7 @@ class ModelRunner:
         mode = self.config.cascade_attention
         if mode == "auto" and self.attn_backend.name != "triton":
             mode = "off"
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.kv_element_bytes
         sm_count = getattr(self.attn_backend, "sm_count", None)
         return CascadePolicy(
             mode=mode,
@@ -136,10 +146,29 @@ class ModelRunner:
 
     # -- KV cache -----------------------------------------------------------
 
+    def _check_kv_dtype(self) -> None:
+        if is_fp8(self.kv_dtype) and self.attn_backend.name == "triton" and not _has_fp8_type(self.device):
+            raise ConfigError(f"kv_cache_dtype={self.config.kv_cache_dtype!r} needs a GPU of compute capability 8.9 or later "
+                              f"for the Triton kernels (this one is {torch.cuda.get_device_capability(self.device)}); "
+                              "attn_backend='torch' runs it on this GPU, slowly")
+
+    def _set_kv_scales(self) -> None:
+        scaled = self.model.apply_kv_scales() if is_fp8(self.kv_dtype) else 0
+        if is_fp8(self.kv_dtype) and scaled < self.family.num_attention_layers:
+            logger.warning("kv_cache_dtype=%r: the checkpoint has K/V scales for %d of %d attention layers; the others "
+                           "use 1.0 (values beyond +-448 saturate)", self.config.kv_cache_dtype, scaled,
+                           self.family.num_attention_layers)
+        elif not is_fp8(self.kv_dtype) and self.model.kv_scales:
+            logger.info("the checkpoint's K/V scales apply to kv_cache_dtype='fp8' only; the cache is %s", self.kv_dtype)
+
+    @property
+    def kv_element_bytes(self) -> int:
+        return torch.empty((), dtype=self.kv_dtype).element_size()
+
     @property
     def kv_block_bytes(self) -> int:
         t = self.text_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.kv_element_bytes
         return 2 * self.family.num_attention_layers * self.block_size * t.num_key_value_heads * self.family.head_dim * elem
 
     @property
@@ -195,7 +224,7 @@ class ModelRunner:
         max_num_seqs live slots, num_state_checkpoints, one scratch slot)."""
         t = self.text_config
         shape = (self.family.num_attention_layers, 2, num_blocks, self.block_size, t.num_key_value_heads, self.family.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
         self._bind_kv_cache(self.kv_cache)
         recurrent = self.family.recurrent_shape
         if recurrent is not None:
@@ -575,7 +604,8 @@ class ModelRunner:
             stacked = torch.stack([c.entry.kv for c in restores], dim=2)
             if self.device.type == "cuda":
                 stacked = stacked.pin_memory()
-            self.kv_cache.index_copy_(2, ids, stacked.to(self.device, non_blocking=True))
+            # as bytes: index_copy_ has no FP8 implementation on every device
+            self.kv_cache.view(torch.uint8).index_copy_(2, ids, stacked.to(self.device, non_blocking=True).view(torch.uint8))
             for copy in restores:
                 copy.done = True
 

@@ -1,0 +1,76 @@
+"""Linear layers whose weights stay quantized on the device: Int4Linear through the W4A16 GEMM
+(kernels/w4a16.py), Fp8Linear through the FP8 GEMM (kernels/fp8_gemm.py), both dequantizing in registers.
+
+Built after loading from the quantized checkpoint's own values (models/quantization.py keeps them,
+normalised to one layout per format), the shards of a fused projection (q/k/v, gate/up) concatenated
+along the outputs; one replaces the dense layer the load filled, whose weight is then freed.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmengine.kernels.fp8_gemm import fp8_matmul
+from mmengine.kernels.w4a16 import w4a16_matmul
+from mmengine.models.quantization import PackedFp8, PackedInt4
+
+
+class QuantizedLinear(nn.Module):
+    in_features: int
+    out_features: int
+
+    def __init__(self, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matmul(x.reshape(-1, self.in_features).contiguous())
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class Int4Linear(QuantizedLinear):
+    """qweight int32 [in / 8, out], scales and zeros [in / group, out]."""
+
+    def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None) -> None:
+        super().__init__(bias)
+        self.in_features, self.out_features = qweight.shape[0] * 8, qweight.shape[1]
+        self.group_size = group_size
+        self.register_buffer("qweight", qweight.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+        self.register_buffer("zeros", zeros.contiguous())
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return w4a16_matmul(rows, self.qweight, self.scales, self.zeros, self.group_size)
+
+
+class Fp8Linear(QuantizedLinear):
+    """weight e4m3 [out, in], scales fp32 [out, ceil(in / group_k)]."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, group_k: int, bias: torch.Tensor | None) -> None:
+        super().__init__(bias)
+        self.out_features, self.in_features = weight.shape
+        self.group_k = group_k
+        self.register_buffer("weight", weight.contiguous())
+        self.register_buffer("scales", scales.contiguous())
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        return fp8_matmul(rows, self.weight, self.scales, self.group_k)
+
+
+def fuse_shards(parts: list[PackedInt4] | list[PackedFp8], bias: torch.Tensor | None, device: torch.device) -> QuantizedLinear | None:
+    """One layer for a fused projection's shards (concatenated along the outputs), or None where they
+    cannot share one (different group sizes or formats)."""
+    if all(isinstance(p, PackedInt4) for p in parts) and len({p.group_size for p in parts}) == 1:
+        return Int4Linear(torch.cat([p.qweight for p in parts], dim=1).to(device), torch.cat([p.scales for p in parts], dim=1).to(device),
+                          torch.cat([p.zeros for p in parts], dim=1).to(device), parts[0].group_size, bias)
+    if all(isinstance(p, PackedFp8) for p in parts) and len({p.group_k for p in parts}) == 1:
+        return Fp8Linear(torch.cat([p.weight for p in parts]).to(device), torch.cat([p.scales for p in parts]).to(device),
+                         parts[0].group_k, bias)
+    return None
