@@ -19,6 +19,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import AutoModelForImageTextToText, PreTrainedModel
 
+# Under pytest-xdist the workers share the cores: one torch thread pool each, not one per core each
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 from mmengine.models.registry import load_hf_processor
 from mmengine.testing import TinyLlavaSpec, tiny_llava_path, tiny_qwen_vl_path
 from mmengine.testing.qwen_vl import tiny_spec

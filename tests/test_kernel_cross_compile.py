@@ -29,7 +29,7 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
     kernels = {"_store_kv_kernel", "_prefill_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_merge_kernel",
                "_rotary_kv_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_shared_prefix_kernel", "_merge_prefix_kernel",
                "_segmented_matmul_kernel", "_gate_up_kernel", "_down_kernel", "_w4a16_kernel"}
-    assert {(r["kernel"], r["arch"]) for r in rows} == {(k, a) for k in kernels for a in (80, 90)}
+    assert {(r["kernel"], r["arch"]) for r in rows} == {(k, a) for k in kernels for a in (80, 90)} | {("_fp8_gemm_kernel", 90)}
     assert {r["case"].split()[0] for r in rows} == {"bf16", "fp16"}
     for r in rows:
         assert r["registers"] > 0 and r["local_bytes"] == 0, r
@@ -45,8 +45,8 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
     lora = [r for r in rows if r["kernel"] == "_segmented_matmul_kernel"]
     assert {r["constexprs"]["ACCUMULATE"] for r in lora} == {False, True} and all(r["mma"] in ("mma", "wgmma") for r in lora)
     # The fused MoE MLP's grouped GEMMs, on tensor cores too.
-    moe = [r for r in rows if r["kernel"] in ("_gate_up_kernel", "_down_kernel", "_w4a16_kernel")]
-    assert moe and all(r["mma"] in ("mma", "wgmma") for r in moe)  # (and the W4A16 GEMM)
+    moe = [r for r in rows if r["kernel"] in ("_gate_up_kernel", "_down_kernel", "_w4a16_kernel", "_fp8_gemm_kernel")]
+    assert moe and all(r["mma"] in ("mma", "wgmma") for r in moe)  # (and the W4A16 and FP8 GEMMs)
     # The FP8 KV cache: the quantizing stores and the attention kernels reading e4m3, on sm_90 only
     fp8 = [r for r in rows if r["constexprs"].get("FP8")]
     assert {(r["kernel"], r["arch"]) for r in fp8} == {("_store_kv_kernel", 90), ("_rotary_kv_kernel", 90)}

@@ -351,6 +351,22 @@ def record_w4a16_launches(case: AttentionCase, group_size: int = 128) -> list[La
     return launches
 
 
+def record_fp8_gemm_launches(case: AttentionCase) -> list[Launch]:
+    """The FP8-weight GEMM on the MLP's down projection in Qwen's 128 x 128 blocks, decode- and
+    prefill-sized (sm_89+)."""
+    from mmengine.kernels.fp8_gemm import fp8_matmul
+
+    k, n = case.intermediate_size, case.hidden_size
+    weight = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    scales = torch.empty(n, -(-k // 128), dtype=torch.float32)
+    with capture_launches() as launches:
+        for rows in (1, 64):
+            fp8_matmul(torch.empty(rows, k, dtype=case.dtype), weight, scales, 128)
+    for launch in launches:
+        launch.min_arch = FP8_MIN_ARCH
+    return launches
+
+
 def default_cases() -> list[AttentionCase]:
     """The issue's head dims and block sizes in both 16-bit types, GQA groups 1 to 8 (7 is padded),
     and the fp32 path (exact dot products) the engine takes for float32 checkpoints."""
@@ -370,7 +386,8 @@ def report(cases: list[AttentionCase], archs: list[int], log: Callable[[str], No
     results = []
     for case in cases:
         launches = (record_attention_launches(case) + record_fp8_kv_launches(case) + record_decoder_launches(case)
-                    + record_lora_launches(case) + record_moe_launches(case) + record_w4a16_launches(case))
+                    + record_lora_launches(case) + record_moe_launches(case) + record_w4a16_launches(case)
+                    + record_fp8_gemm_launches(case))
         for launch in launches:
             for arch in (a for a in archs if a >= launch.min_arch):
                 res = resources_of(launch, arch, case.label)

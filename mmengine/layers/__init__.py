@@ -12,5 +12,5 @@
   gated_delta.py         Gated DeltaNet (Qwen3.5's linear attention) over state slots, with checkpoint saves
   gated_delta_rule.py    the gated delta rule: recurrent, chunked, batched decode; fla-core's kernels on CUDA
   moe.py                 mixture-of-experts MLPs: the top-k router, fused expert weights, a gated shared expert
-  int4_linear.py         a projection kept in 4 bits, through the W4A16 GEMM
+  quantized_linear.py    projections kept in 4 or 8 bits, through the W4A16 and FP8 GEMMs
 """
