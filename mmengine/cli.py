@@ -216,9 +216,15 @@ def _print_weights(family: Any, model_dir: str, elem: int) -> None:
     every expert of a mixture-of-experts decoder is in memory, though a token reads only its top-k."""
     from pathlib import Path
 
-    from mmengine.models.loader import checkpoint_shapes
+    from mmengine.models.loader import checkpoint_headers
+    from mmengine.models.quantization import quantization_of
 
-    numels = {name: math.prod(shape) for name, shape in checkpoint_shapes(Path(model_dir)).items()}
+    headers = checkpoint_headers(Path(model_dir))
+    spec = quantization_of(family.hf_config)
+    if spec is not None:
+        _print_quantized_weights(spec, headers, elem)
+        return
+    numels = {name: math.prod(shape) for name, (shape, _) in headers.items()}
     total = sum(numels.values())
     print(f"weights                         {total * elem:>12}   bytes: {total} parameters x {elem} B (all loaded at start-up)")
     routed = sum(n for name, n in numels.items() if ".experts." in name)
@@ -227,6 +233,36 @@ def _print_weights(family: Any, model_dir: str, elem: int) -> None:
         active = total - routed + routed * text.num_experts_per_tok // text.num_experts
         print(f"  of which routed experts       {routed * elem:>12}   bytes: {text.num_experts} experts a MoE layer, a token reads "
               f"{text.num_experts_per_tok}: {active * elem} bytes of weights active per token")
+
+
+_HEADER_BYTES = {"F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "I16": 2, "F16": 2, "BF16": 2, "I32": 4, "F32": 4, "I64": 8}
+
+
+def _print_quantized_weights(spec: Any, headers: dict[str, tuple[tuple[int, ...], str]], elem: int) -> None:
+    """A quantized checkpoint: its bytes where the decoder's projections stay quantized (the fused
+    kernels' path), and where they are dequantized at load."""
+    packed_parts = {"qweight", "weight_packed"}  # int32 words of 8 int4 values
+    side_parts = {"qzeros", "scales", "g_idx", "weight_scale", "weight_scale_inv", "weight_zero_point", "weight_shape",
+                  "input_scale", "k_scale", "v_scale"}
+    params = stored = 0
+    for name, (shape, dtype) in headers.items():
+        leaf = name.rpartition(".")[2]
+        numel = math.prod(shape)
+        if leaf in packed_parts:
+            params += numel * 8
+        elif leaf not in side_parts:
+            params += numel
+        # float tensors load in the model dtype; quantized values, their scales and zeros as stored
+        stored += numel * (elem if dtype in ("F16", "BF16", "F32") and leaf not in side_parts else _HEADER_BYTES.get(dtype, elem))
+    kept = spec.method in ("fp8", "compressed-tensors", "gptq", "awq")
+    label = spec.method.removesuffix("-int4")
+    if not kept:
+        print(f"weights                         {params * elem:>12}   bytes: {params} parameters x {elem} B ({label} is "
+              "dequantized at load)")
+        return
+    print(f"weights (kept quantized)        {stored:>12}   bytes: {params} parameters, the {label} projections in their "
+          "stored bits (CUDA with the Triton kernels; FP8 needs compute capability 8.9+)")
+    print(f"weights (dequantized at load)   {params * elem:>12}   bytes: {params} parameters x {elem} B (CPU, LoRA, older GPUs)")
 
 
 def _print_kv_budget(family: Any, block_size: int, kv_dtype: Any, model_dtype: Any, flag: str) -> None:

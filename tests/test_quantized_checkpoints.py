@@ -133,3 +133,21 @@ def test_quantized_weights_stay_quantized_where_the_fused_kernels_run(family_che
     ours = engine.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids
     plain = MMEngine(str(reference), max_model_len=256, **KERNEL_FP32.engine_kwargs)
     assert ours == plain.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids
+
+
+@pytest.mark.parametrize("method", ["fp8", "gptq", "w4a16"])
+def test_the_budget_shows_the_weights_kept_quantized_and_dequantized(family_checkpoint, tmp_path, capsys, method):
+    from mmengine.cli import main
+
+    source = family_checkpoint("llava")
+    quantized, _ = quantize_checkpoint(source, tmp_path / "q", method)
+    main(["budget", "--model", str(quantized), "--device", "cpu", "--dtype", "bfloat16"])
+    lines = {line.split("  ")[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("weights")}
+    main(["budget", "--model", str(source), "--device", "cpu", "--dtype", "bfloat16"])
+    dense = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("weights")][0]
+    if method == "w4a16":  # compressed-tensors W4A16 has no kernel layout yet: dequantized everywhere
+        assert list(lines) == ["weights"] and lines["weights"][1:4] == dense[1:4]
+        return
+    assert lines["weights (dequantized at load)"][4:6] == dense[1:3]  # the same parameters and bytes as the source
+    kept = int(lines["weights (kept quantized)"][3])
+    assert kept < int(dense[1])  # the projections in 8 or 4 bits

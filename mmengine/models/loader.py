@@ -106,13 +106,18 @@ def iter_checkpoint(model_dir: Path, device: str = "cpu") -> CheckpointTensors:
     return CheckpointTensors(model_dir, device)
 
 
-def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
-    """Every tensor's shape, from the safetensors headers alone."""
-    shapes: dict[str, tuple[int, ...]] = {}
+def checkpoint_headers(model_dir: Path) -> dict[str, tuple[tuple[int, ...], str]]:
+    """Every tensor's shape and safetensors dtype ("BF16", "F8_E4M3", "I32", ...), from the headers alone."""
+    headers: dict[str, tuple[tuple[int, ...], str]] = {}
     for path in safetensors_files(model_dir):
         with _reading(path), safe_open(str(path), framework="pt") as f:
-            shapes.update({name: tuple(f.get_slice(name).get_shape()) for name in f.keys()})
-    return shapes
+            headers.update({name: (tuple(f.get_slice(name).get_shape()), f.get_slice(name).get_dtype()) for name in f.keys()})
+    return headers
+
+
+def checkpoint_shapes(model_dir: Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape, from the safetensors headers alone."""
+    return {name: shape for name, (shape, _) in checkpoint_headers(model_dir).items()}
 
 
 def checkpoint_dtype(model_dir: Path) -> torch.dtype | None:
