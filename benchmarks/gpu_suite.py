@@ -40,6 +40,14 @@ CHECKPOINTS = {
     "qwen3_5_9b": ("QWEN3_5_9B_SPEC", "qwen3_5"),
     "qwen3_vl_30b_a3b": ("QWEN3_VL_30B_A3B_SPEC", "qwen3_vl_moe"),
 }
+# name -> (the checkpoint it quantizes, mmengine.testing.quantize's method): Qwen's FP8 blocks of 128 x 128,
+# GPTQ in groups of 128 (the W4A16 GEMM's path); a dry run quantizes the tiny stand-in in blocks and groups of 32
+QUANTIZED = {
+    "llava_7b_fp8": ("llava_7b", "fp8"),
+    "llava_7b_w4a16": ("llava_7b", "gptq"),
+    "qwen2_5_vl_7b_fp8": ("qwen2_5_vl_7b", "fp8"),
+    "qwen2_5_vl_7b_w4a16": ("qwen2_5_vl_7b", "gptq"),
+}
 # Decode-step figures of the last H100 run (issue 26: no regression), and the 512-request image workload
 DECODE_MS_BEFORE = {1: 5.7, 64: 7.8, 256: 14.4}
 IMAGE_WORKLOAD_REQ_S_BEFORE = 64.0
@@ -247,6 +255,35 @@ def _hybrid_reads(data: dict) -> list[Reading]:
             ("bytes per state checkpoint", chat_on["state_checkpoint_bytes"], "bytes", None)]
 
 
+def _quantized_reads(data: dict) -> list[Reading]:
+    """Issue 36's targets on an H100: W4A16 batch-1 decode <= 0.4x bf16's, FP8 <= 0.6x; FP8 req/s >= 1.3x."""
+    reads: list[Reading] = []
+    for label, decode_target, rate_target in (("w4a16", 0.4, None), ("fp8", 0.6, 1.3)):
+        ratios, row = data["ratios"][label], data["results"][label]
+        for batch, ratio in ratios["decode_step_over_bf16"].items():
+            reads.append((f"{label}: decode step, batch {batch} / bf16", ratio, "x", at_most(decode_target) if batch == "1" else None))
+            reads.append((f"{label}: decode step, batch {batch} / its read floor", row["decode"][batch]["over_floor"], "x", None))
+        if "requests_per_s_over_bf16" in ratios:
+            reads.append((f"{label}: image workload requests/s / bf16", ratios["requests_per_s_over_bf16"], "x",
+                          at_least(rate_target) if rate_target else None))
+    return reads
+
+
+def _quantized_part(name: str, source: str, minutes: int, images: bool) -> Part:
+    """benchmarks/quantized.py on `source` and its FP8 and W4A16 copies (decode at batch 1 and 64; with
+    `images`, the 512-request image workload too)."""
+    extra = ["--images"] if images else []
+
+    def args(ctx: Context, tiny: bool) -> list[str]:
+        variants = [f"--variant={label}={_model(ctx, f'{source}_{label}')}" for label in ("fp8", "w4a16")]
+        sizes = ["--device", "cpu", "--batch-sizes", "1,3", "--max-model-len", "512", "--tiny", "--num-requests", "6"] if tiny \
+            else ["--device", "cuda", "--batch-sizes", "1,64"]
+        return _bench("quantized.py", ctx, name, "--model", _model(ctx, source), *variants, *sizes, *extra)
+
+    return Part(name, "36", minutes, (source, f"{source}_fp8", f"{source}_w4a16"), lambda ctx: args(ctx, False),
+                lambda ctx: args(ctx, True), _quantized_reads)
+
+
 def _tests_reads(data: dict) -> list[Reading]:
     return [("tests failed or in error", data["failed"] + data["errors"], "tests", at_most(0)),
             ("tests passed", data["passed"], "tests", None), ("tests skipped", data["skipped"], "tests", None)]
@@ -355,6 +392,8 @@ PARTS: list[Part] = [
                             "--dtype", "float32", "--turns", "3", "--output-len", "4", "--requests", "3", "--system-len", "40",
                             "--tail-len", "6", "--picture-size", "64"),
          _hybrid_reads),
+    _quantized_part("quantized_llava_7b", "llava_7b", 8, images=True),
+    _quantized_part("quantized_qwen2_5_vl_7b", "qwen2_5_vl_7b", 5, images=False),
     Part("tests", "27", 8, (), _tests_args,
          lambda ctx: [*_tests_args(ctx)[:-2], "--noconftest", "tests/test_import_graph.py", "--junit-xml",
                       str(ctx.output("tests").with_suffix(".xml"))],
@@ -386,6 +425,9 @@ def ensure_checkpoints(part: Part, ctx: Context, log: Path) -> None:
     for name in part.needs:
         if name in ctx.models:
             continue
+        if name in QUANTIZED:
+            ctx.models[name] = _quantized_checkpoint(name, ctx, log)
+            continue
         spec, tiny_family = CHECKPOINTS[name]
         if ctx.dry_run:
             from mmengine.testing import TinyLlavaSpec, tiny_llava_path, tiny_qwen_vl_path
@@ -399,6 +441,22 @@ def ensure_checkpoints(part: Part, ctx: Context, log: Path) -> None:
             with log.open("a") as sink:
                 subprocess.run([sys.executable, "-c", code], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, check=True)
         ctx.models[name] = str(path)
+
+
+def _quantized_checkpoint(name: str, ctx: Context, log: Path) -> str:
+    """The quantized copy `name` of a checkpoint the parts run on (built before it, as `needs` lists it)."""
+    source, method = QUANTIZED[name]
+    path = ctx.checkpoints / name
+    if (path / "config.json").is_file():
+        return str(path)
+    size, device = (32, "cpu") if ctx.dry_run else (128, "cuda")
+    code = (f"from pathlib import Path; from mmengine.testing.quantize import quantize_checkpoint; "
+            f"quantize_checkpoint(Path({ctx.models[source]!r}), Path({str(path)!r} + '.partial'), {method!r}, "
+            f"block=({size}, {size}), group_size={size}, reference=False, device={device!r}); "
+            f"Path({str(path)!r} + '.partial').rename({str(path)!r})")
+    with log.open("a") as sink:
+        subprocess.run([sys.executable, "-c", code], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, check=True)
+    return str(path)
 
 
 def run_part(part: Part, ctx: Context, timeout_s: float) -> PartResult:

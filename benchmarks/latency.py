@@ -133,13 +133,17 @@ def decode_weight_bytes(model: torch.nn.Module, batch_size: int | None = None) -
     when it is tied to the embedding). Not the vision tower or projector, nor the embedding table.
     Routed experts (a MoE layer's E experts, top-k a token) count as the experts a batch of
     `batch_size` tokens is expected to touch under uniform routing, E x (1 - (1 - k/E)^batch): the
-    *active* weights (all of them when batch_size is None)."""
+    *active* weights (all of them when batch_size is None). Projections kept quantized count their
+    stored bits (their weights, scales and zeros are buffers)."""
     from mmengine.layers.moe import FusedExperts
+    from mmengine.layers.quantized_linear import QuantizedLinear
 
     unread = ("vision_tower.", "visual.", "multi_modal_projector.", "embed_tokens.")
     names: dict[int, list[str]] = {}
     sizes: dict[int, int] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
+    quantized = [(f"{name}.{b}", buffer) for name, module in model.named_modules() if isinstance(module, QuantizedLinear)
+                 for b, buffer in module.named_buffers(recurse=False)]
+    for name, param in [*model.named_parameters(remove_duplicate=False), *quantized]:
         names.setdefault(param.data_ptr(), []).append(name)
         sizes[param.data_ptr()] = param.numel() * param.element_size()
     for module in model.modules():
@@ -151,8 +155,7 @@ def decode_weight_bytes(model: torch.nn.Module, batch_size: int | None = None) -
 
 
 def kv_bytes_per_token(engine: MMEngine) -> int:
-    text = engine.hf_config.text_config
-    return 2 * engine.family.num_attention_layers * text.num_key_value_heads * engine.family.head_dim * engine.dtype.itemsize
+    return engine.runner.kv_block_bytes // engine.runner.block_size  # in the KV cache's dtype (fp8: 1 byte)
 
 
 # -- decode ---------------------------------------------------------------------------------------
@@ -370,6 +373,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                              "Qwen2.5-VL-7B, Qwen3-VL-30B-A3B; qwen2_vl and the Qwen3.5 ones: tiny only)")
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto | fp8")
     parser.add_argument("--batch-sizes", type=_positive_ints, default="1,16,64,256", help="comma-separated decode batch sizes")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="prompt length of the decode requests")
     parser.add_argument("--warmup-steps", type=int, default=3, help="steady decode steps run before timing")
@@ -430,7 +434,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     engine = MMEngine(
         model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch_sizes + [args.profile_batch_size]),
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        gpu_memory_utilization=args.gpu_memory_utilization,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
     )
     device = engine.device
     weight_bytes = decode_weight_bytes(engine.runner.model)

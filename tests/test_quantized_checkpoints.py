@@ -151,3 +151,20 @@ def test_the_budget_shows_the_weights_kept_quantized_and_dequantized(family_chec
     assert lines["weights (dequantized at load)"][4:6] == dense[1:3]  # the same parameters and bytes as the source
     kept = int(lines["weights (kept quantized)"][3])
     assert kept < int(dense[1])  # the projections in 8 or 4 bits
+
+
+def test_a_sharded_checkpoint_quantizes_shard_by_shard(tmp_path):
+    """The GPU suite's path for 7B checkpoints: shards quantized one at a time, no reference written,
+    an index naming every quantized tensor's shard; it computes what the single-file copy computes."""
+    from mmengine.testing import TinyLlavaSpec, build_tiny_llava
+
+    single, sharded = build_tiny_llava(tmp_path / "one", TinyLlavaSpec()), build_tiny_llava(tmp_path / "many", TinyLlavaSpec(),
+                                                                                             max_shard_size="200KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    one, _ = quantize_checkpoint(single, tmp_path / "one-q", "gptq")
+    many, reference = quantize_checkpoint(sharded, tmp_path / "many-q", "gptq", reference=False)
+    assert reference is None and not (tmp_path / "many-q-dequantized").exists()
+    index = json.loads((many / "model.safetensors.index.json").read_text())["weight_map"]
+    assert any(name.endswith(".qweight") for name in index) and set(index.values()) == {p.name for p in many.glob("*.safetensors")}
+    prompt = "USER: <image>\nWhat is it? ASSISTANT:"
+    assert _logprobs(many, prompt, [PICTURE]) == _logprobs(one, prompt, [PICTURE])

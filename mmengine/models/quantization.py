@@ -179,7 +179,7 @@ def pack_int4(values: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(ran
     formats store them (the top nibble wraps into the sign bit). The inverse of unpack_int4."""
     v = values.to(torch.int64).movedim(dim, -1)
     v = v.reshape(*v.shape[:-1], -1, 8)[..., list(order)]
-    words = (v << torch.arange(0, 32, 4)).sum(-1)
+    words = (v << torch.arange(0, 32, 4, device=v.device)).sum(-1)
     words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
     return words.movedim(-1, dim).contiguous()
 

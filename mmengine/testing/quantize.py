@@ -17,7 +17,8 @@
 
 Each also writes, beside it, the same model with the dequantized weights (computed here in float32
 from the integer values, before any packing) as a plain checkpoint: what the quantized one must
-compute exactly.
+compute exactly (`reference=False` skips it: the GPU suite quantizes 7B checkpoints, shard by shard,
+on the GPU).
 """
 
 from __future__ import annotations
@@ -37,12 +38,9 @@ FP8_MAX = 448.0
 def _quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rows, cols = block
     out_blocks, in_blocks = -(-weight.shape[0] // rows), -(-weight.shape[1] // cols)
-    scale = torch.empty(out_blocks, in_blocks)
     w = weight.float()
-    for i in range(out_blocks):
-        for j in range(in_blocks):
-            tile = w[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols]
-            scale[i, j] = tile.abs().max().clamp(min=1e-12) / FP8_MAX
+    padded = torch.nn.functional.pad(w.abs(), (0, in_blocks * cols - w.shape[1], 0, out_blocks * rows - w.shape[0]))
+    scale = padded.view(out_blocks, rows, in_blocks, cols).amax(dim=(1, 3)).clamp(min=1e-12) / FP8_MAX
     full = scale.repeat_interleave(rows, 0).repeat_interleave(cols, 1)[: w.shape[0], : w.shape[1]]
     q = (w / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale, q.float() * full
@@ -59,8 +57,9 @@ def _int4_groups(weight: torch.Tensor, groups: torch.Tensor, num_groups: int) ->
     """Asymmetric 4-bit quantization of W^T [in, out], rows grouped by `groups` [in]: returns q [in, out],
     zeros and scales [num_groups, out] (scales rounded to fp16, as stored) and the dequantized W [out, in]."""
     w = weight.float().t()
-    lo = torch.stack([w[groups == g].amin(0) for g in range(num_groups)]).clamp(max=0)
-    hi = torch.stack([w[groups == g].amax(0) for g in range(num_groups)]).clamp(min=0)
+    index = groups.long().to(w.device)[:, None].expand_as(w)
+    lo = torch.zeros(num_groups, w.shape[1], device=w.device).scatter_reduce(0, index, w, "amin")  # <= 0: the zeros start there
+    hi = torch.zeros(num_groups, w.shape[1], device=w.device).scatter_reduce(0, index, w, "amax")
     scales = ((hi - lo).clamp(min=1e-8) / 15).half().float()
     zeros = (-lo / scales).round().clamp(1, 15)  # >= 1: GPTQ v1 stores zero - 1 in a nibble
     q = (w / scales[groups] + zeros[groups]).round().clamp(0, 15)
@@ -94,14 +93,32 @@ def _quantizable(name: str, tensor: torch.Tensor) -> bool:
 
 
 def quantize_checkpoint(source: str | pathlib.Path, target: str | pathlib.Path, method: str = "fp8",
-                        block: tuple[int, int] = (32, 32), group_size: int = 32) -> tuple[pathlib.Path, pathlib.Path]:
-    """Writes the quantized copy of the single-file checkpoint `source` to `target`, and the dequantized
-    reference to `target` + "-dequantized"; returns both paths."""
+                        block: tuple[int, int] = (32, 32), group_size: int = 32, reference: bool = True,
+                        device: str = "cpu") -> tuple[pathlib.Path, pathlib.Path | None]:
+    """Writes the quantized copy of the checkpoint `source` (one file or shards) to `target`, and the
+    dequantized reference to `target` + "-dequantized" (unless reference=False); returns both paths.
+    The arithmetic runs on `device`."""
     source, target = pathlib.Path(source), pathlib.Path(target)
-    reference = target.with_name(target.name + "-dequantized")
-    for directory in (target, reference):
-        shutil.copytree(source, directory, dirs_exist_ok=True)
-    tensors = load_file(str(source / "model.safetensors"))
+    deq_dir = target.with_name(target.name + "-dequantized") if reference else None
+    for directory in (target, deq_dir) if deq_dir else (target,):
+        shutil.copytree(source, directory, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
+    names: dict[str, str] = {}  # tensor -> its shard, for a sharded checkpoint's index
+    for shard in sorted(source.glob("*.safetensors")):
+        quantized, dequantized = _quantize_tensors(load_file(str(shard), device=device), method, block, group_size, reference)
+        save_file({k: v.cpu().contiguous() for k, v in quantized.items()}, str(target / shard.name), metadata={"format": "pt"})
+        if deq_dir:
+            save_file({k: v.cpu().contiguous() for k, v in dequantized.items()}, str(deq_dir / shard.name), metadata={"format": "pt"})
+        names.update({name: shard.name for name in quantized})
+    if (source / "model.safetensors.index.json").is_file():
+        (target / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": names}, indent=1))
+        if deq_dir:
+            shutil.copy(source / "model.safetensors.index.json", deq_dir)
+    _write_quantization_config(target, method, block, group_size)
+    return target, deq_dir
+
+
+def _quantize_tensors(tensors: dict[str, torch.Tensor], method: str, block: tuple[int, int], group_size: int,
+                      reference: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     quantized, dequantized = {}, {}
     for name, tensor in tensors.items():
         if not _quantizable(name, tensor):
@@ -117,7 +134,8 @@ def quantize_checkpoint(source: str | pathlib.Path, target: str | pathlib.Path, 
             quantized[f"{owner}.weight_shape"] = torch.tensor(tensor.shape)
             if zeros is not None:
                 quantized[f"{owner}.weight_zero_point"] = pack_to_int32(zeros, 4, packed_dim=0)
-            dequantized[name] = exact.to(tensor.dtype)
+            if reference:
+                dequantized[name] = exact.to(tensor.dtype)
             continue
         if method in ("gptq", "gptq-act-order", "awq"):
             rows = tensor.shape[1]
@@ -125,6 +143,7 @@ def quantize_checkpoint(source: str | pathlib.Path, target: str | pathlib.Path, 
             groups = torch.arange(rows) // group_size
             if method == "gptq-act-order":
                 groups = groups[torch.randperm(rows, generator=torch.Generator().manual_seed(rows))]
+            groups = groups.to(tensor.device)
             q, zeros, scales, exact = _int4_groups(tensor, groups, num_groups)
             if method == "awq":
                 awq_order = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -135,7 +154,8 @@ def quantize_checkpoint(source: str | pathlib.Path, target: str | pathlib.Path, 
                 quantized[f"{owner}.qzeros"] = pack_int4(zeros - 1, 1)
                 quantized[f"{owner}.g_idx"] = groups.to(torch.int32)
             quantized[f"{owner}.scales"] = scales.half()
-            dequantized[name] = exact.to(tensor.dtype)
+            if reference:
+                dequantized[name] = exact.to(tensor.dtype)
             continue
         if method == "fp8":
             q, scale, exact = _quantize_blocks(tensor, block)
@@ -146,9 +166,12 @@ def quantize_checkpoint(source: str | pathlib.Path, target: str | pathlib.Path, 
         else:
             raise ValueError(f"unknown method {method!r}")
         quantized[name] = q
-        dequantized[name] = exact.to(tensor.dtype)
-    save_file(quantized, str(target / "model.safetensors"))
-    save_file(dequantized, str(reference / "model.safetensors"))
+        if reference:
+            dequantized[name] = exact.to(tensor.dtype)
+    return quantized, dequantized
+
+
+def _write_quantization_config(target: pathlib.Path, method: str, block: tuple[int, int], group_size: int) -> None:
     config = json.loads((target / "config.json").read_text())
     if method in ("w4a16", "w4a16-asym"):
         scheme = {"num_bits": 4, "type": "int", "symmetric": method == "w4a16", "strategy": "group", "group_size": group_size,
@@ -176,4 +199,3 @@ def quantize_checkpoint(source: str | pathlib.Path, target: str | pathlib.Path, 
             "ignore": ["lm_head", "re:.*visual.*", "re:.*vision_tower.*", "re:.*multi_modal_projector.*"],
         }
     (target / "config.json").write_text(json.dumps(config, indent=2))
-    return target, reference
