@@ -254,12 +254,7 @@ def _print_quantized_weights(spec: Any, headers: dict[str, tuple[tuple[int, ...]
             params += numel
         # float tensors load in the model dtype; quantized values, their scales and zeros as stored
         stored += numel * (elem if dtype in ("F16", "BF16", "F32") and leaf not in side_parts else _HEADER_BYTES.get(dtype, elem))
-    kept = spec.method in ("fp8", "compressed-tensors", "gptq", "awq")
     label = spec.method.removesuffix("-int4")
-    if not kept:
-        print(f"weights                         {params * elem:>12}   bytes: {params} parameters x {elem} B ({label} is "
-              "dequantized at load)")
-        return
     print(f"weights (kept quantized)        {stored:>12}   bytes: {params} parameters, the {label} projections in their "
           "stored bits (CUDA with the Triton kernels; FP8 needs compute capability 8.9+)")
     print(f"weights (dequantized at load)   {params * elem:>12}   bytes: {params} parameters x {elem} B (CPU, LoRA, older GPUs)")

@@ -110,12 +110,13 @@ def test_quantization_only_asserts_what_the_checkpoint_says(family_checkpoint, t
         MMEngine(str(quantized), quantization="int3")
 
 
-@pytest.mark.parametrize("method,swapped,layer", [("gptq", 8, "Int4Linear"), ("awq", 8, "Int4Linear"), ("gptq-act-order", 0, None),
+@pytest.mark.parametrize("method,swapped,layer", [("gptq", 8, "Int4Linear"), ("awq", 8, "Int4Linear"), ("gptq-act-order", 8, "Int4Linear"),
+                                                   ("w4a16", 8, "Int4Linear"), ("w4a16-asym", 8, "Int4Linear"),
                                                    ("fp8", 8, "Fp8Linear"), ("compressed-tensors", 8, "Fp8Linear")])
 def test_quantized_weights_stay_quantized_where_the_fused_kernels_run(family_checkpoint, tmp_path, no_tf32, method, swapped, layer):
-    """With the Triton backend (the interpreter on CPU), GPTQ and AWQ projections become Int4Linear layers
-    and FP8 ones Fp8Linear layers (q/k/v and gate/up fused; 4 a layer, 2 layers), and give the dequantized
-    model's tokens; act-order GPTQ has no kernel layout yet and stays dense."""
+    """With the Triton backend (the interpreter on CPU), GPTQ (act-order too: the kernel reads g_idx), AWQ
+    and compressed-tensors W4A16 projections become Int4Linear layers and FP8 ones Fp8Linear layers (q/k/v
+    and gate/up fused; 4 a layer, 2 layers), and give the dequantized model's tokens."""
     from conftest import KERNEL_FP32
 
     from mmengine.layers import quantized_linear
@@ -145,9 +146,6 @@ def test_the_budget_shows_the_weights_kept_quantized_and_dequantized(family_chec
     lines = {line.split("  ")[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("weights")}
     main(["budget", "--model", str(source), "--device", "cpu", "--dtype", "bfloat16"])
     dense = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("weights")][0]
-    if method == "w4a16":  # compressed-tensors W4A16 has no kernel layout yet: dequantized everywhere
-        assert list(lines) == ["weights"] and lines["weights"][1:4] == dense[1:4]
-        return
     assert lines["weights (dequantized at load)"][4:6] == dense[1:3]  # the same parameters and bytes as the source
     kept = int(lines["weights (kept quantized)"][3])
     assert kept < int(dense[1])  # the projections in 8 or 4 bits

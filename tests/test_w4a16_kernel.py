@@ -35,6 +35,18 @@ def test_the_kernel_equals_dequantize_then_matmul(m, k, n, group, dtype):
     assert got.dtype == dtype
 
 
+@pytest.mark.parametrize("m", [1, 33])
+def test_act_order_reads_each_inputs_group_from_g_idx(m):
+    k, n, group = 96, 40, 32
+    x, qweight, scales, zeros = _case(m, k, n, group, torch.float32, seed=m)
+    g_idx = (torch.arange(k) // group)[torch.randperm(k, generator=torch.Generator().manual_seed(5))].to(torch.int32)
+    weight_t = (unpack_int4(qweight, 0).float() - zeros.float()[g_idx.long()]) * scales.float()[g_idx.long()]
+    got = w4a16_matmul(x.to(DEVICE), qweight.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), group, g_idx.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), x @ weight_t, atol=1e-4, rtol=1e-4)
+    in_order = w4a16_matmul(x.to(DEVICE), qweight.to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), group)
+    assert not torch.allclose(in_order.cpu(), got.cpu())  # the order matters: g_idx is really read
+
+
 def test_bad_layouts_are_named():
     x, qweight, scales, zeros = _case(2, 64, 16, 32, torch.float32, 0)
     with pytest.raises(ValueError, match="does not pack K = 64"):

@@ -35,19 +35,20 @@ class QuantizedLinear(nn.Module):
 
 
 class Int4Linear(QuantizedLinear):
-    """qweight int32 [in / 8, out], scales and zeros [in / group, out]."""
+    """qweight int32 [in / 8, out], scales and zeros [groups, out], g_idx [in] (act-order) or None."""
 
     def __init__(self, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                 bias: torch.Tensor | None) -> None:
+                 bias: torch.Tensor | None, g_idx: torch.Tensor | None = None) -> None:
         super().__init__(bias)
         self.in_features, self.out_features = qweight.shape[0] * 8, qweight.shape[1]
         self.group_size = group_size
         self.register_buffer("qweight", qweight.contiguous())
         self.register_buffer("scales", scales.contiguous())
         self.register_buffer("zeros", zeros.contiguous())
+        self.register_buffer("g_idx", None if g_idx is None else g_idx.contiguous())
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        return w4a16_matmul(rows, self.qweight, self.scales, self.zeros, self.group_size)
+        return w4a16_matmul(rows, self.qweight, self.scales, self.zeros, self.group_size, self.g_idx)
 
 
 class Fp8Linear(QuantizedLinear):
@@ -67,10 +68,19 @@ class Fp8Linear(QuantizedLinear):
 def fuse_shards(parts: list[PackedInt4] | list[PackedFp8], bias: torch.Tensor | None, device: torch.device) -> QuantizedLinear | None:
     """One layer for a fused projection's shards (concatenated along the outputs), or None where they
     cannot share one (different group sizes or formats)."""
-    if all(isinstance(p, PackedInt4) for p in parts) and len({p.group_size for p in parts}) == 1:
+    if all(isinstance(p, PackedInt4) for p in parts) and len({p.group_size for p in parts}) == 1 and _same_g_idx(parts):
+        g_idx = parts[0].g_idx
         return Int4Linear(torch.cat([p.qweight for p in parts], dim=1).to(device), torch.cat([p.scales for p in parts], dim=1).to(device),
-                          torch.cat([p.zeros for p in parts], dim=1).to(device), parts[0].group_size, bias)
+                          torch.cat([p.zeros for p in parts], dim=1).to(device), parts[0].group_size, bias,
+                          None if g_idx is None else g_idx.to(device))
     if all(isinstance(p, PackedFp8) for p in parts) and len({p.group_k for p in parts}) == 1:
         return Fp8Linear(torch.cat([p.weight for p in parts]).to(device), torch.cat([p.scales for p in parts]).to(device),
                          parts[0].group_k, bias)
     return None
+
+
+def _same_g_idx(parts: list[PackedInt4]) -> bool:
+    """Shards fuse only when their inputs share one group order (act-order GPTQ orders them by the
+    input's statistics, the same for q, k and v)."""
+    first = parts[0].g_idx
+    return all((p.g_idx is None) == (first is None) and (first is None or torch.equal(p.g_idx, first)) for p in parts)

@@ -233,12 +233,14 @@ def _dequantize(parts: dict[str, torch.Tensor], spec: WeightQuantization, name: 
 @dataclass
 class PackedInt4:
     """One int4 linear weight as the W4A16 GEMM reads it: qweight [in / 8, out] (nibble i of word r is
-    input 8r + i, 0..15), scales and zeros [in / group, out] (float32 here)."""
+    input 8r + i, 0..15), scales and zeros [groups, out] (float32 here), and for GPTQ's act-order each
+    input's group (g_idx [in] int32; None: input // group_size)."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
     zeros: torch.Tensor
     group_size: int
+    g_idx: torch.Tensor | None = None
 
 
 @dataclass
@@ -263,22 +265,37 @@ def fp8_for_kernel(weight: torch.Tensor, scale: torch.Tensor, spec: WeightQuanti
 
 
 def pack_for_kernel(parts: dict[str, torch.Tensor], spec: WeightQuantization) -> PackedInt4 | PackedFp8 | None:
-    """The kernel's layout of one quantized weight, or None where it has none yet (GPTQ act-order: inputs
-    not grouped in order; an int4 group size that is not a multiple of 8; compressed-tensors W4A16)."""
+    """The kernel's layout of one quantized weight, or None where it has none (an int4 group size that is
+    not a multiple of 8; compressed-tensors int4 over inputs that are not a multiple of 8)."""
     if not spec.int4:
         return fp8_for_kernel(parts["weight"], parts[spec.scale_name], spec)
+    if spec.method == "compressed-tensors-int4":
+        return _compressed_int4_for_kernel(parts, spec)
     if spec.group_size % 8:
         return None
     if spec.method == "gptq":
         rows = parts["qweight"].shape[0] * 8
-        if not torch.equal(parts["g_idx"].long(), torch.arange(rows) // spec.group_size):
-            return None
-        return PackedInt4(parts["qweight"].to(torch.int32), parts["scales"].float(),
-                          (unpack_int4(parts["qzeros"], 1) + 1).float(), spec.group_size)
+        in_order = torch.equal(parts["g_idx"].long(), torch.arange(rows) // spec.group_size)
+        return PackedInt4(parts["qweight"].to(torch.int32), parts["scales"].float(), (unpack_int4(parts["qzeros"], 1) + 1).float(),
+                          spec.group_size, None if in_order else parts["g_idx"].to(torch.int32))
     if spec.method == "awq":
         return PackedInt4(pack_int4(_awq_columns(parts["qweight"]), 0), parts["scales"].float(),
                           _awq_columns(parts["qzeros"]).float(), spec.group_size)
     return None
+
+
+def _compressed_int4_for_kernel(parts: dict[str, torch.Tensor], spec: WeightQuantization) -> PackedInt4 | None:
+    """compressed-tensors pack-quantized is GPTQ's packing along the inputs, transposed, with the values
+    stored + 8: qweight is weight_packed^T, the zeros 8 (or the zero points + 8)."""
+    out_features, in_features = (int(v) for v in parts["weight_shape"].tolist())
+    group = spec.group_size or in_features
+    if in_features % 8 or group % 8:
+        return None
+    scales = parts["weight_scale"].float().t().contiguous()  # [groups, out]
+    zeros = torch.full_like(scales, 8.0)
+    if not spec.symmetric:
+        zeros += unpack_int4(parts["weight_zero_point"], 0)[:out_features].float().t() - 8
+    return PackedInt4(parts["weight_packed"].to(torch.int32).t().contiguous(), scales, zeros, group)
 
 
 def dequantize_tensors(weights: Iterable[tuple[str, torch.Tensor]], spec: WeightQuantization,
