@@ -13,6 +13,8 @@ import pytest
 from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
+# The dry run (a module fixture) runs once: under pytest-xdist every test of this module shares one worker
+pytestmark = pytest.mark.xdist_group("gpu_suite")
 
 
 @pytest.fixture(scope="module")
