@@ -275,7 +275,7 @@ def _quantized_part(name: str, source: str, minutes: int, images: bool) -> Part:
     extra = ["--images"] if images else []
 
     def args(ctx: Context, tiny: bool) -> list[str]:
-        variants = [f"--variant={label}={_model(ctx, f'{source}_{label}')}" for label in ("fp8", "w4a16")]
+        variants = [arg for label in ("fp8", "w4a16") for arg in ("--variant", f"{label}={_model(ctx, f'{source}_{label}')}")]
         sizes = ["--device", "cpu", "--batch-sizes", "1,3", "--max-model-len", "512", "--tiny", "--num-requests", "6"] if tiny \
             else ["--device", "cuda", "--batch-sizes", "1,64"]
         return _bench("quantized.py", ctx, name, "--model", _model(ctx, source), *variants, *sizes, *extra)
@@ -594,6 +594,7 @@ def _dry_run_in_parallel(parts: list[Part], ctx: Context, earlier: dict[str, Par
     from concurrent.futures import ThreadPoolExecutor
 
     todo = [part for part in parts if part.name not in earlier]
+    (ctx.out / "logs").mkdir(parents=True, exist_ok=True)
     for part in todo:
         ensure_checkpoints(part, ctx, ctx.out / "logs" / f"{part.name}.log")
     with ThreadPoolExecutor(jobs) as pool:

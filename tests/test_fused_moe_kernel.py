@@ -47,6 +47,36 @@ def test_the_kernel_equals_the_pytorch_experts(num_experts, top_k, num_tokens, h
     assert got.dtype == dtype
 
 
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="e4m3 needs compute capability 8.9+ in Triton; the interpreter on CPU checks the same")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("num_experts,top_k,num_tokens,hidden,inter,group_k", [
+    (8, 2, 33, 64, 48, 32), (4, 1, 5, 40, 24, 16), (16, 4, 70, 48, 40, 48),
+])
+def test_fp8_experts_equal_their_dequantized_weights(num_experts, top_k, num_tokens, hidden, inter, group_k, dtype):
+    """e4m3 experts with block scales (as an FP8 checkpoint's, repeated over each block's rows) give what
+    the same experts dequantized to the activations' dtype give."""
+    experts, x, weights, ids = _case(num_experts, top_k, num_tokens, hidden, inter, dtype, seed=num_experts + group_k)
+    gen = torch.Generator().manual_seed(group_k)
+
+    def quantized(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        rows, cols = dense.shape[1], dense.shape[2]
+        scales = torch.rand(dense.shape[0], rows, -(-cols // group_k), generator=gen) * 2e-3 + 1e-3
+        full = scales.repeat_interleave(group_k, 2)[..., :cols]
+        fp8 = (dense.float().cpu() / full).clamp(-448, 448).to(torch.float8_e4m3fn)
+        return fp8.to(DEVICE), scales.to(DEVICE), (fp8.float() * full).to(DEVICE, dtype)
+
+    gate_up, gate_up_scales, gate_up_dense = quantized(experts.gate_up_proj.detach())
+    down, down_scales, down_dense = quantized(experts.down_proj.detach())
+    with torch.no_grad():
+        expected = fused_moe(x, gate_up_dense, down_dense, weights, ids)
+        got = fused_moe(x, gate_up, down, weights, ids, gate_up_scales, down_scales, group_k)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+    with pytest.raises(ValueError, match="do not cover the weights in groups of 8"):
+        fused_moe(x, gate_up, down, weights, ids, gate_up_scales, down_scales, 8)
+
+
 def test_alignment_groups_pairs_by_expert_in_padded_tiles():
     ids = torch.tensor([[2, 0], [2, 1], [0, 2], [2, 0]])
     pairs, tile_expert, num_padded = align_by_expert(ids, num_experts=4, block_m=4)

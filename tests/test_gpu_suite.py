@@ -113,7 +113,7 @@ def test_targets_judge_and_pytest_counts(suite, tmp_path):
 def test_every_part_reads_what_its_script_writes(suite):
     """The GPU commands name flags the scripts take (a typo would only show on the GPU)."""
     ctx = suite.Context(Path("/nowhere"), Path("/nowhere/checkpoints"), dry_run=False,
-                        models={name: f"/nowhere/{name}" for name in suite.CHECKPOINTS})
+                        models={name: f"/nowhere/{name}" for name in [*suite.CHECKPOINTS, *suite.QUANTIZED]})
     for part in suite.PARTS:
         if part.writes_junit:
             continue

@@ -166,3 +166,24 @@ def test_a_sharded_checkpoint_quantizes_shard_by_shard(tmp_path):
     assert any(name.endswith(".qweight") for name in index) and set(index.values()) == {p.name for p in many.glob("*.safetensors")}
     prompt = "USER: <image>\nWhat is it? ASSISTANT:"
     assert _logprobs(many, prompt, [PICTURE]) == _logprobs(one, prompt, [PICTURE])
+
+
+def test_fp8_experts_stay_in_fp8_where_the_fused_kernels_run(family_checkpoint, tmp_path, no_tf32):
+    """Qwen3.5-MoE's experts, stored one tensor per expert in FP8 (as Qwen's -FP8 releases store them):
+    dequantized and stacked on CPU they compute the dequantized copy exactly; with the fused kernels every
+    MoE layer keeps them in e4m3 (Fp8FusedExperts) and gives the dequantized copy's tokens."""
+    from conftest import KERNEL_FP32
+
+    from mmengine.layers.moe import Fp8FusedExperts
+
+    quantized, reference = quantize_checkpoint(family_checkpoint("qwen3_5_moe"), tmp_path / "q", "fp8")
+    prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n<|im_start|>assistant\n"
+    assert _logprobs(quantized, prompt, [PICTURE]) == _logprobs(reference, prompt, [PICTURE])
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    engine = MMEngine(str(quantized), max_model_len=256, attn_backend="triton", enforce_eager=True, **KERNEL_FP32.engine_kwargs)
+    layers = engine.runner.model.language_model.layers
+    assert all(isinstance(layer.mlp.experts, Fp8FusedExperts) for layer in layers)
+    assert layers[0].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    ours = engine.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids
+    plain = MMEngine(str(reference), max_model_len=256, attn_backend="triton", enforce_eager=True, **KERNEL_FP32.engine_kwargs)
+    assert ours == plain.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids

@@ -9,6 +9,8 @@
 3. `_down_kernel`: per tile, that @ down[expert].T times the pair's routing weight, stored per pair;
    the k pairs of a token are then summed (a fixed order: no atomics, deterministic).
 Tiles past the padded count, rows of padding and experts that got no token cost nothing but a check.
+FP8 experts (e4m3 weights, with scales laid out as kernels/fp8_gemm.py's per expert) are dequantized in
+registers to the activations' dtype, as the FP8 GEMM does.
 """
 
 from __future__ import annotations
@@ -54,11 +56,21 @@ def _tile_pairs(sorted_ptr, tile_expert_ptr, tile, num_pairs, BLOCK_M: tl.conste
 
 
 @triton.jit
+def _load_weight_tile(w, s, cols, ks, mask, stride_wn, stride_sn, group_k, dtype, HAS_SCALES: tl.constexpr):
+    """An expert's weight tile W^T [BLOCK_K, BLOCK_N] in `dtype` (FP8: times its scales)."""
+    tile = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=mask, other=0.0)
+    if HAS_SCALES:
+        scale = tl.load(s + cols[None, :] * stride_sn + (ks // group_k)[:, None], mask=mask, other=0.0)
+        return (tile.to(tl.float32) * scale).to(dtype)
+    return tile
+
+
+@triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, out_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
-    num_pairs, top_k, hidden, inter,
-    stride_x, stride_we, stride_wn, stride_out,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
+    num_pairs, top_k, hidden, inter, group_k,
+    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr,
 ):
     tile = tl.program_id(0)
     if tile * BLOCK_M >= tl.load(num_padded_ptr):
@@ -70,12 +82,14 @@ def _gate_up_kernel(
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w = w_ptr + expert * stride_we
+    s = s_ptr + expert * stride_se
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
         a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        wu = tl.load(w + (inter + cols[None, :]) * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        mask = col_ok[None, :] & k_ok[:, None]
+        wg = _load_weight_tile(w, s, cols, ks, mask, stride_wn, stride_sn, group_k, a.dtype, HAS_SCALES)
+        wu = _load_weight_tile(w, s, inter + cols, ks, mask, stride_wn, stride_sn, group_k, a.dtype, HAS_SCALES)
         gate = tl.dot(a, wg, gate, input_precision=PRECISION)
         up = tl.dot(a, wu, up, input_precision=PRECISION)
     act = gate / (1.0 + tl.exp(-gate)) * up
@@ -85,10 +99,10 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
-    num_pairs, hidden, inter,
-    stride_h, stride_we, stride_wn, stride_out,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_ptr, w_ptr, s_ptr, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
+    num_pairs, hidden, inter, group_k,
+    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_out,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr,
 ):
     tile = tl.program_id(0)
     if tile * BLOCK_M >= tl.load(num_padded_ptr):
@@ -99,11 +113,12 @@ def _down_kernel(
     col_ok = cols < hidden
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w = w_ptr + expert * stride_we
+    s = s_ptr + expert * stride_se
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
         a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+        b = _load_weight_tile(w, s, cols, ks, col_ok[None, :] & k_ok[:, None], stride_wn, stride_sn, group_k, a.dtype, HAS_SCALES)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     routing = tl.load(weight_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * routing[:, None]
@@ -115,17 +130,24 @@ def _block(n: int, cap: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(n)))
 
 
-def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor,
-              experts: torch.Tensor) -> torch.Tensor:
+def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+              gate_up_scales: torch.Tensor | None = None, down_scales: torch.Tensor | None = None, group_k: int = 0) -> torch.Tensor:
     """sum_j weights[t, j] * down[e] @ silu(gate_up[e, :I] @ x[t]) * (gate_up[e, I:] @ x[t]), e = experts[t, j].
-    x [T, H], gate_up [E, 2I, H], down [E, H, I], weights / experts [T, k] -> [T, H] in x's dtype."""
+    x [T, H], gate_up [E, 2I, H], down [E, H, I], weights / experts [T, k] -> [T, H] in x's dtype. FP8
+    experts: gate_up and down in e4m3 with fp32 scales [E, 2I, ceil(H / group_k)] and [E, H, ceil(I / group_k)]."""
     num_tokens, hidden = x.shape
     num_experts, two_inter, _ = gate_up.shape
     inter = two_inter // 2
     top_k = experts.shape[1]
+    fp8 = gate_up_scales is not None
+    if fp8 and (down_scales is None or gate_up_scales.shape != (num_experts, two_inter, -(-hidden // group_k))
+                or down_scales.shape != (num_experts, hidden, -(-inter // group_k))):
+        raise ValueError(f"FP8 expert scales {None if gate_up_scales is None else tuple(gate_up_scales.shape)} / "
+                         f"{None if down_scales is None else tuple(down_scales.shape)} do not cover the weights in groups of {group_k}")
     if num_tokens == 0:
         return torch.zeros_like(x)
     assert x.stride(-1) == 1 and gate_up.stride(-1) == 1 and down.stride(-1) == 1
+    gate_up_s, down_s = (gate_up_scales, down_scales) if fp8 else (gate_up, down)  # unused pointers without scales
     sorted_pairs, tile_expert, num_padded = align_by_expert(experts, num_experts)
     num_pairs = num_tokens * top_k
     num_tiles = tile_expert.shape[0]
@@ -133,15 +155,15 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     block_n, block_k = _block(inter, 64), _block(hidden, 64)
     _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n))](
-        x, gate_up, h, sorted_pairs, tile_expert, num_padded, num_pairs, top_k, hidden, inter,
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, **launch_options(num_stages=2),
+        x, gate_up, gate_up_s, h, sorted_pairs, tile_expert, num_padded, num_pairs, top_k, hidden, inter, max(group_k, 1),
+        x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_s.stride(0), gate_up_s.stride(1), h.stride(0),
+        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SCALES=fp8, **launch_options(num_stages=2),
     )
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     block_n, block_k = _block(hidden, 64), _block(inter, 64)
     _down_kernel[(num_tiles, triton.cdiv(hidden, block_n))](
-        h, down, per_pair, weights.reshape(-1).contiguous(), sorted_pairs, tile_expert, num_padded, num_pairs, hidden, inter,
-        h.stride(0), down.stride(0), down.stride(1), per_pair.stride(0),
-        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, **launch_options(num_stages=2),
+        h, down, down_s, per_pair, weights.reshape(-1).contiguous(), sorted_pairs, tile_expert, num_padded, num_pairs, hidden, inter,
+        max(group_k, 1), h.stride(0), down.stride(0), down.stride(1), down_s.stride(0), down_s.stride(1), per_pair.stride(0),
+        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SCALES=fp8, **launch_options(num_stages=2),
     )
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype) if top_k > 1 else per_pair

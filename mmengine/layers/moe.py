@@ -62,6 +62,29 @@ class FusedExperts(nn.Module):
         return out
 
 
+class Fp8FusedExperts(nn.Module):
+    """The experts of an FP8 checkpoint kept in e4m3 where the fused kernels run (kernels/fused_moe.py
+    dequantizes them in registers): gate_up_proj / down_proj as FusedExperts lays them out, with fp32
+    scales [experts, rows, ceil(inputs / group_k)] (kernels/fp8_gemm.py's layout per expert)."""
+
+    def __init__(self, dense: FusedExperts, gate_up: torch.Tensor, gate_up_scales: torch.Tensor, down: torch.Tensor,
+                 down_scales: torch.Tensor, group_k: int) -> None:
+        super().__init__()
+        if not dense.act.fusable:
+            raise ValueError("FP8 experts run the fused MoE kernel, which computes SiLU experts only")
+        self.num_experts, self.top_k, self.intermediate_size = dense.num_experts, dense.top_k, dense.intermediate_size
+        self.group_k = group_k
+        self.register_buffer("gate_up_proj", gate_up.contiguous())
+        self.register_buffer("gate_up_scales", gate_up_scales.contiguous())
+        self.register_buffer("down_proj", down.contiguous())
+        self.register_buffer("down_scales", down_scales.contiguous())
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
+        from mmengine.kernels.fused_moe import fused_moe
+
+        return fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts, self.gate_up_scales, self.down_scales, self.group_k)
+
+
 class SparseMoeBlock(nn.Module):
     """The router and the experts, plus Qwen3.5-MoE's gated shared expert when `shared_mlp` is given."""
 

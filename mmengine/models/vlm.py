@@ -150,7 +150,8 @@ class VisionLanguageModel(nn.Module):
         FP8 weights (by checkpoint name, as dequantize_tensors kept them) cover all their shards; returns
         how many."""
         ours = {self.checkpoint_name(f"{name}.weight").removesuffix(".weight"): p for name, p in packed.items()}
-        return use_quantized_projections(self.language_model, {n.removeprefix("language_model."): p for n, p in ours.items()})
+        decoder_packed = {n.removeprefix("language_model."): p for n, p in ours.items()}
+        return use_quantized_projections(self.language_model, decoder_packed) + use_fp8_experts(self.language_model, decoder_packed)
 
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         """Our name of every checkpoint tensor the model needs, with its shape."""
@@ -181,9 +182,9 @@ def use_quantized_projections(decoder: DecoderModel, packed: dict[str, PackedInt
             if any(p is None for p in parts):
                 continue
             parent_name, _, attr = fused.rpartition(".")
-            parent = layer.get_submodule(parent_name)
-            dense = getattr(parent, attr)
-            if not isinstance(dense, torch.nn.Linear):
+            parent = getattr(layer, parent_name, None)
+            dense = getattr(parent, attr, None)
+            if not isinstance(dense, torch.nn.Linear):  # laid out otherwise (e.g. Qwen3.5's gated attention): stays dense
                 continue
             replacement = fuse_shards(parts, None if dense.bias is None else dense.bias.data, dense.weight.device)
             if replacement is None:
@@ -193,4 +194,32 @@ def use_quantized_projections(decoder: DecoderModel, packed: dict[str, PackedInt
                                            f"{replacement.out_features} projection, expected {dense.in_features} x {dense.out_features}")
             setattr(parent, attr, replacement)
             swapped += 1
+    return swapped
+
+
+def use_fp8_experts(decoder: DecoderModel, packed: dict[str, PackedInt4 | PackedFp8]) -> int:
+    """Fp8FusedExperts for each MoE layer whose every expert has FP8 gate, up and down weights of one
+    group size (`packed` by decoder-relative names, "layers.0.mlp.experts.3.gate_proj"); returns how many
+    layers."""
+    from mmengine.layers.moe import Fp8FusedExperts, SparseMoeBlock
+
+    swapped = 0
+    for index, layer in enumerate(decoder.layers):
+        block = getattr(layer, "mlp", None)
+        if not isinstance(block, SparseMoeBlock) or not block.experts.act.fusable:
+            continue
+        dense = block.experts
+        parts = {(proj, e): packed.get(f"layers.{index}.mlp.experts.{e}.{proj}") for e in range(dense.num_experts)
+                 for proj in ("gate_proj", "up_proj", "down_proj")}
+        if not all(isinstance(p, PackedFp8) for p in parts.values()) or len({p.group_k for p in parts.values()}) != 1:
+            continue
+        device = dense.gate_up_proj.device
+
+        def stacked(field: str, projs: tuple[str, ...]) -> torch.Tensor:
+            return torch.stack([torch.cat([getattr(parts[proj, e], field) for proj in projs]) for e in range(dense.num_experts)]).to(device)
+
+        block.experts = Fp8FusedExperts(dense, stacked("weight", ("gate_proj", "up_proj")), stacked("scales", ("gate_proj", "up_proj")),
+                                        stacked("weight", ("down_proj",)), stacked("scales", ("down_proj",)),
+                                        parts["gate_proj", 0].group_k)
+        swapped += 1
     return swapped
