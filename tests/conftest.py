@@ -89,13 +89,13 @@ def precision(request: pytest.FixtureRequest, no_tf32: None) -> Precision:
 
 
 @pytest.fixture(scope="session")
-def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory):
-    """checkpoint_dir(spec) -> path of a tiny checkpoint built once per test session."""
-    root = tmp_path_factory.mktemp("checkpoints")
+def checkpoint_dir():
+    """checkpoint_dir(spec) -> path of a tiny checkpoint, built once in the checkpoint cache
+    ($MMENGINE_CACHE_DIR: shared by the xdist workers and kept for later runs). Tests never write into it."""
 
     @functools.cache
     def build(spec: TinyLlavaSpec = TinyLlavaSpec()) -> Path:
-        return tiny_llava_path(spec, cache_dir=root)
+        return tiny_llava_path(spec)  # the shared cache: built once for every xdist worker and later run
 
     return build
 
@@ -133,15 +133,15 @@ class FamilyCase:
 
 
 @pytest.fixture(scope="session")
-def family_checkpoint(tmp_path_factory: pytest.TempPathFactory):
-    """family_checkpoint(name) -> path of the family's default tiny checkpoint, built once per session."""
-    root = tmp_path_factory.mktemp("family-checkpoints")
+def family_checkpoint():
+    """family_checkpoint(name) -> path of the family's default tiny checkpoint, in the checkpoint cache
+    as checkpoint_dir's."""
 
     @functools.cache
     def build(name: str) -> Path:
         if name == "llava":
-            return tiny_llava_path(TinyLlavaSpec(), cache_dir=root)
-        return tiny_qwen_vl_path(tiny_spec(name), cache_dir=root)
+            return tiny_llava_path(TinyLlavaSpec())
+        return tiny_qwen_vl_path(tiny_spec(name))
 
     return build
 

@@ -201,6 +201,7 @@ class AttentionCase:
     num_kv_heads: int = 2
     hidden_size: int = 4096  # for the decoder's fused ops (RMSNorm rows, SiLU-and-mul rows)
     intermediate_size: int = 11008
+    attention_only: bool = False  # only the launches whose code depends on the attention shape
 
     @property
     def label(self) -> str:
@@ -385,9 +386,10 @@ def default_cases() -> list[AttentionCase]:
 def report(cases: list[AttentionCase], archs: list[int], log: Callable[[str], None] = print) -> list[KernelResources]:
     results = []
     for case in cases:
-        launches = (record_attention_launches(case) + record_fp8_kv_launches(case) + record_decoder_launches(case)
-                    + record_lora_launches(case) + record_moe_launches(case) + record_w4a16_launches(case)
-                    + record_fp8_gemm_launches(case))
+        launches = record_attention_launches(case) + record_fp8_kv_launches(case) + record_decoder_launches(case)
+        if not case.attention_only:
+            launches += (record_lora_launches(case) + record_moe_launches(case) + record_w4a16_launches(case)
+                         + record_fp8_gemm_launches(case))
         for launch in launches:
             for arch in (a for a in archs if a >= launch.min_arch):
                 res = resources_of(launch, arch, case.label)
@@ -409,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
     archs = args.arch or [80, 90]
     cases = default_cases()
     if args.quick:
-        cases = [AttentionCase(torch.bfloat16, 128, 8, 16), AttentionCase(torch.float16, 80, 1, 32)]
+        # every kernel in bf16; the attention ones again in fp16 at another head dim, group and block size
+        cases = [AttentionCase(torch.bfloat16, 128, 8, 16), AttentionCase(torch.float16, 80, 1, 32, attention_only=True)]
     results = report(cases, archs)
     if args.json:
         with open(args.json, "w") as f:
