@@ -395,7 +395,7 @@ PARTS: list[Part] = [
     _quantized_part("quantized_llava_7b", "llava_7b", 8, images=True),
     _quantized_part("quantized_qwen2_5_vl_7b", "qwen2_5_vl_7b", 5, images=False),
     Part("tests", "27", 8, (), _tests_args,
-         lambda ctx: [*_tests_args(ctx)[:-2], "--noconftest", "tests/test_import_graph.py", "--junit-xml",
+         lambda ctx: ["-m", "pytest", "-q", "--noconftest", "tests/test_import_graph.py", "--junit-xml",
                       str(ctx.output("tests").with_suffix(".xml"))],
          _tests_reads, writes_junit=True),
 ]

@@ -17,12 +17,14 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.xdist_group("gpu_suite")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def suite():
     return load_benchmark("gpu_suite")
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: a worker that runs other modules between this one's tests keeps it (a module fixture
+# would be torn down and the two-minute dry run made again)
+@pytest.fixture(scope="session")
 def dry_run(suite, tmp_path_factory):
     out = tmp_path_factory.mktemp("dry-report")
     status = suite.main(["--dry-run", "--out", str(out), "--jobs", "2"])

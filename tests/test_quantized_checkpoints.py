@@ -187,3 +187,40 @@ def test_fp8_experts_stay_in_fp8_where_the_fused_kernels_run(family_checkpoint, 
     ours = engine.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids
     plain = MMEngine(str(reference), max_model_len=256, attn_backend="triton", enforce_eager=True, **KERNEL_FP32.engine_kwargs)
     assert ours == plain.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids
+
+
+@pytest.mark.parametrize("method", ["fp8", "gptq"])
+def test_kept_quantized_the_dense_projection_weights_never_take_memory(family_checkpoint, tmp_path, method):
+    """Built with its parameters on meta, the model gives storage to everything but the projections a
+    quantized layer takes: their dense weights are never dequantized nor allocated."""
+    from conftest import KERNEL_FP32
+
+    quantized, _ = quantize_checkpoint(family_checkpoint("llava"), tmp_path / "q", method)
+    engine = MMEngine(str(quantized), max_model_len=256, attn_backend="triton", enforce_eager=True, **KERNEL_FP32.engine_kwargs)
+    model = engine.runner.model
+    skipped = model._skipped_dense
+    assert len(skipped) == 2 * 7  # q, k, v, o, gate, up, down of both layers: loaded as kernel layouts only
+    assert not any(p.is_meta for p in model.parameters()) and not any(b.is_meta for b in model.buffers())
+
+
+def test_a_projection_whose_shards_disagree_is_dequantized_into_its_dense_weight(family_checkpoint, tmp_path, no_tf32):
+    """Layer 0's k_proj left unquantized (as a checkpoint's ignore list may leave it): q and v came as kernel
+    layouts only, so the fused q/k/v cannot run quantized and they are dequantized into it; the tokens are
+    the dequantized copy's."""
+    from conftest import KERNEL_FP32
+    from safetensors.torch import load_file, save_file
+
+    quantized, reference = quantize_checkpoint(family_checkpoint("llava"), tmp_path / "q", "fp8")
+    tensors, dense = load_file(str(quantized / "model.safetensors")), load_file(str(reference / "model.safetensors"))
+    k_proj = next(name for name in tensors if name.startswith("language_model.") and name.endswith(".layers.0.self_attn.k_proj.weight"))
+    tensors[k_proj] = dense[k_proj]
+    del tensors[k_proj.removesuffix("weight") + "weight_scale_inv"]
+    save_file(tensors, str(quantized / "model.safetensors"))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = "USER: <image>\nWhat is it? ASSISTANT:"
+    engine = MMEngine(str(quantized), max_model_len=256, attn_backend="triton", enforce_eager=True, **KERNEL_FP32.engine_kwargs)
+    assert engine.runner.num_quantized_projections == 7  # all but layer 0's q/k/v
+    assert isinstance(engine.runner.model.language_model.layers[0].self_attn.qkv_proj, torch.nn.Linear)
+    ours = engine.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids
+    plain = MMEngine(str(reference), max_model_len=256, **KERNEL_FP32.engine_kwargs)
+    assert ours == plain.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids

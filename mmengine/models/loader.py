@@ -34,6 +34,39 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+@contextlib.contextmanager
+def parameters_on_meta() -> Iterator[None]:
+    """Parameters registered inside move to the meta device as they are registered (one allocation at a
+    time, freed at once; their initialisation then costs nothing); buffers stay where they are made,
+    computed as usual. `materialize_parameters` gives them storage afterwards."""
+    original = torch.nn.Module.register_parameter
+
+    def register(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def materialize_parameters(model: torch.nn.Module, device: torch.device, keep_meta: Callable[[str], bool] = lambda name: False) -> None:
+    """Uninitialised storage on `device` for every meta parameter but those `keep_meta` names (a tied
+    parameter stays one tensor); the checkpoint fills them."""
+    made: dict[int, torch.nn.Parameter] = {}
+    for module_name, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            full = f"{module_name}.{name}" if module_name else name
+            if param is None or not param.is_meta or keep_meta(full):
+                continue
+            if id(param) not in made:
+                made[id(param)] = torch.nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+            module._parameters[name] = made[id(param)]
+
+
 def safetensors_files(model_dir: Path) -> list[Path]:
     index = model_dir / _INDEX
     if index.exists():

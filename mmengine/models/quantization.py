@@ -21,7 +21,7 @@ UnsupportedModelError naming the method and the field.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -220,6 +220,15 @@ def dequantize_compressed_int4(parts: dict[str, torch.Tensor], spec: WeightQuant
     return (q.float() - zeros[:, columns]) * scales[:, columns]
 
 
+def _check_parts(parts: dict[str, torch.Tensor], spec: WeightQuantization, name: str) -> None:
+    """The shape checks dequantizing makes: FP8's on meta copies (no arithmetic); int4's unpacking indexes
+    real tensors, so it runs and its result is dropped (time, not memory)."""
+    if spec.int4:
+        _dequantize(parts, spec, name)
+    else:
+        dequantize_fp8(parts["weight"].to("meta"), parts[spec.scale_name].to("meta"), spec, name)
+
+
 def _dequantize(parts: dict[str, torch.Tensor], spec: WeightQuantization, name: str) -> torch.Tensor:
     if spec.method == "compressed-tensors-int4":
         return dequantize_compressed_int4(parts, spec, name)
@@ -298,12 +307,32 @@ def _compressed_int4_for_kernel(parts: dict[str, torch.Tensor], spec: WeightQuan
     return PackedInt4(parts["weight_packed"].to(torch.int32).t().contiguous(), scales, zeros, group)
 
 
+def dense_shape(layout: PackedInt4 | PackedFp8) -> tuple[int, int]:
+    """The [out, in] of the linear weight a kernel layout holds."""
+    if isinstance(layout, PackedFp8):
+        return tuple(layout.weight.shape)
+    return layout.qweight.shape[1], layout.qweight.shape[0] * 8
+
+
+def dequantize_packed(layout: PackedInt4 | PackedFp8) -> torch.Tensor:
+    """A kernel layout's weight [out, in] in float32 (where a layer cannot run the quantized GEMM after all)."""
+    if isinstance(layout, PackedFp8):
+        columns = torch.arange(layout.weight.shape[1], device=layout.weight.device) // layout.group_k
+        return layout.weight.float() * layout.scales[:, columns]
+    q = unpack_int4(layout.qweight, 0).float()  # [in, out]
+    groups = layout.g_idx.long() if layout.g_idx is not None else torch.arange(q.shape[0], device=q.device) // layout.group_size
+    return ((q - layout.zeros[groups]) * layout.scales[groups]).t()
+
+
 def dequantize_tensors(weights: Iterable[tuple[str, torch.Tensor]], spec: WeightQuantization,
-                       packed: dict[str, PackedInt4 | PackedFp8] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                       packed: dict[str, PackedInt4 | PackedFp8] | None = None,
+                       keep_packed: Callable[[str], bool] = lambda owner: False) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors with each quantized linear weight (FP8 `X.weight` with its scale; GPTQ's or
     AWQ's `X.qweight`, `X.qzeros`, `X.scales`, `X.g_idx`) dequantized to float32 as `X.weight` once all its
-    parts are read; every other tensor passes through. A part left without the others is a
-    WeightsMismatchError naming it."""
+    parts are read; every other tensor passes through. With `packed`, each weight's kernel layout is kept
+    there, and where `keep_packed(owner)` says the model will not hold the dense weight, `X.weight` comes
+    as a meta tensor of its shape (nothing dequantized, nothing allocated). A part left without the others
+    is a WeightsMismatchError naming it."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     needed = spec.parts()
     for name, tensor in weights:
@@ -319,12 +348,14 @@ def dequantize_tensors(weights: Iterable[tuple[str, torch.Tensor]], spec: Weight
         group[leaf] = tensor
         if needed <= group.keys():
             del pending[owner]
-            dense = _dequantize(group, spec, f"{owner}.weight")  # checks the parts' shapes first
-            if packed is not None:  # kept for the quantized GEMMs (layers/quantized_linear.py)
-                kernel_layout = pack_for_kernel(group, spec)
-                if kernel_layout is not None:
-                    packed[owner] = kernel_layout
-            yield f"{owner}.weight", dense
+            kernel_layout = pack_for_kernel(group, spec) if packed is not None else None
+            if kernel_layout is not None:  # kept for the quantized GEMMs (layers/quantized_linear.py)
+                packed[owner] = kernel_layout
+                if keep_packed(owner):
+                    _check_parts(group, spec, f"{owner}.weight")
+                    yield f"{owner}.weight", torch.empty(dense_shape(kernel_layout), device="meta")
+                    continue
+            yield f"{owner}.weight", _dequantize(group, spec, f"{owner}.weight")
     if pending:
         lost = [f"{owner} ({', '.join(sorted(needed - group.keys()))} missing)" for owner, group in pending.items()]
         raise WeightsMismatchError(f"incomplete quantized weights: {', '.join(lost[:8])}")

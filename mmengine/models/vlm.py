@@ -15,9 +15,10 @@ from transformers import PretrainedConfig
 from mmengine.errors import WeightsMismatchError
 from mmengine.layers.attention import AttentionMetadata
 from mmengine.layers.lora import ItemLoRAContext, LoRALinear, LoRASlice
-from mmengine.models.llama import DecoderModel, DeepStack
-from mmengine.models.loader import WeightCheck, fuse_expert_tensors
-from mmengine.models.quantization import PackedFp8, PackedInt4, WeightQuantization, dequantize_tensors
+from mmengine.layers.moe import FusedExperts
+from mmengine.models.llama import STACKED_PROJECTIONS, DecoderModel, DeepStack
+from mmengine.models.loader import WeightCheck, fuse_expert_tensors, materialize_parameters
+from mmengine.models.quantization import PackedFp8, PackedInt4, WeightQuantization, dequantize_packed, dequantize_tensors
 
 _ROTARY_CACHE = re.compile(r"(^|\.)rotary_emb\.")
 # An FP8-KV checkpoint's per-layer scales (llm-compressor and vLLM name them so), by our name
@@ -107,7 +108,13 @@ class VisionLanguageModel(nn.Module):
         when the checkpoint ties word embeddings."""
         expected = self.expected_weights()
         check = WeightCheck(expected, weights, optional=["lm_head.weight"] if self.tie_word_embeddings else [])
-        tensors = dequantize_tensors(weights, quantization, packed) if quantization is not None else weights
+        deferred = {name for name, param in self.named_parameters() if param.is_meta}  # see defer_quantizable_weights
+
+        def keep_packed(owner: str) -> bool:
+            return _target_parameter(self.checkpoint_name(f"{owner}.weight")) in deferred
+
+        self._skipped_dense: set[str] = set()  # our names of the weights loaded as kernel layouts only
+        tensors = dequantize_tensors(weights, quantization, packed, keep_packed) if quantization is not None else weights
         num_experts = getattr(self.language_model.config, "num_experts", 0)
         self.kv_scales: dict[tuple[int, str], float] = {}
         for raw_name, tensor in fuse_expert_tensors(tensors, num_experts) if num_experts > 0 else tensors:
@@ -119,7 +126,11 @@ class VisionLanguageModel(nn.Module):
             if name not in expected and self.is_ignorable(name):
                 continue
             check.accept(name, raw_name, tensor)
+            if tensor.is_meta:
+                self._skipped_dense.add(name)
+                continue
             with torch.no_grad():
+                self._materialize(_target_parameter(name))
                 self._load_one(name, tensor)
         check.finish()
         if "lm_head.weight" not in check.loaded:
@@ -145,13 +156,62 @@ class VisionLanguageModel(nn.Module):
             found += (index, "k") in self.kv_scales or (index, "v") in self.kv_scales
         return found
 
+    def defer_quantizable_weights(self, device: torch.device) -> None:
+        """For a model built with its parameters on meta (loader.parameters_on_meta): storage for every
+        parameter but the weights a quantized layer may replace (the decoder's fused projections, SiLU
+        experts); those stay on meta, so a quantized checkpoint never holds its dense weights on the device."""
+        quantizable = set()
+        for index, layer in enumerate(self.language_model.layers):
+            for path in QUANTIZABLE_PROJECTIONS:
+                if isinstance(_submodule(layer, path), nn.Linear):
+                    quantizable.add(f"language_model.layers.{index}.{path}.weight")
+            experts = getattr(getattr(layer, "mlp", None), "experts", None)
+            if isinstance(experts, FusedExperts) and experts.act.fusable:
+                quantizable |= {f"language_model.layers.{index}.mlp.experts.{p}" for p in ("gate_up_proj", "down_proj")}
+        materialize_parameters(self, device, keep_meta=quantizable.__contains__)
+
+    def _materialize(self, name: str) -> None:
+        """Storage for the meta parameter `name` (a deferred weight whose checkpoint tensor came dense)."""
+        module_name, _, attr = name.rpartition(".")
+        try:
+            module = self.get_submodule(module_name)
+        except AttributeError:
+            return
+        param = module._parameters.get(attr)
+        if param is not None and param.is_meta:
+            device = self.language_model.embed_tokens.weight.device  # never deferred
+            module._parameters[attr] = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
+
     def use_quantized_weights(self, packed: dict[str, PackedInt4 | PackedFp8]) -> int:
         """Swaps the decoder's dense projections for quantized layers wherever the checkpoint's int4 or
         FP8 weights (by checkpoint name, as dequantize_tensors kept them) cover all their shards; returns
-        how many."""
+        how many. A weight loaded as a kernel layout only whose layer cannot take it after all (its shards
+        disagree) is dequantized into its dense parameter; then no parameter may be left on meta."""
         ours = {self.checkpoint_name(f"{name}.weight").removesuffix(".weight"): p for name, p in packed.items()}
         decoder_packed = {n.removeprefix("language_model."): p for n, p in ours.items()}
-        return use_quantized_projections(self.language_model, decoder_packed) + use_fp8_experts(self.language_model, decoder_packed)
+        swapped = use_quantized_projections(self.language_model, decoder_packed) + use_fp8_experts(self.language_model, decoder_packed)
+        with torch.no_grad():
+            for name, layout in decoder_packed.items():  # those the swaps did not take
+                ours_name = f"language_model.{name}.weight"
+                # a shard's name, or (experts are stacked before they load) the stack's
+                if ours_name in self._skipped_dense or _target_parameter(ours_name) in self._skipped_dense:
+                    self._materialize(_target_parameter(ours_name))
+                    self._load_dense_expert_or_shard(ours_name, dequantize_packed(layout))
+        left = [name for name, param in self.named_parameters() if param.is_meta]
+        if left:
+            raise RuntimeError(f"parameters left without storage after loading: {', '.join(left[:8])}")
+        return swapped
+
+    def _load_dense_expert_or_shard(self, name: str, dense: torch.Tensor) -> None:
+        expert = _PER_EXPERT_WEIGHT.match(name)
+        if expert is None:
+            self._load_one(name, dense.to(self.lm_head.weight.dtype))
+            return
+        fused = self.get_parameter(_target_parameter(name))
+        index, proj = int(expert["expert"]), expert["proj"]
+        rows = fused.shape[1] // 2 if proj != "down_proj" else fused.shape[1]
+        offset = rows if proj == "up_proj" else 0
+        fused.data[index, offset:offset + rows].copy_(dense)
 
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         """Our name of every checkpoint tensor the model needs, with its shape."""
@@ -167,17 +227,40 @@ class VisionLanguageModel(nn.Module):
             self.get_parameter(name).copy_(tensor)
 
 
+# A decoder layer's fused projections a quantized layer may replace, with the checkpoint's shards of each
+QUANTIZABLE_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                           "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+                           "mlp.down_proj": ("mlp.down_proj",)}
+_PER_EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _target_parameter(name: str) -> str:
+    """The parameter a checkpoint weight (our name) loads into: a shard's fused projection, an expert's
+    stacked weights, else itself."""
+    expert = _PER_EXPERT_WEIGHT.match(name)
+    if expert is not None:
+        return f"{expert['prefix']}.{'down_proj' if expert['proj'] == 'down_proj' else 'gate_up_proj'}"
+    parts = name.split(".")
+    if len(parts) >= 3 and parts[-2] in STACKED_PROJECTIONS:
+        parts[-2] = STACKED_PROJECTIONS[parts[-2]][0]
+    return ".".join(parts)
+
+
+def _submodule(module: nn.Module, path: str) -> nn.Module | None:
+    for attr in path.split("."):
+        module = getattr(module, attr, None)
+    return module
+
+
 def use_quantized_projections(decoder: DecoderModel, packed: dict[str, PackedInt4 | PackedFp8]) -> int:
     """A quantized layer for each of the decoder's fused projections whose shards all have quantized
-    weights of one layout (`packed` by our decoder-relative names, e.g. "layers.0.self_attn.q_proj")."""
+    weights of one layout (`packed` by our decoder-relative names, e.g. "layers.0.self_attn.q_proj");
+    the shards it takes leave `packed`."""
     from mmengine.layers.quantized_linear import fuse_shards
 
     swapped = 0
-    owners = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-              "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-              "mlp.down_proj": ("mlp.down_proj",)}
     for index, layer in enumerate(decoder.layers):
-        for fused, shards in owners.items():
+        for fused, shards in QUANTIZABLE_PROJECTIONS.items():
             parts = [packed.get(f"layers.{index}.{shard}") for shard in shards]
             if any(p is None for p in parts):
                 continue
@@ -186,13 +269,16 @@ def use_quantized_projections(decoder: DecoderModel, packed: dict[str, PackedInt
             dense = getattr(parent, attr, None)
             if not isinstance(dense, torch.nn.Linear):  # laid out otherwise (e.g. Qwen3.5's gated attention): stays dense
                 continue
-            replacement = fuse_shards(parts, None if dense.bias is None else dense.bias.data, dense.weight.device)
+            # (the dense weight may be on meta: see VisionLanguageModel.defer_quantizable_weights)
+            replacement = fuse_shards(parts, None if dense.bias is None else dense.bias.data, decoder.embed_tokens.weight.device)
             if replacement is None:
                 continue
             if (replacement.in_features, replacement.out_features) != (dense.in_features, dense.out_features):
                 raise WeightsMismatchError(f"quantized shards of layers.{index}.{fused} make a {replacement.in_features} x "
                                            f"{replacement.out_features} projection, expected {dense.in_features} x {dense.out_features}")
             setattr(parent, attr, replacement)
+            for shard in shards:
+                del packed[f"layers.{index}.{shard}"]
             swapped += 1
     return swapped
 
@@ -213,7 +299,7 @@ def use_fp8_experts(decoder: DecoderModel, packed: dict[str, PackedInt4 | Packed
                  for proj in ("gate_proj", "up_proj", "down_proj")}
         if not all(isinstance(p, PackedFp8) for p in parts.values()) or len({p.group_k for p in parts.values()}) != 1:
             continue
-        device = dense.gate_up_proj.device
+        device = decoder.embed_tokens.weight.device  # the experts' own weights may be on meta
 
         def stacked(field: str, projs: tuple[str, ...]) -> torch.Tensor:
             return torch.stack([torch.cat([getattr(parts[proj, e], field) for proj in projs]) for e in range(dense.num_experts)]).to(device)
@@ -221,5 +307,7 @@ def use_fp8_experts(decoder: DecoderModel, packed: dict[str, PackedInt4 | Packed
         block.experts = Fp8FusedExperts(dense, stacked("weight", ("gate_proj", "up_proj")), stacked("scales", ("gate_proj", "up_proj")),
                                         stacked("weight", ("down_proj",)), stacked("scales", ("down_proj",)),
                                         parts["gate_proj", 0].group_k)
+        for proj, e in parts:
+            del packed[f"layers.{index}.mlp.experts.{e}.{proj}"]
         swapped += 1
     return swapped

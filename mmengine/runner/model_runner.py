@@ -9,6 +9,7 @@ already queued by then.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +31,7 @@ from mmengine.layers.lora import ItemLoRAContext, LoRAContext, LoRALinear, LoRAS
 from mmengine.models.family import ModelFamily
 from mmengine.models.llama import DeepStack
 from mmengine.lora.adapter import LoRAAdapter
-from mmengine.models.loader import default_dtype, iter_checkpoint
+from mmengine.models.loader import default_dtype, iter_checkpoint, parameters_on_meta
 from mmengine.models.quantization import quantization_of
 from mmengine.runner.cascade_plan import CascadePolicy
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
@@ -67,16 +68,19 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.family = family
         self.text_config = family.text_config
-        with torch.device(device), default_dtype(dtype):
-            self.model = family.model_class(family.hf_config)
         quantization = quantization_of(family.hf_config)
         # int4 and FP8 weights stay quantized for their GEMMs where the fused kernels run (not under LoRA,
-        # which wraps the dense projections); elsewhere they are dequantized at load
+        # which wraps the dense projections); elsewhere they are dequantized at load. Kept quantized, the
+        # model is built with its parameters on meta and the projections' dense weights never take memory.
         packed: dict | None = {} if quantization is not None and not config.enable_lora and \
             use_fused_kernels(device, get_attention_backend(config.attn_backend, device).name) and \
             (quantization.int4 or _has_fp8_type(device)) else None
+        with torch.device(device), default_dtype(dtype), parameters_on_meta() if packed is not None else contextlib.nullcontext():
+            self.model = family.model_class(family.hf_config)
+        if packed is not None:
+            self.model.defer_quantizable_weights(device)
         self.model.load_weights(iter_checkpoint(model_dir), quantization, packed)
-        self.num_quantized_projections = self.model.use_quantized_weights(packed) if packed else 0
+        self.num_quantized_projections = self.model.use_quantized_weights(packed) if packed is not None else 0
         self.kv_dtype = config.resolve_kv_cache_dtype(dtype)
         self.model.eval()
         # LoRA slots are allocated here, before the KV cache is sized, so its profile counts them.
