@@ -13,18 +13,14 @@ import pytest
 from helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
-# The dry run (a module fixture) runs once: under pytest-xdist every test of this module shares one worker
-pytestmark = pytest.mark.xdist_group("gpu_suite")
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def suite():
     return load_benchmark("gpu_suite")
 
 
-# Session-scoped: a worker that runs other modules between this one's tests keeps it (a module fixture
-# would be torn down and the two-minute dry run made again)
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def dry_run(suite, tmp_path_factory):
     out = tmp_path_factory.mktemp("dry-report")
     status = suite.main(["--dry-run", "--out", str(out), "--jobs", "2"])

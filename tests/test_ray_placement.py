@@ -16,8 +16,6 @@ from mmengine.ray.keys import SharingKeys, image_key
 from mmengine.ray.placement import place_rows
 from mmengine.testing import make_test_image
 
-# Each test starts a local Ray cluster: under pytest-xdist they share one worker, never two clusters at once
-pytestmark = pytest.mark.xdist_group("ray")
 
 ONE_TOKEN_WORDS = "the and are at be car dog image in is of on read small there this to was with you".split()
 

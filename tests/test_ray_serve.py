@@ -23,8 +23,6 @@ from mmengine.testing import make_test_image
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 serve = pytest.importorskip("ray.serve", reason="the ray extra is not installed")
 
-# Each test starts a local Ray cluster: under pytest-xdist they share one worker, never two clusters at once
-pytestmark = pytest.mark.xdist_group("ray")
 
 ENGINE_OPTIONS = {"max_model_len": 512}
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
