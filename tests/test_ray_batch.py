@@ -17,7 +17,6 @@ ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip ins
 
 from mmengine.ray import BatchRunner, run_batch  # noqa: E402
 
-
 ENGINE_OPTIONS = {"max_model_len": 256}
 ONE_TOKEN_WORDS = "the and are at be car dog image in is of on read small there this to was with you".split()
 

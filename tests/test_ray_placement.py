@@ -16,7 +16,6 @@ from mmengine.ray.keys import SharingKeys, image_key
 from mmengine.ray.placement import place_rows
 from mmengine.testing import make_test_image
 
-
 ONE_TOKEN_WORDS = "the and are at be car dog image in is of on read small there this to was with you".split()
 
 

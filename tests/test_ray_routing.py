@@ -16,7 +16,6 @@ from mmengine.ray.metrics_merge import merge_replica_metrics
 from mmengine.ray.routing import HashRing, Router, chat_request_key, completion_request_key
 from mmengine.testing import make_test_image
 
-
 KEYS = [f"image:{i:04d}" for i in range(4000)]
 
 

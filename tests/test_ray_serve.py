@@ -23,7 +23,6 @@ from mmengine.testing import make_test_image
 ray = pytest.importorskip("ray", reason="the ray extra is not installed")
 serve = pytest.importorskip("ray.serve", reason="the ray extra is not installed")
 
-
 ENGINE_OPTIONS = {"max_model_len": 512}
 HEADERS = {"Authorization": f"Bearer {API_KEY}"}
 NUM_REPLICAS = 2
