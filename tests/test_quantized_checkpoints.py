@@ -224,3 +224,26 @@ def test_a_projection_whose_shards_disagree_is_dequantized_into_its_dense_weight
     ours = engine.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids
     plain = MMEngine(str(reference), max_model_len=256, **KERNEL_FP32.engine_kwargs)
     assert ours == plain.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids
+
+
+@pytest.mark.parametrize("method", ["compressed-tensors", "w4a16", "w4a16-asym"])
+def test_greedy_tokens_equal_transformers_running_the_same_checkpoint(family_checkpoint, tmp_path, method):
+    """Where transformers runs a quantized checkpoint on CPU itself (compressed-tensors' formats: the
+    compressed-tensors library decompresses them at load, run_compressed=False; its compressed CPU path
+    gives token 0 throughout), mmengine's greedy tokens are transformers'."""
+    from transformers import AutoModelForImageTextToText
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    from mmengine.models.registry import load_hf_processor
+
+    quantized, _ = quantize_checkpoint(family_checkpoint("llava"), tmp_path / "q", method)
+    prompt = "USER: <image>\nWhat is it? ASSISTANT:"
+    engine = MMEngine(str(quantized), device="cpu", dtype="float32", max_model_len=256)
+    ours = engine.generate(prompt, images=[PICTURE], sampling_params=SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
+                           use_tqdm=False)[0].token_ids
+    model = AutoModelForImageTextToText.from_pretrained(str(quantized), dtype=torch.float32,
+                                                        quantization_config=CompressedTensorsConfig(run_compressed=False)).eval()
+    inputs = load_hf_processor(quantized)(text=prompt, images=[PICTURE.convert("RGB")], return_tensors="pt")
+    with torch.inference_mode():
+        theirs = model.generate(**inputs, do_sample=False, max_new_tokens=8, eos_token_id=None)[0, inputs["input_ids"].shape[1]:]
+    assert ours == theirs.tolist()

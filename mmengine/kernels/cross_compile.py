@@ -201,7 +201,7 @@ class AttentionCase:
     num_kv_heads: int = 2
     hidden_size: int = 4096  # for the decoder's fused ops (RMSNorm rows, SiLU-and-mul rows)
     intermediate_size: int = 11008
-    attention_only: bool = False  # only the launches whose code depends on the attention shape
+    attention_only: bool = False  # only the launches whose code depends on the attention shape, on sm_90 only
 
     @property
     def label(self) -> str:
@@ -390,6 +390,9 @@ def report(cases: list[AttentionCase], archs: list[int], log: Callable[[str], No
         if not case.attention_only:
             launches += (record_lora_launches(case) + record_moe_launches(case) + record_w4a16_launches(case)
                          + record_fp8_gemm_launches(case))
+        else:
+            for launch in launches:
+                launch.min_arch = max(launch.min_arch, 90)
         for launch in launches:
             for arch in (a for a in archs if a >= launch.min_arch):
                 res = resources_of(launch, arch, case.label)
@@ -411,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     archs = args.arch or [80, 90]
     cases = default_cases()
     if args.quick:
-        # every kernel in bf16; the attention ones again in fp16 at another head dim, group and block size
+        # every kernel in bf16; the attention ones again in fp16 (sm_90) at another head dim, group and block size
         cases = [AttentionCase(torch.bfloat16, 128, 8, 16), AttentionCase(torch.float16, 80, 1, 32, attention_only=True)]
     results = report(cases, archs)
     if args.json:
