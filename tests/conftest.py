@@ -28,6 +28,17 @@ from mmengine.testing import TinyLlavaSpec, tiny_llava_path, tiny_qwen_vl_path
 from mmengine.testing.qwen_vl import tiny_spec
 
 
+# Under pytest-xdist (`-n 2 --dist loadfile`) each file runs on one worker, handed out in collection order:
+# the longest files go first, so that neither worker is left running one alone at the end.
+_LONGEST_FILES_FIRST = ("test_gpu_suite.py", "test_ray_batch.py", "test_ray_serve.py", "test_kernel_cross_compile.py",
+                        "test_cascade_engine.py", "test_triton_engine.py", "test_lora_engine.py", "test_family_engine.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(_LONGEST_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the other files keep their order
+
+
 @dataclass(frozen=True)
 class Precision:
     """Where and in which dtype a parity test runs mmengine and transformers alike."""
