@@ -20,10 +20,16 @@ def suite():
     return load_benchmark("gpu_suite")
 
 
+# The "ray" part runs benchmarks/ray_batch.py, which test_ray_batch.py runs (and reads as the part
+# does) inside its own cluster: the dry run leaves it out rather than start another Ray cluster.
+COVERED_ELSEWHERE = ("ray",)
+
+
 @pytest.fixture(scope="module")
 def dry_run(suite, tmp_path_factory):
     out = tmp_path_factory.mktemp("dry-report")
-    status = suite.main(["--dry-run", "--out", str(out), "--jobs", "2"])
+    parts = [part.name for part in suite.PARTS if part.name not in COVERED_ELSEWHERE]
+    status = suite.main(["--dry-run", "--out", str(out), "--jobs", "2", "--only", ",".join(parts)])
     return status, out, json.loads((out / "report.json").read_text())
 
 
@@ -31,7 +37,7 @@ def test_the_dry_run_runs_every_part_on_the_cpu(suite, dry_run):
     status, out, report = dry_run
     failed = {p["name"]: p["note"] for p in report["parts"] if p["status"] != "dry run"}
     assert status == 0 and failed == {}
-    assert [p["name"] for p in report["parts"]] == [part.name for part in suite.PARTS]
+    assert [p["name"] for p in report["parts"]] == [part.name for part in suite.PARTS if part.name not in COVERED_ELSEWHERE]
     for part in report["parts"]:
         assert part["figures"], part["name"]
         assert {fig["verdict"] for fig in part["figures"]} == {"dry run"}, part["name"]
@@ -46,7 +52,7 @@ def test_the_report_prints_the_guides_two_commands(suite, dry_run):
     guide = (ROOT / "docs" / "gpu.md").read_text()
     for command in (suite.SETUP_COMMAND, suite.RUN_COMMAND):
         assert f"`{command}`" in markdown and command in guide
-    assert markdown.count("| dry run |") >= len(suite.PARTS)
+    assert markdown.count("| dry run |") >= len(suite.PARTS) - len(COVERED_ELSEWHERE)
 
 
 def test_finished_parts_are_kept_and_rerun_measures_again(suite, dry_run, monkeypatch, tmp_path):

@@ -211,6 +211,9 @@ def test_benchmark_reports_both_placements(ray_cluster, checkpoint_dir, tmp_path
     assert by_placement["prefix+image"]["encoder_runs_per_image"] == 1.0
     assert by_placement["round-robin"]["encoder_runs_per_image"] > 1.0
     assert all(r["requests_per_s"] > 0 and sum(r["rows_per_replica"]) == 20 for r in report["results"])
+    # what the GPU suite's "ray" part reads from this script (its dry run leaves the part to this test)
+    reads = load_benchmark("gpu_suite")._ray_reads(report)
+    assert reads and all(value is not None for _, value, _, _ in reads)
 
 
 def test_rows_under_lora_adapters_match_one_engine_and_stay_with_their_adapter(ray_cluster, checkpoint_dir, lora_adapters):
