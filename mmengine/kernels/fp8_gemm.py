@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmengine.kernels.common import dot_precision, launch_options
+from mmengine.kernels.weight_gemm import launch_weight_gemm, load_activations, output_tile, store_output
 
 
 @triton.jit
@@ -25,43 +25,27 @@ def _fp8_gemm_kernel(
     stride_xm, stride_wn, stride_sn, stride_om,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
+    rows, cols, row_ok, col_ok = output_tile(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         tile_ok = k_ok[:, None] & col_ok[None, :]
-        a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        a = load_activations(x_ptr, rows, ks, row_ok, k_ok, stride_xm)
         w8 = tl.load(weight_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=tile_ok, other=0.0)  # W^T tile
         scale = tl.load(scales_ptr + cols[None, :] * stride_sn + (ks // group_k)[:, None], mask=tile_ok, other=0.0)
         w = (w8.to(tl.float32) * scale).to(a.dtype)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & col_ok[None, :])
+    store_output(out_ptr, acc, rows, cols, row_ok, col_ok, stride_om)
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_k: int) -> torch.Tensor:
     """x [M, K] (fp16, bf16 or fp32) @ (weight [N, K] e4m3 x scales [N, ceil(K / group_k)])^T -> [M, N] in x's dtype."""
-    m, k = x.shape
+    k = x.shape[1]
     n = weight.shape[0]
     if weight.dtype != torch.float8_e4m3fn or weight.shape[1] != k:
         raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} is not an e4m3 [N, {k}] matrix")
     if scales.shape != (n, -(-k // group_k)) or scales.dtype != torch.float32:
         raise ValueError(f"scales {tuple(scales.shape)} {scales.dtype} do not cover [{n}, {k}] in fp32 groups of {group_k} inputs")
-    assert x.stride(-1) == 1 and weight.stride(-1) == 1 and scales.stride(-1) == 1
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
-    if m == 0:
-        return out
-    block_m = 16 if m <= 16 else 64
-    block_n = max(16, min(128, triton.next_power_of_2(n)))
-    block_k = max(16, min(64, triton.next_power_of_2(k)))
-    _fp8_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
-        x, weight, scales, out, m, n, k, group_k,
-        x.stride(0), weight.stride(0), scales.stride(0), out.stride(0),
-        PRECISION=dot_precision(x.dtype), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        **launch_options(num_stages=3 if block_m == 64 else 2),
-    )
-    return out
+    assert weight.stride(-1) == 1 and scales.stride(-1) == 1
+    return launch_weight_gemm(_fp8_gemm_kernel, x, n, (weight, scales), group_k, (weight.stride(0), scales.stride(0)))

@@ -8,6 +8,8 @@ along the outputs; one replaces the dense layer the load filled, whose weight is
 
 from __future__ import annotations
 
+import abc
+
 import torch
 from torch import nn
 
@@ -16,7 +18,9 @@ from mmengine.kernels.w4a16 import w4a16_matmul
 from mmengine.models.quantization import PackedFp8, PackedInt4
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(nn.Module, abc.ABC):
+    """A projection whose weight stays quantized; subclasses give the GEMM over their layout."""
+
     in_features: int
     out_features: int
 
@@ -24,8 +28,9 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
+    @abc.abstractmethod
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """rows [T, in_features], contiguous -> [T, out_features]."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x.reshape(-1, self.in_features).contiguous())
