@@ -135,19 +135,19 @@ def decode_weight_bytes(model: torch.nn.Module, batch_size: int | None = None) -
     `batch_size` tokens is expected to touch under uniform routing, E x (1 - (1 - k/E)^batch): the
     *active* weights (all of them when batch_size is None). Projections kept quantized count their
     stored bits (their weights, scales and zeros are buffers)."""
-    from mmengine.layers.moe import Fp8FusedExperts, FusedExperts
+    from mmengine.layers.moe import FusedExperts, QuantizedFusedExperts
     from mmengine.layers.quantized_linear import QuantizedLinear
 
     unread = ("vision_tower.", "visual.", "multi_modal_projector.", "embed_tokens.")
     names: dict[int, list[str]] = {}
     sizes: dict[int, int] = {}
     quantized = [(f"{name}.{b}", buffer) for name, module in model.named_modules()
-                 if isinstance(module, (QuantizedLinear, Fp8FusedExperts)) for b, buffer in module.named_buffers(recurse=False)]
+                 if isinstance(module, (QuantizedLinear, QuantizedFusedExperts)) for b, buffer in module.named_buffers(recurse=False)]
     for name, param in [*model.named_parameters(remove_duplicate=False), *quantized]:
         names.setdefault(param.data_ptr(), []).append(name)
         sizes[param.data_ptr()] = param.numel() * param.element_size()
     for module in model.modules():
-        if isinstance(module, (FusedExperts, Fp8FusedExperts)) and batch_size is not None:
+        if isinstance(module, (FusedExperts, QuantizedFusedExperts)) and batch_size is not None:
             share = 1 - (1 - module.top_k / module.num_experts) ** batch_size
             for param in (module.gate_up_proj, module.down_proj):
                 sizes[param.data_ptr()] = int(sizes[param.data_ptr()] * share)

@@ -73,8 +73,40 @@ def test_fp8_experts_equal_their_dequantized_weights(num_experts, top_k, num_tok
         got = fused_moe(x, gate_up, down, weights, ids, gate_up_scales, down_scales, group_k)
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(got.float(), expected.float(), **tolerance)
-    with pytest.raises(ValueError, match="do not cover the weights in groups of 8"):
+    with pytest.raises(ValueError, match=f"do not cover {hidden} inputs in groups of 8"):
         fused_moe(x, gate_up, down, weights, ids, gate_up_scales, down_scales, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("num_experts,top_k,num_tokens,hidden,inter,group", [
+    (8, 2, 33, 64, 48, 32), (4, 1, 5, 40, 24, 8), (16, 4, 70, 48, 40, 16), (3, 2, 17, 96, 56, 64),
+])
+def test_int4_experts_equal_their_dequantized_weights(num_experts, top_k, num_tokens, hidden, inter, group, dtype):
+    """Experts in the W4A16 GEMM's packing (qweight [E, inputs / 8, outputs], scales and zeros per group of
+    inputs, gate and up side by side along the outputs) give what the same experts dequantized give;
+    groups that do not divide the inputs (a last partial group) included."""
+    from mmengine.models.quantization import pack_int4
+
+    _, x, weights, ids = _case(num_experts, top_k, num_tokens, hidden, inter, dtype, seed=num_experts + group)
+    gen = torch.Generator().manual_seed(group)
+
+    def quantized(inputs: int, outputs: int) -> tuple[torch.Tensor, ...]:
+        q = torch.randint(0, 16, (num_experts, inputs, outputs), generator=gen)
+        groups = -(-inputs // group)
+        scales = (torch.rand(num_experts, groups, outputs, generator=gen) * 0.02 + 0.01).to(dtype)
+        zeros = torch.randint(0, 16, (num_experts, groups, outputs), generator=gen).to(dtype)
+        dense = (q - zeros.float().repeat_interleave(group, 1)[:, :inputs]) * scales.float().repeat_interleave(group, 1)[:, :inputs]
+        return pack_int4(q, 1).to(DEVICE), scales.to(DEVICE), zeros.to(DEVICE), dense.transpose(1, 2).to(DEVICE, dtype)
+
+    gate_up, gate_up_scales, gate_up_zeros, gate_up_dense = quantized(hidden, 2 * inter)
+    down, down_scales, down_zeros, down_dense = quantized(inter, hidden)
+    with torch.no_grad():
+        expected = fused_moe(x, gate_up_dense.contiguous(), down_dense.contiguous(), weights, ids)
+        got = fused_moe(x, gate_up, down, weights, ids, gate_up_scales, down_scales, group, gate_up_zeros, down_zeros)
+    tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got.float(), expected.float(), **tolerance)
+    with pytest.raises(ValueError, match=f"int4 expert weights .* do not cover {hidden} inputs in groups of {2 * group}"):
+        fused_moe(x, gate_up, down, weights, ids, gate_up_scales, down_scales, 2 * group, gate_up_zeros, down_zeros)
 
 
 def test_alignment_groups_pairs_by_expert_in_padded_tiles():

@@ -168,22 +168,35 @@ def test_a_sharded_checkpoint_quantizes_shard_by_shard(tmp_path):
     assert _logprobs(many, prompt, [PICTURE]) == _logprobs(one, prompt, [PICTURE])
 
 
-def test_fp8_experts_stay_in_fp8_where_the_fused_kernels_run(family_checkpoint, tmp_path, no_tf32):
-    """Qwen3.5-MoE's experts, stored one tensor per expert in FP8 (as Qwen's -FP8 releases store them):
-    dequantized and stacked on CPU they compute the dequantized copy exactly; with the fused kernels every
-    MoE layer keeps them in e4m3 (Fp8FusedExperts) and gives the dequantized copy's tokens."""
+@pytest.mark.parametrize("method,kept,dtype", [("fp8", "Fp8FusedExperts", torch.float8_e4m3fn), ("gptq", "Int4FusedExperts", torch.int32),
+                                              ("w4a16-asym", "Int4FusedExperts", torch.int32), ("gptq-act-order", None, None)])
+def test_quantized_experts_stay_quantized_where_the_fused_kernels_run(family_checkpoint, tmp_path, no_tf32, method, kept, dtype):
+    """Qwen3.5-MoE's experts, stored one tensor per expert (as Qwen's -FP8 releases store them) in FP8 or
+    int4: dequantized and stacked on CPU they compute the dequantized copy exactly; with the fused kernels
+    every MoE layer keeps them quantized (act-order int4 experts, each with its own input order, are
+    dequantized) and gives the dequantized copy's tokens."""
     from conftest import KERNEL_FP32
 
-    from mmengine.layers.moe import Fp8FusedExperts
+    from mmengine.layers import moe
 
-    quantized, reference = quantize_checkpoint(family_checkpoint("qwen3_5_moe"), tmp_path / "q", "fp8")
+    quantized, reference = quantize_checkpoint(family_checkpoint("qwen3_5_moe"), tmp_path / "q", method)
     prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n<|im_start|>assistant\n"
-    assert _logprobs(quantized, prompt, [PICTURE]) == _logprobs(reference, prompt, [PICTURE])
+    if method == "fp8":
+        assert _logprobs(quantized, prompt, [PICTURE]) == _logprobs(reference, prompt, [PICTURE])
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     engine = MMEngine(str(quantized), max_model_len=256, attn_backend="triton", enforce_eager=True, **KERNEL_FP32.engine_kwargs)
     layers = engine.runner.model.language_model.layers
-    assert all(isinstance(layer.mlp.experts, Fp8FusedExperts) for layer in layers)
-    assert layers[0].mlp.experts.gate_up_proj.dtype == torch.float8_e4m3fn
+    assert all(type(layer.mlp.experts) is getattr(moe, kept or "FusedExperts") for layer in layers)
+    if kept is not None:
+        assert layers[0].mlp.experts.gate_up_proj.dtype == dtype
+    # every other linear layer keeps its bits too: the gated attention's (q_proj carries the output gate), the
+    # Gated DeltaNet's in_proj_* and out_proj, the shared expert's; in int4 those the packing cannot take stay
+    # dense (4 and 1 outputs; the shared expert's down_proj has 48 inputs, not whole groups of 32)
+    dense = {path for layer in layers for path, m in layer.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert dense == (set() if method == "fp8" else {"linear_attn.in_proj_a", "linear_attn.in_proj_b", "mlp.shared_expert_gate",
+                                                    "mlp.shared_expert.down_proj"})
+    linear = 3 * 5 + 4 + 4 * 3 if method == "fp8" else 3 * 3 + 4 + 4 * 1  # 3 Gated DeltaNet layers, 1 attention, 4 shared experts
+    assert engine.runner.num_quantized_projections == linear + 4 * (kept is not None)
     ours = engine.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids
     plain = MMEngine(str(reference), max_model_len=256, attn_backend="triton", enforce_eager=True, **KERNEL_FP32.engine_kwargs)
     assert ours == plain.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids

@@ -19,6 +19,14 @@ from mmengine.kernels.weight_gemm import launch_weight_gemm, load_activations, o
 
 
 @triton.jit
+def load_fp8_tile(weight_ptr, scales_ptr, ks, cols, mask, stride_wn, stride_sn, group_k, dtype):
+    """The tile W^T[ks, cols] dequantized to `dtype`."""
+    w8 = tl.load(weight_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=mask, other=0.0)
+    scale = tl.load(scales_ptr + cols[None, :] * stride_sn + (ks // group_k)[:, None], mask=mask, other=0.0)
+    return (w8.to(tl.float32) * scale).to(dtype)
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     x_ptr, weight_ptr, scales_ptr, out_ptr,
     M, N, K, group_k,
@@ -32,9 +40,7 @@ def _fp8_gemm_kernel(
         k_ok = ks < K
         tile_ok = k_ok[:, None] & col_ok[None, :]
         a = load_activations(x_ptr, rows, ks, row_ok, k_ok, stride_xm)
-        w8 = tl.load(weight_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=tile_ok, other=0.0)  # W^T tile
-        scale = tl.load(scales_ptr + cols[None, :] * stride_sn + (ks // group_k)[:, None], mask=tile_ok, other=0.0)
-        w = (w8.to(tl.float32) * scale).to(a.dtype)
+        w = load_fp8_tile(weight_ptr, scales_ptr, ks, cols, tile_ok, stride_wn, stride_sn, group_k, a.dtype)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     store_output(out_ptr, acc, rows, cols, row_ok, col_ok, stride_om)
 

@@ -9,8 +9,9 @@
 3. `_down_kernel`: per tile, that @ down[expert].T times the pair's routing weight, stored per pair;
    the k pairs of a token are then summed (a fixed order: no atomics, deterministic).
 Tiles past the padded count, rows of padding and experts that got no token cost nothing but a check.
-FP8 experts (e4m3 weights, with scales laid out as kernels/fp8_gemm.py's per expert) are dequantized in
-registers to the activations' dtype, as the FP8 GEMM does.
+Quantized experts are dequantized in registers to the activations' dtype, as the weight GEMMs do: FP8
+(e4m3 weights with scales laid out as kernels/fp8_gemm.py's, per expert) and int4 (kernels/w4a16.py's
+packing per expert: qweight [experts, inputs / 8, outputs], scales and zeros [experts, groups, outputs]).
 """
 
 from __future__ import annotations
@@ -20,8 +21,12 @@ import triton
 import triton.language as tl
 
 from mmengine.kernels.common import dot_precision, launch_options
+from mmengine.kernels.fp8_gemm import load_fp8_tile
+from mmengine.kernels.w4a16 import load_int4_tile
 
 BLOCK_M = 16
+# How the experts' weights are stored (the kernels' WEIGHTS constexpr)
+DENSE, FP8, INT4 = 0, 1, 2
 
 
 def align_by_expert(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -56,21 +61,22 @@ def _tile_pairs(sorted_ptr, tile_expert_ptr, tile, num_pairs, BLOCK_M: tl.conste
 
 
 @triton.jit
-def _load_weight_tile(w, s, cols, ks, mask, stride_wn, stride_sn, group_k, dtype, HAS_SCALES: tl.constexpr):
-    """An expert's weight tile W^T [BLOCK_K, BLOCK_N] in `dtype` (FP8: times its scales)."""
-    tile = tl.load(w + cols[None, :] * stride_wn + ks[:, None], mask=mask, other=0.0)
-    if HAS_SCALES:
-        scale = tl.load(s + cols[None, :] * stride_sn + (ks // group_k)[:, None], mask=mask, other=0.0)
-        return (tile.to(tl.float32) * scale).to(dtype)
-    return tile
+def _load_weight_tile(w, s, z, cols, ks, mask, stride_w, stride_s, group_k, dtype, WEIGHTS: tl.constexpr):
+    """An expert's weight tile W^T [BLOCK_K, BLOCK_N] in `dtype`: dense W [N, K]; FP8 W [N, K] with scales
+    [N, K / group]; int4 qweight [K / 8, N] with scales and zeros [K / group, N]."""
+    if WEIGHTS == 2:
+        return load_int4_tile(w, s, z, ks, cols, ks // group_k, mask, stride_w, stride_s, dtype)
+    if WEIGHTS == 1:
+        return load_fp8_tile(w, s, ks, cols, mask, stride_w, stride_s, group_k, dtype)
+    return tl.load(w + cols[None, :] * stride_w + ks[:, None], mask=mask, other=0.0)
 
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
+    x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
     num_pairs, top_k, hidden, inter, group_k,
-    stride_x, stride_we, stride_wn, stride_se, stride_sn, stride_out,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr,
+    stride_x, stride_we, stride_w, stride_se, stride_s, stride_out,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHTS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     if tile * BLOCK_M >= tl.load(num_padded_ptr):
@@ -83,13 +89,14 @@ def _gate_up_kernel(
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w = w_ptr + expert * stride_we
     s = s_ptr + expert * stride_se
+    z = z_ptr + expert * stride_se
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
         a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         mask = col_ok[None, :] & k_ok[:, None]
-        wg = _load_weight_tile(w, s, cols, ks, mask, stride_wn, stride_sn, group_k, a.dtype, HAS_SCALES)
-        wu = _load_weight_tile(w, s, inter + cols, ks, mask, stride_wn, stride_sn, group_k, a.dtype, HAS_SCALES)
+        wg = _load_weight_tile(w, s, z, cols, ks, mask, stride_w, stride_s, group_k, a.dtype, WEIGHTS)
+        wu = _load_weight_tile(w, s, z, inter + cols, ks, mask, stride_w, stride_s, group_k, a.dtype, WEIGHTS)
         gate = tl.dot(a, wg, gate, input_precision=PRECISION)
         up = tl.dot(a, wu, up, input_precision=PRECISION)
     act = gate / (1.0 + tl.exp(-gate)) * up
@@ -99,10 +106,10 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, s_ptr, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
+    h_ptr, w_ptr, s_ptr, z_ptr, out_ptr, weight_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
     num_pairs, hidden, inter, group_k,
-    stride_h, stride_we, stride_wn, stride_se, stride_sn, stride_out,
-    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_SCALES: tl.constexpr,
+    stride_h, stride_we, stride_w, stride_se, stride_s, stride_out,
+    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHTS: tl.constexpr,
 ):
     tile = tl.program_id(0)
     if tile * BLOCK_M >= tl.load(num_padded_ptr):
@@ -114,11 +121,12 @@ def _down_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w = w_ptr + expert * stride_we
     s = s_ptr + expert * stride_se
+    z = z_ptr + expert * stride_se
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
         a = tl.load(h_ptr + rows[:, None] * stride_h + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = _load_weight_tile(w, s, cols, ks, col_ok[None, :] & k_ok[:, None], stride_wn, stride_sn, group_k, a.dtype, HAS_SCALES)
+        b = _load_weight_tile(w, s, z, cols, ks, col_ok[None, :] & k_ok[:, None], stride_w, stride_s, group_k, a.dtype, WEIGHTS)
         acc = tl.dot(a, b, acc, input_precision=PRECISION)
     routing = tl.load(weight_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
     acc = acc * routing[:, None]
@@ -131,23 +139,24 @@ def _block(n: int, cap: int) -> int:
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
-              gate_up_scales: torch.Tensor | None = None, down_scales: torch.Tensor | None = None, group_k: int = 0) -> torch.Tensor:
+              gate_up_scales: torch.Tensor | None = None, down_scales: torch.Tensor | None = None, group_k: int = 0,
+              gate_up_zeros: torch.Tensor | None = None, down_zeros: torch.Tensor | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * down[e] @ silu(gate_up[e, :I] @ x[t]) * (gate_up[e, I:] @ x[t]), e = experts[t, j].
-    x [T, H], gate_up [E, 2I, H], down [E, H, I], weights / experts [T, k] -> [T, H] in x's dtype. FP8
-    experts: gate_up and down in e4m3 with fp32 scales [E, 2I, ceil(H / group_k)] and [E, H, ceil(I / group_k)]."""
+    x [T, H], gate_up [E, 2I, H], down [E, H, I], weights / experts [T, k] -> [T, H] in x's dtype.
+    FP8 experts (scales, no zeros): gate_up and down in e4m3 with fp32 scales [E, 2I, ceil(H / group_k)] and
+    [E, H, ceil(I / group_k)]. Int4 experts (scales and zeros): gate_up int32 [E, H / 8, 2I] and down
+    [E, I / 8, H], scales and zeros [E, ceil(H / group_k), 2I] and [E, ceil(I / group_k), H]."""
     num_tokens, hidden = x.shape
-    num_experts, two_inter, _ = gate_up.shape
-    inter = two_inter // 2
+    layout = _check_layout(hidden, gate_up, down, gate_up_scales, down_scales, group_k, gate_up_zeros, down_zeros)
+    num_experts, inter = gate_up.shape[0], (gate_up.shape[2] if layout == INT4 else gate_up.shape[1]) // 2
     top_k = experts.shape[1]
-    fp8 = gate_up_scales is not None
-    if fp8 and (down_scales is None or gate_up_scales.shape != (num_experts, two_inter, -(-hidden // group_k))
-                or down_scales.shape != (num_experts, hidden, -(-inter // group_k))):
-        raise ValueError(f"FP8 expert scales {None if gate_up_scales is None else tuple(gate_up_scales.shape)} / "
-                         f"{None if down_scales is None else tuple(down_scales.shape)} do not cover the weights in groups of {group_k}")
     if num_tokens == 0:
         return torch.zeros_like(x)
     assert x.stride(-1) == 1 and gate_up.stride(-1) == 1 and down.stride(-1) == 1
-    gate_up_s, down_s = (gate_up_scales, down_scales) if fp8 else (gate_up, down)  # unused pointers without scales
+    # unused pointers where the layout has no scales or zeros
+    gate_up_s, down_s = (gate_up_scales, down_scales) if layout != DENSE else (gate_up, down)
+    gate_up_z, down_z = (gate_up_zeros, down_zeros) if layout == INT4 else (gate_up_s, down_s)
+    assert gate_up_z.stride() == gate_up_s.stride() and down_z.stride() == down_s.stride()
     sorted_pairs, tile_expert, num_padded = align_by_expert(experts, num_experts)
     num_pairs = num_tokens * top_k
     num_tiles = tile_expert.shape[0]
@@ -155,15 +164,44 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     block_n, block_k = _block(inter, 64), _block(hidden, 64)
     _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n))](
-        x, gate_up, gate_up_s, h, sorted_pairs, tile_expert, num_padded, num_pairs, top_k, hidden, inter, max(group_k, 1),
+        x, gate_up, gate_up_s, gate_up_z, h, sorted_pairs, tile_expert, num_padded, num_pairs, top_k, hidden, inter, max(group_k, 1),
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_s.stride(0), gate_up_s.stride(1), h.stride(0),
-        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SCALES=fp8, **launch_options(num_stages=2),
+        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, WEIGHTS=layout, **launch_options(num_stages=2),
     )
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     block_n, block_k = _block(hidden, 64), _block(inter, 64)
     _down_kernel[(num_tiles, triton.cdiv(hidden, block_n))](
-        h, down, down_s, per_pair, weights.reshape(-1).contiguous(), sorted_pairs, tile_expert, num_padded, num_pairs, hidden, inter,
-        max(group_k, 1), h.stride(0), down.stride(0), down.stride(1), down_s.stride(0), down_s.stride(1), per_pair.stride(0),
-        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, HAS_SCALES=fp8, **launch_options(num_stages=2),
+        h, down, down_s, down_z, per_pair, weights.reshape(-1).contiguous(), sorted_pairs, tile_expert, num_padded, num_pairs, hidden,
+        inter, max(group_k, 1), h.stride(0), down.stride(0), down.stride(1), down_s.stride(0), down_s.stride(1), per_pair.stride(0),
+        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, WEIGHTS=layout, **launch_options(num_stages=2),
     )
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype) if top_k > 1 else per_pair
+
+
+def _check_layout(hidden: int, gate_up: torch.Tensor, down: torch.Tensor, gate_up_scales: torch.Tensor | None,
+                  down_scales: torch.Tensor | None, group_k: int, gate_up_zeros: torch.Tensor | None,
+                  down_zeros: torch.Tensor | None) -> int:
+    """DENSE, FP8 or INT4, from which of scales and zeros are given; raises where they do not cover the weights."""
+    if gate_up_scales is None and down_scales is None and gate_up_zeros is None and down_zeros is None:
+        return DENSE
+    num_experts = gate_up.shape[0]
+    int4 = gate_up_zeros is not None or down_zeros is not None
+    if int4:
+        inter = gate_up.shape[2] // 2
+        groups = -(-hidden // max(group_k, 1)), -(-inter // max(group_k, 1))
+        ok = (gate_up.dtype == down.dtype == torch.int32 and hidden % 8 == 0 and inter % 8 == 0 and group_k % 8 == 0
+              and gate_up.shape == (num_experts, hidden // 8, 2 * inter) and down.shape == (num_experts, inter // 8, hidden)
+              and all(t is not None for t in (gate_up_scales, down_scales, gate_up_zeros, down_zeros))
+              and gate_up_scales.shape == gate_up_zeros.shape == (num_experts, groups[0], 2 * inter)
+              and down_scales.shape == down_zeros.shape == (num_experts, groups[1], hidden))
+    else:
+        inter = gate_up.shape[1] // 2
+        ok = (gate_up_scales is not None and down_scales is not None and gate_up_scales.shape == (num_experts, 2 * inter, -(-hidden // max(group_k, 1)))
+              and down_scales.shape == (num_experts, hidden, -(-inter // max(group_k, 1))))
+    if not ok:
+        shapes = {name: None if t is None else tuple(t.shape) for name, t in (("gate_up", gate_up), ("down", down),
+                  ("gate_up_scales", gate_up_scales), ("down_scales", down_scales), ("gate_up_zeros", gate_up_zeros),
+                  ("down_zeros", down_zeros))}
+        raise ValueError(f"{'int4' if int4 else 'FP8'} expert weights and scales {shapes} do not cover {hidden} inputs "
+                         f"in groups of {group_k}")
+    return INT4 if int4 else FP8

@@ -20,6 +20,16 @@ from mmengine.kernels.weight_gemm import launch_weight_gemm, load_activations, o
 
 
 @triton.jit
+def load_int4_tile(qweight_ptr, scales_ptr, zeros_ptr, ks, cols, groups, mask, stride_qk, stride_sg, dtype):
+    """The tile W^T[ks, cols] dequantized to `dtype` (inputs `ks` in groups `groups`)."""
+    words = tl.load(qweight_ptr + (ks // 8)[:, None] * stride_qk + cols[None, :], mask=mask, other=0)
+    q = (words >> ((ks % 8) * 4)[:, None]) & 0xF
+    scale = tl.load(scales_ptr + groups[:, None] * stride_sg + cols[None, :], mask=mask, other=0.0)
+    zero = tl.load(zeros_ptr + groups[:, None] * stride_sg + cols[None, :], mask=mask, other=0.0)
+    return ((q.to(tl.float32) - zero.to(tl.float32)) * scale.to(tl.float32)).to(dtype)
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr, qweight_ptr, scales_ptr, zeros_ptr, g_idx_ptr, out_ptr,
     M, N, K, group_size,
@@ -32,15 +42,12 @@ def _w4a16_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = load_activations(x_ptr, rows, ks, row_ok, k_ok, stride_xm)
-        words = tl.load(qweight_ptr + (ks // 8)[:, None] * stride_qk + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0)
-        q = (words >> ((ks % 8) * 4)[:, None]) & 0xF
         if HAS_G_IDX:
             groups = tl.load(g_idx_ptr + ks, mask=k_ok, other=0)
         else:
             groups = ks // group_size
-        scale = tl.load(scales_ptr + groups[:, None] * stride_sg + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        zero = tl.load(zeros_ptr + groups[:, None] * stride_sg + cols[None, :], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        w = ((q.to(tl.float32) - zero.to(tl.float32)) * scale.to(tl.float32)).to(a.dtype)
+        w = load_int4_tile(qweight_ptr, scales_ptr, zeros_ptr, ks, cols, groups, k_ok[:, None] & col_ok[None, :], stride_qk, stride_sg,
+                           a.dtype)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
     store_output(out_ptr, acc, rows, cols, row_ok, col_ok, stride_om)
 

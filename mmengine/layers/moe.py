@@ -62,27 +62,44 @@ class FusedExperts(nn.Module):
         return out
 
 
-class Fp8FusedExperts(nn.Module):
-    """The experts of an FP8 checkpoint kept in e4m3 where the fused kernels run (kernels/fused_moe.py
-    dequantizes them in registers): gate_up_proj / down_proj as FusedExperts lays them out, with fp32
-    scales [experts, rows, ceil(inputs / group_k)] (kernels/fp8_gemm.py's layout per expert)."""
+class QuantizedFusedExperts(nn.Module):
+    """Experts whose weights stay quantized where the fused kernels run (kernels/fused_moe.py dequantizes
+    them in registers): buffers gate_up_proj, down_proj and their scales (and zeros: int4)."""
 
-    def __init__(self, dense: FusedExperts, gate_up: torch.Tensor, gate_up_scales: torch.Tensor, down: torch.Tensor,
-                 down_scales: torch.Tensor, group_k: int) -> None:
+    def __init__(self, dense: FusedExperts, group: int, **tensors: torch.Tensor | None) -> None:
         super().__init__()
         if not dense.act.fusable:
-            raise ValueError("FP8 experts run the fused MoE kernel, which computes SiLU experts only")
+            raise ValueError(f"{type(self).__name__} run the fused MoE kernel, which computes SiLU experts only")
         self.num_experts, self.top_k, self.intermediate_size = dense.num_experts, dense.top_k, dense.intermediate_size
-        self.group_k = group_k
-        self.register_buffer("gate_up_proj", gate_up.contiguous())
-        self.register_buffer("gate_up_scales", gate_up_scales.contiguous())
-        self.register_buffer("down_proj", down.contiguous())
-        self.register_buffer("down_scales", down_scales.contiguous())
+        self.group = group
+        for name, tensor in tensors.items():
+            self.register_buffer(name, None if tensor is None else tensor.contiguous())
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, use_kernel: bool = True) -> torch.Tensor:
         from mmengine.kernels.fused_moe import fused_moe
 
-        return fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts, self.gate_up_scales, self.down_scales, self.group_k)
+        return fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts, self.gate_up_scales, self.down_scales, self.group,
+                         self.gate_up_zeros, self.down_zeros)
+
+
+class Fp8FusedExperts(QuantizedFusedExperts):
+    """gate_up_proj / down_proj in e4m3 as FusedExperts lays them out, with fp32 scales [experts, rows,
+    ceil(inputs / group)] (kernels/fp8_gemm.py's layout per expert)."""
+
+    def __init__(self, dense: FusedExperts, gate_up: torch.Tensor, gate_up_scales: torch.Tensor, down: torch.Tensor,
+                 down_scales: torch.Tensor, group_k: int) -> None:
+        super().__init__(dense, group_k, gate_up_proj=gate_up, gate_up_scales=gate_up_scales, down_proj=down,
+                         down_scales=down_scales, gate_up_zeros=None, down_zeros=None)
+
+
+class Int4FusedExperts(QuantizedFusedExperts):
+    """kernels/w4a16.py's packing per expert: gate_up_proj int32 [experts, hidden / 8, 2 x inter] (gate then
+    up along the outputs), down_proj [experts, inter / 8, hidden], scales and zeros [experts, groups, outputs]."""
+
+    def __init__(self, dense: FusedExperts, gate_up: torch.Tensor, gate_up_scales: torch.Tensor, gate_up_zeros: torch.Tensor,
+                 down: torch.Tensor, down_scales: torch.Tensor, down_zeros: torch.Tensor, group_size: int) -> None:
+        super().__init__(dense, group_size, gate_up_proj=gate_up, gate_up_scales=gate_up_scales, gate_up_zeros=gate_up_zeros,
+                         down_proj=down, down_scales=down_scales, down_zeros=down_zeros)
 
 
 class SparseMoeBlock(nn.Module):

@@ -109,9 +109,10 @@ class VisionLanguageModel(nn.Module):
         expected = self.expected_weights()
         check = WeightCheck(expected, weights, optional=["lm_head.weight"] if self.tie_word_embeddings else [])
         deferred = {name for name, param in self.named_parameters() if param.is_meta}  # see defer_quantizable_weights
+        self._parameter_names = {name for name, _ in self.named_parameters()}
 
         def keep_packed(owner: str) -> bool:
-            return _target_parameter(self.checkpoint_name(f"{owner}.weight")) in deferred
+            return self._target_parameter(self.checkpoint_name(f"{owner}.weight")) in deferred
 
         self._skipped_dense: set[str] = set()  # our names of the weights loaded as kernel layouts only
         tensors = dequantize_tensors(weights, quantization, packed, keep_packed) if quantization is not None else weights
@@ -130,7 +131,7 @@ class VisionLanguageModel(nn.Module):
                 self._skipped_dense.add(name)
                 continue
             with torch.no_grad():
-                self._materialize(_target_parameter(name))
+                self._materialize(self._target_parameter(name))
                 self._load_one(name, tensor)
         check.finish()
         if "lm_head.weight" not in check.loaded:
@@ -162,9 +163,7 @@ class VisionLanguageModel(nn.Module):
         experts); those stay on meta, so a quantized checkpoint never holds its dense weights on the device."""
         quantizable = set()
         for index, layer in enumerate(self.language_model.layers):
-            for path in QUANTIZABLE_PROJECTIONS:
-                if isinstance(_submodule(layer, path), nn.Linear):
-                    quantizable.add(f"language_model.layers.{index}.{path}.weight")
+            quantizable |= {f"language_model.layers.{index}.{path}.weight" for path in quantizable_projections(layer)}
             experts = getattr(getattr(layer, "mlp", None), "experts", None)
             if isinstance(experts, FusedExperts) and experts.act.fusable:
                 quantizable |= {f"language_model.layers.{index}.mlp.experts.{p}" for p in ("gate_up_proj", "down_proj")}
@@ -189,13 +188,13 @@ class VisionLanguageModel(nn.Module):
         disagree) is dequantized into its dense parameter; then no parameter may be left on meta."""
         ours = {self.checkpoint_name(f"{name}.weight").removesuffix(".weight"): p for name, p in packed.items()}
         decoder_packed = {n.removeprefix("language_model."): p for n, p in ours.items()}
-        swapped = use_quantized_projections(self.language_model, decoder_packed) + use_fp8_experts(self.language_model, decoder_packed)
+        swapped = use_quantized_projections(self.language_model, decoder_packed) + use_quantized_experts(self.language_model, decoder_packed)
         with torch.no_grad():
             for name, layout in decoder_packed.items():  # those the swaps did not take
                 ours_name = f"language_model.{name}.weight"
                 # a shard's name, or (experts are stacked before they load) the stack's
-                if ours_name in self._skipped_dense or _target_parameter(ours_name) in self._skipped_dense:
-                    self._materialize(_target_parameter(ours_name))
+                if ours_name in self._skipped_dense or self._target_parameter(ours_name) in self._skipped_dense:
+                    self._materialize(self._target_parameter(ours_name))
                     self._load_dense_expert_or_shard(ours_name, dequantize_packed(layout))
         left = [name for name, param in self.named_parameters() if param.is_meta]
         if left:
@@ -207,11 +206,17 @@ class VisionLanguageModel(nn.Module):
         if expert is None:
             self._load_one(name, dense.to(self.lm_head.weight.dtype))
             return
-        fused = self.get_parameter(_target_parameter(name))
+        fused = self.get_parameter(self._target_parameter(name))
         index, proj = int(expert["expert"]), expert["proj"]
         rows = fused.shape[1] // 2 if proj != "down_proj" else fused.shape[1]
         offset = rows if proj == "up_proj" else 0
         fused.data[index, offset:offset + rows].copy_(dense)
+
+    def _target_parameter(self, name: str) -> str:
+        """The parameter a checkpoint weight (our name) loads into: its fused parameter where the model has
+        it (Qwen3.5's gated attention keeps q, k and v apart)."""
+        fused = _fused_parameter(name)
+        return fused if fused in self._parameter_names else name
 
     def expected_weights(self) -> dict[str, tuple[int, ...]]:
         """Our name of every checkpoint tensor the model needs, with its shape."""
@@ -227,16 +232,25 @@ class VisionLanguageModel(nn.Module):
             self.get_parameter(name).copy_(tensor)
 
 
-# A decoder layer's fused projections a quantized layer may replace, with the checkpoint's shards of each
-QUANTIZABLE_PROJECTIONS = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                           "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-                           "mlp.down_proj": ("mlp.down_proj",)}
+def quantizable_projections(layer: nn.Module) -> dict[str, tuple[str, ...]]:
+    """Each linear layer of a decoder layer a quantized layer may replace (its path: attention, MLP, Gated
+    DeltaNet and shared-expert projections alike), with the checkpoint shards that fill it (a fused
+    q/k/v or gate/up has several)."""
+    found = {}
+    for path, module in layer.named_modules():
+        if isinstance(module, nn.Linear):
+            prefix, _, attr = path.rpartition(".")
+            shards = tuple(f"{prefix}.{shard}" if prefix else shard for shard, (fused, _) in STACKED_PROJECTIONS.items() if fused == attr)
+            found[path] = shards or (path,)
+    return found
+
+
 _PER_EXPERT_WEIGHT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
 
-def _target_parameter(name: str) -> str:
-    """The parameter a checkpoint weight (our name) loads into: a shard's fused projection, an expert's
-    stacked weights, else itself."""
+def _fused_parameter(name: str) -> str:
+    """The fused parameter a checkpoint weight (our name) loads into where the model fuses it: a shard's
+    fused projection, an expert's stacked weights, else itself."""
     expert = _PER_EXPERT_WEIGHT.match(name)
     if expert is not None:
         return f"{expert['prefix']}.{'down_proj' if expert['proj'] == 'down_proj' else 'gate_up_proj'}"
@@ -246,35 +260,27 @@ def _target_parameter(name: str) -> str:
     return ".".join(parts)
 
 
-def _submodule(module: nn.Module, path: str) -> nn.Module | None:
-    for attr in path.split("."):
-        module = getattr(module, attr, None)
-    return module
-
-
 def use_quantized_projections(decoder: DecoderModel, packed: dict[str, PackedInt4 | PackedFp8]) -> int:
-    """A quantized layer for each of the decoder's fused projections whose shards all have quantized
-    weights of one layout (`packed` by our decoder-relative names, e.g. "layers.0.self_attn.q_proj");
-    the shards it takes leave `packed`."""
+    """A quantized layer for each of the decoder's linear layers whose shards all have quantized weights of
+    one layout (`packed` by our decoder-relative names, e.g. "layers.0.self_attn.q_proj"); the shards it
+    takes leave `packed`."""
     from mmengine.layers.quantized_linear import fuse_shards
 
     swapped = 0
     for index, layer in enumerate(decoder.layers):
-        for fused, shards in QUANTIZABLE_PROJECTIONS.items():
+        for path, shards in quantizable_projections(layer).items():
             parts = [packed.get(f"layers.{index}.{shard}") for shard in shards]
             if any(p is None for p in parts):
                 continue
-            parent_name, _, attr = fused.rpartition(".")
-            parent = getattr(layer, parent_name, None)
-            dense = getattr(parent, attr, None)
-            if not isinstance(dense, torch.nn.Linear):  # laid out otherwise (e.g. Qwen3.5's gated attention): stays dense
-                continue
+            parent_name, _, attr = path.rpartition(".")
+            parent = layer.get_submodule(parent_name)
+            dense = getattr(parent, attr)
             # (the dense weight may be on meta: see VisionLanguageModel.defer_quantizable_weights)
             replacement = fuse_shards(parts, None if dense.bias is None else dense.bias.data, decoder.embed_tokens.weight.device)
             if replacement is None:
                 continue
             if (replacement.in_features, replacement.out_features) != (dense.in_features, dense.out_features):
-                raise WeightsMismatchError(f"quantized shards of layers.{index}.{fused} make a {replacement.in_features} x "
+                raise WeightsMismatchError(f"quantized shards of layers.{index}.{path} make a {replacement.in_features} x "
                                            f"{replacement.out_features} projection, expected {dense.in_features} x {dense.out_features}")
             setattr(parent, attr, replacement)
             for shard in shards:
@@ -283,11 +289,11 @@ def use_quantized_projections(decoder: DecoderModel, packed: dict[str, PackedInt
     return swapped
 
 
-def use_fp8_experts(decoder: DecoderModel, packed: dict[str, PackedInt4 | PackedFp8]) -> int:
-    """Fp8FusedExperts for each MoE layer whose every expert has FP8 gate, up and down weights of one
-    group size (`packed` by decoder-relative names, "layers.0.mlp.experts.3.gate_proj"); returns how many
-    layers."""
-    from mmengine.layers.moe import Fp8FusedExperts, SparseMoeBlock
+def use_quantized_experts(decoder: DecoderModel, packed: dict[str, PackedInt4 | PackedFp8]) -> int:
+    """Quantized experts for each MoE layer whose every expert has gate, up and down weights of one format
+    and group size (`packed` by decoder-relative names, "layers.0.mlp.experts.3.gate_proj"): FP8 ones, or
+    int4 ones without act-order (each expert would have its own input order); returns how many layers."""
+    from mmengine.layers.moe import Fp8FusedExperts, Int4FusedExperts, SparseMoeBlock
 
     swapped = 0
     for index, layer in enumerate(decoder.layers):
@@ -297,16 +303,24 @@ def use_fp8_experts(decoder: DecoderModel, packed: dict[str, PackedInt4 | Packed
         dense = block.experts
         parts = {(proj, e): packed.get(f"layers.{index}.mlp.experts.{e}.{proj}") for e in range(dense.num_experts)
                  for proj in ("gate_proj", "up_proj", "down_proj")}
-        if not all(isinstance(p, PackedFp8) for p in parts.values()) or len({p.group_k for p in parts.values()}) != 1:
-            continue
         device = decoder.embed_tokens.weight.device  # the experts' own weights may be on meta
 
-        def stacked(field: str, projs: tuple[str, ...]) -> torch.Tensor:
-            return torch.stack([torch.cat([getattr(parts[proj, e], field) for proj in projs]) for e in range(dense.num_experts)]).to(device)
+        def stacked(field: str, projs: tuple[str, ...], dim: int) -> torch.Tensor:
+            """Per expert, the projections' `field` side by side along the outputs (`dim`), stacked over experts."""
+            return torch.stack([torch.cat([getattr(parts[proj, e], field) for proj in projs], dim=dim)
+                                for e in range(dense.num_experts)]).to(device)
 
-        block.experts = Fp8FusedExperts(dense, stacked("weight", ("gate_proj", "up_proj")), stacked("scales", ("gate_proj", "up_proj")),
-                                        stacked("weight", ("down_proj",)), stacked("scales", ("down_proj",)),
-                                        parts["gate_proj", 0].group_k)
+        gate_up, down = ("gate_proj", "up_proj"), ("down_proj",)
+        if all(isinstance(p, PackedFp8) for p in parts.values()) and len({p.group_k for p in parts.values()}) == 1:
+            block.experts = Fp8FusedExperts(dense, stacked("weight", gate_up, 0), stacked("scales", gate_up, 0),
+                                            stacked("weight", down, 0), stacked("scales", down, 0), parts["gate_proj", 0].group_k)
+        elif (all(isinstance(p, PackedInt4) and p.g_idx is None for p in parts.values())
+              and len({p.group_size for p in parts.values()}) == 1):
+            block.experts = Int4FusedExperts(dense, stacked("qweight", gate_up, 1), stacked("scales", gate_up, 1),
+                                             stacked("zeros", gate_up, 1), stacked("qweight", down, 1), stacked("scales", down, 1),
+                                             stacked("zeros", down, 1), parts["gate_proj", 0].group_size)
+        else:
+            continue
         for proj, e in parts:
             del packed[f"layers.{index}.mlp.experts.{e}.{proj}"]
         swapped += 1

@@ -121,7 +121,10 @@ def _quantize_tensors(tensors: dict[str, torch.Tensor], method: str, block: tupl
                       reference: bool) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     quantized, dequantized = {}, {}
     for name, tensor in tensors.items():
-        if not _quantizable(name, tensor):
+        int4 = method in ("w4a16", "w4a16-asym", "gptq", "gptq-act-order", "awq")
+        if not _quantizable(name, tensor) or (int4 and (tensor.shape[0] % 8 or tensor.shape[1] % group_size)):
+            # (4-bit packing needs outputs by 8s and whole groups: such small projections, e.g. a router of
+            # 4 rows, stay dense, as quantizers leave them)
             quantized[name] = dequantized[name] = tensor
             continue
         owner = name.removesuffix(".weight")
