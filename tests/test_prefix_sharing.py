@@ -171,6 +171,33 @@ def test_a_held_prefix_nobody_runs_on_is_released_before_anyone_is_preempted():
     assert_all_free(sched)
 
 
+def test_holds_of_two_batches_on_the_same_prefix_are_released_before_anyone_is_preempted():
+    """Two batches (two generate() callers) with an equal prefix plan two groups, which hold the same
+    blocks: each block has two references and no running request uses it. Both holds are idle, so
+    both go when a running request needs the blocks (fuzz seed 1's "scheduler made no progress")."""
+    sched = make_scheduler(num_blocks=6, block_size=4, max_num_seqs=1)
+    first, second = group_of_three(prefix_blocks=2), group_of_three(prefix_blocks=2)
+    for i, member in enumerate(second):
+        member.request_id = f"n{i}"
+    add_batch(sched, first[:2])
+    run_step(sched)  # m0 computes the prefix and finishes: its group holds it, m1 waits
+    add_batch(sched, second[:2])
+    second[0].num_admission_skips = MAX_ADMISSION_SKIPS  # n0 goes next: its group holds the same blocks
+    run_step(sched)
+    assert second[0].is_finished and [len(g.members) for g in sched.sharing.groups] == [1, 1]
+    held = sched.sharing.held_blocks()
+    assert len(held) == 4 and len(set(map(id, held))) == 2 and all(b.ref_cnt == 2 for b in held)
+    long = make_request("long", 4, max_tokens=20, tokens=[900, 901, 902, 903])  # grows to all 6 blocks
+    long.num_admission_skips = MAX_ADMISSION_SKIPS
+    sched.add_request(long)
+    sched.waiting.rotate(1)
+    run_all(sched)  # every step does something
+    assert long.is_finished and long.num_preemptions == 0 and sched.num_preemptions == 0
+    assert sched.sharing.num_holds_released_early == 2
+    assert first[1].is_finished and second[1].is_finished
+    assert_all_free(sched)
+
+
 def test_a_request_outside_the_groups_is_not_starved():
     """A big request arrives while small grouped batches run and hold their prefixes. Later
     batches fit around it and go ahead, but only MAX_ADMISSION_SKIPS times: then it runs."""

@@ -12,8 +12,9 @@ by group. Then, for each group:
   skipped too often (the scheduler's starvation bound) bypasses this gate, and so does a
   request when nothing runs.
 A hold never deadlocks the scheduler: before preempting, for a starving request that does not fit,
-and whenever a step would otherwise schedule nothing, holds that free blocks (no running request
-uses them) are released, most recent first; the blocks stay cached.
+and whenever a step would otherwise schedule nothing, holds on blocks no running request uses are
+released, most recent first (groups of different batches may hold the same blocks: all their holds
+go); the blocks stay cached.
 
 Waiting requests are tried longest cached prefix first (cache affinity), with the scheduler's
 starvation bound. Requests in no group are never gated or held.
@@ -22,6 +23,7 @@ starvation bound. Requests in no group are never gated or held.
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -171,9 +173,12 @@ class PrefixSharing:
             self.groups.remove(group)
 
     def release_idle_hold(self) -> bool:
-        """Releases the most recent hold that frees blocks now (no running request uses them all)."""
+        """Releases the most recent hold on a block no running request uses (only holds reference it).
+        Groups of batches with an equal prefix hold the same blocks: such a block is freed once every
+        hold on it is released, so the caller releases until what it needs fits."""
+        holds = Counter(block.block_id for block in self.held_blocks())
         for group in reversed(self.groups):
-            if group.held and self.kv_cache.num_freed_by_release(group.held):
+            if any(block.ref_cnt == holds[block.block_id] for block in group.held):
                 self._release(group)
                 self.num_holds_released_early += 1
                 return True

@@ -290,10 +290,6 @@ class KVCacheManager:
         """Drops the references hold_prefix took; the blocks stay cached (tail evicted first)."""
         self.pool.release(blocks[::-1])
 
-    def num_freed_by_release(self, blocks: list[KVBlock]) -> int:
-        """Blocks that release_held(blocks) would return to the free queue (no one else uses them)."""
-        return sum(1 for block in blocks if block.ref_cnt == 1)
-
     def reset_prefix_cache(self) -> None:
         """Forgets every cached block, in both tiers. Blocks in use stay with their requests, no longer shared."""
         self.pool.reset_cache()
