@@ -28,8 +28,9 @@ def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
     rows = json.loads(report.read_text())
     kernels = {"_store_kv_kernel", "_prefill_kernel", "_decode_split_kernel", "_decode_reduce_kernel", "_merge_kernel",
                "_rotary_kv_kernel", "_rms_norm_kernel", "_silu_and_mul_kernel", "_shared_prefix_kernel", "_merge_prefix_kernel",
-               "_segmented_matmul_kernel", "_gate_up_kernel", "_down_kernel", "_w4a16_kernel"}
-    assert {(r["kernel"], r["arch"]) for r in rows} == {(k, a) for k in kernels for a in (80, 90)} | {("_fp8_gemm_kernel", 90)}
+               "_segmented_matmul_kernel", "_gate_up_kernel", "_down_kernel", "_w4a16_kernel", "_fp8_gemm_kernel"}
+    # (the FP8-weight GEMM on sm_80 is the one reading the weights' bits: e4m3 needs sm_89)
+    assert {(r["kernel"], r["arch"]) for r in rows} == {(k, a) for k in kernels for a in (80, 90)}
     assert {r["case"].split()[0] for r in rows} == {"bf16", "fp16"}
     for r in rows:
         assert r["registers"] > 0 and r["local_bytes"] == 0, r

@@ -14,6 +14,11 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def has_fp8_type(device: torch.device) -> bool:
+    """Whether Triton's e4m3 type compiles here: compute capability 8.9+, or the interpreter on CPU."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def dot_precision(dtype: torch.dtype) -> str | None:
     """fp32 inputs would otherwise be multiplied in TF32 on GPUs: keep them exact. For 16-bit
     inputs the target's default applies (the setting only concerns fp32 operands)."""

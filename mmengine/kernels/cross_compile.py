@@ -354,17 +354,21 @@ def record_w4a16_launches(case: AttentionCase, group_size: int = 128) -> list[La
 
 def record_fp8_gemm_launches(case: AttentionCase) -> list[Launch]:
     """The FP8-weight GEMM on the MLP's down projection in Qwen's 128 x 128 blocks, decode- and
-    prefill-sized (sm_89+)."""
+    prefill-sized: on e4m3 (sm_89+) and on its bits (any GPU)."""
     from mmengine.kernels.fp8_gemm import fp8_matmul
 
     k, n = case.intermediate_size, case.hidden_size
-    weight = torch.empty(n, k, dtype=torch.float8_e4m3fn)
     scales = torch.empty(n, -(-k // 128), dtype=torch.float32)
-    with capture_launches() as launches:
-        for rows in (1, 64):
-            fp8_matmul(torch.empty(rows, k, dtype=case.dtype), weight, scales, 128)
-    for launch in launches:
-        launch.min_arch = FP8_MIN_ARCH
+    launches = []
+    for weight_dtype in (torch.float8_e4m3fn, torch.uint8):
+        weight = torch.empty(n, k, dtype=weight_dtype)
+        with capture_launches() as recorded:
+            for rows in (1, 64):
+                fp8_matmul(torch.empty(rows, k, dtype=case.dtype), weight, scales, 128)
+        if weight_dtype == torch.float8_e4m3fn:
+            for launch in recorded:
+                launch.min_arch = FP8_MIN_ARCH
+        launches += recorded
     return launches
 
 

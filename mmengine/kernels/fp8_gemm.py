@@ -6,7 +6,8 @@ blocks repeat each block's scale over its 128 rows; a per-channel scale is group
 one is that scale in every row. A K tile loads its e4m3 weights (half of bf16's bytes: the point for a
 decode step bound by weight reads), dequantizes them in fp32 to the activations' dtype (the same
 values a dequantize-at-load model holds) and multiplies on the tensor cores. Decode-shaped steps use
-16-row tiles, prefill-shaped ones 64. Needs compute capability 8.9+ (Triton's e4m3 type).
+16-row tiles, prefill-shaped ones 64. Before compute capability 8.9 (Triton's e4m3 type) the weights are
+read as their bits and decoded in integer arithmetic (`e4m3_bits_to_float`, exact).
 """
 
 from __future__ import annotations
@@ -15,15 +16,27 @@ import torch
 import triton
 import triton.language as tl
 
+from mmengine.kernels.common import has_fp8_type
 from mmengine.kernels.weight_gemm import launch_weight_gemm, load_activations, output_tile, store_output
 
 
 @triton.jit
 def load_fp8_tile(weight_ptr, scales_ptr, ks, cols, mask, stride_wn, stride_sn, group_k, dtype):
     """The tile W^T[ks, cols] dequantized to `dtype`."""
-    w8 = tl.load(weight_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None], mask=mask, other=0.0)
     scale = tl.load(scales_ptr + cols[None, :] * stride_sn + (ks // group_k)[:, None], mask=mask, other=0.0)
-    return (w8.to(tl.float32) * scale).to(dtype)
+    at = weight_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
+    if weight_ptr.dtype.element_ty == tl.uint8:  # the e4m3 bits, where Triton has no e4m3 type
+        return (e4m3_bits_to_float(tl.load(at, mask=mask, other=0)) * scale).to(dtype)
+    return (tl.load(at, mask=mask, other=0.0).to(tl.float32) * scale).to(dtype)
+
+
+@triton.jit
+def e4m3_bits_to_float(bits):
+    """e4m3 bits (uint8) -> fp32, exactly, in integer arithmetic: sign, exponent and mantissa shifted into
+    fp16's fields (its exponent bias is 8 more: x 2**8), subnormals included."""
+    b = bits.to(tl.uint16)
+    half = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    return half.to(tl.float32) * 256.0
 
 
 @triton.jit
@@ -46,12 +59,20 @@ def _fp8_gemm_kernel(
 
 
 def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, group_k: int) -> torch.Tensor:
-    """x [M, K] (fp16, bf16 or fp32) @ (weight [N, K] e4m3 x scales [N, ceil(K / group_k)])^T -> [M, N] in x's dtype."""
+    """x [M, K] (fp16, bf16 or fp32) @ (weight [N, K] e4m3 x scales [N, ceil(K / group_k)])^T -> [M, N] in x's dtype.
+    `weight` may also be its bits (uint8), decoded in integer arithmetic: the path GPUs before compute
+    capability 8.9 take (Triton's e4m3 type needs 8.9)."""
     k = x.shape[1]
     n = weight.shape[0]
-    if weight.dtype != torch.float8_e4m3fn or weight.shape[1] != k:
+    if weight.dtype not in (torch.float8_e4m3fn, torch.uint8) or weight.shape[1] != k:
         raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} is not an e4m3 [N, {k}] matrix")
+    weight = e4m3_for_triton(weight)
     if scales.shape != (n, -(-k // group_k)) or scales.dtype != torch.float32:
         raise ValueError(f"scales {tuple(scales.shape)} {scales.dtype} do not cover [{n}, {k}] in fp32 groups of {group_k} inputs")
     assert weight.stride(-1) == 1 and scales.stride(-1) == 1
     return launch_weight_gemm(_fp8_gemm_kernel, x, n, (weight, scales), group_k, (weight.stride(0), scales.stride(0)))
+
+
+def e4m3_for_triton(weight: torch.Tensor) -> torch.Tensor:
+    """An e4m3 tensor as this device's kernels read it: itself, or its bits where Triton has no e4m3 type."""
+    return weight.view(torch.uint8) if weight.dtype == torch.float8_e4m3fn and not has_fp8_type(weight.device) else weight

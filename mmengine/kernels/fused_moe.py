@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from mmengine.kernels.common import dot_precision, launch_options
-from mmengine.kernels.fp8_gemm import load_fp8_tile
+from mmengine.kernels.fp8_gemm import e4m3_for_triton, load_fp8_tile
 from mmengine.kernels.w4a16 import load_int4_tile
 
 BLOCK_M = 16
@@ -153,6 +153,8 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
     if num_tokens == 0:
         return torch.zeros_like(x)
     assert x.stride(-1) == 1 and gate_up.stride(-1) == 1 and down.stride(-1) == 1
+    if layout == FP8:
+        gate_up, down = e4m3_for_triton(gate_up), e4m3_for_triton(down)
     # unused pointers where the layout has no scales or zeros
     gate_up_s, down_s = (gate_up_scales, down_scales) if layout != DENSE else (gate_up, down)
     gate_up_z, down_z = (gate_up_zeros, down_zeros) if layout == INT4 else (gate_up_s, down_s)

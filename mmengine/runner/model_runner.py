@@ -19,6 +19,7 @@ import torch
 from mmengine.config import EngineConfig
 from mmengine.errors import ConfigError
 from mmengine.encoder_cache.host_tier import EncoderHostTier
+from mmengine.kernels.common import has_fp8_type
 from mmengine.kernels.kv_quant import is_fp8
 from mmengine.kv_cache.host_tier import KVCopy
 from mmengine.kv_cache.manager import cdiv
@@ -46,11 +47,6 @@ from mmengine.sample.structured_output.masks import BitmaskFiller, apply_token_b
 logger = logging.getLogger(__name__)
 
 
-def _has_fp8_type(device: torch.device) -> bool:
-    """Whether Triton's e4m3 type compiles here: compute capability 8.9+, or the interpreter on CPU."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -73,8 +69,7 @@ class ModelRunner:
         # which wraps the dense projections); elsewhere they are dequantized at load. Kept quantized, the
         # model is built with its parameters on meta and the projections' dense weights never take memory.
         packed: dict | None = {} if quantization is not None and not config.enable_lora and \
-            use_fused_kernels(device, get_attention_backend(config.attn_backend, device).name) and \
-            (quantization.int4 or _has_fp8_type(device)) else None
+            use_fused_kernels(device, get_attention_backend(config.attn_backend, device).name) else None
         with torch.device(device), default_dtype(dtype), parameters_on_meta() if packed is not None else contextlib.nullcontext():
             self.model = family.model_class(family.hf_config)
         if packed is not None:
@@ -151,7 +146,7 @@ class ModelRunner:
     # -- KV cache -----------------------------------------------------------
 
     def _check_kv_dtype(self) -> None:
-        if is_fp8(self.kv_dtype) and self.attn_backend.name == "triton" and not _has_fp8_type(self.device):
+        if is_fp8(self.kv_dtype) and self.attn_backend.name == "triton" and not has_fp8_type(self.device):
             raise ConfigError(f"kv_cache_dtype={self.config.kv_cache_dtype!r} needs a GPU of compute capability 8.9 or later "
                               f"for the Triton kernels (this one is {torch.cuda.get_device_capability(self.device)}); "
                               "attn_backend='torch' runs it on this GPU, slowly")
