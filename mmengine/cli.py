@@ -191,6 +191,7 @@ def run_budget(args: argparse.Namespace) -> None:
                                family.max_items_per_video):
         print("  " + line)
     from mmengine.encoder_cache.host_tier import host_tier_bytes
+    from mmengine.runner.kv_tensors import kv_block_bytes
 
     host = host_tier_bytes(args.encoder_cache_host_bytes, device.type)
     source = "--encoder-cache-host-bytes" if args.encoder_cache_host_bytes is not None else f"default on {device.type}"
@@ -200,7 +201,7 @@ def run_budget(args: argparse.Namespace) -> None:
     _print_weights(family, args.model, elem)
     kv_dtype = EngineConfig(model=args.model, kv_cache_dtype=args.kv_cache_dtype).resolve_kv_cache_dtype(dtype)
     kv_elem = torch.empty((), dtype=kv_dtype).element_size()
-    block_bytes = 2 * family.num_attention_layers * block_size * text.num_key_value_heads * family.head_dim * kv_elem
+    block_bytes = kv_block_bytes(family.kv_cache_layout(), block_size, kv_elem)
     _print_kv_budget(family, block_size, kv_dtype, dtype, args.kv_cache_dtype)
     if family.recurrent_shape is not None:
         _print_state_budget(family, config, elem, block_bytes // block_size)
@@ -264,13 +265,15 @@ def _print_kv_budget(family: Any, block_size: int, kv_dtype: Any, model_dtype: A
     """The KV cache's bytes per token in its dtype, and how many tokens a GiB holds."""
     import torch
 
-    text = family.text_config
+    from mmengine.runner.kv_tensors import kv_block_bytes
+
     kv_elem, model_elem = (torch.empty((), dtype=d).element_size() for d in (kv_dtype, model_dtype))
-    per_token = 2 * family.num_attention_layers * text.num_key_value_heads * family.head_dim * kv_elem
+    layout = family.kv_cache_layout()
+    per_token = kv_block_bytes(layout, 1, kv_elem)
     name = str(kv_dtype).removeprefix("torch.")
+    shapes = " + ".join(f"{layout.count(shape)} attention layers x {shape[0]} KV heads x {shape[1]}" for shape in dict.fromkeys(layout))
     print(f"KV cache ({name}: --kv-cache-dtype {flag})")
-    print(f"  one token                     {per_token:>12}   bytes: 2 x {family.num_attention_layers} attention layers x "
-          f"{text.num_key_value_heads} KV heads x {family.head_dim} x {kv_elem} B")
+    print(f"  one token                     {per_token:>12}   bytes: 2 x ({shapes}) x {kv_elem} B")
     print(f"  one block                     {per_token * block_size:>12}   bytes: {block_size} tokens; {(1 << 30) // per_token} "
           f"tokens per GiB" + (f" ({model_elem // kv_elem}x those of a {str(model_dtype).removeprefix('torch.')} cache)"
                                if kv_elem < model_elem else ""))

@@ -148,7 +148,7 @@ def test_the_checkpoints_kv_scales_are_used(family_checkpoint, tmp_path, caplog)
     assert "use 1.0" not in caplog.text
     layers = engine.runner.model.language_model.attention_layers()
     assert [(a.k_scale, a.v_scale) for a in layers] == [(1 / 64, 1 / 32)] * len(layers)
-    assert engine.runner.kv_cache.float().abs().max() > 64  # stored divided by the scales
+    assert engine.runner.kv_cache.float_values().abs().max() > 64  # stored divided by the scales
     assert_within_fp8_tolerance(ours, reference, tokens, reference_tokens)
     # the scales are for an FP8 cache only: the full-precision cache ignores them
     _, auto_tokens, auto = _greedy_logits(tmp_path / "scaled", "llava", "auto")
@@ -175,7 +175,7 @@ def test_the_same_memory_holds_more_blocks_each_half_of_bf16s(family_checkpoint,
     assert runners["auto"].kv_block_bytes == ratio * runners["fp8"].kv_block_bytes
     # each block also pays for its pinned share of the encoder cache (block_size embeddings), the same in both
     per_block = {kv: r.kv_block_bytes + r.block_size * r.embedding_bytes for kv, r in runners.items()}
-    blocks = {kv: r.kv_cache.shape[2] for kv, r in runners.items()}
+    blocks = {kv: r.kv_cache.num_blocks for kv, r in runners.items()}
     assert runners["fp8"].kv_cache.dtype == torch.float8_e4m3fn
     used = {kv: blocks[kv] * per_block[kv] for kv in runners}
     assert abs(used["fp8"] - used["auto"]) < max(per_block.values())  # the same memory...

@@ -25,7 +25,8 @@ class HostBlock:
     key: BlockKey
     parent_hash: BlockHash | None
     pins: tuple[str, ...] = ()  # pictures this block ends inside: restorable only while their outputs can be had
-    kv: torch.Tensor | None = None  # [layers, 2, block_size, kv_heads, head_dim], set once the copy is queued
+    # per layer shape (runner/kv_tensors.py) [layers, 2, block_size, kv_heads, head_dim], set once the copy is queued
+    kv: list[torch.Tensor] | None = None
 
 
 @dataclass(eq=False)

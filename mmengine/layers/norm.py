@@ -68,3 +68,21 @@ class ZeroCenteredRMSNorm(nn.Module):
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         out = (h * (1.0 + self.weight.float())).to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+class ScaledRMSNorm(nn.Module):
+    """Gemma 4's RMSNorm: normalised (by pow(mean(x^2) + eps, -1/2), as transformers writes it) and
+    multiplied by the weight as it is, both in float32, then rounded; `with_weight=False` (Gemma 4's
+    v_norm and router norm) only normalises."""
+
+    def __init__(self, hidden_size: int, eps: float, with_weight: bool = True) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size)) if with_weight else None
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.pow(h.pow(2).mean(-1, keepdim=True) + self.eps, -0.5)
+        if self.weight is not None:
+            h = h * self.weight.float()
+        return h.to(x.dtype)

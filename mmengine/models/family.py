@@ -118,6 +118,10 @@ class ModelFamily:
         """Decoder layers with a KV cache (all of them, but in a hybrid decoder)."""
         return self.text_config.num_hidden_layers
 
+    def kv_cache_layout(self) -> list[tuple[int, int]]:
+        """(KV heads, head size) of each layer with a KV cache, in order: one shape for most decoders."""
+        return [(self.text_config.num_key_value_heads, self.head_dim)] * self.num_attention_layers
+
     @property
     def recurrent_shape(self) -> Any:
         """A hybrid decoder's linear-attention state shape (layers/gated_delta.GatedDeltaShape), else None."""

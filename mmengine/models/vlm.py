@@ -84,8 +84,11 @@ class VisionLanguageModel(nn.Module):
         return self.language_model.embed_tokens(input_ids)
 
     def forward(
-        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, deepstack: DeepStack | None = None
+        self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata, deepstack: DeepStack | None = None,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`input_ids`: the step's token ids, for a decoder that reads them beside the embeddings (Gemma 4's
+        per-layer inputs)."""
         return self.language_model(inputs_embeds, positions, metadata, deepstack)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from mmengine.kernels.common import has_fp8_type
 from mmengine.kernels.kv_quant import is_fp8
 from mmengine.kv_cache.host_tier import KVCopy
 from mmengine.kv_cache.manager import cdiv
+from mmengine.runner.kv_tensors import PagedKVTensors, kv_block_bytes
 from mmengine.layers.attention import AttentionMetadata
 from mmengine.layers.attention_backends import get_attention_backend
 from mmengine.layers.cascade import tokens_per_tile
@@ -94,7 +95,7 @@ class ModelRunner:
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # the encoder cache's tensors, by mm_hash
         self.encoder_host_tier: EncoderHostTier | None = None  # where evicted outputs wait (set by the engine)
         self.on_encoded: Callable[[tuple[str, torch.Tensor]], None] | None = None  # told of each output the tower makes
-        self.kv_cache: torch.Tensor | None = None
+        self.kv_cache: PagedKVTensors | None = None
         # Hybrid models: each linear-attention layer's states, slots 0..max_num_seqs-1 live, then checkpoints,
         # then one scratch slot that a decode graph's padding rows write into
         self.recurrent_states: list[GatedDeltaStates] = []
@@ -166,9 +167,7 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        t = self.text_config
-        elem = self.kv_element_bytes
-        return 2 * self.family.num_attention_layers * self.block_size * t.num_key_value_heads * self.family.head_dim * elem
+        return kv_block_bytes(self.family.kv_cache_layout(), self.block_size, self.kv_element_bytes)
 
     @property
     def state_slot_bytes(self) -> int:
@@ -221,9 +220,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, num_state_slots: int | None = None) -> None:
         """The KV cache of `num_blocks` blocks and, for a hybrid model, its recurrent states (None:
         max_num_seqs live slots, num_state_checkpoints, one scratch slot)."""
-        t = self.text_config
-        shape = (self.family.num_attention_layers, 2, num_blocks, self.block_size, t.num_key_value_heads, self.family.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+        self.kv_cache = PagedKVTensors(self.family.kv_cache_layout(), num_blocks, self.block_size, self.kv_dtype, self.device)
         self._bind_kv_cache(self.kv_cache)
         recurrent = self.family.recurrent_shape
         if recurrent is not None:
@@ -233,7 +230,7 @@ class ModelRunner:
                 layer.states = GatedDeltaStates(recurrent, slots, self.device, self.dtype)
                 self.recurrent_states.append(layer.states)
 
-    def _bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+    def _bind_kv_cache(self, kv_cache: PagedKVTensors) -> None:
         for i, attn in enumerate(self.model.language_model.attention_layers()):
             attn.kv_cache = kv_cache[i]
             attn.backend = self.attn_backend
@@ -257,7 +254,7 @@ class ModelRunner:
             if self.recurrent_states:
                 metadata.recurrent = RecurrentStep([0, num_tokens], [0])
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
-            hidden = self.model(self.model.embed_tokens(ids), self._plain_positions(num_tokens), metadata)
+            hidden = self.model(self.model.embed_tokens(ids), self._plain_positions(num_tokens), metadata, input_ids=ids)
             rows = min(self.config.max_num_seqs, num_tokens)
             logits = self.model.compute_logits(hidden[-rows:])
             del hidden
@@ -362,7 +359,7 @@ class ModelRunner:
         def step() -> None:
             if context is not None:  # read while the step is recorded (or, on the CPU stand-in, re-run)
                 context.segments = segments
-            hidden_out.copy_(self.model(self.model.embed_tokens(input_ids), positions, metadata))
+            hidden_out.copy_(self.model(self.model.embed_tokens(input_ids), positions, metadata, input_ids=input_ids))
 
         return step
 
@@ -371,9 +368,10 @@ class ModelRunner:
         the attention kernels and, on a GPU, the vision tower at each batch size a step can use."""
         warm_up = getattr(self.attn_backend, "warm_up", None)
         if warm_up is not None and self.kv_cache is not None:
-            layer = self.model.language_model.attention_layers()[0]
+            layers = self.model.language_model.attention_layers()
             with torch.inference_mode():
-                warm_up(layer.num_heads, layer.head_dim, self.kv_cache[0], self.max_model_len, self.dtype)
+                for layer in {(a.num_heads, a.head_dim, a.num_kv_heads): a for a in layers}.values():  # each shape once
+                    warm_up(layer.num_heads, layer.head_dim, layer.kv_cache, self.max_model_len, self.dtype)
         self.warm_up_encoder(images_per_step)
         self.warm_up_lora()
 
@@ -448,7 +446,7 @@ class ModelRunner:
                         states.copy(s.state.slot, target)
         else:
             embeds, deepstack = self._embed(inputs.input_ids, inputs.scheduled)
-            hidden = self.model(embeds, inputs.positions, inputs.metadata, deepstack)
+            hidden = self.model(embeds, inputs.positions, inputs.metadata, deepstack, input_ids=inputs.input_ids)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs.scheduled)
         if not inputs.sampled:
             return LaunchedStep([], None, None, None, prompt_logprobs=prompt_logprobs) if prompt_logprobs else NOTHING_SAMPLED
@@ -591,20 +589,22 @@ class ModelRunner:
         and copied back in one transfer and one scatter."""
         if offloads:
             ids = torch.tensor([c.block_id for c in offloads]).to(self.device, non_blocking=True)
-            gathered = self.kv_cache.index_select(2, ids)  # [layers, 2, n, block_size, heads, dim]
+            gathered = self.kv_cache.gather_blocks(ids)  # per layer shape [layers, 2, n, block_size, heads, dim]
             pin = self.device.type == "cuda"
             for index, copy in enumerate(offloads):
-                block = gathered[:, :, index]
-                host = torch.empty(block.shape, dtype=block.dtype, pin_memory=pin)
-                host.copy_(block, non_blocking=pin)  # its own buffer: an entry never keeps the batch alive
-                copy.entry.kv, copy.done = host, True
+                parts = []
+                for group in gathered:
+                    block = group[:, :, index]
+                    host = torch.empty(block.shape, dtype=block.dtype, pin_memory=pin)
+                    host.copy_(block, non_blocking=pin)  # its own buffer: an entry never keeps the batch alive
+                    parts.append(host)
+                copy.entry.kv, copy.done = parts, True
         if restores:
             ids = torch.tensor([c.block_id for c in restores]).to(self.device, non_blocking=True)
-            stacked = torch.stack([c.entry.kv for c in restores], dim=2)
+            stacked = [torch.stack([c.entry.kv[g] for c in restores], dim=2) for g in range(len(self.kv_cache.groups))]
             if self.device.type == "cuda":
-                stacked = stacked.pin_memory()
-            # as bytes: index_copy_ has no FP8 implementation on every device
-            self.kv_cache.view(torch.uint8).index_copy_(2, ids, stacked.to(self.device, non_blocking=True).view(torch.uint8))
+                stacked = [part.pin_memory() for part in stacked]
+            self.kv_cache.scatter_blocks(ids, stacked)
             for copy in restores:
                 copy.done = True
 
