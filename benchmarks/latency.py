@@ -154,6 +154,18 @@ def decode_weight_bytes(model: torch.nn.Module, batch_size: int | None = None) -
     return sum(sizes[ptr] for ptr, ns in names.items() if any(not any(u in n for u in unread) for n in ns))
 
 
+def quantized_paths(model: torch.nn.Module) -> dict[str, int]:
+    """How many projections keep their bits, by the GEMM they run: W4A16; FP8 on the W8A16 GEMM only;
+    FP8 taking W8A8 in calls of more than W8A8_MIN_ROWS rows (prefill; W8A16 below: decode)."""
+    from mmengine.layers.fp8_dispatch import W8A8_MIN_ROWS
+    from mmengine.layers.quantized_linear import Fp8Linear, Int4Linear
+
+    layers = list(model.modules())
+    return {"w4a16": sum(isinstance(m, Int4Linear) for m in layers),
+            "fp8_w8a16": sum(isinstance(m, Fp8Linear) and not m.w8a8 for m in layers),
+            f"fp8_w8a8_above_{W8A8_MIN_ROWS}_rows": sum(isinstance(m, Fp8Linear) and m.w8a8 for m in layers)}
+
+
 def kv_bytes_per_token(engine: MMEngine) -> int:
     return engine.runner.kv_block_bytes // engine.runner.block_size  # in the KV cache's dtype (fp8: 1 byte)
 
@@ -458,7 +470,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "decode_weight_bytes": weight_bytes,
             "kv_bytes_per_token": kv_token_bytes,
         },
+        "quantized_paths": quantized_paths(engine.runner.model),
     }
+    if any(result["quantized_paths"].values()):
+        print("projections kept quantized, by GEMM: " + ", ".join(f"{k} {v}" for k, v in result["quantized_paths"].items()))
 
     print(f"{'batch':>6} {'median ms':>10} {'min ms':>8} {'weight floor':>13} {'+KV floor':>10} {'x floor':>8} {'context':>8}")
     result["decode"] = []

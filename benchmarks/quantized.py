@@ -1,6 +1,10 @@
 """Quantized weights against the bf16 model of the same shape: the decode step at each batch size next
 to each format's read floor, and requests/s on the image workload. Each checkpoint runs in its own
-process (latency.py, throughput.py), so each has the device to itself.
+process (latency.py, throughput.py), so each has the device to itself. Each variant also reports how
+many projections run each GEMM: an FP8 one takes W8A8 in steps of more than 64 rows (the image
+workload's prefills; decode batches up to 64 stay W8A16) only where layers/fp8_dispatch.py lets it,
+e.g. never for Qwen's 128 x 128 blocks (a compressed-tensors FP8-Dynamic copy, method
+"compressed-tensors", has per-channel scales).
 
     python benchmarks/quantized.py --model LLAVA_7B --variant fp8=LLAVA_7B_FP8 --variant w4a16=LLAVA_7B_GPTQ \
         --device cuda --batch-sizes 1,64 --output quantized.json                   # decode steps
@@ -48,7 +52,7 @@ def measure(label: str, model: str, args: argparse.Namespace, scratch: Path) -> 
     latency_args = ["--model", model, "--device", args.device, "--batch-sizes", args.batch_sizes, "--max-model-len",
                     str(args.max_model_len), *args.latency_args]
     latency = _run("latency.py", latency_args, scratch, label, args.tiny)
-    row = {"model": model, "decode_weight_bytes": latency["memory"]["decode_weight_bytes"],
+    row = {"model": model, "decode_weight_bytes": latency["memory"]["decode_weight_bytes"], "paths": latency["quantized_paths"],
            "decode": {r["batch_size"]: {"median_ms": r["median_ms"], "over_floor": r["median_over_floor"]}
                       for r in latency["decode"] if r.get("steps_timed")}}
     if args.images:
@@ -99,8 +103,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     report = {"results": results, "ratios": compare(results)}
     for label, ratio in report["ratios"].items():
         steps = ", ".join(f"batch {b}: {r:.2f}x" for b, r in ratio["decode_step_over_bf16"].items())
+        paths = ", ".join(f"{k} {v}" for k, v in results[label]["paths"].items() if v)
         print(f"{label}: decode step / bf16 {steps}; weights read {ratio['weight_bytes_over_bf16']:.2f}x"
-              + (f"; requests/s {ratio['requests_per_s_over_bf16']:.2f}x" if "requests_per_s_over_bf16" in ratio else ""))
+              + (f"; requests/s {ratio['requests_per_s_over_bf16']:.2f}x" if "requests_per_s_over_bf16" in ratio else "")
+              + f"; projections by GEMM: {paths or 'none kept quantized'}")
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2))
     return report

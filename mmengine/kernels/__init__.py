@@ -7,6 +7,7 @@
   fused_moe.py         mixture-of-experts MLPs: pairs sorted by expert, two grouped GEMMs, no host sync
   w4a16.py fp8_gemm.py the W4A16 and FP8-weight GEMMs: 4- and 8-bit weights dequantized in registers
   weight_gemm.py       what those GEMMs share: output tile, activation loads, the store, the launch
+  w8a8.py              the W8A8 FP8 GEMM: activations quantized per token, torch._scaled_mm (no Triton)
   kv_quant.py          writing K/V into an FP8 cache (the rounding every backend shares)
   tiling.py checks.py common.py   tile shapes layouts must match, host-side argument checks, launch helpers
   cross_compile.py     compiles every kernel for sm_80/sm_90 without a GPU and reports its resources

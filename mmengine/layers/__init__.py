@@ -13,4 +13,5 @@
   gated_delta_rule.py    the gated delta rule: recurrent, chunked, batched decode; fla-core's kernels on CUDA
   moe.py                 mixture-of-experts MLPs: the top-k router, fused expert weights, a gated shared expert
   quantized_linear.py    projections kept in 4 or 8 bits, through the W4A16 and FP8 GEMMs
+  fp8_dispatch.py        whether an FP8 projection's call runs W8A16 (Triton) or W8A8 (torch._scaled_mm)
 """

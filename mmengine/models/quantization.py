@@ -16,6 +16,9 @@ layers/quantized_linear.py):
 Modules the config leaves unquantized (`modules_to_not_convert`, `ignore`) are plain tensors and load
 as they are. Anything else (other bit widths or formats, an unknown method or field) is an
 UnsupportedModelError naming the method and the field.
+An FP8 checkpoint that declares dynamic activations (`activation_scheme: "dynamic"`, or dynamic 8-bit
+float `input_activations`) says so in `activations_dynamic`: its prefill-shaped steps may run W8A8
+(layers/fp8_dispatch.py). Static input scales (`input_scale`) are ignored: those run W8A16.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import torch
 from mmengine.errors import UnsupportedModelError, WeightsMismatchError
 
 _SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
-_IGNORED_SUFFIXES = ("input_scale",)  # static activation scales: not used by dequantized weights
+_IGNORED_SUFFIXES = ("input_scale",)  # static activation scales: unused (such checkpoints run W8A16)
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class WeightQuantization:
     block: tuple[int, int] | None = None  # fp8: (rows, cols) of one scale's block; None: per channel or tensor
     group_size: int = 0  # int4: inputs sharing one scale and zero point (compressed-tensors: 0 = per channel)
     symmetric: bool = True  # compressed-tensors int4: no zero points stored
+    activations_dynamic: bool = False  # FP8: the checkpoint declares activations quantized per token at run time
 
     @property
     def int4(self) -> bool:
@@ -76,7 +80,9 @@ def quantization_of(hf_config: Any) -> WeightQuantization | None:
                                         "block-wise scales (two positive ints, e.g. [128, 128])")
         if config.get("fmt", "e4m3") != "e4m3":
             raise UnsupportedModelError(f"quantization_config.fmt {config.get('fmt')!r}: only e4m3 FP8 is supported")
-        return WeightQuantization("fp8", "weight_scale_inv", (block[0], block[1]))
+        # transformers' FP8 config defaults to "dynamic"; "static" input scales are ignored (W8A16)
+        dynamic = config.get("activation_scheme", "dynamic") == "dynamic"
+        return WeightQuantization("fp8", "weight_scale_inv", (block[0], block[1]), activations_dynamic=dynamic)
     if method == "compressed-tensors":
         fmt = config.get("format")
         if fmt == "pack-quantized":
@@ -84,12 +90,14 @@ def quantization_of(hf_config: Any) -> WeightQuantization | None:
         if fmt != "float-quantized":
             raise UnsupportedModelError(f"quantization_config.format {fmt!r} of compressed-tensors is not supported yet "
                                         "(supported: 'float-quantized', 'pack-quantized')")
-        for name, group in (config.get("config_groups") or {}).items():
+        groups = config.get("config_groups") or {}
+        for name, group in groups.items():
             weights = group.get("weights") or {}
             if weights.get("type") != "float" or weights.get("num_bits") != 8 or weights.get("strategy") not in ("channel", "tensor"):
                 raise UnsupportedModelError(f"quantization_config.config_groups.{name}.weights {weights!r}: supported are 8-bit "
                                             "float weights per channel or per tensor")
-        return WeightQuantization("compressed-tensors", "weight_scale")
+        dynamic = bool(groups) and all(_dynamic_fp8_activations(group.get("input_activations")) for group in groups.values())
+        return WeightQuantization("compressed-tensors", "weight_scale", activations_dynamic=dynamic)
     if method in ("gptq", "awq"):
         bits = config.get("bits", config.get("w_bit"))
         group = config.get("group_size", config.get("q_group_size"))
@@ -106,6 +114,14 @@ def quantization_of(hf_config: Any) -> WeightQuantization | None:
         return WeightQuantization(method, group_size=group)
     raise UnsupportedModelError(f"quantization_config.quant_method {method!r} is not supported yet "
                                 "(supported: 'fp8' with weight_block_size, 'compressed-tensors' float-quantized, 'gptq', 'awq')")
+
+
+def _dynamic_fp8_activations(scheme: dict | None) -> bool:
+    """Whether compressed-tensors' `input_activations` quantize to 8-bit floats at run time (FP8-Dynamic:
+    per token; per tensor too, which per-token scales only refine). Static ones (`input_scale`
+    tensors) are ignored: those checkpoints run W8A16."""
+    return bool(scheme) and scheme.get("type") == "float" and scheme.get("num_bits") == 8 and scheme.get("dynamic") is True \
+        and scheme.get("strategy") in ("token", "tensor")
 
 
 def _compressed_int4(config: dict) -> WeightQuantization:
@@ -255,11 +271,13 @@ class PackedInt4:
 @dataclass
 class PackedFp8:
     """One FP8 linear weight as the FP8 GEMM reads it: weight e4m3 [out, in], scales fp32
-    [out, ceil(in / group_k)] (a block's scale repeated over its rows; per channel: group_k = in)."""
+    [out, ceil(in / group_k)] (a block's scale repeated over its rows; per channel: group_k = in), and
+    whether the checkpoint lets its activations be quantized per token (W8A8: layers/fp8_dispatch.py)."""
 
     weight: torch.Tensor
     scales: torch.Tensor
     group_k: int
+    activations_dynamic: bool = False
 
 
 def fp8_for_kernel(weight: torch.Tensor, scale: torch.Tensor, spec: WeightQuantization) -> PackedFp8 | None:
@@ -268,9 +286,10 @@ def fp8_for_kernel(weight: torch.Tensor, scale: torch.Tensor, spec: WeightQuanti
         return None
     rows, cols = weight.shape
     if spec.block is None:
-        return PackedFp8(weight, scale.float().reshape(-1, 1).expand(rows, 1).contiguous(), cols)
+        return PackedFp8(weight, scale.float().reshape(-1, 1).expand(rows, 1).contiguous(), cols, spec.activations_dynamic)
     block_rows, block_cols = spec.block
-    return PackedFp8(weight, scale.float().repeat_interleave(block_rows, 0)[:rows].contiguous(), block_cols)
+    return PackedFp8(weight, scale.float().repeat_interleave(block_rows, 0)[:rows].contiguous(), block_cols,
+                     spec.activations_dynamic)
 
 
 def pack_for_kernel(parts: dict[str, torch.Tensor], spec: WeightQuantization) -> PackedInt4 | PackedFp8 | None:

@@ -279,7 +279,8 @@ def use_quantized_projections(decoder: DecoderModel, packed: dict[str, PackedInt
             parent = layer.get_submodule(parent_name)
             dense = getattr(parent, attr)
             # (the dense weight may be on meta: see VisionLanguageModel.defer_quantizable_weights)
-            replacement = fuse_shards(parts, None if dense.bias is None else dense.bias.data, decoder.embed_tokens.weight.device)
+            embed = decoder.embed_tokens.weight  # never deferred: the device and the model's dtype
+            replacement = fuse_shards(parts, None if dense.bias is None else dense.bias.data, embed.device, embed.dtype)
             if replacement is None:
                 continue
             if (replacement.in_features, replacement.out_features) != (dense.in_features, dense.out_features):
