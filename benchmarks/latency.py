@@ -155,15 +155,13 @@ def decode_weight_bytes(model: torch.nn.Module, batch_size: int | None = None) -
 
 
 def quantized_paths(model: torch.nn.Module) -> dict[str, int]:
-    """How many projections keep their bits, by the GEMM they run: W4A16; FP8 on the W8A16 GEMM only;
-    FP8 taking W8A8 in calls of more than W8A8_MIN_ROWS rows (prefill; W8A16 below: decode)."""
-    from mmengine.layers.fp8_dispatch import W8A8_MIN_ROWS
+    """How many projections keep their bits, by the GEMM they run: W4A16, FP8 W8A16, FP8 W8A8."""
     from mmengine.layers.quantized_linear import Fp8Linear, Int4Linear
 
     layers = list(model.modules())
     return {"w4a16": sum(isinstance(m, Int4Linear) for m in layers),
             "fp8_w8a16": sum(isinstance(m, Fp8Linear) and not m.w8a8 for m in layers),
-            f"fp8_w8a8_above_{W8A8_MIN_ROWS}_rows": sum(isinstance(m, Fp8Linear) and m.w8a8 for m in layers)}
+            "fp8_w8a8": sum(isinstance(m, Fp8Linear) and m.w8a8 for m in layers)}
 
 
 def kv_bytes_per_token(engine: MMEngine) -> int:

@@ -1,9 +1,8 @@
 """Quantized weights against the bf16 model of the same shape: the decode step at each batch size next
 to each format's read floor, and requests/s on the image workload. Each checkpoint runs in its own
 process (latency.py, throughput.py), so each has the device to itself. Each variant also reports how
-many projections run each GEMM: an FP8 one takes W8A8 in steps of more than 64 rows (the image
-workload's prefills; decode batches up to 64 stay W8A16) only where layers/fp8_dispatch.py lets it,
-e.g. never for Qwen's 128 x 128 blocks (a compressed-tensors FP8-Dynamic copy, method
+many projections run each GEMM: an FP8 one runs W8A8 (every step) only where layers/fp8_dispatch.py
+lets it, e.g. never for Qwen's 128 x 128 blocks (a compressed-tensors FP8-Dynamic copy, method
 "compressed-tensors", has per-channel scales).
 
     python benchmarks/quantized.py --model LLAVA_7B --variant fp8=LLAVA_7B_FP8 --variant w4a16=LLAVA_7B_GPTQ \

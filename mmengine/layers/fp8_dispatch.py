@@ -2,23 +2,16 @@
 dequantized in registers, activations as they are) or the W8A8 one (kernels/w8a8.py: activations
 quantized per token, both operands in FP8 through torch._scaled_mm).
 
-The layer decides once at load whether it may take W8A8 (`why_not_w8a8`), and per call by its row
-count. Up to W8A8_MIN_ROWS rows a step is bound by reading the weights, the same e4m3 bytes on either
-path: W8A16 loses nothing there and keeps the activations exact, and decode batches up to 64 (every
-CUDA-graph bucket of the default max_num_seqs) stay on it. 64 is also the W8A16 GEMM's prefill tile:
-beyond it each weight tile is read and decoded in registers once per 64 rows, while _scaled_mm reads
-it undecoded and multiplies at twice bf16's tensor-core rate. (On paper an H100's bf16 GEMM over e4m3
-weights turns compute-bound at about 150 rows: 990 TFLOPs over 3.35 TB/s, two flops per weight byte
-per row; the decoding in registers brings the W8A16 GEMM's turn earlier.) GPU timings to tune it are
-pending.
+The layer decides once at load (`why_not_w8a8`), and then runs every call on the same path, decode
+and prefill alike: a token's numbers never depend on how many rows its step had (a prefix-cache hit
+reads K/V computed by the same arithmetic as a recomputation would). Per-token quantization is a
+row's own: W8A8 stays batch-invariant. For decode both paths read the same e4m3 weight bytes; for
+prefill-shaped steps _scaled_mm multiplies at twice bf16's tensor-core rate. GPU timings are pending.
 """
 
 from __future__ import annotations
 
 import torch
-
-W8A8_MIN_ROWS = 64  # a call with more rows than this takes W8A8 where the layer may
-
 
 def compute_capability(device: torch.device) -> tuple[int, int] | None:
     """The CUDA device's compute capability, or None off CUDA."""
@@ -27,7 +20,7 @@ def compute_capability(device: torch.device) -> tuple[int, int] | None:
 
 def why_not_w8a8(capability: tuple[int, int] | None, dtype: torch.dtype, in_features: int, out_features: int,
                  group_k: int, activations_dynamic: bool) -> str | None:
-    """Why an FP8 projection must stay on the W8A16 GEMM, or None where prefill-shaped calls may take W8A8:
+    """Why an FP8 projection must stay on the W8A16 GEMM, or None where it runs W8A8:
     the checkpoint declares dynamic activation quantization, the device has FP8 tensor cores, the model
     runs in 16 bits, the weight has one scale per output channel and _scaled_mm takes its shape."""
     if not activations_dynamic:

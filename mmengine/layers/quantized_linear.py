@@ -1,6 +1,6 @@
 """Linear layers whose weights stay quantized on the device: Int4Linear through the W4A16 GEMM
 (kernels/w4a16.py), Fp8Linear through the FP8 GEMM (kernels/fp8_gemm.py), both dequantizing in registers;
-Fp8Linear's prefill-shaped calls through the W8A8 GEMM (kernels/w8a8.py) where fp8_dispatch.py allows.
+Fp8Linear through the W8A8 GEMM (kernels/w8a8.py) instead where fp8_dispatch.py allows.
 
 Built after loading from the quantized checkpoint's own values (models/quantization.py keeps them,
 normalised to one layout per format), the shards of a fused projection (q/k/v, gate/up) concatenated
@@ -17,7 +17,7 @@ from torch import nn
 from mmengine.kernels.fp8_gemm import fp8_matmul
 from mmengine.kernels.w4a16 import w4a16_matmul
 from mmengine.kernels.w8a8 import w8a8_matmul
-from mmengine.layers.fp8_dispatch import W8A8_MIN_ROWS, compute_capability, why_not_w8a8
+from mmengine.layers.fp8_dispatch import compute_capability, why_not_w8a8
 from mmengine.models.quantization import PackedFp8, PackedInt4
 
 
@@ -60,8 +60,8 @@ class Int4Linear(QuantizedLinear):
 
 
 class Fp8Linear(QuantizedLinear):
-    """weight e4m3 [out, in], scales fp32 [out, ceil(in / group_k)]; with `w8a8`, calls of more than
-    W8A8_MIN_ROWS rows quantize their activations per token and run the W8A8 GEMM (scales [out, 1])."""
+    """weight e4m3 [out, in], scales fp32 [out, ceil(in / group_k)]; with `w8a8`, every call quantizes
+    its activations per token and runs the W8A8 GEMM (scales [out, 1])."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, group_k: int, bias: torch.Tensor | None,
                  w8a8: bool = False) -> None:
@@ -73,7 +73,7 @@ class Fp8Linear(QuantizedLinear):
         self.register_buffer("scales", scales.contiguous())
 
     def matmul(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.w8a8 and rows.shape[0] > W8A8_MIN_ROWS:
+        if self.w8a8:
             return w8a8_matmul(rows, self.weight, self.scales)
         return fp8_matmul(rows, self.weight, self.scales, self.group_k)
 
