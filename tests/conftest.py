@@ -25,6 +25,7 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 from mmengine.models.registry import load_hf_processor
 from mmengine.testing import TinyLlavaSpec, tiny_llava_path, tiny_qwen_vl_path
+from mmengine.testing.gemma4 import TinyGemma4Spec, tiny_gemma4_path
 from mmengine.testing.qwen_vl import tiny_spec
 
 
@@ -152,6 +153,8 @@ def family_checkpoint():
     def build(name: str) -> Path:
         if name == "llava":
             return tiny_llava_path(TinyLlavaSpec())
+        if name == "gemma4":
+            return tiny_gemma4_path(TinyGemma4Spec())
         return tiny_qwen_vl_path(tiny_spec(name))
 
     return build
