@@ -108,9 +108,13 @@ class Scheduler:
         max_model_len: int,
         encoder_host_tier: EncoderHostTier | None = None,
         states: RecurrentStateManager | None = None,
+        whole_span_modalities: frozenset[str] = frozenset(),
     ) -> None:
-        """`states`: the recurrent-state books of a hybrid model (None for attention-only models)."""
+        """`states`: the recurrent-state books of a hybrid model (None for attention-only models).
+        `whole_span_modalities`: items whose placeholder tokens attend to each other both ways (Gemma 4's
+        pictures): a prefill chunk never ends inside one, so every query of a span sees all of it."""
         self.config = config
+        self.whole_span_modalities = whole_span_modalities
         self.caches = CacheCoordinator(kv_cache, states, config.block_size)
         self.encoder_host_tier = encoder_host_tier  # asked whether a missing item can be copied back
         self.kv_cache = kv_cache
@@ -185,7 +189,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             start = request.num_computed_tokens
-            num_new = min(request.num_tokens - start, budget)
+            num_new = self._whole_spans(request, start, min(request.num_tokens - start, budget))
             num_new, plan = self._plan_encoder(request, start, num_new, encoder_budget, encoding_now)
             if num_new == 0:
                 self.num_zero_token_schedules += 1
@@ -279,7 +283,7 @@ class Scheduler:
         # Prompt logprobs need every prompt position computed: such a request reads no cached blocks.
         hit = self.caches.find_hit(request, request.sampling_params.prompt_logprobs is not None, self._can_pin)
         while True:
-            num_new = min(request.num_tokens - hit.num_computed, budget)
+            num_new = self._whole_spans(request, hit.num_computed, min(request.num_tokens - hit.num_computed, budget))
             num_new, plan = self._plan_encoder(request, hit.num_computed, num_new, encoder_budget, encoding_now)
             if not hit.host_hits or self._plan_pinned_items(request, hit.host_hits, plan, encoding_now):
                 return _Admission(hit, num_new, plan)
@@ -323,6 +327,18 @@ class Scheduler:
                 plan.restore_room += item.length
         reused = [request.mm_items[j].mm_hash for j in plan.reuse]
         return self.encoder_cache.can_allocate(plan.cost + plan.restore_room, reused)
+
+    def _whole_spans(self, request: Request, start: int, num_new: int) -> int:
+        """num_new shortened so that the chunk [start, start + num_new) does not end strictly inside a
+        span: to the span's start, or to nothing when the chunk starts inside it (a prefix hit may end
+        there: the cached part was computed whole, and the rest waits for a budget that holds it)."""
+        end = start + num_new
+        for item in request.mm_items:
+            if item.offset >= end:
+                break
+            if item.offset < end < item.end and item.modality in self.whole_span_modalities:
+                return max(0, item.offset - start)
+        return num_new
 
     def _plan_encoder(
         self, request: Request, start: int, num_new: int, encoder_budget: int, encoding_now: set[str]

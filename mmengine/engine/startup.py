@@ -82,8 +82,9 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     kv_cache, encoder_cache, encoder_host_tier = _caches(config, runner, num_blocks, encoder_budget)
     input_processor.max_tokens_in_kv_cache = num_blocks * config.block_size
     input_processor.max_tokens_per_item = encoder_budget.compute_budget_tokens
+    spans = _check_whole_spans(config, family)
     scheduler = Scheduler(config, kv_cache, encoder_cache, encoder_budget.compute_budget_tokens, max_model_len, encoder_host_tier,
-                          _recurrent_states(config, family, runner, kv_cache))
+                          _recurrent_states(config, family, runner, kv_cache), spans)
     eos_token_ids = eos_token_ids_of(model_dir, hf_config, input_processor.tokenizer)
     grammars = GrammarCompiler(input_processor.tokenizer, family.text_config.vocab_size, eos_token_ids)
     logger.info("mmengine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
@@ -91,6 +92,19 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     return EngineParts(config, hf_config, family, max_model_len, device, dtype, input_processor, runner, encoder_budget,
                        kv_cache, encoder_cache, encoder_host_tier, scheduler, eos_token_ids, grammars,
                        _lora_manager(config, family, runner))
+
+
+def _check_whole_spans(config: EngineConfig, family: ModelFamily) -> frozenset[str]:
+    """The modalities whose items a prefill chunk must hold whole (their tokens attend both ways); the
+    token budget must then hold the largest such item."""
+    modalities = family.bidirectional_modalities
+    sizes = family.max_tokens_by_modality()
+    largest = max((sizes.get(m, 0) for m in modalities), default=0)
+    if largest > config.max_num_batched_tokens:
+        raise ConfigError(f"max_num_batched_tokens={config.max_num_batched_tokens} cannot hold a whole picture of {largest} "
+                          f"tokens, which {family.display_name} attends to both ways in one prefill chunk; raise it to "
+                          f"at least {largest}")
+    return modalities
 
 
 def _check_quantization(config: EngineConfig, spec: WeightQuantization | None) -> None:

@@ -123,6 +123,12 @@ class ModelFamily:
         return [(self.text_config.num_key_value_heads, self.head_dim)] * self.num_attention_layers
 
     @property
+    def bidirectional_modalities(self) -> frozenset[str]:
+        """Modalities whose placeholder tokens attend to each other both ways (in some layers): a prefill
+        chunk holds such an item whole."""
+        return frozenset()
+
+    @property
     def recurrent_shape(self) -> Any:
         """A hybrid decoder's linear-attention state shape (layers/gated_delta.GatedDeltaShape), else None."""
         return None
@@ -169,6 +175,12 @@ class ModelFamily:
     def num_tokens(self, inputs: EncoderInputs) -> int:
         """How many placeholder tokens (one embedding each) an item with these inputs takes."""
         raise NotImplementedError
+
+    def image_prompt_ids(self, num_tokens: int) -> tuple[list[int], int]:
+        """The ids an image marker becomes in the prompt (its run of `num_tokens` placeholders, and any
+        tokens the processor writes around it, e.g. Gemma 4's <|image> and <image|>), and where the run
+        starts in them."""
+        return [self.image_token_id] * num_tokens, 0
 
     def resized_size(self, height: int, width: int) -> tuple[int, int] | None:
         """(height, width) the image processor resizes an image to, or None where the generic rule of

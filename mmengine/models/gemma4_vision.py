@@ -117,7 +117,7 @@ class Gemma4VisionEncoder(nn.Module):
         )
         self.embed_vision = Gemma4MultimodalEmbedder(config.vision_config, config.text_config)
         self.pooling_kernel_size = config.vision_config.pooling_kernel_size
-        _buffers_to_parameters(self.vision_tower)
+        buffers_to_parameters(self.vision_tower)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -150,7 +150,7 @@ def soft_token_counts(positions: torch.Tensor, pooling_kernel_size: int) -> list
     return (real // pooling_kernel_size**2).tolist()
 
 
-def _buffers_to_parameters(module: nn.Module) -> None:
+def buffers_to_parameters(module: nn.Module) -> None:
     """Each persistent buffer of `module` becomes a parameter (no gradient) of the same name."""
     parameters = {name for name, _ in module.named_parameters()}
     for name, tensor in module.state_dict(keep_vars=True).items():

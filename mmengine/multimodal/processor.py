@@ -253,8 +253,9 @@ class InputProcessor:
         video_token, videos = self.family.video_token_id, iter(video_runs)
         for token in ids:
             if token == self.image_token_id and len(starts) < len(counts):
-                starts.append(len(expanded))
-                expanded += [token] * counts[len(starts) - 1]
+                run, offset = self.family.image_prompt_ids(counts[len(starts)])
+                starts.append(len(expanded) + offset)
+                expanded += run
             elif token == video_token and (run := next(videos, None)) is not None:
                 for count in run:
                     video_starts.append(len(expanded))

@@ -39,6 +39,7 @@ from mmengine.runner.cascade_plan import CascadePolicy
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
 from mmengine.runner.inputs import InputBuffers
 from mmengine.sample.penalties import PenaltyState, apply_logit_bias
+from mmengine.runner.spans import span_ends
 from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, PendingSample, PromptLogprobs, TokenReadback
 from mmengine.sample.params import SamplingParams
 from mmengine.sample.sampler import Sampler, token_logprobs
@@ -130,6 +131,7 @@ class ModelRunner:
     def _cascade_policy(self) -> CascadePolicy:
         """"auto" weighs cascade against the Triton kernels; the PyTorch reference runs it on "on" only."""
         t = self.text_config
+        kv_heads = self.num_kv_heads
         mode = self.config.cascade_attention
         if mode == "auto" and self.attn_backend.name != "triton":
             mode = "off"
@@ -138,9 +140,9 @@ class ModelRunner:
         return CascadePolicy(
             mode=mode,
             block_size=self.block_size,
-            tokens_per_tile=tokens_per_tile(t.num_attention_heads, t.num_key_value_heads),
-            kv_bytes_per_token=2 * t.num_key_value_heads * self.family.head_dim * elem,
-            num_kv_heads=t.num_key_value_heads,
+            tokens_per_tile=tokens_per_tile(t.num_attention_heads, kv_heads),
+            kv_bytes_per_token=kv_block_bytes(self.family.kv_cache_layout(), 1, elem) // self.family.num_attention_layers,
+            num_kv_heads=kv_heads,
             num_sms=sm_count(self.device) if sm_count is not None else 8,
         )
 
@@ -160,6 +162,11 @@ class ModelRunner:
                            self.family.num_attention_layers)
         elif not is_fp8(self.kv_dtype) and self.model.kv_scales:
             logger.info("the checkpoint's K/V scales apply to kv_cache_dtype='fp8' only; the cache is %s", self.kv_dtype)
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads of the cached layers (the most, where layers differ)."""
+        return max(heads for heads, _ in self.family.kv_cache_layout())
 
     @property
     def kv_element_bytes(self) -> int:
@@ -331,7 +338,7 @@ class ModelRunner:
         self.inputs.fill_dummy_decode(size)
         splits = None
         if hasattr(self.attn_backend, "choose_num_splits"):
-            splits = self.attn_backend.choose_num_splits(size, self.text_config.num_key_value_heads, self.max_model_len, self.device)
+            splits = self.attn_backend.choose_num_splits(size, self.num_kv_heads, self.max_model_len, self.device)
         buffers = self.inputs
         metadata = AttentionMetadata(
             slot_mapping=buffers.slot_mapping.device[:size],
@@ -435,6 +442,8 @@ class ModelRunner:
             self.num_cascade_tokens += inputs.metadata.cascade.num_tokens
         if self.recurrent_states:
             inputs.metadata.recurrent = self._recurrent_step(inputs.scheduled, inputs.metadata.query_start_loc_cpu)
+        if self.family.bidirectional_modalities and inputs.graph_size is None:
+            inputs.metadata.span_ends = span_ends(inputs.scheduled, self.family.bidirectional_modalities, self.device)
         if inputs.graph_size is not None:
             if self.recurrent_states:
                 self._set_graph_state_slots(inputs.scheduled, inputs.graph_size)
