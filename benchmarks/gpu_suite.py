@@ -40,10 +40,12 @@ CHECKPOINTS = {
     "qwen3_5_9b": ("QWEN3_5_9B_SPEC", "qwen3_5"),
     "qwen3_vl_30b_a3b": ("QWEN3_VL_30B_A3B_SPEC", "qwen3_vl_moe"),
 }
-# name -> (the checkpoint it quantizes, mmengine.testing.quantize's method): Qwen's FP8 blocks of 128 x 128,
-# GPTQ in groups of 128 (the W4A16 GEMM's path); a dry run quantizes the tiny stand-in in blocks and groups of 32
+# name -> (the checkpoint it quantizes, mmengine.testing.quantize's method): Qwen's FP8 blocks of 128 x 128
+# (the W8A16 GEMM), compressed-tensors FP8-Dynamic per channel (W8A8 through torch._scaled_mm), GPTQ in groups
+# of 128 (the W4A16 GEMM's path); a dry run quantizes the tiny stand-in in blocks and groups of 32
 QUANTIZED = {
     "llava_7b_fp8": ("llava_7b", "fp8"),
+    "llava_7b_fp8_dynamic": ("llava_7b", "compressed-tensors"),
     "llava_7b_w4a16": ("llava_7b", "gptq"),
     "qwen2_5_vl_7b_fp8": ("qwen2_5_vl_7b", "fp8"),
     "qwen2_5_vl_7b_w4a16": ("qwen2_5_vl_7b", "gptq"),
@@ -258,7 +260,9 @@ def _hybrid_reads(data: dict) -> list[Reading]:
 def _quantized_reads(data: dict) -> list[Reading]:
     """Issue 36's targets on an H100: W4A16 batch-1 decode <= 0.4x bf16's, FP8 <= 0.6x; FP8 req/s >= 1.3x."""
     reads: list[Reading] = []
-    for label, decode_target, rate_target in (("w4a16", 0.4, None), ("fp8", 0.6, 1.3)):
+    for label, decode_target, rate_target in (("w4a16", 0.4, None), ("fp8", 0.6, 1.3), ("fp8_dynamic", 0.6, 1.3)):
+        if label not in data["ratios"]:
+            continue
         ratios, row = data["ratios"][label], data["results"][label]
         for batch, ratio in ratios["decode_step_over_bf16"].items():
             reads.append((f"{label}: decode step, batch {batch} / bf16", ratio, "x", at_most(decode_target) if batch == "1" else None))
@@ -269,18 +273,18 @@ def _quantized_reads(data: dict) -> list[Reading]:
     return reads
 
 
-def _quantized_part(name: str, source: str, minutes: int, images: bool) -> Part:
-    """benchmarks/quantized.py on `source` and its FP8 and W4A16 copies (decode at batch 1 and 64; with
+def _quantized_part(name: str, source: str, minutes: int, images: bool, labels: tuple[str, ...] = ("fp8", "w4a16")) -> Part:
+    """benchmarks/quantized.py on `source` and its quantized copies `labels` (decode at batch 1 and 64; with
     `images`, the 512-request image workload too)."""
     extra = ["--images"] if images else []
 
     def args(ctx: Context, tiny: bool) -> list[str]:
-        variants = [arg for label in ("fp8", "w4a16") for arg in ("--variant", f"{label}={_model(ctx, f'{source}_{label}')}")]
+        variants = [arg for label in labels for arg in ("--variant", f"{label}={_model(ctx, f'{source}_{label}')}")]
         sizes = ["--device", "cpu", "--batch-sizes", "1,3", "--max-model-len", "512", "--tiny", "--num-requests", "6"] if tiny \
             else ["--device", "cuda", "--batch-sizes", "1,64"]
         return _bench("quantized.py", ctx, name, "--model", _model(ctx, source), *variants, *sizes, *extra)
 
-    return Part(name, "36", minutes, (source, f"{source}_fp8", f"{source}_w4a16"), lambda ctx: args(ctx, False),
+    return Part(name, "36", minutes, (source, *(f"{source}_{label}" for label in labels)), lambda ctx: args(ctx, False),
                 lambda ctx: args(ctx, True), _quantized_reads)
 
 
@@ -392,7 +396,7 @@ PARTS: list[Part] = [
                             "--dtype", "float32", "--turns", "3", "--output-len", "4", "--requests", "3", "--system-len", "40",
                             "--tail-len", "6", "--picture-size", "64"),
          _hybrid_reads),
-    _quantized_part("quantized_llava_7b", "llava_7b", 8, images=True),
+    _quantized_part("quantized_llava_7b", "llava_7b", 10, images=True, labels=("fp8", "fp8_dynamic", "w4a16")),
     _quantized_part("quantized_qwen2_5_vl_7b", "qwen2_5_vl_7b", 5, images=False),
     Part("tests", "27", 8, (), _tests_args,
          lambda ctx: ["-m", "pytest", "-q", "--noconftest", "tests/test_import_graph.py", "--junit-xml",
