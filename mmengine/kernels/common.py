@@ -8,6 +8,9 @@ import torch
 import triton
 
 LOG2E = 1.4426950408889634
+# The attention kernels take a sliding window as a plain int; no window is one wider than any context
+# (and small enough that position - window stays within int32).
+NO_WINDOW = 1 << 30
 
 
 def interpreting() -> bool:
@@ -23,6 +26,15 @@ def dot_precision(dtype: torch.dtype) -> str | None:
     """fp32 inputs would otherwise be multiplied in TF32 on GPUs: keep them exact. For 16-bit
     inputs the target's default applies (the setting only concerns fp32 operands)."""
     return "ieee" if dtype == torch.float32 else None
+
+
+def kernel_window(window: int | None) -> int:
+    """A sliding window as the attention kernels take it: keys k > q - window are visible."""
+    if window is None:
+        return NO_WINDOW
+    if not 1 <= window <= NO_WINDOW:
+        raise ValueError(f"a sliding window must be in [1, {NO_WINDOW}], got {window}")
+    return window
 
 
 def padded_head_dim(head_dim: int) -> int:

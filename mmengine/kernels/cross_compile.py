@@ -209,8 +209,10 @@ class AttentionCase:
 
 
 def record_attention_launches(case: AttentionCase) -> list[Launch]:
-    """Every launch one mixed step makes: KV store, prefill over a paged prefix, split-KV decode
-    with its reduction, the LSE merge, and cascade's shared-prefix pass and its merge."""
+    """Every launch one mixed step makes: KV store, prefill over a paged prefix (also with a sliding
+    window and bidirectional span ends, its HAS_SPANS variant), split-KV decode with its reduction,
+    the LSE merge, and cascade's shared-prefix pass and its merge. (A window is a plain argument:
+    decode with one compiles what decode without one does.)"""
     from mmengine.kernels.cascade_attention import cascade_prefix_attention
     from mmengine.kernels.decode_attention import decode_attention
     from mmengine.kernels.kv_store import store_kv
@@ -225,6 +227,9 @@ def record_attention_launches(case: AttentionCase) -> list[Launch]:
     with capture_launches() as launches:
         key = torch.empty(8, kv_heads, dim, dtype=case.dtype)
         store_kv(key, key, cache, torch.zeros(8, dtype=torch.long))
+        span_ends = torch.tensor([35, 39, 39, 39, 39, 32, 32, 32], dtype=torch.int32)
+        prefill_attention(query, cache, torch.tensor([0, 5, 8], dtype=torch.int32), seq_lens, tables, 0.1, max_query_len=5,
+                          window=16, span_ends=span_ends)
         prefill_attention(query, cache, torch.tensor([0, 5, 8], dtype=torch.int32), seq_lens, tables, 0.1, max_query_len=5)
         out, lse = decode_attention(query[:2], cache, seq_lens, tables, 0.1, num_splits=4)
         merge_attn_states(out, lse, out, lse)

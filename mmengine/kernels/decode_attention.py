@@ -4,6 +4,10 @@ Stage 1: for each (request, KV head, split), the GROUP query heads of that KV he
 contiguous slice of the request's context, read through its block table, and write a partial
 state (normalized output, lse). Stage 2 merges a request's splits through their log-sum-exps.
 Splitting puts several programs on one long context, so a small batch still fills the GPU.
+
+With a sliding window W a request attends to its last W keys, [seq_len - W, seq_len): the splits
+cut that range alone (from the tile holding its first key), so a long context costs what its window
+costs. A split left with no keys writes the empty state (lse -inf), which the reduction weighs 0.
 """
 
 from __future__ import annotations
@@ -12,15 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
-from mmengine.kernels.common import launch_options, LOG2E, dot_precision, padded_head_dim
+from mmengine.kernels.common import launch_options, LOG2E, dot_precision, kernel_window, padded_head_dim
 from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["window"])  # per layer: one compiled kernel for every window
 def _decode_split_kernel(
     q_ptr, cache_ptr, part_out_ptr, part_lse_ptr,
     seq_lens_ptr, block_tables_ptr,
-    qk_scale,
+    window, qk_scale,
     stride_qt, stride_qh,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt,
@@ -31,8 +35,10 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * split_len
+    first = tl.maximum(seq_len - window, 0)  # the window's first key
+    base = first // BLOCK_N * BLOCK_N
+    split_len = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = base + split * split_len
     end = tl.minimum(seq_len, start + split_len)
     rows = tl.arange(0, BLOCK_H)
     head = kv_head * GROUP + rows
@@ -45,7 +51,7 @@ def _decode_split_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
     for start_n in range(start, end, BLOCK_N):
         n = start_n + tl.arange(0, BLOCK_N)
-        n_valid = n < end
+        n_valid = (n < end) & (n >= first)
         k, v = load_kv_tile(cache_ptr, block_tables_ptr, req, n, n_valid, kv_head, d, d_valid,
                             stride_bt, stride_ckv, stride_cb, stride_cs, stride_ch, BLOCK_SIZE)
         m_i, l_i, acc = attend_tile(q, k, v, n_valid[None, :], m_i, l_i, acc, qk_scale, PRECISION)
@@ -88,10 +94,11 @@ def decode_attention(
     block_n: int = 32,
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """query [reqs, q_heads, D], one token per request attending to its whole context of seq_lens keys.
-    Returns (out [reqs, q_heads, D] and lse [reqs, q_heads] fp32 natural log, -inf for a context of
-    zero), written into `out` and `lse` when given."""
+    """query [reqs, q_heads, D], one token per request attending to its whole context of seq_lens keys
+    (with `window`, to its last `window` keys). Returns (out [reqs, q_heads, D] and lse [reqs, q_heads]
+    fp32 natural log, -inf for a context of zero), written into `out` and `lse` when given."""
     num_reqs, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
@@ -110,7 +117,7 @@ def decode_attention(
         part_lse = torch.empty(num_reqs, num_heads, num_splits, device=query.device, dtype=torch.float32)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         query, kv_cache, part_out, part_lse, seq_lens, block_tables,
-        scale * LOG2E,
+        kernel_window(window), scale * LOG2E,
         query.stride(0), query.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),

@@ -5,13 +5,18 @@ mapping) and `forward` (each request's new queries attend causally to its new to
 and fully to its cached context, read through its block table). The PyTorch backend
 is the reference and the CPU path; kernel backends plug in under another name
 (attention_backends.py picks one; the backends import this module, never the reverse).
+
+Masks beyond causal (Gemma 4): a sliding-window layer lets the query at position q see
+keys q - window < k only; a layer with bidirectional spans also lets a query inside a
+picture's run of tokens see the later keys of that run: key k is visible iff
+q - window < k <= span_ends[token] (span_ends[token] = q outside a span).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -51,6 +56,11 @@ class AttentionMetadata:
     cascade: CascadeMetadata | None = None
     # The step as the linear-attention layers of a hybrid model see it (layers/gated_delta.py); None otherwise.
     recurrent: RecurrentStep | None = None
+    # [num_tokens] int32: for each new token, the position of the last key it may see on a layer with
+    # bidirectional spans (its own position outside a picture's run, the run's last one inside it; so
+    # they never decrease along a request). A span must lie within one step: keys past the step's end
+    # are not seen. None: no spans in this step.
+    span_ends: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -60,10 +70,11 @@ class AttentionMetadata:
         block_tables: Sequence[Sequence[int]],
         slot_mapping: torch.Tensor | Sequence[int],
         device: torch.device,
+        span_ends: torch.Tensor | Sequence[int] | None = None,
     ) -> AttentionMetadata:
         """From host-side values: per-request query and sequence lengths, the block tables (rows
-        padded to one width) and each new token's cache slot. (The runner fills persistent
-        buffers instead; this is for tests and one-off runs.)"""
+        padded to one width), each new token's cache slot and, optionally, span ends. (The runner
+        fills persistent buffers instead; this is for tests and one-off runs.)"""
         starts = [0, *itertools.accumulate(query_lens)]
         num_decodes = decode_prefix_length(query_lens)
         return cls(
@@ -77,6 +88,7 @@ class AttentionMetadata:
             num_decodes=num_decodes,
             max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
             max_prefill_query_len=max(query_lens[num_decodes:], default=0),
+            span_ends=None if span_ends is None else torch.as_tensor(span_ends, dtype=torch.int32).to(device),
         )
 
     @property
@@ -96,8 +108,13 @@ class AttentionBackend(Protocol):
                  k_scale: float = 1.0, v_scale: float = 1.0) -> None: ...
 
     def forward(
-        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float
-    ) -> torch.Tensor: ...
+        self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, *,
+        window: int | None = None, span_ends: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Attention of the step's new tokens; with `window`, key k is visible to the query at q only
+        if q - window < k; with `span_ends` ([num_tokens] int32), a new token's keys reach up to its
+        span end instead of its own position (decodes are causal)."""
+        ...
 
 
 class Attention(nn.Module):
@@ -108,14 +125,24 @@ class Attention(nn.Module):
     kv_cache: [2, num_blocks, block_size, num_kv_heads, head_dim], bound by the runner. An FP8 cache
     holds K / k_scale and V / v_scale (the checkpoint's per-layer scales, else 1.0): the key scale
     joins the softmax scale and the value scale multiplies the output.
+
+    `sliding_window` W limits each query to its last W keys (its own included); with
+    `bidirectional_spans`, the step's `metadata.span_ends` (when given) extend a query inside a
+    picture's run to the run's later keys. Cascade (shared-prefix) attention is causal only, so
+    a layer with either runs a cascade step without it (a window reads little of a prefix anyway).
     """
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 sliding_window: int | None = None, bidirectional_spans: bool = False) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
+        self.sliding_window = sliding_window
+        self.bidirectional_spans = bidirectional_spans
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
         self.k_scale = 1.0
@@ -135,7 +162,11 @@ class Attention(nn.Module):
             if rotary is not None:
                 q, k = rotary.apply(q, k)
             self.backend.store_kv(k, v, self.kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
-        out = self.backend.forward(q, self.kv_cache, metadata, self.scale * self.k_scale)
+        span_ends = metadata.span_ends if self.bidirectional_spans else None
+        if metadata.cascade is not None and (self.sliding_window is not None or span_ends is not None):
+            metadata = replace(metadata, cascade=None)
+        out = self.backend.forward(q, self.kv_cache, metadata, self.scale * self.k_scale,
+                                   window=self.sliding_window, span_ends=span_ends)
         if self.v_scale != 1.0:
             out = out * self.v_scale
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

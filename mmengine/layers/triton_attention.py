@@ -4,7 +4,8 @@ The leading decode requests (one new token each) go to the split-KV paged decode
 other requests go to the varlen prefill kernel, which reads their cached context and new tokens
 from the cache. With cascade metadata the same two kernels attend each request over its keys after
 its group's prefix (shortened block tables), then the prefix pass attends each group's tokens over
-the prefix and merges (kernels/cascade_attention.py).
+the prefix and merges (kernels/cascade_attention.py). A sliding window goes to both kernels, span
+ends to the prefill kernel (decodes are causal); the layer never sends them with cascade metadata.
 """
 
 from __future__ import annotations
@@ -36,9 +37,12 @@ class TritonAttentionBackend:
     def choose_num_splits(self, num_reqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
         return choose_num_splits(num_reqs, num_kv_heads, max_seq_len, self.sm_count(device))
 
-    def warm_up(self, num_heads: int, head_dim: int, kv_cache: torch.Tensor, max_seq_len: int, dtype: torch.dtype) -> None:
+    def warm_up(self, num_heads: int, head_dim: int, kv_cache: torch.Tensor, max_seq_len: int, dtype: torch.dtype,
+                bidirectional_spans: bool = False) -> None:
         """Compiles every configuration an eager step can launch on this cache: the decode kernels
-        for each split count the heuristic can pick, and prefill after decodes (first_req > 0)."""
+        for each split count the heuristic can pick, prefill after decodes (first_req > 0) and, for
+        a model with bidirectional spans, prefill with span ends. (A window is a plain argument of
+        every kernel: no configuration of its own.)"""
         device = kv_cache.device
         num_kv_heads = kv_cache.shape[3]
         query = torch.zeros(2, num_heads, head_dim, dtype=dtype, device=device)
@@ -48,9 +52,11 @@ class TritonAttentionBackend:
         for splits in (1 << i for i in range(most.bit_length())):
             decode_attention(query[:1], kv_cache, seq_lens[:1], block_tables[:1], 1.0, splits)
         query_start_loc = torch.arange(3, dtype=torch.int32, device=device)
-        for first_req in (0, 1):
-            prefill_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, 1.0, max_query_len=1,
-                              first_req=first_req, num_reqs=2 - first_req)
+        span_ends = torch.zeros(2, dtype=torch.int32, device=device)
+        for ends in (None, span_ends) if bidirectional_spans else (None,):
+            for first_req in (0, 1):
+                prefill_attention(query, kv_cache, query_start_loc, seq_lens, block_tables, 1.0, max_query_len=1,
+                                  first_req=first_req, num_reqs=2 - first_req, span_ends=ends)
         # the cascade prefix pass and merge read their counts on the device: one compile each
         block_size = kv_cache.shape[2]
         layout = layout_cascade([CascadeGroup([0, 1], 1)], np.ones(2, dtype=np.int64), np.full(2, block_size),
@@ -63,8 +69,11 @@ class TritonAttentionBackend:
                  k_scale: float = 1.0, v_scale: float = 1.0) -> None:
         store_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
-    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, *,
+                window: int | None = None, span_ends: torch.Tensor | None = None) -> torch.Tensor:
         cascade = metadata.cascade
+        if cascade is not None and (window is not None or span_ends is not None):
+            raise ValueError("cascade attention is causal only: run a windowed or bidirectional layer without it")
         out = torch.empty_like(query)
         # with cascade, each request first attends to its keys after its group's prefix
         seq_lens, block_tables = (metadata.seq_lens, metadata.block_tables) if cascade is None else (
@@ -76,16 +85,18 @@ class TritonAttentionBackend:
             splits = metadata.decode_num_splits or self.num_splits
             if splits is None:
                 longest = metadata.max_decode_seq_len if cascade is None else max(cascade.suffix_seq_lens_cpu[:nd])
+                if window is not None:  # the keys a decode reads
+                    longest = min(longest, window)
                 splits = self.choose_num_splits(nd, kv_cache.shape[3], longest, query.device)
             decode_attention(
                 query[:nd], kv_cache, seq_lens[:nd], block_tables[:nd], scale, splits, out=out[:nd],
-                lse=None if lse is None else lse[:nd],
+                lse=None if lse is None else lse[:nd], window=window,
             )
         if nd < metadata.num_reqs:
             prefill_attention(
                 query, kv_cache, metadata.query_start_loc, seq_lens, block_tables, scale,
                 max_query_len=metadata.max_prefill_query_len, first_req=nd, num_reqs=metadata.num_reqs - nd, out=out,
-                lse=lse,
+                lse=lse, window=window, span_ends=span_ends,
             )
         if cascade is not None:
             cascade_prefix_attention(query, kv_cache, cascade, metadata.block_tables, scale, out, lse)

@@ -376,9 +376,10 @@ class ModelRunner:
         warm_up = getattr(self.attn_backend, "warm_up", None)
         if warm_up is not None and self.kv_cache is not None:
             layers = self.model.language_model.attention_layers()
+            spans = any(layer.bidirectional_spans for layer in layers)
             with torch.inference_mode():
                 for layer in {(a.num_heads, a.head_dim, a.num_kv_heads): a for a in layers}.values():  # each shape once
-                    warm_up(layer.num_heads, layer.head_dim, layer.kv_cache, self.max_model_len, self.dtype)
+                    warm_up(layer.num_heads, layer.head_dim, layer.kv_cache, self.max_model_len, self.dtype, bidirectional_spans=spans)
         self.warm_up_encoder(images_per_step)
         self.warm_up_lora()
 
