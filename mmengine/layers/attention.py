@@ -147,11 +147,20 @@ class Attention(nn.Module):
         self.backend: AttentionBackend | None = None
         self.k_scale = 1.0
         self.v_scale = 1.0
+        self.source: list[Attention] = []  # a KV-shared layer's source (a list: not a submodule)
+
+    def read_cache_of(self, source: Attention) -> None:
+        """This layer stores no K/V and attends over `source`'s cache, scales and backend (Gemma 4's
+        KV-shared layers); it is then called with k = v = None and q already rotated."""
+        self.source = [source]
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, metadata: AttentionMetadata, rotary: RotaryStep | None = None
+        self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, metadata: AttentionMetadata,
+        rotary: RotaryStep | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] (rotated here when `rotary` is given) -> [T, Hq * D]."""
+        if self.source:
+            return self._attend(q, metadata, self.source[0])
         assert self.kv_cache is not None and self.backend is not None, "KV cache not bound"
         if rotary is not None and rotary.use_kernel:
             from mmengine.kernels.rotary import rotary_store_kv
@@ -162,11 +171,16 @@ class Attention(nn.Module):
             if rotary is not None:
                 q, k = rotary.apply(q, k)
             self.backend.store_kv(k, v, self.kv_cache, metadata.slot_mapping, self.k_scale, self.v_scale)
+        return self._attend(q, metadata, self)
+
+    def _attend(self, q: torch.Tensor, metadata: AttentionMetadata, owner: Attention) -> torch.Tensor:
+        """q over `owner`'s cache (this layer's, or a KV-shared layer's source)."""
+        assert owner.kv_cache is not None and owner.backend is not None, "KV cache not bound"
         span_ends = metadata.span_ends if self.bidirectional_spans else None
         if metadata.cascade is not None and (self.sliding_window is not None or span_ends is not None):
             metadata = replace(metadata, cascade=None)
-        out = self.backend.forward(q, self.kv_cache, metadata, self.scale * self.k_scale,
-                                   window=self.sliding_window, span_ends=span_ends)
-        if self.v_scale != 1.0:
-            out = out * self.v_scale
+        out = owner.backend.forward(q, owner.kv_cache, metadata, self.scale * owner.k_scale,
+                                    window=self.sliding_window, span_ends=span_ends)
+        if owner.v_scale != 1.0:
+            out = out * owner.v_scale
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -119,7 +119,7 @@ class VisionLanguageModel(nn.Module):
 
         self._skipped_dense: set[str] = set()  # our names of the weights loaded as kernel layouts only
         tensors = dequantize_tensors(weights, quantization, packed, keep_packed) if quantization is not None else weights
-        num_experts = getattr(self.language_model.config, "num_experts", 0)
+        num_experts = getattr(self.language_model.config, "num_experts", 0) or 0
         self.kv_scales: dict[tuple[int, str], float] = {}
         for raw_name, tensor in fuse_expert_tensors(tensors, num_experts) if num_experts > 0 else tensors:
             name = self.checkpoint_name(raw_name)

@@ -1,0 +1,107 @@
+"""Gemma 4 end to end against transformers (fp32, CPU): the tiny checkpoint has a window of 8 with
+sliding and global layers of different shapes, K = V global layers, KV-shared layers, per-layer inputs
+and pictures attended both ways on the sliding layers. Greedy tokens equal transformers' generate for
+text past the window, one and two pictures, small prefill chunks (a chunk never ends inside a picture),
+prefix hits and preemption; dropping the window or the bidirectional spans changes the logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import KERNEL_FP32, hf_greedy, hf_logits
+
+from mmengine import MMEngine, SamplingParams
+from mmengine.errors import ConfigError
+from mmengine.layers.attention import Attention
+from mmengine.testing.gemma4 import gemma4_prompt
+from mmengine.testing.images import make_test_image
+
+LONG_TEXT = "Tell me about the red square and the blue circle, then count to ten slowly, please."
+PICTURES = [make_test_image(3, (64, 40)), make_test_image(4, (30, 90))]
+
+
+@pytest.fixture(scope="module")
+def path(family_checkpoint):
+    return family_checkpoint("gemma4")
+
+
+def _engine(path, **kwargs) -> MMEngine:
+    options = dict(device="cpu", dtype="float32", max_model_len=512, enforce_eager=True)
+    return MMEngine(str(path), **{**options, **kwargs})
+
+
+def _greedy(engine: MMEngine, prompt: str, images: list, max_tokens: int) -> list[int]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return engine.generate(prompt, images=images or None, sampling_params=params, use_tqdm=False)[0].token_ids
+
+
+@pytest.mark.parametrize("num_images", [0, 1, 2])
+def test_greedy_tokens_equal_transformers(path, num_images):
+    """Prompts longer than the window, and 40 tokens generated past it."""
+    prompt = gemma4_prompt(LONG_TEXT, num_images)
+    images = PICTURES[:num_images]
+    engine = _engine(path)
+    assert _greedy(engine, prompt, images, 40) == hf_greedy(path, prompt, images, 40, ignore_eos=True)
+
+
+def test_chunks_never_end_inside_a_picture(path):
+    """A token budget of 80 would end the first chunk inside the second picture: the scheduler ends it
+    at the picture's start instead, and the tokens are transformers'."""
+    prompt = gemma4_prompt(LONG_TEXT, 2)
+    engine = _engine(path, max_num_batched_tokens=80)
+    assert _greedy(engine, prompt, PICTURES, 12) == hf_greedy(path, prompt, PICTURES, 12, ignore_eos=True)
+
+
+def test_the_triton_kernels_give_the_same_tokens(path, no_tf32):
+    """The Triton prefill (window, spans) and split-KV decode (window) kernels in the engine: two pictures
+    in 80-token chunks (the interpreter on CPU, compiled on a GPU)."""
+    prompt = gemma4_prompt(LONG_TEXT, 2)
+    engine = _engine(path, max_num_batched_tokens=80, attn_backend="triton", **KERNEL_FP32.engine_kwargs)
+    assert _greedy(engine, prompt, PICTURES, 12) == hf_greedy(path, prompt, PICTURES, 12, KERNEL_FP32, ignore_eos=True)
+
+
+def test_a_budget_smaller_than_a_picture_is_refused(path):
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=32 cannot hold a whole picture of 70 tokens"):
+        _engine(path, max_num_batched_tokens=32)
+
+
+def test_prefix_hits_and_preemption_keep_the_tokens(path):
+    prompt = gemma4_prompt(LONG_TEXT, 1)
+    expected = hf_greedy(path, prompt, PICTURES[:1], 12, ignore_eos=True)
+    engine = _engine(path, block_size=4)
+    assert _greedy(engine, prompt, PICTURES[:1], 12) == expected
+    assert engine.runner.num_encoder_runs == 1
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    again = engine.generate(prompt, images=PICTURES[:1], sampling_params=params, use_tqdm=False)[0]
+    assert again.token_ids == expected and engine.runner.num_encoder_runs == 1  # the picture is not encoded again
+    assert again.num_cached_tokens >= len(again.prompt_token_ids) - 4  # at most the last block recomputed
+    # Two prompts that share no block, each 35 blocks of 4 and 38 once generated: both are admitted
+    # into 72 blocks, and one is preempted as they grow
+    prompts = [f"<bos>{text}<|turn>user\n\n\n<|image|>\n\n{LONG_TEXT}<turn|>\n<|turn>model\n" for text in ("One.", "Two!")]
+    tight = _engine(path, block_size=4, num_kv_blocks=72, max_num_seqs=4)
+    outs = tight.generate(prompts, images=[PICTURES[:1]] * 2, sampling_params=params, use_tqdm=False)
+    assert tight.scheduler.num_preemptions > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == hf_greedy(path, prompt, PICTURES[:1], 12, ignore_eos=True)
+
+
+@pytest.mark.parametrize("drop", ["window", "spans"])
+def test_dropping_the_window_or_the_spans_changes_the_logits(path, monkeypatch, drop):
+    """The next token's top-5 log-probabilities equal transformers'; without the window (or the
+    bidirectional spans) on the sliding layers they do not."""
+    prompt = gemma4_prompt(LONG_TEXT, 1)
+    want = torch.log_softmax(hf_logits(path, prompt, PICTURES[:1]), -1).topk(5)
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+
+    def top5(engine: MMEngine) -> tuple[list[int], torch.Tensor]:
+        top = engine.generate(prompt, images=PICTURES[:1], sampling_params=params, use_tqdm=False)[0].logprobs[0].top
+        return [token for token, _ in top], torch.tensor([logprob for _, logprob in top])
+
+    tokens, logprobs = top5(_engine(path))
+    assert tokens == want.indices.tolist() and (logprobs - want.values).abs().max() < 1e-4
+    engine = _engine(path)
+    for module in engine.runner.model.modules():
+        if isinstance(module, Attention):
+            monkeypatch.setattr(module, "sliding_window" if drop == "window" else "bidirectional_spans", None if drop == "window" else False)
+    tokens, logprobs = top5(engine)
+    assert tokens != want.indices.tolist() or (logprobs - want.values).abs().max() > 1e-3
