@@ -105,3 +105,27 @@ def test_dropping_the_window_or_the_spans_changes_the_logits(path, monkeypatch, 
             monkeypatch.setattr(module, "sliding_window" if drop == "window" else "bidirectional_spans", None if drop == "window" else False)
     tokens, logprobs = top5(engine)
     assert tokens != want.indices.tolist() or (logprobs - want.values).abs().max() > 1e-3
+
+
+def test_a_picture_at_every_offset_from_a_block_boundary(path):
+    """The divisible-block matrix with a picture whose tokens attend both ways: the picture starts at each
+    offset from a block boundary, prompts whose length the block size divides included; identical
+    requests twice and once more after, against prefix caching off. One encoder run, no re-encode after
+    a prefix hit, and the same tokens."""
+    kwargs = dict(block_size=4, encoder_cache_size=1)
+    cached, plain = _engine(path, **kwargs), _engine(path, enable_prefix_caching=False, **kwargs)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    offsets, lengths = set(), set()
+    for pad in range(8):
+        prompt = "<bos>" + "x" * pad + gemma4_prompt("What is it?", 1).removeprefix("<bos>")
+        first = cached.generate([prompt] * 2, images=[PICTURES[:1]] * 2, sampling_params=params, use_tqdm=False)
+        again = cached.generate(prompt, images=PICTURES[:1], sampling_params=params, use_tqdm=False)
+        reference = plain.generate(prompt, images=PICTURES[:1], sampling_params=params, use_tqdm=False)
+        assert [o.token_ids for o in first + again] == [reference[0].token_ids] * 3
+        assert again[0].num_cached_tokens > 0
+        item = cached.input_processor.process(prompt, PICTURES[:1], params).mm_items[0]
+        offsets.add(item.offset % 4)
+        lengths.add(len(reference[0].prompt_token_ids) % 4)
+    assert offsets == {0, 1, 2, 3} and 0 in lengths
+    stats = cached.stats()
+    assert stats["encoder_runs"] == 1 and stats["reencodes_after_prefix_hit"] == 0

@@ -328,7 +328,8 @@ class InputProcessor:
     def _expand_token_ids(self, token_ids: list[int], counts: Sequence[int]) -> tuple[list[int], list[int]]:
         """A token prompt with each picture's placeholders as the processor expands them, and where each
         run starts. A run may be the processor's expanded form (as long as one picture's count, or the
-        sum of adjacent pictures' counts) or one placeholder per picture, which is expanded here."""
+        sum of adjacent pictures' counts) or one placeholder per picture, which is expanded here as the
+        processor expands a marker (with the tokens it writes around the run, e.g. Gemma 4's)."""
         expanded: list[int] = []
         starts: list[int] = []
         image, position = 0, 0
@@ -338,15 +339,17 @@ class InputProcessor:
             while image + taken < len(counts) and total < run_length:  # expanded runs of adjacent pictures
                 total += counts[image + taken]
                 taken += 1
-            if total != run_length:  # one placeholder per picture
+            single = total != run_length  # one placeholder per picture: expanded as the processor would a marker
+            if single:
                 taken = run_length
                 if image + taken > len(counts):
                     raise ImageCountMismatchError(
                         f"the token ids hold more image placeholders than the {len(counts)} image(s) given need"
                     )
             for k in range(image, image + taken):
-                starts.append(len(expanded))
-                expanded += [self.image_token_id] * counts[k]
+                run, offset = self.family.image_prompt_ids(counts[k]) if single else ([self.image_token_id] * counts[k], 0)
+                starts.append(len(expanded) + offset)
+                expanded += run
             image += taken
             position = run_start + run_length
         expanded += token_ids[position:]

@@ -10,8 +10,9 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")
-NO_LORA = ("qwen3_5", "qwen3_vl_moe", "qwen3_5_moe")  # families that refuse LoRA adapters at start-up
+FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "gemma4")
+NO_LORA = ("qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "gemma4")  # families that refuse LoRA adapters at start-up
+NO_VIDEO = ("llava", "gemma4")
 WORDS = (
     "the a cat dog red blue green look picture what is this why how small large left right top bottom "
     "colour shape count tell me more about it please describe short long first next again line box"
@@ -97,8 +98,12 @@ class FuzzCase:
         )
 
 
-def turn(family: str, text: str, num_images: int, system: str | None = None) -> str:
-    """One user turn as the family's chat template writes it, images first, with an optional system text."""
+def turn(family: str, text: str, num_images: int, system: str | None = None, first: bool = True) -> str:
+    """One user turn as the family's chat template writes it, images first, with an optional system text
+    (`first`: the conversation's first turn, after which Gemma 4's template writes <bos>)."""
+    if family == "gemma4":
+        head = ("<bos>" if first else "") + (f"<|turn>system\n{system}<turn|>\n" if system else "")
+        return f"{head}<|turn>user\n" + "\n\n<|image|>\n\n" * num_images + f"{text}<turn|>\n<|turn>model\n"
     if family == "llava":
         return (f"{system} " if system else "") + "USER: " + "<image>\n" * num_images + text + " ASSISTANT:"
     head = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
@@ -108,8 +113,8 @@ def turn(family: str, text: str, num_images: int, system: str | None = None) -> 
 
 def continue_chat(family: str, prompt: str, answer: str, text: str, num_images: int) -> str:
     """The next turn's prompt: the previous prompt, an answer, and a new user message."""
-    end = "</s>" if family == "llava" else "<|im_end|>\n"
-    return prompt + answer + end + turn(family, text, num_images)
+    end = {"llava": "</s>", "gemma4": "<turn|>\n"}.get(family, "<|im_end|>\n")
+    return prompt + answer + end + turn(family, text, num_images, first=False)
 
 
 def make_case(seed: int, quick: bool = False) -> FuzzCase:
@@ -130,6 +135,8 @@ def make_case(seed: int, quick: bool = False) -> FuzzCase:
         "limit_mm_per_prompt": {"image": MAX_IMAGES, "video": 1},
         "max_model_len": MAX_MODEL_LEN,
     }
+    if family == "gemma4":  # a chunk holds a picture whole: the budget must hold the largest (70 tokens)
+        options["max_num_batched_tokens"] = max(int(options["max_num_batched_tokens"]), 96)
     if not quick and rng.random() < 0.1:
         options["attn_backend"] = "triton"  # Triton's interpreter on a CPU: slow, so only now and then
     adapters = []
@@ -220,7 +227,7 @@ class _Drawer:
             elif rng.random() < 0.7:
                 spec.lora = rng.randrange(self.num_adapters)
         spec.prompt_form = rng.choice(PROMPT_FORMS)
-        if self.family != "llava" and base is None and self.video_rng.random() < 0.2:
+        if self.family not in NO_VIDEO and base is None and self.video_rng.random() < 0.2:
             spec.clip = self.video_rng.randrange(len(CLIPS))
             head, user, rest = spec.prompt.rpartition("<|im_start|>user\n")
             spec.prompt = head + user + VIDEO_MARKER + rest

@@ -121,6 +121,10 @@ class FuzzEnv:
 def default_checkpoint(family: str) -> Path:
     if family == "llava":
         return tiny_llava_path(TinyLlavaSpec())
+    if family == "gemma4":
+        from mmengine.testing.gemma4 import TinyGemma4Spec, tiny_gemma4_path
+
+        return tiny_gemma4_path(TinyGemma4Spec())
     return tiny_qwen_vl_path(tiny_spec(family))
 
 
