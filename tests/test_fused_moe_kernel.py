@@ -15,9 +15,10 @@ from mmengine.layers.moe import FusedExperts
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _case(num_experts: int, top_k: int, num_tokens: int, hidden: int, inter: int, dtype: torch.dtype, seed: int):
+def _case(num_experts: int, top_k: int, num_tokens: int, hidden: int, inter: int, dtype: torch.dtype, seed: int,
+          activation: str = "silu"):
     gen = torch.Generator().manual_seed(seed)
-    experts = FusedExperts(num_experts, hidden, inter, "silu")
+    experts = FusedExperts(num_experts, hidden, inter, activation)
     with torch.no_grad():
         experts.gate_up_proj.copy_(torch.randn(num_experts, 2 * inter, hidden, generator=gen) * 0.2)
         experts.down_proj.copy_(torch.randn(num_experts, hidden, inter, generator=gen) * 0.2)
@@ -35,11 +36,14 @@ def _case(num_experts: int, top_k: int, num_tokens: int, hidden: int, inter: int
     (1, 1, 1, 32, 16), (3, 2, 7, 48, 24), (8, 2, 33, 32, 40), (64, 8, 300, 32, 16), (16, 4, 130, 40, 32),
     (64, 1, 3, 32, 16),  # most experts get no token
 ])
-def test_the_kernel_equals_the_pytorch_experts(num_experts, top_k, num_tokens, hidden, inter, dtype):
-    experts, x, weights, ids = _case(num_experts, top_k, num_tokens, hidden, inter, dtype, seed=num_experts * 7 + top_k)
+@pytest.mark.parametrize("activation", ["silu", "gelu_pytorch_tanh"])
+def test_the_kernel_equals_the_pytorch_experts(num_experts, top_k, num_tokens, hidden, inter, dtype, activation):
+    """SiLU experts, and GELU-tanh ones (Gemma 4's)."""
+    experts, x, weights, ids = _case(num_experts, top_k, num_tokens, hidden, inter, dtype, seed=num_experts * 7 + top_k,
+                                     activation=activation)
     with torch.no_grad():
         expected = copy.deepcopy(experts).float()(x.float(), weights.float(), ids)  # fp16: against an fp32 reference
-        got = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids)
+        got = fused_moe(x, experts.gate_up_proj, experts.down_proj, weights, ids, activation=activation)
     if num_experts == 64 and top_k == 1:
         assert len(set(ids.flatten().tolist())) <= 3
     tolerance = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)

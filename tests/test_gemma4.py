@@ -129,3 +129,26 @@ def test_a_picture_at_every_offset_from_a_block_boundary(path):
     assert offsets == {0, 1, 2, 3} and 0 in lengths
     stats = cached.stats()
     assert stats["encoder_runs"] == 1 and stats["reencodes_after_prefix_hit"] == 0
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_moe_block_equals_transformers(backend, no_tf32, monkeypatch):
+    """Gemma 4's mixture-of-experts block beside the dense MLP (the router reads the residual and scales
+    each chosen expert): on the PyTorch experts path, and on the fused MoE kernel with GELU-tanh experts."""
+    from dataclasses import replace
+
+    from mmengine.testing.gemma4 import TinyGemma4Spec, tiny_gemma4_path
+
+    path = tiny_gemma4_path(replace(TinyGemma4Spec(), enable_moe_block=True))
+    prompt = gemma4_prompt(LONG_TEXT, 1)
+    precision = KERNEL_FP32 if backend == "triton" else None
+    engine = _engine(path, attn_backend=backend, **(precision.engine_kwargs if precision else {}))
+    layer = engine.runner.model.language_model.layers[0]
+    assert layer.has_moe and layer.experts.num_experts > 1
+    expected = hf_greedy(path, prompt, PICTURES[:1], 12, *([precision] if precision else []), ignore_eos=True)
+    from mmengine.kernels import fused_moe as kernel_module
+
+    calls, original = [], kernel_module.fused_moe
+    monkeypatch.setattr(kernel_module, "fused_moe", lambda *a, **k: calls.append(k.get("activation")) or original(*a, **k))
+    assert _greedy(engine, prompt, PICTURES[:1], 12) == expected
+    assert set(calls) == ({"gelu_pytorch_tanh"} if backend == "triton" else set())

@@ -5,7 +5,7 @@
    The padded layout has a fixed upper size (T x k + experts x (BLOCK_M - 1) rows), so nothing here
    reads a count back to the host: a step stays free of syncs and a CUDA graph can replay it.
 2. `_gate_up_kernel`: per tile, x[token] @ gate_up[expert].T for the gate and the up halves, then
-   silu(gate) * up, stored per pair.
+   act(gate) * up (SiLU, or GELU's tanh approximation: Gemma 4's experts), stored per pair.
 3. `_down_kernel`: per tile, that @ down[expert].T times the pair's routing weight, stored per pair;
    the k pairs of a token are then summed (a fixed order: no atomics, deterministic).
 Tiles past the padded count, rows of padding and experts that got no token cost nothing but a check.
@@ -27,6 +27,8 @@ from mmengine.kernels.w4a16 import load_int4_tile
 BLOCK_M = 16
 # How the experts' weights are stored (the kernels' WEIGHTS constexpr)
 DENSE, FP8, INT4 = 0, 1, 2
+# The gate's activation (the ACTIVATION constexpr), by transformers' name
+ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}
 
 
 def align_by_expert(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,11 +74,21 @@ def _load_weight_tile(w, s, z, cols, ks, mask, stride_w, stride_s, group_k, dtyp
 
 
 @triton.jit
+def _activate(gate, ACTIVATION: tl.constexpr):
+    """silu(gate), or gelu(gate) by its tanh approximation (tanh(z) = 1 - 2 / (1 + e^2z)), in fp32."""
+    if ACTIVATION == 1:
+        z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        return 0.5 * gate * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * z)))
+    return gate / (1.0 + tl.exp(-gate))
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, out_ptr, sorted_ptr, tile_expert_ptr, num_padded_ptr,
     num_pairs, top_k, hidden, inter, group_k,
     stride_x, stride_we, stride_w, stride_se, stride_s, stride_out,
     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WEIGHTS: tl.constexpr,
+    ACTIVATION: tl.constexpr,
 ):
     tile = tl.program_id(0)
     if tile * BLOCK_M >= tl.load(num_padded_ptr):
@@ -99,7 +111,7 @@ def _gate_up_kernel(
         wu = _load_weight_tile(w, s, z, inter + cols, ks, mask, stride_w, stride_s, group_k, a.dtype, WEIGHTS)
         gate = tl.dot(a, wg, gate, input_precision=PRECISION)
         up = tl.dot(a, wu, up, input_precision=PRECISION)
-    act = gate / (1.0 + tl.exp(-gate)) * up
+    act = _activate(gate, ACTIVATION) * up
     tl.store(out_ptr + pairs[:, None].to(tl.int64) * stride_out + cols[None, :], act.to(out_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])
 
@@ -140,8 +152,10 @@ def _block(n: int, cap: int) -> int:
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               gate_up_scales: torch.Tensor | None = None, down_scales: torch.Tensor | None = None, group_k: int = 0,
-              gate_up_zeros: torch.Tensor | None = None, down_zeros: torch.Tensor | None = None) -> torch.Tensor:
-    """sum_j weights[t, j] * down[e] @ silu(gate_up[e, :I] @ x[t]) * (gate_up[e, I:] @ x[t]), e = experts[t, j].
+              gate_up_zeros: torch.Tensor | None = None, down_zeros: torch.Tensor | None = None,
+              activation: str = "silu") -> torch.Tensor:
+    """sum_j weights[t, j] * down[e] @ act(gate_up[e, :I] @ x[t]) * (gate_up[e, I:] @ x[t]), e = experts[t, j],
+    act one of ACTIVATIONS.
     x [T, H], gate_up [E, 2I, H], down [E, H, I], weights / experts [T, k] -> [T, H] in x's dtype.
     FP8 experts (scales, no zeros): gate_up and down in e4m3 with fp32 scales [E, 2I, ceil(H / group_k)] and
     [E, H, ceil(I / group_k)]. Int4 experts (scales and zeros): gate_up int32 [E, H / 8, 2I] and down
@@ -168,7 +182,8 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
     _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n))](
         x, gate_up, gate_up_s, gate_up_z, h, sorted_pairs, tile_expert, num_padded, num_pairs, top_k, hidden, inter, max(group_k, 1),
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_s.stride(0), gate_up_s.stride(1), h.stride(0),
-        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, WEIGHTS=layout, **launch_options(num_stages=2),
+        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, WEIGHTS=layout, ACTIVATION=ACTIVATIONS[activation],
+        **launch_options(num_stages=2),
     )
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
     block_n, block_k = _block(hidden, 64), _block(inter, 64)

@@ -26,7 +26,13 @@ class GatedActivation(nn.Module):
 
     @property
     def fusable(self) -> bool:
+        """Whether the fused activation kernel computes it (SiLU)."""
         return self.hidden_act == "silu"
+
+    @property
+    def fused_moe_ready(self) -> bool:
+        """Whether the fused MoE kernel computes it (SiLU, or GELU's tanh approximation)."""
+        return self.hidden_act in ("silu", "gelu_pytorch_tanh", "gelu_new")
 
     def forward(self, gate_up: torch.Tensor, use_kernel: bool = False) -> torch.Tensor:
         if use_kernel and self.fusable:

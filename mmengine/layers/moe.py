@@ -48,11 +48,11 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, use_kernel: bool = False) -> torch.Tensor:
         """sum_j weights[t, j] * expert_{experts[t, j]}(x[t]) for every token t: kernels/fused_moe.py's two
-        grouped GEMMs when `use_kernel` (SiLU experts), else each expert that got tokens in turn."""
-        if use_kernel and self.act.fusable:
+        grouped GEMMs when `use_kernel` (SiLU or GELU-tanh experts), else each expert that got tokens in turn."""
+        if use_kernel and self.act.fused_moe_ready:
             from mmengine.kernels.fused_moe import fused_moe
 
-            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts)
+            return fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts, activation=self.act.hidden_act)
         out = torch.zeros_like(x)
         tokens_of = torch.nn.functional.one_hot(experts, self.num_experts).permute(2, 1, 0)  # [E, k, T]
         for expert in (tokens_of.sum(dim=(1, 2)) > 0).nonzero()[:, 0].tolist():

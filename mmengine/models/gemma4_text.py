@@ -30,6 +30,7 @@ from transformers.activations import ACT2FN
 
 from mmengine.errors import UnsupportedModelError
 from mmengine.layers.attention import Attention, AttentionMetadata
+from mmengine.layers.kernel_dispatch import use_fused_kernels
 from mmengine.layers.lora import LoRAContext, LoRALinear
 from mmengine.layers.moe import FusedExperts
 from mmengine.layers.norm import ScaledRMSNorm
@@ -215,13 +216,14 @@ class Gemma4DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm_2 = ScaledRMSNorm(hidden, eps)
 
     def forward(self, x: torch.Tensor, per_layer_input: torch.Tensor | None, rotary: RotaryStep,
-                metadata: AttentionMetadata) -> torch.Tensor:
+                metadata: AttentionMetadata, fused: bool = False) -> torch.Tensor:
+        """`fused`: the experts run the fused MoE kernel."""
         h = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rotary, metadata))
         residual = x + h
         h = self.mlp(self.pre_feedforward_layernorm(residual))
         if self.has_moe:
             weights, experts = self.router(residual)
-            routed = self.experts(self.pre_feedforward_layernorm_2(residual), weights, experts)
+            routed = self.experts(self.pre_feedforward_layernorm_2(residual), weights, experts, use_kernel=fused)
             h = self.post_feedforward_layernorm_1(h) + self.post_feedforward_layernorm_2(routed)
         x = residual + self.post_feedforward_layernorm(h)
         if self.per_layer_width:
@@ -277,12 +279,14 @@ class Gemma4DecoderModel(nn.Module):
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 deepstack: DeepStack | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        backend = self.attention_layers()[0].backend
+        fused = use_fused_kernels(inputs_embeds.device, backend.name if backend is not None else None)
         # the PyTorch rotation on every path: KV-shared layers rotate their queries alone
         rotary = {kind: RotaryStep.gather(positions, getattr(self, name), use_kernel=False) for kind, name in self.rotary_tables.items()}
         per_layer = self._per_layer_inputs(input_ids, inputs_embeds) if self.per_layer_width else None
         x = inputs_embeds
         for index, layer in enumerate(self.layers):
-            x = layer(x, None if per_layer is None else per_layer[:, index], rotary[self.layer_attention[index].kind], metadata)
+            x = layer(x, None if per_layer is None else per_layer[:, index], rotary[self.layer_attention[index].kind], metadata, fused)
         return self.norm(x)
 
     def _per_layer_inputs(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor) -> torch.Tensor:
