@@ -152,9 +152,12 @@ def test_every_case_depends_on_its_window_and_its_spans():
     assert (full[0] - backend.forward(query, cache, metadata, scale)[0]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("device,dtype", DEVICES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", HEADS)
-@pytest.mark.parametrize("window,spans", [(None, False), (None, True), (4, True), (8, False), (8, True), (100, True)])
+@pytest.mark.parametrize("device,dtype,window,spans", [
+    *[(*FP32.values, w, sp) for w, sp in [(None, False), (None, True), (4, True), (8, False), (8, True), (100, True)]],
+    (*FP16.values, None, True), (*FP16.values, 8, True),
+    pytest.param(*BF16.values, 8, True, marks=BF16.marks, id="cuda-bf16-8-True"),
+])
 def test_triton_backend_equals_the_torch_backend(device, dtype, num_heads, num_kv_heads, head_dim, block_size, window, spans):
     """Decodes (split-KV) and prefills (paged, chunked after a cached context) in one step."""
     cache, query, metadata, dense = paged_batch(BATCH, num_heads, num_kv_heads, head_dim, block_size, device, dtype, seed=1)
@@ -174,8 +177,7 @@ PREFILL_REQS = [
 ]
 
 
-@pytest.mark.parametrize("device,dtype", [FP32, FP16])
-@pytest.mark.parametrize("block_q,block_n", [(8, 16), (16, 32)])
+@pytest.mark.parametrize("device,dtype,block_q,block_n", [(*FP32.values, 8, 16), (*FP16.values, 16, 32)])
 @pytest.mark.parametrize("window", [None, 3, 16, 40])
 def test_prefill_kernel_tiles_follow_the_rule(device, dtype, block_q, block_n, window):
     """The prefill kernel alone, with small tiles so that many query tiles start past whole key tiles
@@ -193,8 +195,10 @@ def test_prefill_kernel_tiles_follow_the_rule(device, dtype, block_q, block_n, w
 DECODE_LENGTHS = [1, 5, 8, 9, 33, 40, 100, 300]
 
 
-@pytest.mark.parametrize("device,dtype", [FP32, FP16])
-@pytest.mark.parametrize("num_splits,window", [(1, 8), (2, 33), (4, 1000), (2, None), (16, 8), (16, 33)])
+@pytest.mark.parametrize("device,dtype,num_splits,window", [
+    (*FP32.values, 1, 8), (*FP32.values, 4, 1000), (*FP32.values, 2, None), (*FP32.values, 16, 8),
+    (*FP16.values, 2, 33), (*FP16.values, 16, 33),
+])
 def test_split_kv_decode_with_a_window_follows_the_rule(device, dtype, num_splits, window):
     """Windows shorter and longer than the contexts; 16 splits of a short window leave some empty."""
     reqs = [Req(n - 1, 1) for n in DECODE_LENGTHS]

@@ -77,9 +77,12 @@ def test_the_tolerance_catches_a_wrong_picture(family_checkpoint):
         assert_within_fp8_tolerance(wrong, reference, tokens, reference_tokens)
 
 
-def test_the_kernels_read_and_write_the_fp8_cache_as_the_reference_does(family_checkpoint):
+@pytest.mark.parametrize("bits", [False, True], ids=["e4m3", "bits"])
+def test_the_kernels_read_and_write_the_fp8_cache_as_the_reference_does(family_checkpoint, monkeypatch, bits):
     """The Triton path (fused rotary store, prefill, split-KV decode, cascade prefix pass) against the
-    PyTorch reference, both on an FP8 cache: the same tokens and logits to fp32 rounding."""
+    PyTorch reference, both on an FP8 cache: the same tokens and logits to fp32 rounding; the kernels
+    reading e4m3, or its bits (the path before compute capability 8.9)."""
+    _use_bits(monkeypatch, bits)
     path = family_checkpoint("qwen2_5_vl")
     prompts = [_prompt("qwen") + "A", _prompt("qwen") + "B"]  # a shared prefix: one cascade group
     params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True, logprobs=3)
@@ -97,8 +100,20 @@ def test_the_kernels_read_and_write_the_fp8_cache_as_the_reference_does(family_c
         torch.testing.assert_close(torch.tensor(lps_b), torch.tensor(lps_a), rtol=1e-4, atol=1e-4)
 
 
+def _use_bits(monkeypatch, bits: bool) -> None:
+    """The kernels take the FP8 cache as its bits (uint8) when `bits`, as on a GPU without Triton's e4m3."""
+    from mmengine.kernels import e4m3
+
+    if bits:
+        monkeypatch.setattr(e4m3, "has_fp8_type", lambda device: False)
+    elif torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("Triton's e4m3 type needs compute capability 8.9+; this GPU takes the bits (the `bits` cases)")
+
+
+@pytest.mark.parametrize("bits", [False, True], ids=["e4m3", "bits"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_the_store_kernels_write_the_bits_torch_writes(dtype):
+def test_the_store_kernels_write_the_bits_torch_writes(dtype, monkeypatch, bits):
+    _use_bits(monkeypatch, bits)
     torch.manual_seed(0)
     device = KERNEL_FP32.device
     tokens, heads, head_dim, blocks, block_size = 11, 2, 16, 4, 4

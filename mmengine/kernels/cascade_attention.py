@@ -30,6 +30,7 @@ import triton.language as tl
 from mmengine.kernels.common import LOG2E, dot_precision, launch_options, padded_head_dim
 from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
 from mmengine.kernels.tiling import tokens_per_tile
+from mmengine.kernels.e4m3 import e4m3_for_triton
 
 
 # The partial states' strides follow the step's split count; unspecialized, one compiled kernel serves
@@ -158,6 +159,7 @@ def shared_prefix_attention(
     """The prefix pass alone. Returns partial states of the grouped tokens, in cascade order:
     out [max_tokens, q_heads, max_splits, D] fp32 and lse [max_tokens, q_heads, max_splits]
     (natural log); the first num_tokens rows and num_splits splits (cascade.counts) are written."""
+    kv_cache = e4m3_for_triton(kv_cache)
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads

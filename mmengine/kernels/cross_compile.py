@@ -240,27 +240,30 @@ def record_attention_launches(case: AttentionCase) -> list[Launch]:
 
 def record_fp8_kv_launches(case: AttentionCase) -> list[Launch]:
     """kv_cache_dtype="fp8": the stores that quantize into an e4m3 cache (plain and fused with rotary),
-    and prefill and split-KV decode reading it; sm_89+ only (the engine refuses an FP8 cache on the
-    Triton kernels below that)."""
+    and prefill and split-KV decode reading it: on e4m3 (sm_89+) and on its bits (any GPU)."""
     from mmengine.kernels.decode_attention import decode_attention
     from mmengine.kernels.kv_store import store_kv
     from mmengine.kernels.prefill_attention import prefill_attention
     from mmengine.kernels.rotary import rotary_store_kv
 
     kv_heads, heads, dim = case.num_kv_heads, case.num_kv_heads * case.group, case.head_dim
-    cache = torch.empty(2, 8, case.block_size, kv_heads, dim, dtype=torch.float8_e4m3fn)
     tables = torch.zeros(2, 4, dtype=torch.int32)
     seq_lens = torch.tensor([40, 33], dtype=torch.int32)
     query = torch.empty(8, heads, dim, dtype=case.dtype)
     key = torch.empty(8, kv_heads, dim, dtype=case.dtype)
     slots = torch.zeros(8, dtype=torch.long)
-    with capture_launches() as launches:
-        store_kv(key, key, cache, slots, 0.5, 0.25)
-        rotary_store_kv(query, key, key, slots, torch.empty(16, 2 * dim, dtype=case.dtype), cache, slots, k_scale=0.5, v_scale=0.25)
-        prefill_attention(query, cache, torch.tensor([0, 5, 8], dtype=torch.int32), seq_lens, tables, 0.1, max_query_len=5)
-        decode_attention(query[:2], cache, seq_lens, tables, 0.1, num_splits=4)
-    for launch in launches:
-        launch.min_arch = FP8_MIN_ARCH
+    launches = []
+    for cache_dtype in (torch.float8_e4m3fn, torch.uint8):
+        cache = torch.empty(2, 8, case.block_size, kv_heads, dim, dtype=cache_dtype)
+        with capture_launches() as recorded:
+            store_kv(key, key, cache, slots, 0.5, 0.25)
+            rotary_store_kv(query, key, key, slots, torch.empty(16, 2 * dim, dtype=case.dtype), cache, slots, k_scale=0.5, v_scale=0.25)
+            prefill_attention(query, cache, torch.tensor([0, 5, 8], dtype=torch.int32), seq_lens, tables, 0.1, max_query_len=5)
+            decode_attention(query[:2], cache, seq_lens, tables, 0.1, num_splits=4)
+        if cache_dtype == torch.float8_e4m3fn:
+            for launch in recorded:
+                launch.min_arch = FP8_MIN_ARCH
+        launches += recorded
     return launches
 
 

@@ -18,6 +18,7 @@ import triton.language as tl
 
 from mmengine.kernels.common import launch_options, LOG2E, dot_precision, kernel_window, padded_head_dim
 from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
+from mmengine.kernels.e4m3 import e4m3_for_triton
 
 
 @triton.jit(do_not_specialize=["window"])  # per layer: one compiled kernel for every window
@@ -99,6 +100,7 @@ def decode_attention(
     """query [reqs, q_heads, D], one token per request attending to its whole context of seq_lens keys
     (with `window`, to its last `window` keys). Returns (out [reqs, q_heads, D] and lse [reqs, q_heads]
     fp32 natural log, -inf for a context of zero), written into `out` and `lse` when given."""
+    kv_cache = e4m3_for_triton(kv_cache)
     num_reqs, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads

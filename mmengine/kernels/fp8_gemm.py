@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmengine.kernels.common import has_fp8_type
+from mmengine.kernels.e4m3 import e4m3_bits_to_float, e4m3_for_triton
 from mmengine.kernels.weight_gemm import launch_weight_gemm, load_activations, output_tile, store_output
 
 
@@ -25,18 +25,11 @@ def load_fp8_tile(weight_ptr, scales_ptr, ks, cols, mask, stride_wn, stride_sn, 
     """The tile W^T[ks, cols] dequantized to `dtype`."""
     scale = tl.load(scales_ptr + cols[None, :] * stride_sn + (ks // group_k)[:, None], mask=mask, other=0.0)
     at = weight_ptr + cols[None, :].to(tl.int64) * stride_wn + ks[:, None]
-    if weight_ptr.dtype.element_ty == tl.uint8:  # the e4m3 bits, where Triton has no e4m3 type
-        return (e4m3_bits_to_float(tl.load(at, mask=mask, other=0)) * scale).to(dtype)
-    return (tl.load(at, mask=mask, other=0.0).to(tl.float32) * scale).to(dtype)
-
-
-@triton.jit
-def e4m3_bits_to_float(bits):
-    """e4m3 bits (uint8) -> fp32, exactly, in integer arithmetic: sign, exponent and mantissa shifted into
-    fp16's fields (its exponent bias is 8 more: x 2**8), subnormals included."""
-    b = bits.to(tl.uint16)
-    half = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.float16, bitcast=True)
-    return half.to(tl.float32) * 256.0
+    if tl.constexpr(weight_ptr.dtype.element_ty == tl.uint8):  # the e4m3 bits, where Triton has no e4m3 type
+        w = e4m3_bits_to_float(tl.load(at, mask=mask, other=0))
+    else:
+        w = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+    return (w * scale).to(dtype)
 
 
 @triton.jit
@@ -72,7 +65,3 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, grou
     assert weight.stride(-1) == 1 and scales.stride(-1) == 1
     return launch_weight_gemm(_fp8_gemm_kernel, x, n, (weight, scales), group_k, (weight.stride(0), scales.stride(0)))
 
-
-def e4m3_for_triton(weight: torch.Tensor) -> torch.Tensor:
-    """An e4m3 tensor as this device's kernels read it: itself, or its bits where Triton has no e4m3 type."""
-    return weight.view(torch.uint8) if weight.dtype == torch.float8_e4m3fn and not has_fp8_type(weight.device) else weight

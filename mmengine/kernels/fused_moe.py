@@ -21,7 +21,8 @@ import triton
 import triton.language as tl
 
 from mmengine.kernels.common import dot_precision, launch_options
-from mmengine.kernels.fp8_gemm import e4m3_for_triton, load_fp8_tile
+from mmengine.kernels.e4m3 import e4m3_for_triton
+from mmengine.kernels.fp8_gemm import load_fp8_tile
 from mmengine.kernels.w4a16 import load_int4_tile
 
 BLOCK_M = 16

@@ -14,13 +14,16 @@ import torch
 import triton
 import triton.language as tl
 
+from mmengine.kernels.e4m3 import float_to_e4m3_bits
+
 E4M3_MAX = 448.0
 _MAX: tl.constexpr = tl.constexpr(E4M3_MAX)
 _MIN_NORMAL: tl.constexpr = tl.constexpr(0.015625)  # 2**-6: below it e4m3 is subnormal, with a fixed step of 2**-9
 
 
 def is_fp8(dtype: torch.dtype) -> bool:
-    return dtype == torch.float8_e4m3fn
+    """An FP8 cache: e4m3, or its bits (uint8) where Triton has no e4m3 type (kernels/e4m3.py)."""
+    return dtype in (torch.float8_e4m3fn, torch.uint8)
 
 
 def quantize_e4m3(x: torch.Tensor, inv_scale: float) -> torch.Tensor:
@@ -47,6 +50,11 @@ def to_cache(x, inv_scale, cache_dtype: tl.constexpr, FP8: tl.constexpr):
         subnormal = ((magnitude * 512.0 + 8388608.0) - 8388608.0) * 0.001953125
         rounded = tl.where(magnitude < _MIN_NORMAL, subnormal, normal)
         negative = y.to(tl.int32, bitcast=True) < 0  # the sign bit: -0.0 stays -0.0, as torch's cast keeps it
-        return tl.where(negative, -rounded, rounded).to(cache_dtype)
+        exact = tl.where(negative, -rounded, rounded)
+        if tl.constexpr(cache_dtype == tl.uint8):
+            stored = float_to_e4m3_bits(exact)
+        else:
+            stored = exact.to(cache_dtype)
+        return stored
     else:
         return x.to(cache_dtype)

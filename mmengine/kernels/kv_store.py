@@ -9,6 +9,7 @@ import triton.language as tl
 
 from mmengine.kernels.common import launch_options, padded_head_dim
 from mmengine.kernels.kv_quant import is_fp8, to_cache
+from mmengine.kernels.e4m3 import e4m3_for_triton
 
 
 @triton.jit
@@ -39,6 +40,7 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, slo
     num_tokens, num_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    kv_cache = e4m3_for_triton(kv_cache)
     assert key.stride(-1) == 1 and value.stride(-1) == 1 and kv_cache.stride(-1) == 1
     _store_kv_kernel[(num_tokens, num_heads)](
         key, value, kv_cache, slot_mapping, 1.0 / k_scale, 1.0 / v_scale,

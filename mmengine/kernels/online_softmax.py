@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mmengine.kernels.e4m3 import e4m3_bits_to_float
+
 
 @triton.jit
 def load_kv_tile(
@@ -16,8 +18,12 @@ def load_kv_tile(
     block = tl.load(block_tables_ptr + req * stride_bt + n // BLOCK_SIZE, mask=n_valid, other=0).to(tl.int64)  # offsets can pass 2**31 elements
     offsets = block * stride_cb + (n % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
     mask = n_valid[:, None] & d_valid[None, :]
-    k = tl.load(cache_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0)
-    v = tl.load(cache_ptr + stride_ckv + offsets[:, None] + d[None, :], mask=mask, other=0.0)
+    if tl.constexpr(cache_ptr.dtype.element_ty == tl.uint8):  # an FP8 cache's bits, where Triton has no e4m3 type
+        k = e4m3_bits_to_float(tl.load(cache_ptr + offsets[:, None] + d[None, :], mask=mask, other=0))
+        v = e4m3_bits_to_float(tl.load(cache_ptr + stride_ckv + offsets[:, None] + d[None, :], mask=mask, other=0))
+    else:
+        k = tl.load(cache_ptr + offsets[:, None] + d[None, :], mask=mask, other=0.0)
+        v = tl.load(cache_ptr + stride_ckv + offsets[:, None] + d[None, :], mask=mask, other=0.0)
     return k, v
 
 

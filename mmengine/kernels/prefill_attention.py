@@ -25,6 +25,7 @@ import triton.language as tl
 
 from mmengine.kernels.common import launch_options, LOG2E, dot_precision, padded_head_dim, kernel_window
 from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
+from mmengine.kernels.e4m3 import e4m3_for_triton
 
 
 # first_req varies per step, the window per layer: one compiled kernel for all
@@ -111,6 +112,7 @@ def prefill_attention(
     along a request) a token sees keys up to its span end instead of its own position.
     Returns (out [tokens, q_heads, D], lse [tokens, q_heads] natural log); rows of other
     requests are left as they were in `out`/`lse`."""
+    kv_cache = e4m3_for_triton(kv_cache)
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads

@@ -21,6 +21,7 @@ import triton.language as tl
 from mmengine.kernels.checks import check_positions
 from mmengine.kernels.common import launch_options
 from mmengine.kernels.kv_quant import is_fp8, to_cache
+from mmengine.kernels.e4m3 import e4m3_for_triton
 
 # Elements of one [heads, head_dim / 2] tile a program holds at a time (keeps registers bounded).
 _TILE_ELEMENTS = 2048
@@ -139,6 +140,7 @@ def rotary_store_kv(
         check_positions(positions, cos_sin.shape[0])
     assert q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin.stride(-1) == 1
     if store:
+        kv_cache = e4m3_for_triton(kv_cache)
         assert v.stride(-1) == 1 and kv_cache.stride(-1) == 1
     half = head_dim // 2
     if mrope_section is not None:

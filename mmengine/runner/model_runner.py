@@ -19,7 +19,6 @@ import torch
 from mmengine.config import EngineConfig
 from mmengine.errors import ConfigError
 from mmengine.encoder_cache.host_tier import EncoderHostTier
-from mmengine.kernels.common import has_fp8_type
 from mmengine.kernels.kv_quant import is_fp8
 from mmengine.kv_cache.host_tier import KVCopy
 from mmengine.kv_cache.manager import cdiv
@@ -88,7 +87,6 @@ class ModelRunner:
             self.lora_context = self.model.language_model.enable_lora(config.max_loras, config.max_lora_rank)
             self.vision_lora_context, self.vision_lora_modules = self.model.enable_vision_lora(config.max_loras, config.max_lora_rank)
         self.attn_backend = get_attention_backend(config.attn_backend, device)
-        self._check_kv_dtype()
         self._set_kv_scales()
         if self.lora_context is not None:
             self.lora_context.use_kernels = self.vision_lora_context.use_kernels = use_fused_kernels(device, self.attn_backend.name)
@@ -147,12 +145,6 @@ class ModelRunner:
         )
 
     # -- KV cache -----------------------------------------------------------
-
-    def _check_kv_dtype(self) -> None:
-        if is_fp8(self.kv_dtype) and self.attn_backend.name == "triton" and not has_fp8_type(self.device):
-            raise ConfigError(f"kv_cache_dtype={self.config.kv_cache_dtype!r} needs a GPU of compute capability 8.9 or later "
-                              f"for the Triton kernels (this one is {torch.cuda.get_device_capability(self.device)}); "
-                              "attn_backend='torch' runs it on this GPU, slowly")
 
     def _set_kv_scales(self) -> None:
         scaled = self.model.apply_kv_scales() if is_fp8(self.kv_dtype) else 0
