@@ -141,6 +141,7 @@ def run_budget(args: argparse.Namespace) -> None:
         "max_num_seqs": args.max_num_seqs,
         "limit_mm_per_prompt": _parse_limits(args.limit_mm_per_prompt),
         "encoder_cache_size": args.encoder_cache_size,
+        "max_audio_seconds": args.max_audio_seconds,
         "mm_processor_kwargs": mapping_parser("--mm-processor-kwargs", int)(args.mm_processor_kwargs) if args.mm_processor_kwargs else None,
     }
     # the engine's rules; the device decides what dtype "auto" becomes
@@ -178,7 +179,7 @@ def run_budget(args: argparse.Namespace) -> None:
         f"text hidden_size {hidden}{levels} x {elem} bytes ({str(dtype).removeprefix('torch.')}: --dtype {args.dtype} on {device})",
     )
     budget = compute_encoder_budget(
-        family.max_tokens_per_item(inputs["limit_mm_per_prompt"][0]),
+        family.max_tokens_per_item(inputs["limit_mm_per_prompt"][0], config.max_audio_seconds),
         inputs["max_num_batched_tokens"][0],
         inputs["max_num_seqs"][0],
         inputs["limit_mm_per_prompt"][0],
@@ -191,8 +192,8 @@ def run_budget(args: argparse.Namespace) -> None:
         print(json.dumps(budget.to_json(), indent=2))
         return
     print(f"encoder cache budget for {args.model}")
-    for line in explain_budget(budget, inputs, family.explain_max_tokens_per_item(inputs["limit_mm_per_prompt"][0]),
-                               family.max_items_per_video):
+    item_source = family.explain_max_tokens_per_item(inputs["limit_mm_per_prompt"][0], config.max_audio_seconds)
+    for line in explain_budget(budget, inputs, item_source, family.max_items_per_video):
         print("  " + line)
     from mmengine.encoder_cache.host_tier import host_tier_bytes
     from mmengine.runner.kv_tensors import kv_block_bytes
@@ -354,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--limit-mm-per-prompt", action="append", metavar="MODALITY=COUNT[,...]",
                         help='e.g. image=4,video=0 or \'{"image": 4, "video": 0}\'')
     budget.add_argument("--encoder-cache-size", type=int, default=None, help="override the compute budget (embeddings)")
+    budget.add_argument("--max-audio-seconds", type=float, default=None, help="the longest audio clip (families that take audio)")
     budget.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks, for the exact pinned room")
     budget.add_argument("--encoder-cache-host-bytes", type=int, default=None,
                         help="the encoder cache's host tier (default: a tenth of the available RAM on CUDA, 0 on CPU)")

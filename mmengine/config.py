@@ -98,11 +98,14 @@ class EngineConfig:
     # Host memory for prefix-cached KV blocks evicted from the device (kv_cache/host_tier.py): a later
     # hit copies them back instead of prefilling again. None and 0 as for encoder_cache_host_bytes.
     kv_cache_host_bytes: int | None = None
-    # Items per prompt by modality; a modality left out allows none ("video": families that take videos)
-    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 1})
+    # Items per prompt by modality; a modality left out allows none ("video", "audio": families that take them)
+    limit_mm_per_prompt: dict[str, int] = field(default_factory=lambda: {"image": 8, "video": 1, "audio": 1})
     max_image_pixels: int = 64 * 1024 * 1024  # also bounds each decoded video frame
     # Longer videos are refused before decoding (multimodal/video.py)
     max_video_seconds: float = 3600.0
+    # Longer audio clips are refused (never truncated), before decoding where the container states its
+    # duration (multimodal/audio.py); 30 s is Gemma 4's feature-extractor cap, which also bounds it
+    max_audio_seconds: float = 30.0
     # Preprocessed pixels kept (host memory) after their requests finish, so a repeated image is
     # neither decoded nor resized again; 0 keeps only what live requests hold.
     mm_processor_cache_bytes: int = 1 << 30
@@ -190,11 +193,16 @@ class EngineConfig:
                  f"None or one of {', '.join(REASONING_PARSERS)}")
         _require(isinstance(self.limit_mm_per_prompt, dict), "limit_mm_per_prompt", self.limit_mm_per_prompt, "a dict")
         for modality, limit in self.limit_mm_per_prompt.items():
-            _require(modality in ("image", "video"), "limit_mm_per_prompt", modality, "keys among {'image', 'video'}")
+            _require(modality in ("image", "video", "audio"), "limit_mm_per_prompt", modality,
+                     "keys among {'image', 'video', 'audio'}")
             _require(isinstance(limit, int) and limit >= 0, f"limit_mm_per_prompt[{modality!r}]", limit, "an int >= 0")
         _require(
             isinstance(self.max_video_seconds, (int, float)) and not isinstance(self.max_video_seconds, bool)
             and self.max_video_seconds > 0, "max_video_seconds", self.max_video_seconds, "a positive number"
+        )
+        _require(
+            isinstance(self.max_audio_seconds, (int, float)) and not isinstance(self.max_audio_seconds, bool)
+            and self.max_audio_seconds > 0, "max_audio_seconds", self.max_audio_seconds, "a positive number"
         )
         _require(isinstance(self.enable_lora, bool), "enable_lora", self.enable_lora, "a bool")
         for name in ("max_loras", "max_lora_rank"):

@@ -120,6 +120,23 @@ class VideoCountMismatchError(InvalidInputError):
     """The number of videos differs from the number of video markers in the prompt."""
 
 
+class CorruptAudioError(InvalidInputError):
+    """An audio clip could not be read or decoded (unreadable, corrupt or truncated data, no audio stream)."""
+
+
+class AudioTooLongError(InvalidInputError):
+    """An audio clip is longer than max_audio_seconds or than the model takes (checked before decoding where
+    the container states its duration), or its file is too large to read."""
+
+
+class TooManyAudiosError(InvalidInputError):
+    """More audio clips in one prompt than `limit_mm_per_prompt` allows."""
+
+
+class AudioCountMismatchError(InvalidInputError):
+    """The number of audio clips differs from the number of audio markers in the prompt."""
+
+
 class ItemTooLargeError(InvalidInputError):
     """A multimodal item produces more embeddings than the encoder cache can take in one step."""
 

@@ -67,7 +67,7 @@ def test_a_token_prompt_shares_blocks_and_encoder_outputs_with_its_text(family_c
     ({"prompt_token_ids": [1, "2"]}, InvalidInputError, r"prompt_token_ids\[1\] must be an int"),
     ({"prompt_token_ids": [1, 2], "prompt": "x"}, InvalidInputError, "exactly one of 'prompt' and 'prompt_token_ids'"),
     ({"prompt": "x", "mm_processor_kwargs": {}}, InvalidInputError, r"unknown prompt dict key\(s\) \['mm_processor_kwargs'\]"),
-    ({"prompt": "x", "multi_modal_data": {"audio": [1]}}, InvalidInputError, r"not supported: \['audio'\]"),
+    ({"prompt": "x", "multi_modal_data": {"audio": [1], "embeds": [1]}}, InvalidInputError, r"not supported: \['embeds'\]"),
     ("IMAGE_TOKENS x2", ImageCountMismatchError, "prompt 1: the prompt has 2 image placeholder"),
 ])
 def test_bad_prompts_are_typed_errors_and_the_engine_serves_on(checkpoint_dir, prompt, error, match):

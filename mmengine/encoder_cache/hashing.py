@@ -2,7 +2,8 @@
 
 mm_hash = H(modality, model fingerprint, processor settings, item content). The content is the
 decoded RGB pixels, so a path, encoded bytes, a PIL image and a numpy array of one picture agree;
-different processor settings or a different model give different hashes.
+different processor settings or a different model give different hashes. An audio clip's content is
+its mono float32 waveform at the model's rate, after decoding and resampling.
 
 H is the engine's `prefix_caching_hash_algo`: xxh3_128, or sha256 where crafted collisions are a
 concern. The two must go together: a KV block's identity includes the mm_hash of every image it
@@ -88,3 +89,16 @@ def hash_video(frames: np.ndarray, indices: list[int] | tuple[int, ...], fps: fl
 def hash_video_patch(video_hash: str, index: int, algo: str = "xxh3_128") -> str:
     """Temporal patch `index` of a video: one item, cached on its own."""
     return _hash_item(b"video-patch", video_hash, str(index), b"patch", b"", algo)
+
+
+def hash_audio(waveform: np.ndarray, sampling_rate: int, fingerprint: str, settings_key: str, algo: str = "xxh3_128") -> str:
+    """An audio clip by its mono float32 samples at the model's rate (after decoding and resampling, so
+    the same sound from any container or source rate that resamples alike hashes the same)."""
+    # + 0 turns -0.0 into 0.0: equal samples must hash alike (a decoder never writes -0.0, an array may)
+    samples = np.ascontiguousarray(waveform, dtype=np.float32) + np.float32(0)
+    h = new_hasher(algo)
+    for part in (b"audio", fingerprint.encode(), settings_key.encode(), b"content"):
+        h.update(len(part).to_bytes(8, "little") + part)
+    h.update(f"{samples.shape[0]} {sampling_rate}\n".encode("ascii"))
+    h.update(memoryview(samples).cast("B"))
+    return h.hexdigest()

@@ -262,19 +262,20 @@ class AsyncMMEngine:
         fill_max_tokens: bool = False,
         lora: LoRARequest | str | None = None,
         videos: Sequence[Any] | None = None,
+        audios: Sequence[Any] | None = None,
     ) -> RequestStream:
         """Validates, preprocesses (on the worker pool) and queues one request; returns its stream.
 
         Bad input raises the engine's typed errors before anything is queued. `fill_max_tokens`
         replaces `sampling_params.max_tokens` with all the room the prompt leaves (max_model_len
         and the KV cache), as OpenAI's API does when max_tokens is not given. `lora` selects an adapter
-        (a registered name, or a LoRARequest registered on first use). `videos`: one per video marker,
-        as MMEngine.generate takes them.
+        (a registered name, or a LoRARequest registered on first use). `videos` / `audios`: one per video /
+        audio marker, as MMEngine.generate takes them.
         """
         self._start()
         self.check_not_overloaded()
         checked = self.engine.intake.check(prompt, images, sampling_params, request_id=request_id, cache_salt=cache_salt,
-                                           mm_uuids=mm_uuids, lora=lora, videos=videos)  # an unknown adapter fails here
+                                           mm_uuids=mm_uuids, lora=lora, videos=videos, audios=audios)  # an unknown adapter fails here
         request_id = checked.request_id = checked.request_id or f"req-{uuid.uuid4().hex}"
         params = checked.params
         stream = RequestStream(self, request_id, params)

@@ -2,8 +2,8 @@
 
 A request comes in through exactly two stages, whichever entry point it used (generate, add_request,
 chat, AsyncMMEngine, beam search):
-1. `check` / `check_batch`: the arguments put in shape (prompt_inputs.py: prompt forms, image and video
-   lists, salts, ids); cheap, no model work, so a caller can fail fast before registering anything;
+1. `check` / `check_batch`: the arguments put in shape (prompt_inputs.py: prompt forms, image, video and
+   audio lists, salts, ids); cheap, no model work, so a caller can fail fast before registering anything;
 2. `prepare` / `prepare_batch`: what only the model can check (the adapter, the structured-output spec,
    logit_bias), then the processor (multimodal/processor.py) tokenizes, loads and preprocesses, once.
 Bad input raises a typed InvalidInputError naming its prompt, before anything is queued.
@@ -75,20 +75,21 @@ class RequestIntake:
     # -- stage 1: the arguments ------------------------------------------------
 
     def check(self, prompt: object, images: object = None, sampling_params: object = None, *, request_id: object = None,
-              cache_salt: object = None, mm_uuids: object = None, lora: object = None, videos: object = None) -> CheckedRequest:
+              cache_salt: object = None, mm_uuids: object = None, lora: object = None, videos: object = None,
+              audios: object = None) -> CheckedRequest:
         """One request's arguments (add_request's); an unknown adapter fails here, before preprocessing."""
         params = check_sampling_params(sampling_params)
         salt = check_salt(cache_salt)
         request_id = check_request_id(request_id)
         uuids = normalize_uuids(mm_uuids, single=True, num_prompts=1)[0]
         self.lora_key(lora)
-        return CheckedRequest(normalize_prompt(prompt, images, videos=videos), params, uuids, salt, lora, request_id)
+        return CheckedRequest(normalize_prompt(prompt, images, videos=videos, audios=audios), params, uuids, salt, lora, request_id)
 
     def check_batch(self, prompts: object, images: object = None, sampling_params: object = None, *,
                     cache_salt: object = None, mm_uuids: object = None, lora: object = None,
-                    videos: object = None) -> list[CheckedRequest]:
+                    videos: object = None, audios: object = None) -> list[CheckedRequest]:
         """One prompt or a batch, as generate() takes them; one CheckedRequest per prompt, in order."""
-        inputs, params_list = normalize_batch(prompts, images, sampling_params, videos)
+        inputs, params_list = normalize_batch(prompts, images, sampling_params, videos, audios)
         salts = normalize_salts(cache_salt, len(inputs))
         uuid_lists = normalize_uuids(mm_uuids, is_single_prompt(prompts), len(inputs))
         loras = _per_prompt(lora, len(inputs))
@@ -107,7 +108,7 @@ class RequestIntake:
         given = checked.given
         processed = self.processor.process(
             given.text, given.images, checked.params, prompt_index=index, mm_uuids=checked.mm_uuids, memo=memo,
-            text_ids=text_ids, token_ids=given.token_ids, videos=given.videos,
+            text_ids=text_ids, token_ids=given.token_ids, videos=given.videos, audios=given.audios,
         )
         return PreparedRequest(processed, checked.params, checked.cache_salt, lora_key, checked.request_id)
 
@@ -123,7 +124,7 @@ class RequestIntake:
         def prepare(index: int) -> PreparedRequest:
             return self.prepare(batch[index], index, memo, text_ids[index])
 
-        if len(batch) > 1 and any(c.given.images or c.given.videos for c in batch):
+        if len(batch) > 1 and any(c.given.images or c.given.videos or c.given.audios for c in batch):
             return list(self._preprocess_pool().map(prepare, range(len(batch))))
         return [prepare(index) for index in range(len(batch))]
 

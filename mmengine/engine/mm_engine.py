@@ -87,6 +87,7 @@ class MMEngine:
         mm_uuids: Sequence[str | None] | None = None,
         lora: LoRARequest | str | None = None,
         videos: Sequence[Any] | None = None,
+        audios: Sequence[Any] | None = None,
     ) -> str:
         """Validates and queues one request; returns its id. Bad input raises before anything is queued.
 
@@ -96,7 +97,7 @@ class MMEngine:
         `prompt` may also be a prompt dict, as generate() takes it.
         """
         checked = self.intake.check(prompt, images, sampling_params, request_id=request_id, cache_salt=cache_salt,
-                                    mm_uuids=mm_uuids, lora=lora, videos=videos)
+                                    mm_uuids=mm_uuids, lora=lora, videos=videos, audios=audios)
         return self.add_prepared_request(self.intake.prepare(checked))  # preprocessed outside the lock
 
     def add_processed_request(
@@ -160,12 +161,13 @@ class MMEngine:
         mm_uuids: Sequence[str | None] | Sequence[Sequence[str | None] | None] | None = None,
         lora: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
         videos: Sequence[Any] | Sequence[Sequence[Any] | None] | None = None,
+        audios: Sequence[Any] | Sequence[Sequence[Any] | None] | None = None,
     ) -> list[RequestOutput]:
         """Generates for one prompt or a batch; returns one output per prompt, in input order.
 
         A prompt is a str, or a dict as vLLM's LLM.generate takes it: {"prompt": str} or
         {"prompt_token_ids": [int]} (a placeholder per picture, or the processor's expanded runs), with
-        optional "multi_modal_data": {"image": picture or [pictures]}. A token prompt and the text that
+        optional "multi_modal_data": {"image": picture or [pictures], "video": ..., "audio": ...}. A token prompt and the text that
         tokenizes the same share KV blocks and encoder outputs.
         For one prompt, `images` is that prompt's list of images; for a batch, one list (or None) per prompt.
         `cache_salt` is one salt for all prompts or one per prompt; `mm_uuids` follows the shape of
@@ -173,10 +175,13 @@ class MMEngine:
         `videos` follows the shape of `images`, one per video marker (`<|video_pad|>` for Qwen): a path,
         encoded bytes, frames (a list of PIL images or a uint8 array [frames, H, W, 3]), or a
         multimodal.video.Video with its sampling (fps or num_frames) and size bounds.
+        `audios` follows the shape of `images`, one per audio marker (`<|audio|>` for Gemma 4): a path,
+        encoded bytes (WAV, FLAC, MP3, OGG, ...), a (samples, sampling_rate) tuple of a 1-D float array,
+        or a multimodal.audio.Audio.
         Every prompt is validated before any is queued, so bad input queues nothing.
         """
         batch = self.intake.check_batch(prompts, images, sampling_params, cache_salt=cache_salt, mm_uuids=mm_uuids,
-                                        lora=lora, videos=videos)
+                                        lora=lora, videos=videos, audios=audios)
         return self.run_prepared(self.intake.prepare_batch(batch), use_tqdm)
 
     def run_processed(
@@ -236,6 +241,7 @@ class MMEngine:
         lora: LoRARequest | str | Sequence[LoRARequest | str | None] | None = None,
         videos: Sequence[Any] | Sequence[Sequence[Any] | None] | None = None,
         *,
+        audios: Sequence[Any] | Sequence[Sequence[Any] | None] | None = None,
         chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         add_generation_prompt: bool = True,
@@ -244,16 +250,22 @@ class MMEngine:
         media_policy: MediaPolicy | None = None,
     ) -> list[RequestOutput]:
         """Like generate(), for one conversation (a list of {"role", "content"} messages) or a list of
-        them, rendered with the model's chat template (or `chat_template`); `images`, `videos`, `mm_uuids`
-        and `lora` follow generate() ({"type": "video"} parts stand for the videos, in order).
+        them, rendered with the model's chat template (or `chat_template`); `images`, `videos`, `audios`,
+        `mm_uuids` and `lora` follow generate() ({"type": "video"} and {"type": "audio"} parts stand for the
+        videos and clips, in order).
         `chat_template_kwargs` are the template's own variables (e.g. {"enable_thinking": False});
         `add_generation_prompt=False, continue_final_message=True` continues the last message instead of
         opening the assistant's turn; `tools` (OpenAI function dicts) are rendered by the template.
         Pictures may instead come as OpenAI `image_url` / `video_url` parts, loaded under `media_policy`
-        (default: data: URLs only; file:// under its allowed directory, http(s) when it allows them)."""
+        (default: data: URLs only; file:// under its allowed directory, http(s) when it allows them), and
+        clips as `input_audio` parts (base64 data and its format)."""
         conversations, single = normalize_conversations(messages)
+        if self.family.audio_token_id is None and any(_has_audio_parts(c) for c in conversations):
+            raise InvalidInputError(f"{self.family.display_name} takes no audio: a conversation holds an 'audio' / "
+                                    "'input_audio' content part")
         if any(has_media_parts(c) for c in conversations):
-            conversations, images, videos = self._media_from_parts(conversations, single, images, videos, media_policy)
+            conversations, images, videos, audios = self._media_from_parts(conversations, single, images, videos, audios,
+                                                                           media_policy)
         options = TemplateOptions(chat_template, chat_template_kwargs or {}, add_generation_prompt,
                                   continue_final_message, tools)
         if chat_template is None and not getattr(self.input_processor.hf_processor, "chat_template", None):
@@ -267,16 +279,20 @@ class MMEngine:
                 prompts.append(self.input_processor.apply_chat_template(conversation, **options.render_kwargs()))
             except Exception as err:  # jinja2's TemplateError and the template's own raise_exception
                 raise InvalidInputError(f"the chat template rejects this conversation: {err}", index) from err
-        return self.generate(prompts[0] if single else prompts, images, sampling_params, use_tqdm, cache_salt, mm_uuids, lora, videos)
+        return self.generate(prompts[0] if single else prompts, images, sampling_params, use_tqdm, cache_salt, mm_uuids, lora, videos,
+                             audios)
 
     @staticmethod
-    def _media_from_parts(conversations: list[Conversation], single: bool, images: Any, videos: Any,
-                          policy: MediaPolicy | None) -> tuple[list[Conversation], Any, Any]:
-        if images is not None or videos is not None:
-            raise InvalidInputError("pictures given twice: as image_url / video_url parts and in images= / videos=")
+    def _media_from_parts(conversations: list[Conversation], single: bool, images: Any, videos: Any, audios: Any,
+                          policy: MediaPolicy | None) -> tuple[list[Conversation], Any, Any, Any]:
+        if images is not None or videos is not None or audios is not None:
+            raise InvalidInputError("pictures given twice: as image_url / video_url / input_audio parts and in images= / "
+                                    "videos= / audios=")
         loaded = [take_media_parts(c, policy or MediaPolicy(), index) for index, c in enumerate(conversations)]
-        images, videos = [pictures for _, pictures, _ in loaded], [clips for _, _, clips in loaded]
-        return [c for c, _, _ in loaded], images[0] if single else images, videos[0] if single else videos
+        rendered, images, videos, audios = (list(column) for column in zip(*loaded))
+        if single:
+            return rendered, images[0], videos[0], audios[0]
+        return rendered, images, videos, audios
 
     def beam_search(self, prompts: Any, params: BeamSearchParams, images: Any = None, use_tqdm: bool = False) -> list[BeamSearchOutput]:
         """Beam search (engine/beam_search.py): one BeamSearchOutput per prompt, sequences best first.
@@ -338,3 +354,8 @@ class MMEngine:
     def stats(self) -> dict[str, int]:
         with self.lock:
             return engine_stats(self.parts, self.steps)
+
+
+def _has_audio_parts(conversation: Conversation) -> bool:
+    return any(isinstance(m.get("content"), list) and any(p.get("type") in ("audio", "input_audio") for p in m["content"])
+               for m in conversation)

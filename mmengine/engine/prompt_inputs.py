@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mmengine.errors import ChatTemplateOptionError, EmptyPromptError, InvalidInputError
-from mmengine.multimodal.media_urls import part_url
+from mmengine.multimodal.media_urls import input_audio_of, part_url
 from mmengine.sample.params import SamplingParams
 
 # A single image given where a list of images belongs is one of these.
@@ -89,12 +89,13 @@ def check_request_id(request_id: object) -> str | None:
 
 @dataclass
 class PromptInput:
-    """One prompt as the caller gave it: its text or its token ids (one of the two), and its pictures."""
+    """One prompt as the caller gave it: its text or its token ids (one of the two), its pictures and clips."""
 
     text: str | None
     token_ids: list[int] | None
     images: list[Any]
     videos: list[Any] = field(default_factory=list)
+    audios: list[Any] = field(default_factory=list)
 
 
 _PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "multi_modal_data")
@@ -117,13 +118,35 @@ def check_video_list(videos: object, prompt_index: int | None = None) -> list[An
     )
 
 
-def normalize_prompt(prompt: object, images: object, prompt_index: int | None = None, videos: object = None) -> PromptInput:
+def check_audio_list(audios: object, prompt_index: int | None = None) -> list[Any]:
+    """None or a list of audio clips; a bare clip (a path, bytes, an Audio or a (samples, rate) tuple) is refused."""
+    if audios is None:
+        return []
+    if isinstance(audios, list) or (isinstance(audios, tuple) and not _is_samples_and_rate(audios)):
+        return list(audios)
+    raise InvalidInputError(
+        f"audios must be a list with one clip per audio marker, got a bare {type_name(audios)}: pass [clip] instead",
+        prompt_index,
+    )
+
+
+def _is_samples_and_rate(value: object) -> bool:
+    """One clip given as vLLM's (samples, sampling_rate) tuple."""
+    return isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], int) and not isinstance(value[0], (str, bytes))
+
+
+_MODALITIES = ("image", "video", "audio")
+
+
+def normalize_prompt(prompt: object, images: object, prompt_index: int | None = None, videos: object = None,
+                     audios: object = None) -> PromptInput:
     """A str, or a dict as vLLM's LLM.generate takes it: {"prompt": str} or {"prompt_token_ids": [int]},
-    with an optional {"multi_modal_data": {"image": picture or [pictures], "video": video or [videos]}}
-    (then `images` / `videos` must be None)."""
+    with an optional {"multi_modal_data": {"image": picture or [pictures], "video": video or [videos],
+    "audio": clip or [clips]}} (then `images` / `videos` / `audios` must be None)."""
     clips = check_video_list(videos, prompt_index)
+    sounds = check_audio_list(audios, prompt_index)
     if not isinstance(prompt, dict):
-        return PromptInput(check_prompt_text(prompt, prompt_index), None, check_image_list(images, prompt_index), clips)
+        return PromptInput(check_prompt_text(prompt, prompt_index), None, check_image_list(images, prompt_index), clips, sounds)
     unknown = sorted(set(prompt) - set(_PROMPT_DICT_KEYS))
     if unknown:
         raise InvalidInputError(f"unknown prompt dict key(s) {unknown}; known: {list(_PROMPT_DICT_KEYS)}", prompt_index)
@@ -132,16 +155,19 @@ def normalize_prompt(prompt: object, images: object, prompt_index: int | None = 
     pictures = check_image_list(images, prompt_index)
     data = prompt.get("multi_modal_data")
     if data is not None:
-        if not isinstance(data, dict) or set(data) - {"image", "video"}:
-            kinds = sorted(set(data) - {"image", "video"}) if isinstance(data, dict) else type_name(data)
+        if not isinstance(data, dict) or set(data) - set(_MODALITIES):
+            kinds = sorted(set(data) - set(_MODALITIES)) if isinstance(data, dict) else type_name(data)
             raise InvalidInputError(
-                f"multi_modal_data must be {{'image': picture or [pictures], 'video': video or [videos]}}; not supported: {kinds}",
+                f"multi_modal_data must be {{'image': picture or [pictures], 'video': video or [videos], 'audio': clip or "
+                f"[clips]}}; not supported: {kinds}",
                 prompt_index,
             )
         if pictures and "image" in data:
             raise InvalidInputError("pictures given twice: in multi_modal_data and in images=", prompt_index)
         if clips and "video" in data:
             raise InvalidInputError("videos given twice: in multi_modal_data and in videos=", prompt_index)
+        if sounds and "audio" in data:
+            raise InvalidInputError("audio given twice: in multi_modal_data and in audios=", prompt_index)
         if "image" in data:
             value = data["image"]
             pictures = [] if value is None else list(value) if _is_list(value) else [value]
@@ -149,9 +175,13 @@ def normalize_prompt(prompt: object, images: object, prompt_index: int | None = 
             value = data["video"]
             # one video is a path, bytes, a Video, a frame array or a list of PIL frames
             clips = [] if value is None else list(value) if _is_video_list(value) else [value]
+        if "audio" in data:
+            value = data["audio"]
+            sounds = [] if value is None else check_audio_list(value, prompt_index) if _is_list(value) and not \
+                _is_samples_and_rate(value) else [value]
     if "prompt" in prompt:
-        return PromptInput(check_prompt_text(prompt["prompt"], prompt_index), None, pictures, clips)
-    return PromptInput(None, check_token_ids(prompt["prompt_token_ids"], prompt_index), pictures, clips)
+        return PromptInput(check_prompt_text(prompt["prompt"], prompt_index), None, pictures, clips, sounds)
+    return PromptInput(None, check_token_ids(prompt["prompt_token_ids"], prompt_index), pictures, clips, sounds)
 
 
 def _is_video_list(value: object) -> bool:
@@ -173,18 +203,19 @@ def check_token_ids(token_ids: object, prompt_index: int | None = None) -> list[
 
 
 def normalize_batch(
-    prompts: object, images: object, sampling_params: object, videos: object = None
+    prompts: object, images: object, sampling_params: object, videos: object = None, audios: object = None
 ) -> tuple[list[PromptInput], list[SamplingParams]]:
-    """One prompt (a str or a prompt dict) or a batch (a list of them), with images, videos and sampling
-    params to match."""
+    """One prompt (a str or a prompt dict) or a batch (a list of them), with images, videos, audio clips
+    and sampling params to match."""
     if is_single_prompt(prompts):
-        inputs = [normalize_prompt(prompts, images, 0, videos)]
+        inputs = [normalize_prompt(prompts, images, 0, videos, audios)]
     elif _is_list(prompts):
         image_lists = _batch_images(images, len(prompts))
         video_lists = _batch_images(videos, len(prompts), "videos")
+        audio_lists = _batch_images(audios, len(prompts), "audios")
         inputs = [
-            normalize_prompt(p, imgs or None, i, clips or None)
-            for i, (p, imgs, clips) in enumerate(zip(prompts, image_lists, video_lists))
+            normalize_prompt(p, imgs or None, i, clips or None, sounds or None)
+            for i, (p, imgs, clips, sounds) in enumerate(zip(prompts, image_lists, video_lists, audio_lists))
         ]
     else:
         raise InvalidInputError(f"prompts must be a str, a prompt dict, or a list of them, got {type_name(prompts)}")
@@ -212,7 +243,7 @@ def _batch_images(images: object, num_prompts: int, name: str = "images") -> lis
         raise InvalidInputError(
             f"{name} must hold one list per prompt: got {len(images)} lists for {num_prompts} prompts"
         )
-    check = check_image_list if name == "images" else check_video_list
+    check = {"images": check_image_list, "videos": check_video_list, "audios": check_audio_list}[name]
     return [check(imgs, i) for i, imgs in enumerate(images)]
 
 
@@ -227,8 +258,8 @@ def normalize_salts(cache_salt: object, num_prompts: int) -> list[str | None]:
 
 
 def normalize_uuids(mm_uuids: object, single: bool, num_prompts: int) -> list[Any]:
-    """One prompt's ids (a list, one per image, or a dict {"image": [...], "video": [...]}) or one per
-    prompt in a batch."""
+    """One prompt's ids (a list, one per image, or a dict {"image": [...], "video": [...], "audio": [...]})
+    or one per prompt in a batch."""
     if mm_uuids is None:
         return [None] * num_prompts
     if single and isinstance(mm_uuids, dict):
@@ -286,10 +317,15 @@ def _check_conversation(conversation: object, index: int) -> None:
             elif kind in ("image_url", "video_url"):
                 if part_url(part) is None:
                     raise InvalidInputError(f"{where}: an {kind} part needs {{'{kind}': {{'url': str}}}}, got {part!r:.80}", index)
-            elif kind not in ("image", "video"):
+            elif kind == "input_audio":
+                if input_audio_of(part) is None:
+                    raise InvalidInputError(f"{where}: an input_audio part needs {{'input_audio': {{'data': base64 str, "
+                                            f"'format': str}}}}, got {part!r:.80}", index)
+            elif kind not in ("image", "video", "audio"):
                 raise InvalidInputError(
                     f"{where}: each content part must be {{'type': 'text', 'text': str}}, {{'type': 'image'}}, "
-                    f"{{'type': 'video'}}, or an OpenAI image_url / video_url part, got {part!r:.80}",
+                    f"{{'type': 'video'}}, {{'type': 'audio'}}, or an OpenAI image_url / video_url / input_audio part, "
+                    f"got {part!r:.80}",
                     index,
                 )
 

@@ -74,7 +74,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     input_processor = InputProcessor(
         model_dir, family, max_model_len, config.limit_mm_per_prompt, config.max_image_pixels,
         config.mm_processor_cache_bytes, config.prefix_caching_hash_algo, hf_processor=hf_processor,
-        max_video_seconds=config.max_video_seconds,
+        max_video_seconds=config.max_video_seconds, max_audio_seconds=config.max_audio_seconds,
     )
     runner = ModelRunner(config, family, model_dir, device, dtype, max_model_len)
     num_blocks = _start_runner(config, family, runner)
@@ -137,7 +137,7 @@ def _start_runner(config: EngineConfig, family: ModelFamily, runner: ModelRunner
 def encoder_budget_for(config: EngineConfig, family: ModelFamily, runner: ModelRunner, pinned_room_tokens: int,
                        warn: bool = True) -> EncoderBudget:
     return compute_encoder_budget(
-        family.max_tokens_per_item(config.limit_mm_per_prompt),
+        family.max_tokens_per_item(config.limit_mm_per_prompt, config.max_audio_seconds),
         config.max_num_batched_tokens,
         config.max_num_seqs,
         config.limit_mm_per_prompt,

@@ -37,6 +37,8 @@ def engine_stats(parts: EngineParts, steps: StepLoop) -> dict[str, int]:
         "images_preprocessed": processor.num_images_preprocessed,
         "videos_decoded": processor.videos.num_videos_decoded,
         "videos_preprocessed": processor.videos.num_videos_preprocessed,
+        "audios_decoded": processor.audios.num_audios_decoded if processor.audios is not None else 0,
+        "audios_preprocessed": processor.audios.num_audios_preprocessed if processor.audios is not None else 0,
         "mm_processor_cache_hits": processor.cache.num_hits,
         "mm_processor_cache_bytes": processor.cache.num_bytes,
         "prefix_cache_queries": kv_cache.prefix_cache_queries,

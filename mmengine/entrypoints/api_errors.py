@@ -15,7 +15,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from mmengine.engine.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
 from mmengine.errors import (
+    AudioCountMismatchError,
+    AudioTooLongError,
     ConfigError,
+    CorruptAudioError,
     CorruptImageError,
     EmptyPromptError,
     ImageCountMismatchError,
@@ -23,6 +26,7 @@ from mmengine.errors import (
     InvalidInputError,
     ItemTooLargeError,
     PromptTooLongError,
+    TooManyAudiosError,
     TooManyImagesError,
     UnknownAdapterError,
     UnsupportedImageTypeError,
@@ -48,6 +52,10 @@ _INPUT_ERROR_CODES: tuple[tuple[type[InvalidInputError], str], ...] = (
     (ItemTooLargeError, "image_too_large"),
     (CorruptImageError, "invalid_image"),
     (UnsupportedImageTypeError, "invalid_image"),
+    (TooManyAudiosError, "too_many_audios"),
+    (AudioCountMismatchError, "audio_count_mismatch"),
+    (AudioTooLongError, "audio_too_long"),
+    (CorruptAudioError, "invalid_audio"),
     (EmptyPromptError, "empty_prompt"),
 )
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+) ")

@@ -31,9 +31,9 @@ from starlette.background import BackgroundTask
 
 from mmengine.engine.async_engine import AsyncMMEngine, DeltaOutput, RequestStream
 from mmengine.entrypoints.api_errors import APIError, from_engine_error, install_error_handlers
-from mmengine.entrypoints.chat import ChatTemplate, EmbedsPart, VideoPart, parse_messages
+from mmengine.entrypoints.chat import AudioPart, ChatTemplate, EmbedsPart, VideoPart, parse_messages
 from mmengine.entrypoints.embeds_payload import decode_embeds_payload
-from mmengine.entrypoints.media import MediaPolicy, fetch_remote_image, is_remote, load_local_image_url
+from mmengine.entrypoints.media import MediaPolicy, fetch_remote_image, is_remote, load_input_audio, load_local_image_url
 from mmengine.entrypoints.metrics import ServerMetrics
 from mmengine.entrypoints.logprobs_format import LogprobsFormatter, cumulative_logprob, prompt_logprobs_json
 from mmengine.entrypoints.protocol import (
@@ -356,12 +356,13 @@ class _OpenAIServer:
                                        "prompt_tokens_details": {"cached_tokens": 0}}})
 
     async def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str | dict[str, Any], list[Any] | None]:
-        """The rendered prompt and its pictures; a prompt with videos is a prompt dict carrying both
-        (multi_modal_data), as MMEngine takes it."""
+        """The rendered prompt and its pictures; a prompt with videos or audio clips is a prompt dict
+        carrying them all (multi_modal_data), as MMEngine takes it."""
         conversation, sources = parse_messages(body.messages, self.settings.enable_mm_embeds)
         policy = self.settings.media
-        pictures = [s for s in sources if not isinstance(s, VideoPart)]
+        pictures = [s for s in sources if not isinstance(s, (VideoPart, AudioPart))]
         videos = [s.url for s in sources if isinstance(s, VideoPart)]
+        audios = [s for s in sources if isinstance(s, AudioPart)]
         remote = {i: await fetch_remote_image(src, i, policy) for i, src in enumerate(pictures) if isinstance(src, str) and is_remote(src)}
         remote_videos = {i: await fetch_remote_image(url, i, policy, "video") for i, url in enumerate(videos) if is_remote(url)}
 
@@ -390,10 +391,11 @@ class _OpenAIServer:
 
         def prepare() -> tuple[str | dict[str, Any], list[Any] | None]:  # base64 decoding and the template, off the event loop
             prompt, images = self.template.render(conversation, options), [image(i, source) for i, source in enumerate(pictures)]
-            if not videos:
+            if not videos and not audios:
                 return prompt, images
             clips = [video(i, url) for i, url in enumerate(videos)]
-            return {"prompt": prompt, "multi_modal_data": {"image": images, "video": clips}}, None
+            sounds = [load_input_audio(part.data, part.format, i, policy) for i, part in enumerate(audios)]
+            return {"prompt": prompt, "multi_modal_data": {"image": images, "video": clips, "audio": sounds}}, None
 
         return await self.engine.run_in_pool(prepare)
 

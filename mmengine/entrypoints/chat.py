@@ -1,6 +1,6 @@
 """OpenAI chat messages -> the conversation MMEngine.chat takes (image parts as {"type": "image"}, video
-parts as {"type": "video"}) plus the image and video sources in order, and the chat template that
-renders it into a prompt."""
+parts as {"type": "video"}, input_audio parts as {"type": "audio"}) plus the image, video and audio
+sources in order, and the chat template that renders it into a prompt."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from mmengine.engine.prompt_inputs import TemplateOptions, normalize_conversatio
 from mmengine.engine.mm_engine import Conversation, MMEngine
 from mmengine.entrypoints.api_errors import APIError
 from mmengine.errors import InvalidInputError
-from mmengine.multimodal.media_urls import part_url
+from mmengine.multimodal.media_urls import input_audio_of, part_url
 
 _ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 
@@ -29,19 +29,30 @@ class VideoPart:
 
 
 @dataclass(frozen=True)
+class AudioPart:
+    """An input_audio content part's base64 data and format (decoded later, off the event loop)."""
+
+    data: str
+    format: str
+
+
+@dataclass(frozen=True)
 class EmbedsPart:
     """An image_embeds content part's payload (decoded later, off the event loop)."""
 
     payload: Any
 
 
-def parse_messages(messages: list[Any], allow_embeds: bool = False) -> tuple[Conversation, list[str | EmbedsPart | VideoPart]]:
+MediaSource = str | EmbedsPart | VideoPart | AudioPart
+
+
+def parse_messages(messages: list[Any], allow_embeds: bool = False) -> tuple[Conversation, list[MediaSource]]:
     """Splits OpenAI messages into a template-ready conversation and the media in order: images (URLs,
-    or image_embeds parts when `allow_embeds`) and videos (VideoPart)."""
+    or image_embeds parts when `allow_embeds`), videos (VideoPart) and audio clips (AudioPart)."""
     if not messages:
         raise _bad("messages must be a non-empty list")
     conversation: Conversation = []
-    urls: list[str | EmbedsPart | VideoPart] = []
+    urls: list[MediaSource] = []
     for position, message in enumerate(messages):
         where = f"messages[{position}]"
         if not isinstance(message, dict):
@@ -86,7 +97,7 @@ def _tool_calls(calls: Any, where: str) -> list[dict[str, Any]]:
     return parsed
 
 
-def _part(part: Any, where: str, urls: list[str | EmbedsPart | VideoPart], allow_embeds: bool) -> dict[str, Any]:
+def _part(part: Any, where: str, urls: list[MediaSource], allow_embeds: bool) -> dict[str, Any]:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text":
         if not isinstance(part.get("text"), str):
@@ -104,13 +115,20 @@ def _part(part: Any, where: str, urls: list[str | EmbedsPart | VideoPart], allow
             raise _bad(f"{where}: a video_url part needs {{'video_url': {{'url': ...}}}}")
         urls.append(VideoPart(url))
         return {"type": "video"}
+    if kind == "input_audio":
+        data = input_audio_of(part)
+        if data is None:
+            raise _bad(f"{where}: an input_audio part needs {{'input_audio': {{'data': base64 str, 'format': str}}}}")
+        urls.append(AudioPart(*data))
+        return {"type": "audio"}
     if kind == "image_embeds":
         if not allow_embeds:
             raise APIError(400, f"{where}: image_embeds parts are off; start the server with --enable-mm-embeds",
                            param="messages", code="mm_embeds_disabled")
         urls.append(EmbedsPart(part.get("image_embeds")))
         return {"type": "image"}
-    raise _bad(f"{where}: unsupported content part {kind!r}; expected 'text', 'image_url', 'video_url' or 'image_embeds'")
+    raise _bad(f"{where}: unsupported content part {kind!r}; expected 'text', 'image_url', 'video_url', 'input_audio' "
+               "or 'image_embeds'")
 
 
 class ChatTemplate:

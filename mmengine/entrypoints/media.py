@@ -1,12 +1,20 @@
-"""Image and video URLs of OpenAI messages, for the server: the shared loader (multimodal/media_urls.py)
-with its errors as 400s (param "messages"), and http(s) downloads on the event loop (httpx)."""
+"""Image and video URLs and input_audio data of OpenAI messages, for the server: the shared loader
+(multimodal/media_urls.py) with its errors as 400s (param "messages"), and http(s) downloads on the
+event loop (httpx)."""
 
 from __future__ import annotations
 
 from mmengine.entrypoints.api_errors import APIError
-from mmengine.multimodal.media_urls import MediaPolicy, MediaURLError, is_remote, load_media_url, media_error
+from mmengine.multimodal.media_urls import (
+    MediaPolicy,
+    MediaURLError,
+    decode_input_audio,
+    is_remote,
+    load_media_url,
+    media_error,
+)
 
-__all__ = ["MediaPolicy", "fetch_remote_image", "is_remote", "load_local_image_url"]
+__all__ = ["MediaPolicy", "fetch_remote_image", "is_remote", "load_input_audio", "load_local_image_url"]
 
 
 def _api_error(err: MediaURLError) -> APIError:
@@ -18,6 +26,14 @@ def load_local_image_url(url: str, index: int, policy: MediaPolicy, kind: str = 
     the event loop for large uploads. `kind`: "image" or "video", what the URL must hold."""
     try:
         return load_media_url(url, index, policy, kind)
+    except MediaURLError as err:
+        raise _api_error(err) from None
+
+
+def load_input_audio(data: str, audio_format: str, index: int, policy: MediaPolicy) -> bytes:
+    """An input_audio part's base64 data as encoded bytes (run it off the event loop: it decodes base64)."""
+    try:
+        return decode_input_audio(data, audio_format, index, policy)
     except MediaURLError as err:
         raise _api_error(err) from None
 

@@ -50,6 +50,19 @@ class PromptPositions:
 
 
 @dataclass(frozen=True)
+class AudioFormat:
+    """What a family's audio tower takes: mono waveforms at `sampling_rate`, of at most `max_samples`
+    samples each (longer clips are refused, never truncated)."""
+
+    sampling_rate: int
+    max_samples: int
+
+    @property
+    def max_seconds(self) -> float:
+        return self.max_samples / self.sampling_rate
+
+
+@dataclass(frozen=True)
 class VideoPlan:
     """How a video becomes items: the source frames kept (`indices`, at `source_fps`), the size every
     frame is resized to, the temporal patches (items) and their embeddings each, and the M-RoPE
@@ -158,14 +171,17 @@ class ModelFamily:
         """The most embeddings one item of each modality the family takes can make."""
         raise NotImplementedError
 
-    def max_tokens_per_item(self, limits: Mapping[str, int] | None = None) -> int:
+    def max_tokens_per_item(self, limits: Mapping[str, int] | None = None, max_audio_seconds: float | None = None) -> int:
         """The largest item among the modalities `limits` (limit_mm_per_prompt) allows: a modality limited
-        to 0 cannot size the encoder budget. Every modality counts when `limits` is None or allows none."""
+        to 0 cannot size the encoder budget. Every modality counts when `limits` is None or allows none.
+        `max_audio_seconds` (the engine's) bounds the largest audio clip below the family's own cap."""
         sizes = self.max_tokens_by_modality()
+        if "audio" in sizes and max_audio_seconds is not None:
+            sizes["audio"] = min(sizes["audio"], self.audio_num_tokens(int(max_audio_seconds * self.audio_format.sampling_rate)))
         allowed = [tokens for modality, tokens in sizes.items() if limits is None or limits.get(modality, 0) > 0]
         return max(allowed or sizes.values())
 
-    def explain_max_tokens_per_item(self, limits: Mapping[str, int] | None = None) -> str:
+    def explain_max_tokens_per_item(self, limits: Mapping[str, int] | None = None, max_audio_seconds: float | None = None) -> str:
         raise NotImplementedError
 
     def split_images(self, batch: Any, num_images: int) -> list[EncoderInputs]:
@@ -191,8 +207,9 @@ class ModelFamily:
         """`num_items` items of the largest size, for the memory-profiling run."""
         raise NotImplementedError
 
-    # Whether every item reaches the encoder at one size (dummy_items' size), so that the encoder's
-    # input shapes are exactly its batch sizes and start-up can warm each of them.
+    # Whether every picture reaches the encoder at one size (dummy_items' size), so that the encoder's
+    # input shapes are exactly its batch sizes and start-up can warm each of them (a step's items of
+    # other modalities go through their tower as a batch of their own, unpadded).
     items_have_one_size: bool = False
 
     # -- videos -------------------------------------------------------------------
@@ -221,6 +238,30 @@ class ModelFamily:
         """The text a video's marker becomes before tokenizing, with one video token per item (Qwen3-VL
         writes each patch's timestamp), or None where the marker stays one token for all items."""
         return None
+
+    # -- audio --------------------------------------------------------------------
+
+    @property
+    def audio_token_id(self) -> int | None:
+        """The placeholder token of audio items, or None for a family that takes no audio."""
+        return None
+
+    @property
+    def audio_format(self) -> AudioFormat | None:
+        """The waveforms the audio tower takes (rate, most samples); None for a family that takes no audio."""
+        return None
+
+    def audio_prompt_ids(self, num_tokens: int) -> tuple[list[int], int]:
+        """As image_prompt_ids, for a clip's audio marker (e.g. Gemma 4's <|audio> ... <audio|> around the run)."""
+        return [self.audio_token_id] * num_tokens, 0
+
+    def audio_item(self, waveform: np.ndarray) -> EncoderInputs:
+        """A mono float32 waveform at audio_format's rate as one item's encoder inputs."""
+        raise NotImplementedError
+
+    def audio_num_tokens(self, num_samples: int) -> int:
+        """How many placeholder tokens a clip of `num_samples` samples (at audio_format's rate) takes."""
+        raise NotImplementedError
 
     # -- positions ----------------------------------------------------------------
 

@@ -1,11 +1,13 @@
 """Gemma 4 (`Gemma4ForConditionalGeneration`): transformers' vision tower and embedder
-(models/gemma4_vision.py) under Gemma 4's decoder (models/gemma4_text.py).
+(models/gemma4_vision.py) and audio tower and embedder (models/gemma4_audio.py) under Gemma 4's
+decoder (models/gemma4_text.py).
 
 A picture becomes `<|image>`, one `<|image|>` per soft token (70 to 1120 by the processor's
 max_soft_tokens and the picture's aspect ratio), `<image|>`; the soft tokens are the item. On the
 sliding-window layers they attend to each other both ways (use_bidirectional_attention="vision"), so
-the family asks that a prefill chunk holds a picture whole. Positions are plain 1-D. The audio tower
-is built and loaded (the checkpoint's tensors are strict), audio inputs are not taken yet.
+the family asks that a prefill chunk holds a picture whole. An audio clip becomes `<|audio>`, one
+`<|audio|>` per 40 ms (at most 750), `<audio|>`; its soft tokens attend causally, as text does.
+Positions are plain 1-D.
 """
 
 from __future__ import annotations
@@ -17,20 +19,26 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from mmengine.errors import UnsupportedModelError
 from mmengine.layers.attention import AttentionMetadata
-from mmengine.models.family import EncoderInputs, ModelFamily
+from mmengine.models.family import AudioFormat, EncoderInputs, ModelFamily
+from mmengine.models.gemma4_audio import (
+    AUDIO_CHECKPOINT_PREFIXES,
+    Gemma4AudioEncoder,
+    Gemma4AudioItems,
+    load_gemma4_feature_extractor,
+    saved_audio_seq_length,
+)
 from mmengine.models.gemma4_text import Gemma4DecoderModel, layer_attention
 from mmengine.models.gemma4_vision import (
     VISION_CHECKPOINT_PREFIXES,
     Gemma4ImageItems,
     Gemma4VisionEncoder,
-    buffers_to_parameters,
     load_gemma4_processor,
 )
 from mmengine.models.llama import DeepStack
 from mmengine.models.vlm import VisionLanguageModel
 
-_AUDIO_PREFIXES = {"model.audio_tower.": "audio_tower.", "model.embed_audio.": "embed_audio."}
 
 
 class Gemma4Model(VisionLanguageModel):
@@ -41,21 +49,27 @@ class Gemma4Model(VisionLanguageModel):
         super().__init__()
         self.config = config
         self.vision = Gemma4VisionEncoder(config)
-        self.audio_tower = self.embed_audio = None
-        if getattr(config, "audio_config", None) is not None:
-            from transformers import AutoModel
-            from transformers.models.gemma4.modeling_gemma4 import Gemma4MultimodalEmbedder
-
-            self.audio_tower = AutoModel.from_config(config.audio_config, dtype=torch.get_default_dtype())
-            self.embed_audio = Gemma4MultimodalEmbedder(config.audio_config, config.text_config)
-            buffers_to_parameters(self.audio_tower)
+        self.audio = Gemma4AudioEncoder(config) if getattr(config, "audio_config", None) is not None else None
         self._build_text(config)
         placeholders = [getattr(config, name, None) for name in ("image_token_id", "video_token_id", "audio_token_id")]
         self.language_model.placeholder_ids = tuple(p for p in placeholders if p is not None)
 
     @torch.inference_mode()
     def encode_items(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        return self.vision.encode(items)
+        """Pictures through the vision tower and clips through the audio tower (each kind as one batch);
+        one output per item, in the order given."""
+        audio = [i for i, item in enumerate(items) if "input_features" in item]
+        if not audio:
+            return self.vision.encode(items)
+        if self.audio is None:
+            raise RuntimeError("an audio item reached a Gemma 4 model without an audio tower")
+        pictures = sorted(set(range(len(items))) - set(audio))
+        outputs: list[torch.Tensor | None] = [None] * len(items)
+        for indices, encoder in ((pictures, self.vision), (audio, self.audio)):
+            if indices:
+                for i, output in zip(indices, encoder.encode([items[i] for i in indices])):
+                    outputs[i] = output
+        return outputs  # type: ignore[return-value]
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 deepstack: DeepStack | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -72,7 +86,7 @@ class Gemma4Model(VisionLanguageModel):
         `model.audio_tower.*`, `model.embed_audio.*` (lm_head is tied)."""
         if raw_name.startswith("model.language_model."):
             return "language_model." + raw_name.removeprefix("model.language_model.")
-        for prefixes, owner in ((VISION_CHECKPOINT_PREFIXES, "vision."), (_AUDIO_PREFIXES, "")):
+        for prefixes, owner in ((VISION_CHECKPOINT_PREFIXES, "vision."), (AUDIO_CHECKPOINT_PREFIXES, "audio.")):
             for prefix, ours in prefixes.items():
                 if raw_name.startswith(prefix):
                     return owner + ours + raw_name.removeprefix(prefix)
@@ -92,12 +106,15 @@ class Gemma4Family(ModelFamily):
     model_type = "gemma4"
     display_name = "Gemma 4 (sliding-window and global attention, pictures attended both ways)"
     model_class = Gemma4Model
-    items_have_one_size = Gemma4ImageItems.items_have_one_size
+    items_have_one_size = Gemma4ImageItems.items_have_one_size  # pictures; clips are as long as they are
 
     def __init__(self, hf_config: PretrainedConfig, image_processor_settings: dict[str, Any] | None = None,
                  model_dir: str | None = None) -> None:
         super().__init__(hf_config, image_processor_settings, model_dir)
         self.images = Gemma4ImageItems(hf_config, self.image_processor_settings)
+        self.audios: Gemma4AudioItems | None = None
+        if getattr(hf_config, "audio_config", None) is not None:
+            self.audios = Gemma4AudioItems(hf_config, load_gemma4_feature_extractor(model_dir), saved_audio_seq_length(model_dir))
 
     @classmethod
     def load_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
@@ -133,15 +150,29 @@ class Gemma4Family(ModelFamily):
         return self.images.prompt_ids(num_tokens), 1
 
     def max_tokens_by_modality(self) -> dict[str, int]:
-        return self.images.max_tokens_by_modality()
+        sizes = self.images.max_tokens_by_modality()
+        if self.audios is not None:
+            sizes["audio"] = self.audios.max_tokens
+        return sizes
 
-    def explain_max_tokens_per_item(self, limits: Mapping[str, int] | None = None) -> str:
-        return self.images.explain_max_tokens_per_item(limits)
+    def explain_max_tokens_per_item(self, limits: Mapping[str, int] | None = None, max_audio_seconds: float | None = None) -> str:
+        text = self.images.explain_max_tokens_per_item(limits)
+        if self.audios is None:
+            return text
+        if limits is not None and limits.get("audio", 0) == 0:
+            return f"{text}; audio not allowed by limit_mm_per_prompt: not counted"
+        audio = self.audios.explain()
+        if max_audio_seconds is not None and max_audio_seconds < self.audios.format.max_seconds:
+            tokens = self.audio_num_tokens(int(max_audio_seconds * self.audios.format.sampling_rate))
+            audio += f", {tokens} within max_audio_seconds={max_audio_seconds:g}"
+        return f"{text}; {audio}"
 
     def split_images(self, batch: Any, num_images: int) -> list[EncoderInputs]:
         return self.images.split_images(batch, num_images)
 
     def num_tokens(self, inputs: EncoderInputs) -> int:
+        if "input_features" in inputs:
+            return self._audios().num_tokens(inputs)
         return self.images.num_tokens(inputs)
 
     def resized_size(self, height: int, width: int) -> tuple[int, int] | None:
@@ -149,3 +180,27 @@ class Gemma4Family(ModelFamily):
 
     def dummy_items(self, num_items: int) -> list[EncoderInputs]:
         return self.images.dummy_items(num_items)
+
+    # -- audio --
+
+    @property
+    def audio_token_id(self) -> int | None:
+        return None if self.audios is None else self.audios.audio_token_id
+
+    @property
+    def audio_format(self) -> AudioFormat | None:
+        return None if self.audios is None else self.audios.format
+
+    def audio_prompt_ids(self, num_tokens: int) -> tuple[list[int], int]:
+        return self._audios().prompt_ids(num_tokens), 1
+
+    def audio_item(self, waveform: Any) -> EncoderInputs:
+        return self._audios().item(waveform)
+
+    def audio_num_tokens(self, num_samples: int) -> int:
+        return self._audios().num_tokens_of_samples(num_samples)
+
+    def _audios(self) -> Gemma4AudioItems:
+        if self.audios is None:
+            raise UnsupportedModelError("this Gemma 4 checkpoint has no audio tower (audio_config is null)")
+        return self.audios

@@ -141,7 +141,7 @@ class LlavaFamily(ModelFamily):
             raise UnsupportedModelError(f"vision_feature_select_strategy {strategy!r} is not supported")
         return patches + int(has_cls) - int(strategy == "default")
 
-    def explain_max_tokens_per_item(self, limits: Mapping[str, int] | None = None) -> str:
+    def explain_max_tokens_per_item(self, limits: Mapping[str, int] | None = None, max_audio_seconds: float | None = None) -> str:
         vision = self.hf_config.vision_config
         side = vision.image_size // vision.patch_size
         parts = [f"{vision.model_type}: image_size {vision.image_size} / patch_size {vision.patch_size} = {side}x{side} patches"]

@@ -170,7 +170,7 @@ class Qwen2VLFamily(ModelFamily):
         """An image, and a video's temporal patch (each is one item)."""
         return {"image": self.max_tokens_per_image(), "video": qwen_video.max_tokens_per_patch(self.video)}
 
-    def explain_max_tokens_per_item(self, limits: Mapping[str, int] | None = None) -> str:
+    def explain_max_tokens_per_item(self, limits: Mapping[str, int] | None = None, max_audio_seconds: float | None = None) -> str:
         f = self.factor
         video = self.video
         bounds = "all frames together" if video.whole_clip_bounds else "each frame"

@@ -1,5 +1,6 @@
 """Image and video URLs, as OpenAI content parts carry them -> what the engine reads (encoded bytes or a
-checked file path). The server and MMEngine.chat load them through this one module, under one policy:
+checked file path), and OpenAI's `input_audio` parts (base64 data with its format) -> encoded bytes.
+The server and MMEngine.chat load them through this one module, under one policy:
 
 - `data:image/...;base64,...` (`data:video/...` for videos): decoded from base64; the engine decodes
   the picture or the clip itself;
@@ -53,6 +54,36 @@ def part_url(part: dict) -> str | None:
     value = part.get(part.get("type"))
     url = value.get("url") if isinstance(value, dict) else value
     return url if isinstance(url, str) and url else None
+
+
+# Containers an input_audio part may name (PyAV reads the data whatever it says; the name is checked).
+AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "opus", "m4a", "aac", "webm")
+
+
+def input_audio_of(part: dict) -> tuple[str, str] | None:
+    """(base64 data, format) of an OpenAI `input_audio` content part ({"input_audio": {"data", "format"}}),
+    None when it has neither a data string nor a format string."""
+    value = part.get("input_audio")
+    if not isinstance(value, dict) or not isinstance(value.get("data"), str) or not isinstance(value.get("format"), str):
+        return None
+    return value["data"], value["format"]
+
+
+def decode_input_audio(data: str, audio_format: str, index: int, policy: MediaPolicy) -> bytes:
+    """An input_audio part's base64 data as encoded bytes, its size and format checked."""
+    if audio_format.lower() not in AUDIO_FORMATS:
+        raise media_error(index, f"input_audio format {audio_format!r:.40} is not supported; expected one of "
+                          f"{', '.join(AUDIO_FORMATS)}", "invalid_input_audio", "audio")
+    limit = policy.limit("audio")
+    if len(data) * 3 // 4 > limit:
+        raise media_error(index, f"the audio is larger than {limit} bytes", "audio_too_large", "audio")
+    try:
+        decoded = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError) as err:
+        raise media_error(index, f"input_audio data is not valid base64 ({err})", "invalid_input_audio", "audio") from None
+    if not decoded:
+        raise media_error(index, "input_audio data is empty", "invalid_input_audio", "audio")
+    return decoded
 
 
 def media_error(index: int, reason: str, code: str = "invalid_image_url", kind: str = "image") -> MediaURLError:

@@ -1,4 +1,4 @@
-"""InputProcessor: prompt + images -> validated token ids with expanded placeholder runs and items.
+"""InputProcessor: prompt + images, videos, audio -> validated token ids with expanded placeholder runs and items.
 
 Every check on user input happens here, before anything is scheduled or allocated,
 and every failure is a typed InvalidInputError naming the prompt it came from.
@@ -19,14 +19,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from PIL import Image
 
 from mmengine.errors import (
+    AudioCountMismatchError,
     EmptyPromptError,
     ImageCountMismatchError,
     InvalidInputError,
     ItemTooLargeError,
     PromptTooLongError,
+    TooManyAudiosError,
     TooManyImagesError,
     TooManyVideosError,
     UnsupportedModelError,
@@ -36,6 +39,8 @@ from mmengine.utils.keyed_lock import KeyedLock
 from mmengine.encoder_cache.hashing import hash_bytes, hash_image, hash_user_id, model_fingerprint, processor_settings_key
 from mmengine.models.family import EncoderInputs, ModelFamily
 from mmengine.models.registry import load_hf_processor
+from mmengine.multimodal.audio import DEFAULT_MAX_AUDIO_SECONDS, as_audio
+from mmengine.multimodal.audio_loader import AudioLoader, LoadedAudio, audio_items, audio_limits
 from mmengine.multimodal.embeds import check_embeds, hash_embeds, is_embeds_item
 from mmengine.multimodal.image_loading import ImageInput, encoded_bytes, load_image
 from mmengine.multimodal.processor_cache import ProcessorCache
@@ -57,14 +62,20 @@ class BatchMemo:
     locks: KeyedLock = field(default_factory=KeyedLock)
 
 
-def split_uuids(mm_uuids: Any) -> tuple[Any, Any]:
-    """(image ids, video ids) of a request's mm_uuids: a list names images; a dict names each modality."""
+def split_uuids(mm_uuids: Any, modalities: Sequence[str] = ("image", "video")) -> dict[str, Any]:
+    """A request's mm_uuids by modality: a list names images; a dict names each of `modalities` (those
+    the family takes)."""
     if not isinstance(mm_uuids, dict):
-        return mm_uuids, None
-    unknown = sorted(set(mm_uuids) - {"image", "video"})
+        return {"image": mm_uuids}
+    unknown = sorted(set(mm_uuids) - set(modalities))
     if unknown:
-        raise InvalidInputError(f"mm_uuids names unknown modalities {unknown}; known: image, video")
-    return mm_uuids.get("image"), mm_uuids.get("video")
+        raise InvalidInputError(f"mm_uuids names unknown modalities {unknown}; known: {', '.join(modalities)}")
+    return dict(mm_uuids)
+
+
+def _tone(num_samples: int, rate: int, frequency: float) -> np.ndarray:
+    """A quiet sine wave: a probe clip."""
+    return (0.1 * np.sin(2 * np.pi * frequency * np.arange(num_samples) / rate)).astype(np.float32)
 
 
 class InputProcessor:
@@ -79,6 +90,7 @@ class InputProcessor:
         hash_algo: str = "xxh3_128",
         hf_processor: Any = None,
         max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS,
+        max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS,
     ) -> None:
         """`hf_processor`: the checkpoint's processor if already loaded (with any overrides applied)."""
         self.hf_processor = hf_processor if hf_processor is not None else load_hf_processor(model_dir)
@@ -91,6 +103,7 @@ class InputProcessor:
         self.max_model_len = max_model_len
         self.max_images = limit_mm_per_prompt.get("image", 0)
         self.max_videos = limit_mm_per_prompt.get("video", 0)
+        self.max_audios = limit_mm_per_prompt.get("audio", 0)
         self.max_image_pixels = max_image_pixels
         # Set by the engine once the caches exist: a request must fit in the KV cache alone,
         # and each item in one step's encoder budget.
@@ -112,7 +125,17 @@ class InputProcessor:
             family, self.cache, self._lock, self.fingerprint, self.settings_key,
             VideoLimits(max_video_seconds, max_image_pixels, max_model_len=max_model_len), hash_algo,
         )
+        self.audio_token: str | None = None
+        self.audios: AudioLoader | None = None
+        if family.audio_token_id is not None:
+            self.audio_token = self.hf_processor.audio_token
+            extractor = getattr(self.hf_processor, "feature_extractor", None)
+            audio_settings = processor_settings_key(extractor) if extractor is not None else ""
+            self.audios = AudioLoader(family, self.cache, self._lock, self.fingerprint, audio_settings,
+                                      audio_limits(family, max_audio_seconds), hash_algo)
         self._check_expansion()
+        if self.audios is not None:
+            self._check_audio_expansion()
 
     @property
     def max_tokens_per_item(self) -> int | None:
@@ -143,6 +166,21 @@ class InputProcessor:
                 "this processor is not supported"
             )
 
+    def _check_audio_expansion(self) -> None:
+        """As _check_expansion, for two probe clips of different lengths: the processor's own ids equal
+        the tokenizer's with each audio marker expanded into the family's run for its clip."""
+        rate = self.family.audio_format.sampling_rate
+        probes = [_tone(rate * 3 // 10, rate, 440.0), _tone(rate * 7 // 10, rate, 660.0)]
+        text = f"USER: {self.audio_token}\nCompare{self.audio_token} with this. ASSISTANT:"
+        ids = list(self.hf_processor(text=text, audio=probes, sampling_rate=rate)["input_ids"][0])
+        counts = [self.family.num_tokens(self.family.audio_item(probe)) for probe in probes]
+        expanded = self._tokenize(text, [], audio_counts=counts)[0]
+        if expanded != ids:
+            raise UnsupportedModelError(
+                f"the processor expands two probe audio clips differently from the model's {counts} embeddings for them: "
+                "the checkpoint's processor and model configs disagree"
+            )
+
     def _preprocess(self, images: list[Image.Image]) -> Any:
         return self.hf_processor.image_processor(images=images, return_tensors="pt")
 
@@ -164,16 +202,20 @@ class InputProcessor:
         text_ids: list[int] | None = None,
         token_ids: list[int] | None = None,
         videos: Sequence[Any] | None = None,
+        audios: Sequence[Any] | None = None,
     ) -> ProcessedPrompt:
         """`mm_uuids` optionally names each image: equal ids mean equal images (content is not hashed); a
-        dict {"image": [...], "video": [...]} names videos too (as vLLM's multi_modal_uuids).
+        dict {"image": [...], "video": [...], "audio": [...]} names videos and audio clips too (as vLLM's
+        multi_modal_uuids).
         `memo` is shared by the calls of one batch, so a picture object it gives for several prompts
         is read and hashed once. `text_ids`: the prompt's ids from `tokenize_batch`, if the batch was
         tokenized up front. `token_ids` instead of `prompt`: a token prompt (see _expand_token_ids).
         `prompt` is text the engine's intake checked (engine/prompt_inputs.py: a str of valid Unicode).
-        `videos`: one per video marker (multimodal.video.Video, or what its `source` takes)."""
+        `videos`: one per video marker (multimodal.video.Video, or what its `source` takes). `audios`: one per
+        audio marker (multimodal.audio.Audio, a (samples, sampling_rate) tuple, a path or encoded bytes)."""
         try:
-            return self._process(prompt, list(images or ()), params, mm_uuids, memo, text_ids, token_ids, list(videos or ()))
+            return self._process(prompt, list(images or ()), params, mm_uuids, memo, text_ids, token_ids, list(videos or ()),
+                                 list(audios or ()))
         except InvalidInputError as err:
             raise err.at_prompt(prompt_index) from err
 
@@ -187,11 +229,14 @@ class InputProcessor:
         text_ids: list[int] | None = None,
         token_ids: list[int] | None = None,
         videos: list[Any] | None = None,
+        audios: list[Any] | None = None,
     ) -> ProcessedPrompt:
         if token_ids is not None:
             self._check_vocabulary(token_ids)
-        mm_uuids, video_uuids = split_uuids(mm_uuids)
-        loaded_videos = self._load_videos(prompt, token_ids, videos or [], video_uuids)
+        uuids = split_uuids(mm_uuids, ("image", "video", "audio") if self.audios is not None else ("image", "video"))
+        mm_uuids = uuids.get("image")
+        loaded_videos = self._load_videos(prompt, token_ids, videos or [], uuids.get("video"))
+        loaded_audios = self._load_audios(prompt, token_ids, audios or [], uuids.get("audio"))
         if any(self.family.video_prompt_text(v.plan) is not None for v in loaded_videos):
             texts = [self.family.video_prompt_text(v.plan) for v in loaded_videos]
             prompt = write_video_markers(prompt, self.video_token, texts, *self._vision_wrap())
@@ -211,8 +256,13 @@ class InputProcessor:
                 raise InvalidInputError(f"image {index}: image_embeds has {inputs['image_embeds'].shape[0]} rows but the "
                                         f"model gives this image {count} placeholder tokens")
         self._check_item_sizes(counts)
+        audio_counts = [clip.num_tokens for clip in loaded_audios]
+        self._check_item_sizes(audio_counts, "audio")
+        audio_starts: list[int] = []
         if token_ids is None:
-            token_ids, starts, video_starts = self._tokenize(prompt, counts, text_ids, video_runs(self.family, loaded_videos))
+            token_ids, starts, video_starts, audio_starts = self._tokenize(
+                prompt, counts, text_ids, video_runs(self.family, loaded_videos), audio_counts
+            )
         else:
             (token_ids, starts), video_starts = self._expand_token_ids(token_ids, counts), []
         if not token_ids:
@@ -220,8 +270,10 @@ class InputProcessor:
         self._check_length(len(token_ids), params.max_tokens)
         items = self._placeholder_items(token_ids, starts, counts, preprocessed, mm_hashes)
         if loaded_videos:
-            videos = video_items(token_ids, video_starts, loaded_videos, self.family.video_token_id)
-            items = sorted(items + videos, key=lambda item: item.offset)
+            items += video_items(token_ids, video_starts, loaded_videos, self.family.video_token_id)
+        if loaded_audios:
+            items += audio_items(token_ids, audio_starts, loaded_audios, self.family.audio_token_id)
+        items.sort(key=lambda item: item.offset)
         positions = self.family.prompt_positions(token_ids, items)
         return ProcessedPrompt(prompt=prompt, prompt_token_ids=token_ids, mm_items=items, mrope_positions=positions)
 
@@ -238,23 +290,31 @@ class InputProcessor:
         return ids
 
     def _tokenize(
-        self, prompt: str, counts: Sequence[int], ids: list[int] | None = None, video_runs: Sequence[list[int]] = ()
-    ) -> tuple[list[int], list[int], list[int]]:
+        self, prompt: str, counts: Sequence[int], ids: list[int] | None = None, video_runs: Sequence[list[int]] = (),
+        audio_counts: Sequence[int] = (),
+    ) -> tuple[list[int], list[int], list[int], list[int]]:
         """The text tokenized as the processor does (or `ids`, its tokenization done earlier), the k-th
         image marker (one added token) expanded in place into a run of counts[k] placeholders, as the
-        processor's own expansion would, and the k-th video marker into adjacent runs of video_runs[k];
-        also where each image's run and each video item's run starts."""
+        processor's own expansion would, the k-th video marker into adjacent runs of video_runs[k] and the
+        k-th audio marker into a run of audio_counts[k]; also where each image's, each video item's and
+        each clip's run starts."""
         if ids is None:
             with self._lock:  # a fast tokenizer may refuse concurrent calls ("Already borrowed")
                 ids = self.tokenizer(prompt)["input_ids"]
         expanded: list[int] = []
         starts: list[int] = []
         video_starts: list[int] = []
+        audio_starts: list[int] = []
         video_token, videos = self.family.video_token_id, iter(video_runs)
+        audio_token = self.family.audio_token_id
         for token in ids:
             if token == self.image_token_id and len(starts) < len(counts):
                 run, offset = self.family.image_prompt_ids(counts[len(starts)])
                 starts.append(len(expanded) + offset)
+                expanded += run
+            elif token == audio_token and len(audio_starts) < len(audio_counts):
+                run, offset = self.family.audio_prompt_ids(audio_counts[len(audio_starts)])
+                audio_starts.append(len(expanded) + offset)
                 expanded += run
             elif token == video_token and (run := next(videos, None)) is not None:
                 for count in run:
@@ -262,7 +322,7 @@ class InputProcessor:
                     expanded += [token] * count
             else:
                 expanded.append(token)
-        return expanded, starts, video_starts
+        return expanded, starts, video_starts, audio_starts
 
     # -- videos ---------------------------------------------------------------------
 
@@ -292,6 +352,35 @@ class InputProcessor:
             if uuid is not None:
                 clips[index] = dataclasses.replace(clips[index], uuid=uuid)
         return [self.videos.load(clip, index) for index, clip in enumerate(clips)]
+
+    # -- audio ----------------------------------------------------------------------
+
+    def _load_audios(
+        self, prompt: str | None, token_ids: list[int] | None, audios: list[Any], uuids: Sequence[str | None] | None = None
+    ) -> list[LoadedAudio]:
+        """Each clip checked against the prompt's markers and the limits, then loaded (multimodal/audio_loader.py)."""
+        markers = prompt.count(self.audio_token) if prompt is not None and self.audio_token else 0
+        if token_ids is not None and self.family.audio_token_id is not None and self.family.audio_token_id in token_ids:
+            raise AudioCountMismatchError("the token ids hold audio placeholders; audio needs a text prompt with its audio markers")
+        if not audios:
+            if markers:
+                raise AudioCountMismatchError(f"the prompt has {markers} {self.audio_token} marker(s) but no audio was given")
+            return []
+        if self.audios is None:
+            raise InvalidInputError(f"{self.family.display_name} takes no audio ({len(audios)} audio clip(s) given)")
+        if token_ids is not None:
+            raise InvalidInputError("audio needs a text prompt (with its audio markers); prompt_token_ids with audio is not supported")
+        if len(audios) > self.max_audios:
+            raise TooManyAudiosError(
+                f"{len(audios)} audio clips given but limit_mm_per_prompt allows at most {self.max_audios} per prompt"
+            )
+        if markers != len(audios):
+            raise AudioCountMismatchError(f"the prompt has {markers} {self.audio_token} marker(s) but {len(audios)} audio clip(s) were given")
+        clips = [as_audio(audio, index) for index, audio in enumerate(audios)]
+        for index, uuid in enumerate(self._validated_user_ids(uuids, len(clips), "audio") if uuids is not None else []):
+            if uuid is not None:
+                clips[index] = dataclasses.replace(clips[index], uuid=uuid)
+        return [self.audios.load(clip, index) for index, clip in enumerate(clips)]
 
     def _vision_wrap(self) -> tuple[str, str]:
         """The tokens a chat template writes around a video marker (<|vision_start|>, <|vision_end|>)."""
@@ -357,18 +446,21 @@ class InputProcessor:
             raise ImageCountMismatchError(f"the token ids hold placeholders for {image} image(s) but {len(counts)} were given")
         return expanded, starts
 
-    def _check_item_sizes(self, counts: Sequence[int]) -> None:
-        """Each image's run must fit one step's encoder budget and, with the prompt's other tokens, max_model_len."""
+    def _check_item_sizes(self, counts: Sequence[int], kind: str = "image") -> None:
+        """Each image's (or clip's) run must fit one step's encoder budget and, with the prompt's other
+        tokens, max_model_len."""
+        smaller = "lower max_pixels" if kind == "image" else "send a shorter clip"
         for index, count in enumerate(counts):
             if self.max_tokens_per_item is not None and count > self.max_tokens_per_item:
                 raise ItemTooLargeError(
-                    f"image {index} needs {count} embeddings but the encoder cache budget is "
-                    f"{self.max_tokens_per_item} per step (raise encoder_cache_size, or lower max_pixels)"
+                    f"{kind} {index} needs {count} embeddings but the encoder cache budget is "
+                    f"{self.max_tokens_per_item} per step (raise encoder_cache_size, or {smaller})"
                 )
             if count >= self.max_model_len:
+                where = " in mm_processor_kwargs" if kind == "image" else ""
                 raise ItemTooLargeError(
-                    f"image {index} becomes {count} placeholder tokens, which cannot fit max_model_len="
-                    f"{self.max_model_len} (lower max_pixels in mm_processor_kwargs, or raise max_model_len)"
+                    f"{kind} {index} becomes {count} placeholder tokens, which cannot fit max_model_len="
+                    f"{self.max_model_len} ({smaller}{where}, or raise max_model_len)"
                 )
 
     def _load_items(

@@ -43,6 +43,7 @@ from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, Pending
 from mmengine.sample.params import SamplingParams
 from mmengine.sample.sampler import Sampler, token_logprobs
 from mmengine.core.scheduler import ScheduledRequest, SchedulerOutput
+from mmengine.core.request import Request
 from mmengine.sample.structured_output.masks import BitmaskFiller, apply_token_bitmask
 
 logger = logging.getLogger(__name__)
@@ -632,10 +633,18 @@ class ModelRunner:
             item = req.mm_items[idx]  # precomputed embeddings go straight into the cache: no tower run
             self.encoder_outputs[item.mm_hash] = item.encoder_inputs["image_embeds"].to(self.device, self.dtype, copy=True)
         jobs = [(req, idx) for req, idx in jobs if "image_embeds" not in req.mm_items[idx].encoder_inputs]
-        if not jobs:
-            return
+        # Padded batches hold pictures only (dummy_items' kind): other items (audio clips) go in a batch of their own
+        padding = [self.pad_encoder_batches and req.mm_items[idx].modality == "image" for req, idx in jobs]
+        padded = [job for job, pad in zip(jobs, padding) if pad]
+        rest = [job for job, pad in zip(jobs, padding) if not pad]
+        for group, pad in ((padded, True), (rest, False)):
+            if group:
+                self._encode_batch(group, pad, lora_slots)
+
+    def _encode_batch(self, jobs: list[tuple[Request, int]], pad: bool, lora_slots: dict[str, int] | None) -> None:
+        """Encodes items in one encode_items call (padded with dummy items to a warmed-up size when `pad`)."""
         inputs = [req.mm_items[idx].encoder_inputs for req, idx in jobs]
-        if self.pad_encoder_batches:
+        if pad:
             inputs += self.family.dummy_items(encoder_batch_size(len(inputs)) - len(inputs))
         context = self.vision_lora_context
         if context is not None and lora_slots:

@@ -87,9 +87,11 @@ GEMMA4_CHAT_TEMPLATE = (
 )
 
 
-def gemma4_prompt(text: str, num_images: int = 0) -> str:
-    """A one-turn user prompt with `num_images` image markers before the text, as the template writes it."""
-    return "<bos><|turn>user\n" + "\n\n<|image|>\n\n" * num_images + text + "<turn|>\n<|turn>model\n"
+def gemma4_prompt(text: str, num_images: int = 0, num_audios: int = 0) -> str:
+    """A one-turn user prompt with `num_images` image markers and then `num_audios` audio markers before the
+    text, as the template writes them."""
+    media = "\n\n<|image|>\n\n" * num_images + "\n\n<|audio|>\n\n" * num_audios
+    return "<bos><|turn>user\n" + media + text + "<turn|>\n<|turn>model\n"
 
 
 @dataclass(frozen=True)
@@ -131,8 +133,8 @@ class TinyGemma4Spec:
     vision_clipped_linears: bool = True  # as E2B / E4B
     vision_standardize: bool = True  # as 31B / 26B-A4B
     max_soft_tokens: int = 70
-    # audio tower (built and saved; the engine takes no audio yet). Its first conv channel count must
-    # stay 128 (the mel bins): transformers sizes the input projection from it.
+    # audio tower. Its first conv channel count must stay 128 (the mel bins): transformers sizes the
+    # input projection from it.
     with_audio: bool = True
     audio_hidden_size: int = 32
     audio_num_layers: int = 2

@@ -1,0 +1,211 @@
+"""Audio clips: what a caller gives, what is known before decoding, and the mono waveform a model takes.
+
+A clip is a file path, encoded bytes (WAV, FLAC, MP3, OGG, ...: what PyAV reads), or float samples
+with their rate: `Audio(samples, sampling_rate=...)` or vLLM's `(samples, sampling_rate)` tuple.
+Files and bytes are decoded with PyAV (the `video` extra), the one place untrusted audio is read: a
+container that states a duration over the limit is refused before anything is decoded, and decoding
+stops as soon as the samples pass it (AudioTooLongError); unreadable or corrupt data, or a stream that
+ends well before its stated duration, is a CorruptAudioError naming the clip. Every clip becomes mono
+float32 at the model's rate through the same resampler (libswresample), so one sound given as WAV,
+FLAC or samples at the same rate gives the same waveform, and so the same content hash.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from mmengine.errors import AudioTooLongError, CorruptAudioError, InvalidInputError
+from mmengine.multimodal.image_loading import MAX_ENCODED_FILE_BYTES
+
+# One engine default: Gemma 4's feature extractor takes at most 30 s, which also bounds a clip.
+DEFAULT_MAX_AUDIO_SECONDS: float = 30.0
+# Source rates outside this range are refused: they bound the samples a decode walks through.
+MAX_SOURCE_RATE = 768_000
+# A stream that decodes to less than this share of its stated duration is truncated.
+_TRUNCATED_SHARE = 0.9
+_SHOWN = 200
+
+
+@dataclass
+class Audio:
+    """An audio clip and how to read it. `source`: a path, encoded bytes, or a 1-D float array of mono
+    samples in [-1, 1] (numpy or torch), which needs its `sampling_rate` in Hz. `uuid` names the clip
+    (equal uuids mean equal clips; nothing is decoded to hash it)."""
+
+    source: Any
+    sampling_rate: int | None = None
+    uuid: str | None = None
+
+    def check(self, where: str) -> None:
+        """Raises InvalidInputError naming the first setting that is not valid."""
+        rate = self.sampling_rate
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, int) or not 0 < rate <= MAX_SOURCE_RATE):
+            raise InvalidInputError(f"{where}: sampling_rate must be an int in (0, {MAX_SOURCE_RATE}], got {rate!r}")
+        if self.uuid is not None and not (isinstance(self.uuid, str) and self.uuid):
+            raise InvalidInputError(f"{where}: uuid must be a non-empty str, got {self.uuid!r}")
+
+
+def as_audio(value: object, index: int) -> Audio:
+    """An Audio from what a caller gave: an Audio, a (samples, sampling_rate) tuple, a path or bytes."""
+    if isinstance(value, Audio):
+        audio = value
+    elif isinstance(value, tuple) and len(value) == 2 and not isinstance(value[1], (str, bytes)):
+        audio = Audio(value[0], value[1])
+    else:
+        audio = Audio(value)
+    audio.check(f"audio {index}")
+    return audio
+
+
+@dataclass(frozen=True)
+class AudioLimits:
+    """The longest clip taken, in seconds, and the limit to name when one is longer."""
+
+    max_seconds: float
+    name: str  # e.g. "max_audio_seconds=30"
+
+    def check_seconds(self, seconds: float, where: str, what: str = "") -> None:
+        if seconds > self.max_seconds:
+            raise AudioTooLongError(f"{where}: {what}{seconds:.2f} s exceeds {self.name}")
+
+
+def audio_label(audio: Audio, index: int) -> str:
+    """How errors name a clip: its position in the prompt, and its file where it has one."""
+    if isinstance(audio.source, (str, os.PathLike)):
+        return f"audio {index} ({_shown(audio.source)})"
+    return f"audio {index}"
+
+
+def encoded_audio_bytes(audio: Audio, where: str) -> bytes | None:
+    """A path's or bytes' content (read, not decoded); None for samples."""
+    source = audio.source
+    if isinstance(source, (str, os.PathLike)):
+        try:
+            with open(source, "rb") as file:
+                if os.fstat(file.fileno()).st_size > MAX_ENCODED_FILE_BYTES:
+                    raise AudioTooLongError(f"{where}: the file is larger than {MAX_ENCODED_FILE_BYTES} bytes")
+                data = file.read()
+        except (OSError, ValueError) as exc:
+            raise CorruptAudioError(f"{where}: cannot read the file: {exc}") from exc
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+        if len(data) > MAX_ENCODED_FILE_BYTES:
+            raise AudioTooLongError(f"{where}: the audio bytes are larger than {MAX_ENCODED_FILE_BYTES} bytes")
+    else:
+        return None
+    if not data:
+        raise CorruptAudioError(f"{where}: the audio bytes are empty")
+    return data
+
+
+def given_samples(audio: Audio, where: str, limits: AudioLimits) -> tuple[np.ndarray, int]:
+    """Samples given as an array, as contiguous mono float32 with their rate, checked against the limits."""
+    source = audio.source
+    if not (isinstance(source, np.ndarray) or type(source).__module__.startswith("torch")):
+        raise InvalidInputError(
+            f"{where}: expected a path, encoded bytes, or a float array of samples with its sampling rate "
+            f"(Audio(samples, sampling_rate=...) or (samples, sampling_rate)), got {type(source).__name__}"
+        )
+    array = np.asarray(source.detach().cpu().numpy() if hasattr(source, "detach") else source)
+    if array.ndim != 1 or not np.issubdtype(array.dtype, np.floating) or array.size == 0:
+        hint = " (mix the channels down to mono first, e.g. samples.mean(axis=0))" if array.ndim == 2 else ""
+        raise InvalidInputError(f"{where}: samples must be a non-empty 1-D float array (mono, in [-1, 1]), got "
+                                f"{array.dtype} {list(array.shape)}{hint}")
+    if audio.sampling_rate is None:
+        raise InvalidInputError(f"{where}: samples need their sampling rate: Audio(samples, sampling_rate=...) "
+                                "or (samples, sampling_rate)")
+    limits.check_seconds(array.size / audio.sampling_rate, where)
+    if not np.isfinite(array).all():
+        raise InvalidInputError(f"{where}: the samples hold NaN or infinite values")
+    return np.ascontiguousarray(array, dtype=np.float32), audio.sampling_rate
+
+
+def resample(samples: np.ndarray, source_rate: int, rate: int, where: str) -> np.ndarray:
+    """Mono float32 samples at `source_rate` resampled to `rate` (unchanged when the rates agree)."""
+    if source_rate == rate:
+        return samples
+    av = _import_av()
+    with _decode_errors(av, where):
+        frame = av.AudioFrame.from_ndarray(samples[None, :], format="flt", layout="mono")
+        frame.sample_rate = source_rate
+        resampler = _resampler(av, rate)
+        return _joined([*resampler.resample(frame), *resampler.resample(None)])
+
+
+def decode(data: bytes, where: str, rate: int, limits: AudioLimits) -> np.ndarray:
+    """The first audio stream of encoded `data` as mono float32 at `rate`. A stated duration over the
+    limit is refused before decoding, and the decode stops once its samples pass the limit."""
+    av = _import_av()
+    with _decode_errors(av, where), av.open(io.BytesIO(data), mode="r") as container:
+        if not container.streams.audio:
+            raise CorruptAudioError(f"{where}: the data holds no audio stream")
+        stream = container.streams.audio[0]
+        source_rate = int(stream.codec_context.sample_rate or stream.rate or 0)
+        if not 0 < source_rate <= MAX_SOURCE_RATE:
+            raise CorruptAudioError(f"{where}: sample rate {source_rate} is not in (0, {MAX_SOURCE_RATE}]")
+        stated = _stated_seconds(container, stream)
+        limits.check_seconds(stated, where, "the container states ")
+        most = int(limits.max_seconds * source_rate)
+        resampler, frames, count = _resampler(av, rate), [], 0
+        for frame in container.decode(stream):
+            count += frame.samples
+            if count > most:
+                raise AudioTooLongError(f"{where}: more than {limits.max_seconds:g} s of samples decoded ({limits.name})")
+            frames += resampler.resample(frame)
+        frames += resampler.resample(None)
+    if count == 0:
+        raise CorruptAudioError(f"{where}: the stream holds no samples")
+    if stated > 0 and count < _TRUNCATED_SHARE * stated * source_rate:
+        raise CorruptAudioError(f"{where}: truncated: the container states {stated:.2f} s but holds "
+                                f"{count / source_rate:.2f} s")
+    return _joined(frames)
+
+
+def _resampler(av: Any, rate: int) -> Any:
+    return av.AudioResampler(format="flt", layout="mono", rate=rate)
+
+
+def _joined(frames: list[Any]) -> np.ndarray:
+    if not frames:
+        return np.zeros(0, dtype=np.float32)
+    return np.ascontiguousarray(np.concatenate([frame.to_ndarray()[0] for frame in frames]), dtype=np.float32)
+
+
+def _stated_seconds(container: Any, stream: Any) -> float:
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    if container.duration is not None:
+        return container.duration / 1_000_000
+    return 0.0
+
+
+def _import_av() -> Any:
+    try:
+        import av
+    except ImportError as err:
+        raise InvalidInputError(
+            "decoding or resampling audio needs PyAV: pip install 'mmengine[video]' (or give float samples at the model's rate)"
+        ) from err
+    return av
+
+
+@contextlib.contextmanager
+def _decode_errors(av: Any, where: str) -> Iterator[None]:
+    try:
+        yield
+    except (InvalidInputError, MemoryError):
+        raise
+    except Exception as exc:  # av.FFmpegError and its subclasses, and whatever a broken container raises
+        raise CorruptAudioError(f"{where}: cannot decode the audio: {type(exc).__name__}: {exc}") from exc
+
+
+def _shown(path: str | os.PathLike) -> str:
+    text = os.fspath(path)
+    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."
