@@ -146,9 +146,9 @@ def test_the_fused_moe_kernel_in_the_engine_matches_transformers(family_checkpoi
     calls = {"n": 0}
     original = kernel_module.fused_moe
 
-    def counted(*args):
+    def counted(*args, **kwargs):
         calls["n"] += 1
-        return original(*args)
+        return original(*args, **kwargs)
 
     kernel_module.fused_moe = counted
     try:

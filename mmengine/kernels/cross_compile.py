@@ -52,6 +52,7 @@ class Launch:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     min_arch: int = 0  # FP8 (e4m3) pointers need sm_89+: Triton refuses them for sm_80
+    max_arch: int = 1000  # e4m3 read as bits (uint8) runs only where Triton has no e4m3 type: below sm_89
 
     @property
     def name(self) -> str:
@@ -260,9 +261,11 @@ def record_fp8_kv_launches(case: AttentionCase) -> list[Launch]:
             rotary_store_kv(query, key, key, slots, torch.empty(16, 2 * dim, dtype=case.dtype), cache, slots, k_scale=0.5, v_scale=0.25)
             prefill_attention(query, cache, torch.tensor([0, 5, 8], dtype=torch.int32), seq_lens, tables, 0.1, max_query_len=5)
             decode_attention(query[:2], cache, seq_lens, tables, 0.1, num_splits=4)
-        if cache_dtype == torch.float8_e4m3fn:
-            for launch in recorded:
+        for launch in recorded:
+            if cache_dtype == torch.float8_e4m3fn:
                 launch.min_arch = FP8_MIN_ARCH
+            else:
+                launch.max_arch = FP8_MIN_ARCH - 1
         launches += recorded
     return launches
 
@@ -373,9 +376,11 @@ def record_fp8_gemm_launches(case: AttentionCase) -> list[Launch]:
         with capture_launches() as recorded:
             for rows in (1, 64):
                 fp8_matmul(torch.empty(rows, k, dtype=case.dtype), weight, scales, 128)
-        if weight_dtype == torch.float8_e4m3fn:
-            for launch in recorded:
+        for launch in recorded:
+            if weight_dtype == torch.float8_e4m3fn:
                 launch.min_arch = FP8_MIN_ARCH
+            else:
+                launch.max_arch = FP8_MIN_ARCH - 1
         launches += recorded
     return launches
 
@@ -406,7 +411,7 @@ def report(cases: list[AttentionCase], archs: list[int], log: Callable[[str], No
             for launch in launches:
                 launch.min_arch = max(launch.min_arch, 90)
         for launch in launches:
-            for arch in (a for a in archs if a >= launch.min_arch):
+            for arch in (a for a in archs if launch.min_arch <= a <= launch.max_arch):
                 res = resources_of(launch, arch, case.label)
                 results.append(res)
                 note = "; ".join(res.problems()) or "ok"
