@@ -152,11 +152,11 @@ def test_every_case_depends_on_its_window_and_its_spans():
     assert (full[0] - backend.forward(query, cache, metadata, scale)[0]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", HEADS)
-@pytest.mark.parametrize("device,dtype,window,spans", [
-    *[(*FP32.values, w, sp) for w, sp in [(None, False), (None, True), (4, True), (8, False), (8, True), (100, True)]],
-    (*FP16.values, None, True), (*FP16.values, 8, True),
-    pytest.param(*BF16.values, 8, True, marks=BF16.marks, id="cuda-bf16-8-True"),
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size,device,dtype,window,spans", [
+    *[(*head.values, *FP32.values, w, sp) for head in HEADS
+      for w, sp in [(None, False), (None, True), (4, True), (8, False), (8, True), (100, True)]],
+    *[(*head.values, *FP16.values, 8, True) for head in HEADS],
+    *[pytest.param(*head.values, *BF16.values, 8, True, marks=BF16.marks, id=f"{head.id}-cuda-bf16") for head in HEADS],
 ])
 def test_triton_backend_equals_the_torch_backend(device, dtype, num_heads, num_kv_heads, head_dim, block_size, window, spans):
     """Decodes (split-KV) and prefills (paged, chunked after a cached context) in one step."""

@@ -166,7 +166,7 @@ def test_a_sharded_checkpoint_quantizes_shard_by_shard(tmp_path):
 
 
 @pytest.mark.parametrize("method,kept,dtype", [("fp8", "Fp8FusedExperts", torch.float8_e4m3fn), ("gptq", "Int4FusedExperts", torch.int32),
-                                              ("w4a16-asym", "Int4FusedExperts", torch.int32), ("gptq-act-order", None, None)])
+                                              ("gptq-act-order", None, None)])
 def test_quantized_experts_stay_quantized_where_the_fused_kernels_run(family_checkpoint, tmp_path, no_tf32, method, kept, dtype):
     """Qwen3.5-MoE's experts, stored one tensor per expert (as Qwen's -FP8 releases store them) in FP8 or
     int4: dequantized and stacked on CPU they compute the dequantized copy exactly; with the fused kernels
@@ -180,7 +180,7 @@ def test_quantized_experts_stay_quantized_where_the_fused_kernels_run(family_che
     prompt = "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n<|im_start|>assistant\n"
     if method == "fp8":
         assert _logprobs(quantized, prompt, [PICTURE]) == _logprobs(reference, prompt, [PICTURE])
-    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     engine = MMEngine(str(quantized), max_model_len=256, attn_backend="triton", enforce_eager=True, **KERNEL_FP32.engine_kwargs)
     layers = engine.runner.model.language_model.layers
     assert all(type(layer.mlp.experts) is getattr(moe, kept or "FusedExperts") for layer in layers)
