@@ -9,6 +9,7 @@
   weight_gemm.py       what those GEMMs share: output tile, activation loads, the store, the launch
   w8a8.py              the W8A8 FP8 GEMM: activations quantized per token, torch._scaled_mm (no Triton)
   kv_quant.py          writing K/V into an FP8 cache (the rounding every backend shares)
+  e4m3.py              e4m3 as bytes where Triton has no e4m3 type (before sm_89): exact decode and encode
   tiling.py checks.py common.py   tile shapes layouts must match, host-side argument checks, launch helpers
   cross_compile.py     compiles every kernel for sm_80/sm_90 without a GPU and reports its resources
 

@@ -5,6 +5,8 @@
   cuda_graphs.py   batch-size buckets, capture and replay of decode-only steps
   cascade_plan.py  whether a step runs cascade attention, and with which groups
   launched_step.py a step queued on the device, its tokens read back later
+  kv_tensors.py    the KV cache's device tensors, one per layer shape (Gemma 4's sliding and global layers differ)
+  spans.py         how far each new token sees on layers that attend both ways inside a picture
 """
 
 from mmengine.runner.model_runner import ModelRunner
