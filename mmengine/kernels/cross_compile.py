@@ -239,6 +239,16 @@ def record_attention_launches(case: AttentionCase) -> list[Launch]:
     return launches
 
 
+def fp8_arch_range(launches: list[Launch], dtype: torch.dtype) -> list[Launch]:
+    """Launches over e4m3 compile for sm_89+ only; over its bits (uint8) only below, where they run."""
+    for launch in launches:
+        if dtype == torch.float8_e4m3fn:
+            launch.min_arch = FP8_MIN_ARCH
+        else:
+            launch.max_arch = FP8_MIN_ARCH - 1
+    return launches
+
+
 def record_fp8_kv_launches(case: AttentionCase) -> list[Launch]:
     """kv_cache_dtype="fp8": the stores that quantize into an e4m3 cache (plain and fused with rotary),
     and prefill and split-KV decode reading it: on e4m3 (sm_89+) and on its bits (any GPU)."""
@@ -261,12 +271,7 @@ def record_fp8_kv_launches(case: AttentionCase) -> list[Launch]:
             rotary_store_kv(query, key, key, slots, torch.empty(16, 2 * dim, dtype=case.dtype), cache, slots, k_scale=0.5, v_scale=0.25)
             prefill_attention(query, cache, torch.tensor([0, 5, 8], dtype=torch.int32), seq_lens, tables, 0.1, max_query_len=5)
             decode_attention(query[:2], cache, seq_lens, tables, 0.1, num_splits=4)
-        for launch in recorded:
-            if cache_dtype == torch.float8_e4m3fn:
-                launch.min_arch = FP8_MIN_ARCH
-            else:
-                launch.max_arch = FP8_MIN_ARCH - 1
-        launches += recorded
+        launches += fp8_arch_range(recorded, cache_dtype)
     return launches
 
 
@@ -376,12 +381,7 @@ def record_fp8_gemm_launches(case: AttentionCase) -> list[Launch]:
         with capture_launches() as recorded:
             for rows in (1, 64):
                 fp8_matmul(torch.empty(rows, k, dtype=case.dtype), weight, scales, 128)
-        for launch in recorded:
-            if weight_dtype == torch.float8_e4m3fn:
-                launch.min_arch = FP8_MIN_ARCH
-            else:
-                launch.max_arch = FP8_MIN_ARCH - 1
-        launches += recorded
+        launches += fp8_arch_range(recorded, weight_dtype)
     return launches
 
 

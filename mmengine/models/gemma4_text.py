@@ -35,7 +35,7 @@ from mmengine.layers.lora import LoRAContext, LoRALinear
 from mmengine.layers.moe import FusedExperts
 from mmengine.layers.norm import ScaledRMSNorm
 from mmengine.layers.rotary import RotaryStep, apply_rotary, build_cos_sin_table
-from mmengine.models.llama import DeepStack, copy_checked
+from mmengine.models.llama import DeepStack, copy_checked, gate_up_shard_shapes, load_with_gate_up_shards
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 SUPPORTED_TEXT_MODEL_TYPES = ("gemma4_text",)
@@ -323,30 +323,10 @@ class Gemma4DecoderModel(nn.Module):
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
         """Loads one checkpoint tensor named relative to this module; False if the name is unknown."""
-        parts = name.split(".")
-        if len(parts) >= 5 and parts[0] == "layers" and parts[-2] in ("gate_proj", "up_proj"):
-            self.get_submodule(".".join(parts[:-2])).load_shard(("gate_proj", "up_proj").index(parts[-2]), parts[-1], tensor)
-            return True
-        try:
-            target = self.get_parameter(name)
-        except AttributeError:
-            try:
-                target = self.get_buffer(name)  # layer_scalar
-            except AttributeError:
-                return False
-        copy_checked(target.data, tensor, name)
-        return True
+        return load_with_gate_up_shards(self, name, tensor)
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every checkpoint tensor of the decoder and its shape (gate and up separately, as saved)."""
-        shapes: dict[str, tuple[int, ...]] = {}
-        named = [*self.named_parameters(), *((n, b) for n, b in self.named_buffers() if n.endswith("layer_scalar"))]
-        for name, param in named:
-            if name.endswith("gate_up_proj.weight"):
-                owner = name.removesuffix("gate_up_proj.weight")
-                half = (param.shape[0] // 2, *param.shape[1:])
-                shapes[owner + "gate_proj.weight"] = shapes[owner + "up_proj.weight"] = half
-            else:
-                shapes[name] = tuple(param.shape)
-        return shapes
+        scalars = ((n, b) for n, b in self.named_buffers() if n.endswith("layer_scalar"))
+        return gate_up_shard_shapes([*self.named_parameters(), *scalars])
 

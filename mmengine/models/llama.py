@@ -7,6 +7,8 @@ checkpoint keys map one to one.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from dataclasses import dataclass
 
 import torch
@@ -257,4 +259,35 @@ def decoder_checkpoint_shapes(decoder: DecoderModel) -> dict[str, tuple[int, ...
         assert sum(rows[shard] for _, shard in shards) == param.shape[0], (name, param.shape)
         for proj, shard in shards:
             shapes[f"{owner}.{proj}.{leaf}"] = (rows[shard], *param.shape[1:])
+    return shapes
+
+
+def load_with_gate_up_shards(decoder: nn.Module, name: str, tensor: torch.Tensor) -> bool:
+    """One checkpoint tensor (named relative to `decoder`) into a decoder that fuses only gate and up:
+    a gate or up shard into its MLP's gate_up_proj, else the parameter or buffer (e.g. a layer scalar) of
+    that name. False if the name is unknown."""
+    parts = name.split(".")
+    if len(parts) >= 5 and parts[0] == "layers" and parts[-2] in ("gate_proj", "up_proj"):  # (a shared expert's too)
+        decoder.get_submodule(".".join(parts[:-2])).load_shard(("gate_proj", "up_proj").index(parts[-2]), parts[-1], tensor)
+        return True
+    for get in (decoder.get_parameter, decoder.get_buffer):
+        try:
+            target = get(name)
+        except AttributeError:
+            continue
+        copy_checked(target.data, tensor, name)
+        return True
+    return False
+
+
+def gate_up_shard_shapes(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, tuple[int, ...]]:
+    """Checkpoint tensors and their shapes from a decoder's parameters: a fused gate_up_proj weight as its
+    gate and up halves (the experts' 3-D gate_up_proj is saved fused), everything else as it is."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, param in named:
+        if name.endswith("gate_up_proj.weight"):
+            owner = name.removesuffix("gate_up_proj.weight")
+            shapes[owner + "gate_proj.weight"] = shapes[owner + "up_proj.weight"] = (param.shape[0] // 2, *param.shape[1:])
+        else:
+            shapes[name] = tuple(param.shape)
     return shapes

@@ -25,7 +25,8 @@ from mmengine.layers.lora import LoRAContext, LoRALinear
 from mmengine.layers.moe import SparseMoeBlock
 from mmengine.layers.norm import ZeroCenteredRMSNorm
 from mmengine.layers.rotary import RotaryEmbedding, RotaryStep
-from mmengine.models.llama import DecoderMLP, DeepStack, copy_checked, head_dim_of
+from mmengine.models.llama import (DecoderMLP, DeepStack, gate_up_shard_shapes, head_dim_of,
+                                   load_with_gate_up_shards)
 from mmengine.models.qwen3_vl import Qwen3VLFamily
 from mmengine.models.qwen_vl import QwenVLModel
 
@@ -137,30 +138,11 @@ class HybridDecoderModel(nn.Module):
 
     def load_weight(self, name: str, tensor: torch.Tensor) -> bool:
         """Loads one checkpoint tensor named relative to this module; False if the name is unknown."""
-        parts = name.split(".")
-        if "rotary_emb" in parts:
-            return True
-        if len(parts) >= 5 and parts[0] == "layers" and parts[-2] in ("gate_proj", "up_proj"):  # (a shared expert's too)
-            self.get_submodule(".".join(parts[:-2])).load_shard(("gate_proj", "up_proj").index(parts[-2]), parts[-1], tensor)
-            return True
-        try:
-            param = self.get_parameter(name)
-        except AttributeError:
-            return False
-        copy_checked(param.data, tensor, name)
-        return True
+        return "rotary_emb" in name.split(".") or load_with_gate_up_shards(self, name, tensor)
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every checkpoint tensor of the decoder and its shape (gate and up separately, as saved)."""
-        shapes: dict[str, tuple[int, ...]] = {}
-        for name, param in self.named_parameters():
-            if name.endswith("gate_up_proj.weight"):  # a DecoderMLP's (the experts' is one 3-D tensor, as saved)
-                owner = name.removesuffix("gate_up_proj.weight")
-                half = (param.shape[0] // 2, *param.shape[1:])
-                shapes[owner + "gate_proj.weight"] = shapes[owner + "up_proj.weight"] = half
-            else:
-                shapes[name] = tuple(param.shape)
-        return shapes
+        return gate_up_shard_shapes(self.named_parameters())
 
 
 def check_hybrid_text_config(config: PretrainedConfig) -> None:
