@@ -53,6 +53,11 @@ class EngineConfig:
     # state checkpoints for prefix hits (kv_cache/recurrent_state.py), and an explicit count instead.
     state_checkpoint_memory_fraction: float = 0.1
     num_state_checkpoints: int | None = None
+    # Sliding-window layers (Gemma 4) keep only their window's blocks, in a pool of their own: its blocks
+    # per block of the full-attention layers' pool (at least what one request needs at once). Lower fits
+    # more long contexts and cached prefixes, higher more short requests at once; None keeps every
+    # token's K/V in every layer (kv_cache/sliding_window.py, docs/caches.md).
+    sliding_kv_ratio: float | None = 0.5
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
@@ -135,6 +140,9 @@ class EngineConfig:
         _require(isinstance(self.state_checkpoint_memory_fraction, (int, float)) and not isinstance(self.state_checkpoint_memory_fraction, bool)
                  and 0 <= self.state_checkpoint_memory_fraction < 1, "state_checkpoint_memory_fraction",
                  self.state_checkpoint_memory_fraction, "a number in [0, 1)")
+        _require(self.sliding_kv_ratio is None or (isinstance(self.sliding_kv_ratio, (int, float))
+                 and not isinstance(self.sliding_kv_ratio, bool) and 0 < self.sliding_kv_ratio <= 1),
+                 "sliding_kv_ratio", self.sliding_kv_ratio, "None or a number in (0, 1]")
         if self.encoder_cache_size is not None:
             _positive_int("encoder_cache_size", self.encoder_cache_size)
         for name in ("encoder_cache_host_bytes", "kv_cache_host_bytes"):

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from mmengine.config import EngineConfig
 from mmengine.encoder_cache.host_tier import EncoderHostTier
 from mmengine.encoder_cache.manager import EncoderCacheManager
-from mmengine.kv_cache.block_pool import KVBlock
 from mmengine.kv_cache.manager import KVCacheManager
 from mmengine.kv_cache.coordinator import CacheCoordinator, PrefixHit
 from mmengine.kv_cache.recurrent_state import RecurrentStateManager, StatePlan
+from mmengine.kv_cache.sliding_window import SlidingWindowManager
 from mmengine.core.prefix_sharing import PrefixSharing
 from mmengine.core.request import PLACEHOLDER_TOKEN, Request, RequestStatus
 
@@ -109,13 +109,15 @@ class Scheduler:
         encoder_host_tier: EncoderHostTier | None = None,
         states: RecurrentStateManager | None = None,
         whole_span_modalities: frozenset[str] = frozenset(),
+        windows: SlidingWindowManager | None = None,
     ) -> None:
         """`states`: the recurrent-state books of a hybrid model (None for attention-only models).
+        `windows`: the sliding-window layers' pool (None: every cached layer keeps every token).
         `whole_span_modalities`: items whose placeholder tokens attend to each other both ways (Gemma 4's
         pictures): a prefill chunk never ends inside one, so every query of a span sees all of it."""
         self.config = config
         self.whole_span_modalities = whole_span_modalities
-        self.caches = CacheCoordinator(kv_cache, states, config.block_size)
+        self.caches = CacheCoordinator(kv_cache, states, config.block_size, windows)
         self.encoder_host_tier = encoder_host_tier  # asked whether a missing item can be copied back
         self.kv_cache = kv_cache
         self.encoder_cache = encoder_cache
@@ -196,7 +198,7 @@ class Scheduler:
                 out.scheduled.append(ScheduledRequest(request, start, 0, []))
                 i += 1
                 continue
-            while not self.kv_cache.can_allocate(request, num_new):
+            while not self.caches.can_allocate(request, num_new):
                 if self.sharing.release_idle_hold():  # a held prefix nobody runs on goes before a request
                     continue
                 victim = self.running.pop()
@@ -259,9 +261,9 @@ class Scheduler:
             wait_for_hit = (
                 not starving and num_hit_blocks < len(request.block_hashes) and request.block_hashes[num_hit_blocks] in in_flight
             )
-            fits = self.kv_cache.can_allocate(request, num_new, admission.hit.hits, num_computed)
+            fits = self.caches.can_allocate(request, num_new, admission.hit, num_computed)
             while not fits and starving and self.sharing.release_idle_hold():
-                fits = self.kv_cache.can_allocate(request, num_new, admission.hit.hits, num_computed)
+                fits = self.caches.can_allocate(request, num_new, admission.hit, num_computed)
             if wait_for_hit or num_new == 0 or not fits or not self.sharing.admits(request, admission.hit.hits, num_computed, starving):
                 if starving:
                     break
@@ -293,7 +295,7 @@ class Scheduler:
         """Moves the request from waiting to running with its first chunk scheduled."""
         num_computed = admission.num_computed
         hit = admission.hit
-        scheduled = self._commit(request, num_computed, admission.num_new, admission.plan, encoding_now, hit.hits, hit.host_hits)
+        scheduled = self._commit(request, num_computed, admission.num_new, admission.plan, encoding_now, hit)
         scheduled.state = self.caches.plan_admitted(request, hit, admission.num_new)
         self.waiting.remove(request)
         self.kv_cache.record_lookup(request.num_tokens, num_computed)
@@ -382,17 +384,16 @@ class Scheduler:
         num_new: int,
         plan: EncoderPlan,
         encoding_now: set[str],
-        hits: list[KVBlock] = (),
-        host_hits: list = (),
+        hit: PrefixHit | None = None,
     ) -> ScheduledRequest:
         """Takes the KV blocks and encoder entries a planned chunk needs: all of them, or (when a
         check fails) none. Reuse references are added before new encodes allocate, so an allocation
         can never evict an entry this same chunk is about to reuse."""
         assert num_new > 0 and start + num_new <= request.num_tokens, (request, start, num_new)
         if not plan.encode and not plan.reuse and not plan.restore:  # text only: just the KV blocks
-            if not self.kv_cache.can_allocate(request, num_new, hits, start):
+            if not self.caches.can_allocate(request, num_new, hit, start):
                 raise RuntimeError(f"KV blocks for {request} are no longer free")
-            self.kv_cache.allocate(request, num_new, hits, start, host_hits)
+            self.caches.allocate(request, num_new, hit, start)
             return ScheduledRequest(request, start, num_new, [])
         items = request.mm_items
         planned = {items[idx].mm_hash for idx in plan.encode + plan.restore}
@@ -404,7 +405,7 @@ class Scheduler:
             raise RuntimeError(f"stale encoder plan for {request}: {plan}")
         if not self.encoder_cache.can_allocate(plan.cost + plan.restore_room, [items[idx].mm_hash for idx in resident]):
             raise RuntimeError(f"encoder plan for {request} no longer fits the encoder cache: {plan}")
-        if not self.kv_cache.can_allocate(request, num_new, hits, start):
+        if not self.caches.can_allocate(request, num_new, hit, start):
             raise RuntimeError(f"KV blocks for {request} are no longer free")
 
         held = self._held.setdefault(request.request_id, set())
@@ -430,7 +431,7 @@ class Scheduler:
             self.encoder_cache.num_hits += 1
             held.add(idx)
         # After the encoder bookings: a host-tier block that pins a picture re-pins its (now resident) entry.
-        self.kv_cache.allocate(request, num_new, hits, start, host_hits)
+        self.caches.allocate(request, num_new, hit, start)
         return ScheduledRequest(request, start, num_new, list(plan.encode), list(plan.restore))
 
     def _blocks_in_flight(self) -> set[bytes]:

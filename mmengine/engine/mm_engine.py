@@ -340,7 +340,7 @@ class MMEngine:
     def reset_prefix_cache(self) -> None:
         """Forgets every cached KV block (e.g. after changing weights). Running requests are unaffected."""
         with self.lock:
-            self.kv_cache.reset_prefix_cache()
+            self.scheduler.caches.reset_prefix_cache()
 
     def reset_encoder_cache(self) -> None:
         """Drops every encoder output no running request needs (e.g. after changing the vision tower's

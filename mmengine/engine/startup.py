@@ -25,6 +25,7 @@ from mmengine.kv_cache.block_hash import make_hash_function
 from mmengine.kv_cache.host_tier import KVHostTier
 from mmengine.kv_cache.manager import KVCacheManager
 from mmengine.kv_cache.recurrent_state import RecurrentStateManager
+from mmengine.kv_cache.sliding_window import SlidingWindowManager
 from mmengine.lora.adapter import DecoderShape, VisionTargets
 from mmengine.lora.manager import LoRAManager
 from mmengine.models.family import ModelFamily
@@ -84,11 +85,12 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     input_processor.max_tokens_per_item = encoder_budget.compute_budget_tokens
     spans = _check_whole_spans(config, family)
     scheduler = Scheduler(config, kv_cache, encoder_cache, encoder_budget.compute_budget_tokens, max_model_len, encoder_host_tier,
-                          _recurrent_states(config, family, runner, kv_cache), spans)
+                          _recurrent_states(config, family, runner, kv_cache), spans, _window_blocks(config, runner))
     eos_token_ids = eos_token_ids_of(model_dir, hf_config, input_processor.tokenizer)
     grammars = GrammarCompiler(input_processor.tokenizer, family.text_config.vocab_size, eos_token_ids)
-    logger.info("mmengine ready: %s on %s/%s, %d KV blocks of %d tokens, max_model_len %d",
-                model_dir, device, dtype, num_blocks, config.block_size, max_model_len)
+    logger.info("mmengine ready: %s on %s/%s, %d KV blocks of %d tokens%s, max_model_len %d",
+                model_dir, device, dtype, num_blocks, config.block_size,
+                f" (and {runner.num_window_blocks} for the sliding-window layers)" if runner.window_pool else "", max_model_len)
     return EngineParts(config, hf_config, family, max_model_len, device, dtype, input_processor, runner, encoder_budget,
                        kv_cache, encoder_cache, encoder_host_tier, scheduler, eos_token_ids, grammars,
                        _lora_manager(config, family, runner))
@@ -126,6 +128,7 @@ def _start_runner(config: EngineConfig, family: ModelFamily, runner: ModelRunner
     )
     if runner.device.type == "cpu":
         per_block = runner.kv_block_bytes + config.block_size * runner.embedding_bytes
+        per_block += -(-runner.num_window_blocks * runner.window_block_bytes // num_blocks)  # the window pool's share
         check_cpu_kv_cache_fits(num_blocks, per_block, explicit=config.num_kv_blocks is not None)
     runner.allocate_kv_cache(num_blocks)
     if runner.use_cuda_graphs:
@@ -179,6 +182,14 @@ def _recurrent_states(config: EngineConfig, family: ModelFamily, runner: ModelRu
                                    is_block_cached=kv_cache.pool.is_hash_cached)
     kv_cache.on_block_uncached = states.drop
     return states
+
+
+def _window_blocks(config: EngineConfig, runner: ModelRunner) -> SlidingWindowManager | None:
+    """The books of the sliding-window layers' pool, when the model has one."""
+    pool = runner.window_pool
+    if pool is None:
+        return None
+    return SlidingWindowManager(runner.num_window_blocks, config.block_size, pool.window, config.enable_prefix_caching)
 
 
 def _lora_manager(config: EngineConfig, family: ModelFamily, runner: ModelRunner) -> LoRAManager | None:

@@ -147,7 +147,7 @@ class StepLoop:
 
     def _step(self) -> list[RequestOutput]:
         out = self._schedule()
-        launched = self.runner.launch(out, self._block_tables(out))
+        launched = self.runner.launch(out, self._block_tables(out), window_tables=self._window_tables(out))
         if launched.pending is not None:  # the grammars are current: mask while the forward runs
             launched = self.runner.sample(launched)
         sampled = launched.result()
@@ -167,7 +167,8 @@ class StepLoop:
         pending = self.scheduler.book_step(previous.out) if previous is not None else []
         try:
             out = self._schedule(allow_empty=previous is not None)
-            launched = self.runner.launch(out, self._block_tables(out), previous.launched if previous is not None else None)
+            launched = self.runner.launch(out, self._block_tables(out), previous.launched if previous is not None else None,
+                                          window_tables=self._window_tables(out))
         except BaseException:
             if previous is not None:
                 for output in self._resolve(previous, pending):
@@ -229,6 +230,13 @@ class StepLoop:
 
     def _block_tables(self, out: SchedulerOutput) -> dict[str, list[int]]:
         return {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled}
+
+    def _window_tables(self, out: SchedulerOutput) -> dict[str, list[int]] | None:
+        """The sliding-window pool's block tables (None without one)."""
+        caches = self.scheduler.caches
+        if caches.windows is None:
+            return None
+        return {s.request.request_id: caches.windows.block_ids(s.request.request_id) for s in out.scheduled}
 
     def _recompute_lost_states(self) -> None:
         """After a failed step, a hybrid model's requests in it recompute from a checkpoint (preempted):

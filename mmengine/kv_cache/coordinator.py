@@ -8,9 +8,13 @@ hybrid decoder, the longest verified block chain whose end has a checkpoint. Blo
 that point are still taken: the stretch after the checkpoint is recomputed for the recurrent layers
 while the attention layers read its cached K/V and write nothing (slot -1 below num_prefix_hit_tokens).
 
-The scheduler asks here for the hit when it admits a request, and tells the groups when a chunk is
-planned, when it is booked and when the request leaves; the managers keep their own books. (Sliding
-window layers, Gemma 4's, are the next group.)
+Sliding-window layers (Gemma 4's) keep their blocks in a pool of their own (SlidingWindowManager) and
+give back those that left the window; a hit holds there when the blocks of the window before its end
+are cached, so the full chain's hit is shortened to the longest prefix that has them.
+
+The scheduler asks here for the hit when it admits a request, whether a chunk's blocks can be had (in
+every pool), and tells the groups when a chunk is planned, when it is booked and when the request
+leaves; the managers keep their own books.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from mmengine.kv_cache.block_pool import KVBlock
 from mmengine.kv_cache.host_tier import HostBlock
 from mmengine.kv_cache.manager import KVCacheManager
 from mmengine.kv_cache.recurrent_state import RecurrentStateManager, StatePlan
+from mmengine.kv_cache.sliding_window import SlidingWindowManager
 
 
 @dataclass
@@ -31,6 +36,7 @@ class PrefixHit:
     host_hits: list[HostBlock] = field(default_factory=list)  # cached host blocks after them (a copy in, not a prefill)
     num_computed: int = 0  # tokens the request starts with (a full hit still recomputes the last)
     resume_blocks: int = 0  # recurrent groups: the blocks whose checkpointed state it starts from
+    window_hits: list[KVBlock] = field(default_factory=list)  # sliding-window pool: the hit's last blocks (its window)
 
     @property
     def num_hit_blocks(self) -> int:
@@ -38,9 +44,11 @@ class PrefixHit:
 
 
 class CacheCoordinator:
-    def __init__(self, kv_cache: KVCacheManager, states: RecurrentStateManager | None, block_size: int) -> None:
+    def __init__(self, kv_cache: KVCacheManager, states: RecurrentStateManager | None, block_size: int,
+                 windows: SlidingWindowManager | None = None) -> None:
         self.kv_cache = kv_cache
         self.states = states
+        self.windows = windows
         self.block_size = block_size
 
     def find_hit(self, request: Request, fresh: bool, can_pin: Callable[[str], bool]) -> PrefixHit:
@@ -57,7 +65,11 @@ class CacheCoordinator:
         return self._hit(request, hit.hits, [])
 
     def _hit(self, request: Request, hits: list[KVBlock], host_hits: list[HostBlock]) -> PrefixHit:
-        hit = PrefixHit(hits, host_hits)
+        window_hits: list[KVBlock] = []
+        if self.windows is not None:
+            n, window_hits = self.windows.longest_hit(request, len(hits) + len(host_hits))
+            hits, host_hits = hits[:n], host_hits[: max(0, n - len(hits))]
+        hit = PrefixHit(hits, host_hits, window_hits=window_hits)
         last = request.num_tokens - 1  # a full hit still recomputes the last token: its logits are needed
         if self.states is None:
             hit.num_computed = min(hit.num_hit_blocks * self.block_size, last)
@@ -65,6 +77,35 @@ class CacheCoordinator:
             hit.resume_blocks = self.states.resume_point(request, hit.num_hit_blocks, last)
             hit.num_computed = hit.resume_blocks * self.block_size
         return hit
+
+    # -- blocks -------------------------------------------------------------------
+
+    def can_allocate(self, request: Request, num_new: int, hit: PrefixHit | None = None, num_computed: int | None = None) -> bool:
+        """Whether every pool has the blocks for the request to grow by num_new tokens (at admission,
+        after `hit`)."""
+        hits = hit.hits if hit is not None else []
+        if not self.kv_cache.can_allocate(request, num_new, hits, num_computed):
+            return False
+        if self.windows is None:
+            return True
+        if hit is None:
+            return self.windows.can_allocate(request, num_new, num_computed=num_computed)
+        return self.windows.can_allocate(request, num_new, hit.window_hits, hit.num_hit_blocks, num_computed)
+
+    def allocate(self, request: Request, num_new: int, hit: PrefixHit | None = None, num_computed: int | None = None) -> None:
+        if hit is None:
+            self.kv_cache.allocate(request, num_new, num_computed=num_computed)
+        else:
+            self.kv_cache.allocate(request, num_new, hit.hits, num_computed, hit.host_hits)
+        if self.windows is not None:
+            if hit is None:
+                self.windows.allocate(request, num_new, num_computed=num_computed)
+            else:
+                self.windows.allocate(request, num_new, hit.window_hits, hit.num_hit_blocks, num_computed)
+
+    def window_block_ids(self, request_id: str) -> list[int] | None:
+        """The request's sliding-window block table (None: the model has no such pool)."""
+        return None if self.windows is None else self.windows.block_ids(request_id)
 
     # -- a chunk planned, booked; a request leaving ----------------------------
 
@@ -90,10 +131,19 @@ class CacheCoordinator:
         """The request's computed tokens moved on: its full blocks are cached, then its saves that they
         reached become visible."""
         self.kv_cache.cache_blocks(request)
+        if self.windows is not None:
+            self.windows.booked(request)
         if self.states is not None:
             self.states.commit(request)
 
     def release(self, request: Request) -> None:
         if self.states is not None:
             self.states.release(request)
+        if self.windows is not None:
+            self.windows.free(request)
         self.kv_cache.free(request)
+
+    def reset_prefix_cache(self) -> None:
+        self.kv_cache.reset_prefix_cache()
+        if self.windows is not None:
+            self.windows.reset_prefix_cache()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -61,6 +61,21 @@ class AttentionMetadata:
     # they never decrease along a request). A span must lie within one step: keys past the step's end
     # are not seen. None: no spans in this step.
     span_ends: torch.Tensor | None = None
+    # The sliding-window layers' own pool (kv_cache/sliding_window.py): each new token's slot and each
+    # request's block table there (the null block where blocks left the window). None: one pool for all.
+    window_slot_mapping: torch.Tensor | None = None
+    window_block_tables: torch.Tensor | None = None
+    _window_view: AttentionMetadata | None = field(default=None, repr=False, compare=False)
+
+    def over_window_pool(self) -> AttentionMetadata:
+        """The step as a sliding-window layer sees it: its pool's slots and block tables (this metadata
+        when there is no such pool). Made once per step, at the first windowed layer."""
+        if self.window_block_tables is None:
+            return self
+        if self._window_view is None:
+            self._window_view = replace(self, slot_mapping=self.window_slot_mapping, block_tables=self.window_block_tables,
+                                        window_slot_mapping=None, window_block_tables=None, cascade=None)
+        return self._window_view
 
     @classmethod
     def build(
@@ -159,6 +174,8 @@ class Attention(nn.Module):
         rotary: RotaryStep | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] (rotated here when `rotary` is given) -> [T, Hq * D]."""
+        if self.sliding_window is not None:
+            metadata = metadata.over_window_pool()
         if self.source:
             return self._attend(q, metadata, self.source[0])
         assert self.kv_cache is not None and self.backend is not None, "KV cache not bound"

@@ -135,6 +135,11 @@ class ModelFamily:
         """(KV heads, head size) of each layer with a KV cache, in order: one shape for most decoders."""
         return [(self.text_config.num_key_value_heads, self.head_dim)] * self.num_attention_layers
 
+    def kv_cache_windows(self) -> list[int | None]:
+        """The sliding window of each layer with a KV cache, in kv_cache_layout's order (None: it attends
+        to every earlier token); windowed layers keep their blocks in a pool of their own."""
+        return [None] * self.num_attention_layers
+
     @property
     def bidirectional_modalities(self) -> frozenset[str]:
         """Modalities whose placeholder tokens attend to each other both ways (in some layers): a prefill

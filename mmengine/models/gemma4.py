@@ -29,7 +29,7 @@ from mmengine.models.gemma4_audio import (
     load_gemma4_feature_extractor,
     saved_audio_seq_length,
 )
-from mmengine.models.gemma4_text import Gemma4DecoderModel, layer_attention
+from mmengine.models.gemma4_text import SLIDING, Gemma4DecoderModel, layer_attention
 from mmengine.models.gemma4_vision import (
     VISION_CHECKPOINT_PREFIXES,
     Gemma4ImageItems,
@@ -133,6 +133,10 @@ class Gemma4Family(ModelFamily):
 
     def kv_cache_layout(self) -> list[tuple[int, int]]:
         return [(layer.num_kv_heads, layer.head_dim) for layer in layer_attention(self.text_config) if layer.stores_kv]
+
+    def kv_cache_windows(self) -> list[int | None]:
+        window = self.text_config.sliding_window
+        return [window if layer.kind == SLIDING else None for layer in layer_attention(self.text_config) if layer.stores_kv]
 
     @property
     def num_attention_layers(self) -> int:

@@ -108,7 +108,10 @@ class InputBuffers:
         position_channels: int = 1,
         cascade: CascadePolicy | None = None,
         lora: bool = False,
+        windowed: bool = False,
     ) -> None:
+        """`windowed`: the sliding-window layers keep their blocks in a pool of their own, with its own
+        block tables and slots."""
         self.device = device
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -125,6 +128,10 @@ class InputBuffers:
         self.query_start_loc = buf(max_reqs + 1, dtype=torch.int32)
         self.seq_lens = buf(max_reqs, dtype=torch.int32)
         self.block_tables = buf(max_reqs, max_blocks_per_req, dtype=torch.int32)
+        self.windowed = windowed
+        if windowed:
+            self.window_slot_mapping = buf(max_tokens, dtype=torch.int64)
+            self.window_block_tables = buf(max_reqs, max_blocks_per_req, dtype=torch.int32)
         self.logits_indices = buf(max_reqs, dtype=torch.int64)
         self.greedy = buf(max_reqs, dtype=torch.bool)
         self.temperature = buf(max_reqs, dtype=torch.float32)
@@ -152,17 +159,20 @@ class InputBuffers:
         graph_size: int | None = None,
         previous_rows: dict[str, int] | None = None,
         lora_slots: dict[str, int] | None = None,
+        window_tables: dict[str, list[int]] | None = None,
     ) -> StepInputs:
         """Packs the scheduled requests (decodes first, each with num_new_tokens > 0) into the
         buffers. With a graph size, the batch is padded to it with rows that store nothing.
         `previous_rows` (async scheduling) maps a request whose last token is a placeholder to
         that token's index among the previous step's sampled tokens. `lora_slots` maps requests that
         run an adapter to its slot; in a graph step they go into the per-row slot buffer (and the
-        step takes no cascade variant: a graph has either)."""
+        step takes no cascade variant: a graph has either). `window_tables`: the sliding-window pool's
+        block tables (when the buffers are windowed)."""
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's copies have read the host side
         scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
-        batch = self._pack_requests(scheduled, block_tables, previous_rows)
+        assert (window_tables is not None) == self.windowed, "a windowed step needs its window tables, and only it"
+        batch = self._pack_requests(scheduled, block_tables, previous_rows, window_tables)
         graph_lora = bool(lora_slots) and graph_size is not None
         groups, bounds, graph_size = self._plan_cascade(batch, graph_size) if self.cascade is not None and not graph_lora else ([], None, graph_size)
         padded_reqs = graph_size or batch.num_reqs
@@ -199,7 +209,7 @@ class InputBuffers:
         return inputs
 
     def _pack_requests(self, scheduled: list[ScheduledRequest], block_tables: dict[str, list[int]],
-                       previous_rows: dict[str, int] | None) -> _PackedBatch:
+                       previous_rows: dict[str, int] | None, window_tables: dict[str, list[int]] | None) -> _PackedBatch:
         """One pass over the batch, the per-request host work: token ids and block tables into the
         buffers, each request's lengths into arrays."""
         num_reqs = len(scheduled)
@@ -212,6 +222,9 @@ class InputBuffers:
             blocks = block_tables[request.request_id]
             batch.row_blocks.append(blocks)
             table[row, : len(blocks)] = blocks
+            if window_tables is not None:
+                window_blocks = window_tables[request.request_id]
+                self.window_block_tables.np[row, : len(window_blocks)] = window_blocks
             if length == 1:
                 token = request.all_token_ids[start]
                 if token == PLACEHOLDER_TOKEN:
@@ -247,23 +260,32 @@ class InputBuffers:
         token_starts = np.cumsum(query_lens) - query_lens
         positions = np.arange(num_tokens) - token_starts[req_of_token] + batch.starts[req_of_token]
         bs = self.block_size
-        slots = self.block_tables.np[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         # A last token recomputed after a full prefix hit sits in a shared cached block
         # that already holds its K/V: it is attended to, never written again (slot -1).
-        slots[positions < batch.hit_ends[req_of_token]] = PAD_SLOT
+        cached = positions < batch.hit_ends[req_of_token]
+        for table, slot_mapping in self._slot_buffers():
+            slots = table.np[req_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+            slots[cached] = PAD_SLOT
+            slot_mapping.np[:num_tokens] = slots
+            slot_mapping.np[num_tokens:padded_tokens] = PAD_SLOT
         self.input_ids.np[num_tokens:padded_tokens] = 0
         if self.position_channels == 1:
             self.positions.np[:num_tokens] = positions
         else:
             self._fill_mrope_positions(scheduled, positions, token_starts)
         self.positions.np[num_tokens:padded_tokens] = 0
-        self.slot_mapping.np[:num_tokens] = slots
-        self.slot_mapping.np[num_tokens:padded_tokens] = PAD_SLOT
         batch.query_start_loc = np.concatenate(([0], np.cumsum(query_lens), num_tokens + np.arange(1, padded_reqs - num_reqs + 1)))
         self.query_start_loc.np[: padded_reqs + 1] = batch.query_start_loc
         self.seq_lens.np[:num_reqs] = batch.seq_lens
         self.seq_lens.np[num_reqs:padded_reqs] = PAD_SEQ_LEN
         return token_starts
+
+    def _slot_buffers(self) -> list[tuple[HostDeviceBuffer, HostDeviceBuffer]]:
+        """(block tables, slot mapping) of each pool."""
+        pools = [(self.block_tables, self.slot_mapping)]
+        if self.windowed:
+            pools.append((self.window_block_tables, self.window_slot_mapping))
+        return pools
 
     def _attention_metadata(self, batch: _PackedBatch, padded_tokens: int, padded_reqs: int) -> AttentionMetadata:
         padding = padded_reqs - batch.num_reqs
@@ -275,6 +297,8 @@ class InputBuffers:
             query_start_loc=self.query_start_loc.upload(padded_reqs + 1),
             seq_lens=self.seq_lens.upload(padded_reqs),
             block_tables=self.block_tables.upload(padded_reqs),
+            window_slot_mapping=self.window_slot_mapping.upload(padded_tokens) if self.windowed else None,
+            window_block_tables=self.window_block_tables.upload(padded_reqs) if self.windowed else None,
             query_lens_cpu=query_lens_list,
             seq_lens_cpu=seq_lens_list,
             query_start_loc_cpu=batch.query_start_loc.tolist(),
@@ -354,14 +378,17 @@ class InputBuffers:
             self._uploaded.synchronize()
         self.input_ids.np[:batch_size] = 0
         self.positions.np[:batch_size] = 0
-        self.slot_mapping.np[:batch_size] = PAD_SLOT
         self.query_start_loc.np[: batch_size + 1] = np.arange(batch_size + 1)
         self.seq_lens.np[:batch_size] = PAD_SEQ_LEN
-        self.block_tables.np[:batch_size] = 0
+        for table, slot_mapping in self._slot_buffers():
+            slot_mapping.np[:batch_size] = PAD_SLOT
+            table.np[:batch_size] = 0
+            table.upload(batch_size)
+            slot_mapping.upload(batch_size)
         if self.lora_slots is not None:
             self.lora_slots.np[:batch_size] = -1
             self.lora_slots.upload(batch_size)
-        for buffer in (self.input_ids, self.positions, self.slot_mapping, self.seq_lens, self.block_tables):
+        for buffer in (self.input_ids, self.positions, self.seq_lens):
             buffer.upload(batch_size)
         self.query_start_loc.upload(batch_size + 1)
         if self._uploaded is not None:

@@ -22,7 +22,7 @@ from mmengine.encoder_cache.host_tier import EncoderHostTier
 from mmengine.kernels.kv_quant import is_fp8
 from mmengine.kv_cache.host_tier import KVCopy
 from mmengine.kv_cache.manager import cdiv
-from mmengine.runner.kv_tensors import PagedKVTensors, kv_block_bytes
+from mmengine.runner.kv_tensors import PagedKVTensors, WindowPool, kv_block_bytes, split_kv_memory
 from mmengine.layers.attention import AttentionMetadata
 from mmengine.layers.attention_backends import get_attention_backend
 from mmengine.layers.cascade import tokens_per_tile
@@ -96,6 +96,9 @@ class ModelRunner:
         self.encoder_host_tier: EncoderHostTier | None = None  # where evicted outputs wait (set by the engine)
         self.on_encoded: Callable[[tuple[str, torch.Tensor]], None] | None = None  # told of each output the tower makes
         self.kv_cache: PagedKVTensors | None = None
+        # Sliding-window layers' own pool (None: every cached layer keeps every token, in one pool)
+        self.window_pool = self._plan_window_pool()
+        self.num_window_blocks = 0
         # Hybrid models: each linear-attention layer's states, slots 0..max_num_seqs-1 live, then checkpoints,
         # then one scratch slot that a decode graph's padding rows write into
         self.recurrent_states: list[GatedDeltaStates] = []
@@ -119,6 +122,7 @@ class ModelRunner:
             position_channels=family.position_channels,
             cascade=self._cascade_policy(),
             lora=config.enable_lora,
+            windowed=self.window_pool is not None,
         )
         self._readback = TokenReadback(config.max_num_seqs, device)
         self.grammar_masks = BitmaskFiller(self.text_config.vocab_size, config.max_num_seqs, device)
@@ -167,7 +171,31 @@ class ModelRunner:
 
     @property
     def kv_block_bytes(self) -> int:
-        return kv_block_bytes(self.family.kv_cache_layout(), self.block_size, self.kv_element_bytes)
+        """Bytes of a block of the full-attention pool (of every cached layer, without a window pool)."""
+        return kv_block_bytes(self._pool_layout(windowed=False), self.block_size, self.kv_element_bytes)
+
+    @property
+    def window_block_bytes(self) -> int:
+        """Bytes of a block of the sliding-window pool (0 without one)."""
+        return kv_block_bytes(self._pool_layout(windowed=True), self.block_size, self.kv_element_bytes)
+
+    def _windowed_layers(self) -> list[bool]:
+        return [self.window_pool is not None and window is not None for window in self.family.kv_cache_windows()]
+
+    def _pool_layout(self, windowed: bool) -> list[tuple[int, int]]:
+        return [shape for shape, w in zip(self.family.kv_cache_layout(), self._windowed_layers()) if w == windowed]
+
+    def _plan_window_pool(self) -> WindowPool | None:
+        """The sliding-window layers' pool, when they have one window shorter than max_model_len (and the
+        config does not keep every token's K/V everywhere)."""
+        windows = {w for w in self.family.kv_cache_windows() if w is not None}
+        if self.config.sliding_kv_ratio is None or len(windows) != 1 or min(windows) >= self.max_model_len:
+            if len(windows) > 1:
+                logger.info("sliding windows of %s tokens: every cached layer keeps every token", sorted(windows))
+            return None
+        c = self.config
+        return WindowPool.plan(min(windows), c.sliding_kv_ratio, self.block_size, c.max_num_batched_tokens, c.max_num_seqs,
+                               self.max_model_len)
 
     @property
     def state_slot_bytes(self) -> int:
@@ -207,20 +235,28 @@ class ModelRunner:
             available = self.config.cpu_kv_cache_bytes
         available = self._reserve_state_memory(available)
         per_block = self.kv_block_bytes + encoder_bytes_per_block
-        num_blocks = min((available - encoder_fixed_bytes) // per_block, useful)
+        num_blocks, self.num_window_blocks = split_kv_memory(available - encoder_fixed_bytes, per_block,
+                                                             self.window_block_bytes, self.window_pool, useful)
         if self.config.num_kv_blocks is not None:
             num_blocks = min(num_blocks, self.config.num_kv_blocks) if self.device.type == "cuda" else self.config.num_kv_blocks
-        if num_blocks < 1:
+            if self.window_pool is not None:
+                self.num_window_blocks = min(self.num_window_blocks, self.window_pool.blocks_for(num_blocks))
+        if num_blocks < 1 or (self.window_pool is not None and self.num_window_blocks < self.window_pool.min_blocks):
             raise ConfigError(
                 f"no memory left for the KV cache ({available} bytes available, {encoder_fixed_bytes} for the encoder "
-                f"cache, {per_block} bytes per block)"
+                f"cache, {per_block} bytes per block"
+                + (f", {self.window_pool.min_blocks} sliding-window blocks of {self.window_block_bytes} bytes at least)"
+                   if self.window_pool is not None else ")")
             )
         return int(num_blocks)
 
-    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int | None = None) -> None:
-        """The KV cache of `num_blocks` blocks and, for a hybrid model, its recurrent states (None:
-        max_num_seqs live slots, num_state_checkpoints, one scratch slot)."""
-        self.kv_cache = PagedKVTensors(self.family.kv_cache_layout(), num_blocks, self.block_size, self.kv_dtype, self.device)
+    def allocate_kv_cache(self, num_blocks: int, num_state_slots: int | None = None, num_window_blocks: int | None = None) -> None:
+        """The KV cache of `num_blocks` blocks (and num_window_blocks for the sliding-window layers; None:
+        num_window_blocks as determined) and, for a hybrid model, its recurrent states (None: max_num_seqs
+        live slots, num_state_checkpoints, one scratch slot)."""
+        window_blocks = self.num_window_blocks if num_window_blocks is None else num_window_blocks
+        self.kv_cache = PagedKVTensors(self.family.kv_cache_layout(), num_blocks, self.block_size, self.kv_dtype, self.device,
+                                       self._windowed_layers(), window_blocks)
         self._bind_kv_cache(self.kv_cache)
         recurrent = self.family.recurrent_shape
         if recurrent is not None:
@@ -243,7 +279,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
         num_blocks = cdiv(num_tokens, self.block_size)
-        self.allocate_kv_cache(num_blocks, num_state_slots=1)
+        self.allocate_kv_cache(num_blocks, num_state_slots=1, num_window_blocks=num_blocks)  # both pools: one block table
         with torch.inference_mode():
             if images_per_step > 0:
                 self.model.encode_items(self.family.dummy_items(images_per_step))
@@ -338,6 +374,8 @@ class ModelRunner:
             query_start_loc=buffers.query_start_loc.device[: size + 1],
             seq_lens=buffers.seq_lens.device[:size],
             block_tables=buffers.block_tables.device[:size],
+            window_slot_mapping=buffers.window_slot_mapping.device[:size] if buffers.windowed else None,
+            window_block_tables=buffers.window_block_tables.device[:size] if buffers.windowed else None,
             query_lens_cpu=[1] * size,
             seq_lens_cpu=[self.max_model_len] * size,
             query_start_loc_cpu=list(range(size + 1)),
@@ -407,16 +445,19 @@ class ModelRunner:
 
     # -- one step -----------------------------------------------------------
 
-    def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]]) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]],
+                window_tables: dict[str, list[int]] | None = None) -> dict[str, int]:
         """Runs one step and returns the sampled token of every request whose step reached its last token."""
-        return self.launch(out, block_tables).result()
+        return self.launch(out, block_tables, window_tables=window_tables).result()
 
     @torch.inference_mode()
     def launch(
-        self, out: SchedulerOutput, block_tables: dict[str, list[int]], previous: LaunchedStep | None = None
+        self, out: SchedulerOutput, block_tables: dict[str, list[int]], previous: LaunchedStep | None = None,
+        window_tables: dict[str, list[int]] | None = None,
     ) -> LaunchedStep:
         """Queues one step on the device without waiting for it; result() reads its tokens.
-        A decode whose input is a placeholder (async scheduling) takes `previous`'s token on the device."""
+        A decode whose input is a placeholder (async scheduling) takes `previous`'s token on the device.
+        `window_tables`: each request's sliding-window pool blocks (with a window pool)."""
         self._restore_encoder_outputs(out.scheduled)  # before the evicted go to the host tier (they may push these out)
         self.free_encoder_outputs(out.freed_encoder_hashes)
         self._run_encoder(out.scheduled, out.encoder_lora_slots)
@@ -425,7 +466,7 @@ class ModelRunner:
             return NOTHING_SAMPLED
         graph_size = self._graph_size_for(scheduled)
         inputs = self.inputs.prepare(scheduled, block_tables, graph_size, previous.token_rows() if previous else None,
-                                     lora_slots=out.lora_slots)
+                                     lora_slots=out.lora_slots, window_tables=window_tables)
         if self.lora_context is not None and inputs.graph_size is None:
             self.lora_context.segments = self._lora_segments(inputs.scheduled, out.lora_slots)
         if inputs.deferred_rows is not None:

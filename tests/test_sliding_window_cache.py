@@ -1,0 +1,135 @@
+"""The sliding-window layers' block pool (kv_cache/sliding_window.py) and the coordinator's hits over it:
+blocks that left the window go back to the pool (the table keeps the null block), stay cached until
+reallocated, and a prefix hit holds only where the window before its end is found."""
+
+from __future__ import annotations
+
+from helpers import make_request
+from mmengine.kv_cache.block_hash import make_hash_function
+from mmengine.kv_cache.coordinator import CacheCoordinator
+from mmengine.kv_cache.manager import KVCacheManager
+from mmengine.kv_cache.sliding_window import NULL_BLOCK_ID, SlidingWindowManager
+
+HASH = make_hash_function("xxh3_128", 0)
+BS, WINDOW = 4, 6
+
+
+def _coordinator(full_blocks: int = 32, window_blocks: int = 8) -> CacheCoordinator:
+    return CacheCoordinator(KVCacheManager(full_blocks, BS, HASH), None, BS, SlidingWindowManager(window_blocks, BS, WINDOW))
+
+
+def _run(caches: CacheCoordinator, request, chunk: int) -> None:
+    """Admits the request and computes its prompt in chunks, as the scheduler books them."""
+    caches.kv_cache.hash_new_blocks(request)
+    hit = caches.find_hit(request, False, lambda _: False)
+    request.num_computed_tokens = hit.num_computed
+    request.num_prefix_hit_tokens = hit.num_hit_blocks * BS
+    first = True
+    while request.num_computed_tokens < request.num_tokens:
+        num_new = min(chunk, request.num_tokens - request.num_computed_tokens)
+        assert caches.can_allocate(request, num_new, hit if first else None, request.num_computed_tokens if first else None)
+        caches.allocate(request, num_new, hit if first else None, request.num_computed_tokens if first else None)
+        first = False
+        request.num_computed_tokens += num_new
+        caches.booked(request)
+
+
+def _run_admitted(caches: CacheCoordinator, request, hit) -> None:
+    request.num_computed_tokens = hit.num_computed
+    caches.allocate(request, request.num_tokens - hit.num_computed, hit, hit.num_computed)
+    request.num_computed_tokens = request.num_tokens
+    caches.booked(request)
+
+
+def test_blocks_that_left_the_window_go_back_to_the_pool():
+    caches = _coordinator()
+    windows = caches.windows
+    request = make_request("a", 30)
+    _run(caches, request, chunk=4)
+    # 30 tokens computed: later queries see keys from 30 - 6 + 1 = 25 on, in block 6 (and block 7 holds 28, 29)
+    table = windows.block_ids("a")
+    assert table[:6] == [NULL_BLOCK_ID] * 6 and NULL_BLOCK_ID not in table[6:]
+    assert windows.num_held_blocks("a") == 2
+    assert windows.num_freed_out_of_window == 6
+    assert caches.kv_cache.block_ids("a") == list(range(8))  # the full layers keep every block
+    # A pool of 8 (the null block and 7) served a request of 8 blocks: a window never needs more than 4 at once
+    assert windows.num_free_blocks == 8 - 1 - 2
+
+
+def test_a_request_never_holds_more_than_its_window_and_chunk():
+    caches = _coordinator(window_blocks=1 + 4)  # the null block and cdiv(6 - 1 + 4, 4) + 1 = 4
+    request = make_request("a", 40)
+    _run(caches, request, chunk=4)
+    assert caches.windows.num_held_blocks("a") <= 4 and request.num_computed_tokens == 40
+
+
+def test_a_hit_needs_the_window_before_its_end():
+    caches = _coordinator()
+    first = make_request("a", 24)
+    _run(caches, first, chunk=8)
+    window = caches.windows.block_ids("a")[4:6]
+    caches.release(first)
+    # The same prompt again: its full chain (6 blocks) is cached, and so is every window block (freed, not evicted)
+    again = make_request("b", 24)
+    caches.kv_cache.hash_new_blocks(again)
+    hit = caches.find_hit(again, False, lambda _: False)
+    assert hit.num_hit_blocks == 6 and hit.num_computed == 23
+    # the last token (23) is recomputed: it sees keys from 18 on, blocks 4 and 5
+    assert [b.block_id for b in hit.window_hits] == window
+
+
+def test_evicted_window_blocks_shorten_the_hit_to_where_a_window_is_found():
+    caches = _coordinator(window_blocks=12)
+    windows = caches.windows
+    first = make_request("a", 32, tokens=list(range(1, 33)))
+    _run(caches, first, chunk=4)
+    caches.release(first)
+    again = make_request("b", 32, tokens=list(range(1, 33)))
+    caches.kv_cache.hash_new_blocks(again)
+    assert caches.find_hit(again, False, lambda _: False).num_hit_blocks == 8
+    for index in (6, 7):  # evicted (as an allocation would)
+        windows.pool.uncache(next(blk for blk in windows.pool.blocks if blk.block_hash == again.block_hashes[index]))
+    assert len(caches.kv_cache.get_computed_blocks(again)) == 8  # the full layers still have the whole chain
+    hit = caches.find_hit(again, False, lambda _: False)
+    # 8 and 7 blocks need block 6; 6 blocks (24 tokens) need keys from 19 on: blocks 4 and 5
+    assert hit.num_hit_blocks == 6 and hit.num_computed == 24 and len(hit.hits) == 6
+    assert [b.block_hash for b in hit.window_hits] == again.block_hashes[4:6]
+    _run_admitted(caches, again, hit)
+    assert windows.block_ids("b")[:4] == [NULL_BLOCK_ID] * 4
+
+
+def test_a_pool_reused_by_another_prompt_leaves_no_hit():
+    caches = _coordinator(window_blocks=6)
+    first = make_request("a", 32, tokens=list(range(1, 33)))
+    _run(caches, first, chunk=4)
+    caches.release(first)
+    filler = make_request("f", 20, tokens=list(range(100, 120)))  # takes all 5 usable window blocks at once
+    _run(caches, filler, chunk=20)
+    caches.release(filler)
+    again = make_request("b", 32, tokens=list(range(1, 33)))
+    caches.kv_cache.hash_new_blocks(again)
+    assert len(caches.kv_cache.get_computed_blocks(again)) == 8
+    assert caches.find_hit(again, False, lambda _: False).num_hit_blocks == 0
+
+
+def test_a_window_block_is_verified_by_its_parent_hash():
+    """Window blocks have no chain in their pool: a lookup checks each one's key and parent's hash."""
+    caches = _coordinator()
+    a = make_request("a", 16, tokens=list(range(1, 17)))
+    _run(caches, a, chunk=16)
+    caches.release(a)
+    b = make_request("b", 17, tokens=list(range(1, 18)))
+    caches.kv_cache.hash_new_blocks(b)
+    assert caches.find_hit(b, False, lambda _: False).num_hit_blocks == 4
+    last = next(blk for blk in caches.windows.pool.blocks if blk.block_hash == b.block_hashes[3])
+    last.parent_hash = b"another parent"
+    assert caches.find_hit(b, False, lambda _: False).num_hit_blocks == 3  # the hits that do not need block 3
+
+
+def test_freeing_a_request_returns_every_block_but_the_null_one():
+    caches = _coordinator()
+    request = make_request("a", 21)
+    _run(caches, request, chunk=5)
+    caches.release(request)
+    assert caches.windows.num_free_blocks == caches.windows.num_blocks - 1
+    assert caches.kv_cache.num_free_blocks == caches.kv_cache.num_blocks
