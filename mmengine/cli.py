@@ -142,6 +142,7 @@ def run_budget(args: argparse.Namespace) -> None:
         "limit_mm_per_prompt": _parse_limits(args.limit_mm_per_prompt),
         "encoder_cache_size": args.encoder_cache_size,
         "max_audio_seconds": args.max_audio_seconds,
+        "sliding_kv_ratio": args.sliding_kv_ratio,
         "mm_processor_kwargs": mapping_parser("--mm-processor-kwargs", int)(args.mm_processor_kwargs) if args.mm_processor_kwargs else None,
     }
     # the engine's rules; the device decides what dtype "auto" becomes
@@ -208,6 +209,7 @@ def run_budget(args: argparse.Namespace) -> None:
     kv_elem = torch.empty((), dtype=kv_dtype).element_size()
     block_bytes = kv_block_bytes(family.kv_cache_layout(), block_size, kv_elem)
     _print_kv_budget(family, block_size, kv_dtype, dtype, args.kv_cache_dtype)
+    _print_window_budget(family, config, kv_elem, args.max_model_len or hf_config.text_config.max_position_embeddings)
     if family.recurrent_shape is not None:
         _print_state_budget(family, config, elem, block_bytes // block_size)
     kv_host = host_tier_bytes(args.kv_cache_host_bytes, device.type)
@@ -282,6 +284,40 @@ def _print_kv_budget(family: Any, block_size: int, kv_dtype: Any, model_dtype: A
     print(f"  one block                     {per_token * block_size:>12}   bytes: {block_size} tokens; {(1 << 30) // per_token} "
           f"tokens per GiB" + (f" ({model_elem // kv_elem}x those of a {str(model_dtype).removeprefix('torch.')} cache)"
                                if kv_elem < model_elem else ""))
+
+
+def _print_window_budget(family: Any, config: Any, kv_elem: int, max_model_len: int) -> None:
+    """Sliding-window layers (Gemma 4): each pool's bytes per token, and what keeping only the window buys."""
+    from mmengine.runner.kv_tensors import WindowPool, kv_block_bytes
+
+    windows = family.kv_cache_windows()
+    window = next((w for w in windows if w is not None), None)
+    if window is None:
+        return
+    layout = family.kv_cache_layout()
+    full = kv_block_bytes([shape for shape, w in zip(layout, windows) if w is None], 1, kv_elem)
+    windowed = kv_block_bytes([shape for shape, w in zip(layout, windows) if w is not None], 1, kv_elem)
+    count = sum(w is not None for w in windows)
+    print(f"KV cache pools ({count} sliding-window layers of {window} tokens, {len(windows) - count} full-attention layers)")
+    print(f"  full-attention pool, a token  {full:>12}   bytes: every token of every request and cached prefix")
+    print(f"  sliding-window pool, a token  {windowed:>12}   bytes: a request keeps its last {window} tokens (and a chunk); "
+          "blocks that left the window stay cached until reused")
+    ratio = config.sliding_kv_ratio
+    if ratio is None or window >= max_model_len:
+        why = "--sliding-kv-ratio is None" if ratio is None else f"max_model_len {max_model_len} is within the window"
+        print(f"  one pool: every layer keeps every token ({why})")
+        return
+    pool = WindowPool.plan(window, ratio, config.block_size, config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+    gib = 1 << 30
+    kept_all = gib // (full + windowed)
+    context = int(gib // (full + ratio * windowed))
+    print(f"  split                         {ratio:>12}   window-pool tokens per full-pool token (--sliding-kv-ratio), at "
+          f"least {pool.min_blocks} blocks (the null block, a window and a {config.max_num_batched_tokens}-token chunk)")
+    print(f"  tokens of context per GiB     {context:>12}   ({context / kept_all:.2f}x the {kept_all} when every layer keeps "
+          f"every token); the window pool then holds {int(context * ratio)}")
+    long, held = max_model_len, min(max_model_len, window + config.block_size)
+    print(f"  decoding at {long} tokens        {long * full + held * windowed:>12}   bytes a request holds (against "
+          f"{long * (full + windowed)} with every layer keeping every token)")
 
 
 def _print_state_budget(family: Any, config: Any, elem: int, kv_bytes_per_token: int) -> None:
@@ -363,6 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the prefix cache's host tier (default: a tenth of the available RAM on CUDA, 0 on CPU)")
     budget.add_argument("--block-size", type=int, default=16)
     budget.add_argument("--max-model-len", type=int, default=None)
+    budget.add_argument("--sliding-kv-ratio", type=float, default=None,
+                        help="sliding-window layers' pool: its blocks per full-attention block (Gemma 4; default 0.5)")
     budget.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     budget.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                         help="the KV cache's element type (auto: the model dtype)")

@@ -11,7 +11,7 @@ import torch
 from conftest import KERNEL_FP32, hf_greedy, hf_logits
 
 from mmengine import MMEngine, SamplingParams
-from mmengine.errors import ConfigError
+from mmengine.errors import ConfigError, PromptTooLongError
 from mmengine.layers.attention import Attention
 from mmengine.testing.gemma4 import gemma4_prompt
 from mmengine.testing.images import make_test_image
@@ -83,6 +83,54 @@ def test_prefix_hits_and_preemption_keep_the_tokens(path):
     assert tight.scheduler.num_preemptions > 0
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(path, prompt, PICTURES[:1], 12, ignore_eos=True)
+
+
+def test_a_kv_budget_that_holds_the_context_only_with_the_window_freed(path):
+    """The sliding layers keep only their window's blocks, in a pool of their own: 134 prompt tokens and 40
+    generated (44 blocks of 4) run in KV tensors of the bytes that, with every layer keeping every token,
+    hold 29 blocks; the tokens are transformers'."""
+    prompt = gemma4_prompt(LONG_TEXT, 1)
+    options = dict(block_size=4, max_num_batched_tokens=80)
+    engine = _engine(path, num_kv_blocks=44, sliding_kv_ratio=0.05, **options)
+    runner, windows = engine.runner, engine.scheduler.caches.windows
+    assert runner.num_window_blocks == runner.window_pool.min_blocks == 24  # null + cdiv(8 - 1 + 80, 4) + 1
+    kv_bytes = sum(group.numel() * group.element_size() for group in runner.kv_cache.groups)
+    assert _greedy(engine, prompt, PICTURES[:1], 40) == hf_greedy(path, prompt, PICTURES[:1], 40, ignore_eos=True)
+    assert windows.num_freed_out_of_window >= 44 - 23
+    every_layer = _engine(path, num_kv_blocks=kv_bytes // (runner.kv_block_bytes + runner.window_block_bytes),
+                          sliding_kv_ratio=None, **options)
+    assert every_layer.runner.window_pool is None and every_layer.kv_cache.num_blocks == 29
+    with pytest.raises(PromptTooLongError, match="would not fit in the whole KV cache"):
+        _greedy(every_layer, prompt, PICTURES[:1], 40)
+
+
+def test_budget_shows_each_pool_and_what_the_window_saves(path, capsys):
+    from mmengine.cli import main
+
+    assert main(["budget", "--model", str(path), "--device", "cpu", "--max-model-len", "512", "--block-size", "4",
+                 "--sliding-kv-ratio", "0.25"]) == 0
+    shown = capsys.readouterr().out
+    # float32: sliding layers 3 x 2 KV heads x 16, the global layer 1 x 32, K and V
+    assert "3 sliding-window layers of 8 tokens, 1 full-attention layers" in shown
+    assert "full-attention pool, a token           256" in shown and "sliding-window pool, a token           768" in shown
+    # a GiB holds 2**30 / (256 + 0.25 * 768) tokens of context against 2**30 / 1024
+    assert f"tokens of context per GiB          {2**30 // 448}   (2.29x the {2**30 // 1024}" in shown
+    assert "decoding at 512 tokens              140288   bytes a request holds (against 524288" in shown  # 512 x 256 + 12 x 768
+
+
+def test_decode_graph_steps_read_the_window_pool(path):
+    """Decode steps through the static graph buffers (on CPU the EagerCapturer stand-in), the window pool's
+    slots and block tables among them, give transformers' tokens past the window."""
+    from mmengine.runner.cuda_graphs import EagerCapturer
+
+    engine = _engine(path, block_size=4, max_num_seqs=4)
+    engine.runner.capture_cuda_graphs(EagerCapturer())
+    prompts = [gemma4_prompt(LONG_TEXT, n) for n in (0, 1)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = engine.generate(prompts, images=[None, PICTURES[:1]], sampling_params=params, use_tqdm=False)
+    assert engine.runner.decode_graphs.num_replays >= 10
+    for n, out in enumerate(outs):
+        assert out.token_ids == hf_greedy(path, prompts[n], PICTURES[:n], 12, ignore_eos=True)
 
 
 @pytest.mark.parametrize("drop", ["window", "spans"])

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 from mmengine.encoder_cache.host_tier import EncoderHostTier
 from mmengine.kv_cache.host_tier import KVHostTier
 from mmengine.kv_cache.recurrent_state import RecurrentStateManager
+from mmengine.kv_cache.sliding_window import SlidingWindowManager
 
 if TYPE_CHECKING:
     from mmengine.engine.startup import EngineParts
@@ -47,6 +48,7 @@ def engine_stats(parts: EngineParts, steps: StepLoop) -> dict[str, int]:
         "kv_blocks_free": kv_cache.num_free_blocks,
         "kv_blocks_cached": kv_cache.num_cached_blocks,
         "kv_blocks_evicted": kv_cache.pool.num_evictions,
+        **_window_stats(scheduler.caches.windows),
         "requests_running": len(scheduler.running),
         "requests_waiting": len(scheduler.waiting),
         "encoder_cache_referenced": encoder_cache.num_referenced,
@@ -70,6 +72,16 @@ def _kv_host_tier_stats(tier: KVHostTier | None) -> dict[str, int]:
         return {name: 0 for name in ("kv_host_hits", "kv_host_blocks", "kv_host_bytes", "kv_host_stored", "kv_host_evictions")}
     return {"kv_host_hits": tier.num_hits, "kv_host_blocks": len(tier), "kv_host_bytes": tier.num_bytes,
             "kv_host_stored": tier.num_stored, "kv_host_evictions": tier.num_evictions}
+
+
+def _window_stats(windows: SlidingWindowManager | None) -> dict[str, int]:
+    """The sliding-window layers' pool (zeros without one): its blocks, and those given back mid-request."""
+    if windows is None:
+        return {name: 0 for name in ("kv_window_blocks_total", "kv_window_blocks_free", "kv_window_blocks_cached",
+                                     "kv_window_blocks_freed", "kv_window_blocks_evicted")}
+    return {"kv_window_blocks_total": windows.num_blocks, "kv_window_blocks_free": windows.num_free_blocks,
+            "kv_window_blocks_cached": windows.pool.num_cached_blocks, "kv_window_blocks_freed": windows.num_freed_out_of_window,
+            "kv_window_blocks_evicted": windows.pool.num_evictions}
 
 
 def _state_stats(states: RecurrentStateManager | None, slot_bytes: int) -> dict[str, int]:

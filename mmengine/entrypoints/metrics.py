@@ -22,7 +22,7 @@ COUNTER_STATS = frozenset({
     "steps", "tokens_computed", "prefill_tokens_computed", "prompt_tokens", "generation_tokens", "requests_finished",
     "num_preemptions", "encoder_runs", "encoder_cache_hits", "encoder_cache_misses", "encoder_cache_evictions",
     "reencodes_after_prefix_hit", "images_decoded", "images_preprocessed", "mm_processor_cache_hits",
-    "prefix_cache_queries", "prefix_cache_hits", "kv_blocks_evicted",
+    "prefix_cache_queries", "prefix_cache_hits", "kv_blocks_evicted", "kv_window_blocks_freed", "kv_window_blocks_evicted",
     "encoder_host_hits", "encoder_host_stored", "encoder_host_evictions", "encoder_host_bytes_copied_in",
     "encoder_host_bytes_copied_out", "kv_host_hits", "kv_host_stored", "kv_host_evictions",
 })
