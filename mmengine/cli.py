@@ -288,15 +288,13 @@ def _print_kv_budget(family: Any, block_size: int, kv_dtype: Any, model_dtype: A
 
 def _print_window_budget(family: Any, config: Any, kv_elem: int, max_model_len: int) -> None:
     """Sliding-window layers (Gemma 4): each pool's bytes per token, and what keeping only the window buys."""
-    from mmengine.runner.kv_tensors import WindowPool, kv_block_bytes
+    from mmengine.runner.kv_tensors import WindowPool, kv_pool_bytes
 
     windows = family.kv_cache_windows()
     window = next((w for w in windows if w is not None), None)
     if window is None:
         return
-    layout = family.kv_cache_layout()
-    full = kv_block_bytes([shape for shape, w in zip(layout, windows) if w is None], 1, kv_elem)
-    windowed = kv_block_bytes([shape for shape, w in zip(layout, windows) if w is not None], 1, kv_elem)
+    full, windowed = kv_pool_bytes(family.kv_cache_layout(), windows, 1, kv_elem)
     count = sum(w is not None for w in windows)
     print(f"KV cache pools ({count} sliding-window layers of {window} tokens, {len(windows) - count} full-attention layers)")
     print(f"  full-attention pool, a token  {full:>12}   bytes: every token of every request and cached prefix")
@@ -307,7 +305,7 @@ def _print_window_budget(family: Any, config: Any, kv_elem: int, max_model_len: 
         why = "--sliding-kv-ratio is None" if ratio is None else f"max_model_len {max_model_len} is within the window"
         print(f"  one pool: every layer keeps every token ({why})")
         return
-    pool = WindowPool.plan(window, ratio, config.block_size, config.max_num_batched_tokens, config.max_num_seqs, max_model_len)
+    pool = WindowPool.plan(window, ratio, config.block_size, config.max_num_batched_tokens, max_model_len)
     gib = 1 << 30
     kept_all = gib // (full + windowed)
     context = int(gib // (full + ratio * windowed))

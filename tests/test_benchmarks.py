@@ -262,3 +262,24 @@ def test_hybrid_prefix_benchmark_counts_what_checkpoints_save(family_checkpoint,
     assert chat_on["state_checkpoint_hits"] == 2 and chat_off["state_checkpoint_hits"] == 0
     assert chat_on["prefill_tokens_computed"] < chat_off["prefill_tokens_computed"]
     assert chat_on["encoder_runs"] == 1 and chat_on["state_checkpoint_bytes"] > 0
+
+
+def test_window_pool_benchmark_fits_more_cached_prefixes_in_the_same_bytes(family_checkpoint, tmp_path):
+    """Same KV bytes: with every layer keeping every token, 6 prompts of 48 tokens (4 blocks of 16 each with
+    the token generated) overflow 16 blocks and the second pass finds none cached; with the window pool,
+    the full pool holds every prompt and the window pool each one's end, and the second pass computes one
+    token a prompt."""
+    window_pool = load_benchmark("window_pool")
+    output = tmp_path / "window_pool.json"
+    result = window_pool.main(["--model", str(family_checkpoint("gemma4")), "--device", "cpu", "--dtype", "float32",
+                               "--kv-blocks", "16", "--prefixes", "6", "--prompt-len", "48", "--max-model-len", "256",
+                               "--max-num-batched-tokens", "80", "--ratios", "0.5", "--output", str(output)])
+    assert json.loads(output.read_text()) == json.loads(json.dumps(result, default=str))
+    every, windowed = result["modes"]["every layer"], result["modes"]["window pool 0.5"]
+    # 16 blocks of 16384 bytes: 25 of 4096 (the global layer) and 13 of 12288 (the three sliding layers)
+    assert windowed["kv_bytes"] == every["kv_bytes"] == 16 * 16384
+    assert (windowed["full_blocks"], windowed["window_blocks"]) == (25, 13)
+    assert windowed["kv_bytes_per_context_token"] < every["kv_bytes_per_context_token"] * 0.7
+    assert every["second_pass"]["prompts_hit"] == 0
+    assert windowed["second_pass"] == {"prefill_tokens_computed": 6, "prompts_hit": 6}
+    assert windowed["window_blocks_freed"] > 0

@@ -133,3 +133,59 @@ def test_freeing_a_request_returns_every_block_but_the_null_one():
     caches.release(request)
     assert caches.windows.num_free_blocks == caches.windows.num_blocks - 1
     assert caches.kv_cache.num_free_blocks == caches.kv_cache.num_blocks
+
+
+def _cached_hashes(windows: SlidingWindowManager) -> set[bytes]:
+    return {blk.block_hash for blk in windows.pool.blocks if blk.is_cached}
+
+
+def test_blocks_that_left_the_window_are_evicted_before_a_finished_prompts_end():
+    """A long request streams blocks out of its window; they go first, so an earlier prompt's last blocks
+    (what its repetition or its next turn needs) outlive them, and that prompt is still a hit."""
+    caches = _coordinator(window_blocks=8)
+    windows = caches.windows
+    first = make_request("a", 16, tokens=list(range(1, 17)))
+    _run(caches, first, chunk=16)
+    caches.release(first)
+    long = make_request("long", 64, tokens=list(range(200, 264)))
+    _run(caches, long, chunk=4)  # 16 blocks through a pool of 7: it reuses its own freed blocks
+    assert windows.pool.num_evictions > 0
+    caches.release(long)
+    again = make_request("b", 17, tokens=list(range(1, 18)))
+    caches.kv_cache.hash_new_blocks(again)
+    assert caches.find_hit(again, False, lambda _: False).num_hit_blocks == 4
+
+
+def test_a_window_that_served_a_hit_is_kept_like_a_prompts_end():
+    """Blocks taken as a hit's window (a shared prefix's end) go to the tail of the queue when they leave
+    the window again, not to the head."""
+    caches = _coordinator(window_blocks=12)
+    windows = caches.windows
+    shared = list(range(1, 17))
+    first = make_request("a", 24, tokens=[*shared, *range(50, 58)])
+    _run(caches, first, chunk=4)
+    caches.release(first)
+    second = make_request("b", 24, tokens=[*shared, *range(60, 68)])
+    caches.kv_cache.hash_new_blocks(second)
+    hit = caches.find_hit(second, False, lambda _: False)
+    assert hit.num_hit_blocks == 4
+    served = {b.block_hash for b in hit.window_hits}
+    _run_admitted(caches, second, hit)
+    caches.release(second)
+    # 7 blocks at once: the 3 never used, then 4 evicted: the 2 that a's run left behind and a's end
+    third = make_request("c", 28, tokens=list(range(300, 328)))
+    _run(caches, third, chunk=28)
+    assert windows.pool.num_evictions == 4 and served <= _cached_hashes(windows)
+
+
+def test_empty_blocks_are_taken_before_cached_ones_are_evicted():
+    caches = _coordinator(window_blocks=12)
+    windows = caches.windows
+    first = make_request("a", 24)
+    _run(caches, first, chunk=24)
+    caches.release(first)
+    cached = _cached_hashes(windows)
+    assert len(cached) == 6 and windows.num_free_blocks == 11
+    other = make_request("b", 20, tokens=list(range(100, 120)))
+    _run(caches, other, chunk=20)  # 5 blocks: the pool's 5 never-used ones
+    assert windows.pool.num_evictions == 0 and cached <= _cached_hashes(windows)

@@ -45,11 +45,16 @@ class KVBlock:
 
 class BlockPool:
     def __init__(self, num_blocks: int, on_uncache: Callable[[KVBlock], None] | None = None,
-                 on_evict: Callable[[KVBlock], None] | None = None) -> None:
+                 on_evict: Callable[[KVBlock], None] | None = None, empty_first: bool = False) -> None:
+        """`empty_first`: free blocks that cache nothing are taken before any cached one is evicted (they
+        wait in a queue of their own), whatever the order they were freed in."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._empty: OrderedDict[int, KVBlock] | None = None
+        if empty_first:
+            self._empty, self._free = self._free, OrderedDict()
         self._cached: dict[BlockHash, KVBlock] = {}
         self._children: dict[int, set[KVBlock]] = {}  # cache_id -> cached blocks chained after it
         self._cache_ids = itertools.count()
@@ -63,7 +68,7 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return len(self._free) + (len(self._empty) if self._empty is not None else 0)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -135,11 +140,11 @@ class BlockPool:
 
     def take(self, n: int) -> list[KVBlock]:
         """Takes the n least recently freed blocks (evicting cached ones) and references them once."""
-        if n > len(self._free):
-            raise RuntimeError(f"asked for {n} blocks, only {len(self._free)} free")
+        if n > self.num_free_blocks:
+            raise RuntimeError(f"asked for {n} blocks, only {self.num_free_blocks} free")
         taken = []
         for _ in range(n):
-            _, block = self._free.popitem(last=False)
+            _, block = (self._empty or self._free).popitem(last=False)
             assert block.ref_cnt == 0, block
             if block.is_cached:
                 self.uncache(block, evicting=True)
@@ -152,13 +157,20 @@ class BlockPool:
         """References cached blocks a request reuses, taking free ones out of the free queue."""
         for block in blocks:
             if block.ref_cnt == 0:
-                del self._free[block.block_id]
+                if self._free.pop(block.block_id, None) is None:
+                    del self._empty[block.block_id]
             block.ref_cnt += 1
 
-    def release(self, blocks: list[KVBlock]) -> None:
-        """Drops one reference from each block; blocks reaching zero join the queue in the given order."""
-        for block in blocks:
+    def release(self, blocks: list[KVBlock], evict_first: bool = False) -> None:
+        """Drops one reference from each block; blocks reaching zero join the queue in the given order, at
+        its tail (evicted last) or, with `evict_first`, at its head (the first of them evicted first)."""
+        for block in reversed(blocks) if evict_first else blocks:
             assert block.ref_cnt > 0, block
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
+                if self._empty is not None and not block.is_cached:
+                    self._empty[block.block_id] = block
+                    continue
                 self._free[block.block_id] = block
+                if evict_first:
+                    self._free.move_to_end(block.block_id, last=False)

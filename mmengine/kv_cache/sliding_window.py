@@ -12,6 +12,14 @@ hit of n blocks holds only if the blocks of the window before its end are cached
 no chain of their own here (the blocks before them are gone), so a lookup verifies each by its token
 key and its parent's hash. The coordinator shortens a full-chain hit to the longest prefix whose window
 is found.
+
+What to evict first: a window block only serves hits that end within a window after it. A request's
+last blocks (given back when it leaves) serve the commonest hits, a prompt repeated or extended (the
+next turn of a chat); a block that left the window mid-request serves only a hit ending mid-request,
+which a later prompt sharing just that prefix would need. So blocks leaving the window go to the head of
+the free queue (evicted first), unless they were taken as a hit's window already (a shared prefix's end:
+proven useful, they go to the tail like the rest). Without this, a long request's stream of freed blocks
+would push every earlier prompt's end out of a small pool.
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ class SlidingWindowManager:
         self.block_size = block_size
         self.window = window
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, on_uncache=self._forget_served, empty_first=True)
+        self._served: set[int] = set()  # cached blocks taken as a hit's window since they were cached
         (self.null_block,) = self.pool.take(1)  # the oldest free block: id 0
         assert self.null_block.block_id == NULL_BLOCK_ID
         self._req_blocks: dict[str, list[KVBlock]] = {}  # by block index; the null block where freed
@@ -108,6 +117,7 @@ class SlidingWindowManager:
             assert not blocks, "hits are only taken when a request is admitted"
             skipped = num_hit_blocks - len(hits)
             self.pool.touch(list(hits))
+            self._served.update(b.block_id for b in hits)
             blocks.extend([self.null_block] * skipped + list(hits))
             block_ids.extend([NULL_BLOCK_ID] * skipped + [b.block_id for b in hits])
             self._num_cached[request.request_id] = num_hit_blocks
@@ -131,7 +141,8 @@ class SlidingWindowManager:
             if blocks[index] is not self.null_block:
                 freed.append(blocks[index])
                 blocks[index], block_ids[index] = self.null_block, NULL_BLOCK_ID
-        self.pool.release(freed)
+        self.pool.release([b for b in freed if b.block_id not in self._served], evict_first=True)
+        self.pool.release([b for b in freed if b.block_id in self._served])
         self.num_freed_out_of_window += len(freed)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock]) -> None:
@@ -146,6 +157,9 @@ class SlidingWindowManager:
             self.pool.cache(block, request.block_hashes[index], block_key(request, index, self.block_size), None,
                             parent_hash=parent_hash)
         self._num_cached[request.request_id] = max(start, num_full)
+
+    def _forget_served(self, block: KVBlock) -> None:
+        self._served.discard(block.block_id)
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks, tail first."""

@@ -75,23 +75,31 @@ def kv_block_bytes(layout: list[tuple[int, int]], block_size: int, element_bytes
     return 2 * block_size * element_bytes * sum(heads * dim for heads, dim in layout)
 
 
+def kv_pool_bytes(layout: list[tuple[int, int]], windows: Sequence[int | None], block_size: int,
+                  element_bytes: int) -> tuple[int, int]:
+    """(full-attention, sliding-window) bytes of one block: the layers without a window, and those with one."""
+    full = kv_block_bytes([shape for shape, w in zip(layout, windows) if w is None], block_size, element_bytes)
+    return full, kv_block_bytes([shape for shape, w in zip(layout, windows) if w is not None], block_size, element_bytes)
+
+
 @dataclass(frozen=True)
 class WindowPool:
     """The sliding-window layers' share of the KV cache memory."""
 
     window: int
     ratio: float  # its blocks per block of the full-attention pool, before the minimum below
-    min_blocks: int  # the null block and what one request may hold at once: its window and a full chunk
-    max_blocks: int  # what max_num_seqs requests may hold at once: more would only ever cache
+    # The null block and what one request may hold at once: its window and a full chunk. Beyond what the
+    # running requests hold, the pool caches: the window before the end of each cached prefix is what
+    # makes the full pool's chain a hit, so the pool is not capped at what max_num_seqs requests hold.
+    min_blocks: int
 
     @classmethod
-    def plan(cls, window: int, ratio: float, block_size: int, max_num_batched_tokens: int, max_num_seqs: int,
-             max_model_len: int) -> WindowPool:
+    def plan(cls, window: int, ratio: float, block_size: int, max_num_batched_tokens: int, max_model_len: int) -> WindowPool:
         per_request = min(cdiv(window - 1 + max_num_batched_tokens, block_size) + 1, cdiv(max_model_len, block_size))
-        return cls(window, ratio, 1 + per_request, 1 + max_num_seqs * per_request)
+        return cls(window, ratio, 1 + per_request)
 
     def blocks_for(self, num_full_blocks: int) -> int:
-        return min(max(math.ceil(self.ratio * num_full_blocks), self.min_blocks), max(self.max_blocks, self.min_blocks))
+        return max(math.ceil(self.ratio * num_full_blocks), self.min_blocks)
 
 
 def split_kv_memory(available: int, full_block_bytes: int, window_block_bytes: int, pool: WindowPool | None,

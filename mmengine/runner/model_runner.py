@@ -194,8 +194,7 @@ class ModelRunner:
                 logger.info("sliding windows of %s tokens: every cached layer keeps every token", sorted(windows))
             return None
         c = self.config
-        return WindowPool.plan(min(windows), c.sliding_kv_ratio, self.block_size, c.max_num_batched_tokens, c.max_num_seqs,
-                               self.max_model_len)
+        return WindowPool.plan(min(windows), c.sliding_kv_ratio, self.block_size, c.max_num_batched_tokens, self.max_model_len)
 
     @property
     def state_slot_bytes(self) -> int:
@@ -238,9 +237,11 @@ class ModelRunner:
         num_blocks, self.num_window_blocks = split_kv_memory(available - encoder_fixed_bytes, per_block,
                                                              self.window_block_bytes, self.window_pool, useful)
         if self.config.num_kv_blocks is not None:
-            num_blocks = min(num_blocks, self.config.num_kv_blocks) if self.device.type == "cuda" else self.config.num_kv_blocks
+            cuda = self.device.type == "cuda"  # on a GPU a cap within the memory; on CPU the count
+            num_blocks = min(num_blocks, self.config.num_kv_blocks) if cuda else self.config.num_kv_blocks
             if self.window_pool is not None:
-                self.num_window_blocks = min(self.num_window_blocks, self.window_pool.blocks_for(num_blocks))
+                wanted = self.window_pool.blocks_for(num_blocks)
+                self.num_window_blocks = min(self.num_window_blocks, wanted) if cuda else wanted
         if num_blocks < 1 or (self.window_pool is not None and self.num_window_blocks < self.window_pool.min_blocks):
             raise ConfigError(
                 f"no memory left for the KV cache ({available} bytes available, {encoder_fixed_bytes} for the encoder "
