@@ -5,5 +5,6 @@
   manager.py     KVCacheManager: which blocks each request holds, what is cached, what more can be had; pins
   host_tier.py   full blocks evicted from the device, kept in (pinned) host memory
   recurrent_state.py  hybrid models: a live state slot per running request, sparse state checkpoints for hits
-  coordinator.py CacheCoordinator: one prefix hit across the cache groups (attention blocks, recurrent states)
+  sliding_window.py  sliding-window layers' own pool: blocks that left the window go back, hits need only the window
+  coordinator.py CacheCoordinator: one prefix hit across the cache groups (attention blocks, windows, recurrent states)
 """

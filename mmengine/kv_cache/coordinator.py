@@ -103,10 +103,6 @@ class CacheCoordinator:
             else:
                 self.windows.allocate(request, num_new, hit.window_hits, hit.num_hit_blocks, num_computed)
 
-    def window_block_ids(self, request_id: str) -> list[int] | None:
-        """The request's sliding-window block table (None: the model has no such pool)."""
-        return None if self.windows is None else self.windows.block_ids(request_id)
-
     # -- a chunk planned, booked; a request leaving ----------------------------
 
     def plan_admitted(self, request: Request, hit: PrefixHit, num_new: int) -> StatePlan | None:
