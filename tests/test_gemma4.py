@@ -118,6 +118,20 @@ def test_budget_shows_each_pool_and_what_the_window_saves(path, capsys):
     assert "decoding at 512 tokens              140288   bytes a request holds (against 524288" in shown  # 512 x 256 + 12 x 768
 
 
+def test_host_tier_hits_restore_the_full_layers_beside_the_window_pool(path):
+    """The host tier keeps the full-attention pool's blocks: a prompt evicted from the device by three
+    others comes back from host memory, its window from the window pool, with transformers' tokens."""
+    engine = _engine(path, block_size=4, num_kv_blocks=60, kv_cache_host_bytes=1 << 22, max_num_batched_tokens=80)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    prompt = gemma4_prompt(LONG_TEXT, 0)
+    first = engine.generate(prompt, sampling_params=params, use_tqdm=False)[0]
+    for i in range(3):
+        engine.generate(gemma4_prompt(f"Other {i}: {LONG_TEXT[::-1]}", 0), sampling_params=params, use_tqdm=False)
+    again = engine.generate(prompt, sampling_params=params, use_tqdm=False)[0]
+    assert engine.stats()["kv_host_hits"] > 0 and again.num_cached_tokens > len(again.prompt_token_ids) // 2
+    assert first.token_ids == again.token_ids == hf_greedy(path, prompt, [], 6, ignore_eos=True)
+
+
 def test_decode_graph_steps_read_the_window_pool(path):
     """Decode steps through the static graph buffers (on CPU the EagerCapturer stand-in), the window pool's
     slots and block tables among them, give transformers' tokens past the window."""

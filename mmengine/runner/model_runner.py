@@ -646,7 +646,7 @@ class ModelRunner:
                 copy.entry.kv, copy.done = parts, True
         if restores:
             ids = torch.tensor([c.block_id for c in restores]).to(self.device, non_blocking=True)
-            stacked = [torch.stack([c.entry.kv[g] for c in restores], dim=2) for g in range(len(self.kv_cache.groups))]
+            stacked = [torch.stack([c.entry.kv[g] for c in restores], dim=2) for g in range(len(restores[0].entry.kv))]
             if self.device.type == "cuda":
                 stacked = [part.pin_memory() for part in stacked]
             self.kv_cache.scatter_blocks(ids, stacked)
