@@ -242,6 +242,22 @@ def test_budget_counts_the_longest_clip(path, engine):
         MMEngine(str(path), device="cpu", limit_mm_per_prompt={"sound": 1})
 
 
+def test_the_memory_profile_encodes_a_step_of_the_longest_clips(engine):
+    """The GPU start-up profile runs the largest encoder work a step can do: with audio, a batch of the
+    longest clips beside the pictures' batch (here through the CPU path: the batches and their encoding)."""
+    runner = engine.runner
+    batches = runner.profile_encoder_batches(images_per_step=2, encoder_budget_tokens=160)
+    assert [len(batch) for batch in batches] == [2, 3]  # 160 tokens of the budget: 3 clips of 50 (max_audio_seconds=2)
+    with torch.inference_mode():
+        outputs = engine.runner.model.encode_items(batches[1])
+    assert [tuple(o.shape) for o in outputs] == [(50, engine.family.text_config.hidden_size)] * 3
+    engine.config.limit_mm_per_prompt["audio"], saved = 0, engine.config.limit_mm_per_prompt["audio"]
+    try:
+        assert [len(batch) for batch in runner.profile_encoder_batches(2, 160)] == [2]  # no clip can come
+    finally:
+        engine.config.limit_mm_per_prompt["audio"] = saved
+
+
 def test_chat_takes_audio_parts(engine):
     """MMEngine.chat: {"type": "audio"} parts with audios=, or OpenAI input_audio parts, as generate() answers."""
     expected = _tokens(engine, prompt_with("What is this?"), [WAV]).token_ids

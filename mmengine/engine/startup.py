@@ -125,6 +125,7 @@ def _start_runner(config: EngineConfig, family: ModelFamily, runner: ModelRunner
         encoder_fixed_bytes=unpinned.compute_budget_tokens * runner.embedding_bytes,
         encoder_bytes_per_block=config.block_size * runner.embedding_bytes,
         images_per_step=images_per_step,
+        encoder_budget_tokens=unpinned.compute_budget_tokens,
     )
     if runner.device.type == "cpu":
         per_block = runner.kv_block_bytes + config.block_size * runner.embedding_bytes

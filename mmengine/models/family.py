@@ -212,6 +212,11 @@ class ModelFamily:
         """`num_items` items of the largest size, for the memory-profiling run."""
         raise NotImplementedError
 
+    def dummy_audio_items(self, num_items: int, max_audio_seconds: float) -> list[EncoderInputs]:
+        """`num_items` clips of the longest length accepted, for the memory-profiling run (none for a
+        family that takes no audio)."""
+        return []
+
     # Whether every picture reaches the encoder at one size (dummy_items' size), so that the encoder's
     # input shapes are exactly its batch sizes and start-up can warm each of them (a step's items of
     # other modalities go through their tower as a batch of their own, unpadded).

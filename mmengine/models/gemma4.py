@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -184,6 +185,13 @@ class Gemma4Family(ModelFamily):
 
     def dummy_items(self, num_items: int) -> list[EncoderInputs]:
         return self.images.dummy_items(num_items)
+
+    def dummy_audio_items(self, num_items: int, max_audio_seconds: float) -> list[EncoderInputs]:
+        if self.audios is None or num_items < 1:
+            return []
+        audio_format = self.audios.format
+        samples = min(audio_format.max_samples, int(max_audio_seconds * audio_format.sampling_rate))
+        return [self.audios.item(np.zeros(samples, dtype=np.float32))] * num_items
 
     # -- audio --
 

@@ -224,12 +224,13 @@ class ModelRunner:
         """Bytes of one encoder output row (one image placeholder's embedding, with its DeepStack levels)."""
         return self.family.embedding_width * torch.empty((), dtype=self.dtype).element_size()
 
-    def determine_num_kv_blocks(self, encoder_fixed_bytes: int, encoder_bytes_per_block: int, images_per_step: int) -> int:
+    def determine_num_kv_blocks(self, encoder_fixed_bytes: int, encoder_bytes_per_block: int, images_per_step: int,
+                                encoder_budget_tokens: int = 0) -> int:
         """KV blocks that fit in the memory left after the encoder cache's fixed part; each block
         also pays for its share of the encoder cache's pinned room."""
         useful = self.config.max_num_seqs * cdiv(self.max_model_len, self.block_size)
         if self.device.type == "cuda":
-            available = self._profile_kv_cache_bytes(images_per_step)
+            available = self._profile_kv_cache_bytes(images_per_step, encoder_budget_tokens)
         else:
             available = self.config.cpu_kv_cache_bytes
         available = self._reserve_state_memory(available)
@@ -272,7 +273,19 @@ class ModelRunner:
             attn.kv_cache = kv_cache[i]
             attn.backend = self.attn_backend
 
-    def _profile_kv_cache_bytes(self, images_per_step: int) -> int:
+    def profile_encoder_batches(self, images_per_step: int, encoder_budget_tokens: int) -> list[list]:
+        """What the profiling run encodes: a step's worth of the largest pictures and, for a family that
+        takes audio, a step's worth (of the encoder budget) of the longest clips (a tower of its own,
+        which may take more memory than the pictures' batch)."""
+        batches = [self.family.dummy_items(images_per_step)] if images_per_step > 0 else []
+        if "audio" in self.family.max_tokens_by_modality() and self.config.limit_mm_per_prompt.get("audio", 0) > 0:
+            per_clip = self.family.max_tokens_per_item({"audio": 1}, self.config.max_audio_seconds)
+            clips = self.family.dummy_audio_items(max(1, encoder_budget_tokens // per_clip), self.config.max_audio_seconds)
+            if clips:
+                batches.append(clips)
+        return batches
+
+    def _profile_kv_cache_bytes(self, images_per_step: int, encoder_budget_tokens: int) -> int:
         """Runs the largest step once (a full token budget, a full encoder budget, sampling for
         every sequence) and captures the decode graphs over a scratch cache; returns what is left
         for the KV cache under gpu_memory_utilization."""
@@ -282,8 +295,8 @@ class ModelRunner:
         num_blocks = cdiv(num_tokens, self.block_size)
         self.allocate_kv_cache(num_blocks, num_state_slots=1, num_window_blocks=num_blocks)  # both pools: one block table
         with torch.inference_mode():
-            if images_per_step > 0:
-                self.model.encode_items(self.family.dummy_items(images_per_step))
+            for batch in self.profile_encoder_batches(images_per_step, encoder_budget_tokens):
+                self.model.encode_items(batch)
             metadata = AttentionMetadata.build(
                 query_lens=[num_tokens], seq_lens=[num_tokens], block_tables=[list(range(num_blocks))],
                 slot_mapping=torch.arange(num_tokens), device=self.device,
