@@ -202,6 +202,7 @@ def test_bad_clips_are_typed_errors_naming_prompt_and_clip(engine):
     good = _tokens(engine, prompt, [WAV]).token_ids
     cases = [
         ([b"RIFF" + bytes(range(200))], CorruptAudioError, "prompt 1: audio 0: cannot decode"),
+        ([WAV[: len(WAV) // 2]], CorruptAudioError, "prompt 1: audio 0: truncated: the WAV header states"),
         ([wav_bytes(tone(2.5))], AudioTooLongError, r"prompt 1: audio 0: the container states 2.50 s exceeds max_audio_seconds=2"),
         ([(tone(2.5), RATE)], AudioTooLongError, r"prompt 1: audio 0: 2.50 s exceeds max_audio_seconds=2"),
         ([np.zeros((2, 800), np.float32)], InvalidInputError, "mono"),

@@ -142,6 +142,7 @@ def resample(samples: np.ndarray, source_rate: int, rate: int, where: str) -> np
 def decode(data: bytes, where: str, rate: int, limits: AudioLimits) -> np.ndarray:
     """The first audio stream of encoded `data` as mono float32 at `rate`. A stated duration over the
     limit is refused before decoding, and the decode stops once its samples pass the limit."""
+    _check_riff_length(data, where)
     av = _import_av()
     with _decode_errors(av, where), av.open(io.BytesIO(data), mode="r") as container:
         if not container.streams.audio:
@@ -166,6 +167,28 @@ def decode(data: bytes, where: str, rate: int, limits: AudioLimits) -> np.ndarra
         raise CorruptAudioError(f"{where}: truncated: the container states {stated:.2f} s but holds "
                                 f"{count / source_rate:.2f} s")
     return _joined(frames)
+
+
+_UNKNOWN_RIFF_SIZES = (0, 0xFFFFFFFF)  # written by streaming encoders that never went back to fill them in
+
+
+def _check_riff_length(data: bytes, where: str) -> None:
+    """A WAV file cut short: FFmpeg states its duration from the bytes present, so the header's sizes (the
+    RIFF chunk's and the data chunk's) are what tells."""
+    if len(data) < 12 or data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+        return
+    declared = int.from_bytes(data[4:8], "little")
+    offset = 12
+    while offset + 8 <= len(data):
+        chunk, size = data[offset:offset + 4], int.from_bytes(data[offset + 4:offset + 8], "little")
+        if chunk == b"data":
+            if size not in _UNKNOWN_RIFF_SIZES and offset + 8 + size > len(data):
+                raise CorruptAudioError(f"{where}: truncated: the WAV header states {size} bytes of samples but "
+                                        f"{len(data) - offset - 8} follow")
+            break
+        offset += 8 + size + (size & 1)
+    if declared not in _UNKNOWN_RIFF_SIZES and declared + 8 > len(data) and offset + 8 > len(data):
+        raise CorruptAudioError(f"{where}: truncated: the RIFF header states {declared + 8} bytes but the file has {len(data)}")
 
 
 def _resampler(av: Any, rate: int) -> Any:
