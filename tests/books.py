@@ -12,6 +12,7 @@ from mmengine.kv_cache.manager import cdiv
 
 def assert_books_consistent(engine: MMEngine) -> None:
     _check_kv_blocks(engine)
+    _check_window_blocks(engine)
     _check_encoder_entries(engine)
     _check_requests(engine)
     _check_recurrent_states(engine)
@@ -36,6 +37,31 @@ def _check_kv_blocks(engine: MMEngine) -> None:
         for mm_hash in block.pins:
             expected.setdefault(mm_hash, set()).add(block)
     assert pinning == expected, "pin index disagrees with the cached blocks' pins"
+
+
+def _check_window_blocks(engine: MMEngine) -> None:
+    """Sliding-window models: the window pool's references are the running requests' live window blocks
+    and the groups' holds; every request keeps every block its later queries can still read."""
+    windows, scheduler = engine.scheduler.caches.windows, engine.scheduler
+    if windows is None:
+        return
+    pool, null = windows.pool, windows.null_block
+    holders = Counter(b.block_id for blocks in windows._req_blocks.values() for b in blocks if b is not null)
+    holders.update(b.block_id for group in scheduler.sharing.groups for b in group.window_held)
+    assert null.ref_cnt == 1 and null.block_id not in pool._free and not null.is_cached, "the null block"
+    for block in pool.blocks[1:]:
+        assert block.ref_cnt == holders[block.block_id], f"window block {block.block_id}: ref_cnt {block.ref_cnt}, held {holders[block.block_id]}x"
+        free = block.block_id in pool._free or block.block_id in pool._empty
+        assert free == (block.ref_cnt == 0), f"window block {block.block_id} free queue membership"
+        assert block.block_id not in pool._empty or not block.is_cached, f"window block {block.block_id} cached in the empty queue"
+    assert set(windows._req_blocks) == {r.request_id for r in scheduler.running}, "only running requests hold window blocks"
+    for block_hash, block in pool._cached.items():
+        assert block.is_cached and block.block_hash == block_hash, f"cached window block {block.block_id} under a wrong hash"
+    for request in scheduler.running:
+        blocks, ids = windows._req_blocks[request.request_id], windows.block_ids(request.request_id)
+        assert [b.block_id for b in blocks] == ids, f"{request}: window block ids disagree with its blocks"
+        live = range(windows.first_needed_block(request.num_computed_tokens), cdiv(request.num_computed_tokens, windows.block_size))
+        assert all(blocks[i] is not null for i in live), f"{request} lost a window block it can still read"
 
 
 def _check_encoder_entries(engine: MMEngine) -> None:

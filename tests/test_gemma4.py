@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from books import assert_books_consistent
 from conftest import KERNEL_FP32, hf_greedy, hf_logits
 
 from mmengine import MMEngine, SamplingParams
@@ -81,6 +82,7 @@ def test_prefix_hits_and_preemption_keep_the_tokens(path):
     tight = _engine(path, block_size=4, num_kv_blocks=72, max_num_seqs=4)
     outs = tight.generate(prompts, images=[PICTURES[:1]] * 2, sampling_params=params, use_tqdm=False)
     assert tight.scheduler.num_preemptions > 0
+    assert_books_consistent(tight)
     for prompt, out in zip(prompts, outs):
         assert out.token_ids == hf_greedy(path, prompt, PICTURES[:1], 12, ignore_eos=True)
 
@@ -97,6 +99,7 @@ def test_a_kv_budget_that_holds_the_context_only_with_the_window_freed(path):
     kv_bytes = sum(group.numel() * group.element_size() for group in runner.kv_cache.groups)
     assert _greedy(engine, prompt, PICTURES[:1], 40) == hf_greedy(path, prompt, PICTURES[:1], 40, ignore_eos=True)
     assert windows.num_freed_out_of_window >= 44 - 23
+    assert_books_consistent(engine)
     every_layer = _engine(path, num_kv_blocks=kv_bytes // (runner.kv_block_bytes + runner.window_block_bytes),
                           sliding_kv_ratio=None, **options)
     assert every_layer.runner.window_pool is None and every_layer.kv_cache.num_blocks == 29

@@ -189,3 +189,23 @@ def test_empty_blocks_are_taken_before_cached_ones_are_evicted():
     other = make_request("b", 20, tokens=list(range(100, 120)))
     _run(caches, other, chunk=20)  # 5 blocks: the pool's 5 never-used ones
     assert windows.pool.num_evictions == 0 and cached <= _cached_hashes(windows)
+
+
+def test_a_held_window_outlives_the_churn_that_evicts_the_rest():
+    """A prefix-sharing group's hold: the window before the shared prefix's end (blocks a request freed
+    mid-run, first in line for eviction) stays cached while the group runs, so its members still hit."""
+    caches = _coordinator(window_blocks=8)
+    windows = caches.windows
+    a = make_request("a", 24, tokens=list(range(1, 25)))
+    _run(caches, a, chunk=4)
+    held = windows.hold_window(a, 3)  # the shared prefix: 12 tokens; its hit needs keys from 7 on, blocks 1 and 2
+    assert [b.block_hash for b in held] == a.block_hashes[1:3]
+    caches.release(a)
+    churn = make_request("c", 40, tokens=list(range(300, 340)))
+    _run(caches, churn, chunk=4)
+    caches.release(churn)
+    member = make_request("m", 20, tokens=[*range(1, 13), *range(500, 508)])
+    caches.kv_cache.hash_new_blocks(member)
+    assert caches.find_hit(member, False, lambda _: False).num_hit_blocks == 3
+    windows.release_held(held)
+    assert all(b.ref_cnt == 0 for b in held)

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from mmengine.kv_cache.block_hash import BlockHash
 from mmengine.kv_cache.block_pool import KVBlock
 from mmengine.kv_cache.manager import KVCacheManager, cdiv
+from mmengine.kv_cache.sliding_window import SlidingWindowManager
 from mmengine.core.prefix_groups import group_order, plan_prefix_groups
 from mmengine.core.request import Request
 
@@ -41,6 +42,7 @@ class LiveGroup:
     prefix: tuple[BlockHash, ...]
     members: set[str]  # ids of unfinished members
     held: list[KVBlock] = field(default_factory=list)  # the shared prefix's blocks, once computed
+    window_held: list[KVBlock] = field(default_factory=list)  # the sliding-window pool's blocks of its end
 
     @property
     def num_shared_blocks(self) -> int:
@@ -48,8 +50,12 @@ class LiveGroup:
 
 
 class PrefixSharing:
-    def __init__(self, kv_cache: KVCacheManager, block_size: int, max_model_len: int, enabled: bool) -> None:
+    def __init__(self, kv_cache: KVCacheManager, block_size: int, max_model_len: int, enabled: bool,
+                 windows: SlidingWindowManager | None = None) -> None:
+        """`windows`: a sliding-window model's window pool: a hold also keeps the window before the
+        prefix's end there, without which the held chain is no hit."""
         self.kv_cache = kv_cache
+        self.windows = windows
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.enabled = enabled and kv_cache.enable_prefix_caching
@@ -159,6 +165,8 @@ class PrefixSharing:
         if group.held or request.num_computed_tokens < group.num_shared_blocks * self.block_size:
             return
         group.held = self.kv_cache.hold_prefix(request, group.prefix)
+        if group.held and self.windows is not None:
+            group.window_held = self.windows.hold_window(request, group.num_shared_blocks)
         if group.held:  # most recently held last: released first under pressure
             self.groups.remove(group)
             self.groups.append(group)
@@ -194,6 +202,9 @@ class PrefixSharing:
         if group.held:
             self.kv_cache.release_held(group.held)
             group.held = []
+        if group.window_held:
+            self.windows.release_held(group.window_held)
+            group.window_held = []
 
     def held_blocks(self) -> list[KVBlock]:
         return list(itertools.chain.from_iterable(g.held for g in self.groups))

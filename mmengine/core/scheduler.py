@@ -131,7 +131,7 @@ class Scheduler:
         self.num_reencodes_after_prefix_hit = 0
         self.num_zero_token_schedules = 0  # running requests held back a step by the encoder budget
         # Prefix-sharing groups of batches, their held blocks, and cache-affinity admission.
-        self.sharing = PrefixSharing(kv_cache, config.block_size, max_model_len, config.enable_prefix_grouping)
+        self.sharing = PrefixSharing(kv_cache, config.block_size, max_model_len, config.enable_prefix_grouping, windows)
 
     @property
     def states(self) -> RecurrentStateManager | None:

@@ -158,6 +158,20 @@ class SlidingWindowManager:
                             parent_hash=parent_hash)
         self._num_cached[request.request_id] = max(start, num_full)
 
+    def hold_window(self, request: Request, num_blocks: int) -> list[KVBlock]:
+        """References once more the cached blocks of the window before the request's first num_blocks
+        blocks end (a prefix-sharing group's hold: the members' hit needs them); [] when one is gone.
+        `release_held` gives the references back."""
+        window = [self._lookup(request, index) for index in range(self.first_needed_block(num_blocks * self.block_size), num_blocks)]
+        if not window or any(block is None for block in window):
+            return []
+        self.pool.touch(window)
+        self._served.update(block.block_id for block in window)
+        return window
+
+    def release_held(self, blocks: list[KVBlock]) -> None:
+        self.pool.release(blocks[::-1])
+
     def _forget_served(self, block: KVBlock) -> None:
         self._served.discard(block.block_id)
 
