@@ -46,6 +46,8 @@ from mmengine import MMEngine, SamplingParams
 from mmengine.config import EngineConfig
 from mmengine.testing import (
     LLAVA_1_5_7B_SPEC,
+    TinyGemma4Spec,
+    build_gemma4_checkpoint,
     QWEN2_5_VL_7B_SPEC,
     QWEN3_VL_30B_A3B_SPEC,
     TinyLlavaSpec,
@@ -99,8 +101,11 @@ def ensure_checkpoint(path: Path, spec: object, device: str, dtype: str) -> tupl
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     start = time.perf_counter()
-    build = build_llava_checkpoint if isinstance(spec, TinyLlavaSpec) else build_qwen_vl_checkpoint
-    build(partial, spec, device=device, dtype=dtype)
+    if isinstance(spec, TinyGemma4Spec):
+        build_gemma4_checkpoint(partial, spec, device=device, dtype=dtype)
+    else:
+        build = build_llava_checkpoint if isinstance(spec, TinyLlavaSpec) else build_qwen_vl_checkpoint
+        build(partial, spec, device=device, dtype=dtype)
     elapsed = time.perf_counter() - start
     partial.rename(path)
     return path, elapsed

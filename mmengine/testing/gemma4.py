@@ -296,8 +296,31 @@ def _save_processor(processor: ProcessorMixin, path: pathlib.Path) -> None:
         (path / name).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
 
 
+# The dense decoder at transformers' Gemma4TextConfig defaults (its docstring: "similar to
+# google/gemma-4-e2b-it"): 30 layers of hidden 2304, five sliding (256-wide heads, window 512) to one global
+# (512-wide heads), 8 query and 4 KV heads, 256-wide per-layer inputs, a 262144-token vocabulary; the vision
+# tower at Gemma4VisionConfig's defaults (16 layers of 768), pictures attended both ways, up to 280 soft
+# tokens. For GPU figures at a realistic scale (random bf16 weights); not an exact published checkpoint.
+GEMMA4_DENSE_SPEC = TinyGemma4Spec(
+    hidden_size=2304, intermediate_size=9216, layer_types=((SLIDING,) * 5 + (FULL,)) * 5, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=256, global_head_dim=512, num_global_key_value_heads=4, attention_k_eq_v=False,
+    sliding_window=512, hidden_size_per_layer_input=256, num_kv_shared_layers=0, use_double_wide_mlp=False,
+    final_logit_softcapping=30.0, max_position_embeddings=131072,
+    vision_hidden_size=768, vision_intermediate_size=3072, vision_num_layers=16, vision_num_heads=12, vision_head_dim=64,
+    position_embedding_size=10240, vision_clipped_linears=False, max_soft_tokens=280,
+    with_audio=False, vocab_size=262144, dtype="bfloat16",
+)
+
+
 def build_tiny_gemma4(path: str | os.PathLike, spec: TinyGemma4Spec = TinyGemma4Spec()) -> pathlib.Path:
     """Builds and saves a tiny test checkpoint of `spec` on CPU into `path`; returns the path."""
+    return build_gemma4_checkpoint(path, spec)
+
+
+def build_gemma4_checkpoint(path: str | os.PathLike, spec: TinyGemma4Spec = TinyGemma4Spec(), *, device: str = "cpu",
+                            dtype: str | None = None) -> pathlib.Path:
+    """Builds a random-weight checkpoint of `spec` (weights made on `device` in `dtype`, default the spec's)
+    and saves it with its tokenizer, processor and chat template into `path`; returns the path."""
     from transformers import Gemma4ForConditionalGeneration, GenerationConfig
 
     path = pathlib.Path(path)
@@ -316,8 +339,8 @@ def build_tiny_gemma4(path: str | os.PathLike, spec: TinyGemma4Spec = TinyGemma4
         generation_config,
         path,
         seed=spec.seed,
-        device="cpu",
-        dtype=torch_dtype(spec.dtype),
+        device=device,
+        dtype=torch_dtype(dtype or spec.dtype),
         constant_noise=_CONSTANT_NOISE,
         tweak=_perturb,
     )
