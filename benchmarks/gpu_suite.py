@@ -39,6 +39,7 @@ CHECKPOINTS = {
     "qwen2_5_vl_7b": ("QWEN2_5_VL_7B_SPEC", "qwen2_5_vl"),
     "qwen3_5_9b": ("QWEN3_5_9B_SPEC", "qwen3_5"),
     "qwen3_vl_30b_a3b": ("QWEN3_VL_30B_A3B_SPEC", "qwen3_vl_moe"),
+    "gemma4_dense": ("GEMMA4_DENSE_SPEC", "gemma4"),
 }
 # name -> (the checkpoint it quantizes, mmengine.testing.quantize's method): Qwen's FP8 blocks of 128 x 128
 # (the W8A16 GEMM), compressed-tensors FP8-Dynamic per channel (W8A8 through torch._scaled_mm), GPTQ in groups
@@ -240,6 +241,25 @@ def _cascade_reads(data: dict) -> list[Reading]:
             ("shapes where cascade 'auto' misjudges (engages and loses, or skips a >10% win)", misjudged, "shapes", at_most(0))]
 
 
+def _gemma4_reads(data: dict) -> list[Reading]:
+    ttft = data["ttft"]
+    return [("TTFT, new image", ttft["new_image"]["median_ms"], "ms", None),
+            ("TTFT, new image / transformers", ttft.get("new_image_over_transformers"), "x", at_most(1.0))] + [
+        (f"decode step, batch {r['batch_size']}", r["median_ms"], "ms", None)
+        for r in data["decode"] if r.get("steps_timed")]
+
+
+def _window_pool_reads(data: dict) -> list[Reading]:
+    modes = data["modes"]
+    every, windowed = modes["every layer"], modes["window pool 0.5"]
+    prefixes = data["args"]["prefixes"]
+    return [("KV bytes per token of context, window pool 0.5 / every layer",
+             windowed["kv_bytes_per_context_token"] / every["kv_bytes_per_context_token"], "x", at_most(0.8)),
+            ("prompts cached on the second pass, every layer", every["second_pass"]["prompts_hit"], "of " + str(prefixes), None),
+            ("prompts cached on the second pass, window pool 0.5", windowed["second_pass"]["prompts_hit"], "of " + str(prefixes),
+             at_least(prefixes))]
+
+
 def _hybrid_reads(data: dict) -> list[Reading]:
     runs = data["runs"]
     chat_on, chat_off = runs["chat / prefix caching on"], runs["chat / prefix caching off"]
@@ -398,6 +418,15 @@ PARTS: list[Part] = [
                             "--dtype", "float32", "--turns", "3", "--output-len", "4", "--requests", "3", "--system-len", "40",
                             "--tail-len", "6", "--picture-size", "64"),
          _hybrid_reads),
+    _latency_part("gemma4_dense", "35", 5, "640x480", _gemma4_reads),
+    Part("gemma4_window_pool", "35", 3, ("gemma4_dense",),
+         lambda ctx: _bench("window_pool.py", ctx, "gemma4_window_pool", "--model", _model(ctx, "gemma4_dense"), "--device",
+                            "cuda", "--kv-blocks", "2048", "--prefixes", "16", "--prompt-len", "2048", "--max-model-len", "8192",
+                            "--max-num-batched-tokens", "2048", "--ratios", "0.5"),
+         lambda ctx: _bench("window_pool.py", ctx, "gemma4_window_pool", "--model", _model(ctx, "gemma4_dense"), "--device",
+                            "cpu", "--dtype", "float32", "--kv-blocks", "16", "--prefixes", "6", "--prompt-len", "48",
+                            "--max-model-len", "256", "--max-num-batched-tokens", "80", "--ratios", "0.5"),
+         _window_pool_reads),
     _quantized_part("quantized_llava_7b", "llava_7b", 10, images=True, labels=("fp8", "fp8_dynamic", "w4a16")),
     _quantized_part("quantized_qwen2_5_vl_7b", "qwen2_5_vl_7b", 5, images=False),
     Part("tests", "27", 8, (), _tests_args,
@@ -436,10 +465,13 @@ def ensure_checkpoints(part: Part, ctx: Context, log: Path) -> None:
             continue
         spec, tiny_family = CHECKPOINTS[name]
         if ctx.dry_run:
-            from mmengine.testing import TinyLlavaSpec, tiny_llava_path, tiny_qwen_vl_path
+            from mmengine.testing import TinyGemma4Spec, TinyLlavaSpec, tiny_gemma4_path, tiny_llava_path, tiny_qwen_vl_path
             from mmengine.testing.qwen_vl import tiny_spec
 
-            path = tiny_llava_path(TinyLlavaSpec()) if tiny_family == "llava" else tiny_qwen_vl_path(tiny_spec(tiny_family))
+            if tiny_family == "gemma4":
+                path = tiny_gemma4_path(TinyGemma4Spec())
+            else:
+                path = tiny_llava_path(TinyLlavaSpec()) if tiny_family == "llava" else tiny_qwen_vl_path(tiny_spec(tiny_family))
         else:
             path = ctx.checkpoints / name
             code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); from pathlib import Path; from latency import ensure_checkpoint; "
