@@ -91,6 +91,7 @@ class Context:
     checkpoints: Path
     dry_run: bool
     models: dict[str, str] = field(default_factory=dict)
+    part_threads: int | None = None  # OMP_NUM_THREADS of each part's process, where parts run side by side
 
     def output(self, part: str) -> Path:
         return self.out / "parts" / f"{part}.json"
@@ -507,6 +508,8 @@ def run_part(part: Part, ctx: Context, timeout_s: float) -> PartResult:
         ensure_checkpoints(part, ctx, log)
         command = [sys.executable, *(part.dry_args if ctx.dry_run else part.args)(ctx)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        if ctx.part_threads is not None:
+            env.setdefault("OMP_NUM_THREADS", str(ctx.part_threads))
         with log.open("a") as sink:
             sink.write("$ " + " ".join(command) + "\n")
             sink.flush()
@@ -632,6 +635,8 @@ def _dry_run_in_parallel(parts: list[Part], ctx: Context, earlier: dict[str, Par
     from concurrent.futures import ThreadPoolExecutor
 
     todo = [part for part in parts if part.name not in earlier]
+    # OpenMP threads that outnumber the cores spin-wait for one another: a tiny model's steps slow down many times
+    ctx.part_threads = max(1, (os.cpu_count() or 1) // jobs)
     (ctx.out / "logs").mkdir(parents=True, exist_ok=True)
     for part in todo:
         ensure_checkpoints(part, ctx, ctx.out / "logs" / f"{part.name}.log")

@@ -19,9 +19,14 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from transformers import AutoModelForImageTextToText, PreTrainedModel
 
-# Under pytest-xdist the workers share the cores: one torch thread pool each, not one per core each
+# Under pytest-xdist the workers share the cores: one torch thread pool each, not one per core each.
+# The processes tests start (benchmark scripts, the GPU suite's dry-run parts, servers) inherit the same
+# bound through OMP_NUM_THREADS: OpenMP threads outnumbering the cores spin-wait for one another, which
+# made a tiny model's steps up to a hundred times slower on a 2-core machine running both workers.
 if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    _threads = max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    torch.set_num_threads(_threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
 from mmengine.models.registry import load_hf_processor
 from mmengine.testing import TinyLlavaSpec, tiny_llava_path, tiny_qwen_vl_path
