@@ -37,7 +37,15 @@ from mmengine.testing.qwen_vl import tiny_spec
 # Under pytest-xdist (`-n 2 --dist loadfile`) each file runs on one worker, handed out in collection order:
 # the longest files go first, so that neither worker is left running one alone at the end.
 _LONGEST_FILES_FIRST = ("test_gpu_suite.py", "test_ray_batch.py", "test_ray_serve.py", "test_kernel_cross_compile.py",
-                        "test_cascade_engine.py", "test_triton_engine.py", "test_lora_engine.py", "test_family_engine.py")
+                        "test_quantized_checkpoints.py", "test_cascade_engine.py", "test_triton_engine.py",
+                        "test_lora_engine.py", "test_family_engine.py", "test_attention_masks.py")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's scheduler (the controller's) would otherwise re-sort the files by their number of tests, which
+    # leaves the longest files, that hold few tests, for the end
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
