@@ -110,6 +110,10 @@ class Part:
     dry_args: Callable[[Context], list[str]]  # the same, tiny, on the CPU
     read: Callable[[dict], list[Reading]]
     writes_junit: bool = False  # the test suite: counts from pytest's JUnit XML, not a JSON file
+    dry_run_skips: tuple[str, ...] = ()  # checkpoints of `needs` that the dry run's command leaves out
+
+    def checkpoints(self, dry_run: bool) -> tuple[str, ...]:
+        return tuple(name for name in self.needs if not (dry_run and name in self.dry_run_skips))
 
 
 @dataclass
@@ -298,17 +302,17 @@ def _quantized_part(name: str, source: str, minutes: int, images: bool, labels: 
     """benchmarks/quantized.py on `source` and its quantized copies `labels` (decode at batch 1 and 64; with
     `images`, the 512-request image workload too)."""
     extra = ["--images"] if images else []
+    dry_run_skips = (f"{source}_fp8_dynamic",)  # on the CPU FP8-Dynamic runs W8A16, as the FP8 variant does
 
     def args(ctx: Context, tiny: bool) -> list[str]:
-        # (the dry run leaves out FP8-Dynamic: on the CPU it runs W8A16, as the FP8 variant does)
-        used = [label for label in labels if not (tiny and label == "fp8_dynamic")]
+        used = [label for label in labels if not (tiny and f"{source}_{label}" in dry_run_skips)]
         variants = [arg for label in used for arg in ("--variant", f"{label}={_model(ctx, f'{source}_{label}')}")]
         sizes = ["--device", "cpu", "--batch-sizes", "1,3", "--max-model-len", "512", "--tiny", "--num-requests", "6"] if tiny \
             else ["--device", "cuda", "--batch-sizes", "1,64"]
         return _bench("quantized.py", ctx, name, "--model", _model(ctx, source), *variants, *sizes, *extra)
 
     return Part(name, "36", minutes, (source, *(f"{source}_{label}" for label in labels)), lambda ctx: args(ctx, False),
-                lambda ctx: args(ctx, True), _quantized_reads)
+                lambda ctx: args(ctx, True), _quantized_reads, dry_run_skips=dry_run_skips)
 
 
 def _tests_reads(data: dict) -> list[Reading]:
@@ -458,7 +462,7 @@ def junit_counts(path: Path) -> dict[str, int]:
 def ensure_checkpoints(part: Part, ctx: Context, log: Path) -> None:
     """The checkpoints `part` runs on: the published shapes built once under --checkpoints (random bf16
     weights, on the GPU), or in a dry run the tiny stand-ins."""
-    for name in part.needs:
+    for name in part.checkpoints(ctx.dry_run):
         if name in ctx.models:
             continue
         if name in QUANTIZED:
