@@ -283,3 +283,7 @@ def test_window_pool_benchmark_fits_more_cached_prefixes_in_the_same_bytes(famil
     assert every["second_pass"]["prompts_hit"] == 0
     assert windowed["second_pass"] == {"prefill_tokens_computed": 6, "prompts_hit": 6}
     assert windowed["window_blocks_freed"] > 0
+    # the GPU suite's part reads it so (its dry run is this command)
+    reads = {name: (value, target) for name, value, _, target in load_benchmark("gpu_suite")._window_pool_reads(result)}
+    ratio, target = reads["KV bytes per token of context, window pool 0.5 / every layer"]
+    assert target.met(ratio) and reads["prompts cached on the second pass, window pool 0.5"][0] == 6
