@@ -210,6 +210,13 @@ def test_beam_search_benchmark_reports_each_width(checkpoint_dir, tmp_path):
         assert row["beam_ms_per_prompt"] > 0 and row["independent_ms_per_prompt"] > 0
 
 
+def _read_as_the_gpu_suite_part(result: dict, reads: str) -> dict[str, object]:
+    """The GPU suite part's figures from this result (its dry run is left to these tests): every one read."""
+    figures = getattr(load_benchmark("gpu_suite"), reads)(result)
+    assert figures and all(name and unit for name, _, unit, _ in figures)
+    return {name: value for name, value, _, _ in figures}
+
+
 def test_tiered_cache_benchmark_encodes_each_picture_once_with_the_host_tier(checkpoint_dir, tmp_path):
     module = load_benchmark("tiered_cache")
     result = module.main(["--model", str(checkpoint_dir()), "--device", "cpu", "--working-set", "1.5", "--rounds", "2",
@@ -224,6 +231,7 @@ def test_tiered_cache_benchmark_encodes_each_picture_once_with_the_host_tier(che
     assert both["encoder_runs"] == pictures and both["kv_host_hits"] > 0
     assert both["prefill_tokens_computed"] < off["prefill_tokens_computed"]  # the documents' blocks came back
     assert result["per_picture"]["embedding_bytes"] > 0 and result["per_picture"]["encode_ms"] > 0
+    _read_as_the_gpu_suite_part(result, "_tiers_reads")  # the "tiers" part's dry command is this one
 
 
 def test_grammar_engines_benchmark_times_llguidance_on_every_schema(tmp_path):
@@ -246,6 +254,8 @@ def test_encoder_cache_benchmark_video_scenario_encodes_each_patch_once(family_c
     assert video["mmengine"]["encoder_runs"] == 2 * 3  # each clip's patches once, for its three questions
     assert video["transformers"]["encoder_runs"] == 6 * 3
     assert video["ttft_first_s"] > 0 and video["ttft_second_s"] > 0
+    reads = _read_as_the_gpu_suite_part(result, "_video_reads")  # the "video" part's dry command is this one
+    assert reads["encoder runs per temporal patch"] == 1.0
 
 
 def test_hybrid_prefix_benchmark_counts_what_checkpoints_save(family_checkpoint, tmp_path):
@@ -284,6 +294,6 @@ def test_window_pool_benchmark_fits_more_cached_prefixes_in_the_same_bytes(famil
     assert windowed["second_pass"] == {"prefill_tokens_computed": 6, "prompts_hit": 6}
     assert windowed["window_blocks_freed"] > 0
     # the GPU suite's part reads it so (its dry run is this command)
-    reads = {name: (value, target) for name, value, _, target in load_benchmark("gpu_suite")._window_pool_reads(result)}
-    ratio, target = reads["KV bytes per token of context, window pool 0.5 / every layer"]
-    assert target.met(ratio) and reads["prompts cached on the second pass, window pool 0.5"][0] == 6
+    reads = _read_as_the_gpu_suite_part(result, "_window_pool_reads")
+    assert reads["KV bytes per token of context, window pool 0.5 / every layer"] <= 0.8
+    assert reads["prompts cached on the second pass, window pool 0.5"] == 6
