@@ -420,7 +420,7 @@ PARTS: list[Part] = [
                             "--turns", "4", "--output-len", "128", "--system-len", "2000", "--tail-len", "200",
                             "--picture-size", "896"),
          lambda ctx: _bench("hybrid_prefix.py", ctx, "qwen3_5_9b", "--model", _model(ctx, "qwen3_5_9b"), "--device", "cpu",
-                            "--dtype", "float32", "--turns", "3", "--output-len", "4", "--requests", "3", "--system-len", "40",
+                            "--dtype", "float32", "--turns", "3", "--output-len", "5", "--requests", "4", "--system-len", "40",
                             "--tail-len", "6", "--picture-size", "64"),
          _hybrid_reads),
     _latency_part("gemma4_dense", "35", 5, "640x480", _gemma4_reads),

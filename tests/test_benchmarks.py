@@ -270,6 +270,7 @@ def test_hybrid_prefix_benchmark_counts_what_checkpoints_save(family_checkpoint,
     assert runs["system / prefix caching on"]["prefill_tokens_computed"] <= 2 * 46 + 2 * (46 - 32)  # the 3rd on: its tail
     chat_on, chat_off = runs["chat / prefix caching on"], runs["chat / prefix caching off"]
     assert chat_on["state_checkpoint_hits"] == 2 and chat_off["state_checkpoint_hits"] == 0
+    _read_as_the_gpu_suite_part(result, "_hybrid_reads")  # the "qwen3_5_9b" part's dry command is this one
     assert chat_on["prefill_tokens_computed"] < chat_off["prefill_tokens_computed"]
     assert chat_on["encoder_runs"] == 1 and chat_on["state_checkpoint_bytes"] > 0
 

@@ -22,9 +22,9 @@ def suite():
 
 # The "ray" part runs benchmarks/ray_batch.py, which test_ray_batch.py runs (and reads as the part
 # does) inside its own cluster: the dry run leaves it out rather than start another Ray cluster. The
-# "gemma4_window_pool", "tiers" and "video" parts' dry commands are test_benchmarks.py's runs of their
-# scripts, read there as the parts read them.
-COVERED_ELSEWHERE = ("ray", "gemma4_window_pool", "tiers", "video")
+# "gemma4_window_pool", "tiers", "video" and "qwen3_5_9b" parts' dry commands are test_benchmarks.py's runs
+# of their scripts, read there as the parts read them.
+COVERED_ELSEWHERE = ("ray", "gemma4_window_pool", "tiers", "video", "qwen3_5_9b")
 
 
 @pytest.fixture(scope="module")
