@@ -111,6 +111,9 @@ class EngineConfig:
     # Longer audio clips are refused (never truncated), before decoding where the container states its
     # duration (multimodal/audio.py); 30 s is Gemma 4's feature-extractor cap, which also bounds it
     max_audio_seconds: float = 30.0
+    # Wall time one audio clip's or video's probing and decoding may take (multimodal/media_container.py):
+    # a bound on the work any request bytes can cause in a preprocessing thread
+    max_media_decode_seconds: float = 120.0
     # Preprocessed pixels kept (host memory) after their requests finish, so a repeated image is
     # neither decoded nor resized again; 0 keeps only what live requests hold.
     mm_processor_cache_bytes: int = 1 << 30
@@ -211,6 +214,10 @@ class EngineConfig:
         _require(
             isinstance(self.max_audio_seconds, (int, float)) and not isinstance(self.max_audio_seconds, bool)
             and self.max_audio_seconds > 0, "max_audio_seconds", self.max_audio_seconds, "a positive number"
+        )
+        _require(
+            isinstance(self.max_media_decode_seconds, (int, float)) and not isinstance(self.max_media_decode_seconds, bool)
+            and self.max_media_decode_seconds > 0, "max_media_decode_seconds", self.max_media_decode_seconds, "a positive number"
         )
         _require(isinstance(self.enable_lora, bool), "enable_lora", self.enable_lora, "a bool")
         for name in ("max_loras", "max_lora_rank"):

@@ -137,6 +137,15 @@ class AudioCountMismatchError(InvalidInputError):
     """The number of audio clips differs from the number of audio markers in the prompt."""
 
 
+class UnsupportedContainerError(InvalidInputError):
+    """Encoded audio or video data is not one of the accepted containers (judged by its magic bytes before
+    FFmpeg sees it; multimodal/media_container.py lists them)."""
+
+
+class MediaDecodeTimeoutError(InvalidInputError):
+    """Probing and decoding one audio clip or video took longer than max_media_decode_seconds."""
+
+
 class ItemTooLargeError(InvalidInputError):
     """A multimodal item produces more embeddings than the encoder cache can take in one step."""
 

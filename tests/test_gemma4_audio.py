@@ -29,11 +29,13 @@ from mmengine.errors import (
     CorruptAudioError,
     InvalidInputError,
     TooManyAudiosError,
+    UnsupportedContainerError,
 )
 from mmengine.models.registry import load_hf_processor
 from mmengine.multimodal.audio import Audio, AudioLimits, decode, resample
 from mmengine.testing.gemma4 import gemma4_prompt
 from mmengine.testing.images import make_test_image
+from hostile_media import FileOpenWatch, hostile_payloads
 
 RATE = 16_000
 QUESTION = "Tell me about this sound and the red square, then count to ten slowly, please."
@@ -201,7 +203,8 @@ def test_bad_clips_are_typed_errors_naming_prompt_and_clip(engine):
     prompt = prompt_with("What is this?")
     good = _tokens(engine, prompt, [WAV]).token_ids
     cases = [
-        ([b"RIFF" + bytes(range(200))], CorruptAudioError, "prompt 1: audio 0: cannot decode"),
+        ([b"RIFF" + bytes(4) + b"WAVE" + bytes(range(200))], CorruptAudioError, "prompt 1: audio 0: cannot decode"),
+        ([b"RIFF" + bytes(range(200))], UnsupportedContainerError, "prompt 1: audio 0: the data is not an accepted audio"),
         ([WAV[: len(WAV) // 2]], CorruptAudioError, "prompt 1: audio 0: truncated: the WAV header states"),
         ([wav_bytes(tone(2.5))], AudioTooLongError, r"prompt 1: audio 0: the container states 2.50 s exceeds max_audio_seconds=2"),
         ([(tone(2.5), RATE)], AudioTooLongError, r"prompt 1: audio 0: 2.50 s exceeds max_audio_seconds=2"),
@@ -271,9 +274,13 @@ def test_chat_takes_audio_parts(engine):
 # -- serving ---------------------------------------------------------------------------------------
 
 
-def test_the_server_takes_input_audio_parts(engine):
-    """A chat with an input_audio part answers as generate() does with the clip; bad parts are 400s naming it."""
+def test_the_server_takes_input_audio_parts(engine, tmp_path, monkeypatch):
+    """A chat with an input_audio part answers as generate() does with the clip; bad parts are 400s naming it.
+    ffconcat bytes naming a WAV in the server's working directory are refused, and the file is never opened."""
     expected = _tokens(engine, prompt_with("What is this?"), [WAV])
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "secret.wav").write_bytes(WAV)
+    watch = FileOpenWatch(tmp_path / "secret.wav")
 
     def chat(server, part: dict) -> httpx.Response:
         body = {"model": MODEL_NAME, "max_tokens": GREEDY.max_tokens, "temperature": 0, "ignore_eos": True,
@@ -288,10 +295,16 @@ def test_the_server_takes_input_audio_parts(engine):
         corrupt = chat(server, audio_part(b"not audio", "mp3"))
         bad_format = chat(server, audio_part(WAV, "midi"))
         no_data = chat(server, {"type": "input_audio", "input_audio": {"format": "wav"}})
+        hostile = {name: chat(server, audio_part(data)) for name, data in hostile_payloads("secret.wav", 45678).items()}
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["message"]["content"] == expected.text
     assert answer.json()["usage"]["prompt_tokens"] == len(expected.prompt_token_ids)
-    assert corrupt.status_code == 400 and corrupt.json()["error"]["code"] == "invalid_audio"
-    assert "audio 0: cannot decode" in corrupt.json()["error"]["message"]
+    assert corrupt.status_code == 400 and corrupt.json()["error"]["code"] == "unsupported_media_container"
+    assert "audio 0: the data is not an accepted audio container" in corrupt.json()["error"]["message"]
+    for name, refused in hostile.items():
+        assert refused.status_code == 400 and refused.json()["error"]["code"] == "unsupported_media_container", name
+        assert "audio 0: the data is not an accepted audio container" in refused.json()["error"]["message"], name
+    assert watch.events() == 0
+    watch.close()
     assert bad_format.status_code == 400 and "format 'midi'" in bad_format.json()["error"]["message"]
     assert no_data.status_code == 400 and "input_audio" in no_data.json()["error"]["message"]

@@ -56,7 +56,9 @@ def test_a_second_question_about_a_clip_reuses_its_cache(server, media_dir):
 
 
 @pytest.mark.parametrize(("url", "code", "words"), [
-    ("data:video/mp4;base64,bm90IGEgdmlkZW8=", "invalid_value", "video 0: cannot decode"),
+    ("data:video/mp4;base64,bm90IGEgdmlkZW8=", "unsupported_media_container", "video 0: the data is not an accepted video"),
+    # ffconcat naming a file beside the server's: refused before FFmpeg sees it
+    ("data:video/mp4;base64,ZmZjb25jYXQgdmVyc2lvbiAxLjAKZmlsZSBjbGlwLm1wNAo=", "unsupported_media_container", "video 0: the data is not an accepted video"),
     ("data:image/png;base64,AAAA", "invalid_video_url", "video 0: a data: URL of type 'image/png' is not a video"),
     ("http://example.com/clip.mp4", "remote_media_disabled", "http(s) video URLs are not fetched"),
     ("file:///etc/passwd", "local_media_forbidden", "outside the allowed local media directory"),

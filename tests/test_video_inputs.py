@@ -19,9 +19,11 @@ from mmengine.errors import (
     ItemTooLargeError,
     TooManyVideosError,
     VideoCountMismatchError,
+    UnsupportedContainerError,
     VideoTooLargeError,
 )
 from mmengine.multimodal.video import Video
+from hostile_media import hostile_payloads
 from test_video import VIDEO, chat, clip
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -109,7 +111,9 @@ def test_a_batch_mixes_videos_images_and_text(engine, mp4):
 @pytest.mark.parametrize(
     "bad, error, words",
     [
-        (b"not a video at all", CorruptVideoError, "video 0: cannot decode"),
+        (b"not a video at all", UnsupportedContainerError, "video 0: the data is not an accepted video container"),
+        (hostile_payloads("clip.mp4", 45678)["ffconcat"], UnsupportedContainerError, "video 0: the data is not an accepted video"),
+        (hostile_payloads("clip.mp4", 45678)["hls"], UnsupportedContainerError, "video 0: the data is not an accepted video"),
         ("cut", CorruptVideoError, "video 0: cannot decode"),  # the index is at the end: the container is unreadable
         ("truncated", CorruptVideoError, "video 0: truncated: the container announces 16 frames but holds"),
         ("/nonexistent/clip.mp4", CorruptVideoError, "cannot read"),
@@ -119,7 +123,7 @@ def test_a_batch_mixes_videos_images_and_text(engine, mp4):
         (Video(clip(4), num_frames=10**9), InvalidInputError, "video 0: num_frames=1000000000 exceeds the video processor's max_frames=64"),
         (Video(clip(4), max_pixels=10**7, min_pixels=10**7), ItemTooLargeError, "video 0: each temporal patch becomes"),
     ],
-    ids=["garbage", "cut", "truncated", "missing-file", "too-long", "bad-array", "fps-and-num-frames", "num-frames-bomb",
+    ids=["garbage", "ffconcat", "hls", "cut", "truncated", "missing-file", "too-long", "bad-array", "fps-and-num-frames", "num-frames-bomb",
          "too-many-tokens"],
 )
 def test_bad_videos_are_refused_by_name_and_the_engine_serves_on(engine, mp4, bad, error, words):

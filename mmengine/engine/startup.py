@@ -76,6 +76,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         model_dir, family, max_model_len, config.limit_mm_per_prompt, config.max_image_pixels,
         config.mm_processor_cache_bytes, config.prefix_caching_hash_algo, hf_processor=hf_processor,
         max_video_seconds=config.max_video_seconds, max_audio_seconds=config.max_audio_seconds,
+        max_media_decode_seconds=config.max_media_decode_seconds,
     )
     runner = ModelRunner(config, family, model_dir, device, dtype, max_model_len)
     num_blocks = _start_runner(config, family, runner)

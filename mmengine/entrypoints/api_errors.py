@@ -25,10 +25,12 @@ from mmengine.errors import (
     ImageTooLargeError,
     InvalidInputError,
     ItemTooLargeError,
+    MediaDecodeTimeoutError,
     PromptTooLongError,
     TooManyAudiosError,
     TooManyImagesError,
     UnknownAdapterError,
+    UnsupportedContainerError,
     UnsupportedImageTypeError,
 )
 
@@ -56,6 +58,8 @@ _INPUT_ERROR_CODES: tuple[tuple[type[InvalidInputError], str], ...] = (
     (AudioCountMismatchError, "audio_count_mismatch"),
     (AudioTooLongError, "audio_too_long"),
     (CorruptAudioError, "invalid_audio"),
+    (UnsupportedContainerError, "unsupported_media_container"),
+    (MediaDecodeTimeoutError, "media_decode_timeout"),
     (EmptyPromptError, "empty_prompt"),
 )
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+) ")

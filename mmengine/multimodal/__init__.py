@@ -11,4 +11,5 @@
   video_prompt.py     where a prompt's videos go (markers, runs, items)
   audio.py            Audio: a caller's clip, its limits, decoded and resampled to the model's mono rate
   audio_loader.py     a clip -> its hash and item (cached), and a prompt's audio items
+  media_container.py  which containers request bytes may open (magic bytes, FFmpeg's whitelists), decode deadlines
 """

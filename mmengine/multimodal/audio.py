@@ -1,21 +1,21 @@
 """Audio clips: what a caller gives, what is known before decoding, and the mono waveform a model takes.
 
-A clip is a file path, encoded bytes (WAV, FLAC, MP3, OGG, ...: what PyAV reads), or float samples
+A clip is a file path, encoded bytes (WAV, FLAC, MP3, OGG/Opus, MP4/M4A,
+Matroska/WebM or AAC), or float samples
 with their rate: `Audio(samples, sampling_rate=...)` or vLLM's `(samples, sampling_rate)` tuple.
-Files and bytes are decoded with PyAV (the `video` extra), the one place untrusted audio is read: a
-container that states a duration over the limit is refused before anything is decoded, and decoding
-stops as soon as the samples pass it (AudioTooLongError); unreadable or corrupt data, or a stream that
-ends well before its stated duration, is a CorruptAudioError naming the clip. Every clip becomes mono
+Files and bytes are decoded with PyAV (the `video` extra), the one place untrusted audio is read. Only
+the accepted containers are opened, judged by their magic bytes, and FFmpeg may open nothing else
+(media_container.py: UnsupportedContainerError, MediaDecodeTimeoutError). A container that states a
+duration over the limit is refused before anything is decoded, and decoding stops as soon as the
+samples pass it (AudioTooLongError); unreadable or corrupt data, a stream that ends well before its
+stated duration, or samples that decode to NaN or infinity, is a CorruptAudioError naming the clip. Every clip becomes mono
 float32 at the model's rate through the same resampler (libswresample), so one sound given as WAV,
 FLAC or samples at the same rate gives the same waveform, and so the same content hash.
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +23,15 @@ import numpy as np
 
 from mmengine.errors import AudioTooLongError, CorruptAudioError, InvalidInputError
 from mmengine.multimodal.image_loading import MAX_ENCODED_FILE_BYTES
+from mmengine.multimodal.media_container import (
+    AUDIO_CONTAINERS,
+    DEFAULT_MAX_MEDIA_DECODE_SECONDS,
+    DecodeDeadline,
+    container_for,
+    decode_errors,
+    import_av,
+    open_media,
+)
 
 # One engine default: Gemma 4's feature extractor takes at most 30 s, which also bounds a clip.
 DEFAULT_MAX_AUDIO_SECONDS: float = 30.0
@@ -30,6 +39,9 @@ DEFAULT_MAX_AUDIO_SECONDS: float = 30.0
 MAX_SOURCE_RATE = 768_000
 # A stream that decodes to less than this share of its stated duration is truncated.
 _TRUNCATED_SHARE = 0.9
+# ... and by more than this: a container's duration counts the codec's priming and padding, which the
+# decoder drops (MP3 in Matroska states 0.14 s more than its samples), so a short clip is not called cut.
+_TRUNCATED_SLACK_SECONDS = 0.25
 _SHOWN = 200
 
 
@@ -70,6 +82,7 @@ class AudioLimits:
 
     max_seconds: float
     name: str  # e.g. "max_audio_seconds=30"
+    max_decode_seconds: float = DEFAULT_MAX_MEDIA_DECODE_SECONDS
 
     def check_seconds(self, seconds: float, where: str, what: str = "") -> None:
         if seconds > self.max_seconds:
@@ -113,7 +126,7 @@ def given_samples(audio: Audio, where: str, limits: AudioLimits) -> tuple[np.nda
             f"{where}: expected a path, encoded bytes, or a float array of samples with its sampling rate "
             f"(Audio(samples, sampling_rate=...) or (samples, sampling_rate)), got {type(source).__name__}"
         )
-    array = np.asarray(source.detach().cpu().numpy() if hasattr(source, "detach") else source)
+    array = np.asarray(_tensor_as_numpy(source) if hasattr(source, "detach") else source)
     if array.ndim != 1 or not np.issubdtype(array.dtype, np.floating) or array.size == 0:
         hint = " (mix the channels down to mono first, e.g. samples.mean(axis=0))" if array.ndim == 2 else ""
         raise InvalidInputError(f"{where}: samples must be a non-empty 1-D float array (mono, in [-1, 1]), got "
@@ -127,12 +140,18 @@ def given_samples(audio: Audio, where: str, limits: AudioLimits) -> tuple[np.nda
     return np.ascontiguousarray(array, dtype=np.float32), audio.sampling_rate
 
 
+def _tensor_as_numpy(tensor: Any) -> np.ndarray:
+    """A torch tensor's values in numpy; floats as float32, since numpy has no bfloat16 or float8."""
+    tensor = tensor.detach().cpu()
+    return (tensor.float() if tensor.is_floating_point() else tensor).numpy()
+
+
 def resample(samples: np.ndarray, source_rate: int, rate: int, where: str) -> np.ndarray:
     """Mono float32 samples at `source_rate` resampled to `rate` (unchanged when the rates agree)."""
     if source_rate == rate:
         return samples
     av = _import_av()
-    with _decode_errors(av, where):
+    with decode_errors(where, CorruptAudioError, "audio"):
         frame = av.AudioFrame.from_ndarray(samples[None, :], format="flt", layout="mono")
         frame.sample_rate = source_rate
         resampler = _resampler(av, rate)
@@ -140,11 +159,14 @@ def resample(samples: np.ndarray, source_rate: int, rate: int, where: str) -> np
 
 
 def decode(data: bytes, where: str, rate: int, limits: AudioLimits) -> np.ndarray:
-    """The first audio stream of encoded `data` as mono float32 at `rate`. A stated duration over the
-    limit is refused before decoding, and the decode stops once its samples pass the limit."""
-    _check_riff_length(data, where)
+    """The first audio stream of encoded `data` as mono float32 at `rate`. Only the accepted containers
+    are opened (media_container.py); a stated duration over the limit is refused before decoding, the
+    decode stops once its samples pass the limit, and it may take at most `limits.max_decode_seconds`."""
     av = _import_av()
-    with _decode_errors(av, where), av.open(io.BytesIO(data), mode="r") as container:
+    container_format = container_for(data, AUDIO_CONTAINERS, where, "audio")
+    _check_riff_length(data, where)
+    deadline = DecodeDeadline(limits.max_decode_seconds, where)
+    with open_media(data, container_format, deadline, CorruptAudioError, "audio") as container:
         if not container.streams.audio:
             raise CorruptAudioError(f"{where}: the data holds no audio stream")
         stream = container.streams.audio[0]
@@ -156,6 +178,7 @@ def decode(data: bytes, where: str, rate: int, limits: AudioLimits) -> np.ndarra
         most = int(limits.max_seconds * source_rate)
         resampler, frames, count = _resampler(av, rate), [], 0
         for frame in container.decode(stream):
+            deadline.check()
             count += frame.samples
             if count > most:
                 raise AudioTooLongError(f"{where}: more than {limits.max_seconds:g} s of samples decoded ({limits.name})")
@@ -163,10 +186,14 @@ def decode(data: bytes, where: str, rate: int, limits: AudioLimits) -> np.ndarra
         frames += resampler.resample(None)
     if count == 0:
         raise CorruptAudioError(f"{where}: the stream holds no samples")
-    if stated > 0 and count < _TRUNCATED_SHARE * stated * source_rate:
+    held = count / source_rate
+    if stated > 0 and held < _TRUNCATED_SHARE * stated and stated - held > _TRUNCATED_SLACK_SECONDS:
         raise CorruptAudioError(f"{where}: truncated: the container states {stated:.2f} s but holds "
-                                f"{count / source_rate:.2f} s")
-    return _joined(frames)
+                                f"{held:.2f} s")
+    waveform = _joined(frames)
+    if not np.isfinite(waveform).all():
+        raise CorruptAudioError(f"{where}: the decoded samples hold NaN or infinite values")
+    return waveform
 
 
 _UNKNOWN_RIFF_SIZES = (0, 0xFFFFFFFF)  # written by streaming encoders that never went back to fill them in
@@ -210,23 +237,7 @@ def _stated_seconds(container: Any, stream: Any) -> float:
 
 
 def _import_av() -> Any:
-    try:
-        import av
-    except ImportError as err:
-        raise InvalidInputError(
-            "decoding or resampling audio needs PyAV: pip install 'mmengine[video]' (or give float samples at the model's rate)"
-        ) from err
-    return av
-
-
-@contextlib.contextmanager
-def _decode_errors(av: Any, where: str) -> Iterator[None]:
-    try:
-        yield
-    except (InvalidInputError, MemoryError):
-        raise
-    except Exception as exc:  # av.FFmpegError and its subclasses, and whatever a broken container raises
-        raise CorruptAudioError(f"{where}: cannot decode the audio: {type(exc).__name__}: {exc}") from exc
+    return import_av("decoding or resampling audio", " (or give float samples at the model's rate)")
 
 
 def _shown(path: str | os.PathLike) -> str:

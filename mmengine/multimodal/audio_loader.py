@@ -21,6 +21,7 @@ from mmengine.encoder_cache.hashing import hash_audio, hash_bytes, hash_user_id
 from mmengine.errors import AudioCountMismatchError, AudioTooLongError, InvalidInputError
 from mmengine.models.family import EncoderInputs, ModelFamily
 from mmengine.multimodal import audio as audio_io
+from mmengine.multimodal.media_container import DEFAULT_MAX_MEDIA_DECODE_SECONDS
 from mmengine.multimodal.processor_cache import ProcessorCache
 from mmengine.utils.keyed_lock import KeyedLock
 
@@ -35,13 +36,15 @@ class LoadedAudio:
     num_tokens: int
 
 
-def audio_limits(family: ModelFamily, max_audio_seconds: float) -> audio_io.AudioLimits:
+def audio_limits(
+    family: ModelFamily, max_audio_seconds: float, max_decode_seconds: float = DEFAULT_MAX_MEDIA_DECODE_SECONDS,
+) -> audio_io.AudioLimits:
     """The engine's max_audio_seconds, or the family's own cap where that is lower (a clip is never truncated)."""
     audio_format = family.audio_format
     if audio_format is None or max_audio_seconds <= audio_format.max_seconds:
-        return audio_io.AudioLimits(max_audio_seconds, f"max_audio_seconds={max_audio_seconds:g}")
+        return audio_io.AudioLimits(max_audio_seconds, f"max_audio_seconds={max_audio_seconds:g}", max_decode_seconds)
     return audio_io.AudioLimits(audio_format.max_seconds, f"{audio_format.max_seconds:g} s, the most this model takes "
-                                                        f"(max_audio_seconds={max_audio_seconds:g} is higher)")
+                                                        f"(max_audio_seconds={max_audio_seconds:g} is higher)", max_decode_seconds)
 
 
 class AudioLoader:

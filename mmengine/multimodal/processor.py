@@ -43,6 +43,7 @@ from mmengine.multimodal.audio import DEFAULT_MAX_AUDIO_SECONDS, as_audio
 from mmengine.multimodal.audio_loader import AudioLoader, LoadedAudio, audio_items, audio_limits
 from mmengine.multimodal.embeds import check_embeds, hash_embeds, is_embeds_item
 from mmengine.multimodal.image_loading import ImageInput, encoded_bytes, load_image
+from mmengine.multimodal.media_container import DEFAULT_MAX_MEDIA_DECODE_SECONDS
 from mmengine.multimodal.processor_cache import ProcessorCache
 from mmengine.multimodal.resize_guard import check_preprocessed_size
 from mmengine.multimodal.video import DEFAULT_MAX_VIDEO_SECONDS, as_video
@@ -91,6 +92,7 @@ class InputProcessor:
         hf_processor: Any = None,
         max_video_seconds: float = DEFAULT_MAX_VIDEO_SECONDS,
         max_audio_seconds: float = DEFAULT_MAX_AUDIO_SECONDS,
+        max_media_decode_seconds: float = DEFAULT_MAX_MEDIA_DECODE_SECONDS,
     ) -> None:
         """`hf_processor`: the checkpoint's processor if already loaded (with any overrides applied)."""
         self.hf_processor = hf_processor if hf_processor is not None else load_hf_processor(model_dir)
@@ -123,7 +125,8 @@ class InputProcessor:
         self.video_token: str | None = getattr(self.hf_processor, "video_token", None) if family.video_token_id is not None else None
         self.videos = VideoLoader(
             family, self.cache, self._lock, self.fingerprint, self.settings_key,
-            VideoLimits(max_video_seconds, max_image_pixels, max_model_len=max_model_len), hash_algo,
+            VideoLimits(max_video_seconds, max_image_pixels, max_model_len=max_model_len,
+                        max_decode_seconds=max_media_decode_seconds), hash_algo,
         )
         self.audio_token: str | None = None
         self.audios: AudioLoader | None = None
@@ -132,7 +135,7 @@ class InputProcessor:
             extractor = getattr(self.hf_processor, "feature_extractor", None)
             audio_settings = processor_settings_key(extractor) if extractor is not None else ""
             self.audios = AudioLoader(family, self.cache, self._lock, self.fingerprint, audio_settings,
-                                      audio_limits(family, max_audio_seconds), hash_algo)
+                                      audio_limits(family, max_audio_seconds, max_media_decode_seconds), hash_algo)
         self._check_expansion()
         if self.audios is not None:
             self._check_audio_expansion()

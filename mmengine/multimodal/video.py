@@ -2,20 +2,19 @@
 
 A video is a file path, encoded bytes, or its frames (PIL images or a uint8 array [frames, H, W, 3]),
 optionally wrapped in `Video` with its sampling (`fps` or `num_frames`) and size bounds. Files and
-bytes are decoded with PyAV (the `video` extra), the one place untrusted video data is read: the
-container is probed first, and a clip that is too long, has too many frames or too large frames is
-refused before any frame is decoded (VideoTooLargeError); unreadable, corrupt or truncated data is a
-CorruptVideoError naming the video. Only the sampled frames are converted to RGB.
+bytes are decoded with PyAV (the `video` extra), the one place untrusted video data is read. Only the
+accepted containers (MP4/MOV, Matroska/WebM, MPEG-TS, AVI), judged by their magic bytes, are opened,
+and FFmpeg may open nothing else (media_container.py). The container is probed first, and a clip
+that is too long, has too many frames or too large frames is refused before any frame is decoded
+(VideoTooLargeError); unreadable, corrupt or truncated data is a CorruptVideoError naming the video. Only the sampled frames are converted to RGB.
 
 Which frames are sampled and how they are resized is the model family's rule (`models/qwen_video.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import io
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +23,14 @@ from PIL import Image
 
 from mmengine.errors import CorruptVideoError, InvalidInputError, VideoTooLargeError
 from mmengine.multimodal.image_loading import MAX_ENCODED_FILE_BYTES
+from mmengine.multimodal.media_container import (
+    DEFAULT_MAX_MEDIA_DECODE_SECONDS,
+    VIDEO_CONTAINERS,
+    DecodeDeadline,
+    container_for,
+    import_av,
+    open_media,
+)
 
 # One hour: longer than the clips vision-language models are trained on, and a bound on decoding work.
 DEFAULT_MAX_VIDEO_SECONDS: float = 3600.0
@@ -153,14 +160,21 @@ def given_frames(video: Video, index: int, max_frame_pixels: int) -> np.ndarray:
     )
 
 
-def probe(data: bytes, index: int, max_seconds: float, max_frame_pixels: int) -> VideoInfo:
+def probe(
+    data: bytes, index: int, max_seconds: float, max_frame_pixels: int,
+    max_decode_seconds: float = DEFAULT_MAX_MEDIA_DECODE_SECONDS,
+) -> VideoInfo:
     """The video's frame count, rate and frame size, checked against the limits before any frame is
     decoded. Containers' own frame counts and rates are often missing or wrong (Matroska, MPEG-TS), so
     the frames are counted by demuxing their packets (no decoding), and the rate is frames / duration
     where the duration is known. A count the container announces, consistent with its duration and
-    rate (an MP4 index), that the packets fall short of means a truncated file."""
-    av = _import_av()
-    with _decode_errors(av, index), av.open(io.BytesIO(data), mode="r") as container:
+    rate (an MP4 index), that the packets fall short of means a truncated file. Only the accepted
+    containers are opened (media_container.py), for at most `max_decode_seconds`."""
+    _import_av()
+    where = f"video {index}"
+    container_format = container_for(data, VIDEO_CONTAINERS, where, "video")
+    deadline = DecodeDeadline(max_decode_seconds, where)
+    with open_media(data, container_format, deadline, CorruptVideoError, "video") as container:
         if not container.streams.video:
             raise CorruptVideoError(f"video {index}: the data holds no video stream")
         stream = container.streams.video[0]
@@ -172,6 +186,7 @@ def probe(data: bytes, index: int, max_seconds: float, max_frame_pixels: int) ->
         most = int(max_seconds * MAX_SOURCE_FPS)
         count = 0
         for packet in container.demux(stream):
+            deadline.check()
             if packet.size:
                 count += 1
                 if count > most:
@@ -200,16 +215,23 @@ def check_limits(info: VideoInfo, index: int, max_seconds: float, max_frame_pixe
     _check_frame_size(info.width, info.height, max_frame_pixels, index)
 
 
-def decode(data: bytes, indices: Sequence[int], info: VideoInfo, index: int) -> np.ndarray:
-    """The frames at `indices` (within the probed count) as RGB uint8 [T, H, W, 3]. A stream whose
-    packets do not all decode is corrupt: CorruptVideoError."""
-    av = _import_av()
+def decode(
+    data: bytes, indices: Sequence[int], info: VideoInfo, index: int,
+    max_decode_seconds: float = DEFAULT_MAX_MEDIA_DECODE_SECONDS,
+) -> np.ndarray:
+    """The frames at `indices` (within the probed count) as RGB uint8 [T, H, W, 3], in at most
+    `max_decode_seconds`. A stream whose packets do not all decode is corrupt: CorruptVideoError."""
+    _import_av()
+    where = f"video {index}"
+    container_format = container_for(data, VIDEO_CONTAINERS, where, "video")
+    deadline = DecodeDeadline(max_decode_seconds, where)
     wanted = sorted(set(indices))
     picked: dict[int, np.ndarray] = {}
-    with _decode_errors(av, index), av.open(io.BytesIO(data), mode="r") as container:
+    with open_media(data, container_format, deadline, CorruptVideoError, "video") as container:
         stream = container.streams.video[0]
         stream.thread_type = "AUTO"
         for position, frame in enumerate(container.decode(stream)):
+            deadline.check()
             if position in wanted:
                 picked[position] = frame.to_ndarray(format="rgb24")
                 if len(picked) == len(wanted):
@@ -242,23 +264,7 @@ def _check_frame_size(width: int, height: int, max_pixels: int, index: int) -> N
 
 
 def _import_av() -> Any:
-    try:
-        import av
-    except ImportError as err:
-        raise InvalidInputError(
-            "decoding a video file needs PyAV: pip install 'mmengine[video]' (or give the frames as a list or an array)"
-        ) from err
-    return av
-
-
-@contextlib.contextmanager
-def _decode_errors(av: Any, index: int) -> Iterator[None]:
-    try:
-        yield
-    except (InvalidInputError, MemoryError):
-        raise
-    except Exception as exc:  # av.FFmpegError and its subclasses, and whatever a broken container raises
-        raise CorruptVideoError(f"video {index}: cannot decode the video: {type(exc).__name__}: {exc}") from exc
+    return import_av("decoding a video file", " (or give the frames as a list or an array)")
 
 
 def _shown(path: str | os.PathLike) -> str:

@@ -21,6 +21,7 @@ from mmengine.errors import InvalidInputError, ItemTooLargeError, VideoTooLargeE
 from mmengine.utils.keyed_lock import KeyedLock
 from mmengine.models.family import EncoderInputs, ModelFamily, VideoPlan
 from mmengine.multimodal import video as video_io
+from mmengine.multimodal.media_container import DEFAULT_MAX_MEDIA_DECODE_SECONDS
 from mmengine.multimodal.processor_cache import ProcessorCache
 
 MAX_REMEMBERED_VIDEOS = 4096
@@ -39,6 +40,7 @@ class VideoLimits:
     max_frame_pixels: int
     max_tokens_per_item: int | None = None  # set by the engine once the encoder budget is known
     max_model_len: int | None = None
+    max_decode_seconds: float = DEFAULT_MAX_MEDIA_DECODE_SECONDS  # each of the probe and the decode
 
 
 class VideoLoader:
@@ -114,7 +116,7 @@ class VideoLoader:
     ) -> LoadedVideo:
         limits = self.limits
         if encoded is not None:
-            info = video_io.probe(encoded, index, limits.max_seconds, limits.max_frame_pixels)
+            info = video_io.probe(encoded, index, limits.max_seconds, limits.max_frame_pixels, limits.max_decode_seconds)
         else:
             num, height, width = frames.shape[:3]
             info = video_io.VideoInfo(num, float(video.frame_rate or video_io.DEFAULT_FRAME_RATE), height, width)
@@ -127,7 +129,7 @@ class VideoLoader:
             raise type(err)(f"video {index}: {err.reason}") from err
         self._check_plan(plan, index)
         if encoded is not None:
-            frames = video_io.decode(encoded, plan.indices, info, index)
+            frames = video_io.decode(encoded, plan.indices, info, index, limits.max_decode_seconds)
             with self._cache_lock:
                 self.num_videos_decoded += 1
         else:
