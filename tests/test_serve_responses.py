@@ -1,7 +1,7 @@
 """POST /v1/responses through the openai client: the same greedy text as the same chat completion
 (with a picture too), parse(text_format=Model) gives the parsed object, the streamed events assemble
-the same text, a forced function tool gives a function_call item, and what is not honoured is a 400
-naming it."""
+the same text, a forced function tool gives a function_call item, and what is not honoured (or is
+misshapen: an input item, a message's content or a content part, text.format) is a 400 naming it."""
 
 from __future__ import annotations
 
@@ -119,3 +119,22 @@ def test_what_is_not_honoured_is_a_400_naming_it(served, fields, param):
     answer = httpx.post(f"{running.v1}/responses", json=body, timeout=60)
     assert answer.status_code == 400, answer.text
     assert answer.json()["error"]["param"] == param, answer.text
+
+
+@pytest.mark.parametrize("fields,param,where", [
+    ({"input": [{"role": "user", "content": {"type": "input_text", "text": "hi"}}]}, "input", "input[0].content"),
+    ({"input": [{"role": "user", "content": 7}]}, "input", "input[0].content"),
+    ({"input": [{"role": "user", "content": ["hi"]}]}, "input", "input[0].content[0]"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "hi"}, None]}]}, "input", "input[0].content[1]"),
+    ({"input": [{"role": "user", "content": "hi"}, "hi"]}, "input", "input[1]"),
+    ({"input": [{"role": ["user"], "content": "hi"}]}, "input", "role"),
+    ({"text": {"format": "json_object"}}, "text.format", "text.format"),
+    ({"text": {"format": ["json_object"]}}, "text.format", "text.format"),
+])
+def test_a_misshapen_input_or_format_is_a_400_naming_where(served, fields, param, where):
+    _, running, _ = served
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, **fields}
+    answer = httpx.post(f"{running.v1}/responses", json=body, timeout=60)
+    assert answer.status_code == 400, answer.text
+    error = answer.json()["error"]
+    assert error["param"] == param and where in error["message"], answer.text

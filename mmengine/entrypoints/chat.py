@@ -57,7 +57,8 @@ def parse_messages(messages: list[Any], allow_embeds: bool = False) -> tuple[Con
         where = f"messages[{position}]"
         if not isinstance(message, dict):
             raise _bad(f"{where} must be an object with 'role' and 'content'")
-        role = _ROLE_ALIASES.get(message.get("role"), message.get("role"))
+        role = message.get("role")
+        role = _ROLE_ALIASES.get(role, role) if isinstance(role, str) else role  # normalize_conversations names a bad one
         content = message.get("content")
         if content is None:
             content = ""  # e.g. an assistant turn that only called tools

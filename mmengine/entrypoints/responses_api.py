@@ -17,6 +17,7 @@ from typing import Any
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict
 
+from mmengine.engine.prompt_inputs import type_name
 from mmengine.entrypoints.api_errors import APIError
 from mmengine.entrypoints.protocol import ChatCompletionRequest
 from mmengine.entrypoints.responses import new_id
@@ -31,7 +32,7 @@ class ResponsesRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str
-    input: str | list[dict[str, Any]]
+    input: str | list[Any]  # each item an object: checked by _messages, which names the item
     instructions: str | None = None
     max_output_tokens: int | None = None
     temperature: float | None = None
@@ -80,7 +81,7 @@ def _bad(message: str, param: str, code: str = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
 
-def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _messages(items: str | list[Any]) -> list[dict[str, Any]]:
     """Responses input items -> chat messages: messages with input_text / input_image / output_text
     parts, and function_call / function_call_output items as an assistant's tool calls and tool turns."""
     if isinstance(items, str):
@@ -88,6 +89,9 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     for index, item in enumerate(items):
         where = f"input[{index}]"
+        if not isinstance(item, dict):
+            raise _bad(f"{where} must be an object (a message, function_call or function_call_output item), got "
+                       f"{type_name(item)}", "input")
         kind = item.get("type", "message")
         if kind == "function_call":
             call = {"id": item.get("call_id"), "type": "function",
@@ -99,17 +103,23 @@ def _messages(items: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
         elif kind == "function_call_output":
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output", "")})
         elif kind == "message":
-            role = {"developer": "system"}.get(item.get("role"), item.get("role"))
+            role = item.get("role")
             content = item.get("content")
-            parts = content if isinstance(content, str) else [_part(part, f"{where}.content[{i}]") for i, part in enumerate(content or [])]
-            messages.append({"role": role, "content": parts})
+            if isinstance(content, list):
+                content = [_part(part, f"{where}.content[{i}]") for i, part in enumerate(content)]
+            elif content is not None and not isinstance(content, str):
+                raise _bad(f"{where}.content must be a string or a list of content parts, got {type_name(content)}", "input")
+            messages.append({"role": "system" if role == "developer" else role, "content": [] if content is None else content})
         else:
             raise _bad(f"{where}: input items of type {kind!r} are not supported (message, function_call, "
                        "function_call_output are)", "input", "unsupported_parameter")
     return messages
 
 
-def _part(part: dict[str, Any], where: str) -> dict[str, Any]:
+def _part(part: Any, where: str) -> dict[str, Any]:
+    if not isinstance(part, dict):
+        raise _bad(f"{where} must be a content part object ({{'type': 'input_text', 'text': ...}}), got {type_name(part)}",
+                   "input")
     kind = part.get("type")
     if kind in ("input_text", "output_text"):
         return {"type": "text", "text": part.get("text")}
@@ -130,6 +140,8 @@ def _response_format(text: dict[str, Any]) -> dict[str, Any] | None:
     if unknown:
         raise _bad(f"text.{unknown[0]} is not supported", f"text.{unknown[0]}", "unsupported_parameter")
     form = text.get("format") or {"type": "text"}
+    if not isinstance(form, dict):
+        raise _bad(f"text.format must be an object such as {{'type': 'json_object'}}, got {type_name(form)}", "text.format")
     kind = form.get("type")
     if kind == "text":
         return None
