@@ -87,7 +87,8 @@ class RequestStream:
     """One request's outputs as DeltaOutputs. Iterate it once; leaving early aborts the request.
 
     With stop strings, the last (longest stop string - 1) characters are held back until the
-    request ends, since they may turn out to begin a stop string (which is cut from the text).
+    request ends, since they may turn out to begin a stop string (which is cut from the text); with a
+    reasoning parser, so are those of the reasoning.
     """
 
     def __init__(self, engine: AsyncMMEngine, request_id: str, params: SamplingParams) -> None:
@@ -155,7 +156,10 @@ class RequestStream:
         new_text = text[self._sent_chars : end]
         self._sent_chars += len(new_text)
         reasoning = output.reasoning_content or ""
-        new_reasoning = reasoning[self._sent_reasoning_chars :]
+        # A stop string may begin in the reasoning and run on past it: its tail is held back too, as far as
+        # the text after it is shorter than the holdback.
+        held = 0 if output.finished else max(0, self._holdback - len(text))
+        new_reasoning = reasoning[self._sent_reasoning_chars : max(self._sent_reasoning_chars, len(reasoning) - held)]
         self._sent_reasoning_chars += len(new_reasoning)
         new_tokens = output.token_ids[self._sent_tokens :]
         logprobs = output.logprobs[self._sent_tokens :] if output.logprobs is not None else None

@@ -28,7 +28,7 @@ from mmengine.runner import ModelRunner
 from mmengine.runner.launched_step import LaunchedStep
 from mmengine.sample.detokenizer import IncrementalDetokenizer
 from mmengine.sample.params import SamplingParams
-from mmengine.sample.reasoning import ReasoningGate, prompt_closes_reasoning, prompt_opens_reasoning, split_reasoning
+from mmengine.sample.reasoning import ReasoningGate, opening_token, prompt_opens_reasoning, split_reasoning
 from mmengine.sample.structured_output.grammar import GrammarCompiler
 
 
@@ -60,6 +60,7 @@ class StepLoop:
                                        "generation_tokens", "requests_finished"), 0)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._opens_reasoning: dict[str, bool] = {}  # with a reasoning parser: the prompt left <think> open
+        self._opening_token = opening_token(tokenizer) if config.reasoning_parser is not None else None
         self._arrivals = itertools.count()
 
     # -- requests in and out ---------------------------------------------------
@@ -87,7 +88,7 @@ class StepLoop:
         if params.structured_output is not None:
             request.grammar = self.grammars.matcher(params.structured_output)
             if self.config.reasoning_parser is not None:
-                request.grammar = ReasoningGate(request.grammar, waiting=not prompt_closes_reasoning(prompt))
+                request.grammar = ReasoningGate.for_prompt(request.grammar, prompt, self._opening_token)
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, stop=params.stop)
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = detokenizer

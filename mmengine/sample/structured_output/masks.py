@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from mmengine.sample.reasoning import ReasoningGate
@@ -28,18 +29,21 @@ class BitmaskFiller:
     def fill(self, matchers: list[Any]) -> torch.Tensor:
         """[len(matchers), words] host bitmask; a matcher that is done (stopped or failed) allows
         every token, as its request's token is discarded, and so does one still waiting for its request's
-        reasoning to end."""
+        reasoning to end (a gate's opening token is allowed besides its grammar's)."""
         import llguidance
         import llguidance.numpy
 
         host = self._host[: len(matchers)]
         array = host.numpy()
         live = []
+        openings = []  # (row, token) allowed besides the grammar's tokens
         for row, matcher in enumerate(matchers):
             if isinstance(matcher, ReasoningGate):  # a grammar that applies after the reasoning (sample/reasoning.py)
                 if matcher.waiting:
                     array[row] = -1
                     continue
+                if matcher.opening_token is not None and matcher.opening_token < self.vocab_size:
+                    openings.append((row, matcher.opening_token))
                 matcher = matcher.matcher
             if matcher.is_error() or matcher.is_stopped():
                 array[row] = -1
@@ -51,6 +55,9 @@ class BitmaskFiller:
             if self._executor is None:
                 self._executor = llguidance.LLExecutor()
             llguidance.numpy.fill_next_token_bitmask_par(self._executor, live, array)
+        bits = array.view(np.uint32)
+        for row, token in openings:
+            bits[row, token // 32] |= np.uint32(1 << (token % 32))
         self.num_masks += len(matchers)
         return host
 
