@@ -1,7 +1,8 @@
 """Quantized checkpoints (models/quantization.py): FP8 with block scales (Qwen's -FP8) and
 compressed-tensors float-quantized (llm-compressor's FP8), built in the documented layouts
 (mmengine.testing.quantize) from the tiny checkpoints, load and give exactly the logits of the same
-model with the dequantized weights; what is not supported is refused by name."""
+model with the dequantized weights; what is not supported is refused by name, and a corrupt quantized
+tensor is named with what was expected, what was found and its file."""
 
 from __future__ import annotations
 
@@ -44,8 +45,66 @@ def test_a_block_scale_of_the_wrong_shape_is_named(family_checkpoint, tmp_path):
     config = json.loads((quantized / "config.json").read_text())
     config["quantization_config"]["weight_block_size"] = [16, 16]
     (quantized / "config.json").write_text(json.dumps(config))
-    with pytest.raises(WeightsMismatchError, match=r"block scale of \(\d+, \d+\) for a weight of .* in 16x16 blocks"):
+    with pytest.raises(WeightsMismatchError, match=r"weight_scale_inv' \(fp8\): expected shape \[\d+, \d+\] \(one per 16x16 block of "
+                                                  r"the weight .*\), found shape \[\d+, \d+\]"):
         MMEngine(str(quantized), device="cpu", dtype="float32", max_model_len=256)
+
+
+DOWN_PROJ = "language_model.model.layers.0.mlp.down_proj"  # [64, 128]: 128 inputs in 4 groups of 32, 64 outputs
+
+
+def _replace(name: str, make):
+    return lambda tensors: tensors.__setitem__(f"{DOWN_PROJ}.{name}", make(tensors[f"{DOWN_PROJ}.{name}"]))
+
+
+def _with(value: int, at: int = 0):
+    def make(tensor):
+        tensor = tensor.clone()
+        tensor[at] = value
+        return tensor
+    return make
+
+
+CORRUPT = [  # (method, edit, the tensor named, expected, found)
+    ("gptq", _replace("scales", lambda t: t[:1]), "scales", "shape [4, 64]", "shape [1, 64]"),  # too few groups: was an IndexError
+    ("gptq", _replace("g_idx", _with(4, at=5)), "g_idx", "group indices in [0, 4)", "values from 0 to 4"),  # was an IndexError
+    ("gptq", _replace("g_idx", _with(-1)), "g_idx", "group indices in [0, 4)", "values from -1 to 3"),  # was loaded: group 3
+    ("gptq", _replace("qzeros", lambda t: t[:, :4]), "qzeros", "shape [4, 8]", "shape [4, 4]"),
+    ("gptq", _replace("qweight", lambda t: t.float()), "qweight", "an integer tensor", "torch.float32"),
+    ("w4a16", _replace("weight_shape", lambda t: torch.tensor([64, 128, 1])), "weight_shape",  # was a ValueError
+     "[out_features, in_features] (two positive ints)", "[64, 128, 1]"),
+    ("w4a16", _replace("weight_shape", lambda t: torch.tensor([64, 256])), "weight_packed", "shape [64, 32]", "shape [64, 16]"),
+    ("w4a16", _replace("weight_scale", lambda t: t[:, :1]), "weight_scale", "shape [64, 4]", "shape [64, 1]"),
+    ("w4a16-asym", _replace("weight_zero_point", lambda t: t[:, :1]), "weight_zero_point", "shape [8, 4]",  # was an IndexError
+     "shape [8, 1]"),
+    ("w4a16-asym", _replace("weight_zero_point", lambda t: t[:1]), "weight_zero_point", "shape [8, 4]", "shape [1, 4]"),  # RuntimeError
+    ("awq", _replace("scales", lambda t: t[:1]), "scales", "shape [4, 64]", "shape [1, 64]"),
+    ("awq", _replace("qzeros", lambda t: t[:, :1]), "qzeros", "shape [4, 8]", "shape [4, 1]"),
+    ("fp8", _replace("weight_scale_inv", lambda t: t[:1]), "weight_scale_inv", "shape [2, 4]", "shape [1, 4]"),
+    ("fp8", _replace("weight_scale_inv", lambda t: t.to(torch.int32)), "weight_scale_inv", "a floating-point tensor", "torch.int32"),
+    ("compressed-tensors", _replace("weight_scale", lambda t: t[:3]), "weight_scale", "one scale per output channel ([64, 1])",
+     "shape [3, 1]"),
+    ("compressed-tensors", _replace("weight_scale", lambda t: t.reshape(8, 8)), "weight_scale",
+     "one scale per output channel ([64, 1])", "shape [8, 8]"),  # 64 scales, but not one per output channel
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])  # dequantized at load, or kept for the fused kernels
+@pytest.mark.parametrize("method,edit,tensor,expected,found", CORRUPT,
+                         ids=[f"{method}-{tensor}-{i}" for i, (method, _, tensor, _, _) in enumerate(CORRUPT)])
+def test_a_corrupt_quantized_tensor_is_named_with_what_was_expected_and_its_file(family_checkpoint, tmp_path, backend, method,
+                                                                                 edit, tensor, expected, found):
+    from safetensors.torch import load_file, save_file
+
+    quantized, _ = quantize_checkpoint(family_checkpoint("llava"), tmp_path / "q", method, reference=False)
+    weights = quantized / "model.safetensors"
+    tensors = load_file(str(weights))
+    edit(tensors)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights))
+    with pytest.raises(WeightsMismatchError) as err:
+        MMEngine(str(quantized), device="cpu", dtype="float32", max_model_len=256, attn_backend=backend)
+    assert str(err.value).startswith(f"{weights}: tensor '{DOWN_PROJ}.{tensor}'")
+    assert f"expected {expected}" in str(err.value) and f"found {found}" in str(err.value)
 
 
 @pytest.mark.parametrize("quantization_config,named", [

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -147,17 +147,11 @@ def _scheme_key(value: dict) -> str:
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, spec: WeightQuantization, name: str) -> torch.Tensor:
     """One FP8 weight [out, in] and its scale -> float32."""
+    check_parts({"weight": weight, spec.scale_name: scale}, spec, name.removesuffix(".weight"))
     w = weight.float()
     if spec.block is None:
-        if scale.numel() not in (1, w.shape[0]):
-            raise WeightsMismatchError(f"{name}: a scale of {tuple(scale.shape)} for a weight of {tuple(w.shape)} "
-                                       "(expected one per output channel, or one)")
         return w * scale.float().reshape(-1, 1) if scale.numel() > 1 else w * scale.float().reshape(())
     rows, cols = spec.block
-    expected = (-(-w.shape[0] // rows), -(-w.shape[1] // cols))
-    if tuple(scale.shape) != expected:
-        raise WeightsMismatchError(f"{name}: a block scale of {tuple(scale.shape)} for a weight of {tuple(w.shape)} in "
-                                   f"{rows}x{cols} blocks (expected {expected})")
     full = scale.float().repeat_interleave(rows, 0).repeat_interleave(cols, 1)[: w.shape[0], : w.shape[1]]
     return w * full
 
@@ -181,12 +175,10 @@ def dequantize_gptq(parts: dict[str, torch.Tensor], group_size: int, name: str) 
     """GPTQ (v1 format): qweight [in / 8, out] packed along the input, qzeros [groups, out / 8] packed along
     the output and stored minus one, scales [groups, out], g_idx [in] (each input row's group, any order:
     act-order included) -> the linear weight [out, in] in float32."""
+    check_parts(parts, WeightQuantization("gptq", group_size=group_size), name.removesuffix(".weight"))
     q = unpack_int4(parts["qweight"], 0)  # [in, out]
-    zeros = unpack_int4(parts["qzeros"], 1) + 1  # [groups, out]
+    zeros = unpack_int4(parts["qzeros"], 1)[:, : q.shape[1]] + 1  # [groups, out]
     groups = parts["g_idx"].long()
-    if q.shape[0] != groups.shape[0] or zeros.shape[1] != q.shape[1] or parts["scales"].shape != zeros.shape:
-        raise WeightsMismatchError(f"{name}: GPTQ tensors disagree: qweight {tuple(parts['qweight'].shape)}, qzeros "
-                                   f"{tuple(parts['qzeros'].shape)}, scales {tuple(parts['scales'].shape)}, g_idx {tuple(groups.shape)}")
     return ((q - zeros[groups]).float() * parts["scales"].float()[groups]).t()
 
 
@@ -210,11 +202,9 @@ def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
 def dequantize_awq(parts: dict[str, torch.Tensor], group_size: int, name: str) -> torch.Tensor:
     """AWQ (GEMM): qweight [in, out / 8] and qzeros [in / group, out / 8] packed along the output in AWQ's
     nibble order, scales [in / group, out] -> the linear weight [out, in] in float32."""
+    check_parts(parts, WeightQuantization("awq", group_size=group_size), name.removesuffix(".weight"))
     q, zeros, scales = _awq_columns(parts["qweight"]), _awq_columns(parts["qzeros"]), parts["scales"].float()
     groups = torch.arange(q.shape[0]) // group_size
-    if zeros.shape != scales.shape or zeros.shape[0] != -(-q.shape[0] // group_size) or zeros.shape[1] != q.shape[1]:
-        raise WeightsMismatchError(f"{name}: AWQ tensors disagree: qweight {tuple(parts['qweight'].shape)}, qzeros "
-                                   f"{tuple(parts['qzeros'].shape)}, scales {tuple(parts['scales'].shape)} (group size {group_size})")
     return ((q - zeros[groups]).float() * scales[groups]).t()
 
 
@@ -222,27 +212,83 @@ def dequantize_compressed_int4(parts: dict[str, torch.Tensor], spec: WeightQuant
     """compressed-tensors pack-quantized: weight_packed [out, ceil(in / 8)] (nibble i of a word is input
     8j + i, stored + 8), weight_scale [out, groups], weight_shape [out, in], weight_zero_point
     [ceil(out / 8), groups] packed along the output (asymmetric only) -> the weight [out, in] in float32."""
+    check_parts(parts, spec, name.removesuffix(".weight"))
     out_features, in_features = (int(v) for v in parts["weight_shape"].tolist())
     q = unpack_int4(parts["weight_packed"], 1)[:, :in_features] - 8
     scales = parts["weight_scale"].float()
-    group = spec.group_size or in_features
-    if q.shape[0] != out_features or scales.shape != (out_features, -(-in_features // group)):
-        raise WeightsMismatchError(f"{name}: pack-quantized tensors disagree: weight_packed {tuple(parts['weight_packed'].shape)}, "
-                                   f"weight_scale {tuple(scales.shape)}, weight_shape {(out_features, in_features)}")
-    columns = torch.arange(in_features) // group
+    columns = torch.arange(in_features) // (spec.group_size or in_features)
     zeros = torch.zeros_like(scales)
     if not spec.symmetric:
         zeros = (unpack_int4(parts["weight_zero_point"], 0)[:out_features] - 8).float()
     return (q.float() - zeros[:, columns]) * scales[:, columns]
 
 
-def _check_parts(parts: dict[str, torch.Tensor], spec: WeightQuantization, name: str) -> None:
-    """The shape checks dequantizing makes: FP8's on meta copies (no arithmetic); int4's unpacking indexes
-    real tensors, so it runs and its result is dropped (time, not memory)."""
-    if spec.int4:
-        _dequantize(parts, spec, name)
+# The integer tensors of the int4 formats and their ranks; every other part is a float scale
+_INT_PARTS = {"qweight": 2, "qzeros": 2, "g_idx": 1, "weight_packed": 2, "weight_zero_point": 2, "weight_shape": 1}
+
+
+def check_parts(parts: dict[str, torch.Tensor], spec: WeightQuantization, owner: str,
+                where: Callable[[str], str | None] = lambda name: None) -> None:
+    """Checks one quantized weight's tensors (`owner`.qweight, ...) against the format and each other before
+    anything reads them: dequantizing indexes with them and the kernels trust their shapes. A tensor of the
+    wrong rank, dtype, shape or index range is a WeightsMismatchError naming it, what was expected, what
+    was found, and the file `where` gives for it."""
+
+    def refuse(leaf: str, expected: str, found: object) -> NoReturn:
+        name = f"{owner}.{leaf}"
+        raise WeightsMismatchError(f"tensor {name!r} ({spec.method}): expected {expected}, found {found}", where(name))
+
+    def expect_shape(leaf: str, shape: tuple[int, ...], why: str) -> None:
+        if tuple(parts[leaf].shape) != shape:
+            refuse(leaf, f"shape {list(shape)} ({why})", f"shape {list(parts[leaf].shape)}")
+
+    for leaf, tensor in parts.items():
+        integer = leaf in _INT_PARTS
+        if integer and (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool):
+            refuse(leaf, "an integer tensor", tensor.dtype)
+        if not integer and not tensor.dtype.is_floating_point:
+            refuse(leaf, "a floating-point tensor", tensor.dtype)
+        flexible = leaf == spec.scale_name and not spec.int4 and spec.block is None  # per channel or tensor: checked below
+        rank = _INT_PARTS.get(leaf, 2)
+        if tensor.dim() != rank and not flexible:
+            refuse(leaf, f"{rank} dimension(s)", f"shape {list(tensor.shape)}")
+    if spec.method == "gptq":
+        inputs, outputs = parts["qweight"].shape[0] * 8, parts["qweight"].shape[1]
+        groups = -(-inputs // spec.group_size)
+        layout = f"qweight {list(parts['qweight'].shape)}: {inputs} inputs in groups of {spec.group_size}, {outputs} outputs"
+        expect_shape("scales", (groups, outputs), layout)
+        expect_shape("qzeros", (groups, -(-outputs // 8)), f"{layout}, 8 a word")
+        expect_shape("g_idx", (inputs,), f"{layout}: one group per input")
+        g_idx = parts["g_idx"]
+        if g_idx.numel() and (int(g_idx.min()) < 0 or int(g_idx.max()) >= groups):
+            refuse("g_idx", f"group indices in [0, {groups}) ({layout})", f"values from {int(g_idx.min())} to {int(g_idx.max())}")
+    elif spec.method == "awq":
+        inputs, words = parts["qweight"].shape
+        groups = -(-inputs // spec.group_size)
+        layout = f"qweight {[inputs, words]}: {inputs} inputs in groups of {spec.group_size}, {words * 8} outputs"
+        expect_shape("qzeros", (groups, words), f"{layout}, 8 a word")
+        expect_shape("scales", (groups, words * 8), layout)
+    elif spec.method == "compressed-tensors-int4":
+        shape = parts["weight_shape"]
+        if shape.numel() != 2 or int(shape.min()) <= 0:
+            refuse("weight_shape", "[out_features, in_features] (two positive ints)", shape.tolist())
+        outputs, inputs = (int(v) for v in shape.tolist())
+        group = spec.group_size or inputs
+        groups = -(-inputs // group)
+        layout = f"weight_shape {[outputs, inputs]}"
+        expect_shape("weight_packed", (outputs, -(-inputs // 8)), f"{layout}, 8 inputs a word")
+        expect_shape("weight_scale", (outputs, groups), f"{layout}, inputs in groups of {group}")
+        if not spec.symmetric:
+            expect_shape("weight_zero_point", (-(-outputs // 8), groups), f"{layout}, inputs in groups of {group}, 8 outputs a word")
     else:
-        dequantize_fp8(parts["weight"].to("meta"), parts[spec.scale_name].to("meta"), spec, name)
+        weight, scale = parts["weight"], parts[spec.scale_name]
+        if spec.block is not None:
+            rows, cols = spec.block
+            expected = (-(-weight.shape[0] // rows), -(-weight.shape[1] // cols))
+            expect_shape(spec.scale_name, expected, f"one per {rows}x{cols} block of the weight {list(weight.shape)}")
+        elif scale.dim() > 2 or tuple(scale.squeeze().shape) not in ((), (weight.shape[0],)):
+            refuse(spec.scale_name, f"one scale per output channel ([{weight.shape[0]}, 1]) or one for the tensor ([1])",
+                   f"shape {list(scale.shape)} for the weight {list(weight.shape)}")
 
 
 def _dequantize(parts: dict[str, torch.Tensor], spec: WeightQuantization, name: str) -> torch.Tensor:
@@ -281,7 +327,7 @@ class PackedFp8:
 
 
 def fp8_for_kernel(weight: torch.Tensor, scale: torch.Tensor, spec: WeightQuantization) -> PackedFp8 | None:
-    """The FP8 GEMM's layout of one e4m3 weight and its scale (checked by dequantize_fp8 first)."""
+    """The FP8 GEMM's layout of one e4m3 weight and its scale (checked by check_parts first)."""
     if weight.dtype != torch.float8_e4m3fn:
         return None
     rows, cols = weight.shape
@@ -304,7 +350,8 @@ def pack_for_kernel(parts: dict[str, torch.Tensor], spec: WeightQuantization) ->
     if spec.method == "gptq":
         rows = parts["qweight"].shape[0] * 8
         in_order = torch.equal(parts["g_idx"].long(), torch.arange(rows) // spec.group_size)
-        return PackedInt4(parts["qweight"].to(torch.int32), parts["scales"].float(), (unpack_int4(parts["qzeros"], 1) + 1).float(),
+        zeros = unpack_int4(parts["qzeros"], 1)[:, : parts["qweight"].shape[1]] + 1
+        return PackedInt4(parts["qweight"].to(torch.int32), parts["scales"].float(), zeros.float(),
                           spec.group_size, None if in_order else parts["g_idx"].to(torch.int32))
     if spec.method == "awq":
         return PackedInt4(pack_int4(_awq_columns(parts["qweight"]), 0), parts["scales"].float(),
@@ -350,31 +397,33 @@ def dequantize_tensors(weights: Iterable[tuple[str, torch.Tensor]], spec: Weight
     AWQ's `X.qweight`, `X.qzeros`, `X.scales`, `X.g_idx`) dequantized to float32 as `X.weight` once all its
     parts are read; every other tensor passes through. With `packed`, each weight's kernel layout is kept
     there, and where `keep_packed(owner)` says the model will not hold the dense weight, `X.weight` comes
-    as a meta tensor of its shape (nothing dequantized, nothing allocated). A part left without the others
-    is a WeightsMismatchError naming it."""
+    as a meta tensor of its shape (nothing dequantized, nothing allocated). A part left without the others,
+    or one of the wrong shape, dtype or range (check_parts), is a WeightsMismatchError naming it and its file."""
     pending: dict[str, dict[str, torch.Tensor]] = {}
     needed = spec.parts()
+    where: Callable[..., str | None] = getattr(weights, "where", lambda name=None: None)  # loader.CheckpointTensors: the file
     for name, tensor in weights:
         owner, _, leaf = name.rpartition(".")
         if leaf in _IGNORED_SUFFIXES:
             continue
         if not spec.is_part(leaf, tensor):
             if leaf in _SCALE_SUFFIXES:
-                raise WeightsMismatchError(f"tensor {name!r}: a {spec.method} checkpoint stores its scales as {spec.scale_name!r}")
+                raise WeightsMismatchError(f"tensor {name!r}: a {spec.method} checkpoint stores its scales as {spec.scale_name!r}",
+                                           where(name))
             yield name, tensor
             continue
         group = pending.setdefault(owner, {})
         group[leaf] = tensor
         if needed <= group.keys():
             del pending[owner]
+            check_parts(group, spec, owner, where)
             kernel_layout = pack_for_kernel(group, spec) if packed is not None else None
             if kernel_layout is not None:  # kept for the quantized GEMMs (layers/quantized_linear.py)
                 packed[owner] = kernel_layout
                 if keep_packed(owner):
-                    _check_parts(group, spec, f"{owner}.weight")
                     yield f"{owner}.weight", torch.empty(dense_shape(kernel_layout), device="meta")
                     continue
             yield f"{owner}.weight", _dequantize(group, spec, f"{owner}.weight")
     if pending:
         lost = [f"{owner} ({', '.join(sorted(needed - group.keys()))} missing)" for owner, group in pending.items()]
-        raise WeightsMismatchError(f"incomplete quantized weights: {', '.join(lost[:8])}")
+        raise WeightsMismatchError(f"incomplete quantized weights: {', '.join(lost[:8])}", where())
