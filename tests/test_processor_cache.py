@@ -227,6 +227,64 @@ def test_generate_preprocesses_a_batch_on_threads_with_the_serial_counts(checkpo
     assert runs[1][1]["images_preprocessed"] == 3 and runs[1][2] == 3
 
 
+def test_a_bad_prompt_stops_its_batch_with_nothing_left_running(checkpoint_dir, monkeypatch):
+    """Prompt 3 of 6 has a corrupt image and fails at once while prompts 4 and 5 are still being
+    preprocessed: generate() raises only once those are done (or dropped before they began), so nothing of
+    the batch runs on after it: the counters stay, no keyed lock is held, nothing is queued or holds
+    blocks or encoder references, and the next call is served."""
+    import threading
+
+    import mmengine.engine.intake
+    from books import assert_books_consistent
+
+    monkeypatch.setattr(mmengine.engine.intake, "PREPROCESS_THREADS", 6)  # no prompt waits for a thread
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
+    processor = engine.input_processor
+    original, slow_size = processor._preprocess, (64, 48)
+    returned = threading.Event()
+    active: list[int] = []  # the slow preprocessing calls under way
+    changed = threading.Condition()
+
+    def slow(images):
+        if images[0].size != slow_size:
+            return original(images)
+        with changed:
+            active.append(1)
+        try:
+            # held until generate() has returned; a generate() that waits for this call cannot return first, so the
+            # hold is bounded (the outcome is the same either way: only the test's time depends on the bound)
+            returned.wait(timeout=1.0)
+            return original(images)
+        finally:
+            with changed:
+                active.pop()
+                changed.notify_all()
+
+    processor._preprocess = slow
+    images = [[make_test_image(30 + i, size=slow_size if i >= 4 else (96, 80))] for i in range(6)]
+    images[3] = [_jpeg(33)[:200]]  # truncated: fails as it is decoded
+    with pytest.raises(CorruptImageError) as err:
+        engine.generate([PROMPT] * 6, images=images, sampling_params=PARAMS, use_tqdm=False)
+    running_at_return, locks_at_return = len(active), (len(processor._preprocessing), len(processor._decoding))
+    counters = (processor.num_images_decoded, processor.num_images_preprocessed)
+    returned.set()
+    with changed:
+        assert changed.wait_for(lambda: not active, timeout=30)
+    assert err.value.prompt_index == 3
+    assert running_at_return == 0 and locks_at_return == (0, 0)
+    assert (processor.num_images_decoded, processor.num_images_preprocessed) == counters  # nothing went on behind its back
+    stats = engine.stats()
+    assert stats["prompt_tokens"] == stats["requests_running"] == stats["requests_waiting"] == 0  # nothing was queued
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["encoder_cache_referenced"] == 0
+    assert_books_consistent(engine)
+
+    images[3] = [make_test_image(33, size=(96, 80))]
+    outputs = engine.generate([PROMPT] * 6, images=images, sampling_params=PARAMS, use_tqdm=False)
+    assert [len(o.token_ids) for o in outputs] == [3] * 6
+    assert processor.num_images_preprocessed == 6 and not len(processor._preprocessing)
+    assert_books_consistent(engine)
+
+
 def test_threads_bringing_the_same_broken_bytes_each_get_the_error(checkpoint_dir):
     from concurrent.futures import ThreadPoolExecutor
 

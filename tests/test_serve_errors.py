@@ -220,6 +220,41 @@ def test_an_unexpected_failure_fails_only_its_request(checkpoint_dir, monkeypatc
         assert httpx.get(server.base_url + "/health").status_code == 200
 
 
+def test_a_list_of_prompts_that_meets_an_unexpected_failure_leaves_none_of_them_queued(checkpoint_dir, monkeypatch):
+    """The second prompt of a completions list meets a bug: the first, queued already, is aborted with it
+    rather than left running for nobody (as a typed error's list already was)."""
+    from books import assert_books_consistent
+
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
+    process, step = engine.input_processor.process, engine.step
+    stepping = threading.Event()
+
+    def fragile(prompt, *args, **kwargs):
+        if "boom" in prompt:
+            raise RuntimeError("a bug met this request")
+        return process(prompt, *args, **kwargs)
+
+    def held_step():  # no step completes before the answer is read: the first prompt cannot finish on its own
+        assert stepping.wait(30)
+        return step()
+
+    monkeypatch.setattr(engine.input_processor, "process", fragile)
+    monkeypatch.setattr(engine, "step", held_step)
+    body = {"model": MODEL_NAME, "prompt": ["USER: hello ASSISTANT:", "USER: boom ASSISTANT:"], "max_tokens": 40,
+            "ignore_eos": True}
+    with running_server(AsyncMMEngine(engine), ServerSettings(MODEL_NAME)) as server:
+        failed = httpx.post(server.v1 + "/completions", json=body, timeout=60)
+        in_flight = server.async_engine.num_in_flight
+        stepping.set()
+        server.wait_until_idle()
+        assert failed.status_code == 500 and "a bug met this request" in failed.json()["error"]["message"]
+        assert in_flight == 0
+        assert engine.stats()["generation_tokens"] < 40  # aborted, not run to its end
+        assert_books_consistent(engine)
+        again = httpx.post(server.v1 + "/completions", json={**body, "prompt": "USER: hello ASSISTANT:", "max_tokens": 3}, timeout=60)
+        assert again.status_code == 200 and again.json()["usage"]["completion_tokens"] == 3
+
+
 def test_a_dead_engine_loop_fails_health_and_requests(checkpoint_dir, monkeypatch):
     engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,7 +118,8 @@ class RequestIntake:
 
         The batch's texts are tokenized in one call, and a picture object given for many prompts is
         read and hashed once. Decoding, hashing and resizing release the GIL, so a batch with pictures
-        is preprocessed on a few threads."""
+        is preprocessed on a few threads. A bad prompt stops the batch at once: the prompts not started
+        are dropped and those started are waited for, so nothing of the batch runs on after it raises."""
         memo = BatchMemo()
         text_ids = self.processor.tokenize_batch([c.given.text for c in batch]) if len(batch) > 1 else [None]
 
@@ -125,8 +127,20 @@ class RequestIntake:
             return self.prepare(batch[index], index, memo, text_ids[index])
 
         if len(batch) > 1 and any(c.given.images or c.given.videos or c.given.audios for c in batch):
-            return list(self._preprocess_pool().map(prepare, range(len(batch))))
+            return self._prepare_on_pool(prepare, len(batch))
         return [prepare(index) for index in range(len(batch))]
+
+    def _prepare_on_pool(self, prepare: Callable[[int], PreparedRequest], num_prompts: int) -> list[PreparedRequest]:
+        pool = self._preprocess_pool()
+        futures = [pool.submit(prepare, index) for index in range(num_prompts)]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+        finally:  # a failure, or the caller interrupted: drop what has not started, wait for what has
+            for future in futures:
+                future.cancel()
+            wait(futures)
+        # Started in input order, so every prompt before a failed one ran: this raises the first bad prompt's error
+        return [future.result() for future in futures]
 
     def check_sampling(self, params: SamplingParams) -> None:
         """What only the model can check before the prompt is preprocessed: a structured-output spec

@@ -250,9 +250,11 @@ class _OpenAIServer:
                         cache_salt=body.cache_salt, mm_uuids=body.mm_uuids if chat else None,
                         fill_max_tokens=fill_max_tokens, lora=lora,
                     ))
-        except MMEngineError as err:
+        except BaseException as err:  # refused or cancelled: the prompts already queued are aborted
             for stream in streams:
                 stream.abort()
+            if not isinstance(err, MMEngineError):
+                raise
             answer = from_engine_error(err, input_param=input_param)
             if len(inputs) > 1 and isinstance(err, InvalidInputError):  # name the prompt of the list at fault
                 answer.message = f"prompt {len(streams) // samples}: {answer.message}"
