@@ -195,21 +195,24 @@ def _on_white(image: PIL.Image.Image) -> PIL.Image.Image:
     return PIL.Image.alpha_composite(white, image.convert("RGBA")).convert("RGB")
 
 
-def _hf_inputs(processor: object, prompt: str, images: list | None, precision: Precision) -> dict[str, torch.Tensor]:
+def _hf_inputs(processor: object, prompt: str, images: list | None, precision: Precision,
+               audios: list | None = None) -> dict[str, torch.Tensor]:
     images = [_on_white(image) for image in images or ()]
-    inputs = processor(text=prompt, images=images or None, return_tensors="pt").to(precision.device)
+    clips = {"audio": audios} if audios else {}  # 16 kHz waveforms (Gemma 4)
+    inputs = processor(text=prompt, images=images or None, **clips, return_tensors="pt").to(precision.device)
     if "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"].to(precision.dtype)
     return inputs
 
 
 def hf_greedy(
-    path: Path, prompt: str, images: list | None, max_new_tokens: int, precision: Precision = CPU_FP32, ignore_eos: bool = False
+    path: Path, prompt: str, images: list | None, max_new_tokens: int, precision: Precision = CPU_FP32,
+    ignore_eos: bool = False, audios: list | None = None,
 ) -> list[int]:
     """Greedy tokens from transformers' own model class's generate (the correctness anchor); it stops
     after an eos token (included) unless `ignore_eos`, like SamplingParams(ignore_eos=True)."""
     model, processor = _hf_model(Path(path), precision)
-    inputs = _hf_inputs(processor, prompt, images, precision)
+    inputs = _hf_inputs(processor, prompt, images, precision, audios)
     eos = {"eos_token_id": None} if ignore_eos else {}
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, **eos)

@@ -2,10 +2,12 @@
 sliding and global layers of different shapes, K = V global layers, KV-shared layers, per-layer inputs
 and pictures attended both ways on the sliding layers. Greedy tokens equal transformers' generate for
 text past the window, one and two pictures, small prefill chunks (a chunk never ends inside a picture),
-prefix hits and preemption; dropping the window or the bidirectional spans changes the logits."""
+prefix hits and preemption, a prefix-sharing group in the smallest window pool; dropping the window or the
+bidirectional spans changes the logits."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from books import assert_books_consistent
@@ -105,6 +107,48 @@ def test_a_kv_budget_that_holds_the_context_only_with_the_window_freed(path):
     assert every_layer.runner.window_pool is None and every_layer.kv_cache.num_blocks == 29
     with pytest.raises(PromptTooLongError, match="would not fit in the whole KV cache"):
         _greedy(every_layer, prompt, PICTURES[:1], 40)
+
+
+def test_a_prefix_sharing_group_in_the_smallest_window_pool_finishes(path, monkeypatch):
+    """The window pool at its minimum (the null block, a window of 8 and a 70-token chunk: 6 blocks of 16)
+    and prefix-sharing groups on: two prompts share their first 32 tokens, the second goes on to a picture
+    of 70 tokens at 44 (its chunk needs all 6 window blocks) and a clip. The group's hold on the window
+    before the shared prefix's end gives way; it used to make the member preempt itself, be readmitted
+    from its cached prefix, retake the hold and need the picture again, so generate() never returned.
+    Now the batch takes 17 steps, and its tokens are those of the batch without grouping and transformers'."""
+    clip = np.sin(2 * np.pi * 440 * np.arange(12_800) / 16_000).astype(np.float32) * 0.3  # 0.8 s: 20 tokens
+    shared = "<bos><|turn>user\n" + "Q" * 26  # 32 tokens
+    prompts = [shared + " please count to ten<turn|>\n<|turn>model\n",
+               shared + "W" * 9 + "\n\n<|image|>\n\n\n\n<|audio|>\n\nwhat is this<turn|>\n<|turn>model\n"]
+    picture = make_test_image(3, (100, 70))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    runs = {}
+    for grouping in (True, False):
+        engine = _engine(path, block_size=16, num_kv_blocks=114, sliding_kv_ratio=0.01, max_num_batched_tokens=70,
+                         enable_prefix_grouping=grouping, limit_mm_per_prompt={"image": 1, "audio": 1}, max_audio_seconds=2)
+        assert engine.runner.num_window_blocks == engine.runner.window_pool.min_blocks == 1 + 6
+        steps, schedule = 0, engine.scheduler.schedule
+
+        def bounded_schedule():
+            nonlocal steps
+            steps += 1
+            assert steps <= 40, "the batch makes no progress"
+            return schedule()
+
+        monkeypatch.setattr(engine.scheduler, "schedule", bounded_schedule)
+        outs = engine.generate(prompts, images=[None, [picture]], audios=[None, [(clip, 16_000)]], sampling_params=params,
+                               use_tqdm=False)
+        items = engine.input_processor.process(prompts[1], [picture], params, audios=[(clip, 16_000)]).mm_items
+        assert [(item.modality, item.offset, item.length) for item in items] == [("image", 44, 70), ("audio", 120, 20)]
+        assert steps == 17 and engine.scheduler.num_preemptions == 0
+        assert_books_consistent(engine)
+        stats = engine.stats()
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["prefix_group_blocks_held"] == 0
+        assert stats["prefix_groups_planned"] == grouping and stats["prefix_group_holds_released_early"] == grouping
+        runs[grouping] = [out.token_ids for out in outs]
+    assert runs[True] == runs[False]
+    assert runs[True][0] == hf_greedy(path, prompts[0], [], 8, ignore_eos=True)
+    assert runs[True][1] == hf_greedy(path, prompts[1], [picture], 8, ignore_eos=True, audios=[clip])
 
 
 def test_budget_shows_each_pool_and_what_the_window_saves(path, capsys):

@@ -12,6 +12,8 @@ import pytest
 from helpers import make_request, make_scheduler
 from mmengine.core.request import RequestStatus
 from mmengine.core.scheduler import MAX_ADMISSION_SKIPS, Scheduler
+from mmengine.kv_cache.manager import cdiv
+from mmengine.kv_cache.sliding_window import SlidingWindowManager
 
 EOS = frozenset({0})
 
@@ -303,3 +305,70 @@ def test_cache_affinity_keeps_the_starvation_bound():
             break
     assert cold.is_finished and step == MAX_ADMISSION_SKIPS
     run_all(sched)
+
+
+# -- window holds (Gemma 4's sliding-window pool) -------------------------------------------------
+
+
+def window_scheduler(window_blocks: int, block_size: int = 16, window: int = 8, budget: int = 70, num_blocks: int = 114,
+                     **config: object) -> Scheduler:
+    """A Gemma 4-like scheduler: a sliding-window pool beside the KV cache, pictures held whole in a chunk."""
+    sched = make_scheduler(num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget, **config)
+    windows = SlidingWindowManager(window_blocks, block_size, window)
+    return Scheduler(sched.config, sched.kv_cache, sched.encoder_cache, sched.encoder_compute_budget, max_model_len=512,
+                     whole_span_modalities=frozenset({"image"}), windows=windows)
+
+
+def test_a_window_hold_gives_way_before_a_member_preempts_itself():
+    """The smallest window pool (the null block, a window of 8 and a 70-token chunk: 6 blocks). Two
+    prompts share 32 tokens; the second shows a 70-token picture at 44, whose chunk needs window blocks
+    2..7, all 6. The group holds block 1 (the window before the shared prefix's end), which the member no
+    longer reads: the hold goes, not the member. (It used to preempt itself, be readmitted from its
+    cached 32 tokens, compute 32..44, retake the hold and need the picture again, for ever.)"""
+    sched = window_scheduler(window_blocks=1 + 6)
+    shared = list(range(100, 132))
+    first = make_request("a", 54, max_tokens=8, tokens=shared + list(range(200, 222)))
+    second = make_request("b", 159, max_tokens=8, images=[(44, 70)], tokens=shared + list(range(300, 427)))
+    add_batch(sched, [first, second])
+    steps = 0
+    while sched.has_unfinished_requests() and steps < 40:
+        run_step(sched)
+        steps += 1
+    assert first.is_finished and second.is_finished and steps == 17
+    assert sched.num_preemptions == 0 and sched.sharing.num_holds_released_early == 1
+    assert second.num_cached_tokens == 32  # it took the group's prefix
+    windows = sched.caches.windows
+    assert windows.num_free_blocks == windows.num_blocks - 1 and all(b.ref_cnt == 0 for b in windows.pool.blocks[1:])
+    assert_all_free(sched)
+
+
+def test_random_grouped_batches_with_pictures_in_the_smallest_window_pool_finish():
+    """Random block sizes, windows, budgets and picture lengths, the window pool at (or near) its minimum,
+    grouped batches whose members show a picture after their shared prefix: every batch finishes, every
+    step does something. (Seeds 5 and 35 used to livelock as above.)"""
+    for seed in range(40):
+        rng = random.Random(seed)
+        block_size, window, budget = rng.choice([4, 8, 16]), rng.choice([4, 8, 16]), rng.choice([16, 24, 40, 70])
+        picture = rng.randint(4, budget)
+        min_window_blocks = 1 + cdiv(window - 1 + budget, block_size) + 1
+        sched = window_scheduler(min_window_blocks + rng.randint(0, 2), block_size, window, budget,
+                                 num_blocks=rng.randint(cdiv(200, block_size), cdiv(400, block_size)),
+                                 max_num_seqs=rng.randint(1, 6))
+        prefixes = [[rng.randrange(10, 60) for _ in range(rng.randint(block_size, 4 * block_size))] for _ in range(3)]
+        names = iter(range(10_000))
+
+        def request():
+            tokens = rng.choice(prefixes) + [rng.randrange(10, 60) for _ in range(rng.randint(0, 20))]
+            images = []
+            if rng.random() < 0.7:
+                images.append((len(tokens), picture))
+                tokens += [5] * picture + [rng.randrange(10, 60) for _ in range(rng.randint(1, 10))]
+            return make_request(f"r{next(names)}", len(tokens), max_tokens=rng.randint(1, 10), tokens=tokens, images=images,
+                                image_hashes=[f"img{rng.randrange(3)}" for _ in images])
+
+        for _ in range(rng.randint(1, 3)):
+            add_batch(sched, [request() for _ in range(rng.randint(2, 6))])
+        run_all(sched, max_steps=1000)
+        assert_all_free(sched)
+        windows = sched.caches.windows
+        assert windows.num_free_blocks == windows.num_blocks - 1, seed

@@ -11,10 +11,13 @@ by group. Then, for each group:
   admitting the next group never forces a preemption that recomputes a member. A request
   skipped too often (the scheduler's starvation bound) bypasses this gate, and so does a
   request when nothing runs.
-A hold never deadlocks the scheduler: before preempting, for a starving request that does not fit,
-and whenever a step would otherwise schedule nothing, holds on blocks no running request uses are
-released, most recent first (groups of different batches may hold the same blocks: all their holds
-go); the blocks stay cached.
+Holds give way to requests: before a running request preempts anyone for blocks (itself included),
+for a starving request that does not fit, and whenever a step would otherwise schedule nothing, holds
+that keep a block no running request uses, in the KV pool or the window pool, are released, most
+recent first (groups of different batches may hold the same blocks: all their holds go); the blocks
+stay cached. So no hold ever stands between the oldest running request and its next chunk: at worst
+it runs alone, and a lone request always fits (intake refuses prompt + max_tokens beyond the KV cache,
+the window pool holds a window and a full chunk, start-up refuses a token budget below a picture).
 
 Waiting requests are tried longest cached prefix first (cache affinity), with the scheduler's
 starvation bound. Requests in no group are never gated or held.
@@ -181,12 +184,14 @@ class PrefixSharing:
             self.groups.remove(group)
 
     def release_idle_hold(self) -> bool:
-        """Releases the most recent hold on a block no running request uses (only holds reference it).
+        """Releases the most recent hold on a block no running request uses (only holds reference it), in
+        either pool: a member past the shared prefix no longer reads the held window before its end.
         Groups of batches with an equal prefix hold the same blocks: such a block is freed once every
         hold on it is released, so the caller releases until what it needs fits."""
         holds = Counter(block.block_id for block in self.held_blocks())
+        window_holds = Counter(block.block_id for group in self.groups for block in group.window_held)
         for group in reversed(self.groups):
-            if any(block.ref_cnt == holds[block.block_id] for block in group.held):
+            if _only_held(group.held, holds) or _only_held(group.window_held, window_holds):
                 self._release(group)
                 self.num_holds_released_early += 1
                 return True
@@ -217,3 +222,8 @@ class PrefixSharing:
             "prefix_group_holds_released_early": self.num_holds_released_early,
             "prefix_group_blocks_held": sum(len(g.held) for g in self.groups),
         }
+
+
+def _only_held(blocks: list[KVBlock], holds: Counter[int]) -> bool:
+    """Whether any of a hold's blocks is referenced by holds alone (releasing them all would free it)."""
+    return any(block.ref_cnt == holds[block.block_id] for block in blocks)

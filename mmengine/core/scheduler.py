@@ -6,7 +6,10 @@ whole, once per step at most, against a per-step encoder budget, and their outpu
 through the global encoder cache. When the encoder budget or cache cannot take an item, the
 request computes only the text before it, or zero tokens: it keeps its blocks and stays in the
 batch. When KV blocks run out, the most recently admitted running request is preempted (its
-blocks are freed and it is recomputed later from its prompt and outputs so far).
+blocks are freed and it is recomputed later from its prompt and outputs so far). Prefix-sharing holds
+give way first: every hold that keeps a block no running request uses, in the KV pool or the window
+pool, goes before anyone is preempted. So no hold stands between the oldest running request and the
+blocks of its next chunk: it runs alone at worst, and a lone request always fits (see prefix_sharing.py).
 No tensors here: the scheduler decides, the managers keep books, the runner computes.
 """
 
@@ -56,6 +59,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     freed_encoder_hashes: list[str] = field(default_factory=list)  # evicted: the runner drops them
+    stale_encoder_hashes: list[str] = field(default_factory=list)  # of those, made before a reset: kept nowhere
     kv_offloads: list = field(default_factory=list)  # KVCopy: evicted blocks' KV to the host tier, before the forward
     kv_restores: list = field(default_factory=list)  # KVCopy: host-tier hits' KV back into their new blocks
     lora_slots: dict[str, int] = field(default_factory=dict)  # request id -> its adapter's device slot (set by the engine)
@@ -199,7 +203,7 @@ class Scheduler:
                 i += 1
                 continue
             while not self.caches.can_allocate(request, num_new):
-                if self.sharing.release_idle_hold():  # a held prefix nobody runs on goes before a request
+                if self.sharing.release_idle_hold():  # holds give way before any request (either pool)
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -222,6 +226,7 @@ class Scheduler:
         if out.is_empty and self.waiting and self.sharing.release_idle_holds():  # held blocks stalled everything
             self._admit_waiting(out, budget, encoder_budget, encoding_now)
         out.freed_encoder_hashes = self.encoder_cache.take_freed()
+        out.stale_encoder_hashes = self.encoder_cache.take_stale_freed()
         out.kv_offloads, out.kv_restores = self.kv_cache.take_copies()
         return out
 
