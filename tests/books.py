@@ -81,6 +81,7 @@ def _check_encoder_entries(engine: MMEngine) -> None:
         for idx in held:
             refs.setdefault(request.mm_items[idx].mm_hash, set()).add((request_id, idx))
     assert {h: e.refs for h, e in cache.entries.items()} == refs, "entry references disagree with what requests hold"
+    assert all(e.refs for e in cache.entries.values() if e.stale), "a stale encoder entry outlived its last holder"
     unpinned = [h for h, e in cache.entries.items() if not e.refs and not e.pins]
     pinned = [h for h, e in cache.entries.items() if not e.refs and e.pins]
     assert set(cache._evictable_unpinned) == set(unpinned) and set(cache._evictable_pinned) == set(pinned), "evictable queues"

@@ -23,6 +23,30 @@ def test_references_count_occurrences_and_entries_stay_resident():
     assert "a" in cache and cache.take_freed() == []  # unreferenced but resident
 
 
+def test_a_reset_leaves_referenced_entries_to_their_holders_alone():
+    """After a reset (the tower's weights changed) an entry a running request still reads is stale: its
+    holders keep it, nobody else is served it, a request that needs the item encodes it again into the same
+    entry (the old output freed), and a stale entry whose last holder lets go is dropped at once, kept nowhere."""
+    uncached = []
+    cache = EncoderCacheManager(capacity=20, uncache_pinning_blocks=lambda h: (uncached.append(h), cache.unpin(h)))
+    cache.allocate("free", 4, ("r0", 0))
+    cache.release("free", ("r0", 0))
+    cache.allocate("read", 4, ("r1", 0))
+    cache.pin("read")  # a cached KV block of r1's (computed from the old output) ends inside it
+    cache.allocate("done", 4, ("r2", 0))
+    cache.reset()
+    assert cache.take_freed() == ["free"] and cache.take_stale_freed() == []
+    assert uncached == ["read"] and cache.entries["read"].pins == 0  # its KV block left the prefix cache
+    assert "read" not in cache and "done" not in cache and set(cache.entries) == {"read", "done"}
+    cache.allocate("read", 4, ("r3", 0))  # a new request encodes it again, into the same entry
+    assert "read" in cache and cache.entries["read"].refs == {("r1", 0), ("r3", 0)}
+    assert cache.take_freed() == ["read"] and cache.take_stale_freed() == ["read"]  # the old output goes
+    cache.release("done", ("r2", 0))
+    assert "done" not in cache.entries and cache.num_used == 4
+    assert cache.take_freed() == ["done"] and cache.take_stale_freed() == ["done"]
+    assert not cache._evictable_unpinned and not cache._evictable_pinned
+
+
 def test_eviction_is_lru_only_on_allocate_and_unpinned_first():
     uncached = []
     cache = EncoderCacheManager(capacity=10, uncache_pinning_blocks=lambda h: (uncached.append(h), cache.unpin(h)))

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from helpers import make_request
 from mmengine.kv_cache.block_hash import make_hash_function
+from mmengine.kv_cache.coordinator import CacheCoordinator
 from mmengine.kv_cache.manager import KVCacheManager
-from mmengine.kv_cache.recurrent_state import RecurrentStateManager
+from mmengine.kv_cache.recurrent_state import RecurrentStateManager, StatePlan
 
 BS = 4
 
@@ -102,3 +103,35 @@ def test_a_save_not_yet_computed_is_never_registered():
     kv.free(request)
     states.audit()
     assert len(states._free_checkpoints) == states.num_checkpoints
+
+
+def test_a_reset_forgets_running_requests_saves_and_they_save_nothing_more():
+    """A weight update mid-step: a save booked before the reset, computed after it, must never register,
+    even once another request (on the new weights) caches the block it marks; nor may a later save of a
+    request that was running at the reset. Otherwise the next prompt resumes from a state of the old weights."""
+    kv, states = _books()
+    caches = CacheCoordinator(kv, states, BS)
+    stale = make_request("a", 10, max_tokens=8)  # prompt point 8
+    kv.hash_new_blocks(stale)
+    plan = states.admit(stale, 0)
+    states.plan_saves(stale, plan, 0, 10)
+    kv.allocate(stale, 10, [], 0)
+    assert [position for position, _ in plan.saves] == [8]
+    caches.reset_prefix_cache()  # the step is in flight; its tokens are booked after
+    stale.num_computed_tokens = 10
+    caches.booked(stale)
+    stale.append_output_token(99)
+    kv.hash_new_blocks(stale)
+    later = StatePlan(states.live_slot("a"))
+    states.plan_saves(stale, later, 10, 6)  # passes 12 and 16: no save for a state from before the reset
+    assert later.saves == []
+    fresh = make_request("b", 14, tokens=list(range(1, 11)) + [99, 5, 6, 7])  # shares a's first 10 tokens
+    kv.hash_new_blocks(fresh)
+    _run_chunk(kv, states, fresh, 0, 14, admit_from=0)  # caches blocks 0-2; saves at 12 only
+    caches.booked(stale)  # a's old save at 8 would register now: block 1 is cached (by b)
+    probe = make_request("c", 10)
+    kv.hash_new_blocks(probe)
+    assert states.resume_point(probe, 2, 9) == 0  # nothing at 8: no checkpoint of the old weights
+    states.release(stale)
+    kv.free(stale)
+    states.audit()

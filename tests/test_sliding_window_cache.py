@@ -209,3 +209,28 @@ def test_a_held_window_outlives_the_churn_that_evicts_the_rest():
     assert caches.find_hit(member, False, lambda _: False).num_hit_blocks == 3
     windows.release_held(held)
     assert all(b.ref_cnt == 0 for b in held)
+
+
+def test_a_request_running_across_a_reset_caches_no_more_window_blocks():
+    """After a weight update the window blocks a running request computes hold KV from before it: they
+    must not be cached, or a later request would take them as the window of its hit."""
+    caches = _coordinator()
+    request = make_request("a", 30)
+    caches.kv_cache.hash_new_blocks(request)
+    caches.allocate(request, 12, caches.find_hit(request, False, lambda _: False), 0)
+    request.num_computed_tokens = 12
+    caches.booked(request)
+    assert _cached_hashes(caches.windows)
+    caches.reset_prefix_cache()
+    assert not _cached_hashes(caches.windows)
+    while request.num_computed_tokens < request.num_tokens:
+        num_new = min(4, request.num_tokens - request.num_computed_tokens)
+        caches.allocate(request, num_new, None, None)
+        request.num_computed_tokens += num_new
+        caches.booked(request)
+    assert not _cached_hashes(caches.windows) and caches.kv_cache.num_cached_blocks == 0
+    caches.release(request)
+    again = make_request("b", 30)
+    caches.kv_cache.hash_new_blocks(again)
+    _run(caches, again, chunk=4)  # a request made after the reset caches as usual
+    assert _cached_hashes(caches.windows)

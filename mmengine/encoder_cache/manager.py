@@ -5,6 +5,11 @@ reference per request occurrence that still needs it (request id, item index) an
 (cached KV blocks that end inside its item, see kv_cache.manager). Unreferenced entries stay
 resident and are evicted LRU, unpinned ones first, only when a committed allocation needs the
 room. Dropping a pinned entry first asks the KV side to uncache the blocks that pin it.
+
+`reset` (the tower's weights changed) evicts what no request references; an entry a running request
+still references becomes stale: its holders keep reading it, but no other request is served it (`in`
+says no), a request that needs the item encodes it again into the same entry (`allocate`), and once its
+last holder lets go it is dropped at once, its output kept nowhere (`take_stale_freed`).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ class EncoderCacheEntry:
     num_embeds: int
     refs: set[EncoderRef] = field(default_factory=set)
     pins: int = 0
+    stale: bool = False  # made before the last reset: served to its holders only
 
 
 class EncoderCacheManager:
@@ -34,13 +40,16 @@ class EncoderCacheManager:
         self._evictable_pinned: OrderedDict[str, None] = OrderedDict()
         self._num_evictable = 0  # embeddings held by unreferenced entries
         self._freed: list[str] = []
+        self._stale_freed: list[str] = []  # freed entries whose outputs must not be kept (a host tier)
         self.uncache_pinning_blocks = uncache_pinning_blocks
         self.num_hits = 0
         self.num_misses = 0
         self.num_evictions = 0
 
     def __contains__(self, mm_hash: str) -> bool:
-        return mm_hash in self.entries
+        """Whether the item's output is resident and may be served to any request."""
+        entry = self.entries.get(mm_hash)
+        return entry is not None and not entry.stale
 
     @property
     def num_pinned(self) -> int:
@@ -63,8 +72,17 @@ class EncoderCacheManager:
         entry.refs.add(ref)
 
     def allocate(self, mm_hash: str, num_embeds: int, ref: EncoderRef) -> None:
-        """Reserves room for a new entry (evicting if needed) and references it."""
-        assert mm_hash not in self.entries, mm_hash
+        """Reserves room for a new entry (evicting if needed) and references it. A stale entry is taken
+        over instead (its room is booked already): its old output is freed like an evicted one, and the
+        item is encoded again, for its holders too."""
+        stale = self.entries.get(mm_hash)
+        if stale is not None:
+            assert stale.stale and stale.num_embeds == num_embeds, stale
+            stale.stale = False
+            stale.refs.add(ref)
+            self._freed.append(mm_hash)
+            self._stale_freed.append(mm_hash)
+            return
         while self.num_used + num_embeds > self.capacity:
             self._evict_one()
         self.entries[mm_hash] = EncoderCacheEntry(mm_hash, num_embeds, {ref})
@@ -73,12 +91,16 @@ class EncoderCacheManager:
     def release(self, mm_hash: str, ref: EncoderRef) -> None:
         entry = self.entries[mm_hash]
         entry.refs.discard(ref)
-        if not entry.refs:
+        if entry.refs:
+            return
+        if entry.stale:
+            self._drop_stale(entry)
+        else:
             self._add_evictable(entry)
 
     def pin(self, mm_hash: str) -> None:
         entry = self.entries[mm_hash]
-        if entry.pins == 0 and not entry.refs:
+        if entry.pins == 0 and not entry.refs and not entry.stale:
             self._remove_evictable(entry)
             entry.pins += 1
             self._add_evictable(entry)
@@ -88,7 +110,7 @@ class EncoderCacheManager:
     def unpin(self, mm_hash: str) -> None:
         entry = self.entries[mm_hash]
         assert entry.pins > 0, entry
-        if entry.pins == 1 and not entry.refs:
+        if entry.pins == 1 and not entry.refs and not entry.stale:
             self._remove_evictable(entry)
             entry.pins = 0
             self._add_evictable(entry)
@@ -113,10 +135,30 @@ class EncoderCacheManager:
         freed, self._freed = self._freed, []
         return freed
 
+    def take_stale_freed(self) -> list[str]:
+        """Those of the freed entries whose outputs are stale: the runner keeps no copy of them."""
+        stale, self._stale_freed = self._stale_freed, []
+        return stale
+
     def reset(self) -> None:
-        """Evicts every unreferenced entry, pinned ones too (their KV blocks are uncached first)."""
+        """Evicts every unreferenced entry, pinned ones too (their KV blocks are uncached first); entries
+        running requests reference become stale (module docstring), their pinning KV blocks uncached too."""
         while self._evictable_unpinned or self._evictable_pinned:
             self._evict_one()
+        for entry in self.entries.values():
+            entry.stale = True
+            if entry.pins:
+                assert self.uncache_pinning_blocks is not None
+                self.uncache_pinning_blocks(entry.mm_hash)
+
+    def _drop_stale(self, entry: EncoderCacheEntry) -> None:
+        if entry.pins:
+            assert self.uncache_pinning_blocks is not None
+            self.uncache_pinning_blocks(entry.mm_hash)  # unpins it down to zero
+        del self.entries[entry.mm_hash]
+        self.num_used -= entry.num_embeds
+        self._freed.append(entry.mm_hash)
+        self._stale_freed.append(entry.mm_hash)
 
     # -- internals ----------------------------------------------------------------
 

@@ -338,6 +338,14 @@ class AsyncMMEngine:
         event loop, such as decoding an upload)."""
         return await asyncio.get_running_loop().run_in_executor(self._pool, function, *args)
 
+    async def update_weights(self, weights: Any) -> int:
+        """MMEngine.update_weights off the event loop: loaded between two steps (it takes the engine's
+        lock, which the step loop lets go of between steps), the caches reset; requests in flight go on."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.engine.update_weights, weights)
+
+    async def reset_prefix_cache(self) -> None:
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.reset_prefix_cache)
+
     async def shutdown(self) -> None:
         """Stops the step loop (requests in flight are aborted) and the worker pool."""
         self._stopping = True

@@ -28,6 +28,7 @@ from mmengine.engine.prompt_inputs import (
 from mmengine.engine.startup import build_engine_parts
 from mmengine.engine.stats import engine_stats
 from mmengine.engine.step_loop import StepLoop
+from mmengine.engine.weight_update import WeightsSource, updates_encoders, weight_stream
 from mmengine.errors import ConfigError, InvalidInputError
 from mmengine.lora.manager import LoRAManager
 from mmengine.lora.request import LoRARequest
@@ -337,19 +338,49 @@ class MMEngine:
 
     # -- caches and counters -----------------------------------------------------
 
+    def update_weights(self, weights: WeightsSource) -> int:
+        """Loads new values for some or all of the model's weights, named as in the checkpoint: a state
+        dict, (name, tensor) pairs, or a checkpoint directory. Each is checked as at start-up (a name the
+        model lacks, a wrong shape: WeightsMismatchError naming it). Then the prefix cache is reset and,
+        when a vision or audio tower or projector changed, the encoder cache, so nothing computed on the
+        old weights is served again (see reset_prefix_cache). Requests running now go on. If a tensor is
+        refused, those before it stay loaded and the caches are reset all the same. Returns how many
+        tensors were loaded."""
+        stream = weight_stream(weights)
+        loaded: list[str] = []
+        with self.lock:
+            try:
+                self.runner.update_weights(stream, loaded)
+            finally:
+                if loaded:
+                    self._reset_caches(encoders=updates_encoders(loaded))
+        return len(loaded)
+
     def reset_prefix_cache(self) -> None:
-        """Forgets every cached KV block (e.g. after changing weights). Running requests are unaffected."""
+        """Forgets every cached prefix, in every cache group and the host tier (e.g. after changing weights).
+        Requests running now go on, but nothing they compute from here is cached: their KV and recurrent
+        states were computed, at least in part, before the reset."""
         with self.lock:
             self.scheduler.caches.reset_prefix_cache()
 
     def reset_encoder_cache(self) -> None:
-        """Drops every encoder output no running request needs (e.g. after changing the vision tower's
-        weights); KV blocks that pinned them leave the prefix cache first."""
+        """Drops every encoder output (e.g. after changing a vision or audio tower's weights; then reset the
+        prefix cache too, whose blocks were computed from them: update_weights does both). KV blocks that
+        pinned them leave the prefix cache first. An output a running request still reads stays its own:
+        no other request is served it, and one that needs the item encodes it again."""
         with self.lock:
-            self.encoder_cache.reset()
-            self.runner.free_encoder_outputs(self.encoder_cache.take_freed())
-            if self.encoder_host_tier is not None:
-                self.encoder_host_tier.clear()
+            self._reset_encoder_cache()
+
+    def _reset_caches(self, encoders: bool) -> None:
+        self.scheduler.caches.reset_prefix_cache()
+        if encoders:
+            self._reset_encoder_cache()
+
+    def _reset_encoder_cache(self) -> None:
+        self.encoder_cache.reset()
+        self.runner.free_encoder_outputs(self.encoder_cache.take_freed(), self.encoder_cache.take_stale_freed())
+        if self.encoder_host_tier is not None:
+            self.encoder_host_tier.clear()
 
     def stats(self) -> dict[str, int]:
         with self.lock:

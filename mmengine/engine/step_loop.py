@@ -258,9 +258,10 @@ class StepLoop:
         unbooked and their requests encode them next time. Outputs whose entries were evicted go.
         """
         self.encoder_cache.take_freed()
+        stale = self.encoder_cache.take_stale_freed()
         outputs = self.runner.encoder_outputs
         self.scheduler.forget_encoder_entries([h for h in self.encoder_cache.entries if h not in outputs])
-        self.runner.free_encoder_outputs([h for h in outputs if h not in self.encoder_cache.entries])
+        self.runner.free_encoder_outputs([h for h in outputs if h not in self.encoder_cache.entries], stale)
 
     # -- the step's tokens -----------------------------------------------------
 

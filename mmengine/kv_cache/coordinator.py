@@ -140,6 +140,12 @@ class CacheCoordinator:
         self.kv_cache.free(request)
 
     def reset_prefix_cache(self) -> None:
+        """One rule for every group (after a weight update): everything cached is forgotten, the host tier
+        too, and a request running now caches nothing more in any group (full blocks, window blocks,
+        recurrent checkpoints): its KV and states were computed, at least in part, before the reset. It
+        runs on, and once it leaves (finished, or preempted to compute again) nothing of it remains."""
         self.kv_cache.reset_prefix_cache()
         if self.windows is not None:
             self.windows.reset_prefix_cache()
+        if self.states is not None:
+            self.states.reset()

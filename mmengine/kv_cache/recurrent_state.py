@@ -63,6 +63,7 @@ class RecurrentStateManager:
         self._checkpoints: OrderedDict[BlockHash, int] = OrderedDict()  # block hash -> slot, least recently used first
         self._pending: dict[str, list[_PendingSave]] = {}
         self._trailing: dict[str, BlockHash] = {}
+        self._no_saves: set[str] = set()  # live when the cache was reset: their states save no checkpoint
         self.checkpoints_saved = 0
         self.checkpoint_hits = 0  # admissions that resumed from a checkpoint
         self.checkpoints_evicted = 0  # dropped for room (LRU), not because their block left the cache
@@ -105,6 +106,8 @@ class RecurrentStateManager:
     def plan_saves(self, request: Request, plan: StatePlan, start: int, num_new: int, branch_end: int = 0) -> None:
         """Books the checkpoints this chunk [start, start + num_new) takes (module docstring):
         the prompt's, a branch point at `branch_end` (0: none) and the trailing one."""
+        if request.request_id in self._no_saves:
+            return
         end, bs = start + num_new, self.block_size
         prompt_point = (request.num_prompt_tokens - 1) // bs * bs
         wanted = {p: False for p in (prompt_point, branch_end) if start < p <= end and p > 0}
@@ -179,6 +182,7 @@ class RecurrentStateManager:
         for save in self._pending.pop(request.request_id, []):
             self._free_checkpoints.append(save.slot)
         self._trailing.pop(request.request_id, None)
+        self._no_saves.discard(request.request_id)
         slot = self._live.pop(request.request_id, None)
         if slot is not None:
             self._free_live.append(slot)
@@ -190,10 +194,16 @@ class RecurrentStateManager:
             self._free_checkpoints.append(slot)
 
     def reset(self) -> None:
-        """Forgets every checkpoint (reset_prefix_cache); live states stay."""
+        """Forgets every checkpoint (reset_prefix_cache). Live states go on, but each was built (in part)
+        before the reset: its booked saves are forgotten and it saves nothing more until it leaves, so no
+        state from before can register under a block that a request computes after."""
         self._free_checkpoints.extend(self._checkpoints.values())
         self._checkpoints.clear()
         self._trailing.clear()
+        for saves in self._pending.values():
+            self._free_checkpoints.extend(save.slot for save in saves)
+        self._pending.clear()
+        self._no_saves = set(self._live)
 
     def audit(self) -> None:
         """Every slot is exactly one of: free, live, a checkpoint, a booked save (for the fuzzer's books)."""

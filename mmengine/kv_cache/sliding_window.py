@@ -48,6 +48,7 @@ class SlidingWindowManager:
         self._req_blocks: dict[str, list[KVBlock]] = {}  # by block index; the null block where freed
         self._req_block_ids: dict[str, list[int]] = {}
         self._num_cached: dict[str, int] = {}  # leading block indices already offered to the cache
+        self._uncacheable: set[str] = set()  # running when the cache was reset: they cache nothing more
         self.num_freed_out_of_window = 0  # blocks given back while their request ran
 
     @property
@@ -146,6 +147,8 @@ class SlidingWindowManager:
         self.num_freed_out_of_window += len(freed)
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock]) -> None:
+        if request.request_id in self._uncacheable:
+            return
         start = self._num_cached.get(request.request_id, 0)
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_hashes))
         for index in range(start, num_full):
@@ -180,10 +183,14 @@ class SlidingWindowManager:
         blocks = self._req_blocks.pop(request.request_id, [])
         self._req_block_ids.pop(request.request_id, None)
         self._num_cached.pop(request.request_id, None)
+        self._uncacheable.discard(request.request_id)
         self.pool.release([b for b in reversed(blocks) if b is not self.null_block])
 
     def reset_prefix_cache(self) -> None:
+        """Forgets every cached block; the requests running now cache nothing more (their windows hold
+        KV computed before the reset)."""
         self.pool.reset_cache()
+        self._uncacheable = set(self._req_blocks)
 
     def block_ids(self, request_id: str) -> list[int]:
         """The request's block ids by block index, NULL_BLOCK_ID where freed (a live list: read it only)."""

@@ -140,6 +140,29 @@ class VisionLanguageModel(nn.Module):
         if "lm_head.weight" not in check.loaded:
             self.lm_head.weight = self.language_model.embed_tokens.weight
 
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded: list[str]) -> None:
+        """New values for some of the loaded parameters (checkpoint names, as `load_weights` takes them),
+        copied in place, so CUDA graphs read them. Each is checked as at load: a name the model has no
+        parameter for, one given twice, a wrong shape, a KV scale (read at start-up only) or a weight kept as
+        a quantized kernel layout raises WeightsMismatchError naming it; those before it stay loaded.
+        Appends to `loaded` our name of each tensor as it is loaded."""
+        expected = self.expected_weights()
+        check = WeightCheck(expected, weights, optional=["lm_head.weight"] if self.tie_word_embeddings else [])
+        num_experts = getattr(self.language_model.config, "num_experts", 0) or 0
+        for raw_name, tensor in fuse_expert_tensors(weights, num_experts) if num_experts > 0 else weights:
+            name = self.checkpoint_name(raw_name)
+            if _KV_SCALE.match(name):
+                raise WeightsMismatchError(f"tensor {raw_name!r}: KV-cache scales are read at start-up only")
+            if name not in expected and self.is_ignorable(name):
+                continue
+            check.accept(name, raw_name, tensor)
+            if name in self._skipped_dense or self._target_parameter(name) in self._skipped_dense:
+                raise WeightsMismatchError(f"tensor {raw_name!r}: its layer runs on quantized weights, which "
+                                           "update_weights does not replace")
+            with torch.no_grad():
+                self._load_one(name, tensor)
+            loaded.append(name)
+
     def _keep_kv_scale(self, layer: int, which: str, raw_name: str, tensor: torch.Tensor) -> None:
         attention = getattr(self.language_model.layers[layer], "self_attn", None) if layer < len(self.language_model.layers) else None
         if attention is None or tensor.numel() != 1 or not bool(torch.isfinite(tensor).all()) or float(tensor) <= 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -473,7 +473,7 @@ class ModelRunner:
         A decode whose input is a placeholder (async scheduling) takes `previous`'s token on the device.
         `window_tables`: each request's sliding-window pool blocks (with a window pool)."""
         self._restore_encoder_outputs(out.scheduled)  # before the evicted go to the host tier (they may push these out)
-        self.free_encoder_outputs(out.freed_encoder_hashes)
+        self.free_encoder_outputs(out.freed_encoder_hashes, out.stale_encoder_hashes)
         self._run_encoder(out.scheduled, out.encoder_lora_slots)
         scheduled = [s for s in out.scheduled if s.num_new_tokens > 0]  # zero-token requests just wait
         if not scheduled:
@@ -634,6 +634,14 @@ class ModelRunner:
         for name, module in self.vision_lora_modules.items():
             module.load_slot(slot, {name: adapter.vision_pairs[name]} if name in adapter.vision_pairs else {})
 
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded: list[str]) -> None:
+        """Copies new values into the model's parameters (in place: CUDA graphs read them), appending our
+        name of each to `loaded`. Projections kept quantized for the fused kernels cannot be replaced."""
+        if self.num_quantized_projections:
+            raise ConfigError(f"update_weights: {self.num_quantized_projections} projections run on quantized "
+                              "weights (FP8 or int4 kernels), which it does not replace")
+        self.model.update_weights(weights, loaded)
+
     def clear_lora_slot(self, slot: int) -> None:
         for _, module in self.model.language_model.lora_modules():
             module.clear_slot(slot)
@@ -666,11 +674,12 @@ class ModelRunner:
             for copy in restores:
                 copy.done = True
 
-    def free_encoder_outputs(self, mm_hashes: list[str]) -> None:
-        """Drops evicted outputs from the device; the host tier, if any, keeps a copy."""
+    def free_encoder_outputs(self, mm_hashes: list[str], stale: list[str] = ()) -> None:
+        """Drops evicted outputs from the device; the host tier, if any, keeps a copy of those not `stale`
+        (made before a reset of the encoder cache)."""
         for mm_hash in mm_hashes:
             output = self.encoder_outputs.pop(mm_hash)
-            if self.encoder_host_tier is not None:
+            if self.encoder_host_tier is not None and mm_hash not in stale:
                 self.encoder_host_tier.store(mm_hash, output)
 
     def _restore_encoder_outputs(self, scheduled: list[ScheduledRequest]) -> None:
