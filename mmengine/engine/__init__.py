@@ -9,6 +9,7 @@
   stats.py          the counters stats() reports
   async_engine.py   AsyncMMEngine: the engine loop on a thread, streams for asyncio callers
   beam_search.py    beam search, a layer above the engine that drives it through its public methods
+  weight_update.py  what update_weights takes (state dict, pairs, checkpoint dir) and which caches an update makes stale
 
 Names are imported on first use, so `import mmengine.engine` stays light.
 """

@@ -29,7 +29,11 @@ DEFECTS = {
     "uuids": "InvalidInputError",  # mm_uuids of the wrong length
     "image_type": "UnsupportedImageTypeError",  # a dict where an image belongs
     "unknown_adapter": "UnknownAdapterError",  # a LoRA adapter name nobody registered
+    # a video whose bytes would make FFmpeg open a file or a socket (ffconcat, HLS, SDP): families with videos
+    "hostile_video": "UnsupportedContainerError",
 }
+# The hostile containers a "hostile_video" request may carry (tests/hostile_media.py)
+HOSTILE_PAYLOADS = ("ffconcat", "ffconcat-concat-protocol", "hls", "hls-concat-protocol", "hls-file-protocol", "sdp")
 MAX_IMAGES = 4  # limit_mm_per_prompt
 MAX_MODEL_LEN = 640
 # Clips a Qwen case may show (frames, seed): 3 and 4 temporal patches of 2 frames, one padded
@@ -59,6 +63,7 @@ class RequestSpec:
     # picture ("markers") or the processor's expanded runs ("expanded"), pictures in multi_modal_data
     prompt_form: str = "text"
     clip: int | None = None  # index into CLIPS: a video before the text (Qwen families; text or dict prompts)
+    hostile: str | None = None  # with the "hostile_video" defect: which of HOSTILE_PAYLOADS its video is
 
 
 PROMPT_FORMS = ("text", "text", "dict", "markers", "expanded")
@@ -196,6 +201,7 @@ class _Drawer:
         self.made: list[RequestSpec] = []  # valid driver requests so far (multi-turn bases)
         # videos are drawn apart from the workload's own draws, so a seed's workload stays what it was
         self.video_rng = random.Random(f"{family}-{len(pictures)}-{len(systems)}-videos")
+        self.hostile_rng = random.Random(f"{family}-{len(pictures)}-{len(systems)}-hostile")  # likewise
 
     def request(self, driver: bool = False, earlier: list[RequestSpec] = ()) -> RequestSpec:
         rng = self.rng
@@ -252,7 +258,13 @@ class _Drawer:
         return rng.randrange(len(self.pictures))
 
     def _spoil(self, spec: RequestSpec) -> None:
-        defect = self.rng.choice(sorted(DEFECTS))
+        defect = self.rng.choice(sorted(set(DEFECTS) - {"hostile_video"}))
+        if self.family not in NO_VIDEO and self.hostile_rng.random() < 0.4:
+            spec.defect, spec.hostile = "hostile_video", self.hostile_rng.choice(HOSTILE_PAYLOADS)
+            spec.clip = 0
+            head, user, rest = spec.prompt.rpartition("<|im_start|>user\n")
+            spec.prompt = head + user + VIDEO_MARKER + rest
+            return
         if defect in ("corrupt", "count", "image_type") and not spec.pictures:
             defect = "too_long"
         if defect == "unknown_adapter" and not self.num_adapters:

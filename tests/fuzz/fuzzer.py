@@ -13,7 +13,10 @@ Checked:
 - a bad request raises its typed error (in generate(), naming the prompt) and nothing else changes;
 - no leaks: every KV block free, no encoder entry referenced, the books agree with the tensors;
 - at most one encoder run per distinct item when the encoder cache can hold them all;
-- no image re-encoded after a prefix hit, and no "no progress".
+- no image re-encoded after a prefix hit, and no "no progress";
+- a weight update with requests in flight (the checkpoint's own weights again, so the tokens stay the
+  reference's: what is checked is the reset rule's books, tests/test_weight_update.py checks staleness);
+- hostile video containers (ffconcat, HLS, SDP) refused by their typed error.
 A failure names its seed and the command that replays it.
 """
 
@@ -45,6 +48,7 @@ if not torch.cuda.is_available():  # as in tests/conftest.py: before any kernel 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for books.py
 
 from books import assert_books_consistent  # noqa: E402
+from hostile_media import hostile_payloads  # noqa: E402
 from fuzz_case import CLIPS, DEFECTS, MAX_IMAGES, MAX_MODEL_LEN, FuzzCase, RequestSpec, make_case  # noqa: E402
 
 import mmengine.errors  # noqa: E402
@@ -81,6 +85,7 @@ class CaseReport:
     kv_evictions: int = 0
     adapters: int = 0
     lora_slot_loads: int = 0
+    weight_updates: int = 0
 
 
 @dataclass
@@ -163,9 +168,12 @@ def _run(case: FuzzCase, env: FuzzEnv, tmp: Path) -> CaseReport:
     outputs: dict[int, RequestOutput] = {}
     rest = iter(built[len(case.driver):])
     caller_specs = [[[next(rest) for _ in call] for call in calls] for calls in case.callers]
+    # A third of the cases update the weights (to the same values) after a few of the driver's steps
+    updates = random.Random(f"{case.seed}-weight-update")
+    update_at = updates.randint(1, 8) if updates.random() < 0.3 else None
     with ThreadPoolExecutor(max(1, len(caller_specs))) as pool:
         futures = [pool.submit(_call, engine, calls) for calls in caller_specs]
-        driven, report.aborted = _drive(case, engine, driver, audit)
+        driven, report.aborted, report.weight_updates = _drive(case, engine, driver, audit, update_at, checkpoint)
         for future in futures:
             for b, output in future.result():
                 outputs[id(b)] = output
@@ -236,6 +244,8 @@ def _build(case: FuzzCase, tmp: Path) -> list[_Built]:
         params = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True, **_sampling_extras(case, index))
         lora = "no-such-adapter" if spec.defect == "unknown_adapter" else (None if spec.lora is None else f"a{spec.lora}")
         videos = [make_test_clip(CLIPS[spec.clip][0], 40, 56, seed=CLIPS[spec.clip][1])] if spec.clip is not None else []
+        if spec.defect == "hostile_video":  # naming a real file of the case's, and a port
+            videos = [hostile_payloads(str(tmp / "0.png"), 45678)[spec.hostile]]
         built.append(_Built(spec, images, uuids, params, lora, videos))
     return built
 
@@ -321,9 +331,13 @@ def _resolve(case: FuzzCase, valid: list[_Built]) -> dict[str, object]:
     return options
 
 
-def _drive(case: FuzzCase, engine: MMEngine, driver: list[_Built], audit: Callable[[], None]) -> tuple[list[RequestOutput | None], int]:
+def _drive(
+    case: FuzzCase, engine: MMEngine, driver: list[_Built], audit: Callable[[], None], update_at: int | None, checkpoint: Path,
+) -> tuple[list[RequestOutput | None], int, int]:
     """The main thread's share: adds its requests one by one between steps, aborts some of them
-    while they run, and audits the books after every step."""
+    while they run, updates the weights after step `update_at` (if not None), and audits the books
+    after every step."""
+    updates = 0
     rng = random.Random(case.seed ^ 0x5EED)
     outputs: list[RequestOutput | None] = [None] * len(driver)
     queue = list(range(len(driver)))
@@ -352,13 +366,17 @@ def _drive(case: FuzzCase, engine: MMEngine, driver: list[_Built], audit: Callab
         if steps > budget:
             raise FuzzFailure(case, f"no progress: {steps} steps and requests {sorted(live)} still running")
         audit()
+        if steps == update_at:
+            engine.update_weights(str(checkpoint))
+            updates += 1
+            audit()
         for request_id, entry in list(live.items()):
             entry[1] += 1
             after = driver[entry[0]].spec.abort_after_steps
             if after is not None and entry[1] > after and engine.abort_request(request_id):
                 aborted += 1
                 driver[entry[0]].spec.abort_after_steps = None
-    return outputs, aborted
+    return outputs, aborted, updates
 
 
 def _call(engine: MMEngine, calls: list[list[_Built]]) -> list[tuple[_Built, RequestOutput]]:
@@ -433,7 +451,8 @@ def _check(case: FuzzCase, engine: MMEngine, built: list[_Built], outputs: dict[
     distinct: dict[str, int] = {}
     for b in built:
         distinct.update(b.items)
-    if engine.encoder_cache.capacity >= sum(distinct.values()) and stats["encoder_runs"] > len(distinct):
+    most_runs = len(distinct) * (1 + report.weight_updates)  # an update of the towers encodes every item again
+    if engine.encoder_cache.capacity >= sum(distinct.values()) and stats["encoder_runs"] > most_runs:
         problems.append(f"{stats['encoder_runs']} encoder runs for {len(distinct)} distinct items, all of which fit the cache")
     if problems:
         raise FuzzFailure(case, "; ".join(problems))

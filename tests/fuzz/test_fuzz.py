@@ -25,7 +25,7 @@ def test_cases_are_a_function_of_their_seed():
     assert {make_case(seed, quick=True).family for seed in SEEDS} == set(FAMILIES)
     # the Qwen cases show videos too (text or dict prompts, never in a bad request)
     clips = [spec for seed in SEEDS for spec in make_case(seed, quick=True).requests() if spec.clip is not None]
-    assert clips and all(spec.prompt_form in ("text", "dict") and spec.defect is None for spec in clips)
+    assert clips and all(spec.prompt_form in ("text", "dict") and spec.defect in (None, "hostile_video") for spec in clips)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -49,8 +49,10 @@ def test_the_seeded_cases_reach_what_they_are_for(env):
     assert any(s.lora is not None for case in cases for s in case.requests())
     assert {s.prompt_form for case in cases for s in case.requests()} == {"text", "dict", "markers", "expanded"}
     assert any(s.abort_after_steps is not None for case in cases for s in case.driver)
+    assert any(s.defect == "hostile_video" for case in cases for s in case.requests())
     reports = [run_case(case, env) for case in cases[:9]]
     assert sum(r.prefix_cache_hits for r in reports) > 0 and sum(r.bad_requests for r in reports) > 0
+    assert sum(r.weight_updates for r in reports) > 0
 
 
 def test_a_leak_fails_the_case_with_its_seed_and_replay_command(env, monkeypatch):
