@@ -151,3 +151,33 @@ def test_update_weights_refuses_weights_the_quantized_kernels_hold():
     runner.num_quantized_projections = 3
     with pytest.raises(ConfigError, match="3 projections run on quantized weights"):
         runner.update_weights([], [])
+
+
+def test_the_async_engine_updates_between_steps_with_a_stream_in_flight(family_checkpoint):
+    """AsyncMMEngine.update_weights takes the engine between two steps: the stream it was called from
+    finishes, the books agree, and a request after it gets the (here unchanged) checkpoint's answer."""
+    import asyncio
+
+    from mmengine import AsyncMMEngine
+
+    options, prompt, pictures = CASES["llava"]
+    path = family_checkpoint("llava")
+    engine = _engine(path, options)
+    expected = engine.generate(prompt, images=pictures, sampling_params=PARAMS, use_tqdm=False)[0].token_ids
+    long = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+    async def main() -> tuple[int, int, list[int]]:
+        async with AsyncMMEngine(engine) as async_engine:
+            stream = await async_engine.add_request(prompt, pictures, long)
+            loaded, seen = 0, 0
+            async for delta in stream:
+                seen += len(delta.token_ids)
+                if seen >= 3 and not loaded:  # the stream is mid-answer
+                    loaded = await async_engine.update_weights(str(path))
+            after = await async_engine.add_request(prompt, pictures, PARAMS)
+            return loaded, seen, [token async for delta in after for token in delta.token_ids]
+
+    loaded, seen, tokens = asyncio.run(asyncio.wait_for(main(), 120))
+    assert loaded > 0 and seen == 40 and tokens == expected
+    assert not engine.has_unfinished_requests()
+    assert_books_consistent(engine)
