@@ -237,6 +237,8 @@ class Gemma4ImageItems:
             raise UnsupportedModelError(
                 f"the image processor returned {pixel_values.shape[0]} images for {num_images}"
             )
+        if num_images == 1:  # its own tensors already: no copy
+            return [EncoderInputs(pixel_values=pixel_values[0], image_position_ids=positions[0])]
         return [
             EncoderInputs(pixel_values=pixel_values[i].clone(), image_position_ids=positions[i].clone())
             for i in range(num_images)

@@ -153,6 +153,8 @@ class LlavaFamily(ModelFamily):
 
     def split_images(self, batch: Any, num_images: int) -> list[EncoderInputs]:
         pixel_values = batch["pixel_values"]
+        if num_images == 1:  # its own tensor already: no copy
+            return [EncoderInputs(pixel_values=pixel_values[0])]
         return [EncoderInputs(pixel_values=pixel_values[i].clone()) for i in range(num_images)]
 
     def num_tokens(self, inputs: EncoderInputs) -> int:

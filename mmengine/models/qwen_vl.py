@@ -235,6 +235,8 @@ class Qwen2VLFamily(ModelFamily):
         if grids.shape[0] != num_images:
             raise UnsupportedModelError(f"the image processor returned {grids.shape[0]} grids for {num_images} images")
         chunks = torch.split(batch["pixel_values"], grids.prod(-1).tolist())
+        if num_images == 1:  # its own tensor already: no copy
+            return [EncoderInputs(pixel_values=chunks[0], image_grid_thw=grids.view(1, 3).clone())]
         return [EncoderInputs(pixel_values=chunk.clone(), image_grid_thw=grid.view(1, 3).clone()) for grid, chunk in zip(grids, chunks)]
 
     def num_tokens(self, inputs: EncoderInputs) -> int:
@@ -353,3 +355,4 @@ def _patch_timestamps(indices: Sequence[int], fps: float, temporal_patch_size: i
     padded = list(indices) + [indices[-1]] * (-len(indices) % temporal_patch_size)
     times = [i / fps for i in padded]
     return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
+

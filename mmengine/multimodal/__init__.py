@@ -1,6 +1,7 @@
 """Images, videos and audio: from what a caller gives to token ids and items.
 
   processor.py        InputProcessor: prompt + pictures -> token ids with expanded runs, and items
+  fast_image_processor.py  transformers' PIL image processors' pixels, bit for bit, without their float passes
   image_loading.py    paths, bytes, PIL images, arrays -> RGB images, with limits
   resize_guard.py     what the image processor's resize will allocate, known before it runs
   embeds.py           precomputed image embeddings as an item kind

@@ -13,6 +13,7 @@ once, at start-up, on two images of different sizes).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ from mmengine.models.registry import load_hf_processor
 from mmengine.multimodal.audio import DEFAULT_MAX_AUDIO_SECONDS, as_audio
 from mmengine.multimodal.audio_loader import AudioLoader, LoadedAudio, audio_items, audio_limits
 from mmengine.multimodal.embeds import check_embeds, hash_embeds, is_embeds_item
+from mmengine.multimodal.fast_image_processor import fast_image_processor
 from mmengine.multimodal.image_loading import ImageInput, encoded_bytes, load_image
 from mmengine.multimodal.media_container import DEFAULT_MAX_MEDIA_DECODE_SECONDS
 from mmengine.multimodal.processor_cache import ProcessorCache
@@ -51,6 +53,8 @@ from mmengine.multimodal.video_loader import LoadedVideo, VideoLimits, VideoLoad
 from mmengine.multimodal.video_prompt import video_items, video_runs, write_video_markers
 from mmengine.core.request import MMItem, ProcessedPrompt
 from mmengine.sample.params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,6 +106,10 @@ class InputProcessor:
         self.image_token_id: int = family.image_token_id
         self.fingerprint = model_fingerprint(model_dir)
         self.settings_key = processor_settings_key(self.hf_processor.image_processor)
+        # transformers' pixels, bit for bit, without its float passes (fast_image_processor.py); else its own
+        self._fast_image_processor, why = fast_image_processor(self.hf_processor.image_processor)
+        if self._fast_image_processor is None:
+            logger.info("images are preprocessed by transformers' processor: %s", why)
         self.max_model_len = max_model_len
         self.max_images = limit_mm_per_prompt.get("image", 0)
         self.max_videos = limit_mm_per_prompt.get("video", 0)
@@ -185,6 +193,8 @@ class InputProcessor:
             )
 
     def _preprocess(self, images: list[Image.Image]) -> Any:
+        if self._fast_image_processor is not None:
+            return self._fast_image_processor(images)
         return self.hf_processor.image_processor(images=images, return_tensors="pt")
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
