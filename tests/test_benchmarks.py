@@ -298,3 +298,22 @@ def test_window_pool_benchmark_fits_more_cached_prefixes_in_the_same_bytes(famil
     reads = _read_as_the_gpu_suite_part(result, "_window_pool_reads")
     assert reads["KV bytes per token of context, window pool 0.5 / every layer"] <= 0.8
     assert reads["prompts cached on the second pass, window pool 0.5"] == 6
+
+
+def test_preprocess_benchmark_times_both_paths_and_checks_their_pixels(tmp_path, monkeypatch):
+    """benchmarks/preprocess.py on one photo of each size: every row has both paths' times, and a fast path
+    whose pixels differed from transformers' would fail the run, not be timed."""
+    module = load_benchmark("preprocess")
+    output = tmp_path / "preprocess.json"
+    result = module.main(["--photos", "1", "--repeats", "1", "--families", "llava", "--output", str(output)])
+    assert json.loads(output.read_text()) == result
+    (family,) = result["families"]
+    for row in result["families"][family].values():
+        assert row["fast_path"] == "CLIPImageProcessorPil"
+        assert row["mmengine"]["ms_per_photo"] > 0 and row["transformers"]["ms_per_photo"] > 0
+    from mmengine.multimodal import fast_image_processor
+
+    monkeypatch.setattr(fast_image_processor.PixelTable, "lookup",
+                        lambda self, pixels, out, channel_axis: out.fill(0))  # a broken fast path
+    with pytest.raises(AssertionError, match="pixels differ"):
+        module.main(["--photos", "1", "--repeats", "1", "--families", "llava", "--output", str(output)])
