@@ -328,10 +328,10 @@ def test_many_threads_over_many_shared_pictures_read_each_once(checkpoint_dir, m
     from concurrent.futures import ThreadPoolExecutor
 
     import mmengine.engine.intake
-    import mmengine.multimodal.processor as processor_module
+    import mmengine.multimodal.picture_preparer as preparer_module
 
     monkeypatch.setattr(mmengine.engine.intake, "PREPROCESS_THREADS", 6)
-    original_load, reads, lock = processor_module.load_image, {}, threading.Lock()
+    original_load, reads, lock = preparer_module.load_image, {}, threading.Lock()
 
     def slow_load(image, **kwargs):
         key = ("bytes", bytes(kwargs["encoded"])) if kwargs.get("encoded") is not None else ("object", id(image))
@@ -340,7 +340,7 @@ def test_many_threads_over_many_shared_pictures_read_each_once(checkpoint_dir, m
         time.sleep(0.01)
         return original_load(image, **kwargs)
 
-    monkeypatch.setattr(processor_module, "load_image", slow_load)
+    monkeypatch.setattr(preparer_module, "load_image", slow_load)
     engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
     processor = engine.input_processor
     pictures = [make_test_image(40 + i, size=(48 + 8 * i, 40)) for i in range(4)]

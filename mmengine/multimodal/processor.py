@@ -13,7 +13,6 @@ once, at start-up, on two images of different sizes).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -37,24 +36,21 @@ from mmengine.errors import (
     VideoCountMismatchError,
 )
 from mmengine.utils.keyed_lock import KeyedLock
-from mmengine.encoder_cache.hashing import hash_bytes, hash_image, hash_user_id, model_fingerprint, processor_settings_key
+from mmengine.encoder_cache.hashing import hash_bytes, hash_user_id, model_fingerprint, processor_settings_key
 from mmengine.models.family import EncoderInputs, ModelFamily
 from mmengine.models.registry import load_hf_processor
 from mmengine.multimodal.audio import DEFAULT_MAX_AUDIO_SECONDS, as_audio
 from mmengine.multimodal.audio_loader import AudioLoader, LoadedAudio, audio_items, audio_limits
 from mmengine.multimodal.embeds import check_embeds, hash_embeds, is_embeds_item
-from mmengine.multimodal.fast_image_processor import fast_image_processor
-from mmengine.multimodal.image_loading import ImageInput, encoded_bytes, load_image
+from mmengine.multimodal.image_loading import ImageInput, encoded_bytes
 from mmengine.multimodal.media_container import DEFAULT_MAX_MEDIA_DECODE_SECONDS
 from mmengine.multimodal.processor_cache import ProcessorCache
-from mmengine.multimodal.resize_guard import check_preprocessed_size
+from mmengine.multimodal.picture_preparer import PicturePreparer
 from mmengine.multimodal.video import DEFAULT_MAX_VIDEO_SECONDS, as_video
 from mmengine.multimodal.video_loader import LoadedVideo, VideoLimits, VideoLoader
 from mmengine.multimodal.video_prompt import video_items, video_runs, write_video_markers
 from mmengine.core.request import MMItem, ProcessedPrompt
 from mmengine.sample.params import SamplingParams
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -106,10 +102,6 @@ class InputProcessor:
         self.image_token_id: int = family.image_token_id
         self.fingerprint = model_fingerprint(model_dir)
         self.settings_key = processor_settings_key(self.hf_processor.image_processor)
-        # transformers' pixels, bit for bit, without its float passes (fast_image_processor.py); else its own
-        self._fast_image_processor, why = fast_image_processor(self.hf_processor.image_processor)
-        if self._fast_image_processor is None:
-            logger.info("images are preprocessed by transformers' processor: %s", why)
         self.max_model_len = max_model_len
         self.max_images = limit_mm_per_prompt.get("image", 0)
         self.max_videos = limit_mm_per_prompt.get("video", 0)
@@ -127,6 +119,8 @@ class InputProcessor:
         self._lock = threading.Lock()
         self._decoding = KeyedLock()  # by digest of encoded bytes: equal bytes are decoded once
         self._preprocessing = KeyedLock()  # by mm_hash: an item is preprocessed once
+        self.pictures = PicturePreparer(self.hf_processor.image_processor, family, max_image_pixels, self.fingerprint,
+                                        self.settings_key, hash_algo)
         self.hash_algo = hash_algo
         self.num_images_decoded = 0
         self.num_images_preprocessed = 0
@@ -193,9 +187,7 @@ class InputProcessor:
             )
 
     def _preprocess(self, images: list[Image.Image]) -> Any:
-        if self._fast_image_processor is not None:
-            return self._fast_image_processor(images)
-        return self.hf_processor.image_processor(images=images, return_tensors="pt")
+        return self.pictures.preprocess(images)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **template_kwargs: Any) -> str:
@@ -517,7 +509,7 @@ class InputProcessor:
         encoded = encoded_bytes(image, image_index=index)
         if encoded is None:
             picture = self._read(image, index)
-            mm_hash = hash_image(picture, self.fingerprint, self.settings_key, self.hash_algo)
+            mm_hash = self.pictures.content_hash(picture)
             return mm_hash, self._inputs(mm_hash, lambda: picture)
         digest = hash_bytes(encoded, self.hash_algo)
         with self._decoding.hold(digest):
@@ -525,7 +517,7 @@ class InputProcessor:
                 mm_hash = self.cache.hash_of_encoded(digest)
             if mm_hash is None:
                 picture = self._read(image, index, encoded)
-                mm_hash = hash_image(picture, self.fingerprint, self.settings_key, self.hash_algo)
+                mm_hash = self.pictures.content_hash(picture)
                 with self._lock:
                     self.cache.remember_encoded(digest, mm_hash)
                 return mm_hash, self._inputs(mm_hash, lambda: picture)
@@ -546,10 +538,7 @@ class InputProcessor:
     def _read(self, image: ImageInput, index: int, encoded: bytes | None = None) -> Image.Image:
         """The picture decoded (or converted), once it is known that preprocessing it stays within
         max_image_pixels."""
-        picture = load_image(image, max_pixels=self.max_image_pixels, image_index=index, encoded=encoded)
-        check_preprocessed_size(
-            self.hf_processor.image_processor, *picture.size, self.max_image_pixels, index, self.family.resized_size
-        )
+        picture = self.pictures.decode(image, index, encoded)
         with self._lock:
             self.num_images_decoded += 1
         return picture

@@ -1,0 +1,82 @@
+"""A picture's cache miss: decoded within the limits, hashed by content, preprocessed into the family's
+inputs. One object does it the same way in the engine's process and in a preprocessing worker
+(preprocess_pool.py), so an item's mm_hash and pixels never depend on where it was prepared."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from PIL import Image
+
+from mmengine.encoder_cache.hashing import hash_image
+from mmengine.models.family import EncoderInputs, ModelFamily
+from mmengine.multimodal.fast_image_processor import fast_image_processor
+from mmengine.multimodal.image_loading import ImageInput, load_image
+from mmengine.multimodal.resize_guard import check_preprocessed_size
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PreparerSpec:
+    """What a worker process needs to build the engine's PicturePreparer (plain data: it is pickled)."""
+
+    model_dir: str
+    mm_processor_kwargs: dict[str, Any] | None
+    max_image_pixels: int
+    fingerprint: str
+    settings_key: str
+    hash_algo: str
+
+
+class PicturePreparer:
+    def __init__(self, image_processor: Any, family: ModelFamily, max_image_pixels: int, fingerprint: str,
+                 settings_key: str, hash_algo: str) -> None:
+        self.image_processor = image_processor
+        self.family = family
+        self.max_image_pixels = max_image_pixels
+        self.fingerprint = fingerprint
+        self.settings_key = settings_key
+        self.hash_algo = hash_algo
+        # transformers' pixels, bit for bit, without its float passes (fast_image_processor.py); else its own
+        self._fast, why = fast_image_processor(image_processor)
+        if self._fast is None:
+            logger.info("images are preprocessed by transformers' processor: %s", why)
+
+    @classmethod
+    def from_spec(cls, spec: PreparerSpec) -> PicturePreparer:
+        """The preparer a worker builds: the checkpoint's processor and family, the engine's identity keys."""
+        from mmengine.models.registry import load_family, load_hf_config, load_hf_processor
+
+        hf_processor = load_hf_processor(Path(spec.model_dir), spec.mm_processor_kwargs)
+        family = load_family(load_hf_config(Path(spec.model_dir)), hf_processor, spec.model_dir)
+        return cls(hf_processor.image_processor, family, spec.max_image_pixels, spec.fingerprint, spec.settings_key,
+                   spec.hash_algo)
+
+    def decode(self, image: ImageInput, index: int, encoded: bytes | None = None) -> Image.Image:
+        """The picture as RGB, once it is known that preprocessing it stays within max_image_pixels."""
+        picture = load_image(image, max_pixels=self.max_image_pixels, image_index=index, encoded=encoded)
+        check_preprocessed_size(self.image_processor, *picture.size, self.max_image_pixels, index, self.family.resized_size)
+        return picture
+
+    def content_hash(self, picture: Image.Image) -> str:
+        return hash_image(picture, self.fingerprint, self.settings_key, self.hash_algo)
+
+    def preprocess(self, pictures: list[Image.Image]) -> Any:
+        """The image processor's output for the pictures (the fast path's where it has one)."""
+        if self._fast is not None:
+            return self._fast(pictures)
+        return self.image_processor(images=pictures, return_tensors="pt")
+
+    def inputs(self, picture: Image.Image) -> EncoderInputs:
+        (inputs,) = self.family.split_images(self.preprocess([picture]), 1)
+        return inputs
+
+    def prepare_encoded(self, encoded: bytes, index: int, path: str | None = None) -> tuple[str, EncoderInputs]:
+        """Encoded bytes' mm_hash and inputs (a preprocessing worker's task); `path`: the file they came
+        from, for error messages."""
+        picture = self.decode(path if path is not None else encoded, index, encoded)
+        return self.content_hash(picture), self.inputs(picture)
