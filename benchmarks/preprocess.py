@@ -8,8 +8,11 @@ processor as its published checkpoints configure it, on 1920x1080 JPEG photos an
 Per family and photo size: milliseconds per photo (median) and photos/s of the processor alone
 (decoded pictures in, tensors out), and of the whole intake path (JPEG bytes decoded, then the
 processor; the engine decodes with its load_image). The pixel values are checked equal on every photo.
-Printed as a table and written as JSON. (A process pool for preprocessing is not built yet: its columns
-come with it.)
+
+Then, for Qwen2.5-VL's processor (a micro checkpoint with max_pixels 1003520): photos/s of the
+preprocessing pool (mm_processor_workers, JPEG bytes in, shared-memory tensors out) at each --workers
+count, and the whole engine (`generate()`, one token) on --photos new 1920x1080 photos without and with
+workers, against transformers' processor alone on the same photos. Printed as tables, written as JSON.
 """
 
 from __future__ import annotations
@@ -98,11 +101,60 @@ def measure(make_processor: Callable[[], object], jpegs: list[bytes], repeats: i
     return {"fast_path": why, **rows}
 
 
+QWEN_OVERRIDES = {"max_pixels": 1003520}
+
+
+def pool_and_engine(jpegs: list[bytes], worker_counts: list[int]) -> dict:
+    """The pool's photos/s at each size, and generate() on the photos with and without workers, against
+    transformers' processor alone on them (Qwen2.5-VL's processor, a micro checkpoint)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mmengine import MMEngine, SamplingParams
+    from mmengine.models.registry import load_hf_processor
+    from mmengine.multimodal.preprocess_pool import PreprocessPool
+    from mmengine.testing.qwen_vl import qwen_vl_prompt, tiny_qwen_vl_path, tiny_spec
+
+    path = tiny_qwen_vl_path(tiny_spec("qwen2_5_vl"))
+    processor = load_hf_processor(path, QWEN_OVERRIDES).image_processor
+    start = time.perf_counter()
+    for data in jpegs:
+        processor(images=[Image.open(io.BytesIO(data)).convert("RGB")], return_tensors="pt")
+    hf_seconds = time.perf_counter() - start
+    out: dict = {"photos": len(jpegs), "transformers_processor_s": round(hf_seconds, 3),
+                 "transformers_photos_per_s": round(len(jpegs) / hf_seconds, 1), "workers": {}, "engine": {}}
+    print(f"\nQwen2.5-VL processor on {len(jpegs)} new 1920x1080 photos: transformers alone {hf_seconds:.2f} s "
+          f"({len(jpegs) / hf_seconds:.1f} photos/s)")
+    prompt, params = qwen_vl_prompt("What is in this photo?", 1), SamplingParams(max_tokens=1, temperature=0)
+    for count in worker_counts:
+        with MMEngine(str(path), device="cpu", dtype="float32", max_model_len=4096, mm_processor_kwargs=QWEN_OVERRIDES,
+                      mm_processor_workers=count, mm_processor_cache_bytes=0) as engine:
+            pool: PreprocessPool = engine.input_processor.pool
+            pool.prepare(photo_jpeg(99, 640, 480), 0)  # the workers are up
+            with ThreadPoolExecutor(count) as threads:
+                start = time.perf_counter()
+                list(threads.map(lambda data: pool.prepare(data, 0), jpegs))
+                seconds = time.perf_counter() - start
+            out["workers"][count] = {"photos_per_s": round(len(jpegs) / seconds, 1)}
+            print(f"  pool of {count}: {len(jpegs) / seconds:.1f} photos/s (JPEG bytes in, tensors in shared memory out)")
+    for count in sorted({0, *worker_counts}):
+        with MMEngine(str(path), device="cpu", dtype="float32", max_model_len=4096, mm_processor_kwargs=QWEN_OVERRIDES,
+                      mm_processor_workers=count, mm_processor_cache_bytes=0, enable_prefix_caching=False) as engine:
+            engine.generate(prompt, images=[photo_jpeg(98, 640, 480)], sampling_params=params, use_tqdm=False)  # warm
+            start = time.perf_counter()
+            engine.generate([prompt] * len(jpegs), images=[[data] for data in jpegs], sampling_params=params, use_tqdm=False)
+            seconds = time.perf_counter() - start
+        out["engine"][count] = {"seconds": round(seconds, 3), "of_transformers_processor": round(seconds / hf_seconds, 2)}
+        print(f"  generate() with mm_processor_workers={count}: {seconds:.2f} s = {seconds / hf_seconds:.2f}x "
+              "transformers' processor alone")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--photos", type=int, default=12, help="distinct 1920x1080 photos (and a third as many 4000x3000)")
     parser.add_argument("--repeats", type=int, default=2, help="passes over the photos; the best median counts")
     parser.add_argument("--families", nargs="*", help="substrings of the family names to run (default: all)")
+    parser.add_argument("--workers", default="1,2", help="preprocessing pool sizes to time (comma-separated; empty: none)")
     parser.add_argument("--output", default="benchmarks/results/preprocess.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # per core
@@ -125,6 +177,9 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"{name:34s} {size:10s} {row['transformers']['ms_per_photo']:16.1f} {row['mmengine']['ms_per_photo']:12.1f} "
                   f"{row['speedup_processor']:6.2f} {row['transformers, decode + processor']['ms_per_photo']:19.1f} "
                   f"{row['mmengine, decode + processor']['ms_per_photo']:8.1f} {row['speedup_intake']:6.2f}")
+    workers = [int(n) for n in args.workers.split(",") if n]
+    if workers:
+        results["pool"] = pool_and_engine(sizes["1920x1080"], workers)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=1))

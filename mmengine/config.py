@@ -117,6 +117,10 @@ class EngineConfig:
     # Preprocessed pixels kept (host memory) after their requests finish, so a repeated image is
     # neither decoded nor resized again; 0 keeps only what live requests hold.
     mm_processor_cache_bytes: int = 1 << 30
+    # Worker processes that decode, hash and preprocess encoded pictures (files, bytes, data URLs) away from
+    # the engine's process, their tensors coming back in shared memory (multimodal/preprocess_pool.py);
+    # 0 prepares them on the engine's own threads.
+    mm_processor_workers: int = 0
     # Overrides of the checkpoint's image-processor settings, e.g. {"max_pixels": 1003520} for
     # native-resolution families (Qwen2-VL): they bound each image's token count and so the encoder budget.
     mm_processor_kwargs: dict[str, int] | None = None
@@ -157,6 +161,10 @@ class EngineConfig:
             isinstance(self.mm_processor_cache_bytes, int) and not isinstance(self.mm_processor_cache_bytes, bool)
             and self.mm_processor_cache_bytes >= 0,
             "mm_processor_cache_bytes", self.mm_processor_cache_bytes, "an int >= 0",
+        )
+        _require(
+            isinstance(self.mm_processor_workers, int) and not isinstance(self.mm_processor_workers, bool)
+            and self.mm_processor_workers >= 0, "mm_processor_workers", self.mm_processor_workers, "an int >= 0",
         )
         _require(
             isinstance(self.gpu_memory_utilization, float | int) and 0 < self.gpu_memory_utilization <= 1,

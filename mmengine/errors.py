@@ -146,6 +146,10 @@ class MediaDecodeTimeoutError(InvalidInputError):
     """Probing and decoding one audio clip or video took longer than max_media_decode_seconds."""
 
 
+class PreprocessingWorkerError(InvalidInputError):
+    """The preprocessing worker process preparing a picture died (it is restarted), or could not start."""
+
+
 class ItemTooLargeError(InvalidInputError):
     """A multimodal item produces more embeddings than the encoder cache can take in one step."""
 

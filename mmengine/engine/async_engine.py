@@ -209,7 +209,9 @@ class AsyncMMEngine:
         self.engine = engine
         self.max_queued_requests = max_queued_requests
         self.max_step_retries = max_step_retries
-        self._pool = ThreadPoolExecutor(num_preprocess_workers, thread_name_prefix="mmengine-preprocess")
+        # at least one thread per preprocessing worker process (mm_processor_workers), each waiting on its picture
+        processes = engine.input_processor.pool.num_workers if engine.input_processor.pool is not None else 0
+        self._pool = ThreadPoolExecutor(max(num_preprocess_workers, processes), thread_name_prefix="mmengine-preprocess")
         # Shared by the event loop, the workers and the step loop: the live streams and pending aborts.
         self._lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}  # in arrival order

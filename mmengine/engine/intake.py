@@ -164,7 +164,9 @@ class RequestIntake:
     def _preprocess_pool(self) -> ThreadPoolExecutor:
         with self._lock:
             if self._pool is None:
-                self._pool = ThreadPoolExecutor(PREPROCESS_THREADS, thread_name_prefix="mmengine-preprocess")
+                # at least one thread per preprocessing worker process, each waiting on its picture
+                workers = self.processor.pool.num_workers if self.processor.pool is not None else 0
+                self._pool = ThreadPoolExecutor(max(PREPROCESS_THREADS, workers), thread_name_prefix="mmengine-preprocess")
             return self._pool
 
 

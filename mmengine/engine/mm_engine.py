@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -75,6 +76,22 @@ class MMEngine:
                               self.loras, self.tokenizer, self.eos_token_ids, async_scheduling)
         # Told of prompts about to be queued, outside the lock (mmengine.ray's encoder store fetches their items)
         self.before_enqueue: Callable[[list[ProcessedPrompt]], None] | None = None
+        # Worker processes (mm_processor_workers) stop with close(), or when the engine is collected
+        pool = self.input_processor.pool
+        self._finalizer = weakref.finalize(self, pool.close) if pool is not None else None
+
+    def close(self) -> None:
+        """Stops the engine's worker processes (mm_processor_workers); the engine keeps its caches and can
+        still serve, preparing pictures on its own threads."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self.input_processor.pool = None
+
+    def __enter__(self) -> MMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     # -- low-level API ---------------------------------------------------------
 

@@ -32,6 +32,8 @@ from mmengine.models.family import ModelFamily
 from mmengine.models.loader import checkpoint_dtype
 from mmengine.models.quantization import WeightQuantization, quantization_of
 from mmengine.models.registry import family_class_for, load_family, load_hf_config, load_hf_processor
+from mmengine.multimodal.picture_preparer import PreparerSpec
+from mmengine.multimodal.preprocess_pool import PreprocessPool
 from mmengine.multimodal.processor import InputProcessor
 from mmengine.runner import ModelRunner
 from mmengine.sample.structured_output.grammar import GrammarCompiler
@@ -78,6 +80,24 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
         max_video_seconds=config.max_video_seconds, max_audio_seconds=config.max_audio_seconds,
         max_media_decode_seconds=config.max_media_decode_seconds,
     )
+    if config.mm_processor_workers:  # they start while the model loads
+        input_processor.pool = _preprocess_pool(config, input_processor)
+    try:
+        return _build_rest(config, model_dir, hf_config, family, max_model_len, device, dtype, input_processor)
+    except BaseException:
+        if input_processor.pool is not None:
+            input_processor.pool.close()
+        raise
+
+
+def _preprocess_pool(config: EngineConfig, processor: InputProcessor) -> PreprocessPool:
+    spec = PreparerSpec(str(config.model), config.mm_processor_kwargs, config.max_image_pixels, processor.fingerprint,
+                        processor.settings_key, config.prefix_caching_hash_algo)
+    return PreprocessPool(spec, config.mm_processor_workers)
+
+
+def _build_rest(config: EngineConfig, model_dir: Path, hf_config: Any, family: ModelFamily, max_model_len: int,
+                device: Any, dtype: Any, input_processor: InputProcessor) -> EngineParts:
     runner = ModelRunner(config, family, model_dir, device, dtype, max_model_len)
     num_blocks = _start_runner(config, family, runner)
     encoder_budget = encoder_budget_for(config, family, runner, pinned_room_tokens=num_blocks * config.block_size)

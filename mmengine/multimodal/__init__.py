@@ -2,6 +2,8 @@
 
   processor.py        InputProcessor: prompt + pictures -> token ids with expanded runs, and items
   fast_image_processor.py  transformers' PIL image processors' pixels, bit for bit, without their float passes
+  picture_preparer.py a picture's cache miss (decode, limits, content hash, preprocess): the same here and in a worker
+  preprocess_pool.py  worker processes that prepare encoded pictures, tensors back in shared memory
   image_loading.py    paths, bytes, PIL images, arrays -> RGB images, with limits
   resize_guard.py     what the image processor's resize will allocate, known before it runs
   embeds.py           precomputed image embeddings as an item kind

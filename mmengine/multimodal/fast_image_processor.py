@@ -30,7 +30,14 @@ from mmengine.multimodal.resize_guard import resized_size
 
 logger = logging.getLogger(__name__)
 
-FastImageProcessor = Callable[[Sequence[Image.Image]], dict[str, torch.Tensor]]
+# Makes an output tensor (shape, numpy dtype) that the fast path fills through its numpy view: a worker
+# process passes one that allocates shared memory, so the output crosses to the engine without a copy.
+Allocate = Callable[[tuple[int, ...], np.dtype], torch.Tensor]
+FastImageProcessor = Callable[..., dict[str, torch.Tensor]]  # (pictures, allocate=empty) -> the processor's outputs
+
+
+def empty(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.empty(shape, dtype=dtype))
 
 
 class PixelTable:
@@ -84,28 +91,27 @@ class QwenPatches:
         self.min_pixels, self.max_pixels = get("shortest_edge"), get("longest_edge")
         self.patch, self.merge, self.temporal = processor.patch_size, processor.merge_size, processor.temporal_patch_size
 
-    def __call__(self, pictures: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
-        patches, grids = [], []
-        for picture in pictures:
-            flat, grid = self._one(picture)
-            patches.append(flat)
-            grids.append(grid)
-        pixel_values = patches[0] if len(patches) == 1 else np.concatenate(patches)
-        return {"pixel_values": torch.from_numpy(pixel_values), "image_grid_thw": torch.tensor(grids, dtype=torch.int64)}
-
-    def _one(self, picture: Image.Image) -> tuple[np.ndarray, list[int]]:
+    def __call__(self, pictures: Sequence[Image.Image], allocate: Allocate = empty) -> dict[str, torch.Tensor]:
         p, m, t = self.patch, self.merge, self.temporal
-        height, width = self.smart_resize(picture.height, picture.width, factor=p * m, min_pixels=self.min_pixels,
-                                          max_pixels=self.max_pixels)
+        sizes = [self.smart_resize(picture.height, picture.width, factor=p * m, min_pixels=self.min_pixels,
+                                   max_pixels=self.max_pixels) for picture in pictures]
+        grids = [[1, height // p, width // p] for height, width in sizes]
+        pixel_values = allocate((sum(gh * gw for _, gh, gw in grids), 3 * t * p * p), np.dtype(np.float32))
+        out, start = pixel_values.numpy(), 0
+        for picture, (height, width), (_, gh, gw) in zip(pictures, sizes, grids):
+            self._one(picture, height, width, out[start: start + gh * gw].reshape(gh * gw, 3, t, p, p))
+            start += gh * gw
+        return {"pixel_values": pixel_values, "image_grid_thw": torch.tensor(grids, dtype=torch.int64)}
+
+    def _one(self, picture: Image.Image, height: int, width: int, out: np.ndarray) -> None:
+        p, m = self.patch, self.merge
         pixels = _rgb_array(_resized(picture, height, width, self.processor.resample))  # [H, W, 3] uint8
         gh, gw = height // p, width // p
         # (gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m, m, C, p, p): one uint8 copy in the output's patch order
         ordered = pixels.reshape(gh // m, m, p, gw // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)
         ordered = np.ascontiguousarray(ordered).reshape(gh * gw, 3, 1, p, p)
-        out = np.empty((gh * gw, 3, t, p, p), dtype=np.float32)
         self.table.lookup(ordered, out[:, :, :1], channel_axis=1)
         out[:, :, 1:] = out[:, :, :1]  # transformers repeats each patch over the temporal patch
-        return out.reshape(gh * gw, 3 * t * p * p), [1, gh, gw]
 
 
 class Gemma4Patches:
@@ -121,10 +127,13 @@ class Gemma4Patches:
         self.patch, self.pooling = processor.patch_size, processor.pooling_kernel_size
         self.max_patches = processor.max_soft_tokens * self.pooling**2
 
-    def __call__(self, pictures: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
+    def __call__(self, pictures: Sequence[Image.Image], allocate: Allocate = empty) -> dict[str, torch.Tensor]:
         p, n = self.patch, len(pictures)
-        pixel_values = np.zeros((n, self.max_patches, p * p * 3), dtype=self.table.dtype)
-        positions = np.full((n, self.max_patches, 2), -1, dtype=np.int64)
+        pixel_tensor = allocate((n, self.max_patches, p * p * 3), self.table.dtype)
+        position_tensor = allocate((n, self.max_patches, 2), np.dtype(np.int64))
+        pixel_values, positions = pixel_tensor.numpy(), position_tensor.numpy()
+        pixel_values.fill(0)  # the padding
+        positions.fill(-1)
         soft_tokens = []
         for i, picture in enumerate(pictures):
             height, width = self.target_size(picture.height, picture.width, p, self.max_patches, self.pooling)
@@ -137,7 +146,7 @@ class Gemma4Patches:
             grid_x, grid_y = np.meshgrid(np.arange(gw), np.arange(gh), indexing="xy")
             positions[i, : gh * gw] = np.stack([grid_x, grid_y], axis=-1).reshape(gh * gw, 2)
             soft_tokens.append(gh * gw // self.pooling**2)
-        return {"pixel_values": torch.from_numpy(pixel_values), "image_position_ids": torch.from_numpy(positions),
+        return {"pixel_values": pixel_tensor, "image_position_ids": position_tensor,
                 "num_soft_tokens_per_image": torch.tensor(soft_tokens)}
 
 
@@ -155,14 +164,15 @@ class ResizedCrops:
         get = (crop.get if isinstance(crop, dict) else lambda key: getattr(crop, key, None)) if crop is not None else None
         self.crop = (get("height"), get("width")) if get is not None else None
 
-    def __call__(self, pictures: Sequence[Image.Image]) -> dict[str, torch.Tensor]:
+    def __call__(self, pictures: Sequence[Image.Image], allocate: Allocate = empty) -> dict[str, torch.Tensor]:
         arrays = [self._uint8(picture) for picture in pictures]
         if len({array.shape for array in arrays}) != 1:  # transformers stacks them: they must agree
             raise ValueError(f"pictures of different preprocessed sizes: {sorted({a.shape for a in arrays})}")
-        out = np.empty((len(arrays), *arrays[0].shape), dtype=self.table.dtype)
+        pixel_values = allocate((len(arrays), *arrays[0].shape), self.table.dtype)
+        out = pixel_values.numpy()
         for i, array in enumerate(arrays):
             self.table.lookup(array, out[i], channel_axis=0)
-        return {"pixel_values": torch.from_numpy(out)}
+        return {"pixel_values": pixel_values}
 
     def _uint8(self, picture: Image.Image) -> np.ndarray:
         """The picture resized and cropped, channel-first uint8 (the crop pads with 0 as transformers' does)."""

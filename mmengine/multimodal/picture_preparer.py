@@ -13,7 +13,7 @@ from PIL import Image
 
 from mmengine.encoder_cache.hashing import hash_image
 from mmengine.models.family import EncoderInputs, ModelFamily
-from mmengine.multimodal.fast_image_processor import fast_image_processor
+from mmengine.multimodal.fast_image_processor import Allocate, empty, fast_image_processor
 from mmengine.multimodal.image_loading import ImageInput, load_image
 from mmengine.multimodal.resize_guard import check_preprocessed_size
 
@@ -65,18 +65,20 @@ class PicturePreparer:
     def content_hash(self, picture: Image.Image) -> str:
         return hash_image(picture, self.fingerprint, self.settings_key, self.hash_algo)
 
-    def preprocess(self, pictures: list[Image.Image]) -> Any:
-        """The image processor's output for the pictures (the fast path's where it has one)."""
+    def preprocess(self, pictures: list[Image.Image], allocate: Allocate = empty) -> Any:
+        """The image processor's output for the pictures (the fast path's, in tensors `allocate` makes,
+        where it has one)."""
         if self._fast is not None:
-            return self._fast(pictures)
+            return self._fast(pictures, allocate)
         return self.image_processor(images=pictures, return_tensors="pt")
 
-    def inputs(self, picture: Image.Image) -> EncoderInputs:
-        (inputs,) = self.family.split_images(self.preprocess([picture]), 1)
+    def inputs(self, picture: Image.Image, allocate: Allocate = empty) -> EncoderInputs:
+        (inputs,) = self.family.split_images(self.preprocess([picture], allocate), 1)
         return inputs
 
-    def prepare_encoded(self, encoded: bytes, index: int, path: str | None = None) -> tuple[str, EncoderInputs]:
+    def prepare_encoded(self, encoded: bytes, index: int, path: str | None = None,
+                        allocate: Allocate = empty) -> tuple[str, EncoderInputs]:
         """Encoded bytes' mm_hash and inputs (a preprocessing worker's task); `path`: the file they came
         from, for error messages."""
         picture = self.decode(path if path is not None else encoded, index, encoded)
-        return self.content_hash(picture), self.inputs(picture)
+        return self.content_hash(picture), self.inputs(picture, allocate)

@@ -13,11 +13,12 @@ once, at start-up, on two images of different sizes).
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from PIL import Image
@@ -51,6 +52,9 @@ from mmengine.multimodal.video_loader import LoadedVideo, VideoLimits, VideoLoad
 from mmengine.multimodal.video_prompt import video_items, video_runs, write_video_markers
 from mmengine.core.request import MMItem, ProcessedPrompt
 from mmengine.sample.params import SamplingParams
+
+if TYPE_CHECKING:
+    from mmengine.multimodal.preprocess_pool import PreprocessPool
 
 
 @dataclass
@@ -121,6 +125,8 @@ class InputProcessor:
         self._preprocessing = KeyedLock()  # by mm_hash: an item is preprocessed once
         self.pictures = PicturePreparer(self.hf_processor.image_processor, family, max_image_pixels, self.fingerprint,
                                         self.settings_key, hash_algo)
+        # Worker processes that prepare encoded pictures (set by the engine with mm_processor_workers)
+        self.pool: PreprocessPool | None = None
         self.hash_algo = hash_algo
         self.num_images_decoded = 0
         self.num_images_preprocessed = 0
@@ -515,6 +521,12 @@ class InputProcessor:
         with self._decoding.hold(digest):
             with self._lock:
                 mm_hash = self.cache.hash_of_encoded(digest)
+            if mm_hash is None and self.pool is not None:
+                mm_hash, inputs = self.pool.prepare(encoded, index, os.fspath(image) if isinstance(image, (str, os.PathLike)) else None)
+                with self._lock:
+                    self.num_images_decoded += 1
+                    self.cache.remember_encoded(digest, mm_hash)
+                return mm_hash, self._adopt(mm_hash, inputs)
             if mm_hash is None:
                 picture = self._read(image, index, encoded)
                 mm_hash = self.pictures.content_hash(picture)
@@ -532,6 +544,16 @@ class InputProcessor:
                 return cached
             (inputs,) = self.family.split_images(self._preprocess([read()]), 1)
             with self._lock:
+                self.num_images_preprocessed += 1
+                return self.cache.put(mm_hash, inputs)
+
+    def _adopt(self, mm_hash: str, inputs: EncoderInputs) -> EncoderInputs:
+        """Inputs a worker prepared: the cache's if it has the item by now, else these, cached."""
+        with self._preprocessing.hold(mm_hash):
+            with self._lock:
+                cached = self.cache.get(mm_hash)
+                if cached is not None:
+                    return cached
                 self.num_images_preprocessed += 1
                 return self.cache.put(mm_hash, inputs)
 

@@ -1,0 +1,260 @@
+"""Pictures prepared in worker processes: encoded bytes are decoded, checked, hashed and preprocessed away
+from the engine process (and its GIL), and their tensors come back in shared memory, never as pickled
+pixels (the fast path writes its output straight into shared memory; torch passes it by file
+descriptor, and it is freed when the last request and the processor cache let go of it).
+
+Each worker (spawned: no state of the engine's is forked) is driven by one supervisor thread here, one
+picture at a time. A worker that dies is respawned: the picture it was preparing fails with a
+PreprocessingWorkerError naming it (the picture may be what killed it), the engine serves on, and a
+picture sent to a worker already dead before it started is sent to the new one. Workers leave with the
+pool (`close`) or with the engine's process (their end of the pipe closes).
+
+Processes started with spawn import the caller's `__main__` module again: a script that makes an engine
+with `mm_processor_workers` keeps its work under `if __name__ == "__main__":`, as with any spawn pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from multiprocessing.connection import wait
+from typing import Any
+
+import numpy as np
+import torch
+import torch.multiprocessing as torch_mp
+
+from mmengine.errors import InvalidInputError, PreprocessingWorkerError
+from mmengine.models.family import EncoderInputs
+from mmengine.multimodal.picture_preparer import PicturePreparer, PreparerSpec
+
+logger = logging.getLogger(__name__)
+
+_READY, _DONE, _FAILED = "ready", "done", "failed"
+_JOIN_SECONDS = 5.0
+
+
+@dataclass
+class _Task:
+    encoded: bytes
+    index: int
+    path: str | None
+    future: Future = field(default_factory=Future)
+
+
+class PreprocessPool:
+    def __init__(self, spec: PreparerSpec, num_workers: int) -> None:
+        if num_workers < 1:
+            raise ValueError(f"a preprocessing pool needs a worker, got {num_workers}")
+        self.spec = spec
+        self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
+        self._context = torch_mp.get_context("spawn")
+        self._lock = threading.Lock()
+        self.num_prepared = 0
+        self.num_respawns = 0
+        self.num_failed_by_death = 0
+        self.num_in_flight = 0  # pictures sent to a worker and not yet answered
+        self._closed = False
+        self._slots = [_WorkerSlot(self, i) for i in range(num_workers)]
+        for slot in self._slots:
+            slot.thread.start()
+
+    @property
+    def num_workers(self) -> int:
+        return len(self._slots)
+
+    def worker_pids(self) -> list[int]:
+        return [slot.process.pid for slot in self._slots if slot.process is not None and slot.process.pid is not None]
+
+    def prepare(self, encoded: bytes, index: int, path: str | None = None) -> tuple[str, EncoderInputs]:
+        """The picture's mm_hash and inputs, prepared by a worker (blocks until one has). A bad picture
+        raises its typed error, as preparing it here would."""
+        if self._closed:
+            raise RuntimeError("the preprocessing pool is closed")
+        task = _Task(encoded, index, path)
+        self._tasks.put(task)
+        return task.future.result()
+
+    def close(self) -> None:
+        """Stops every worker (each finishes the picture it is preparing) and waits for them."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        for _ in self._slots:
+            self._tasks.put(None)
+        for slot in self._slots:
+            slot.thread.join()
+
+
+class _WorkerSlot:
+    """One worker process and the thread that feeds it, respawning it when it dies."""
+
+    def __init__(self, pool: PreprocessPool, number: int) -> None:
+        self.pool = pool
+        self.number = number
+        self.process: Any = None
+        self.connection: Any = None
+        self.broken: BaseException | None = None  # the worker could not start: every picture fails with this
+        self.thread = threading.Thread(target=self._run, name=f"mmengine-preprocess-worker-{number}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self._spawn()
+            while True:
+                task = self.pool._tasks.get()
+                if task is None:
+                    return
+                if task.future.set_running_or_notify_cancel():
+                    try:
+                        self._serve(task)
+                    except BaseException as err:  # never leave a caller waiting on a future nobody resolves
+                        if not task.future.done():
+                            task.future.set_exception(PreprocessingWorkerError(
+                                f"image {task.index}: preparing it failed: {type(err).__name__}: {err}"))
+                        raise
+        finally:
+            self._stop()
+
+    def _serve(self, task: _Task) -> None:
+        for attempt in range(2):  # a worker found dead before it took the picture: once more, on a new one
+            if self.broken is not None:
+                task.future.set_exception(self.broken)
+                return
+            if not self.process.is_alive():  # died while idle: the picture has nothing to do with it
+                self._respawn(f"exit code {self._reap()}")
+                continue
+            try:
+                self.connection.send((task.encoded, task.index, task.path))
+            except (OSError, ValueError):  # a dead worker's pipe
+                self._respawn("its pipe closed")
+                continue
+            with self.pool._lock:
+                self.pool.num_in_flight += 1
+            try:
+                ready = wait([self.connection, self.process.sentinel])
+            finally:
+                with self.pool._lock:
+                    self.pool.num_in_flight -= 1
+            if self.connection in ready:
+                try:
+                    status, payload = self.connection.recv()
+                except (EOFError, OSError):
+                    pass
+                else:
+                    self._finish(task, status, payload)
+                    return
+            exit_code = self._reap()
+            self.pool.num_failed_by_death += 1
+            task.future.set_exception(PreprocessingWorkerError(
+                f"image {task.index}: the preprocessing worker died (exit code {exit_code}) while preparing it; "
+                "it was restarted"
+            ))
+            self._respawn(f"exit code {exit_code}")
+            return
+        task.future.set_exception(PreprocessingWorkerError(f"image {task.index}: no preprocessing worker could take it"))
+
+    def _finish(self, task: _Task, status: str, payload: Any) -> None:
+        if status == _DONE:
+            with self.pool._lock:
+                self.pool.num_prepared += 1
+            task.future.set_result(payload)
+        else:
+            task.future.set_exception(payload)
+
+    def _spawn(self) -> None:
+        context = self.pool._context
+        ours, theirs = context.Pipe()
+        self.process = context.Process(target=worker_main, args=(self.pool.spec, theirs), daemon=True,
+                                       name=f"mmengine-preprocess-{self.number}")
+        self.process.start()
+        theirs.close()
+        self.connection = ours
+        ready = wait([ours, self.process.sentinel])
+        try:
+            status, payload = ours.recv() if ours in ready else (None, None)
+        except (EOFError, OSError):
+            status, payload = None, None
+        if status != _READY:
+            self.broken = payload if isinstance(payload, BaseException) else PreprocessingWorkerError(
+                f"a preprocessing worker could not start (exit code {self._reap()})")
+            logger.error("preprocessing worker %d could not start: %s", self.number, self.broken)
+
+    def _respawn(self, why: str) -> None:
+        logger.warning("preprocessing worker %d died (%s): starting a new one", self.number, why)
+        self._stop()
+        with self.pool._lock:
+            self.pool.num_respawns += 1
+        self._spawn()
+
+    def _reap(self) -> int | None:
+        self.process.join(_JOIN_SECONDS)
+        return self.process.exitcode
+
+    def _stop(self) -> None:
+        if self.connection is not None:
+            try:
+                self.connection.send(None)
+            except (OSError, ValueError):
+                pass
+            self.connection.close()
+            self.connection = None
+        if self.process is not None:
+            self.process.join(_JOIN_SECONDS)
+            if self.process.is_alive():
+                self.process.kill()
+                self.process.join(_JOIN_SECONDS)
+            self.process = None
+
+
+def _shared(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
+    """An output tensor in shared memory, made there (no copy into it later)."""
+    torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    numel = int(np.prod(shape))
+    storage = torch.UntypedStorage._new_shared(numel * torch_dtype.itemsize)
+    return torch.empty(0, dtype=torch_dtype).set_(storage, 0, shape)
+
+
+def worker_main(spec: PreparerSpec, connection: Any) -> None:
+    """A worker process: builds the engine's PicturePreparer, then prepares one picture per message until
+    told to stop (None) or its pipe closes (the engine's process is gone)."""
+    torch.set_num_threads(1)
+    try:
+        preparer = PicturePreparer.from_spec(spec)
+    except BaseException as err:  # noqa: BLE001 - reported to the engine, which names it for every picture
+        connection.send((_FAILED, _picklable(err)))
+        return
+    connection.send((_READY, os.getpid()))
+    while True:
+        try:
+            message = connection.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        encoded, index, path = message
+        try:
+            mm_hash, inputs = preparer.prepare_encoded(encoded, index, path, allocate=_shared)
+            reply = (_DONE, (mm_hash, EncoderInputs({name: tensor.share_memory_() for name, tensor in inputs.items()})))
+        except InvalidInputError as err:
+            reply = (_FAILED, err)
+        except Exception as err:  # noqa: BLE001 - any other failure is the picture's, named
+            reply = (_FAILED, PreprocessingWorkerError(f"image {index}: preparing it failed: {type(err).__name__}: {err}"))
+        connection.send(reply)
+        del reply
+
+
+def _picklable(err: BaseException) -> BaseException:
+    if isinstance(err, InvalidInputError):
+        return err
+    try:
+        import pickle
+
+        pickle.dumps(err)
+        return err
+    except Exception:  # noqa: BLE001
+        return PreprocessingWorkerError(f"a preprocessing worker could not start: {type(err).__name__}: {err}")

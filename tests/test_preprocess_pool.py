@@ -1,0 +1,186 @@
+"""Pictures prepared in worker processes (mm_processor_workers, multimodal/preprocess_pool.py): the same
+items and tokens as the engine's own threads, bad pictures' typed errors naming the prompt, a killed
+worker's picture failed by name while the engine serves on, shared memory back to its idle size after a
+soak, and no worker left behind."""
+
+from __future__ import annotations
+
+import gc
+import io
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import torch
+
+from mmengine import MMEngine, SamplingParams
+from mmengine.config import EngineConfig
+from mmengine.errors import CheckpointError, ConfigError, CorruptImageError, ImageTooLargeError, PreprocessingWorkerError
+from mmengine.multimodal.picture_preparer import PreparerSpec
+from mmengine.multimodal.preprocess_pool import PreprocessPool
+from mmengine.testing import make_test_image
+from mmengine.testing.qwen_vl import qwen_vl_prompt
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+SHM = "/dev/shm"
+
+
+def jpeg(seed: int, size: tuple[int, int] = (160, 120)) -> bytes:
+    buffer = io.BytesIO()
+    make_test_image(seed, size=size).save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def workers_alive() -> list[psutil.Process]:
+    """This process's children but multiprocessing's own resource tracker (one per process, for life)."""
+    return [child for child in psutil.Process().children()
+            if child.is_running() and "resource_tracker" not in " ".join(child.cmdline())]
+
+
+def _wait_for(condition, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def path(family_checkpoint):
+    return family_checkpoint("qwen2_5_vl")
+
+
+@pytest.fixture(scope="module")
+def in_process(path):
+    return MMEngine(str(path), device="cpu", dtype="float32", max_model_len=512)
+
+
+@pytest.fixture(scope="module")
+def pooled(path):
+    engine = MMEngine(str(path), device="cpu", dtype="float32", max_model_len=512, mm_processor_workers=2,
+                      mm_processor_cache_bytes=0)
+    yield engine
+    engine.close()
+    assert workers_alive() == []
+
+
+def test_workers_give_the_items_and_tokens_of_the_engines_own_threads(pooled, in_process, tmp_path):
+    pictures = [jpeg(seed) for seed in range(4)]
+    path = tmp_path / "photo.jpg"
+    path.write_bytes(jpeg(9))
+    prompts = [qwen_vl_prompt(f"Question {i}: what is here?", 1) for i in range(5)]
+    images = [[picture] for picture in pictures] + [[str(path)]]
+    before = pooled.input_processor.pool.num_prepared
+    got = pooled.generate(prompts, images=images, sampling_params=PARAMS, use_tqdm=False)
+    want = in_process.generate(prompts, images=images, sampling_params=PARAMS, use_tqdm=False)
+    assert [out.token_ids for out in got] == [out.token_ids for out in want]
+    assert pooled.input_processor.pool.num_prepared - before == 5  # every picture prepared by a worker
+    mine = pooled.input_processor.process(prompts[0], images[0], PARAMS).mm_items[0]
+    theirs = in_process.input_processor.process(prompts[0], images[0], PARAMS).mm_items[0]
+    assert mine.mm_hash == theirs.mm_hash
+    for name, tensor in theirs.encoder_inputs.items():
+        assert torch.equal(mine.encoder_inputs[name], tensor), name
+
+
+def test_bad_pictures_are_their_typed_errors_naming_the_prompt(pooled):
+    prompt = qwen_vl_prompt("What is here?", 1)
+    with pytest.raises(CorruptImageError, match=r"^prompt 1: image 0: "):
+        pooled.generate([prompt, prompt], images=[[jpeg(20)], [jpeg(21)[:200]]], sampling_params=PARAMS, use_tqdm=False)
+    buffer = io.BytesIO()
+    make_test_image(22, size=(8000, 8)).save(buffer, "PNG")  # 1000:1, beyond any processor's aspect limit
+    with pytest.raises(ImageTooLargeError, match=r"^prompt 0: image 0: aspect ratio"):
+        pooled.generate(prompt, images=[buffer.getvalue()], sampling_params=PARAMS, use_tqdm=False)
+    assert len(pooled.generate(prompt, images=[jpeg(23)], sampling_params=PARAMS, use_tqdm=False)[0].token_ids) == 4
+
+
+def test_a_killed_worker_fails_its_picture_by_name_and_the_engine_serves_on(pooled):
+    pool = pooled.input_processor.pool
+    prompt = qwen_vl_prompt("What is here?", 1)
+    pooled.generate(prompt, images=[jpeg(30)], sampling_params=PARAMS, use_tqdm=False)  # both workers up
+    old = pool.worker_pids()
+    respawns = pool.num_respawns
+    for pid in old:
+        os.kill(pid, signal.SIGSTOP)  # neither can answer: the picture stays in flight
+    failure: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            pooled.generate(prompt, images=[jpeg(31)], sampling_params=PARAMS, use_tqdm=False)
+        except BaseException as err:  # noqa: BLE001 - the outcome is asserted below
+            failure.append(err)
+
+    caller = threading.Thread(target=ask)
+    caller.start()
+    _wait_for(lambda: pool.num_in_flight == 1)
+    for pid in old:
+        os.kill(pid, signal.SIGKILL)
+    caller.join(60)
+    assert not caller.is_alive()
+    (err,) = failure
+    assert isinstance(err, PreprocessingWorkerError)
+    assert str(err).startswith("prompt 0: image 0: the preprocessing worker died (exit code -9)")
+    assert not pooled.has_unfinished_requests()
+    out = pooled.generate(prompt, images=[jpeg(32)], sampling_params=PARAMS, use_tqdm=False)[0]  # new workers
+    assert len(out.token_ids) == 4
+    assert pool.num_respawns - respawns == 2 and set(pool.worker_pids()).isdisjoint(old)
+
+
+def _shm_used() -> int:
+    stats = os.statvfs(SHM)
+    return (stats.f_blocks - stats.f_bfree) * stats.f_frsize
+
+
+@pytest.mark.skipif(not os.path.isdir(SHM), reason="no /dev/shm on this system to measure")
+def test_shared_memory_is_back_to_its_idle_size_after_a_soak(pooled):
+    """300 new pictures through the workers (no processor cache: items die with their requests): the shared
+    memory their tensors took is all given back, and no file is left in /dev/shm."""
+    prompt = qwen_vl_prompt("What?", 1)
+    small = SamplingParams(max_tokens=1, temperature=0)
+    pooled.generate(prompt, images=[jpeg(40)], sampling_params=small, use_tqdm=False)
+    gc.collect()
+    files, used = set(os.listdir(SHM)), _shm_used()
+    for start in range(0, 300, 50):
+        pooled.generate([prompt] * 50, images=[[jpeg(1000 + start + i, (64, 48))] for i in range(50)],
+                        sampling_params=small, use_tqdm=False)
+    gc.collect()
+    assert set(os.listdir(SHM)) <= files
+    assert _shm_used() - used < 1 << 20  # nothing kept (each picture took ~60 KB)
+
+
+def test_a_pool_whose_workers_cannot_start_names_why(tmp_path):
+    others = {child.pid for child in workers_alive()}  # the module's engine's workers
+    spec = PreparerSpec(str(tmp_path / "missing"), None, 1 << 20, "f", "s", "xxh3_128")
+    pool = PreprocessPool(spec, 1)
+    try:
+        with pytest.raises(CheckpointError, match="no tokenizer file"):
+            pool.prepare(jpeg(50), 0)
+    finally:
+        pool.close()
+    assert {child.pid for child in workers_alive()} == others
+
+
+def test_close_stops_the_workers_and_the_engine_serves_on_its_threads(path):
+    others = {child.pid for child in workers_alive()}  # the module's engine's workers
+    engine = MMEngine(str(path), device="cpu", dtype="float32", max_model_len=512, mm_processor_workers=1)
+    prompt = qwen_vl_prompt("What is here?", 1)
+    first = engine.generate(prompt, images=[jpeg(60)], sampling_params=PARAMS, use_tqdm=False)[0].token_ids
+    assert len({child.pid for child in workers_alive()} - others) == 1
+    engine.close()
+    engine.close()
+    assert {child.pid for child in workers_alive()} == others
+    assert engine.generate(prompt, images=[jpeg(60)], sampling_params=PARAMS, use_tqdm=False)[0].token_ids == first
+
+
+def test_mm_processor_workers_is_checked_and_has_a_flag():
+    with pytest.raises(ConfigError, match="mm_processor_workers"):
+        EngineConfig(model="x", mm_processor_workers=-1)
+    import argparse
+
+    from mmengine.entrypoints.engine_flags import add_engine_options
+
+    parser = argparse.ArgumentParser()
+    add_engine_options(parser)
+    assert parser.parse_args(["--mm-processor-workers", "3"]).mm_processor_workers == 3
