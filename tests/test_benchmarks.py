@@ -305,8 +305,10 @@ def test_preprocess_benchmark_times_both_paths_and_checks_their_pixels(tmp_path,
     whose pixels differed from transformers' would fail the run, not be timed."""
     module = load_benchmark("preprocess")
     output = tmp_path / "preprocess.json"
-    result = module.main(["--photos", "1", "--repeats", "1", "--families", "llava", "--output", str(output)])
-    assert json.loads(output.read_text()) == result
+    result = module.main(["--photos", "1", "--repeats", "1", "--families", "llava", "--workers", "1", "--output", str(output)])
+    assert json.loads(output.read_text()) == json.loads(json.dumps(result))
+    assert result["pool"]["workers"][1]["photos_per_s"] > 0  # a pool of one worker, timed
+    assert set(result["pool"]["engine"]) == {0, 1} and all(row["seconds"] > 0 for row in result["pool"]["engine"].values())
     (family,) = result["families"]
     for row in result["families"][family].values():
         assert row["fast_path"] == "CLIPImageProcessorPil"
@@ -316,4 +318,4 @@ def test_preprocess_benchmark_times_both_paths_and_checks_their_pixels(tmp_path,
     monkeypatch.setattr(fast_image_processor.PixelTable, "lookup",
                         lambda self, pixels, out, channel_axis: out.fill(0))  # a broken fast path
     with pytest.raises(AssertionError, match="pixels differ"):
-        module.main(["--photos", "1", "--repeats", "1", "--families", "llava", "--output", str(output)])
+        module.main(["--photos", "1", "--repeats", "1", "--families", "llava", "--workers", "", "--output", str(output)])

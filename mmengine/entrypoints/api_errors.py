@@ -26,6 +26,7 @@ from mmengine.errors import (
     InvalidInputError,
     ItemTooLargeError,
     MediaDecodeTimeoutError,
+    PreprocessingWorkerError,
     PromptTooLongError,
     TooManyAudiosError,
     TooManyImagesError,
@@ -60,6 +61,7 @@ _INPUT_ERROR_CODES: tuple[tuple[type[InvalidInputError], str], ...] = (
     (CorruptAudioError, "invalid_audio"),
     (UnsupportedContainerError, "unsupported_media_container"),
     (MediaDecodeTimeoutError, "media_decode_timeout"),
+    (PreprocessingWorkerError, "preprocessing_worker_failed"),
     (EmptyPromptError, "empty_prompt"),
 )
 _SAMPLING_FIELD = re.compile(r"SamplingParams\.(\w+) ")
