@@ -99,7 +99,7 @@ def test_bad_pictures_are_their_typed_errors_naming_the_prompt(pooled):
 def test_a_killed_worker_fails_its_picture_by_name_and_the_engine_serves_on(pooled):
     pool = pooled.input_processor.pool
     prompt = qwen_vl_prompt("What is here?", 1)
-    pooled.generate(prompt, images=[jpeg(30)], sampling_params=PARAMS, use_tqdm=False)  # both workers up
+    assert pool.wait_until_started(60)  # both workers up: SIGSTOP reaches them idle, not while they start
     old = pool.worker_pids()
     respawns = pool.num_respawns
     for pid in old:
@@ -123,9 +123,10 @@ def test_a_killed_worker_fails_its_picture_by_name_and_the_engine_serves_on(pool
     assert isinstance(err, PreprocessingWorkerError)
     assert str(err).startswith("prompt 0: image 0: the preprocessing worker died (exit code -9)")
     assert not pooled.has_unfinished_requests()
-    out = pooled.generate(prompt, images=[jpeg(32)], sampling_params=PARAMS, use_tqdm=False)[0]  # new workers
+    _wait_for(lambda: pool.num_respawns - respawns == 2)  # the idle one too, without waiting for a picture
+    assert pool.wait_until_started(60) and set(pool.worker_pids()).isdisjoint(old)
+    out = pooled.generate(prompt, images=[jpeg(32)], sampling_params=PARAMS, use_tqdm=False)[0]
     assert len(out.token_ids) == 4
-    assert pool.num_respawns - respawns == 2 and set(pool.worker_pids()).isdisjoint(old)
 
 
 def _shm_used() -> int:

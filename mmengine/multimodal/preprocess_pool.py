@@ -36,6 +36,8 @@ logger = logging.getLogger(__name__)
 
 _READY, _DONE, _FAILED = "ready", "done", "failed"
 _JOIN_SECONDS = 5.0
+_START_ATTEMPTS = 3  # a worker killed while it starts is started again, this many times in all
+_IDLE_CHECK_SECONDS = 0.5  # how often an idle slot looks whether its worker still lives
 
 
 @dataclass
@@ -58,6 +60,8 @@ class PreprocessPool:
         self.num_respawns = 0
         self.num_failed_by_death = 0
         self.num_in_flight = 0  # pictures sent to a worker and not yet answered
+        self.num_started = 0  # worker processes that became ready (respawns included)
+        self._started = threading.Condition(self._lock)
         self._closed = False
         self._slots = [_WorkerSlot(self, i) for i in range(num_workers)]
         for slot in self._slots:
@@ -66,6 +70,12 @@ class PreprocessPool:
     @property
     def num_workers(self) -> int:
         return len(self._slots)
+
+    def wait_until_started(self, timeout: float | None = None) -> bool:
+        """Waits until every worker is ready (or its slot broken); False if the timeout came first."""
+        with self._started:
+            return self._started.wait_for(
+                lambda: all(slot.broken is not None or slot.ready for slot in self._slots), timeout)
 
     def worker_pids(self) -> list[int]:
         return [slot.process.pid for slot in self._slots if slot.process is not None and slot.process.pid is not None]
@@ -100,13 +110,19 @@ class _WorkerSlot:
         self.process: Any = None
         self.connection: Any = None
         self.broken: BaseException | None = None  # the worker could not start: every picture fails with this
+        self.ready = False  # its current worker process is up
         self.thread = threading.Thread(target=self._run, name=f"mmengine-preprocess-worker-{number}", daemon=True)
 
     def _run(self) -> None:
         try:
             self._spawn()
             while True:
-                task = self.pool._tasks.get()
+                try:
+                    task = self.pool._tasks.get(timeout=_IDLE_CHECK_SECONDS)
+                except queue.Empty:  # idle: a worker that died meanwhile is replaced now, not at its next picture
+                    if self.broken is None and not self.process.is_alive():
+                        self._respawn(f"exit code {self._reap()}, while idle")
+                    continue
                 if task is None:
                     return
                 if task.future.set_running_or_notify_cancel():
@@ -167,6 +183,27 @@ class _WorkerSlot:
             task.future.set_exception(payload)
 
     def _spawn(self) -> None:
+        """Starts the worker and waits for it to be ready. One that reports why it cannot start (a checkpoint
+        it cannot read) leaves the slot broken; one that just dies is started again, up to _START_ATTEMPTS."""
+        for attempt in range(_START_ATTEMPTS):
+            if attempt:
+                self._stop()
+            status, payload = self._start_one()
+            if status == _READY:
+                with self.pool._started:
+                    self.ready = True
+                    self.pool.num_started += 1
+                    self.pool._started.notify_all()
+                return
+            if isinstance(payload, BaseException):
+                break
+        self.broken = payload if isinstance(payload, BaseException) else PreprocessingWorkerError(
+            f"a preprocessing worker could not start (exit code {self.process.exitcode})")
+        logger.error("preprocessing worker %d could not start: %s", self.number, self.broken)
+        with self.pool._started:
+            self.pool._started.notify_all()
+
+    def _start_one(self) -> tuple[str | None, Any]:
         context = self.pool._context
         ours, theirs = context.Pipe()
         self.process = context.Process(target=worker_main, args=(self.pool.spec, theirs), daemon=True,
@@ -176,13 +213,12 @@ class _WorkerSlot:
         self.connection = ours
         ready = wait([ours, self.process.sentinel])
         try:
-            status, payload = ours.recv() if ours in ready else (None, None)
+            if ours in ready:
+                return ours.recv()
         except (EOFError, OSError):
-            status, payload = None, None
-        if status != _READY:
-            self.broken = payload if isinstance(payload, BaseException) else PreprocessingWorkerError(
-                f"a preprocessing worker could not start (exit code {self._reap()})")
-            logger.error("preprocessing worker %d could not start: %s", self.number, self.broken)
+            pass
+        self._reap()
+        return None, None
 
     def _respawn(self, why: str) -> None:
         logger.warning("preprocessing worker %d died (%s): starting a new one", self.number, why)
@@ -196,6 +232,7 @@ class _WorkerSlot:
         return self.process.exitcode
 
     def _stop(self) -> None:
+        self.ready = False
         if self.connection is not None:
             try:
                 self.connection.send(None)
