@@ -7,7 +7,6 @@ from __future__ import annotations
 import io
 import itertools
 import socket
-import wave
 
 import av
 import numpy as np
@@ -15,6 +14,7 @@ import pytest
 import torch
 
 from hostile_media import FileOpenWatch, hostile_payloads, sockets_on
+from test_gemma4_audio import RATE, wav_bytes
 from mmengine.config import EngineConfig
 from mmengine.errors import (
     ConfigError,
@@ -35,7 +35,6 @@ from mmengine.multimodal.media_container import (
     sniff_container,
 )
 
-RATE = 16_000
 LIMITS = audio_io.AudioLimits(30.0, "max_audio_seconds=30")
 
 
@@ -50,15 +49,7 @@ def tone(seconds: float = 0.5) -> np.ndarray:
     return (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)
 
 
-def wav_bytes(samples: np.ndarray, sample_format: str = "s16") -> bytes:
-    if sample_format == "s16":
-        buffer = io.BytesIO()
-        with wave.open(buffer, "wb") as file:
-            file.setnchannels(1)
-            file.setsampwidth(2)
-            file.setframerate(RATE)
-            file.writeframes(np.round(samples * 32767).astype(np.int16).tobytes())
-        return buffer.getvalue()
+def float_wav_bytes(samples: np.ndarray) -> bytes:
     return encode_audio("wav", "pcm_f32le", samples)
 
 
@@ -232,7 +223,7 @@ def test_a_float_wav_that_decodes_to_nan_or_infinity_is_refused(bad):
     samples = tone()
     samples[100] = bad
     with pytest.raises(CorruptAudioError, match="^audio 0: the decoded samples hold NaN or infinite values"):
-        audio_io.decode(wav_bytes(samples, "flt"), "audio 0", RATE, LIMITS)
+        audio_io.decode(float_wav_bytes(samples), "audio 0", RATE, LIMITS)
 
 
 def test_bfloat16_and_float16_tensors_of_samples_are_taken():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import queue
 import threading
 from concurrent.futures import Future
@@ -289,8 +290,6 @@ def _picklable(err: BaseException) -> BaseException:
     if isinstance(err, InvalidInputError):
         return err
     try:
-        import pickle
-
         pickle.dumps(err)
         return err
     except Exception:  # noqa: BLE001
