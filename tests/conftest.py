@@ -182,7 +182,8 @@ def family(request: pytest.FixtureRequest, family_checkpoint) -> FamilyCase:
 @functools.cache
 def _hf_model(path: Path, precision: Precision) -> tuple[PreTrainedModel, object]:
     model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=precision.dtype).to(precision.device).eval()
-    return model, load_hf_processor(path)  # transformers' processor class (image-only where torchvision is absent)
+    # loaded as the engine loads it: the PIL-backend image processor whatever is installed (Qwen's without a video processor)
+    return model, load_hf_processor(path)
 
 
 def _on_white(image: PIL.Image.Image) -> PIL.Image.Image:

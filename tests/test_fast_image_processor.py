@@ -127,6 +127,51 @@ def test_every_familys_checkpoint_processor_has_the_fast_path(family, family_che
     assert_same_output(processor(images=[picture], return_tensors="pt"), fast([picture]))
 
 
+class _TorchvisionBackendImageProcessor:
+    """Stands for what transformers' AutoProcessor loads where torchvision is installed: the torchvision
+    backend's image processor (CLIPImageProcessor, Qwen2VLImageProcessor), not a PIL one."""
+
+
+@pytest.mark.parametrize("family", ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma4"])
+def test_the_engine_loads_the_pil_image_processor_where_torchvision_is_installed(family, family_checkpoint, monkeypatch):
+    """torchvision cannot be installed here, so its presence is simulated: transformers says it is
+    available, and AutoProcessor gives the torchvision backend's image processor, as it does then. The
+    engine (and the HF reference in the tests, which loads the same way) still gets the PIL processor,
+    with the same settings and overrides, its fast path, and the pixels it gives without torchvision."""
+    import types
+
+    import transformers
+    from transformers.image_processing_backends import PilBackend
+    from transformers.models.auto import image_processing_auto
+
+    path = family_checkpoint(family)
+    overrides = {"image_mean": [0.25, 0.5, 0.75]}
+    without = load_hf_processor(path, overrides).image_processor  # (no torchvision here)
+    real = transformers.AutoProcessor.from_pretrained
+
+    def auto_processor_with_torchvision(model_dir, *args, **kwargs):  # noqa: ANN001, ANN202 - transformers' signature
+        try:
+            processor = real(model_dir, *args, **kwargs)
+        except Exception:  # Qwen's video processor needs the torchvision that is really absent
+            processor = types.SimpleNamespace()
+        processor.image_processor = _TorchvisionBackendImageProcessor()
+        return processor
+
+    monkeypatch.setattr(transformers.utils, "is_torchvision_available", lambda: True)
+    monkeypatch.setattr(image_processing_auto, "is_torchvision_available", lambda: True)
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", auto_processor_with_torchvision)
+    processor = load_hf_processor(path, overrides)
+    image_processor = processor.image_processor
+    assert isinstance(image_processor, PilBackend) and type(image_processor) is type(without)
+    assert image_processor.to_dict() == without.to_dict() and list(image_processor.image_mean) == overrides["image_mean"]
+    assert not hasattr(processor, "video_processor")  # the engine patches videos itself (models/qwen_video.py)
+    assert processor.tokenizer is not None and getattr(processor.tokenizer, "backend", "tokenizers") != "pil"
+    fast, why = fast_image_processor(image_processor)
+    assert fast is not None, why
+    picture = noise(333, 250, seed=9)
+    assert_same_output(without(images=[picture], return_tensors="pt"), fast([picture]))
+
+
 def test_processors_without_a_fast_path_say_why():
     class Custom(CLIPImageProcessorPil):
         def _preprocess(self, images, **kwargs):  # noqa: ANN001 - transformers' signature

@@ -83,18 +83,18 @@ def rotary_reference(
 def mrope_columns(
     mrope_section: tuple[int, ...], head_dim: int, device: torch.device | None = None, interleaved: bool = False
 ) -> torch.Tensor:
-    """[2 * head_dim]: which of the three positions each table column is read at (cos half, then sin half)."""
+    """[2 * head_dim]: which of the three positions each table column is read at (cos half, then sin half),
+    made on `device` (the default device when None). It copies host values over: build it once, outside
+    any CUDA graph capture (RotaryEmbedding keeps it as a buffer)."""
     half = head_dim // 2
     if len(mrope_section) != 3 or sum(mrope_section) != half:
         raise UnsupportedModelError(f"mrope_section {list(mrope_section)} must be three sizes summing to head_dim / 2 = {half}")
     if interleaved:
-        j = torch.arange(half)
-        per_freq = torch.zeros(half, dtype=torch.long)
-        per_freq[(j % 3 == 1) & (j < 3 * mrope_section[1])] = 1
-        per_freq[(j % 3 == 2) & (j < 3 * mrope_section[2])] = 2
+        per_freq = [1 if j % 3 == 1 and j < 3 * mrope_section[1] else 2 if j % 3 == 2 and j < 3 * mrope_section[2] else 0
+                    for j in range(half)]
     else:
-        per_freq = torch.repeat_interleave(torch.arange(3), torch.tensor(mrope_section))
-    return per_freq.repeat(4).to(device)
+        per_freq = [channel for channel, size in enumerate(mrope_section) for _ in range(size)]
+    return torch.tensor(per_freq * 4, dtype=torch.long, device=device)
 
 
 @dataclass
@@ -113,8 +113,11 @@ class RotaryStep:
     @classmethod
     def gather(
         cls, positions: torch.Tensor, cos_sin: torch.Tensor, use_kernel: bool, mrope_section: tuple[int, ...] | None = None,
-        mrope_interleaved: bool = False,
+        mrope_interleaved: bool = False, columns: torch.Tensor | None = None,
     ) -> RotaryStep:
+        """`columns`: M-RoPE's `mrope_columns`, already on the table's device (RotaryEmbedding keeps
+        them): without them they are built here, on the host then copied over, which a CUDA graph being
+        captured forbids (a model's forward passes them; only direct callers such as tests may not)."""
         if mrope_section is not None and positions.dim() != 2:
             raise ValueError(f"M-RoPE needs positions of shape [tokens, 3], got {tuple(positions.shape)}")
         if use_kernel:
@@ -128,7 +131,8 @@ class RotaryStep:
         if mrope_section is None:
             rows = rows[:, None, :]
         else:
-            columns = mrope_columns(mrope_section, head_dim, rows.device, mrope_interleaved)
+            if columns is None:
+                columns = mrope_columns(mrope_section, head_dim, rows.device, mrope_interleaved)
             rows = rows.gather(1, columns.view(1, 1, -1).expand(rows.shape[0], 1, -1))
         return cls(positions, cos_sin, False, mrope_section, cos=rows[..., :head_dim], sin=rows[..., head_dim:],
                    mrope_interleaved=mrope_interleaved)
@@ -148,15 +152,21 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.mrope_section = mrope_section_of(config)
         self.mrope_interleaved = self.mrope_section is not None and mrope_interleaved_of(config)
-        if self.mrope_section is not None:
-            mrope_columns(self.mrope_section, head_dim)  # validates it
         self.max_positions = max_positions or config.max_position_embeddings
         # Built on the current default device, rounded to the current default dtype (the model's).
-        table = build_cos_sin_table(inv_freq.to(torch.get_default_device()), self.scaling, self.max_positions, torch.get_default_dtype())
+        device = torch.get_default_device()
+        table = build_cos_sin_table(inv_freq.to(device), self.scaling, self.max_positions, torch.get_default_dtype())
         self.register_buffer("cos_sin", table, persistent=False)
+        # M-RoPE's column map (validates the sections), built once beside the table and moved with it, so that
+        # a step (inside a CUDA graph being captured, too) never copies a host tensor to the device
+        columns = None
+        if self.mrope_section is not None:
+            columns = mrope_columns(self.mrope_section, head_dim, device, self.mrope_interleaved)
+        self.register_buffer("mrope_cols", columns, persistent=False)
 
     def step(self, positions: torch.Tensor, use_kernel: bool) -> RotaryStep:
-        return RotaryStep.gather(positions, self.cos_sin, use_kernel, self.mrope_section, self.mrope_interleaved)
+        return RotaryStep.gather(positions, self.cos_sin, use_kernel, self.mrope_section, self.mrope_interleaved,
+                                 columns=self.mrope_cols)
 
 
 # Qwen3-VL's text model always uses M-RoPE, interleaved, with these sections unless its config names others

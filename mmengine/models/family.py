@@ -107,10 +107,20 @@ class ModelFamily:
 
     @classmethod
     def load_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
-        """The checkpoint's HF processor (tokenizer + image processor), with image-processor overrides."""
+        """The checkpoint's HF processor (tokenizer + image processor), with image-processor overrides.
+
+        Every family loads transformers' PIL-backend image processor whether or not torchvision is
+        installed, so that the pixels, the tokens and the exact fast path are the same on every machine
+        (where torchvision is installed transformers would pick its torchvision backend, whose resize
+        differs). The PIL one replaces whatever AutoProcessor loaded: `AutoProcessor(backend="pil")` is
+        no way round it, since transformers hands `backend` to the tokenizer too (whose `backend` it
+        then reports) and to a video processor (which has no PIL backend)."""
         from transformers import AutoProcessor
 
-        return AutoProcessor.from_pretrained(model_dir, local_files_only=True, **overrides)
+        processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True, **overrides)
+        if not is_pil_image_processor(processor.image_processor):
+            processor.image_processor = pil_image_processor(model_dir, overrides)
+        return processor
 
     # -- text model -------------------------------------------------------------
 
@@ -278,3 +288,18 @@ class ModelFamily:
     def prompt_positions(self, token_ids: Sequence[int], items: Sequence[MMItem]) -> PromptPositions | None:
         """M-RoPE positions of a prompt, or None for plain 1-D positions (token index = position)."""
         return None
+
+
+def is_pil_image_processor(image_processor: Any) -> bool:
+    """Whether `image_processor` is one of transformers' PIL-backend image processors."""
+    from transformers.image_processing_backends import PilBackend
+
+    return isinstance(image_processor, PilBackend)
+
+
+def pil_image_processor(model_dir: str, overrides: Mapping[str, Any]) -> Any:
+    """The checkpoint's image processor on transformers' PIL backend (whatever is installed), with
+    `overrides` replacing its saved settings."""
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(model_dir, local_files_only=True, backend="pil", **dict(overrides))

@@ -138,18 +138,20 @@ class Qwen2VLFamily(ModelFamily):
 
     @classmethod
     def load_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
-        """transformers' processor for the family. Its video processor needs torchvision; without
-        torchvision the same processor class is built without it (images and text are unaffected)."""
+        """transformers' processor class for the family, built from the tokenizer and the PIL-backend
+        image processor (on every machine, as `ModelFamily.load_processor` says why), without its
+        torchvision-only video processor: the engine patches videos itself (`qwen_video.py`), so the
+        processor is the same class with the same parts whether or not torchvision is installed."""
         from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
-        from transformers.utils import is_torchvision_available
 
-        if is_torchvision_available():
-            return super().load_processor(model_dir, overrides)
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        # (AutoImageProcessor itself asks for torchvision in some transformers 5 releases)
+        # (explicitly the PIL class: AutoImageProcessor itself asks for torchvision in some transformers 5 releases)
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True, **overrides)
-        return image_only_processor_class(cls.processor_class())(
-            image_processor=image_processor, tokenizer=tokenizer, chat_template=tokenizer.chat_template
+        processor_class = cls.processor_class()
+        # the chat template AutoProcessor would take (chat_template.jinja / .json, else the tokenizer's)
+        saved, _ = processor_class.get_processor_dict(model_dir, local_files_only=True)
+        return image_only_processor_class(processor_class)(
+            image_processor=image_processor, tokenizer=tokenizer, chat_template=saved.get("chat_template") or tokenizer.chat_template
         )
 
     @classmethod
