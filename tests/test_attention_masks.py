@@ -313,5 +313,5 @@ def test_metadata_carries_span_ends_and_windows_are_checked():
 
 
 def test_warm_up_compiles_the_span_variant():
-    cache = torch.zeros(2, 4, 16, 2, 32)
+    cache = torch.zeros(2, 4, 16, 2, 32, device=KERNEL_DEVICE)  # where the kernels run: the interpreter's CPU, or the GPU
     TritonAttentionBackend().warm_up(4, 32, cache, 64, torch.float32, bidirectional_spans=True)

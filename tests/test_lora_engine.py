@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CPU_FP32, FAMILIES, FamilyCase, _hf_inputs, _hf_model
+from conftest import CPU_FP32, FAMILIES, KERNEL_FP32, FamilyCase, Precision, _hf_inputs, _hf_model
 
 # Qwen3.5's hybrid decoder refuses LoRA at start-up (test_lora_on_a_hybrid_decoder_is_refused_by_name)
 LORA_FAMILIES = [name for name in FAMILIES if name != "qwen3_5"]
@@ -22,21 +22,25 @@ from mmengine.testing import make_test_image
 IMAGES = [make_test_image(900 + i, size=size) for i, size in enumerate([(64, 48), (100, 60), (40, 96)])]
 MAX_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+# Greedy tokens are compared exactly: mmengine runs where and in the dtype transformers + PEFT run (fp32;
+# the engine's default would be the checkpoint's bf16 on a GPU)
+ON_CPU = CPU_FP32.engine_kwargs
 
 
 @functools.cache
-def _peft_model(base_path: Path, adapter_dir: Path):
+def _peft_model(base_path: Path, adapter_dir: Path, precision: Precision = CPU_FP32):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
-    base = AutoModelForImageTextToText.from_pretrained(str(base_path), dtype=torch.float32).eval()
-    return PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+    base = AutoModelForImageTextToText.from_pretrained(str(base_path), dtype=precision.dtype).eval()
+    return PeftModel.from_pretrained(base, str(adapter_dir)).to(precision.device).eval()
 
 
-def hf_lora_greedy(base_path: Path, adapter_dir: Path | None, prompt: str, images: list, max_new_tokens: int) -> list[int]:
+def hf_lora_greedy(base_path: Path, adapter_dir: Path | None, prompt: str, images: list, max_new_tokens: int,
+                   precision: Precision = CPU_FP32) -> list[int]:
     """transformers + PEFT's greedy tokens for one prompt (the base model's when adapter_dir is None)."""
-    model = _peft_model(base_path, adapter_dir) if adapter_dir is not None else _hf_model(base_path, CPU_FP32)[0]
-    inputs = _hf_inputs(_hf_model(base_path, CPU_FP32)[1], prompt, images, CPU_FP32)
+    model = _peft_model(base_path, adapter_dir, precision) if adapter_dir is not None else _hf_model(base_path, precision)[0]
+    inputs = _hf_inputs(_hf_model(base_path, precision)[1], prompt, images, precision)
     with torch.inference_mode():
         out = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None)
     return out[0, inputs["input_ids"].shape[1]:].tolist()
@@ -70,17 +74,17 @@ def test_mixed_adapter_batch_matches_transformers_and_peft(family_checkpoint, lo
     expected = [hf_lora_greedy(family.path, adapters[name] if name else None, prompt, images, MAX_TOKENS)
                 for prompt, images, name in cases]
     assert len({tuple(e) for e in expected[:2] + [expected[3]]}) == 3, "the adapters must change the output"
-    engine = MMEngine(str(family.path), max_model_len=512, enable_lora=True, max_loras=3, max_lora_rank=8)
+    engine = MMEngine(str(family.path), max_model_len=512, enable_lora=True, max_loras=3, max_lora_rank=8, **ON_CPU)
     assert _run(engine, cases, adapters) == expected
     stats = engine.stats()
     assert stats["lora_adapters_registered"] == 3 and stats["lora_slot_loads"] == 3
     # chunked prefill that splits images gives the same tokens (with async scheduling too)
     chunked = MMEngine(str(family.path), max_model_len=512, enable_lora=True, max_loras=3, max_lora_rank=8,
-                       max_num_batched_tokens=16, block_size=8, async_scheduling="on")
+                       max_num_batched_tokens=16, block_size=8, async_scheduling="on", **ON_CPU)
     assert _run(chunked, cases, adapters) == expected
     # and so does preemption on a tight KV cache (without prefix grouping, whose gate would avoid it)
     tight = MMEngine(str(family.path), max_model_len=512, enable_lora=True, max_loras=3, max_lora_rank=8,
-                     block_size=4, num_kv_blocks=40, enable_prefix_grouping=False)
+                     block_size=4, num_kv_blocks=40, enable_prefix_grouping=False, **ON_CPU)
     assert _run(tight, cases, adapters) == expected
     assert tight.stats()["num_preemptions"] > 0
     # a second round hits the prefix cache under each adapter and still matches
@@ -115,23 +119,24 @@ def test_more_adapters_than_slots_queue_and_load_in_turn(family_checkpoint, lora
     cases = _cases(family)
     expected = [hf_lora_greedy(path, adapters[name] if name else None, prompt, images, MAX_TOKENS)
                 for prompt, images, name in cases]
-    engine = MMEngine(str(path), max_model_len=512, enable_lora=True, max_loras=1, max_lora_rank=8, max_cpu_loras=2)
+    engine = MMEngine(str(path), max_model_len=512, enable_lora=True, max_loras=1, max_lora_rank=8, max_cpu_loras=2, **ON_CPU)
     assert _run(engine, cases, adapters) == expected
     stats = engine.stats()
     assert stats["lora_slot_loads"] >= 3 and stats["lora_slot_evictions"] >= 2 and stats["lora_slots_used"] == 1
     assert stats["lora_disk_reads"] > 3  # three adapters through two host copies: one was read again
 
 
-def test_the_triton_path_matches_transformers(family_checkpoint, lora_adapters):
-    """The Triton attention backend (Triton's interpreter on a CPU) takes the segmented LoRA kernels in
-    the engine, as a GPU does: the same tokens as transformers + PEFT."""
+def test_the_triton_path_matches_transformers(family_checkpoint, lora_adapters, no_tf32):
+    """The Triton attention backend (Triton's interpreter on a CPU, compiled on a GPU) takes the
+    segmented LoRA kernels in the engine: the same tokens as transformers + PEFT, both in fp32 (true
+    fp32: TF32 off) on the device the kernels run on."""
     family = FamilyCase("qwen2_5_vl", family_checkpoint("qwen2_5_vl"))
     adapters = lora_adapters("qwen2_5_vl")
     cases = _cases(family)[:4]
-    expected = [hf_lora_greedy(family.path, adapters[name] if name else None, prompt, images, 4)
+    expected = [hf_lora_greedy(family.path, adapters[name] if name else None, prompt, images, 4, KERNEL_FP32)
                 for prompt, images, name in cases]
     engine = MMEngine(str(family.path), max_model_len=256, enable_lora=True, max_loras=2, max_lora_rank=8,
-                      attn_backend="triton", max_num_batched_tokens=24)
+                      attn_backend="triton", max_num_batched_tokens=24, **KERNEL_FP32.engine_kwargs)
     assert engine.runner.lora_context.use_kernels
     loras = [LoRARequest(name, str(adapters[name])) if name else None for _, _, name in cases]
     outs = engine.generate([c[0] for c in cases], images=[c[1] for c in cases],
@@ -190,7 +195,7 @@ def test_an_adapter_on_the_vision_side_matches_peft_and_keys_its_own_encoder_out
              (family.prompt("Compare these two pictures.", 2), [IMAGES[1], IMAGES[0]], "vis")]
     expected = [hf_lora_greedy(family.path, adapters[name] if name else None, p, images, MAX_TOKENS)
                 for p, images, name in cases]
-    engine = MMEngine(str(family.path), max_model_len=512, enable_lora=True, max_loras=2, max_lora_rank=8)
+    engine = MMEngine(str(family.path), max_model_len=512, enable_lora=True, max_loras=2, max_lora_rank=8, **ON_CPU)
     assert _run(engine, cases, adapters) == expected
     stats = engine.stats()
     assert stats["lora_adapters_on_vision"] == 1

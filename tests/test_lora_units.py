@@ -225,12 +225,15 @@ def test_engine_api_errors(checkpoint_dir, tmp_path):
 
 
 @pytest.mark.parametrize("use_kernels", [False, True], ids=["reference", "triton"])
-def test_graph_style_segments_skip_rows_on_slot_minus_one(use_kernels):
+def test_graph_style_segments_skip_rows_on_slot_minus_one(use_kernels, no_tf32):
     """A decode graph's segments: one per row from device buffers, -1 for rows without an adapter."""
-    x, a, b = torch.randn(4, 8), torch.randn(2, 4, 8), torch.randn(2, 6, 4)
-    slots = torch.tensor([1, -1, 0, -1], dtype=torch.int32)
-    segments = LoRASegments(torch.arange(4, dtype=torch.int32), torch.ones(4, dtype=torch.int32), slots, max_len=1)
-    y = torch.zeros(4, 6)
+    # the kernels run where Triton does: compiled on a GPU, else in the interpreter on CPU tensors
+    device = "cuda" if use_kernels and torch.cuda.is_available() else "cpu"
+    x, a, b = (torch.randn(*shape).to(device) for shape in ((4, 8), (2, 4, 8), (2, 6, 4)))
+    slots = torch.tensor([1, -1, 0, -1], dtype=torch.int32, device=device)
+    segments = LoRASegments(torch.arange(4, dtype=torch.int32, device=device), torch.ones(4, dtype=torch.int32, device=device),
+                            slots, max_len=1)
+    y = torch.zeros(4, 6, device=device)
     add_lora(y, x, a, b, segments, use_kernels)
     torch.testing.assert_close(y[0], x[0] @ a[1].T @ b[1].T, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(y[2], x[2] @ a[0].T @ b[0].T, atol=1e-5, rtol=1e-5)

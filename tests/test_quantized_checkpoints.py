@@ -101,8 +101,11 @@ def test_a_corrupt_quantized_tensor_is_named_with_what_was_expected_and_its_file
     tensors = load_file(str(weights))
     edit(tensors)
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(weights))
+    from conftest import CPU_FP32, KERNEL_FP32  # the Triton variant where its kernels run: a GPU, else the interpreter
+
+    precision = KERNEL_FP32 if backend == "triton" else CPU_FP32
     with pytest.raises(WeightsMismatchError) as err:
-        MMEngine(str(quantized), device="cpu", dtype="float32", max_model_len=256, attn_backend=backend)
+        MMEngine(str(quantized), max_model_len=256, attn_backend=backend, **precision.engine_kwargs)
     assert str(err.value).startswith(f"{weights}: tensor '{DOWN_PROJ}.{tensor}'")
     assert f"expected {expected}" in str(err.value) and f"found {found}" in str(err.value)
 
