@@ -5,15 +5,23 @@ randomized workload on tight caches audited after every step."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 
 from books import assert_books_consistent
 from helpers import FailOnce
 from mmengine import MMEngine, SamplingParams
+from mmengine.config import EngineConfig
+from mmengine.models.loader import checkpoint_dtype
 from mmengine.testing import make_test_image
 
 M = 16  # embeddings per image of the default tiny checkpoint
+# The default tiny checkpoint's sizes per element of its dtype: an embedding (hidden size 64) and a KV block
+# of 8 tokens (2 layers, K and V, 2 KV heads of 16 dims). Host tiers are sized in bytes, so a test that
+# means "4 pictures" or "12 blocks" scales them by the dtype's size: fp32 on CPU, bf16 on CUDA.
+EMBEDDING_ELEMENTS = 64
+KV_BLOCK_ELEMENTS = 2 * 2 * 8 * 2 * 16
 IMAGES = [make_test_image(300 + i) for i in range(10)]
 PARAMS = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 TWO = "USER: <image><image> ASSISTANT:"
@@ -71,17 +79,43 @@ def test_a_failing_step_leaves_consistent_books_and_can_be_retried(checkpoint_di
     assert engine.encoder_cache.num_referenced == 0
 
 
-def _random_workload(checkpoint_dir, seed: int, prefix_caching: bool, async_scheduling: str = "off", tiers: bool = False) -> None:
+def _element_bytes(path: str) -> int:
+    """Bytes per element of the dtype an engine on this machine picks for the checkpoint (dtype "auto")."""
+    config = EngineConfig(model=path)
+    return config.resolve_dtype(checkpoint_dtype(Path(path)), config.resolve_device()).itemsize
+
+
+def _check_kv_host_tier(engine: MMEngine) -> None:
+    """Between steps: every host entry sits under its own hash with its KV (its offload was queued), none
+    is held for a restore, the tier is within capacity, and no copy is left unqueued."""
+    tier, kv = engine.kv_cache.host_tier, engine.kv_cache
+    if tier is None:
+        return
+    assert len(tier) <= tier.capacity_blocks and not tier._held, "host tier over capacity or still holding hits"
+    for block_hash, entry in tier._entries.items():
+        assert entry.block_hash == block_hash and entry.kv is not None, "host entry without its KV or under a wrong hash"
+    assert not kv._offloads and not kv._restores and all(copy.done for copy in kv._handed_out), "copies left unqueued"
+
+
+def _random_workload(checkpoint_dir, seed: int, prefix_caching: bool, async_scheduling: str = "off", tiers: bool = False,
+                     kv_host_blocks: int = 12) -> None:
     """Tight KV, an encoder cache at its minimum (one image), many distinct images, and the
     least-recently-seen image shown again often: steps interleaved with adds and aborts. With `tiers`,
-    both host tiers are on (small, so they evict too)."""
+    both host tiers are on (small, so they evict too): 4 pictures and `kv_host_blocks` blocks, whatever
+    the dtype."""
     rng = random.Random(seed)
-    host = dict(encoder_cache_host_bytes=4 * M * 256, kv_cache_host_bytes=6 * 8192) if tiers else {}
+    path = str(checkpoint_dir())
+    elem = _element_bytes(path)
+    host = dict(encoder_cache_host_bytes=4 * M * EMBEDDING_ELEMENTS * elem,
+                kv_cache_host_bytes=kv_host_blocks * KV_BLOCK_ELEMENTS * elem) if tiers else {}
     engine = MMEngine(
-        str(checkpoint_dir()), max_model_len=128, block_size=8, num_kv_blocks=12, encoder_cache_size=M,
+        path, max_model_len=128, block_size=8, num_kv_blocks=12, encoder_cache_size=M,
         max_num_batched_tokens=32, max_num_seqs=4, enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling,
         **host,
     )
+    if tiers:  # the sizes meant, in the engine's own units
+        assert engine.kv_cache.host_tier.capacity_blocks == kv_host_blocks
+        assert engine.encoder_host_tier.capacity_bytes == 4 * M * engine.runner.embedding_bytes
     last_seen = {i: -1 for i in range(len(IMAGES))}
     requests: dict[str, tuple[str, list]] = {}
     aborted: set[str] = set()
@@ -104,6 +138,7 @@ def _random_workload(checkpoint_dir, seed: int, prefix_caching: bool, async_sche
             elif output.finished:
                 finished[output.request_id] = output.token_ids
         assert_books_consistent(engine)
+        _check_kv_host_tier(engine)
 
     for _ in range(40):
         roll = rng.random()
@@ -132,6 +167,8 @@ def _random_workload(checkpoint_dir, seed: int, prefix_caching: bool, async_sche
     assert engine.encoder_cache.num_referenced == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
     if tiers:
         assert stats["encoder_host_hits"] > 0 and stats["encoder_host_evictions"] > 0  # the host tier served and churned
+        # and the KV tier's blocks came back (12 blocks churn here before any is asked for again)
+        assert stats["kv_host_hits"] > 0 or kv_host_blocks < 24
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -149,7 +186,10 @@ def test_random_workload_without_prefix_caching(checkpoint_dir):
     _random_workload(checkpoint_dir, 3, prefix_caching=False)
 
 
-@pytest.mark.parametrize("seed,async_scheduling", [(6, "off"), (7, "on")])
-def test_random_workload_with_both_host_tiers(checkpoint_dir, seed, async_scheduling):
-    """The same audit with evicted encoder outputs and KV blocks kept in host tiers and copied back."""
-    _random_workload(checkpoint_dir, seed, prefix_caching=True, async_scheduling=async_scheduling, tiers=True)
+@pytest.mark.parametrize("seed,async_scheduling,kv_host_blocks", [(6, "off", 12), (7, "on", 12), (6, "off", 24), (6, "on", 24)])
+def test_random_workload_with_both_host_tiers(checkpoint_dir, seed, async_scheduling, kv_host_blocks):
+    """The same audit with evicted encoder outputs and KV blocks kept in host tiers and copied back. With
+    24 host blocks (what the bytes of the 12-block case gave a bf16 engine on the H200) the tier fills up
+    while its hits are restored: an admission's own evictions once dropped those hits mid-allocation."""
+    _random_workload(checkpoint_dir, seed, prefix_caching=True, async_scheduling=async_scheduling, tiers=True,
+                     kv_host_blocks=kv_host_blocks)

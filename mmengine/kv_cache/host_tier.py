@@ -12,6 +12,8 @@ The manager keeps the books (what to copy where); the runner moves the tensors.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +46,9 @@ class KVHostTier:
         self.capacity_blocks = capacity_bytes // block_bytes if block_bytes else 0
         self.block_bytes = block_bytes
         self._entries: OrderedDict[BlockHash, HostBlock] = OrderedDict()
+        # Entries an allocation is restoring right now: never the LRU victim of the device evictions that
+        # same allocation causes (taking fresh blocks for them may evict cached blocks, chains and all)
+        self._held: set[BlockHash] = set()
         self.num_hits = 0  # blocks copied back instead of prefilled
         self.num_stored = 0
         self.num_evictions = 0
@@ -63,26 +68,44 @@ class KVHostTier:
 
     def admit(self, block_hash: BlockHash, key: BlockKey, parent_hash: BlockHash | None,
               pins: tuple[str, ...] = ()) -> HostBlock | None:
-        """Room for a block the device evicts (LRU out); None when the tier has no room at all or holds it."""
+        """Room for a block the device evicts (LRU out, never an entry being restored); None when the tier
+        holds it already or has no room (none at all, or every entry is being restored)."""
         if self.capacity_blocks <= 0 or block_hash in self._entries:
             if block_hash in self._entries:
                 self._entries.move_to_end(block_hash)
             return None
         while len(self._entries) >= self.capacity_blocks:
-            self._entries.popitem(last=False)
+            victim = next((h for h in self._entries if h not in self._held), None)  # held ones sit at the MRU end
+            if victim is None:  # every entry is being restored: no room for this block
+                return None
+            del self._entries[victim]
             self.num_evictions += 1
         entry = HostBlock(block_hash, key, parent_hash, tuple(pins))
         self._entries[block_hash] = entry
         self.num_stored += 1
         return entry
 
+    def holds(self, entry: HostBlock) -> bool:
+        """Whether the tier still keeps this very entry (not evicted, not replaced)."""
+        return self._entries.get(entry.block_hash) is entry
+
     def forget(self, entry: HostBlock) -> None:
-        if self._entries.get(entry.block_hash) is entry:
+        if self.holds(entry):
             del self._entries[entry.block_hash]
 
-    def touch(self, entry: HostBlock) -> None:
-        self._entries.move_to_end(entry.block_hash)
-        self.num_hits += 1
+    @contextmanager
+    def restoring(self, entries: Sequence[HostBlock]) -> Iterator[None]:
+        """Host hits being copied back: counted and made most recently used, then kept from LRU eviction
+        while the block allocation that restores them runs (its device evictions come here)."""
+        assert all(self.holds(entry) for entry in entries), "a host hit left the tier before its restore"
+        for entry in entries:
+            self._entries.move_to_end(entry.block_hash)
+            self.num_hits += 1
+        self._held.update(entry.block_hash for entry in entries)
+        try:
+            yield
+        finally:
+            self._held.clear()
 
     def clear(self) -> None:
         self._entries.clear()

@@ -113,7 +113,9 @@ class KVCacheManager:
     def take_copies(self) -> tuple[list[KVCopy], list[KVCopy]]:
         """(device -> host, host -> device) copies to queue before the next step's forward, offloads
         first (a block evicted now may be the target of a restore)."""
-        offloads, restores = self._offloads, self._restores
+        # An offload whose entry the tier has evicted since (later evictions in the same step) copies nothing
+        offloads = [copy for copy in self._offloads if self.host_tier.holds(copy.entry)]
+        restores = self._restores
         self._offloads, self._restores = [], []
         self._handed_out = offloads + restores
         return offloads, restores
@@ -180,6 +182,9 @@ class KVCacheManager:
         copies back before the step's forward."""
         if num_computed is None:
             num_computed = request.num_computed_tokens
+        gone = [entry.block_hash for entry in host_hits if not self.host_tier.holds(entry)]
+        if gone:  # checked before anything is taken: the books stay as they were
+            raise RuntimeError(f"{len(gone)} host-tier hits of {request.request_id} left the tier before their restore")
         blocks = self._req_blocks.setdefault(request.request_id, [])
         block_ids = self._req_block_ids.setdefault(request.request_id, [])
         if computed_blocks:
@@ -187,8 +192,14 @@ class KVCacheManager:
             self.pool.touch(list(computed_blocks))
             blocks.extend(computed_blocks)
             block_ids.extend(b.block_id for b in computed_blocks)
-        if host_hits:
-            assert len(blocks) == len(computed_blocks), "host hits follow the device hits at admission"
+        self._num_chained.setdefault(request.request_id, len(computed_blocks) + len(host_hits))
+        if not host_hits:
+            self._take_new_blocks(blocks, block_ids, num_computed + num_new_tokens)
+            return
+        assert len(blocks) == len(computed_blocks), "host hits follow the device hits at admission"
+        # Taking blocks evicts cached device blocks into the host tier, whose LRU must not drop the very
+        # entries being restored (the hits were found before; the tier is full when it matters).
+        with self.host_tier.restoring(host_hits):
             for entry, block in zip(host_hits, self.pool.take(len(host_hits))):
                 parent = blocks[-1].cache_id if blocks else None
                 cached = self.pool.cache(block, entry.block_hash, entry.key, parent, entry.pins, parent_hash=entry.parent_hash)
@@ -197,12 +208,14 @@ class KVCacheManager:
                     self._pinning.setdefault(mm_hash, set()).add(block)
                     if self.pin_listener is not None:
                         self.pin_listener.pin(mm_hash)
-                self.host_tier.touch(entry)
                 self._restores.append(KVCopy(entry, block.block_id, restore=True))
                 blocks.append(block)
                 block_ids.append(block.block_id)
-        self._num_chained.setdefault(request.request_id, len(computed_blocks) + len(host_hits))
-        needed = max(0, cdiv(num_computed + num_new_tokens, self.block_size) - len(blocks))
+            self._take_new_blocks(blocks, block_ids, num_computed + num_new_tokens)
+
+    def _take_new_blocks(self, blocks: list[KVBlock], block_ids: list[int], num_tokens: int) -> None:
+        """Fresh blocks (evicting cached ones) until the request's blocks hold num_tokens."""
+        needed = max(0, cdiv(num_tokens, self.block_size) - len(blocks))
         if needed:
             taken = self.pool.take(needed)
             blocks.extend(taken)
