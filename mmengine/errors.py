@@ -34,6 +34,11 @@ class WeightsMismatchError(CheckpointError):
     wrong shape. The message names the tensor, the expected and actual shape, and the file."""
 
 
+class CascadeLayoutError(MMEngineError, ValueError):
+    """A step's cascade layout does not fit the attention layer it reached (its tiles were planned for
+    another GQA group): an engine bug, named by layer, never an assertion."""
+
+
 class AdapterError(MMEngineError, ValueError):
     """A LoRA adapter cannot be used: a file is missing or malformed, it does not fit the base model
     (shapes, target modules), its rank exceeds max_lora_rank, or it uses a feature mmengine refuses

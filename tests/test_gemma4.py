@@ -12,10 +12,16 @@ import pytest
 import torch
 from books import assert_books_consistent
 from conftest import KERNEL_FP32, hf_greedy, hf_logits
+from types import SimpleNamespace
+from unittest.mock import patch
 
 from mmengine import MMEngine, SamplingParams
-from mmengine.errors import ConfigError, PromptTooLongError
+from mmengine.errors import CascadeLayoutError, ConfigError, PromptTooLongError
+from mmengine.kernels.tiling import CascadeTileMismatch
+from mmengine.layers import triton_attention
 from mmengine.layers.attention import Attention
+from mmengine.runner.cascade_plan import cascade_layer_shape
+from mmengine.runner.cuda_graphs import EagerCapturer
 from mmengine.testing.gemma4 import gemma4_prompt
 from mmengine.testing.images import make_test_image
 
@@ -61,6 +67,60 @@ def test_the_triton_kernels_give_the_same_tokens(path, no_tf32):
     prompt = gemma4_prompt(LONG_TEXT, 2)
     engine = _engine(path, max_num_batched_tokens=80, attn_backend="triton", **KERNEL_FP32.engine_kwargs)
     assert _greedy(engine, prompt, PICTURES, 6) == hf_greedy(path, prompt, PICTURES, 6, KERNEL_FP32, ignore_eos=True)
+
+
+def test_cascade_on_the_triton_kernels_gives_transformers_tokens(path, no_tf32):
+    """Cascade reaches only the global layers (the sliding ones are windowed), whose GQA group differs from
+    the sliding layers' (1 KV head against 2): the step's layout is tiled for the global layers, which run
+    the prefix pass; this used to stop every cascade step on a tile assertion. Three prompts share 32
+    tokens (four blocks of 8), one goes on to a picture: eager prefill steps and decodes in cascade decode
+    graphs (the CPU stand-in for the capture) give transformers' tokens (cascade off gives them too:
+    test_the_triton_kernels_give_the_same_tokens)."""
+    shared = "<bos><|turn>user\n" + "Q" * 26  # 32 tokens
+    prompts = [shared + " please count to ten<turn|>\n<|turn>model\n", shared + " name a colour<turn|>\n<|turn>model\n",
+               shared + "\n\n<|image|>\n\nwhat is this<turn|>\n<|turn>model\n"]
+    images = [[], [], PICTURES[:1]]
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    engine = _engine(path, attn_backend="triton", block_size=8, max_num_batched_tokens=100, max_num_seqs=4,
+                     cascade_attention="auto", enforce_eager=False, **KERNEL_FP32.engine_kwargs)
+    engine.runner.capture_cuda_graphs(EagerCapturer())
+    steps, prefix_passes = [], []
+    prepare, prefix_pass = engine.runner.inputs.prepare, triton_attention.cascade_prefix_attention
+
+    def spied_prepare(*args, **kwargs):
+        inputs = prepare(*args, **kwargs)
+        steps.append((bool(inputs.cascade_groups), inputs.graph_cascade))
+        return inputs
+
+    def counted(query, *args, **kwargs):
+        prefix_passes.append(tuple(query.shape[1:]))
+        return prefix_pass(query, *args, **kwargs)
+
+    engine.runner.inputs.prepare = spied_prepare
+    with patch.object(triton_attention, "cascade_prefix_attention", counted), \
+            patch("mmengine.runner.cascade_plan.MIN_SAVED_BYTES_PER_LAYER", 0):  # tiny K/V: always worth it
+        outputs = engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [hf_greedy(path, p, i, 3, KERNEL_FP32, ignore_eos=True)
+                                              for p, i in zip(prompts, images)]
+    assert (True, False) in steps and (True, True) in steps  # eager cascade steps and cascade graph replays
+    assert set(prefix_passes) == {(4, 32)}  # the global layers' heads and head size only
+
+
+def test_the_cascade_layout_is_tiled_for_the_layers_that_take_it():
+    """Gemma 4's shapes: the windowed layers (2 KV heads of 16) never take cascade, the global ones (1 of
+    32) do, so the tile is theirs (4 query heads over 1: 16 tokens); without windows the layers holding
+    the most K/V bytes decide, and a layer of another tile runs the step without cascade."""
+    layout = [(2, 16), (2, 16), (1, 32), (2, 16)]
+    shape = cascade_layer_shape(4, layout, [8, 8, None, 8], element_bytes=4)
+    assert (shape.tokens_per_tile, shape.kv_bytes_per_token, shape.num_kv_heads) == (16, 2 * 32 * 4, 1)
+    assert cascade_layer_shape(4, layout, [None] * 4, element_bytes=4).tokens_per_tile == 32  # 3 x 32 values per token against 32
+    mismatch = CascadeTileMismatch("the layout's tiles hold 32 tokens, the kernel's 16")
+    layer = Attention(4, 1, 32, scale=1.0)
+    layer.layer_index, layer.kv_cache = 5, torch.zeros(2, 2, 8, 1, 32)
+    layer.backend = type("Backend", (), {"forward": lambda *a, **k: (_ for _ in ()).throw(mismatch)})()
+    metadata = SimpleNamespace(cascade=None, span_ends=None)
+    with pytest.raises(CascadeLayoutError, match="attention layer 5: the layout's tiles hold 32"):
+        layer._attend(torch.zeros(1, 4, 32), metadata, layer)
 
 
 def test_a_budget_smaller_than_a_picture_is_refused(path):

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from mmengine.kernels.common import LOG2E, dot_precision, launch_options, padded_head_dim
 from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
-from mmengine.kernels.tiling import tokens_per_tile
+from mmengine.kernels.tiling import CascadeTileMismatch, tokens_per_tile
 from mmengine.kernels.e4m3 import e4m3_for_triton
 
 
@@ -163,9 +163,12 @@ def shared_prefix_attention(
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = kv_cache.shape[3]
     group = num_heads // num_kv_heads
-    assert group * num_kv_heads == num_heads, "query heads must be a multiple of KV heads"
+    if group * num_kv_heads != num_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} KV heads")
     block_q = tokens_per_tile(num_heads, num_kv_heads)
-    assert cascade.tile_tokens == block_q, f"the layout's tiles hold {cascade.tile_tokens} tokens, the kernel's {block_q}"
+    if cascade.tile_tokens != block_q:
+        raise CascadeTileMismatch(f"the layout's tiles hold {cascade.tile_tokens} tokens, the kernel's {block_q} "
+                                 f"({num_heads} query heads over {num_kv_heads} KV heads)")
     shape = (cascade.max_tokens, num_heads, max(cascade.max_splits, 1))
     part_out = torch.empty(*shape, head_dim, device=query.device, dtype=torch.float32)
     part_lse = torch.empty(shape, device=query.device, dtype=torch.float32)

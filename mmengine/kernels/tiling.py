@@ -8,6 +8,10 @@ from __future__ import annotations
 TILE_ROWS = 64
 
 
+class CascadeTileMismatch(ValueError):
+    """A cascade layout's tiles were planned for another GQA group than the kernel's (the layer names itself)."""
+
+
 def tokens_per_tile(num_heads: int, num_kv_heads: int) -> int:
     """Query tokens per tile: TILE_ROWS over the GQA group padded to a power of two."""
     group_pad = 1 << max(0, (num_heads // num_kv_heads - 1).bit_length())

@@ -23,7 +23,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from mmengine.layers.cascade import CascadeMetadata
+from mmengine.errors import CascadeLayoutError
+from mmengine.kernels.tiling import CascadeTileMismatch
+from mmengine.layers.cascade import CascadeMetadata, tokens_per_tile
 
 if TYPE_CHECKING:
     from mmengine.layers.gated_delta import RecurrentStep
@@ -144,7 +146,9 @@ class Attention(nn.Module):
     `sliding_window` W limits each query to its last W keys (its own included); with
     `bidirectional_spans`, the step's `metadata.span_ends` (when given) extend a query inside a
     picture's run to the run's later keys. Cascade (shared-prefix) attention is causal only, so
-    a layer with either runs a cascade step without it (a window reads little of a prefix anyway).
+    a layer with either runs a cascade step without it (a window reads little of a prefix anyway);
+    so does a layer whose GQA group differs from the one the step's layout was tiled for
+    (runner/cascade_plan.py cascade_layer_shape).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
@@ -163,6 +167,7 @@ class Attention(nn.Module):
         self.k_scale = 1.0
         self.v_scale = 1.0
         self.source: list[Attention] = []  # a KV-shared layer's source (a list: not a submodule)
+        self.layer_index: int | None = None  # among the model's attention layers (set when the cache is bound)
 
     def read_cache_of(self, source: Attention) -> None:
         """This layer stores no K/V and attends over `source`'s cache, scales and backend (Gemma 4's
@@ -194,10 +199,15 @@ class Attention(nn.Module):
         """q over `owner`'s cache (this layer's, or a KV-shared layer's source)."""
         assert owner.kv_cache is not None and owner.backend is not None, "KV cache not bound"
         span_ends = metadata.span_ends if self.bidirectional_spans else None
-        if metadata.cascade is not None and (self.sliding_window is not None or span_ends is not None):
+        cascade = metadata.cascade
+        if cascade is not None and (self.sliding_window is not None or span_ends is not None
+                                    or cascade.tile_tokens != tokens_per_tile(self.num_heads, owner.num_kv_heads)):
             metadata = replace(metadata, cascade=None)
-        out = owner.backend.forward(q, owner.kv_cache, metadata, self.scale * owner.k_scale,
-                                    window=self.sliding_window, span_ends=span_ends)
+        try:
+            out = owner.backend.forward(q, owner.kv_cache, metadata, self.scale * owner.k_scale,
+                                        window=self.sliding_window, span_ends=span_ends)
+        except CascadeTileMismatch as err:
+            raise CascadeLayoutError(f"attention layer {self.layer_index}: {err}") from err
         if owner.v_scale != 1.0:
             out = out * owner.v_scale
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from mmengine.layers.cascade import CascadeGroup, count_tiles
+from mmengine.layers.cascade import CascadeGroup, count_tiles, tokens_per_tile
 from mmengine.layers.split_kv import choose_num_splits
 
 MIN_SAVED_BYTES_PER_LAYER = 64 << 20
@@ -123,6 +123,32 @@ class CascadePolicy:
         over the longest context would take."""
         most = choose_num_splits(1, self.num_kv_heads, max_model_len, self.num_sms, most=MAX_GRAPH_PREFIX_SPLITS)
         return GraphBounds(max_tiles=max(1, batch_size // 4), max_splits=most)
+
+
+@dataclass(frozen=True)
+class CascadeLayerShape:
+    """The attention shape a step's cascade layout is planned for."""
+
+    tokens_per_tile: int
+    kv_bytes_per_token: int  # K and V of one token in one such layer
+    num_kv_heads: int
+
+
+def cascade_layer_shape(num_heads: int, layout: Sequence[tuple[int, int]], windows: Sequence[int | None],
+                        element_bytes: int) -> CascadeLayerShape:
+    """The shape of the layers that take cascade: the full-attention ones (`layout`: each cached layer's
+    (KV heads, head size); a windowed layer runs every step without cascade). The prefix pass's tile
+    holds tokens of one GQA group, so layers whose groups differ (Gemma 4's global layers against its
+    sliding ones) need layouts of different tiles: the step's layout is planned for the tile of the
+    layers holding the most K/V bytes, and a layer of another tile runs the step without cascade
+    (layers/attention.py)."""
+    full = [(heads, dim) for (heads, dim), window in zip(layout, windows) if window is None] or list(layout)
+    by_tile: dict[int, list[tuple[int, int]]] = {}
+    for heads, dim in full:
+        by_tile.setdefault(tokens_per_tile(num_heads, heads), []).append((heads, dim))
+    tile, layers = max(by_tile.items(), key=lambda item: sum(heads * dim for heads, dim in item[1]))
+    kv_bytes = sum(2 * heads * dim * element_bytes for heads, dim in layers) // len(layers)
+    return CascadeLayerShape(tile, kv_bytes, max(heads for heads, _ in layers))
 
 
 def shared_candidates(

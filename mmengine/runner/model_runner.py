@@ -25,7 +25,6 @@ from mmengine.kv_cache.manager import cdiv
 from mmengine.runner.kv_tensors import PagedKVTensors, WindowPool, kv_block_bytes, split_kv_memory
 from mmengine.layers.attention import AttentionMetadata
 from mmengine.layers.attention_backends import get_attention_backend
-from mmengine.layers.cascade import tokens_per_tile
 from mmengine.layers.gated_delta import GatedDeltaStates, RecurrentStep
 from mmengine.layers.kernel_dispatch import use_fused_kernels
 from mmengine.layers.lora import ItemLoRAContext, LoRAContext, LoRALinear, LoRASegments, add_lora
@@ -34,7 +33,7 @@ from mmengine.models.llama import DeepStack
 from mmengine.lora.adapter import LoRAAdapter
 from mmengine.models.loader import default_dtype, iter_checkpoint, parameters_on_meta
 from mmengine.models.quantization import quantization_of
-from mmengine.runner.cascade_plan import CascadePolicy
+from mmengine.runner.cascade_plan import CascadePolicy, cascade_layer_shape
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
 from mmengine.runner.inputs import InputBuffers
 from mmengine.sample.penalties import PenaltyState, apply_logit_bias
@@ -133,19 +132,18 @@ class ModelRunner:
 
     def _cascade_policy(self) -> CascadePolicy:
         """"auto" weighs cascade against the Triton kernels; the PyTorch reference runs it on "on" only."""
-        t = self.text_config
-        kv_heads = self.num_kv_heads
         mode = self.config.cascade_attention
         if mode == "auto" and self.attn_backend.name != "triton":
             mode = "off"
-        elem = self.kv_element_bytes
+        shape = cascade_layer_shape(self.text_config.num_attention_heads, self.family.kv_cache_layout(),
+                                    self.family.kv_cache_windows(), self.kv_element_bytes)
         sm_count = getattr(self.attn_backend, "sm_count", None)
         return CascadePolicy(
             mode=mode,
             block_size=self.block_size,
-            tokens_per_tile=tokens_per_tile(t.num_attention_heads, kv_heads),
-            kv_bytes_per_token=kv_block_bytes(self.family.kv_cache_layout(), 1, elem) // self.family.num_attention_layers,
-            num_kv_heads=kv_heads,
+            tokens_per_tile=shape.tokens_per_tile,
+            kv_bytes_per_token=shape.kv_bytes_per_token,
+            num_kv_heads=shape.num_kv_heads,
             num_sms=sm_count(self.device) if sm_count is not None else 8,
         )
 
@@ -271,6 +269,7 @@ class ModelRunner:
     def _bind_kv_cache(self, kv_cache: PagedKVTensors) -> None:
         for i, attn in enumerate(self.model.language_model.attention_layers()):
             attn.kv_cache = kv_cache[i]
+            attn.layer_index = i
             attn.backend = self.attn_backend
 
     def profile_encoder_batches(self, images_per_step: int, encoder_budget_tokens: int) -> list[list]:
