@@ -11,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import KERNEL_FP32
+from mmengine.kernels import w8a8
 from mmengine.kernels.w8a8 import quantize_per_token, w8a8_matmul
 from mmengine.layers import quantized_linear
 from mmengine.layers.fp8_dispatch import why_not_w8a8
@@ -57,6 +59,39 @@ def test_w8a8_equals_per_token_quantization_and_is_near_the_dense_product(m, k, 
     # most, so each activation moves by up to 6%; over a row's sum that is under 4% of its norm
     dense = x.float() @ (packed.weight.float() * packed.scales).t()
     assert float((got.float() - dense).norm() / dense.norm()) < 0.04
+
+
+@pytest.mark.parametrize("per_tensor", [False, True], ids=["channel", "tensor"])
+def test_without_row_scales_on_the_cpu_the_fallback_equals_per_token_quantization(monkeypatch, per_tensor):
+    """torch 2.11's CPU _scaled_mm takes one scale per operand only: the probe says so, and the product is then
+    taken from the dequantized operands, as exact as the reference."""
+    scaled_mm = torch._scaled_mm
+
+    def per_tensor_only(a, b, *, scale_a, scale_b, **kwargs):
+        if scale_a.numel() != 1 or scale_b.numel() != 1:
+            raise RuntimeError("Now _scaled_mm only supports per-tensor scaling for CPU backend.")
+        return scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", per_tensor_only)
+    w8a8.cpu_scaled_mm_takes_row_scales.cache_clear()
+    try:
+        assert not w8a8.cpu_scaled_mm_takes_row_scales()
+        x, packed = _case(65, 48, 80, per_tensor, torch.bfloat16, seed=3)
+        got = w8a8_matmul(x, packed.weight, packed.scales)
+    finally:
+        w8a8.cpu_scaled_mm_takes_row_scales.cache_clear()
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, _reference(x, packed).to(torch.bfloat16), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_per_token_quantization_is_the_same_bits_on_every_device(device):
+    """scale = amax / 448 exactly, then x / scale rounded to e4m3: on a GPU as on the CPU (a scale one ulp
+    off moves near-ties of x / scale to the other e4m3 neighbour)."""
+    x, _ = _case(130, 272, 16, False, torch.bfloat16, seed=1)
+    q, scales = quantize_per_token(x.to(device))
+    assert torch.equal(scales.cpu(), x.float().abs().amax(dim=1, keepdim=True) / 448)
+    assert torch.equal(q.cpu().view(torch.uint8), quantize_per_token(x)[0].view(torch.uint8))
 
 
 def test_per_token_quantization_saturates_and_keeps_zero_rows():
@@ -156,15 +191,18 @@ def test_fp8_linear_stays_on_w8a16_where_the_dispatch_says_so(monkeypatch, capab
     assert calls == {"w8a8": 0, "w8a16": 1}
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_the_engine_runs_prefill_and_decode_w8a8(family_checkpoint, tmp_path, monkeypatch, device):
+def test_the_engine_runs_prefill_and_decode_w8a8(family_checkpoint, tmp_path, monkeypatch):
     """An FP8-Dynamic checkpoint (compressed-tensors, per channel) in bf16: every projection may take
-    W8A8, and the prompt's prefill and the decode steps (one row) do. On CPU
-    the capability is faked (the Triton kernels run in the interpreter, torch._scaled_mm on the CPU)."""
+    W8A8, and the prompt's prefill and the decode steps (one row) do. It runs where the Triton kernels
+    run: on a GPU, or on the CPU with the capability faked (the Triton kernels in the interpreter,
+    torch._scaled_mm on the CPU)."""
     from mmengine import MMEngine, SamplingParams
     from mmengine.testing import make_test_image
     from mmengine.testing.quantize import quantize_checkpoint
 
+    device = KERNEL_FP32.device
+    if device == "cuda" and not FP8_GPU:
+        pytest.skip("W8A8 needs a GPU of compute capability 8.9+")
     if device == "cpu":
         monkeypatch.setattr(quantized_linear, "compute_capability", lambda d: HOPPER)
     calls = {"w8a8": 0, "w8a16": 0}

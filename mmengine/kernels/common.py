@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -46,3 +48,58 @@ def launch_options(num_warps: int = 4, num_stages: int = 3) -> dict[str, object]
     `python -m mmengine.kernels.cross_compile` reports their registers, spills and shared memory)
     and FMA contraction, on, as Triton's default is about to change."""
     return {"num_warps": num_warps, "num_stages": num_stages, "enable_fp_fusion": True}
+
+
+# Shared memory one block may take on sm_90 (H100, H200: 227 KiB): the limit assumed where none can be read
+# (the interpreter ignores it; the cross-compiler records launches on CPU tensors for sm_80 and sm_90).
+SM90_SHARED_MEMORY = 232448
+# A GEMM's K tile holds this many bytes of activations per row: fp32 takes half the inputs of a 16-bit type,
+# so that its pipelined tiles fit where theirs do.
+K_TILE_BYTES = 128
+
+
+@functools.cache
+def _cuda_shared_memory(index: int) -> int:
+    return triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
+
+
+def shared_memory_limit(device: torch.device) -> int:
+    """Bytes of shared memory a block may take on `device` (the opt-in maximum: 227 KiB on Hopper and
+    A100-class parts, about 99 KiB on consumer ones)."""
+    if device.type != "cuda":
+        return SM90_SHARED_MEMORY
+    return _cuda_shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """A GEMM loop's launch configuration and the shared memory it takes at most."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_stages: int
+    shared_bytes: int
+
+
+def pipelined_shared_memory(block_m: int, block_n: int, block_k: int, num_stages: int, act_bytes: int,
+                            weight_bytes: int, weight_tiles: int = 1) -> int:
+    """An upper bound of the shared memory of a loop over K that multiplies an activation tile [block_m,
+    block_k] by `weight_tiles` weight tiles [block_k, block_n]: the dot's operands in the activations' dtype,
+    plus, per stage past the first, a buffer for everything one step loads. Triton's pipeliner buffers
+    every load of the loop, not only the dot's operands: a dequantizing GEMM's packed words, scales and zero
+    points (`weight_bytes` per weight element, all together) take most of it."""
+    activations = block_m * block_k * act_bytes
+    weights = weight_tiles * block_k * block_n
+    return activations + weights * act_bytes + (num_stages - 1) * (activations + weights * weight_bytes)
+
+
+def fit_gemm_tiles(block_m: int, block_n: int, block_k: int, most_stages: int, act_bytes: int, weight_bytes: int,
+                   limit: int, weight_tiles: int = 1) -> GemmTiles:
+    """These tiles with the most stages, up to `most_stages`, that fit in `limit` bytes (one stage at least:
+    no pipelining)."""
+    stages = most_stages
+    while stages > 1 and pipelined_shared_memory(block_m, block_n, block_k, stages, act_bytes, weight_bytes, weight_tiles) > limit:
+        stages -= 1
+    shared = pipelined_shared_memory(block_m, block_n, block_k, stages, act_bytes, weight_bytes, weight_tiles)
+    return GemmTiles(block_m, block_n, block_k, stages, shared)

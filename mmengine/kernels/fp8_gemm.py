@@ -63,5 +63,6 @@ def fp8_matmul(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, grou
     if scales.shape != (n, -(-k // group_k)) or scales.dtype != torch.float32:
         raise ValueError(f"scales {tuple(scales.shape)} {scales.dtype} do not cover [{n}, {k}] in fp32 groups of {group_k} inputs")
     assert weight.stride(-1) == 1 and scales.stride(-1) == 1
-    return launch_weight_gemm(_fp8_gemm_kernel, x, n, (weight, scales), group_k, (weight.stride(0), scales.stride(0)))
+    return launch_weight_gemm(_fp8_gemm_kernel, x, n, (weight, scales), group_k, (weight.stride(0), scales.stride(0)),
+                              weight.element_size() + scales.element_size())
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmengine.kernels.common import dot_precision, launch_options
+from mmengine.kernels.common import K_TILE_BYTES, GemmTiles, dot_precision, fit_gemm_tiles, launch_options, shared_memory_limit
 from mmengine.kernels.e4m3 import e4m3_for_triton
 from mmengine.kernels.fp8_gemm import load_fp8_tile
 from mmengine.kernels.w4a16 import load_int4_tile
@@ -67,11 +67,15 @@ def _tile_pairs(sorted_ptr, tile_expert_ptr, tile, num_pairs, BLOCK_M: tl.conste
 def _load_weight_tile(w, s, z, cols, ks, mask, stride_w, stride_s, group_k, dtype, WEIGHTS: tl.constexpr):
     """An expert's weight tile W^T [BLOCK_K, BLOCK_N] in `dtype`: dense W [N, K]; FP8 W [N, K] with scales
     [N, K / group]; int4 qweight [K / 8, N] with scales and zeros [K / group, N]."""
+    # One return after if/elif/else: the compiler type-checks every return it reaches, and an early return
+    # under a constexpr `if` does not stop it reaching the fall-through one (of another dtype).
     if WEIGHTS == 2:
-        return load_int4_tile(w, s, z, ks, cols, ks // group_k, mask, stride_w, stride_s, dtype)
-    if WEIGHTS == 1:
-        return load_fp8_tile(w, s, ks, cols, mask, stride_w, stride_s, group_k, dtype)
-    return tl.load(w + cols[None, :] * stride_w + ks[:, None], mask=mask, other=0.0)
+        tile = load_int4_tile(w, s, z, ks, cols, ks // group_k, mask, stride_w, stride_s, dtype)
+    elif WEIGHTS == 1:
+        tile = load_fp8_tile(w, s, ks, cols, mask, stride_w, stride_s, group_k, dtype)
+    else:
+        tile = tl.load(w + cols[None, :] * stride_w + ks[:, None], mask=mask, other=0.0).to(dtype)
+    return tile
 
 
 @triton.jit
@@ -79,8 +83,10 @@ def _activate(gate, ACTIVATION: tl.constexpr):
     """silu(gate), or gelu(gate) by its tanh approximation (tanh(z) = 1 - 2 / (1 + e^2z)), in fp32."""
     if ACTIVATION == 1:
         z = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
-        return 0.5 * gate * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * z)))
-    return gate / (1.0 + tl.exp(-gate))
+        out = 0.5 * gate * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * z)))
+    else:
+        out = gate / (1.0 + tl.exp(-gate))
+    return out
 
 
 @triton.jit
@@ -147,8 +153,13 @@ def _down_kernel(
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _block(n: int, cap: int) -> int:
-    return max(16, min(cap, triton.next_power_of_2(n)))
+def moe_tiles(n: int, k: int, act_bytes: int, weight_bytes: int, limit: int, weight_tiles: int) -> GemmTiles:
+    """One grouped GEMM's launch configuration: BLOCK_M pairs by [k] inputs (`act_bytes` an element) @
+    `weight_tiles` weight tiles [k, n] (2 for gate and up), the kernel loading `weight_bytes` per weight
+    element, within `limit` bytes of shared memory."""
+    block_n = max(16, min(64, triton.next_power_of_2(n)))
+    block_k = max(16, min(K_TILE_BYTES // act_bytes, triton.next_power_of_2(k)))
+    return fit_gemm_tiles(BLOCK_M, block_n, block_k, 2, act_bytes, weight_bytes, limit, weight_tiles)
 
 
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
@@ -179,21 +190,33 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
     num_tiles = tile_expert.shape[0]
     precision = dot_precision(x.dtype)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    block_n, block_k = _block(inter, 64), _block(hidden, 64)
-    _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n))](
+    limit, act_bytes = shared_memory_limit(x.device), x.element_size()
+    tiles = moe_tiles(inter, hidden, act_bytes, _weight_bytes(layout, gate_up, gate_up_s, gate_up_z), limit, weight_tiles=2)
+    _gate_up_kernel[(num_tiles, triton.cdiv(inter, tiles.block_n))](
         x, gate_up, gate_up_s, gate_up_z, h, sorted_pairs, tile_expert, num_padded, num_pairs, top_k, hidden, inter, max(group_k, 1),
         x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up_s.stride(0), gate_up_s.stride(1), h.stride(0),
-        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, WEIGHTS=layout, ACTIVATION=ACTIVATIONS[activation],
-        **launch_options(num_stages=2),
+        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, WEIGHTS=layout,
+        ACTIVATION=ACTIVATIONS[activation], **launch_options(num_stages=tiles.num_stages),
     )
     per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    block_n, block_k = _block(hidden, 64), _block(inter, 64)
-    _down_kernel[(num_tiles, triton.cdiv(hidden, block_n))](
+    tiles = moe_tiles(hidden, inter, act_bytes, _weight_bytes(layout, down, down_s, down_z), limit, weight_tiles=1)
+    _down_kernel[(num_tiles, triton.cdiv(hidden, tiles.block_n))](
         h, down, down_s, down_z, per_pair, weights.reshape(-1).contiguous(), sorted_pairs, tile_expert, num_padded, num_pairs, hidden,
         inter, max(group_k, 1), h.stride(0), down.stride(0), down.stride(1), down_s.stride(0), down_s.stride(1), per_pair.stride(0),
-        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, WEIGHTS=layout, **launch_options(num_stages=2),
+        PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, WEIGHTS=layout,
+        **launch_options(num_stages=tiles.num_stages),
     )
     return per_pair.view(num_tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype) if top_k > 1 else per_pair
+
+
+def _weight_bytes(layout: int, weight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor) -> int:
+    """Bytes `_load_weight_tile` reads per weight element: the weight (an int4 tile reads each packed word
+    once per nibble), and in FP8 a scale, in int4 a scale and a zero point."""
+    if layout == INT4:
+        return weight.element_size() + scales.element_size() + zeros.element_size()
+    if layout == FP8:
+        return weight.element_size() + scales.element_size()
+    return weight.element_size()
 
 
 def _check_layout(hidden: int, gate_up: torch.Tensor, down: torch.Tensor, gate_up_scales: torch.Tensor | None,

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mmengine.kernels.common import dot_precision
+from mmengine.kernels.common import GemmTiles, dot_precision, fit_gemm_tiles, launch_options, shared_memory_limit
 
 
 @triton.jit
@@ -52,6 +52,15 @@ def _segmented_matmul_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def lora_tiles(max_seg_len: int, n: int, k: int, act_bytes: int, weight_bytes: int, limit: int) -> GemmTiles:
+    """The launch configuration for segments of up to `max_seg_len` rows [k] (`act_bytes` an element) @
+    weights [n, k] (`weight_bytes` an element) within `limit` bytes of shared memory."""
+    block_m = 16 if max_seg_len <= 16 else 64
+    block_n = 64 if n <= 64 else 128
+    block_k = 32 if k <= 32 else 64
+    return fit_gemm_tiles(block_m, block_n, block_k, 3, act_bytes, weight_bytes, limit)
+
+
 def segmented_matmul(
     inp: torch.Tensor,
     weights: torch.Tensor,
@@ -69,15 +78,14 @@ def segmented_matmul(
     if num_segments == 0 or max_seg_len == 0:
         return
     assert inp.stride(1) == 1 and out.stride(1) == 1 and weights.stride(2) == 1
-    block_m = 16 if max_seg_len <= 16 else 64
-    block_n = 64 if n <= 64 else 128
-    block_k = 32 if k <= 32 else 64
-    grid = (num_segments, triton.cdiv(max_seg_len, block_m), triton.cdiv(n, block_n))
+    tiles = lora_tiles(max_seg_len, n, k, inp.element_size(), weights.element_size(), shared_memory_limit(inp.device))
+    grid = (num_segments, triton.cdiv(max_seg_len, tiles.block_m), triton.cdiv(n, tiles.block_n))
     _segmented_matmul_kernel[grid](
         inp, weights, out, seg_starts, seg_lens, seg_slots,
         n, k,
         inp.stride(0), weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0),
         ACCUMULATE=accumulate, PRECISION=dot_precision(inp.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4,
+        BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k,
+        **launch_options(num_stages=tiles.num_stages),
     )
+

@@ -66,4 +66,5 @@ def w4a16_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, z
         raise ValueError(f"g_idx {tuple(g_idx.shape)} {g_idx.dtype} is not one int32 group per input (K = {k})")
     assert qweight.stride(-1) == 1 and scales.stride(-1) == 1 and zeros.stride() == scales.stride()
     return launch_weight_gemm(_w4a16_kernel, x, n, (qweight, scales, zeros, qweight if g_idx is None else g_idx), group_size,
-                              (qweight.stride(0), scales.stride(0)), HAS_G_IDX=g_idx is not None)
+                              (qweight.stride(0), scales.stride(0)), qweight.element_size() + scales.element_size() + zeros.element_size(),
+                              HAS_G_IDX=g_idx is not None)
