@@ -6,9 +6,11 @@ a copy that cannot be made falls back to recomputing."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from books import assert_books_consistent
 from mmengine import MMEngine, SamplingParams
+from mmengine.kv_cache.host_tier import HostBlock, KVCopy
 from mmengine.testing import make_test_image
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
@@ -131,3 +133,24 @@ def test_budget_prints_both_host_tiers(checkpoint_dir, capsys):
     out = capsys.readouterr().out
     assert "65536   bytes (--encoder-cache-host-bytes): 16 items" in out  # 16 embeddings x 256 bytes per picture
     assert "81920   bytes (--kv-cache-host-bytes): 10 blocks of 8192 bytes" in out
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the tiers' copies are asynchronous on a GPU only (on a CPU each completes in place)")
+def test_a_block_restored_right_after_its_offload_reads_the_copied_values(checkpoint_dir):
+    """The offload's device-to-host copy is queued behind the device's work; a restore in the next step
+    stacks the host copy on the host, so it must wait for that copy (under async scheduling the host runs
+    a step or two ahead). The device is kept busy so the copy is still queued when the restore comes."""
+    engine = MMEngine(str(checkpoint_dir()), kv_cache_host_bytes=1 << 22, enforce_eager=True,
+                      **{**OPTIONS, "device": "cuda"})
+    runner = engine.runner
+    for group in runner.kv_cache.groups:
+        group.normal_()
+    expected = [group[:, :, 3].clone() for group in runner.kv_cache.groups]
+    entry = HostBlock(block_hash=b"offloaded", key=(), parent_hash=None)
+    busy = torch.randn(4096, 4096, device="cuda")
+    for _ in range(50):
+        busy = busy @ busy / 4096
+    runner.copy_kv_blocks([KVCopy(entry, 3)], [])
+    runner.copy_kv_blocks([], [KVCopy(entry, 5, restore=True)])
+    torch.cuda.synchronize()
+    assert all(torch.equal(group[:, :, 5], want) for group, want in zip(runner.kv_cache.groups, expected))

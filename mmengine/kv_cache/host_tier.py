@@ -29,6 +29,8 @@ class HostBlock:
     pins: tuple[str, ...] = ()  # pictures this block ends inside: restorable only while their outputs can be had
     # per layer shape (runner/kv_tensors.py) [layers, 2, block_size, kv_heads, head_dim], set once the copy is queued
     kv: list[torch.Tensor] | None = None
+    # on a GPU, recorded after the queued device-to-host copy: `kv` may be read on the host once it is done
+    copied: torch.cuda.Event | None = None
 
 
 @dataclass(eq=False)

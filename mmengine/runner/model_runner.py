@@ -664,8 +664,18 @@ class ModelRunner:
                     host.copy_(block, non_blocking=pin)  # its own buffer: an entry never keeps the batch alive
                     parts.append(host)
                 copy.entry.kv, copy.done = parts, True
+            if pin:
+                copied = torch.cuda.Event()
+                copied.record()
+                for copy in offloads:
+                    copy.entry.copied = copied
         if restores:
             ids = torch.tensor([c.block_id for c in restores]).to(self.device, non_blocking=True)
+            for copy in restores:
+                # a block offloaded a step or two ago (the host runs ahead of the device under async scheduling)
+                # may still be on its way to host memory: the stack below reads it on the host
+                if copy.entry.copied is not None:
+                    copy.entry.copied.synchronize()
             stacked = [torch.stack([c.entry.kv[g] for c in restores], dim=2) for g in range(len(restores[0].entry.kv))]
             if self.device.type == "cuda":
                 stacked = [part.pin_memory() for part in stacked]
