@@ -36,7 +36,7 @@ from mmengine.testing.qwen_vl import tiny_spec
 
 # Under pytest-xdist (`-n 2 --dist loadfile`) each file runs on one worker, handed out in collection order:
 # the longest files go first, so that neither worker is left running one alone at the end.
-_LONGEST_FILES_FIRST = ("test_gpu_suite.py", "test_ray_batch.py", "test_ray_serve.py", "test_kernel_cross_compile.py",
+_LONGEST_FILES_FIRST = ("test_gpu_suite.py", "test_fuzz_triton.py", "test_ray_batch.py", "test_ray_serve.py", "test_kernel_cross_compile.py",
                         "test_quantized_checkpoints.py", "test_cascade_engine.py", "test_triton_engine.py",
                         "test_lora_engine.py", "test_family_engine.py", "test_gemma4.py", "test_attention_masks.py")
 

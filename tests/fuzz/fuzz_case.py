@@ -36,6 +36,9 @@ DEFECTS = {
 HOSTILE_PAYLOADS = ("ffconcat", "ffconcat-concat-protocol", "hls", "hls-concat-protocol", "hls-file-protocol", "sdp")
 MAX_IMAGES = 4  # limit_mm_per_prompt
 MAX_MODEL_LEN = 640
+# Quick cases on the Triton kernels with cascade on, one per family (the suite's seeds): the kernels run
+# in Triton's interpreter on a CPU, so these cases keep to a few driver requests
+TRITON_SEEDS = range(100, 100 + len(FAMILIES))
 # Clips a Qwen case may show (frames, seed): 3 and 4 temporal patches of 2 frames, one padded
 CLIPS = ((5, 1), (8, 2))
 VIDEO_MARKER = "<|vision_start|><|video_pad|><|vision_end|>"
@@ -126,7 +129,8 @@ def make_case(seed: int, quick: bool = False) -> FuzzCase:
     """The case of `seed`. `quick` keeps it small (the suite's seeded test)."""
     rng = random.Random(seed)
     family = FAMILIES[seed % len(FAMILIES)] if quick else rng.choice(FAMILIES)
-    prefix_caching = rng.random() < 0.8
+    triton = quick and seed in TRITON_SEEDS
+    prefix_caching = rng.random() < 0.8 or triton  # cascade groups requests by their cached blocks
     options: dict[str, object] = {
         "block_size": rng.choice((2, 4, 8, 16, 32)),
         "max_num_batched_tokens": rng.choice((8, 16, 24, 48, 96, 512)),
@@ -142,7 +146,9 @@ def make_case(seed: int, quick: bool = False) -> FuzzCase:
     }
     if family == "gemma4":  # a chunk holds a picture whole: the budget must hold the largest (70 tokens)
         options["max_num_batched_tokens"] = max(int(options["max_num_batched_tokens"]), 96)
-    if not quick and rng.random() < 0.1:
+    if triton:
+        options |= {"attn_backend": "triton", "cascade_attention": "on"}
+    elif not quick and rng.random() < 0.1:
         options["attn_backend"] = "triton"  # Triton's interpreter on a CPU: slow, so only now and then
     adapters = []
     if rng.random() < 0.3 and family not in NO_LORA:
@@ -158,11 +164,14 @@ def make_case(seed: int, quick: bool = False) -> FuzzCase:
         for i in range(num_pictures)
     ]
     systems = [_words(rng, rng.randint(4, 40)) for _ in range(rng.randint(1, 3))]
-    draw = _Drawer(rng, family, pictures, systems, quick, repeat_rate=rng.choice((0.1, 0.5, 0.8)), num_adapters=len(adapters))
-    num_driver = rng.randint(2, 6 if quick else 20)
+    if triton:  # one long system text in every request: their prefixes share blocks, so cascade groups them
+        systems, options["block_size"] = [_words(rng, 30)], rng.choice((4, 8))
+    draw = _Drawer(rng, family, pictures, systems, quick, repeat_rate=rng.choice((0.1, 0.5, 0.8)), num_adapters=len(adapters),
+                   system_rate=1.0 if triton else 0.7)
+    num_driver = 3 if triton else rng.randint(2, 6 if quick else 20)
     driver = [draw.request(driver=True) for _ in range(num_driver)]
     callers = []
-    for _ in range(rng.randint(0, 2 if quick else 3)):
+    for _ in range(0 if triton else rng.randint(0, 2 if quick else 3)):
         calls, previous = [], []
         for _ in range(rng.randint(1, 2 if quick else 3)):
             call = [draw.request(earlier=previous) for _ in range(rng.randint(1, 3 if quick else 6))]
@@ -193,10 +202,11 @@ class _Drawer:
 
     def __init__(
         self, rng: random.Random, family: str, pictures: list[Picture], systems: list[str], quick: bool, repeat_rate: float,
-        num_adapters: int = 0,
+        num_adapters: int = 0, system_rate: float = 0.7,
     ) -> None:
         self.rng, self.family, self.pictures, self.systems, self.quick = rng, family, pictures, systems, quick
         self.num_adapters = num_adapters
+        self.system_rate = system_rate  # how often a new conversation starts with one of the system texts
         self.repeat_rate = repeat_rate  # how often a picture drawn is one of the last few requests' pictures
         self.made: list[RequestSpec] = []  # valid driver requests so far (multi-turn bases)
         # videos are drawn apart from the workload's own draws, so a seed's workload stays what it was
@@ -217,7 +227,7 @@ class _Drawer:
             if len(picked) > MAX_IMAGES:
                 picked, prompt = base.pictures, continue_chat(self.family, base.prompt, "yes", question, 0)
         else:
-            system = rng.choice(self.systems) if rng.random() < 0.7 else None
+            system = rng.choice(self.systems) if rng.random() < self.system_rate else None
             prompt = turn(self.family, question, num_images, system)
         spec = RequestSpec(
             prompt=prompt,

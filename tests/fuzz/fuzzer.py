@@ -153,7 +153,9 @@ def _run(case: FuzzCase, env: FuzzEnv, tmp: Path) -> CaseReport:
     valid = [b for b in built if b.expected_error is None]
     # Half the cases keep evicted encoder outputs, half evicted KV blocks, in host tiers (drawn apart from the case's own draws)
     tiers = random.Random(f"{case.seed}-host-tier")
-    engine = MMEngine(str(checkpoint), device="cpu", dtype="float32", encoder_cache_host_bytes=tiers.choice((0, 1 << 20)),
+    # the Triton kernels run compiled on a GPU, in the interpreter on a CPU
+    device = "cuda" if case.options.get("attn_backend") == "triton" and torch.cuda.is_available() else "cpu"
+    engine = MMEngine(str(checkpoint), device=device, dtype="float32", encoder_cache_host_bytes=tiers.choice((0, 1 << 20)),
                       kv_cache_host_bytes=tiers.choice((0, 1 << 20)), **_resolve(case, valid))
     for name, path in adapters.items():
         engine.add_lora(LoRARequest(name, str(path)))
