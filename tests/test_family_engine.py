@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import CPU_FP32, FamilyCase, hf_greedy
+from conftest import CPU_FP32, KERNEL_FP32, FamilyCase, hf_greedy
 from mmengine import MMEngine, SamplingParams
 from mmengine.errors import ImageCountMismatchError, ItemTooLargeError
 from mmengine.testing import make_test_image
@@ -237,3 +237,19 @@ def test_cascade_attention_on_gives_the_tokens_of_off(family):
     assert results["on"][0] == results["off"][0]
     assert results["on"][1]["cascade_steps"] > 0 and results["on"][1]["cascade_groups"] >= 2
     assert results["off"][1]["cascade_steps"] == 0
+
+
+@pytest.mark.parametrize("family_name", ["qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"])
+def test_cascade_on_the_triton_kernels_of_the_hybrid_and_moe_families(family_checkpoint, family_name, no_tf32):
+    """Qwen3.5's gated attention with partial rotary, and the MoE families, on the Triton kernels (the
+    interpreter on a CPU): requests sharing a prefix with a picture run cascade steps and give
+    transformers' tokens."""
+    family = FamilyCase(family_name, family_checkpoint(family_name))
+    system = family.prompt("Look carefully at this picture and answer briefly, please, in detail.", 1)
+    cases = [(system + f" q{i}", [IMAGES[3]]) for i in range(3)]
+    engine = MMEngine(str(family.path), max_model_len=256, block_size=4, attn_backend="triton", cascade_attention="on",
+                      enforce_eager=True, **KERNEL_FP32.engine_kwargs)
+    first = _generate(engine, cases[:1], FIXED)  # its blocks are cached: the next two share them with each other
+    outputs = _generate(engine, cases[1:], FIXED)
+    assert [o.token_ids for o in first + outputs] == _expected(family, cases, max_tokens=4, precision=KERNEL_FP32)
+    assert engine.stats()["cascade_steps"] > 0
