@@ -16,6 +16,7 @@ import psutil
 import pytest
 import torch
 
+from books import assert_books_consistent
 from mmengine import MMEngine, SamplingParams
 from mmengine.config import EngineConfig
 from mmengine.errors import CheckpointError, ConfigError, CorruptImageError, ImageTooLargeError, PreprocessingWorkerError
@@ -185,3 +186,47 @@ def test_mm_processor_workers_is_checked_and_has_a_flag():
     parser = argparse.ArgumentParser()
     add_engine_options(parser)
     assert parser.parse_args(["--mm-processor-workers", "3"]).mm_processor_workers == 3
+
+
+def _gate_last_prompt_on_a_step(engine: MMEngine, monkeypatch, last: int) -> dict[str, bool]:
+    """Holds prompt `last`'s preparation until the engine has stepped (at most 30 s) and says whether it had."""
+    stepped, seen = threading.Event(), {}
+    advance, prepare = engine.steps.advance, engine.intake.prepare
+
+    def advance_and_tell(*args, **kwargs):
+        stepped.set()
+        return advance(*args, **kwargs)
+
+    def gated_prepare(checked, index=0, *args, **kwargs):
+        if index == last:
+            seen["stepped_before_prepared"] = stepped.wait(timeout=30)
+        return prepare(checked, index, *args, **kwargs)
+
+    monkeypatch.setattr(engine.steps, "advance", advance_and_tell)
+    monkeypatch.setattr(engine.intake, "prepare", gated_prepare)
+    return seen
+
+
+def test_generate_steps_the_first_prompts_while_later_pictures_are_prepared(pooled, in_process, monkeypatch):
+    prompts = [qwen_vl_prompt(f"Question {i}: what is here?", 1) for i in range(4)]
+    images = [[jpeg(40 + i)] for i in range(4)]
+    seen = _gate_last_prompt_on_a_step(pooled, monkeypatch, last=3)
+    got = pooled.generate(prompts, images=images, sampling_params=PARAMS, use_tqdm=False)
+    assert seen == {"stepped_before_prepared": True}
+    want = in_process.generate(prompts, images=images, sampling_params=PARAMS, use_tqdm=False)
+    assert [out.token_ids for out in got] == [out.token_ids for out in want]
+
+
+def test_a_bad_picture_found_after_the_first_prompts_run_aborts_them(pooled, monkeypatch):
+    prompts = [qwen_vl_prompt(f"Question {i}: what is here?", 1) for i in range(4)]
+    images = [[jpeg(50 + i)] for i in range(3)] + [[jpeg(53)[:200]]]
+    seen = _gate_last_prompt_on_a_step(pooled, monkeypatch, last=3)
+    with pytest.raises(CorruptImageError, match=r"^prompt 3: image 0: "):
+        pooled.generate(prompts, images=images, sampling_params=PARAMS, use_tqdm=False)
+    assert seen == {"stepped_before_prepared": True}  # the first prompts were queued and stepped
+    assert not pooled.has_unfinished_requests()
+    stats = pooled.stats()
+    assert stats["requests_running"] == stats["requests_waiting"] == 0 and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert_books_consistent(pooled)
+    monkeypatch.undo()
+    assert len(pooled.generate(prompts[0], images=images[0], sampling_params=PARAMS, use_tqdm=False)[0].token_ids) == 4

@@ -6,7 +6,10 @@ chat, AsyncMMEngine, beam search):
    audio lists, salts, ids); cheap, no model work, so a caller can fail fast before registering anything;
 2. `prepare` / `prepare_batch`: what only the model can check (the adapter, the structured-output spec,
    logit_bias), then the processor (multimodal/processor.py) tokenizes, loads and preprocesses, once.
-Bad input raises a typed InvalidInputError naming its prompt, before anything is queued.
+Bad input raises a typed InvalidInputError naming its prompt, before anything is queued; except that
+with preprocessing worker processes, generate() queues a batch's prompts as they become ready
+(`start_batch`), so a picture that fails to decode can come after earlier prompts were queued: those are
+aborted before the error reaches the caller, and nothing of the batch runs on.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from collections.abc import Sequence
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,6 +64,55 @@ class PreparedRequest:
     cache_salt: str | None = None
     lora_key: str | None = None
     request_id: str | None = None
+
+
+class PreparingBatch:
+    """A batch whose prompts are being prepared on the pool, handed out in input order as each is ready.
+    The first bad prompt in input order raises from `take_ready`, after the prompts not started are
+    dropped and those started are waited for."""
+
+    def __init__(self, futures: Sequence[Future[PreparedRequest]]) -> None:
+        self._futures = list(futures)
+        self._next = 0  # the first prompt not handed out yet
+
+    @classmethod
+    def of(cls, prepared: Sequence[PreparedRequest]) -> PreparingBatch:
+        """A batch already prepared."""
+        futures = []
+        for request in prepared:
+            futures.append(Future())
+            futures[-1].set_result(request)
+        return cls(futures)
+
+    def __len__(self) -> int:
+        return len(self._futures)
+
+    @property
+    def complete(self) -> bool:
+        """Every prompt has been handed out."""
+        return self._next == len(self._futures)
+
+    def take_ready(self) -> list[PreparedRequest]:
+        """The prompts, after those handed out before, that are ready (without waiting)."""
+        ready = []
+        while not self.complete and self._futures[self._next].done():
+            future = self._futures[self._next]
+            if future.exception() is not None:
+                self.cancel()
+                future.result()  # raises the first bad prompt's error
+            ready.append(future.result())
+            self._next += 1
+        return ready
+
+    def wait_for_next(self, timeout: float) -> None:
+        if not self.complete:
+            wait([self._futures[self._next]], timeout=timeout)
+
+    def cancel(self) -> None:
+        """Drops the prompts not started and waits for those started (a no-op once all are handed out)."""
+        for future in self._futures:
+            future.cancel()
+        wait(self._futures)
 
 
 class RequestIntake:
@@ -129,6 +182,20 @@ class RequestIntake:
         if len(batch) > 1 and any(c.given.images or c.given.videos or c.given.audios for c in batch):
             return self._prepare_on_pool(prepare, len(batch))
         return [prepare(index) for index in range(len(batch))]
+
+    def overlaps(self, batch: list[CheckedRequest]) -> bool:
+        """Whether generate() queues this batch's prompts as they are prepared: a batch with media whose
+        pictures go to the preprocessing worker processes (the engine's own thread stays free for steps)."""
+        return self.processor.pool is not None and len(batch) > 1 and any(
+            c.given.images or c.given.videos or c.given.audios for c in batch)
+
+    def start_batch(self, batch: list[CheckedRequest]) -> PreparingBatch:
+        """Starts preparing a batch on the pool (as prepare_batch does) without waiting for it."""
+        memo = BatchMemo()
+        text_ids = self.processor.tokenize_batch([c.given.text for c in batch])
+        pool = self._preprocess_pool()
+        return PreparingBatch([pool.submit(self.prepare, checked, index, memo, text_ids[index])
+                               for index, checked in enumerate(batch)])
 
     def _prepare_on_pool(self, prepare: Callable[[int], PreparedRequest], num_prompts: int) -> list[PreparedRequest]:
         pool = self._preprocess_pool()

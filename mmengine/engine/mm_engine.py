@@ -18,7 +18,7 @@ from mmengine.config import EngineConfig
 from mmengine.core.request import ProcessedPrompt
 from mmengine.engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from mmengine.engine.chat_media import has_media_parts, take_media_parts
-from mmengine.engine.intake import PreparedRequest, RequestIntake
+from mmengine.engine.intake import PreparedRequest, PreparingBatch, RequestIntake
 from mmengine.engine.prompt_inputs import (
     TemplateOptions,
     check_request_id,
@@ -196,10 +196,15 @@ class MMEngine:
         `audios` follows the shape of `images`, one per audio marker (`<|audio|>` for Gemma 4): a path,
         encoded bytes (WAV, FLAC, MP3, OGG, ...), a (samples, sampling_rate) tuple of a 1-D float array,
         or a multimodal.audio.Audio.
-        Every prompt is validated before any is queued, so bad input queues nothing.
+        Every prompt is validated before any is queued, so bad input queues nothing. With preprocessing
+        worker processes (mm_processor_workers), a batch's prompts are queued as their pictures are prepared,
+        so the first ones run meanwhile; a picture that fails then aborts the batch's queued requests before
+        its error is raised, so nothing of the batch runs on.
         """
         batch = self.intake.check_batch(prompts, images, sampling_params, cache_salt=cache_salt, mm_uuids=mm_uuids,
                                         lora=lora, videos=videos, audios=audios)
+        if self.intake.overlaps(batch):  # the first prompts run while later pictures are still being prepared
+            return self.run_prepared(self.intake.start_batch(batch), use_tqdm)
         return self.run_prepared(self.intake.prepare_batch(batch), use_tqdm)
 
     def run_processed(
@@ -217,20 +222,17 @@ class MMEngine:
         lora_keys = lora_keys or [None] * len(processed)
         return self.run_prepared([PreparedRequest(*fields) for fields in zip(processed, params_list, salts, lora_keys)], use_tqdm)
 
-    def run_prepared(self, prepared: Sequence[PreparedRequest], use_tqdm: bool = False) -> list[RequestOutput]:
-        """Queues prepared requests as one batch (grouped by shared prefix) and steps until all finish."""
-        if self.before_enqueue is not None:
-            self.before_enqueue([p.processed for p in prepared])
+    def run_prepared(self, prepared: Sequence[PreparedRequest] | PreparingBatch, use_tqdm: bool = False) -> list[RequestOutput]:
+        """Queues prepared requests (grouped by shared prefix) and steps until all finish. A batch still
+        being prepared is queued in input order as its prompts become ready, while the model steps on those
+        queued before; a bad prompt then aborts the batch's queued requests and raises."""
+        incoming = prepared if isinstance(prepared, PreparingBatch) else PreparingBatch.of(prepared)
         results: dict[str, RequestOutput] = {}  # filled by whichever thread's step finishes them
         ids: list[str] = []
         try:
-            with self.lock:
-                for p in prepared:
-                    ids.append(self.steps.enqueue(p.processed, p.params, None, p.cache_salt, p.lora_key))
-                    self.steps.owners[ids[-1]] = results
-                self.scheduler.group_batch(ids)
-            with tqdm(total=len(ids), desc="generate", disable=not use_tqdm, unit="req") as bar:
+            with tqdm(total=len(incoming), desc="generate", disable=not use_tqdm, unit="req") as bar:
                 while True:
+                    self._enqueue(incoming.take_ready(), results, ids)
                     with self.lock:  # released between steps, so other callers get their turn
                         if len(results) < len(ids):
                             if not self.steps.has_work():
@@ -238,15 +240,31 @@ class MMEngine:
                             self.steps.advance()
                         done = len(results)
                     bar.update(done - bar.n)
-                    if done == len(ids):
+                    if done == len(incoming):
                         break
+                    if done == len(ids):  # nothing of ours to step: wait for the next prompt to be prepared
+                        incoming.wait_for_next(timeout=0.05)
         except BaseException:
+            incoming.cancel()
             with self.lock:
                 for request_id in ids:
                     self.steps.abort(request_id)
                     self.steps.owners.pop(request_id, None)
             raise
         return [results[request_id] for request_id in ids]
+
+    def _enqueue(self, prepared: list[PreparedRequest], results: dict[str, RequestOutput], ids: list[str]) -> None:
+        """Queues prepared requests as one group (grouped by shared prefix), their outputs going to `results`."""
+        if not prepared:
+            return
+        if self.before_enqueue is not None:
+            self.before_enqueue([p.processed for p in prepared])
+        with self.lock:
+            first = len(ids)
+            for p in prepared:  # each id recorded at once: a failure aborts what was queued
+                ids.append(self.steps.enqueue(p.processed, p.params, None, p.cache_salt, p.lora_key))
+                self.steps.owners[ids[-1]] = results
+            self.scheduler.group_batch(ids[first:])
 
     def chat(
         self,
