@@ -93,6 +93,7 @@ class FuzzCase:
     callers: list[list[list[RequestSpec]]] = field(default_factory=list)  # per thread, its generate() calls
     quick: bool = False
     adapters: list[Adapter] = field(default_factory=list)  # with options' enable_lora
+    triton: bool = False  # drawn for the Triton kernels with cascade on
 
     def requests(self) -> list[RequestSpec]:
         return self.driver + [spec for calls in self.callers for call in calls for spec in call]
@@ -125,11 +126,12 @@ def continue_chat(family: str, prompt: str, answer: str, text: str, num_images: 
     return prompt + answer + end + turn(family, text, num_images, first=False)
 
 
-def make_case(seed: int, quick: bool = False) -> FuzzCase:
-    """The case of `seed`. `quick` keeps it small (the suite's seeded test)."""
+def make_case(seed: int, quick: bool = False, triton: bool = False) -> FuzzCase:
+    """The case of `seed`. `quick` keeps it small (the suite's seeded test); `triton` (or a quick seed of
+    TRITON_SEEDS) runs it on the Triton kernels with cascade on, a few requests on one system text."""
     rng = random.Random(seed)
     family = FAMILIES[seed % len(FAMILIES)] if quick else rng.choice(FAMILIES)
-    triton = quick and seed in TRITON_SEEDS
+    triton = triton or (quick and seed in TRITON_SEEDS)
     prefix_caching = rng.random() < 0.8 or triton  # cascade groups requests by their cached blocks
     options: dict[str, object] = {
         "block_size": rng.choice((2, 4, 8, 16, 32)),
@@ -189,6 +191,7 @@ def make_case(seed: int, quick: bool = False) -> FuzzCase:
         callers=callers,
         quick=quick,
         adapters=adapters,
+        triton=triton,
     )
 
 

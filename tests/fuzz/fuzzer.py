@@ -4,6 +4,7 @@ every case, that nothing went wrong that a user could see or that the books coul
     python tests/fuzz/fuzzer.py --seed 17           # replay one case
     python tests/fuzz/fuzzer.py --minutes 30        # cases 0, 1, 2, ... until the time is up
     python tests/fuzz/fuzzer.py --minutes 30 --start 5000 --json out.json
+    python tests/fuzz/fuzzer.py --minutes 30 --quick --triton   # every case on the Triton kernels, cascade on
 
 Per case: one engine with the case's options (and, in some cases, random LoRA adapters that requests
 run under), driven by the main thread (add_request, step and
@@ -63,7 +64,7 @@ REPLAY = "python tests/fuzz/fuzzer.py --seed {seed}"
 
 class FuzzFailure(AssertionError):
     def __init__(self, case: FuzzCase, reason: str) -> None:
-        replay = REPLAY.format(seed=case.seed) + (" --quick" if case.quick else "")
+        replay = REPLAY.format(seed=case.seed) + (" --quick" if case.quick else "") + (" --triton" if case.triton else "")
         super().__init__(f"fuzz case {case.summary()}\n{reason}\nreplay: {replay}")
 
 
@@ -476,6 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=1.0, help="run cases from --start until the time is up")
     parser.add_argument("--start", type=int, default=0, help="first seed of a timed run")
     parser.add_argument("--quick", action="store_true", help="the small cases of the suite's seeded test")
+    parser.add_argument("--triton", action="store_true", help="every case on the Triton kernels with cascade on")
     parser.add_argument("--json", help="write the counts here")
     args = parser.parse_args(argv)
     budget_log = logging.getLogger("mmengine.encoder_cache.budget")
@@ -490,14 +492,14 @@ def main(argv: list[str] | None = None) -> int:
 def _main(args: argparse.Namespace) -> int:
     env = FuzzEnv()
     if args.seed is not None:
-        case = make_case(args.seed, quick=args.quick)
+        case = make_case(args.seed, quick=args.quick, triton=args.triton)
         print(case.summary())
         print(json.dumps(asdict(run_case(case, env))))
         return 0
     deadline = time.monotonic() + 60 * args.minutes
     reports, failures, seed = [], [], args.start
     while time.monotonic() < deadline:
-        case = make_case(seed, quick=args.quick)
+        case = make_case(seed, quick=args.quick, triton=args.triton)
         try:
             reports.append(run_case(case, env))
         except FuzzFailure as failure:
