@@ -246,6 +246,16 @@ def _cascade_reads(data: dict) -> list[Reading]:
             ("shapes where cascade 'auto' misjudges (engages and loses, or skips a >10% win)", misjudged, "shapes", at_most(0))]
 
 
+def _preprocess_reads(data: dict) -> list[Reading]:
+    encoder, pool = data["encoder"], data["pool"]
+    most = max(pool["workers"], key=int)
+    return [("vision encoder on 1920x1080 photos", encoder["photos_per_s"], "photos/s", None),
+            (f"front end ({most} preprocessing workers) on the same photos", encoder["front_end_photos_per_s"], "photos/s", None),
+            ("front end / encoder (below 1: preprocessing is the bottleneck)", encoder["front_end_over_encoder"], "x", None),
+            (f"generate() on new photos with {most} workers / transformers' processor alone",
+             pool["engine"][most]["of_transformers_processor"], "x", None)]
+
+
 def _gemma4_reads(data: dict) -> list[Reading]:
     ttft = data["ttft"]
     return [("TTFT, new image", ttft["new_image"]["median_ms"], "ms", None),
@@ -434,6 +444,12 @@ PARTS: list[Part] = [
          _window_pool_reads),
     _quantized_part("quantized_llava_7b", "llava_7b", 10, images=True, labels=("fp8", "fp8_dynamic", "w4a16")),
     _quantized_part("quantized_qwen2_5_vl_7b", "qwen2_5_vl_7b", 5, images=False),
+    Part("preprocess", "47", 3, ("qwen2_5_vl_7b",),
+         lambda ctx: _bench("preprocess.py", ctx, "preprocess", "--families", "qwen2.5", "--photos", "12", "--workers", "1,8",
+                            "--encoder-model", _model(ctx, "qwen2_5_vl_7b"), "--device", "cuda"),
+         lambda ctx: _bench("preprocess.py", ctx, "preprocess", "--families", "qwen2.5", "--photos", "1", "--repeats", "1",
+                            "--workers", "1", "--encoder-model", _model(ctx, "qwen2_5_vl_7b"), "--device", "cpu"),
+         _preprocess_reads),
     Part("tests", "27", 8, (), _tests_args,
          lambda ctx: ["-m", "pytest", "-q", "--noconftest", "tests/test_import_graph.py", "--junit-xml",
                       str(ctx.output("tests").with_suffix(".xml"))],

@@ -13,6 +13,10 @@ Then, for Qwen2.5-VL's processor (a micro checkpoint with max_pixels 1003520): p
 preprocessing pool (mm_processor_workers, JPEG bytes in, shared-memory tensors out) at each --workers
 count, and the whole engine (`generate()`, one token) on --photos new 1920x1080 photos without and with
 workers, against transformers' processor alone on the same photos. Printed as tables, written as JSON.
+
+With --encoder-model (a Qwen2.5-VL checkpoint, e.g. the GPU suite's 7B shape) and --device cuda: the vision
+encoder's photos/s on the same photos (prepared beforehand, batches of --encoder-batch), beside the front
+end's (the pool's photos/s at the largest --workers count), so a GPU run shows which side is the bottleneck.
 """
 
 from __future__ import annotations
@@ -149,12 +153,45 @@ def pool_and_engine(jpegs: list[bytes], worker_counts: list[int]) -> dict:
     return out
 
 
+def encoder_rate(model: str, jpegs: list[bytes], device: str, batch: int) -> dict:
+    """The vision encoder's photos/s on the photos (their items prepared beforehand), in batches of `batch`."""
+    from mmengine import MMEngine, SamplingParams
+    from mmengine.testing.qwen_vl import qwen_vl_prompt
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    with MMEngine(model, device=device, dtype=dtype, max_model_len=4096, mm_processor_kwargs=QWEN_OVERRIDES,
+                  mm_processor_cache_bytes=0, enforce_eager=True) as engine:
+        prompt = qwen_vl_prompt("What is in this photo?", 1)
+        items = [engine.input_processor.process(prompt, [data], SamplingParams()).mm_items[0] for data in jpegs]
+        inputs = [{name: tensor.to(device) for name, tensor in item.encoder_inputs.items()} for item in items]
+        encode = engine.runner.model.encode_items
+
+        def run_all() -> None:
+            with torch.inference_mode():
+                for first in range(0, len(inputs), batch):
+                    encode(inputs[first:first + batch])
+            if device == "cuda":
+                torch.cuda.synchronize()
+
+        run_all()  # warm: kernels, cuDNN plans
+        start = time.perf_counter()
+        run_all()
+        seconds = time.perf_counter() - start
+    out = {"photos_per_s": round(len(jpegs) / seconds, 1), "batch": batch, "device": device, "dtype": dtype,
+           "embeddings_per_photo": round(sum(item.length for item in items) / len(items), 1)}
+    print(f"  vision encoder ({device}, {dtype}, batches of {batch}): {out['photos_per_s']:.1f} photos/s")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--photos", type=int, default=12, help="distinct 1920x1080 photos (and a third as many 4000x3000)")
     parser.add_argument("--repeats", type=int, default=2, help="passes over the photos; the best median counts")
     parser.add_argument("--families", nargs="*", help="substrings of the family names to run (default: all)")
     parser.add_argument("--workers", default="1,2", help="preprocessing pool sizes to time (comma-separated; empty: none)")
+    parser.add_argument("--encoder-model", help="a Qwen2.5-VL checkpoint whose vision encoder is timed on the same photos")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="the encoder's device")
+    parser.add_argument("--encoder-batch", type=int, default=4)
     parser.add_argument("--output", default="benchmarks/results/preprocess.json")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)  # per core
@@ -180,6 +217,13 @@ def main(argv: list[str] | None = None) -> dict:
     workers = [int(n) for n in args.workers.split(",") if n]
     if workers:
         results["pool"] = pool_and_engine(sizes["1920x1080"], workers)
+    if args.encoder_model:
+        results["encoder"] = encoder_rate(args.encoder_model, sizes["1920x1080"], args.device, args.encoder_batch)
+        if workers:
+            front = results["pool"]["workers"][max(workers)]["photos_per_s"]
+            results["encoder"]["front_end_photos_per_s"] = front
+            results["encoder"]["front_end_over_encoder"] = round(front / results["encoder"]["photos_per_s"], 3)
+            print(f"  front end ({max(workers)} workers) / encoder: {results['encoder']['front_end_over_encoder']:.2f}")
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(results, indent=1))
