@@ -76,6 +76,7 @@ class DeltaOutput:
     num_cached_tokens: int  # prompt tokens served from the prefix cache
     logprobs: list[TokenLogprobs] | None = None  # the new tokens' (SamplingParams.logprobs), else None
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # on the last delta, with SamplingParams.prompt_logprobs
+    prompt_token_ids: list[int] | None = None  # on the last delta: the prompt as the engine ran it
     reasoning_text: str = ""  # new reasoning (EngineConfig.reasoning_parser); `text` is then the answer's
 
     @property
@@ -179,6 +180,7 @@ class RequestStream:
             num_cached_tokens=output.num_cached_tokens,
             logprobs=logprobs,
             prompt_logprobs=output.prompt_logprobs if output.finished else None,
+            prompt_token_ids=output.prompt_token_ids if output.finished else None,
             reasoning_text=new_reasoning,
         )
 

@@ -32,6 +32,7 @@ from starlette.background import BackgroundTask
 from mmengine.engine.async_engine import AsyncMMEngine, DeltaOutput, RequestStream
 from mmengine.entrypoints.api_errors import APIError, from_engine_error, install_error_handlers
 from mmengine.entrypoints.chat import AudioPart, ChatTemplate, EmbedsPart, VideoPart, parse_messages
+from mmengine.entrypoints.completion_echo import Echo, prompt_only
 from mmengine.entrypoints.embeds_payload import decode_embeds_payload
 from mmengine.entrypoints.media import MediaPolicy, fetch_remote_image, is_remote, load_input_audio, load_local_image_url
 from mmengine.entrypoints.metrics import ServerMetrics
@@ -265,7 +266,11 @@ class _OpenAIServer:
         shape = _Choices(len(inputs), samples, body.n, self._logprobs_shown(body), tools,
                          reasoning=self.engine.engine.config.reasoning_parser is not None)
         if body.prompt_logprobs is not None:
-            shape.prompt_logprobs = lambda entries: prompt_logprobs_json(entries, self.token_bytes)
+            shape.prompt_logprobs = lambda entries: prompt_logprobs_json(entries, self.token_bytes, body.prompt_logprobs)
+        if not chat and body.echo:  # each choice starts with its prompt (completion_echo.py)
+            shape.echo = Echo.of([prompt for prompt, _ in inputs], self.engine.engine.tokenizer.decode)
+            if body.echo_only:
+                deltas = [prompt_only(d) for d in deltas]
 
         def abort_all() -> None:
             for stream in streams:
@@ -423,7 +428,12 @@ class _OpenAIServer:
                 drawn = sorted(drawn, key=lambda i: cumulative_logprob(answers[i][2]), reverse=True)[: shape.n]
             for i in drawn:
                 text, last, logprobs, reasoning = answers[i]
-                choice = writers[i].choice(text, last, shape.shown.format(logprobs, 0) if shape.shown else None)
+                if shape.echo is not None:
+                    shown = None if shape.shown is None else shape.shown.formatter.echoed_completion(
+                        last.prompt_token_ids, last.prompt_logprobs or [None], logprobs, shape.shown.top)
+                    choice = writers[i].choice(shape.echo.texts[prompt] + text, last, shown)
+                else:
+                    choice = writers[i].choice(text, last, shape.shown.format(logprobs, 0) if shape.shown else None)
                 if shape.reasoning and writers[i].chat:
                     choice["message"]["reasoning_content"] = reasoning or None
                 if shape.tools:
@@ -450,12 +460,15 @@ class _OpenAIServer:
                 yield _event(writers[0].chunk("", role=True, with_usage_field=include_usage))
             lasts: list[DeltaOutput | None] = [None] * len(writers)
             sent_chars = [0] * len(writers)
+            echoed = [shape.echo is None] * len(writers)  # echo: whether the choice's prompt has been sent
             calls = [ToolCallStream() for _ in writers] if shape.tools else None
             async for index, delta in _merged(deltas):  # one chunk per delta: new tokens (text may be held back) or the end
                 lasts[index] = delta
                 logprobs = shape.shown.format(delta.logprobs or [], sent_chars[index]) if shape.shown else None
                 sent_chars[index] += len(delta.text)
                 text, finish, made = delta.text, delta.finish_reason, []
+                if not echoed[index]:  # the prompt leads the choice's first chunk
+                    text, echoed[index] = shape.echo.texts[index // shape.samples] + text, True
                 if calls is not None:
                     text, made = calls[index].feed(delta.text, final=delta.finished)
                     if finish == "stop" and calls[index].num_calls:
@@ -496,6 +509,7 @@ class _Choices:
     shown: _LogprobsShown | None
     tools: bool = False  # the answers' <tool_call> blocks become tool_calls
     prompt_logprobs: Callable[[list[Any]], list[Any]] | None = None  # formats them, when asked for
+    echo: Echo | None = None  # completions' echo: the prompts that lead their choices
     reasoning: bool = False  # a reasoning parser splits the answers: chat messages carry reasoning_content
 
 

@@ -46,33 +46,51 @@ class LogprobsFormatter:
 
     def completion(self, entries: Sequence[TokenLogprobs], top: int, text_offset: int = 0) -> dict[str, Any]:
         """`text_offset` is where the first of `entries` starts in the choice's text."""
-        tokens, offsets, tops = [], [], []
-        for e in entries:
-            text = token_text(self._bytes(e.token_id))
+        return self._completion([(e.token_id, e) for e in entries], top, text_offset)
+
+    def echoed_completion(self, prompt_token_ids: Sequence[int], prompt_entries: Sequence[TokenLogprobs | None],
+                          entries: Sequence[TokenLogprobs], top: int) -> dict[str, Any]:
+        """`echo`: the prompt's tokens first, then the generated `entries`, text_offset counted from 0 over
+        both (as vLLM does). A prompt token without an entry (the first: nothing predicts it) has a null
+        logprob and null top_logprobs."""
+        rows = [*zip(prompt_token_ids, prompt_entries, strict=True), *((e.token_id, e) for e in entries)]
+        return self._completion(rows, top, 0)
+
+    def _completion(self, rows: Sequence[tuple[int, TokenLogprobs | None]], top: int, text_offset: int) -> dict[str, Any]:
+        tokens, offsets, values, tops = [], [], [], []
+        for token_id, e in rows:
+            text = token_text(self._bytes(token_id))
             tokens.append(text)
             offsets.append(text_offset)
             text_offset += len(text)
+            if e is None:
+                values.append(None)
+                tops.append(None)
+                continue
+            values.append(_value(e.logprob))
             best = {token_text(self._bytes(t)): _value(v) for t, v in e.top[:top]}
             best.setdefault(text, _value(e.logprob))  # the sampled token is always listed, as vLLM does
             tops.append(best if top > 0 else None)
-        return {"tokens": tokens, "token_logprobs": [_value(e.logprob) for e in entries],
-                "top_logprobs": tops if top > 0 else None, "text_offset": offsets}
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops if top > 0 else None, "text_offset": offsets}
 
 
 def cumulative_logprob(entries: Sequence[TokenLogprobs]) -> float:
     return sum(e.logprob for e in entries)
 
 
-def prompt_logprobs_json(entries: Sequence[TokenLogprobs | None], decode_bytes: Callable[[int], bytes]) -> list[Any]:
+def prompt_logprobs_json(entries: Sequence[TokenLogprobs | None], decode_bytes: Callable[[int], bytes],
+                         top: int | None = None) -> list[Any]:
     """vLLM's prompt_logprobs: per prompt token None (the first) or {token id: {logprob, rank,
-    decoded_token}} for the token itself and the best k (rank: its place among those k, else None)."""
+    decoded_token}} for the token itself and the best k (rank: its place among those k, else None);
+    `top`: the k shown, when the entries hold more (None: all they hold)."""
     result: list[Any] = []
     for entry in entries:
         if entry is None:
             result.append(None)
             continue
-        ranks = {token: rank for rank, (token, _) in enumerate(entry.top, start=1)}
-        tokens = {entry.token_id: entry.logprob, **dict(entry.top)}
+        best = entry.top[:top]
+        ranks = {token: rank for rank, (token, _) in enumerate(best, start=1)}
+        tokens = {entry.token_id: entry.logprob, **dict(best)}
         result.append({str(token): {"logprob": _value(value), "rank": ranks.get(token),
                                     "decoded_token": token_text(decode_bytes(token))} for token, value in tokens.items()})
     return result

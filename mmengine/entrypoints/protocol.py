@@ -135,12 +135,16 @@ class _GenerationRequest(BaseModel):
         spec, spec_field = self.structured_output()
         values["structured_output"] = spec
         values["logprobs"] = self.num_logprobs()
-        values["prompt_logprobs"] = self.prompt_logprobs
+        values["prompt_logprobs"] = self.num_prompt_logprobs()
         try:
             return SamplingParams(**values), max_tokens is None
         except ConfigError as err:
             fields = {"max_tokens": field, "structured_output": spec_field or "response_format", "logprobs": self.logprobs_field}
             raise from_engine_error(err, input_param="", sampling_fields=fields) from None
+
+    def num_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: alternatives per prompt token (None: the prompt is not scored)."""
+        return self.prompt_logprobs
 
     logprobs_field: ClassVar[str] = "logprobs"
 
@@ -226,11 +230,33 @@ class CompletionRequest(_GenerationRequest):
         """Samples drawn per prompt: best_of (the n best of them are answered), else n."""
         return self.best_of if self.best_of is not None else self.n
 
+    @property
+    def echo_only(self) -> bool:
+        """echo with max_tokens 0: the answer is the prompt alone (and its logprobs), nothing generated."""
+        return self.echo and self.max_tokens == 0
+
+    def requested_max_tokens(self) -> tuple[int | None, str]:
+        if self.echo_only:  # the engine computes one token, which the answer drops (as vLLM does)
+            return 1, "max_tokens"
+        return self.max_tokens, "max_tokens"
+
+    def num_prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:  # echo's logprobs start with the prompt's (completion_echo.py)
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
+
     def check_supported(self, max_n: int = MAX_N) -> None:
         super().check_supported(max_n)
-        for name in ("echo", "suffix"):
-            if getattr(self, name):
-                raise APIError(400, f"{name} is not supported", param=name, code="unsupported_parameter")
+        if self.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix", code="unsupported_parameter")
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError(400, "max_tokens 0 is served only with echo=true (the prompt alone, with its logprobs)",
+                           param="max_tokens", code="invalid_value")
+        if self.echo and self.use_beam_search:
+            raise APIError(400, "echo is not supported with use_beam_search", param="echo", code="unsupported_parameter")
+        if self.echo and self.stream and self.logprobs is not None:
+            raise APIError(400, "echo with logprobs cannot stream (the prompt's logprobs come with the whole answer): "
+                           "ask without stream, or without logprobs", param="echo", code="unsupported_parameter")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise APIError(400, f"logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs}", param="logprobs",
                            code="invalid_value")

@@ -72,6 +72,12 @@ class Gemma4Model(VisionLanguageModel):
                     outputs[i] = output
         return outputs  # type: ignore[return-value]
 
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """A placeholder embeds as the pad token (transformers' rule): an item's positions are then written over
+        with its encoder output, and a placeholder with no item behind it (one the model generated) keeps the
+        pad row, not its own."""
+        return self.language_model.embed_tokens(self.language_model.text_ids(input_ids))
+
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 deepstack: DeepStack | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         return self.language_model(inputs_embeds, positions, metadata, deepstack, input_ids)

@@ -289,14 +289,20 @@ class Gemma4DecoderModel(nn.Module):
             x = layer(x, None if per_layer is None else per_layer[:, index], rotary[self.layer_attention[index].kind], metadata, fused)
         return self.norm(x)
 
+    def text_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ids the embeddings read: every multimodal placeholder as the pad token, as transformers' Gemma 4
+        does (`get_placeholder_mask`, then the pad id in its place) whether or not an item stands behind it."""
+        ids = input_ids
+        for placeholder in self.placeholder_ids:
+            ids = torch.where(ids == placeholder, self.pad_token_id, ids)
+        return ids
+
     def _per_layer_inputs(self, input_ids: torch.Tensor | None, inputs_embeds: torch.Tensor) -> torch.Tensor:
         """[T, layers, width]: (the token ids' per-layer embedding + the normed projection of the input
         embeddings) / sqrt(2); soft tokens take the pad token's per-layer embedding."""
         if input_ids is None:
             raise ValueError("Gemma 4's per-layer inputs need the step's token ids")
-        ids = input_ids
-        for placeholder in self.placeholder_ids:
-            ids = torch.where(ids == placeholder, self.pad_token_id, ids)
+        ids = self.text_ids(input_ids)
         shape = (inputs_embeds.shape[0], self.config.num_hidden_layers, self.per_layer_width)
         tokens = self.embed_tokens_per_layer(ids).reshape(shape)
         context = self.per_layer_model_projection(inputs_embeds) * self.config.hidden_size**-0.5
