@@ -107,6 +107,7 @@ def test_a_forced_function_tool_gives_a_function_call_item(served):
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"reasoning": {"effort": "low"}}, "reasoning"),
     ({"truncation": "auto"}, "truncation"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),  # [] and null ask for nothing: accepted (test_serve_clients)
     ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "data:,", "detail": "low"}]}]}, "input"),
     ({"text": {"format": {"type": "grammar"}}}, "text.format"),

@@ -117,7 +117,9 @@ def test_auto_offers_the_tools_in_the_prompt(served):
     ({"tool_choice": {"type": "function", "function": {"name": "fly"}}}, "tool_choice", "'fly', which is not among"),
     ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
     ({"tools": [{"type": "function", "function": {"name": "f", "colour": 1}}]}, "tools.0.function.colour", "not supported"),
-    ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format", "contradict"),
+    ({"tool_choice": "required", "guided_json": WEATHER}, "guided_json", "contradict"),  # response_format is not: test_serve_clients
+    ({"tool_choice": "required", "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     "response_format.json_schema", "needs json_schema.schema"),  # a misshapen format is refused even on a forced turn
     ({"tools": [TOOLS[0], TOOLS[0]]}, "tools", "distinct"),
 ])
 def test_bad_tool_fields_are_400s_naming_them(served, fields, param, words):

@@ -297,14 +297,22 @@ class _OpenAIServer:
         if spec is None:
             return
         _, field_name = body.structured_output()
-        try:
-            await self.engine.run_in_pool(self.engine.engine.grammars.compile, spec)
-        except ConfigError as err:
-            message = str(err).replace("SamplingParams.structured_output", field_name)
-            raise APIError(400, message, param=field_name, code="invalid_value") from err
-        except UnsupportedModelError as err:  # the grammar engine cannot read this model's tokenizer
-            raise APIError(400, f"{field_name} needs structured output, which this model cannot use: {err}",
-                           param=field_name, code="unsupported_model") from err
+        # a forced tool call's grammar is ours: its parts are compiled first, so an error names the
+        # client's schema at fault and never shows the grammar around it
+        for part, param, what in [*body.grammar_checks(), (spec, field_name, field_name)]:
+            try:
+                await self.engine.run_in_pool(self.engine.engine.grammars.compile, part)
+            except ConfigError as err:
+                if part is spec and field_name == "tool_choice":
+                    message = "tool_choice: the tool-call grammar over these tools cannot be built"
+                elif param.startswith("tools["):  # "tools[0].function.parameters ('name') cannot be used: ..."
+                    message = str(err).replace(f"SamplingParams.structured_output {part.kind}", what)
+                else:
+                    message = str(err).replace("SamplingParams.structured_output", what)
+                raise APIError(400, message, param=param, code="invalid_value") from err
+            except UnsupportedModelError as err:  # the grammar engine cannot read this model's tokenizer
+                raise APIError(400, f"{field_name} needs structured output, which this model cannot use: {err}",
+                               param=field_name, code="unsupported_model") from err
 
     def _logprobs_shown(self, body: Any) -> _LogprobsShown | None:
         """How the answer shows logprobs (None: it does not)."""

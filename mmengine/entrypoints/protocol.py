@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict
 
 from mmengine.entrypoints.api_errors import APIError, from_engine_error
 from mmengine.entrypoints.response_format import ResponseFormat, structured_output_of
-from mmengine.entrypoints.tools import Tool, call_grammar, forced_function
+from mmengine.entrypoints.tools import Tool, call_grammar, forced_function, parameter_specs
 from mmengine.errors import ConfigError
 from mmengine.sample.params import SamplingParams
 from mmengine.sample.structured_output import StructuredOutputParams
@@ -152,6 +152,10 @@ class _GenerationRequest(BaseModel):
         """The grammar the answer must follow and the field that asked for it."""
         return structured_output_of(self)
 
+    def grammar_checks(self) -> list[tuple[StructuredOutputParams, str, str]]:
+        """Specs to compile before the request's own grammar (ChatCompletionRequest has some)."""
+        return []
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -179,14 +183,29 @@ class ChatCompletionRequest(_GenerationRequest):
         return forced_function(self.tools, self.tool_choice)
 
     def structured_output(self) -> tuple[StructuredOutputParams | None, str | None]:
+        """A forced call's grammar decides the turn, response_format or not: the format shapes answers
+        in text, and this one writes none (OpenAI accepts both). vLLM's guided_* extras constrain this
+        very answer, so a forced call contradicts them: a 400."""
         spec, field = structured_output_of(self)
         mode, name = self.tool_mode()
         if mode in ("required", "named"):
-            if spec is not None:
+            if spec is not None and field != "response_format":
                 raise APIError(400, f"tool_choice {self.tool_choice!r} forces a tool call, which {field} would contradict",
                                param=field, code="invalid_value")
             return call_grammar(self.tools, name, single=self.parallel_tool_calls is False), "tool_choice"
         return spec, field
+
+    def grammar_checks(self) -> list[tuple[StructuredOutputParams, str, str]]:
+        """(spec, param, what an error calls it) for each schema the request brings besides its own
+        grammar, compiled first so that a bad one is named: a forced call's parameters schemas, one by
+        one, and the response_format that the forced turn sets aside."""
+        mode, name = self.tool_mode()
+        if mode not in ("required", "named"):
+            return []
+        checks = [(spec, f"tools[{index}].function.parameters", f"tools[{index}].function.parameters ({function!r})")
+                  for index, function, spec in parameter_specs(self.tools, name)]
+        spec, field = structured_output_of(self)
+        return checks + ([(spec, field, field)] if spec is not None else [])
 
     def requested_max_tokens(self) -> tuple[int | None, str]:
         if self.max_completion_tokens is not None:

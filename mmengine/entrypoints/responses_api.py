@@ -10,6 +10,7 @@ Response object or the Responses event sequence. Nothing is stored (`store: true
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -46,8 +47,12 @@ class ResponsesRequest(BaseModel):
     store: bool | None = None
     previous_response_id: str | None = None
     metadata: dict[str, str] | None = None
+    include: list[str] | None = None  # extra output data: none is served, so only an empty list (or null) is accepted
 
     def check_supported(self) -> None:
+        if self.include:
+            raise _bad(f"include {self.include!r} is not supported: this server adds no extra output data (send [] or "
+                       "leave it out)", "include", "unsupported_parameter")
         if self.store:
             raise _bad("store=true is not supported: this server keeps no responses (send store=false, or leave it out)",
                        "store", "unsupported_parameter")
@@ -231,10 +236,11 @@ async def create_response(body: ResponsesRequest, chat: Callable[[ChatCompletion
     """Answers `body` through `chat` (the server's chat-completions path); `count_tokens` counts a text's tokens."""
     body.check_supported()
     builder = ResponseBuilder(body)
+    request = body.chat_request()
     try:
-        answer = await chat(body.chat_request())
+        answer = await chat(request)
     except APIError as err:
-        raise _renamed(err) from err
+        raise _renamed(err, request.tool_choice, body.tool_choice) from err
     if isinstance(answer, StreamingResponse):
         return StreamingResponse(_events(builder, answer.body_iterator, count_tokens), media_type="text/event-stream",
                                  background=answer.background)
@@ -243,12 +249,21 @@ async def create_response(body: ResponsesRequest, chat: Callable[[ChatCompletion
     return JSONResponse(builder.whole(json.loads(answer.body), count_tokens))
 
 
-def _renamed(err: APIError) -> APIError:
+def _renamed(err: APIError, chat_choice: Any = None, sent_choice: Any = None) -> APIError:
+    """The chat path's error as the Responses API names things: its fields, its flat tools
+    (`tools[0].parameters`), and the tool_choice the client sent (not the chat-converted one)."""
     param = _PARAMS.get(err.param, err.param) if err.param else err.param
     message = err.message
+    if chat_choice is not None and chat_choice != sent_choice:
+        message = message.replace(repr(chat_choice), repr(sent_choice))
     for chat_name, name in _PARAMS.items():
         message = message.replace(chat_name, name)
+    message = _CHAT_TOOL.sub(r"\1.", message)
+    param = _CHAT_TOOL.sub(r"\1.", param) if param else param
     return APIError(err.status, message, param=param, code=err.code, headers=err.headers)
+
+
+_CHAT_TOOL = re.compile(r"(tools\[\d+\])\.function\.")
 
 
 async def _events(builder: ResponseBuilder, chunks: AsyncIterator[str | bytes], count_tokens: Callable[[str], int]) -> AsyncIterator[str]:

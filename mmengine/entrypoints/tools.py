@@ -4,7 +4,8 @@ The request's `tools` go to the chat template (which must render them: a templat
 is a 400, not a silent drop); `tool_choice` "auto" lets the model decide, "none" leaves the tools out,
 and "required" or a named function are enforced by the grammar engine: the answer is one or more
 `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>` blocks whose arguments match the
-function's parameters schema (compact JSON). Calls in the answer become OpenAI `tool_calls`.
+function's parameters schema (compact JSON; each schema a root document of its own, so its `$defs` and
+`$ref`s resolve; a `strict` function's objects closed). Calls in the answer become OpenAI `tool_calls`.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from mmengine.entrypoints.api_errors import APIError
+from mmengine.entrypoints.response_format import closed_objects
 from mmengine.sample.structured_output import StructuredOutputParams
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
@@ -29,7 +31,7 @@ class FunctionDefinition(BaseModel):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: bool | None = None  # the parameters are always enforced in full when a call is forced
+    strict: bool | None = None  # forced calls enforce the parameters in full; strict also closes their objects
 
 
 class Tool(BaseModel):
@@ -63,22 +65,41 @@ def forced_function(tools: list[Tool] | None, tool_choice: Any) -> tuple[str, st
                f"got {tool_choice!r:.80}", "tool_choice")
 
 
+_JSON_OPTIONS = {"whitespace_flexible": False, "lenient": False}  # compact JSON, as StructuredOutputParams(json=...)
+
+
+def parameters_schema(tool: Tool) -> dict[str, Any]:
+    """The schema a call's arguments must match: the function's parameters (any object when left out),
+    with its objects closed when the function is `strict` (as response_format's strict closes them)."""
+    function = tool.function
+    parameters = function.parameters if function.parameters is not None else {"type": "object"}
+    return closed_objects(parameters) if function.strict else parameters
+
+
+def parameter_specs(tools: list[Tool], only: str | None = None) -> list[tuple[int, str, StructuredOutputParams]]:
+    """(index in tools, name, the arguments' spec) of each function a forced call may call: each
+    schema on its own, so a schema llguidance refuses is named by its function."""
+    return [(index, tool.function.name, StructuredOutputParams(json=parameters_schema(tool)))
+            for index, tool in enumerate(tools) if only is None or tool.function.name == only]
+
+
 def call_grammar(tools: list[Tool], only: str | None = None, single: bool = False) -> StructuredOutputParams:
-    """A grammar for one or more calls (one when `single`; of `only`, when named), each a compact JSON
-    object whose arguments match the function's parameters schema."""
-    options = []
-    for tool in tools:
-        function = tool.function
-        if only is not None and function.name != only:
-            continue
-        parameters = function.parameters if function.parameters is not None else {"type": "object"}
-        options.append({"type": "object", "properties": {"name": {"const": function.name}, "arguments": parameters},
-                        "required": ["name", "arguments"], "additionalProperties": False})
-    schema = {"anyOf": options, "x-guidance": {"whitespace_flexible": False, "lenient": False}}
+    """A grammar for one or more calls (one when `single`; of `only`, when named), each the compact
+    JSON `{"name":NAME,"arguments":ARGUMENTS}` whose arguments match the function's parameters schema.
+
+    Each parameters schema is a `%json` document of its own (the root of its own references), not a
+    branch of one wrapping schema: `$defs` / `$ref` (pydantic's nested models, `List[Model]`) resolve
+    as they do in response_format."""
     repeat = "" if single else ' ("\\n" call)*'
-    lark = (f'start: call{repeat}\ncall: {json.dumps(CALL_OPEN + chr(10))} body {json.dumps(chr(10) + CALL_CLOSE)}\n'
-            f"body: %json {json.dumps(schema)}")
-    return StructuredOutputParams(grammar=lark)
+    lines = [f"start: call{repeat}", f"call: {json.dumps(CALL_OPEN + chr(10))} body {json.dumps(chr(10) + CALL_CLOSE)}"]
+    rules = []
+    for number, (_, name, spec) in enumerate(parameter_specs(tools, only)):
+        head = json.dumps('{"name":' + json.dumps(name) + ',"arguments":')
+        lines.append(f"call_{number}: {head} arguments_{number} {json.dumps('}')}")
+        lines.append(f"arguments_{number}: %json {json.dumps({**spec.json, 'x-guidance': _JSON_OPTIONS})}")
+        rules.append(f"call_{number}")
+    lines.insert(2, "body: " + " | ".join(rules))
+    return StructuredOutputParams(grammar="\n".join(lines))
 
 
 @dataclass
