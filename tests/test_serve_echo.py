@@ -4,11 +4,9 @@ tokens lead the legacy logprobs (the first with a null logprob), each prompt tok
 transformers' log_softmax over the tokens before it (fp32 CPU, 1e-4), prompts as text and as token ids,
 `max_tokens` 0 (the prompt alone) and 1. Combinations not served are 400s naming the field.
 
-lm-eval itself is not in the `test` extra: lm-eval[api] 0.4.13 brings 33 packages (scipy, scikit-learn,
-nltk, datasets, evaluate, sacrebleu, rouge-score, lxml, ..., about 300 MB). So the exact HTTP request its
-`local-completions` sends, and its parsing of the answer, are checked here whatever is installed; where lm-eval
-is installed, a multiple-choice task of its own on a dataset written here also runs against the server and
-scores each choice as transformers does (else that test is skipped, saying so)."""
+The exact HTTP request lm-eval's `local-completions` sends, and its parsing of the answer, are checked
+here; lm-eval itself (in the `test` extra) also runs a multiple-choice task of its own on a dataset written
+here against the server and scores each choice as transformers does."""
 
 from __future__ import annotations
 
@@ -159,8 +157,7 @@ QUESTIONS = [
 def test_an_lm_eval_multiple_choice_task_runs_against_the_server(served, tmp_path):
     """lm-eval's own `local-completions` model on a multiple-choice task whose dataset is written here (no
     download): every choice's loglikelihood is transformers', and acc follows from them."""
-    lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (not in the test extra: pip install "
-                                  "'lm-eval[api]'); test_the_request_lm_eval_sends checks its request without it")
+    import lm_eval
     from lm_eval.tasks import TaskManager
 
     path, engine, running, _ = served
