@@ -251,7 +251,7 @@ def test_include_empty_or_null_asks_for_nothing_and_what_is_asked_is_refused_by_
 
 
 def test_agents_sdk_agent_with_a_function_tool_and_an_output_type_runs_and_streams(served):
-    agents = pytest.importorskip("agents")  # openai-agents, in the test extra
+    import agents  # openai-agents, in the test extra
     _, running, _ = served
     agents.set_tracing_disabled(True)
     cities = []
@@ -341,7 +341,7 @@ def test_a_strict_schema_without_additional_properties_answers_only_its_keys(ser
 
 def test_litellm_with_a_strict_pydantic_schema(served):
     os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its bundled price list: no fetch at import
-    litellm = pytest.importorskip("litellm")  # in the test extra
+    import litellm  # in the test extra
     _, running, _ = served
     kwargs = dict(model=f"openai/{MODEL}", api_base=running.v1, api_key="unused", max_tokens=80, temperature=0,
                   messages=[{"role": "user", "content": "Extract it."}])
