@@ -121,6 +121,10 @@ class EngineConfig:
     # the engine's process, their tensors coming back in shared memory (multimodal/preprocess_pool.py);
     # 0 prepares them on the engine's own threads.
     mm_processor_workers: int = 0
+    # Where AsyncMMEngine runs the scheduler, the caches and the model: "thread" (a thread of the calling
+    # process) or "process" (an engine-core process of its own, engine/core_process.py; the calling
+    # process keeps the intake, tokenizing and preprocessing). MMEngine itself always runs in-process.
+    engine_core: str = "thread"
     # Overrides of the checkpoint's image-processor settings, e.g. {"max_pixels": 1003520} for
     # native-resolution families (Qwen2-VL): they bound each image's token count and so the encoder budget.
     mm_processor_kwargs: dict[str, int] | None = None
@@ -204,6 +208,7 @@ class EngineConfig:
         )
         _require(self.attn_backend in ("auto", "torch", "triton"), "attn_backend", self.attn_backend, "'auto', 'torch' or 'triton'")
         _require(self.cascade_attention in ("auto", "on", "off"), "cascade_attention", self.cascade_attention, "'auto', 'on' or 'off'")
+        _require(self.engine_core in ("thread", "process"), "engine_core", self.engine_core, "'thread' or 'process'")
         _require(self.async_scheduling in ("auto", "on", "off"), "async_scheduling", self.async_scheduling, "'auto', 'on' or 'off'")
         _require(self.quantization in (None, *QUANTIZATION_METHODS), "quantization", self.quantization,
                  f"None or one of {', '.join(QUANTIZATION_METHODS)}")

@@ -49,6 +49,11 @@ class AdapterInUseError(AdapterError):
     """An adapter cannot be removed while requests that use it are queued or running."""
 
 
+class EngineDeadError(MMEngineError, RuntimeError):
+    """The engine serves nothing more: its step loop failed, its engine-core process died, or it was shut
+    down. Every request in flight and every new one gets it (the server answers 503, code engine_dead)."""
+
+
 class InvalidInputError(MMEngineError, ValueError):
     """A request's input is invalid. `prompt_index` names the offending prompt when known."""
 

@@ -28,9 +28,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from mmengine.engine.core_client import EngineCoreClient
 from mmengine.engine.intake import CheckedRequest
 from mmengine.engine.mm_engine import MMEngine
-from mmengine.errors import ConfigError, InvalidInputError, MMEngineError
+from mmengine.errors import ConfigError, EngineDeadError, InvalidInputError, MMEngineError
 from mmengine.lora.request import LoRARequest
 from mmengine.multimodal.image_loading import ImageInput
 from mmengine.outputs import RequestOutput, TokenLogprobs
@@ -51,10 +52,6 @@ class EngineOverloadedError(MMEngineError, RuntimeError):
 
     def __reduce__(self):
         return (self.__class__, (self.reason, self.retry_after))
-
-
-class EngineDeadError(MMEngineError, RuntimeError):
-    """The step loop has failed (or the engine was shut down): nothing more is served."""
 
 
 class RequestFailedError(MMEngineError, RuntimeError):
@@ -194,7 +191,7 @@ class AsyncMMEngine:
 
     def __init__(
         self,
-        engine: MMEngine,
+        engine: MMEngine | EngineCoreClient,
         *,
         max_queued_requests: int | None = None,
         num_preprocess_workers: int = 2,
@@ -224,6 +221,9 @@ class AsyncMMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.dead_error: BaseException | None = None  # why the step loop died, if it did
+        self._owns_engine = False  # from_model(engine_core="process"): shutdown() stops the core process
+        if isinstance(engine, EngineCoreClient):
+            engine.watch(self._wake.set)  # a core that dies wakes the loop, which then fails every stream
 
     @classmethod
     def from_model(
@@ -234,18 +234,26 @@ class AsyncMMEngine:
         num_preprocess_workers: int = 2,
         **engine_options: Any,
     ) -> AsyncMMEngine:
-        return cls(
-            MMEngine(model, **engine_options),
-            max_queued_requests=max_queued_requests,
-            num_preprocess_workers=num_preprocess_workers,
-        )
+        """`engine_core="process"` (an engine option) runs the scheduler, the caches and the model in an
+        engine-core process of its own (engine/core_client.py); shutdown() stops it."""
+        process = engine_options.get("engine_core") == "process"
+        engine = EngineCoreClient(model, **engine_options) if process else MMEngine(model, **engine_options)
+        try:
+            async_engine = cls(engine, max_queued_requests=max_queued_requests, num_preprocess_workers=num_preprocess_workers)
+        except BaseException:
+            if process:
+                engine.close()
+            raise
+        async_engine._owns_engine = process
+        return async_engine
 
     # -- state -------------------------------------------------------------------
 
     @property
     def is_healthy(self) -> bool:
         """False once the step loop has died (or the engine was shut down)."""
-        return self.dead_error is None and not self._stopping and (self._thread is None or self._thread.is_alive())
+        return (self.dead_error is None and getattr(self.engine, "dead_error", None) is None and not self._stopping
+                and (self._thread is None or self._thread.is_alive()))
 
     @property
     def num_queued(self) -> int:
@@ -361,6 +369,8 @@ class AsyncMMEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._owns_engine:
+            await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
 
     async def __aenter__(self) -> AsyncMMEngine:
         return self
@@ -402,6 +412,8 @@ class AsyncMMEngine:
     def _start(self) -> None:
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine loop has failed: {self.dead_error!r}")
+        if getattr(self.engine, "dead_error", None) is not None:  # an engine-core process that died
+            raise self.engine.dead_error
         if self._stopping:
             raise EngineDeadError("the engine has been shut down")
         if self._thread is None:
@@ -424,6 +436,8 @@ class AsyncMMEngine:
                     continue
                 try:
                     outputs = self.engine.step()
+                except EngineDeadError:  # an engine-core process died: nothing can be retried
+                    raise
                 except Exception as err:  # the step advanced nothing, so it can be retried
                     failures += 1
                     logger.exception("engine step failed (%d in a row)", failures)
@@ -471,6 +485,12 @@ class AsyncMMEngine:
             for output in outputs:
                 stream = self._streams.get(output.request_id)
                 if stream is None:  # aborted or failed meanwhile
+                    continue
+                error = getattr(output, "error", None)  # an engine core's FailedOutput: it could not queue it
+                if error is not None:
+                    del self._streams[output.request_id]
+                    self._num_queued -= not stream.started
+                    delivered.append((stream, error))
                     continue
                 if not stream.started and (output.token_ids or output.finished):
                     stream.started = True

@@ -60,6 +60,9 @@ class MMEngine:
 
     def __init__(self, model: str | os.PathLike, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(str(model), **kwargs)
+        if self.config.engine_core != "thread":
+            raise ConfigError("engine_core='process' is AsyncMMEngine's (AsyncMMEngine.from_model(path, engine_core='process')); "
+                              "MMEngine runs in the calling process")
         self.parts = parts = build_engine_parts(self.config)
         self.hf_config, self.family, self.max_model_len = parts.hf_config, parts.family, parts.max_model_len
         self.device, self.dtype, self.runner = parts.device, parts.dtype, parts.runner

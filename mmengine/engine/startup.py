@@ -64,7 +64,21 @@ class EngineParts:
     loras: LoRAManager | None
 
 
-def build_engine_parts(config: EngineConfig) -> EngineParts:
+@dataclass
+class InputParts:
+    """What an engine's intake needs, built without the model: the checkpoint's config and family, the
+    context length and the InputProcessor (tokenizer, processor, and its preprocessing workers)."""
+
+    hf_config: PretrainedConfig
+    family: ModelFamily
+    max_model_len: int
+    input_processor: InputProcessor
+
+
+def build_input_parts(config: EngineConfig) -> InputParts:
+    """The intake's parts alone (no weights are read): an engine-core process's front end builds these,
+    and build_engine_parts starts from them. The processor's KV-cache and per-item limits are set once
+    the model has sized its caches."""
     model_dir = Path(config.model)
     hf_config = load_hf_config(model_dir)
     family_class_for(hf_config)  # fail fast on unsupported architectures
@@ -72,8 +86,6 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     hf_processor = load_hf_processor(model_dir, config.mm_processor_kwargs)
     family = load_family(hf_config, hf_processor, model_dir)
     max_model_len = resolve_max_model_len(config, family)
-    device = config.resolve_device()
-    dtype = config.resolve_dtype(checkpoint_dtype(model_dir), device)
     input_processor = InputProcessor(
         model_dir, family, max_model_len, config.limit_mm_per_prompt, config.max_image_pixels,
         config.mm_processor_cache_bytes, config.prefix_caching_hash_algo, hf_processor=hf_processor,
@@ -82,7 +94,16 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
     )
     if config.mm_processor_workers:  # they start while the model loads
         input_processor.pool = _preprocess_pool(config, input_processor)
+    return InputParts(hf_config, family, max_model_len, input_processor)
+
+
+def build_engine_parts(config: EngineConfig) -> EngineParts:
+    model_dir = Path(config.model)
+    inputs = build_input_parts(config)
+    hf_config, family, max_model_len, input_processor = inputs.hf_config, inputs.family, inputs.max_model_len, inputs.input_processor
     try:
+        device = config.resolve_device()
+        dtype = config.resolve_dtype(checkpoint_dtype(model_dir), device)
         return _build_rest(config, model_dir, hf_config, family, max_model_len, device, dtype, input_processor)
     except BaseException:
         if input_processor.pool is not None:

@@ -8,6 +8,7 @@ from mmengine.encoder_cache.host_tier import EncoderHostTier
 from mmengine.kv_cache.host_tier import KVHostTier
 from mmengine.kv_cache.recurrent_state import RecurrentStateManager
 from mmengine.kv_cache.sliding_window import SlidingWindowManager
+from mmengine.multimodal.processor import InputProcessor
 
 if TYPE_CHECKING:
     from mmengine.engine.startup import EngineParts
@@ -34,14 +35,7 @@ def engine_stats(parts: EngineParts, steps: StepLoop) -> dict[str, int]:
         **_encoder_host_tier_stats(parts.encoder_host_tier),
         **_kv_host_tier_stats(kv_cache.host_tier),
         "reencodes_after_prefix_hit": scheduler.num_reencodes_after_prefix_hit,
-        "images_decoded": processor.num_images_decoded,
-        "images_preprocessed": processor.num_images_preprocessed,
-        "videos_decoded": processor.videos.num_videos_decoded,
-        "videos_preprocessed": processor.videos.num_videos_preprocessed,
-        "audios_decoded": processor.audios.num_audios_decoded if processor.audios is not None else 0,
-        "audios_preprocessed": processor.audios.num_audios_preprocessed if processor.audios is not None else 0,
-        "mm_processor_cache_hits": processor.cache.num_hits,
-        "mm_processor_cache_bytes": processor.cache.num_bytes,
+        **processor_stats(processor),
         "prefix_cache_queries": kv_cache.prefix_cache_queries,
         "prefix_cache_hits": kv_cache.prefix_cache_hits,
         "kv_blocks_total": kv_cache.num_blocks,
@@ -55,6 +49,20 @@ def engine_stats(parts: EngineParts, steps: StepLoop) -> dict[str, int]:
         **_state_stats(scheduler.states, runner.state_slot_bytes),
         **scheduler.sharing.stats(),
         **(parts.loras.stats() if parts.loras is not None else {}),
+    }
+
+
+def processor_stats(processor: InputProcessor) -> dict[str, int]:
+    """The intake's counters (an engine-core process's front end reports its own)."""
+    return {
+        "images_decoded": processor.num_images_decoded,
+        "images_preprocessed": processor.num_images_preprocessed,
+        "videos_decoded": processor.videos.num_videos_decoded,
+        "videos_preprocessed": processor.videos.num_videos_preprocessed,
+        "audios_decoded": processor.audios.num_audios_decoded if processor.audios is not None else 0,
+        "audios_preprocessed": processor.audios.num_audios_preprocessed if processor.audios is not None else 0,
+        "mm_processor_cache_hits": processor.cache.num_hits,
+        "mm_processor_cache_bytes": processor.cache.num_bytes,
     }
 
 

@@ -1,0 +1,343 @@
+"""EngineCoreClient: MMEngine's face for AsyncMMEngine, over an engine-core process (engine/core_process.py).
+
+The front end (this process) keeps the intake: argument checks, tokenizing, media loading and
+preprocessing (its InputProcessor is built without the model; with mm_processor_workers, on its own
+worker processes) and the structured-output checks. Prepared requests go to the core, whose scheduler,
+encoder cache and prefix cache serve them all; each step's outputs (detokenized by the core, where stop
+strings decide when a request ends) come back and are handed out by `step()`, as MMEngine.step does.
+Pixel tensors cross by file descriptor in shared memory (torch's reductions), never as pickled arrays.
+
+One receiver thread reads the core's messages and watches its process: if the core dies, `step()`,
+`has_unfinished_requests()`, `add_prepared_request()` and every call raise EngineDeadError, and the
+callbacks given to `watch()` are told at once (AsyncMMEngine wakes its loop with it, so an idle engine
+turns unhealthy too). `close()` stops the core and waits for it; a core outlives no front end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import logging
+import os
+import queue
+import threading
+import uuid
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as torch_mp  # registers torch's reductions: tensors cross in shared memory
+
+from mmengine.config import EngineConfig
+from mmengine.engine.core_process import (
+    ABORT, ADD, CALL, FAILED, OUTPUTS, READY, REPLY, REQUEST_FAILED, STEP_FAILED, core_main,
+)
+from mmengine.engine.intake import PreparedRequest, RequestIntake
+from mmengine.engine.startup import build_input_parts, eos_token_ids_of
+from mmengine.engine.stats import processor_stats
+from mmengine.errors import ConfigError, EngineDeadError
+from mmengine.outputs import RequestOutput
+from mmengine.sample.structured_output.grammar import GrammarCompiler
+
+logger = logging.getLogger(__name__)
+
+_POLL_SECONDS = 0.05  # the longest step() waits for outputs (so the caller's loop applies aborts meanwhile)
+_JOIN_SECONDS = 5.0
+_CALL_SECONDS = 120.0
+_DIED = object()
+
+
+@dataclass
+class FailedOutput:
+    """A request the core could not queue: `step()` hands it out like an output; its stream raises `error`."""
+
+    request_id: str
+    error: BaseException
+    finished: bool = True
+
+
+class EngineCoreClient:
+    """The attributes and methods of MMEngine that AsyncMMEngine and the server use, over a core process."""
+
+    def __init__(self, model: str, **options: Any) -> None:
+        self.config = config = EngineConfig.from_kwargs(str(model), **options)
+        if config.enable_lora:
+            raise ConfigError("engine_core='process' does not serve LoRA adapters yet: use engine_core='thread'")
+        core_options = {**options, "engine_core": "thread", "mm_processor_workers": 0}
+        context = torch_mp.get_context("spawn")
+        self._connection, theirs = context.Pipe()
+        self.process = context.Process(target=core_main, args=(str(model), core_options, theirs), daemon=True,
+                                       name="mmengine-engine-core")
+        with _core_environment():
+            self.process.start()  # the model loads there while the intake is built here
+        theirs.close()
+        self._finalizer = weakref.finalize(self, _stop_core, self.process, self._connection, None)
+        try:
+            inputs = build_input_parts(config)
+            self.input_processor = inputs.input_processor
+            info = self._wait_until_ready()
+        except BaseException:
+            self._finalizer()
+            raise
+        self._finalizer.detach()
+        pool = inputs.input_processor.pool
+        self._finalizer = weakref.finalize(self, _stop_core, self.process, self._connection, pool)
+        self.hf_config, self.family, self.max_model_len = inputs.hf_config, inputs.family, inputs.max_model_len
+        self.tokenizer = self.input_processor.tokenizer
+        self.input_processor.max_tokens_in_kv_cache = info["max_tokens_in_kv_cache"]
+        self.input_processor.max_tokens_per_item = info["max_tokens_per_item"]
+        self.eos_token_ids = eos_token_ids_of(Path(config.model), self.hf_config, self.tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, self.family.text_config.vocab_size, self.eos_token_ids)
+        self.loras = None
+        self.lock = threading.RLock()  # the intake's (the adapter books it guards live in no front end)
+        self.intake = RequestIntake(self.input_processor, self.grammars, self.family.text_config.vocab_size, None, self.lock)
+        self.dead_error: EngineDeadError | None = None
+        self._closing = False
+        self._send_lock = threading.Lock()
+        self._books = threading.Lock()
+        self._in_core: dict[str, tuple[str | None, list[int]]] = {}  # request id -> its prompt and token ids
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # the core's outputs, for step()
+        self._backlog: deque[Any] = deque()
+        self._calls: dict[int, Future] = {}
+        self._call_ids = itertools.count()
+        self._watchers: list[Callable[[], None]] = []
+        self._receiver = threading.Thread(target=self._receive, name="mmengine-core-receiver", daemon=True)
+        self._receiver.start()
+
+    def _wait_until_ready(self) -> dict[str, Any]:
+        ready = wait([self._connection, self.process.sentinel])
+        if self._connection in ready:
+            try:
+                status, payload = self._connection.recv()
+            except (EOFError, OSError):
+                pass
+            else:
+                if status == READY:
+                    return payload
+                if status == FAILED:
+                    raise payload
+        self.process.join(_JOIN_SECONDS)
+        raise EngineDeadError(f"the engine-core process died while starting (exit code {self.process.exitcode})")
+
+    # -- state -----------------------------------------------------------------
+
+    @property
+    def core_pid(self) -> int | None:
+        return self.process.pid
+
+    def watch(self, callback: Callable[[], None]) -> None:
+        """`callback()` is called (on the receiver thread) when the core dies; at once if it has."""
+        with self._books:
+            self._watchers.append(callback)
+            dead = self.dead_error is not None
+        if dead:
+            callback()
+
+    def _check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise self.dead_error
+
+    # -- MMEngine's request methods --------------------------------------------
+
+    def add_prepared_request(self, prepared: PreparedRequest) -> str:
+        """Sends a prepared request to the core (its tensors by fd, in shared memory); returns its id."""
+        self._check_alive()
+        request_id = prepared.request_id or f"req-{uuid.uuid4().hex}"
+        if prepared.request_id is None:
+            prepared = dataclasses.replace(prepared, request_id=request_id)
+        processed = prepared.processed
+        with self._books:
+            self._in_core[request_id] = (processed.prompt, processed.prompt_token_ids)
+        self._send((ADD, prepared))
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Tells the core to stop a request (its final "abort" output follows); False if it was not sent there."""
+        with self._books:
+            known = request_id in self._in_core
+        if known:
+            try:
+                self._send((ABORT, request_id))
+            except EngineDeadError:
+                pass
+        return known
+
+    def has_unfinished_requests(self) -> bool:
+        self._check_alive()
+        with self._books:
+            return bool(self._in_core) or bool(self._backlog) or not self._inbox.empty()
+
+    def step(self) -> list[RequestOutput | FailedOutput]:
+        """The outputs the core sent since the last call (waiting briefly for some when there are none).
+        A step the core failed raises here, after the outputs before it were handed out."""
+        if not self._backlog:
+            try:
+                self._backlog.append(self._inbox.get(timeout=_POLL_SECONDS))
+            except queue.Empty:
+                self._check_alive()
+                return []
+        while True:
+            try:
+                self._backlog.append(self._inbox.get_nowait())
+            except queue.Empty:
+                break
+        outputs: list[RequestOutput | FailedOutput] = []
+        while self._backlog:
+            message = self._backlog[0]
+            if message is _DIED or message[0] == STEP_FAILED:
+                if outputs:
+                    return outputs
+                self._backlog.popleft()
+                if message is _DIED:
+                    self._backlog.appendleft(message)  # every later call raises too
+                    raise self.dead_error
+                raise RuntimeError(f"the engine core's step failed: {message[1]}")
+            self._backlog.popleft()
+            if message[0] == OUTPUTS:
+                outputs.extend(self._restore(output) for output in message[1])
+            elif message[0] == REQUEST_FAILED:
+                with self._books:
+                    self._in_core.pop(message[1], None)
+                outputs.append(FailedOutput(message[1], message[2]))
+        return outputs
+
+    def _restore(self, output: RequestOutput) -> RequestOutput:
+        with self._books:
+            prompt, token_ids = (self._in_core.pop if output.finished else self._in_core.get)(output.request_id, (None, []))
+        output.prompt, output.prompt_token_ids = prompt, token_ids
+        return output
+
+    # -- calls -----------------------------------------------------------------
+
+    def stats(self) -> dict[str, int]:
+        """The core's counters, with the intake's (decoding, preprocessing, the processor cache) from here."""
+        return {**self._call("stats"), **processor_stats(self.input_processor)}
+
+    def reset_prefix_cache(self) -> None:
+        self._call("reset_prefix_cache")
+
+    def reset_encoder_cache(self) -> None:
+        self._call("reset_encoder_cache")
+
+    def list_loras(self) -> list[str]:
+        return []
+
+    def add_lora(self, lora: Any) -> bool:
+        raise ConfigError("LoRA adapters need an engine started with enable_lora=True (and engine_core='thread')")
+
+    remove_lora = add_lora
+
+    def update_weights(self, weights: Any) -> int:
+        raise ConfigError("update_weights is not served with engine_core='process' yet: use engine_core='thread'")
+
+    def beam_search(self, *args: Any, **kwargs: Any) -> Any:
+        raise ConfigError("beam search is not served with engine_core='process' yet: use engine_core='thread'")
+
+    def _call(self, name: str) -> Any:
+        self._check_alive()
+        future: Future = Future()
+        call_id = next(self._call_ids)
+        with self._books:
+            self._calls[call_id] = future
+        if self.dead_error is not None:  # died before the call was booked: nobody else resolves it
+            raise self.dead_error
+        self._send((CALL, call_id, name))
+        return future.result(_CALL_SECONDS)
+
+    # -- the pipe --------------------------------------------------------------
+
+    def _send(self, message: Any) -> None:
+        try:
+            with self._send_lock:
+                self._connection.send(message)
+        except (OSError, ValueError) as err:  # a closed pipe: the core is gone (the receiver says why)
+            self._receiver.join(_JOIN_SECONDS)
+            raise self.dead_error or EngineDeadError(f"the engine-core process is gone: {err}") from err
+
+    def _receive(self) -> None:
+        connection, sentinel = self._connection, self.process.sentinel
+        try:
+            while True:
+                ready = wait([connection, sentinel])
+                if connection not in ready:
+                    break
+                try:
+                    message = connection.recv()
+                except (EOFError, OSError):
+                    break
+                if message[0] == REPLY:
+                    _, call_id, ok, value = message
+                    with self._books:
+                        future = self._calls.pop(call_id, None)
+                    if future is not None:
+                        future.set_result(value) if ok else future.set_exception(value)
+                else:
+                    self._inbox.put(message)
+        finally:
+            self._died()
+
+    def _died(self) -> None:
+        self.process.join(_JOIN_SECONDS)
+        if self._closing:
+            error = EngineDeadError("the engine has been shut down")
+        else:
+            error = EngineDeadError(f"the engine-core process died (exit code {self.process.exitcode}): "
+                                    "every request in flight has failed")
+            logger.error("%s", error)
+        with self._books:
+            self.dead_error = error
+            calls, self._calls = list(self._calls.values()), {}
+            watchers = list(self._watchers)
+        for future in calls:
+            future.set_exception(error)
+        self._inbox.put(_DIED)
+        for callback in watchers:
+            callback()
+
+    def close(self) -> None:
+        """Stops the core (requests in it end) and the intake's worker processes, and waits for them."""
+        self._closing = True
+        self._finalizer()  # the core is told to stop and waited for (killed if it does not)
+        self._receiver.join(_JOIN_SECONDS)
+        self._connection.close()
+        self.input_processor.pool = None
+
+    def __enter__(self) -> EngineCoreClient:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def _core_environment() -> Iterator[None]:
+    """The environment the core process starts with: OpenMP threads that sleep when idle rather than spin
+    (unless the caller chose a policy). The core and its front end share the machine's cores; a spinning
+    thread pool in one process takes them from the other (on 2 cores, steps ran several times slower)."""
+    chosen = os.environ.get("OMP_WAIT_POLICY")
+    if chosen is None:
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+    try:
+        yield
+    finally:
+        if chosen is None:
+            os.environ.pop("OMP_WAIT_POLICY", None)
+
+
+def _stop_core(process: Any, connection: Any, pool: Any) -> None:
+    try:
+        connection.send(None)
+    except (OSError, ValueError):
+        pass
+    process.join(_JOIN_SECONDS)
+    if process.is_alive():
+        process.kill()
+        process.join(_JOIN_SECONDS)
+    if pool is not None:
+        pool.close()

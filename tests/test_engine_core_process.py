@@ -1,0 +1,249 @@
+"""AsyncMMEngine with its engine core in a process of its own (engine_core="process", engine/core_client.py and
+engine/core_process.py): the greedy tokens and stream deltas of the thread core, one encoder cache for every
+request, a stream left early aborted in the core, bad pictures failing in the front end with their typed
+errors, a killed core turning into EngineDeadError for requests in flight and new ones within seconds, and no
+process left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from mmengine import MMEngine, SamplingParams
+from mmengine.engine.async_engine import AsyncMMEngine, DeltaOutput
+from mmengine.engine.core_client import EngineCoreClient
+from mmengine.errors import ConfigError, CorruptImageError, EngineDeadError, ImageCountMismatchError
+from mmengine.testing import make_test_image
+from mmengine.testing.qwen_vl import qwen_vl_prompt
+
+LLAVA_PROMPT = "USER: <image>\nWhat is shown here? ASSISTANT:"
+LLAVA_TWO = "USER: <image>\n<image>\nCompare them. ASSISTANT:"
+TEXT_PROMPT = "USER: Tell me a story. ASSISTANT:"
+OPTIONS = {"max_model_len": 256, "dtype": "float32", "device": "cpu"}
+
+
+def run(coroutine, timeout: float = 120):
+    return asyncio.run(asyncio.wait_for(coroutine, timeout))
+
+
+def greedy(max_tokens: int, **extra) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, **extra)
+
+
+def jpeg(seed: int) -> bytes:
+    buffer = io.BytesIO()
+    make_test_image(seed, size=(96, 80)).save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def alive(pid: int | None) -> bool:
+    try:
+        return pid is not None and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+async def collect(stream) -> tuple[str, list[int], list[DeltaOutput]]:
+    deltas = [delta async for delta in stream]
+    return "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids], deltas
+
+
+@pytest.fixture(scope="module")
+def llava(checkpoint_dir):
+    return str(checkpoint_dir())
+
+
+@pytest.fixture(scope="module")
+def thread_engine(llava):
+    return MMEngine(llava, **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def core(llava):
+    """One engine-core process for the module; each test drives it through an AsyncMMEngine of its own (an
+    AsyncMMEngine serves one event loop)."""
+    client = EngineCoreClient(llava, engine_core="process", **OPTIONS)
+    pid = client.core_pid
+    assert alive(pid)
+    yield client
+    client.close()
+    assert not alive(pid)  # stopped and reaped
+
+
+async def run_batch(engine, requests) -> list[tuple[str, list[int], list[DeltaOutput]]]:
+    async with AsyncMMEngine(engine) as async_engine:
+        streams = [await async_engine.add_request(prompt, images, params) for prompt, images, params in requests]
+        return await asyncio.gather(*(collect(stream) for stream in streams))
+
+
+def test_the_process_core_gives_the_thread_cores_tokens_and_deltas(core, thread_engine):
+    red, blue = jpeg(1), make_test_image(2)
+    requests = [(LLAVA_PROMPT, [red], greedy(10)), (LLAVA_TWO, [blue, red], greedy(8)), (TEXT_PROMPT, None, greedy(6)),
+                (LLAVA_PROMPT, [blue], greedy(12, stop=["e"]))]
+    got = run(run_batch(core, requests))
+    want = run(run_batch(thread_engine, requests))
+    for (text, tokens, deltas), (want_text, want_tokens, want_deltas) in zip(got, want):
+        assert (text, tokens) == (want_text, want_tokens)
+        assert all(not d.finished for d in deltas[:-1]) and deltas[-1].finished
+        for field in ("finish_reason", "stop_reason", "num_prompt_tokens", "num_output_tokens", "prompt_token_ids"):
+            assert getattr(deltas[-1], field) == getattr(want_deltas[-1], field), field
+
+
+def test_a_picture_shared_by_two_requests_is_encoded_once_in_the_core(core):
+    picture = jpeg(11)
+    before = core.stats()
+    run(run_batch(core, [(LLAVA_PROMPT, [picture], greedy(3)), (LLAVA_TWO, [picture, picture], greedy(3))]))
+    after = core.stats()
+    assert after["encoder_runs"] - before["encoder_runs"] == 1
+    assert after["images_decoded"] - before["images_decoded"] == 1  # the front end's intake decoded it once
+
+
+def test_leaving_a_stream_aborts_its_request_in_the_core(core):
+    before = core.stats()
+
+    async def main():
+        async with AsyncMMEngine(core) as async_engine:
+            stream = await async_engine.add_request(LLAVA_PROMPT, [jpeg(21)], greedy(200, ignore_eos=True))
+            seen = 0
+            async for _ in stream:
+                seen += 1
+                if seen == 2:
+                    break
+            deadline = time.monotonic() + 10
+            while core.has_unfinished_requests() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return core.stats()
+
+    after = run(main())
+    assert after["requests_running"] == after["requests_waiting"] == 0
+    assert after["encoder_cache_referenced"] == 0 and after["kv_blocks_free"] == after["kv_blocks_total"]
+    assert 2 <= after["generation_tokens"] - before["generation_tokens"] < 200
+
+
+def test_bad_pictures_fail_in_the_front_end_with_their_typed_errors(core, thread_engine):
+    async def ask(engine, images, prompt=LLAVA_PROMPT):
+        async with AsyncMMEngine(engine) as async_engine:
+            with pytest.raises((CorruptImageError, ImageCountMismatchError)) as err:
+                await async_engine.add_request(prompt, images, greedy(2))
+            return type(err.value), str(err.value)
+
+    before = core.stats()
+    for images, prompt in (([jpeg(31)[:200]], LLAVA_PROMPT), ([jpeg(32)], LLAVA_TWO)):
+        got, want = run(ask(core, images, prompt)), run(ask(thread_engine, images, prompt))
+        assert got == want
+    assert run(ask(core, [jpeg(33)[:100]]))[1].startswith("prompt 0: image 0: ")
+    assert core.stats()["prompt_tokens"] == before["prompt_tokens"]  # nothing reached the core
+
+
+def test_mm_engine_refuses_a_process_core(llava):
+    with pytest.raises(ConfigError, match="engine_core='process' is AsyncMMEngine's"):
+        MMEngine(llava, engine_core="process", **OPTIONS)
+
+
+def test_a_killed_core_fails_every_request_fast_and_leaves_no_process(llava):
+    async def main():
+        async_engine = AsyncMMEngine.from_model(llava, engine_core="process", **OPTIONS)
+        pid = async_engine.engine.core_pid
+        streams = [await async_engine.add_request(LLAVA_PROMPT, [jpeg(40 + i)], greedy(200, ignore_eos=True))
+                   for i in range(2)]
+        iterators = [aiter(stream) for stream in streams]
+        for iterator in iterators:
+            await anext(iterator)  # both running in the core
+        assert async_engine.is_healthy
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        for iterator in iterators:
+            with pytest.raises(EngineDeadError, match=r"engine-core process died \(exit code -9\)"):
+                async for _ in iterator:
+                    pass
+        in_flight_failed = time.monotonic() - killed
+        with pytest.raises(EngineDeadError):
+            await async_engine.add_request(LLAVA_PROMPT, [jpeg(49)], greedy(2))
+        healthy = async_engine.is_healthy
+        await async_engine.shutdown()
+        return pid, in_flight_failed, time.monotonic() - killed, healthy
+
+    pid, in_flight_failed, new_failed, healthy = run(main(), timeout=180)
+    assert in_flight_failed < 10 and new_failed < 10
+    assert not healthy and not alive(pid)
+
+
+def test_a_core_killed_while_idle_turns_the_engine_unhealthy(llava):
+    async def main():
+        async_engine = AsyncMMEngine.from_model(llava, engine_core="process", **OPTIONS)
+        pid = async_engine.engine.core_pid
+        assert async_engine.is_healthy
+        os.kill(pid, signal.SIGKILL)
+        killed = time.monotonic()
+        while async_engine.is_healthy and time.monotonic() - killed < 10:
+            await asyncio.sleep(0.01)
+        healthy = async_engine.is_healthy
+        with pytest.raises(EngineDeadError):
+            await async_engine.add_request(TEXT_PROMPT, None, greedy(2))
+        await async_engine.shutdown()
+        return pid, healthy
+
+    pid, healthy = run(main(), timeout=180)
+    assert not healthy and not alive(pid)
+
+
+@pytest.fixture(scope="module")
+def qwen(family_checkpoint):
+    return str(family_checkpoint("qwen2_5_vl"))
+
+
+def test_qwen_through_the_process_core_with_preprocessing_workers(qwen):
+    """Qwen2.5-VL's M-RoPE positions and native-resolution pixels cross too; with preprocessing workers the
+    front end's pool prepares the pictures (their tensors already in shared memory)."""
+    prompts = [qwen_vl_prompt(f"Question {i}: what is here?", 1) for i in range(3)]
+    pictures = [jpeg(50), jpeg(51), jpeg(50)]
+    reference = MMEngine(qwen, **OPTIONS).generate(prompts, images=[[p] for p in pictures], sampling_params=greedy(6),
+                                                   use_tqdm=False)
+
+    async def main():
+        async_engine = AsyncMMEngine.from_model(qwen, engine_core="process", mm_processor_workers=1, **OPTIONS)
+        try:
+            streams = [await async_engine.add_request(prompt, [picture], greedy(6)) for prompt, picture in zip(prompts, pictures)]
+            results = await asyncio.gather(*(collect(stream) for stream in streams))
+            return results, async_engine.engine.stats()
+        finally:
+            await async_engine.shutdown()
+
+    results, stats = run(main(), timeout=240)
+    assert [tokens for _, tokens, _ in results] == [out.token_ids for out in reference]
+    assert stats["encoder_runs"] == 2  # two distinct pictures
+
+
+def test_the_server_over_a_process_core_answers_and_turns_503_when_it_dies(llava):
+    """`mmengine serve --engine-core process` in miniature: completions and /metrics through the core; a killed
+    core makes /health and every request a 503 (engine_dead) within seconds."""
+    httpx = pytest.importorskip("httpx")
+    from mmengine.entrypoints.api_server import ServerSettings
+    from serve_helpers import running_server
+
+    async_engine = AsyncMMEngine.from_model(llava, engine_core="process", **OPTIONS)
+    pid = async_engine.engine.core_pid
+    body = {"model": "tiny", "prompt": TEXT_PROMPT, "max_tokens": 4, "temperature": 0}
+    try:
+        with running_server(async_engine, ServerSettings("tiny")) as server:
+            answer = httpx.post(server.v1 + "/completions", json=body, timeout=60)
+            assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 4
+            assert server.metrics()["mmengine_prompt_tokens_total"] > 0  # the core's counters, by a call
+            assert httpx.get(server.base_url + "/health").status_code == 200
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            while httpx.get(server.base_url + "/health").status_code == 200 and time.monotonic() - killed < 10:
+                time.sleep(0.05)
+            assert httpx.get(server.base_url + "/health").status_code == 503
+            refused = httpx.post(server.v1 + "/completions", json=body, timeout=60)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
+            assert time.monotonic() - killed < 10
+    finally:
+        async_engine.engine.close()
+    assert not alive(pid)
