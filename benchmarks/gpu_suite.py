@@ -447,7 +447,7 @@ PARTS: list[Part] = [
     Part("preprocess", "47", 3, ("qwen2_5_vl_7b",),
          lambda ctx: _bench("preprocess.py", ctx, "preprocess", "--families", "qwen2.5", "--photos", "12", "--workers", "1,8",
                             "--encoder-model", _model(ctx, "qwen2_5_vl_7b"), "--device", "cuda"),
-         lambda ctx: _bench("preprocess.py", ctx, "preprocess", "--families", "qwen2.5", "--photos", "1", "--repeats", "1",
+         lambda ctx: _bench("preprocess.py", ctx, "preprocess", "--families", "none", "--photos", "1", "--repeats", "1",
                             "--workers", "1", "--encoder-model", _model(ctx, "qwen2_5_vl_7b"), "--device", "cpu"),
          _preprocess_reads),
     Part("tests", "27", 8, (), _tests_args,

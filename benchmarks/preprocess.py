@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--photos", type=int, default=12, help="distinct 1920x1080 photos (and a third as many 4000x3000)")
     parser.add_argument("--repeats", type=int, default=2, help="passes over the photos; the best median counts")
-    parser.add_argument("--families", nargs="*", help="substrings of the family names to run (default: all)")
+    parser.add_argument("--families", nargs="*", help="substrings of the family names to run (default: all; `none` skips the table)")
     parser.add_argument("--workers", default="1,2", help="preprocessing pool sizes to time (comma-separated; empty: none)")
     parser.add_argument("--encoder-model", help="a Qwen2.5-VL checkpoint whose vision encoder is timed on the same photos")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="the encoder's device")

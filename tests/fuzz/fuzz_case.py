@@ -148,8 +148,9 @@ def make_case(seed: int, quick: bool = False, triton: bool = False) -> FuzzCase:
     }
     if family == "gemma4":  # a chunk holds a picture whole: the budget must hold the largest (70 tokens)
         options["max_num_batched_tokens"] = max(int(options["max_num_batched_tokens"]), 96)
-    if triton:
-        options |= {"attn_backend": "triton", "cascade_attention": "on"}
+    if triton:  # larger chunks and batches: fewer steps in the interpreter, and requests in flight together
+        options |= {"attn_backend": "triton", "cascade_attention": "on", "max_num_seqs": max(3, int(options["max_num_seqs"])),
+                    "max_num_batched_tokens": max(64, int(options["max_num_batched_tokens"]))}
     elif not quick and rng.random() < 0.1:
         options["attn_backend"] = "triton"  # Triton's interpreter on a CPU: slow, so only now and then
     adapters = []
