@@ -14,9 +14,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
+import openai
 import PIL.Image
 import uvicorn
 
+from mmengine import MMEngine
 from mmengine.engine.async_engine import AsyncMMEngine
 from mmengine.entrypoints.api_server import ServerSettings, build_app
 
@@ -70,6 +72,15 @@ def running_server(async_engine: AsyncMMEngine, settings: ServerSettings) -> Ite
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+@contextlib.contextmanager
+def reference_server(path) -> Iterator[tuple[MMEngine, RunningServer, openai.OpenAI]]:
+    """The tiny model in fp32 on the CPU (the precision transformers' reference runs in) behind a server,
+    and an openai client for it."""
+    engine = MMEngine(str(path), max_model_len=256, device="cpu", dtype="float32")
+    with running_server(AsyncMMEngine(engine), ServerSettings(MODEL_NAME)) as running:
+        yield engine, running, openai.OpenAI(base_url=running.v1, api_key="unused", max_retries=0)
 
 
 def data_url(image: PIL.Image.Image, fmt: str = "PNG") -> str:

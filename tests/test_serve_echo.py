@@ -16,12 +16,10 @@ import httpx
 import openai
 import pytest
 import torch
-from serve_helpers import MODEL_NAME, running_server
+from serve_helpers import MODEL_NAME, reference_server
 
 from conftest import CPU_FP32, _hf_model
 from mmengine import MMEngine
-from mmengine.engine.async_engine import AsyncMMEngine
-from mmengine.entrypoints.api_server import ServerSettings
 from mmengine.entrypoints.logprobs_format import token_text
 
 PROMPT = "USER: tell me about the boats on the river ASSISTANT:"
@@ -30,9 +28,8 @@ PROMPT = "USER: tell me about the boats on the river ASSISTANT:"
 @pytest.fixture(scope="module")
 def served(checkpoint_dir):
     path = checkpoint_dir()
-    engine = MMEngine(str(path), max_model_len=256, device="cpu", dtype="float32")
-    with running_server(AsyncMMEngine(engine), ServerSettings(MODEL_NAME)) as running:
-        yield path, engine, running, openai.OpenAI(base_url=running.v1, api_key="unused", max_retries=0)
+    with reference_server(path) as (engine, running, client):
+        yield path, engine, running, client
 
 
 def _log_softmax(path, ids: list[int]) -> torch.Tensor:

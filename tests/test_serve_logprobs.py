@@ -7,12 +7,10 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
-from serve_helpers import MODEL_NAME, running_server
+from serve_helpers import MODEL_NAME, reference_server
 
 from conftest import CPU_FP32, _hf_model
 from mmengine import MMEngine
-from mmengine.engine.async_engine import AsyncMMEngine
-from mmengine.entrypoints.api_server import ServerSettings
 from mmengine.entrypoints.logprobs_format import token_text
 
 PROMPT = "USER: tell me about the boats on the river ASSISTANT:"
@@ -21,9 +19,8 @@ PROMPT = "USER: tell me about the boats on the river ASSISTANT:"
 @pytest.fixture(scope="module")
 def served(checkpoint_dir):
     path = checkpoint_dir()
-    engine = MMEngine(str(path), max_model_len=256, device="cpu", dtype="float32")
-    with running_server(AsyncMMEngine(engine), ServerSettings(MODEL_NAME)) as running:
-        yield path, engine, openai.OpenAI(base_url=running.v1, api_key="unused", max_retries=0)
+    with reference_server(path) as (engine, running, client):
+        yield path, engine, client
 
 
 def _reference(path, prompt_ids: list[int], output_ids: list[int]) -> torch.Tensor:
@@ -122,9 +119,7 @@ def test_logprobs_need_no_grammar_engine_and_a_grammar_it_cannot_serve_is_a_400(
         raise UnsupportedModelError("structured output cannot use this tokenizer: llguidance says it has no byte decoder")
 
     monkeypatch.setattr(GrammarCompiler, "tokenizer", property(unreadable))
-    engine = MMEngine(str(checkpoint_dir()), max_model_len=256, device="cpu", dtype="float32")
-    with running_server(AsyncMMEngine(engine), ServerSettings(MODEL_NAME)) as running:
-        client = openai.OpenAI(base_url=running.v1, api_key="unused", max_retries=0)
+    with reference_server(checkpoint_dir()) as (engine, _, client):
         answer = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
                                            extra_body={"ignore_eos": True, "prompt_logprobs": 1})
         (offline,) = engine.generate(PROMPT, sampling_params=SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
