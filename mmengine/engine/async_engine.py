@@ -196,7 +196,9 @@ class AsyncMMEngine:
         max_queued_requests: int | None = None,
         num_preprocess_workers: int = 2,
         max_step_retries: int = 1,
+        owns_engine: bool = False,
     ) -> None:
+        """`owns_engine`: shutdown() also closes an EngineCoreClient engine (the front end leaves its core)."""
         for name, value, low in (
             ("max_queued_requests", max_queued_requests, 1),
             ("num_preprocess_workers", num_preprocess_workers, 1),
@@ -221,7 +223,8 @@ class AsyncMMEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = False
         self.dead_error: BaseException | None = None  # why the step loop died, if it did
-        self._owns_engine = False  # from_model(engine_core="process"): shutdown() stops the core process
+        self._owns_engine = owns_engine
+        self.load_listener: Callable[[], None] | None = None  # told when num_in_flight or num_queued may have changed
         if isinstance(engine, EngineCoreClient):
             engine.watch(self._wake.set)  # a core that dies wakes the loop, which then fails every stream
 
@@ -239,13 +242,12 @@ class AsyncMMEngine:
         process = engine_options.get("engine_core") == "process"
         engine = EngineCoreClient(model, **engine_options) if process else MMEngine(model, **engine_options)
         try:
-            async_engine = cls(engine, max_queued_requests=max_queued_requests, num_preprocess_workers=num_preprocess_workers)
+            return cls(engine, max_queued_requests=max_queued_requests, num_preprocess_workers=num_preprocess_workers,
+                       owns_engine=process)
         except BaseException:
             if process:
                 engine.close()
             raise
-        async_engine._owns_engine = process
-        return async_engine
 
     # -- state -------------------------------------------------------------------
 
@@ -263,6 +265,10 @@ class AsyncMMEngine:
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
+
+    def _load_changed(self) -> None:
+        if self.load_listener is not None:
+            self.load_listener()
 
     # -- requests ----------------------------------------------------------------
 
@@ -300,6 +306,7 @@ class AsyncMMEngine:
                 raise InvalidInputError(f"request id {request_id!r} is already in use")
             self._streams[request_id] = stream
             self._num_queued += 1
+        self._load_changed()
         try:
             await self.run_in_pool(
                 self._process_and_queue, stream, checked, fill_max_tokens
@@ -343,6 +350,7 @@ class AsyncMMEngine:
                 stream.cancelled = True
                 self._num_queued -= not stream.started
             self._aborts.append(request_id)
+        self._load_changed()
         self._wake.set()
 
     async def run_in_pool(self, function: Callable[..., T], *args: Any) -> T:
@@ -466,6 +474,7 @@ class AsyncMMEngine:
             stream = queued[-1]
             del self._streams[stream.request_id]
             self._num_queued -= not stream.started
+        self._load_changed()
         self.engine.abort_request(stream.request_id)
         logger.error("failing request %s: engine steps keep failing while it is in flight", stream.request_id)
         failure = RequestFailedError(f"request {stream.request_id} failed: engine steps kept raising {err!r}")
@@ -498,6 +507,7 @@ class AsyncMMEngine:
                 if output.finished:
                     del self._streams[output.request_id]
                 delivered.append((stream, output))
+        self._load_changed()
         for stream, output in delivered:
             stream._put(output)
 
@@ -505,5 +515,6 @@ class AsyncMMEngine:
         with self._lock:
             streams, self._streams = list(self._streams.values()), {}
             self._num_queued = 0
+        self._load_changed()
         for stream in streams:
             stream._put(EngineDeadError(f"the engine loop has failed: {err!r}"))

@@ -7,10 +7,15 @@ encoder cache and prefix cache serve them all; each step's outputs (detokenized 
 strings decide when a request ends) come back and are handed out by `step()`, as MMEngine.step does.
 Pixel tensors cross by file descriptor in shared memory (torch's reductions), never as pickled arrays.
 
+With `core_address`, it connects to a core another process spawned and shares it with that core's other
+front ends (`mmengine serve --api-server-count N`); the core routes each request's outputs to the front end
+that sent it.
+
 One receiver thread reads the core's messages and watches its process: if the core dies, `step()`,
 `has_unfinished_requests()`, `add_prepared_request()` and every call raise EngineDeadError, and the
 callbacks given to `watch()` are told at once (AsyncMMEngine wakes its loop with it, so an idle engine
-turns unhealthy too). `close()` stops the core and waits for it; a core outlives no front end.
+turns unhealthy too). `close()` stops a core this front end spawned and waits for it (a core outlives no
+owner); a connected front end's `close()` only leaves (the core aborts its requests).
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ import logging
 import os
 import queue
 import threading
+import time
 import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from multiprocessing.connection import wait
+from multiprocessing.connection import Client, Connection, wait
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +56,7 @@ logger = logging.getLogger(__name__)
 _POLL_SECONDS = 0.05  # the longest step() waits for outputs (so the caller's loop applies aborts meanwhile)
 _JOIN_SECONDS = 5.0
 _CALL_SECONDS = 120.0
+_CONNECT_SECONDS = 300.0  # a core listens before it loads the model: this bounds only a core that never started
 _DIED = object()
 
 
@@ -65,29 +72,41 @@ class FailedOutput:
 class EngineCoreClient:
     """The attributes and methods of MMEngine that AsyncMMEngine and the server use, over a core process."""
 
-    def __init__(self, model: str, **options: Any) -> None:
+    def __init__(self, model: str, *, core_address: str | None = None, core_authkey: bytes | None = None,
+                 **options: Any) -> None:
+        """Spawns an engine-core process for this front end; with `core_address` (and its `core_authkey`),
+        connects to a running one instead (one of `mmengine serve --api-server-count N`'s front ends)."""
         self.config = config = EngineConfig.from_kwargs(str(model), **options)
         if config.enable_lora:
             raise ConfigError("engine_core='process' does not serve LoRA adapters yet: use engine_core='thread'")
-        core_options = {**options, "engine_core": "thread", "mm_processor_workers": 0}
-        context = torch_mp.get_context("spawn")
-        self._connection, theirs = context.Pipe()
-        self.process = context.Process(target=core_main, args=(str(model), core_options, theirs), daemon=True,
-                                       name="mmengine-engine-core")
-        with _core_environment():
-            self.process.start()  # the model loads there while the intake is built here
-        theirs.close()
-        self._finalizer = weakref.finalize(self, _stop_core, self.process, self._connection, None)
+        self.process: Any = None  # the core, when this front end spawned it (else another process owns it)
+        if core_address is None:
+            core_options = {**options, "engine_core": "thread", "mm_processor_workers": 0}
+            context = torch_mp.get_context("spawn")
+            self._connection, theirs = context.Pipe()
+            self.process = context.Process(target=core_main, args=(str(model), core_options, theirs), daemon=True,
+                                           name="mmengine-engine-core")
+            with core_environment():
+                self.process.start()  # the model loads there while the intake is built here
+            theirs.close()
+            self._finalizer = weakref.finalize(self, _stop_core, self.process, self._connection, None)
         try:
             inputs = build_input_parts(config)
             self.input_processor = inputs.input_processor
+            if core_address is not None:
+                self._connection = _connect(core_address, core_authkey)
             info = self._wait_until_ready()
         except BaseException:
-            self._finalizer()
+            if self.process is not None:
+                self._finalizer()
+            elif getattr(self, "input_processor", None) is not None and self.input_processor.pool is not None:
+                self.input_processor.pool.close()
             raise
-        self._finalizer.detach()
+        if self.process is not None:
+            self._finalizer.detach()
         pool = inputs.input_processor.pool
         self._finalizer = weakref.finalize(self, _stop_core, self.process, self._connection, pool)
+        self._core_pid: int = info["pid"]
         self.hf_config, self.family, self.max_model_len = inputs.hf_config, inputs.family, inputs.max_model_len
         self.tokenizer = self.input_processor.tokenizer
         self.input_processor.max_tokens_in_kv_cache = info["max_tokens_in_kv_cache"]
@@ -110,8 +129,12 @@ class EngineCoreClient:
         self._receiver = threading.Thread(target=self._receive, name="mmengine-core-receiver", daemon=True)
         self._receiver.start()
 
+    def _watched(self) -> list[Any]:
+        """What the receiver waits on: the connection, and the core's sentinel when this process spawned it."""
+        return [self._connection] + ([self.process.sentinel] if self.process is not None else [])
+
     def _wait_until_ready(self) -> dict[str, Any]:
-        ready = wait([self._connection, self.process.sentinel])
+        ready = wait(self._watched())
         if self._connection in ready:
             try:
                 status, payload = self._connection.recv()
@@ -122,14 +145,16 @@ class EngineCoreClient:
                     return payload
                 if status == FAILED:
                     raise payload
+        if self.process is None:
+            raise EngineDeadError("the engine-core process closed its connection while starting")
         self.process.join(_JOIN_SECONDS)
         raise EngineDeadError(f"the engine-core process died while starting (exit code {self.process.exitcode})")
 
     # -- state -----------------------------------------------------------------
 
     @property
-    def core_pid(self) -> int | None:
-        return self.process.pid
+    def core_pid(self) -> int:
+        return self._core_pid
 
     def watch(self, callback: Callable[[], None]) -> None:
         """`callback()` is called (on the receiver thread) when the core dies; at once if it has."""
@@ -154,7 +179,7 @@ class EngineCoreClient:
         processed = prepared.processed
         with self._books:
             self._in_core[request_id] = (processed.prompt, processed.prompt_token_ids)
-        self._send((ADD, prepared))
+        self._send((ADD, prepared, processor_stats(self.input_processor)))
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -216,8 +241,9 @@ class EngineCoreClient:
     # -- calls -----------------------------------------------------------------
 
     def stats(self) -> dict[str, int]:
-        """The core's counters, with the intake's (decoding, preprocessing, the processor cache) from here."""
-        return {**self._call("stats"), **processor_stats(self.input_processor)}
+        """The core's counters; the intake's (decoding, preprocessing, the processor cache) summed over its
+        front ends (this one's as of now, the others' as of their last request)."""
+        return self._call("stats")
 
     def reset_prefix_cache(self) -> None:
         self._call("reset_prefix_cache")
@@ -247,7 +273,7 @@ class EngineCoreClient:
             self._calls[call_id] = future
         if self.dead_error is not None:  # died before the call was booked: nobody else resolves it
             raise self.dead_error
-        self._send((CALL, call_id, name))
+        self._send((CALL, call_id, name, processor_stats(self.input_processor)))
         return future.result(_CALL_SECONDS)
 
     # -- the pipe --------------------------------------------------------------
@@ -261,10 +287,10 @@ class EngineCoreClient:
             raise self.dead_error or EngineDeadError(f"the engine-core process is gone: {err}") from err
 
     def _receive(self) -> None:
-        connection, sentinel = self._connection, self.process.sentinel
+        connection, watched = self._connection, self._watched()
         try:
             while True:
-                ready = wait([connection, sentinel])
+                ready = wait(watched)
                 if connection not in ready:
                     break
                 try:
@@ -283,12 +309,13 @@ class EngineCoreClient:
             self._died()
 
     def _died(self) -> None:
-        self.process.join(_JOIN_SECONDS)
+        if self.process is not None:
+            self.process.join(_JOIN_SECONDS)
         if self._closing:
             error = EngineDeadError("the engine has been shut down")
         else:
-            error = EngineDeadError(f"the engine-core process died (exit code {self.process.exitcode}): "
-                                    "every request in flight has failed")
+            how = f"exit code {self.process.exitcode}" if self.process is not None else "its connection closed"
+            error = EngineDeadError(f"the engine-core process died ({how}): every request in flight has failed")
             logger.error("%s", error)
         with self._books:
             self.dead_error = error
@@ -315,8 +342,20 @@ class EngineCoreClient:
         self.close()
 
 
+def _connect(address: str, authkey: bytes | None) -> Connection:
+    """Connects to a core that may still be starting (its address appears once it listens)."""
+    deadline = time.monotonic() + _CONNECT_SECONDS
+    while True:
+        try:
+            return Client(address, "AF_UNIX", authkey=authkey)
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise EngineDeadError(f"no engine core listens at {address} after {_CONNECT_SECONDS:.0f} s") from None
+            time.sleep(0.05)
+
+
 @contextlib.contextmanager
-def _core_environment() -> Iterator[None]:
+def core_environment() -> Iterator[None]:
     """The environment the core process starts with: OpenMP threads that sleep when idle rather than spin
     (unless the caller chose a policy). The core and its front end share the machine's cores; a spinning
     thread pool in one process takes them from the other (on 2 cores, steps ran several times slower)."""
@@ -331,13 +370,15 @@ def _core_environment() -> Iterator[None]:
 
 
 def _stop_core(process: Any, connection: Any, pool: Any) -> None:
+    """Tells the core this front end is leaving (a core it spawned stops, and is waited for)."""
     try:
         connection.send(None)
     except (OSError, ValueError):
         pass
-    process.join(_JOIN_SECONDS)
-    if process.is_alive():
-        process.kill()
+    if process is not None:
         process.join(_JOIN_SECONDS)
+        if process.is_alive():
+            process.kill()
+            process.join(_JOIN_SECONDS)
     if pool is not None:
         pool.close()

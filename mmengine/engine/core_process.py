@@ -1,22 +1,29 @@
-"""The engine-core process: one MMEngine (scheduler, both caches, the model) that steps for a front end.
+"""The engine-core process: one MMEngine (scheduler, both caches, the model) that steps for its front ends.
 
-`AsyncMMEngine.from_model(path, engine_core="process")` spawns it (engine/core_client.py is the other end):
+`AsyncMMEngine.from_model(path, engine_core="process")` spawns it with one front end, the caller's process;
+`mmengine serve --api-server-count N` (entrypoints/server_processes.py) spawns it with N front-end processes
+that connect to its address (engine/core_client.py is their end):
 
 ```
-front end (the caller's process)                       engine core (spawned, 1)
+front end (1 or N processes)                            engine core (spawned, 1)
 intake: checks, tokenizing, media, preprocessing
-  --("add", PreparedRequest: token ids, params, salt,   MMEngine.add_prepared_request
-         items whose tensors cross by fd, shared memory)-->
+  --("add", PreparedRequest: token ids, params, salt,    MMEngine.add_prepared_request
+         items whose tensors cross by fd, shared memory,
+         the front end's intake counters)-->
   --("abort", request id)-->                             MMEngine.abort_request
-  --("call", id, name)-->                                stats, reset_prefix_cache, reset_encoder_cache
-  <--("outputs", [RequestOutput])--                      each step's outputs (detokenized here)
+  --("call", id, name, intake counters)-->              stats, reset_prefix_cache, reset_encoder_cache
+  <--("outputs", [RequestOutput])--                      each step's outputs for that front end's requests
   <--("step_failed", why) / ("request_failed", id, error) / ("reply", id, ok, value)--
 ```
 
-The core steps while it has work and reads its messages between steps; idle, it waits for one. It ends
-when told to (None) or when the front end's end of the pipe closes (the front end is gone), so it never
-outlives its front end. The engine is built with the front end's options, without preprocessing workers:
-pictures arrive prepared.
+One logical engine: every front end's requests share the scheduler and both caches, so a picture is encoded
+once whichever front end took it. Outputs go to the front end that sent the request; a front end that goes
+away has its requests aborted. `stats()` sums the intake counters every front end last reported (those of
+front ends gone included, so counters never go back).
+
+The core steps while it has work and reads its messages between steps; idle, it waits for one. It ends when
+its owner (the process that spawned it) tells it to (None) or is gone, so it never outlives its owner.
+The engine is built with the front end's options, without preprocessing workers: pictures arrive prepared.
 """
 
 from __future__ import annotations
@@ -24,10 +31,17 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import signal
+import threading
+from collections import Counter
+from multiprocessing import Pipe
+from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
 
 from mmengine.engine.intake import PreparedRequest
 from mmengine.engine.mm_engine import MMEngine
+from mmengine.engine.stats import processor_stats
+from mmengine.errors import InvalidInputError
 from mmengine.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -38,78 +52,172 @@ OUTPUTS, STEP_FAILED, REQUEST_FAILED, REPLY = "outputs", "step_failed", "request
 CALLS = ("stats", "reset_prefix_cache", "reset_encoder_cache")
 
 
-def core_main(model: str, options: dict[str, Any], connection: Any) -> None:
-    """The process's entry point: builds the engine, says it is ready (with what the front end's intake
-    needs to know of the caches), then serves until told to stop or the front end is gone."""
+def core_main(model: str, options: dict[str, Any], owner: Connection, address: str | None = None,
+              authkey: bytes | None = None) -> None:
+    """The process's entry point: listens at `address` (when front ends of their own connect), builds the
+    engine, says it is ready (with what a front end's intake needs to know of the caches), then serves until
+    its owner tells it to stop or is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the owner, which stops the core
+    listener = Listener(address, "AF_UNIX", authkey=authkey) if address is not None else None
     try:
         engine = MMEngine(model, **options)
-    except BaseException as err:  # noqa: BLE001 - reported to the front end, which raises it
-        connection.send((FAILED, picklable(err)))
+    except BaseException as err:  # noqa: BLE001 - reported to the owner, which raises it
+        owner.send((FAILED, picklable(err)))
         return
     processor = engine.input_processor
-    connection.send((READY, {"pid": os.getpid(), "max_tokens_in_kv_cache": processor.max_tokens_in_kv_cache,
-                             "max_tokens_per_item": processor.max_tokens_per_item}))
-    EngineCore(engine, connection).serve()
+    info = {"pid": os.getpid(), "max_tokens_in_kv_cache": processor.max_tokens_in_kv_cache,
+            "max_tokens_per_item": processor.max_tokens_per_item}
+    owner.send((READY, info))
+    EngineCore(engine, owner, info, listener).serve()
 
 
 class EngineCore:
-    def __init__(self, engine: MMEngine, connection: Any) -> None:
+    def __init__(self, engine: MMEngine, owner: Connection, info: dict[str, Any], listener: Listener | None = None) -> None:
         self.engine = engine
-        self.connection = connection
+        self.owner = owner
+        self.info = info
+        self.front_ends: list[Connection] = [owner]
+        self.owners: dict[str, Connection] = {}  # request id -> the front end that sent it
+        self.intake_counters: dict[Connection, dict[str, int]] = {}  # each front end's, as it last reported them
+        self.departed_counters: Counter[str] = Counter()  # the monotone ones of front ends gone
+        self._joined: list[Connection] = []  # accepted by the listener thread, not served yet
+        self._joined_lock = threading.Lock()
+        self._wake_reader: Connection | None = None  # readable when the listener thread has accepted someone
+        if listener is not None:
+            self._wake_reader, self._wake_writer = Pipe(duplex=False)
+            threading.Thread(target=self._accept, args=(listener,), name="mmengine-core-accept", daemon=True).start()
+
+    # -- front ends --------------------------------------------------------------
+
+    def _accept(self, listener: Listener) -> None:
+        """Accepts front ends for the life of the process (a failed handshake is that caller's problem)."""
+        while True:
+            try:
+                connection = listener.accept()
+            except (OSError, EOFError) as err:  # a caller with the wrong key, or one that hung up mid-handshake
+                logger.warning("a front end could not connect: %s", err)
+                continue
+            with self._joined_lock:
+                self._joined.append(connection)
+            self._wake_writer.send_bytes(b"")
+
+    def _adopt_joined(self) -> None:
+        self._wake_reader.recv_bytes()
+        with self._joined_lock:
+            joined, self._joined = self._joined, []
+        for connection in joined:
+            if self._send(connection, (READY, self.info)):
+                self.front_ends.append(connection)
+
+    def _leave(self, connection: Connection) -> None:
+        """A front end is gone: its requests are aborted, its counters kept."""
+        self.front_ends.remove(connection)
+        for request_id in [rid for rid, owner in self.owners.items() if owner is connection]:
+            del self.owners[request_id]
+            self.engine.abort_request(request_id)
+        counters = self.intake_counters.pop(connection, {})
+        self.departed_counters.update({name: value for name, value in counters.items() if name != "mm_processor_cache_bytes"})
+        connection.close()
+
+    # -- the loop ----------------------------------------------------------------
 
     def serve(self) -> None:
         engine = self.engine
         while True:
             # Idle: wait for a message; with work: take what has come and step.
-            if not engine.has_unfinished_requests():
-                self.connection.poll(None)
-            try:
-                while self.connection.poll(0):
-                    if not self._handle(self.connection.recv()):
-                        return
-            except (EOFError, OSError):  # the front end is gone
-                return
+            watched = self.front_ends + ([self._wake_reader] if self._wake_reader is not None else [])
+            for connection in wait(watched, timeout=None if not engine.has_unfinished_requests() else 0):
+                if connection is self._wake_reader:
+                    self._adopt_joined()
+                    continue
+                if not self._read(connection):
+                    return
             if not engine.has_unfinished_requests():
                 continue
             try:
                 outputs = engine.step()
-            except Exception as err:  # noqa: BLE001 - the step advanced nothing: the front end decides whom to fail
+            except Exception as err:  # noqa: BLE001 - the step advanced nothing: each front end decides whom to fail
                 logger.exception("engine-core step failed")
-                self._send((STEP_FAILED, f"{type(err).__name__}: {err}"))
+                for connection in list(self.front_ends):
+                    self._send(connection, (STEP_FAILED, f"{type(err).__name__}: {err}"))
                 continue
             if outputs:
-                for output in outputs:
-                    _strip(output)
-                self._send((OUTPUTS, outputs))
+                self._deliver(outputs)
 
-    def _handle(self, message: Any) -> bool:
-        """Applies one message; False when told to stop."""
-        if message is None:
-            return False
+    def _read(self, connection: Connection) -> bool:
+        """Applies the messages waiting on one front end's connection; False when the owner said stop or left."""
+        try:
+            while connection.poll(0):
+                message = connection.recv()
+                if message is None:
+                    if connection is self.owner:
+                        return False
+                    self._leave(connection)
+                    return True
+                self._handle(connection, message)
+        except (EOFError, OSError):  # that front end is gone
+            if connection is self.owner:
+                return False
+            self._leave(connection)
+        return True
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_front_end: dict[Connection, list[RequestOutput]] = {}
+        for output in outputs:
+            owner = self.owners.pop(output.request_id, None) if output.finished else self.owners.get(output.request_id)
+            if owner is None:  # its front end left (the request was aborted)
+                continue
+            _strip(output)
+            by_front_end.setdefault(owner, []).append(output)
+        for connection, batch in by_front_end.items():
+            self._send(connection, (OUTPUTS, batch))
+
+    def _handle(self, connection: Connection, message: Any) -> None:
         kind = message[0]
         if kind == ADD:
-            prepared: PreparedRequest = message[1]
+            _, prepared, counters = message
+            prepared: PreparedRequest
+            self.intake_counters[connection] = counters
+            request_id = prepared.request_id
             try:
+                if request_id in self.owners:
+                    raise InvalidInputError(f"request id {request_id!r} is already in use")
                 self.engine.add_prepared_request(prepared)
             except Exception as err:  # noqa: BLE001 - that request's failure, not the core's
-                self._send((REQUEST_FAILED, prepared.request_id, picklable(err)))
+                self._send(connection, (REQUEST_FAILED, request_id, picklable(err)))
+            else:
+                self.owners[request_id] = connection
         elif kind == ABORT:
-            self.engine.abort_request(message[1])
+            if self.owners.get(message[1]) is connection:
+                del self.owners[message[1]]
+                self.engine.abort_request(message[1])
         elif kind == CALL:
-            _, call_id, name = message
+            _, call_id, name, counters = message
+            self.intake_counters[connection] = counters
             try:
                 if name not in CALLS:
                     raise ValueError(f"the engine core serves no call {name!r}")
-                self._send((REPLY, call_id, True, getattr(self.engine, name)()))
+                value = getattr(self.engine, name)()
+                if name == "stats":
+                    value.update(self._intake_totals())
+                self._send(connection, (REPLY, call_id, True, value))
             except Exception as err:  # noqa: BLE001 - handed to the caller
-                self._send((REPLY, call_id, False, picklable(err)))
-        return True
+                self._send(connection, (REPLY, call_id, False, picklable(err)))
 
-    def _send(self, message: Any) -> None:
+    def _intake_totals(self) -> dict[str, int]:
+        """The intake counters summed over the front ends (pictures arrive here prepared: the core's own are 0)."""
+        totals = Counter({name: 0 for name in processor_stats(self.engine.input_processor)})
+        totals.update(self.departed_counters)
+        for counters in self.intake_counters.values():
+            totals.update(counters)
+        return dict(totals)
+
+    def _send(self, connection: Connection, message: Any) -> bool:
         try:
-            self.connection.send(message)
-        except (OSError, ValueError):  # the front end is gone: the next poll ends the loop
-            pass
+            connection.send(message)
+            return True
+        except (OSError, ValueError):  # that front end is gone: the next wait sees it
+            return False
 
 
 def _strip(output: RequestOutput) -> None:

@@ -4,14 +4,21 @@ request latency histograms, in Prometheus' text format.
 Monotone counts are Prometheus counters (so their sample is `mmengine_<name>_total`, as the
 format requires); levels (free blocks, cache sizes, running requests) are gauges. Each server
 has its own registry, so several can live in one process.
+
+Under `mmengine serve --api-server-count N` (PROMETHEUS_MULTIPROC_DIR set, as prometheus-client's
+multiprocess mode wants), the latency histograms, the request counters and the in-flight / queued gauges
+(summed over live front ends) live in that directory, and any front end's /metrics reads every front
+end's; the engine's stats() come from the one engine core.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -35,8 +42,9 @@ E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0
 class _EngineCollector(Collector):
     """Reads the engine's stats at scrape time (under the engine's lock: at most one step's wait)."""
 
-    def __init__(self, async_engine: AsyncMMEngine) -> None:
+    def __init__(self, async_engine: AsyncMMEngine, with_load: bool) -> None:
         self._async_engine = async_engine
+        self._with_load = with_load  # False: the load gauges are multiprocess ones, summed over the front ends
 
     def collect(self) -> list[Metric]:
         metrics: list[Metric] = []
@@ -44,38 +52,55 @@ class _EngineCollector(Collector):
             family = CounterMetricFamily if name in COUNTER_STATS else GaugeMetricFamily
             metrics.append(family(f"mmengine_{name}", f"MMEngine.stats()['{name}']", value=value))
         engine = self._async_engine
-        metrics.append(GaugeMetricFamily("mmengine_requests_in_flight", "requests the server is answering",
-                                         value=engine.num_in_flight))
-        metrics.append(GaugeMetricFamily("mmengine_requests_queued", "requests waiting for their first token",
-                                         value=engine.num_queued))
+        if self._with_load:
+            metrics.append(GaugeMetricFamily("mmengine_requests_in_flight", IN_FLIGHT_HELP, value=engine.num_in_flight))
+            metrics.append(GaugeMetricFamily("mmengine_requests_queued", QUEUED_HELP, value=engine.num_queued))
         metrics.append(GaugeMetricFamily("mmengine_engine_healthy", "1 while the engine loop runs",
                                          value=int(engine.is_healthy)))
         return metrics
 
 
+IN_FLIGHT_HELP = "requests the server is answering"
+QUEUED_HELP = "requests waiting for their first token"
+
+
 class ServerMetrics:
     def __init__(self, async_engine: AsyncMMEngine) -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineCollector(async_engine))
+        multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ
+        if multiprocess:  # this process's metrics are written to the directory and read back from it with the others'
+            MultiProcessCollector(self.registry)
+        own = None if multiprocess else self.registry
+        self.registry.register(_EngineCollector(async_engine, with_load=not multiprocess))
+        if multiprocess:
+            in_flight = Gauge("mmengine_requests_in_flight", IN_FLIGHT_HELP, multiprocess_mode="livesum", registry=None)
+            queued = Gauge("mmengine_requests_queued", QUEUED_HELP, multiprocess_mode="livesum", registry=None)
+
+            def load_changed() -> None:
+                in_flight.set(async_engine.num_in_flight)
+                queued.set(async_engine.num_queued)
+
+            async_engine.load_listener = load_changed
+            load_changed()
         self.time_to_first_token = Histogram(
             "mmengine_time_to_first_token_seconds", "from the request's arrival to its first token",
-            buckets=TTFT_BUCKETS, registry=self.registry,
+            buckets=TTFT_BUCKETS, registry=own,
         )
         self.inter_token_latency = Histogram(
             "mmengine_inter_token_latency_seconds", "time between a request's consecutive tokens",
-            buckets=ITL_BUCKETS, registry=self.registry,
+            buckets=ITL_BUCKETS, registry=own,
         )
         self.e2e_latency = Histogram(
             "mmengine_e2e_request_latency_seconds", "from the request's arrival to its last token",
-            buckets=E2E_BUCKETS, registry=self.registry,
+            buckets=E2E_BUCKETS, registry=own,
         )
         self.requests = Counter(
             "mmengine_api_requests", "generation requests answered, by endpoint and finish reason",
-            ["endpoint", "finish_reason"], registry=self.registry,
+            ["endpoint", "finish_reason"], registry=own,
         )
-        self.errors = Counter("mmengine_api_errors", "error answers, by HTTP status", ["status"], registry=self.registry)
+        self.errors = Counter("mmengine_api_errors", "error answers, by HTTP status", ["status"], registry=own)
         self.client_disconnects = Counter(
-            "mmengine_client_disconnects", "requests aborted because their client went away", registry=self.registry
+            "mmengine_client_disconnects", "requests aborted because their client went away", registry=own
         )
 
     def render(self) -> bytes:

@@ -38,6 +38,11 @@ def build_serve_parser() -> argparse.ArgumentParser:
     server.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) image URLs (default: refused)")
     server.add_argument("--preprocess-workers", type=int, default=2, metavar="N",
                         help="threads decoding and preprocessing images (default: 2)")
+    server.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                        help="front-end processes (HTTP, media, chat templates, preprocessing) sharing the port and one "
+                        "engine-core process (scheduler, caches, model); 1 (default) serves in this process. "
+                        "--preprocess-workers and --mm-processor-workers count per front end; --max-queued-requests "
+                        "is split among them")
     parallel = parser.add_argument_group("data parallelism (Ray Serve)")
     parallel.add_argument("--data-parallel-size", type=int, default=1, metavar="N",
                           help="engine replicas (one GPU each, else a CPU slot) behind a cache-aware router on Ray "
@@ -95,6 +100,15 @@ def run_serve(argv: Sequence[str]) -> None:
         raise ConfigError("--lora-modules and --enable-lora-runtime-updates need --enable-lora")
     if args.data_parallel_size < 1:
         raise ConfigError(f"--data-parallel-size must be >= 1, got {args.data_parallel_size}")
+    if args.api_server_count < 1:
+        raise ConfigError(f"--api-server-count must be >= 1, got {args.api_server_count}")
+    if args.api_server_count > 1:
+        if args.data_parallel_size > 1:
+            raise ConfigError("--api-server-count > 1 is not supported with --data-parallel-size > 1: each Ray replica "
+                              "serves in one process")
+        if args.enable_lora:
+            raise ConfigError("--api-server-count > 1 does not serve LoRA adapters yet (the engine core runs in a "
+                              "process of its own): use --api-server-count 1")
     if args.max_n < 1:
         raise ConfigError(f"--max-n must be >= 1, got {args.max_n}")
     if args.data_parallel_size > 1 and args.enable_lora_runtime_updates:
@@ -114,6 +128,15 @@ def run_serve(argv: Sequence[str]) -> None:
     )
     if args.data_parallel_size > 1:
         _run_data_parallel(args, settings)
+        return
+    if args.api_server_count > 1:
+        from mmengine.entrypoints.server_processes import FrontEndSpec, run_server_processes
+
+        spec = FrontEndSpec(args.model, engine_options(args), settings, max_queued_requests=args.max_queued_requests,
+                            num_preprocess_workers=args.preprocess_workers, log_level=args.log_level)
+        exit_code = run_server_processes(spec, args.api_server_count, args.host, args.port)
+        if exit_code:
+            raise SystemExit(exit_code)
         return
     async_engine = AsyncMMEngine.from_model(
         args.model,

@@ -1,0 +1,231 @@
+"""`mmengine serve --api-server-count N` (entrypoints/server_processes.py): N front-end processes on one port and
+one engine-core process. The answers of the one-process server; one encoder cache whichever front end took a
+picture; /metrics summing every front end; a client that disconnects aborts its request in the core; a dead
+core makes every front end answer 503 and the server exit non-zero; a dead front end or launcher brings the
+whole server down; no process left behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+from serve_helpers import data_url, image_part, parse_metrics, reference_server
+
+from mmengine import SamplingParams
+from mmengine.engine.async_engine import AsyncMMEngine
+from mmengine.engine.core_client import EngineCoreClient
+from mmengine.entrypoints.api_server import ServerSettings
+from mmengine.entrypoints.server_processes import FrontEndSpec, ServerProcesses
+from mmengine.testing import make_test_image
+
+MODEL = "tiny-llava"
+OPTIONS = {"max_model_len": 256, "dtype": "float32", "device": "cpu"}
+LLAVA_PROMPT = "USER: <image>\nWhat is shown here? ASSISTANT:"
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def chat(picture_seeds: list[int], max_tokens: int = 6, text: str = "Describe it.") -> dict:
+    parts = [image_part(data_url(make_test_image(seed, size=(64 + 8 * seed, 48)))) for seed in picture_seeds]
+    return {"model": MODEL, "max_tokens": max_tokens, "temperature": 0,
+            "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": text}]}]}
+
+
+def post(base_url: str, body: dict) -> httpx.Response:
+    with httpx.Client(timeout=60) as client:  # a connection of its own: the kernel picks the front end
+        return client.post(base_url + "/v1/chat/completions", json=body)
+
+
+def start(path, count: int = 2) -> ServerProcesses:
+    return ServerProcesses(FrontEndSpec(str(path), OPTIONS, ServerSettings(MODEL), log_level="warning"),
+                           count, "127.0.0.1", 0).start()
+
+
+@pytest.fixture(scope="module")
+def llava(checkpoint_dir):
+    return checkpoint_dir()
+
+
+@pytest.fixture(scope="module")
+def server(llava):
+    server = start(llava)
+    pids = [server.core.pid, *(child.pid for child in server.front_ends)]
+    assert all(alive(pid) for pid in pids)
+    yield server
+    server.request_stop()
+    assert server.wait(timeout=30) == 0  # stopped, not died
+    assert not any(alive(pid) for pid in pids)
+
+
+def test_the_front_ends_answer_as_the_one_process_server_and_metrics_sum_them(server, llava):
+    bodies = [chat([1]), chat([2, 3], 8), chat([1], 5, "What colour?"), chat([], 7, "Tell me a story.")] * 2
+    before = parse_metrics(httpx.get(server.base_url + "/metrics").text)
+
+    async def send_all():
+        async def one(body):
+            async with httpx.AsyncClient(timeout=60) as client:  # new connections: both front ends take some
+                return await client.post(server.base_url + "/v1/chat/completions", json=body)
+        return await asyncio.gather(*(one(body) for body in bodies))
+
+    answers = asyncio.run(send_all())
+    with reference_server(llava) as (_, reference, _):
+        want = [httpx.post(reference.v1 + "/chat/completions", json=body, timeout=60).json() for body in bodies]
+    for answer, expected in zip(answers, want):
+        assert answer.status_code == 200
+        got = answer.json()
+        assert got["choices"][0]["message"]["content"] == expected["choices"][0]["message"]["content"]
+        for field in ("prompt_tokens", "completion_tokens"):  # cached_tokens depends on the order requests ran
+            assert got["usage"][field] == expected["usage"][field]
+    scrapes = [parse_metrics(httpx.get(server.base_url + "/metrics").text) for _ in range(4)]  # any front end
+    key = 'mmengine_api_requests_total{endpoint="chat",finish_reason="length"}'
+    for after in scrapes:
+        assert after[key] - before.get(key, 0) == len(bodies)  # every front end's counter, summed
+        assert after["mmengine_time_to_first_token_seconds_count"] - before.get("mmengine_time_to_first_token_seconds_count", 0) == len(bodies)
+        assert after["mmengine_requests_in_flight"] == 0
+        assert after["mmengine_encoder_runs_total"] - before.get("mmengine_encoder_runs_total", 0) == 3  # pictures 1, 2, 3
+        assert after["mmengine_images_decoded_total"] - before["mmengine_images_decoded_total"] >= 3
+
+
+def test_a_picture_is_encoded_once_whichever_front_end_took_it(server):
+    """Two more front ends (in this process) join the server's core: the same picture through each is one
+    encoder run, decoded once in each front end; stats() sums the front ends' intake counters."""
+    picture = make_test_image(40, size=(80, 64))
+    params = SamplingParams(max_tokens=4, temperature=0)
+
+    async def through(client: EngineCoreClient, prompt: str) -> list[int]:
+        async with AsyncMMEngine(client) as async_engine:
+            stream = await async_engine.add_request(prompt, [picture], params)
+            return [token for delta in [d async for d in stream] for token in delta.token_ids]
+
+    first = EngineCoreClient(server.spec.model, core_address=server.core_address, core_authkey=server.core_authkey, **OPTIONS)
+    second = EngineCoreClient(server.spec.model, core_address=server.core_address, core_authkey=server.core_authkey, **OPTIONS)
+    try:
+        before = first.stats()
+        # the picture at a different place in each prompt: no prefix hit spares the encoder the second time
+        tokens = [asyncio.run(through(first, LLAVA_PROMPT)),
+                  asyncio.run(through(second, "USER: Look closely.\n<image>\nWhat is it? ASSISTANT:"))]
+        after = second.stats()
+    finally:
+        first.close()
+        second.close()
+    assert len(tokens[0]) == len(tokens[1]) == 4
+    assert after["encoder_runs"] - before["encoder_runs"] == 1
+    assert after["encoder_cache_hits"] - before["encoder_cache_hits"] >= 1
+    assert after["images_decoded"] - before["images_decoded"] == 2  # one in each front end, both counted
+    assert httpx.get(server.base_url + "/health").status_code == 200  # the server's own front ends serve on
+
+
+def test_a_wrong_key_does_not_join_the_core(server):
+    with pytest.raises(Exception, match="digest|auth|closed|reset"):
+        EngineCoreClient(server.spec.model, core_address=server.core_address, core_authkey=b"wrong", **OPTIONS)
+    assert httpx.get(server.base_url + "/health").status_code == 200
+
+
+def test_a_client_that_disconnects_aborts_its_request_in_the_core(server):
+    before = parse_metrics(httpx.get(server.base_url + "/metrics").text)
+    body = {**chat([5], 200), "stream": True, "ignore_eos": True}
+    with httpx.Client(timeout=60) as client, client.stream("POST", server.base_url + "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        seen = 0
+        while seen < 3:
+            seen += next(lines).startswith("data: ")
+    deadline = time.monotonic() + 30
+    while True:
+        after = parse_metrics(httpx.get(server.base_url + "/metrics").text)
+        done = (after["mmengine_requests_running"] == after["mmengine_requests_waiting"] == 0
+                and after["mmengine_client_disconnects_total"] > before.get("mmengine_client_disconnects_total", 0))
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert after["mmengine_client_disconnects_total"] - before.get("mmengine_client_disconnects_total", 0) == 1
+    assert after["mmengine_requests_running"] == 0 and after["mmengine_kv_blocks_free"] == after["mmengine_kv_blocks_total"]
+    assert after["mmengine_generation_tokens_total"] - before["mmengine_generation_tokens_total"] < 200
+
+
+def test_a_dead_core_makes_every_front_end_answer_503_and_the_server_exit_non_zero(llava):
+    server = start(llava)
+    pids = [server.core.pid, *(child.pid for child in server.front_ends)]
+    try:
+        assert post(server.base_url, chat([], 2)).status_code == 200
+        os.kill(server.core.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        health = [httpx.get(server.base_url + "/health", timeout=10) for _ in range(6)]  # new connections each
+        answers = [post(server.base_url, chat([], 2)) for _ in range(4)]
+        assert time.monotonic() - killed < 5
+        assert all(reply.status_code == 503 for reply in health + answers)
+        assert all(reply.json()["error"]["code"] == "engine_dead" for reply in health + answers)
+        assert server.wait(timeout=30) == 1
+        assert time.monotonic() - killed < 15
+    finally:
+        server.stop()
+    assert not any(alive(pid) for pid in pids)
+
+
+_SERVING = re.compile(r"on (http://127\.0\.0\.1:\d+): 2 front ends \(pids (\d+), (\d+)\), engine core pid (\d+)")
+
+
+def serve_command(path) -> subprocess.Popen:
+    command = [sys.executable, "-m", "mmengine", "serve", "--model", str(path), "--api-server-count", "2",
+               "--port", "0", "--served-model-name", MODEL, "--max-model-len", "256", "--dtype", "float32",
+               "--device", "cpu"]
+    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def wait_for_serving(process: subprocess.Popen, timeout_s: float = 120) -> tuple[str, list[int]]:
+    """The server's URL and pids from its log line; its log is drained from then on (a full pipe would block it)."""
+    found: queue.Queue = queue.Queue()
+
+    def read() -> None:
+        for line in process.stderr:
+            match = _SERVING.search(line)
+            if match:
+                found.put((match.group(1), [int(match.group(i)) for i in (2, 3, 4)]))
+        found.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    serving = found.get(timeout=timeout_s)
+    if serving is None:
+        raise AssertionError(f"the server exited before serving (exit code {process.wait()})")
+    return serving
+
+
+@pytest.mark.parametrize("victim", ["front end", "launcher"])
+def test_a_dead_front_end_or_launcher_brings_the_whole_server_down(llava, victim):
+    """`mmengine serve --api-server-count 2`: one front end killed -> the server exits with code 1 and stops the
+    rest; the launcher killed -> its front ends and core exit on their own (no orphans)."""
+    process = serve_command(llava)
+    pids: list[int] = []
+    try:
+        base_url, pids = wait_for_serving(process)
+        assert post(base_url, chat([7], 3)).status_code == 200
+        os.kill(pids[0] if victim == "front end" else process.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        code = process.wait(timeout=30)
+        assert code == (1 if victim == "front end" else -signal.SIGKILL)
+        while any(alive(pid) for pid in pids) and time.monotonic() - killed < 20:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in pids)
+        assert time.monotonic() - killed < 20
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        for pid in pids:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
