@@ -77,3 +77,38 @@ def test_the_served_name_defaults_to_the_model_argument(checkpoint_dir, monkeypa
                         lambda async_engine, settings, *args, **kwargs: names.append(settings.served_model_name))
     assert main(["serve", "--model", str(checkpoint_dir()), "--max-model-len", "128"]) == 0
     assert names == [str(checkpoint_dir())]
+
+
+def test_api_server_count_is_wired_and_refuses_what_it_cannot_serve(checkpoint_dir, monkeypatch, capsys):
+    """`--api-server-count 3` hands the launcher the engine options, the server settings and a per-front-end
+    share of --max-queued-requests; a bad count and the combinations it cannot serve are refused by name."""
+    launched = {}
+
+    def launch(spec, count, host, port):
+        launched.update(spec=spec, count=count, host=host, port=port)
+        return 1  # as if a process died: `mmengine serve` exits non-zero
+
+    monkeypatch.setattr("mmengine.entrypoints.server_processes.run_server_processes", launch)
+    model = str(checkpoint_dir())
+    try:
+        main(["serve", "--model", model, "--api-server-count", "3", "--port", "8124", "--max-queued-requests", "8",
+              "--served-model-name", "tiny", "--max-model-len", "128", "--mm-processor-workers", "1", "--log-level", "warning"])
+    except SystemExit as exit_:
+        assert exit_.code == 1
+    else:
+        raise AssertionError("a launcher's non-zero exit code must end `mmengine serve` with it")
+    spec = launched["spec"]
+    assert (launched["count"], launched["port"], spec.model, spec.settings.served_model_name) == (3, 8124, model, "tiny")
+    assert spec.engine_options["max_model_len"] == 128 and spec.engine_options["mm_processor_workers"] == 1
+    assert spec.max_queued_requests == 8  # split among the front ends by the launcher (ceil(8 / 3) = 3 each)
+    for flags, message in ((["--api-server-count", "0"], "--api-server-count must be >= 1"),
+                           (["--api-server-count", "2", "--enable-lora"], "does not serve LoRA adapters"),
+                           (["--api-server-count", "2", "--data-parallel-size", "2"], "not supported with --data-parallel-size")):
+        assert main(["serve", "--model", model, *flags]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_front_ends_share_the_queue_limit():
+    from mmengine.entrypoints.server_processes import per_front_end_limit
+
+    assert [per_front_end_limit(8, 3), per_front_end_limit(1, 4), per_front_end_limit(None, 2), per_front_end_limit(64, 2)] == [3, 1, None, 32]

@@ -126,7 +126,7 @@ class ServerProcesses:
                                     (self.spec.model, core_options), (self.core_address, self._authkey))
             front_end_options = {**self.spec.engine_options, "engine_core": "process"}
             spec = FrontEndSpec(**{**self.spec.__dict__, "engine_options": front_end_options,
-                                   "max_queued_requests": _share(self.spec.max_queued_requests, self.api_server_count)})
+                                   "max_queued_requests": per_front_end_limit(self.spec.max_queued_requests, self.api_server_count)})
             previous = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_directory)
             try:
@@ -265,7 +265,7 @@ def _join_or_kill(process: Any, seconds: float) -> None:
         process.join(_JOIN_SECONDS)
 
 
-def _share(limit: int | None, count: int) -> int | None:
+def per_front_end_limit(limit: int | None, count: int) -> int | None:
     """A server-wide --max-queued-requests split among the front ends (each admits its share)."""
     return None if limit is None else max(1, math.ceil(limit / count))
 
