@@ -47,7 +47,7 @@ from mmengine.config import EngineConfig  # noqa: E402
 from mmengine.testing import LLAVA_1_5_7B_SPEC, TinyLlavaSpec, make_test_image, tiny_llava_path  # noqa: E402
 
 BASE_MODES = ("arrival", "sorted", "grouped")
-HAS_CASCADE = "cascade_attention" in {f.name for f in dataclasses.fields(EngineConfig)}
+HAS_CASCADE = "cascade_attention" in {f.name for _, f in EngineConfig.option_fields()}
 
 
 @dataclasses.dataclass

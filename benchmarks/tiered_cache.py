@@ -124,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     host_bytes = num_pictures * tokens * probe.runner.embedding_bytes
     prompt_tokens = len(probe.input_processor.process(_prompts(probe, 1, 0, args.document_words)[0], [picture],
                                                       SamplingParams()).prompt_token_ids)
-    kv_host_bytes = num_pictures * (prompt_tokens // probe.config.block_size + 1) * probe.runner.kv_block_bytes
+    kv_host_bytes = num_pictures * (prompt_tokens // probe.config.cache_config.block_size + 1) * probe.runner.kv_block_bytes
     result = {**run_record(model, origin, args), "device_tier_pictures": device_pictures, "pictures": num_pictures,
               "per_picture": per_picture_times(probe, picture, args.timing_repeats)}
     del probe

@@ -70,7 +70,7 @@ def _run_mode(engine: MMEngine, args: argparse.Namespace) -> dict:
         passes.append({"prefill_tokens_computed": engine.stats()["prefill_tokens_computed"] - before, "prompts_hit": hits})
     stats = engine.stats()
     return {
-        "sliding_kv_ratio": engine.config.sliding_kv_ratio,
+        "sliding_kv_ratio": engine.config.cache_config.sliding_kv_ratio,
         "kv_bytes": kv_bytes,
         "full_blocks": engine.kv_cache.num_blocks,
         "window_blocks": runner.num_window_blocks,

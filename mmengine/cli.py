@@ -36,6 +36,10 @@ def run_demo(args: argparse.Namespace) -> None:
     EngineConfig(model="demo", **engine_options(args))  # the engine's own rules, before the model is built
     if args.family == "llava":
         path = tiny_llava_path(TinyLlavaSpec(), cache_dir=args.cache_dir)
+    elif args.family == "gemma3":
+        from mmengine.testing.gemma3 import TinyGemma3Spec, tiny_gemma3_path
+
+        path = tiny_gemma3_path(TinyGemma3Spec(), cache_dir=args.cache_dir)
     elif args.family == "gemma4":
         from mmengine.testing.gemma4 import TinyGemma4Spec, tiny_gemma4_path
 
@@ -131,7 +135,7 @@ def run_budget(args: argparse.Namespace) -> None:
     from mmengine.models.loader import checkpoint_dtype
     from mmengine.models.registry import family_class_for, load_family, load_hf_config, load_hf_processor
 
-    defaults = EngineConfig(model=args.model)
+    defaults = EngineConfig(model=args.model).options()
     explicit = {
         "block_size": args.block_size,
         "num_kv_blocks": args.num_kv_blocks,
@@ -149,10 +153,10 @@ def run_budget(args: argparse.Namespace) -> None:
     config = EngineConfig(model=args.model, device=args.device, **{k: v for k, v in explicit.items() if v is not None})
     hf_config = load_hf_config(Path(args.model))
     family_class_for(hf_config)  # an unsupported architecture fails before the processor loads
-    family = load_family(hf_config, load_hf_processor(Path(args.model), config.mm_processor_kwargs), args.model)
+    family = load_family(hf_config, load_hf_processor(Path(args.model), config.multimodal_config.mm_processor_kwargs), args.model)
 
     def pick(name: str, value: object) -> tuple[object, str]:
-        return (value, f"--{name.replace('_', '-')}") if value is not None else (getattr(defaults, name), "default")
+        return (value, f"--{name.replace('_', '-')}") if value is not None else (defaults[name], "default")
 
     inputs = {
         "max_num_batched_tokens": pick("max_num_batched_tokens", args.max_num_batched_tokens),
@@ -180,7 +184,7 @@ def run_budget(args: argparse.Namespace) -> None:
         f"text hidden_size {hidden}{levels} x {elem} bytes ({str(dtype).removeprefix('torch.')}: --dtype {args.dtype} on {device})",
     )
     budget = compute_encoder_budget(
-        family.max_tokens_per_item(inputs["limit_mm_per_prompt"][0], config.max_audio_seconds),
+        family.max_tokens_per_item(inputs["limit_mm_per_prompt"][0], config.multimodal_config.max_audio_seconds),
         inputs["max_num_batched_tokens"][0],
         inputs["max_num_seqs"][0],
         inputs["limit_mm_per_prompt"][0],
@@ -193,7 +197,7 @@ def run_budget(args: argparse.Namespace) -> None:
         print(json.dumps(budget.to_json(), indent=2))
         return
     print(f"encoder cache budget for {args.model}")
-    item_source = family.explain_max_tokens_per_item(inputs["limit_mm_per_prompt"][0], config.max_audio_seconds)
+    item_source = family.explain_max_tokens_per_item(inputs["limit_mm_per_prompt"][0], config.multimodal_config.max_audio_seconds)
     for line in explain_budget(budget, inputs, item_source, family.max_items_per_video):
         print("  " + line)
     from mmengine.encoder_cache.host_tier import host_tier_bytes
@@ -300,20 +304,20 @@ def _print_window_budget(family: Any, config: Any, kv_elem: int, max_model_len: 
     print(f"  full-attention pool, a token  {full:>12}   bytes: every token of every request and cached prefix")
     print(f"  sliding-window pool, a token  {windowed:>12}   bytes: a request keeps its last {window} tokens (and a chunk); "
           "blocks that left the window stay cached until reused")
-    ratio = config.sliding_kv_ratio
+    ratio = config.cache_config.sliding_kv_ratio
     if ratio is None or window >= max_model_len:
         why = "--sliding-kv-ratio is None" if ratio is None else f"max_model_len {max_model_len} is within the window"
         print(f"  one pool: every layer keeps every token ({why})")
         return
-    pool = WindowPool.plan(window, ratio, config.block_size, config.max_num_batched_tokens, max_model_len)
+    pool = WindowPool.plan(window, ratio, config.cache_config.block_size, config.scheduler_config.max_num_batched_tokens, max_model_len)
     gib = 1 << 30
     kept_all = gib // (full + windowed)
     context = int(gib // (full + ratio * windowed))
     print(f"  split                         {ratio:>12}   window-pool tokens per full-pool token (--sliding-kv-ratio), at "
-          f"least {pool.min_blocks} blocks (the null block, a window and a {config.max_num_batched_tokens}-token chunk)")
+          f"least {pool.min_blocks} blocks (the null block, a window and a {config.scheduler_config.max_num_batched_tokens}-token chunk)")
     print(f"  tokens of context per GiB     {context:>12}   ({context / kept_all:.2f}x the {kept_all} when every layer keeps "
           f"every token); the window pool then holds {int(context * ratio)}")
-    long, held = max_model_len, min(max_model_len, window + config.block_size)
+    long, held = max_model_len, min(max_model_len, window + config.cache_config.block_size)
     print(f"  decoding at {long} tokens        {long * full + held * windowed:>12}   bytes a request holds (against "
           f"{long * (full + windowed)} with every layer keeping every token)")
 
@@ -323,20 +327,20 @@ def _print_state_budget(family: Any, config: Any, elem: int, kv_bytes_per_token:
     shape = family.recurrent_shape
     layers = family.num_recurrent_layers
     state = layers * shape.state_bytes(elem)
-    live = (config.max_num_seqs + 1) * state
+    live = (config.scheduler_config.max_num_seqs + 1) * state
     print(f"recurrent states ({layers} Gated DeltaNet layers; the KV cache holds the {family.num_attention_layers} attention layers)")
     print(f"  one state (live or checkpoint) {state:>12}   bytes: {layers} x ({shape.num_value_heads} heads x {shape.key_head_dim} x "
           f"{shape.value_head_dim} x 4 B + conv {shape.conv_dim} x {shape.conv_kernel - 1} x {elem} B), as much as "
           f"{state // kv_bytes_per_token} tokens of KV ({kv_bytes_per_token} bytes a token)")
-    print(f"  live states                   {live:>12}   bytes: (max_num_seqs {config.max_num_seqs} + 1 scratch for CUDA-graph "
+    print(f"  live states                   {live:>12}   bytes: (max_num_seqs {config.scheduler_config.max_num_seqs} + 1 scratch for CUDA-graph "
           "padding) x one state")
-    if not config.enable_prefix_caching:
+    if not config.cache_config.enable_prefix_caching:
         print("  checkpoints                              0   (prefix caching off)")
-    elif config.num_state_checkpoints is not None:
-        print(f"  checkpoints                   {config.num_state_checkpoints * state:>12}   bytes: --num-state-checkpoints "
-              f"{config.num_state_checkpoints}")
+    elif config.cache_config.num_state_checkpoints is not None:
+        print(f"  checkpoints                   {config.cache_config.num_state_checkpoints * state:>12}   bytes: --num-state-checkpoints "
+              f"{config.cache_config.num_state_checkpoints}")
     else:
-        share = config.state_checkpoint_memory_fraction
+        share = config.cache_config.state_checkpoint_memory_fraction
         print(f"  checkpoints                   {share:>12.0%}   of the cache memory left after the live states "
               f"(--state-checkpoint-memory-fraction): {int(share * (1 << 30)) // state} per GiB of it")
 
@@ -359,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a small workload on a built-in tiny random-weight model")
-    demo.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma4"], help="the tiny model's family")
+    demo.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4"], help="the tiny model's family")
     demo.add_argument("--requests", type=int, default=32)
     demo.add_argument("--unique-images", type=int, default=4)
     demo.add_argument("--max-tokens", type=int, default=16)

@@ -64,7 +64,7 @@ class CascadeSpy:
         def spy(*args, **kwargs):
             inputs = prepare(*args, **kwargs)
             if inputs.cascade_groups:
-                self.steps.append(self._summary(inputs.scheduled, inputs.cascade_groups, engine.config.block_size))
+                self.steps.append(self._summary(inputs.scheduled, inputs.cascade_groups, engine.config.cache_config.block_size))
             return inputs
 
         buffers.prepare = spy

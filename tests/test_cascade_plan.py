@@ -137,7 +137,7 @@ def test_tokens_per_tile_follows_the_gqa_group():
 def test_cascade_option_is_validated(value):
     with pytest.raises(ConfigError, match="cascade_attention"):
         EngineConfig(model="m", cascade_attention=value)
-    assert EngineConfig(model="m").cascade_attention == "auto"
+    assert EngineConfig(model="m").execution_config.cascade_attention == "auto"
 
 
 def test_a_group_is_cut_to_what_its_members_really_share():

@@ -61,14 +61,13 @@ def test_console_entry_point_is_installed():
 def test_demo_and_generate_take_every_engine_option(checkpoint_dir, monkeypatch, capsys):
     """Their engine flags are generated from EngineConfig, as `serve`'s are; generate's --seed stays
     the request's sampling seed."""
-    import dataclasses
-
+    
     from mmengine.cli import build_parser
     from mmengine.config import EngineConfig
 
     for command, required in (("demo", []), ("generate", ["--model", "m", "--prompt", "p"])):
         parsed = vars(build_parser().parse_args([command, *required]))
-        assert {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "seed"} <= set(parsed)
+        assert {f.name for _, f in EngineConfig.option_fields()} - {"seed"} <= set(parsed)
     seen = {}
     monkeypatch.setattr("mmengine.MMEngine.__init__", lambda self, model, **kwargs: seen.update(kwargs) or None)
     monkeypatch.setattr("mmengine.MMEngine.generate", lambda self, *a, sampling_params, **k: seen.update(seed=sampling_params.seed) or [

@@ -255,11 +255,11 @@ def test_the_memory_profile_encodes_a_step_of_the_longest_clips(engine):
     with torch.inference_mode():
         outputs = engine.runner.model.encode_items(batches[1])
     assert [tuple(o.shape) for o in outputs] == [(50, engine.family.text_config.hidden_size)] * 3
-    engine.config.limit_mm_per_prompt["audio"], saved = 0, engine.config.limit_mm_per_prompt["audio"]
+    engine.config.multimodal_config.limit_mm_per_prompt["audio"], saved = 0, engine.config.multimodal_config.limit_mm_per_prompt["audio"]
     try:
         assert [len(batch) for batch in runner.profile_encoder_batches(2, 160)] == [2]  # no clip can come
     finally:
-        engine.config.limit_mm_per_prompt["audio"] = saved
+        engine.config.multimodal_config.limit_mm_per_prompt["audio"] = saved
 
 
 def test_chat_takes_audio_parts(engine):

@@ -3,7 +3,6 @@ command serving requests in a subprocess."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import httpx
 from serve_helpers import running_server
@@ -16,9 +15,8 @@ from mmengine.entrypoints.serve_cli import build_serve_parser, engine_options
 def test_every_engine_config_field_is_a_flag():
     parser = build_serve_parser()
     flags = {option for action in parser._actions for option in action.option_strings}
-    for field in dataclasses.fields(EngineConfig):
-        if field.name != "model":
-            assert "--" + field.name.replace("_", "-") in flags, field.name
+    for _, field in EngineConfig.option_fields():
+        assert "--" + field.name.replace("_", "-") in flags, field.name
     assert "--no-enable-prefix-caching" in flags and "--enforce-eager" in flags
 
 
@@ -31,7 +29,7 @@ def test_flags_become_typed_engine_options():
     assert options == {"max_num_seqs": 4, "enable_prefix_caching": False, "limit_mm_per_prompt": {"image": 2},
                        "gpu_memory_utilization": 0.5, "max_model_len": 128, "dtype": "float32"}
     config = EngineConfig.from_kwargs("m", **options)  # flags left out keep the dataclass defaults
-    assert config.block_size == EngineConfig(model="m").block_size and config.max_num_seqs == 4
+    assert config.cache_config.block_size == EngineConfig(model="m").cache_config.block_size and config.scheduler_config.max_num_seqs == 4
     assert args.port == 9000 and args.served_model_name is None
 
 
@@ -66,7 +64,7 @@ def test_the_serve_command_wires_the_engine_and_the_server(checkpoint_dir, monke
                  "--max-model-len", "128", "--no-enable-prefix-caching", "--log-level", "warning"]) == 0
     assert (served["host"], served["port"], served["log_level"]) == ("127.0.0.2", 8123, "warning")
     config = served["engine"].config
-    assert config.max_model_len == 128 and config.enable_prefix_caching is False
+    assert config.model_config.max_model_len == 128 and config.cache_config.enable_prefix_caching is False
     assert [m["id"] for m in served["models"]["data"]] == ["tiny"] and served["refused"] == 401
     assert served["answer"]["usage"]["completion_tokens"] == 3 and served["max_queued_requests"] == 5
 

@@ -105,7 +105,7 @@ def test_n_samples_share_one_prefill_and_equal_separately_seeded_requests(server
     texts = [c.message.content for c in answer.choices]
     assert [c.index for c in answer.choices] == [0, 1, 2, 3] and len(set(texts)) == 4
     prompt_tokens = answer.usage.prompt_tokens  # counted once, as OpenAI counts n > 1
-    block = engine.config.block_size
+    block = engine.config.cache_config.block_size
     tail = prompt_tokens - min(prompt_tokens // block * block, prompt_tokens - 1)  # the last partial block: per sample
     assert after["prefill_tokens_computed"] - stats["prefill_tokens_computed"] == prompt_tokens + 3 * tail
     assert after["encoder_runs"] - stats["encoder_runs"] <= 1

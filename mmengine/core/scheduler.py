@@ -121,7 +121,7 @@ class Scheduler:
         pictures): a prefill chunk never ends inside one, so every query of a span sees all of it."""
         self.config = config
         self.whole_span_modalities = whole_span_modalities
-        self.caches = CacheCoordinator(kv_cache, states, config.block_size, windows)
+        self.caches = CacheCoordinator(kv_cache, states, config.cache_config.block_size, windows)
         self.encoder_host_tier = encoder_host_tier  # asked whether a missing item can be copied back
         self.kv_cache = kv_cache
         self.encoder_cache = encoder_cache
@@ -135,7 +135,7 @@ class Scheduler:
         self.num_reencodes_after_prefix_hit = 0
         self.num_zero_token_schedules = 0  # running requests held back a step by the encoder budget
         # Prefix-sharing groups of batches, their held blocks, and cache-affinity admission.
-        self.sharing = PrefixSharing(kv_cache, config.block_size, max_model_len, config.enable_prefix_grouping, windows)
+        self.sharing = PrefixSharing(kv_cache, config.cache_config.block_size, max_model_len, config.scheduler_config.enable_prefix_grouping, windows)
 
     @property
     def states(self) -> RecurrentStateManager | None:
@@ -186,7 +186,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.scheduler_config.max_num_batched_tokens
         encoder_budget = self.encoder_compute_budget
         encoding_now: set[str] = set()  # mm_hashes encoded this step
 
@@ -240,23 +240,23 @@ class Scheduler:
         and will be a hit soon) is skipped so that requests behind it can run. Skipping is
         bounded: a request skipped MAX_ADMISSION_SKIPS times blocks everything behind it.
         """
-        if not self.waiting or budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+        if not self.waiting or budget <= 0 or len(self.running) >= self.config.scheduler_config.max_num_seqs:
             return
         in_flight = self._blocks_in_flight()
-        window = MAX_ADMISSION_LOOKAHEAD + self.config.max_num_seqs - len(self.running) + 1
+        window = MAX_ADMISSION_LOOKAHEAD + self.config.scheduler_config.max_num_seqs - len(self.running) + 1
         candidates = self.sharing.admission_order(self.waiting, window, MAX_ADMISSION_SKIPS)
         self.sharing.begin_admission(self.running)
         skipped: list[Request] = []
         admitted: list[int] = []  # queue positions
         adapters = {r.lora_name for r in self.running if r.lora_name is not None}  # each needs a device slot
         for position, request in candidates:
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs or len(skipped) > MAX_ADMISSION_LOOKAHEAD:
+            if budget <= 0 or len(self.running) >= self.config.scheduler_config.max_num_seqs or len(skipped) > MAX_ADMISSION_LOOKAHEAD:
                 break
             starving = request.num_admission_skips >= MAX_ADMISSION_SKIPS
             if self.sharing.surely_refused(request, starving):
                 skipped.append(request)
                 continue
-            if request.lora_name is not None and request.lora_name not in adapters and len(adapters) >= self.config.max_loras:
+            if request.lora_name is not None and request.lora_name not in adapters and len(adapters) >= self.config.lora_config.max_loras:
                 if starving:  # its adapter gets a slot once the running ones drain
                     break
                 skipped.append(request)
@@ -307,7 +307,7 @@ class Scheduler:
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_computed
         request.num_computed_tokens = num_computed
-        request.num_prefix_hit_tokens = hit.num_hit_blocks * self.config.block_size
+        request.num_prefix_hit_tokens = hit.num_hit_blocks * self.config.cache_config.block_size
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         self.sharing.admitted(request, num_computed)
@@ -446,7 +446,7 @@ class Scheduler:
     def _pending_block_hashes(self, request: Request) -> list[bytes]:
         if not self.kv_cache.enable_prefix_caching:
             return []
-        return request.block_hashes[request.num_computed_tokens // self.config.block_size :]
+        return request.block_hashes[request.num_computed_tokens // self.config.cache_config.block_size :]
 
     def recompute(self, request_id: str) -> None:
         """Sends a running request back to the queue to compute again from its first token (its

@@ -77,7 +77,7 @@ class EngineCoreClient:
         """Spawns an engine-core process for this front end; with `core_address` (and its `core_authkey`),
         connects to a running one instead (one of `mmengine serve --api-server-count N`'s front ends)."""
         self.config = config = EngineConfig.from_kwargs(str(model), **options)
-        if config.enable_lora:
+        if config.lora_config.enable_lora:
             raise ConfigError("engine_core='process' does not serve LoRA adapters yet: use engine_core='thread'")
         self.process: Any = None  # the core, when this front end spawned it (else another process owns it)
         if core_address is None:

@@ -60,7 +60,7 @@ class MMEngine:
 
     def __init__(self, model: str | os.PathLike, **kwargs: Any) -> None:
         self.config = EngineConfig.from_kwargs(str(model), **kwargs)
-        if self.config.engine_core != "thread":
+        if self.config.parallel_config.engine_core != "thread":
             raise ConfigError("engine_core='process' is AsyncMMEngine's (AsyncMMEngine.from_model(path, engine_core='process')); "
                               "MMEngine runs in the calling process")
         self.parts = parts = build_engine_parts(self.config)
@@ -74,7 +74,8 @@ class MMEngine:
         # the engine that must never see a step half done (an audit, the Ray encoder store) take it too.
         self.lock = threading.RLock()
         self.intake = RequestIntake(self.input_processor, self.grammars, self.family.text_config.vocab_size, self.loras, self.lock)
-        async_scheduling = self.config.async_scheduling == "on" or (self.config.async_scheduling == "auto" and self.device.type == "cuda")
+        mode = self.config.scheduler_config.async_scheduling
+        async_scheduling = mode == "on" or (mode == "auto" and self.device.type == "cuda")
         self.steps = StepLoop(self.config, self.scheduler, self.runner, self.kv_cache, self.encoder_cache, self.grammars,
                               self.loras, self.tokenizer, self.eos_token_ids, async_scheduling)
         # Told of prompts about to be queued, outside the lock (mmengine.ray's encoder store fetches their items)

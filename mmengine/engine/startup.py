@@ -83,16 +83,17 @@ def build_input_parts(config: EngineConfig) -> InputParts:
     hf_config = load_hf_config(model_dir)
     family_class_for(hf_config)  # fail fast on unsupported architectures
     _check_quantization(config, quantization_of(hf_config))  # ... and quantization methods
-    hf_processor = load_hf_processor(model_dir, config.mm_processor_kwargs)
+    media = config.multimodal_config
+    hf_processor = load_hf_processor(model_dir, media.mm_processor_kwargs)
     family = load_family(hf_config, hf_processor, model_dir)
     max_model_len = resolve_max_model_len(config, family)
     input_processor = InputProcessor(
-        model_dir, family, max_model_len, config.limit_mm_per_prompt, config.max_image_pixels,
-        config.mm_processor_cache_bytes, config.prefix_caching_hash_algo, hf_processor=hf_processor,
-        max_video_seconds=config.max_video_seconds, max_audio_seconds=config.max_audio_seconds,
-        max_media_decode_seconds=config.max_media_decode_seconds,
+        model_dir, family, max_model_len, media.limit_mm_per_prompt, media.max_image_pixels,
+        media.mm_processor_cache_bytes, config.cache_config.prefix_caching_hash_algo, hf_processor=hf_processor,
+        max_video_seconds=media.max_video_seconds, max_audio_seconds=media.max_audio_seconds,
+        max_media_decode_seconds=media.max_media_decode_seconds,
     )
-    if config.mm_processor_workers:  # they start while the model loads
+    if media.mm_processor_workers:  # they start while the model loads
         input_processor.pool = _preprocess_pool(config, input_processor)
     return InputParts(hf_config, family, max_model_len, input_processor)
 
@@ -112,18 +113,19 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
 
 def _preprocess_pool(config: EngineConfig, processor: InputProcessor) -> PreprocessPool:
-    spec = PreparerSpec(str(config.model), config.mm_processor_kwargs, config.max_image_pixels, processor.fingerprint,
-                        processor.settings_key, config.prefix_caching_hash_algo)
-    return PreprocessPool(spec, config.mm_processor_workers)
+    media = config.multimodal_config
+    spec = PreparerSpec(str(config.model), media.mm_processor_kwargs, media.max_image_pixels, processor.fingerprint,
+                        processor.settings_key, config.cache_config.prefix_caching_hash_algo)
+    return PreprocessPool(spec, media.mm_processor_workers)
 
 
 def _build_rest(config: EngineConfig, model_dir: Path, hf_config: Any, family: ModelFamily, max_model_len: int,
                 device: Any, dtype: Any, input_processor: InputProcessor) -> EngineParts:
     runner = ModelRunner(config, family, model_dir, device, dtype, max_model_len)
     num_blocks = _start_runner(config, family, runner)
-    encoder_budget = encoder_budget_for(config, family, runner, pinned_room_tokens=num_blocks * config.block_size)
+    encoder_budget = encoder_budget_for(config, family, runner, pinned_room_tokens=num_blocks * config.cache_config.block_size)
     kv_cache, encoder_cache, encoder_host_tier = _caches(config, runner, num_blocks, encoder_budget)
-    input_processor.max_tokens_in_kv_cache = num_blocks * config.block_size
+    input_processor.max_tokens_in_kv_cache = num_blocks * config.cache_config.block_size
     input_processor.max_tokens_per_item = encoder_budget.compute_budget_tokens
     spans = _check_whole_spans(config, family)
     scheduler = Scheduler(config, kv_cache, encoder_cache, encoder_budget.compute_budget_tokens, max_model_len, encoder_host_tier,
@@ -131,7 +133,7 @@ def _build_rest(config: EngineConfig, model_dir: Path, hf_config: Any, family: M
     eos_token_ids = eos_token_ids_of(model_dir, hf_config, input_processor.tokenizer)
     grammars = GrammarCompiler(input_processor.tokenizer, family.text_config.vocab_size, eos_token_ids)
     logger.info("mmengine ready: %s on %s/%s, %d KV blocks of %d tokens%s, max_model_len %d",
-                model_dir, device, dtype, num_blocks, config.block_size,
+                model_dir, device, dtype, num_blocks, config.cache_config.block_size,
                 f" (and {runner.num_window_blocks} for the sliding-window layers)" if runner.window_pool else "", max_model_len)
     return EngineParts(config, hf_config, family, max_model_len, device, dtype, input_processor, runner, encoder_budget,
                        kv_cache, encoder_cache, encoder_host_tier, scheduler, eos_token_ids, grammars,
@@ -144,8 +146,8 @@ def _check_whole_spans(config: EngineConfig, family: ModelFamily) -> frozenset[s
     modalities = family.bidirectional_modalities
     sizes = family.max_tokens_by_modality()
     largest = max((sizes.get(m, 0) for m in modalities), default=0)
-    if largest > config.max_num_batched_tokens:
-        raise ConfigError(f"max_num_batched_tokens={config.max_num_batched_tokens} cannot hold a whole picture of {largest} "
+    if largest > config.scheduler_config.max_num_batched_tokens:
+        raise ConfigError(f"max_num_batched_tokens={config.scheduler_config.max_num_batched_tokens} cannot hold a whole picture of {largest} "
                           f"tokens, which {family.display_name} attends to both ways in one prefill chunk; raise it to "
                           f"at least {largest}")
     return modalities
@@ -154,8 +156,8 @@ def _check_whole_spans(config: EngineConfig, family: ModelFamily) -> frozenset[s
 def _check_quantization(config: EngineConfig, spec: WeightQuantization | None) -> None:
     """EngineConfig.quantization only asserts what the checkpoint's quantization_config says."""
     actual = "none" if spec is None else spec.method.removesuffix("-int4")
-    if config.quantization is not None and config.quantization != actual:
-        raise ConfigError(f"quantization={config.quantization!r}, but the checkpoint's quantization_config says {actual!r}")
+    if config.model_config.quantization is not None and config.model_config.quantization != actual:
+        raise ConfigError(f"quantization={config.model_config.quantization!r}, but the checkpoint's quantization_config says {actual!r}")
 
 
 def _start_runner(config: EngineConfig, family: ModelFamily, runner: ModelRunner) -> int:
@@ -165,14 +167,14 @@ def _start_runner(config: EngineConfig, family: ModelFamily, runner: ModelRunner
     images_per_step = unpinned.compute_budget_tokens // unpinned.max_tokens_per_item
     num_blocks = runner.determine_num_kv_blocks(
         encoder_fixed_bytes=unpinned.compute_budget_tokens * runner.embedding_bytes,
-        encoder_bytes_per_block=config.block_size * runner.embedding_bytes,
+        encoder_bytes_per_block=config.cache_config.block_size * runner.embedding_bytes,
         images_per_step=images_per_step,
         encoder_budget_tokens=unpinned.compute_budget_tokens,
     )
     if runner.device.type == "cpu":
-        per_block = runner.kv_block_bytes + config.block_size * runner.embedding_bytes
+        per_block = runner.kv_block_bytes + config.cache_config.block_size * runner.embedding_bytes
         per_block += -(-runner.num_window_blocks * runner.window_block_bytes // num_blocks)  # the window pool's share
-        check_cpu_kv_cache_fits(num_blocks, per_block, explicit=config.num_kv_blocks is not None)
+        check_cpu_kv_cache_fits(num_blocks, per_block, explicit=config.cache_config.num_kv_blocks is not None)
     runner.allocate_kv_cache(num_blocks)
     if runner.use_cuda_graphs:
         runner.capture_cuda_graphs()
@@ -183,13 +185,13 @@ def _start_runner(config: EngineConfig, family: ModelFamily, runner: ModelRunner
 def encoder_budget_for(config: EngineConfig, family: ModelFamily, runner: ModelRunner, pinned_room_tokens: int,
                        warn: bool = True) -> EncoderBudget:
     return compute_encoder_budget(
-        family.max_tokens_per_item(config.limit_mm_per_prompt, config.max_audio_seconds),
-        config.max_num_batched_tokens,
-        config.max_num_seqs,
-        config.limit_mm_per_prompt,
+        family.max_tokens_per_item(config.multimodal_config.limit_mm_per_prompt, config.multimodal_config.max_audio_seconds),
+        config.scheduler_config.max_num_batched_tokens,
+        config.scheduler_config.max_num_seqs,
+        config.multimodal_config.limit_mm_per_prompt,
         pinned_room_tokens=pinned_room_tokens,
         bytes_per_token=runner.embedding_bytes,
-        encoder_cache_size=config.encoder_cache_size,
+        encoder_cache_size=config.cache_config.encoder_cache_size,
         warn=warn,
         items_per_video=family.max_items_per_video,
     )
@@ -199,18 +201,18 @@ def _caches(config: EngineConfig, runner: ModelRunner, num_blocks: int,
             budget: EncoderBudget) -> tuple[KVCacheManager, EncoderCacheManager, EncoderHostTier | None]:
     """The KV cache's and the encoder cache's books, joined by the one path they talk through (pins),
     and the encoder cache's host tier (sized by encoder_cache_host_bytes; None: see EngineConfig)."""
-    kv_host_bytes = host_tier_bytes(config.kv_cache_host_bytes, runner.device.type)
+    kv_host_bytes = host_tier_bytes(config.cache_config.kv_cache_host_bytes, runner.device.type)
     kv_cache = KVCacheManager(
         num_blocks,
-        config.block_size,
-        make_hash_function(config.prefix_caching_hash_algo, config.prefix_caching_hash_seed),
-        enable_prefix_caching=config.enable_prefix_caching,
+        config.cache_config.block_size,
+        make_hash_function(config.cache_config.prefix_caching_hash_algo, config.cache_config.prefix_caching_hash_seed),
+        enable_prefix_caching=config.cache_config.enable_prefix_caching,
         host_tier=KVHostTier(kv_host_bytes, runner.kv_block_bytes) if kv_host_bytes else None,
         pin_overlapping_items=runner.family.recurrent_shape is not None,
     )
     encoder_cache = EncoderCacheManager(budget.cache_capacity_tokens, kv_cache.uncache_pinning)
     kv_cache.pin_listener = encoder_cache
-    encoder_host_bytes = host_tier_bytes(config.encoder_cache_host_bytes, runner.device.type)
+    encoder_host_bytes = host_tier_bytes(config.cache_config.encoder_cache_host_bytes, runner.device.type)
     encoder_host_tier = EncoderHostTier(encoder_host_bytes) if encoder_host_bytes > 0 else None
     runner.encoder_host_tier = encoder_host_tier
     return kv_cache, encoder_cache, encoder_host_tier
@@ -221,7 +223,7 @@ def _recurrent_states(config: EngineConfig, family: ModelFamily, runner: ModelRu
     """A hybrid model's recurrent-state books, told when a block a checkpoint marks leaves the KV cache."""
     if family.recurrent_shape is None:
         return None
-    states = RecurrentStateManager(config.max_num_seqs, runner.num_state_checkpoints, config.block_size,
+    states = RecurrentStateManager(config.scheduler_config.max_num_seqs, runner.num_state_checkpoints, config.cache_config.block_size,
                                    is_block_cached=kv_cache.pool.is_hash_cached)
     kv_cache.on_block_uncached = states.drop
     return states
@@ -232,30 +234,30 @@ def _window_blocks(config: EngineConfig, runner: ModelRunner) -> SlidingWindowMa
     pool = runner.window_pool
     if pool is None:
         return None
-    return SlidingWindowManager(runner.num_window_blocks, config.block_size, pool.window, config.enable_prefix_caching)
+    return SlidingWindowManager(runner.num_window_blocks, config.cache_config.block_size, pool.window, config.cache_config.enable_prefix_caching)
 
 
 def _lora_manager(config: EngineConfig, family: ModelFamily, runner: ModelRunner) -> LoRAManager | None:
-    if not config.enable_lora:
+    if not config.lora_config.enable_lora:
         return None
     shape = DecoderShape.of(family.text_config, family.head_dim)
     vision = VisionTargets({name: (m.in_features, m.out_features) for name, m in runner.vision_lora_modules.items()},
                            runner.model.checkpoint_name, runner.model.is_ignorable)
-    return LoRAManager(shape, config.max_loras, config.max_lora_rank, config.max_cpu_loras, vision)
+    return LoRAManager(shape, config.lora_config.max_loras, config.lora_config.max_lora_rank, config.lora_config.max_cpu_loras, vision)
 
 
 def resolve_max_model_len(config: EngineConfig, family: ModelFamily) -> int:
     limit = family.text_config.max_position_embeddings
     window = family.sliding_window
-    if config.max_model_len is not None:
-        if config.max_model_len > limit:
-            raise ConfigError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}")
-        if window is not None and config.max_model_len > window:
+    if config.model_config.max_model_len is not None:
+        if config.model_config.max_model_len > limit:
+            raise ConfigError(f"max_model_len={config.model_config.max_model_len} exceeds the model's max_position_embeddings={limit}")
+        if window is not None and config.model_config.max_model_len > window:
             raise ConfigError(
-                f"max_model_len={config.max_model_len} exceeds the model's sliding window ({window}); "
+                f"max_model_len={config.model_config.max_model_len} exceeds the model's sliding window ({window}); "
                 "sliding-window attention is not supported, so max_model_len must stay within it"
             )
-        return config.max_model_len
+        return config.model_config.max_model_len
     if window is not None and window < limit:
         logger.warning("capping max_model_len to the model's sliding window (%d)", window)
         return window

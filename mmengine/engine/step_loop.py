@@ -60,7 +60,7 @@ class StepLoop:
                                        "generation_tokens", "requests_finished"), 0)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._opens_reasoning: dict[str, bool] = {}  # with a reasoning parser: the prompt left <think> open
-        self._opening_token = opening_token(tokenizer) if config.reasoning_parser is not None else None
+        self._opening_token = opening_token(tokenizer) if config.model_config.reasoning_parser is not None else None
         self._arrivals = itertools.count()
 
     # -- requests in and out ---------------------------------------------------
@@ -79,20 +79,20 @@ class StepLoop:
         if lora_key is not None and not self.loras.holds(lora_key):  # removed while the prompt was preprocessed
             raise UnknownAdapterError(f"LoRA adapter {self.loras.name_of(lora_key)!r} was removed before the request was queued")
         if lora_key is not None and processed.mm_items and self.loras.touches_vision(lora_key):
-            processed = _items_under_adapter(processed, lora_key, self.config.prefix_caching_hash_algo)
+            processed = _items_under_adapter(processed, lora_key, self.config.cache_config.prefix_caching_hash_algo)
         generator = self.runner.sampler.make_generator(params, self.runner.device)
         request = Request(request_id, processed, params, arrival, generator, cache_salt=cache_salt, lora_name=lora_key)
         prompt = request.prompt
-        if prompt is None and self.config.reasoning_parser is not None:  # a token prompt
+        if prompt is None and self.config.model_config.reasoning_parser is not None:  # a token prompt
             prompt = self.tokenizer.decode(request.prompt_token_ids)
         if params.structured_output is not None:
             request.grammar = self.grammars.matcher(params.structured_output)
-            if self.config.reasoning_parser is not None:
+            if self.config.model_config.reasoning_parser is not None:
                 request.grammar = ReasoningGate.for_prompt(request.grammar, prompt, self._opening_token)
         detokenizer = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, stop=params.stop)
         self.scheduler.add_request(request)
         self._detokenizers[request_id] = detokenizer
-        if self.config.reasoning_parser is not None:
+        if self.config.model_config.reasoning_parser is not None:
             self._opens_reasoning[request_id] = prompt_opens_reasoning(prompt)
         self.counters["prompt_tokens"] += request.num_prompt_tokens
         return request_id
@@ -314,7 +314,7 @@ class StepLoop:
 
     def _output(self, request: Request, detokenizer: IncrementalDetokenizer) -> RequestOutput:
         text, reasoning = detokenizer.text, None
-        if self.config.reasoning_parser is not None:
+        if self.config.model_config.reasoning_parser is not None:
             split = split_reasoning(text, self._opens_reasoning.get(request.request_id, False), final=request.is_finished)
             text, reasoning = split.content, split.reasoning
         return RequestOutput(

@@ -264,7 +264,7 @@ class _OpenAIServer:
         deltas = [self.metrics.timed(aiter(stream), arrival, "chat" if chat else "completions") for stream in streams]
         tools = chat and bool(body.tools) and body.tool_mode()[0] != "none"
         shape = _Choices(len(inputs), samples, body.n, self._logprobs_shown(body), tools,
-                         reasoning=self.engine.engine.config.reasoning_parser is not None)
+                         reasoning=self.engine.engine.config.model_config.reasoning_parser is not None)
         if body.prompt_logprobs is not None:
             shape.prompt_logprobs = lambda entries: prompt_logprobs_json(entries, self.token_bytes, body.prompt_logprobs)
         if not chat and body.echo:  # each choice starts with its prompt (completion_echo.py)

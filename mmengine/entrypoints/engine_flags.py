@@ -1,5 +1,6 @@
-"""Command-line flags for the engine's options: one per EngineConfig field, generated from the
-dataclass, shared by `mmengine serve`, `demo` and `generate`. Imports no torch, so --help stays fast."""
+"""Command-line flags for the engine's options: one per EngineConfig option, generated from the option
+groups' dataclasses (config.py), shared by `mmengine serve`, `demo` and `generate`. Imports no torch, so
+--help stays fast."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ from mmengine.config import EngineConfig
 
 
 def add_engine_options(parser: argparse.ArgumentParser, exclude: Collection[str] = ()) -> None:
-    """One flag per EngineConfig field (but `model` and `exclude`, names a command uses otherwise);
-    a flag left out keeps the dataclass default."""
-    group = parser.add_argument_group("engine options (EngineConfig fields; see mmengine/config.py)")
-    hints = typing.get_type_hints(EngineConfig)
-    for field in dataclasses.fields(EngineConfig):
-        if field.name == "model" or field.name in exclude:
+    """One flag per EngineConfig option (but `exclude`, names a command uses otherwise); a flag left out
+    keeps the option's default."""
+    group = parser.add_argument_group("engine options (EngineConfig's option groups; see mmengine/config.py)")
+    for owner, field in EngineConfig.option_fields():
+        if field.name in exclude:
             continue
+        hints = typing.get_type_hints(owner)
         default = field.default if field.default is not dataclasses.MISSING else field.default_factory()
         kind = _base_type(hints[field.name])
         flag = "--" + field.name.replace("_", "-")
@@ -35,15 +36,15 @@ def add_engine_options(parser: argparse.ArgumentParser, exclude: Collection[str]
             group.add_argument(flag, type=mapping_parser(flag, value_type), default=None, dest=field.name,
                                metavar="KEY=VALUE[,KEY=VALUE]", help=shown)
         else:
-            raise TypeError(f"EngineConfig.{field.name}: no command-line form for {hints[field.name]!r}")
+            raise TypeError(f"{owner.__name__}.{field.name}: no command-line form for {hints[field.name]!r}")
 
 
 def engine_options(args: argparse.Namespace, exclude: Collection[str] = ()) -> dict[str, Any]:
     """The EngineConfig options given on the command line (add_engine_options' flags)."""
     return {
         field.name: getattr(args, field.name)
-        for field in dataclasses.fields(EngineConfig)
-        if field.name != "model" and field.name not in exclude and getattr(args, field.name) is not None
+        for _, field in EngineConfig.option_fields()
+        if field.name not in exclude and getattr(args, field.name) is not None
     }
 
 

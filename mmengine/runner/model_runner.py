@@ -61,7 +61,7 @@ class ModelRunner:
         self.config = config
         self.device = device
         self.dtype = dtype
-        self.block_size = config.block_size
+        self.block_size = config.cache_config.block_size
         self.max_model_len = max_model_len
         self.family = family
         self.text_config = family.text_config
@@ -69,8 +69,8 @@ class ModelRunner:
         # int4 and FP8 weights stay quantized for their GEMMs where the fused kernels run (not under LoRA,
         # which wraps the dense projections); elsewhere they are dequantized at load. Kept quantized, the
         # model is built with its parameters on meta and the projections' dense weights never take memory.
-        packed: dict | None = {} if quantization is not None and not config.enable_lora and \
-            use_fused_kernels(device, get_attention_backend(config.attn_backend, device).name) else None
+        packed: dict | None = {} if quantization is not None and not config.lora_config.enable_lora and \
+            use_fused_kernels(device, get_attention_backend(config.execution_config.attn_backend, device).name) else None
         with torch.device(device), default_dtype(dtype), parameters_on_meta() if packed is not None else contextlib.nullcontext():
             self.model = family.model_class(family.hf_config)
         if packed is not None:
@@ -83,14 +83,14 @@ class ModelRunner:
         self.lora_context: LoRAContext | None = None
         self.vision_lora_context: ItemLoRAContext | None = None
         self.vision_lora_modules: dict[str, LoRALinear] = {}
-        if config.enable_lora:
-            self.lora_context = self.model.language_model.enable_lora(config.max_loras, config.max_lora_rank)
-            self.vision_lora_context, self.vision_lora_modules = self.model.enable_vision_lora(config.max_loras, config.max_lora_rank)
-        self.attn_backend = get_attention_backend(config.attn_backend, device)
+        if config.lora_config.enable_lora:
+            self.lora_context = self.model.language_model.enable_lora(config.lora_config.max_loras, config.lora_config.max_lora_rank)
+            self.vision_lora_context, self.vision_lora_modules = self.model.enable_vision_lora(config.lora_config.max_loras, config.lora_config.max_lora_rank)
+        self.attn_backend = get_attention_backend(config.execution_config.attn_backend, device)
         self._set_kv_scales()
         if self.lora_context is not None:
             self.lora_context.use_kernels = self.vision_lora_context.use_kernels = use_fused_kernels(device, self.attn_backend.name)
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.model_config.seed)
         self.encoder_outputs: dict[str, torch.Tensor] = {}  # the encoder cache's tensors, by mm_hash
         self.encoder_host_tier: EncoderHostTier | None = None  # where evicted outputs wait (set by the engine)
         self.on_encoded: Callable[[tuple[str, torch.Tensor]], None] | None = None  # told of each output the tower makes
@@ -112,19 +112,19 @@ class ModelRunner:
         self.num_cascade_groups = 0  # shared-prefix groups over those steps
         self.num_cascade_tokens = 0  # query tokens that attended to a shared prefix in a group
         self.inputs = InputBuffers(
-            max_tokens=max(config.max_num_batched_tokens, config.max_num_seqs),
-            max_reqs=config.max_num_seqs,
+            max_tokens=max(config.scheduler_config.max_num_batched_tokens, config.scheduler_config.max_num_seqs),
+            max_reqs=config.scheduler_config.max_num_seqs,
             max_blocks_per_req=cdiv(max_model_len, self.block_size),
             block_size=self.block_size,
             vocab_size=self.text_config.vocab_size,
             device=device,
             position_channels=family.position_channels,
             cascade=self._cascade_policy(),
-            lora=config.enable_lora,
+            lora=config.lora_config.enable_lora,
             windowed=self.window_pool is not None,
         )
-        self._readback = TokenReadback(config.max_num_seqs, device)
-        self.grammar_masks = BitmaskFiller(self.text_config.vocab_size, config.max_num_seqs, device)
+        self._readback = TokenReadback(config.scheduler_config.max_num_seqs, device)
+        self.grammar_masks = BitmaskFiller(self.text_config.vocab_size, config.scheduler_config.max_num_seqs, device)
         self.penalties = PenaltyState(self.text_config.vocab_size, device)
         self.decode_graphs: DecodeGraphs | None = None
         # The final hidden states of a graph step, at a fixed address (rows beyond the batch are padding).
@@ -132,7 +132,7 @@ class ModelRunner:
 
     def _cascade_policy(self) -> CascadePolicy:
         """"auto" weighs cascade against the Triton kernels; the PyTorch reference runs it on "on" only."""
-        mode = self.config.cascade_attention
+        mode = self.config.execution_config.cascade_attention
         if mode == "auto" and self.attn_backend.name != "triton":
             mode = "off"
         shape = cascade_layer_shape(self.text_config.num_attention_heads, self.family.kv_cache_layout(),
@@ -153,7 +153,7 @@ class ModelRunner:
         scaled = self.model.apply_kv_scales() if is_fp8(self.kv_dtype) else 0
         if is_fp8(self.kv_dtype) and scaled < self.family.num_attention_layers:
             logger.warning("kv_cache_dtype=%r: the checkpoint has K/V scales for %d of %d attention layers; the others "
-                           "use 1.0 (values beyond +-448 saturate)", self.config.kv_cache_dtype, scaled,
+                           "use 1.0 (values beyond +-448 saturate)", self.config.cache_config.kv_cache_dtype, scaled,
                            self.family.num_attention_layers)
         elif not is_fp8(self.kv_dtype) and self.model.kv_scales:
             logger.info("the checkpoint's K/V scales apply to kv_cache_dtype='fp8' only; the cache is %s", self.kv_dtype)
@@ -187,12 +187,12 @@ class ModelRunner:
         """The sliding-window layers' pool, when they have one window shorter than max_model_len (and the
         config does not keep every token's K/V everywhere)."""
         windows = {w for w in self.family.kv_cache_windows() if w is not None}
-        if self.config.sliding_kv_ratio is None or len(windows) != 1 or min(windows) >= self.max_model_len:
+        if self.config.cache_config.sliding_kv_ratio is None or len(windows) != 1 or min(windows) >= self.max_model_len:
             if len(windows) > 1:
                 logger.info("sliding windows of %s tokens: every cached layer keeps every token", sorted(windows))
             return None
-        c = self.config
-        return WindowPool.plan(min(windows), c.sliding_kv_ratio, self.block_size, c.max_num_batched_tokens, self.max_model_len)
+        return WindowPool.plan(min(windows), self.config.cache_config.sliding_kv_ratio, self.block_size,
+                               self.config.scheduler_config.max_num_batched_tokens, self.max_model_len)
 
     @property
     def state_slot_bytes(self) -> int:
@@ -208,13 +208,13 @@ class ModelRunner:
         slot = self.state_slot_bytes
         if slot == 0:
             return available
-        available -= (self.config.max_num_seqs + 1) * slot  # the live states and the scratch slot
-        if not self.config.enable_prefix_caching:
+        available -= (self.config.scheduler_config.max_num_seqs + 1) * slot  # the live states and the scratch slot
+        if not self.config.cache_config.enable_prefix_caching:
             self.num_state_checkpoints = 0
-        elif self.config.num_state_checkpoints is not None:
-            self.num_state_checkpoints = self.config.num_state_checkpoints
+        elif self.config.cache_config.num_state_checkpoints is not None:
+            self.num_state_checkpoints = self.config.cache_config.num_state_checkpoints
         else:
-            self.num_state_checkpoints = max(0, int(available * self.config.state_checkpoint_memory_fraction) // slot)
+            self.num_state_checkpoints = max(0, int(available * self.config.cache_config.state_checkpoint_memory_fraction) // slot)
         return available - self.num_state_checkpoints * slot
 
     @property
@@ -226,18 +226,18 @@ class ModelRunner:
                                 encoder_budget_tokens: int = 0) -> int:
         """KV blocks that fit in the memory left after the encoder cache's fixed part; each block
         also pays for its share of the encoder cache's pinned room."""
-        useful = self.config.max_num_seqs * cdiv(self.max_model_len, self.block_size)
+        useful = self.config.scheduler_config.max_num_seqs * cdiv(self.max_model_len, self.block_size)
         if self.device.type == "cuda":
             available = self._profile_kv_cache_bytes(images_per_step, encoder_budget_tokens)
         else:
-            available = self.config.cpu_kv_cache_bytes
+            available = self.config.cache_config.cpu_kv_cache_bytes
         available = self._reserve_state_memory(available)
         per_block = self.kv_block_bytes + encoder_bytes_per_block
         num_blocks, self.num_window_blocks = split_kv_memory(available - encoder_fixed_bytes, per_block,
                                                              self.window_block_bytes, self.window_pool, useful)
-        if self.config.num_kv_blocks is not None:
+        if self.config.cache_config.num_kv_blocks is not None:
             cuda = self.device.type == "cuda"  # on a GPU a cap within the memory; on CPU the count
-            num_blocks = min(num_blocks, self.config.num_kv_blocks) if cuda else self.config.num_kv_blocks
+            num_blocks = min(num_blocks, self.config.cache_config.num_kv_blocks) if cuda else self.config.cache_config.num_kv_blocks
             if self.window_pool is not None:
                 wanted = self.window_pool.blocks_for(num_blocks)
                 self.num_window_blocks = min(self.num_window_blocks, wanted) if cuda else wanted
@@ -260,7 +260,7 @@ class ModelRunner:
         self._bind_kv_cache(self.kv_cache)
         recurrent = self.family.recurrent_shape
         if recurrent is not None:
-            slots = num_state_slots or self.config.max_num_seqs + self.num_state_checkpoints + 1
+            slots = num_state_slots or self.config.scheduler_config.max_num_seqs + self.num_state_checkpoints + 1
             self.recurrent_states = []  # the old ones go first (the profiling run's)
             for layer in self.model.language_model.linear_layers():
                 layer.states = GatedDeltaStates(recurrent, slots, self.device, self.dtype)
@@ -277,9 +277,9 @@ class ModelRunner:
         takes audio, a step's worth (of the encoder budget) of the longest clips (a tower of its own,
         which may take more memory than the pictures' batch)."""
         batches = [self.family.dummy_items(images_per_step)] if images_per_step > 0 else []
-        if "audio" in self.family.max_tokens_by_modality() and self.config.limit_mm_per_prompt.get("audio", 0) > 0:
-            per_clip = self.family.max_tokens_per_item({"audio": 1}, self.config.max_audio_seconds)
-            clips = self.family.dummy_audio_items(max(1, encoder_budget_tokens // per_clip), self.config.max_audio_seconds)
+        if "audio" in self.family.max_tokens_by_modality() and self.config.multimodal_config.limit_mm_per_prompt.get("audio", 0) > 0:
+            per_clip = self.family.max_tokens_per_item({"audio": 1}, self.config.multimodal_config.max_audio_seconds)
+            clips = self.family.dummy_audio_items(max(1, encoder_budget_tokens // per_clip), self.config.multimodal_config.max_audio_seconds)
             if clips:
                 batches.append(clips)
         return batches
@@ -290,7 +290,7 @@ class ModelRunner:
         for the KV cache under gpu_memory_utilization."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        num_tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        num_tokens = min(self.config.scheduler_config.max_num_batched_tokens, self.max_model_len)
         num_blocks = cdiv(num_tokens, self.block_size)
         self.allocate_kv_cache(num_blocks, num_state_slots=1, num_window_blocks=num_blocks)  # both pools: one block table
         with torch.inference_mode():
@@ -304,7 +304,7 @@ class ModelRunner:
                 metadata.recurrent = RecurrentStep([0, num_tokens], [0])
             ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
             hidden = self.model(self.model.embed_tokens(ids), self._plain_positions(num_tokens), metadata, input_ids=ids)
-            rows = min(self.config.max_num_seqs, num_tokens)
+            rows = min(self.config.scheduler_config.max_num_seqs, num_tokens)
             logits = self.model.compute_logits(hidden[-rows:])
             del hidden
             params = [SamplingParams(temperature=1.0, top_p=0.9, top_k=50)] * rows
@@ -323,7 +323,7 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         non_torch = (total - free) - torch.cuda.memory_reserved(self.device)
-        available = int(total * self.config.gpu_memory_utilization) - peak - non_torch - graph_bytes
+        available = int(total * self.config.cache_config.gpu_memory_utilization) - peak - non_torch - graph_bytes
         logger.info(
             "KV cache profile: total %d, peak %d, non-torch %d, CUDA graphs %d -> %d bytes for KV",
             total, peak, non_torch, graph_bytes, available,
@@ -341,13 +341,13 @@ class ModelRunner:
     @property
     def use_cuda_graphs(self) -> bool:
         """Decode steps replay CUDA graphs on CUDA with the Triton kernels, unless enforce_eager."""
-        return not self.config.enforce_eager and self.device.type == "cuda" and self.attn_backend.name == "triton"
+        return not self.config.execution_config.enforce_eager and self.device.type == "cuda" and self.attn_backend.name == "triton"
 
     def capture_cuda_graphs(self, capturer: GraphCapturer | None = None) -> CaptureReport:
         """Captures one decode step per batch-size bucket over the bound KV cache and the
         persistent input buffers. `capturer` defaults to real CUDA graphs (tests pass a stand-in)."""
         assert self.kv_cache is not None, "allocate the KV cache before capturing"
-        sizes = graph_batch_sizes(self.config.max_num_seqs, self.config.max_cuda_graph_batch_size)
+        sizes = graph_batch_sizes(self.config.scheduler_config.max_num_seqs, self.config.execution_config.max_cuda_graph_batch_size)
         self._graph_hidden = torch.zeros(max(sizes), self.text_config.hidden_size, dtype=self.dtype, device=self.device)
         if self.recurrent_states:
             self._graph_state_slots = torch.full((max(sizes),), self._scratch_state_slot, dtype=torch.long, device=self.device)
