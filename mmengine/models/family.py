@@ -213,6 +213,14 @@ class ModelFamily:
         starts in them."""
         return [self.image_token_id] * num_tokens, 0
 
+    def image_marker_text(self, processor: Any) -> str | None:
+        """The text each image marker of a text prompt becomes before tokenizing, holding one placeholder
+        token where the picture's run goes (image_prompt_ids expands it), where the processor writes text
+        around the run (Gemma 3's `<start_of_image>` marker becomes `\n\n<start_of_image>`, the run,
+        `<end_of_image>\n\n`, whose newlines merge with the prompt's own); None where the marker is itself
+        the placeholder token. `processor`: the checkpoint's loaded HF processor."""
+        return None
+
     def resized_size(self, height: int, width: int) -> tuple[int, int] | None:
         """(height, width) the image processor resizes an image to, or None where the generic rule of
         `multimodal.resize_guard` (the processor's `size` settings) applies."""

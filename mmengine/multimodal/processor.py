@@ -104,6 +104,8 @@ class InputProcessor:
         self.tokenizer = self.hf_processor.tokenizer
         self.image_token: str = self.hf_processor.image_token
         self.image_token_id: int = family.image_token_id
+        # Where the marker is not the placeholder (Gemma 3), the text it becomes before tokenizing
+        self.image_marker_text: str | None = family.image_marker_text(self.hf_processor)
         self.fingerprint = model_fingerprint(model_dir)
         self.settings_key = processor_settings_key(self.hf_processor.image_processor)
         self.max_model_len = max_model_len
@@ -309,6 +311,8 @@ class InputProcessor:
         processor's own expansion would, the k-th video marker into adjacent runs of video_runs[k] and the
         k-th audio marker into a run of audio_counts[k]; also where each image's, each video item's and
         each clip's run starts."""
+        if self.image_marker_text is not None and counts:  # the markers' text first (ids tokenized without it are stale)
+            prompt, ids = prompt.replace(self.image_token, self.image_marker_text), None
         if ids is None:
             with self._lock:  # a fast tokenizer may refuse concurrent calls ("Already borrowed")
                 ids = self.tokenizer(prompt)["input_ids"]

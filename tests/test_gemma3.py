@@ -1,0 +1,233 @@
+"""Gemma 3 end to end against transformers (fp32, CPU): the tiny checkpoint has six sliding layers of a
+window of 8 and one global layer with linearly scaled RoPE, a query scale that is not the head size's, a
+SigLIP tower whose 8x8 patches pool to 16 soft tokens, attended both ways on every layer. Greedy tokens
+equal transformers' generate for text, one and two pictures, pictures across prefill-chunk boundaries, a
+mixed batch, prefix hits and preemption; the top log-probabilities need the window and the spans; the
+window pool frees the blocks that left the window; the published key layout loads, strictly."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from books import assert_books_consistent
+from conftest import hf_greedy, hf_logits
+from safetensors.torch import load_file, save_file
+
+from mmengine import MMEngine, SamplingParams
+from mmengine.errors import ConfigError, ImageCountMismatchError, PromptTooLongError, UnsupportedModelError, WeightsMismatchError
+from mmengine.layers.attention import Attention
+from mmengine.testing.gemma3 import gemma3_prompt, tiny_gemma3_path
+from mmengine.testing.images import make_test_image
+
+LONG_TEXT = "Tell me about the red square and the blue circle, then count to ten slowly, please."
+PICTURES = [make_test_image(3, (64, 40)), make_test_image(4, (30, 90))]
+GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def path():
+    return tiny_gemma3_path()
+
+
+def _engine(path, **kwargs) -> MMEngine:
+    options = dict(device="cpu", dtype="float32", max_model_len=512, enforce_eager=True)
+    return MMEngine(str(path), **{**options, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def engine(path) -> MMEngine:
+    return _engine(path, block_size=4)
+
+
+@pytest.fixture(scope="module")
+def uncached(path) -> MMEngine:
+    """Without prefix caching: every request computes its whole prompt."""
+    return _engine(path, block_size=4, enable_prefix_caching=False)
+
+
+def _greedy(engine: MMEngine, prompts, images, params: SamplingParams = GREEDY) -> list[list[int]]:
+    outputs = engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+    return [output.token_ids for output in outputs]
+
+
+@pytest.mark.parametrize("num_images", [0, 1, 2])
+def test_greedy_tokens_equal_transformers(path, engine, num_images):
+    """Prompts past the window (68, 90 and 112 tokens), two pictures of different sizes, 16 tokens."""
+    prompt = gemma3_prompt(LONG_TEXT, num_images)
+    images = PICTURES[:num_images]
+    assert _greedy(engine, prompt, images or None) == [hf_greedy(path, prompt, images, 16, ignore_eos=True)]
+
+
+def test_the_chat_template_and_token_prompts_give_the_same_tokens(path, engine):
+    """engine.chat writes the template's <start_of_image>; a token prompt holding the processor's expanded ids
+    (each picture's 16 soft tokens) gives the same tokens as the text."""
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    prompt = engine.input_processor.apply_chat_template(messages)
+    assert prompt == gemma3_prompt("What is it?", 1)
+    expected = hf_greedy(path, prompt, PICTURES[1:], 16, ignore_eos=True)
+    chat = engine.chat(messages, images=[PICTURES[1]], sampling_params=GREEDY, use_tqdm=False)[0]
+    assert chat.token_ids == expected
+    ids = engine.input_processor.hf_processor(text=prompt, images=PICTURES[1:])["input_ids"][0]
+    tokens = engine.generate({"prompt_token_ids": list(ids), "multi_modal_data": {"image": PICTURES[1]}}, sampling_params=GREEDY,
+                             use_tqdm=False)[0]
+    assert tokens.prompt_token_ids == chat.prompt_token_ids and tokens.token_ids == expected
+
+
+def test_pictures_across_chunk_boundaries(path):
+    """A budget of 24 tokens would end the first chunk inside the first picture (9..25) and the next inside
+    the second (31..47): each ends at the picture's start instead, the picture is computed whole in the
+    next chunk, and the tokens are transformers'."""
+    prompt = gemma3_prompt(LONG_TEXT, 2)
+    engine = _engine(path, block_size=4, max_num_batched_tokens=24)
+    chunks, schedule = [], engine.scheduler.schedule
+
+    def spied():
+        output = schedule()
+        chunks.extend((s.start, s.end) for s in output.scheduled if s.end - s.start > 1)
+        return output
+
+    engine.scheduler.schedule = spied
+    assert _greedy(engine, prompt, PICTURES) == [hf_greedy(path, prompt, PICTURES, 16, ignore_eos=True)]
+    items = engine.input_processor.process(prompt, PICTURES, GREEDY).mm_items
+    assert [(item.offset, item.length) for item in items] == [(9, 16), (31, 16)]
+    for item in items:
+        assert any(end == item.offset and end - start < 24 for start, end in chunks)  # ended short, at the picture
+        assert any(start <= item.offset and item.end <= end for start, end in chunks)  # then the picture whole
+    with pytest.raises(ConfigError, match="max_num_batched_tokens=12 cannot hold a whole picture of 16 tokens"):
+        _engine(path, max_num_batched_tokens=12)
+
+
+def test_a_mixed_batch_equals_each_prompt_alone(uncached):
+    prompts = [gemma3_prompt(LONG_TEXT, 0), gemma3_prompt("What is it?", 1), gemma3_prompt("Compare them.", 2),
+               gemma3_prompt("And this one?", 1)]
+    images = [None, PICTURES[:1], PICTURES, PICTURES[1:]]
+    batch = _greedy(uncached, prompts, images)
+    assert batch == [_greedy(uncached, prompt, image)[0] for prompt, image in zip(prompts, images)]
+
+
+def test_a_repeated_prompt_recomputes_one_block_and_encodes_its_picture_once(path, engine):
+    prompt = gemma3_prompt("Describe the picture in detail.", 1)
+    picture = [make_test_image(7, (50, 50))]
+    before = engine.stats()
+    first = _greedy(engine, prompt, picture)
+    middle = engine.stats()
+    again = engine.generate(prompt, images=picture, sampling_params=GREEDY, use_tqdm=False)[0]
+    after = engine.stats()
+    assert again.token_ids == first[0] == hf_greedy(path, prompt, picture, 16, ignore_eos=True)
+    assert middle["encoder_runs"] == before["encoder_runs"] + 1 and after["encoder_runs"] == middle["encoder_runs"]
+    assert after["reencodes_after_prefix_hit"] == before["reencodes_after_prefix_hit"]
+    prompt_len = len(again.prompt_token_ids)
+    assert after["prefix_cache_hits"] - middle["prefix_cache_hits"] >= prompt_len - 4
+    assert after["prefill_tokens_computed"] - middle["prefill_tokens_computed"] <= 4  # at most the last block
+    assert again.num_cached_tokens >= prompt_len - 4
+
+
+def test_preemption_keeps_the_tokens(path):
+    """Two prompts that share no block, each 23 blocks of 4 and 26 once generated, in 48 blocks: both are
+    admitted and one is preempted as they grow."""
+    prompts = [f"<bos>{text}" + gemma3_prompt(LONG_TEXT, 1).removeprefix("<bos>") for text in ("One.", "Two!")]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    tight = _engine(path, block_size=4, num_kv_blocks=48, max_num_seqs=4)
+    outputs = _greedy(tight, prompts, [PICTURES[:1]] * 2, params)
+    assert tight.scheduler.num_preemptions > 0
+    assert_books_consistent(tight)
+    assert outputs == [hf_greedy(path, prompt, PICTURES[:1], 12, ignore_eos=True) for prompt in prompts]
+
+
+def test_a_kv_budget_that_holds_the_context_only_with_the_window_freed(path):
+    """The sliding layers keep only their window's blocks, in a pool of their own: 90 prompt tokens and 40
+    generated (33 blocks of 4) run in KV tensors of the bytes that, with every layer keeping every token,
+    hold 16 blocks; the tokens are transformers'."""
+    prompt = gemma3_prompt(LONG_TEXT, 1)
+    options = dict(block_size=4, max_num_batched_tokens=40)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine = _engine(path, num_kv_blocks=33, sliding_kv_ratio=0.05, **options)
+    runner, windows = engine.runner, engine.scheduler.caches.windows
+    assert runner.num_window_blocks == runner.window_pool.min_blocks == 14  # null + cdiv(8 - 1 + 40, 4) + 1
+    kv_bytes = sum(group.numel() * group.element_size() for group in runner.kv_cache.groups)
+    assert _greedy(engine, prompt, PICTURES[:1], params) == [hf_greedy(path, prompt, PICTURES[:1], 40, ignore_eos=True)]
+    assert windows.num_freed_out_of_window >= 33 - 13
+    assert_books_consistent(engine)
+    every_layer = _engine(path, num_kv_blocks=kv_bytes // (runner.kv_block_bytes + runner.window_block_bytes),
+                          sliding_kv_ratio=None, **options)
+    assert every_layer.runner.window_pool is None and every_layer.kv_cache.num_blocks == 16
+    with pytest.raises(PromptTooLongError, match="would not fit in the whole KV cache"):
+        _greedy(every_layer, prompt, PICTURES[:1], params)
+
+
+@pytest.mark.parametrize("drop", [None, "window", "spans"])
+def test_top_logprobs_need_the_window_and_the_spans(path, uncached, monkeypatch, drop):
+    """The next token's top-5 log-probabilities equal transformers'; without the window on the sliding
+    layers (or the pictures' bidirectional spans) they do not."""
+    prompt = gemma3_prompt(LONG_TEXT, 2)
+    want = torch.log_softmax(hf_logits(path, prompt, PICTURES), -1).topk(5)
+    if drop is not None:
+        for module in uncached.runner.model.modules():
+            if isinstance(module, Attention):
+                monkeypatch.setattr(module, "sliding_window" if drop == "window" else "bidirectional_spans",
+                                    None if drop == "window" else False)
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    top = uncached.generate(prompt, images=PICTURES, sampling_params=params, use_tqdm=False)[0].logprobs[0].top
+    tokens, logprobs = [token for token, _ in top], torch.tensor([logprob for _, logprob in top])
+    close = tokens == want.indices.tolist() and (logprobs - want.values).abs().max() < 1e-4
+    assert close == (drop is None)
+
+
+def test_bad_inputs_are_typed_errors(engine):
+    with pytest.raises(ImageCountMismatchError, match="1 <start_of_image> marker"):
+        engine.generate(gemma3_prompt("What is it?", 1), images=PICTURES, sampling_params=GREEDY, use_tqdm=False)
+    with pytest.raises(ImageCountMismatchError):
+        engine.generate(gemma3_prompt("What is it?", 2), images=PICTURES[:1], sampling_params=GREEDY, use_tqdm=False)
+
+
+def _copy_checkpoint(path, target):
+    shutil.copytree(path, target, ignore=shutil.ignore_patterns("model.safetensors"))
+    return target
+
+
+def test_the_published_key_layout_loads_strictly(path, engine, tmp_path):
+    """The hub's files name tensors `language_model.model.*`, `vision_tower.vision_model.*` and
+    `multi_modal_projector.*`: they load to the same tokens; a missing tensor is named."""
+    tensors = load_file(str(path / "model.safetensors"))
+    published = {}
+    for name, tensor in tensors.items():
+        if name.startswith("model.language_model."):
+            name = "language_model.model." + name.removeprefix("model.language_model.")
+        elif name.startswith("model.vision_tower."):
+            name = "vision_tower.vision_model." + name.removeprefix("model.vision_tower.")
+        else:
+            name = name.removeprefix("model.")
+        published[name] = tensor
+    hub = _copy_checkpoint(path, tmp_path / "hub")
+    save_file(published, str(hub / "model.safetensors"), metadata={"format": "pt"})
+    prompt = gemma3_prompt("What is it?", 1)
+    assert _greedy(_engine(hub), prompt, PICTURES[:1]) == _greedy(engine, prompt, PICTURES[:1])
+    missing = _copy_checkpoint(path, tmp_path / "missing")
+    del published["multi_modal_projector.mm_soft_emb_norm.weight"]
+    save_file(published, str(missing / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(WeightsMismatchError, match="mm_soft_emb_norm"):
+        _engine(missing)
+
+
+def test_pan_and_scan_is_refused_by_name(path, tmp_path):
+    checkpoint = _copy_checkpoint(path, tmp_path / "pan")
+    (checkpoint / "model.safetensors").symlink_to(path / "model.safetensors")
+    settings = json.loads((checkpoint / "processor_config.json").read_text())
+    settings["image_processor"]["do_pan_and_scan"] = True
+    (checkpoint / "processor_config.json").write_text(json.dumps(settings))
+    with pytest.raises(UnsupportedModelError, match="do_pan_and_scan=True"):
+        _engine(checkpoint)
+
+
+def test_demo_and_budget(path, tmp_path, capsys):
+    from mmengine.cli import main
+
+    assert main(["demo", "--family", "gemma3", "--requests", "4", "--max-tokens", "2", "--cache-dir", str(tmp_path)]) == 0
+    assert "tiny gemma3 checkpoint" in capsys.readouterr().out
+    assert main(["budget", "--model", str(path), "--device", "cpu", "--max-model-len", "512", "--block-size", "4"]) == 0
+    shown = capsys.readouterr().out
+    assert "average-pooled to mm_tokens_per_image 16; every image the same" in shown
+    assert "6 sliding-window layers of 8 tokens, 1 full-attention layers" in shown
