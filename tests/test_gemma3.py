@@ -2,13 +2,14 @@
 window of 8 and one global layer with linearly scaled RoPE, a query scale that is not the head size's, a
 SigLIP tower whose 8x8 patches pool to 16 soft tokens, attended both ways on every layer. Greedy tokens
 equal transformers' generate for text, one and two pictures, pictures across prefill-chunk boundaries, a
-mixed batch, prefix hits and preemption; the top log-probabilities need the window and the spans; the
-window pool frees the blocks that left the window; the published key layout loads, strictly."""
+mixed batch, prefix hits and preemption, pan-and-scan crops (each an item of its own); the top
+log-probabilities need the window and the spans; the window pool frees the blocks that left the window;
+the published key layout loads, strictly."""
 
 from __future__ import annotations
 
-import json
 import shutil
+from dataclasses import replace
 
 import pytest
 import torch
@@ -17,9 +18,9 @@ from conftest import hf_greedy, hf_logits
 from safetensors.torch import load_file, save_file
 
 from mmengine import MMEngine, SamplingParams
-from mmengine.errors import ConfigError, ImageCountMismatchError, PromptTooLongError, UnsupportedModelError, WeightsMismatchError
+from mmengine.errors import ConfigError, ImageCountMismatchError, InvalidInputError, PromptTooLongError, WeightsMismatchError
 from mmengine.layers.attention import Attention
-from mmengine.testing.gemma3 import gemma3_prompt, tiny_gemma3_path
+from mmengine.testing.gemma3 import TinyGemma3Spec, gemma3_prompt, tiny_gemma3_path
 from mmengine.testing.images import make_test_image
 
 LONG_TEXT = "Tell me about the red square and the blue circle, then count to ten slowly, please."
@@ -212,14 +213,36 @@ def test_the_published_key_layout_loads_strictly(path, engine, tmp_path):
         _engine(missing)
 
 
-def test_pan_and_scan_is_refused_by_name(path, tmp_path):
-    checkpoint = _copy_checkpoint(path, tmp_path / "pan")
-    (checkpoint / "model.safetensors").symlink_to(path / "model.safetensors")
-    settings = json.loads((checkpoint / "processor_config.json").read_text())
-    settings["image_processor"]["do_pan_and_scan"] = True
-    (checkpoint / "processor_config.json").write_text(json.dumps(settings))
-    with pytest.raises(UnsupportedModelError, match="do_pan_and_scan=True"):
-        _engine(checkpoint)
+@pytest.fixture(scope="module")
+def pan_and_scan_path():
+    return tiny_gemma3_path(replace(TinyGemma3Spec(), do_pan_and_scan=True))
+
+
+def test_pan_and_scan_crops_are_items_of_their_own(pan_and_scan_path):
+    """With do_pan_and_scan in the checkpoint's settings a 200x60 picture is cut into 3 crops (a 50x50 one
+    into none): the prompt is transformers' processor's given the settings, each crop is an item and
+    an encoder-cache entry of its own, the tokens are transformers', and a repeated prompt encodes nothing."""
+    from transformers import AutoProcessor
+
+    path = pan_and_scan_path
+    wide, square = make_test_image(5, (200, 60)), make_test_image(7, (50, 50))
+    prompt = gemma3_prompt("Compare them.", 2)
+    engine = _engine(path, block_size=4)
+    processed = engine.input_processor.process(prompt, [wide, square], GREEDY)
+    # (transformers' processor hands the image processor its own pan-and-scan defaults: the saved ones given)
+    reference = AutoProcessor.from_pretrained(str(path))(
+        text=prompt, images=[wide, square], do_pan_and_scan=True, pan_and_scan_min_crop_size=32, pan_and_scan_max_num_crops=4,
+        pan_and_scan_min_ratio_to_activate=1.2)
+    assert processed.prompt_token_ids == list(reference["input_ids"][0])
+    assert [item.length for item in processed.mm_items] == [16] * 5 and len({item.mm_hash for item in processed.mm_items}) == 5
+    expected = hf_greedy(path, prompt, [wide, square], 16, ignore_eos=True)
+    assert _greedy(engine, prompt, [wide, square]) == [expected]
+    stats = engine.stats()
+    assert stats["encoder_runs"] == 5 and stats["encoder_cache_entries"] == 5
+    assert _greedy(engine, prompt, [wide, square]) == [expected] and engine.stats()["encoder_runs"] == 5
+    with pytest.raises(InvalidInputError, match="pan-and-scan crops"):
+        engine.generate({"prompt_token_ids": [2, engine.family.image_token_id, 5], "multi_modal_data": {"image": wide}},
+                        sampling_params=GREEDY, use_tqdm=False)
 
 
 def test_demo_and_budget(path, tmp_path, capsys):

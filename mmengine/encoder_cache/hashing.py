@@ -91,6 +91,12 @@ def hash_video_patch(video_hash: str, index: int, algo: str = "xxh3_128") -> str
     return _hash_item(b"video-patch", video_hash, str(index), b"patch", b"", algo)
 
 
+def hash_image_part(image_hash: str, index: int, algo: str = "xxh3_128") -> str:
+    """Item `index` of a picture that makes several items (Gemma 3's pan-and-scan: the whole picture, then
+    each crop): each cached on its own."""
+    return _hash_item(b"image-part", image_hash, str(index), b"part", b"", algo)
+
+
 def hash_audio(waveform: np.ndarray, sampling_rate: int, fingerprint: str, settings_key: str, algo: str = "xxh3_128") -> str:
     """An audio clip by its mono float32 samples at the model's rate (after decoding and resampling, so
     the same sound from any container or source rate that resamples alike hashes the same)."""

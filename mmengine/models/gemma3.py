@@ -9,7 +9,11 @@ whose newlines tokenize together with the prompt's own, so the engine rewrites t
 tokenizing (ModelFamily.image_marker_text). The soft tokens are the item; they attend to each other both
 ways on every layer, so a prefill chunk holds a picture whole. Positions are plain 1-D.
 
-Pan-and-scan (`do_pan_and_scan`) is refused by name: its crops would each be an item of their own.
+With pan-and-scan (`do_pan_and_scan` in the checkpoint's image processor settings) a picture wide or
+tall enough is also cut into 2 to `pan_and_scan_max_num_crops` crops, each resized to the tower's square:
+the whole picture and each crop are items of their own (each its own encoder-cache entry and its own run
+of soft tokens), and the marker becomes Gemma3Processor's "Here is the original image ... and here are
+some crops to help you see better ..." text around their runs.
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ _VISION_PREFIXES = {
     "model.multi_modal_projector.": "vision.multi_modal_projector.", "multi_modal_projector.": "vision.multi_modal_projector.",
 }
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
+# Gemma3Processor's pan-and-scan settings (its images_kwargs beside do_convert_rgb)
+PAN_AND_SCAN_SETTINGS = ("do_pan_and_scan", "pan_and_scan_min_crop_size", "pan_and_scan_max_num_crops",
+                         "pan_and_scan_min_ratio_to_activate")
 # Vision tensors known and not used: SigLIP's pooling head (vision_use_head; Gemma 3 reads the patch states)
 _IGNORABLE_VISION_PREFIXES = ("vision.vision_tower.head.",)
 
@@ -149,12 +156,21 @@ class Gemma3Family(ModelFamily):
     def __init__(self, hf_config: PretrainedConfig, image_processor_settings: dict[str, Any] | None = None,
                  model_dir: str | None = None) -> None:
         super().__init__(hf_config, image_processor_settings, model_dir)
-        if self.image_processor_settings.get("do_pan_and_scan"):
-            raise UnsupportedModelError(
-                "do_pan_and_scan=True (Gemma 3's pan-and-scan crops) is not supported yet; turn it off in the "
-                "processor settings or with mm_processor_kwargs={'do_pan_and_scan': False}"
-            )
         check_pooling(hf_config)
+
+    @classmethod
+    def load_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
+        """The checkpoint's Gemma3Processor with its pan-and-scan settings made one: transformers' processor
+        hands the image processor its own defaults (pan-and-scan off) over the saved settings, while the
+        engine calls the image processor alone, so the saved ones (else those defaults) are set on both."""
+        processor = super().load_processor(model_dir, overrides)
+        image_processor = processor.image_processor
+        defaults = type(processor).images_kwargs
+        for name in PAN_AND_SCAN_SETTINGS:
+            if getattr(image_processor, name, None) is None:
+                setattr(image_processor, name, defaults[name])
+        processor.images_kwargs = {**defaults, **{name: getattr(image_processor, name) for name in PAN_AND_SCAN_SETTINGS}}
+        return processor
 
     # -- text model --
 
@@ -172,9 +188,19 @@ class Gemma3Family(ModelFamily):
 
     # -- items --
 
-    def image_marker_text(self, processor: Any) -> str | None:
+    def image_marker_text(self, processor: Any, num_items: int) -> str | None:
+        """Gemma3Processor's text for a picture (and its crops), one soft token standing for each item's run."""
         tokenizer = processor.tokenizer
-        return f"\n\n{tokenizer.boi_token}{tokenizer.image_token}{tokenizer.eoi_token}\n\n"
+        run = f"\n\n{tokenizer.boi_token}{tokenizer.image_token}{tokenizer.eoi_token}\n\n"
+        if num_items == 1:
+            return run
+        return f"Here is the original image {run} and here are some crops to help you see better " + " ".join([run] * (num_items - 1))
+
+    def image_items(self, inputs: EncoderInputs) -> list[EncoderInputs]:
+        """The whole picture, then each pan-and-scan crop (none without pan-and-scan)."""
+        if "crop_pixel_values" not in inputs:
+            return [inputs]
+        return [EncoderInputs(pixel_values=inputs["pixel_values"]), *(EncoderInputs(pixel_values=crop) for crop in inputs["crop_pixel_values"])]
 
     @property
     def tokens_per_image(self) -> int:
@@ -190,12 +216,23 @@ class Gemma3Family(ModelFamily):
                 f"average-pooled to mm_tokens_per_image {self.tokens_per_image}; every image the same")
 
     def split_images(self, batch: Any, num_images: int) -> list[EncoderInputs]:
+        """One entry per picture: its pixel values, and its pan-and-scan crops' (`crop_pixel_values`, where it
+        has any; the processor's rows are each picture followed by its crops)."""
         pixel_values = batch["pixel_values"]
-        if pixel_values.shape[0] != num_images:  # (pan-and-scan crops would add rows; it is refused above)
-            raise UnsupportedModelError(f"the image processor returned {pixel_values.shape[0]} images for {num_images}")
-        if num_images == 1:  # its own tensor already: no copy
+        num_crops = [int(n) for n in batch.get("num_crops", [0] * num_images)]
+        if len(num_crops) != num_images or pixel_values.shape[0] != num_images + sum(num_crops):
+            raise UnsupportedModelError(f"the image processor returned {pixel_values.shape[0]} images and crops "
+                                        f"({num_crops}) for {num_images} images")
+        if num_images == 1 and not num_crops[0]:  # its own tensor already: no copy
             return [EncoderInputs(pixel_values=pixel_values[0])]
-        return [EncoderInputs(pixel_values=pixel_values[i].clone()) for i in range(num_images)]
+        pictures, row = [], 0
+        for crops in num_crops:
+            picture = EncoderInputs(pixel_values=pixel_values[row].clone())
+            if crops:
+                picture["crop_pixel_values"] = pixel_values[row + 1:row + 1 + crops].clone()
+            pictures.append(picture)
+            row += 1 + crops
+        return pictures
 
     def num_tokens(self, inputs: EncoderInputs) -> int:
         if "image_embeds" in inputs:

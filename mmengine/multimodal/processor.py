@@ -37,7 +37,7 @@ from mmengine.errors import (
     VideoCountMismatchError,
 )
 from mmengine.utils.keyed_lock import KeyedLock
-from mmengine.encoder_cache.hashing import hash_bytes, hash_user_id, model_fingerprint, processor_settings_key
+from mmengine.encoder_cache.hashing import hash_bytes, hash_image_part, hash_user_id, model_fingerprint, processor_settings_key
 from mmengine.models.family import EncoderInputs, ModelFamily
 from mmengine.models.registry import load_hf_processor
 from mmengine.multimodal.audio import DEFAULT_MAX_AUDIO_SECONDS, as_audio
@@ -104,8 +104,6 @@ class InputProcessor:
         self.tokenizer = self.hf_processor.tokenizer
         self.image_token: str = self.hf_processor.image_token
         self.image_token_id: int = family.image_token_id
-        # Where the marker is not the placeholder (Gemma 3), the text it becomes before tokenizing
-        self.image_marker_text: str | None = family.image_marker_text(self.hf_processor)
         self.fingerprint = model_fingerprint(model_dir)
         self.settings_key = processor_settings_key(self.hf_processor.image_processor)
         self.max_model_len = max_model_len
@@ -166,14 +164,15 @@ class InputProcessor:
         probes = [Image.new("RGB", (64, 48), (127, 127, 127)), Image.new("RGB", (40, 96), (60, 90, 120))]
         text = f"USER: {self.image_token}\nCompare{self.image_token} with this. ASSISTANT:"
         ids = list(self.hf_processor(text=text, images=probes)["input_ids"][0])
-        counts = [self.family.num_tokens(inputs) for inputs in self.family.split_images(self._preprocess(probes), len(probes))]
+        _, items, texts = self._picture_items(["", ""], self.family.split_images(self._preprocess(probes), len(probes)))
+        counts = [self.family.num_tokens(inputs) for inputs in items]
         produced = sum(t == self.image_token_id for t in ids)
         if produced != sum(counts):
             raise UnsupportedModelError(
                 f"the processor expands two probe images into {produced} placeholder tokens but the model makes "
                 f"{sum(counts)} embeddings for them ({counts}): the checkpoint's processor and model configs disagree"
             )
-        if self._tokenize(text, counts)[0] != ids:
+        if self._tokenize(text, counts, image_texts=texts)[0] != ids:
             raise UnsupportedModelError(
                 "the processor's tokenization differs from its tokenizer's with image markers expanded in place; "
                 "this processor is not supported"
@@ -262,7 +261,10 @@ class InputProcessor:
         if num_markers != len(images):
             where = f"{self.image_token} marker(s)" if token_ids is None else "image placeholder(s) in its token ids"
             raise ImageCountMismatchError(f"the prompt has {num_markers} {where} but {len(images)} image(s) were given")
-        mm_hashes, preprocessed = self._load_items(images, mm_uuids, memo)
+        mm_hashes, preprocessed, image_texts = self._picture_items(*self._load_items(images, mm_uuids, memo))
+        if token_ids is not None and len(preprocessed) != len(images):
+            raise InvalidInputError("a token prompt cannot hold pictures that make several items (pan-and-scan crops); "
+                                    "give the prompt as text")
         counts = [self.family.num_tokens(inputs) for inputs in preprocessed]
         for index, (inputs, count) in enumerate(zip(preprocessed, counts)):
             if "image_embeds" in inputs and inputs["image_embeds"].shape[0] != count:
@@ -274,7 +276,7 @@ class InputProcessor:
         audio_starts: list[int] = []
         if token_ids is None:
             token_ids, starts, video_starts, audio_starts = self._tokenize(
-                prompt, counts, text_ids, video_runs(self.family, loaded_videos), audio_counts
+                prompt, counts, text_ids, video_runs(self.family, loaded_videos), audio_counts, image_texts
             )
         else:
             (token_ids, starts), video_starts = self._expand_token_ids(token_ids, counts), []
@@ -304,15 +306,15 @@ class InputProcessor:
 
     def _tokenize(
         self, prompt: str, counts: Sequence[int], ids: list[int] | None = None, video_runs: Sequence[list[int]] = (),
-        audio_counts: Sequence[int] = (),
+        audio_counts: Sequence[int] = (), image_texts: Sequence[str | None] = (),
     ) -> tuple[list[int], list[int], list[int], list[int]]:
         """The text tokenized as the processor does (or `ids`, its tokenization done earlier), the k-th
-        image marker (one added token) expanded in place into a run of counts[k] placeholders, as the
-        processor's own expansion would, the k-th video marker into adjacent runs of video_runs[k] and the
-        k-th audio marker into a run of audio_counts[k]; also where each image's, each video item's and
-        each clip's run starts."""
-        if self.image_marker_text is not None and counts:  # the markers' text first (ids tokenized without it are stale)
-            prompt, ids = prompt.replace(self.image_token, self.image_marker_text), None
+        image placeholder (the marker, one added token, or one the k-th marker's text in `image_texts`
+        holds) expanded in place into a run of counts[k] placeholders, as the processor's own expansion
+        would, the k-th video marker into adjacent runs of video_runs[k] and the k-th audio marker into a
+        run of audio_counts[k]; also where each image item's, each video item's and each clip's run starts."""
+        if any(text is not None for text in image_texts):  # the markers' text first (ids tokenized without it are stale)
+            prompt, ids = write_video_markers(prompt, self.image_token, list(image_texts)), None
         if ids is None:
             with self._lock:  # a fast tokenizer may refuse concurrent calls ("Already borrowed")
                 ids = self.tokenizer(prompt)["input_ids"]
@@ -460,6 +462,18 @@ class InputProcessor:
         if image != len(counts):
             raise ImageCountMismatchError(f"the token ids hold placeholders for {image} image(s) but {len(counts)} were given")
         return expanded, starts
+
+    def _picture_items(self, mm_hashes: list[str], pictures: list[EncoderInputs]
+                       ) -> tuple[list[str], list[EncoderInputs], list[str | None]]:
+        """Each picture as its items (one, or several: ModelFamily.image_items), with their mm_hashes, and the
+        text each picture's marker becomes."""
+        hashes, items, texts = [], [], []
+        for mm_hash, picture in zip(mm_hashes, pictures):
+            parts = self.family.image_items(picture)
+            hashes += [mm_hash] if len(parts) == 1 else [hash_image_part(mm_hash, k, self.hash_algo) for k in range(len(parts))]
+            items += parts
+            texts.append(self.family.image_marker_text(self.hf_processor, len(parts)))
+        return hashes, items, texts
 
     def _check_item_sizes(self, counts: Sequence[int], kind: str = "image") -> None:
         """Each image's (or clip's) run must fit one step's encoder budget and, with the prompt's other
