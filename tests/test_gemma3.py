@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 from books import assert_books_consistent
-from conftest import hf_greedy, hf_logits
+from conftest import KERNEL_FP32, hf_greedy, hf_logits
 from safetensors.torch import load_file, save_file
 
 from mmengine import MMEngine, SamplingParams
@@ -157,6 +157,21 @@ def test_a_kv_budget_that_holds_the_context_only_with_the_window_freed(path):
     assert every_layer.runner.window_pool is None and every_layer.kv_cache.num_blocks == 16
     with pytest.raises(PromptTooLongError, match="would not fit in the whole KV cache"):
         _greedy(every_layer, prompt, PICTURES[:1], params)
+
+
+def test_the_triton_kernels_give_the_same_tokens(path, no_tf32, monkeypatch):
+    """The fused path: the rotary kernel rotates with each layer kind's table and stores K/V, the prefill
+    kernel takes the window and the picture's span, the decode kernel the window (the interpreter on CPU,
+    compiled on a GPU)."""
+    from mmengine.kernels import rotary
+
+    tables, store = [], rotary.rotary_store_kv
+    monkeypatch.setattr(rotary, "rotary_store_kv", lambda *a, **k: tables.append(a[4].data_ptr()) or store(*a, **k))
+    prompt = gemma3_prompt("What is it?", 1)
+    engine = _engine(path, attn_backend="triton", block_size=16, **KERNEL_FP32.engine_kwargs)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    assert _greedy(engine, prompt, PICTURES[:1], params) == [hf_greedy(path, prompt, PICTURES[:1], 2, KERNEL_FP32, ignore_eos=True)]
+    assert len(tables) == 2 * 7 and len(set(tables)) == 2  # two steps of 7 layers, sliding and global tables
 
 
 @pytest.mark.parametrize("drop", [None, "window", "spans"])

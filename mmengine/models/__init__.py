@@ -12,6 +12,8 @@
   qwen3_5.py     Qwen3.5 (dense): a hybrid decoder (Gated DeltaNet + gated attention) under Qwen3-VL's tower
   qwen_resize.py Qwen's resize rule and the largest item it makes (images and videos)
   qwen_video.py  Qwen's video rules, as transformers' video processors apply them
+  gemma3.py      Gemma 3: the family and its model (SigLIP tower and projector over gemma3_text.py's decoder)
+  gemma3_text.py Gemma 3's decoder: sliding and global layers, RoPE per layer kind, zero-centred norms
   gemma4.py      Gemma 4: the family and its model (vision and audio towers over gemma4_text.py's decoder)
   gemma4_text.py Gemma 4's decoder: sliding and global layers, KV sharing, per-layer inputs
   gemma4_vision.py  Gemma 4's processor (no torchvision), vision encoder and image items

@@ -7,10 +7,13 @@ transformers and mmengine's loader read exactly the same files. No network or mo
   with `LLAVA_1_5_7B_SPEC` for benchmarks.
 - Qwen2-VL / Qwen2.5-VL (`qwen_vl`): `TinyQwenVLSpec`, `build_tiny_qwen_vl`, `tiny_qwen_vl_path`, and
   `build_qwen_vl_checkpoint` with `QWEN2_5_VL_7B_SPEC` or `QWEN3_VL_8B_SPEC` for benchmarks.
+- Gemma 3 (`gemma3`): `TinyGemma3Spec`, `build_tiny_gemma3`, `tiny_gemma3_path`, and `build_gemma3_checkpoint`
+  with `GEMMA3_4B_SPEC` for benchmarks.
 - Gemma 4 (`gemma4`): `TinyGemma4Spec`, `build_tiny_gemma4`, `tiny_gemma4_path`, and `build_gemma4_checkpoint`
   with `GEMMA4_DENSE_SPEC` for benchmarks.
 """
 
+from mmengine.testing.gemma3 import GEMMA3_4B_SPEC, TinyGemma3Spec, build_gemma3_checkpoint, build_tiny_gemma3, tiny_gemma3_path
 from mmengine.testing.gemma4 import GEMMA4_DENSE_SPEC, TinyGemma4Spec, build_gemma4_checkpoint, build_tiny_gemma4, tiny_gemma4_path
 from mmengine.testing.images import make_test_image
 from mmengine.testing.llava import (
@@ -38,6 +41,11 @@ from mmengine.testing.qwen_vl import (
 from mmengine.testing.weights import REAL_INITIALIZER_RANGE
 
 __all__ = [
+    "TinyGemma3Spec",
+    "GEMMA3_4B_SPEC",
+    "build_gemma3_checkpoint",
+    "build_tiny_gemma3",
+    "tiny_gemma3_path",
     "TinyGemma4Spec",
     "GEMMA4_DENSE_SPEC",
     "build_gemma4_checkpoint",

@@ -28,8 +28,8 @@ if TYPE_CHECKING:
     import torch
     from transformers import Gemma3Config, PreTrainedTokenizerFast, ProcessorMixin
 
-__all__ = ["TinyGemma3Spec", "GEMMA3_CHAT_TEMPLATE", "build_tiny_gemma3", "build_gemma3_checkpoint", "tiny_gemma3_path",
-           "gemma3_prompt"]
+__all__ = ["TinyGemma3Spec", "GEMMA3_4B_SPEC", "GEMMA3_CHAT_TEMPLATE", "build_tiny_gemma3", "build_gemma3_checkpoint",
+           "tiny_gemma3_path", "gemma3_prompt"]
 
 # Bump when the builder changes what it writes, so cached checkpoints are rebuilt.
 _BUILDER_VERSION = 1
