@@ -174,6 +174,19 @@ def test_the_triton_kernels_give_the_same_tokens(path, no_tf32, monkeypatch):
     assert len(tables) == 2 * 7 and len(set(tables)) == 2  # two steps of 7 layers, sliding and global tables
 
 
+def test_decode_graph_steps_read_the_window_pool(path):
+    """Decode steps through the static graph buffers (on CPU the EagerCapturer stand-in), the window pool's
+    slots and block tables among them, give transformers' tokens past the window."""
+    from mmengine.runner.cuda_graphs import EagerCapturer
+
+    engine = _engine(path, block_size=4, max_num_seqs=4)
+    engine.runner.capture_cuda_graphs(EagerCapturer())
+    prompts = [gemma3_prompt(LONG_TEXT, n) for n in (0, 1)]
+    assert _greedy(engine, prompts, [None, PICTURES[:1]]) == [hf_greedy(path, prompts[n], PICTURES[:n], 16, ignore_eos=True)
+                                                              for n in (0, 1)]
+    assert engine.runner.decode_graphs.num_replays >= 10
+
+
 @pytest.mark.parametrize("drop", [None, "window", "spans"])
 def test_top_logprobs_need_the_window_and_the_spans(path, uncached, monkeypatch, drop):
     """The next token's top-5 log-probabilities equal transformers'; without the window on the sliding
