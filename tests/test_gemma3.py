@@ -126,6 +126,27 @@ def test_a_repeated_prompt_recomputes_one_block_and_encodes_its_picture_once(pat
     assert again.num_cached_tokens >= prompt_len - 4
 
 
+def test_a_picture_at_every_offset_from_a_block_boundary(path, uncached):
+    """The divisible-block matrix with a picture attended both ways: the picture starts at each offset from
+    a block boundary, prompts whose length the block size divides included; identical requests twice and
+    once more after equal prefix caching off. One encoder run, no re-encode after a prefix hit."""
+    cached = _engine(path, block_size=4, encoder_cache_size=16)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    offsets, lengths = set(), set()
+    for pad in range(8):
+        prompt = "<bos>" + "x" * pad + gemma3_prompt("What is it?", 1).removeprefix("<bos>")
+        first = cached.generate([prompt] * 2, images=[PICTURES[:1]] * 2, sampling_params=params, use_tqdm=False)
+        again = cached.generate(prompt, images=PICTURES[:1], sampling_params=params, use_tqdm=False)
+        reference = uncached.generate(prompt, images=PICTURES[:1], sampling_params=params, use_tqdm=False)
+        assert [o.token_ids for o in first + again] == [reference[0].token_ids] * 3
+        assert again[0].num_cached_tokens > 0
+        offsets.add(cached.input_processor.process(prompt, PICTURES[:1], params).mm_items[0].offset % 4)
+        lengths.add(len(reference[0].prompt_token_ids) % 4)
+    assert offsets == {0, 1, 2, 3} and 0 in lengths
+    stats = cached.stats()
+    assert stats["encoder_runs"] == 1 and stats["reencodes_after_prefix_hit"] == 0
+
+
 def test_preemption_keeps_the_tokens(path):
     """Two prompts that share no block, each 23 blocks of 4 and 26 once generated, in 48 blocks: both are
     admitted and one is preempted as they grow."""
