@@ -3,12 +3,15 @@ tiles of 4x4 patches on grids up to 3x3 under anyres_max_4, over a Qwen2 decoder
 transformers' generate for text, one picture (three tilings, one whose features are interpolated down)
 and two pictures of different tilings; a picture across prefill-chunk boundaries, a mixed batch, prefix
 hits with one encoder run per picture, preemption; the processor's expansion and pixels are
-transformers'; the published key layout loads, strictly; videos are refused by name."""
+transformers'; the published key layout loads, strictly. Videos (transformers' video processor needs
+torchvision: the family's own frame rules) give transformers' tokens from the pixels its PIL image processor's
+resize, rescale and normalize make, one item per frame and the newline on the last."""
 
 from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from books import assert_books_consistent
@@ -17,7 +20,9 @@ from safetensors.torch import load_file, save_file
 
 from mmengine import MMEngine, SamplingParams
 from mmengine.encoder_cache.hashing import hash_image, model_fingerprint, processor_settings_key
-from mmengine.errors import ImageCountMismatchError, InvalidInputError, UnsupportedModelError, WeightsMismatchError
+from mmengine.errors import ImageCountMismatchError, UnsupportedModelError, VideoCountMismatchError, WeightsMismatchError
+from mmengine.models.registry import load_hf_processor
+from mmengine.multimodal.video import Video
 from mmengine.testing.images import make_test_image
 from mmengine.testing.llava_onevision import onevision_prompt, tiny_onevision_path
 
@@ -164,9 +169,8 @@ def test_preemption_keeps_the_tokens(path):
 def test_bad_inputs_are_typed_errors(engine):
     with pytest.raises(ImageCountMismatchError, match="1 <image> marker"):
         engine.generate(onevision_prompt("What?", 1), images=[WIDE, TALL], sampling_params=GREEDY, use_tqdm=False)
-    with pytest.raises(InvalidInputError, match="takes no videos"):
-        engine.generate({"prompt": onevision_prompt("What?", 0, num_videos=1), "multi_modal_data": {"video": "clip.mp4"}},
-                        sampling_params=GREEDY, use_tqdm=False)
+    with pytest.raises(VideoCountMismatchError, match="1 <video> marker"):
+        engine.generate(onevision_prompt("What?", 0, num_videos=1), sampling_params=GREEDY, use_tqdm=False)
 
 
 def _copy_checkpoint(path, target):
@@ -211,3 +215,82 @@ def test_demo_and_budget(path, tmp_path, capsys):
     assert main(["budget", "--model", str(path), "--device", "cpu", "--max-model-len", "512", "--block-size", "4"]) == 0
     shown = capsys.readouterr().out
     assert "up to 96x96 px, 9 tiles" in shown and "anyres_max_4" in shown and "at most 100" in shown
+
+
+# -- videos ---------------------------------------------------------------------------------------------
+
+FRAMES = np.stack([np.asarray(make_test_image(10 + k, (48, 36))) for k in range(5)])
+
+
+def _hf_frame_pixels(processor, settings, frames: np.ndarray) -> torch.Tensor:
+    """The frames as transformers' PIL image processor's own resize, rescale and normalize make them, at the
+    video processor's settings: [1, frames, 3, S, S]."""
+    from transformers.image_utils import SizeDict
+
+    ops, pixels = processor.image_processor, []
+    for frame in frames:
+        resized = ops.resize(frame.transpose(2, 0, 1), SizeDict(height=settings.height, width=settings.width), resample=3)
+        pixels.append(ops.normalize(ops.rescale(resized, settings.rescale_factor), list(settings.image_mean), list(settings.image_std)))
+    return torch.tensor(np.stack(pixels))[None]
+
+
+def _hf_video_greedy(path, engine, prompt: str, frames: np.ndarray, pictures: list) -> list[int]:
+    """transformers' generate on the prompt with each marker expanded by its processor's counts (its
+    _get_num_multimodal_tokens), the pictures' pixels from its image processor, the frames' from _hf_frame_pixels."""
+    from transformers import LlavaOnevisionForConditionalGeneration
+
+    model = LlavaOnevisionForConditionalGeneration.from_pretrained(str(path), dtype=torch.float32).eval()
+    processor = load_hf_processor(path)
+    side = engine.family.video.height
+    counts = processor._get_num_multimodal_tokens(image_sizes=[(p.height, p.width) for p in pictures],
+                                                  video_sizes=[(len(frames), side, side)])
+    text = prompt.replace("<video>", "<video>" * counts["num_video_tokens"][0])
+    for count in counts["num_image_tokens"]:
+        text = text.replace("<image>", "<IMAGE>" * count, 1)
+    inputs = dict(processor.tokenizer(text.replace("<IMAGE>", "<image>"), return_tensors="pt"))
+    if pictures:
+        inputs.update(processor.image_processor(pictures, return_tensors="pt"))
+    with torch.inference_mode():
+        out = model.generate(**inputs, pixel_values_videos=_hf_frame_pixels(processor, engine.family.video, frames),
+                             do_sample=False, max_new_tokens=12, eos_token_id=None)
+    return out[0, inputs["input_ids"].shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("pictures", [[], [TALL]], ids=["video", "picture+video"])
+def test_a_video_gives_transformers_tokens(path, engine, pictures):
+    """Five 48x36 frames: one item of 2x2 pooled features per frame, the last with the newline (21 tokens)."""
+    prompt = onevision_prompt("What happens?", len(pictures), num_videos=1)
+    processed = engine.input_processor.process(prompt, pictures, GREEDY, videos=[Video(FRAMES)])
+    videos = [item for item in processed.mm_items if item.modality == "video"]
+    assert [item.length for item in videos] == [4, 4, 4, 4, 5] and len({item.mm_hash for item in videos}) == 5
+    ours = torch.cat([item.encoder_inputs["pixel_values_videos"] for item in videos])
+    reference = _hf_frame_pixels(load_hf_processor(path), engine.family.video, FRAMES)[0]
+    assert (ours - reference).abs().max() < 1e-6
+    outputs = engine.generate({"prompt": prompt, "multi_modal_data": {"image": pictures, "video": Video(FRAMES)}},
+                              sampling_params=GREEDY, use_tqdm=False)
+    assert outputs[0].token_ids == _hf_video_greedy(path, engine, prompt, FRAMES, pictures)
+
+
+def test_frames_are_sampled_as_transformers_samples_them(engine):
+    """A request's num_frames or fps keeps transformers' default_sample_indices_fn frames; given frames
+    without either are all kept (the processor's do_sample_frames=False). One item per kept frame."""
+    from transformers.video_utils import VideoMetadata, default_sample_indices_fn
+
+    frames = np.concatenate([FRAMES, FRAMES[::-1]])  # 10 frames
+    metadata = VideoMetadata(total_num_frames=10, fps=4.0)
+    for video, expected in [(Video(frames, num_frames=3), default_sample_indices_fn(metadata, num_frames=3)),
+                            (Video(frames, fps=1.0, frame_rate=4.0), default_sample_indices_fn(metadata, fps=1.0)),
+                            (Video(frames), range(10))]:
+        loaded = engine.input_processor.videos.load(video, 0)
+        assert list(loaded.plan.indices) == list(expected) and len(loaded.inputs) == len(expected)
+
+
+def test_a_repeated_video_is_encoded_once(engine):
+    """Each frame is an encoder-cache entry: asking again about the clip runs the encoder for none of them."""
+    clip = Video(FRAMES[::-1].copy())
+    prompts = [onevision_prompt(question, 0, num_videos=1) for question in ("What happens?", "What moves first?")]
+    before = engine.stats()["encoder_runs"]
+    engine.generate({"prompt": prompts[0], "multi_modal_data": {"video": clip}}, sampling_params=GREEDY, use_tqdm=False)
+    middle = engine.stats()["encoder_runs"]
+    engine.generate({"prompt": prompts[1], "multi_modal_data": {"video": clip}}, sampling_params=GREEDY, use_tqdm=False)
+    assert middle - before == 5 and engine.stats()["encoder_runs"] == middle

@@ -77,10 +77,16 @@ class VideoPlan:
     tokens_per_patch: int
     time_step: float
     timestamps: tuple[float, ...]  # seconds at each patch's middle
+    # Embeddings the video's run ends with, carried by its last item (LLaVA-OneVision's newline after all frames)
+    trailing_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
-        return self.num_patches * self.tokens_per_patch
+        return self.num_patches * self.tokens_per_patch + self.trailing_tokens
+
+    def item_tokens(self, index: int) -> int:
+        """Embeddings of item `index` (the last one carries the trailing tokens)."""
+        return self.tokens_per_patch + (self.trailing_tokens if index == self.num_patches - 1 else 0)
 
 
 class ModelFamily:

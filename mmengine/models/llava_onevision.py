@@ -12,21 +12,27 @@ transformers' processor tiles every picture of a flat image list, which is how t
 over (and how the references call it); its other mode (a nested list holding several pictures for one
 prompt: each padded to a square and not tiled) is not used.
 
-Videos: transformers' video processor needs torchvision; videos are refused by name (see `video_token_id`).
+Videos (`<video>`): transformers' video processor needs torchvision, so its rules are the family's own
+(models/onevision_video.py). Each kept frame, resized to the tower's square, is one item: its patch
+features, projected and bilinearly pooled to ceil(side / 2)^2; the video's last item ends with the newline
+embedding (VideoPlan.trailing_tokens), as transformers ends the whole video's run with it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 from mmengine.errors import UnsupportedModelError
+from mmengine.models import onevision_video
 from mmengine.models.anyres import AnyresSettings, pack_features
-from mmengine.models.family import EncoderInputs, ModelFamily
+from mmengine.models.family import EncoderInputs, ModelFamily, VideoPlan
 from mmengine.models.llava import LlavaModel
 
 SUPPORTED_VISION_MODEL_TYPES = ("siglip_vision_model",)
@@ -51,21 +57,40 @@ class LlavaOnevisionModel(LlavaModel):
         self.image_newline = nn.Parameter(torch.empty(config.text_config.hidden_size))
 
     def encoder_rows(self, item: dict[str, torch.Tensor]) -> int:
-        return int(item["pixel_values"].shape[0])
+        return int(_pixels(item).shape[0])
 
     @torch.inference_mode()
     def encode_items(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """A step's pictures ({"pixel_values": [tiles, 3, S, S], "image_size": [2]}) with all their tiles through
-        the tower as one batch; one packed [tokens, text_hidden] run per picture, in order."""
-        pixel_values = torch.cat([item["pixel_values"] for item in items])
+        """A step's pictures ({"pixel_values": [tiles, 3, S, S], "image_size": [2]}, all their tiles) and video
+        frames ({"pixel_values_videos": [1, 3, S, S]}, the video's last with "ends_video") through the tower as
+        one batch; one [tokens, text_hidden] run per item, in order: a picture's packed tiles, a frame's pooled
+        features (and the newline after the video's last)."""
+        pixel_values = torch.cat([_pixels(item) for item in items])
         if self.device.type == "cuda":
             pixel_values = pixel_values.pin_memory()
         features = self.encode_images(pixel_values.to(self.device, non_blocking=True))
         runs = []
-        for item, tiles in zip(items, torch.split(features, [self.encoder_rows(item) for item in items])):
+        for item, rows in zip(items, torch.split(features, [self.encoder_rows(item) for item in items])):
+            if "pixel_values_videos" in item:
+                run = self._pool_frames(rows).flatten(0, 1)
+                if "ends_video" in item:
+                    run = torch.cat((run, self.image_newline[None].to(run.dtype)))
+                runs.append(run)
+                continue
             height, width = (int(x) for x in item["image_size"].tolist())
-            runs.append(pack_features(tiles, height, width, self.anyres, self.image_newline))
+            runs.append(pack_features(rows, height, width, self.anyres, self.image_newline))
         return runs
+
+    def _pool_frames(self, features: torch.Tensor) -> torch.Tensor:
+        """[frames, side*side, hidden] -> [frames, ceil(side/2)^2, hidden] (transformers' apply_pooling)."""
+        side, pooled = self.anyres.side, math.ceil(self.anyres.side / 2)
+        grid = features.view(features.shape[0], side, side, -1).permute(0, 3, 1, 2)
+        grid = nn.functional.interpolate(grid, size=[pooled, pooled], mode="bilinear")
+        return grid.permute(0, 2, 3, 1).reshape(features.shape[0], pooled * pooled, -1)
+
+
+def _pixels(item: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return item["pixel_values_videos"] if "pixel_values_videos" in item else item["pixel_values"]
 
 
 class LlavaOnevisionFamily(ModelFamily):
@@ -79,6 +104,10 @@ class LlavaOnevisionFamily(ModelFamily):
         super().__init__(hf_config, image_processor_settings, model_dir)
         _check_config(hf_config)
         self.anyres = AnyresSettings.from_config(hf_config)
+        self.video = onevision_video.load_video_settings(model_dir, self.anyres.tile)
+        if (self.video.height, self.video.width) != (self.anyres.tile, self.anyres.tile):
+            raise UnsupportedModelError(f"video frames of {self.video.width}x{self.video.height} px are not supported: the "
+                                        f"tower's features are pooled as {self.anyres.tile} px squares")
 
     @classmethod
     def load_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
@@ -102,14 +131,15 @@ class LlavaOnevisionFamily(ModelFamily):
     # -- items --
 
     def max_tokens_by_modality(self) -> dict[str, int]:
-        return {"image": self.anyres.max_tokens()[0]}
+        return {"image": self.anyres.max_tokens()[0], "video": self.tokens_per_frame + 1}
 
     def explain_max_tokens_per_item(self, limits: Mapping[str, int] | None = None, max_audio_seconds: float | None = None) -> str:
         settings = self.anyres
         most, (height, width) = settings.max_tokens()
         return (f"{settings.side}x{settings.side} features per {settings.tile} px tile: the whole picture as one tile, then "
                 f"the tiles of its pinpoint (up to {height}x{width} px, {(height // settings.tile) * (width // settings.tile)} "
-                f"tiles) unpadded, at most anyres_max_{settings.max_tiles} tiles' worth, a newline per row: at most {most}")
+                f"tiles) unpadded, at most anyres_max_{settings.max_tiles} tiles' worth, a newline per row: at most {most}; "
+                f"videos: one item per frame of {self.tokens_per_frame} (the last one more, the newline)")
 
     def split_images(self, batch: Any, num_images: int) -> list[EncoderInputs]:
         """One entry per picture: its tiles (the base tile first, without the batch's padding tiles) and its
@@ -140,3 +170,32 @@ class LlavaOnevisionFamily(ModelFamily):
         tiles = self.anyres.num_tiles(height, width)
         size, tile = torch.tensor([height, width]), self.anyres.tile
         return [EncoderInputs(pixel_values=torch.zeros(tiles, 3, tile, tile), image_size=size.clone()) for _ in range(num_items)]
+
+    # -- videos --
+
+    @property
+    def video_token_id(self) -> int | None:
+        return self.hf_config.video_token_id
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return math.ceil(self.anyres.side / 2) ** 2
+
+    @property
+    def max_items_per_video(self) -> int:
+        """As many frames as the decoder's positions can hold."""
+        return max(1, self.text_config.max_position_embeddings // self.tokens_per_frame)
+
+    def plan_video(self, info: Any, video: Any, keep_all_frames: bool = False) -> VideoPlan:
+        indices = onevision_video.sample_indices(self.video, info.num_frames, info.fps, video.fps, video.num_frames, keep_all_frames)
+        return VideoPlan(
+            indices=tuple(indices), source_fps=info.fps, source_frames=info.num_frames, height=self.video.height,
+            width=self.video.width, num_patches=len(indices), tokens_per_patch=self.tokens_per_frame, time_step=1.0,
+            timestamps=tuple(index / info.fps for index in indices), trailing_tokens=1,
+        )
+
+    def video_items(self, frames: np.ndarray, plan: VideoPlan) -> list[EncoderInputs]:
+        pixels = onevision_video.frame_pixels(self.video, frames)
+        items = [EncoderInputs(pixel_values_videos=pixels[k:k + 1].clone()) for k in range(len(pixels))]
+        items[-1]["ends_video"] = torch.ones(1, dtype=torch.bool)
+        return items

@@ -145,9 +145,10 @@ class VideoLoader:
             raise VideoTooLargeError(
                 f"video {index}: frames would be resized to {plan.width}x{plan.height}, more than max_image_pixels={limits.max_frame_pixels}"
             )
-        if limits.max_tokens_per_item is not None and plan.tokens_per_patch > limits.max_tokens_per_item:
+        largest = plan.item_tokens(plan.num_patches - 1)  # (the last item carries any trailing tokens)
+        if limits.max_tokens_per_item is not None and largest > limits.max_tokens_per_item:
             raise ItemTooLargeError(
-                f"video {index}: each temporal patch becomes {plan.tokens_per_patch} embeddings but the encoder cache budget is "
+                f"video {index}: each temporal patch becomes {largest} embeddings but the encoder cache budget is "
                 f"{limits.max_tokens_per_item} per step (lower the video's max_pixels, or raise encoder_cache_size)"
             )
         if limits.max_model_len is not None and plan.num_tokens >= limits.max_model_len:

@@ -30,9 +30,9 @@ def video_runs(family: ModelFamily, videos: list[LoadedVideo]) -> list[list[int]
     for video in videos:
         plan = video.plan
         if family.video_prompt_text(plan) is None:
-            runs.append([plan.tokens_per_patch] * plan.num_patches)
+            runs.append([plan.item_tokens(k) for k in range(plan.num_patches)])
         else:
-            runs += [[plan.tokens_per_patch] for _ in range(plan.num_patches)]
+            runs += [[plan.item_tokens(k)] for k in range(plan.num_patches)]
     return runs
 
 
@@ -48,5 +48,5 @@ def video_items(token_ids: list[int], starts: list[int], videos: list[LoadedVide
         count = len(video.inputs)
         for index, (mm_hash, inputs) in enumerate(zip(video.hashes, video.inputs)):
             patch = VideoPatch(index, count, video.plan.time_step)
-            items.append(MMItem("video", mm_hash, next(position), video.plan.tokens_per_patch, inputs, patch))
+            items.append(MMItem("video", mm_hash, next(position), video.plan.item_tokens(index), inputs, patch))
     return items
