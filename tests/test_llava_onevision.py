@@ -119,6 +119,29 @@ def test_a_mixed_batch_equals_each_prompt_alone(uncached):
     assert batch == [_greedy(uncached, prompt, image)[0] for prompt, image in zip(prompts, images)]
 
 
+def test_a_picture_at_every_offset_from_a_block_boundary(path, uncached):
+    """The divisible-block matrix (vLLM's #11895): the picture starts at each offset from a block boundary,
+    prompts whose length the block size divides included, at the smallest encoder budget (one picture);
+    identical requests twice and once more equal prefix caching off. One encoder run, no re-encode after a
+    prefix hit."""
+    cached = _engine(path, encoder_cache_size=1)
+    assert cached.encoder_budget.compute_budget_tokens == cached.family.max_tokens_per_item()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    offsets, lengths = set(), set()
+    for pad in range(5):
+        prompt = "a " * pad + onevision_prompt("What is it?", 1)
+        first = cached.generate([prompt] * 2, images=[[WIDE]] * 2, sampling_params=params, use_tqdm=False)
+        again = cached.generate(prompt, images=[WIDE], sampling_params=params, use_tqdm=False)
+        reference = uncached.generate(prompt, images=[WIDE], sampling_params=params, use_tqdm=False)
+        assert [o.token_ids for o in first + again] == [reference[0].token_ids] * 3
+        assert again[0].num_cached_tokens > 0
+        offsets.add(cached.input_processor.process(prompt, [WIDE], params).mm_items[0].offset % 4)
+        lengths.add(len(reference[0].prompt_token_ids) % 4)
+    assert offsets == {0, 1, 2, 3} and 0 in lengths
+    stats = cached.stats()
+    assert stats["encoder_runs"] == 1 and stats["reencodes_after_prefix_hit"] == 0
+
+
 def test_a_repeated_prompt_recomputes_one_block_and_encodes_its_picture_once(path, engine):
     """One encoder run per picture (all its tiles: one encoder-cache entry), none for the repeat, whose prompt
     is a prefix hit but for its last block."""
