@@ -64,7 +64,7 @@ def test_greedy_tokens_equal_transformers(path, engine, num_images):
 
 def test_the_chat_template_and_token_prompts_give_the_same_tokens(path, engine):
     """engine.chat writes the template's <start_of_image>; a token prompt holding the processor's expanded ids
-    (each picture's 16 soft tokens) gives the same tokens as the text."""
+    (each picture's 16 soft tokens), or one placeholder for the picture, gives the same tokens as the text."""
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
     prompt = engine.input_processor.apply_chat_template(messages)
     assert prompt == gemma3_prompt("What is it?", 1)
@@ -73,6 +73,13 @@ def test_the_chat_template_and_token_prompts_give_the_same_tokens(path, engine):
     assert chat.token_ids == expected
     ids = engine.input_processor.hf_processor(text=prompt, images=PICTURES[1:])["input_ids"][0]
     tokens = engine.generate({"prompt_token_ids": list(ids), "multi_modal_data": {"image": PICTURES[1]}}, sampling_params=GREEDY,
+                             use_tqdm=False)[0]
+    assert tokens.prompt_token_ids == chat.prompt_token_ids and tokens.token_ids == expected
+    # one placeholder for the picture, without <start_of_image> / <end_of_image>: expanded with them
+    config = engine.family.hf_config
+    start = list(ids).index(config.boi_token_id)
+    single = [*ids[:start], config.image_token_id, *ids[start + 18:]]
+    tokens = engine.generate({"prompt_token_ids": single, "multi_modal_data": {"image": PICTURES[1]}}, sampling_params=GREEDY,
                              use_tqdm=False)[0]
     assert tokens.prompt_token_ids == chat.prompt_token_ids and tokens.token_ids == expected
 

@@ -6,8 +6,10 @@ Every picture is resized to the tower's square input (896 px in the releases), i
 projected to the decoder's width. A prompt marks a picture `<start_of_image>`; Gemma3Processor writes
 `\\n\\n<start_of_image>`, one `<image_soft_token>` per soft token, `<end_of_image>\\n\\n` in its place,
 whose newlines tokenize together with the prompt's own, so the engine rewrites the marker's text before
-tokenizing (ModelFamily.image_marker_text). The soft tokens are the item; they attend to each other both
-ways on every layer, so a prefill chunk holds a picture whole. Positions are plain 1-D.
+tokenizing (ModelFamily.image_marker_text: the newlines around one soft token, which image_prompt_ids
+expands into the run between `<start_of_image>` and `<end_of_image>`). The soft tokens are the item;
+they attend to each other both ways on every layer, so a prefill chunk holds a picture whole. Positions
+are plain 1-D.
 
 With pan-and-scan (`do_pan_and_scan` in the checkpoint's image processor settings) a picture wide or
 tall enough is also cut into 2 to `pan_and_scan_max_num_crops` crops, each resized to the tower's square:
@@ -189,9 +191,10 @@ class Gemma3Family(ModelFamily):
     # -- items --
 
     def image_marker_text(self, processor: Any, num_items: int) -> str | None:
-        """Gemma3Processor's text for a picture (and its crops), one soft token standing for each item's run."""
-        tokenizer = processor.tokenizer
-        run = f"\n\n{tokenizer.boi_token}{tokenizer.image_token}{tokenizer.eoi_token}\n\n"
+        """Gemma3Processor's text for a picture (and its crops), one soft token standing for each item's run
+        and the `<start_of_image>` / `<end_of_image>` around it (image_prompt_ids writes those: special
+        tokens, they split the text alike whether there or not)."""
+        run = f"\n\n{processor.tokenizer.image_token}\n\n"
         if num_items == 1:
             return run
         return f"Here is the original image {run} and here are some crops to help you see better " + " ".join([run] * (num_items - 1))
@@ -201,6 +204,12 @@ class Gemma3Family(ModelFamily):
         if "crop_pixel_values" not in inputs:
             return [inputs]
         return [EncoderInputs(pixel_values=inputs["pixel_values"]), *(EncoderInputs(pixel_values=crop) for crop in inputs["crop_pixel_values"])]
+
+    def image_prompt_ids(self, num_tokens: int) -> tuple[list[int], int]:
+        """An item's run between `<start_of_image>` and `<end_of_image>`, as Gemma3Processor writes it (a token
+        prompt's single placeholder is expanded so too)."""
+        config = self.hf_config
+        return [config.boi_token_id, *[config.image_token_id] * num_tokens, config.eoi_token_id], 1
 
     @property
     def tokens_per_image(self) -> int:
