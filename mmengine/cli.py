@@ -48,6 +48,10 @@ def run_demo(args: argparse.Namespace) -> None:
         from mmengine.testing.llava_onevision import TinyOnevisionSpec, tiny_onevision_path
 
         path = tiny_onevision_path(TinyOnevisionSpec(), cache_dir=args.cache_dir)
+    elif args.family in ("idefics3", "smolvlm"):
+        from mmengine.testing.smolvlm import IDEFICS3_SPEC, SMOLVLM_SPEC, tiny_smolvlm_path
+
+        path = tiny_smolvlm_path(IDEFICS3_SPEC if args.family == "idefics3" else SMOLVLM_SPEC, cache_dir=args.cache_dir)
     else:
         path = tiny_qwen_vl_path(tiny_spec(args.family), cache_dir=args.cache_dir)
     print(f"tiny {args.family} checkpoint (random weights): {path}")
@@ -368,7 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run a small workload on a built-in tiny random-weight model")
     demo.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4",
-                                                               "llava_onevision"], help="the tiny model's family")
+                                                               "llava_onevision", "idefics3", "smolvlm"],
+                      help="the tiny model's family")
     demo.add_argument("--requests", type=int, default=32)
     demo.add_argument("--unique-images", type=int, default=4)
     demo.add_argument("--max-tokens", type=int, default=16)

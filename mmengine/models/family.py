@@ -221,14 +221,16 @@ class ModelFamily:
 
     def image_items(self, inputs: EncoderInputs) -> list[EncoderInputs]:
         """A picture's items, in prompt order: the picture itself, or (Gemma 3's pan-and-scan) the whole
-        picture and then each of its crops, each its own entry in the encoder cache."""
+        picture and then each of its crops, or (Idefics3) its tiles and then the global image, each its own
+        entry in the encoder cache."""
         return [inputs]
 
-    def image_marker_text(self, processor: Any, num_items: int) -> str | None:
-        """The text an image marker of a text prompt becomes before tokenizing, for a picture of `num_items`
-        items, holding one placeholder token where each item's run goes (image_prompt_ids expands it),
-        where the processor writes text around the runs (Gemma 3's `<start_of_image>` marker becomes
-        `\n\n<start_of_image>`, the run, `<end_of_image>\n\n`, whose newlines merge with the prompt's own);
+    def image_marker_text(self, processor: Any, picture: EncoderInputs) -> str | None:
+        """The text an image marker of a text prompt becomes before tokenizing, for a picture with these inputs
+        (as split_images gave them; image_items gives its items), holding one placeholder token where each
+        item's run goes (image_prompt_ids expands it), where the processor writes text around the runs
+        (Gemma 3's `<start_of_image>` marker becomes `\n\n<start_of_image>`, the run, `<end_of_image>\n\n`,
+        whose newlines merge with the prompt's own; Idefics3's tile markers depend on the picture's grid);
         None where the marker is itself the placeholder token. `processor`: the checkpoint's HF processor."""
         return None
 

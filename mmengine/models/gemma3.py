@@ -190,10 +190,11 @@ class Gemma3Family(ModelFamily):
 
     # -- items --
 
-    def image_marker_text(self, processor: Any, num_items: int) -> str | None:
+    def image_marker_text(self, processor: Any, picture: EncoderInputs) -> str | None:
         """Gemma3Processor's text for a picture (and its crops), one soft token standing for each item's run
         and the `<start_of_image>` / `<end_of_image>` around it (image_prompt_ids writes those: special
         tokens, they split the text alike whether there or not)."""
+        num_items = len(self.image_items(picture))
         run = f"\n\n{processor.tokenizer.image_token}\n\n"
         if num_items == 1:
             return run

@@ -263,7 +263,7 @@ class InputProcessor:
             raise ImageCountMismatchError(f"the prompt has {num_markers} {where} but {len(images)} image(s) were given")
         mm_hashes, preprocessed, image_texts = self._picture_items(*self._load_items(images, mm_uuids, memo))
         if token_ids is not None and len(preprocessed) != len(images):
-            raise InvalidInputError("a token prompt cannot hold pictures that make several items (pan-and-scan crops); "
+            raise InvalidInputError("a token prompt cannot hold pictures that make several items (pan-and-scan crops, image tiles); "
                                     "give the prompt as text")
         counts = [self.family.num_tokens(inputs) for inputs in preprocessed]
         for index, (inputs, count) in enumerate(zip(preprocessed, counts)):
@@ -472,7 +472,7 @@ class InputProcessor:
             parts = self.family.image_items(picture)
             hashes += [mm_hash] if len(parts) == 1 else [hash_image_part(mm_hash, k, self.hash_algo) for k in range(len(parts))]
             items += parts
-            texts.append(self.family.image_marker_text(self.hf_processor, len(parts)))
+            texts.append(self.family.image_marker_text(self.hf_processor, picture))
         return hashes, items, texts
 
     def _check_item_sizes(self, counts: Sequence[int], kind: str = "image") -> None:

@@ -1,0 +1,223 @@
+"""Random-weight Idefics3 (`Idefics3ForConditionalGeneration`) and SmolVLM (`SmolVLMForConditionalGeneration`)
+checkpoints for tests.
+
+Built locally with transformers' own classes (Idefics3Config / SmolVLMConfig over their vision config and a
+Llama text config, the PIL `Idefics3ImageProcessorPil` / `SmolVLMImageProcessorPil`) and a locally trained
+tokenizer with the families' special tokens (`<fake_token_around_image>`, `<image>`, `<global-img>`,
+`<end_of_utterance>`, `<row_1_col_1>` ... `<row_6_col_6>`); laid out as the published checkpoints are:
+config.json, model.safetensors, generation_config.json, the tokenizer files, preprocessor_config.json,
+processor_config.json (image_seq_len), chat_template.json, and for SmolVLM (SmolVLM2's layout)
+video_preprocessor_config.json. transformers reloads the model with `AutoModelForImageTextToText`.
+
+The idefics3 spec cuts pictures into 32 px tiles of 8x8 patches, pixel-shuffled by 2 into 16 tokens a tile,
+after resizing them to a longest edge of 96 px (grids up to 3x3, plus the global image); the smolvlm spec
+64 px tiles of 16x16 patches shuffled by 4 (as SmolVLM2's scale factor) into 16 tokens, at most 2x2 tiles,
+with tied embeddings. (The published SmolVLM-256M/500M/2.2B v1 checkpoints are Idefics3 checkpoints.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mmengine.testing.cache import cached_build, spec_key
+from mmengine.testing.tokenizer import model_vocab_size, train_byte_level_bpe
+from mmengine.testing.weights import save_random_model, torch_dtype
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerFast
+
+__all__ = ["TinySmolVLMSpec", "IDEFICS3_SPEC", "SMOLVLM_SPEC", "IDEFICS3_CHAT_TEMPLATE", "SMOLVLM_CHAT_TEMPLATE",
+           "build_smolvlm_checkpoint", "build_tiny_smolvlm", "tiny_smolvlm_path", "smolvlm_prompt"]
+
+# Bump when the builder changes what it writes, so cached checkpoints are rebuilt.
+_BUILDER_VERSION = 1
+
+# The parity-friendly weight scale of the other tiny checkpoints (testing/llava.py explains it); parameters
+# transformers sets to a constant (norm weights, biases) get this much noise.
+_INITIALIZER_RANGE = 0.2
+_CONSTANT_NOISE = 0.2
+
+FAKE, IMAGE, GLOBAL, END_OF_UTTERANCE = "<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"
+ROW_COL_TOKENS = tuple(f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7))
+# (bos, eos of the text model) and the tokens before the image ones, as each family's tokenizer has them
+_TEXT_TOKENS = {"idefics3": ("<|begin_of_text|>", "<|end_of_text|>", ()), "smolvlm": ("<|im_start|>", "<|endoftext|>", ("<|im_end|>",))}
+# The named tokens SmolVLMProcessor reads from the tokenizer (as SmolVLM2's tokenizer_config has them)
+_NAMED_TOKENS = {"fake_image_token": FAKE, "image_token": IMAGE, "global_image_token": GLOBAL,
+                 "end_of_utterance_token": END_OF_UTTERANCE}
+
+# The published templates: Idefics3-8B-Llama3's, and SmolVLM2's (which also writes <video>)
+_TURNS = (
+    "{% for message in messages %}{{message['role'] | capitalize}}"
+    "{% if message['content'][0]['type'] == 'image' %}{{':'}}{% else %}{{': '}}{% endif %}"
+    "{% for line in message['content'] %}{% if line['type'] == 'text' %}{{line['text']}}"
+    "{% elif line['type'] == 'image' %}{{ '<image>' }}{% elif line['type'] == 'video' %}{{ '<video>' }}{% endif %}"
+    "{% endfor %}<end_of_utterance>\n{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+IDEFICS3_CHAT_TEMPLATE = "<|begin_of_text|>" + _TURNS
+SMOLVLM_CHAT_TEMPLATE = "<|im_start|>" + _TURNS
+
+
+@dataclass(frozen=True)
+class TinySmolVLMSpec:
+    family: str = "idefics3"  # "idefics3" | "smolvlm"
+    # Llama decoder
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 4096
+    rope_theta: float = 100_000.0
+    tie_word_embeddings: bool = False
+    # vision tower, connector and image processor
+    vision_hidden_size: int = 32
+    vision_intermediate_size: int = 64
+    vision_num_layers: int = 2
+    vision_num_heads: int = 2
+    image_size: int = 32  # the tile side (max_image_size's longest_edge)
+    patch_size: int = 4
+    scale_factor: int = 2
+    longest_edge: int = 96  # every picture is resized to this longest edge before it is cut into tiles
+    do_image_splitting: bool = True
+    # checkpoint
+    tokenizer_vocab_size: int = 300
+    vocab_size: int | None = None  # None: the tokenizer's size
+    dtype: str = "float32"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.family not in _TEXT_TOKENS:
+            raise ValueError(f"family must be one of {', '.join(_TEXT_TOKENS)}, got {self.family!r}")
+
+    @property
+    def image_seq_len(self) -> int:
+        """Tokens a tile makes: its patches, pixel-shuffled by scale_factor in each direction."""
+        return (self.image_size // self.patch_size) ** 2 // self.scale_factor**2
+
+
+IDEFICS3_SPEC = TinySmolVLMSpec()
+SMOLVLM_SPEC = TinySmolVLMSpec(family="smolvlm", tie_word_embeddings=True, image_size=64, scale_factor=4, longest_edge=128)
+
+
+def smolvlm_prompt(text: str, num_images: int = 0, family: str = "idefics3") -> str:
+    """A one-turn user prompt as the family's chat template writes it: the image markers, then the text."""
+    bos = _TEXT_TOKENS[family][0]
+    return f"{bos}User" + (":" + IMAGE * num_images if num_images else ": ") + f"{text}{END_OF_UTTERANCE}\nAssistant:"
+
+
+def _build_tokenizer(spec: TinySmolVLMSpec) -> PreTrainedTokenizerFast:
+    """A deterministic byte-level BPE with the family's special tokens; no BOS is added (the template writes it)."""
+    from transformers import PreTrainedTokenizerFast
+
+    bos, eos, others = _TEXT_TOKENS[spec.family]
+    tokens = (bos, eos, *others, FAKE, IMAGE, END_OF_UTTERANCE, GLOBAL, *ROW_COL_TOKENS)
+    tok = train_byte_level_bpe(spec.tokenizer_vocab_size, added_special_tokens=tokens)
+    named = {"extra_special_tokens": dict(_NAMED_TOKENS)} if spec.family == "smolvlm" else {}
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=eos, padding_side="left",
+                                   add_bos_token=False, **named)
+
+
+def _build_config(spec: TinySmolVLMSpec, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
+    from transformers import Idefics3Config, Idefics3VisionConfig, LlamaConfig, SmolVLMConfig, SmolVLMVisionConfig
+
+    config_class, vision_class = (Idefics3Config, Idefics3VisionConfig) if spec.family == "idefics3" else (SmolVLMConfig, SmolVLMVisionConfig)
+    text = LlamaConfig(
+        vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        initializer_range=_INITIALIZER_RANGE,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    vision = vision_class(
+        hidden_size=spec.vision_hidden_size,
+        intermediate_size=spec.vision_intermediate_size,
+        num_hidden_layers=spec.vision_num_layers,
+        num_attention_heads=spec.vision_num_heads,
+        image_size=spec.image_size,
+        patch_size=spec.patch_size,
+        initializer_range=_INITIALIZER_RANGE,
+    )
+    return config_class(
+        text_config=text,
+        vision_config=vision,
+        scale_factor=spec.scale_factor,
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
+        tie_word_embeddings=spec.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _save_processor(spec: TinySmolVLMSpec, tokenizer: PreTrainedTokenizerFast, path: pathlib.Path) -> None:
+    """The processor's files as the published checkpoints lay them out."""
+    from transformers import Idefics3ImageProcessorPil, SmolVLMImageProcessorPil
+
+    image_class = Idefics3ImageProcessorPil if spec.family == "idefics3" else SmolVLMImageProcessorPil
+    # The published settings at this tower's tile size: Lanczos, mean and std 0.5, splitting into tiles
+    image_processor = image_class(size={"longest_edge": spec.longest_edge}, max_image_size={"longest_edge": spec.image_size},
+                                  do_image_splitting=spec.do_image_splitting, image_mean=[0.5] * 3, image_std=[0.5] * 3)
+    image_processor.save_pretrained(path)
+    processor_class = "Idefics3Processor" if spec.family == "idefics3" else "SmolVLMProcessor"
+    _rewrite_json(path / "preprocessor_config.json", image_processor_type=image_class.__name__.removesuffix("Pil"),
+                  processor_class=processor_class)
+    tokenizer.save_pretrained(path)
+    _rewrite_json(path / "tokenizer_config.json", processor_class=processor_class)
+    settings = {"image_seq_len": spec.image_seq_len, "processor_class": processor_class}
+    (path / "processor_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    template = IDEFICS3_CHAT_TEMPLATE if spec.family == "idefics3" else SMOLVLM_CHAT_TEMPLATE
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": template}, indent=2) + "\n")
+    if spec.family == "smolvlm":  # SmolVLM2's video settings (the engine refuses videos; transformers' part needs torchvision)
+        video = {"video_processor_type": "SmolVLMVideoProcessor", "processor_class": processor_class, "do_resize": True,
+                 "size": {"longest_edge": spec.image_size}, "max_image_size": {"longest_edge": spec.image_size},
+                 "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "resample": 1, "do_rescale": True, "do_normalize": True,
+                 "do_convert_rgb": True, "rescale_factor": 1 / 255, "do_pad": True, "fps": 1, "num_frames": 8,
+                 "do_sample_frames": True}
+        (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
+
+
+def _rewrite_json(path: pathlib.Path, **values: str) -> None:
+    settings = json.loads(path.read_text())
+    settings.update(values)
+    path.write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def build_smolvlm_checkpoint(path: str | os.PathLike, spec: TinySmolVLMSpec = IDEFICS3_SPEC, *, device: str = "cpu",
+                             dtype: str | None = None) -> pathlib.Path:
+    """Builds a random-weight checkpoint of `spec` (weights made on `device` in `dtype`, default the spec's)
+    and saves it with its tokenizer, processor settings and chat template into `path`; returns the path."""
+    from transformers import GenerationConfig, Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration
+
+    path = pathlib.Path(path)
+    tokenizer = _build_tokenizer(spec)
+    config = _build_config(spec, tokenizer)
+    # As the published instruction-tuned checkpoints: a turn ends at <end_of_utterance> (or the text's eos)
+    generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                         eos_token_id=[tokenizer.convert_tokens_to_ids(END_OF_UTTERANCE), tokenizer.eos_token_id])
+    model_class = Idefics3ForConditionalGeneration if spec.family == "idefics3" else SmolVLMForConditionalGeneration
+    save_random_model(model_class, config, generation_config, path, seed=spec.seed, device=device,
+                      dtype=torch_dtype(dtype or spec.dtype), constant_noise=_CONSTANT_NOISE)
+    _save_processor(spec, tokenizer, path)
+    return path
+
+
+def build_tiny_smolvlm(path: str | os.PathLike, spec: TinySmolVLMSpec = IDEFICS3_SPEC) -> pathlib.Path:
+    """Builds and saves a tiny test checkpoint of `spec` on CPU into `path`; returns the path."""
+    return build_smolvlm_checkpoint(path, spec)
+
+
+def tiny_smolvlm_path(spec: TinySmolVLMSpec = IDEFICS3_SPEC, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """The path of a cached tiny checkpoint for `spec`, building it on first use (cache dir as for
+    tiny_llava_path: $MMENGINE_CACHE_DIR or ~/.cache/mmengine/tiny-models)."""
+    return cached_build(f"{spec.family}-{spec_key(spec, _BUILDER_VERSION)}", lambda path: build_tiny_smolvlm(path, spec), cache_dir)
