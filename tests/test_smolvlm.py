@@ -130,6 +130,30 @@ def test_a_mixed_batch_equals_each_prompt_alone(idefics3):
     assert batch == [_greedy(engine, prompt, image)[0] for prompt, image in zip(prompts, images)]
 
 
+def test_a_picture_at_every_offset_from_a_block_boundary(idefics3):
+    """The divisible-block matrix (vLLM's #11895): the picture starts at each offset from a block boundary,
+    prompts whose length the block size divides included, at the smallest encoder budget (one tile);
+    identical requests twice and once more equal prefix caching off. One encoder run per tile, no re-encode
+    after a prefix hit."""
+    cached = _engine(idefics3.path, encoder_cache_size=1)
+    assert cached.encoder_budget.compute_budget_tokens == cached.family.max_tokens_per_item() == 16
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    offsets, lengths = set(), set()
+    for pad in range(5):
+        prompt = "a " * pad + idefics3.prompt("What is it?", 1)
+        first = cached.generate([prompt] * 2, images=[[TALL]] * 2, sampling_params=params, use_tqdm=False)
+        again = cached.generate(prompt, images=[TALL], sampling_params=params, use_tqdm=False)
+        reference = _greedy(idefics3.engine, prompt, [TALL], params)
+        assert [o.token_ids for o in first + again] == reference * 3
+        assert again[0].num_cached_tokens > 0
+        items = cached.input_processor.process(prompt, [TALL], params).mm_items
+        offsets.add(items[0].offset % 4)
+        lengths.add(len(again[0].prompt_token_ids) % 4)
+    assert offsets == {0, 1, 2, 3} and 0 in lengths
+    stats = cached.stats()
+    assert stats["encoder_runs"] == len(items) == 4 and stats["reencodes_after_prefix_hit"] == 0
+
+
 def test_a_repeated_prompt_recomputes_one_block_and_encodes_its_picture_once(case):
     """One encoder run per tile and one for the global image (each its own encoder-cache entry), none for the
     repeat, whose prompt is a prefix hit but for its last block."""
@@ -171,7 +195,18 @@ def test_pictures_not_split_and_hashed_on_the_splitting_settings(idefics3, tmp_p
     prompt = idefics3.prompt("Compare them.", 2)
     processed = unsplit.input_processor.process(prompt, [WIDE, TALL], GREEDY)
     assert [item.length for item in processed.mm_items] == [16, 16]
-    assert _greedy(unsplit, prompt, [WIDE, TALL]) == [hf_greedy(unsplit_path, prompt, [WIDE, TALL], 12, ignore_eos=True)]
+    expected = hf_greedy(unsplit_path, prompt, [WIDE, TALL], 12, ignore_eos=True)
+    assert _greedy(unsplit, prompt, [WIDE, TALL]) == [expected]
+    # a token prompt holding the processor's expanded ids (one run a picture when not split)
+    ids = unsplit.input_processor.hf_processor(text=prompt, images=[WIDE, TALL])["input_ids"][0]
+    tokens = unsplit.generate({"prompt_token_ids": list(ids), "multi_modal_data": {"image": [WIDE, TALL]}}, sampling_params=GREEDY,
+                              use_tqdm=False)[0]
+    assert tokens.prompt_token_ids == processed.prompt_token_ids and tokens.token_ids == expected
+    # precomputed embeddings stand for a picture that is not split (the tower's output for WIDE here)
+    embeds = unsplit.runner.model.encode_items([processed.mm_items[0].encoder_inputs])[0]
+    assert _greedy(unsplit, prompt, [{"image_embeds": embeds}, TALL]) == [expected]
+    with pytest.raises(InvalidInputError, match="image_embeds has 32 rows"):
+        _greedy(unsplit, prompt, [{"image_embeds": torch.cat([embeds, embeds])}, TALL])
     settings = processor_settings_key(unsplit.input_processor.hf_processor.image_processor)
     split = idefics3.engine.input_processor
     split_settings = processor_settings_key(split.hf_processor.image_processor)

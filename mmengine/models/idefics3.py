@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from mmengine.errors import UnsupportedModelError
+from mmengine.errors import InvalidInputError, UnsupportedModelError
 from mmengine.layers.attention import AttentionMetadata
 from mmengine.models.family import EncoderInputs, ModelFamily
 from mmengine.models.idefics3_tiles import MarkerTokens, TileSettings
@@ -168,8 +168,13 @@ class Idefics3Family(ModelFamily):
         return pictures
 
     def image_items(self, inputs: EncoderInputs) -> list[EncoderInputs]:
-        """Each tile, then the global image (precomputed embeddings: one item, as a picture that is not split)."""
+        """Each tile, then the global image. Precomputed embeddings stand for a picture that is not split (one
+        run of one tile's tokens): a split picture's would not say its grid, which decides the prompt."""
         if "image_embeds" in inputs:
+            rows = int(inputs["image_embeds"].shape[0])
+            if rows != self.tokens_per_tile:
+                raise InvalidInputError(f"image_embeds has {rows} rows; {self.display_name.split(' (')[0]} takes precomputed "
+                                        f"embeddings of a picture that is not split: one tile's {self.tokens_per_tile}")
             return [inputs]
         return [EncoderInputs(pixel_values=tile) for tile in inputs["pixel_values"]]
 
