@@ -168,6 +168,10 @@ def family_checkpoint():
             return tiny_llava_path(TinyLlavaSpec())
         if name == "gemma4":
             return tiny_gemma4_path(TinyGemma4Spec())
+        if name == "llava_onevision":
+            from mmengine.testing.llava_onevision import tiny_onevision_path
+
+            return tiny_onevision_path()
         return tiny_qwen_vl_path(tiny_spec(name))
 
     return build

@@ -82,6 +82,24 @@ def test_expansion_and_pixels_are_transformers(engine):
         assert item.encoder_inputs["image_size"].tolist() == [height, width]
 
 
+def test_a_token_prompt_with_adjacent_pictures(engine):
+    """The template writes `<image><image>`: the processor's expanded ids hold both pictures' runs as one run
+    of placeholders, and one placeholder per picture is also taken; both give the text prompt's tokens."""
+    prompt = onevision_prompt("Compare them.", 2)
+    text = engine.generate(prompt, images=[WIDE, TALL], sampling_params=GREEDY, use_tqdm=False)[0]
+    expanded = engine.input_processor.hf_processor(text=prompt, images=[WIDE, TALL])["input_ids"][0]
+    markers = engine.input_processor.tokenizer(prompt)["input_ids"]
+    for ids in (expanded, markers):
+        tokens = engine.generate({"prompt_token_ids": list(ids), "multi_modal_data": {"image": [WIDE, TALL]}},
+                                 sampling_params=GREEDY, use_tqdm=False)[0]
+        assert tokens.prompt_token_ids == text.prompt_token_ids and tokens.token_ids == text.token_ids
+    first = list(expanded).index(engine.family.image_token_id)
+    short = list(expanded[:first]) + list(expanded[first + 3:])  # a run three placeholders short of the pictures'
+    with pytest.raises(ImageCountMismatchError):
+        engine.generate({"prompt_token_ids": short, "multi_modal_data": {"image": [WIDE, TALL]}}, sampling_params=GREEDY,
+                        use_tqdm=False)
+
+
 def test_top_logprobs_are_close(path, uncached):
     prompt = onevision_prompt(QUESTION, 2)
     want = torch.log_softmax(hf_logits(path, prompt, [TALL, LARGE]), -1).topk(5)

@@ -18,4 +18,7 @@
   gemma4_text.py Gemma 4's decoder: sliding and global layers, KV sharing, per-layer inputs
   gemma4_vision.py  Gemma 4's processor (no torchvision), vision encoder and image items
   gemma4_audio.py   Gemma 4's feature-extractor settings, audio encoder and audio items
+  llava_onevision.py  LLaVA-OneVision: the family and its model (LLaVA's tower and projector, tiles, newlines)
+  anyres.py      anyres-max tiling: a picture's tiles, its run's length, packing the tiles' features
+  onevision_video.py  LLaVA-OneVision's video rules (no torchvision): frames kept, resized, normalized
 """

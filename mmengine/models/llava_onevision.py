@@ -165,11 +165,13 @@ class LlavaOnevisionFamily(ModelFamily):
         return self.anyres.best_resolution(height, width)
 
     def dummy_items(self, num_items: int) -> list[EncoderInputs]:
-        """Pictures of the most tiles (a picture exactly the largest pinpoint's size)."""
+        """Items of the most tower rows one item's share of the encoder budget can bring: the largest picture's
+        tiles, or as many video frames (the fewest embeddings a row) as the largest item's embeddings; given
+        as frames, which the model pools whatever their count."""
         _, (height, width) = self.anyres.max_tokens()
-        tiles = self.anyres.num_tiles(height, width)
-        size, tile = torch.tensor([height, width]), self.anyres.tile
-        return [EncoderInputs(pixel_values=torch.zeros(tiles, 3, tile, tile), image_size=size.clone()) for _ in range(num_items)]
+        rows = max(self.anyres.num_tiles(height, width), self.max_tokens_per_item() // self.tokens_per_frame)
+        tile = self.anyres.tile
+        return [EncoderInputs(pixel_values_videos=torch.zeros(rows, 3, tile, tile)) for _ in range(num_items)]
 
     # -- videos --
 

@@ -425,11 +425,15 @@ class InputProcessor:
     def _count_placeholders(self, token_ids: list[int], num_images: int) -> int:
         """How many pictures a token prompt's placeholders stand for, before the pictures' sizes are
         known: one per run when there are as many runs as pictures (expanded runs, or single
-        placeholders apart), else one per placeholder token."""
+        placeholders apart), else one per placeholder token. Fewer runs than pictures but at least as
+        many placeholders may be expanded runs of adjacent pictures (LLaVA-OneVision's template writes
+        `<image><image>`), run together: taken as the pictures, and checked by _expand_token_ids once
+        their sizes are known."""
         runs = self._placeholder_runs(token_ids)
-        if len(runs) == num_images:
+        total = sum(length for _, length in runs)
+        if len(runs) == num_images or len(runs) < num_images <= total:
             return num_images
-        return sum(length for _, length in runs)
+        return total
 
     def _expand_token_ids(self, token_ids: list[int], counts: Sequence[int]) -> tuple[list[int], list[int]]:
         """A token prompt with each picture's placeholders as the processor expands them, and where each

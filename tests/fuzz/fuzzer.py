@@ -131,6 +131,10 @@ def default_checkpoint(family: str) -> Path:
         from mmengine.testing.gemma4 import TinyGemma4Spec, tiny_gemma4_path
 
         return tiny_gemma4_path(TinyGemma4Spec())
+    if family == "llava_onevision":
+        from mmengine.testing.llava_onevision import tiny_onevision_path
+
+        return tiny_onevision_path()
     return tiny_qwen_vl_path(tiny_spec(family))
 
 
