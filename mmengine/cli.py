@@ -200,13 +200,14 @@ def run_budget(args: argparse.Namespace) -> None:
         bytes_per_token=width * elem,
         encoder_cache_size=inputs["encoder_cache_size"][0],
         items_per_video=family.max_items_per_video,
+        items_per_image=family.max_items_per_image,
     )
     if args.json:
         print(json.dumps(budget.to_json(), indent=2))
         return
     print(f"encoder cache budget for {args.model}")
     item_source = family.explain_max_tokens_per_item(inputs["limit_mm_per_prompt"][0], config.multimodal_config.max_audio_seconds)
-    for line in explain_budget(budget, inputs, item_source, family.max_items_per_video):
+    for line in explain_budget(budget, inputs, item_source, family.max_items_per_video, family.max_items_per_image):
         print("  " + line)
     from mmengine.encoder_cache.host_tier import host_tier_bytes
     from mmengine.runner.kv_tensors import kv_block_bytes

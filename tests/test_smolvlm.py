@@ -268,5 +268,15 @@ def test_demo_and_budget(family, tmp_path, capsys):
     path = tiny_smolvlm_path(SPECS[family])
     assert main(["budget", "--model", str(path), "--device", "cpu", "--max-model-len", "1024", "--block-size", "4"]) == 0
     shown = capsys.readouterr().out
-    grid = {"idefics3": "3x3", "smolvlm": "2x2"}[family]
+    grid, items = {"idefics3": ("3x3", 10), "smolvlm": ("2x2", 5)}[family]
     assert "one item per tile" in shown and f"up to {grid} tiles plus the global image" in shown
+    assert f"(a picture is up to {items} items)" in shown
+
+
+def test_the_encoder_budget_counts_a_pictures_tiles(idefics3):
+    """One sequence of one picture may need ten tiles encoded in a step: the budget's cap counts them."""
+    engine = _engine(idefics3.path, max_num_seqs=1, limit_mm_per_prompt={"image": 1})
+    assert engine.family.max_items_per_image == 10
+    assert engine.encoder_budget.items_cap == 10 and engine.encoder_budget.compute_budget_tokens == 10 * 16
+    prompt = idefics3.prompt("What is it?", 1)
+    assert _greedy(engine, prompt, [SQUARE]) == _greedy(idefics3.engine, prompt, [SQUARE])

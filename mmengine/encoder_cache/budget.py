@@ -3,8 +3,9 @@
     M          = max embeddings one item can produce (the model family's `max_tokens_per_item`)
     per_step   = 1 if M > max_num_batched_tokens else ceil(max_num_batched_tokens / M)
     slack      = 1        # a step may also need one item for a recomputed last token
-    cap        = max_num_seqs * max(items a prompt may hold: limit_mm_per_prompt's images, and its
-                                    videos x the items (temporal patches) of the longest video)
+    cap        = max_num_seqs * max(items a prompt may hold: limit_mm_per_prompt's images x the items of
+                                    the largest picture (its tiles or crops), and its videos x the items
+                                    (temporal patches) of the longest video)
     num_items  = min(per_step + slack, cap)
     compute    = num_items * M          (or encoder_cache_size, raised to M if below it)
 
@@ -55,13 +56,15 @@ def compute_encoder_budget(
     encoder_cache_size: int | None = None,
     warn: bool = True,
     items_per_video: int = 1,
+    items_per_image: int = 1,
 ) -> EncoderBudget:
     """The budget's terms (see the module docstring). `warn=False` keeps a probing call quiet.
-    `items_per_video`: the most items one video makes (the family's max_items_per_video)."""
+    `items_per_video` / `items_per_image`: the most items one video / picture makes (the family's
+    max_items_per_video / max_items_per_image)."""
     m = max_tokens_per_item
     per_step = 1 if m > max_num_batched_tokens else math.ceil(max_num_batched_tokens / m)
     slack = 1
-    cap = max_num_seqs * max(items_per_prompt(limit_mm_per_prompt, items_per_video).values(), default=0)
+    cap = max_num_seqs * max(items_per_prompt(limit_mm_per_prompt, items_per_video, items_per_image).values(), default=0)
     num_items = min(per_step + slack, cap)
     compute = num_items * m
     if encoder_cache_size is not None:
@@ -82,13 +85,16 @@ def compute_encoder_budget(
     )
 
 
-def items_per_prompt(limit_mm_per_prompt: dict[str, int], items_per_video: int) -> dict[str, int]:
-    """The items each modality's limit lets one prompt hold: a video is several items."""
-    return {kind: limit * (items_per_video if kind == "video" else 1) for kind, limit in limit_mm_per_prompt.items()}
+def items_per_prompt(limit_mm_per_prompt: dict[str, int], items_per_video: int, items_per_image: int = 1) -> dict[str, int]:
+    """The items each modality's limit lets one prompt hold: a video is several items, and so is a picture of
+    several tiles or crops."""
+    per_item = {"video": items_per_video, "image": items_per_image}
+    return {kind: limit * per_item.get(kind, 1) for kind, limit in limit_mm_per_prompt.items()}
 
 
 def explain_budget(
-    budget: EncoderBudget, inputs: dict[str, tuple[object, str]], item_source: str, items_per_video: int = 1
+    budget: EncoderBudget, inputs: dict[str, tuple[object, str]], item_source: str, items_per_video: int = 1,
+    items_per_image: int = 1,
 ) -> list[str]:
     """One line per term of the formula, each with its value and where its inputs came from."""
 
@@ -101,10 +107,12 @@ def explain_budget(
     per_step = "1 (M > max_num_batched_tokens)" if b.items_per_step == 1 and m > inputs["max_num_batched_tokens"][0] else (
         f"ceil({inputs['max_num_batched_tokens'][0]} / {m}) = {b.items_per_step}"
     )
-    per_prompt = items_per_prompt(inputs["limit_mm_per_prompt"][0], items_per_video)
+    per_prompt = items_per_prompt(inputs["limit_mm_per_prompt"][0], items_per_video, items_per_image)
     limit = max(per_prompt.values(), default=0)
     if "video" in per_prompt and items_per_video > 1:
         limit = f"{limit} (a video is up to {items_per_video} items)"
+    if "image" in per_prompt and items_per_image > 1:
+        limit = f"{limit} (a picture is up to {items_per_image} items)"
     override = inputs["encoder_cache_size"][0]
     compute = (
         f"{b.num_items} x {m} = {b.compute_budget_tokens}"

@@ -194,6 +194,7 @@ def encoder_budget_for(config: EngineConfig, family: ModelFamily, runner: ModelR
         encoder_cache_size=config.cache_config.encoder_cache_size,
         warn=warn,
         items_per_video=family.max_items_per_video,
+        items_per_image=family.max_items_per_image,
     )
 
 

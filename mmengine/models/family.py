@@ -225,6 +225,11 @@ class ModelFamily:
         entry in the encoder cache."""
         return [inputs]
 
+    @property
+    def max_items_per_image(self) -> int:
+        """The most items one picture can make (image_items: its crops or tiles), for the encoder budget's cap."""
+        return 1
+
     def image_marker_text(self, processor: Any, picture: EncoderInputs) -> str | None:
         """The text an image marker of a text prompt becomes before tokenizing, for a picture with these inputs
         (as split_images gave them; image_items gives its items), holding one placeholder token where each

@@ -140,6 +140,10 @@ class Idefics3Family(ModelFamily):
     def max_tokens_by_modality(self) -> dict[str, int]:
         return {"image": self.tokens_per_tile}
 
+    @property
+    def max_items_per_image(self) -> int:
+        return self.tiles.max_items
+
     def explain_max_tokens_per_item(self, limits: Mapping[str, int] | None = None, max_audio_seconds: float | None = None) -> str:
         tile, patch, scale = self.tiles.tile, self.patch_size, self.hf_config.scale_factor
         grid = self.tiles.max_grid

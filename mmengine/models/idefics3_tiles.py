@@ -88,12 +88,23 @@ class TileSettings:
     def max_grid(self) -> tuple[int, int] | None:
         """The most rows and columns a picture can be cut into (a square picture's, at the longest edge); None
         where no resize bounds them (do_resize off)."""
+        from transformers.models.idefics3.image_processing_pil_idefics3 import MAX_IMAGE_SIZE
+
         if not self.splitting:
             return 0, 0
         if self.longest_edge is None:
             return None
-        side = math.ceil(min(self.longest_edge, 4096) / self.tile)
+        side = math.ceil(min(self.longest_edge, MAX_IMAGE_SIZE) / self.tile)
         return (side, side) if side > 1 else (0, 0)
+
+    @property
+    def max_items(self) -> int:
+        """The most items (tiles and the global image) a picture makes; without a resize, those of a picture of
+        the largest side transformers' resize would give (a bound, not a rule)."""
+        from transformers.models.idefics3.image_processing_pil_idefics3 import MAX_IMAGE_SIZE
+
+        rows, cols = self.max_grid or (math.ceil(MAX_IMAGE_SIZE / self.tile),) * 2
+        return rows * cols + 1
 
 
 @dataclass(frozen=True)
