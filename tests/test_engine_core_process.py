@@ -247,3 +247,22 @@ def test_the_server_over_a_process_core_answers_and_turns_503_when_it_dies(llava
     finally:
         async_engine.engine.close()
     assert not alive(pid)
+
+
+def test_a_request_crosses_as_shared_copies_and_leaves_the_cached_tensors_as_they_were():
+    """Sending moves a tensor's storage into shared memory in place; the front end sends copies instead, so
+    the processor cache's tensors hold no descriptor (thousands of cached pictures would exhaust the limit)."""
+    import torch
+
+    from mmengine.core.request import MMItem, ProcessedPrompt
+    from mmengine.engine.core_client import in_shared_memory
+    from mmengine.engine.intake import PreparedRequest
+
+    pixels = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)[:, :, ::2]  # not contiguous, as views can be
+    item = MMItem("image", "h", 1, 2, {"pixel_values": pixels})
+    prepared = PreparedRequest(ProcessedPrompt("p", [1, 0, 0, 2], [item]), greedy(1), None, None, "r")
+    sent = in_shared_memory(prepared)
+    copy = sent.processed.mm_items[0].encoder_inputs["pixel_values"]
+    assert copy.is_shared() and not pixels.is_shared() and torch.equal(copy, pixels)
+    assert prepared.processed.mm_items[0].encoder_inputs["pixel_values"] is pixels  # the original untouched
+    assert in_shared_memory(sent).processed.mm_items[0].encoder_inputs["pixel_values"] is copy  # shared once

@@ -152,6 +152,19 @@ def test_shared_memory_is_back_to_its_idle_size_after_a_soak(pooled):
     assert _shm_used() - used < 1 << 20  # nothing kept (each picture took ~60 KB)
 
 
+def test_prepared_pictures_hold_no_descriptor_once_they_arrive(pooled):
+    """What the processor cache keeps (thousands of pictures) lives in this process's own memory: a picture
+    the workers prepared holds no shared segment, so no file descriptor and no mapping, however many are kept."""
+    pool = pooled.input_processor.pool
+    me = psutil.Process()
+    pool.prepare(jpeg(60), 0)
+    gc.collect()
+    before = me.num_fds()
+    kept = [pool.prepare(jpeg(61 + i, (64, 48)), 0) for i in range(40)]
+    assert all(not tensor.is_shared() for _, inputs in kept for tensor in inputs.values())
+    assert me.num_fds() - before < 5  # one descriptor per kept picture before the copy on arrival
+
+
 def test_a_pool_whose_workers_cannot_start_names_why(tmp_path):
     others = {child.pid for child in workers_alive()}  # the module's engine's workers
     spec = PreparerSpec(str(tmp_path / "missing"), None, 1 << 20, "f", "s", "xxh3_128")

@@ -130,6 +130,39 @@ def test_a_picture_is_encoded_once_whichever_front_end_took_it(server):
     assert httpx.get(server.base_url + "/health").status_code == 200  # the server's own front ends serve on
 
 
+def shared_segments(pid: int) -> int:
+    """The descriptors a process holds on shared-memory segments (torch shares tensors by such descriptors)."""
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # closed meanwhile
+            pass
+    return sum("/dev/shm/" in link or link.startswith("/memfd:") for link in links)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="reads descriptors from /proc (Linux)")
+def test_front_ends_and_core_hold_no_descriptor_per_picture(server):
+    """New pictures through both front ends, their processor caches on: no process holds a shared segment
+    per picture (a cached picture sent in place would keep its segment open), nor does /dev/shm grow."""
+    pids = [server.core.pid, *(child.pid for child in server.front_ends)]
+    assert post(server.base_url, chat([70])).status_code == 200
+    before = {pid: shared_segments(pid) for pid in pids}
+    shm = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+
+    async def send_all():
+        async def one(seed):
+            async with httpx.AsyncClient(timeout=60) as client:
+                return await client.post(server.base_url + "/v1/chat/completions", json=chat([seed], 1))
+        return await asyncio.gather(*(one(100 + i) for i in range(30)))
+
+    assert all(answer.status_code == 200 for answer in asyncio.run(send_all()))
+    after = {pid: shared_segments(pid) for pid in pids}
+    assert all(after[pid] - before[pid] < 3 for pid in pids), (before, after)
+    if os.path.isdir("/dev/shm"):
+        assert set(os.listdir("/dev/shm")) <= shm
+
+
 def test_a_wrong_key_does_not_join_the_core(server):
     with pytest.raises(Exception, match="digest|auth|closed|reset"):
         EngineCoreClient(server.spec.model, core_address=server.core_address, core_authkey=b"wrong", **OPTIONS)

@@ -38,6 +38,7 @@ from multiprocessing.connection import Client, Connection, wait
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.multiprocessing as torch_mp  # registers torch's reductions: tensors cross in shared memory
 
 from mmengine.config import EngineConfig
@@ -179,7 +180,7 @@ class EngineCoreClient:
         processed = prepared.processed
         with self._books:
             self._in_core[request_id] = (processed.prompt, processed.prompt_token_ids)
-        self._send((ADD, prepared, processor_stats(self.input_processor)))
+        self._send((ADD, in_shared_memory(prepared), processor_stats(self.input_processor)))
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -340,6 +341,26 @@ class EngineCoreClient:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+def in_shared_memory(prepared: PreparedRequest) -> PreparedRequest:
+    """The request with its items' tensors copied into shared memory, to cross by file descriptor. Sending
+    a tensor would move its own storage there, in place: the processor cache's copy would then hold a
+    descriptor and a mapping for as long as it is cached (thousands of pictures: the descriptor limit)."""
+    items = prepared.processed.mm_items
+    if not items:
+        return prepared
+    shared = [dataclasses.replace(item, encoder_inputs=type(item.encoder_inputs)(
+        {name: _shared_copy(tensor) for name, tensor in item.encoder_inputs.items()})) for item in items]
+    return dataclasses.replace(prepared, processed=dataclasses.replace(prepared.processed, mm_items=shared))
+
+
+def _shared_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """One copy, straight into a new shared segment (clone + share_memory_ would copy twice)."""
+    if tensor.is_shared():
+        return tensor
+    storage = torch.UntypedStorage._new_shared(tensor.numel() * tensor.element_size())
+    return torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape).copy_(tensor)
 
 
 def _connect(address: str, authkey: bytes | None) -> Connection:

@@ -1,7 +1,9 @@
 """Pictures prepared in worker processes: encoded bytes are decoded, checked, hashed and preprocessed away
 from the engine process (and its GIL), and their tensors come back in shared memory, never as pickled
 pixels (the fast path writes its output straight into shared memory; torch passes it by file
-descriptor, and it is freed when the last request and the processor cache let go of it).
+descriptor). On arrival the tensors are copied into the engine process's own memory and the shared
+segment is let go at once: each live shared tensor holds a file descriptor and a mapping, and the
+processor cache keeps thousands of pictures (one descriptor each would exhaust a 1024-descriptor limit).
 
 Each worker (spawned: no state of the engine's is forked) is driven by one supervisor thread here, one
 picture at a time. A worker that dies is respawned: the picture it was preparing fails with a
@@ -179,7 +181,8 @@ class _WorkerSlot:
         if status == _DONE:
             with self.pool._lock:
                 self.pool.num_prepared += 1
-            task.future.set_result(payload)
+            mm_hash, shared = payload
+            task.future.set_result((mm_hash, private_copy(shared)))
         else:
             task.future.set_exception(payload)
 
@@ -247,6 +250,11 @@ class _WorkerSlot:
                 self.process.kill()
                 self.process.join(_JOIN_SECONDS)
             self.process = None
+
+
+def private_copy(inputs: EncoderInputs) -> EncoderInputs:
+    """The tensors in this process's own memory; the shared segments (and their descriptors) go with `inputs`."""
+    return EncoderInputs({name: tensor.clone() for name, tensor in inputs.items()})
 
 
 def _shared(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
