@@ -52,6 +52,10 @@ def run_demo(args: argparse.Namespace) -> None:
         from mmengine.testing.smolvlm import IDEFICS3_SPEC, SMOLVLM_SPEC, tiny_smolvlm_path
 
         path = tiny_smolvlm_path(IDEFICS3_SPEC if args.family == "idefics3" else SMOLVLM_SPEC, cache_dir=args.cache_dir)
+    elif args.family == "internvl":
+        from mmengine.testing.internvl import TinyInternVLSpec, tiny_internvl_path
+
+        path = tiny_internvl_path(TinyInternVLSpec(), cache_dir=args.cache_dir)
     else:
         path = tiny_qwen_vl_path(tiny_spec(args.family), cache_dir=args.cache_dir)
     print(f"tiny {args.family} checkpoint (random weights): {path}")
@@ -373,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run a small workload on a built-in tiny random-weight model")
     demo.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4",
-                                                               "llava_onevision", "idefics3", "smolvlm"],
+                                                               "llava_onevision", "idefics3", "smolvlm", "internvl"],
                       help="the tiny model's family")
     demo.add_argument("--requests", type=int, default=32)
     demo.add_argument("--unique-images", type=int, default=4)

@@ -21,4 +21,5 @@
   llava_onevision.py  LLaVA-OneVision: the family and its model (LLaVA's tower and projector, tiles, newlines)
   anyres.py      anyres-max tiling: a picture's tiles, its run's length, packing the tiles' features
   onevision_video.py  LLaVA-OneVision's video rules (no torchvision): frames kept, resized, normalized
+  internvl.py    InternVL 3 / 3.5: the family and its model (InternViT, pixel shuffle, 448 px tiles plus a thumbnail)
 """

@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3-VL's text model) over a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, Qwen3-VL's text model) over a paged KV cache.
 
 Q/K/V and gate/up are fused into one matmul each; `load_weight` splits checkpoint
 tensors into them. The module layout otherwise follows transformers' names so that
@@ -24,11 +24,12 @@ from mmengine.layers.moe import SparseMoeBlock, is_sparse_layer
 from mmengine.layers.norm import RMSNorm
 from mmengine.layers.rotary import RotaryEmbedding, RotaryStep
 
-SUPPORTED_TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3_vl_text", "qwen3_vl_moe_text")
+SUPPORTED_TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3", "qwen3_vl_text",
+                              "qwen3_vl_moe_text")
 # Qwen2-style attention: biases on q/k/v, none on o; sliding window only with use_sliding_window.
 _QWEN2_TEXT_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 # Qwen3-style attention: an RMSNorm over each head of q and of k, before the rotary embedding.
-_QK_NORM_TEXT_MODEL_TYPES = ("qwen3_vl_text", "qwen3_vl_moe_text")
+_QK_NORM_TEXT_MODEL_TYPES = ("qwen3", "qwen3_vl_text", "qwen3_vl_moe_text")
 
 # checkpoint projection name -> (fused parameter name, shard)
 STACKED_PROJECTIONS = {
@@ -227,7 +228,7 @@ def check_text_config(config: PretrainedConfig) -> None:
 
 def sliding_window_of(config: PretrainedConfig) -> int | None:
     """The attention window the checkpoint uses, or None when attention is full."""
-    if config.model_type in _QWEN2_TEXT_MODEL_TYPES and not getattr(config, "use_sliding_window", False):
+    if config.model_type in (*_QWEN2_TEXT_MODEL_TYPES, "qwen3") and not getattr(config, "use_sliding_window", False):
         return None
     return getattr(config, "sliding_window", None)
 

@@ -13,6 +13,7 @@ from mmengine.models.family import ModelFamily
 from mmengine.models.gemma3 import Gemma3Family
 from mmengine.models.gemma4 import Gemma4Family
 from mmengine.models.idefics3 import Idefics3Family, SmolVLMFamily
+from mmengine.models.internvl import InternVLFamily
 from mmengine.models.llava import LlavaFamily
 from mmengine.models.llava_onevision import LlavaOnevisionFamily
 from mmengine.models.qwen3_5 import Qwen3_5Family, Qwen3_5MoeFamily
@@ -22,7 +23,7 @@ from mmengine.models.qwen_vl import Qwen2VLFamily, Qwen2_5_VLFamily
 # Every supported family; adding one is a new file under models/ and an entry here.
 FAMILIES: tuple[type[ModelFamily], ...] = (LlavaFamily, Qwen2VLFamily, Qwen2_5_VLFamily, Qwen3VLFamily, Qwen3VLMoeFamily,
                                            Qwen3_5Family, Qwen3_5MoeFamily, Gemma3Family, Gemma4Family,
-                                           LlavaOnevisionFamily, Idefics3Family, SmolVLMFamily)
+                                           LlavaOnevisionFamily, Idefics3Family, SmolVLMFamily, InternVLFamily)
 _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
 _BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
 
@@ -72,7 +73,8 @@ def image_processor_settings(image_processor: Any) -> dict[str, Any]:
     """The settings a family may read from an image processor (the sizes its resize and patching use)."""
     settings: dict[str, Any] = {}
     for name in ("size", "patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels", "max_soft_tokens",
-                 "pooling_kernel_size", "max_image_size", "do_image_splitting", "do_resize"):
+                 "pooling_kernel_size", "max_image_size", "do_image_splitting", "do_resize", "crop_to_patches", "min_patches",
+                 "max_patches"):
         value = getattr(image_processor, name, None)
         if value is None:
             continue

@@ -1,0 +1,204 @@
+"""Random-weight InternVL 3.5 (`InternVLForConditionalGeneration`) checkpoints for tests.
+
+Built locally with transformers' own classes (InternVLConfig over an InternVLVisionConfig and a Qwen3 text
+config, the PIL `GotOcr2ImageProcessorPil`, `InternVLProcessor`) and a locally trained tokenizer with Qwen's
+special tokens plus `<img>`, `</img>`, `<IMG_CONTEXT>` and `<video>` (named as the published tokenizer names
+them: start_image_token, end_image_token, context_image_token, video_token); laid out as the published
+OpenGVLab/InternVL3_5-*-HF checkpoints are: config.json, model.safetensors, the tokenizer files,
+preprocessor_config.json (the image processor), processor_config.json (image_seq_length) and
+chat_template.json. transformers reloads the model with `InternVLForConditionalGeneration.from_pretrained`.
+
+The default spec tiles pictures into 32 px tiles of 4x4 patches, pixel-shuffled by 0.5 to 4 tokens a tile,
+between 1 and 6 tiles a picture plus the thumbnail when there is more than one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from mmengine.testing.cache import cached_build, spec_key
+from mmengine.testing.tokenizer import model_vocab_size, train_byte_level_bpe
+from mmengine.testing.weights import save_random_model, torch_dtype
+
+if TYPE_CHECKING:
+    from transformers import InternVLConfig, PreTrainedTokenizerFast
+
+__all__ = ["TinyInternVLSpec", "INTERNVL_CHAT_TEMPLATE", "build_internvl_checkpoint", "build_tiny_internvl",
+           "tiny_internvl_path", "internvl_prompt"]
+
+# Bump when the builder changes what it writes, so cached checkpoints are rebuilt.
+_BUILDER_VERSION = 1
+
+# The parity-friendly weight scale of the other tiny checkpoints (testing/llava.py explains it).
+_INITIALIZER_RANGE = 0.2
+_CONSTANT_NOISE = 0.2
+
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+START_IMAGE, END_IMAGE, IMAGE, VIDEO = "<img>", "</img>", "<IMG_CONTEXT>", "<video>"
+NAMED_TOKENS = {"start_image_token": START_IMAGE, "end_image_token": END_IMAGE, "context_image_token": IMAGE,
+                "video_token": VIDEO}
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, *NAMED_TOKENS.values())
+
+# The published InternVL3_5-*-HF template's user turns: each picture's <IMG_CONTEXT> on a line of its own,
+# then the text:  <|im_start|>user\n<IMG_CONTEXT>\nWhat is this?<|im_end|>\n<|im_start|>assistant\n
+INTERNVL_CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' -}}"
+    "{%- if message['content'] is string -%}{{- message['content'] -}}"
+    "{%- else -%}"
+    "{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}{{- '<IMG_CONTEXT>\\n' -}}"
+    "{%- elif part['type'] == 'video' -%}{{- '<video>\\n' -}}"
+    "{%- elif part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def internvl_prompt(text: str, num_images: int = 0) -> str:
+    """A one-turn user prompt as the chat template writes it: each picture's marker on its line, then the text."""
+    return f"{IM_START}user\n" + f"{IMAGE}\n" * num_images + f"{text}{IM_END}\n{IM_START}assistant\n"
+
+
+@dataclass(frozen=True)
+class TinyInternVLSpec:
+    # Qwen3 decoder
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 16
+    max_position_embeddings: int = 4096
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    # InternViT tower, projector and tiling
+    vision_hidden_size: int = 32
+    vision_intermediate_size: int = 64
+    vision_num_layers: int = 2
+    vision_num_heads: int = 2
+    image_size: int = 32  # the tile side
+    patch_size: int = 8
+    downsample_ratio: float = 0.5
+    min_patches: int = 1
+    max_patches: int = 6
+    # checkpoint
+    tokenizer_vocab_size: int = 300
+    vocab_size: int | None = None  # None: the tokenizer's size
+    dtype: str = "float32"
+    seed: int = 0
+
+    @property
+    def image_seq_length(self) -> int:
+        return int((self.image_size // self.patch_size) ** 2 * self.downsample_ratio**2)
+
+
+def _build_tokenizer(spec: TinyInternVLSpec) -> PreTrainedTokenizerFast:
+    """A deterministic byte-level BPE with Qwen's special tokens and InternVL's named image tokens; no BOS,
+    eos <|im_end|>, padding <|endoftext|> on the left."""
+    from transformers import PreTrainedTokenizerFast
+
+    tok = train_byte_level_bpe(spec.tokenizer_vocab_size, added_special_tokens=SPECIAL_TOKENS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT, padding_side="left",
+                                   extra_special_tokens=dict(NAMED_TOKENS), chat_template=INTERNVL_CHAT_TEMPLATE)
+
+
+def _build_config(spec: TinyInternVLSpec, tokenizer: PreTrainedTokenizerFast, initializer_range: float) -> InternVLConfig:
+    from transformers import InternVLConfig, InternVLVisionConfig, Qwen3Config
+
+    ids = tokenizer.convert_tokens_to_ids
+    text = Qwen3Config(
+        vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
+        use_sliding_window=False,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        initializer_range=initializer_range,
+        bos_token_id=ids(ENDOFTEXT),
+        eos_token_id=ids(IM_END),
+        pad_token_id=ids(ENDOFTEXT),
+    )
+    vision = InternVLVisionConfig(
+        hidden_size=spec.vision_hidden_size,
+        intermediate_size=spec.vision_intermediate_size,
+        num_hidden_layers=spec.vision_num_layers,
+        num_attention_heads=spec.vision_num_heads,
+        image_size=spec.image_size,
+        patch_size=spec.patch_size,
+        initializer_range=initializer_range,
+    )
+    return InternVLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids(IMAGE),
+        image_seq_length=spec.image_seq_length,
+        downsample_ratio=spec.downsample_ratio,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+        tie_word_embeddings=spec.tie_word_embeddings,
+        initializer_range=initializer_range,
+    )
+
+
+def _save_processor(spec: TinyInternVLSpec, tokenizer: PreTrainedTokenizerFast, path: pathlib.Path) -> None:
+    """The processor's files as the published checkpoints lay them out."""
+    from transformers import GotOcr2ImageProcessorPil
+
+    # The published settings at this tower's tile size: bicubic, ImageNet mean and std, tiles plus a thumbnail
+    image_processor = GotOcr2ImageProcessorPil(
+        size={"height": spec.image_size, "width": spec.image_size}, crop_to_patches=True, min_patches=spec.min_patches,
+        max_patches=spec.max_patches, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225],
+    )
+    image_processor.save_pretrained(path)
+    settings = json.loads((path / "preprocessor_config.json").read_text())
+    settings["image_processor_type"] = "GotOcr2ImageProcessorFast"  # as published
+    settings["processor_class"] = "InternVLProcessor"
+    (path / "preprocessor_config.json").write_text(json.dumps(settings, indent=2) + "\n")
+    tokenizer.save_pretrained(path)
+    processor = {"image_seq_length": spec.image_seq_length, "processor_class": "InternVLProcessor"}
+    (path / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
+    (path / "chat_template.json").write_text(json.dumps({"chat_template": INTERNVL_CHAT_TEMPLATE}, indent=2) + "\n")
+
+
+def build_internvl_checkpoint(path: str | os.PathLike, spec: TinyInternVLSpec = TinyInternVLSpec(), *, device: str = "cpu",
+                              dtype: str | None = None, initializer_range: float = _INITIALIZER_RANGE) -> pathlib.Path:
+    """Builds a random-weight checkpoint of `spec` (weights made on `device` in `dtype`, default the spec's)
+    and saves it with its tokenizer, processor and chat template into `path`; returns the path."""
+    from transformers import GenerationConfig, InternVLForConditionalGeneration
+
+    path = pathlib.Path(path)
+    tokenizer = _build_tokenizer(spec)
+    config = _build_config(spec, tokenizer, initializer_range)
+    end_of_text = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
+    generation_config = GenerationConfig(bos_token_id=end_of_text, eos_token_id=[tokenizer.eos_token_id, end_of_text],
+                                         pad_token_id=end_of_text)
+    save_random_model(
+        InternVLForConditionalGeneration, config, generation_config, path, seed=spec.seed, device=device,
+        dtype=torch_dtype(dtype or spec.dtype), constant_noise=_CONSTANT_NOISE,
+    )
+    _save_processor(spec, tokenizer, path)
+    return path
+
+
+def build_tiny_internvl(path: str | os.PathLike, spec: TinyInternVLSpec = TinyInternVLSpec()) -> pathlib.Path:
+    """Builds and saves a tiny test checkpoint of `spec` on CPU into `path`; returns the path."""
+    return build_internvl_checkpoint(path, spec)
+
+
+def tiny_internvl_path(spec: TinyInternVLSpec = TinyInternVLSpec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
+    """The path of a cached tiny checkpoint for `spec`, building it on first use (cache dir as for
+    tiny_llava_path: $MMENGINE_CACHE_DIR or ~/.cache/mmengine/tiny-models)."""
+    return cached_build(f"internvl-{spec_key(spec, _BUILDER_VERSION)}", lambda path: build_tiny_internvl(path, spec), cache_dir)
