@@ -157,6 +157,28 @@ def test_the_item_is_hashed_on_the_picture_and_the_tiling_settings(engine, path)
         image_processor.max_patches = original
 
 
+def test_a_picture_at_every_offset_from_a_block_boundary(path, uncached):
+    """The divisible-block matrix: the picture starts at each offset from a block boundary, prompts whose length
+    the block size divides included, at the smallest encoder budget (one picture); identical requests twice and
+    once more equal prefix caching off. One encoder run, no re-encode after a prefix hit."""
+    cached = _engine(path, encoder_cache_size=1)
+    assert cached.encoder_budget.compute_budget_tokens == cached.family.max_tokens_per_item()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    offsets, lengths = set(), set()
+    for pad in range(5):
+        prompt = "a " * pad + internvl_prompt("What is it?", 1)
+        first = cached.generate([prompt] * 2, images=[[WIDE]] * 2, sampling_params=params, use_tqdm=False)
+        again = cached.generate(prompt, images=[WIDE], sampling_params=params, use_tqdm=False)
+        reference = uncached.generate(prompt, images=[WIDE], sampling_params=params, use_tqdm=False)
+        assert [o.token_ids for o in first + again] == [reference[0].token_ids] * 3
+        assert again[0].num_cached_tokens > 0
+        offsets.add(cached.input_processor.process(prompt, [WIDE], params).mm_items[0].offset % 4)
+        lengths.add(len(reference[0].prompt_token_ids) % 4)
+    assert offsets == {0, 1, 2, 3} and 0 in lengths
+    stats = cached.stats()
+    assert stats["encoder_runs"] == 1 and stats["reencodes_after_prefix_hit"] == 0
+
+
 def test_preemption_keeps_the_tokens(path):
     """Two prompts that share no block, each 15 blocks of 4 and 18 once generated, in 33 blocks: both are
     admitted and one is preempted as they grow."""
