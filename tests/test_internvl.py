@@ -88,12 +88,26 @@ def test_prompt_and_pixels_are_transformers(engine):
 
 
 def test_a_token_prompt_gives_the_text_prompts_tokens(engine):
-    """One `<IMG_CONTEXT>` per picture in a token prompt is expanded as the processor expands the marker."""
+    """One `<IMG_CONTEXT>` per picture in a token prompt is expanded as the processor expands the marker; the
+    processor's expanded ids are taken as they are."""
     prompt = internvl_prompt("Compare them.", 2)
     text = engine.generate(prompt, images=[WIDE, TALL], sampling_params=GREEDY, use_tqdm=False)[0]
     markers = engine.input_processor.tokenizer(prompt)["input_ids"]
-    tokens = engine.generate({"prompt_token_ids": list(markers), "multi_modal_data": {"image": [WIDE, TALL]}},
-                             sampling_params=GREEDY, use_tqdm=False)[0]
+    expanded = engine.input_processor.hf_processor(text=prompt, images=[WIDE, TALL])["input_ids"][0]
+    for ids in (markers, expanded):
+        tokens = engine.generate({"prompt_token_ids": list(ids), "multi_modal_data": {"image": [WIDE, TALL]}},
+                                 sampling_params=GREEDY, use_tqdm=False)[0]
+        assert tokens.prompt_token_ids == text.prompt_token_ids and tokens.token_ids == text.token_ids
+
+
+def test_precomputed_embeddings_stand_for_a_picture(engine):
+    """A picture's image_embeds (all its tiles' runs, the tower's output for WIDE here) give its tokens."""
+    prompt = internvl_prompt("Compare them.", 2)
+    text = engine.generate(prompt, images=[WIDE, TALL], sampling_params=GREEDY, use_tqdm=False)[0]
+    item = engine.input_processor.process(prompt, [WIDE, TALL], GREEDY).mm_items[0]
+    embeds = engine.runner.model.encode_items([item.encoder_inputs])[0]
+    assert embeds.shape[0] == 16
+    tokens = engine.generate(prompt, images=[{"image_embeds": embeds}, TALL], sampling_params=GREEDY, use_tqdm=False)[0]
     assert tokens.prompt_token_ids == text.prompt_token_ids and tokens.token_ids == text.token_ids
 
 
