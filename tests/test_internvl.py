@@ -101,7 +101,8 @@ def test_a_token_prompt_gives_the_text_prompts_tokens(engine):
 
 
 def test_precomputed_embeddings_stand_for_a_picture(engine):
-    """A picture's image_embeds (all its tiles' runs, the tower's output for WIDE here) give its tokens."""
+    """A picture's image_embeds (all its tiles' runs, the tower's output for WIDE here) give its tokens; rows that
+    are not whole tiles' runs are an InvalidInputError."""
     prompt = internvl_prompt("Compare them.", 2)
     text = engine.generate(prompt, images=[WIDE, TALL], sampling_params=GREEDY, use_tqdm=False)[0]
     item = engine.input_processor.process(prompt, [WIDE, TALL], GREEDY).mm_items[0]
@@ -109,6 +110,8 @@ def test_precomputed_embeddings_stand_for_a_picture(engine):
     assert embeds.shape[0] == 16
     tokens = engine.generate(prompt, images=[{"image_embeds": embeds}, TALL], sampling_params=GREEDY, use_tqdm=False)[0]
     assert tokens.prompt_token_ids == text.prompt_token_ids and tokens.token_ids == text.token_ids
+    with pytest.raises(InvalidInputError, match="image_embeds has 15 rows"):
+        engine.generate(prompt, images=[{"image_embeds": embeds[:15]}, TALL], sampling_params=GREEDY, use_tqdm=False)
 
 
 def test_pictures_across_chunk_boundaries(path):

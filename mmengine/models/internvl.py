@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers import PretrainedConfig
 
-from mmengine.errors import UnsupportedModelError
+from mmengine.errors import InvalidInputError, UnsupportedModelError
 from mmengine.layers.attention import AttentionMetadata
 from mmengine.models.family import EncoderInputs, ModelFamily
 from mmengine.models.llama import DeepStack
@@ -199,6 +199,15 @@ class InternVLFamily(ModelFamily):
                                         f"for {num_images} images")
         pictures = torch.split(pixel_values, counts)
         return [EncoderInputs(pixel_values=p if num_images == 1 else p.clone()) for p in pictures]
+
+    def image_items(self, inputs: EncoderInputs) -> list[EncoderInputs]:
+        """The picture itself; precomputed embeddings must be whole tiles' runs (the most a picture makes at most)."""
+        if "image_embeds" in inputs:
+            rows, most = int(inputs["image_embeds"].shape[0]), self.max_tiles * self.tokens_per_tile
+            if rows % self.tokens_per_tile or not 0 < rows <= most:
+                raise InvalidInputError(f"image_embeds has {rows} rows; InternVL takes whole tiles' runs: a multiple of "
+                                        f"{self.tokens_per_tile} up to {most}")
+        return [inputs]
 
     def num_tokens(self, inputs: EncoderInputs) -> int:
         if "image_embeds" in inputs:
