@@ -248,7 +248,8 @@ def _boundary_ids(model_dir: str | None) -> tuple[int, int]:
     directory = Path(model_dir)
     config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
     named = config.get("extra_special_tokens") or {}
-    names = (named.get("start_image_token", "<img>"), named.get("end_image_token", "</img>"))
+    named = {**config, **named} if isinstance(named, dict) else config  # (older files name them at the top level)
+    names = (str(named.get("start_image_token", "<img>")), str(named.get("end_image_token", "</img>")))
     ids = {token["content"]: int(token["id"]) for token in json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
            .get("added_tokens", [])}
     ids.update({entry["content"]: int(key) for key, entry in (config.get("added_tokens_decoder") or {}).items()})
