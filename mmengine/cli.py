@@ -56,6 +56,10 @@ def run_demo(args: argparse.Namespace) -> None:
         from mmengine.testing.internvl import TinyInternVLSpec, tiny_internvl_path
 
         path = tiny_internvl_path(TinyInternVLSpec(), cache_dir=args.cache_dir)
+    elif args.family == "mistral3":
+        from mmengine.testing.mistral3 import TinyMistral3Spec, tiny_mistral3_path
+
+        path = tiny_mistral3_path(TinyMistral3Spec(), cache_dir=args.cache_dir)
     else:
         path = tiny_qwen_vl_path(tiny_spec(args.family), cache_dir=args.cache_dir)
     print(f"tiny {args.family} checkpoint (random weights): {path}")
@@ -377,7 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run a small workload on a built-in tiny random-weight model")
     demo.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4",
-                                                               "llava_onevision", "idefics3", "smolvlm", "internvl"],
+                                                               "llava_onevision", "idefics3", "smolvlm", "internvl", "mistral3"],
                       help="the tiny model's family")
     demo.add_argument("--requests", type=int, default=32)
     demo.add_argument("--unique-images", type=int, default=4)

@@ -22,4 +22,5 @@
   anyres.py      anyres-max tiling: a picture's tiles, its run's length, packing the tiles' features
   onevision_video.py  LLaVA-OneVision's video rules (no torchvision): frames kept, resized, normalized
   internvl.py    InternVL 3 / 3.5: the family and its model (InternViT, pixel shuffle, 448 px tiles plus a thumbnail)
+  mistral3.py    Mistral 3: the family and its model (Pixtral tower at native resolution, patch merger, [IMG_BREAK] rows)
 """

@@ -219,6 +219,12 @@ class ModelFamily:
         starts in them."""
         return [self.image_token_id] * num_tokens, 0
 
+    def image_run_ids(self, inputs: EncoderInputs) -> tuple[list[int], int]:
+        """As image_prompt_ids, for an item with these inputs: the run may hold other tokens among its
+        placeholders that only the item's grid places (Pixtral's [IMG_BREAK] after each row), which the item's
+        encoder output then carries embeddings for."""
+        return self.image_prompt_ids(self.num_tokens(inputs))
+
     def image_items(self, inputs: EncoderInputs) -> list[EncoderInputs]:
         """A picture's items, in prompt order: the picture itself, or (Gemma 3's pan-and-scan) the whole
         picture and then each of its crops, or (Idefics3) its tiles and then the global image, each its own

@@ -16,6 +16,7 @@ from mmengine.models.idefics3 import Idefics3Family, SmolVLMFamily
 from mmengine.models.internvl import InternVLFamily
 from mmengine.models.llava import LlavaFamily
 from mmengine.models.llava_onevision import LlavaOnevisionFamily
+from mmengine.models.mistral3 import Mistral3Family
 from mmengine.models.qwen3_5 import Qwen3_5Family, Qwen3_5MoeFamily
 from mmengine.models.qwen3_vl import Qwen3VLFamily, Qwen3VLMoeFamily
 from mmengine.models.qwen_vl import Qwen2VLFamily, Qwen2_5_VLFamily
@@ -23,7 +24,8 @@ from mmengine.models.qwen_vl import Qwen2VLFamily, Qwen2_5_VLFamily
 # Every supported family; adding one is a new file under models/ and an entry here.
 FAMILIES: tuple[type[ModelFamily], ...] = (LlavaFamily, Qwen2VLFamily, Qwen2_5_VLFamily, Qwen3VLFamily, Qwen3VLMoeFamily,
                                            Qwen3_5Family, Qwen3_5MoeFamily, Gemma3Family, Gemma4Family,
-                                           LlavaOnevisionFamily, Idefics3Family, SmolVLMFamily, InternVLFamily)
+                                           LlavaOnevisionFamily, Idefics3Family, SmolVLMFamily, InternVLFamily,
+                                           Mistral3Family)
 _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
 _BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
 

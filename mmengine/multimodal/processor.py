@@ -166,13 +166,14 @@ class InputProcessor:
         ids = list(self.hf_processor(text=text, images=probes)["input_ids"][0])
         _, items, texts = self._picture_items(["", ""], self.family.split_images(self._preprocess(probes), len(probes)))
         counts = [self.family.num_tokens(inputs) for inputs in items]
+        runs = [self.family.image_run_ids(inputs) for inputs in items]
         produced = sum(t == self.image_token_id for t in ids)
-        if produced != sum(counts):
+        if produced != sum(run.count(self.image_token_id) for run, _ in runs):
             raise UnsupportedModelError(
                 f"the processor expands two probe images into {produced} placeholder tokens but the model makes "
                 f"{sum(counts)} embeddings for them ({counts}): the checkpoint's processor and model configs disagree"
             )
-        if self._tokenize(text, counts, image_texts=texts)[0] != ids:
+        if self._tokenize(text, counts, image_texts=texts, image_runs=runs)[0] != ids:
             raise UnsupportedModelError(
                 "the processor's tokenization differs from its tokenizer's with image markers expanded in place; "
                 "this processor is not supported"
@@ -274,12 +275,13 @@ class InputProcessor:
         audio_counts = [clip.num_tokens for clip in loaded_audios]
         self._check_item_sizes(audio_counts, "audio")
         audio_starts: list[int] = []
+        image_runs = [self.family.image_run_ids(inputs) for inputs in preprocessed]
         if token_ids is None:
             token_ids, starts, video_starts, audio_starts = self._tokenize(
-                prompt, counts, text_ids, video_runs(self.family, loaded_videos), audio_counts, image_texts
+                prompt, counts, text_ids, video_runs(self.family, loaded_videos), audio_counts, image_texts, image_runs
             )
         else:
-            (token_ids, starts), video_starts = self._expand_token_ids(token_ids, counts), []
+            (token_ids, starts), video_starts = self._expand_token_ids(token_ids, counts, image_runs), []
         if not token_ids:
             raise EmptyPromptError("the prompt is empty after tokenization")
         self._check_length(len(token_ids), params.max_tokens)
@@ -307,6 +309,7 @@ class InputProcessor:
     def _tokenize(
         self, prompt: str, counts: Sequence[int], ids: list[int] | None = None, video_runs: Sequence[list[int]] = (),
         audio_counts: Sequence[int] = (), image_texts: Sequence[str | None] = (),
+        image_runs: Sequence[tuple[list[int], int]] = (),
     ) -> tuple[list[int], list[int], list[int], list[int]]:
         """The text tokenized as the processor does (or `ids`, its tokenization done earlier), the k-th
         image placeholder (the marker, one added token, or one the k-th marker's text in `image_texts`
@@ -326,7 +329,8 @@ class InputProcessor:
         audio_token = self.family.audio_token_id
         for token in ids:
             if token == self.image_token_id and len(starts) < len(counts):
-                run, offset = self.family.image_prompt_ids(counts[len(starts)])
+                k = len(starts)
+                run, offset = image_runs[k] if image_runs else self.family.image_prompt_ids(counts[k])
                 starts.append(len(expanded) + offset)
                 expanded += run
             elif token == audio_token and len(audio_starts) < len(audio_counts):
@@ -435,7 +439,8 @@ class InputProcessor:
             return num_images
         return total
 
-    def _expand_token_ids(self, token_ids: list[int], counts: Sequence[int]) -> tuple[list[int], list[int]]:
+    def _expand_token_ids(self, token_ids: list[int], counts: Sequence[int],
+                          image_runs: Sequence[tuple[list[int], int]] = ()) -> tuple[list[int], list[int]]:
         """A token prompt with each picture's placeholders as the processor expands them, and where each
         run starts. A run may be the processor's expanded form (as long as one picture's count, or the
         sum of adjacent pictures' counts) or one placeholder per picture, which is expanded here as the
@@ -457,7 +462,8 @@ class InputProcessor:
                         f"the token ids hold more image placeholders than the {len(counts)} image(s) given need"
                     )
             for k in range(image, image + taken):
-                run, offset = self.family.image_prompt_ids(counts[k]) if single else ([self.image_token_id] * counts[k], 0)
+                written = image_runs[k] if image_runs else self.family.image_prompt_ids(counts[k])
+                run, offset = written if single else ([self.image_token_id] * counts[k], 0)
                 starts.append(len(expanded) + offset)
                 expanded += run
             image += taken
@@ -617,7 +623,9 @@ class InputProcessor:
     ) -> list[MMItem]:
         """One item per image, in prompt order, each owning the run `_tokenize` expanded for it; the
         prompt must hold no image tokens besides those runs."""
-        found, expected = token_ids.count(self.image_token_id), sum(counts)
+        found = token_ids.count(self.image_token_id)
+        # a run may hold other tokens among its placeholders (Pixtral's [IMG_BREAK]s); none may lie outside the runs
+        expected = sum(token_ids[start:start + count].count(self.image_token_id) for start, count in zip(starts, counts))
         if found != expected or len(starts) != len(images):
             raise ImageCountMismatchError(
                 f"the prompt holds {found} image tokens but its {len(images)} image(s) need {expected}"
