@@ -1,10 +1,11 @@
 """Mistral 3 end to end against transformers (fp32, CPU): the tiny checkpoint's Pixtral tower takes 4 px patches at
 the picture's native resolution (longest edge at most 64 px), merged 2x2 into 8 px tokens, over a Mistral decoder.
 Greedy tokens equal transformers' generate for text, one picture and two pictures of different sizes and aspect
-ratios; the prompt's [IMG] / [IMG_BREAK] / [IMG_END] rows and the pixels equal transformers' model inputs (its PIL
-image processor; the rows as PixtralProcessor.replace_image_token writes them, rebuilt here since PixtralProcessor
-needs torchvision); a picture across prefill-chunk boundaries, a mixed batch, a prefix hit with one encoder run,
-preemption, typed errors, demo and budget."""
+ratios, top logprobs are close; the prompt's [IMG] / [IMG_BREAK] / [IMG_END] rows and the pixels equal
+transformers' model inputs (its PIL image processor; the rows as PixtralProcessor.replace_image_token writes them,
+rebuilt here since PixtralProcessor needs torchvision); a picture across prefill-chunk boundaries, a mixed batch, a
+prefix hit with one encoder run, the divisible-block matrix, preemption, both key layouts, typed errors, demo and
+budget."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import shutil
 import pytest
 import torch
 from books import assert_books_consistent
-from conftest import hf_greedy
+from conftest import hf_greedy, hf_logits
 from safetensors.torch import load_file, save_file
 
 from mmengine import MMEngine, SamplingParams
@@ -55,6 +56,17 @@ def _greedy(engine: MMEngine, prompts, images, params: SamplingParams = GREEDY) 
 def test_greedy_tokens_equal_transformers(path, engine, pictures):
     prompt = mistral3_prompt(QUESTION, len(pictures))
     assert _greedy(engine, prompt, pictures or None) == [hf_greedy(path, prompt, pictures, 12, ignore_eos=True)]
+
+
+def test_top_logprobs_are_close(path, uncached):
+    prompt = mistral3_prompt(QUESTION, 2)
+    want = torch.log_softmax(hf_logits(path, prompt, [TALL, WIDE]), -1).topk(5)
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    top = uncached.generate(prompt, images=[TALL, WIDE], sampling_params=params, use_tqdm=False)[0].logprobs[0].top
+    assert [token for token, _ in top] == want.indices.tolist()
+    assert (torch.tensor([logprob for _, logprob in top]) - want.values).abs().max() < 1e-4
+    other = torch.log_softmax(hf_logits(path, prompt, [WIDE, TALL]), -1)
+    assert (other - torch.log_softmax(hf_logits(path, prompt, [TALL, WIDE]), -1)).abs().max() > 1e-2  # the pictures matter
 
 
 def _reference_rows(tokenizer, height: int, width: int, merged: int) -> list[int]:
@@ -139,6 +151,29 @@ def test_a_repeated_prompt_recomputes_one_block_and_encodes_its_picture_once(pat
     assert after["prefix_cache_hits"] - middle["prefix_cache_hits"] >= prompt_len - 4
     assert after["prefill_tokens_computed"] - middle["prefill_tokens_computed"] <= 4
     assert again.num_cached_tokens >= prompt_len - 4 and after["reencodes_after_prefix_hit"] == 0
+
+
+def test_a_picture_at_every_offset_from_a_block_boundary(path, uncached):
+    """The divisible-block matrix: the picture starts at each offset from a block boundary, prompts whose length
+    the block size divides included, at the smallest encoder budget (one picture); identical requests twice and
+    once more equal prefix caching off. One encoder run, no re-encode after a prefix hit."""
+    cached = _engine(path, encoder_cache_size=1)
+    assert cached.encoder_budget.compute_budget_tokens == cached.family.max_tokens_per_item()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    offsets, lengths = set(), set()
+    for before, after in [(0, 0), (1, 0), (2, 0), (4, 0), (1, 4), (3, 2)]:
+        text = "a " * after + "What is it?"
+        prompt = mistral3_prompt(text, 0).replace("[INST]", "[INST]" + "b " * before + "[IMG]", 1)
+        first = cached.generate([prompt] * 2, images=[[WIDE]] * 2, sampling_params=params, use_tqdm=False)
+        again = cached.generate(prompt, images=[WIDE], sampling_params=params, use_tqdm=False)
+        reference = uncached.generate(prompt, images=[WIDE], sampling_params=params, use_tqdm=False)
+        assert [o.token_ids for o in first + again] == [reference[0].token_ids] * 3
+        assert again[0].num_cached_tokens > 0
+        offsets.add(cached.input_processor.process(prompt, [WIDE], params).mm_items[0].offset % 4)
+        lengths.add(len(reference[0].prompt_token_ids) % 4)
+    assert offsets == {0, 1, 2, 3} and 0 in lengths
+    stats = cached.stats()
+    assert stats["encoder_runs"] == 1 and stats["reencodes_after_prefix_hit"] == 0
 
 
 def test_preemption_keeps_the_tokens(path):
