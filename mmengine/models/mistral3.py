@@ -198,7 +198,8 @@ class PixtralPromptProcessor:
     def expand(self, text: str, image_sizes: Any) -> str:
         pieces = text.split(self.image_token)
         if len(pieces) - 1 != len(image_sizes):
-            raise InvalidInputError(f"the text has {len(pieces) - 1} {self.image_token} marker(s) but {len(image_sizes)} image(s) were given")
+            raise InvalidInputError(f"the text has {len(pieces) - 1} {self.image_token} marker(s) but "
+                                    f"{len(image_sizes)} image(s) were given")
         out = pieces[0]
         for (height, width), piece in zip(image_sizes, pieces[1:]):
             rows, cols = int(height) // self.merged_patch, int(width) // self.merged_patch
@@ -213,8 +214,15 @@ class PixtralPromptProcessor:
         data: dict[str, Any] = {}
         if images:
             data = dict(self.image_processor(images, return_tensors=return_tensors))
-            sizes = iter(data["image_sizes"])
-            texts = [self.expand(t, [next(sizes) for _ in range(t.count(self.image_token))]) for t in texts]
+            sizes, expanded = list(data["image_sizes"]), []
+            if sum(t.count(self.image_token) for t in texts) != len(sizes):
+                raise InvalidInputError(f"the text has {sum(t.count(self.image_token) for t in texts)} {self.image_token} "
+                                        f"marker(s) but {len(sizes)} image(s) were given")
+            for t in texts:
+                count = t.count(self.image_token)
+                expanded.append(self.expand(t, sizes[:count]))
+                sizes = sizes[count:]
+            texts = expanded
         data.update(self.tokenizer(texts, return_tensors=return_tensors, **kwargs))
         return BatchFeature(data, tensor_type=return_tensors)
 
@@ -230,9 +238,10 @@ def _token_ids(model_dir: str | None, names: tuple[str, ...]) -> list[int]:
     directory, ids = Path(model_dir), {}
     if (directory / "tokenizer.json").is_file():
         tokenizer = json.loads((directory / "tokenizer.json").read_text(encoding="utf-8"))
+        vocab = tokenizer.get("model", {}).get("vocab")
+        if isinstance(vocab, dict):  # BPE vocabularies are a dict; the control tokens may be plain entries
+            ids.update({name: int(vocab[name]) for name in names if name in vocab})
         ids.update({token["content"]: int(token["id"]) for token in tokenizer.get("added_tokens", [])})
-        ids.update({k: int(v) for k, v in (tokenizer.get("model", {}).get("vocab") or {}).items() if k in names}
-                   if isinstance(tokenizer.get("model", {}).get("vocab"), dict) else {})
     if (directory / "tokenizer_config.json").is_file():
         config = json.loads((directory / "tokenizer_config.json").read_text(encoding="utf-8"))
         ids.update({entry["content"]: int(key) for key, entry in (config.get("added_tokens_decoder") or {}).items()})
