@@ -172,6 +172,10 @@ def family_checkpoint():
             from mmengine.testing.llava_onevision import tiny_onevision_path
 
             return tiny_onevision_path()
+        if name == "smolvlm":
+            from mmengine.testing.smolvlm import SMOLVLM_SPEC, tiny_smolvlm_path
+
+            return tiny_smolvlm_path(SMOLVLM_SPEC)
         return tiny_qwen_vl_path(tiny_spec(name))
 
     return build

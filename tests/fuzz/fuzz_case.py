@@ -10,12 +10,15 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "gemma4", "llava_onevision")
+FAMILIES = ("llava", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "gemma4",
+            "llava_onevision")
 NO_LORA = ("qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "gemma4")  # families that refuse LoRA adapters at start-up
-NO_VIDEO = ("llava", "gemma4", "llava_onevision")  # (the cases' clips are marked as Qwen's templates mark them)
-# The families of the Triton cases: LLaVA-OneVision's decoder is LLaVA's (Qwen2's) on the same kernels, and an
-# interpreted case costs over a minute of the suite
-TRITON_FAMILIES = tuple(family for family in FAMILIES if family != "llava_onevision")
+NO_VIDEO = ("llava", "gemma4", "llava_onevision", "smolvlm")  # (the cases' clips are marked as Qwen's templates mark them)
+# Families whose pictures make several items between text tokens (SmolVLM's tiles): a token prompt cannot hold them
+NO_TOKEN_PICTURES = ("smolvlm",)
+# The families of the Triton cases: LLaVA-OneVision's decoder is LLaVA's (Qwen2's) and SmolVLM's the Llama one, on
+# the same kernels, and an interpreted case costs over a minute of the suite
+TRITON_FAMILIES = tuple(family for family in FAMILIES if family not in ("llava_onevision", "smolvlm"))
 WORDS = (
     "the a cat dog red blue green look picture what is this why how small large left right top bottom "
     "colour shape count tell me more about it please describe short long first next again line box"
@@ -121,6 +124,9 @@ def turn(family: str, text: str, num_images: int, system: str | None = None, fir
     if family == "llava_onevision":
         head = f"<|im_start|>system \n{system}<|im_end|>" if system else ""
         return f"{head}<|im_start|>user " + "<image>" * num_images + f"\n{text}<|im_end|><|im_start|>assistant\n"
+    if family == "smolvlm":
+        head = ("<|im_start|>" if first else "") + (f"System: {system}<end_of_utterance>\n" if system else "")
+        return f"{head}User" + (":" + "<image>" * num_images if num_images else ": ") + f"{text}<end_of_utterance>\nAssistant:"
     head = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
     images = "<|vision_start|><|image_pad|><|vision_end|>" * num_images
     return f"{head}<|im_start|>user\n{images}{text}<|im_end|>\n<|im_start|>assistant\n"
@@ -128,7 +134,8 @@ def turn(family: str, text: str, num_images: int, system: str | None = None, fir
 
 def continue_chat(family: str, prompt: str, answer: str, text: str, num_images: int) -> str:
     """The next turn's prompt: the previous prompt, an answer, and a new user message."""
-    end = {"llava": "</s>", "gemma4": "<turn|>\n", "llava_onevision": "<|im_end|>"}.get(family, "<|im_end|>\n")
+    end = {"llava": "</s>", "gemma4": "<turn|>\n", "llava_onevision": "<|im_end|>", "smolvlm": "<end_of_utterance>\n"}.get(
+        family, "<|im_end|>\n")
     return prompt + answer + end + turn(family, text, num_images, first=False)
 
 
@@ -254,6 +261,8 @@ class _Drawer:
             elif rng.random() < 0.7:
                 spec.lora = rng.randrange(self.num_adapters)
         spec.prompt_form = rng.choice(PROMPT_FORMS)
+        if self.family in NO_TOKEN_PICTURES and picked and spec.prompt_form in ("markers", "expanded"):
+            spec.prompt_form = "dict"
         if self.family not in NO_VIDEO and base is None and self.video_rng.random() < 0.2:
             spec.clip = self.video_rng.randrange(len(CLIPS))
             head, user, rest = spec.prompt.rpartition("<|im_start|>user\n")

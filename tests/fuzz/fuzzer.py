@@ -135,6 +135,10 @@ def default_checkpoint(family: str) -> Path:
         from mmengine.testing.llava_onevision import tiny_onevision_path
 
         return tiny_onevision_path()
+    if family == "smolvlm":
+        from mmengine.testing.smolvlm import SMOLVLM_SPEC, tiny_smolvlm_path
+
+        return tiny_smolvlm_path(SMOLVLM_SPEC)
     return tiny_qwen_vl_path(tiny_spec(family))
 
 
