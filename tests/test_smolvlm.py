@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 
 from mmengine import MMEngine, SamplingParams
 from mmengine.encoder_cache.hashing import hash_image, hash_image_part, model_fingerprint, processor_settings_key
-from mmengine.errors import ImageCountMismatchError, InvalidInputError, WeightsMismatchError
+from mmengine.errors import ImageCountMismatchError, InvalidInputError, UnsupportedModelError, WeightsMismatchError
 from mmengine.multimodal.video import Video
 from mmengine.testing.images import make_test_image
 from mmengine.testing.smolvlm import IDEFICS3_SPEC, SMOLVLM_SPEC, smolvlm_prompt, tiny_smolvlm_path
@@ -257,6 +257,15 @@ def test_the_key_layout_loads_strictly(idefics3, tmp_path):
     save_file({**tensors, "model.connector.extra.weight": torch.zeros(2)}, str(extra / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(WeightsMismatchError, match="connector.extra"):
         _engine(extra)
+
+
+def test_tiles_the_connector_cannot_shuffle_are_refused(idefics3, tmp_path):
+    """36 px tiles are 9x9 patches of 4 px, which a pixel shuffle by 2 cannot fold: refused by name at start-up."""
+    changed = shutil.copytree(idefics3.path, tmp_path / "odd-tiles")
+    settings_file = changed / "preprocessor_config.json"
+    settings_file.write_text(json.dumps({**json.loads(settings_file.read_text()), "max_image_size": {"longest_edge": 36}}))
+    with pytest.raises(UnsupportedModelError, match="tiles of 36 px"):
+        _engine(changed)
 
 
 @pytest.mark.parametrize("family", list(SPECS))

@@ -111,8 +111,10 @@ class Idefics3Family(ModelFamily):
         super().__init__(hf_config, image_processor_settings, model_dir)
         _check_config(hf_config)
         self.tiles = TileSettings.from_settings(self.image_processor_settings, hf_config.vision_config.image_size)
-        if self.tiles.tile % self.patch_size:
-            raise UnsupportedModelError(f"tiles of {self.tiles.tile} px are not whole {self.patch_size} px patches")
+        side, scale = self.tiles.tile // self.patch_size, hf_config.scale_factor
+        if self.tiles.tile % self.patch_size or side % scale:
+            raise UnsupportedModelError(f"tiles of {self.tiles.tile} px (max_image_size) must be whole {self.patch_size} px patches "
+                                        f"whose side scale_factor {scale} divides")
 
     @classmethod
     def load_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
@@ -177,8 +179,8 @@ class Idefics3Family(ModelFamily):
         if "image_embeds" in inputs:
             rows = int(inputs["image_embeds"].shape[0])
             if rows != self.tokens_per_tile:
-                raise InvalidInputError(f"image_embeds has {rows} rows; {self.display_name.split(' (')[0]} takes precomputed "
-                                        f"embeddings of a picture that is not split: one tile's {self.tokens_per_tile}")
+                raise InvalidInputError(f"image_embeds has {rows} rows; precomputed embeddings stand for a picture that is "
+                                        f"not split: one tile's {self.tokens_per_tile}")
             return [inputs]
         return [EncoderInputs(pixel_values=tile) for tile in inputs["pixel_values"]]
 
