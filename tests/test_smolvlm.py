@@ -238,6 +238,31 @@ def test_bad_inputs_are_typed_errors(case):
             torch.zeros(2, 32, 32, 3, dtype=torch.uint8).numpy())}}, sampling_params=GREEDY, use_tqdm=False)
 
 
+def test_a_lora_adapter_matches_transformers_and_peft(idefics3, tmp_path):
+    """A PEFT adapter on the decoder's projections, the tower's and the connector's projection: the tokens are
+    transformers' + PEFT's, and the base model's beside them in the same batch transformers' alone."""
+    from conftest import CPU_FP32, _hf_inputs, _hf_model, save_peft_adapter
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText
+
+    from mmengine.lora.request import LoRARequest
+
+    targets = r".*(text_model.*\.(q_proj|v_proj|down_proj)|vision_model.*\.(q_proj|fc1)|connector.*\.proj)"
+    adapter = save_peft_adapter(idefics3.path, tmp_path / "adapter", 4, 8, False, targets, seed=3)
+    prompt = idefics3.prompt(QUESTION, 1)
+    base = AutoModelForImageTextToText.from_pretrained(str(idefics3.path), dtype=torch.float32).eval()
+    inputs = _hf_inputs(_hf_model(idefics3.path, CPU_FP32)[1], prompt, [WIDE], CPU_FP32)
+    with torch.inference_mode():
+        out = PeftModel.from_pretrained(base, str(adapter)).eval().generate(**inputs, do_sample=False, max_new_tokens=12,
+                                                                             eos_token_id=None)
+    expected = out[0, inputs["input_ids"].shape[1]:].tolist()
+    engine = _engine(idefics3.path, enable_lora=True, max_loras=1, max_lora_rank=8)
+    outputs = engine.generate([prompt] * 2, images=[[WIDE]] * 2, sampling_params=GREEDY, use_tqdm=False,
+                              lora=[LoRARequest("a", str(adapter)), None])
+    assert [o.token_ids for o in outputs] == [expected, hf_greedy(idefics3.path, prompt, [WIDE], 12, ignore_eos=True)]
+    assert expected != outputs[1].token_ids and engine.stats()["lora_adapters_on_vision"] == 1
+
+
 def _copy_checkpoint(path: Path, target: Path) -> Path:
     shutil.copytree(path, target, ignore=shutil.ignore_patterns("model.safetensors"))
     return target

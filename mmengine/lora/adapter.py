@@ -5,8 +5,8 @@ Keys are accepted in the layouts transformers and PEFT produce for the supported
 and `base_model.model.language_model.model.layers.3...` or `base_model.model.model.layers.3...`
 (older layouts): what matters is the decoder layer, the projection and A or B. LoRA on the vision
 side (any linear layer of the tower or the projector, e.g. `...vision_tower...q_proj`, `...visual.
-blocks.0.attn.qkv`, `...multi_modal_projector.linear_1`) is mapped onto the model's layer through the
-family's checkpoint names. Anything else is an AdapterError naming the file and the tensor or field:
+blocks.0.attn.qkv`, `...multi_modal_projector.linear_1`, Idefics3's `...connector.modality_projection.
+proj`) is mapped onto the model's layer through the family's checkpoint names. Anything else is an AdapterError naming the file and the tensor or field:
 a layer or projection the model lacks, a shape that does not fit, a rank above max_lora_rank, and
 features mmengine does not run (DoRA, modules_to_save, trained biases, per-module rank or alpha
 patterns, LoRA on the embeddings or the LM head) are refused by name rather than ignored.
@@ -30,7 +30,7 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 _KEY = re.compile(
     r"^(?P<prefix>.*?)layers\.(?P<layer>\d+)\.(?:self_attn|mlp)\.(?P<proj>[a-z_]+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight$"
 )
-_VISION_MARKERS = ("vision_tower", "vision_model", "visual", "multi_modal_projector", "merger")
+_VISION_MARKERS = ("vision_tower", "vision_model", "visual", "multi_modal_projector", "merger", "connector")
 _VISION_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<path>.+)\.lora_(?P<ab>[AB])(?:\.[A-Za-z0-9_-]+)?\.weight$")
 # adapter_config.json fields that change what the weights mean; a set value is refused by name.
 _REFUSED_FIELDS = {
