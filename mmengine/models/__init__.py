@@ -23,4 +23,6 @@
   onevision_video.py  LLaVA-OneVision's video rules (no torchvision): frames kept, resized, normalized
   internvl.py    InternVL 3 / 3.5: the family and its model (InternViT, pixel shuffle, 448 px tiles plus a thumbnail)
   mistral3.py    Mistral 3: the family and its model (Pixtral tower at native resolution, patch merger, [IMG_BREAK] rows)
+  idefics3.py    Idefics3 and SmolVLM2: the families and their model (SigLIP-style tower, pixel-shuffle connector, tiles)
+  idefics3_tiles.py  Idefics3's image splitting: the sizes, the grid, the processor's row/column marker text
 """
