@@ -13,7 +13,17 @@ The baseline is transformers' generate() answering the same conversations one re
 schema (response_format json_schema, the schemas of mmengine.testing.schemas in turn) and reports the
 per-token overhead of constrained decoding: the mean inter-token gap against the unconstrained run's.
 
+--online-offline runs, instead of the chat workload, --num-requests single-turn one-image chat requests (request i
+asks about picture i % --num-pictures: by default 128 requests about 4 shared pictures), greedy, --output-len
+tokens each (ignore_eos), twice: online through the server with --concurrency clients (each sends its next request
+as soon as its answer is complete; not streamed unless --stream), and offline through MMEngine.chat() in this
+process (the same messages, rendered by the same chat template). It prints both rates and online / offline, and
+checks that every answer is the same both ways.
+
+--api-server-count N starts the server with N front-end processes over one engine-core process.
+
     python benchmarks/serve.py                                   # tiny built-in model on CPU
+    python benchmarks/serve.py --online-offline --api-server-count 2
     python benchmarks/serve.py --build-7b /tmp/llava-1.5-7b --device cuda --num-users 64 --turns 4 \\
         --request-rate 4 --output-len 128 --skip-baseline        # the LLaVA-1.5-7B shape on a GPU
 """
@@ -77,6 +87,27 @@ class RunResult:
     turns: list[TurnResult] = field(default_factory=list)
 
 
+@dataclass
+class Answer:
+    text: str
+    prompt_tokens: int
+    output_tokens: int
+
+
+@dataclass
+class ThroughputRun:
+    """The --online-offline requests run one way: the answers in request order."""
+
+    elapsed_s: float
+    answers: list[Answer]
+    engine_steps: int
+
+    def summary(self) -> dict[str, float]:
+        output_tokens = sum(a.output_tokens for a in self.answers)
+        return {"requests": len(self.answers), "elapsed_s": self.elapsed_s, "requests_per_s": len(self.answers) / self.elapsed_s,
+                "output_tokens_per_s": output_tokens / self.elapsed_s, "engine_steps": self.engine_steps}
+
+
 def workload(num_users: int, num_pictures: int, request_rate: float, seed: int) -> list[Conversation]:
     rng = random.Random(seed)
     start, conversations = 0.0, []
@@ -107,7 +138,8 @@ def user_turn(turn: int, user: int, picture_url: str | None) -> dict:
 
 
 @contextlib.contextmanager
-def mmengine_server(model: str, how: str, engine_args: list[str]) -> Iterator[str]:
+def mmengine_server(model: str, how: str, engine_args: list[str], api_server_count: int = 1,
+                    torch_threads: int | None = None) -> Iterator[str]:
     """A running `mmengine serve` (a subprocess, or uvicorn in a thread of this process); yields its URL."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -116,14 +148,20 @@ def mmengine_server(model: str, how: str, engine_args: list[str]) -> Iterator[st
     if how == "thread":
         yield from _thread_server(model, port, engine_args)
         return
-    command = [sys.executable, "-m", "mmengine", "serve", "--model", model, "--port", str(port),
-               "--served-model-name", MODEL_NAME, "--log-level", "warning", *engine_args]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    env = os.environ | ({"OMP_NUM_THREADS": str(torch_threads)} if torch_threads else {})
+    process = subprocess.Popen(serve_command(model, port, engine_args, api_server_count), env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True)
     try:
         _wait_healthy(base, process)
         yield base
     finally:
         stop_process(process)
+
+
+def serve_command(model: str, port: int, engine_args: list[str], api_server_count: int) -> list[str]:
+    return [sys.executable, "-m", "mmengine", "serve", "--model", model, "--port", str(port),
+            "--served-model-name", MODEL_NAME, "--log-level", "warning", "--api-server-count", str(api_server_count),
+            *engine_args]
 
 
 def stop_process(process: subprocess.Popen) -> None:
@@ -236,6 +274,110 @@ async def run_clients(base: str, conversations: list[Conversation], urls: list[s
     return result
 
 
+# -- online / offline: the same requests through the server and through MMEngine.chat() -------
+
+
+def single_turn_requests(num_requests: int, urls: list[str]) -> list[list[dict]]:
+    """Request i: one user turn asking about picture i % len(urls)."""
+    return [[user_turn(0, index, urls[index % len(urls)])] for index in range(num_requests)]
+
+
+def greedy_body(messages: list[dict], output_len: int, stream: bool) -> dict:
+    body = {"model": MODEL_NAME, "messages": messages, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": stream}
+    return body | ({"stream_options": {"include_usage": True}} if stream else {})
+
+
+async def _one_answer(client: httpx.AsyncClient, messages: list[dict], output_len: int, stream: bool) -> Answer:
+    if stream:
+        text, stats = await _one_turn(client, messages, output_len)
+        usage = stats["usage"]
+        return Answer(text, usage["prompt_tokens"], usage["completion_tokens"])
+    response = await client.post("/v1/chat/completions", json=greedy_body(messages, output_len, stream=False))
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code}: {response.text}")
+    answer = response.json()
+    usage = answer["usage"]
+    return Answer(answer["choices"][0]["message"]["content"], usage["prompt_tokens"], usage["completion_tokens"])
+
+
+async def run_online(base: str, requests: list[list[dict]], output_len: int, concurrency: int,
+                     stream: bool) -> ThroughputRun:
+    """`concurrency` clients, each sending its next request as soon as its answer is complete. Each has an
+    httpx client of its own: one pool of many connections costs the client more CPU per request than the
+    server spends (httpcore scans every connection for every request), on the cores the server shares."""
+    answers: list[Answer | None] = [None] * len(requests)
+    pending = iter(range(len(requests)))  # shared by the clients: each takes the next request
+
+    async def client_loop(client: httpx.AsyncClient) -> None:
+        for index in pending:
+            answers[index] = await _one_answer(client, requests[index], output_len, stream)
+
+    async with contextlib.AsyncExitStack() as stack:
+        clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=base, timeout=None)) for _ in range(concurrency)]
+        await asyncio.gather(*(_one_answer(c, [user_turn(0, -1, None)], 2, stream) for c in clients))  # warm-up, not timed
+        steps_before = scrape(base)["mmengine_steps_total"]
+        start = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for client in clients))
+        elapsed = time.perf_counter() - start
+    return ThroughputRun(elapsed, answers, round(scrape(base)["mmengine_steps_total"] - steps_before))
+
+
+def run_offline(model: str, engine_args: list[str], requests: list[list[dict]], output_len: int) -> ThroughputRun:
+    """The requests as one MMEngine.chat() batch in this process, on an engine with the server's options."""
+    from mmengine import MMEngine, SamplingParams
+    from mmengine.entrypoints.serve_cli import build_serve_parser, engine_options
+
+    options = engine_options(build_serve_parser().parse_args(["--model", model, *engine_args]))
+    with MMEngine(model, **options) as engine:
+        warm_up = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+        engine.chat([user_turn(0, -1, None)], sampling_params=warm_up, use_tqdm=False)  # as the online warm-up
+        params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+        steps_before = engine.stats()["steps"]
+        start = time.perf_counter()
+        outputs = engine.chat(requests, sampling_params=params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        steps = engine.stats()["steps"] - steps_before
+    return ThroughputRun(elapsed, [Answer(o.text, len(o.prompt_token_ids), len(o.token_ids)) for o in outputs], steps)
+
+
+def compare_answers(online: ThroughputRun, offline: ThroughputRun, allow_text_mismatch: bool) -> int:
+    """How many answers are the same text both ways. Prompt and output token counts must always match
+    (the same template and ignore_eos); texts too, unless allowed to differ."""
+    counts = [[(a.prompt_tokens, a.output_tokens) for a in run.answers] for run in (online, offline)]
+    if counts[0] != counts[1]:
+        first = next(i for i, (a, b) in enumerate(zip(*counts)) if a != b)
+        raise RuntimeError(f"online and offline token counts differ, first at request {first}: "
+                           f"{online.answers[first]} vs {offline.answers[first]}")
+    identical = sum(a.text == b.text for a, b in zip(online.answers, offline.answers))
+    if identical < len(online.answers) and not allow_text_mismatch:
+        first = next(i for i, (a, b) in enumerate(zip(online.answers, offline.answers)) if a.text != b.text)
+        raise RuntimeError(f"greedy answers differ online and offline in {len(online.answers) - identical} of "
+                           f"{len(online.answers)} requests, first at request {first}: {online.answers[first].text!r} vs "
+                           f"{offline.answers[first].text!r}")
+    return identical
+
+
+def online_offline(args: argparse.Namespace, model: str, engine_args: list[str]) -> dict:
+    """Online first: the server process is gone (and its memory freed) before the engine starts here."""
+    requests = single_turn_requests(args.num_requests, picture_urls(args.num_pictures, args.image_size))
+    with mmengine_server(model, args.server, engine_args, args.api_server_count, args.torch_threads) as base:
+        online = asyncio.run(run_online(base, requests, args.output_len, args.concurrency, args.stream))
+    offline = run_offline(model, engine_args, requests, args.output_len)
+    identical = compare_answers(online, offline, args.allow_text_mismatch)
+    row = {"online": online.summary(), "offline": offline.summary(), "identical_texts": identical,
+           "api_server_count": args.api_server_count, "concurrency": args.concurrency, "stream": args.stream}
+    row["ratio"] = row["online"]["requests_per_s"] / row["offline"]["requests_per_s"]
+    for name in ("offline", "online"):
+        side = row[name]
+        print(f"{name} ({'MMEngine.chat' if name == 'offline' else f'{args.concurrency} clients'}): {side['requests']} "
+              f"requests in {side['elapsed_s']:.2f}s = {side['requests_per_s']:.2f} req/s, "
+              f"{side['output_tokens_per_s']:.1f} output tok/s, {side['engine_steps']} engine steps")
+    print(f"online / offline: {row['ratio']:.2f}x (api-server-count {args.api_server_count}); "
+          f"{identical} of {args.num_requests} answers identical")
+    return row
+
+
 # -- transformers: the same conversations, one request at a time -------------------------------
 
 
@@ -338,9 +480,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--server", choices=["subprocess", "thread"], default="subprocess",
                         help="run `mmengine serve` as a subprocess (default) or in a thread of this process")
+    parser.add_argument("--api-server-count", type=int, default=1, metavar="N",
+                        help="front-end processes of the server (`mmengine serve --api-server-count`; subprocess only)")
+    parser.add_argument("--mm-processor-workers", type=int, default=0, metavar="N",
+                        help="preprocessing worker processes of the engine (the server's, and offline the engine's here)")
+    parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
+                        help="torch's intra-op threads, in this process and the server's (OMP_NUM_THREADS); default: "
+                        "torch's own. On a CPU shared with other work, 1 keeps a step from waiting on a descheduled thread")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--structured", action="store_true",
                         help="also run every turn under a JSON schema and report the per-token overhead")
+    comparison = parser.add_argument_group("--online-offline")
+    comparison.add_argument("--online-offline", action="store_true",
+                            help="instead of the chat workload: the same requests through the server and MMEngine.chat()")
+    comparison.add_argument("--num-requests", type=int, default=128)
+    comparison.add_argument("--concurrency", type=int, default=32, help="clients sending the requests online")
+    comparison.add_argument("--stream", action="store_true", help="stream the answers online (default: whole answers)")
+    comparison.add_argument("--allow-text-mismatch", action="store_true",
+                            help="report, not fail on, greedy answers that differ (bf16 rounds differently by batch shape)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default="benchmarks/results/serve.json")
     return parser.parse_args(argv)
@@ -355,18 +512,41 @@ def _ensure_7b(path: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    for name in ("num_users", "turns", "num_pictures", "output_len"):
+    for name in ("num_users", "turns", "num_pictures", "output_len", "api_server_count", "num_requests", "concurrency"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    if args.api_server_count > 1 and args.server == "thread":
+        raise SystemExit("--api-server-count > 1 needs --server subprocess")
+    if args.torch_threads is not None:
+        if args.torch_threads < 1:
+            raise SystemExit("--torch-threads must be >= 1")
+        torch.set_num_threads(args.torch_threads)
     model = str(_ensure_7b(Path(args.build_7b)) if args.build_7b else (args.model or tiny_llava_path()))
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     dtype = {"auto": torch.float32 if device == "cpu" else torch.bfloat16, "float32": torch.float32,
              "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
-    engine_args = ["--device", device, "--dtype", str(dtype).removeprefix("torch."), "--max-model-len", str(args.max_model_len)]
+    engine_args = ["--device", device, "--dtype", str(dtype).removeprefix("torch."), "--max-model-len", str(args.max_model_len),
+                   "--mm-processor-workers", str(args.mm_processor_workers)]
+    result = {"model": model, "device": device, "dtype": str(dtype).removeprefix("torch."),
+              "workload": {k: v for k, v in vars(args).items() if k not in ("output", "model", "build_7b")} | {
+                  "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate},
+              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
+                          "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}}
+    if args.online_offline:
+        result["online_offline"] = online_offline(args, model, engine_args)
+    else:
+        result |= chat_workload(args, model, device, dtype, engine_args)
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.output}")
+    return result
+
+
+def chat_workload(args: argparse.Namespace, model: str, device: str, dtype: torch.dtype, engine_args: list[str]) -> dict:
+    """The multi-turn chat workload on the server (and --structured, and the transformers baseline)."""
     conversations = workload(args.num_users, args.num_pictures, args.request_rate, args.seed)
     urls = picture_urls(args.num_pictures, args.image_size)
-
-    with mmengine_server(model, args.server, engine_args) as base:
+    with mmengine_server(model, args.server, engine_args, args.api_server_count, args.torch_threads) as base:
         before = scrape(base)
         run = asyncio.run(run_clients(base, conversations, urls, args.turns, args.output_len))
         after = scrape(base)
@@ -380,12 +560,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "encoder_cache_hits": delta["mmengine_encoder_cache_hits_total"],
         "prefix_cache_hit_rate": delta["mmengine_prefix_cache_hits_total"] / max(1.0, delta["mmengine_prefix_cache_queries_total"]),
     }
-    result = {"model": model, "device": device, "dtype": str(dtype).removeprefix("torch."),
-              "workload": {k: v for k, v in vars(args).items() if k not in ("output", "model", "build_7b")} | {
-                  "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate},
-              "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
-                          "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
-              "mmengine": ours}
+    result = {"mmengine": ours}
     _print("mmengine serve", ours)
     print(f"  vision encoder: {ours['encoder_runs']:.0f} runs for {ours['images_sent']} images sent "
           f"({ours['unique_pictures']} unique), prefix cache hit rate {ours['prefix_cache_hit_rate']:.1%}")
@@ -403,9 +578,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
         result["speedup_requests_per_s"] = ours["requests_per_s"] / baseline["requests_per_s"]
         _print("transformers, one request at a time", baseline)
         print(f"  mmengine serves {result['speedup_requests_per_s']:.1f}x the requests/s")
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(json.dumps(result, indent=2))
-    print(f"wrote {args.output}")
     return result
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from helpers import load_benchmark
 
 
@@ -39,3 +41,37 @@ def test_serve_benchmark_structured_mode(checkpoint_dir, tmp_path):
     structured = result["structured"]
     assert structured["requests"] == 2 and structured["itl_ms"]["mean"] > 0
     assert structured["itl_overhead"] == structured["itl_ms"]["mean"] / result["mmengine"]["itl_ms"]["mean"] - 1
+
+
+def test_serve_benchmark_online_offline(checkpoint_dir, tmp_path):
+    module = load_benchmark("serve")
+    output = tmp_path / "serve.json"
+    result = module.main([
+        "--model", str(checkpoint_dir()), "--server", "thread", "--online-offline", "--num-requests", "4",
+        "--concurrency", "2", "--num-pictures", "2", "--output-len", "3", "--image-size", "64x48",
+        "--max-model-len", "256", "--output", str(output),
+    ])
+    assert json.loads(output.read_text()) == json.loads(json.dumps(result))
+    row = result["online_offline"]
+    online, offline = row["online"], row["offline"]
+    assert online["requests"] == offline["requests"] == 4 and row["identical_texts"] == 4  # greedy: the same answers
+    for side in (online, offline):
+        assert side["requests_per_s"] > 0 and side["output_tokens_per_s"] == pytest.approx(3 * side["requests_per_s"])
+        assert side["engine_steps"] >= 3  # a prefill and two decode steps at least
+    assert row["ratio"] == online["requests_per_s"] / offline["requests_per_s"]
+    assert row["api_server_count"] == 1 and row["concurrency"] == 2 and row["stream"] is False
+
+
+def test_serve_benchmark_compares_answers_and_passes_the_server_count():
+    module = load_benchmark("serve")
+    same = module.ThroughputRun(1.0, [module.Answer("a b", 7, 2), module.Answer("c d", 7, 2)], 1)
+    other_text = module.ThroughputRun(1.0, [module.Answer("a b", 7, 2), module.Answer("c e", 7, 2)], 1)
+    other_count = module.ThroughputRun(1.0, [module.Answer("a b", 7, 2), module.Answer("c d", 8, 2)], 1)
+    assert module.compare_answers(same, same, allow_text_mismatch=False) == 2
+    with pytest.raises(RuntimeError, match="differ online and offline in 1 of 2 requests, first at request 1"):
+        module.compare_answers(other_text, same, allow_text_mismatch=False)
+    assert module.compare_answers(other_text, same, allow_text_mismatch=True) == 1
+    with pytest.raises(RuntimeError, match="token counts differ, first at request 1"):
+        module.compare_answers(other_count, same, allow_text_mismatch=True)
+    command = module.serve_command("/m", 8123, ["--device", "cpu"], api_server_count=2)
+    assert command[command.index("--api-server-count") + 1] == "2" and command[-2:] == ["--device", "cpu"]
