@@ -25,6 +25,7 @@ from mmengine.kv_cache.block_hash import make_hash_function
 from mmengine.kv_cache.host_tier import KVHostTier
 from mmengine.kv_cache.manager import KVCacheManager
 from mmengine.kv_cache.recurrent_state import RecurrentStateManager
+from mmengine.kv_cache.chunked_attention import ChunkedAttentionManager, is_chunk
 from mmengine.kv_cache.sliding_window import SlidingWindowManager
 from mmengine.lora.adapter import DecoderShape, VisionTargets
 from mmengine.lora.manager import LoRAManager
@@ -231,11 +232,12 @@ def _recurrent_states(config: EngineConfig, family: ModelFamily, runner: ModelRu
 
 
 def _window_blocks(config: EngineConfig, runner: ModelRunner) -> SlidingWindowManager | None:
-    """The books of the sliding-window layers' pool, when the model has one."""
+    """The books of the sliding-window (or chunked-attention) layers' pool, when the model has one."""
     pool = runner.window_pool
     if pool is None:
         return None
-    return SlidingWindowManager(runner.num_window_blocks, config.cache_config.block_size, pool.window, config.cache_config.enable_prefix_caching)
+    manager = ChunkedAttentionManager if is_chunk(pool.window) else SlidingWindowManager  # the span's rule
+    return manager(runner.num_window_blocks, config.cache_config.block_size, pool.window, config.cache_config.enable_prefix_caching)
 
 
 def _lora_manager(config: EngineConfig, family: ModelFamily, runner: ModelRunner) -> LoRAManager | None:

@@ -7,8 +7,9 @@ is the reference and the CPU path; kernel backends plug in under another name
 (attention_backends.py picks one; the backends import this module, never the reverse).
 
 Masks beyond causal (Gemma 4): a sliding-window layer lets the query at position q see
-keys q - window < k only; a layer with bidirectional spans also lets a query inside a
-picture's run of tokens see the later keys of that run: key k is visible iff
+keys q - window < k only; a layer with attention chunks of C tokens (Llama 4) keys
+floor(q / C) * C <= k only (a window whose start is chunk-aligned); a layer with bidirectional
+spans also lets a query inside a picture's run of tokens see the later keys of that run: key k is visible iff
 q - window < k <= span_ends[token] (span_ends[token] = q outside a span).
 """
 
@@ -126,11 +127,12 @@ class AttentionBackend(Protocol):
 
     def forward(
         self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, *,
-        window: int | None = None, span_ends: torch.Tensor | None = None,
+        window: int | None = None, span_ends: torch.Tensor | None = None, chunk: int | None = None,
     ) -> torch.Tensor:
         """Attention of the step's new tokens; with `window`, key k is visible to the query at q only
-        if q - window < k; with `span_ends` ([num_tokens] int32), a new token's keys reach up to its
-        span end instead of its own position (decodes are causal)."""
+        if q - window < k; with `chunk` C, only if floor(q / C) * C <= k (a layer without chunks does not
+        pass it, so a backend that never sees chunked layers need not take it); with `span_ends`
+        ([num_tokens] int32), a new token's keys reach up to its span end instead of its own position (decodes are causal)."""
         ...
 
 
@@ -143,24 +145,29 @@ class Attention(nn.Module):
     holds K / k_scale and V / v_scale (the checkpoint's per-layer scales, else 1.0): the key scale
     joins the softmax scale and the value scale multiplies the output.
 
-    `sliding_window` W limits each query to its last W keys (its own included); with
+    `sliding_window` W limits each query to its last W keys (its own included); `attention_chunk` C
+    to the keys of its own chunk of C positions (both kinds keep their blocks in the window pool); with
     `bidirectional_spans`, the step's `metadata.span_ends` (when given) extend a query inside a
     picture's run to the run's later keys. Cascade (shared-prefix) attention is causal only, so
-    a layer with either runs a cascade step without it (a window reads little of a prefix anyway);
+    a layer with any of these runs a cascade step without it (a window reads little of a prefix anyway);
     so does a layer whose GQA group differs from the one the step's layout was tiled for
     (runner/cascade_plan.py cascade_layer_shape).
     """
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 sliding_window: int | None = None, bidirectional_spans: bool = False) -> None:
+                 sliding_window: int | None = None, bidirectional_spans: bool = False,
+                 attention_chunk: int | None = None) -> None:
         super().__init__()
         if sliding_window is not None and sliding_window < 1:
             raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+        if attention_chunk is not None and (attention_chunk < 1 or sliding_window is not None):
+            raise ValueError(f"attention_chunk must be at least 1 and without a sliding window, got {attention_chunk}")
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.attention_chunk = attention_chunk
         self.bidirectional_spans = bidirectional_spans
         self.kv_cache: torch.Tensor | None = None
         self.backend: AttentionBackend | None = None
@@ -179,7 +186,7 @@ class Attention(nn.Module):
         rotary: RotaryStep | None = None,
     ) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] (rotated here when `rotary` is given) -> [T, Hq * D]."""
-        if self.sliding_window is not None:
+        if self.sliding_window is not None or self.attention_chunk is not None:
             metadata = metadata.over_window_pool()
         if self.source:
             return self._attend(q, metadata, self.source[0])
@@ -200,12 +207,14 @@ class Attention(nn.Module):
         assert owner.kv_cache is not None and owner.backend is not None, "KV cache not bound"
         span_ends = metadata.span_ends if self.bidirectional_spans else None
         cascade = metadata.cascade
-        if cascade is not None and (self.sliding_window is not None or span_ends is not None
+        local = self.sliding_window is not None or self.attention_chunk is not None
+        if cascade is not None and (local or span_ends is not None
                                     or cascade.tile_tokens != tokens_per_tile(self.num_heads, owner.num_kv_heads)):
             metadata = replace(metadata, cascade=None)
         try:
+            chunk = {} if self.attention_chunk is None else {"chunk": int(self.attention_chunk)}
             out = owner.backend.forward(q, owner.kv_cache, metadata, self.scale * owner.k_scale,
-                                        window=self.sliding_window, span_ends=span_ends)
+                                        window=self.sliding_window, span_ends=span_ends, **chunk)
         except CascadeTileMismatch as err:
             raise CascadeLayoutError(f"attention layer {self.layer_index}: {err}") from err
         if owner.v_scale != 1.0:

@@ -2,7 +2,7 @@
 
 The leading decode requests (one new token each) are batched into one padded attention call;
 the other requests are handled one at a time with a causal mask offset by the cached context
-(narrowed by a sliding window, widened by bidirectional span ends: attention.py states the rule).
+(narrowed by a sliding window or an attention chunk, widened by bidirectional span ends: attention.py states the rule).
 With cascade metadata, the same decomposition as the kernels (layers/cascade.py): each request
 over its keys after its group's prefix, each group's tokens over the prefix, merged by lse.
 """
@@ -26,25 +26,29 @@ def gather_context(kv_cache: torch.Tensor, block_table: torch.Tensor, seq_len: i
 
 
 def visible_keys(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None = None,
-                 span_ends: torch.Tensor | None = None) -> torch.Tensor:
+                 span_ends: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """[q, k] bool: key position k_pos[j] visible to the query at q_pos[i], q_pos[i] - window < k <= its
-    span end (span_ends[i], else q_pos[i])."""
+    span end (span_ends[i], else q_pos[i]); with `chunk` C, also floor(q_pos[i] / C) * C <= k."""
     last = q_pos if span_ends is None else span_ends.to(q_pos.dtype)
     visible = k_pos[None, :] <= last[:, None]
     if window is not None:
         visible &= k_pos[None, :] > q_pos[:, None] - window
+    if chunk is not None:
+        visible &= k_pos[None, :] >= q_pos[:, None] // chunk * chunk
     return visible
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
-                    window: int | None = None, span_ends: torch.Tensor | None = None) -> torch.Tensor:
+                    window: int | None = None, span_ends: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
     """query [q, Hq, D] holds the last q positions of a context of len(key) positions; causal, or
-    the window and span rule when given (span_ends [q], absolute positions)."""
+    the window, chunk and span rule when given (span_ends [q], absolute positions)."""
     q_len, kv_len = query.shape[0], key.shape[0]
     first = 0 if window is None else max(0, kv_len - q_len - window + 1)  # keys left of every query's window
+    if chunk is not None:  # keys left of the first query's chunk
+        first = max(first, (kv_len - q_len) // chunk * chunk)
     key, value = key[first:].to(query.dtype), value[first:].to(query.dtype)
     q_pos = torch.arange(kv_len - q_len, kv_len, device=query.device)
-    mask = visible_keys(q_pos, torch.arange(first, kv_len, device=query.device), window, span_ends)
+    mask = visible_keys(q_pos, torch.arange(first, kv_len, device=query.device), window, span_ends, chunk)
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), attn_mask=mask, scale=scale,
         enable_gqa=query.shape[1] != key.shape[1],
@@ -60,9 +64,10 @@ def batched_decode_attention(
     scale: float,
     max_seq_len: int,
     window: int | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:
     """query [B, Hq, D], one token per request, attending to each request's whole context (its last
-    `window` keys with a window) of at most max_seq_len keys (a host-side bound, so nothing is read
+    `window` keys with a window, those of its own chunk with `chunk`) of at most max_seq_len keys (a host-side bound, so nothing is read
     back from the device)."""
     num_reqs, block_size = query.shape[0], kv_cache.shape[2]
     max_blocks = min(-(-max_seq_len // block_size), block_tables.shape[1])
@@ -73,6 +78,8 @@ def batched_decode_attention(
     mask = k_pos < seq_lens[:, None]
     if window is not None:
         mask &= k_pos >= seq_lens[:, None] - window
+    if chunk is not None:
+        mask &= k_pos >= (seq_lens[:, None] - 1) // chunk * chunk
     out = F.scaled_dot_product_attention(
         query[:, :, None, :], key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale,
         enable_gqa=query.shape[1] != key.shape[2],
@@ -156,9 +163,9 @@ class TorchAttentionBackend:
         kv_cache[1].view(-1, *value.shape[1:])[slot_mapping] = value
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, *,
-                window: int | None = None, span_ends: torch.Tensor | None = None) -> torch.Tensor:
+                window: int | None = None, span_ends: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
         if metadata.cascade is not None:
-            if window is not None or span_ends is not None:
+            if window is not None or span_ends is not None or chunk is not None:
                 raise ValueError("cascade attention is causal only: run a windowed or bidirectional layer without it")
             return cascade_attention(query, kv_cache, metadata, metadata.cascade, scale)
         out = torch.empty_like(query)
@@ -166,12 +173,12 @@ class TorchAttentionBackend:
         if nd:  # a decode's span, if any, ends on itself: causal
             out[:nd] = batched_decode_attention(
                 query[:nd], kv_cache, metadata.block_tables[:nd], metadata.seq_lens[:nd], scale, metadata.max_decode_seq_len,
-                window,
+                window, chunk,
             )
         starts = metadata.query_start_loc_cpu
         for i in range(nd, metadata.num_reqs):
             lo, hi = starts[i], starts[i + 1]
             key, value = gather_context(kv_cache, metadata.block_tables[i], metadata.seq_lens_cpu[i])
             ends = None if span_ends is None else span_ends[lo:hi]
-            out[lo:hi] = paged_attention(query[lo:hi], key, value, scale, window, ends)
+            out[lo:hi] = paged_attention(query[lo:hi], key, value, scale, window, ends, chunk)
         return out

@@ -14,6 +14,7 @@ from mmengine.models.gemma3 import Gemma3Family
 from mmengine.models.gemma4 import Gemma4Family
 from mmengine.models.idefics3 import Idefics3Family, SmolVLMFamily
 from mmengine.models.internvl import InternVLFamily
+from mmengine.models.llama4 import Llama4Family
 from mmengine.models.llava import LlavaFamily
 from mmengine.models.llava_onevision import LlavaOnevisionFamily
 from mmengine.models.mistral3 import Mistral3Family
@@ -25,7 +26,7 @@ from mmengine.models.qwen_vl import Qwen2VLFamily, Qwen2_5_VLFamily
 FAMILIES: tuple[type[ModelFamily], ...] = (LlavaFamily, Qwen2VLFamily, Qwen2_5_VLFamily, Qwen3VLFamily, Qwen3VLMoeFamily,
                                            Qwen3_5Family, Qwen3_5MoeFamily, Gemma3Family, Gemma4Family,
                                            LlavaOnevisionFamily, Idefics3Family, SmolVLMFamily, InternVLFamily,
-                                           Mistral3Family)
+                                           Mistral3Family, Llama4Family)
 _BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
 _BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
 
@@ -76,7 +77,7 @@ def image_processor_settings(image_processor: Any) -> dict[str, Any]:
     settings: dict[str, Any] = {}
     for name in ("size", "patch_size", "merge_size", "temporal_patch_size", "min_pixels", "max_pixels", "max_soft_tokens",
                  "pooling_kernel_size", "max_image_size", "do_image_splitting", "do_resize", "crop_to_patches", "min_patches",
-                 "max_patches"):
+                 "max_patches", "resize_to_max_canvas"):
         value = getattr(image_processor, name, None)
         if value is None:
             continue

@@ -1,0 +1,195 @@
+"""Llama 4 (`Llama4ForConditionalGeneration`: Scout, Maverick): transformers' Llama4VisionModel (2-D RoPE ViT over
+square tiles, pixel shuffle and its MLP adapter) and multi-modal projector under Llama 4's decoder
+(models/llama4_text.py: chunked local attention on the RoPE layers, NoPE layers with temperature tuning, MoE).
+
+A picture is cut into a grid of tiles plus a global tile (models/llama4_tiles.py). Its text, from `<|image_start|>`
+to `<|image_end|>` with the tile separators and `<|image|>` among the tiles' `<|patch|>` runs, is the picture's one
+item and one encoder-cache entry: the encoder output holds the projected patches at the `<|patch|>` positions and
+those other tokens' own embeddings elsewhere, as transformers' model leaves them. Positions are plain 1-D.
+
+The chunked layers keep their blocks in the window pool, with the chunk's rule (kv_cache/chunked_attention.py):
+kv_cache_windows lists an AttentionChunk for each of them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from mmengine.errors import InvalidInputError, UnsupportedModelError
+from mmengine.layers.attention import AttentionMetadata
+from mmengine.models.family import EncoderInputs, ModelFamily
+from mmengine.models.llama import DeepStack
+from mmengine.models.llama4_text import Llama4DecoderModel, layer_chunk
+from mmengine.models.llama4_tiles import (IMAGE, IMAGE_END, IMAGE_START, PATCH, TILE_X, TILE_Y, Llama4PromptProcessor,
+                                          Llama4TileProcessor, marker_ids)
+from mmengine.models.llava import normalize_llava_weight_name
+from mmengine.models.vlm import VisionLanguageModel
+
+
+def tokens_per_tile(config: PretrainedConfig) -> int:
+    vision = config.vision_config
+    side = vision.image_size // vision.patch_size
+    return int(side * side * vision.pixel_shuffle_ratio**2)
+
+
+class Llama4Model(VisionLanguageModel):
+    """transformers' vision model and projector (the module names transformers gives them) and the decoder."""
+
+    decoder_class = Llama4DecoderModel
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        from transformers.models.llama4.modeling_llama4 import Llama4MultiModalProjector, Llama4VisionModel
+
+        self.config = config
+        self.vision_model = Llama4VisionModel._from_config(config.vision_config, dtype=torch.get_default_dtype(),
+                                                           attn_implementation="sdpa")
+        self.multi_modal_projector = Llama4MultiModalProjector(config)
+        self._build_text(config)
+        self.image_token_id = config.image_token_id
+
+    @property
+    def vision_dtype(self) -> torch.dtype:
+        return self.multi_modal_projector.linear_1.weight.dtype
+
+    def encoder_rows(self, item: dict[str, torch.Tensor]) -> int:
+        return int(item["pixel_values"].shape[0])  # its tiles
+
+    @torch.inference_mode()
+    def encode_items(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Pictures ({"pixel_values": [tiles, 3, S, S], "run_ids": the picture's text}) as one batch of tiles; one
+        [len(run_ids), text hidden] run per picture: the projected patches at its <|patch|> tokens, the other
+        tokens' own embeddings."""
+        pixels = torch.cat([item["pixel_values"] for item in items]).to(self.device, self.vision_dtype)
+        features = self.vision_model(pixels).last_hidden_state
+        projected = self.multi_modal_projector(features.flatten(0, 1)).view(*features.shape[:2], -1)
+        runs = []
+        for item, tiles in zip(items, torch.split(projected, [self.encoder_rows(item) for item in items])):
+            run_ids = item["run_ids"].to(self.device)
+            run = self.embed_tokens(run_ids).to(tiles.dtype)
+            run[run_ids == self.image_token_id] = tiles.flatten(0, 1)
+            runs.append(run)
+        return runs
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                deepstack: DeepStack | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.language_model(inputs_embeds, positions, metadata)
+
+    def checkpoint_name(self, raw_name: str) -> str:
+        """The published `language_model.model.*` / `language_model.lm_head.weight` / `vision_model.*` /
+        `multi_modal_projector.*` layout (transformers 5 saves it so too)."""
+        return normalize_llava_weight_name(raw_name)
+
+
+class Llama4Family(ModelFamily):
+    architectures = ("Llama4ForConditionalGeneration",)
+    model_type = "llama4"
+    display_name = "Llama 4 (tiled ViT with pixel shuffle, MoE decoder with chunked local attention and NoPE layers)"
+    model_class = Llama4Model
+
+    def __init__(self, hf_config: PretrainedConfig, image_processor_settings: dict[str, Any] | None = None,
+                 model_dir: str | None = None) -> None:
+        super().__init__(hf_config, image_processor_settings, model_dir)
+        vision = hf_config.vision_config
+        size = self.image_processor_settings.get("size") or {}
+        self.tile = int(size.get("height") or vision.image_size)
+        if self.tile != vision.image_size:
+            raise UnsupportedModelError(f"the image processor's tiles of {self.tile} px are not the tower's {vision.image_size} px")
+        self.max_tiles = int(self.image_processor_settings.get("max_patches") or 16)
+        self.tokens_per_tile = tokens_per_tile(hf_config)
+        self.tiles = Llama4TileProcessor(size={"height": self.tile, "width": self.tile}, max_patches=self.max_tiles)
+        self._markers: dict[str, int] | None = None
+
+    @classmethod
+    def load_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
+        """Llama4PromptProcessor over Llama4TileProcessor (transformers' Llama4ImageProcessor needs torchvision)."""
+        from transformers import AutoTokenizer
+
+        image_processor = Llama4TileProcessor.from_pretrained(model_dir, overrides)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        path = Path(model_dir) / "processor_config.json"
+        saved = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        template_path = Path(model_dir) / "chat_template.json"
+        template = json.loads(template_path.read_text(encoding="utf-8")).get("chat_template") if template_path.is_file() else None
+        return Llama4PromptProcessor(image_processor, tokenizer, template or tokenizer.chat_template,
+                                     int(saved.get("patch_size", 14)), float(saved.get("pixel_shuffle_ratio", 0.5)))
+
+    # -- text model --
+
+    @property
+    def sliding_window(self) -> int | None:
+        return None  # chunks are per layer, kept by the attention layers: no cap on max_model_len
+
+    def kv_cache_windows(self) -> list[int | None]:
+        return [layer_chunk(self.text_config, index) for index in range(self.text_config.num_hidden_layers)]
+
+    # -- items --
+
+    @property
+    def markers(self) -> dict[str, int]:
+        if self._markers is None:
+            self._markers = marker_ids(self.model_dir)
+        return self._markers
+
+    def run_ids(self, grid: tuple[int, int]) -> list[int]:
+        """A picture's ids from <|image_start|> to <|image_end|> (Llama4Processor's text, module docstring)."""
+        m, run = self.markers, self.tokens_per_tile
+        rows, cols = grid
+        ids = [m[IMAGE_START]]
+        if rows * cols > 1:
+            for _ in range(rows):
+                for col in range(cols):
+                    ids += [self.image_token_id] * run + ([m[TILE_X]] if col < cols - 1 else [])
+                ids.append(m[TILE_Y])
+        return ids + [m[IMAGE]] + [self.image_token_id] * run + [m[IMAGE_END]]
+
+    def max_tokens_by_modality(self) -> dict[str, int]:
+        tiles = self.max_tiles
+        return {"image": len(self.run_ids((1, tiles))) if tiles > 1 else len(self.run_ids((1, 1)))}
+
+    def explain_max_tokens_per_item(self, limits: Mapping[str, int] | None = None, max_audio_seconds: float | None = None) -> str:
+        return (f"up to max_patches {self.max_tiles} tiles of {self.tile} px and a global tile, {self.tokens_per_tile} tokens "
+                f"each after the pixel shuffle, with the separators and markers: at most {self.max_tokens_by_modality()['image']}")
+
+    @property
+    def max_items_per_image(self) -> int:
+        return 1
+
+    def split_images(self, batch: Any, num_images: int) -> list[EncoderInputs]:
+        """One entry per picture: its tiles (and global tile) and its text's ids."""
+        pixel_values, grids = batch["pixel_values"], [tuple(int(v) for v in g) for g in batch["aspect_ratios"]]
+        counts = [rows * cols + (rows * cols > 1) for rows, cols in grids]
+        if len(grids) != num_images or pixel_values.shape[0] != sum(counts):
+            raise UnsupportedModelError(f"the image processor returned {pixel_values.shape[0]} tiles for {num_images} images")
+        if num_images == 1:
+            return [EncoderInputs(pixel_values=pixel_values, run_ids=torch.tensor(self.run_ids(grids[0])))]
+        return [EncoderInputs(pixel_values=tiles.clone(), run_ids=torch.tensor(self.run_ids(grid)))
+                for tiles, grid in zip(torch.split(pixel_values, counts), grids)]
+
+    def num_tokens(self, inputs: EncoderInputs) -> int:
+        if "image_embeds" in inputs:
+            raise InvalidInputError("Llama 4 takes no precomputed image_embeds: a picture's text needs its grid of tiles")
+        return int(inputs["run_ids"].shape[0])
+
+    def image_run_ids(self, inputs: EncoderInputs) -> tuple[list[int], int]:
+        self.num_tokens(inputs)
+        return inputs["run_ids"].tolist(), 0
+
+    def image_marker_text(self, processor: Any, picture: EncoderInputs) -> str | None:
+        """One <|patch|> where the picture's text goes (image_run_ids writes it)."""
+        return PATCH
+
+    def resized_size(self, height: int, width: int) -> tuple[int, int]:
+        return self.tiles.canvas(height, width)
+
+    def dummy_items(self, num_items: int) -> list[EncoderInputs]:
+        grid = (1, self.max_tiles)
+        tiles = self.max_tiles + (self.max_tiles > 1)
+        return [EncoderInputs(pixel_values=torch.zeros(tiles, 3, self.tile, self.tile), run_ids=torch.tensor(self.run_ids(grid)))
+                for _ in range(num_items)]
