@@ -1,0 +1,249 @@
+"""The driver's side of tensor parallelism: `tensor_parallel_size` worker processes (spawned), one step plan
+sent to all of them, one reply from rank 0; and what happens when a worker fails or dies.
+
+```
+driver (the engine's process)                           workers (spawned, rank 0..tp-1; worker_loop.py)
+execute(plan) --plan, pickled once, a pipe per rank-->  worker.execute_step(plan), collectives among the ranks
+              <--(OK, result) from rank 0 alone-------
+call(m, ...)  --(CALL, m, args) to every rank-------->  worker.m(...): set-up (load weights, profile)
+              <--(OK, result) from every rank---------
+```
+
+Failure and lifetime:
+- While a call waits, the driver waits on every rank's pipe and every process's sentinel at once: a worker
+  that dies is noticed at once (its sentinel), never a hang. It becomes `EngineDeadError` naming the rank,
+  for the call in progress and every later call; the other workers are stopped.
+- A worker that raises sends its traceback; the driver raises `WorkerError` (an EngineDeadError) with it.
+  When a peer died, the survivors' collectives fail too ("Connection closed by peer" in gloo, about a second
+  later): the driver then waits up to `death_grace_s` for a death and reports the death, the first cause.
+- `shutdown()` (also on leaving a `with` block, or when the executor is collected) stops every worker: asked
+  first, killed if they do not go. Workers leave when the driver dies (their lifeline pipe closes).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from mmengine.distributed.process_group import DistributedInit, free_tcp_address
+from mmengine.distributed.worker_loop import CALL, ERROR, OK, READY, STEP, STOP, WorkerFactory, worker_main
+from mmengine.errors import ConfigError, EngineDeadError, MMEngineError
+
+
+class WorkerError(EngineDeadError):
+    """A worker raised. `rank`, `error_type` and `traceback_text` say where and what; `error` is the worker's
+    exception itself when it could cross the process boundary (else None)."""
+
+    def __init__(self, rank: int, error_type: str, message: str, traceback_text: str, error: BaseException | None = None) -> None:
+        self.rank = rank
+        self.error_type = error_type
+        self.message = message
+        self.traceback_text = traceback_text
+        self.error = error
+        super().__init__(f"tensor-parallel worker rank {rank} raised {error_type}: {message}\n--- the worker's traceback ---\n{traceback_text}")
+
+    def __reduce__(self):
+        return (self.__class__, (self.rank, self.error_type, self.message, self.traceback_text, self.error))
+
+
+@dataclass
+class WorkerHandle:
+    """One worker process and the driver's two pipes to it."""
+
+    rank: int
+    process: BaseProcess
+    conn: Connection  # messages both ways
+    lifeline: Connection  # never written: the worker leaves when it closes
+
+    def describe_death(self) -> str:
+        self.process.join(timeout=1.0)  # the sentinel is ready just before the exit code is known
+        code = self.process.exitcode
+        if code is None:
+            how = "its pipe closed"
+        elif code < 0:
+            how = f"killed by {signal.Signals(-code).name}"
+        else:
+            how = f"exit code {code}"
+        return f"tensor-parallel worker rank {self.rank} (pid {self.process.pid}) died ({how})"
+
+
+def stop_workers(handles: list[WorkerHandle], timeout_s: float = 5.0) -> None:
+    """Asks every worker to stop, then closes their lifelines and kills any that remain. Idempotent."""
+    for handle in handles:
+        if handle.process.is_alive():
+            try:
+                handle.conn.send_bytes(pickle.dumps((STOP,)))
+            except (OSError, ValueError):
+                pass
+    deadline = time.monotonic() + timeout_s
+    for handle in handles:
+        handle.process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for handle in handles:
+        handle.lifeline.close()
+    for handle in handles:
+        if handle.process.is_alive():
+            handle.process.join(timeout=1.0)
+        if handle.process.is_alive():
+            handle.process.kill()
+            handle.process.join(timeout=5.0)
+        handle.conn.close()
+
+
+class MultiprocExecutor:
+    """Starts `tensor_parallel_size` workers, each `worker_factory(its TensorParallelGroup)` in a spawned
+    process, and drives them. The worker object has `execute_step(plan)` (rank 0's return value is the reply)
+    and any methods `call` names; `close()`, when it has one, runs as its process stops.
+
+    `rendezvous`: "tcp://127.0.0.1:PORT" or "file:///path" (None: a free TCP port on 127.0.0.1).
+    """
+
+    def __init__(self, worker_factory: WorkerFactory, tensor_parallel_size: int, *, device: str = "cpu",
+                 backend: str | None = None, rendezvous: str | None = None, torch_threads: int | None = None,
+                 start_timeout_s: float = 300.0, death_grace_s: float = 2.0) -> None:
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ConfigError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
+        self.tensor_parallel_size = tensor_parallel_size
+        self.death_grace_s = death_grace_s
+        self.dead_error: EngineDeadError | None = None
+        self.lock = threading.Lock()  # one call at a time
+        self.state_lock = threading.Lock()
+        address = rendezvous or free_tcp_address()
+        context = multiprocessing.get_context("spawn")
+        self.handles: list[WorkerHandle] = []
+        self.finalizer = weakref.finalize(self, stop_workers, self.handles)
+        for rank in range(tensor_parallel_size):
+            init = DistributedInit(tensor_parallel_size, rank, address, device=device, backend=backend)
+            conn, child_conn = context.Pipe()
+            lifeline_reader, lifeline = context.Pipe(duplex=False)
+            process = context.Process(target=worker_main, name=f"mmengine-tp-worker-{rank}", daemon=True,
+                                      args=(init, worker_factory, child_conn, lifeline_reader, torch_threads))
+            process.start()
+            child_conn.close()
+            lifeline_reader.close()
+            self.handles.append(WorkerHandle(rank, process, conn, lifeline))
+        try:
+            ready = self.await_replies(range(tensor_parallel_size), kind=READY, timeout_s=start_timeout_s)
+        except WorkerError as err:
+            if isinstance(err.error, MMEngineError):  # a bad option or checkpoint, raised as itself
+                raise err.error from err
+            raise
+        self.pids = [ready[rank] for rank in range(tensor_parallel_size)]
+
+    # -- the calls --------------------------------------------------------------------------------------------
+
+    def execute(self, plan: Any) -> Any:
+        """Sends `plan` to every rank (`execute_step`) and returns rank 0's result."""
+        with self.lock:
+            self.check_alive()
+            self.broadcast((STEP, plan))
+            return self.await_replies([0])[0]
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """Runs `worker.method(*args, **kwargs)` on every rank; their results, by rank."""
+        with self.lock:
+            self.check_alive()
+            self.broadcast((CALL, method, args, kwargs))
+            results = self.await_replies(range(self.tensor_parallel_size))
+            return [results[rank] for rank in range(self.tensor_parallel_size)]
+
+    def shutdown(self) -> None:
+        """Stops every worker (idempotent); every later call raises EngineDeadError."""
+        self.mark_dead(EngineDeadError("the tensor-parallel executor has been shut down"), graceful=True)
+        self.finalizer()
+
+    def __enter__(self) -> MultiprocExecutor:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.shutdown()
+
+    @property
+    def is_alive(self) -> bool:
+        return self.dead_error is None
+
+    def check_alive(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(str(self.dead_error)) from self.dead_error
+
+    # -- the pipes ---------------------------------------------------------------------------------------------
+
+    def broadcast(self, message: tuple[Any, ...]) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # once, for every rank
+        for handle in self.handles:
+            try:
+                handle.conn.send_bytes(data)
+            except (OSError, ValueError):
+                self.fail(self.first_death(self.death_grace_s) or EngineDeadError(handle.describe_death()))
+
+    def await_replies(self, ranks: Iterable[int], kind: str = OK, timeout_s: float | None = None) -> dict[int, Any]:
+        """Each of `ranks`' reply of `kind`; a death, a worker's error or the timeout ends the executor."""
+        pending = set(ranks)
+        results: dict[int, Any] = {}
+        by_conn = {handle.conn: handle for handle in self.handles}
+        by_sentinel = {handle.process.sentinel: handle for handle in self.handles}
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                self.fail(EngineDeadError(f"tensor-parallel workers {sorted(pending)} did not answer within {timeout_s:.0f} s"))
+            try:
+                ready = wait([*by_conn, *by_sentinel], timeout=remaining)
+            except (OSError, ValueError):  # closed by a shutdown from another thread
+                self.fail(EngineDeadError("the tensor-parallel executor has been shut down"))
+            deaths = [by_sentinel[obj] for obj in ready if obj in by_sentinel]
+            if deaths:
+                self.fail(EngineDeadError(deaths[0].describe_death()))
+            for obj in ready:
+                handle = by_conn[obj]
+                try:
+                    reply = handle.conn.recv()
+                except (EOFError, OSError):
+                    self.fail(self.first_death(self.death_grace_s) or EngineDeadError(handle.describe_death()))
+                if reply[0] == ERROR:  # after a failed collective, a peer's death is the cause to report
+                    self.fail(self.first_death(self.death_grace_s if reply[-1] else 0.05) or worker_error(reply))
+                if reply[0] == kind and handle.rank in pending:
+                    results[handle.rank] = reply[-1]
+                    pending.discard(handle.rank)
+        return results
+
+    def first_death(self, grace_s: float) -> EngineDeadError | None:
+        """A worker that has died, or dies within `grace_s`: what a peer's failed collective points at."""
+        ready = wait([handle.process.sentinel for handle in self.handles], timeout=grace_s)
+        for handle in self.handles:
+            if handle.process.sentinel in ready:
+                return EngineDeadError(handle.describe_death())
+        return None
+
+    def mark_dead(self, error: EngineDeadError, graceful: bool = False) -> EngineDeadError:
+        """Keeps the first cause; the workers are stopped (at once, unless `graceful`: asked first)."""
+        with self.state_lock:
+            if self.dead_error is None:
+                self.dead_error = error
+        if not graceful:
+            for handle in self.handles:
+                handle.lifeline.close()  # each worker leaves at once, even one stuck in a collective
+        self.finalizer()
+        return self.dead_error
+
+    def fail(self, error: EngineDeadError) -> None:
+        raise self.mark_dead(error)
+
+
+def worker_error(reply: tuple[Any, ...]) -> WorkerError:
+    _, rank, error_type, message, traceback_text, pickled, _ = reply
+    error = None
+    if pickled is not None:
+        try:
+            error = pickle.loads(pickled)
+        except Exception:  # noqa: BLE001 - the text says it all
+            error = None
+    return WorkerError(rank, error_type, message, traceback_text, error)

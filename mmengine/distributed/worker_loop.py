@@ -1,0 +1,120 @@
+"""The worker process's side of the executor: join the group, build the worker, serve the driver's messages.
+
+```
+driver --(STEP, plan)-------------------> every rank: worker.execute_step(plan); rank 0 alone replies (OK, result)
+driver --(CALL, method, args, kwargs)---> every rank: worker.method(*args, **kwargs); every rank replies (OK, result)
+driver --(STOP,)------------------------> every rank leaves the loop, the group, and exits
+any rank that raises -------------------> (ERROR, rank, type name, message, traceback text, pickled error, collective?)
+```
+
+A worker never outlives its driver: a thread blocks on a lifeline pipe whose only writer is the driver, and
+leaves the process (os._exit) when that pipe closes, even while the main thread computes or waits in a
+collective. Messages arrive as bytes pickled once by the driver for all ranks.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from mmengine.distributed.process_group import DistributedInit, TensorParallelGroup, destroy_distributed, init_distributed
+
+STEP, CALL, STOP = "step", "call", "stop"
+READY, OK, ERROR = "ready", "ok", "error"
+
+WorkerFactory = Callable[[TensorParallelGroup], Any]  # picklable: a top-level function or class (or a partial of one)
+
+
+# What a failed collective says when a peer has gone (gloo, NCCL, torch's own): the driver then looks for that
+# peer's death first, the cause, before reporting this error, the consequence.
+PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", "NCCL", "gloo", "timed out", "Timed out")
+
+
+def is_collective_failure(err: BaseException) -> bool:
+    dist_error = getattr(getattr(sys.modules.get("torch"), "distributed", None), "DistError", None)
+    if dist_error is not None and isinstance(err, dist_error):
+        return True
+    return isinstance(err, RuntimeError) and any(marker in str(err) for marker in PEER_GONE)
+
+
+def error_reply(rank: int, err: BaseException) -> tuple[Any, ...]:
+    """(ERROR, rank, type name, message, traceback text, the error pickled or None, a failed collective?)"""
+    text = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    try:
+        pickled: bytes | None = pickle.dumps(err)
+        pickle.loads(pickled)
+    except Exception:  # noqa: BLE001 - an error that does not cross is described by its text alone
+        pickled = None
+    return (ERROR, rank, type(err).__name__, str(err), text, pickled, is_collective_failure(err))
+
+
+def watch_lifeline(lifeline: Connection) -> None:
+    """Leaves the process as soon as the driver's end of the lifeline closes (the driver stopped or died)."""
+    try:
+        lifeline.recv_bytes()
+    except (EOFError, OSError):
+        pass
+    os._exit(0)
+
+
+def worker_main(init: DistributedInit, factory: WorkerFactory, conn: Connection, lifeline: Connection,
+                torch_threads: int | None = None) -> None:
+    """The spawned process's entry point."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the driver, which stops the workers
+    threading.Thread(target=watch_lifeline, args=(lifeline,), name="mmengine-lifeline", daemon=True).start()
+    if torch_threads is not None:
+        import torch
+
+        torch.set_num_threads(torch_threads)
+    try:
+        group = init_distributed(init)
+        worker = factory(group)
+    except BaseException as err:  # noqa: BLE001 - reported to the driver, which raises it
+        conn.send(error_reply(init.rank, err))
+        wait_for_stop(conn)  # exiting now would read as a death, hiding the error
+        return
+    conn.send((READY, init.rank, os.getpid()))
+    try:
+        serve(worker, init.rank, conn)
+    finally:
+        close = getattr(worker, "close", None)
+        if callable(close):
+            close()
+        destroy_distributed()
+
+
+def wait_for_stop(conn: Connection) -> None:
+    try:
+        while pickle.loads(conn.recv_bytes())[0] != STOP:
+            pass
+    except EOFError:
+        pass
+
+
+def serve(worker: Any, rank: int, conn: Connection) -> None:
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            return
+        kind = message[0]
+        if kind == STOP:
+            return
+        try:
+            if kind == STEP:
+                result = worker.execute_step(message[1])
+            else:
+                _, method, args, kwargs = message
+                result = getattr(worker, method)(*args, **kwargs)
+        except BaseException as err:  # noqa: BLE001 - every rank's failure goes to the driver
+            conn.send(error_reply(rank, err))
+            continue
+        if kind == CALL or rank == 0:
+            conn.send((OK, result))

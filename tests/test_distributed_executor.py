@@ -1,0 +1,177 @@
+"""The tensor-parallel executor (mmengine/distributed/executor.py) with two gloo ranks in spawned processes:
+a step round-trips (one plan to every rank, one reply from rank 0), a worker's exception comes back typed with
+its traceback, a worker killed mid-call becomes EngineDeadError within seconds for that call and every later
+one, shutdown leaves no process behind, and workers do not outlive a driver that is killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from mmengine.distributed.executor import MultiprocExecutor, WorkerError
+from mmengine.distributed.process_group import TensorParallelGroup
+from mmengine.errors import ConfigError, EngineDeadError
+
+TP = 2
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+
+
+class RankWorker:
+    """What each rank holds in these tests: its group, and a few steps that use a collective."""
+
+    def __init__(self, tp: TensorParallelGroup) -> None:
+        self.tp = tp
+        self.steps = 0
+
+    def execute_step(self, plan: dict) -> dict:
+        self.steps += 1
+        total = self.tp.all_reduce(torch.tensor([float(self.tp.rank + 1)]))  # every rank took part
+        return {"echo": plan["id"], "plan_bytes": len(plan["payload"]), "rank_sum": total.item(), "steps": self.steps}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def fail_on(self, rank: int) -> None:
+        if self.tp.rank == rank:
+            raise KeyError(f"no such block on rank {rank}")
+
+    def sleep_then_reduce(self, sleeping_rank: int, seconds: float) -> float:
+        if self.tp.rank == sleeping_rank:
+            time.sleep(seconds)
+        return self.tp.all_reduce(torch.ones(1)).item()
+
+
+def refuse_to_start(tp: TensorParallelGroup) -> None:
+    raise ConfigError(f"layers.0.qkv: num_key_value_heads=3 cannot be split over tensor_parallel_size={tp.size}")
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.05)
+    return [pid for pid in pids if alive(pid)]
+
+
+def worker_children() -> list[psutil.Process]:
+    """This process's children but multiprocessing's resource tracker (one per process, for its lifetime)."""
+    out = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(child.cmdline()):
+                out.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def start() -> MultiprocExecutor:
+    return MultiprocExecutor(RankWorker, TP, torch_threads=1)
+
+
+def test_a_step_round_trips_and_a_worker_error_comes_back_typed_then_shutdown_leaves_nothing():
+    before = {p.pid for p in worker_children()}
+    executor = start()
+    pids = executor.call("pid")
+    assert pids == executor.pids and len(set(pids)) == TP
+    for step in range(3):
+        reply = executor.execute({"id": step, "payload": b"x" * 4096})
+        assert reply == {"echo": step, "plan_bytes": 4096, "rank_sum": 3.0, "steps": step + 1}  # 1 + 2: both ranks
+
+    with pytest.raises(WorkerError) as caught:
+        executor.call("fail_on", 1)
+    err = caught.value
+    assert isinstance(err, EngineDeadError) and err.rank == 1 and err.error_type == "KeyError"
+    assert "in fail_on" in err.traceback_text and "no such block on rank 1" in str(err)
+    with pytest.raises(EngineDeadError, match="rank 1 raised KeyError"):
+        executor.execute({"id": 9, "payload": b""})
+    assert wait_gone(pids, 10) == []
+    executor.shutdown()
+    executor.shutdown()  # idempotent
+    assert {p.pid for p in worker_children()} - before == set()
+
+
+def test_shutdown_and_the_with_block_stop_every_worker():
+    with start() as executor:
+        pids = list(executor.pids)
+        assert executor.execute({"id": 1, "payload": b""})["rank_sum"] == 3.0
+    assert wait_gone(pids, 10) == []
+    with pytest.raises(EngineDeadError, match="shut down"):
+        executor.execute({"id": 2, "payload": b""})
+
+
+def test_a_worker_killed_mid_call_is_engine_dead_within_seconds_for_that_call_and_every_later_one():
+    executor = start()
+    pids = list(executor.pids)
+    # rank 1 sleeps while rank 0 waits for it in a collective: killing rank 1 makes gloo fail rank 0 too,
+    # and the error must name the death (rank 1), not rank 0's "Connection closed by peer"
+    killer = threading.Timer(0.5, os.kill, (pids[1], signal.SIGKILL))
+    started = time.monotonic()
+    killer.start()
+    try:
+        with pytest.raises(EngineDeadError, match=r"rank 1 \(pid \d+\) died \(killed by SIGKILL\)") as caught:
+            executor.call("sleep_then_reduce", 1, 60.0)
+    finally:
+        killer.join()
+    assert time.monotonic() - started < 20  # noticed at once; a hang would take the 60 s sleep
+    assert not isinstance(caught.value, WorkerError)
+    for _ in range(2):
+        with pytest.raises(EngineDeadError, match="rank 1 .* died"):
+            executor.execute({"id": 1, "payload": b""})
+    assert wait_gone(pids, 10) == []
+    executor.shutdown()
+
+
+def test_a_worker_that_cannot_start_raises_its_own_error_and_leaves_nothing():
+    before = {p.pid for p in worker_children()}
+    with pytest.raises(ConfigError, match="num_key_value_heads=3") as caught:
+        MultiprocExecutor(refuse_to_start, TP, torch_threads=1)
+    assert isinstance(caught.value.__cause__, WorkerError) and "refuse_to_start" in caught.value.__cause__.traceback_text
+    assert wait_gone([p.pid for p in worker_children() if p.pid not in before], 10) == []
+
+
+DRIVER = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, {tests!r})
+    from test_distributed_executor import start
+    if __name__ == "__main__":
+        executor = start()
+        print(json.dumps(executor.pids), flush=True)
+        executor.call("sleep_then_reduce", 0, 600.0)  # the driver is killed while both ranks are busy
+""")
+
+
+def test_workers_exit_when_the_driver_is_killed(tmp_path):
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER.format(tests=str(HERE)))
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = json.loads(driver.stdout.readline())
+        assert len(pids) == TP and all(alive(pid) for pid in pids)
+        time.sleep(0.5)  # both ranks inside the call: rank 0 sleeping, rank 1 waiting in a collective
+        driver.kill()
+        driver.wait(timeout=10)
+        assert wait_gone(pids, 15) == []
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+            driver.wait()
