@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,13 +84,14 @@ def worker_children() -> list[psutil.Process]:
     return out
 
 
-def start() -> MultiprocExecutor:
-    return MultiprocExecutor(RankWorker, TP, torch_threads=1)
+def start(on_death=None) -> MultiprocExecutor:
+    return MultiprocExecutor(RankWorker, TP, torch_threads=1, on_death=on_death)
 
 
 def test_a_step_round_trips_and_a_worker_error_comes_back_typed_then_shutdown_leaves_nothing():
     before = {p.pid for p in worker_children()}
-    executor = start()
+    deaths: list[EngineDeadError] = []
+    executor = start(on_death=deaths.append)
     pids = executor.call("pid")
     assert pids == executor.pids and len(set(pids)) == TP
     for step in range(3):
@@ -101,6 +103,7 @@ def test_a_step_round_trips_and_a_worker_error_comes_back_typed_then_shutdown_le
     err = caught.value
     assert isinstance(err, EngineDeadError) and err.rank == 1 and err.error_type == "KeyError"
     assert "in fail_on" in err.traceback_text and "no such block on rank 1" in str(err)
+    assert deaths == [err]  # reported once, to the engine's callback
     with pytest.raises(EngineDeadError, match="rank 1 raised KeyError"):
         executor.execute({"id": 9, "payload": b""})
     assert wait_gone(pids, 10) == []
@@ -110,16 +113,19 @@ def test_a_step_round_trips_and_a_worker_error_comes_back_typed_then_shutdown_le
 
 
 def test_shutdown_and_the_with_block_stop_every_worker():
-    with start() as executor:
+    deaths: list[EngineDeadError] = []
+    with start(on_death=deaths.append) as executor:
         pids = list(executor.pids)
         assert executor.execute({"id": 1, "payload": b""})["rank_sum"] == 3.0
     assert wait_gone(pids, 10) == []
+    assert deaths == []  # a shutdown is no failure
     with pytest.raises(EngineDeadError, match="shut down"):
         executor.execute({"id": 2, "payload": b""})
 
 
 def test_a_worker_killed_mid_call_is_engine_dead_within_seconds_for_that_call_and_every_later_one():
-    executor = start()
+    deaths: list[EngineDeadError] = []
+    executor = start(on_death=deaths.append)
     pids = list(executor.pids)
     # rank 1 sleeps while rank 0 waits for it in a collective: killing rank 1 makes gloo fail rank 0 too,
     # and the error must name the death (rank 1), not rank 0's "Connection closed by peer"
@@ -133,10 +139,26 @@ def test_a_worker_killed_mid_call_is_engine_dead_within_seconds_for_that_call_an
         killer.join()
     assert time.monotonic() - started < 20  # noticed at once; a hang would take the 60 s sleep
     assert not isinstance(caught.value, WorkerError)
+    assert len(deaths) == 1 and "rank 1" in str(deaths[0])
     for _ in range(2):
         with pytest.raises(EngineDeadError, match="rank 1 .* died"):
             executor.execute({"id": 1, "payload": b""})
     assert wait_gone(pids, 10) == []
+    executor.shutdown()
+
+
+def test_a_worker_that_dies_between_steps_is_noticed_without_a_call():
+    deaths: list[EngineDeadError] = []
+    noticed = threading.Event()
+    executor = start(on_death=lambda err: (deaths.append(err), noticed.set()))
+    pids = list(executor.pids)
+    assert executor.execute({"id": 1, "payload": b""})["echo"] == 1
+    os.kill(pids[0], signal.SIGKILL)
+    assert noticed.wait(20), "the watcher did not notice the death"
+    assert len(deaths) == 1 and re.search(r"rank 0 \(pid \d+\) died \(killed by SIGKILL\)", str(deaths[0]))
+    assert wait_gone(pids, 10) == []  # the survivor was released
+    with pytest.raises(EngineDeadError, match="rank 0 .* died"):
+        executor.execute({"id": 2, "payload": b""})
     executor.shutdown()
 
 

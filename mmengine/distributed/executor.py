@@ -28,11 +28,11 @@ import signal
 import threading
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
-from typing import Any
+from typing import Any, NoReturn
 
 from mmengine.distributed.process_group import DistributedInit, free_tcp_address
 from mmengine.distributed.worker_loop import CALL, ERROR, OK, READY, STEP, STOP, WorkerFactory, worker_main
@@ -76,26 +76,57 @@ class WorkerHandle:
         return f"tensor-parallel worker rank {self.rank} (pid {self.process.pid}) died ({how})"
 
 
-def stop_workers(handles: list[WorkerHandle], timeout_s: float = 5.0) -> None:
-    """Asks every worker to stop, then closes their lifelines and kills any that remain. Idempotent."""
-    for handle in handles:
-        if handle.process.is_alive():
-            try:
-                handle.conn.send_bytes(pickle.dumps((STOP,)))
-            except (OSError, ValueError):
-                pass
-    deadline = time.monotonic() + timeout_s
-    for handle in handles:
-        handle.process.join(timeout=max(0.0, deadline - time.monotonic()))
-    for handle in handles:
-        handle.lifeline.close()
-    for handle in handles:
-        if handle.process.is_alive():
-            handle.process.join(timeout=1.0)
-        if handle.process.is_alive():
-            handle.process.kill()
-            handle.process.join(timeout=5.0)
-        handle.conn.close()
+class WorkerSet:
+    """The workers' processes and pipes, and their stopping: what the executor's finalizer holds (never the
+    executor itself, so that an executor nobody stopped is still collected, and its workers stopped)."""
+
+    def __init__(self) -> None:
+        self.handles: list[WorkerHandle] = []
+        self.stopping = threading.Event()  # set first: deaths after it are the stop's, not failures
+        self.wake_reader, self.wake_writer = multiprocessing.Pipe(duplex=False)  # closing it ends the watcher
+
+    def sentinels(self) -> dict[int, WorkerHandle]:
+        return {handle.process.sentinel: handle for handle in self.handles}
+
+    def release(self) -> None:
+        """Closes every lifeline: each worker leaves at once, even one stuck in a collective."""
+        for handle in self.handles:
+            handle.lifeline.close()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        """Asks every worker to stop, then closes their lifelines and kills any that remain. Runs once."""
+        self.stopping.set()
+        self.wake_writer.close()
+        for handle in self.handles:
+            if handle.process.is_alive():
+                try:
+                    handle.conn.send_bytes(pickle.dumps((STOP,)))
+                except (OSError, ValueError):
+                    pass
+        deadline = time.monotonic() + timeout_s
+        for handle in self.handles:
+            handle.process.join(timeout=max(0.0, deadline - time.monotonic()))
+        self.release()
+        for handle in self.handles:
+            if handle.process.is_alive():
+                handle.process.join(timeout=1.0)
+            if handle.process.is_alive():
+                handle.process.kill()
+                handle.process.join(timeout=5.0)
+            handle.conn.close()
+
+
+def watch(workers: WorkerSet, report: weakref.WeakMethod) -> None:
+    """A thread: a worker that dies while no call waits (between steps) ends the executor all the same."""
+    sentinels = workers.sentinels()
+    try:
+        ready = wait([*sentinels, workers.wake_reader])
+    except (OSError, ValueError):
+        return
+    dead = [sentinels[obj] for obj in ready if obj in sentinels]
+    mark_dead = report()
+    if dead and not workers.stopping.is_set() and mark_dead is not None:
+        mark_dead(EngineDeadError(dead[0].describe_death()))
 
 
 class MultiprocExecutor:
@@ -104,22 +135,28 @@ class MultiprocExecutor:
     and any methods `call` names; `close()`, when it has one, runs as its process stops.
 
     `rendezvous`: "tcp://127.0.0.1:PORT" or "file:///path" (None: a free TCP port on 127.0.0.1).
+    `on_death(error)` is called once, from whichever thread notices first, when the workers fail or die (a
+    call in progress or not; not on shutdown): the engine's way to fail its requests and its server's to 503.
     """
 
     def __init__(self, worker_factory: WorkerFactory, tensor_parallel_size: int, *, device: str = "cpu",
                  backend: str | None = None, rendezvous: str | None = None, torch_threads: int | None = None,
-                 start_timeout_s: float = 300.0, death_grace_s: float = 2.0) -> None:
+                 start_timeout_s: float = 300.0, death_grace_s: float = 2.0,
+                 on_death: Callable[[EngineDeadError], None] | None = None) -> None:
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ConfigError(f"tensor_parallel_size must be a positive int, got {tensor_parallel_size!r}")
         self.tensor_parallel_size = tensor_parallel_size
         self.death_grace_s = death_grace_s
+        self.on_death = on_death
         self.dead_error: EngineDeadError | None = None
         self.lock = threading.Lock()  # one call at a time
         self.state_lock = threading.Lock()
+        self.workers = WorkerSet()
+        self.handles = self.workers.handles
+        self.finalizer = weakref.finalize(self, self.workers.stop)
+        self.watcher: threading.Thread | None = None
         address = rendezvous or free_tcp_address()
         context = multiprocessing.get_context("spawn")
-        self.handles: list[WorkerHandle] = []
-        self.finalizer = weakref.finalize(self, stop_workers, self.handles)
         for rank in range(tensor_parallel_size):
             init = DistributedInit(tensor_parallel_size, rank, address, device=device, backend=backend)
             conn, child_conn = context.Pipe()
@@ -136,7 +173,10 @@ class MultiprocExecutor:
             if isinstance(err.error, MMEngineError):  # a bad option or checkpoint, raised as itself
                 raise err.error from err
             raise
-        self.pids = [ready[rank] for rank in range(tensor_parallel_size)]
+        self.pids: list[int] = [ready[rank] for rank in range(tensor_parallel_size)]
+        self.watcher = threading.Thread(target=watch, args=(self.workers, weakref.WeakMethod(self.mark_dead)),
+                                        name="mmengine-tp-watcher", daemon=True)
+        self.watcher.start()
 
     # -- the calls --------------------------------------------------------------------------------------------
 
@@ -159,6 +199,8 @@ class MultiprocExecutor:
         """Stops every worker (idempotent); every later call raises EngineDeadError."""
         self.mark_dead(EngineDeadError("the tensor-parallel executor has been shut down"), graceful=True)
         self.finalizer()
+        if self.watcher is not None and threading.current_thread() is not self.watcher:
+            self.watcher.join(timeout=5.0)
 
     def __enter__(self) -> MultiprocExecutor:
         return self
@@ -171,6 +213,11 @@ class MultiprocExecutor:
         return self.dead_error is None
 
     def check_alive(self) -> None:
+        """Raises EngineDeadError once the executor is dead; notices a death since the last call at once."""
+        if self.dead_error is None:
+            death = self.first_death(0.0)
+            if death is not None:
+                self.fail(death)
         if self.dead_error is not None:
             raise EngineDeadError(str(self.dead_error)) from self.dead_error
 
@@ -189,7 +236,7 @@ class MultiprocExecutor:
         pending = set(ranks)
         results: dict[int, Any] = {}
         by_conn = {handle.conn: handle for handle in self.handles}
-        by_sentinel = {handle.process.sentinel: handle for handle in self.handles}
+        by_sentinel = self.workers.sentinels()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
             remaining = None if deadline is None else deadline - time.monotonic()
@@ -217,25 +264,28 @@ class MultiprocExecutor:
 
     def first_death(self, grace_s: float) -> EngineDeadError | None:
         """A worker that has died, or dies within `grace_s`: what a peer's failed collective points at."""
-        ready = wait([handle.process.sentinel for handle in self.handles], timeout=grace_s)
-        for handle in self.handles:
-            if handle.process.sentinel in ready:
-                return EngineDeadError(handle.describe_death())
-        return None
+        sentinels = self.workers.sentinels()
+        ready = wait(list(sentinels), timeout=grace_s)
+        return EngineDeadError(sentinels[ready[0]].describe_death()) if ready else None
 
     def mark_dead(self, error: EngineDeadError, graceful: bool = False) -> EngineDeadError:
-        """Keeps the first cause; the workers are stopped (at once, unless `graceful`: asked first)."""
+        """Keeps the first cause. A failure (not `graceful`) releases every worker at once and is reported to
+        `on_death`; a shutdown asks them to stop."""
         with self.state_lock:
-            if self.dead_error is None:
+            first = self.dead_error is None
+            if first:
                 self.dead_error = error
-        if not graceful:
-            for handle in self.handles:
-                handle.lifeline.close()  # each worker leaves at once, even one stuck in a collective
-        self.finalizer()
-        return self.dead_error
+        if first and not graceful:
+            self.workers.release()
+            if self.on_death is not None:
+                self.on_death(error)
+        return self.dead_error  # type: ignore[return-value]
 
-    def fail(self, error: EngineDeadError) -> None:
-        raise self.mark_dead(error)
+    def fail(self, error: EngineDeadError) -> NoReturn:
+        """Ends the call in progress (and the executor) with the first cause."""
+        dead = self.mark_dead(error)
+        self.finalizer()
+        raise dead
 
 
 def worker_error(reply: tuple[Any, ...]) -> WorkerError:
