@@ -60,6 +60,10 @@ def run_demo(args: argparse.Namespace) -> None:
         from mmengine.testing.mistral3 import TinyMistral3Spec, tiny_mistral3_path
 
         path = tiny_mistral3_path(TinyMistral3Spec(), cache_dir=args.cache_dir)
+    elif args.family == "llama4":
+        from mmengine.testing.llama4 import TinyLlama4Spec, tiny_llama4_path
+
+        path = tiny_llama4_path(TinyLlama4Spec(), cache_dir=args.cache_dir)
     else:
         path = tiny_qwen_vl_path(tiny_spec(args.family), cache_dir=args.cache_dir)
     print(f"tiny {args.family} checkpoint (random weights): {path}")
@@ -259,8 +263,9 @@ def _print_weights(family: Any, model_dir: str, elem: int) -> None:
     routed = sum(n for name, n in numels.items() if ".experts." in name)
     if routed:
         text = family.text_config
-        active = total - routed + routed * text.num_experts_per_tok // text.num_experts
-        print(f"  of which routed experts       {routed * elem:>12}   bytes: {text.num_experts} experts a MoE layer, a token reads "
+        experts = getattr(text, "num_experts", None) or text.num_local_experts  # (Llama 4 names them local)
+        active = total - routed + routed * text.num_experts_per_tok // experts
+        print(f"  of which routed experts       {routed * elem:>12}   bytes: {experts} experts a MoE layer, a token reads "
               f"{text.num_experts_per_tok}: {active * elem} bytes of weights active per token")
 
 
@@ -308,18 +313,23 @@ def _print_kv_budget(family: Any, block_size: int, kv_dtype: Any, model_dtype: A
 
 
 def _print_window_budget(family: Any, config: Any, kv_elem: int, max_model_len: int) -> None:
-    """Sliding-window layers (Gemma 4): each pool's bytes per token, and what keeping only the window buys."""
+    """Sliding-window layers (Gemma 4) or chunked-attention ones (Llama 4): each pool's bytes per token, and what
+    keeping only the window (the current chunk) buys."""
     from mmengine.runner.kv_tensors import WindowPool, kv_pool_bytes
 
     windows = family.kv_cache_windows()
     window = next((w for w in windows if w is not None), None)
     if window is None:
         return
+    from mmengine.kv_cache.chunked_attention import is_chunk
+
     full, windowed = kv_pool_bytes(family.kv_cache_layout(), windows, 1, kv_elem)
     count = sum(w is not None for w in windows)
-    print(f"KV cache pools ({count} sliding-window layers of {window} tokens, {len(windows) - count} full-attention layers)")
+    kind, keeps = ("chunked-attention", f"its current attention chunk's tokens") if is_chunk(window) else (
+        "sliding-window", f"its last {window} tokens")
+    print(f"KV cache pools ({count} {kind} layers of {window} tokens, {len(windows) - count} full-attention layers)")
     print(f"  full-attention pool, a token  {full:>12}   bytes: every token of every request and cached prefix")
-    print(f"  sliding-window pool, a token  {windowed:>12}   bytes: a request keeps its last {window} tokens (and a chunk); "
+    print(f"  {kind + ' pool, a token':<30}{windowed:>12}   bytes: a request keeps {keeps} (and a prefill chunk); "
           "blocks that left the window stay cached until reused")
     ratio = config.cache_config.sliding_kv_ratio
     if ratio is None or window >= max_model_len:
@@ -381,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="run a small workload on a built-in tiny random-weight model")
     demo.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4",
-                                                               "llava_onevision", "idefics3", "smolvlm", "internvl", "mistral3"],
+                                                               "llava_onevision", "idefics3", "smolvlm", "internvl", "mistral3",
+                                                               "llama4"],
                       help="the tiny model's family")
     demo.add_argument("--requests", type=int, default=32)
     demo.add_argument("--unique-images", type=int, default=4)

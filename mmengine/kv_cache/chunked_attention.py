@@ -23,6 +23,8 @@ class AttentionChunk(int):
     def __repr__(self) -> str:
         return f"AttentionChunk({int(self)})"
 
+    __str__ = int.__repr__  # printed as the number
+
 
 def is_chunk(span: int | None) -> bool:
     return isinstance(span, AttentionChunk)

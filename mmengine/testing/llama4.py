@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -161,8 +162,10 @@ def build_llama4_checkpoint(path: str | os.PathLike, spec: TinyLlama4Spec = Tiny
     config = _build_config(spec, tokenizer, initializer_range)
     generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                                          pad_token_id=tokenizer.pad_token_id)
-    save_random_model(Llama4ForConditionalGeneration, config, generation_config, path, seed=spec.seed, device=device,
-                      dtype=torch_dtype(dtype or spec.dtype), constant_noise=_CONSTANT_NOISE)
+    with warnings.catch_warnings():  # the vision rotary's complex buffer (not saved) cast with the weights' dtype
+        warnings.filterwarnings("ignore", message="Casting complex values to real")
+        save_random_model(Llama4ForConditionalGeneration, config, generation_config, path, seed=spec.seed, device=device,
+                          dtype=torch_dtype(dtype or spec.dtype), constant_noise=_CONSTANT_NOISE)
     _save_processor(spec, tokenizer, path)
     return path
 

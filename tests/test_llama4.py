@@ -1,0 +1,239 @@
+"""Llama 4 end to end against transformers (fp32, CPU): the tiny checkpoint has three RoPE layers with chunked
+attention over 16-token chunks (QK L2 norm) and a NoPE layer with temperature tuning, MoE layers (sigmoid top-1
+routing, a shared expert) between dense ones, and pictures cut into 32 px tiles plus a global tile. Greedy tokens
+equal transformers' generate for text, one picture and two pictures of different grids; the tiles' canvas equals
+transformers' rule; a picture across prefill-chunk boundaries, a mixed batch, a prefix hit with one encoder run,
+preemption; the chunked layers' pool frees the blocks before the current chunk (a KV budget that holds the context
+only so) and a hit needs only the current chunk's blocks there; demo and budget.
+
+transformers 5.24's Llama4ForConditionalGeneration.forward reads `image_outputs` off its language model's output,
+which has no such field: the reference gets the field (None) for this module's tests."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+
+import pytest
+import torch
+from books import assert_books_consistent
+from conftest import hf_greedy, hf_logits
+
+from mmengine import MMEngine, SamplingParams
+from mmengine.errors import ImageCountMismatchError, InvalidInputError, PromptTooLongError
+from mmengine.kv_cache.chunked_attention import ChunkedAttentionManager
+from mmengine.testing.images import make_test_image
+from mmengine.testing.llama4 import llama4_prompt, tiny_llama4_path
+
+WIDE, SQUARE, SMALL = make_test_image(3, (90, 30)), make_test_image(4, (50, 70)), make_test_image(5, (20, 20))
+QUESTION = "Describe the picture in detail."
+GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+LONG = "Tell me about the red square and the blue circle, then count to ten slowly, please. " * 2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _reference_workaround():
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(MoeCausalLMOutputWithPast, "image_outputs", None, raising=False)
+        yield
+
+
+@pytest.fixture(scope="module")
+def path():
+    return tiny_llama4_path()
+
+
+def _engine(path, **kwargs) -> MMEngine:
+    options = dict(device="cpu", dtype="float32", max_model_len=512, enforce_eager=True, block_size=4)
+    return MMEngine(str(path), **{**options, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def engine(path) -> MMEngine:
+    return _engine(path)
+
+
+def _greedy(engine: MMEngine, prompts, images, params: SamplingParams = GREEDY) -> list[list[int]]:
+    outputs = engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+    return [output.token_ids for output in outputs]
+
+
+@pytest.mark.parametrize("pictures", [[], [WIDE], [WIDE, SQUARE]], ids=["text", "wide", "wide,square"])
+def test_greedy_tokens_equal_transformers(path, engine, pictures):
+    """Every prompt is longer than a chunk (16): the chunked layers' masks and the NoPE layer's temperature matter."""
+    prompt = llama4_prompt(QUESTION, len(pictures))
+    assert _greedy(engine, prompt, pictures or None) == [hf_greedy(path, prompt, pictures, 12, ignore_eos=True)]
+
+
+def test_the_chunks_and_the_temperature_matter(path):
+    """The next token's log-probabilities equal transformers'; attending past the chunk, or without the NoPE
+    layer's temperature, they do not (one KV pool, so a layer may drop its chunk)."""
+    prompt = llama4_prompt(LONG, 1)
+    want = torch.log_softmax(hf_logits(path, prompt, [WIDE]), -1).topk(5)
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
+    engine = _engine(path, enable_prefix_caching=False, sliding_kv_ratio=None)
+    layers = [layer.self_attn for layer in engine.runner.model.language_model.layers]
+
+    def top() -> torch.Tensor:
+        out = engine.generate(prompt, images=[WIDE], sampling_params=params, use_tqdm=False)
+        return torch.tensor([[token, logprob] for token, logprob in out[0].logprobs[0].top])
+
+    ours = top()
+    assert ours[:, 0].long().tolist() == want.indices.tolist()
+    assert (ours[:, 1] - want.values).abs().max() < 1e-4
+    assert sorted(layer.attn.attention_chunk for layer in layers if layer.attn.attention_chunk) == [16] * 3
+    assert [layer.temperature_tuning for layer in layers] == [False, False, False, True]
+    layers[3].temperature_tuning = False
+    assert (top()[:, 1] - want.values).abs().max() > 1e-3
+    layers[3].temperature_tuning = True
+    for layer in layers:
+        layer.attn.attention_chunk = None
+    assert (top()[:, 1] - want.values).abs().max() > 1e-3
+
+
+def test_the_canvas_is_transformers(engine, monkeypatch):
+    """transformers' canvas rule (find_supported_resolutions, get_best_fit, the resize without distortion), imported
+    with torchvision stubbed out (its module needs it at import; these functions do not), picks our canvases."""
+    for name in ("torchvision", "torchvision.transforms", "torchvision.transforms.v2", "torchvision.transforms.v2.functional"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    module = "transformers.models.llama4.image_processing_llama4"
+    monkeypatch.setitem(sys.modules, module, None)  # restored (dropped) afterwards: the import below is the stubbed one
+    del sys.modules[module]
+    from transformers.image_utils import SizeDict
+    hf = importlib.import_module(module)
+
+    tiles = engine.family.tiles
+    for max_patches in (1, 4, 6, 16):
+        tiles.max_patches = max_patches
+        resolutions = torch.tensor(hf.find_supported_resolutions.__wrapped__(max_patches, SizeDict(height=32, width=32)))
+        for width, height in [(90, 30), (50, 70), (20, 20), (32, 32), (33, 31), (200, 30), (7, 300), (640, 480), (64, 96)]:
+            canvas = tuple(int(v) for v in hf.get_best_fit((height, width), resolutions))
+            assert tiles.canvas(height, width) == canvas
+            target = (min(max(height, 32), canvas[0]), min(max(width, 32), canvas[1]))
+            assert tiles.resized_size(height, width) == tuple(max(v, 1) for v in hf.get_max_res_without_distortion((height, width), target))
+    tiles.max_patches = engine.family.max_tiles
+
+
+def test_prompt_and_tiles(engine):
+    """The prompt holds Llama4Processor's text for the picture (the tile separators, <|image|>, the global tile's
+    run), one item from <|image_start|> to <|image_end|>; the tiles are the canvas cut row by row, then the global
+    tile, in bfloat16 values."""
+    from transformers.models.llama4.processing_llama4 import Llama4Processor
+
+    tokenizer = engine.input_processor.tokenizer
+    processed = engine.input_processor.process(llama4_prompt("What?", 1), [SQUARE], GREEDY)
+    (item,) = processed.mm_items
+    prefix, suffix = (tokenizer(text)["input_ids"] for text in llama4_prompt("What?", 1).split("<|image|>"))
+    text = Llama4Processor._prompt_split_image(None, (2, 2), 16)
+    assert processed.prompt_token_ids == prefix + tokenizer(text)["input_ids"] + suffix
+    assert (item.offset, item.length) == (len(prefix), len(tokenizer(text)["input_ids"]))
+    pixels = item.encoder_inputs["pixel_values"]
+    assert pixels.shape == (5, 3, 32, 32) and pixels.equal(pixels.bfloat16().float())
+    assert engine.family.resized_size(70, 50) == (64, 64)
+
+
+def test_pictures_across_chunk_boundaries(path):
+    """Prefill chunks of 24 tokens end inside both pictures' runs (70 and 90 tokens)."""
+    prompt = llama4_prompt(QUESTION, 2)
+    engine = _engine(path, max_num_batched_tokens=24)
+    chunks, schedule = [], engine.scheduler.schedule
+
+    def spied():
+        output = schedule()
+        chunks.extend((s.start, s.end) for s in output.scheduled if s.end - s.start > 1)
+        return output
+
+    engine.scheduler.schedule = spied
+    assert _greedy(engine, prompt, [WIDE, SQUARE]) == [hf_greedy(path, prompt, [WIDE, SQUARE], 12, ignore_eos=True)]
+    for item in engine.input_processor.process(prompt, [WIDE, SQUARE], GREEDY).mm_items:
+        assert any(item.offset < end < item.end for _, end in chunks)
+    assert engine.stats()["encoder_runs"] == 2
+
+
+def test_a_mixed_batch_equals_each_prompt_alone(path):
+    uncached = _engine(path, enable_prefix_caching=False)
+    prompts = [llama4_prompt(QUESTION, 0), llama4_prompt("What is it?", 1), llama4_prompt("Compare them.", 2),
+               llama4_prompt("And this one?", 1)]
+    images = [None, [SMALL], [SQUARE, WIDE], [SQUARE]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    batch = _greedy(uncached, prompts, images, params)
+    assert batch == [_greedy(uncached, prompt, image, params)[0] for prompt, image in zip(prompts, images)]
+
+
+def test_a_repeated_prompt_recomputes_one_block_and_encodes_its_picture_once(path, engine):
+    prompt = llama4_prompt(QUESTION, 1)
+    picture = [make_test_image(7, (70, 40))]
+    before = engine.stats()
+    first = _greedy(engine, prompt, picture)
+    middle = engine.stats()
+    again = engine.generate(prompt, images=picture, sampling_params=GREEDY, use_tqdm=False)[0]
+    after = engine.stats()
+    assert again.token_ids == first[0] == hf_greedy(path, prompt, picture, 12, ignore_eos=True)
+    assert middle["encoder_runs"] == before["encoder_runs"] + 1 and after["encoder_runs"] == middle["encoder_runs"]
+    prompt_len = len(again.prompt_token_ids)
+    assert after["prefill_tokens_computed"] - middle["prefill_tokens_computed"] <= 4
+    assert again.num_cached_tokens >= prompt_len - 4 and after["reencodes_after_prefix_hit"] == 0
+
+
+def test_preemption_keeps_the_tokens(path):
+    """Two prompts that share no block, each 114 tokens (29 blocks of 4) and 32 blocks once generated, in 60 blocks:
+    both are admitted and one is preempted as they grow."""
+    prompts = [text + llama4_prompt(QUESTION, 1) for text in ("One.", "Two!")]
+    tight = _engine(path, num_kv_blocks=60, max_num_seqs=4)
+    outputs = _greedy(tight, prompts, [[WIDE]] * 2)
+    assert tight.scheduler.num_preemptions > 0
+    assert_books_consistent(tight)
+    assert outputs == [hf_greedy(path, prompt, [WIDE], 12, ignore_eos=True) for prompt in prompts]
+
+
+def test_a_kv_budget_that_holds_the_context_only_with_the_chunks_freed(path):
+    """The chunked layers keep only the current chunk's blocks, in a pool of their own: 282 prompt tokens and 40
+    generated (81 blocks of 4) run in KV tensors of the bytes that, with every layer keeping every token, hold 31
+    blocks; the tokens are transformers'. The same prompt again is a hit up to the last chunk boundary the pool allows."""
+    prompt = llama4_prompt(LONG, 2)
+    options = dict(max_num_batched_tokens=32)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    engine = _engine(path, num_kv_blocks=84, sliding_kv_ratio=0.05, **options)
+    runner, chunks = engine.runner, engine.scheduler.caches.windows
+    assert isinstance(chunks, ChunkedAttentionManager)
+    assert runner.num_window_blocks == runner.window_pool.min_blocks == 14  # null + cdiv(16 - 1 + 32, 4) + 1
+    out = engine.generate(prompt, images=[WIDE, SQUARE], sampling_params=params, use_tqdm=False)[0]
+    total = len(out.prompt_token_ids) + 40
+    assert total == 322  # 81 blocks of 4
+    assert out.token_ids == hf_greedy(path, prompt, [WIDE, SQUARE], 40, ignore_eos=True)
+    assert chunks.num_freed_out_of_window >= total // 4 - 13
+    assert_books_consistent(engine)
+    # The same prompt again. Its prompt's last chunk (272..281) left the pool as the answer grew past 288, and those
+    # blocks were reused: a hit ending inside that chunk would need them, one ending at its start (a chunk boundary)
+    # needs no block of the chunked pool at all. So 272 of its 282 tokens are a hit.
+    again = engine.generate(prompt, images=[WIDE, SQUARE], sampling_params=params, use_tqdm=False)[0]
+    assert again.token_ids == out.token_ids and again.num_cached_tokens == 272
+    assert_books_consistent(engine)
+    kv_bytes = sum(group.numel() * group.element_size() for group in runner.kv_cache.groups)
+    every_layer = _engine(path, num_kv_blocks=kv_bytes // (runner.kv_block_bytes + runner.window_block_bytes),
+                          sliding_kv_ratio=None, **options)
+    assert every_layer.runner.window_pool is None and every_layer.kv_cache.num_blocks < total // 4
+    with pytest.raises(PromptTooLongError, match="would not fit in the whole KV cache"):
+        every_layer.generate(prompt, images=[WIDE, SQUARE], sampling_params=params, use_tqdm=False)
+
+
+def test_bad_inputs_are_typed_errors(engine):
+    with pytest.raises(ImageCountMismatchError):
+        engine.generate(llama4_prompt("What?", 1), images=[WIDE, SQUARE], sampling_params=GREEDY, use_tqdm=False)
+    with pytest.raises(InvalidInputError, match="image_embeds"):
+        engine.generate(llama4_prompt("What?", 1), images=[{"image_embeds": torch.zeros(4, 64)}],
+                        sampling_params=GREEDY, use_tqdm=False)
+
+
+def test_demo_and_budget(path, tmp_path, capsys):
+    from mmengine.cli import main
+
+    assert main(["demo", "--family", "llama4", "--requests", "4", "--max-tokens", "2", "--cache-dir", str(tmp_path)]) == 0
+    assert "tiny llama4 checkpoint" in capsys.readouterr().out
+    assert main(["budget", "--model", str(path), "--device", "cpu", "--max-model-len", "512", "--block-size", "4"]) == 0
+    shown = capsys.readouterr().out
+    assert "at most 87" in shown and "3 chunked-attention layers of 16 tokens, 1 full-attention layers" in shown
+    assert "4 experts a MoE layer, a token reads 1" in shown
