@@ -18,7 +18,7 @@ import types
 import pytest
 import torch
 from books import assert_books_consistent
-from conftest import hf_greedy, hf_logits
+from conftest import KERNEL_FP32, hf_greedy, hf_logits
 
 from mmengine import MMEngine, SamplingParams
 from mmengine.errors import ImageCountMismatchError, InvalidInputError, PromptTooLongError
@@ -92,6 +92,18 @@ def test_the_chunks_and_the_temperature_matter(path):
     for layer in layers:
         layer.attn.attention_chunk = None
     assert (top()[:, 1] - want.values).abs().max() > 1e-3
+
+
+def test_the_triton_kernels_give_the_same_tokens(path, no_tf32):
+    """The Triton prefill and split-KV decode kernels with the chunk (and the fused MoE, norm and store kernels) in
+    the engine: a 24-token prompt in 16-token prefill chunks, decodes past the first chunk (the interpreter on CPU,
+    compiled on a GPU)."""
+    prompt = llama4_prompt("Count to ten, slowly.")
+    engine = _engine(path, max_num_batched_tokens=16, attn_backend="triton", **KERNEL_FP32.engine_kwargs)
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    out = engine.generate(prompt, sampling_params=params, use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) > 16
+    assert out.token_ids == hf_greedy(path, prompt, [], 4, KERNEL_FP32, ignore_eos=True)
 
 
 def test_the_canvas_is_transformers(engine, monkeypatch):

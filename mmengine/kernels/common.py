@@ -39,6 +39,16 @@ def kernel_window(window: int | None) -> int:
     return window
 
 
+def kernel_chunk(chunk: int | None) -> int:
+    """An attention chunk as the attention kernels take it: keys k >= q // chunk * chunk are visible (no chunk is
+    one longer than any context, whose start is 0 for every query)."""
+    if chunk is None:
+        return NO_WINDOW
+    if not 1 <= chunk <= NO_WINDOW:
+        raise ValueError(f"an attention chunk must be in [1, {NO_WINDOW}], got {chunk}")
+    return chunk
+
+
 def padded_head_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 

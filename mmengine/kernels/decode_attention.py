@@ -7,7 +7,8 @@ Splitting puts several programs on one long context, so a small batch still fill
 
 With a sliding window W a request attends to its last W keys, [seq_len - W, seq_len): the splits
 cut that range alone (from the tile holding its first key), so a long context costs what its window
-costs. A split left with no keys writes the empty state (lse -inf), which the reduction weighs 0.
+costs. With attention chunks of C tokens it attends to [floor((seq_len - 1) / C) * C, seq_len), alike.
+A split left with no keys writes the empty state (lse -inf), which the reduction weighs 0.
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ import torch
 import triton
 import triton.language as tl
 
-from mmengine.kernels.common import launch_options, LOG2E, dot_precision, kernel_window, padded_head_dim
+from mmengine.kernels.common import launch_options, LOG2E, dot_precision, kernel_chunk, kernel_window, padded_head_dim
 from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
 from mmengine.kernels.e4m3 import e4m3_for_triton
 
 
-@triton.jit(do_not_specialize=["window"])  # per layer: one compiled kernel for every window
+@triton.jit(do_not_specialize=["window", "chunk"])  # per layer: one compiled kernel for every window and chunk
 def _decode_split_kernel(
     q_ptr, cache_ptr, part_out_ptr, part_lse_ptr,
     seq_lens_ptr, block_tables_ptr,
-    window, qk_scale,
+    window, chunk, qk_scale,
     stride_qt, stride_qh,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh,
     stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt,
@@ -36,7 +37,7 @@ def _decode_split_kernel(
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + req)
-    first = tl.maximum(seq_len - window, 0)  # the window's first key
+    first = tl.maximum(tl.maximum(seq_len - window, 0), tl.maximum(seq_len - 1, 0) // chunk * chunk)  # the first key seen
     base = first // BLOCK_N * BLOCK_N
     split_len = tl.cdiv(tl.cdiv(seq_len - base, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = base + split * split_len
@@ -96,9 +97,10 @@ def decode_attention(
     out: torch.Tensor | None = None,
     lse: torch.Tensor | None = None,
     window: int | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """query [reqs, q_heads, D], one token per request attending to its whole context of seq_lens keys
-    (with `window`, to its last `window` keys). Returns (out [reqs, q_heads, D] and lse [reqs, q_heads]
+    (with `window`, to its last `window` keys; with `chunk`, to those of its own chunk). Returns (out [reqs, q_heads, D] and lse [reqs, q_heads]
     fp32 natural log, -inf for a context of zero), written into `out` and `lse` when given."""
     kv_cache = e4m3_for_triton(kv_cache)
     num_reqs, num_heads, head_dim = query.shape
@@ -119,7 +121,7 @@ def decode_attention(
         part_lse = torch.empty(num_reqs, num_heads, num_splits, device=query.device, dtype=torch.float32)
     _decode_split_kernel[(num_reqs, num_kv_heads, num_splits)](
         query, kv_cache, part_out, part_lse, seq_lens, block_tables,
-        kernel_window(window), scale * LOG2E,
+        kernel_window(window), kernel_chunk(chunk), scale * LOG2E,
         query.stride(0), query.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),

@@ -9,9 +9,9 @@ One program handles BLOCK_Q query tokens of one request for one KV head. Its row
 loaded once for the whole group (GQA). A group that is not a power of two (7 for 28 query heads
 over 4 KV heads) is padded to one with masked rows.
 
-Beyond causal: with a sliding window W the query at position q sees keys k > q - W only, and the
-program starts at the tile holding its first row's earliest key (tiles left of every row's window
-are never read); with span ends (one absolute position per new token, >= its own) a row sees keys
+Beyond causal: with a sliding window W the query at position q sees keys k > q - W only, with
+attention chunks of C tokens keys k >= floor(q / C) * C only, and the program starts at the tile
+holding its first row's earliest key (tiles left of every row's window or chunk are never read); with span ends (one absolute position per new token, >= its own) a row sees keys
 up to its span end instead of its own position, and the program reads up to its last token's span
 end, the largest of its rows (span ends never decrease along a request: each is its token's own
 position or the end of the contiguous run holding it). Each element is masked by its row's bounds.
@@ -23,17 +23,17 @@ import torch
 import triton
 import triton.language as tl
 
-from mmengine.kernels.common import launch_options, LOG2E, dot_precision, padded_head_dim, kernel_window
+from mmengine.kernels.common import launch_options, LOG2E, dot_precision, padded_head_dim, kernel_chunk, kernel_window
 from mmengine.kernels.online_softmax import attend_tile, finish, load_kv_tile
 from mmengine.kernels.e4m3 import e4m3_for_triton
 
 
-# first_req varies per step, the window per layer: one compiled kernel for all
-@triton.jit(do_not_specialize=["first_req", "window"])
+# first_req varies per step, the window and the chunk per layer: one compiled kernel for all
+@triton.jit(do_not_specialize=["first_req", "window", "chunk"])
 def _prefill_kernel(
     q_ptr, cache_ptr, out_ptr, lse_ptr,
     query_start_ptr, seq_lens_ptr, block_tables_ptr, span_ends_ptr,
-    first_req, window, qk_scale,
+    first_req, window, chunk, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_ckv, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -73,8 +73,9 @@ def _prefill_kernel(
         else:
             last = q_pos
             kv_end = tl.minimum(seq_len, context_len + tile_end)
-        first = q_pos - window + 1  # each row's earliest key
-        kv_start = tl.maximum(context_len + q_block * BLOCK_Q - window + 1, 0) // BLOCK_N * BLOCK_N
+        first = tl.maximum(q_pos - window + 1, q_pos // chunk * chunk)  # each row's earliest key
+        first_row = context_len + q_block * BLOCK_Q  # the earliest key of every row is its first row's or later
+        kv_start = tl.maximum(tl.maximum(first_row - window + 1, first_row // chunk * chunk), 0) // BLOCK_N * BLOCK_N
         for start_n in range(kv_start, kv_end, BLOCK_N):
             n = start_n + tl.arange(0, BLOCK_N)
             n_valid = n < kv_end
@@ -104,10 +105,11 @@ def prefill_attention(
     block_n: int = 32,
     window: int | None = None,
     span_ends: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """query [tokens, q_heads, D] packed by query_start_loc [reqs + 1]; attends requests
     [first_req, first_req + num_reqs) (default: all), whose longest query is max_query_len.
-    With `window` a query at q sees keys k > q - window only; with `span_ends` ([tokens] int32,
+    With `window` a query at q sees keys k > q - window only, with `chunk` keys k >= q // chunk * chunk only; with `span_ends` ([tokens] int32,
     absolute positions, each token's at least its own and within its context, never decreasing
     along a request) a token sees keys up to its span end instead of its own position.
     Returns (out [tokens, q_heads, D], lse [tokens, q_heads] natural log); rows of other
@@ -131,7 +133,7 @@ def prefill_attention(
     _prefill_kernel[grid](
         query, kv_cache, out, lse,
         query_start_loc, seq_lens, block_tables, seq_lens if span_ends is None else span_ends,
-        first_req, kernel_window(window), scale * LOG2E,
+        first_req, kernel_window(window), kernel_chunk(chunk), scale * LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3), block_tables.stride(0),
         GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, BLOCK_N=block_n, BLOCK_SIZE=kv_cache.shape[2],

@@ -4,8 +4,9 @@ The leading decode requests (one new token each) go to the split-KV paged decode
 other requests go to the varlen prefill kernel, which reads their cached context and new tokens
 from the cache. With cascade metadata the same two kernels attend each request over its keys after
 its group's prefix (shortened block tables), then the prefix pass attends each group's tokens over
-the prefix and merges (kernels/cascade_attention.py). A sliding window goes to both kernels, span
-ends to the prefill kernel (decodes are causal); the layer never sends them with cascade metadata.
+the prefix and merges (kernels/cascade_attention.py). A sliding window and an attention chunk go to
+both kernels, span ends to the prefill kernel (decodes are causal); the layer never sends them with
+cascade metadata.
 """
 
 from __future__ import annotations
@@ -70,9 +71,9 @@ class TritonAttentionBackend:
         store_kv(key, value, kv_cache, slot_mapping, k_scale, v_scale)
 
     def forward(self, query: torch.Tensor, kv_cache: torch.Tensor, metadata: AttentionMetadata, scale: float, *,
-                window: int | None = None, span_ends: torch.Tensor | None = None) -> torch.Tensor:
+                window: int | None = None, span_ends: torch.Tensor | None = None, chunk: int | None = None) -> torch.Tensor:
         cascade = metadata.cascade
-        if cascade is not None and (window is not None or span_ends is not None):
+        if cascade is not None and (window is not None or span_ends is not None or chunk is not None):
             raise ValueError("cascade attention is causal only: run a windowed or bidirectional layer without it")
         out = torch.empty_like(query)
         # with cascade, each request first attends to its keys after its group's prefix
@@ -85,18 +86,18 @@ class TritonAttentionBackend:
             splits = metadata.decode_num_splits or self.num_splits
             if splits is None:
                 longest = metadata.max_decode_seq_len if cascade is None else max(cascade.suffix_seq_lens_cpu[:nd])
-                if window is not None:  # the keys a decode reads
-                    longest = min(longest, window)
+                if window is not None or chunk is not None:  # the keys a decode reads
+                    longest = min(longest, window or chunk, chunk or window)
                 splits = self.choose_num_splits(nd, kv_cache.shape[3], longest, query.device)
             decode_attention(
                 query[:nd], kv_cache, seq_lens[:nd], block_tables[:nd], scale, splits, out=out[:nd],
-                lse=None if lse is None else lse[:nd], window=window,
+                lse=None if lse is None else lse[:nd], window=window, chunk=chunk,
             )
         if nd < metadata.num_reqs:
             prefill_attention(
                 query, kv_cache, metadata.query_start_loc, seq_lens, block_tables, scale,
                 max_query_len=metadata.max_prefill_query_len, first_req=nd, num_reqs=metadata.num_reqs - nd, out=out,
-                lse=lse, window=window, span_ends=span_ends,
+                lse=lse, window=window, span_ends=span_ends, chunk=chunk,
             )
         if cascade is not None:
             cascade_prefix_attention(query, kv_cache, cascade, metadata.block_tables, scale, out, lse)

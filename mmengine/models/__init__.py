@@ -25,4 +25,7 @@
   mistral3.py    Mistral 3: the family and its model (Pixtral tower at native resolution, patch merger, [IMG_BREAK] rows)
   idefics3.py    Idefics3 and SmolVLM2: the families and their model (SigLIP-style tower, pixel-shuffle connector, tiles)
   idefics3_tiles.py  Idefics3's image splitting: the sizes, the grid, the processor's row/column marker text
+  llama4.py      Llama 4: the family and its model (tiled ViT with pixel shuffle, one item per picture with its separators)
+  llama4_text.py Llama 4's decoder: chunked local attention and NoPE layers, QK L2 norm, sigmoid-routed experts
+  llama4_tiles.py  Llama 4's tiling, resize and normalize without torchvision; Llama4Processor's text for a picture
 """
