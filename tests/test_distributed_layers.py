@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from mmengine.distributed.checkpoint_slices import CheckpointSlices, load_parameter
 from mmengine.distributed.executor import MultiprocExecutor
 from mmengine.distributed.parallel_linear import (
     ColumnParallelLinear,
@@ -100,27 +101,37 @@ def attention(q, k, v, heads: int, kv_heads: int) -> torch.Tensor:
 
 
 class Block(torch.nn.Module):
-    """x + o(attn(qkv(x))), then + down(silu(gate(x)) * up(x)): column-parallel in, row-parallel out."""
+    """x + o(attn(qkv(norm(x)))), then + down(silu(gate(x)) * up(x)): column-parallel in, row-parallel out; the
+    norm's weight is replicated on every rank."""
+
+    # checkpoint name -> (our parameter, its piece): the stacking a model family's loader would spell out
+    CHECKPOINT_NAMES = {
+        "norm.weight": ("norm", None), "o_proj.weight": ("o.weight", None),
+        "gate.weight": ("gate_up.weight", 0), "up.weight": ("gate_up.weight", 1),
+        "down.weight": ("down.weight", None), "down.bias": ("down.bias", None),
+        **{f"{p}_proj.{kind}": (f"qkv.{kind}", p) for p in "qkv" for kind in ("weight", "bias")},
+    }
 
     def __init__(self, tp: TensorParallelGroup, kv_heads: int) -> None:
         super().__init__()
+        self.norm = torch.nn.Parameter(torch.empty(HIDDEN), requires_grad=False)
         self.qkv = QKVParallelLinear(HIDDEN, HEAD, HEADS, kv_heads, bias=True, tp=tp, name="qkv")
         self.o = RowParallelLinear(HEADS * HEAD, HIDDEN, bias=False, tp=tp, name="o")
         self.gate_up = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], bias=False, tp=tp, name="gate_up")
         self.down = RowParallelLinear(INTER, HIDDEN, bias=True, tp=tp, name="down")
 
-    def load(self, f) -> None:
-        for piece in "qkv":
-            for kind in ("weight", "bias"):
-                param = getattr(self.qkv, kind)
-                param.weight_loader(param, f.get_slice(f"{piece}_proj.{kind}"), piece)
-        self.o.weight.weight_loader(self.o.weight, f.get_slice("o_proj.weight"))
-        self.gate_up.weight.weight_loader(self.gate_up.weight, f.get_slice("gate.weight"), 0)
-        self.gate_up.weight.weight_loader(self.gate_up.weight, f.get_slice("up.weight"), 1)
-        load(self.down, f, "down")
+    def load(self, checkpoint_dir: str) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded = set()
+        for name, tensor_slice in CheckpointSlices(checkpoint_dir):
+            if name in self.CHECKPOINT_NAMES:
+                ours, piece = self.CHECKPOINT_NAMES[name]
+                load_parameter(params[ours], tensor_slice, piece, name)
+                loaded.add(name)
+        return loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv.split(self.qkv(x))
+        q, k, v = self.qkv.split(self.qkv(F.rms_norm(x, (HIDDEN,), self.norm)))
         x = x + self.o(attention(q, k, v, self.qkv.num_heads_per_rank, self.qkv.num_kv_heads_per_rank))
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return x + self.down(F.silu(gate) * up)
@@ -128,7 +139,7 @@ class Block(torch.nn.Module):
 
 def rank_block(tp, path, x, kv_heads):
     block = Block(tp, kv_heads)
-    block.load(slices(path))
+    assert block.load(str(Path(path).parent)) == set(Block.CHECKPOINT_NAMES)
     return block(x)
 
 
@@ -136,9 +147,10 @@ def rank_block(tp, path, x, kv_heads):
 
 
 def reference_block(w: dict[str, torch.Tensor], x: torch.Tensor, kv_heads: int) -> torch.Tensor:
-    q = F.linear(x, w["q_proj.weight"], w["q_proj.bias"])
-    k = F.linear(x, w[f"k_proj.weight"], w["k_proj.bias"])
-    v = F.linear(x, w["v_proj.weight"], w["v_proj.bias"])
+    normed = F.rms_norm(x, (HIDDEN,), w["norm.weight"])
+    q = F.linear(normed, w["q_proj.weight"], w["q_proj.bias"])
+    k = F.linear(normed, w["k_proj.weight"], w["k_proj.bias"])
+    v = F.linear(normed, w["v_proj.weight"], w["v_proj.bias"])
     x = x + F.linear(attention(q, k, v, HEADS, kv_heads), w["o_proj.weight"])
     return x + F.linear(F.silu(F.linear(x, w["gate.weight"])) * F.linear(x, w["up.weight"]), w["down.weight"], w["down.bias"])
 
@@ -156,7 +168,7 @@ def checkpoint_tensors(kv_heads: int, seed: int) -> dict[str, torch.Tensor]:
         "q_proj.weight": rand(HEADS * HEAD, HIDDEN), "q_proj.bias": rand(HEADS * HEAD),
         "k_proj.weight": rand(kv_heads * HEAD, HIDDEN), "k_proj.bias": rand(kv_heads * HEAD),
         "v_proj.weight": rand(kv_heads * HEAD, HIDDEN), "v_proj.bias": rand(kv_heads * HEAD),
-        "o_proj.weight": rand(HIDDEN, HEADS * HEAD),
+        "o_proj.weight": rand(HIDDEN, HEADS * HEAD), "norm.weight": 1 + rand(HIDDEN),
     }
 
 

@@ -1,0 +1,54 @@
+"""One rank's read of a checkpoint: every tensor as a safetensors slice, one file open at a time.
+
+A slice holds the header only; a parallel layer's weight loader indexes it for this rank's rows, and only
+those bytes are read (from the page cache or the disk). A slice is valid while its file is open: load it
+inside the loop. The same files as `models/loader.py` reads (an index, one file, or every *.safetensors),
+with the same refusals: a name stored twice, a file that is not safetensors, each naming the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from mmengine.distributed.sharding import Loaded, TensorSlice, copy_into
+from mmengine.errors import CheckpointError, WeightsMismatchError
+from mmengine.models.loader import safetensors_files
+
+
+class CheckpointSlices:
+    """(name, slice) for every tensor of the checkpoint in `model_dir`; remembers each name's file."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.files = safetensors_files(self.model_dir)
+        self.file_of: dict[str, Path] = {}
+
+    def __iter__(self) -> Iterator[tuple[str, TensorSlice]]:
+        for path in self.files:
+            try:
+                handle = safe_open(str(path), framework="pt", device="cpu")
+            except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+                raise CheckpointError(f"not a readable safetensors file (truncated or corrupt?): {err}", path) from err
+            with handle as f:
+                for name in f.keys():
+                    if name in self.file_of:
+                        raise WeightsMismatchError(f"tensor {name!r} is stored twice: also in {self.file_of[name].name}", path)
+                    self.file_of[name] = path
+                    yield name, f.get_slice(name)
+
+
+def load_parameter(param: torch.nn.Parameter, loaded: Loaded, shard_id: object = None, name: str = "") -> None:
+    """Loads `param` through its parallel layer's `weight_loader` (this rank's share), or whole when it has none
+    (a replicated parameter: a norm, a rotary table)."""
+    weight_loader = getattr(param, "weight_loader", None)
+    if weight_loader is None:
+        whole = loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+        copy_into(param, whole, name or "a replicated parameter")
+    elif shard_id is None:
+        weight_loader(param, loaded)
+    else:
+        weight_loader(param, loaded, shard_id)
