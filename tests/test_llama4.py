@@ -147,6 +147,16 @@ def test_prompt_and_tiles(engine):
     assert engine.family.resized_size(70, 50) == (64, 64)
 
 
+def test_a_token_prompt_with_one_placeholder_per_picture(engine):
+    """One <|patch|> per picture in a token prompt is expanded into the picture's text, as the marker is."""
+    prompt = llama4_prompt("Compare them.", 2)
+    text = engine.generate(prompt, images=[WIDE, SQUARE], sampling_params=GREEDY, use_tqdm=False)[0]
+    ids = engine.input_processor.tokenizer(prompt.replace("<|image|>", "<|patch|>"))["input_ids"]
+    tokens = engine.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [WIDE, SQUARE]}},
+                             sampling_params=GREEDY, use_tqdm=False)[0]
+    assert tokens.prompt_token_ids == text.prompt_token_ids and tokens.token_ids == text.token_ids
+
+
 def test_pictures_across_chunk_boundaries(path):
     """Prefill chunks of 24 tokens end inside both pictures' runs (70 and 90 tokens)."""
     prompt = llama4_prompt(QUESTION, 2)
