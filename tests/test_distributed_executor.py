@@ -53,6 +53,13 @@ class RankWorker:
             time.sleep(seconds)
         return self.tp.all_reduce(torch.ones(1)).item()
 
+    def peer_gone(self, dying_rank: int, delay_s: float) -> None:
+        """The order a real death can take: the survivor's collective fails first, the peer's exit follows."""
+        if self.tp.rank == dying_rank:
+            time.sleep(delay_s)
+            os._exit(3)
+        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29500")
+
 
 def refuse_to_start(tp: TensorParallelGroup) -> None:
     raise ConfigError(f"layers.0.qkv: num_key_value_heads=3 cannot be split over tensor_parallel_size={tp.size}")
@@ -144,6 +151,16 @@ def test_a_worker_killed_mid_call_is_engine_dead_within_seconds_for_that_call_an
         with pytest.raises(EngineDeadError, match="rank 1 .* died"):
             executor.execute({"id": 1, "payload": b""})
     assert wait_gone(pids, 10) == []
+    executor.shutdown()
+
+
+def test_a_failed_collective_is_reported_as_the_peer_death_that_caused_it():
+    executor = start()
+    with pytest.raises(EngineDeadError) as caught:
+        executor.call("peer_gone", 1, 0.5)  # rank 0's error arrives half a second before rank 1 exits
+    assert not isinstance(caught.value, WorkerError)
+    assert re.search(r"rank 1 \(pid \d+\) died \(exit code 3\)", str(caught.value))
+    assert wait_gone(executor.pids, 10) == []
     executor.shutdown()
 
 

@@ -157,16 +157,13 @@ class MultiprocExecutor:
         self.watcher: threading.Thread | None = None
         address = rendezvous or free_tcp_address()
         context = multiprocessing.get_context("spawn")
-        for rank in range(tensor_parallel_size):
-            init = DistributedInit(tensor_parallel_size, rank, address, device=device, backend=backend)
-            conn, child_conn = context.Pipe()
-            lifeline_reader, lifeline = context.Pipe(duplex=False)
-            process = context.Process(target=worker_main, name=f"mmengine-tp-worker-{rank}", daemon=True,
-                                      args=(init, worker_factory, child_conn, lifeline_reader, torch_threads))
-            process.start()
-            child_conn.close()
-            lifeline_reader.close()
-            self.handles.append(WorkerHandle(rank, process, conn, lifeline))
+        try:
+            for rank in range(tensor_parallel_size):
+                self.handles.append(self.spawn(context, DistributedInit(tensor_parallel_size, rank, address, device=device,
+                                                                        backend=backend), worker_factory, torch_threads))
+        except BaseException:  # an unpicklable factory: the ranks already started are stopped
+            self.finalizer()
+            raise
         try:
             ready = self.await_replies(range(tensor_parallel_size), kind=READY, timeout_s=start_timeout_s)
         except WorkerError as err:
@@ -177,6 +174,19 @@ class MultiprocExecutor:
         self.watcher = threading.Thread(target=watch, args=(self.workers, weakref.WeakMethod(self.mark_dead)),
                                         name="mmengine-tp-watcher", daemon=True)
         self.watcher.start()
+
+    @staticmethod
+    def spawn(context: Any, init: DistributedInit, worker_factory: WorkerFactory, torch_threads: int | None) -> WorkerHandle:
+        conn, child_conn = context.Pipe()
+        lifeline_reader, lifeline = context.Pipe(duplex=False)
+        process = context.Process(target=worker_main, name=f"mmengine-tp-worker-{init.rank}", daemon=True,
+                                  args=(init, worker_factory, child_conn, lifeline_reader, torch_threads))
+        try:
+            process.start()
+        finally:
+            child_conn.close()
+            lifeline_reader.close()
+        return WorkerHandle(init.rank, process, conn, lifeline)
 
     # -- the calls --------------------------------------------------------------------------------------------
 

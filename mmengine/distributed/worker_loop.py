@@ -25,11 +25,13 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any, Protocol
 
+import torch
+import torch.distributed
+
 from mmengine.distributed.process_group import DistributedInit, TensorParallelGroup, destroy_distributed, init_distributed
 
 STEP, CALL, STOP = "step", "call", "stop"
 READY, OK, ERROR = "ready", "ok", "error"
-
 
 
 class Worker(Protocol):
@@ -48,8 +50,7 @@ PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe", "NCCL", "gloo", "
 
 
 def is_collective_failure(err: BaseException) -> bool:
-    dist_error = getattr(getattr(sys.modules.get("torch"), "distributed", None), "DistError", None)
-    if dist_error is not None and isinstance(err, dist_error):
+    if isinstance(err, torch.distributed.DistError):
         return True
     return isinstance(err, RuntimeError) and any(marker in str(err) for marker in PEER_GONE)
 
@@ -80,8 +81,6 @@ def worker_main(init: DistributedInit, factory: WorkerFactory, conn: Connection,
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the driver, which stops the workers
     threading.Thread(target=watch_lifeline, args=(lifeline,), name="mmengine-lifeline", daemon=True).start()
     if torch_threads is not None:
-        import torch
-
         torch.set_num_threads(torch_threads)
     try:
         group = init_distributed(init)
@@ -132,8 +131,9 @@ def serve(worker: Any, rank: int, conn: Connection) -> None:
             else:
                 _, method, args, kwargs = message
                 result = getattr(worker, method)(*args, **kwargs)
-        except BaseException as err:  # noqa: BLE001 - every rank's failure goes to the driver
+            reply = pickle.dumps((OK, result), protocol=pickle.HIGHEST_PROTOCOL) if kind == CALL or rank == 0 else None
+        except BaseException as err:  # noqa: BLE001 - every rank's failure (an unpicklable result too) goes to the driver
             conn.send(error_reply(rank, err))
             continue
-        if kind == CALL or rank == 0:
-            conn.send((OK, result))
+        if reply is not None:
+            conn.send_bytes(reply)
