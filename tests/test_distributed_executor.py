@@ -130,6 +130,29 @@ def test_shutdown_and_the_with_block_stop_every_worker():
         executor.execute({"id": 2, "payload": b""})
 
 
+def test_a_shutdown_from_another_thread_ends_the_call_in_flight():
+    deaths: list[EngineDeadError] = []
+    executor = start(on_death=deaths.append)
+    pids = list(executor.pids)
+    outcome: list[BaseException] = []
+
+    def busy() -> None:
+        try:
+            executor.call("sleep_then_reduce", 0, 60.0)
+        except BaseException as err:  # noqa: BLE001 - the outcome is asserted below
+            outcome.append(err)
+
+    caller = threading.Thread(target=busy)
+    caller.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    executor.shutdown()
+    caller.join(20)
+    assert not caller.is_alive() and time.monotonic() - started < 20
+    assert len(outcome) == 1 and isinstance(outcome[0], EngineDeadError) and "shut down" in str(outcome[0])
+    assert wait_gone(pids, 10) == [] and deaths == []
+
+
 def test_a_worker_killed_mid_call_is_engine_dead_within_seconds_for_that_call_and_every_later_one():
     deaths: list[EngineDeadError] = []
     executor = start(on_death=deaths.append)

@@ -206,9 +206,17 @@ class MultiprocExecutor:
             return [results[rank] for rank in range(self.tensor_parallel_size)]
 
     def shutdown(self) -> None:
-        """Stops every worker (idempotent); every later call raises EngineDeadError."""
-        self.mark_dead(EngineDeadError("the tensor-parallel executor has been shut down"), graceful=True)
-        self.finalizer()
+        """Stops every worker (idempotent); every later call raises EngineDeadError. A call in flight in another
+        thread is not waited for: its workers are released at once and it raises EngineDeadError too."""
+        idle = self.lock.acquire(blocking=False)
+        try:
+            self.mark_dead(EngineDeadError("the tensor-parallel executor has been shut down"), graceful=True)
+            if not idle:
+                self.workers.release()
+            self.finalizer()
+        finally:
+            if idle:
+                self.lock.release()
         if self.watcher is not None and threading.current_thread() is not self.watcher:
             self.watcher.join(timeout=5.0)
 
