@@ -28,8 +28,9 @@ class DistributedInit:
     world_size: int
     rank: int
     init_method: str  # "tcp://127.0.0.1:PORT" (free_tcp_address) or "file:///path" (file_address)
-    device: str = "cpu"  # "cpu" or "cuda" (rank r then uses cuda:r)
+    device: str = "cpu"  # "cpu" or "cuda" (the rank's GPU: cuda:local_rank)
     backend: str | None = None  # None: "nccl" on CUDA, "gloo" on CPU
+    local_rank: int | None = None  # the rank on its machine (None: rank; a machine per rank group needs it, Ray)
     timeout_s: float = 1800.0  # a collective that waits longer fails (a dead peer is noticed sooner, by the executor)
 
     def __post_init__(self) -> None:
@@ -49,7 +50,8 @@ class DistributedInit:
         return self.backend or ("nccl" if self.device == "cuda" else "gloo")
 
     def torch_device(self) -> torch.device:
-        return torch.device("cuda", self.rank) if self.device == "cuda" else torch.device("cpu")
+        local_rank = self.rank if self.local_rank is None else self.local_rank
+        return torch.device("cuda", local_rank) if self.device == "cuda" else torch.device("cpu")
 
 
 def free_tcp_address(host: str = "127.0.0.1") -> str:
