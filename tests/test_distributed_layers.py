@@ -24,7 +24,7 @@ from mmengine.distributed.parallel_linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from mmengine.distributed.process_group import TensorParallelGroup, file_address
+from mmengine.distributed.process_group import TensorParallelGroup, file_address, single_rank_group
 from mmengine.distributed.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from mmengine.errors import ConfigError, WeightsMismatchError
 
@@ -89,6 +89,11 @@ def rank_lm_head(tp, path, h):
     layer = ParallelLMHead(VOCAB, HIDDEN, bias=True, tp=tp, name="lm_head")
     load(layer, slices(path), "lm_head")
     return layer(h)
+
+
+def rank_collectives(tp):
+    mine = torch.full((2, 1), float(tp.rank))
+    return tp.broadcast_object({"plan": [1, 2]} if tp.rank == 0 else None), tp.all_gather_last_dim(mine), tp.all_reduce(mine.clone())
 
 
 def attention(q, k, v, heads: int, kv_heads: int) -> torch.Tensor:
@@ -256,7 +261,52 @@ def test_attention_and_mlp_block_equals_the_unsharded_block(ranks, checkpoints, 
         torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
 
+def test_the_group_broadcasts_gathers_and_reduces(ranks):
+    for obj, gathered, reduced in ranks.call("run", rank_collectives):
+        assert obj == {"plan": [1, 2]}
+        torch.testing.assert_close(gathered, torch.tensor([[0.0, 1.0], [0.0, 1.0]]))
+        torch.testing.assert_close(reduced, torch.full((2, 1), 1.0))
+
+
 # -- construction and loading rules (no collective: in this process) ------------------------------------------
+
+
+class RecordingSlice:
+    """A safetensors slice that remembers which rows were asked of it."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.reads: list[tuple] = []
+
+    def get_shape(self) -> list[int]:
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index):
+        self.reads.append(index)
+        return self.tensor[index]
+
+
+def test_a_rank_reads_only_its_rows_of_a_slice(checkpoints):
+    _, w = checkpoints[KV_HEADS]
+    for rank in range(TP):
+        column = ColumnParallelLinear(HIDDEN, INTER, tp=fake_rank(rank), name="up")
+        recorded = RecordingSlice(w["up.weight"])
+        column.weight_loader(column.weight, recorded)
+        half = INTER // TP
+        assert recorded.reads == [(slice(rank * half, (rank + 1) * half),)]
+        row = RowParallelLinear(INTER, HIDDEN, tp=fake_rank(rank), name="down")
+        recorded = RecordingSlice(w["down.weight"])
+        row.weight_loader(row.weight, recorded)
+        assert recorded.reads == [(slice(None), slice(rank * half, (rank + 1) * half))]
+
+
+def test_at_tp_1_the_layers_are_plain_layers_without_torch_distributed(checkpoints):
+    path, w = checkpoints[KV_HEADS]
+    block = Block(single_rank_group(), KV_HEADS)  # no group was ever initialised in this process
+    block.load(str(Path(path).parent))
+    x = inputs(6, HIDDEN)
+    torch.testing.assert_close(block(x), reference_block(w, x, KV_HEADS), atol=ATOL, rtol=0)
+    assert not torch.distributed.is_initialized()
 
 
 def test_kv_heads_split_when_tp_divides_them(checkpoints):
