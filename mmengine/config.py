@@ -11,9 +11,10 @@ flags do (one flag per option, named after it); each option belongs to exactly o
     config.multimodal_config  media limits and preprocessing
     config.parallel_config    which processes run the engine (the engine core; tensor parallelism next)
     config.lora_config        LoRA adapters
+    config.spec_config        speculative decoding (vLLM's speculative_config)
 
-(vLLM's EngineArgs -> VllmConfig, in one class.) A speculative group joins the same way: a dataclass with its
-own checks, listed in GROUPS. Checks across groups are EngineConfig's own.
+(vLLM's EngineArgs -> VllmConfig, in one class.) A new group joins the same way: a dataclass with its own
+checks, listed in GROUPS. Checks across groups are EngineConfig's own.
 """
 
 from __future__ import annotations
@@ -260,6 +261,58 @@ class LoRAConfig:
             _require(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", self.max_cpu_loras, f">= max_loras ({self.max_loras})")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+MAX_SPECULATIVE_TOKENS = 16
+_SPECULATIVE_KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}}
+DEFAULT_PROMPT_LOOKUP = 5  # vLLM's: n-grams of 5 tokens when neither bound is given
+
+
+@dataclass
+class SpeculativeConfig:
+    # vLLM's speculative_config (spec/): {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
+    # "prompt_lookup_max": b} drafts up to k tokens a step by prompt lookup: the latest earlier occurrence of the
+    # request's last n tokens (n from b down to a) proposes the tokens that followed it. With greedy decoding the
+    # tokens are those of decoding without it; with sampling, their distribution is. None: off.
+    speculative_config: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        spec = self.speculative_config
+        _require(spec is None or isinstance(spec, dict), "speculative_config", spec, "None or a dict")
+        if spec is None:
+            return
+        method = spec.get("method")
+        _require(method in SPECULATIVE_METHODS, "speculative_config['method']", method, f"one of {', '.join(SPECULATIVE_METHODS)}")
+        unknown = sorted(set(spec) - _SPECULATIVE_KEYS[method])
+        _require(not unknown, "speculative_config", spec, f"keys among {sorted(_SPECULATIVE_KEYS[method])} (unknown: {unknown})")
+        k = spec.get("num_speculative_tokens")
+        _require(_is_int(k, 1) and k <= MAX_SPECULATIVE_TOKENS, "speculative_config['num_speculative_tokens']", k,
+                 f"an int in [1, {MAX_SPECULATIVE_TOKENS}]")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = spec.get(name)
+            _require(value is None or _is_int(value, 1), f"speculative_config[{name!r}]", value, "None or an int >= 1")
+        _require(self.prompt_lookup_min <= self.prompt_lookup_max, "speculative_config", spec,
+                 "prompt_lookup_min <= prompt_lookup_max")
+
+    @property
+    def method(self) -> str | None:
+        return None if self.speculative_config is None else self.speculative_config["method"]
+
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Draft tokens a request may verify per step (0: speculative decoding is off)."""
+        return 0 if self.speculative_config is None else self.speculative_config["num_speculative_tokens"]
+
+    @property
+    def prompt_lookup_max(self) -> int:
+        spec = self.speculative_config or {}
+        return spec.get("prompt_lookup_max") or spec.get("prompt_lookup_min") or DEFAULT_PROMPT_LOOKUP
+
+    @property
+    def prompt_lookup_min(self) -> int:
+        spec = self.speculative_config or {}
+        return spec.get("prompt_lookup_min") or spec.get("prompt_lookup_max") or DEFAULT_PROMPT_LOOKUP
+
+
 # attribute on EngineConfig -> its group; the order is the command-line help's
 GROUPS: dict[str, type] = {
     "model_config": ModelConfig,
@@ -269,6 +322,7 @@ GROUPS: dict[str, type] = {
     "multimodal_config": MultimodalConfig,
     "parallel_config": ParallelConfig,
     "lora_config": LoRAConfig,
+    "spec_config": SpeculativeConfig,
 }
 
 
@@ -284,6 +338,7 @@ class EngineConfig:
     multimodal_config: MultimodalConfig
     parallel_config: ParallelConfig
     lora_config: LoRAConfig
+    spec_config: SpeculativeConfig
     _OPTION_GROUPS: ClassVar[dict[str, str]] = {}  # option name -> group attribute, filled below
 
     def __init__(self, model: str, **options: Any) -> None:
@@ -295,6 +350,9 @@ class EngineConfig:
         for attribute, group in GROUPS.items():
             names = {f.name for f in dataclasses.fields(group)}
             setattr(self, attribute, group(**{name: value for name, value in options.items() if name in names}))
+        if self.spec_config.num_speculative_tokens and self.scheduler_config.async_scheduling == "on":
+            raise ConfigError("speculative_config cannot run with async_scheduling='on': a step's drafts are proposed "
+                              "from the tokens the previous step returned; use 'auto' (then off) or 'off'")
 
     @classmethod
     def from_kwargs(cls, model: str, **options: Any) -> EngineConfig:

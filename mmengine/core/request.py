@@ -105,6 +105,7 @@ class Request:
         self.output_logprobs: list[Any] = []  # outputs.TokenLogprobs per generated token, when asked for
         self.prompt_logprobs: list[Any] | None = None  # TokenLogprobs per prompt token (None first), when asked for
         self.grammar: Any = None  # structured output: the matcher its output tokens are fed to
+        self.spec_token_ids: list[int] = []  # speculative decoding: drafts for its next step to verify
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -27,6 +27,7 @@ from mmengine.kv_cache.recurrent_state import RecurrentStateManager, StatePlan
 from mmengine.kv_cache.sliding_window import SlidingWindowManager
 from mmengine.core.prefix_sharing import PrefixSharing
 from mmengine.core.request import PLACEHOLDER_TOKEN, Request, RequestStatus
+from mmengine.spec.verify import SpecCounters, accepted_prefix
 
 # A waiting request skipped this many times (later requests admitted ahead of it) stops
 # anything behind it from being admitted until it is: bounded skipping, no starvation.
@@ -43,6 +44,9 @@ class ScheduledRequest:
     encoder_items: list[int]  # indices of the request's mm items to encode this step
     restored_items: list[int] = field(default_factory=list)  # items copied back from the host tier this step
     state: StatePlan | None = None  # hybrid models: the recurrent state's slot, start and checkpoints this step
+    # Speculative decoding: draft tokens computed after the request's last token (the last num_new_tokens - 1
+    # positions); every position is sampled and the drafts the samples repeat are kept (spec/verify.py)
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def end(self) -> int:
@@ -51,7 +55,7 @@ class ScheduledRequest:
     @property
     def samples(self) -> bool:
         """Whether this step reaches the request's last known token, so its logits give a new token."""
-        return self.num_new_tokens > 0 and self.end == self.request.num_tokens
+        return self.num_new_tokens > 0 and self.end == self.request.num_tokens + len(self.draft_token_ids)
 
 
 @dataclass
@@ -134,6 +138,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_reencodes_after_prefix_hit = 0
         self.num_zero_token_schedules = 0  # running requests held back a step by the encoder budget
+        self.spec = SpecCounters(config.spec_config.num_speculative_tokens)
         # Prefix-sharing groups of batches, their held blocks, and cache-affinity admission.
         self.sharing = PrefixSharing(kv_cache, config.cache_config.block_size, max_model_len, config.scheduler_config.enable_prefix_grouping, windows)
 
@@ -195,7 +200,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             start = request.num_computed_tokens
-            num_new = self._whole_spans(request, start, min(request.num_tokens - start, budget))
+            drafts = self._drafts_of(request, budget)
+            num_new = self._whole_spans(request, start, min(request.num_tokens - start + len(drafts), budget))
             num_new, plan = self._plan_encoder(request, start, num_new, encoder_budget, encoding_now)
             if num_new == 0:
                 self.num_zero_token_schedules += 1
@@ -203,6 +209,9 @@ class Scheduler:
                 i += 1
                 continue
             while not self.caches.can_allocate(request, num_new):
+                if drafts:  # drafts are optional: they go before any hold or request
+                    num_new, drafts = num_new - len(drafts), []
+                    continue
                 if self.sharing.release_idle_hold():  # holds give way before any request (either pool)
                     continue
                 victim = self.running.pop()
@@ -211,8 +220,10 @@ class Scheduler:
                 if victim is request:
                     break
             else:
+                request.spec_token_ids = drafts
                 scheduled = self._commit(request, start, num_new, plan, encoding_now)
-                scheduled.state = self.caches.plan_running(request, start, num_new)
+                scheduled.draft_token_ids, request.spec_token_ids = drafts, []
+                scheduled.state = self.caches.plan_running(request, start, num_new, len(drafts))
                 out.scheduled.append(scheduled)
                 budget -= num_new
                 encoder_budget -= plan.cost
@@ -229,6 +240,17 @@ class Scheduler:
         out.stale_encoder_hashes = self.encoder_cache.take_stale_freed()
         out.kv_offloads, out.kv_restores = self.kv_cache.take_copies()
         return out
+
+    def _drafts_of(self, request: Request, budget: int) -> list[int]:
+        """The request's drafts that this step can verify: a decode's (its one uncomputed token is its last,
+        and no picture lies ahead), as many as the token budget holds after that token. Taken once: a
+        request not scheduled this step drops them (the next step proposes again)."""
+        drafts, request.spec_token_ids = request.spec_token_ids, []
+        if not drafts or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        if request.mm_items and request.mm_items[-1].end > request.num_computed_tokens:
+            return []
+        return drafts[: max(0, budget - 1)]
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, encoder_budget: int, encoding_now: set[str]) -> None:
         """Admits waiting requests, charging only uncached tokens and blocks. They are tried in queue
@@ -394,7 +416,7 @@ class Scheduler:
         """Takes the KV blocks and encoder entries a planned chunk needs: all of them, or (when a
         check fails) none. Reuse references are added before new encodes allocate, so an allocation
         can never evict an entry this same chunk is about to reuse."""
-        assert num_new > 0 and start + num_new <= request.num_tokens, (request, start, num_new)
+        assert num_new > 0 and start + num_new <= request.num_tokens + len(request.spec_token_ids), (request, start, num_new)
         if not plan.encode and not plan.reuse and not plan.restore:  # text only: just the KV blocks
             if not self.caches.can_allocate(request, num_new, hit, start):
                 raise RuntimeError(f"KV blocks for {request} are no longer free")
@@ -480,15 +502,20 @@ class Scheduler:
     # -- after the model ran ---------------------------------------------
 
     def update_from_output(
-        self, out: SchedulerOutput, sampled: dict[str, int], eos_token_ids: frozenset[int]
+        self, out: SchedulerOutput, sampled: dict[str, int | list[int]], eos_token_ids: frozenset[int]
     ) -> list[Request]:
-        """Advances the scheduled requests; returns those that got a new token this step."""
+        """Advances the scheduled requests; returns those that got new tokens this step. `sampled`: each
+        sampling request's token, or its tokens at every position of the step (a verify step's)."""
         updated = []
         for s in out.scheduled:
             request = s.request
-            if not self._book_computed(s) or request.request_id not in sampled:
+            samples = sampled.get(request.request_id)
+            if s.draft_token_ids and samples is not None and not request.is_finished:
+                token = self._book_verified(s, samples, eos_token_ids)
+            elif not self._book_computed(s) or samples is None:
                 continue
-            token = sampled[request.request_id]
+            else:
+                token = _last(samples)
             request.append_output_token(token)
             self.kv_cache.hash_new_blocks(request)
             status = RequestStatus.FINISHED_STOPPED if self._stops_on(request, token, eos_token_ids) else None
@@ -498,6 +525,29 @@ class Scheduler:
                 self.finish_request(request, status)
             updated.append(request)
         return updated
+
+    def _book_verified(self, s: ScheduledRequest, samples: list[int], eos_token_ids: frozenset[int]) -> int:
+        """A verify step (spec/verify.py): appends the drafts the samples accept, cut after a stop token or at
+        the length limit, books the positions computed with them, rolls a hybrid model's state back to the
+        last of those, and returns the token that follows them (appended by the caller, as a decode's)."""
+        request = s.request
+        accepted = accepted_prefix(s.draft_token_ids, samples)
+        self.spec.record(len(s.draft_token_ids), accepted)
+        emitted = self._cut(request, samples[: accepted + 1], eos_token_ids)
+        for token in emitted[:-1]:
+            request.append_output_token(token)
+        self.kv_cache.hash_new_blocks(request)
+        self._book_computed(s, s.start + len(emitted))
+        if self.states is not None:
+            self.states.rollback(request, len(emitted), s.num_new_tokens)
+        return emitted[-1]
+
+    def _cut(self, request: Request, tokens: list[int], eos_token_ids: frozenset[int]) -> list[int]:
+        """`tokens` up to the first that ends the request (a stop token, max_tokens, max_model_len)."""
+        for i, token in enumerate(tokens):
+            if _is_stop(request, token, eos_token_ids) or request.num_output_tokens + i + 1 >= request.sampling_params.max_tokens or request.num_tokens + i + 1 >= self.max_model_len:
+                return tokens[: i + 1]
+        return tokens
 
     def book_step(self, out: SchedulerOutput) -> list[Request]:
         """Async scheduling, before the step's sampled tokens are read: advances the scheduled
@@ -522,7 +572,7 @@ class Scheduler:
         """Async scheduling: fills in the placeholders of book_step() and applies the stop tokens;
         the end state is update_from_output()'s. Returns the requests (all of them got a token)."""
         for request in pending:
-            token = sampled[request.request_id]
+            token = _last(sampled[request.request_id])
             request.resolve_placeholder(token)
             stops = self._stops_on(request, token, eos_token_ids)
             if request.is_finished:  # at its length limit: a stop token on the last step still names the reason
@@ -534,13 +584,13 @@ class Scheduler:
                 self.finish_request(request, RequestStatus.FINISHED_STOPPED)
         return pending
 
-    def _book_computed(self, s: ScheduledRequest) -> bool:
-        """Books a scheduled chunk as computed (caches its full blocks, releases consumed encoder
-        entries); False when there was nothing to book."""
+    def _book_computed(self, s: ScheduledRequest, end: int | None = None) -> bool:
+        """Books a scheduled chunk as computed up to `end` (None: the whole chunk): caches its full blocks,
+        releases consumed encoder entries; False when there was nothing to book."""
         request = s.request
         if request.is_finished or s.num_new_tokens == 0:
             return False
-        request.num_computed_tokens = s.end
+        request.num_computed_tokens = s.end if end is None else end
         self.caches.booked(request)  # pins items first: consumed ones are released next
         self.sharing.progressed(request)
         self._release_consumed(request)
@@ -557,14 +607,22 @@ class Scheduler:
     @staticmethod
     def _stops_on(request: Request, token: int, eos_token_ids: frozenset[int]) -> bool:
         """Whether `token` is one of the request's stop tokens (EOS unless ignored); records the reason."""
-        params = request.sampling_params
-        if (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids:
+        if _is_stop(request, token, eos_token_ids):
             request.stop_reason = token
             return True
         return False
 
     def _reached_length(self, request: Request) -> bool:
         return request.num_output_tokens >= request.sampling_params.max_tokens or request.num_tokens >= self.max_model_len
+
+
+def _last(samples: int | list[int]) -> int:
+    return samples if isinstance(samples, int) else samples[-1]
+
+
+def _is_stop(request: Request, token: int, eos_token_ids: frozenset[int]) -> bool:
+    params = request.sampling_params
+    return (not params.ignore_eos and token in eos_token_ids) or token in params.stop_token_ids
 
 
 def _count_skips(candidates: list[tuple[int, Request]], admitted: list[int], window: int) -> None:

@@ -226,7 +226,8 @@ def _recurrent_states(config: EngineConfig, family: ModelFamily, runner: ModelRu
     if family.recurrent_shape is None:
         return None
     states = RecurrentStateManager(config.scheduler_config.max_num_seqs, runner.num_state_checkpoints, config.cache_config.block_size,
-                                   is_block_cached=kv_cache.pool.is_hash_cached)
+                                   is_block_cached=kv_cache.pool.is_hash_cached,
+                                   num_draft_slots=config.spec_config.num_speculative_tokens)
     kv_cache.on_block_uncached = states.drop
     return states
 

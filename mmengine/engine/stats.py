@@ -21,6 +21,7 @@ def engine_stats(parts: EngineParts, steps: StepLoop) -> dict[str, int]:
     processor = parts.input_processor
     return {
         **steps.counters,
+        **scheduler.spec.stats(),
         "num_preemptions": scheduler.num_preemptions,
         "encoder_runs": runner.num_encoder_runs,
         "cascade_steps": runner.num_cascade_steps,

@@ -30,6 +30,7 @@ from mmengine.sample.detokenizer import IncrementalDetokenizer
 from mmengine.sample.params import SamplingParams
 from mmengine.sample.reasoning import ReasoningGate, opening_token, prompt_opens_reasoning, split_reasoning
 from mmengine.sample.structured_output.grammar import GrammarCompiler
+from mmengine.spec.ngram import NgramProposer
 
 
 @dataclass
@@ -56,8 +57,11 @@ class StepLoop:
         self._last_scheduled: SchedulerOutput | None = None  # this advance()'s step, for _recompute_lost_states
         self.pending: list[RequestOutput] = []  # outputs for step() to return (add_request's requests)
         self.owners: dict[str, dict[str, RequestOutput]] = {}  # request id -> its generate() call's results
-        self.counters = dict.fromkeys(("steps", "tokens_computed", "prefill_tokens_computed", "prompt_tokens",
+        self.counters = dict.fromkeys(("steps", "decode_steps", "tokens_computed", "prefill_tokens_computed", "prompt_tokens",
                                        "generation_tokens", "requests_finished"), 0)
+        spec = config.spec_config
+        self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) \
+            if spec.method == "ngram" else None
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._opens_reasoning: dict[str, bool] = {}  # with a reasoning parser: the prompt left <think> open
         self._opening_token = opening_token(tokenizer) if config.model_config.reasoning_parser is not None else None
@@ -154,7 +158,22 @@ class StepLoop:
         sampled = launched.result()
         updated = self.scheduler.update_from_output(out, sampled, self.eos_token_ids)
         self._record_logprobs(launched, updated)
-        return self._outputs(updated)
+        outputs = self._outputs(updated)
+        if self.proposer is not None:
+            self._propose_drafts()
+        return outputs
+
+    def _propose_drafts(self) -> None:
+        """Speculative decoding: drafts for each running decode's next step. None for requests whose next
+        token depends on the ones before it in ways a verify step does not follow (a grammar, penalties);
+        never more than the request can still emit."""
+        max_model_len = self.scheduler.max_model_len
+        for request in self.scheduler.running:
+            params = request.sampling_params
+            if request.grammar is not None or params.penalized or request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            room = min(params.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens)
+            request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
 
     def _step_async(self) -> list[RequestOutput]:
         """Books the step in flight with placeholder tokens, schedules and launches the next one, and
@@ -202,6 +221,7 @@ class StepLoop:
         if out.is_empty and not allow_empty and self.scheduler.has_unfinished_requests():
             raise RuntimeError(f"scheduler made no progress: {self.scheduler.running + list(self.scheduler.waiting)}")
         self.counters["steps"] += not out.is_empty
+        self.counters["decode_steps"] += any(s.num_new_tokens and s.start >= s.request.num_prompt_tokens for s in out.scheduled)
         self.counters["tokens_computed"] += out.num_scheduled_tokens
         self.counters["prefill_tokens_computed"] += sum(
             max(0, min(s.end, s.request.num_prompt_tokens) - s.start) for s in out.scheduled
@@ -276,30 +296,36 @@ class StepLoop:
         logprobs = launched.token_logprobs()
         if logprobs:
             for request in updated:
-                if request.request_id in logprobs:
-                    request.output_logprobs.append(logprobs[request.request_id])
+                if request.request_id in logprobs:  # one entry per token it got (a verify step's rows go on past them)
+                    new = request.num_output_tokens - len(request.output_logprobs)
+                    request.output_logprobs.extend(logprobs[request.request_id][:new])
 
     def _outputs(self, updated: list[Request]) -> list[RequestOutput]:
         outputs = (self.after_token(request) for request in updated)
         return [output for output in outputs if output is not None]
 
     def after_token(self, request: Request) -> RequestOutput | None:
-        """Detokenizes the request's new token and applies stop strings. Returns its output, or None
-        for an unfinished request of a generate() call (which reads only final outputs): such a
-        request's tokens are decoded all at once when it finishes, unless it has stop strings."""
+        """Detokenizes the request's new tokens (one, or a verify step's run) and applies stop strings.
+        Returns its output, or None for an unfinished request of a generate() call (which reads only final
+        outputs): such a request's tokens are decoded all at once when it finishes, unless it has stop strings."""
         detokenizer = self._detokenizers[request.request_id]
         gate = request.grammar if isinstance(request.grammar, ReasoningGate) else None
         streamed = request.request_id not in self.owners or bool(request.sampling_params.stop) or gate is not None
-        token = request.output_token_ids[-1]
-        stop_string = detokenizer.append(token, decode=streamed)
-        self.counters["generation_tokens"] += 1
-        if stop_string is not None and not request.is_finished:
-            request.stop_reason = stop_string
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-        if request.grammar is not None and not request.is_finished and _grammar_done(request.grammar, token):
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-        if gate is not None:
-            gate.see(detokenizer.text)
+        first = detokenizer.num_appended
+        for index in range(first, request.num_output_tokens):
+            token = request.output_token_ids[index]
+            stop_string = detokenizer.append(token, decode=streamed)
+            self.counters["generation_tokens"] += 1
+            if stop_string is not None and not request.is_finished:
+                request.stop_reason = stop_string
+                _drop_tokens_after(request, index)
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            if request.grammar is not None and not request.is_finished and _grammar_done(request.grammar, token):
+                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            if gate is not None:
+                gate.see(detokenizer.text)
+            if stop_string is not None:
+                break
         if request.is_finished:
             detokenizer.flush()  # release a trailing partial character held back while streaming
             del self._detokenizers[request.request_id]
@@ -330,6 +356,15 @@ class StepLoop:
             logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
             prompt_logprobs=list(request.prompt_logprobs) if request.prompt_logprobs is not None else None,
         )
+
+
+def _drop_tokens_after(request: Request, index: int) -> None:
+    """A stop string ended the output at output token `index`: a verify step's later tokens go (without
+    speculation they would never have been sampled)."""
+    extra = request.num_output_tokens - index - 1
+    if extra:
+        del request.output_token_ids[index + 1 :], request.all_token_ids[-extra:]
+        del request.output_logprobs[index + 1 :]
 
 
 def _grammar_done(matcher: Any, token: int) -> bool:

@@ -63,9 +63,13 @@ def _shown(value: object) -> str:
     return "none" if value is None else str(value)
 
 
-def mapping_parser(flag: str, value_type: type) -> typing.Callable[[str], dict[str, Any]]:
-    """KEY=VALUE[,KEY=VALUE] or a JSON object (vLLM's form: '{"image": 2, "video": 0}')."""
+def mapping_parser(flag: str, value_type: Any) -> typing.Callable[[str], dict[str, Any]]:
+    """KEY=VALUE[,KEY=VALUE] or a JSON object (vLLM's form: '{"image": 2, "video": 0}'). Values of type Any
+    (speculative_config's) keep their JSON types; in the KEY=VALUE form a value that reads as JSON (a number)
+    is taken as such, else as a string."""
     expected = f"{flag} expects KEY=VALUE[,KEY=VALUE] or a JSON object"
+    if value_type is Any:
+        value_type = _json_scalar
 
     def parse(text: str) -> dict[str, Any]:
         if text.lstrip().startswith("{"):
@@ -84,13 +88,24 @@ def mapping_parser(flag: str, value_type: type) -> typing.Callable[[str], dict[s
     return parse
 
 
-def _json_mapping(text: str, value_type: type, expected: str) -> dict[str, Any]:
+def _json_scalar(text: Any) -> Any:
+    if not isinstance(text, str):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def _json_mapping(text: str, value_type: Any, expected: str) -> dict[str, Any]:
     try:
         mapping = json.loads(text)
     except json.JSONDecodeError as err:
         raise argparse.ArgumentTypeError(f"{expected}, got {text!r} ({err.msg})") from None
     if not isinstance(mapping, dict):
         raise argparse.ArgumentTypeError(f"{expected}, got {text!r}")
+    if value_type is _json_scalar:
+        return mapping
     for key, value in mapping.items():
         if isinstance(value, bool) or not isinstance(value, value_type if value_type is not float else (int, float)):
             raise argparse.ArgumentTypeError(f"{expected}: {key!r} must be a {value_type.__name__}, got {value!r}")

@@ -26,7 +26,7 @@ from mmengine.engine.async_engine import AsyncMMEngine, DeltaOutput
 
 # stats() entries that only grow; every other entry is a level (a gauge).
 COUNTER_STATS = frozenset({
-    "steps", "tokens_computed", "prefill_tokens_computed", "prompt_tokens", "generation_tokens", "requests_finished",
+    "steps", "decode_steps", "tokens_computed", "prefill_tokens_computed", "prompt_tokens", "generation_tokens", "requests_finished",
     "num_preemptions", "encoder_runs", "encoder_cache_hits", "encoder_cache_misses", "encoder_cache_evictions",
     "reencodes_after_prefix_hit", "images_decoded", "images_preprocessed", "mm_processor_cache_hits",
     "prefix_cache_queries", "prefix_cache_hits", "kv_blocks_evicted", "kv_window_blocks_freed", "kv_window_blocks_evicted",
@@ -49,7 +49,7 @@ class _EngineCollector(Collector):
     def collect(self) -> list[Metric]:
         metrics: list[Metric] = []
         for name, value in self._async_engine.engine.stats().items():
-            family = CounterMetricFamily if name in COUNTER_STATS else GaugeMetricFamily
+            family = CounterMetricFamily if name in COUNTER_STATS or name.startswith("spec_") else GaugeMetricFamily
             metrics.append(family(f"mmengine_{name}", f"MMEngine.stats()['{name}']", value=value))
         engine = self._async_engine
         if self._with_load:

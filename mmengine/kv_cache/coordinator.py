@@ -116,11 +116,14 @@ class CacheCoordinator:
         self.states.plan_saves(request, plan, hit.num_computed, num_new, branch_end if branch_end > hit.num_computed else 0)
         return plan
 
-    def plan_running(self, request: Request, start: int, num_new: int) -> StatePlan | None:
+    def plan_running(self, request: Request, start: int, num_new: int, num_drafts: int = 0) -> StatePlan | None:
+        """The recurrent groups' part of a running request's chunk; its last `num_drafts` tokens are drafts,
+        after each of which the state is kept (a rejected draft's successors are rolled back from there)."""
         if self.states is None:
             return None
-        plan = StatePlan(self.states.live_slot(request.request_id))
+        plan = self.states.continue_live(request)
         self.states.plan_saves(request, plan, start, num_new)
+        self.states.plan_draft_saves(request, plan, start + num_new - num_drafts, num_drafts)
         return plan
 
     def booked(self, request: Request) -> None:

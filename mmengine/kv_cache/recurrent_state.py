@@ -41,6 +41,9 @@ class StatePlan:
     reset: bool = False
     restore_from: int | None = None
     saves: list[tuple[int, int]] = field(default_factory=list)  # (position, checkpoint slot)
+    # Speculative decoding: (position, draft slot) after the last token and each draft but the last, so a
+    # verify step that rejects drafts can restore the state at the last position it keeps
+    draft_saves: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -52,10 +55,14 @@ class _PendingSave:
 
 class RecurrentStateManager:
     def __init__(self, num_live_slots: int, num_checkpoints: int, block_size: int,
-                 is_block_cached: Callable[[BlockHash], bool] = lambda block_hash: True) -> None:
+                 is_block_cached: Callable[[BlockHash], bool] = lambda block_hash: True, num_draft_slots: int = 0) -> None:
+        """`num_draft_slots`: speculative decoding's draft states per live slot (num_speculative_tokens), laid
+        out after the checkpoints: live slot i's j-th (1-based) is draft_slot(i, j)."""
         self.block_size = block_size
         self.num_live_slots = num_live_slots
         self.num_checkpoints = num_checkpoints
+        self.num_draft_slots = num_draft_slots
+        self._restore: dict[str, int] = {}  # a verify step rejected drafts: the draft slot its next step restores
         self._is_block_cached = is_block_cached
         self._free_live = list(range(num_live_slots - 1, -1, -1))
         self._free_checkpoints = list(range(num_live_slots + num_checkpoints - 1, num_live_slots - 1, -1))
@@ -78,6 +85,16 @@ class RecurrentStateManager:
 
     def live_slot(self, request_id: str) -> int | None:
         return self._live.get(request_id)
+
+    def draft_slot(self, live_slot: int, num_tokens: int) -> int:
+        """Where a verify step keeps live_slot's state after its first `num_tokens` positions (1..k)."""
+        assert 1 <= num_tokens <= self.num_draft_slots, (num_tokens, self.num_draft_slots)
+        return self.num_slots + live_slot * self.num_draft_slots + num_tokens - 1
+
+    def continue_live(self, request: Request) -> StatePlan:
+        """A running request's next chunk: its live state, first restored where its last verify step
+        rejected drafts."""
+        return StatePlan(self._live[request.request_id], restore_from=self._restore.pop(request.request_id, None))
 
     # -- admission ----------------------------------------------------------
 
@@ -125,6 +142,23 @@ class RecurrentStateManager:
                 return
             plan.saves.append((position, slot))
             self._pending.setdefault(request.request_id, []).append(_PendingSave(position, slot, wanted[position]))
+
+    def plan_draft_saves(self, request: Request, plan: StatePlan, first_draft: int, num_drafts: int) -> None:
+        """Keeps the state before each draft (after the chunk's first j tokens, j = 1..num_drafts: the
+        request's last token, then the drafts before draft j) in the live slot's j-th draft slot."""
+        start = first_draft - 1  # the request's last token, computed with its drafts
+        plan.draft_saves = [(start + j, self.draft_slot(plan.slot, j)) for j in range(1, num_drafts + 1)]
+
+    def rollback(self, request: Request, num_kept: int, num_scheduled: int) -> None:
+        """A verify step kept the first `num_kept` of its `num_scheduled` positions (the request's computed
+        tokens end there): saves booked past them saw rejected drafts and are dropped, and the live state
+        is restored, before the request's next chunk, from the draft save at the last position kept."""
+        pending = self._pending.get(request.request_id, [])
+        for save in [save for save in pending if save.position > request.num_computed_tokens]:
+            pending.remove(save)
+            self._free_checkpoints.append(save.slot)
+        if num_kept < num_scheduled:
+            self._restore[request.request_id] = self.draft_slot(self._live[request.request_id], num_kept)
 
     def _drop_stale_trailing(self, request: Request) -> None:
         pending = self._pending.get(request.request_id, [])
@@ -182,6 +216,7 @@ class RecurrentStateManager:
         for save in self._pending.pop(request.request_id, []):
             self._free_checkpoints.append(save.slot)
         self._trailing.pop(request.request_id, None)
+        self._restore.pop(request.request_id, None)
         self._no_saves.discard(request.request_id)
         slot = self._live.pop(request.request_id, None)
         if slot is not None:
@@ -212,3 +247,4 @@ class RecurrentStateManager:
         assert live == list(range(self.num_live_slots)), ("live slots", live)
         checkpoints = sorted(self._free_checkpoints + list(self._checkpoints.values()) + pending)
         assert checkpoints == list(range(self.num_live_slots, self.num_slots)), ("checkpoint slots", checkpoints)
+        assert set(self._restore) <= set(self._live), ("restores of requests not running", self._restore)

@@ -109,9 +109,11 @@ class InputBuffers:
         cascade: CascadePolicy | None = None,
         lora: bool = False,
         windowed: bool = False,
+        max_sampled_rows: int | None = None,
     ) -> None:
         """`windowed`: the sliding-window layers keep their blocks in a pool of their own, with its own
-        block tables and slots."""
+        block tables and slots. `max_sampled_rows`: logits rows a step may sample (None: one per request;
+        speculative decoding samples each draft's position too)."""
         self.device = device
         self.block_size = block_size
         self.vocab_size = vocab_size
@@ -132,11 +134,12 @@ class InputBuffers:
         if windowed:
             self.window_slot_mapping = buf(max_tokens, dtype=torch.int64)
             self.window_block_tables = buf(max_reqs, max_blocks_per_req, dtype=torch.int32)
-        self.logits_indices = buf(max_reqs, dtype=torch.int64)
-        self.greedy = buf(max_reqs, dtype=torch.bool)
-        self.temperature = buf(max_reqs, dtype=torch.float32)
-        self.top_k = buf(max_reqs, dtype=torch.int64)
-        self.top_p = buf(max_reqs, dtype=torch.float32)
+        max_rows = max_sampled_rows or max_reqs
+        self.logits_indices = buf(max_rows, dtype=torch.int64)
+        self.greedy = buf(max_rows, dtype=torch.bool)
+        self.temperature = buf(max_rows, dtype=torch.float32)
+        self.top_k = buf(max_rows, dtype=torch.int64)
+        self.top_p = buf(max_rows, dtype=torch.float32)
         self.deferred_rows = buf(max_reqs, dtype=torch.int64)
         self.deferred_sources = buf(max_reqs, dtype=torch.int64)
         self.cascade = cascade if cascade is not None and cascade.mode != "off" else None
@@ -179,8 +182,15 @@ class InputBuffers:
         padded_tokens = batch.num_tokens + (padded_reqs - batch.num_reqs)
         assert padded_tokens <= self.max_tokens and padded_reqs <= self.max_reqs, (padded_tokens, padded_reqs)
         token_starts = self._fill_token_buffers(scheduled, batch, padded_tokens, padded_reqs)
-        sampled = [scheduled[i] for i in batch.sampled_rows]
-        self.logits_indices.np[: len(sampled)] = (token_starts + batch.query_lens - 1)[batch.sampled_rows]
+        # one logits row per sampling request, at its last token; a verify step's also at each draft before it
+        sampled = [scheduled[i] for i in batch.sampled_rows for _ in range(1 + len(scheduled[i].draft_token_ids))]
+        last_rows = (token_starts + batch.query_lens - 1)[batch.sampled_rows]
+        if len(sampled) == len(batch.sampled_rows):
+            self.logits_indices.np[: len(sampled)] = last_rows
+        else:
+            self.logits_indices.np[: len(sampled)] = [row - len(scheduled[i].draft_token_ids) + j
+                                                      for i, row in zip(batch.sampled_rows, last_rows.tolist())
+                                                      for j in range(1 + len(scheduled[i].draft_token_ids))]
         sampling = self._sampling_tensors(sampled)
         metadata = self._attention_metadata(batch, padded_tokens, padded_reqs)
         if groups:
@@ -232,8 +242,10 @@ class InputBuffers:
                     token = 0
                 ids[batch.num_tokens] = token
             else:
-                assert request.all_token_ids[start + length - 1] != PLACEHOLDER_TOKEN, request  # only decodes wait on one
-                ids[batch.num_tokens : batch.num_tokens + length] = request.all_token_ids[start : start + length]
+                known = length - len(s.draft_token_ids)
+                assert request.all_token_ids[start + known - 1] != PLACEHOLDER_TOKEN, request  # only decodes wait on one
+                ids[batch.num_tokens : batch.num_tokens + known] = request.all_token_ids[start : start + known]
+                ids[batch.num_tokens + known : batch.num_tokens + length] = s.draft_token_ids
             batch.num_tokens += length
             if s.samples:
                 batch.sampled_rows.append(row)

@@ -54,26 +54,31 @@ class LaunchedStep:
     pending: PendingSample | None = None  # set while the forward is queued and sampling waits for masks
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
-    def result(self) -> dict[str, int]:
-        """Waits for the step and returns each sampling request's token."""
+    def result(self) -> dict[str, list[int]]:
+        """Waits for the step and returns each sampling request's tokens: one, or (a verify step) one per
+        position it computed, in order."""
         if not self.sampled_ids:
             return {}
         assert self.pending is None, "the step's sampling is still pending: ModelRunner.sample() it first"
         if self.ready is not None:
             self.ready.synchronize()
-        return dict(zip(self.sampled_ids, self.host.tolist()))
+        found: dict[str, list[int]] = {}
+        for request_id, token in zip(self.sampled_ids, self.host.tolist()):
+            found.setdefault(request_id, []).append(token)
+        return found
 
-    def token_logprobs(self) -> dict[str, TokenLogprobs]:
-        """The log-probabilities of the rows that asked for them (after result())."""
+    def token_logprobs(self) -> dict[str, list[TokenLogprobs]]:
+        """The log-probabilities of the rows that asked for them (after result()), by request, in row order."""
         if self.logprobs is None:
             return {}
         rows, chosen, ids, values, ks = self.logprobs
         tokens = self.host.tolist()
         chosen, ids, values = chosen.tolist(), ids.tolist(), values.tolist()
-        return {
-            self.sampled_ids[row]: TokenLogprobs(tokens[row], chosen[i], list(zip(ids[i][:k], values[i][:k])))
-            for i, (row, k) in enumerate(zip(rows, ks))
-        }
+        found: dict[str, list[TokenLogprobs]] = {}
+        for i, (row, k) in enumerate(zip(rows, ks)):
+            entry = TokenLogprobs(tokens[row], chosen[i], list(zip(ids[i][:k], values[i][:k])))
+            found.setdefault(self.sampled_ids[row], []).append(entry)
+        return found
 
     def token_rows(self) -> dict[str, int]:
         """Request id -> index of its token in `tokens`."""

@@ -103,6 +103,7 @@ class ModelRunner:
         self.recurrent_states: list[GatedDeltaStates] = []
         self.num_state_checkpoints = 0
         self._graph_state_slots: torch.Tensor | None = None  # a decode graph's slot per row, rewritten before each replay
+        self._twin_saves: list[tuple[int, int]] = []  # (slot saved, slot that gets the same state) after this forward
         self.num_encoder_runs = 0  # items encoded
         # On a GPU, one-size items go through the tower in batches padded to a power of two: cuDNN
         # plans its attention and convolution per input shape (60-70 ms for each new image count on
@@ -111,9 +112,13 @@ class ModelRunner:
         self.num_cascade_steps = 0  # steps that ran cascade attention
         self.num_cascade_groups = 0  # shared-prefix groups over those steps
         self.num_cascade_tokens = 0  # query tokens that attended to a shared prefix in a group
+        self.num_speculative_tokens = config.spec_config.num_speculative_tokens
+        # A verify step samples every position of a request: its last token's and each draft's.
+        max_sampled_rows = config.scheduler_config.max_num_seqs * (1 + self.num_speculative_tokens)
         self.inputs = InputBuffers(
             max_tokens=max(config.scheduler_config.max_num_batched_tokens, config.scheduler_config.max_num_seqs),
             max_reqs=config.scheduler_config.max_num_seqs,
+            max_sampled_rows=max_sampled_rows,
             max_blocks_per_req=cdiv(max_model_len, self.block_size),
             block_size=self.block_size,
             vocab_size=self.text_config.vocab_size,
@@ -123,7 +128,7 @@ class ModelRunner:
             lora=config.lora_config.enable_lora,
             windowed=self.window_pool is not None,
         )
-        self._readback = TokenReadback(config.scheduler_config.max_num_seqs, device)
+        self._readback = TokenReadback(max_sampled_rows, device)
         self.grammar_masks = BitmaskFiller(self.text_config.vocab_size, config.scheduler_config.max_num_seqs, device)
         self.penalties = PenaltyState(self.text_config.vocab_size, device)
         self.decode_graphs: DecodeGraphs | None = None
@@ -208,7 +213,8 @@ class ModelRunner:
         slot = self.state_slot_bytes
         if slot == 0:
             return available
-        available -= (self.config.scheduler_config.max_num_seqs + 1) * slot  # the live states and the scratch slot
+        # the live states, each with a state per draft position (speculative decoding), and the scratch slot
+        available -= (self.config.scheduler_config.max_num_seqs * (1 + self.num_speculative_tokens) + 1) * slot
         if not self.config.cache_config.enable_prefix_caching:
             self.num_state_checkpoints = 0
         elif self.config.cache_config.num_state_checkpoints is not None:
@@ -260,7 +266,8 @@ class ModelRunner:
         self._bind_kv_cache(self.kv_cache)
         recurrent = self.family.recurrent_shape
         if recurrent is not None:
-            slots = num_state_slots or self.config.scheduler_config.max_num_seqs + self.num_state_checkpoints + 1
+            max_num_seqs = self.config.scheduler_config.max_num_seqs
+            slots = num_state_slots or max_num_seqs * (1 + self.num_speculative_tokens) + self.num_state_checkpoints + 1
             self.recurrent_states = []  # the old ones go first (the profiling run's)
             for layer in self.model.language_model.linear_layers():
                 layer.states = GatedDeltaStates(recurrent, slots, self.device, self.dtype)
@@ -459,8 +466,8 @@ class ModelRunner:
     # -- one step -----------------------------------------------------------
 
     def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]],
-                window_tables: dict[str, list[int]] | None = None) -> dict[str, int]:
-        """Runs one step and returns the sampled token of every request whose step reached its last token."""
+                window_tables: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
+        """Runs one step and returns the sampled tokens of every request whose step reached its last token."""
         return self.launch(out, block_tables, window_tables=window_tables).result()
 
     @torch.inference_mode()
@@ -504,6 +511,8 @@ class ModelRunner:
         else:
             embeds, deepstack = self._embed(inputs.input_ids, inputs.scheduled)
             hidden = self.model(embeds, inputs.positions, inputs.metadata, deepstack, input_ids=inputs.input_ids)
+            if self._twin_saves:
+                self._copy_twin_saves()
         prompt_logprobs = self._prompt_logprobs(hidden, inputs.scheduled)
         if not inputs.sampled:
             return LaunchedStep([], None, None, None, prompt_logprobs=prompt_logprobs) if prompt_logprobs else NOTHING_SAMPLED
@@ -527,11 +536,23 @@ class ModelRunner:
                         states.reset(plan.slot)
                     else:
                         states.copy(plan.restore_from, plan.slot)
-        return RecurrentStep(
-            query_start_loc[: len(scheduled) + 1],
-            [s.state.slot for s in scheduled],
-            [[(position - s.start, slot) for position, slot in s.state.saves] for s in scheduled],
-        )
+        saves, self._twin_saves = [], []
+        for s in scheduled:
+            offsets: list[tuple[int, int]] = []
+            for position, slot in sorted(s.state.saves + s.state.draft_saves):
+                if offsets and offsets[-1][0] == position - s.start:  # a checkpoint and a draft state at one position
+                    self._twin_saves.append((offsets[-1][1], slot))
+                else:
+                    offsets.append((position - s.start, slot))
+            saves.append(offsets)
+        return RecurrentStep(query_start_loc[: len(scheduled) + 1], [s.state.slot for s in scheduled], saves)
+
+    def _copy_twin_saves(self) -> None:
+        """After the forward: the second slot of each position saved twice gets the first's state."""
+        for source, target in self._twin_saves:
+            for states in self.recurrent_states:
+                states.copy(source, target)
+        self._twin_saves = []
 
     @property
     def _scratch_state_slot(self) -> int:

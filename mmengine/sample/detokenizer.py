@@ -44,6 +44,7 @@ class IncrementalDetokenizer:
         self._tail = ""  # the last (longest stop - 1) characters, where a stop string may begin
         self._tail_len = max((len(s) for s in self._stop), default=1) - 1
         self._stopped: str | None = None
+        self.num_appended = 0  # tokens given to append(), those after a stop string included
 
     @property
     def text(self) -> str:
@@ -62,6 +63,7 @@ class IncrementalDetokenizer:
         from then on `text` ends just before the stop string (and later tokens are ignored).
         decode=False only queues the token (for a caller that reads no text until the end, with no
         stop strings): the next append() that decodes, or flush(), decodes the queued ones at once."""
+        self.num_appended += 1
         if self._stopped is not None:
             return None
         self._ids.append(token_id)

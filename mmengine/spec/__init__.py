@@ -1,0 +1,14 @@
+"""Speculative decoding: drafts proposed beside the sampler, verified by the target model in one step.
+
+    ngram.py     NgramProposer: prompt lookup over a request's own tokens (prompt and output)
+    verify.py    the accept rule (the longest prefix of drafts the target's own samples repeat) and the counters
+
+The scheduler gives a decoding request its drafts' KV slots and schedules them after its last token; the
+runner samples every position; update_from_output keeps the accepted run and the first target token
+after it, and rolls the recurrent states (hybrid models) back to the last accepted position.
+"""
+
+from mmengine.spec.ngram import NgramProposer
+from mmengine.spec.verify import SpecCounters, accepted_prefix
+
+__all__ = ["NgramProposer", "SpecCounters", "accepted_prefix"]
