@@ -149,11 +149,11 @@ def test_prompt_and_tiles(engine):
 
 def test_a_token_prompt_with_one_placeholder_per_picture(engine):
     """One <|patch|> per picture in a token prompt is expanded into the picture's text, as the marker is."""
-    prompt = llama4_prompt("Compare them.", 2)
-    text = engine.generate(prompt, images=[WIDE, SQUARE], sampling_params=GREEDY, use_tqdm=False)[0]
+    prompt, params = llama4_prompt("Compare them.", 2), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    text = engine.generate(prompt, images=[WIDE, SQUARE], sampling_params=params, use_tqdm=False)[0]
     ids = engine.input_processor.tokenizer(prompt.replace("<|image|>", "<|patch|>"))["input_ids"]
     tokens = engine.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [WIDE, SQUARE]}},
-                             sampling_params=GREEDY, use_tqdm=False)[0]
+                             sampling_params=params, use_tqdm=False)[0]
     assert tokens.prompt_token_ids == text.prompt_token_ids and tokens.token_ids == text.token_ids
 
 
@@ -200,7 +200,29 @@ def test_a_repeated_prompt_recomputes_one_block_and_encodes_its_picture_once(pat
     assert again.num_cached_tokens >= prompt_len - 4 and after["reencodes_after_prefix_hit"] == 0
 
 
-def test_preemption_keeps_the_tokens(path):
+def test_a_picture_at_every_offset_from_a_block_boundary(path):
+    """The divisible-block matrix: the picture starts at each offset from a block boundary, prompts whose length the
+    block size divides included, at the smallest encoder budget (one picture); identical requests twice and once
+    more equal prefix caching off. One encoder run, no re-encode after a prefix hit."""
+    cached, plain = _engine(path, encoder_cache_size=1), _engine(path, enable_prefix_caching=False)
+    assert cached.encoder_budget.compute_budget_tokens == cached.family.max_tokens_per_item()
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    offsets, lengths = set(), set()
+    for before, after in [(0, 1), (4, 0), (1, 0), (2, 2)]:  # offsets 0, 1, 2, 3; lengths the block size divides
+        prompt = llama4_prompt("a " * after + "What is it?", 0).replace("\n\n", "\n\n" + "b " * before + "<|image|>", 1)
+        first = cached.generate([prompt] * 2, images=[[WIDE]] * 2, sampling_params=params, use_tqdm=False)
+        again = cached.generate(prompt, images=[WIDE], sampling_params=params, use_tqdm=False)
+        reference = plain.generate(prompt, images=[WIDE], sampling_params=params, use_tqdm=False)
+        assert [o.token_ids for o in first + again] == [reference[0].token_ids] * 3
+        assert again[0].num_cached_tokens > 0
+        offsets.add(cached.input_processor.process(prompt, [WIDE], params).mm_items[0].offset % 4)
+        lengths.add(len(reference[0].prompt_token_ids) % 4)
+    assert offsets == {0, 1, 2, 3} and 0 in lengths
+    stats = cached.stats()
+    assert stats["encoder_runs"] == 1 and stats["reencodes_after_prefix_hit"] == 0
+
+
+def test_preemption_keeps_the_tokens(path, engine):
     """Two prompts that share no block, each 114 tokens (29 blocks of 4) and 32 blocks once generated, in 60 blocks:
     both are admitted and one is preempted as they grow."""
     prompts = [text + llama4_prompt(QUESTION, 1) for text in ("One.", "Two!")]
@@ -208,7 +230,7 @@ def test_preemption_keeps_the_tokens(path):
     outputs = _greedy(tight, prompts, [[WIDE]] * 2)
     assert tight.scheduler.num_preemptions > 0
     assert_books_consistent(tight)
-    assert outputs == [hf_greedy(path, prompt, [WIDE], 12, ignore_eos=True) for prompt in prompts]
+    assert outputs == [_greedy(engine, prompt, [WIDE])[0] for prompt in prompts]  # (each alone; the engine's are transformers')
 
 
 def test_a_kv_budget_that_holds_the_context_only_with_the_chunks_freed(path):
@@ -240,6 +262,27 @@ def test_a_kv_budget_that_holds_the_context_only_with_the_chunks_freed(path):
     assert every_layer.runner.window_pool is None and every_layer.kv_cache.num_blocks < total // 4
     with pytest.raises(PromptTooLongError, match="would not fit in the whole KV cache"):
         every_layer.generate(prompt, images=[WIDE, SQUARE], sampling_params=params, use_tqdm=False)
+
+
+def test_decode_graph_steps_read_the_chunked_pool(path, engine):
+    """Decode steps through the static graph buffers (on CPU the EagerCapturer stand-in), the chunked pool's slots
+    and block tables among them, across chunk boundaries, give the eager steps' tokens."""
+    from mmengine.runner.cuda_graphs import EagerCapturer
+
+    graphs = _engine(path, max_num_seqs=4)
+    graphs.runner.capture_cuda_graphs(EagerCapturer())
+    prompts = [llama4_prompt(LONG, 0), llama4_prompt(QUESTION, 1)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    outs = _greedy(graphs, prompts, [None, [WIDE]], params)
+    assert graphs.runner.decode_graphs.num_replays >= 11
+    assert outs == [_greedy(engine, prompt, images, params)[0] for prompt, images in zip(prompts, [None, [WIDE]])]
+
+
+def test_the_profiling_items_are_the_largest(engine):
+    """dummy_items: a picture of the most tiles, whose encoder output fills the largest item's run."""
+    (item,) = engine.family.dummy_items(1)
+    (run,) = engine.runner.model.encode_items([item])
+    assert run.shape == (engine.family.max_tokens_per_item(), 64) == (87, 64)
 
 
 def test_bad_inputs_are_typed_errors(engine):
