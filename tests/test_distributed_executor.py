@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import signal
 import subprocess
@@ -104,6 +105,9 @@ def test_a_step_round_trips_and_a_worker_error_comes_back_typed_then_shutdown_le
     for step in range(3):
         reply = executor.execute({"id": step, "payload": b"x" * 4096})
         assert reply == {"echo": step, "plan_bytes": 4096, "rank_sum": 3.0, "steps": step + 1}  # 1 + 2: both ranks
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        executor.execute({"id": threading.Lock(), "payload": b""})  # refused before anything is sent
+    assert executor.execute({"id": 3, "payload": b""})["steps"] == 4
 
     with pytest.raises(WorkerError) as caught:
         executor.call("fail_on", 1)

@@ -194,16 +194,26 @@ class MultiprocExecutor:
         """Sends `plan` to every rank (`execute_step`) and returns rank 0's result."""
         with self.lock:
             self.check_alive()
-            self.broadcast((STEP, plan))
-            return self.await_replies([0])[0]
+            return self.round_trip((STEP, plan), [0])[0]
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Runs `worker.method(*args, **kwargs)` on every rank; their results, by rank."""
         with self.lock:
             self.check_alive()
-            self.broadcast((CALL, method, args, kwargs))
-            results = self.await_replies(range(self.tensor_parallel_size))
+            results = self.round_trip((CALL, method, args, kwargs), range(self.tensor_parallel_size))
             return [results[rank] for rank in range(self.tensor_parallel_size)]
+
+    def round_trip(self, message: tuple[Any, ...], ranks: Iterable[int]) -> dict[int, Any]:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # once, for every rank (a bad plan: no harm)
+        try:
+            self.broadcast(data)
+            return self.await_replies(ranks)
+        except EngineDeadError:
+            raise
+        except BaseException as err:  # a KeyboardInterrupt mid-call: the replies would answer the next call
+            self.mark_dead(EngineDeadError(f"a call to the tensor-parallel workers was interrupted ({type(err).__name__})"))
+            self.finalizer()
+            raise
 
     def shutdown(self) -> None:
         """Stops every worker (idempotent); every later call raises EngineDeadError. A call in flight in another
@@ -241,8 +251,7 @@ class MultiprocExecutor:
 
     # -- the pipes ---------------------------------------------------------------------------------------------
 
-    def broadcast(self, message: tuple[Any, ...]) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # once, for every rank
+    def broadcast(self, data: bytes) -> None:
         for handle in self.handles:
             try:
                 handle.conn.send_bytes(data)
