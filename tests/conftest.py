@@ -29,9 +29,10 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
     os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
 from mmengine.models.registry import load_hf_processor
-from mmengine.testing import TinyLlavaSpec, tiny_llava_path, tiny_qwen_vl_path
-from mmengine.testing.gemma4 import TinyGemma4Spec, tiny_gemma4_path
-from mmengine.testing.qwen_vl import tiny_spec
+from mmengine.testing import TinyLlavaSpec, tiny_llava_path
+
+import chat_formats
+from family_checkpoints import family_checkpoint_path
 
 
 # Under pytest-xdist (`-n 2 --dist loadfile`) each file runs on one worker, handed out in collection order:
@@ -135,7 +136,12 @@ def small_engine(checkpoint_dir):
 
 # -- model families ---------------------------------------------------------------------------
 
-FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
+# Every family with pictures: the engine-level tests written against the `family` fixture run on each, the
+# divisible-block matrix (test_family_engine.py) among them. A heavy check that each family's own test file
+# also makes runs on REPRESENTATIVE_FAMILIES instead (docs/testing.md says which and why).
+FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "internvl", "mistral3", "smolvlm",
+            "llava_onevision"]
+REPRESENTATIVE_FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 
 
 @dataclass(frozen=True)
@@ -146,39 +152,28 @@ class FamilyCase:
     path: Path
 
     def prompt(self, text: str, num_images: int = 0) -> str:
-        if self.name == "llava":
-            return "USER: " + "<image>\n" * num_images + text + " ASSISTANT:"
-        images = "<|vision_start|><|image_pad|><|vision_end|>" * num_images
-        return f"<|im_start|>user\n{images}{text}<|im_end|>\n<|im_start|>assistant\n"
+        return chat_formats.user_turn(self.name, text, num_images)
 
     def continue_chat(self, prompt: str, answer: str, text: str, num_images: int = 0) -> str:
         """The next turn's prompt: this one, the model's answer, and a new user message."""
-        end = "</s>" if self.name == "llava" else "<|im_end|>\n"
-        return prompt + answer + end + self.prompt(text, num_images)
+        return chat_formats.continue_chat(self.name, prompt, answer, text, num_images)
+
+    @property
+    def image_marker(self) -> str:
+        """One picture's marker as the family's template writes it (wrapped, where it wraps it)."""
+        return chat_formats.image_marker(self.name)
+
+    @property
+    def image_token(self) -> str:
+        """The token the family's processor expands into a picture's placeholders."""
+        return chat_formats.image_token(self.name)
 
 
 @pytest.fixture(scope="session")
 def family_checkpoint():
     """family_checkpoint(name) -> path of the family's default tiny checkpoint, in the checkpoint cache
     as checkpoint_dir's."""
-
-    @functools.cache
-    def build(name: str) -> Path:
-        if name == "llava":
-            return tiny_llava_path(TinyLlavaSpec())
-        if name == "gemma4":
-            return tiny_gemma4_path(TinyGemma4Spec())
-        if name == "llava_onevision":
-            from mmengine.testing.llava_onevision import tiny_onevision_path
-
-            return tiny_onevision_path()
-        if name == "smolvlm":
-            from mmengine.testing.smolvlm import SMOLVLM_SPEC, tiny_smolvlm_path
-
-            return tiny_smolvlm_path(SMOLVLM_SPEC)
-        return tiny_qwen_vl_path(tiny_spec(name))
-
-    return build
+    return functools.cache(family_checkpoint_path)
 
 
 @pytest.fixture(params=FAMILIES)

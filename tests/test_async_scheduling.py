@@ -13,12 +13,15 @@ import pytest
 import torch
 
 from books import assert_books_consistent
+from conftest import REPRESENTATIVE_FAMILIES
 from helpers import FailOnce
 from mmengine import MMEngine, SamplingParams
 from mmengine.errors import ConfigError
 from mmengine.testing import make_test_image
 
 IMAGES = [make_test_image(500 + i) for i in range(3)]
+# (the fuzzer runs async scheduling on every family)
+representative = pytest.mark.parametrize("family", REPRESENTATIVE_FAMILIES, indirect=True)
 
 
 def _outputs(engine: MMEngine, prompts, images, params) -> list[tuple]:
@@ -51,6 +54,7 @@ def _workload(family, reference: MMEngine):
 
 
 @pytest.mark.parametrize("kv_blocks", [None, 10], ids=["roomy", "preempting"])
+@representative
 def test_async_scheduling_gives_what_synchronous_steps_give(family, kv_blocks):
     engines = {  # without prefix grouping's KV gate, tight blocks preempt
         mode: MMEngine(str(family.path), device="cpu", dtype="float32", max_model_len=256, block_size=8,
@@ -168,6 +172,7 @@ def test_async_scheduling_on_cuda_gives_the_tokens_of_synchronous_steps(checkpoi
     assert results["on"] == results["off"]
 
 
+@representative
 def test_async_scheduling_with_cascade_attention(family):
     """Cascade steps (shared image prefixes attended to per group) take their decode inputs from the
     previous step on the device too."""

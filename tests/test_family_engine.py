@@ -1,14 +1,16 @@
 """Every supported model family through the public API: greedy tokens equal transformers' own
 model class's `generate` (fp32), and the encoder cache, prefix cache and scheduler hold for items of
-any size (Qwen2-VL's images become 4 to 64 tokens here; LLaVA's are all the same size)."""
+any size (Qwen2-VL's images become 4 to 64 tokens here; LLaVA's are all the same size). The
+divisible-block matrix (the image in the recomputed last block) runs on every family of conftest.FAMILIES."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from conftest import CPU_FP32, KERNEL_FP32, FamilyCase, hf_greedy
+from conftest import CPU_FP32, KERNEL_FP32, REPRESENTATIVE_FAMILIES, FamilyCase, hf_greedy
 from mmengine import MMEngine, SamplingParams
+from mmengine.core.request import MMItem
 from mmengine.errors import ImageCountMismatchError, ItemTooLargeError
 from mmengine.testing import make_test_image
 
@@ -18,6 +20,9 @@ IMAGES = [make_test_image(300 + i, size=size) for i, size in enumerate(SIZES)]
 MAX_TOKENS = 8
 GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
 FIXED = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+# The parity and scheduling checks below that each family's own test file also makes (batches, chunked prefill,
+# preemption, prefix hits) run on the representative families; the divisible-block matrix and the cheap checks on all
+representative = pytest.mark.parametrize("family", REPRESENTATIVE_FAMILIES, indirect=True)
 
 
 def _cases(family: FamilyCase) -> list[tuple[str, list]]:
@@ -34,31 +39,39 @@ def _expected(family: FamilyCase, cases, max_tokens: int = MAX_TOKENS, precision
     return [hf_greedy(family.path, prompt, images, max_tokens, precision) for prompt, images in cases]
 
 
+def _items(engine: MMEngine, cases) -> list[MMItem]:
+    """The encoder-cache items of the cases' pictures (several a picture where a family tiles it)."""
+    return [item for prompt, images in cases for item in engine.input_processor.process(prompt, images, GREEDY).mm_items]
+
+
 def _generate(engine: MMEngine, cases, params: SamplingParams = GREEDY):
     return engine.generate([c[0] for c in cases], images=[c[1] for c in cases], sampling_params=params, use_tqdm=False)
 
 
+@representative
 def test_a_batch_of_varied_images_matches_transformers(family):
     """No image, one image, two images of different sizes in one prompt, and six sizes in one batch."""
     engine = MMEngine(str(family.path), max_model_len=512, dtype="float32", device="cpu")
     cases = _cases(family)
     outputs = _generate(engine, cases)
     assert [o.token_ids for o in outputs] == _expected(family, cases)
-    lengths = {item.length for prompt, images in cases for item in engine.input_processor.process(prompt, images, GREEDY).mm_items}
+    lengths = {item.length for item in _items(engine, cases)}
     assert len(lengths) >= (4 if family.name != "llava" else 1)  # the batch really mixes item sizes
 
 
+@representative
 def test_chunked_prefill_splitting_an_image_matches_transformers(family):
     """A token budget smaller than an image: the image is encoded once and its run spans several steps."""
     cases = _cases(family)[2:]
     engine = MMEngine(str(family.path), max_model_len=512, dtype="float32", device="cpu", max_num_batched_tokens=12, block_size=4)
     outputs = _generate(engine, cases)
     assert [o.token_ids for o in outputs] == _expected(family, cases)
-    largest = max(item.length for p, imgs in cases for item in engine.input_processor.process(p, imgs, GREEDY).mm_items)
-    assert largest > 12
-    assert engine.stats()["encoder_runs"] == sum(len(images) for _, images in cases)
+    items = _items(engine, cases)
+    assert max(item.length for item in items) > 12
+    assert engine.stats()["encoder_runs"] == len(items)
 
 
+@representative
 def test_preemption_matches_transformers(family):
     cases = _cases(family)[1:]
     # (without prefix grouping, whose admission gate would avoid the preemptions this test needs)
@@ -69,6 +82,7 @@ def test_preemption_matches_transformers(family):
     assert [o.token_ids for o in outputs] == _expected(family, cases, max_tokens=24)
 
 
+@representative
 def test_a_repeated_conversation_hits_the_prefix_cache_and_matches_transformers(family):
     engine = MMEngine(str(family.path), max_model_len=512, dtype="float32", device="cpu", block_size=4)
     first = family.prompt("What is in this picture?", 1)
@@ -79,9 +93,11 @@ def test_a_repeated_conversation_hits_the_prefix_cache_and_matches_transformers(
     assert turn2.token_ids == hf_greedy(family.path, second, [IMAGES[3], IMAGES[1]], MAX_TOKENS)
     assert turn2.num_cached_tokens >= len(turn1.prompt_token_ids) // 4 * 4 - 4
     stats = engine.stats()
-    assert stats["encoder_runs"] == 2 and stats["reencodes_after_prefix_hit"] == 0
+    assert stats["encoder_runs"] == len(_items(engine, [(second, [IMAGES[3], IMAGES[1]])]))
+    assert stats["reencodes_after_prefix_hit"] == 0
 
 
+@representative
 def test_a_mixed_size_workload_encodes_each_distinct_image_once(family):
     """Tight KV and encoder budgets (one largest item a step), so requests wait for the encoder."""
     engine = MMEngine(str(family.path), max_model_len=512, dtype="float32", device="cpu", block_size=8,
@@ -94,7 +110,7 @@ def test_a_mixed_size_workload_encodes_each_distinct_image_once(family):
     outputs = engine.generate(prompts, images=images, sampling_params=FIXED, use_tqdm=False)
     assert all(len(o.token_ids) == 4 for o in outputs)
     stats = engine.stats()
-    assert stats["encoder_runs"] == len({id(img) for imgs in images for img in imgs})
+    assert stats["encoder_runs"] == len({item.mm_hash for item in _items(engine, list(zip(prompts, images)))})
     assert stats["reencodes_after_prefix_hit"] == 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]  # no leaks
     plain = MMEngine(str(family.path), max_model_len=512, dtype="float32", device="cpu", enable_prefix_caching=False)
@@ -102,6 +118,7 @@ def test_a_mixed_size_workload_encodes_each_distinct_image_once(family):
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]  # no wrong reuse
 
 
+@representative
 def test_zero_token_steps_with_variable_items_are_harmless(family):
     """The smallest encoder budget (the largest item) and items of 64 and 28 tokens (Qwen2; Qwen3: 70 and 44): requests
     wait at their image with zero tokens, then finish with the outputs of prefix caching off."""
@@ -109,8 +126,7 @@ def test_zero_token_steps_with_variable_items_are_harmless(family):
     if family.name in ("qwen3_vl", "qwen3_5"):  # 32-pixel merged patches: thin pictures of 70 tokens, two to the budget's 98
         sizes = [(30, 3000), (32, 1400)] * 3
     images = [[make_test_image(400 + i, size=size)] for i, size in enumerate(sizes)]
-    prompts = ["x" + " word" * i + ("<image>" if family.name == "llava" else "<|vision_start|><|image_pad|><|vision_end|>") + " Describe."
-               for i in range(len(images))]
+    prompts = ["x" + " word" * i + family.image_marker + " Describe." for i in range(len(images))]
     kwargs = dict(max_model_len=256, block_size=8, encoder_cache_size=1, dtype="float32", device="cpu")
     cached = MMEngine(str(family.path), **kwargs)
     plain = MMEngine(str(family.path), enable_prefix_caching=False, **kwargs)
@@ -121,21 +137,21 @@ def test_zero_token_steps_with_variable_items_are_harmless(family):
 
 
 def _prompt_with_image_placed(engine: MMEngine, family: FamilyCase, image, block_size: int, placement: str) -> str:
-    """A one-image prompt whose length is a multiple of block_size, the image placed as asked."""
-    marker = "<image>" if family.name == "llava" else "<|image_pad|>"
-    if placement != "ends_at_prompt_end" and family.name != "llava":
-        marker = "<|vision_start|><|image_pad|><|vision_end|>"
+    """A one-image prompt whose length is a multiple of block_size, the image (its last item, where a family
+    tiles it) placed as asked. "ends_at_prompt_end": the prompt ends with the bare marker, so the picture ends
+    the prompt, or ends in its last block where the family writes tokens after each picture."""
+    marker = family.image_token if placement == "ends_at_prompt_end" else family.image_marker
     for pad in range(0, 60):
         for tail in ["", " x", " what", " what is it"]:
             tail = "" if placement == "ends_at_prompt_end" else tail
             prompt = "x" + " a" * pad + marker + tail
             processed = engine.input_processor.process(prompt, [image], FIXED)
-            n, item = len(processed.prompt_token_ids), processed.mm_items[0]
+            n, item = len(processed.prompt_token_ids), processed.mm_items[-1]
             if n % block_size or n < 2 * block_size:
                 continue
             if placement == "ends_in_last_full_block" and n - block_size < item.end < n:
                 return prompt
-            if placement == "ends_at_prompt_end" and item.end == n:
+            if placement == "ends_at_prompt_end" and n - block_size < item.end <= n:
                 return prompt
             if placement == "spans_blocks" and item.length > 2 * block_size and item.end < n:
                 return prompt
@@ -158,7 +174,7 @@ def test_identical_requests_with_the_image_in_the_recomputed_block(family, place
     reference = plain.generate([prompt] * copies, images=[[image]] * copies, sampling_params=FIXED, use_tqdm=False)
     assert [o.token_ids for o in outputs] == [r.token_ids for r in reference] == [again[0].token_ids] * copies
     stats = cached.stats()
-    assert stats["encoder_runs"] == 1 and stats["reencodes_after_prefix_hit"] == 0
+    assert stats["encoder_runs"] == len(_items(cached, [(prompt, [image])])) and stats["reencodes_after_prefix_hit"] == 0
     assert again[0].num_cached_tokens > 0
     assert cached.encoder_budget.compute_budget_tokens == cached.family.max_tokens_per_item()  # the smallest budget
 
@@ -187,7 +203,7 @@ def test_chat_renders_the_family_template_and_matches_generate(family):
     conversation = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}]
     (chat,) = engine.chat(conversation, images=[IMAGES[3]], sampling_params=FIXED)
     prompt = engine.input_processor.apply_chat_template(conversation)
-    assert prompt.count("<image>" if family.name == "llava" else "<|image_pad|>") == 1
+    assert prompt.count(family.image_token) == 1
     (direct,) = engine.generate(prompt, images=[IMAGES[3]], sampling_params=FIXED, use_tqdm=False)
     assert chat.token_ids == direct.token_ids and len(chat.token_ids) == 4
 
@@ -222,6 +238,7 @@ def test_triton_backend_with_fused_kernels_matches_transformers(family_checkpoin
     assert [o.token_ids for o in outputs] == _expected(family, cases, max_tokens=4, precision=exact_precision)
 
 
+@representative
 def test_cascade_attention_on_gives_the_tokens_of_off(family):
     """Shared-prefix groups with images in the prefix, for every family (M-RoPE rotates before the
     cascade decomposition, which only regroups attention)."""

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import CPU_FP32, FAMILIES, KERNEL_FP32, FamilyCase, Precision, _hf_inputs, _hf_model
+from conftest import CPU_FP32, KERNEL_FP32, REPRESENTATIVE_FAMILIES, FamilyCase, Precision, _hf_inputs, _hf_model
 
 # Qwen3.5's hybrid decoder refuses LoRA at start-up (test_lora_on_a_hybrid_decoder_is_refused_by_name)
-LORA_FAMILIES = [name for name in FAMILIES if name != "qwen3_5"]
+LORA_FAMILIES = [name for name in REPRESENTATIVE_FAMILIES if name != "qwen3_5"]  # SmolVLM's: test_smolvlm.py
 from mmengine import LoRARequest, MMEngine, SamplingParams
 from mmengine.testing import make_test_image
 

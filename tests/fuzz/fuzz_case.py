@@ -10,15 +10,25 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-FAMILIES = ("llava", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "gemma4",
-            "llava_onevision")
-NO_LORA = ("qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "gemma4")  # families that refuse LoRA adapters at start-up
-NO_VIDEO = ("llava", "gemma4", "llava_onevision", "smolvlm")  # (the cases' clips are marked as Qwen's templates mark them)
-# Families whose pictures make several items between text tokens (SmolVLM's tiles): a token prompt cannot hold them
-NO_TOKEN_PICTURES = ("smolvlm",)
-# The families of the Triton cases: LLaVA-OneVision's decoder is LLaVA's (Qwen2's) and SmolVLM's the Llama one, on
-# the same kernels, and an interpreted case costs over a minute of the suite
-TRITON_FAMILIES = tuple(family for family in FAMILIES if family not in ("llava_onevision", "smolvlm"))
+from chat_formats import continue_chat, user_turn
+
+# (in an order that brings every kind of request test_fuzz.py asks for into the suite's quick seeds: make_case(seed,
+# quick=True) takes FAMILIES[seed % len(FAMILIES)])
+FAMILIES = ("llava", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "gemma3", "internvl", "mistral3",
+            "qwen3_5_moe", "gemma4", "llava_onevision")
+NO_LORA = ("qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "gemma4", "gemma3")  # families that refuse LoRA adapters at start-up
+# (the cases' clips are marked as Qwen's templates mark them)
+NO_VIDEO = ("llava", "gemma4", "llava_onevision", "smolvlm", "gemma3", "internvl", "mistral3")
+# Token prompts with pictures a family refuses (given as prompt dicts instead): SmolVLM's pictures make several items
+# between text tokens (its tiles), which a token prompt cannot hold; Gemma 3's template marker <start_of_image> is not
+# its placeholder token (<image_soft_token>); Mistral 3's expanded runs hold [IMG_BREAK] rows, not one run of [IMG]
+REFUSED_TOKEN_PROMPTS = {"smolvlm": ("markers", "expanded"), "gemma3": ("markers",), "mistral3": ("expanded",)}
+# Families whose prefill chunks hold a picture whole (it attends both ways): the token budget must hold the largest
+WHOLE_PICTURE_BUDGET = {"gemma4": 96, "gemma3": 16}  # Gemma 4's pictures here are up to 70 tokens, Gemma 3's 16
+# The families of the Triton cases: the others' decoders run on the same kernels as these (LLaVA-OneVision's, SmolVLM's,
+# InternVL's and Mistral 3's the common decoder, Gemma 3's Gemma 4's window and span rules), and an interpreted
+# case costs over a minute of the suite
+TRITON_FAMILIES = tuple(family for family in FAMILIES if family not in ("llava_onevision", "smolvlm", "gemma3", "internvl", "mistral3"))
 WORDS = (
     "the a cat dog red blue green look picture what is this why how small large left right top bottom "
     "colour shape count tell me more about it please describe short long first next again line box"
@@ -115,28 +125,8 @@ class FuzzCase:
 
 def turn(family: str, text: str, num_images: int, system: str | None = None, first: bool = True) -> str:
     """One user turn as the family's chat template writes it, images first, with an optional system text
-    (`first`: the conversation's first turn, after which Gemma 4's template writes <bos>)."""
-    if family == "gemma4":
-        head = ("<bos>" if first else "") + (f"<|turn>system\n{system}<turn|>\n" if system else "")
-        return f"{head}<|turn>user\n" + "\n\n<|image|>\n\n" * num_images + f"{text}<turn|>\n<|turn>model\n"
-    if family == "llava":
-        return (f"{system} " if system else "") + "USER: " + "<image>\n" * num_images + text + " ASSISTANT:"
-    if family == "llava_onevision":
-        head = f"<|im_start|>system \n{system}<|im_end|>" if system else ""
-        return f"{head}<|im_start|>user " + "<image>" * num_images + f"\n{text}<|im_end|><|im_start|>assistant\n"
-    if family == "smolvlm":
-        head = ("<|im_start|>" if first else "") + (f"System: {system}<end_of_utterance>\n" if system else "")
-        return f"{head}User" + (":" + "<image>" * num_images if num_images else ": ") + f"{text}<end_of_utterance>\nAssistant:"
-    head = f"<|im_start|>system\n{system}<|im_end|>\n" if system else ""
-    images = "<|vision_start|><|image_pad|><|vision_end|>" * num_images
-    return f"{head}<|im_start|>user\n{images}{text}<|im_end|>\n<|im_start|>assistant\n"
-
-
-def continue_chat(family: str, prompt: str, answer: str, text: str, num_images: int) -> str:
-    """The next turn's prompt: the previous prompt, an answer, and a new user message."""
-    end = {"llava": "</s>", "gemma4": "<turn|>\n", "llava_onevision": "<|im_end|>", "smolvlm": "<end_of_utterance>\n"}.get(
-        family, "<|im_end|>\n")
-    return prompt + answer + end + turn(family, text, num_images, first=False)
+    (`first`: the conversation's first turn, after which Gemma's and Mistral's templates write no <bos>)."""
+    return user_turn(family, text, num_images, system, first)
 
 
 def make_case(seed: int, quick: bool = False, triton: bool = False) -> FuzzCase:
@@ -160,8 +150,8 @@ def make_case(seed: int, quick: bool = False, triton: bool = False) -> FuzzCase:
         "limit_mm_per_prompt": {"image": MAX_IMAGES, "video": 1},
         "max_model_len": MAX_MODEL_LEN,
     }
-    if family == "gemma4":  # a chunk holds a picture whole: the budget must hold the largest (70 tokens)
-        options["max_num_batched_tokens"] = max(int(options["max_num_batched_tokens"]), 96)
+    if family in WHOLE_PICTURE_BUDGET:
+        options["max_num_batched_tokens"] = max(int(options["max_num_batched_tokens"]), WHOLE_PICTURE_BUDGET[family])
     if triton:  # larger chunks and batches: fewer steps in the interpreter, and requests in flight together
         options |= {"attn_backend": "triton", "cascade_attention": "on", "max_num_seqs": max(3, int(options["max_num_seqs"])),
                     "max_num_batched_tokens": max(64, int(options["max_num_batched_tokens"]))}
@@ -261,7 +251,7 @@ class _Drawer:
             elif rng.random() < 0.7:
                 spec.lora = rng.randrange(self.num_adapters)
         spec.prompt_form = rng.choice(PROMPT_FORMS)
-        if self.family in NO_TOKEN_PICTURES and picked and spec.prompt_form in ("markers", "expanded"):
+        if picked and spec.prompt_form in REFUSED_TOKEN_PROMPTS.get(self.family, ()):
             spec.prompt_form = "dict"
         if self.family not in NO_VIDEO and base is None and self.video_rng.random() < 0.2:
             spec.clip = self.video_rng.randrange(len(CLIPS))

@@ -49,13 +49,13 @@ if not torch.cuda.is_available():  # as in tests/conftest.py: before any kernel 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for books.py
 
 from books import assert_books_consistent  # noqa: E402
+from family_checkpoints import family_checkpoint_path  # noqa: E402
 from hostile_media import hostile_payloads  # noqa: E402
 from fuzz_case import CLIPS, DEFECTS, MAX_IMAGES, MAX_MODEL_LEN, FuzzCase, RequestSpec, make_case  # noqa: E402
 
 import mmengine.errors  # noqa: E402
 from mmengine import LoRARequest, MMEngine, RequestOutput, SamplingParams, StructuredOutputParams  # noqa: E402
-from mmengine.testing import TinyLlavaSpec, make_test_image, tiny_llava_path, tiny_qwen_vl_path  # noqa: E402
-from mmengine.testing.qwen_vl import tiny_spec  # noqa: E402
+from mmengine.testing import make_test_image  # noqa: E402
 from mmengine.testing.lora import build_random_adapter  # noqa: E402
 from mmengine.testing.video import make_test_clip  # noqa: E402
 
@@ -125,21 +125,7 @@ class FuzzEnv:
 
 
 def default_checkpoint(family: str) -> Path:
-    if family == "llava":
-        return tiny_llava_path(TinyLlavaSpec())
-    if family == "gemma4":
-        from mmengine.testing.gemma4 import TinyGemma4Spec, tiny_gemma4_path
-
-        return tiny_gemma4_path(TinyGemma4Spec())
-    if family == "llava_onevision":
-        from mmengine.testing.llava_onevision import tiny_onevision_path
-
-        return tiny_onevision_path()
-    if family == "smolvlm":
-        from mmengine.testing.smolvlm import SMOLVLM_SPEC, tiny_smolvlm_path
-
-        return tiny_smolvlm_path(SMOLVLM_SPEC)
-    return tiny_qwen_vl_path(tiny_spec(family))
+    return family_checkpoint_path(family)
 
 
 def run_case(case: FuzzCase, env: FuzzEnv) -> CaseReport:
