@@ -14,8 +14,9 @@ Failure and lifetime:
   that dies is noticed at once (its sentinel), never a hang. It becomes `EngineDeadError` naming the rank,
   for the call in progress and every later call; the other workers are stopped.
 - A worker that raises sends its traceback; the driver raises `WorkerError` (an EngineDeadError) with it.
-  When a peer died, the survivors' collectives fail too ("Connection closed by peer" in gloo, about a second
-  later): the driver then waits up to `death_grace_s` for a death and reports the death, the first cause.
+  When a peer died, the survivors' collectives fail too ("Connection closed by peer" in gloo, milliseconds
+  later, possibly before the death reaches the driver): the driver then waits up to `death_grace_s` for a death
+  and reports the death, the first cause.
 - `shutdown()` (also on leaving a `with` block, or when the executor is collected) stops every worker: asked
   first, killed if they do not go. Workers leave when the driver dies (their lifeline pipe closes).
 """
@@ -24,18 +25,16 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
-import signal
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
+from multiprocessing.connection import wait
 from typing import Any, NoReturn
 
 from mmengine.distributed.process_group import DistributedInit, free_tcp_address
-from mmengine.distributed.worker_loop import CALL, ERROR, OK, READY, STEP, STOP, WorkerFactory, worker_main
+from mmengine.distributed.worker_loop import CALL, ERROR, OK, READY, STEP, WorkerFactory, worker_main
+from mmengine.distributed.worker_processes import WorkerHandle, WorkerSet
 from mmengine.errors import ConfigError, EngineDeadError, MMEngineError
 
 
@@ -53,67 +52,6 @@ class WorkerError(EngineDeadError):
 
     def __reduce__(self):
         return (self.__class__, (self.rank, self.error_type, self.message, self.traceback_text, self.error))
-
-
-@dataclass
-class WorkerHandle:
-    """One worker process and the driver's two pipes to it."""
-
-    rank: int
-    process: BaseProcess
-    conn: Connection  # messages both ways
-    lifeline: Connection  # never written: the worker leaves when it closes
-
-    def describe_death(self) -> str:
-        self.process.join(timeout=1.0)  # the sentinel is ready just before the exit code is known
-        code = self.process.exitcode
-        if code is None:
-            how = "its pipe closed"
-        elif code < 0:
-            how = f"killed by {signal.Signals(-code).name}"
-        else:
-            how = f"exit code {code}"
-        return f"tensor-parallel worker rank {self.rank} (pid {self.process.pid}) died ({how})"
-
-
-class WorkerSet:
-    """The workers' processes and pipes, and their stopping: what the executor's finalizer holds (never the
-    executor itself, so that an executor nobody stopped is still collected, and its workers stopped)."""
-
-    def __init__(self) -> None:
-        self.handles: list[WorkerHandle] = []
-        self.stopping = threading.Event()  # set first: deaths after it are the stop's, not failures
-        self.wake_reader, self.wake_writer = multiprocessing.Pipe(duplex=False)  # closing it ends the watcher
-
-    def sentinels(self) -> dict[int, WorkerHandle]:
-        return {handle.process.sentinel: handle for handle in self.handles}
-
-    def release(self) -> None:
-        """Closes every lifeline: each worker leaves at once, even one stuck in a collective."""
-        for handle in self.handles:
-            handle.lifeline.close()
-
-    def stop(self, timeout_s: float = 5.0) -> None:
-        """Asks every worker to stop, then closes their lifelines and kills any that remain. Runs once."""
-        self.stopping.set()
-        self.wake_writer.close()
-        for handle in self.handles:
-            if handle.process.is_alive():
-                try:
-                    handle.conn.send_bytes(pickle.dumps((STOP,)))
-                except (OSError, ValueError):
-                    pass
-        deadline = time.monotonic() + timeout_s
-        for handle in self.handles:
-            handle.process.join(timeout=max(0.0, deadline - time.monotonic()))
-        self.release()
-        for handle in self.handles:
-            if handle.process.is_alive():
-                handle.process.join(timeout=1.0)
-            if handle.process.is_alive():
-                handle.process.kill()
-                handle.process.join(timeout=5.0)
-            handle.conn.close()
 
 
 def watch(workers: WorkerSet, report: weakref.WeakMethod) -> None:
