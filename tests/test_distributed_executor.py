@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from mmengine.distributed.executor import MultiprocExecutor, WorkerError
-from mmengine.distributed.process_group import TensorParallelGroup
+from mmengine.distributed.process_group import DistributedInit, TensorParallelGroup, file_address, free_tcp_address
 from mmengine.errors import ConfigError, EngineDeadError
 
 TP = 2
@@ -212,6 +212,20 @@ def test_a_worker_that_cannot_start_raises_its_own_error_and_leaves_nothing():
         MultiprocExecutor(refuse_to_start, TP, torch_threads=1)
     assert isinstance(caught.value.__cause__, WorkerError) and "refuse_to_start" in caught.value.__cause__.traceback_text
     assert wait_gone([p.pid for p in worker_children() if p.pid not in before], 10) == []
+
+
+def test_the_rendezvous_is_plain_data_checked_by_name(tmp_path):
+    init = DistributedInit(2, 1, free_tcp_address())
+    assert init.resolved_backend == "gloo" and init.torch_device() == torch.device("cpu")
+    cuda = DistributedInit(4, 3, file_address(tmp_path / "store"), device="cuda", local_rank=1)
+    assert cuda.resolved_backend == "nccl" and cuda.torch_device() == torch.device("cuda", 1)
+    assert cuda.init_method == f"file://{tmp_path.resolve()}/store"
+    for bad, words in [({"rank": 2}, "rank must be in"), ({"init_method": "env://"}, "init_method"),
+                       ({"backend": "mpi"}, "backend"), ({"device": "tpu"}, "device")]:
+        with pytest.raises(ConfigError, match=words):
+            DistributedInit(**{"world_size": 2, "rank": 0, "init_method": "tcp://127.0.0.1:1", **bad})
+    with pytest.raises(ConfigError, match="tensor_parallel_size must be a positive int"):
+        MultiprocExecutor(RankWorker, 0)
 
 
 DRIVER = textwrap.dedent("""
