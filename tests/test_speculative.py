@@ -269,6 +269,37 @@ def test_preempted_requests_keep_their_tokens_and_the_books_stay_consistent(engi
     assert_books_consistent(engine)
 
 
+@pytest.mark.parametrize("engines", ["llava", "qwen3_5"], indirect=True)
+def test_structured_output_checks_the_drafts_and_ends_where_the_grammar_does(engines):
+    """Under a grammar the drafts it allows are verified with each row masked as the grammar stands after
+    the drafts before it (and rolled back); the JSON and its tokens are those without speculation, and the
+    grammar's end cuts a run as it would end the output."""
+    from mmengine.sample.structured_output.params import StructuredOutputParams
+
+    family, reference, speculating, _ = engines
+    prompts, images = _batch(family)
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                               "tags": {"type": "array", "items": {"enum": ["aa", "bb"]}, "maxItems": 4}},
+              "required": ["name", "tags"]}
+    params = SamplingParams(max_tokens=48, temperature=0, structured_output=StructuredOutputParams(json=schema))
+    expected = reference.generate(prompts[:2], images=images[:2], sampling_params=params, use_tqdm=False)
+    # the drafts run on past the JSON's end into an EOS the grammar allows there: the end must cut the run
+    eos = min(reference.eos_token_ids)
+    oracle = OracleProposer({prompt: answer + [eos] for prompt, answer in _references(expected).items()},
+                            lambda step: [None, None, 1, 0][step % 4])
+    previous = _with_proposer(speculating, oracle)
+    try:
+        before = _spec_counts(speculating)
+        outs = speculating.generate(prompts[:2], images=images[:2], sampling_params=params, use_tqdm=False)
+    finally:
+        _with_proposer(speculating, previous)
+    for out, want in zip(outs, expected):
+        assert (out.token_ids, out.text, out.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    done = _spec_counts(speculating) - before
+    assert done["spec_accepted_tokens"] > 0
+    assert_books_consistent(speculating)
+
+
 # -- sampling ------------------------------------------------------------------------------------------
 
 def test_sampling_with_drafts_keeps_the_target_distribution(family_checkpoint):

@@ -164,16 +164,20 @@ class StepLoop:
         return outputs
 
     def _propose_drafts(self) -> None:
-        """Speculative decoding: drafts for each running decode's next step. None for requests whose next
-        token depends on the ones before it in ways a verify step does not follow (a grammar, penalties);
-        never more than the request can still emit."""
+        """Speculative decoding: drafts for each running decode's next step, never more than the request can
+        still emit. A grammar keeps the drafts it allows (each verify row is masked as the grammar stands
+        after the drafts before it); none for requests whose tokens a verify step cannot follow one by one
+        (penalties counting earlier tokens, a grammar behind a reasoning gate, which reads the text)."""
         max_model_len = self.scheduler.max_model_len
         for request in self.scheduler.running:
-            params = request.sampling_params
-            if request.grammar is not None or params.penalized or request.num_tokens - request.num_computed_tokens != 1:
+            params, grammar = request.sampling_params, request.grammar
+            if params.penalized or isinstance(grammar, ReasoningGate) or request.num_tokens - request.num_computed_tokens != 1:
                 continue
             room = min(params.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens)
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids, room)
+            drafts = self.proposer.propose(request.all_token_ids, room)
+            if drafts and grammar is not None:
+                drafts = [] if grammar.is_stopped() or grammar.is_error() else drafts[: grammar.validate_tokens(drafts)]
+            request.spec_token_ids = drafts
 
     def _step_async(self) -> list[RequestOutput]:
         """Books the step in flight with placeholder tokens, schedules and launches the next one, and
@@ -311,20 +315,22 @@ class StepLoop:
         detokenizer = self._detokenizers[request.request_id]
         gate = request.grammar if isinstance(request.grammar, ReasoningGate) else None
         streamed = request.request_id not in self.owners or bool(request.sampling_params.stop) or gate is not None
-        first = detokenizer.num_appended
-        for index in range(first, request.num_output_tokens):
+        last = request.num_output_tokens - 1
+        for index in range(detokenizer.num_appended, last + 1):
             token = request.output_token_ids[index]
             stop_string = detokenizer.append(token, decode=streamed)
             self.counters["generation_tokens"] += 1
-            if stop_string is not None and not request.is_finished:
-                request.stop_reason = stop_string
-                _drop_tokens_after(request, index)
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-            if request.grammar is not None and not request.is_finished and _grammar_done(request.grammar, token):
-                self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+            # a verify step's run may go on past where a stop string or the grammar ends the output (the
+            # scheduler has cut it only at stop tokens and the length): that token ends it, as it would have
+            ends_here = not request.is_finished or index < last
+            ended = False
+            if stop_string is not None and ends_here:
+                ended = self._end_at(request, index, stop_string)
+            elif request.grammar is not None and ends_here and _grammar_done(request.grammar, token):
+                ended = self._end_at(request, index, None)
             if gate is not None:
                 gate.see(detokenizer.text)
-            if stop_string is not None:
+            if ended or stop_string is not None:
                 break
         if request.is_finished:
             detokenizer.flush()  # release a trailing partial character held back while streaming
@@ -337,6 +343,18 @@ class StepLoop:
         if request.request_id in self.owners:
             return None
         return self._output(request, detokenizer)
+
+    def _end_at(self, request: Request, index: int, reason: str | None) -> bool:
+        """The output ends with output token `index` (a stop string, or the grammar's end): a verify step's
+        later tokens go, and the request stops for `reason` (a stop token or the length limit that the
+        scheduler found later in the run gives way to this earlier end)."""
+        _drop_tokens_after(request, index)
+        request.stop_reason = reason
+        if request.is_finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+        else:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        return True
 
     def _output(self, request: Request, detokenizer: IncrementalDetokenizer) -> RequestOutput:
         text, reasoning = detokenizer.text, None

@@ -129,7 +129,7 @@ class ModelRunner:
             windowed=self.window_pool is not None,
         )
         self._readback = TokenReadback(max_sampled_rows, device)
-        self.grammar_masks = BitmaskFiller(self.text_config.vocab_size, config.scheduler_config.max_num_seqs, device)
+        self.grammar_masks = BitmaskFiller(self.text_config.vocab_size, max_sampled_rows, device)
         self.penalties = PenaltyState(self.text_config.vocab_size, device)
         self.decode_graphs: DecodeGraphs | None = None
         # The final hidden states of a graph step, at a fixed address (rows beyond the batch are padding).
@@ -592,7 +592,9 @@ class ModelRunner:
         logits, sampled = pending.logits, pending.sampled
         constrained = [row for row, s in enumerate(sampled) if s.request.grammar is not None]
         if constrained:
-            bitmask = self.grammar_masks.fill([sampled[row].request.grammar for row in constrained])
+            drafts_before = _drafts_before_rows(sampled)
+            bitmask = self.grammar_masks.fill([sampled[row].request.grammar for row in constrained],
+                                              [drafts_before[row] for row in constrained])
             rows = self._device_longs(constrained)
             logits = apply_token_bitmask(logits, rows, bitmask.to(self.device, non_blocking=True))
         params = [s.request.sampling_params for s in sampled]
@@ -787,6 +789,16 @@ class ModelRunner:
         if values.shape[1] == hidden:
             return embeds, None
         return embeds, DeepStack(rows, values[:, hidden:].reshape(len(rows), -1, hidden).transpose(0, 1))
+
+
+def _drafts_before_rows(sampled: list[ScheduledRequest]) -> list[list[int]]:
+    """For each logits row, the drafts its position comes after: a verify step's rows are consecutive,
+    the request's last token's first (none), then one per draft."""
+    before: list[list[int]] = []
+    for row, s in enumerate(sampled):
+        index = len(before[-1]) + 1 if row and sampled[row - 1] is s else 0
+        before.append(s.draft_token_ids[:index])
+    return before
 
 
 def encoder_batch_size(num_items: int) -> int:

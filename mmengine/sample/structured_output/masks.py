@@ -26,10 +26,14 @@ class BitmaskFiller:
         self._executor = None
         self.num_masks = 0  # rows filled
 
-    def fill(self, matchers: list[Any]) -> torch.Tensor:
+    def fill(self, matchers: list[Any], drafts: list[list[int]] | None = None) -> torch.Tensor:
         """[len(matchers), words] host bitmask; a matcher that is done (stopped or failed) allows
         every token, as its request's token is discarded, and so does one still waiting for its request's
-        reasoning to end (a gate's opening token is allowed besides its grammar's)."""
+        reasoning to end (a gate's opening token is allowed besides its grammar's). `drafts[row]`: draft
+        tokens (speculative decoding, allowed by the grammar) the row's position comes after: its row is
+        the grammar's mask after them, and the matcher is rolled back."""
+        if drafts is not None and any(drafts):
+            return self._fill_after_drafts(matchers, drafts)
         import llguidance
         import llguidance.numpy
 
@@ -38,6 +42,8 @@ class BitmaskFiller:
         live = []
         openings = []  # (row, token) allowed besides the grammar's tokens
         for row, matcher in enumerate(matchers):
+            if matcher is None:  # filled by the caller (_fill_after_drafts)
+                continue
             if isinstance(matcher, ReasoningGate):  # a grammar that applies after the reasoning (sample/reasoning.py)
                 if matcher.waiting:
                     array[row] = -1
@@ -59,6 +65,22 @@ class BitmaskFiller:
         for row, token in openings:
             bits[row, token // 32] |= np.uint32(1 << (token % 32))
         self.num_masks += len(matchers)
+        return host
+
+
+    def _fill_after_drafts(self, matchers: list[Any], drafts: list[list[int]]) -> torch.Tensor:
+        """fill(), then each row that follows drafts filled again on its own: consume, fill, roll back."""
+        import llguidance.numpy
+
+        host = self.fill([None if before else matcher for matcher, before in zip(matchers, drafts)])
+        array = host.numpy()
+        for row, before in enumerate(drafts):
+            if before:
+                matcher = matchers[row]
+                if not matcher.consume_tokens(before):  # the proposer keeps only drafts the grammar allows
+                    raise RuntimeError(f"a draft the grammar does not allow reached the masks: {before}")
+                llguidance.numpy.fill_next_token_bitmask(matcher, array, row)
+                matcher.rollback(len(before))
         return host
 
 
