@@ -27,6 +27,7 @@ from mmengine.distributed.parallel_linear import (
 from mmengine.distributed.process_group import TensorParallelGroup, file_address, single_rank_group
 from mmengine.distributed.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from mmengine.errors import ConfigError, WeightsMismatchError
+from mmengine.models.loader import WeightCheck
 
 TP = 2
 HIDDEN, INTER, HEAD, HEADS, KV_HEADS, VOCAB = 16, 24, 4, 4, 2, 37  # VOCAB does not divide: padded to 38
@@ -298,6 +299,21 @@ def test_a_rank_reads_only_its_rows_of_a_slice(checkpoints):
         recorded = RecordingSlice(w["down.weight"])
         row.weight_loader(row.weight, recorded)
         assert recorded.reads == [(slice(None), slice(rank * half, (rank + 1) * half))]
+
+
+def test_slices_pass_the_checkpoint_check_by_their_whole_shape(checkpoints):
+    path, w = checkpoints[KV_HEADS]
+    expected = {name: tuple(tensor.shape) for name, tensor in w.items()}
+    source = CheckpointSlices(Path(path).parent)
+    check = WeightCheck(expected, source)
+    for name, tensor_slice in source:
+        check.accept(name, name, tensor_slice)
+    check.finish()
+    expected["down.weight"] = (HIDDEN, INTER + 2)
+    source = CheckpointSlices(Path(path).parent)
+    with pytest.raises(WeightsMismatchError, match=rf"kv{KV_HEADS}\.safetensors: tensor 'down.weight' has shape \[16, 24\], expected \[16, 26\]"):
+        for name, tensor_slice in source:
+            WeightCheck(expected, source).accept(name, name, tensor_slice)
 
 
 def test_at_tp_1_the_layers_are_plain_layers_without_torch_distributed(checkpoints):

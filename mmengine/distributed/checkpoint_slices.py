@@ -19,15 +19,31 @@ from mmengine.errors import CheckpointError, WeightsMismatchError
 from mmengine.models.loader import safetensors_files
 
 
+class CheckpointSlice:
+    """A safetensors slice with the `.shape` a tensor has (the whole tensor's, from the header), so that
+    `models/loader.py`'s WeightCheck checks it as it checks a tensor; indexing reads only the rows asked for."""
+
+    def __init__(self, raw: TensorSlice) -> None:
+        self.raw = raw
+        self.shape = torch.Size(raw.get_shape())
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, index: object) -> torch.Tensor:
+        return self.raw[index]
+
+
 class CheckpointSlices:
-    """(name, slice) for every tensor of the checkpoint in `model_dir`; remembers each name's file."""
+    """(name, slice) for every tensor of the checkpoint in `model_dir`; remembers each name's file, which
+    `where` names (WeightCheck's errors do, given this as their source)."""
 
     def __init__(self, model_dir: str | Path) -> None:
         self.model_dir = Path(model_dir)
         self.files = safetensors_files(self.model_dir)
         self.file_of: dict[str, Path] = {}
 
-    def __iter__(self) -> Iterator[tuple[str, TensorSlice]]:
+    def __iter__(self) -> Iterator[tuple[str, CheckpointSlice]]:
         for path in self.files:
             try:
                 handle = safe_open(str(path), framework="pt", device="cpu")
@@ -38,7 +54,15 @@ class CheckpointSlices:
                     if name in self.file_of:
                         raise WeightsMismatchError(f"tensor {name!r} is stored twice: also in {self.file_of[name].name}", path)
                     self.file_of[name] = path
-                    yield name, f.get_slice(name)
+                    yield name, CheckpointSlice(f.get_slice(name))
+
+    def where(self, name: str | None = None) -> str:
+        """The file a tensor came from, or (for a tensor never seen) the files it was looked for in."""
+        if name is not None and name in self.file_of:
+            return str(self.file_of[name])
+        if len(self.files) == 1:
+            return str(self.files[0])
+        return f"{self.model_dir} ({', '.join(f.name for f in self.files)})"
 
 
 def load_parameter(param: torch.nn.Parameter, loaded: Loaded, shard_id: object = None, name: str = "") -> None:
