@@ -9,6 +9,7 @@ import json
 import os
 import pickle
 import re
+import select
 import signal
 import subprocess
 import sys
@@ -245,6 +246,8 @@ def test_workers_exit_when_the_driver_is_killed(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     driver = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, env=env)
     try:
+        ready, _, _ = select.select([driver.stdout], [], [], 180)  # never a hang, even if the driver cannot start
+        assert ready, "the driver did not start its workers"
         pids = json.loads(driver.stdout.readline())
         assert len(pids) == TP and all(alive(pid) for pid in pids)
         time.sleep(0.5)  # both ranks inside the call: rank 0 sleeping, rank 1 waiting in a collective
