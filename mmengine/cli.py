@@ -168,6 +168,7 @@ def run_budget(args: argparse.Namespace) -> None:
         "max_audio_seconds": args.max_audio_seconds,
         "sliding_kv_ratio": args.sliding_kv_ratio,
         "mm_processor_kwargs": mapping_parser("--mm-processor-kwargs", int)(args.mm_processor_kwargs) if args.mm_processor_kwargs else None,
+        "speculative_config": mapping_parser("--speculative-config", Any)(args.speculative_config) if args.speculative_config else None,
     }
     # the engine's rules; the device decides what dtype "auto" becomes
     config = EngineConfig(model=args.model, device=args.device, **{k: v for k, v in explicit.items() if v is not None})
@@ -361,6 +362,11 @@ def _print_state_budget(family: Any, config: Any, elem: int, kv_bytes_per_token:
           f"{state // kv_bytes_per_token} tokens of KV ({kv_bytes_per_token} bytes a token)")
     print(f"  live states                   {live:>12}   bytes: (max_num_seqs {config.scheduler_config.max_num_seqs} + 1 scratch for CUDA-graph "
           "padding) x one state")
+    drafts = config.spec_config.num_speculative_tokens
+    if drafts:
+        print(f"  draft states                  {config.scheduler_config.max_num_seqs * drafts * state:>12}   bytes: max_num_seqs "
+              f"{config.scheduler_config.max_num_seqs} x {drafts} speculative tokens x one state (a verify step keeps the "
+              "state before each draft, to roll back to)")
     if not config.cache_config.enable_prefix_caching:
         print("  checkpoints                              0   (prefix caching off)")
     elif config.cache_config.num_state_checkpoints is not None:
@@ -441,6 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--mm-processor-kwargs", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
         help="image-processor overrides, e.g. max_pixels=1003520 (sets the largest item of native-resolution models)",
     )
+    budget.add_argument("--speculative-config", default=None, metavar="JSON",
+                        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' (its draft states)')
     budget.add_argument("--json", action="store_true", help="print the terms as JSON")
     budget.set_defaults(func=run_budget)
 

@@ -319,3 +319,15 @@ def test_preprocess_benchmark_times_both_paths_and_checks_their_pixels(tmp_path,
                         lambda self, pixels, out, channel_axis: out.fill(0))  # a broken fast path
     with pytest.raises(AssertionError, match="pixels differ"):
         module.main(["--photos", "1", "--repeats", "1", "--families", "llava", "--workers", "", "--output", str(output)])
+
+
+def test_speculative_benchmark_gives_the_same_answers_in_fewer_steps_at_full_acceptance(tmp_path):
+    """benchmarks/speculative.py: the three modes on one workload; greedy answers equal, every oracle draft
+    kept, so its decode steps are a quarter of the plain run's (3 drafts + 1 token a step)."""
+    bench = load_benchmark("speculative")
+    result = bench.main(["--family", "llava", "--num-prompts", "2", "--output-len", "9", "--passage-len", "6",
+                         "--output", str(tmp_path / "spec.json")])
+    runs = result["runs"]
+    assert result["answers_equal"] and json.loads((tmp_path / "spec.json").read_text())["runs"].keys() == runs.keys()
+    assert runs["oracle"]["acceptance"] == 1.0 and runs["oracle"]["decode_steps"] == 2  # 8 decode tokens, 4 a step
+    assert runs["off"]["decode_steps"] == 8 and runs["off"]["draft_tokens"] == 0

@@ -216,6 +216,12 @@ def test_the_budget_shows_what_a_recurrent_state_weighs(path, capsys):
     assert f"live states                   {5 * per_state:>12}" in shown  # four and the scratch slot
     assert engine.stats()["state_checkpoint_bytes"] == per_state
     assert engine.runner.recurrent_states[0].conv.shape[0] == 4 + engine.runner.num_state_checkpoints + 1
+    # speculative decoding keeps a state before each draft of each live request
+    main(["budget", "--model", str(path), "--device", "cpu", "--max-num-seqs", "4",
+          "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert f"draft states                  {4 * 3 * per_state:>12}" in capsys.readouterr().out
+    engine = _engine(path, max_num_seqs=4, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    assert engine.runner.recurrent_states[0].conv.shape[0] == 4 * (1 + 3) + engine.runner.num_state_checkpoints + 1
 
 
 def test_decode_graph_steps_save_checkpoints_and_give_the_eager_tokens(path):
