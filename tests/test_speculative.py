@@ -300,6 +300,45 @@ def test_structured_output_checks_the_drafts_and_ends_where_the_grammar_does(eng
     assert_books_consistent(speculating)
 
 
+@pytest.mark.parametrize("engines", ["llava"], indirect=True)
+def test_streams_carry_each_verify_steps_run(engines):
+    """Through AsyncMMEngine (the server's engine), a verify step's kept run arrives as one delta: the
+    deltas add up to the reference's tokens, text and log-probabilities, a stop string inside a run ends
+    the stream there, and the stream is shorter than its tokens."""
+    import asyncio
+
+    from mmengine.engine.async_engine import AsyncMMEngine
+
+    family, reference, speculating, expected = engines
+    prompts, _ = _batch(family)
+    stop_text = reference.tokenizer.decode(expected[0].token_ids[12:14]).strip()
+    cases = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=1),
+             SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, stop=[stop_text])]
+    want = reference.generate([prompts[0]] * 2, sampling_params=cases, use_tqdm=False)
+
+    async def stream_all():
+        async with AsyncMMEngine(speculating) as async_engine:
+            results = []
+            for params in cases:  # one at a time: each runs alone, its runs whole
+                deltas = [d async for d in await async_engine.add_request(prompts[0], None, params)]
+                results.append(deltas)
+            return results
+
+    previous = _with_proposer(speculating, OracleProposer(_references(expected)))
+    try:
+        streamed = asyncio.run(asyncio.wait_for(stream_all(), 120))
+    finally:
+        _with_proposer(speculating, previous)
+    for deltas, reference_out in zip(streamed, want):
+        assert [t for d in deltas for t in d.token_ids] == reference_out.token_ids
+        assert "".join(d.text for d in deltas) == reference_out.text
+        assert deltas[-1].finish_reason == reference_out.finish_reason
+        assert len(deltas) < len(reference_out.token_ids) and any(len(d.token_ids) > 1 for d in deltas)
+    logprobs = [entry for d in streamed[0] for entry in d.logprobs]
+    assert [e.token_id for e in logprobs] == want[0].token_ids
+    assert [e.logprob for e in logprobs] == pytest.approx([e.logprob for e in want[0].logprobs], abs=1e-4)
+
+
 # -- sampling ------------------------------------------------------------------------------------------
 
 def test_sampling_with_drafts_keeps_the_target_distribution(family_checkpoint):
