@@ -39,6 +39,7 @@ def test_an_attention_chunk_is_a_span_of_its_own_kind():
     chunk = AttentionChunk(16)
     assert chunk == 16 and f"{chunk}" == "16" and is_chunk(chunk) and not is_chunk(16) and not is_chunk(None)
     assert [chunk_start(p, 16) for p in (0, 15, 16, 31, 33)] == [0, 0, 16, 16, 32]
+    assert len({chunk, AttentionChunk(16)}) == 1 and len({chunk, 16}) == 2
 
 
 def test_blocks_before_the_current_chunk_go_back_to_the_pool():

@@ -25,6 +25,11 @@ class AttentionChunk(int):
 
     __str__ = int.__repr__  # printed as the number
 
+    def __hash__(self) -> int:
+        # apart from a window of as many tokens in a set of spans, so that a decoder with both kinds of layers
+        # counts two spans (and keeps every token in every layer: one pool holds one kind)
+        return hash((AttentionChunk, int(self)))
+
 
 def is_chunk(span: int | None) -> bool:
     return isinstance(span, AttentionChunk)

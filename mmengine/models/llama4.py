@@ -103,7 +103,8 @@ class Llama4Family(ModelFamily):
             raise UnsupportedModelError(f"the image processor's tiles of {self.tile} px are not the tower's {vision.image_size} px")
         self.max_tiles = int(self.image_processor_settings.get("max_patches") or 16)
         self.tokens_per_tile = tokens_per_tile(hf_config)
-        self.tiles = Llama4TileProcessor(size={"height": self.tile, "width": self.tile}, max_patches=self.max_tiles)
+        self.tiles = Llama4TileProcessor(size={"height": self.tile, "width": self.tile}, max_patches=self.max_tiles,
+                                         resize_to_max_canvas=bool(self.image_processor_settings.get("resize_to_max_canvas")))
         self._markers: dict[str, int] | None = None
 
     @classmethod
@@ -150,16 +151,11 @@ class Llama4Family(ModelFamily):
         return ids + [m[IMAGE]] + [self.image_token_id] * run + [m[IMAGE_END]]
 
     def max_tokens_by_modality(self) -> dict[str, int]:
-        tiles = self.max_tiles
-        return {"image": len(self.run_ids((1, tiles))) if tiles > 1 else len(self.run_ids((1, 1)))}
+        return {"image": len(self.run_ids((1, self.max_tiles)))}  # every grid of as many tiles makes as long a text
 
     def explain_max_tokens_per_item(self, limits: Mapping[str, int] | None = None, max_audio_seconds: float | None = None) -> str:
         return (f"up to max_patches {self.max_tiles} tiles of {self.tile} px and a global tile, {self.tokens_per_tile} tokens "
                 f"each after the pixel shuffle, with the separators and markers: at most {self.max_tokens_by_modality()['image']}")
-
-    @property
-    def max_items_per_image(self) -> int:
-        return 1
 
     def split_images(self, batch: Any, num_images: int) -> list[EncoderInputs]:
         """One entry per picture: its tiles (and global tile) and its text's ids."""
