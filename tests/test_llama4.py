@@ -24,7 +24,7 @@ from mmengine import MMEngine, SamplingParams
 from mmengine.errors import ImageCountMismatchError, InvalidInputError, PromptTooLongError
 from mmengine.kv_cache.chunked_attention import ChunkedAttentionManager
 from mmengine.testing.images import make_test_image
-from mmengine.testing.llama4 import llama4_prompt, tiny_llama4_path
+from mmengine.testing.llama4 import TinyLlama4Spec, llama4_prompt, tiny_llama4_path
 
 WIDE, SQUARE, SMALL = make_test_image(3, (90, 30)), make_test_image(4, (50, 70)), make_test_image(5, (20, 20))
 QUESTION = "Describe the picture in detail."
@@ -66,6 +66,17 @@ def test_greedy_tokens_equal_transformers(path, engine, pictures):
     """Every prompt is longer than a chunk (16): the chunked layers' masks and the NoPE layer's temperature matter."""
     prompt = llama4_prompt(QUESTION, len(pictures))
     assert _greedy(engine, prompt, pictures or None) == [hf_greedy(path, prompt, pictures, 12, ignore_eos=True)]
+
+
+def test_a_maverick_like_decoder_equals_transformers():
+    """Maverick's decoder choices (no QK norm, every layer MoE) with two experts a token and 8-token chunks: the
+    routed inputs are scaled per chosen expert, the outputs summed."""
+    spec = TinyLlama4Spec(use_qk_norm=False, interleave_moe_layer_step=1, num_experts_per_tok=2, attention_chunk_size=8,
+                          attn_temperature_tuning=False)
+    path = tiny_llama4_path(spec)
+    prompt = llama4_prompt(QUESTION, 0)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert _greedy(_engine(path), prompt, None, params) == [hf_greedy(path, prompt, [], 8, ignore_eos=True)]
 
 
 def test_the_chunks_and_the_temperature_matter(path):
