@@ -8,12 +8,12 @@ QWEN_IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 # The token the family's processor expands into a picture's placeholder run (what a token prompt holds,
 # and what a prompt may write bare)
 IMAGE_TOKEN = {"llava": "<image>", "gemma3": "<start_of_image>", "gemma4": "<|image|>", "internvl": "<IMG_CONTEXT>",
-               "mistral3": "[IMG]", "smolvlm": "<image>", "llava_onevision": "<image>"}
+               "mistral3": "[IMG]", "smolvlm": "<image>", "llava_onevision": "<image>", "llama4": "<|image|>"}
 # A picture's marker as the family's template writes it, when that is more than the bare token
 _IMAGE_MARKER = {"gemma4": "\n\n<|image|>\n\n", "internvl": "<IMG_CONTEXT>\n"}
 # What closes the model's answer before the next user turn
 _TURN_END = {"llava": "</s>", "gemma3": "<end_of_turn>\n", "gemma4": "<turn|>\n", "mistral3": "</s>",
-             "llava_onevision": "<|im_end|>", "smolvlm": "<end_of_utterance>\n"}
+             "llava_onevision": "<|im_end|>", "smolvlm": "<end_of_utterance>\n", "llama4": "<|eot|>"}
 
 
 def image_token(family: str) -> str:
@@ -42,6 +42,9 @@ def user_turn(family: str, text: str, num_images: int = 0, system: str | None = 
     if family == "mistral3":
         head = ("<s>" if first else "") + (f"[SYSTEM_PROMPT]{system}[/SYSTEM_PROMPT]" if system else "")
         return f"{head}[INST]{images}{text}[/INST]"
+    if family == "llama4":
+        head = ("<|begin_of_text|>" if first else "") + (f"<|header_start|>system<|header_end|>\n\n{system}<|eot|>" if system else "")
+        return f"{head}<|header_start|>user<|header_end|>\n\n{images}{text}<|eot|><|header_start|>assistant<|header_end|>\n\n"
     if family == "llava_onevision":
         head = f"<|im_start|>system \n{system}<|im_end|>" if system else ""
         return f"{head}<|im_start|>user {images}\n{text}<|im_end|><|im_start|>assistant\n"

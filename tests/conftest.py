@@ -140,7 +140,7 @@ def small_engine(checkpoint_dir):
 # divisible-block matrix (test_family_engine.py) among them. A heavy check that each family's own test file
 # also makes runs on REPRESENTATIVE_FAMILIES instead (docs/testing.md says which and why).
 FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "internvl", "mistral3", "smolvlm",
-            "llava_onevision"]
+            "llava_onevision", "llama4"]
 REPRESENTATIVE_FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 
 
@@ -184,6 +184,10 @@ def family(request: pytest.FixtureRequest, family_checkpoint) -> FamilyCase:
 
 @functools.cache
 def _hf_model(path: Path, precision: Precision) -> tuple[PreTrainedModel, object]:
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+
+    if not hasattr(MoeCausalLMOutputWithPast, "image_outputs"):  # transformers 5.24's Llama4ForConditionalGeneration reads it
+        MoeCausalLMOutputWithPast.image_outputs = None
     model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=precision.dtype).to(precision.device).eval()
     # loaded as the engine loads it: the PIL-backend image processor whatever is installed (Qwen's without a video processor)
     return model, load_hf_processor(path)

@@ -28,6 +28,10 @@ def family_checkpoint_path(name: str) -> Path:
         from mmengine.testing.mistral3 import tiny_mistral3_path
 
         return tiny_mistral3_path()
+    if name == "llama4":
+        from mmengine.testing.llama4 import tiny_llama4_path
+
+        return tiny_llama4_path()
     if name == "llava_onevision":
         from mmengine.testing.llava_onevision import tiny_onevision_path
 
