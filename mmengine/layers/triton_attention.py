@@ -86,8 +86,7 @@ class TritonAttentionBackend:
             splits = metadata.decode_num_splits or self.num_splits
             if splits is None:
                 longest = metadata.max_decode_seq_len if cascade is None else max(cascade.suffix_seq_lens_cpu[:nd])
-                if window is not None or chunk is not None:  # the keys a decode reads
-                    longest = min(longest, window or chunk, chunk or window)
+                longest = min([longest, *(span for span in (window, chunk) if span is not None)])  # the keys a decode reads
                 splits = self.choose_num_splits(nd, kv_cache.shape[3], longest, query.device)
             decode_attention(
                 query[:nd], kv_cache, seq_lens[:nd], block_tables[:nd], scale, splits, out=out[:nd],
