@@ -153,7 +153,8 @@ class ModelFamily:
 
     def kv_cache_windows(self) -> list[int | None]:
         """The sliding window of each layer with a KV cache, in kv_cache_layout's order (None: it attends
-        to every earlier token); windowed layers keep their blocks in a pool of their own."""
+        to every earlier token; an AttentionChunk from kv_cache/chunked_attention.py: it attends within chunks of
+        that many tokens, Llama 4's); windowed and chunked layers keep their blocks in a pool of their own."""
         return [None] * self.num_attention_layers
 
     @property
