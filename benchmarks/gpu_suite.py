@@ -275,6 +275,17 @@ def _window_pool_reads(data: dict) -> list[Reading]:
              at_least(prefixes))]
 
 
+def _speculative_reads(data: dict) -> list[Reading]:
+    """Verify steps against graphed decodes: random weights rarely repeat their prompt, so the n-gram row is
+    the cost of rejected drafts; the oracle row (every draft right) bounds what acceptance can give."""
+    runs = data["runs"]
+    return [("n-gram drafts: tok/s / without", runs["ngram"]["speedup"], "x", None),
+            ("n-gram acceptance (random weights)", runs["ngram"]["acceptance"] or 0.0, "share", None),
+            ("every draft right (oracle): tok/s / without", runs["oracle"]["speedup"], "x", None),
+            ("every draft right: decode steps / without", runs["oracle"]["decode_steps"] / runs["off"]["decode_steps"], "x", None),
+            ("answers equal with and without", int(data["answers_equal"]), "1 = yes", None)]
+
+
 def _hybrid_reads(data: dict) -> list[Reading]:
     runs = data["runs"]
     chat_on, chat_off = runs["chat / prefix caching on"], runs["chat / prefix caching off"]
@@ -433,6 +444,12 @@ PARTS: list[Part] = [
                             "--dtype", "float32", "--turns", "3", "--output-len", "5", "--requests", "4", "--system-len", "40",
                             "--tail-len", "6", "--picture-size", "64"),
          _hybrid_reads),
+    Part("speculative", "49", 3, ("qwen3_5_9b",),
+         lambda ctx: _bench("speculative.py", ctx, "speculative", "--model", _model(ctx, "qwen3_5_9b"), "--device", "cuda",
+                            "--num-prompts", "16", "--passage-len", "64", "--output-len", "128"),
+         lambda ctx: _bench("speculative.py", ctx, "speculative", "--model", _model(ctx, "qwen3_5_9b"), "--device", "cpu",
+                            "--dtype", "float32", "--num-prompts", "2", "--passage-len", "6", "--output-len", "9"),
+         _speculative_reads),
     _latency_part("gemma4_dense", "35", 5, "640x480", _gemma4_reads),
     Part("gemma4_window_pool", "35", 3, ("gemma4_dense",),
          lambda ctx: _bench("window_pool.py", ctx, "gemma4_window_pool", "--model", _model(ctx, "gemma4_dense"), "--device",

@@ -331,3 +331,5 @@ def test_speculative_benchmark_gives_the_same_answers_in_fewer_steps_at_full_acc
     assert result["answers_equal"] and json.loads((tmp_path / "spec.json").read_text())["runs"].keys() == runs.keys()
     assert runs["oracle"]["acceptance"] == 1.0 and runs["oracle"]["decode_steps"] == 2  # 8 decode tokens, 4 a step
     assert runs["off"]["decode_steps"] == 8 and runs["off"]["draft_tokens"] == 0
+    figures = _read_as_the_gpu_suite_part(result, "_speculative_reads")  # the "speculative" part reads this
+    assert figures["every draft right: decode steps / without"] == 0.25
