@@ -209,6 +209,23 @@ def test_every_acceptance_pattern_keeps_greedy_tokens(engines, pattern):
     assert_books_consistent(speculating)
 
 
+@pytest.mark.parametrize("engines", ["llava", "qwen3_5"], indirect=True)
+def test_verify_steps_share_a_small_token_budget_with_prefill_chunks(engines):
+    """A 6-token budget: prompts prefill in chunks (cutting pictures) while others verify, and a decode's
+    drafts are cut to what the budget leaves after the requests before it; the tokens do not change."""
+    family, reference, _, expected = engines
+    prompts, images = _batch(family)
+    engine = MMEngine(reference.config.model, device="cpu", dtype="float32", max_model_len=256, block_size=8,
+                      max_num_batched_tokens=6, speculative_config=NGRAM)
+    oracle = OracleProposer(_references(expected), lambda step: [None, 2][step % 2])
+    _with_proposer(engine, oracle)
+    outs = engine.generate(prompts, images=images, sampling_params=_greedy(MAX_TOKENS), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
+    stats = engine.stats()
+    assert 0 < stats["spec_accepted_tokens"] and stats["spec_draft_tokens"] < oracle.proposals * K  # some were cut
+    assert_books_consistent(engine)
+
+
 def _references(outputs) -> dict[tuple[int, ...], list[int]]:
     """Each prompt's expanded token ids (as the engine holds them) -> its reference answer."""
     return {tuple(out.prompt_token_ids): list(out.token_ids) for out in outputs}
