@@ -127,3 +127,27 @@ def test_decodes_batched_equal_decodes_alone(layers):
         alone = [torch.cat([ours(x[j:j + 1], RecurrentStep([0, 1], [slot])) for j, slot in enumerate([2, 0, 1])]) for x in steps]
     for a, b in zip(together, alone):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_stepwise_requests_run_as_decodes_and_save_after_each_token(layers):
+    """A verify step's request (stepwise): its 4 tokens give the outputs and states of decoding them one at a
+    time (to the last bits of the projections, which see the step's other rows), with a save after tokens 1,
+    2 and 3; a plain request in the same step runs as before."""
+    reference, ours = layers
+    x, other = torch.randn(4, 48), torch.randn(6, 48)
+    with torch.no_grad():
+        expected_other = reference(other[None])[0]
+        ours.states = one_by_one = GatedDeltaStates(ours.shape, 1, torch.device("cpu"), torch.float32)
+        singles, states_after = [], []
+        for t in range(4):
+            singles.append(ours(x[t : t + 1], RecurrentStep([0, 1], [0])))
+            states_after.append(one_by_one.recurrent[0].clone())
+        ours.states = states = GatedDeltaStates(ours.shape, 5, torch.device("cpu"), torch.float32)
+        step = RecurrentStep([0, 4, 10], [0, 4], [[(1, 1), (2, 2), (3, 3)], []], stepwise=frozenset({0}))
+        out = ours(torch.cat([x, other]), step)
+    torch.testing.assert_close(out[:4], torch.cat(singles), atol=1e-6, rtol=1e-5)
+    for n in (1, 2, 3):
+        torch.testing.assert_close(states.recurrent[n], states_after[n - 1], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(states.recurrent[0], states_after[3], atol=1e-6, rtol=1e-5)
+    assert not torch.allclose(states.recurrent[1], states.recurrent[2])  # each save took its own moment
+    torch.testing.assert_close(out[4:], expected_other, atol=2e-5, rtol=1e-4)

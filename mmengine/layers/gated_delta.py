@@ -71,6 +71,9 @@ class RecurrentStep:
     query_start_loc: list[int]
     slots: list[int]
     saves: list[list[tuple[int, int]]] = field(default_factory=list)
+    # Requests whose tokens run one at a time, as decodes do (speculative decoding's verify steps: a state
+    # after each token, and the same arithmetic as decoding them one by one)
+    stepwise: frozenset[int] = frozenset()
     # A decode CUDA graph's step: every row is one request's one token, in the slots this device buffer
     # holds (rewritten before each replay; padding rows use a scratch slot); the host lists are unused.
     decode_slots: torch.Tensor | None = None
@@ -159,7 +162,9 @@ class GatedDeltaNet(nn.Module):
                 for i in decodes:
                     for _, target in step.saves_of(i):  # a decode saves after its one token
                         states.copy(step.slots[i], target)
-        for stretches in _rounds(step, set(decodes)):
+        if step.stepwise:
+            self._stepwise_rows(mixed, beta, decay, out, step, decode)
+        for stretches in _rounds(step, set(decodes) | step.stepwise):
             qkv = torch.cat([self._conv(mixed[lo:hi], states.conv[slot]) for lo, hi, slot, _ in stretches])
             rows = torch.cat([torch.arange(lo, hi, device=hidden.device) for lo, hi, _, _ in stretches])
             cu = [0]
@@ -175,6 +180,21 @@ class GatedDeltaNet(nn.Module):
                     states.copy(slot, target)
         normed = self.norm(out.reshape(-1, s.value_head_dim), z.reshape(-1, s.value_head_dim))
         return self.out_proj(normed.view(hidden.shape[0], s.value_dim))
+
+    def _stepwise_rows(self, mixed: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, out: torch.Tensor,
+                       step: RecurrentStep, decode: gated_delta_rule.VarlenKernel) -> None:
+        """The stepwise requests' tokens as decodes: their j-th tokens together, then each save after j + 1."""
+        starts, device = step.query_start_loc, mixed.device
+        longest = max(starts[i + 1] - starts[i] for i in step.stepwise)
+        for j in range(longest):
+            batch = [i for i in sorted(step.stepwise) if starts[i] + j < starts[i + 1]]
+            rows = torch.tensor([starts[i] + j for i in batch], device=device)
+            slots = torch.tensor([step.slots[i] for i in batch], device=device)
+            self._decode_rows(mixed, beta, decay, out, rows, slots, decode)
+            for i in batch:
+                for n, target in step.saves_of(i):
+                    if n == j + 1:
+                        self.states.copy(step.slots[i], target)
 
     def _decode_rows(self, mixed: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
                      slots: torch.Tensor, decode: gated_delta_rule.VarlenKernel) -> None:

@@ -545,7 +545,8 @@ class ModelRunner:
                 else:
                     offsets.append((position - s.start, slot))
             saves.append(offsets)
-        return RecurrentStep(query_start_loc[: len(scheduled) + 1], [s.state.slot for s in scheduled], saves)
+        stepwise = frozenset(i for i, s in enumerate(scheduled) if s.state.draft_saves)  # verify steps: token by token
+        return RecurrentStep(query_start_loc[: len(scheduled) + 1], [s.state.slot for s in scheduled], saves, stepwise=stepwise)
 
     def _copy_twin_saves(self) -> None:
         """After the forward: the second slot of each position saved twice gets the first's state."""
