@@ -5,8 +5,9 @@ tiles of `size` (find_supported_resolutions' order); the picture gets the canvas
 (else the least downscaling; the smaller area on a tie), is resized without distortion to fit it (never upscaled
 beyond the tile size unless `resize_to_max_canvas`), padded right and bottom with black, rescaled and normalized
 in bfloat16 (as the original implementation), and cut into the grid's tiles, row by row; a picture of more than
-one tile is also resized whole to one tile, the global tile, after them. The resize is PIL's bilinear one (the
-torchvision resize transformers calls is antialiased bilinear too, whose rounding may differ by a level).
+one tile is also resized whole to one tile, the global tile, after them. The resize is torch's antialiased bilinear
+interpolate on the uint8 pixels, which torchvision's resize (what transformers calls) runs for uint8 pictures on
+CPUs with AVX2.
 
 Llama4Processor writes a picture as `<|image_start|>`, for a grid of tiles each row's tiles' runs of `<|patch|>`
 separated by `<|tile_x_separator|>` and ended by `<|tile_y_separator|>`, then `<|image|>`, the global (or only)
@@ -108,9 +109,8 @@ class Llama4TileProcessor:
             target_h, target_w = min(max(height, self.tile), target_h), min(max(width, self.tile), target_w)
         return size_without_distortion(height, width, target_h, target_w)
 
-    def _normalized(self, picture: Image.Image) -> torch.Tensor:
+    def _normalized(self, pixels: torch.Tensor) -> torch.Tensor:
         """[3, H, W] uint8 pixels rescaled and normalized in bfloat16, as transformers' rescale_and_normalize."""
-        pixels = torch.from_numpy(np.asarray(picture, dtype=np.uint8).copy()).permute(2, 0, 1)
         x = pixels.to(torch.bfloat16) * self.rescale_factor
         mean = torch.tensor(self.image_mean, dtype=torch.bfloat16)[:, None, None]
         std = torch.tensor(self.image_std, dtype=torch.bfloat16)[:, None, None]
@@ -123,13 +123,13 @@ class Llama4TileProcessor:
         width, height = picture.size
         canvas_h, canvas_w = self.canvas(height, width)
         new_h, new_w = self.resized_size(height, width)
-        padded = Image.new("RGB", (canvas_w, canvas_h), (0, 0, 0))
-        padded.paste(picture.resize((new_w, new_h), Image.BILINEAR), (0, 0))
+        pixels = torch.from_numpy(np.asarray(picture, dtype=np.uint8).copy()).permute(2, 0, 1)[None]
+        padded = torch.zeros(3, canvas_h, canvas_w, dtype=torch.uint8)  # black right and below
+        padded[:, :new_h, :new_w] = _resized(pixels, new_h, new_w)
         tile, rows, cols = self.tile, canvas_h // self.tile, canvas_w // self.tile
-        pixels = self._normalized(padded)
-        tiles = pixels.view(3, rows, tile, cols, tile).permute(1, 3, 0, 2, 4).reshape(rows * cols, 3, tile, tile)
+        tiles = self._normalized(padded).view(3, rows, tile, cols, tile).permute(1, 3, 0, 2, 4).reshape(rows * cols, 3, tile, tile)
         if rows * cols > 1:
-            tiles = torch.cat([tiles, self._normalized(picture.resize((tile, tile), Image.BILINEAR))[None]])
+            tiles = torch.cat([tiles, self._normalized(_resized(pixels, tile, tile))[None]])
         return tiles, (rows, cols)
 
     def __call__(self, images: Any = None, return_tensors: str | None = "pt", **kwargs: Any) -> Any:
@@ -139,6 +139,11 @@ class Llama4TileProcessor:
         done = [self.tiles(picture) for picture in pictures]
         return BatchFeature({"pixel_values": torch.cat([tiles for tiles, _ in done]),
                              "aspect_ratios": torch.tensor([grid for _, grid in done])})
+
+
+def _resized(pixels: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """[1, 3, H, W] uint8 -> [3, height, width] uint8: antialiased bilinear, as torchvision resizes uint8 pictures."""
+    return torch.nn.functional.interpolate(pixels, size=(height, width), mode="bilinear", antialias=True, align_corners=False)[0]
 
 
 def image_string(grid: tuple[int, int], tokens_per_tile: int) -> str:
