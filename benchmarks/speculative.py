@@ -46,12 +46,15 @@ class _Oracle:
     def __init__(self, answers: dict[tuple[int, ...], list[int]], k: int) -> None:
         self.answers, self.k = answers, k
 
-    def propose(self, token_ids: Sequence[int], max_drafts: int | None = None) -> list[int]:
+    def propose(self, request_id: str, token_ids: Sequence[int], max_drafts: int) -> list[int]:
         for prompt, answer in self.answers.items():
             if tuple(token_ids[: len(prompt)]) == prompt:
                 done = len(token_ids) - len(prompt)
                 return answer[done : done + min(self.k, max_drafts)]
         return []
+
+    def forget(self, request_id: str) -> None:
+        pass
 
 
 def _prompts(family: str, count: int, passage_len: int) -> list[str]:

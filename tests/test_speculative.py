@@ -12,6 +12,7 @@ import math
 from collections import Counter
 from collections.abc import Sequence
 
+import numpy as np
 import pytest
 
 from books import assert_books_consistent
@@ -19,7 +20,7 @@ from mmengine import MMEngine, SamplingParams
 from mmengine.config import EngineConfig
 from mmengine.entrypoints.engine_flags import add_engine_options, engine_options
 from mmengine.errors import ConfigError
-from mmengine.spec import NgramProposer, SpecCounters, accepted_prefix
+from mmengine.spec import NgramProposer, SpecCounters, accepted_prefix, ngram_drafts
 from mmengine.testing import make_test_image
 from mmengine.testing.qwen_vl import qwen_vl_prompt
 
@@ -66,18 +67,34 @@ def test_the_command_line_flag_takes_vllm_json_and_key_value_pairs():
 
 # -- proposing and accepting ---------------------------------------------------------------------------
 
-def test_ngram_proposer_takes_the_latest_longest_match():
-    proposer = NgramProposer(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+def test_ngram_drafts_take_the_latest_longest_match():
+    def drafts(tokens: list[int], k: int = 3, low: int = 1, high: int = 3) -> list[int]:
+        return ngram_drafts(np.array(tokens), k, low, high)
+
     # the suffix [1, 2] occurs at 0 (followed by 3 4 5) and at 5 (followed by 9 9): the later one wins
-    assert proposer.propose([1, 2, 3, 4, 5, 1, 2, 9, 9, 7, 1, 2]) == [9, 9, 7]
-    # a 3-gram match beats a later 1-gram one
-    assert proposer.propose([5, 6, 7, 8, 7, 0, 5, 6, 7]) == [8, 7, 0]
-    assert proposer.propose([1, 2, 3]) == []  # the suffix occurs only as itself
-    assert proposer.propose([4, 4]) == [4]  # what follows the match, up to the end
-    assert proposer.propose([1, 2, 3, 4, 5, 1, 2], max_drafts=2) == [3, 4]
-    assert proposer.propose([1, 2, 3, 1, 2], max_drafts=0) == []
-    strict = NgramProposer(num_speculative_tokens=3, prompt_lookup_min=3, prompt_lookup_max=3)
-    assert strict.propose([1, 2, 3, 4, 9, 2, 3]) == []  # only a 2-gram repeats
+    assert drafts([1, 2, 3, 4, 5, 1, 2, 9, 9, 7, 1, 2]) == [9, 9, 7]
+    assert drafts([5, 6, 7, 8, 7, 0, 5, 6, 7]) == [8, 7, 0]  # a 3-gram match beats a later 1-gram one
+    assert drafts([1, 2, 3]) == []  # the suffix occurs only as itself
+    assert drafts([4, 4]) == [4]  # what follows the match, up to the end
+    assert drafts([1, 2, 3, 4, 5, 1, 2], k=2) == [3, 4]
+    assert drafts([1, 2, 3, 1, 2], k=0) == []
+    assert drafts([1, 2, 3, 4, 9, 2, 3], low=3) == []  # only a 2-gram repeats
+
+
+def test_the_ngram_proposer_keeps_each_requests_tokens_as_they_grow():
+    proposer = NgramProposer(num_speculative_tokens=3, prompt_lookup_min=1, prompt_lookup_max=3)
+    tokens = [7, 8, 9, 1]
+    assert proposer.propose("a", tokens, max_drafts=3) == []
+    for token in [7, 8]:  # the request's output grows: only the new tokens are copied in
+        tokens.append(token)
+    assert proposer.propose("a", tokens, max_drafts=3) == [9, 1, 7]
+    assert proposer.propose("a", tokens, max_drafts=1) == [9]
+    tokens += list(range(100, 300))  # past the buffer's first size
+    tokens += [100, 101]
+    assert proposer.propose("a", tokens, max_drafts=3) == [102, 103, 104]
+    assert proposer.propose("b", [5, 5], max_drafts=3) == [5]  # another request, its own history
+    proposer.forget("a")
+    assert proposer.propose("a", [1, 2, 1], max_drafts=3) == [2, 1]  # a new request under the old id
 
 
 def test_accepted_prefix_and_counters():
@@ -107,7 +124,7 @@ class OracleProposer:
         self.expected_accepted = 0
         self.proposals = 0
 
-    def propose(self, token_ids: Sequence[int], max_drafts: int | None = None) -> list[int]:
+    def propose(self, request_id: str, token_ids: Sequence[int], max_drafts: int) -> list[int]:
         for prompt, answer in self.references.items():
             if tuple(token_ids[: len(prompt)]) == prompt:
                 done = len(token_ids) - len(prompt)
@@ -121,6 +138,9 @@ class OracleProposer:
                     self.expected_accepted += len(drafts)
                 return drafts
         return []
+
+    def forget(self, request_id: str) -> None:
+        pass
 
 
 FAMILY_CASES = {
@@ -376,13 +396,16 @@ def test_sampling_with_drafts_keeps_the_target_distribution(family_checkpoint):
         exact.update({prefix: _top3(out) for prefix, out in zip(prefixes, outs)})
 
     class MostLikely:  # drafts: the most likely continuation
-        def propose(self, token_ids: Sequence[int], max_drafts: int | None = None) -> list[int]:
+        def propose(self, request_id: str, token_ids: Sequence[int], max_drafts: int) -> list[int]:
             prefix, drafts = tuple(token_ids[len(prompt_ids):]), []
             while len(drafts) < min(2, max_drafts) and prefix in exact:
                 best = max(exact[prefix], key=exact[prefix].get)
                 drafts.append(best)
                 prefix += (best,)
             return drafts
+
+        def forget(self, request_id: str) -> None:
+            pass
 
     speculating = MMEngine(path, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, max_num_seqs=256, **options)
     _with_proposer(speculating, MostLikely())

@@ -31,6 +31,7 @@ from mmengine.sample.params import SamplingParams
 from mmengine.sample.reasoning import ReasoningGate, opening_token, prompt_opens_reasoning, split_reasoning
 from mmengine.sample.structured_output.grammar import GrammarCompiler
 from mmengine.spec.ngram import NgramProposer
+from mmengine.spec.proposer import Proposer
 
 
 @dataclass
@@ -60,8 +61,8 @@ class StepLoop:
         self.counters = dict.fromkeys(("steps", "decode_steps", "tokens_computed", "prefill_tokens_computed", "prompt_tokens",
                                        "generation_tokens", "requests_finished"), 0)
         spec = config.spec_config
-        self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) \
-            if spec.method == "ngram" else None
+        self.proposer: Proposer | None = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                                        spec.prompt_lookup_max) if spec.method == "ngram" else None
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._opens_reasoning: dict[str, bool] = {}  # with a reasoning parser: the prompt left <think> open
         self._opening_token = opening_token(tokenizer) if config.model_config.reasoning_parser is not None else None
@@ -109,6 +110,8 @@ class StepLoop:
         detokenizer = self._detokenizers.pop(request_id)
         detokenizer.flush()
         self.runner.penalties.release(request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
         self.route(self._output(request, detokenizer))
         self._opens_reasoning.pop(request_id, None)
         return True
@@ -174,7 +177,7 @@ class StepLoop:
             if params.penalized or isinstance(grammar, ReasoningGate) or request.num_tokens - request.num_computed_tokens != 1:
                 continue
             room = min(params.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens)
-            drafts = self.proposer.propose(request.all_token_ids, room)
+            drafts = self.proposer.propose(request.request_id, request.all_token_ids, room)
             if drafts and grammar is not None:
                 drafts = [] if grammar.is_stopped() or grammar.is_error() else drafts[: grammar.validate_tokens(drafts)]
             request.spec_token_ids = drafts
@@ -338,6 +341,8 @@ class StepLoop:
             output = self._output(request, detokenizer)
             self._opens_reasoning.pop(request.request_id, None)
             self.runner.penalties.release(request.request_id)
+            if self.proposer is not None:
+                self.proposer.forget(request.request_id)
             self.counters["requests_finished"] += 1
             return output
         if request.request_id in self.owners:

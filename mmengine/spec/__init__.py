@@ -1,5 +1,6 @@
 """Speculative decoding: drafts proposed beside the sampler, verified by the target model in one step.
 
+    proposer.py  what the step loop asks of a proposer
     ngram.py     NgramProposer: prompt lookup over a request's own tokens (prompt and output)
     verify.py    the accept rule (the longest prefix of drafts the target's own samples repeat) and the counters
 
@@ -8,7 +9,8 @@ runner samples every position; update_from_output keeps the accepted run and the
 after it, and rolls the recurrent states (hybrid models) back to the last accepted position.
 """
 
-from mmengine.spec.ngram import NgramProposer
+from mmengine.spec.ngram import NgramProposer, ngram_drafts
+from mmengine.spec.proposer import Proposer
 from mmengine.spec.verify import SpecCounters, accepted_prefix
 
-__all__ = ["NgramProposer", "SpecCounters", "accepted_prefix"]
+__all__ = ["NgramProposer", "Proposer", "SpecCounters", "accepted_prefix", "ngram_drafts"]
