@@ -13,7 +13,8 @@ What sets it apart from a Llama-family decoder, each as transformers 5 defines i
 
 The pairs are rotated interleaved ((x0, x1), (x2, x3), ...); the engine's rotary is GPT-NeoX's (halves). Permuting
 each head's q and k rows at load (even dimensions first, then odd) turns one into the other: q.k is unchanged by a
-permutation applied to both, as is the L2 norm. The experts are saved as transformers keeps them,
+permutation applied to both, as is the L2 norm. The cos and sin are computed from each step's positions, in float32
+as transformers does, and the rotation too (no table of every position: the releases allow 10M). The experts are saved as transformers keeps them,
 `gate_up_proj` [experts, hidden, 2 x inter] and `down_proj` [experts, inter, hidden]: transposed at load into
 layers/moe.py's FusedExperts layout, so the fused MoE kernel runs them.
 """
@@ -31,7 +32,7 @@ from mmengine.layers.kernel_dispatch import use_fused_kernels
 from mmengine.layers.lora import LoRAContext, LoRALinear
 from mmengine.layers.moe import FusedExperts
 from mmengine.layers.norm import RMSNorm
-from mmengine.layers.rotary import RotaryEmbedding, RotaryStep
+from mmengine.layers.rotary import rope_inv_freq, rotate_half
 from mmengine.models.llama import DecoderMLP, DeepStack, copy_checked, gate_up_shard_shapes, load_with_gate_up_shards
 
 CHUNKED, FULL = "chunked_attention", "full_attention"
@@ -64,6 +65,27 @@ def interleaved_to_halves(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
     return weight.view(heads, head_dim, *weight.shape[1:])[:, order].reshape(weight.shape)
 
 
+class Llama4Rotary(nn.Module):
+    """transformers' Llama4TextRotaryEmbedding: cos and sin of each position times the inverse frequencies, in float32."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        inv_freq, self.scaling = rope_inv_freq(config, config.head_dim)
+        self.register_buffer("inv_freq", inv_freq.float().to(torch.get_default_device()), persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [tokens, 1, head_dim] float32, each frequency twice (the halves' layout)."""
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
+        return angles.cos() * self.scaling, angles.sin() * self.scaling
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [tokens, heads, head_dim] rotated in float32 (transformers' complex product), back in x's dtype."""
+    h = x.float()
+    return (h * cos + rotate_half(h) * sin).type_as(x)
+
+
 def l2_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Llama4TextL2Norm: an RMS norm without weight, in float32."""
     h = x.float()
@@ -87,13 +109,14 @@ class Llama4Attention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5,
                               attention_chunk=layer_chunk(config, index))
 
-    def forward(self, x: torch.Tensor, rotary: RotaryStep, positions: torch.Tensor, metadata: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], positions: torch.Tensor,
+                metadata: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
         if self.use_rope:
-            q, k = rotary.apply(q, k)
+            q, k = rotate(q, *rotary), rotate(k, *rotary)
         if self.qk_norm:
             q, k = l2_norm(q, self.eps), l2_norm(k, self.eps)
         if self.temperature_tuning:
@@ -144,8 +167,8 @@ class Llama4DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryStep, positions: torch.Tensor,
-                metadata: AttentionMetadata, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: tuple[torch.Tensor, torch.Tensor],
+                positions: torch.Tensor, metadata: AttentionMetadata, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """As llama.DecoderLayer: (this layer's output, the stream before it), each residual add inside the next norm."""
         if residual is None:
             residual, h = x, self.input_layernorm(x, use_kernel=fused)
@@ -166,14 +189,14 @@ class Llama4DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Llama4DecoderLayer(config, index) for index in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary = RotaryEmbedding(config, config.head_dim)
+        self.rotary = Llama4Rotary(config)
 
     def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
                 deepstack: DeepStack | None = None) -> torch.Tensor:
         backend = self.layers[0].self_attn.attn.backend
         fused = use_fused_kernels(inputs_embeds.device, backend.name if backend is not None else None)
         # q and k are normed after rotating: the rotation is PyTorch's here, the store the backend's
-        rotary = self.rotary.step(positions, use_kernel=False)
+        rotary = self.rotary(positions)
         x, residual = inputs_embeds, None
         for layer in self.layers:
             x, residual = layer(x, residual, rotary, positions, metadata, fused)
