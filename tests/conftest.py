@@ -139,8 +139,8 @@ def small_engine(checkpoint_dir):
 # Every family with pictures: the engine-level tests written against the `family` fixture run on each, the
 # divisible-block matrix (test_family_engine.py) among them. A heavy check that each family's own test file
 # also makes runs on REPRESENTATIVE_FAMILIES instead (docs/testing.md says which and why).
-FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4", "internvl", "mistral3", "smolvlm",
-            "llava_onevision", "llama4"]
+FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "gemma3", "gemma4",
+            "internvl", "mistral3", "smolvlm", "llava_onevision", "llama4"]
 REPRESENTATIVE_FAMILIES = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 
 

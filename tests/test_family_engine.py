@@ -225,7 +225,8 @@ def test_decode_graph_steps_give_the_eager_tokens(family):
     assert results[True] == results[False]
 
 
-@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])  # LLaVA's: test_fused_engine.py, test_triton_engine.py
+# LLaVA's: test_fused_engine.py, test_triton_engine.py; Qwen2-VL's decoder (and so its Triton path) is Qwen2.5-VL's
+@pytest.mark.parametrize("name", ["qwen2_5_vl", "qwen3_vl"])
 def test_triton_backend_with_fused_kernels_matches_transformers(family_checkpoint, exact_precision, name):
     """The Triton attention backend and the fused kernels (M-RoPE rotary + K/V store included), in
     Triton's interpreter on CPU (compiled on a GPU), against transformers."""
@@ -256,9 +257,10 @@ def test_cascade_attention_on_gives_the_tokens_of_off(family):
     assert results["off"][1]["cascade_steps"] == 0
 
 
-@pytest.mark.parametrize("family_name", ["qwen3_5", "qwen3_vl_moe", "qwen3_5_moe"])
+# (Qwen3-VL-MoE on the Triton kernels, experts and all, against transformers: test_moe.py; its attention is Qwen3-VL's)
+@pytest.mark.parametrize("family_name", ["qwen3_5", "qwen3_5_moe"])
 def test_cascade_on_the_triton_kernels_of_the_hybrid_and_moe_families(family_checkpoint, family_name, no_tf32):
-    """Qwen3.5's gated attention with partial rotary, and the MoE families, on the Triton kernels (the
+    """Qwen3.5's gated attention with partial rotary, and its MoE family, on the Triton kernels (the
     interpreter on a CPU): requests sharing a prefix with a picture run cascade steps and give
     transformers' tokens."""
     family = FamilyCase(family_name, family_checkpoint(family_name))
