@@ -19,16 +19,19 @@ FAMILIES = ("llava", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5",
 NO_LORA = ("qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "gemma4", "gemma3")  # families that refuse LoRA adapters at start-up
 # (the cases' clips are marked as Qwen's templates mark them)
 NO_VIDEO = ("llava", "gemma4", "llava_onevision", "smolvlm", "gemma3", "internvl", "mistral3")
-# Token prompts with pictures a family refuses (given as prompt dicts instead): SmolVLM's pictures make several items
-# between text tokens (its tiles), which a token prompt cannot hold; Gemma 3's template marker <start_of_image> is not
-# its placeholder token (<image_soft_token>); Mistral 3's expanded runs hold [IMG_BREAK] rows, not one run of [IMG]
+# Token prompts with pictures a family refuses, as docs/models.md says (given as prompt dicts instead): SmolVLM's
+# pictures make several items between text tokens (its tiles); Gemma 3 takes one <image_soft_token> a picture, not the
+# template's <start_of_image>; Mistral 3 takes one [IMG] a picture, not the expanded rows broken by [IMG_BREAK]
 REFUSED_TOKEN_PROMPTS = {"smolvlm": ("markers", "expanded"), "gemma3": ("markers",), "mistral3": ("expanded",)}
 # Families whose prefill chunks hold a picture whole (it attends both ways): the token budget must hold the largest
 WHOLE_PICTURE_BUDGET = {"gemma4": 96, "gemma3": 16}  # Gemma 4's pictures here are up to 70 tokens, Gemma 3's 16
-# The families of the Triton cases: the others' decoders run on the same kernels as these (LLaVA-OneVision's, SmolVLM's,
-# InternVL's and Mistral 3's the common decoder, Gemma 3's Gemma 4's window and span rules), and an interpreted
-# case costs over a minute of the suite
-TRITON_FAMILIES = tuple(family for family in FAMILIES if family not in ("llava_onevision", "smolvlm", "gemma3", "internvl", "mistral3"))
+# The families of the Triton cases, one per decoder the kernels run differently: the others' decoders run on the same
+# kernels as one of these (Qwen2-VL's is Qwen2.5-VL's, Qwen3-VL-MoE's Qwen3-VL's attention and Qwen3.5-MoE's experts,
+# Qwen3.5's Qwen3.5-MoE's hybrid layers; LLaVA-OneVision's, SmolVLM's, InternVL's and Mistral 3's the common decoder;
+# Gemma 3's Gemma 4's window and span rules), and an interpreted case costs a minute of the suite. Each family's
+# Triton path is checked against transformers in its own tests (test_family_engine.py, test_gemma4.py, ...). In an
+# order whose seeds (TRITON_SEEDS) make cascade steps in three of the cases (test_fuzz_triton.py)
+TRITON_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5_moe", "llava", "gemma4")
 WORDS = (
     "the a cat dog red blue green look picture what is this why how small large left right top bottom "
     "colour shape count tell me more about it please describe short long first next again line box"

@@ -1,5 +1,5 @@
-"""The fuzzer's quick cases on the Triton kernels with cascade on, one per family (a file of its own: in
-Triton's interpreter on a CPU they take minutes, which pytest-xdist runs beside test_fuzz.py)."""
+"""The fuzzer's quick cases on the Triton kernels with cascade on, one per family of fuzz_case.TRITON_FAMILIES (a
+file of its own: in Triton's interpreter on a CPU they take minutes, which pytest-xdist runs beside test_fuzz.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ def env(family_checkpoint) -> FuzzEnv:
 
 
 def test_seeded_cases_on_the_triton_kernels_with_cascade_on(env, no_tf32):
-    """One quick case per family on the Triton kernels (the interpreter on a CPU) with cascade on; across
+    """One quick case per Triton family on the Triton kernels (the interpreter on a CPU) with cascade on; across
     them, cascade really groups requests (three requests on one long system text)."""
     reports = []
     for seed in TRITON_SEEDS:
