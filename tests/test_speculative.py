@@ -421,6 +421,9 @@ def test_sampling_with_drafts_keeps_the_target_distribution(family_checkpoint):
     assert chi2 < dof + 5 * math.sqrt(2 * dof), (chi2, dof)
     stats = speculating.stats()
     assert 0 < stats["spec_accepted_tokens"] < stats["spec_draft_tokens"]
+    # a seed gives the same tokens again, whatever else is in the batch
+    again = speculating.generate([prompt] * 40, sampling_params=params[100:140], use_tqdm=False)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs[100:140]]
 
 
 def _top3(out) -> dict[int, float]:
