@@ -1,7 +1,7 @@
 """Speculative decoding (spec/): the config, the n-gram proposer, and that verifying drafts never changes a
 token. The engine tests run each family twice, once without speculation (the reference: its tokens equal
 transformers' elsewhere) and once with it, on a dense decoder (LLaVA), a hybrid one whose recurrent states
-must roll back past rejected drafts (Qwen3.5) and a windowed one (Gemma 4). Besides the n-gram proposer, an
+must roll back past rejected drafts (Qwen3.5), a windowed one (Gemma 4) and a chunked one (Llama 4). Besides the n-gram proposer, an
 oracle proposes the reference continuation with chosen drafts corrupted, so every acceptance pattern (all,
 some, none) happens at known steps and the counters can be checked exactly."""
 
@@ -147,6 +147,9 @@ FAMILY_CASES = {
     "llava": lambda text, n: "USER: " + "<image>\n" * n + text + " ASSISTANT:",
     "qwen3_5": qwen_vl_prompt,
     "gemma4": lambda text, n: "<bos><|turn>user\n" + "\n\n<|image|>\n\n" * n + text + "<turn|>\n<|turn>model\n",
+    # chunked local attention: kept runs cross chunk boundaries, where the chunked pool frees blocks
+    "llama4": lambda text, n: ("<|begin_of_text|><|header_start|>user<|header_end|>\n\n" + "<|image|>" * n + text
+                               + "<|eot|><|header_start|>assistant<|header_end|>\n\n"),
 }
 
 
@@ -196,7 +199,8 @@ def test_ngram_drafts_keep_greedy_tokens(engines):
     assert_books_consistent(speculating)
 
 
-@pytest.mark.parametrize("engines, pattern", [("llava", "all-right"), ("llava", "mixed"), ("qwen3_5", "mixed"), ("gemma4", "mixed")],
+@pytest.mark.parametrize("engines, pattern", [("llava", "all-right"), ("llava", "mixed"), ("qwen3_5", "mixed"), ("gemma4", "mixed"),
+                                              ("llama4", "mixed")],
                          indirect=["engines"])
 def test_every_acceptance_pattern_keeps_greedy_tokens(engines, pattern):
     """Oracle drafts: all accepted, or by step all / two of three / none / one. With a hybrid decoder, every
