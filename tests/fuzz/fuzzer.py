@@ -87,6 +87,8 @@ class CaseReport:
     adapters: int = 0
     lora_slot_loads: int = 0
     weight_updates: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 @dataclass
@@ -151,7 +153,7 @@ def _run(case: FuzzCase, env: FuzzEnv, tmp: Path) -> CaseReport:
     # the Triton kernels run compiled on a GPU, in the interpreter on a CPU
     device = "cuda" if case.options.get("attn_backend") == "triton" and torch.cuda.is_available() else "cpu"
     engine = MMEngine(str(checkpoint), device=device, dtype="float32", encoder_cache_host_bytes=tiers.choice((0, 1 << 20)),
-                      kv_cache_host_bytes=tiers.choice((0, 1 << 20)), **_resolve(case, valid))
+                      kv_cache_host_bytes=tiers.choice((0, 1 << 20)), **(_resolve(case, valid) | _speculation(case)))
     for name, path in adapters.items():
         engine.add_lora(LoRARequest(name, str(path)))
     audit_lock = engine.lock  # the engine's own lock: an audit never sees a step half done
@@ -315,6 +317,18 @@ def _videos_arg(b: _Built) -> list[Any] | None:
     return b.videos if isinstance(b.prompt, str) and b.videos else None
 
 
+def _speculation(case: FuzzCase) -> dict[str, object]:
+    """A third of the cases draft with n-gram lookup (drawn apart from the case's own draws): the tokens are the
+    reference's all the same, and drafts that find no free blocks are dropped before anyone is preempted. Such a
+    case's steps run one at a time (speculation refuses async scheduling)."""
+    rng = random.Random(f"{case.seed}-speculative")
+    if rng.random() >= 1 / 3:
+        return {}
+    spec = {"method": "ngram", "num_speculative_tokens": rng.randint(1, 4), "prompt_lookup_min": 1,
+            "prompt_lookup_max": rng.randint(1, 3)}
+    return {"speculative_config": spec, "async_scheduling": "off"}
+
+
 def _resolve(case: FuzzCase, valid: list[_Built]) -> dict[str, object]:
     """The case's options with the sizes that need model facts: the KV cache from the longest request
     up, the encoder cache from the largest item up (or autotuned)."""
@@ -463,6 +477,8 @@ def _check(case: FuzzCase, engine: MMEngine, built: list[_Built], outputs: dict[
     report.kv_evictions = stats["kv_blocks_evicted"]
     report.adapters = len(case.adapters)
     report.lora_slot_loads = stats.get("lora_slot_loads", 0)
+    report.spec_draft_tokens = stats["spec_draft_tokens"]
+    report.spec_accepted_tokens = stats["spec_accepted_tokens"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,7 +53,7 @@ def test_full_size_case(env, seed):
 
 def test_the_seeded_cases_reach_what_they_are_for(env):
     """Across the suite's seeds the fuzzer really exercises aborts, bad requests, prefix hits, LoRA
-    adapters, preemption and cascade, so the seeded test is not green for want of trying."""
+    adapters, preemption, cascade and speculative decoding, so the seeded test is not green for want of trying."""
     cases = [make_case(seed, quick=True) for seed in SEEDS]
     assert any(case.callers for case in cases) and any(s.defect for case in cases for s in case.requests())
     assert any(s.lora is not None for case in cases for s in case.requests())
@@ -63,6 +63,7 @@ def test_the_seeded_cases_reach_what_they_are_for(env):
     reports = [_quick_report(case.seed, env) for case in cases[:9]]  # (test_seeded_case's runs, where it ran first)
     assert sum(r.prefix_cache_hits for r in reports) > 0 and sum(r.bad_requests for r in reports) > 0
     assert sum(r.weight_updates for r in reports) > 0
+    assert sum(r.spec_accepted_tokens for r in reports) > 0  # speculating cases verified drafts and kept some
 
 
 def test_a_leak_fails_the_case_with_its_seed_and_replay_command(env, monkeypatch):
