@@ -14,15 +14,17 @@ from chat_formats import continue_chat, user_turn
 
 # (in an order that brings every kind of request test_fuzz.py asks for into the suite's quick seeds: make_case(seed,
 # quick=True) takes FAMILIES[seed % len(FAMILIES)])
-FAMILIES = ("llava", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "gemma3", "internvl", "mistral3",
-            "qwen3_5_moe", "gemma4", "llava_onevision")
-NO_LORA = ("qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "gemma4", "gemma3")  # families that refuse LoRA adapters at start-up
+FAMILIES = ("qwen3_5_moe", "llava", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "qwen3_vl_moe", "gemma3", "internvl",
+            "mistral3", "llama4", "gemma4", "llava_onevision")
+NO_LORA = ("qwen3_5", "qwen3_vl_moe", "qwen3_5_moe", "gemma4", "gemma3", "llama4")  # families that refuse LoRA adapters at start-up
 # (the cases' clips are marked as Qwen's templates mark them)
-NO_VIDEO = ("llava", "gemma4", "llava_onevision", "smolvlm", "gemma3", "internvl", "mistral3")
+NO_VIDEO = ("llava", "gemma4", "llava_onevision", "smolvlm", "gemma3", "internvl", "mistral3", "llama4")
 # Token prompts with pictures a family refuses, as docs/models.md says (given as prompt dicts instead): SmolVLM's
 # pictures make several items between text tokens (its tiles); Gemma 3 takes one <image_soft_token> a picture, not the
-# template's <start_of_image>; Mistral 3 takes one [IMG] a picture, not the expanded rows broken by [IMG_BREAK]
-REFUSED_TOKEN_PROMPTS = {"smolvlm": ("markers", "expanded"), "gemma3": ("markers",), "mistral3": ("expanded",)}
+# template's <start_of_image>; Mistral 3 takes one [IMG] a picture, not the expanded rows broken by [IMG_BREAK]; Llama 4
+# one <|patch|> a picture, neither the template's <|image|> nor the expanded text whose tile separators break the runs
+REFUSED_TOKEN_PROMPTS = {"smolvlm": ("markers", "expanded"), "gemma3": ("markers",), "mistral3": ("expanded",),
+                         "llama4": ("markers", "expanded")}
 # Families whose prefill chunks hold a picture whole (it attends both ways): the token budget must hold the largest
 WHOLE_PICTURE_BUDGET = {"gemma4": 96, "gemma3": 16}  # Gemma 4's pictures here are up to 70 tokens, Gemma 3's 16
 # The families of the Triton cases, one per decoder the kernels run differently: the others' decoders run on the same

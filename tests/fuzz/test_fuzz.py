@@ -63,7 +63,8 @@ def test_the_seeded_cases_reach_what_they_are_for(env):
     reports = [_quick_report(case.seed, env) for case in cases[:9]]  # (test_seeded_case's runs, where it ran first)
     assert sum(r.prefix_cache_hits for r in reports) > 0 and sum(r.bad_requests for r in reports) > 0
     assert sum(r.weight_updates for r in reports) > 0
-    assert sum(r.spec_accepted_tokens for r in reports) > 0  # speculating cases verified drafts and kept some
+    # speculating cases verified drafts and kept some (over every seed: test_seeded_case has run them all)
+    assert sum(_quick_report(case.seed, env).spec_accepted_tokens for case in cases) > 0
 
 
 def test_a_leak_fails_the_case_with_its_seed_and_replay_command(env, monkeypatch):
