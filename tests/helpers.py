@@ -94,3 +94,18 @@ def load_benchmark(name: str) -> types.ModuleType:
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def record_prefill_chunks(engine) -> list[tuple[int, int]]:
+    """Spies on the engine's scheduler: the returned list fills with the (start, end) of every chunk of more
+    than one token it schedules from here on (prefill chunks)."""
+    chunks: list[tuple[int, int]] = []
+    schedule = engine.scheduler.schedule
+
+    def spied():
+        output = schedule()
+        chunks.extend((s.start, s.end) for s in output.scheduled if s.end - s.start > 1)
+        return output
+
+    engine.scheduler.schedule = spied
+    return chunks

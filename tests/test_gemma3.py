@@ -15,6 +15,7 @@ import pytest
 import torch
 from books import assert_books_consistent
 from conftest import KERNEL_FP32, hf_greedy, hf_logits
+from helpers import record_prefill_chunks
 from safetensors.torch import load_file, save_file
 
 from mmengine import MMEngine, SamplingParams
@@ -90,14 +91,7 @@ def test_pictures_across_chunk_boundaries(path):
     next chunk, and the tokens are transformers'."""
     prompt = gemma3_prompt(LONG_TEXT, 2)
     engine = _engine(path, block_size=4, max_num_batched_tokens=24)
-    chunks, schedule = [], engine.scheduler.schedule
-
-    def spied():
-        output = schedule()
-        chunks.extend((s.start, s.end) for s in output.scheduled if s.end - s.start > 1)
-        return output
-
-    engine.scheduler.schedule = spied
+    chunks = record_prefill_chunks(engine)
     assert _greedy(engine, prompt, PICTURES) == [hf_greedy(path, prompt, PICTURES, 16, ignore_eos=True)]
     items = engine.input_processor.process(prompt, PICTURES, GREEDY).mm_items
     assert [(item.offset, item.length) for item in items] == [(9, 16), (31, 16)]

@@ -13,6 +13,7 @@ import pytest
 import torch
 from books import assert_books_consistent
 from conftest import hf_greedy, hf_logits
+from helpers import record_prefill_chunks
 from safetensors.torch import load_file, save_file
 
 from mmengine import MMEngine, SamplingParams
@@ -118,14 +119,7 @@ def test_pictures_across_chunk_boundaries(path):
     """Chunks of 12 tokens end inside both pictures' runs (16 and 28 tokens)."""
     prompt = internvl_prompt(QUESTION, 2)
     engine = _engine(path, max_num_batched_tokens=12)
-    chunks, schedule = [], engine.scheduler.schedule
-
-    def spied():
-        output = schedule()
-        chunks.extend((s.start, s.end) for s in output.scheduled if s.end - s.start > 1)
-        return output
-
-    engine.scheduler.schedule = spied
+    chunks = record_prefill_chunks(engine)
     assert _greedy(engine, prompt, [WIDE, TALL]) == [hf_greedy(path, prompt, [WIDE, TALL], 12, ignore_eos=True)]
     for item in engine.input_processor.process(prompt, [WIDE, TALL], GREEDY).mm_items:
         assert any(item.offset < end < item.end for _, end in chunks)

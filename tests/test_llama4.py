@@ -19,6 +19,7 @@ import pytest
 import torch
 from books import assert_books_consistent
 from conftest import KERNEL_FP32, hf_greedy, hf_logits
+from helpers import record_prefill_chunks
 
 from mmengine import MMEngine, SamplingParams
 from mmengine.errors import ImageCountMismatchError, InvalidInputError, PromptTooLongError
@@ -204,14 +205,7 @@ def test_pictures_across_chunk_boundaries(path):
     """Prefill chunks of 24 tokens end inside both pictures' runs (70 and 90 tokens)."""
     prompt = llama4_prompt(QUESTION, 2)
     engine = _engine(path, max_num_batched_tokens=24)
-    chunks, schedule = [], engine.scheduler.schedule
-
-    def spied():
-        output = schedule()
-        chunks.extend((s.start, s.end) for s in output.scheduled if s.end - s.start > 1)
-        return output
-
-    engine.scheduler.schedule = spied
+    chunks = record_prefill_chunks(engine)
     assert _greedy(engine, prompt, [WIDE, SQUARE]) == [hf_greedy(path, prompt, [WIDE, SQUARE], 12, ignore_eos=True)]
     for item in engine.input_processor.process(prompt, [WIDE, SQUARE], GREEDY).mm_items:
         assert any(item.offset < end < item.end for _, end in chunks)

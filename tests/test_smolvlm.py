@@ -18,6 +18,7 @@ import pytest
 import torch
 from books import assert_books_consistent
 from conftest import hf_greedy, hf_logits
+from helpers import record_prefill_chunks
 from safetensors.torch import load_file, save_file
 
 from mmengine import MMEngine, SamplingParams
@@ -107,14 +108,7 @@ def test_tiles_across_chunk_boundaries(case):
     output is computed once and read by each chunk); one encoder run per tile."""
     prompt = case.prompt(QUESTION, 2)
     engine = _engine(case.path, max_num_batched_tokens=24)
-    chunks, schedule = [], engine.scheduler.schedule
-
-    def spied():
-        output = schedule()
-        chunks.extend((s.start, s.end) for s in output.scheduled if s.end - s.start > 1)
-        return output
-
-    engine.scheduler.schedule = spied
+    chunks = record_prefill_chunks(engine)
     assert _greedy(engine, prompt, [WIDE, TALL]) == [hf_greedy(case.path, prompt, [WIDE, TALL], 12, ignore_eos=True)]
     items = engine.input_processor.process(prompt, [WIDE, TALL], GREEDY).mm_items
     assert sum(any(item.offset < end < item.end for _, end in chunks) for item in items) >= 2
