@@ -261,9 +261,10 @@ class LoRAConfig:
             _require(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", self.max_cpu_loras, f">= max_loras ({self.max_loras})")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "mtp")
 MAX_SPECULATIVE_TOKENS = 16
-_SPECULATIVE_KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}}
+_SPECULATIVE_KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
+                     "mtp": {"method", "num_speculative_tokens"}}
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's: n-grams of 5 tokens when neither bound is given
 
 
@@ -271,8 +272,10 @@ DEFAULT_PROMPT_LOOKUP = 5  # vLLM's: n-grams of 5 tokens when neither bound is g
 class SpeculativeConfig:
     # vLLM's speculative_config (spec/): {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": a,
     # "prompt_lookup_max": b} drafts up to k tokens a step by prompt lookup: the latest earlier occurrence of the
-    # request's last n tokens (n from b down to a) proposes the tokens that followed it. With greedy decoding the
-    # tokens are those of decoding without it; with sampling, their distribution is. None: off.
+    # request's last n tokens (n from b down to a) proposes the tokens that followed it. {"method": "mtp",
+    # "num_speculative_tokens": k}: the checkpoint's own multi-token-prediction layers (Qwen3.5's `mtp.*`) draft k
+    # tokens in a chain. With greedy decoding the tokens are those of decoding without it; with sampling, their
+    # distribution is. None: off.
     speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:

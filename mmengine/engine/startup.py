@@ -38,6 +38,7 @@ from mmengine.multimodal.preprocess_pool import PreprocessPool
 from mmengine.multimodal.processor import InputProcessor
 from mmengine.runner import ModelRunner
 from mmengine.sample.structured_output.grammar import GrammarCompiler
+from mmengine.spec.draft_head import enable_draft_head
 from mmengine.utils.host_memory import check_cpu_kv_cache_fits
 
 logger = logging.getLogger(__name__)
@@ -122,6 +123,7 @@ def _preprocess_pool(config: EngineConfig, processor: InputProcessor) -> Preproc
 
 def _build_rest(config: EngineConfig, model_dir: Path, hf_config: Any, family: ModelFamily, max_model_len: int,
                 device: Any, dtype: Any, input_processor: InputProcessor) -> EngineParts:
+    enable_draft_head(config, family, model_dir)
     runner = ModelRunner(config, family, model_dir, device, dtype, max_model_len)
     num_blocks = _start_runner(config, family, runner)
     encoder_budget = encoder_budget_for(config, family, runner, pinned_room_tokens=num_blocks * config.cache_config.block_size)

@@ -63,6 +63,7 @@ class StepLoop:
         spec = config.spec_config
         self.proposer: Proposer | None = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                                         spec.prompt_lookup_max) if spec.method == "ngram" else None
+        self.drafter = runner.drafter if spec.method == "mtp" else None  # the checkpoint's MTP head (runner/mtp_drafter.py)
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._opens_reasoning: dict[str, bool] = {}  # with a reasoning parser: the prompt left <think> open
         self._opening_token = opening_token(tokenizer) if config.model_config.reasoning_parser is not None else None
@@ -162,7 +163,7 @@ class StepLoop:
         updated = self.scheduler.update_from_output(out, sampled, self.eos_token_ids)
         self._record_logprobs(launched, updated)
         outputs = self._outputs(updated)
-        if self.proposer is not None:
+        if self.proposer is not None or self.drafter is not None:
             self._propose_drafts()
         return outputs
 
@@ -172,15 +173,44 @@ class StepLoop:
         after the drafts before it); none for requests whose tokens a verify step cannot follow one by one
         (penalties counting earlier tokens, a grammar behind a reasoning gate, which reads the text)."""
         max_model_len = self.scheduler.max_model_len
+        rooms: dict[str, int] = {}
         for request in self.scheduler.running:
             params, grammar = request.sampling_params, request.grammar
             if params.penalized or isinstance(grammar, ReasoningGate) or request.num_tokens - request.num_computed_tokens != 1:
                 continue
-            room = min(params.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens)
-            drafts = self.proposer.propose(request.request_id, request.all_token_ids, room)
+            rooms[request.request_id] = min(params.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens)
+        # the MTP head runs after every step (it keeps its K/V of the kept positions), drafting or not
+        proposed = self._draft_with_head(rooms) if self.drafter is not None else {}
+        for request in self.scheduler.running:
+            room, grammar = rooms.get(request.request_id), request.grammar
+            if room is None:
+                continue
+            if self.drafter is not None:
+                drafts = proposed.get(request.request_id, [])
+            else:
+                drafts = self.proposer.propose(request.request_id, request.all_token_ids, room)
             if drafts and grammar is not None:
                 drafts = [] if grammar.is_stopped() or grammar.is_error() else drafts[: grammar.validate_tokens(drafts)]
             request.spec_token_ids = drafts
+
+    def _draft_with_head(self, rooms: dict[str, int]) -> dict[str, list[int]]:
+        """The MTP head's drafts, up to num_speculative_tokens a request (fewer near its end). Draft i > 1 is
+        computed at the position after the request's next token and i - 2 more: those blocks are taken now,
+        where free (the next step needs them for its verify anyway); where they are not, fewer drafts."""
+        k = self.config.spec_config.num_speculative_tokens
+        wanted: dict[str, int] = {}
+        caches = self.scheduler.caches
+        for request in self.scheduler.running:
+            want = min(k, rooms.get(request.request_id, 0))
+            if want <= 0:
+                continue
+            while want > 1 and not caches.can_allocate(request, want - 1):
+                want -= 1
+            if want > 1:
+                caches.allocate(request, want - 1)
+            wanted[request.request_id] = want
+        tables = {request_id: self.kv_cache.block_ids(request_id) for request_id in wanted}
+        return self.drafter.propose(wanted, tables)
 
     def _step_async(self) -> list[RequestOutput]:
         """Books the step in flight with placeholder tokens, schedules and launches the next one, and

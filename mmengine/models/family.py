@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar, Sequence
 
 import numpy as np
@@ -146,6 +147,14 @@ class ModelFamily:
     def num_attention_layers(self) -> int:
         """Decoder layers with a KV cache (all of them, but in a hybrid decoder)."""
         return self.text_config.num_hidden_layers
+
+    # Layers of the checkpoint's own draft head that the KV cache holds after the decoder's (speculative
+    # decoding with method "mtp" sets it before the model is built; see draft_layers_in).
+    num_draft_layers: int = 0
+
+    def draft_layers_in(self, model_dir: Path) -> int:
+        """Layers of the checkpoint's multi-token-prediction head (0: it has none, or the family reads none)."""
+        return 0
 
     def kv_cache_layout(self) -> list[tuple[int, int]]:
         """(KV heads, head size) of each layer with a KV cache, in order: one shape for most decoders."""

@@ -13,11 +13,13 @@ Images, videos and positions are Qwen3-VL's (transformers uses Qwen3-VL's proces
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from mmengine.errors import UnsupportedModelError
+from mmengine.errors import UnsupportedModelError, WeightsMismatchError
 from mmengine.layers.attention import Attention, AttentionMetadata
 from mmengine.layers.gated_delta import GatedDeltaNet, GatedDeltaShape
 from mmengine.layers.kernel_dispatch import use_fused_kernels
@@ -27,6 +29,7 @@ from mmengine.layers.norm import ZeroCenteredRMSNorm
 from mmengine.layers.rotary import RotaryEmbedding, RotaryStep
 from mmengine.models.llama import (DecoderMLP, DeepStack, gate_up_shard_shapes, head_dim_of,
                                    load_with_gate_up_shards)
+from mmengine.models.loader import checkpoint_shapes
 from mmengine.models.qwen3_vl import Qwen3VLFamily
 from mmengine.models.qwen_vl import QwenVLModel
 
@@ -163,9 +166,32 @@ class Qwen3_5Model(QwenVLModel):
     language_model: HybridDecoderModel
     decoder_class = HybridDecoderModel
 
+    def enable_mtp(self, num_layers: int) -> None:
+        """Builds the checkpoint's multi-token-prediction head (models/qwen3_5_mtp.py), loaded with the model."""
+        from mmengine.models.qwen3_5_mtp import MultiTokenPredictor
+
+        self.mtp = MultiTokenPredictor(self.language_model.config, num_layers)
+
+    @property
+    def draft_head(self) -> nn.Module | None:
+        """The multi-token-prediction head (`mtp`), when speculative decoding drafts with it."""
+        return self._modules.get("mtp")
+
     def is_ignorable(self, name: str) -> bool:
-        """The published checkpoints carry a multi-token-prediction head (`mtp.*`) that decoding does not use."""
-        return name.startswith("mtp.") or super().is_ignorable(name)
+        """The published checkpoints carry a multi-token-prediction head (`mtp.*`), used only to draft."""
+        return (name.startswith("mtp.") and self.draft_head is None) or super().is_ignorable(name)
+
+    def expected_weights(self) -> dict[str, tuple[int, ...]]:
+        expected = {n: shape for n, shape in super().expected_weights().items() if not n.startswith("mtp.")}
+        if self.draft_head is not None:
+            expected.update({f"mtp.{n}": shape for n, shape in self.mtp.checkpoint_shapes().items()})
+        return expected
+
+    def _load_one(self, name: str, tensor: torch.Tensor) -> None:
+        if not name.startswith("mtp."):
+            return super()._load_one(name, tensor)
+        if not self.mtp.load_weight(name.removeprefix("mtp."), tensor):
+            raise WeightsMismatchError(f"the multi-token-prediction head did not take tensor {name!r}")
 
 
 class Qwen3_5Family(Qwen3VLFamily):
@@ -184,7 +210,14 @@ class Qwen3_5Family(Qwen3VLFamily):
 
     @property
     def num_attention_layers(self) -> int:
-        return self.layer_types.count(FULL_ATTENTION)
+        return self.layer_types.count(FULL_ATTENTION) + self.num_draft_layers
+
+    def draft_layers_in(self, model_dir: Path) -> int:
+        """The `mtp.layers.N` of the checkpoint's multi-token-prediction head (read from the headers)."""
+        names = checkpoint_shapes(model_dir)
+        if "mtp.fc.weight" not in names:
+            return 0
+        return len({int(name.split(".")[2]) for name in names if name.startswith("mtp.layers.")})
 
     @property
     def recurrent_shape(self) -> GatedDeltaShape | None:

@@ -36,6 +36,7 @@ from mmengine.models.quantization import quantization_of
 from mmengine.runner.cascade_plan import CascadePolicy, cascade_layer_shape
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
 from mmengine.runner.inputs import InputBuffers
+from mmengine.runner.mtp_drafter import MtpDrafter
 from mmengine.sample.penalties import PenaltyState, apply_logit_bias
 from mmengine.runner.spans import span_ends
 from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, PendingSample, PromptLogprobs, TokenReadback
@@ -75,6 +76,9 @@ class ModelRunner:
             self.model = family.model_class(family.hf_config)
         if packed is not None:
             self.model.defer_quantizable_weights(device)
+        if family.num_draft_layers:  # speculative decoding with the checkpoint's MTP head (dense, never deferred)
+            with torch.device(device), default_dtype(dtype):
+                self.model.enable_mtp(family.num_draft_layers)
         self.model.load_weights(iter_checkpoint(model_dir), quantization, packed)
         self.num_quantized_projections = self.model.use_quantized_weights(packed) if packed is not None else 0
         self.kv_dtype = config.resolve_kv_cache_dtype(dtype)
@@ -134,6 +138,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # The final hidden states of a graph step, at a fixed address (rows beyond the batch are padding).
         self._graph_hidden: torch.Tensor | None = None
+        self.drafter = MtpDrafter(self) if family.num_draft_layers else None
 
     def _cascade_policy(self) -> CascadePolicy:
         """"auto" weighs cascade against the Triton kernels; the PyTorch reference runs it on "on" only."""
@@ -274,7 +279,8 @@ class ModelRunner:
                 self.recurrent_states.append(layer.states)
 
     def _bind_kv_cache(self, kv_cache: PagedKVTensors) -> None:
-        for i, attn in enumerate(self.model.language_model.attention_layers()):
+        draft_layers = self.model.mtp.attention_layers() if self.drafter is not None else []
+        for i, attn in enumerate(self.model.language_model.attention_layers() + draft_layers):
             attn.kv_cache = kv_cache[i]
             attn.layer_index = i
             attn.backend = self.attn_backend
@@ -478,6 +484,8 @@ class ModelRunner:
         """Queues one step on the device without waiting for it; result() reads its tokens.
         A decode whose input is a placeholder (async scheduling) takes `previous`'s token on the device.
         `window_tables`: each request's sliding-window pool blocks (with a window pool)."""
+        if self.drafter is not None:
+            self.drafter.forget()
         self._restore_encoder_outputs(out.scheduled)  # before the evicted go to the host tier (they may push these out)
         self.free_encoder_outputs(out.freed_encoder_hashes, out.stale_encoder_hashes)
         self._run_encoder(out.scheduled, out.encoder_lora_slots)
@@ -513,6 +521,8 @@ class ModelRunner:
             hidden = self.model(embeds, inputs.positions, inputs.metadata, deepstack, input_ids=inputs.input_ids)
             if self._twin_saves:
                 self._copy_twin_saves()
+        if self.drafter is not None:
+            self.drafter.remember(hidden, inputs)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs.scheduled)
         if not inputs.sampled:
             return LaunchedStep([], None, None, None, prompt_logprobs=prompt_logprobs) if prompt_logprobs else NOTHING_SAMPLED
@@ -766,9 +776,11 @@ class ModelRunner:
                 self.on_encoded((item.mm_hash, self.encoder_outputs[item.mm_hash]))
         self.num_encoder_runs += len(jobs)
 
-    def _embed(self, input_ids: torch.Tensor, scheduled: list[ScheduledRequest]) -> tuple[torch.Tensor, DeepStack | None]:
+    def _embed(self, input_ids: torch.Tensor, scheduled: list[ScheduledRequest],
+               missing_ok: bool = False) -> tuple[torch.Tensor, DeepStack | None]:
         """Text embeddings, with each image's embeddings written over its placeholder positions, and
-        (Qwen3-VL) the DeepStack levels of those positions."""
+        (Qwen3-VL) the DeepStack levels of those positions. `missing_ok`: an item not encoded yet keeps
+        its placeholders' text embeddings (the MTP head's look one token ahead, maybe into the next chunk's)."""
         embeds = self.model.embed_tokens(input_ids)
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
@@ -778,7 +790,9 @@ class ModelRunner:
                 if not item.overlaps(s.start, s.end):
                     continue
                 lo, hi = max(s.start, item.offset), min(s.end, item.end)
-                emb = self.encoder_outputs[item.mm_hash]
+                emb = self.encoder_outputs.get(item.mm_hash) if missing_ok else self.encoder_outputs[item.mm_hash]
+                if emb is None:
+                    continue
                 src.append(emb[lo - item.offset : hi - item.offset])
                 dst.append(torch.arange(offset + lo - s.start, offset + hi - s.start, device=self.device))
             offset += s.num_new_tokens
