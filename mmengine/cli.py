@@ -175,6 +175,9 @@ def run_budget(args: argparse.Namespace) -> None:
     hf_config = load_hf_config(Path(args.model))
     family_class_for(hf_config)  # an unsupported architecture fails before the processor loads
     family = load_family(hf_config, load_hf_processor(Path(args.model), config.multimodal_config.mm_processor_kwargs), args.model)
+    from mmengine.spec.draft_head import enable_draft_head
+
+    enable_draft_head(config, family, Path(args.model))  # method "mtp": the head's layers join the KV cache
 
     def pick(name: str, value: object) -> tuple[object, str]:
         return (value, f"--{name.replace('_', '-')}") if value is not None else (defaults[name], "default")
@@ -259,8 +262,13 @@ def _print_weights(family: Any, model_dir: str, elem: int) -> None:
         _print_quantized_weights(spec, headers, elem)
         return
     numels = {name: math.prod(shape) for name, (shape, _) in headers.items()}
-    total = sum(numels.values())
+    head = sum(n for name, n in numels.items() if name.startswith("mtp."))  # Qwen3.5's MTP head: loaded to draft only
+    total = sum(numels.values()) - (0 if family.num_draft_layers else head)
     print(f"weights                         {total * elem:>12}   bytes: {total} parameters x {elem} B (all loaded at start-up)")
+    if head:
+        label = "  of which the MTP head (mtp.*)" if family.num_draft_layers else "  not loaded: MTP head (mtp.*)"
+        print(f"{label:<32}{head * elem:>12}   bytes: {head} parameters, read only to draft (--speculative-config "
+              "with method mtp)")
     routed = sum(n for name, n in numels.items() if ".experts." in name)
     if routed:
         text = family.text_config
@@ -307,7 +315,8 @@ def _print_kv_budget(family: Any, block_size: int, kv_dtype: Any, model_dtype: A
     name = str(kv_dtype).removeprefix("torch.")
     shapes = " + ".join(f"{layout.count(shape)} attention layers x {shape[0]} KV heads x {shape[1]}" for shape in dict.fromkeys(layout))
     print(f"KV cache ({name}: --kv-cache-dtype {flag})")
-    print(f"  one token                     {per_token:>12}   bytes: 2 x ({shapes}) x {kv_elem} B")
+    head = f"; {family.num_draft_layers} of the layers the MTP head's" if family.num_draft_layers else ""
+    print(f"  one token                     {per_token:>12}   bytes: 2 x ({shapes}) x {kv_elem} B{head}")
     print(f"  one block                     {per_token * block_size:>12}   bytes: {block_size} tokens; {(1 << 30) // per_token} "
           f"tokens per GiB" + (f" ({model_elem // kv_elem}x those of a {str(model_dtype).removeprefix('torch.')} cache)"
                                if kv_elem < model_elem else ""))

@@ -5,6 +5,8 @@ tiny checkpoints' heads are random, so nearly all are rejected)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -178,3 +180,20 @@ def test_mtp_on_the_moe_family():
     assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
     assert engine.stats()["spec_draft_tokens"] > 0
     engine.shutdown()
+
+
+def test_the_budget_counts_the_heads_weights_and_kv(mtp_path, capsys):
+    from mmengine.cli import main
+
+    def budget(*extra: str) -> str:
+        main(["budget", "--model", str(mtp_path), "--device", "cpu", "--max-num-seqs", "4", *extra])
+        return capsys.readouterr().out
+
+    plain, drafting = budget(), budget("--speculative-config", "method=mtp,num_speculative_tokens=2")
+    head = sum(t.numel() for t in load_file(str(mtp_path / "mtp.safetensors")).values()) * 4
+    assert re.search(rf"not loaded: MTP head \(mtp\.\*\) +{head} +bytes", plain)
+    assert re.search(rf"of which the MTP head \(mtp\.\*\) +{head} +bytes", drafting)
+    # the head's attention layer joins the decoder's one in every block
+    assert "2 x (1 attention layers x 2 KV heads x 16)" in plain
+    assert "2 x (2 attention layers x 2 KV heads x 16) x 4 B; 1 of the layers the MTP head's" in drafting
+    assert "draft states" in drafting
