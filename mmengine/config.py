@@ -9,7 +9,7 @@ flags do (one flag per option, named after it); each option belongs to exactly o
     config.scheduler_config   how much work a step takes and in what order
     config.execution_config   kernels and how steps are launched: attention backend, cascade, CUDA graphs
     config.multimodal_config  media limits and preprocessing
-    config.parallel_config    which processes run the engine (the engine core; tensor parallelism next)
+    config.parallel_config    which processes run the engine (the engine core, tensor-parallel workers)
     config.lora_config        LoRA adapters
     config.spec_config        speculative decoding (vLLM's speculative_config)
 
@@ -237,9 +237,18 @@ class ParallelConfig:
     # process) or "process" (an engine-core process of its own, engine/core_process.py; the calling
     # process keeps the intake, tokenizing and preprocessing). MMEngine itself always runs in-process.
     engine_core: str = "thread"
+    # Ranks the model is split over (tensor parallelism, docs/parallelism.md): above 1, that many worker
+    # processes (spawned; gloo on CPU, NCCL on CUDA) hold the weights and KV blocks while this process keeps
+    # the scheduler and the caches' books. A shape the size does not divide is refused at start-up.
+    tensor_parallel_size: int = 1
+    # How the workers are started: "mp" (processes on this machine) or "ray" (a placement group; not built yet)
+    distributed_executor_backend: str = "mp"
 
     def __post_init__(self) -> None:
         _require(self.engine_core in ("thread", "process"), "engine_core", self.engine_core, "'thread' or 'process'")
+        _positive_int("tensor_parallel_size", self.tensor_parallel_size)
+        _require(self.distributed_executor_backend in ("mp", "ray"), "distributed_executor_backend",
+                 self.distributed_executor_backend, "'mp' or 'ray'")
 
 
 @dataclass

@@ -36,6 +36,7 @@ from mmengine.lora.request import LoRARequest
 from mmengine.multimodal.image_loading import ImageInput
 from mmengine.multimodal.media_urls import MediaPolicy
 from mmengine.outputs import RequestOutput
+from mmengine.runner.parallel_runner import ParallelRunner
 from mmengine.sample.params import SamplingParams
 
 Conversation = list[dict[str, Any]]
@@ -76,7 +77,8 @@ class MMEngine:
         self.intake = RequestIntake(self.input_processor, self.grammars, self.family.text_config.vocab_size, self.loras, self.lock)
         mode = self.config.scheduler_config.async_scheduling
         # speculative decoding proposes a step's drafts from the tokens of the one before: steps run one at a time
-        async_scheduling = mode == "on" or (mode == "auto" and self.device.type == "cuda" and not self.config.spec_config.num_speculative_tokens)
+        async_scheduling = mode == "on" or (mode == "auto" and self.device.type == "cuda" and not self.config.spec_config.num_speculative_tokens
+                                            and self.config.parallel_config.tensor_parallel_size == 1)  # (TP: refused when "on")
         self.steps = StepLoop(self.config, self.scheduler, self.runner, self.kv_cache, self.encoder_cache, self.grammars,
                               self.loras, self.tokenizer, self.eos_token_ids, async_scheduling)
         # Told of prompts about to be queued, outside the lock (mmengine.ray's encoder store fetches their items)
@@ -84,6 +86,8 @@ class MMEngine:
         # Worker processes (mm_processor_workers) stop with close(), or when the engine is collected
         pool = self.input_processor.pool
         self._finalizer = weakref.finalize(self, pool.close) if pool is not None else None
+        # tensor_parallel_size > 1: the worker processes that hold the model (runner/parallel_runner.py)
+        self.parallel = self.runner if isinstance(self.runner, ParallelRunner) else None
 
     def close(self) -> None:
         """Stops the engine's worker processes (mm_processor_workers); the engine keeps its caches and can
@@ -92,11 +96,18 @@ class MMEngine:
             self._finalizer()
             self.input_processor.pool = None
 
+    def shutdown(self) -> None:
+        """Stops every process the engine started: the preprocessing workers and, with tensor_parallel_size > 1,
+        the model's workers (after which every call raises EngineDeadError). Idempotent."""
+        self.close()
+        if self.parallel is not None:
+            self.parallel.shutdown()
+
     def __enter__(self) -> MMEngine:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.close()
+        self.shutdown()
 
     # -- low-level API ---------------------------------------------------------
 
@@ -141,6 +152,8 @@ class MMEngine:
 
     def add_prepared_request(self, prepared: PreparedRequest) -> str:
         """Queues a request the intake prepared (`intake.check` then `intake.prepare`, on any thread); its id."""
+        if self.parallel is not None:
+            self.parallel.check_alive()  # a dead worker: EngineDeadError, not a request that never runs
         if self.before_enqueue is not None:
             self.before_enqueue([prepared.processed])
         with self.lock:

@@ -37,6 +37,7 @@ from mmengine.multimodal.picture_preparer import PreparerSpec
 from mmengine.multimodal.preprocess_pool import PreprocessPool
 from mmengine.multimodal.processor import InputProcessor
 from mmengine.runner import ModelRunner
+from mmengine.runner.parallel_runner import ParallelRunner
 from mmengine.sample.structured_output.grammar import GrammarCompiler
 from mmengine.spec.draft_head import enable_draft_head
 from mmengine.utils.host_memory import check_cpu_kv_cache_fits
@@ -124,7 +125,19 @@ def _preprocess_pool(config: EngineConfig, processor: InputProcessor) -> Preproc
 def _build_rest(config: EngineConfig, model_dir: Path, hf_config: Any, family: ModelFamily, max_model_len: int,
                 device: Any, dtype: Any, input_processor: InputProcessor) -> EngineParts:
     enable_draft_head(config, family, model_dir)
+    if config.parallel_config.tensor_parallel_size > 1:  # the model in worker processes, split over them
+        runner = ParallelRunner(config, family, model_dir, device, dtype, max_model_len)
+        try:
+            return _build_books(config, model_dir, hf_config, family, max_model_len, device, dtype, input_processor, runner)
+        except BaseException:
+            runner.shutdown()
+            raise
     runner = ModelRunner(config, family, model_dir, device, dtype, max_model_len)
+    return _build_books(config, model_dir, hf_config, family, max_model_len, device, dtype, input_processor, runner)
+
+
+def _build_books(config: EngineConfig, model_dir: Path, hf_config: Any, family: ModelFamily, max_model_len: int,
+                 device: Any, dtype: Any, input_processor: InputProcessor, runner: ModelRunner | ParallelRunner) -> EngineParts:
     num_blocks = _start_runner(config, family, runner)
     encoder_budget = encoder_budget_for(config, family, runner, pinned_room_tokens=num_blocks * config.cache_config.block_size)
     kv_cache, encoder_cache, encoder_host_tier = _caches(config, runner, num_blocks, encoder_budget)
@@ -174,7 +187,7 @@ def _start_runner(config: EngineConfig, family: ModelFamily, runner: ModelRunner
         images_per_step=images_per_step,
         encoder_budget_tokens=unpinned.compute_budget_tokens,
     )
-    if runner.device.type == "cpu":
+    if getattr(runner, "worker_device", runner.device).type == "cpu":  # (a ParallelRunner's ranks may be on GPUs)
         per_block = runner.kv_block_bytes + config.cache_config.block_size * runner.embedding_bytes
         per_block += -(-runner.num_window_blocks * runner.window_block_bytes // num_blocks)  # the window pool's share
         check_cpu_kv_cache_fits(num_blocks, per_block, explicit=config.cache_config.num_kv_blocks is not None)

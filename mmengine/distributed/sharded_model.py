@@ -1,0 +1,156 @@
+"""A model family's model split over the tensor-parallel ranks, and its weights read shard by shard.
+
+The model is built as the family builds it (its parameters on meta, so nothing is allocated whole), then the
+decoder's layers are swapped for the parallel ones of this rank, and only then given storage:
+
+```
+language_model.embed_tokens          VocabParallelEmbedding   rows of this rank's vocabulary, all-reduce
+layers.i.self_attn.qkv_proj          QKVParallelLinear        q heads split; KV heads split or replicated
+layers.i.self_attn.o_proj            RowParallelLinear        all-reduce, bias once
+layers.i.mlp.gate_up_proj            MergedColumnParallel     gate and up each split
+layers.i.mlp.down_proj               RowParallelLinear        all-reduce
+lm_head                              ParallelLMHead           all-gather of the logits (every rank samples)
+the vision tower, projector, norms   replicated               read whole
+```
+
+`check_tensor_parallel_shapes` says, from the config alone and before any process starts, whether the
+decoder can be split: a ConfigError naming the field (num_attention_heads, num_key_value_heads,
+intermediate_size) and tensor_parallel_size, or one naming what is not split yet (a hybrid or MoE decoder).
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from mmengine.distributed.checkpoint_slices import CheckpointSlices, load_parameter
+from mmengine.distributed.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from mmengine.distributed.process_group import TensorParallelGroup
+from mmengine.distributed.sharding import divide, kv_head_split
+from mmengine.distributed.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from mmengine.errors import ConfigError, WeightsMismatchError
+from mmengine.models.family import ModelFamily
+from mmengine.models.llama import STACKED_PROJECTIONS, DecoderAttention, DecoderMLP, DecoderModel, head_dim_of
+from mmengine.models.loader import WeightCheck, materialize_parameters, parameters_on_meta
+from mmengine.models.quantization import quantization_of
+
+# An FP8-KV checkpoint's per-layer scales, by our name (as models/vlm.py reads them)
+_KV_SCALE = re.compile(r"^language_model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
+
+
+def check_tensor_parallel_shapes(family: ModelFamily, tp_size: int) -> None:
+    """Raises a ConfigError when the family's decoder cannot be split over `tp_size` ranks (before any rank
+    starts): a size that does not divide, or a decoder kind that is not split yet."""
+    if tp_size == 1:
+        return
+    config = family.text_config
+    name = family.display_name or type(family).__name__
+    if family.recurrent_shape is not None:
+        raise ConfigError(f"tensor_parallel_size={tp_size}: {name}'s hybrid decoder (Gated DeltaNet layers) is not split "
+                          "over ranks yet; run it with tensor_parallel_size=1")
+    if getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0):
+        raise ConfigError(f"tensor_parallel_size={tp_size}: {name}'s mixture-of-experts decoder is not split over ranks yet; "
+                          "run it with tensor_parallel_size=1")
+    if quantization_of(family.hf_config) is not None:
+        raise ConfigError(f"tensor_parallel_size={tp_size}: quantized checkpoints are not split over ranks yet")
+    if any(window is not None for window in family.kv_cache_windows()):
+        raise ConfigError(f"tensor_parallel_size={tp_size}: {name}'s sliding-window layers are not split over ranks yet")
+    divide(config.num_attention_heads, tp_size, "the text model", "num_attention_heads")
+    kv_head_split(config.num_key_value_heads, tp_size, "the text model")
+    divide(config.intermediate_size, tp_size, "the text model", "intermediate_size")
+
+
+def tensor_parallel_family(family: ModelFamily, tp: TensorParallelGroup) -> ModelFamily:
+    """The family as one rank sees it: its model built split (`model_class`), and the KV cache of this rank's
+    KV heads (`kv_cache_layout`)."""
+    check_tensor_parallel_shapes(family, tp.size)
+    ranked = copy.copy(family)
+    base_class = type(family).model_class
+    per_rank = kv_head_split(family.text_config.num_key_value_heads, tp.size).heads_per_rank
+    layout = [(per_rank, head_size) for _, head_size in family.kv_cache_layout()]
+    ranked.kv_cache_layout = lambda: list(layout)  # type: ignore[method-assign]
+    ranked.model_class = lambda hf_config: build_sharded_model(base_class, hf_config, tp)  # type: ignore[misc]
+    return ranked
+
+
+def build_sharded_model(model_class: Callable[[Any], nn.Module], hf_config: Any, tp: TensorParallelGroup) -> nn.Module:
+    """The family's model with this rank's parallel layers, given storage on the current default device and
+    dtype (the runner builds it under both); `load_weights` then reads this rank's slices."""
+    with parameters_on_meta():
+        model = model_class(hf_config)
+    expected = model.expected_weights()  # the checkpoint's whole shapes, before the split
+    shard_decoder(model, tp)
+    device = model.language_model.embed_tokens.weight.device
+    materialize_parameters(model, device)
+    model.load_weights = lambda weights, quantization=None, packed=None: load_sharded_weights(  # type: ignore[method-assign]
+        model, Path(weights.model_dir), expected)
+    return model
+
+
+def shard_decoder(model: nn.Module, tp: TensorParallelGroup) -> None:
+    """Swaps the decoder's embedding, projections and LM head for this rank's parallel layers."""
+    decoder = model.language_model
+    if type(decoder) is not DecoderModel:
+        raise ConfigError(f"tensor parallelism: the decoder {type(decoder).__name__} is not split over ranks yet")
+    config = decoder.config
+    hidden, head_dim = config.hidden_size, head_dim_of(config)
+    decoder.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp=tp, name="language_model.embed_tokens")
+    for index, layer in enumerate(decoder.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        prefix = f"language_model.layers.{index}"
+        if type(attn) is not DecoderAttention or type(mlp) is not DecoderMLP:
+            raise ConfigError(f"tensor parallelism: {prefix} ({type(attn).__name__}, {type(mlp).__name__}) is not split over ranks yet")
+        qkv = QKVParallelLinear(hidden, head_dim, attn.num_heads, attn.num_kv_heads, bias=attn.qkv_proj.bias is not None, tp=tp,
+                                name=f"{prefix}.self_attn.qkv_proj")
+        attn.o_proj = RowParallelLinear(attn.q_size, attn.o_proj.out_features, bias=attn.o_proj.bias is not None, tp=tp,
+                                        name=f"{prefix}.self_attn.o_proj")
+        attn.qkv_proj = qkv
+        attn.num_heads, attn.num_kv_heads = qkv.num_heads_per_rank, qkv.num_kv_heads_per_rank
+        attn.q_size, attn.kv_size = qkv.q_size, qkv.kv_size
+        attn.attn.num_heads, attn.attn.num_kv_heads = qkv.num_heads_per_rank, qkv.num_kv_heads_per_rank
+        inter = mlp.intermediate_size
+        mlp.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=mlp.gate_up_proj.bias is not None, tp=tp,
+                                                      name=f"{prefix}.mlp.gate_up_proj")
+        mlp.down_proj = RowParallelLinear(inter, hidden, bias=mlp.down_proj.bias is not None, tp=tp, name=f"{prefix}.mlp.down_proj")
+        mlp.intermediate_size = inter // tp.size
+    model.lm_head = ParallelLMHead(config.vocab_size, hidden, tp=tp, name="lm_head")
+
+
+def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, tuple[int, ...]]) -> None:
+    """Every checkpoint tensor checked against the whole model's shapes (WeightCheck: missing, unexpected,
+    repeated, mis-shaped ones named with their file) and this rank's part of it read (a safetensors slice)."""
+    slices = CheckpointSlices(model_dir)
+    check = WeightCheck(expected, slices, optional=["lm_head.weight"] if model.tie_word_embeddings else [])
+    model.kv_scales = {}
+    for raw_name, tensor in slices:
+        name = model.checkpoint_name(raw_name)
+        scale = _KV_SCALE.match(name)
+        if scale is not None:
+            value = tensor[:]
+            if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value) <= 0:
+                raise WeightsMismatchError(f"tensor {raw_name!r}: a KV scale must be one positive number, got {tuple(value.shape)}")
+            model.kv_scales[(int(scale[1]), scale[2])] = float(value)
+            continue
+        if name not in expected and model.is_ignorable(name):
+            continue
+        check.accept(name, raw_name, tensor)
+        parameter, piece = target_of(model, name)
+        load_parameter(parameter, tensor, piece, name)
+    check.finish()
+    if "lm_head.weight" not in check.loaded:
+        model.lm_head.tie_to(model.language_model.embed_tokens)
+
+
+def target_of(model: nn.Module, name: str) -> tuple[nn.Parameter, object]:
+    """The parameter a checkpoint tensor (our name) loads into, and which piece of it (q/k/v, gate/up) or None."""
+    parts = name.split(".")
+    if name.startswith("language_model.layers.") and len(parts) >= 6 and parts[-2] in STACKED_PROJECTIONS:
+        fused, piece = STACKED_PROJECTIONS[parts[-2]]
+        return model.get_parameter(".".join([*parts[:-2], fused, parts[-1]])), piece
+    return model.get_parameter(name), None

@@ -1,0 +1,277 @@
+"""The driver's runner at tensor_parallel_size > 1: the engine talks to it as to a ModelRunner, and it sends
+each step's plan to the ranks (worker processes, `worker.py`) and hands back rank 0's tokens.
+
+```
+engine (driver)                 ParallelRunner                         ModelWorker x tp (spawned)
+scheduler -> SchedulerOutput -> StepPlan (plain data; requests the ranks   mirror requests, ModelRunner.launch over
+                                have seen travel as a few numbers) ---->   this rank's slice; collectives
+step loop <- RemoteStep     <-- StepResult from rank 0 <----------------  sampled tokens, logprobs
+```
+
+It holds no tensors: sizes come from rank 0's runner at start-up (`describe`), the KV block count is the
+minimum over the ranks, and the encoder outputs it reports are the books of what the ranks hold. A worker that
+dies or fails makes every later call raise EngineDeadError (`distributed/executor.py`); `shutdown()` stops them.
+
+What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): LoRA, speculative
+decoding, async_scheduling="on", CUDA graphs (enforce_eager=False on CUDA), cascade_attention="on", the host
+tiers, and update_weights; the decoder kinds not split yet (`distributed/sharded_model.py`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmengine.config import EngineConfig
+from mmengine.core.scheduler import SchedulerOutput
+from mmengine.distributed.executor import MultiprocExecutor
+from mmengine.distributed.sharded_model import check_tensor_parallel_shapes
+from mmengine.errors import ConfigError, EngineDeadError
+from mmengine.kv_cache.manager import cdiv
+from mmengine.models.family import ModelFamily
+from mmengine.outputs import TokenLogprobs
+from mmengine.runner.launched_step import NOTHING_SAMPLED
+from mmengine.runner.step_plan import NewRequest, PlannedRow, StepPlan, StepResult
+from mmengine.runner.worker import ModelWorker
+from mmengine.sample.sampler import Sampler
+from mmengine.sample.structured_output.masks import BitmaskFiller
+
+logger = logging.getLogger(__name__)
+
+
+def check_parallel_options(config: EngineConfig, family: ModelFamily, device: torch.device) -> None:
+    """ConfigErrors for what tensor parallelism does not run yet, each naming its option."""
+    tp = config.parallel_config.tensor_parallel_size
+    if tp == 1:
+        return
+    prefix = f"tensor_parallel_size={tp}"
+    if config.parallel_config.distributed_executor_backend != "mp":
+        raise ConfigError(f"{prefix}: distributed_executor_backend={config.parallel_config.distributed_executor_backend!r} "
+                          "is not built yet; use 'mp' (worker processes on this machine)")
+    if config.lora_config.enable_lora:
+        raise ConfigError(f"{prefix}: enable_lora is not supported with tensor parallelism yet")
+    if config.spec_config.num_speculative_tokens:
+        raise ConfigError(f"{prefix}: speculative_config is not supported with tensor parallelism yet")
+    if config.scheduler_config.async_scheduling == "on":
+        raise ConfigError(f"{prefix}: async_scheduling='on' is not supported with tensor parallelism yet; use 'auto' "
+                          "(off at tensor_parallel_size > 1) or 'off'")
+    if config.execution_config.cascade_attention == "on":
+        raise ConfigError(f"{prefix}: cascade_attention='on' is not supported with tensor parallelism yet; use 'auto' "
+                          "(off at tensor_parallel_size > 1) or 'off'")
+    if device.type == "cuda" and not config.execution_config.enforce_eager:
+        raise ConfigError(f"{prefix}: CUDA graphs are not captured per worker yet; pass enforce_eager=True")
+    for name in ("encoder_cache_host_bytes", "kv_cache_host_bytes"):
+        if getattr(config.cache_config, name):
+            raise ConfigError(f"{prefix}: {name} (a host tier) is not supported with tensor parallelism yet; leave it unset or 0")
+    if config.cache_config.kv_cache_dtype != "auto":
+        raise ConfigError(f"{prefix}: kv_cache_dtype={config.cache_config.kv_cache_dtype!r} is not supported with tensor "
+                          "parallelism yet; use 'auto'")
+    check_tensor_parallel_shapes(family, tp)
+
+
+def worker_config(config: EngineConfig) -> EngineConfig:
+    """The ranks' config: cascade attention "auto" is off (its layout is planned for a whole model's heads)."""
+    if config.execution_config.cascade_attention != "auto":
+        return config
+    return EngineConfig(config.model, **{**config.options(), "cascade_attention": "off"})
+
+
+class ReleasedRequests:
+    """Stands in for the runner's PenaltyState on the driver: the engine releases a request when it leaves
+    (finished or aborted); the next plan tells the ranks to forget it."""
+
+    def __init__(self) -> None:
+        self.released: list[str] = []
+
+    def release(self, request_id: str) -> None:
+        self.released.append(request_id)
+
+    def take(self) -> list[str]:
+        released, self.released = self.released, []
+        return released
+
+
+@dataclass
+class RemotePromptLogprobs:
+    """One request's prompt log-probabilities from one step's chunk (as step_loop records them)."""
+
+    request: Any
+    first_position: int
+    found: list[TokenLogprobs]
+
+    def entries(self) -> list[TokenLogprobs]:
+        return self.found
+
+
+@dataclass
+class RemoteStep:
+    """A step the ranks have run (the LaunchedStep the step loop reads): tokens by request id."""
+
+    tokens: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: list[RemotePromptLogprobs] = field(default_factory=list)
+    pending: None = None
+
+    def result(self) -> dict[str, list[int]]:
+        return self.tokens
+
+    def token_logprobs(self) -> dict[str, list[TokenLogprobs]]:
+        return self.logprobs
+
+
+class ParallelRunner:
+    def __init__(self, config: EngineConfig, family: ModelFamily, model_dir: Path, device: torch.device, dtype: torch.dtype,
+                 max_model_len: int) -> None:
+        check_parallel_options(config, family, device)
+        self.config = config
+        self.family = family
+        self.tensor_parallel_size = config.parallel_config.tensor_parallel_size
+        self.device = torch.device("cpu")  # the driver's own tensors (generators, masks): the ranks hold the rest
+        self.worker_device = device
+        self.dtype = dtype
+        self.max_model_len = max_model_len
+        factory = functools.partial(ModelWorker, config=worker_config(config), family=family, model_dir=str(model_dir),
+                                    dtype=dtype, max_model_len=max_model_len)
+        threads = max(1, torch.get_num_threads() // self.tensor_parallel_size) if device.type == "cpu" else None
+        self.dead_error: EngineDeadError | None = None
+        self.executor = MultiprocExecutor(factory, self.tensor_parallel_size, device=device.type, torch_threads=threads,
+                                          on_death=self.on_death)
+        described = self.executor.call("describe")
+        info = described[0]
+        self.weight_bytes_per_rank = [d["weight_bytes"] for d in described]
+        self.kv_block_bytes: int = info["kv_block_bytes"]
+        self.window_block_bytes: int = info["window_block_bytes"]
+        self.embedding_bytes: int = info["embedding_bytes"]
+        self.state_slot_bytes: int = info["state_slot_bytes"]
+        self.window_pool = info["window_pool"]
+        self.use_cuda_graphs = False
+        self.num_window_blocks = 0
+        self.num_state_checkpoints = 0
+        self.num_kv_blocks = 0
+        self.sampler = Sampler(config.model_config.seed)  # the engine's make_generator (the ranks seed their own)
+        self.penalties = ReleasedRequests()
+        self.grammar_masks = BitmaskFiller(family.text_config.vocab_size, 1, self.device)
+        self.encoder_outputs: dict[str, bool] = {}  # the mm_hashes the ranks hold
+        self.encoder_host_tier = None
+        self.on_encoded = None
+        self.model = None
+        self.vision_lora_modules: dict[str, Any] = {}
+        self.num_encoder_runs = 0
+        self.num_cascade_steps = self.num_cascade_groups = self.num_cascade_tokens = 0
+        self.synced: dict[str, int] = {}  # request id -> how many of its tokens the ranks have
+        self.freed: list[str] = []  # encoder outputs to drop with the next plan
+        self.stale: list[str] = []
+
+    def on_death(self, error: EngineDeadError) -> None:
+        self.dead_error = error
+        logger.error("tensor-parallel workers failed: %s", error)
+
+    def check_alive(self) -> None:
+        self.executor.check_alive()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+    # -- start-up --------------------------------------------------------------------------------------------------
+
+    def determine_num_kv_blocks(self, encoder_fixed_bytes: int, encoder_bytes_per_block: int, images_per_step: int,
+                                encoder_budget_tokens: int = 0) -> int:
+        """The fewest blocks any rank has room for (each rank sizes its own memory)."""
+        found = self.executor.call("determine_num_kv_blocks", encoder_fixed_bytes, encoder_bytes_per_block, images_per_step,
+                                   encoder_budget_tokens)
+        num_blocks = min(blocks for blocks, _, _ in found)
+        self.num_window_blocks = min(windows for _, windows, _ in found)
+        self.num_state_checkpoints = min(checkpoints for _, _, checkpoints in found)
+        return num_blocks
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.kv_bytes_per_rank = self.executor.call("allocate_kv_cache", num_blocks, self.num_window_blocks)
+        self.num_kv_blocks = num_blocks
+
+    def capture_cuda_graphs(self) -> None:
+        raise ConfigError("CUDA graphs are not captured per tensor-parallel worker yet")
+
+    def warm_up(self, images_per_step: int = 0) -> None:
+        self.executor.call("warm_up", images_per_step)
+
+    # -- a step ----------------------------------------------------------------------------------------------------
+
+    def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]],
+                window_tables: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
+        return self.launch(out, block_tables, window_tables=window_tables).result()
+
+    def launch(self, out: SchedulerOutput, block_tables: dict[str, list[int]], previous: Any = None,
+               window_tables: dict[str, list[int]] | None = None) -> Any:
+        """Runs the step on every rank (one plan, sent once) and returns rank 0's tokens."""
+        plan = self.plan(out, block_tables, window_tables)
+        result: StepResult = self.executor.execute(plan)
+        self.num_encoder_runs = result.num_encoder_runs
+        if not result.tokens and not result.prompt_logprobs:
+            return NOTHING_SAMPLED
+        requests = {s.request.request_id: s.request for s in out.scheduled}
+        prompt_logprobs = [RemotePromptLogprobs(requests[part.request_id], part.first_position, part.entries)
+                           for part in result.prompt_logprobs]
+        return RemoteStep(result.tokens, result.logprobs, prompt_logprobs)
+
+    def sample(self, launched: Any) -> Any:
+        return launched  # the ranks sampled (under the masks the plan carried)
+
+    def plan(self, out: SchedulerOutput, block_tables: dict[str, list[int]],
+             window_tables: dict[str, list[int]] | None) -> StepPlan:
+        plan = StepPlan(block_tables=block_tables, window_tables=window_tables)
+        plan.forget = self.penalties.take()
+        for request_id in plan.forget:
+            self.synced.pop(request_id, None)
+        for s in out.scheduled:
+            request = s.request
+            request_id = request.request_id
+            if request_id not in self.synced:
+                plan.new_requests.append(NewRequest(request_id, list(request.prompt_token_ids), request.mm_items,
+                                                    request.mrope_positions, request.sampling_params))
+                self.synced[request_id] = request.num_prompt_tokens
+            base = min(self.synced[request_id], request.num_tokens)
+            self.synced[request_id] = request.num_tokens
+            mask = None
+            if request.grammar is not None and s.samples:
+                mask = self.grammar_masks.fill([request.grammar]).clone()
+            plan.rows.append(PlannedRow(request_id, s.start, s.num_new_tokens, list(s.encoder_items), base,
+                                        request.all_token_ids[base:], request.num_prefix_hit_tokens, mask))
+            for index in s.encoder_items:
+                self.encoder_outputs[request.mm_items[index].mm_hash] = True
+        freed = [*self.freed, *out.freed_encoder_hashes]
+        plan.freed_encoder_hashes = freed
+        plan.stale_encoder_hashes = [*self.stale, *out.stale_encoder_hashes]
+        self.freed, self.stale = [], []
+        for mm_hash in freed:
+            self.encoder_outputs.pop(mm_hash, None)
+        return plan
+
+    def free_encoder_outputs(self, mm_hashes: list[str], stale: list[str] = ()) -> None:
+        """Drops outputs from the ranks with the next plan."""
+        for mm_hash in mm_hashes:
+            self.encoder_outputs.pop(mm_hash, None)
+        self.freed.extend(mm_hashes)
+        self.stale.extend(stale)
+
+    def copy_kv_blocks(self, offloads: list, restores: list) -> None:
+        if offloads or restores:
+            raise ConfigError("the KV host tier is not supported with tensor parallelism yet")
+
+    def update_weights(self, weights: Any, loaded: list[str]) -> None:
+        raise ConfigError(f"update_weights is not supported with tensor_parallel_size={self.tensor_parallel_size} yet")
+
+    def load_lora_slot(self, slot: int, adapter: Any) -> None:
+        raise ConfigError("LoRA adapters are not supported with tensor parallelism yet")
+
+    clear_lora_slot = load_lora_slot
+
+    @property
+    def memory_per_rank(self) -> dict[str, int]:
+        """Rank 0's weights and KV cache bytes (each rank holds about as much)."""
+        return {"weights": self.weight_bytes_per_rank[0], "kv_cache": getattr(self, "kv_bytes_per_rank", [0])[0],
+                "kv_blocks": self.num_kv_blocks, "max_blocks_per_request": cdiv(self.max_model_len, self.config.cache_config.block_size)}

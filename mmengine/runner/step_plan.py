@@ -1,0 +1,78 @@
+"""A step as plain data: what the driver sends every tensor-parallel rank once a step, and what rank 0 sends back.
+
+The ranks keep each request's state between steps (`worker.py`'s mirror of it), so a decode step carries a
+few numbers a request: where its tokens start, how many, its new tokens since the last plan, its blocks.
+
+```
+StepPlan
+  forget          ids of requests that left (finished, aborted) since the last plan: their state goes
+  new_requests    NewRequest: prompt ids, items (encoder inputs with them), M-RoPE positions, sampling params
+  rows            PlannedRow per scheduled request: span, items to encode, tokens appended since the last plan
+  block_tables    request id -> KV block ids (and window_tables for a window pool)
+  freed / stale   encoder outputs to drop (the driver's encoder cache evicted them)
+StepResult (rank 0)
+  tokens, logprobs, prompt_logprobs (TokenLogprobs: plain data), num_encoder_runs
+```
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from mmengine.core.request import MMItem
+from mmengine.outputs import TokenLogprobs
+from mmengine.sample.params import SamplingParams
+
+
+@dataclass
+class NewRequest:
+    """A request the ranks have not seen yet (its first step, or its first after the ranks forgot it)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    mm_items: list[MMItem]
+    mrope_positions: Any
+    sampling_params: SamplingParams
+
+
+@dataclass
+class PlannedRow:
+    """One scheduled request of the step (ScheduledRequest without the live Request)."""
+
+    request_id: str
+    start: int
+    num_new_tokens: int
+    encoder_items: list[int]
+    token_base: int  # the request's tokens from this index on are `new_tokens` (what the ranks lack)
+    new_tokens: list[int]
+    num_prefix_hit_tokens: int
+    grammar_mask: Any = None  # the row's token bitmask (host int32 [1, words]) when a grammar constrains it
+
+
+@dataclass
+class StepPlan:
+    rows: list[PlannedRow] = field(default_factory=list)
+    new_requests: list[NewRequest] = field(default_factory=list)
+    forget: list[str] = field(default_factory=list)
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+    window_tables: dict[str, list[int]] | None = None
+    freed_encoder_hashes: list[str] = field(default_factory=list)
+    stale_encoder_hashes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class PromptLogprobsPart:
+    """One request's prompt log-probabilities from one step's chunk."""
+
+    request_id: str
+    first_position: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass
+class StepResult:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: list[PromptLogprobsPart] = field(default_factory=list)
+    num_encoder_runs: int = 0

@@ -1,0 +1,116 @@
+"""One tensor-parallel rank: its slice of the model, its KV heads' blocks, the encoder outputs, the sampler.
+
+Built in a worker process by `distributed/worker_loop.py` (`ModelWorker(group, ...)`); the driver's
+`parallel_runner.py` calls it. The rank runs the same ModelRunner as a single-process engine, over a family
+whose model is split (`distributed/sharded_model.py`) and whose KV layout holds this rank's heads, and over a
+mirror of the driver's requests (plain `Request`s rebuilt from the plans: prompt, items, tokens, seeds).
+
+Every rank computes every step (the collectives need them all) and samples from the same all-gathered
+logits with the same seeded generators; rank 0's tokens go back. Grammars stay with the driver: the plan
+carries each constrained row's token bitmask.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mmengine.config import EngineConfig
+from mmengine.core.request import ProcessedPrompt, Request
+from mmengine.core.scheduler import ScheduledRequest, SchedulerOutput
+from mmengine.distributed.process_group import TensorParallelGroup
+from mmengine.distributed.sharded_model import tensor_parallel_family
+from mmengine.models.family import ModelFamily
+from mmengine.runner.model_runner import ModelRunner
+from mmengine.runner.step_plan import PromptLogprobsPart, StepPlan, StepResult
+
+
+class PlannedMask:
+    """A constrained row's grammar, as the driver's grammar stood: its token bitmask for this step."""
+
+    def __init__(self, mask: torch.Tensor) -> None:
+        self.mask = mask
+
+
+class PlannedMasks:
+    """Stands in for the runner's BitmaskFiller: the rows' masks came with the plan."""
+
+    def fill(self, matchers: list[PlannedMask], drafts: list[list[int]] | None = None) -> torch.Tensor:
+        return torch.cat([matcher.mask for matcher in matchers])
+
+
+class ModelWorker:
+    """What one rank holds and runs (distributed.worker_loop.Worker)."""
+
+    def __init__(self, tp: TensorParallelGroup, *, config: EngineConfig, family: ModelFamily, model_dir: str,
+                 dtype: torch.dtype, max_model_len: int) -> None:
+        self.tp = tp
+        self.runner = ModelRunner(config, tensor_parallel_family(family, tp), Path(model_dir), tp.device, dtype, max_model_len)
+        self.runner.grammar_masks = PlannedMasks()
+        self.requests: dict[str, Request] = {}
+
+    # -- start-up (every rank) -----------------------------------------------------------------------------------
+
+    def describe(self) -> dict[str, Any]:
+        """The sizes the driver's start-up reads off a runner (this rank's: KV heads split)."""
+        runner = self.runner
+        return {
+            "kv_block_bytes": runner.kv_block_bytes,
+            "window_block_bytes": runner.window_block_bytes,
+            "embedding_bytes": runner.embedding_bytes,
+            "state_slot_bytes": runner.state_slot_bytes,
+            "window_pool": runner.window_pool,
+            "use_cuda_graphs": runner.use_cuda_graphs,
+            "weight_bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+        }
+
+    def determine_num_kv_blocks(self, *args: Any, **kwargs: Any) -> tuple[int, int, int]:
+        num_blocks = self.runner.determine_num_kv_blocks(*args, **kwargs)
+        return num_blocks, self.runner.num_window_blocks, self.runner.num_state_checkpoints
+
+    def allocate_kv_cache(self, num_blocks: int, num_window_blocks: int | None = None) -> int:
+        """Allocates this rank's KV blocks; returns their bytes."""
+        self.runner.allocate_kv_cache(num_blocks, num_window_blocks=num_window_blocks)
+        windows = self.runner.num_window_blocks if num_window_blocks is None else num_window_blocks
+        return num_blocks * self.runner.kv_block_bytes + windows * self.runner.window_block_bytes
+
+    def warm_up(self, images_per_step: int = 0) -> None:
+        self.runner.warm_up(images_per_step)
+
+    # -- a step ------------------------------------------------------------------------------------------------
+
+    def execute_step(self, plan: StepPlan) -> StepResult | None:
+        runner = self.runner
+        for request_id in plan.forget:
+            self.requests.pop(request_id, None)
+            runner.penalties.release(request_id)
+        for new in plan.new_requests:
+            processed = ProcessedPrompt(None, new.prompt_token_ids, new.mm_items, new.mrope_positions)
+            generator = runner.sampler.make_generator(new.sampling_params, runner.device)
+            self.requests[new.request_id] = Request(new.request_id, processed, new.sampling_params, 0, generator)
+        scheduled = []
+        for row in plan.rows:
+            request = self.requests[row.request_id]
+            if row.new_tokens or row.token_base < request.num_tokens:
+                del request.all_token_ids[row.token_base:]
+                request.all_token_ids.extend(row.new_tokens)
+            request.num_computed_tokens = row.start
+            request.num_prefix_hit_tokens = row.num_prefix_hit_tokens
+            request.grammar = None if row.grammar_mask is None else PlannedMask(row.grammar_mask)
+            scheduled.append(ScheduledRequest(request, row.start, row.num_new_tokens, list(row.encoder_items)))
+        freed = [h for h in dict.fromkeys(plan.freed_encoder_hashes) if h in runner.encoder_outputs]
+        out = SchedulerOutput(scheduled=scheduled, freed_encoder_hashes=freed, stale_encoder_hashes=list(plan.stale_encoder_hashes))
+        launched = runner.launch(out, plan.block_tables, window_tables=plan.window_tables)
+        if launched.pending is not None:
+            launched = runner.sample(launched)
+        tokens = launched.result()
+        if self.tp.rank != 0:
+            return None
+        prompt_logprobs = [PromptLogprobsPart(part.request.request_id, part.first_position, part.entries())
+                           for part in launched.prompt_logprobs]
+        return StepResult(tokens, launched.token_logprobs(), prompt_logprobs, runner.num_encoder_runs)
+
+    def close(self) -> None:
+        self.requests.clear()

@@ -1,0 +1,158 @@
+"""The engine at tensor_parallel_size=2 (two spawned gloo ranks on CPU, runner/parallel_runner.py): the greedy
+tokens of TP 1 and of transformers with pictures, chunked prefill, a prefix hit and preemption; logprobs within
+1e-4 of TP 1 in fp32; options it refuses by name before any process starts; a killed worker as EngineDeadError
+within seconds; shutdown leaves no process behind.
+
+One TP 2 engine serves the module (starting one costs two interpreters importing torch and transformers); the
+last test kills one of its workers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+
+from conftest import CPU_FP32, hf_greedy
+from mmengine import MMEngine, SamplingParams
+from mmengine.errors import ConfigError, EngineDeadError
+from mmengine.testing import make_test_image
+
+# A step takes at most 16 tokens (a picture's 16 placeholders fit; the prompts' prefills take two or three
+# chunks), and 8 blocks of 16 tokens hold about three of the requests below at once: the batch preempts.
+ENGINE_OPTIONS = {"max_model_len": 128, "max_num_batched_tokens": 16, "num_kv_blocks": 8, "max_num_seqs": 4}
+PROMPTS = [
+    "USER: <image>\nWhat is shown here? ASSISTANT:",
+    "USER: <image>\nDescribe the colours of this picture in detail. ASSISTANT:",
+    "USER: Tell me a story about a cat. ASSISTANT:",
+    "USER: <image>\n<image>\nCompare the two pictures. ASSISTANT:",
+]
+IMAGES = [[make_test_image(1)], [make_test_image(2)], [], [make_test_image(1), make_test_image(3)]]
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True, temperature=0.0)
+
+
+def children() -> set[int]:
+    """This process's live children but multiprocessing's resource tracker (one per process, for its lifetime)."""
+    found = set()
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(child.cmdline()):
+                found.add(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def llava(checkpoint_dir):
+    return checkpoint_dir()
+
+
+@pytest.fixture(scope="module")
+def tp1(llava):
+    return MMEngine(str(llava), **ENGINE_OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def tp1_outputs(tp1):
+    return tp1.generate(PROMPTS, images=IMAGES, sampling_params=GREEDY, use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def tp2(llava):
+    before = children()
+    engine = MMEngine(str(llava), tensor_parallel_size=2, **ENGINE_OPTIONS)
+    engine.children_before = before
+    yield engine
+    engine.shutdown()
+
+
+def test_batch_with_pictures_chunks_and_preemption_gives_tp1_and_transformers_tokens(tp2, tp1_outputs, llava):
+    before = tp2.stats()
+    outputs = tp2.generate(PROMPTS, images=IMAGES, sampling_params=GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in tp1_outputs]
+    for prompt, images, output in zip(PROMPTS, IMAGES, outputs):
+        assert output.token_ids == hf_greedy(llava, prompt, images, GREEDY.max_tokens, CPU_FP32, ignore_eos=True)
+    stats = tp2.stats()
+    assert stats["num_preemptions"] > before["num_preemptions"]  # the 8 blocks did not hold the batch
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]  # every block back (cached or free)
+    assert stats["encoder_cache_referenced"] == 0
+
+
+def test_a_repeat_computes_at_most_one_block_and_encodes_each_picture_once(tp2):
+    prompt, images = PROMPTS[1], [make_test_image(7)]
+    first = tp2.generate(prompt, images=images, sampling_params=GREEDY, use_tqdm=False)[0]
+    before = tp2.stats()
+    again = tp2.generate(prompt, images=images, sampling_params=GREEDY, use_tqdm=False)[0]
+    after = tp2.stats()
+    assert again.token_ids == first.token_ids
+    assert after["prefill_tokens_computed"] - before["prefill_tokens_computed"] <= 16
+    assert again.num_cached_tokens >= len(again.prompt_token_ids) - 16
+    assert after["encoder_runs"] == before["encoder_runs"]  # the picture was encoded once, by the first
+
+
+def test_logprobs_and_seeded_sampling_match_tp1(tp1, tp2):
+    params = [SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0, logprobs=3, prompt_logprobs=2),
+              SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.9, top_p=0.9, seed=11, logprobs=2)]
+    prompts, images = [PROMPTS[0], PROMPTS[2]], [IMAGES[0], []]
+    ones = tp1.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+    twos = tp2.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+    for one, two in zip(ones, twos):
+        assert two.token_ids == one.token_ids
+        for a, b in zip(one.logprobs, two.logprobs):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert max(abs(x - y) for (_, x), (_, y) in zip(a.top, b.top)) < 1e-4
+    one_prompt, two_prompt = ones[0].prompt_logprobs, twos[0].prompt_logprobs
+    assert len(one_prompt) == len(two_prompt) and one_prompt[0] is None and two_prompt[0] is None
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(one_prompt[1:], two_prompt[1:])) < 1e-4
+
+
+@pytest.mark.parametrize(("options", "named"), [
+    ({"tensor_parallel_size": 3}, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "carrier-pigeon"}, "distributed_executor_backend"),
+    ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, "distributed_executor_backend='ray'"),
+    ({"tensor_parallel_size": 2, "enable_lora": True}, "enable_lora"),
+    ({"tensor_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
+    ({"tensor_parallel_size": 2, "async_scheduling": "on"}, "async_scheduling='on'"),
+    ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive int"),
+])
+def test_what_tensor_parallelism_refuses_is_named_before_any_process_starts(llava, options, named):
+    before = children()
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace("[", r"\[")):
+        MMEngine(str(llava), max_model_len=128, **options)
+    assert children() <= before
+
+
+def test_a_killed_worker_is_engine_dead_within_seconds_and_shutdown_leaves_no_process(tp2):
+    """(Last: it kills the module's engine.) A generate() in flight raises EngineDeadError, as does every later call."""
+    pids = tp2.parallel.executor.pids
+    assert set(pids) <= children()
+    failure: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            tp2.generate(PROMPTS[2], sampling_params=SamplingParams(max_tokens=100, ignore_eos=True, temperature=0.0), use_tqdm=False)
+        except BaseException as err:  # noqa: BLE001 - the test reads it
+            failure.append(err)
+
+    thread = threading.Thread(target=generate)
+    started = tp2.stats()["generation_tokens"]
+    thread.start()
+    while tp2.stats()["generation_tokens"] == started and thread.is_alive():  # the request is decoding
+        time.sleep(0.002)
+    killed = time.monotonic()
+    os.kill(pids[1], signal.SIGKILL)
+    thread.join(timeout=10)
+    assert not thread.is_alive() and time.monotonic() - killed < 5
+    assert failure and isinstance(failure[0], EngineDeadError) and "rank 1" in str(failure[0])
+    with pytest.raises(EngineDeadError):
+        tp2.generate(PROMPTS[2], sampling_params=GREEDY, use_tqdm=False)
+    tp2.shutdown()
+    deadline = time.monotonic() + 5
+    while children() - tp2.children_before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not children() - tp2.children_before
