@@ -41,6 +41,7 @@ CHECKPOINTS = {
     "qwen3_vl_30b_a3b": ("QWEN3_VL_30B_A3B_SPEC", "qwen3_vl_moe"),
     "gemma4_dense": ("GEMMA4_DENSE_SPEC", "gemma4"),
 }
+WITH_MTP_HEAD = ("qwen3_5_9b",)  # checkpoints given a random multi-token-prediction head (speculative method "mtp")
 # name -> (the checkpoint it quantizes, mmengine.testing.quantize's method): Qwen's FP8 blocks of 128 x 128
 # (the W8A16 GEMM), compressed-tensors FP8-Dynamic per channel (W8A8 through torch._scaled_mm), GPTQ in groups
 # of 128 (the W4A16 GEMM's path); a dry run quantizes the tiny stand-in in blocks and groups of 32
@@ -286,6 +287,16 @@ def _speculative_reads(data: dict) -> list[Reading]:
             ("answers equal with and without", int(data["answers_equal"]), "1 = yes", None)]
 
 
+def _spec_decode_reads(data: dict) -> list[Reading]:
+    """The MTP head's cost: its random weights draft nothing right, so each step is a k+1-token verify step
+    plus the head's forward, against a 1-token (graphed) decode; below 1 + acceptance x k it pays."""
+    runs = data["runs"]
+    return [("MTP step (k+1-token verify + head) / 1-token decode", runs["mtp"]["step_cost"], "x", None),
+            ("every draft right (oracle): verify step / decode", runs["oracle"]["step_cost"], "x", None),
+            ("every draft right: tok/s / without", runs["oracle"]["speedup"], "x", None),
+            ("answers equal with and without", int(data["answers_equal"]), "1 = yes", None)]
+
+
 def _hybrid_reads(data: dict) -> list[Reading]:
     runs = data["runs"]
     chat_on, chat_off = runs["chat / prefix caching on"], runs["chat / prefix caching off"]
@@ -450,6 +461,12 @@ PARTS: list[Part] = [
          lambda ctx: _bench("speculative.py", ctx, "speculative", "--model", _model(ctx, "qwen3_5_9b"), "--device", "cpu",
                             "--dtype", "float32", "--num-prompts", "2", "--passage-len", "6", "--output-len", "9"),
          _speculative_reads),
+    Part("spec_decode", "49", 3, ("qwen3_5_9b",),
+         lambda ctx: _bench("speculative.py", ctx, "spec_decode", "--model", _model(ctx, "qwen3_5_9b"), "--device", "cuda",
+                            "--method", "mtp", "--num-prompts", "16", "--passage-len", "64", "--output-len", "128"),
+         lambda ctx: _bench("speculative.py", ctx, "spec_decode", "--model", _model(ctx, "qwen3_5_9b"), "--device", "cpu",
+                            "--dtype", "float32", "--method", "mtp", "--num-prompts", "2", "--passage-len", "6", "--output-len", "9"),
+         _spec_decode_reads),
     _latency_part("gemma4_dense", "35", 5, "640x480", _gemma4_reads),
     Part("gemma4_window_pool", "35", 3, ("gemma4_dense",),
          lambda ctx: _bench("window_pool.py", ctx, "gemma4_window_pool", "--model", _model(ctx, "gemma4_dense"), "--device",
@@ -508,12 +525,19 @@ def ensure_checkpoints(part: Part, ctx: Context, log: Path) -> None:
 
             if tiny_family == "gemma4":
                 path = tiny_gemma4_path(TinyGemma4Spec())
+            elif name in WITH_MTP_HEAD:
+                from mmengine.testing.mtp import tiny_qwen3_5_mtp_path
+
+                path = tiny_qwen3_5_mtp_path(tiny_family)
             else:
                 path = tiny_llava_path(TinyLlavaSpec()) if tiny_family == "llava" else tiny_qwen_vl_path(tiny_spec(tiny_family))
         else:
             path = ctx.checkpoints / name
             code = (f"import sys; sys.path.insert(0, {str(HERE)!r}); from pathlib import Path; from latency import ensure_checkpoint; "
                     f"import mmengine.testing as t; print(ensure_checkpoint(Path({str(path)!r}), t.{spec}, 'cuda', 'bfloat16')[1])")
+            if name in WITH_MTP_HEAD:  # a random MTP head beside the weights (the plain engine skips it)
+                code += (f"; from mmengine.testing.mtp import add_mtp_head; p = Path({str(path)!r}); "
+                         "(p / 'mtp.safetensors').exists() or add_mtp_head(p)")
             with log.open("a") as sink:
                 subprocess.run([sys.executable, "-c", code], cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT, check=True)
         ctx.models[name] = str(path)

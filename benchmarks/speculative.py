@@ -6,6 +6,9 @@ checked equal (greedy: speculation never changes a token):
 
   off      no speculation
   ngram    speculative_config {"method": "ngram", "num_speculative_tokens": K, prompt lookup 1..3}
+  mtp      (--method mtp) {"method": "mtp", "num_speculative_tokens": K}: the checkpoint's own MTP head (the
+           tiny Qwen3.5 gets a random one, so nearly every draft is rejected: the row is the cost of a k+1-token
+           verify step plus the head against a 1-token decode, the number that decides when MTP pays)
   oracle   the same engine with drafts taken from the "off" answers (every draft right): the upper bound
            of what verify steps give at full acceptance on this device, not a proposer anyone can use
 
@@ -15,6 +18,7 @@ that are mostly rejected; the oracle row shows what full acceptance saves. With 
 
     python benchmarks/speculative.py                          # tiny Qwen3.5 (hybrid) on CPU
     python benchmarks/speculative.py --family llava --num-speculative-tokens 4
+    python benchmarks/speculative.py --method mtp             # tiny Qwen3.5 with a random MTP head
     python benchmarks/speculative.py --model /path/to/Qwen3.5-9B --device cuda --output-len 256
 """
 
@@ -35,6 +39,7 @@ from latency import write_json  # noqa: E402  (a sibling script)
 
 from mmengine import MMEngine, SamplingParams  # noqa: E402
 from mmengine.testing import TINY_QWEN3_5_SPEC, TinyLlavaSpec, tiny_llava_path, tiny_qwen_vl_path  # noqa: E402
+from mmengine.testing.mtp import tiny_qwen3_5_mtp_path  # noqa: E402
 from mmengine.testing.qwen_vl import qwen_vl_prompt  # noqa: E402
 
 WORDS = "the picture shows a red house with a green door next to an old tree under a grey sky".split()
@@ -85,6 +90,7 @@ def _run(engine: MMEngine, prompts: list[str], params: SamplingParams) -> tuple[
         "accepted_tokens": delta.get("spec_accepted_tokens", 0),
         "acceptance": round(delta.get("spec_accepted_tokens", 0) / drafted, 3) if drafted else None,
         "tokens_per_decode_step": round(delta["generation_tokens"] / max(1, delta["decode_steps"]), 2),
+        "ms_per_decode_step": round(1000 * seconds / max(1, delta["decode_steps"]), 3),
     }, outs
 
 
@@ -98,17 +104,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--passage-len", type=int, default=24)
     parser.add_argument("--output-len", type=int, default=48)
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
+    parser.add_argument("--method", default="ngram", choices=["ngram", "mtp"],
+                        help="the proposer measured (mtp: the checkpoint's head; the tiny Qwen3.5 gets a random one)")
     parser.add_argument("--output", default="results/speculative.json")
     args = parser.parse_args(argv)
 
     if args.model:
         path = Path(args.model)
+    elif args.method == "mtp":
+        path = tiny_qwen3_5_mtp_path()
     else:
         path = tiny_qwen_vl_path(TINY_QWEN3_5_SPEC) if args.family == "qwen3_5" else tiny_llava_path(TinyLlavaSpec())
     prompts = _prompts(args.family, args.num_prompts, args.passage_len)
     params = SamplingParams(max_tokens=args.output_len, temperature=0, ignore_eos=True)
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_min": 1,
-            "prompt_lookup_max": 3}
+            "prompt_lookup_max": 3} if args.method == "ngram" else {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens}
     result = {"model": str(path), "platform": platform.platform(), "torch": torch.__version__, "runs": {}}
     plain = MMEngine(str(path), device=args.device, dtype=args.dtype)
     _run(plain, prompts[:1], params)  # warm-up
@@ -117,17 +127,21 @@ def main(argv: list[str] | None = None) -> dict:
     del plain
     engine = MMEngine(str(path), device=args.device, dtype=args.dtype, speculative_config=spec)
     _run(engine, prompts[:1], params)
-    result["runs"]["ngram"], outs = _run(engine, prompts, params)
-    ngram_equal = [o.token_ids for o in outs] == [r.token_ids for r in reference]
-    proposer, engine.steps.proposer = engine.steps.proposer, _Oracle(
-        {tuple(r.prompt_token_ids): list(r.token_ids) for r in reference}, args.num_speculative_tokens)
+    result["runs"][args.method], outs = _run(engine, prompts, params)
+    method_equal = [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    # the oracle stands in for the proposer (and the head, with mtp: its steps are not run)
+    proposer, drafter = engine.steps.proposer, engine.steps.drafter
+    engine.steps.proposer, engine.steps.drafter = _Oracle(
+        {tuple(r.prompt_token_ids): list(r.token_ids) for r in reference}, args.num_speculative_tokens), None
     result["runs"]["oracle"], outs = _run(engine, prompts, params)
-    engine.steps.proposer = proposer
-    result["answers_equal"] = ngram_equal and [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    engine.steps.proposer, engine.steps.drafter = proposer, drafter
+    result["answers_equal"] = method_equal and [o.token_ids for o in outs] == [r.token_ids for r in reference]
     base = result["runs"]["off"]["output_tokens_per_s"]
     for mode, run in result["runs"].items():
         run["speedup"] = round(run["output_tokens_per_s"] / base, 2)
+        run["step_cost"] = round(run["ms_per_decode_step"] / result["runs"]["off"]["ms_per_decode_step"], 2)
         print(f"{mode:7s} {run['output_tokens_per_s']:9.1f} tok/s ({run['speedup']:.2f}x)  decode steps {run['decode_steps']:5d}  "
+              f"{run['ms_per_decode_step']:8.2f} ms/step ({run['step_cost']:.2f}x)  "
               f"tokens/step {run['tokens_per_decode_step']:5.2f}  drafts {run['draft_tokens']:5d} accepted "
               f"{run['accepted_tokens']:5d}" + (f" ({run['acceptance']:.0%})" if run["acceptance"] is not None else ""))
     print(f"answers equal with and without speculation: {result['answers_equal']}")
