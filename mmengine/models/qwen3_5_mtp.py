@@ -1,5 +1,5 @@
 """Qwen3.5's multi-token-prediction head (`mtp.*` in the published checkpoints): the draft model of
-speculative decoding with method "mtp" (runner/mtp_drafter.py drives it).
+speculative decoding with method "mtp" (runner/head_drafter.py drives it).
 
 At position j the head reads the target's final hidden state there (after its norm) and the embedding of
 the token at j+1 (an image placeholder's is its picture's), and predicts the token at j+2:

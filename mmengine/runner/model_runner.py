@@ -36,7 +36,7 @@ from mmengine.models.quantization import quantization_of
 from mmengine.runner.cascade_plan import CascadePolicy, cascade_layer_shape
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
 from mmengine.runner.inputs import InputBuffers
-from mmengine.runner.mtp_drafter import MtpDrafter
+from mmengine.runner.head_drafter import HeadDrafter, MtpHead
 from mmengine.sample.penalties import PenaltyState, apply_logit_bias
 from mmengine.runner.spans import span_ends
 from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, PendingSample, PromptLogprobs, TokenReadback
@@ -138,7 +138,7 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # The final hidden states of a graph step, at a fixed address (rows beyond the batch are padding).
         self._graph_hidden: torch.Tensor | None = None
-        self.drafter = MtpDrafter(self) if family.num_draft_layers else None
+        self.drafter = HeadDrafter(MtpHead(self), self.block_size) if family.num_draft_layers else None
 
     def _cascade_policy(self) -> CascadePolicy:
         """"auto" weighs cascade against the Triton kernels; the PyTorch reference runs it on "on" only."""

@@ -1,7 +1,9 @@
-"""Drafts with the checkpoint's multi-token-prediction head (models/qwen3_5_mtp.py), after each step.
+"""Drafts with a draft head after each step: Qwen3.5's own MTP head (models/qwen3_5_mtp.py) or an EAGLE-3
+head (models/eagle3.py), both one decoder layer that reads the target's hidden states.
 
-The runner remembers a step's final hidden states, positions and slots; once the scheduler has booked
-the step (so each request's kept positions and the token after them are known), `propose` runs:
+The runner remembers a step's hidden states (the final ones, and for EAGLE-3 the inputs of three layers),
+positions and slots; once the scheduler has booked the step (so each request's kept positions and the token
+after them are known), `propose` runs:
 
 1. The head over every position the step kept, each row reading the target's hidden state there and
    the next token's embedding. This fills the head's own K/V for those positions, as the target's
@@ -9,9 +11,9 @@ the step (so each request's kept positions and the token after them are known), 
    prefix hits (a cached block holds the head's K/V too) and verify steps (rejected positions are
    written again by the next step). It runs for every request, drafting or not.
 2. For each request that drafts: its last kept row's output gives the first draft (greedy), and each
-   further draft comes from one more head step over the previous draft at the next position, which writes
-   K/V past the request's computed positions, into blocks the step loop took ahead for it (the next
-   verify step writes those positions again).
+   further draft comes from one more head step over the previous draft at the next position, fed the
+   head's own hidden state, which writes K/V past the request's computed positions, into blocks the step
+   loop took ahead for it (the next verify step writes those positions again).
 
 The drafts only ever change how many tokens a step keeps, never which: a verify step samples every position
 with the target (spec/verify.py).
@@ -20,25 +22,45 @@ with the target (spec/verify.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from mmengine.core.scheduler import ScheduledRequest
 from mmengine.layers.attention import AttentionMetadata
-from mmengine.layers.kernel_dispatch import use_fused_kernels
 
 
 @dataclass
 class TargetStep:
     """What the head needs of the target's last step (device views, valid until the next step's inputs)."""
 
-    hidden: torch.Tensor  # [rows, hidden] the final hidden states, after the decoder's norm
+    hidden: torch.Tensor  # [rows, width] the head's input hidden state per row (DraftHead.target_hidden)
     positions: torch.Tensor  # [rows] or [rows, 3] (M-RoPE)
     slot_mapping: torch.Tensor  # [rows]
     block_tables: torch.Tensor  # [requests, max_blocks]
     scheduled: list[ScheduledRequest]  # in packed order
     query_start_loc: list[int]
+
+
+class DraftHead(Protocol):
+    """A draft head as HeadDrafter drives it."""
+
+    def target_hidden(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        """The step's per-row input to the head (a view or copy that outlives the next forward's start)."""
+
+    def embed(self, token_ids: torch.Tensor, spans: list[ScheduledRequest]) -> torch.Tensor:
+        """Embeddings of the tokens at the spans' positions (a picture's placeholders: its embeddings, where
+        the head reads them)."""
+
+    def embed_drafts(self, token_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                draft_step: int, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the output the logits read, the hidden state the next draft step reads)."""
+
+    def greedy(self, output: torch.Tensor) -> list[int]:
+        """Each row's most likely next token, in the target's vocabulary."""
 
 
 @dataclass
@@ -51,19 +73,17 @@ class _Rows:
     counts: list[int]  # each request's kept positions
 
 
-class MtpDrafter:
-    def __init__(self, runner) -> None:
-        self.runner = runner
-        self.model = runner.model
-        self.head = runner.model.mtp
-        self.block_size = runner.block_size
+class HeadDrafter:
+    def __init__(self, head: DraftHead, block_size: int) -> None:
+        self.head = head
+        self.block_size = block_size
         self.step: TargetStep | None = None
         self.num_head_rows = 0  # rows the head computed, kept positions and chained drafts together
 
-    def remember(self, hidden: torch.Tensor, inputs) -> None:
+    def remember(self, final_hidden: torch.Tensor, inputs) -> None:
         metadata = inputs.metadata
-        self.step = TargetStep(hidden, inputs.positions, metadata.slot_mapping, metadata.block_tables, inputs.scheduled,
-                               metadata.query_start_loc_cpu)
+        self.step = TargetStep(self.head.target_hidden(final_hidden), inputs.positions, metadata.slot_mapping,
+                               metadata.block_tables, inputs.scheduled, metadata.query_start_loc_cpu)
 
     def forget(self) -> None:
         self.step = None
@@ -79,21 +99,20 @@ class MtpDrafter:
         rows = self._kept_rows(step)
         if not rows.scheduled:
             return {}
-        out = self._run_kept(step, rows)
+        out, chain = self._run_kept(step, rows)
         drafting = [i for i, s in enumerate(rows.scheduled)
                     if wanted.get(s.request.request_id, 0) > 0 and s.request.num_tokens - s.request.num_computed_tokens == 1]
         if not drafting:
             return {}
-        last_rows = np.cumsum(rows.counts) - 1
-        hidden = out[torch.as_tensor(last_rows[drafting], device=out.device)]
+        last = torch.as_tensor((np.cumsum(rows.counts) - 1)[drafting], device=out.device)
+        out, hidden = out.index_select(0, last), chain.index_select(0, last)
         positions = step.positions.index_select(0, torch.as_tensor(
             [rows.first_rows[i] + rows.counts[i] - 1 for i in drafting], device=step.positions.device))
         requests = [rows.scheduled[i].request for i in drafting]
-        tokens = self._greedy(hidden)
-        drafts = {r.request_id: [t] for r, t in zip(requests, tokens)}
+        drafts = {r.request_id: [t] for r, t in zip(requests, self.head.greedy(out))}
         for depth in range(1, max(wanted[r.request_id] for r in requests)):
             # draft `depth` predicts from the previous draft, one position on
-            live = [i for i, r in enumerate(requests) if len(drafts[r.request_id]) == depth and depth < wanted[r.request_id]
+            live = [i for i, r in enumerate(requests) if depth < wanted[r.request_id]
                     and r.num_computed_tokens + depth - 1 < len(block_tables[r.request_id]) * self.block_size]
             if not live:
                 break
@@ -101,8 +120,8 @@ class MtpDrafter:
             hidden, positions = hidden.index_select(0, index), positions.index_select(0, index.to(positions.device)) + 1
             requests = [requests[i] for i in live]
             ids = [drafts[r.request_id][-1] for r in requests]
-            hidden = self._run_chained(requests, ids, hidden, positions, block_tables, depth)
-            for r, t in zip(requests, self._greedy(hidden)):
+            out, hidden = self._run_chained(requests, ids, hidden, positions, block_tables, depth)
+            for r, t in zip(requests, self.head.greedy(out)):
                 drafts[r.request_id].append(t)
         return drafts
 
@@ -118,25 +137,26 @@ class MtpDrafter:
         return _Rows([f[2] for f in found], [f[1] for f in found], [step.query_start_loc[f[1]] for f in found],
                      [f[3] for f in found])
 
-    def _run_kept(self, step: TargetStep, rows: _Rows) -> torch.Tensor:
+    def _run_kept(self, step: TargetStep, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over each request's kept positions: row j reads the target's hidden state at j and the
         embedding of the token at j+1 (a picture's, inside one)."""
         device = step.hidden.device
         index = torch.as_tensor(np.concatenate([np.arange(f, f + n) for f, n in zip(rows.first_rows, rows.counts)]), device=device)
         next_ids = [t for s, n in zip(rows.scheduled, rows.counts) for t in s.request.all_token_ids[s.start + 1 : s.start + n + 1]]
         shifted = [ScheduledRequest(s.request, s.start + 1, n, []) for s, n in zip(rows.scheduled, rows.counts)]
-        embeds, _ = self.runner._embed(torch.as_tensor(next_ids, device=device), shifted, missing_ok=True)
+        embeds = self.head.embed(torch.as_tensor(next_ids, device=device), shifted)
         starts = [s.start for s in rows.scheduled]
         metadata = _metadata(step.slot_mapping.index_select(0, index), step.block_tables.index_select(
             0, torch.as_tensor(rows.batch_rows, device=step.block_tables.device)), rows.counts,
             [start + n for start, n in zip(starts, rows.counts)])
-        return self._head(embeds, step.hidden.index_select(0, index), step.positions.index_select(0, index.to(step.positions.device)),
-                          metadata, 0)
+        self.num_head_rows += len(index)
+        return self.head.forward(embeds, step.hidden.index_select(0, index),
+                                 step.positions.index_select(0, index.to(step.positions.device)), metadata, 0, first=True)
 
     def _run_chained(self, requests: list, ids: list[int], hidden: torch.Tensor, positions: torch.Tensor,
-                     block_tables: dict[str, list[int]], depth: int) -> torch.Tensor:
+                     block_tables: dict[str, list[int]], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One head step for each request, one position past the last: the previous draft's embedding and
-        the head's own output there."""
+        the head's own hidden state there."""
         device = hidden.device
         bs = self.block_size
         contexts = [r.num_computed_tokens + depth for r in requests]  # the row's position + 1
@@ -147,19 +167,9 @@ class MtpDrafter:
         for row, blocks in enumerate(tables):
             table[row, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.int32)
         metadata = _metadata(torch.as_tensor(slots, dtype=torch.int64, device=device), table.to(device), [1] * len(requests), contexts)
-        embeds = self.model.language_model.embed_tokens(torch.as_tensor(ids, device=device))
-        return self._head(embeds, hidden, positions, metadata, depth)
-
-    def _head(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-              depth: int) -> torch.Tensor:
-        self.num_head_rows += len(embeds)
-        decoder = self.model.language_model
-        backend = self.head.attention_layers()[0].backend
-        rotary = decoder.rotary.step(positions, use_kernel=False)
-        return self.head(embeds.to(hidden.dtype), hidden, rotary, metadata, depth, use_fused_kernels(embeds.device, backend.name))
-
-    def _greedy(self, hidden: torch.Tensor) -> list[int]:
-        return self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+        self.num_head_rows += len(requests)
+        embeds = self.head.embed_drafts(torch.as_tensor(ids, device=device))
+        return self.head.forward(embeds, hidden, positions, metadata, depth, first=False)
 
 
 def _metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
@@ -179,3 +189,33 @@ def _metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_lens
         max_decode_seq_len=max(seq_lens[:num_decodes], default=0),
         max_prefill_query_len=max(query_lens[num_decodes:], default=0),
     )
+
+
+class MtpHead:
+    """Qwen3.5's MTP head as a DraftHead: the target's final hidden states, embeddings (pictures' too) and LM head."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.model = runner.model
+
+    def target_hidden(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        return final_hidden
+
+    def embed(self, token_ids: torch.Tensor, spans: list[ScheduledRequest]) -> torch.Tensor:
+        return self.runner._embed(token_ids, spans, missing_ok=True)[0]
+
+    def embed_drafts(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.language_model.embed_tokens(token_ids)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                draft_step: int, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        from mmengine.layers.kernel_dispatch import use_fused_kernels
+
+        head = self.model.mtp
+        rotary = self.model.language_model.rotary.step(positions, use_kernel=False)
+        fused = use_fused_kernels(embeds.device, head.attention_layers()[0].backend.name)
+        out = head(embeds.to(hidden.dtype), hidden, rotary, metadata, draft_step, fused)
+        return out, out  # chained, the head's own output (after its norm) stands for the target's
+
+    def greedy(self, output: torch.Tensor) -> list[int]:
+        return self.model.compute_logits(output).argmax(dim=-1).tolist()
