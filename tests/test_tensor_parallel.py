@@ -156,3 +156,31 @@ def test_a_killed_worker_is_engine_dead_within_seconds_and_shutdown_leaves_no_pr
     while children() - tp2.children_before and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not children() - tp2.children_before
+
+
+def test_qwen3_vl_gives_tp1_and_transformers_tokens_with_a_picture_in_chunks(family_checkpoint):
+    """M-RoPE positions, DeepStack levels and per-head q/k norms on the split decoder (Qwen2.5-VL's decoder differs
+    only by q/k/v biases, which the column-parallel layer splits as it splits the weights)."""
+    import chat_formats
+    from conftest import hf_greedy as transformers_greedy
+
+    path = family_checkpoint("qwen3_vl")
+    prompts = [chat_formats.user_turn("qwen3_vl", "What is shown here?", 1), chat_formats.user_turn("qwen3_vl", "Tell me a story.", 0)]
+    images = [[make_test_image(11)], []]
+    params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=2)
+    options = {"max_model_len": 256, "max_num_batched_tokens": 32}
+    ones = MMEngine(str(path), **options).generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+    with MMEngine(str(path), tensor_parallel_size=2, **options) as engine:
+        twos = engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+        assert engine.stats()["encoder_runs"] == 1
+    for prompt, pictures, one, two in zip(prompts, images, ones, twos):
+        assert two.token_ids == one.token_ids == transformers_greedy(path, prompt, pictures, 8, CPU_FP32, ignore_eos=True)
+        assert max(abs(a.logprob - b.logprob) for a, b in zip(one.logprobs, two.logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize(("name", "named"), [("qwen3_5", "hybrid decoder"), ("gemma4", "is not split over ranks yet")])
+def test_decoders_not_split_yet_are_refused_by_name_before_any_process_starts(family_checkpoint, name, named):
+    before = children()
+    with pytest.raises(ConfigError, match=named):
+        MMEngine(str(family_checkpoint(name)), max_model_len=128, tensor_parallel_size=2)
+    assert children() <= before

@@ -57,6 +57,10 @@ def check_tensor_parallel_shapes(family: ModelFamily, tp_size: int) -> None:
     if getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0):
         raise ConfigError(f"tensor_parallel_size={tp_size}: {name}'s mixture-of-experts decoder is not split over ranks yet; "
                           "run it with tensor_parallel_size=1")
+    decoder_class = getattr(type(family).model_class, "decoder_class", None)
+    if decoder_class is not DecoderModel:
+        raise ConfigError(f"tensor_parallel_size={tp_size}: {name}'s decoder ({getattr(decoder_class, '__name__', decoder_class)}) "
+                          "is not split over ranks yet; run it with tensor_parallel_size=1")
     if quantization_of(family.hf_config) is not None:
         raise ConfigError(f"tensor_parallel_size={tp_size}: quantized checkpoints are not split over ranks yet")
     if any(window is not None for window in family.kv_cache_windows()):
