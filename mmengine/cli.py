@@ -241,6 +241,8 @@ def run_budget(args: argparse.Namespace) -> None:
     _print_window_budget(family, config, kv_elem, args.max_model_len or hf_config.text_config.max_position_embeddings)
     if family.recurrent_shape is not None:
         _print_state_budget(family, config, elem, block_bytes // block_size)
+    if args.tensor_parallel_size > 1:
+        _print_rank_budget(family, args.model, args.tensor_parallel_size, elem, kv_elem, block_size, args.num_kv_blocks)
     kv_host = host_tier_bytes(args.kv_cache_host_bytes, device.type)
     kv_source = "--kv-cache-host-bytes" if args.kv_cache_host_bytes is not None else f"default on {device.type}"
     print("KV cache host tier (evicted prefix blocks)")
@@ -301,6 +303,30 @@ def _print_quantized_weights(spec: Any, headers: dict[str, tuple[tuple[int, ...]
     print(f"weights (kept quantized)        {stored:>12}   bytes: {params} parameters, the {label} projections in their "
           "stored bits (CUDA with the Triton kernels; FP8 needs compute capability 8.9+)")
     print(f"weights (dequantized at load)   {params * elem:>12}   bytes: {params} parameters x {elem} B (CPU, LoRA, older GPUs)")
+
+
+def _print_rank_budget(family: Any, model_dir: str, tp_size: int, elem: int, kv_elem: int, block_size: int,
+                       num_kv_blocks: int | None) -> None:
+    """One tensor-parallel rank's weights and KV cache (the decoder split, the vision side whole on every rank)."""
+    from pathlib import Path
+
+    from mmengine.distributed.rank_budget import rank_kv_layout, rank_share
+    from mmengine.distributed.sharded_model import check_tensor_parallel_shapes
+    from mmengine.models.loader import checkpoint_shapes
+    from mmengine.runner.kv_tensors import kv_block_bytes
+
+    check_tensor_parallel_shapes(family, tp_size)  # a shape that does not divide: the engine's ConfigError
+    share = rank_share(checkpoint_shapes(Path(model_dir)), family.text_config, tp_size)
+    layout = rank_kv_layout(family.kv_cache_layout(), tp_size)
+    per_token = kv_block_bytes(layout, 1, kv_elem)
+    print(f"tensor parallelism (--tensor-parallel-size {tp_size}: {tp_size} worker processes, one rank each)")
+    print(f"  weights per rank              {share.per_rank * elem:>12}   bytes: {share.per_rank} of {share.whole} parameters "
+          f"({share.replicated} replicated on every rank: the vision side, norms)")
+    heads = layout[0][0] if layout else 0
+    print(f"  KV cache per rank, one token  {per_token:>12}   bytes: {heads} of {family.text_config.num_key_value_heads} KV heads "
+          f"a layer (split, or one replicated head when the ranks outnumber them)")
+    blocks = f" x {num_kv_blocks} blocks (--num-kv-blocks) = {num_kv_blocks * per_token * block_size} bytes" if num_kv_blocks else ""
+    print(f"  KV cache per rank, one block  {per_token * block_size:>12}   bytes{blocks}")
 
 
 def _print_kv_budget(family: Any, block_size: int, kv_dtype: Any, model_dtype: Any, flag: str) -> None:
@@ -452,6 +478,8 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                         help="the KV cache's element type (auto: the model dtype)")
     budget.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto resolves the dtype per device)")
+    budget.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks the decoder is split over: each rank's weights and KV cache are printed")
     budget.add_argument(
         "--mm-processor-kwargs", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
         help="image-processor overrides, e.g. max_pixels=1003520 (sets the largest item of native-resolution models)",

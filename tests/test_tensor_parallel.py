@@ -127,6 +127,22 @@ def test_what_tensor_parallelism_refuses_is_named_before_any_process_starts(llav
     assert children() <= before
 
 
+def test_budget_prints_each_ranks_weights_and_kv_cache_as_the_ranks_hold_them(tp2, llava, capsys):
+    import re
+
+    from mmengine.cli import main
+
+    assert main(["budget", "--model", str(llava), "--tensor-parallel-size", "2", "--num-kv-blocks", "8"]) in (0, None)
+    text = capsys.readouterr().out
+    whole = int(re.search(r"^weights\s+(\d+)", text, re.M)[1])
+    per_rank = int(re.search(r"weights per rank\s+(\d+)", text)[1])
+    block = int(re.search(r"KV cache per rank, one block\s+(\d+)", text)[1])
+    assert block == tp2.parallel.kv_block_bytes  # half the KV heads: half of TP 1's block
+    held = tp2.parallel.weight_bytes_per_rank
+    # the checkpoint's tensors the model never loads (the tower's last layer, LLaVA's feature layer -2) aside
+    assert per_rank < whole and held[0] == held[1] and whole - per_rank <= whole - held[0]
+
+
 def test_a_killed_worker_is_engine_dead_within_seconds_and_shutdown_leaves_no_process(tp2):
     """(Last: it kills the module's engine.) A generate() in flight raises EngineDeadError, as does every later call."""
     pids = tp2.parallel.executor.pids

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import multiprocessing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,9 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
     if config.parallel_config.distributed_executor_backend != "mp":
         raise ConfigError(f"{prefix}: distributed_executor_backend={config.parallel_config.distributed_executor_backend!r} "
                           "is not built yet; use 'mp' (worker processes on this machine)")
+    if multiprocessing.current_process().daemon:
+        raise ConfigError(f"{prefix}: this process is a daemonic one (AsyncMMEngine's engine_core='process'), which cannot "
+                          "start the worker processes; use engine_core='thread' or `mmengine serve --api-server-count`")
     if config.lora_config.enable_lora:
         raise ConfigError(f"{prefix}: enable_lora is not supported with tensor parallelism yet")
     if config.spec_config.num_speculative_tokens:

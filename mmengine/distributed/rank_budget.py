@@ -1,0 +1,69 @@
+"""What one tensor-parallel rank holds, from a checkpoint's headers and config alone (`mmengine budget
+--tensor-parallel-size N`): its weights (the decoder's projections, embedding and LM head split as
+`sharded_model.py` splits them, everything else whole on every rank) and its KV cache per token.
+
+A decoder tensor is told from the vision side's by its name (under a `language_model`, or a text-only
+checkpoint's `model.layers`/`model.embed_tokens`/`lm_head`, never under a vision tower or projector).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from mmengine.distributed.sharding import kv_head_split
+from mmengine.distributed.vocab_parallel import padded_vocab_size
+
+_PROJECTION = re.compile(r"layers\.\d+\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.(weight|bias)$")
+_VISION_MARKERS = ("vision", "visual", "projector", "multi_modal")
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """Elements of a checkpoint: in all (`whole`), on one rank (`per_rank`), and of those the replicated ones."""
+
+    whole: int
+    per_rank: int
+    replicated: int
+
+
+def is_decoder_tensor(name: str) -> bool:
+    if any(marker in name for marker in _VISION_MARKERS):
+        return False
+    return "language_model" in name or name.startswith(("model.layers.", "model.embed_tokens", "lm_head"))
+
+
+def rank_elements(name: str, shape: tuple[int, ...], text_config: object, tp_size: int) -> int:
+    """Elements of checkpoint tensor `name` one rank holds."""
+    numel = math.prod(shape)
+    if tp_size == 1 or not is_decoder_tensor(name):
+        return numel
+    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+        return padded_vocab_size(shape[0], tp_size) // tp_size * math.prod(shape[1:])
+    match = _PROJECTION.search(name)
+    if match is None:
+        return numel  # norms
+    projection, kind = match.groups()
+    if projection in ("k", "v"):
+        heads = text_config.num_key_value_heads
+        return numel * kv_head_split(heads, tp_size).heads_per_rank // heads
+    if projection in ("o", "down") and kind == "bias":
+        return numel  # added once, held by every rank
+    return numel // tp_size
+
+
+def rank_share(shapes: dict[str, tuple[int, ...]], text_config: object, tp_size: int) -> RankShare:
+    whole = per_rank = replicated = 0
+    for name, shape in shapes.items():
+        numel = math.prod(shape)
+        held = rank_elements(name, shape, text_config, tp_size)
+        whole += numel
+        per_rank += held
+        replicated += held if held == numel and tp_size > 1 else 0
+    return RankShare(whole, per_rank, replicated)
+
+
+def rank_kv_layout(layout: list[tuple[int, int]], tp_size: int) -> list[tuple[int, int]]:
+    """(KV heads, head size) per cached layer on one rank: the heads split, or one replicated head."""
+    return [(kv_head_split(heads, tp_size).heads_per_rank, size) for heads, size in layout]
