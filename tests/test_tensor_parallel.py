@@ -19,7 +19,7 @@ import pytest
 from conftest import CPU_FP32, hf_greedy
 from mmengine import MMEngine, SamplingParams
 from mmengine.errors import ConfigError, EngineDeadError
-from mmengine.testing import make_test_image
+from mmengine.testing import TinyLlavaSpec, make_test_image
 
 # A step takes at most 16 tokens (a picture's 16 placeholders fit; the prompts' prefills take two or three
 # chunks), and 8 blocks of 16 tokens hold about three of the requests below at once: the batch preempts.
@@ -48,7 +48,8 @@ def children() -> set[int]:
 
 @pytest.fixture(scope="module")
 def llava(checkpoint_dir):
-    return checkpoint_dir()
+    """One KV head: at TP 2 each rank holds a replica of it (the split of KV heads is Qwen3-VL's test's)."""
+    return checkpoint_dir(TinyLlavaSpec(num_key_value_heads=1))
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +138,8 @@ def test_budget_prints_each_ranks_weights_and_kv_cache_as_the_ranks_hold_them(tp
     whole = int(re.search(r"^weights\s+(\d+)", text, re.M)[1])
     per_rank = int(re.search(r"weights per rank\s+(\d+)", text)[1])
     block = int(re.search(r"KV cache per rank, one block\s+(\d+)", text)[1])
-    assert block == tp2.parallel.kv_block_bytes  # half the KV heads: half of TP 1's block
+    assert block == tp2.parallel.kv_block_bytes  # the one KV head on every rank: TP 1's block
+    assert "1 of 1 KV heads" in text
     held = tp2.parallel.weight_bytes_per_rank
     # the checkpoint's tensors the model never loads (the tower's last layer, LLaVA's feature layer -2) aside
     assert per_rank < whole and held[0] == held[1] and whole - per_rank <= whole - held[0]
