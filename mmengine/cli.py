@@ -234,6 +234,11 @@ def run_budget(args: argparse.Namespace) -> None:
     print(f"  host tier (evicted outputs)   {host:>12}   bytes ({source}): {host // per_item} items of the largest size")
     text = family.text_config
     _print_weights(family, args.model, elem)
+    if config.spec_config.method == "eagle3":
+        from mmengine.models.loader import checkpoint_shapes
+
+        draft = sum(math.prod(shape) for shape in checkpoint_shapes(Path(config.spec_config.draft_model)).values())
+        print(f"  EAGLE-3 head                  {draft * elem:>12}   bytes: {draft} parameters ({config.spec_config.draft_model})")
     kv_dtype = EngineConfig(model=args.model, kv_cache_dtype=args.kv_cache_dtype).resolve_kv_cache_dtype(dtype)
     kv_elem = torch.empty((), dtype=kv_dtype).element_size()
     block_bytes = kv_block_bytes(family.kv_cache_layout(), block_size, kv_elem)
@@ -341,7 +346,8 @@ def _print_kv_budget(family: Any, block_size: int, kv_dtype: Any, model_dtype: A
     name = str(kv_dtype).removeprefix("torch.")
     shapes = " + ".join(f"{layout.count(shape)} attention layers x {shape[0]} KV heads x {shape[1]}" for shape in dict.fromkeys(layout))
     print(f"KV cache ({name}: --kv-cache-dtype {flag})")
-    head = f"; {family.num_draft_layers} of the layers the MTP head's" if family.num_draft_layers else ""
+    head = f"; {family.num_draft_layers} of the layers the MTP head's" if family.num_draft_layers else (
+        f"; {len(family.draft_kv_shapes)} of them the EAGLE-3 head's" if family.draft_kv_shapes else "")
     print(f"  one token                     {per_token:>12}   bytes: 2 x ({shapes}) x {kv_elem} B{head}")
     print(f"  one block                     {per_token * block_size:>12}   bytes: {block_size} tokens; {(1 << 30) // per_token} "
           f"tokens per GiB" + (f" ({model_elem // kv_elem}x those of a {str(model_dtype).removeprefix('torch.')} cache)"

@@ -270,10 +270,11 @@ class LoRAConfig:
             _require(self.max_cpu_loras >= self.max_loras, "max_cpu_loras", self.max_cpu_loras, f">= max_loras ({self.max_loras})")
 
 
-SPECULATIVE_METHODS = ("ngram", "mtp")
+SPECULATIVE_METHODS = ("ngram", "mtp", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
 _SPECULATIVE_KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
-                     "mtp": {"method", "num_speculative_tokens"}}
+                     "mtp": {"method", "num_speculative_tokens"},
+                     "eagle3": {"method", "model", "num_speculative_tokens"}}
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's: n-grams of 5 tokens when neither bound is given
 
 
@@ -283,8 +284,9 @@ class SpeculativeConfig:
     # "prompt_lookup_max": b} drafts up to k tokens a step by prompt lookup: the latest earlier occurrence of the
     # request's last n tokens (n from b down to a) proposes the tokens that followed it. {"method": "mtp",
     # "num_speculative_tokens": k}: the checkpoint's own multi-token-prediction layers (Qwen3.5's `mtp.*`) draft k
-    # tokens in a chain. With greedy decoding the tokens are those of decoding without it; with sampling, their
-    # distribution is. None: off.
+    # tokens in a chain. {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}: an EAGLE-3 draft
+    # head (models/eagle3.py) reading three of the target's layers. With greedy decoding the tokens are those of
+    # decoding without it; with sampling, their distribution is. None: off.
     speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -296,6 +298,10 @@ class SpeculativeConfig:
         _require(method in SPECULATIVE_METHODS, "speculative_config['method']", method, f"one of {', '.join(SPECULATIVE_METHODS)}")
         unknown = sorted(set(spec) - _SPECULATIVE_KEYS[method])
         _require(not unknown, "speculative_config", spec, f"keys among {sorted(_SPECULATIVE_KEYS[method])} (unknown: {unknown})")
+        if method == "eagle3":
+            model = spec.get("model")
+            _require(isinstance(model, str) and model != "", "speculative_config['model']", model,
+                     "the EAGLE-3 draft head's directory (method 'eagle3' drafts with a model of its own)")
         k = spec.get("num_speculative_tokens")
         _require(_is_int(k, 1) and k <= MAX_SPECULATIVE_TOKENS, "speculative_config['num_speculative_tokens']", k,
                  f"an int in [1, {MAX_SPECULATIVE_TOKENS}]")
@@ -308,6 +314,11 @@ class SpeculativeConfig:
     @property
     def method(self) -> str | None:
         return None if self.speculative_config is None else self.speculative_config["method"]
+
+    @property
+    def draft_model(self) -> str | None:
+        """The draft head's directory (method "eagle3")."""
+        return None if self.speculative_config is None else self.speculative_config.get("model")
 
     @property
     def num_speculative_tokens(self) -> int:

@@ -36,7 +36,8 @@ def _record_drafts(engine: MMEngine) -> list[dict[str, list[int]]]:
 
     def recording(wanted, tables):
         drafts = propose(wanted, tables)
-        proposals.append({rid: list(d) for rid, d in drafts.items()})
+        # only proposals after the prefill (one whose last chunk is its last token drafts before that chunk)
+        proposals.append({rid: list(d) for rid, d in drafts.items() if engine.scheduler.requests[rid].num_output_tokens})
         return drafts
 
     drafter.propose = recording

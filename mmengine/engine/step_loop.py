@@ -63,7 +63,8 @@ class StepLoop:
         spec = config.spec_config
         self.proposer: Proposer | None = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                                         spec.prompt_lookup_max) if spec.method == "ngram" else None
-        self.drafter = runner.drafter if spec.method == "mtp" else None  # the checkpoint's MTP head (runner/head_drafter.py)
+        # a draft head (runner/head_drafter.py): the checkpoint's MTP head, or an EAGLE-3 head
+        self.drafter = runner.drafter if spec.method in ("mtp", "eagle3") else None
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._opens_reasoning: dict[str, bool] = {}  # with a reasoning parser: the prompt left <think> open
         self._opening_token = opening_token(tokenizer) if config.model_config.reasoning_parser is not None else None

@@ -156,15 +156,19 @@ class ModelFamily:
         """Layers of the checkpoint's multi-token-prediction head (0: it has none, or the family reads none)."""
         return 0
 
+    # (KV heads, head size) of a separate draft model's layers, kept in the KV cache after the decoder's
+    # (speculative decoding with method "eagle3" sets it before the model is built)
+    draft_kv_shapes: tuple[tuple[int, int], ...] = ()
+
     def kv_cache_layout(self) -> list[tuple[int, int]]:
         """(KV heads, head size) of each layer with a KV cache, in order: one shape for most decoders."""
-        return [(self.text_config.num_key_value_heads, self.head_dim)] * self.num_attention_layers
+        return [(self.text_config.num_key_value_heads, self.head_dim)] * self.num_attention_layers + list(self.draft_kv_shapes)
 
     def kv_cache_windows(self) -> list[int | None]:
         """The sliding window of each layer with a KV cache, in kv_cache_layout's order (None: it attends
         to every earlier token; an AttentionChunk from kv_cache/chunked_attention.py: it attends within chunks of
         that many tokens, Llama 4's); windowed and chunked layers keep their blocks in a pool of their own."""
-        return [None] * self.num_attention_layers
+        return [None] * (self.num_attention_layers + len(self.draft_kv_shapes))
 
     @property
     def bidirectional_modalities(self) -> frozenset[str]:

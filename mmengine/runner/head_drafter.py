@@ -62,6 +62,9 @@ class DraftHead(Protocol):
     def greedy(self, output: torch.Tensor) -> list[int]:
         """Each row's most likely next token, in the target's vocabulary."""
 
+    def attention_layers(self) -> list:
+        """The head's attention layers, whose K/V the KV cache keeps after the target's."""
+
 
 @dataclass
 class _Rows:
@@ -219,3 +222,67 @@ class MtpHead:
 
     def greedy(self, output: torch.Tensor) -> list[int]:
         return self.model.compute_logits(output).argmax(dim=-1).tolist()
+
+    def attention_layers(self) -> list:
+        return self.model.mtp.attention_layers()
+
+
+class Eagle3DraftHead:
+    """An EAGLE-3 head (models/eagle3.py) as a DraftHead. Its input is the target's residual stream before
+    three decoder layers, which pre-hooks copy into one persistent buffer (so CUDA-graph replays of the
+    decode step fill it too); `fc` fuses them right after the target's forward."""
+
+    def __init__(self, runner, model_dir: str) -> None:
+        from mmengine.models.eagle3 import Eagle3Head, aux_layer_ids, has_own_embeddings, load_eagle3_config
+
+        self.runner = runner
+        self.model = runner.model
+        config = load_eagle3_config(model_dir)
+        decoder = self.model.language_model
+        hidden = decoder.config.hidden_size
+        with torch.device(runner.device):
+            self.head = Eagle3Head(config, hidden, has_own_embeddings(model_dir)).to(runner.dtype)
+        self.head.load(model_dir)
+        self.head.eval()
+        self.hidden = hidden
+        self.layer_ids = aux_layer_ids(config, len(decoder.layers))
+        self.aux = torch.zeros((runner.inputs.max_tokens, 3 * hidden), device=runner.device, dtype=runner.dtype)
+        for layer in sorted(set(self.layer_ids)):
+            decoder.layers[layer].register_forward_pre_hook(self._capture_hook([i for i, l in enumerate(self.layer_ids) if l == layer]))
+        self.mrope = self.head.rotary.mrope_section is not None
+
+    def _capture_hook(self, slots: list[int]):
+        def capture(module, args) -> None:
+            x, residual = args[0], args[1]
+            stream = x if residual is None else x + residual
+            for slot in slots:
+                self.aux[: len(stream), slot * self.hidden : (slot + 1) * self.hidden].copy_(stream)
+        return capture
+
+    def target_hidden(self, final_hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.fc(self.aux[: len(final_hidden)])
+
+    def embed(self, token_ids: torch.Tensor, spans: list[ScheduledRequest]) -> torch.Tensor:
+        table = self.head.embed_tokens
+        if table is not None and table.embedding_dim != self.hidden:  # pictures' embeddings would not fit: text only
+            return table(token_ids)
+        return self.runner._embed(token_ids, spans, missing_ok=True, table=table)[0]
+
+    def embed_drafts(self, token_ids: torch.Tensor) -> torch.Tensor:
+        table = self.head.embed_tokens if self.head.embed_tokens is not None else self.model.language_model.embed_tokens
+        return table(token_ids)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
+                draft_step: int, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        from mmengine.layers.kernel_dispatch import use_fused_kernels
+
+        if positions.dim() == 2 and not self.mrope:
+            positions = positions[:, 0]  # a plain-RoPE head on an M-RoPE target: the temporal channel
+        fused = use_fused_kernels(embeds.device, self.head.midlayer.self_attn.attn.backend.name)
+        return self.head(embeds.to(hidden.dtype), hidden, positions, metadata, fused)
+
+    def greedy(self, output: torch.Tensor) -> list[int]:
+        return self.head.greedy(output).tolist()
+
+    def attention_layers(self) -> list:
+        return self.head.attention_layers()

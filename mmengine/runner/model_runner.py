@@ -36,7 +36,7 @@ from mmengine.models.quantization import quantization_of
 from mmengine.runner.cascade_plan import CascadePolicy, cascade_layer_shape
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
 from mmengine.runner.inputs import InputBuffers
-from mmengine.runner.head_drafter import HeadDrafter, MtpHead
+from mmengine.runner.head_drafter import Eagle3DraftHead, HeadDrafter, MtpHead
 from mmengine.sample.penalties import PenaltyState, apply_logit_bias
 from mmengine.runner.spans import span_ends
 from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, PendingSample, PromptLogprobs, TokenReadback
@@ -138,7 +138,11 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # The final hidden states of a graph step, at a fixed address (rows beyond the batch are padding).
         self._graph_hidden: torch.Tensor | None = None
-        self.drafter = HeadDrafter(MtpHead(self), self.block_size) if family.num_draft_layers else None
+        self.drafter: HeadDrafter | None = None
+        if family.num_draft_layers:
+            self.drafter = HeadDrafter(MtpHead(self), self.block_size)
+        elif config.spec_config.method == "eagle3":
+            self.drafter = HeadDrafter(Eagle3DraftHead(self, config.spec_config.draft_model), self.block_size)
 
     def _cascade_policy(self) -> CascadePolicy:
         """"auto" weighs cascade against the Triton kernels; the PyTorch reference runs it on "on" only."""
@@ -279,7 +283,7 @@ class ModelRunner:
                 self.recurrent_states.append(layer.states)
 
     def _bind_kv_cache(self, kv_cache: PagedKVTensors) -> None:
-        draft_layers = self.model.mtp.attention_layers() if self.drafter is not None else []
+        draft_layers = self.drafter.head.attention_layers() if self.drafter is not None else []
         for i, attn in enumerate(self.model.language_model.attention_layers() + draft_layers):
             attn.kv_cache = kv_cache[i]
             attn.layer_index = i
@@ -777,11 +781,12 @@ class ModelRunner:
         self.num_encoder_runs += len(jobs)
 
     def _embed(self, input_ids: torch.Tensor, scheduled: list[ScheduledRequest],
-               missing_ok: bool = False) -> tuple[torch.Tensor, DeepStack | None]:
+               missing_ok: bool = False, table: torch.nn.Module | None = None) -> tuple[torch.Tensor, DeepStack | None]:
         """Text embeddings, with each image's embeddings written over its placeholder positions, and
         (Qwen3-VL) the DeepStack levels of those positions. `missing_ok`: an item not encoded yet keeps
-        its placeholders' text embeddings (the MTP head's look one token ahead, maybe into the next chunk's)."""
-        embeds = self.model.embed_tokens(input_ids)
+        its placeholders' text embeddings (the MTP head's look one token ahead, maybe into the next chunk's).
+        `table`: the text embeddings' table, when not the target's (an EAGLE-3 head's own)."""
+        embeds = (table if table is not None else self.model.embed_tokens)(input_ids)
         dst: list[torch.Tensor] = []
         src: list[torch.Tensor] = []
         offset = 0
