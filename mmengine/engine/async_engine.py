@@ -377,8 +377,8 @@ class AsyncMMEngine:
         if self._thread is not None:
             await asyncio.get_running_loop().run_in_executor(None, self._thread.join)
         self._pool.shutdown(wait=False, cancel_futures=True)
-        if self._owns_engine:
-            await asyncio.get_running_loop().run_in_executor(None, self.engine.close)
+        if self._owns_engine:  # (an MMEngine's shutdown also stops its tensor-parallel workers)
+            await asyncio.get_running_loop().run_in_executor(None, getattr(self.engine, "shutdown", self.engine.close))
 
     async def __aenter__(self) -> AsyncMMEngine:
         return self
