@@ -255,6 +255,29 @@ def _references(outputs) -> dict[tuple[int, ...], list[int]]:
     return {tuple(out.prompt_token_ids): list(out.token_ids) for out in outputs}
 
 
+@pytest.mark.parametrize("engines", ["llava", "qwen3_5"], indirect=True)
+def test_penalized_requests_draft_and_keep_their_tokens(engines):
+    """Presence, frequency and repetition penalties with drafts: each verify row is penalized as if the drafts
+    before it were output, and only kept tokens are counted, so the tokens are those without speculation
+    (and not those without the penalties: the test would see penalties that missed a row)."""
+    family, reference, speculating, expected_plain = engines
+    prompts, images = _batch(family)
+    penalized = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, presence_penalty=0.8,
+                               frequency_penalty=0.6, repetition_penalty=1.4)
+    expected = reference.generate(prompts, images=images, sampling_params=penalized, use_tqdm=False)
+    assert [e.token_ids for e in expected] != [e.token_ids for e in expected_plain]
+    oracle = OracleProposer(_references(expected), lambda step: [None, 2, 0, 1][step % 4])
+    previous = _with_proposer(speculating, oracle)
+    try:
+        before = _spec_counts(speculating)
+        outs = speculating.generate(prompts, images=images, sampling_params=penalized, use_tqdm=False)
+    finally:
+        _with_proposer(speculating, previous)
+    assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
+    assert (_spec_counts(speculating) - before)["spec_accepted_tokens"] == oracle.expected_accepted > 0
+    assert speculating.runner.penalties.num_rows_in_use == 0
+
+
 @pytest.mark.parametrize("engines", ["llava"], indirect=True)
 def test_stops_inside_an_accepted_run_end_the_output_as_without_speculation(engines):
     """A stop token, a stop string and max_tokens falling inside a run of accepted drafts cut it there: the

@@ -161,7 +161,13 @@ class StepLoop:
         if launched.pending is not None:  # the grammars are current: mask while the forward runs
             launched = self.runner.sample(launched)
         sampled = launched.result()
+        # penalized verify steps: their kept tokens go into the penalty counts once kept
+        verified = [(s.request, s.request.num_output_tokens) for s in out.scheduled
+                    if s.draft_token_ids and s.request.sampling_params.penalized]
         updated = self.scheduler.update_from_output(out, sampled, self.eos_token_ids)
+        for request, before in verified:
+            if request.num_output_tokens > before:
+                self.runner.count_kept_tokens(request, request.output_token_ids[before:])
         self._record_logprobs(launched, updated)
         outputs = self._outputs(updated)
         if self.proposer is not None or self.drafter is not None:
@@ -171,13 +177,13 @@ class StepLoop:
     def _propose_drafts(self) -> None:
         """Speculative decoding: drafts for each running decode's next step, never more than the request can
         still emit. A grammar keeps the drafts it allows (each verify row is masked as the grammar stands
-        after the drafts before it); none for requests whose tokens a verify step cannot follow one by one
-        (penalties counting earlier tokens, a grammar behind a reasoning gate, which reads the text)."""
+        after the drafts before it; a penalized row counts them as output); none for a grammar behind a
+        reasoning gate (which reads the text, so a verify step cannot follow it token by token)."""
         max_model_len = self.scheduler.max_model_len
         rooms: dict[str, int] = {}
         for request in self.scheduler.running:
             params, grammar = request.sampling_params, request.grammar
-            if params.penalized or isinstance(grammar, ReasoningGate) or request.num_tokens - request.num_computed_tokens != 1:
+            if isinstance(grammar, ReasoningGate) or request.num_tokens - request.num_computed_tokens != 1:
                 continue
             rooms[request.request_id] = min(params.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens)
         # the MTP head runs after every step (it keeps its K/V of the kept positions), drafting or not

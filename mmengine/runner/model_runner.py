@@ -606,8 +606,9 @@ class ModelRunner:
             pending = pending.pending
         logits, sampled = pending.logits, pending.sampled
         constrained = [row for row, s in enumerate(sampled) if s.request.grammar is not None]
+        drafts_before = _drafts_before_rows(sampled) if any(s.draft_token_ids for s in sampled) else None
         if constrained:
-            drafts_before = _drafts_before_rows(sampled)
+            drafts_before = drafts_before or _drafts_before_rows(sampled)
             bitmask = self.grammar_masks.fill([sampled[row].request.grammar for row in constrained],
                                               [drafts_before[row] for row in constrained])
             rows = self._device_longs(constrained)
@@ -625,10 +626,19 @@ class ModelRunner:
             columns = [[params[row].presence_penalty for row in penalized], [params[row].frequency_penalty for row in penalized],
                        [params[row].repetition_penalty for row in penalized]]
             presence, frequency, repetition = torch.tensor(columns, dtype=torch.float32).to(self.device, non_blocking=True)
-            logits = self.penalties.apply(logits, batch_rows, state_rows, presence, frequency, repetition)
+            # a verify row counts the drafts before it as output; its request's kept tokens are counted once
+            # the scheduler has kept them (count_kept_tokens), the others' tokens as they are sampled
+            drafted = [drafts_before[row] if drafts_before is not None else [] for row in penalized]
+            logits = self.penalties.apply(logits, batch_rows, state_rows, presence, frequency, repetition,
+                                          self.penalties.draft_counts(drafted) if any(drafted) else None)
         tokens = self.sampler(logits, params, [s.request.generator for s in sampled], pending.sampling)
         if penalized:
-            self.penalties.count(state_rows, tokens.index_select(0, batch_rows))
+            plain = [i for i, row in enumerate(penalized) if not sampled[row].draft_token_ids]
+            if len(plain) == len(penalized):
+                self.penalties.count(state_rows, tokens.index_select(0, batch_rows))
+            elif plain:
+                index = self._device_longs(plain)
+                self.penalties.count(state_rows.index_select(0, index), tokens.index_select(0, batch_rows.index_select(0, index)))
         launched = self._readback.start([s.request.request_id for s in sampled], tokens)
         launched.prompt_logprobs = pending.prompt_logprobs
         asked = [row for row, p in enumerate(params) if p.logprobs is not None]
@@ -637,6 +647,12 @@ class ModelRunner:
             index = self._device_longs(asked)
             launched.logprobs = (asked, *token_logprobs(logits.index_select(0, index), tokens.index_select(0, index), max(ks)), ks)
         return launched
+
+    @torch.inference_mode()
+    def count_kept_tokens(self, request: Request, tokens: list[int]) -> None:
+        """A penalized request's tokens kept by a verify step, into its output counts."""
+        row = self.penalties.row_of(request.request_id, request.prompt_token_ids)
+        self.penalties.count(self._device_longs([row] * len(tokens)), self._device_longs(tokens))
 
     def _graph_size_for(self, scheduled: list[ScheduledRequest]) -> int | None:
         """The graph bucket for a decode-only batch whose tokens are all text, else None (eager)."""

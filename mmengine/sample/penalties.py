@@ -59,16 +59,27 @@ class PenaltyState:
         self._free.extend(range(new - 1, old - 1, -1))
 
     def apply(self, logits: torch.Tensor, batch_rows: torch.Tensor, state_rows: torch.Tensor, presence: torch.Tensor,
-              frequency: torch.Tensor, repetition: torch.Tensor) -> torch.Tensor:
+              frequency: torch.Tensor, repetition: torch.Tensor, extra_counts: torch.Tensor | None = None) -> torch.Tensor:
         """logits [n, vocab] with rows `batch_rows` penalized from state rows `state_rows`, by the
-        per-row penalties given as float32 device tensors; a new tensor."""
+        per-row penalties given as float32 device tensors; a new tensor. `extra_counts` [rows, vocab]: tokens
+        each row counts beyond its state's (a verify row's drafts before it)."""
         rows = logits.index_select(0, batch_rows).float()
         counts = self.counts.index_select(0, state_rows)
+        if extra_counts is not None:
+            counts = counts + extra_counts
         seen = self.in_prompt.index_select(0, state_rows) | (counts > 0)
         repetition = repetition.unsqueeze(1)
         rows = torch.where(seen, torch.where(rows > 0, rows / repetition, rows * repetition), rows)
         rows = rows - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0)
         return logits.index_copy(0, batch_rows, rows.to(logits.dtype))
+
+    def draft_counts(self, drafts: list[list[int]]) -> torch.Tensor:
+        """[len(drafts), vocab] counts of each row's draft tokens (on the device)."""
+        counts = torch.zeros(len(drafts), self.vocab_size, dtype=torch.int32)
+        for row, tokens in enumerate(drafts):
+            for token in tokens:
+                counts[row, token] += 1
+        return counts.to(self.device, non_blocking=True)
 
     def count(self, state_rows: torch.Tensor, tokens: torch.Tensor) -> None:
         """Adds each row's sampled token to its counts (on the device)."""
