@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import multiprocessing
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,7 @@ class ParallelRunner:
         self.num_encoder_runs = 0
         self.num_cascade_steps = self.num_cascade_groups = self.num_cascade_tokens = 0
         self.synced: dict[str, int] = {}  # request id -> how many of its tokens the ranks have
+        self.last_step_seconds = (0.0, 0.0)  # the last step: the driver's wall time, rank 0's time in it
         self.freed: list[str] = []  # encoder outputs to drop with the next plan
         self.stale: list[str] = []
 
@@ -212,8 +214,10 @@ class ParallelRunner:
     def launch(self, out: SchedulerOutput, block_tables: dict[str, list[int]], previous: Any = None,
                window_tables: dict[str, list[int]] | None = None) -> Any:
         """Runs the step on every rank (one plan, sent once) and returns rank 0's tokens."""
+        started = time.perf_counter()
         plan = self.plan(out, block_tables, window_tables)
         result: StepResult = self.executor.execute(plan)
+        self.last_step_seconds = (time.perf_counter() - started, result.seconds)  # (the driver's wait, rank 0's compute)
         self.num_encoder_runs = result.num_encoder_runs
         if not result.tokens and not result.prompt_logprobs:
             return NOTHING_SAMPLED

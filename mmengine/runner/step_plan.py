@@ -76,3 +76,4 @@ class StepResult:
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     prompt_logprobs: list[PromptLogprobsPart] = field(default_factory=list)
     num_encoder_runs: int = 0
+    seconds: float = 0.0  # rank 0's time in the step, from the plan's arrival to its reply (the rest is the channel's)

@@ -12,6 +12,7 @@ carries each constrained row's token bitmask.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,7 @@ class ModelWorker:
     # -- a step ------------------------------------------------------------------------------------------------
 
     def execute_step(self, plan: StepPlan) -> StepResult | None:
+        started = time.perf_counter()
         runner = self.runner
         for request_id in plan.forget:
             self.requests.pop(request_id, None)
@@ -110,7 +112,7 @@ class ModelWorker:
             return None
         prompt_logprobs = [PromptLogprobsPart(part.request.request_id, part.first_position, part.entries())
                            for part in launched.prompt_logprobs]
-        return StepResult(tokens, launched.token_logprobs(), prompt_logprobs, runner.num_encoder_runs)
+        return StepResult(tokens, launched.token_logprobs(), prompt_logprobs, runner.num_encoder_runs, time.perf_counter() - started)
 
     def close(self) -> None:
         self.requests.clear()
