@@ -272,9 +272,10 @@ class LoRAConfig:
 
 SPECULATIVE_METHODS = ("ngram", "mtp", "eagle3")
 MAX_SPECULATIVE_TOKENS = 16
-_SPECULATIVE_KEYS = {"ngram": {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"},
-                     "mtp": {"method", "num_speculative_tokens"},
-                     "eagle3": {"method", "model", "num_speculative_tokens"}}
+_COMMON_SPECULATIVE_KEYS = {"method", "num_speculative_tokens", "draft_backoff"}
+_SPECULATIVE_KEYS = {"ngram": _COMMON_SPECULATIVE_KEYS | {"prompt_lookup_min", "prompt_lookup_max"},
+                     "mtp": _COMMON_SPECULATIVE_KEYS,
+                     "eagle3": _COMMON_SPECULATIVE_KEYS | {"model"}}
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's: n-grams of 5 tokens when neither bound is given
 
 
@@ -286,7 +287,8 @@ class SpeculativeConfig:
     # "num_speculative_tokens": k}: the checkpoint's own multi-token-prediction layers (Qwen3.5's `mtp.*`) draft k
     # tokens in a chain. {"method": "eagle3", "model": draft_dir, "num_speculative_tokens": k}: an EAGLE-3 draft
     # head (models/eagle3.py) reading three of the target's layers. With greedy decoding the tokens are those of
-    # decoding without it; with sampling, their distribution is. None: off.
+    # decoding without it; with sampling, their distribution is. "draft_backoff" (mmengine's, default True): a
+    # request whose drafts are rejected step after step stops drafting for a while (spec/backoff.py). None: off.
     speculative_config: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -305,6 +307,8 @@ class SpeculativeConfig:
         k = spec.get("num_speculative_tokens")
         _require(_is_int(k, 1) and k <= MAX_SPECULATIVE_TOKENS, "speculative_config['num_speculative_tokens']", k,
                  f"an int in [1, {MAX_SPECULATIVE_TOKENS}]")
+        backoff = spec.get("draft_backoff", True)
+        _require(isinstance(backoff, bool), "speculative_config['draft_backoff']", backoff, "a bool")
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             value = spec.get(name)
             _require(value is None or _is_int(value, 1), f"speculative_config[{name!r}]", value, "None or an int >= 1")
@@ -314,6 +318,10 @@ class SpeculativeConfig:
     @property
     def method(self) -> str | None:
         return None if self.speculative_config is None else self.speculative_config["method"]
+
+    @property
+    def draft_backoff(self) -> bool:
+        return bool((self.speculative_config or {}).get("draft_backoff", True))
 
     @property
     def draft_model(self) -> str | None:

@@ -30,7 +30,8 @@ def _greedy(max_tokens: int) -> SamplingParams:
 
 
 def _eagle3(head) -> dict:
-    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": K}
+    # no back-off: the random heads' drafts are all rejected, and every step should verify them
+    return {"method": "eagle3", "model": str(head), "num_speculative_tokens": K, "draft_backoff": False}
 
 
 def _record_drafts(engine: MMEngine) -> list[dict[str, list[int]]]:

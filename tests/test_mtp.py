@@ -20,7 +20,8 @@ from mmengine.testing.mtp import mtp_layer_class, tiny_qwen3_5_mtp_path
 from mmengine.testing.qwen_vl import qwen_vl_prompt
 
 K = 2
-MTP = {"method": "mtp", "num_speculative_tokens": K}
+# no back-off: the random heads' drafts are all rejected, and every step should verify them
+MTP = {"method": "mtp", "num_speculative_tokens": K, "draft_backoff": False}
 OPTIONS = dict(device="cpu", dtype="float32", max_model_len=256, block_size=8)
 PICTURES = [make_test_image(41, size=(64, 64)), make_test_image(42, size=(48, 96))]
 

@@ -21,6 +21,7 @@ from mmengine.config import EngineConfig
 from mmengine.entrypoints.engine_flags import add_engine_options, engine_options
 from mmengine.errors import ConfigError
 from mmengine.spec import NgramProposer, SpecCounters, accepted_prefix, ngram_drafts
+from mmengine.spec.backoff import DraftBackoff
 from mmengine.testing import make_test_image
 from mmengine.testing.qwen_vl import qwen_vl_prompt
 
@@ -109,6 +110,22 @@ def test_accepted_prefix_and_counters():
         "spec_drafted_position_0": 2, "spec_accepted_position_0": 2, "spec_drafted_position_1": 1,
         "spec_accepted_position_1": 1, "spec_drafted_position_2": 1, "spec_accepted_position_2": 0,
     }
+
+
+def test_draft_backoff_pauses_a_request_whose_drafts_keep_failing():
+    backoff = DraftBackoff(patience=2, first_pause=2, max_pause=4)
+    drafting = []
+    for accepted in [0, 0, None, None, 0, 0, None, None, None, None, 0, 0, None, None, None, None, 1, 0, 0, None, None]:
+        allowed = backoff.allows("a")
+        drafting.append(allowed)
+        assert allowed == (accepted is not None)
+        if allowed:
+            backoff.record("a", accepted)
+    # pauses of 2, 4, then capped at 4; a kept draft ends the doubling (the next pause is 2 again)
+    assert backoff.num_paused_steps == 2 + 4 + 4 + 2
+    assert backoff.allows("b")  # each request its own
+    backoff.forget("a")
+    assert backoff.allows("a")
 
 
 # -- the engine ----------------------------------------------------------------------------------------
@@ -276,6 +293,25 @@ def test_penalized_requests_draft_and_keep_their_tokens(engines):
     assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
     assert (_spec_counts(speculating) - before)["spec_accepted_tokens"] == oracle.expected_accepted > 0
     assert speculating.runner.penalties.num_rows_in_use == 0
+
+
+@pytest.mark.parametrize("engines", ["llava"], indirect=True)
+def test_requests_whose_drafts_all_fail_back_off(engines):
+    """Every first draft wrong: each request verifies two steps, then decodes without drafts for 2, 4, 8
+    steps between pairs of verify steps; the tokens do not change."""
+    family, _, speculating, expected = engines
+    prompts, images = _batch(family)
+    previous = _with_proposer(speculating, OracleProposer(_references(expected), lambda step: 0))
+    try:
+        before = _spec_counts(speculating)
+        outs = speculating.generate(prompts, images=images, sampling_params=_greedy(MAX_TOKENS), use_tqdm=False)
+    finally:
+        _with_proposer(speculating, previous)
+    assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
+    done = _spec_counts(speculating) - before
+    assert done["spec_accepted_tokens"] == 0 and done["spec_backoff_steps"] > 0
+    # 19 decode steps a request: verify at 1-2, 5-6, 11-12, paused 3-4, 7-10 and 13-19
+    assert done["spec_verify_steps"] == 6 * len(prompts) and done["spec_backoff_steps"] == 13 * len(prompts)
 
 
 @pytest.mark.parametrize("engines", ["llava"], indirect=True)

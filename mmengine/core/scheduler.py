@@ -47,6 +47,7 @@ class ScheduledRequest:
     # Speculative decoding: draft tokens computed after the request's last token (the last num_new_tokens - 1
     # positions); every position is sampled and the drafts the samples repeat are kept (spec/verify.py)
     draft_token_ids: list[int] = field(default_factory=list)
+    num_accepted: int | None = None  # of those, how many the step's samples kept (set when it is booked)
 
     @property
     def end(self) -> int:
@@ -531,7 +532,7 @@ class Scheduler:
         the length limit, books the positions computed with them, rolls a hybrid model's state back to the
         last of those, and returns the token that follows them (appended by the caller, as a decode's)."""
         request = s.request
-        accepted = accepted_prefix(s.draft_token_ids, samples)
+        accepted = s.num_accepted = accepted_prefix(s.draft_token_ids, samples)
         self.spec.record(len(s.draft_token_ids), accepted)
         emitted = self._cut(request, samples[: accepted + 1], eos_token_ids)
         for token in emitted[:-1]:

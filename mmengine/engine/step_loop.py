@@ -30,6 +30,7 @@ from mmengine.sample.detokenizer import IncrementalDetokenizer
 from mmengine.sample.params import SamplingParams
 from mmengine.sample.reasoning import ReasoningGate, opening_token, prompt_opens_reasoning, split_reasoning
 from mmengine.sample.structured_output.grammar import GrammarCompiler
+from mmengine.spec.backoff import DraftBackoff
 from mmengine.spec.ngram import NgramProposer
 from mmengine.spec.proposer import Proposer
 
@@ -65,6 +66,7 @@ class StepLoop:
                                                         spec.prompt_lookup_max) if spec.method == "ngram" else None
         # a draft head (runner/head_drafter.py): the checkpoint's MTP head, or an EAGLE-3 head
         self.drafter = runner.drafter if spec.method in ("mtp", "eagle3") else None
+        self.backoff = DraftBackoff() if spec.method is not None and spec.draft_backoff else None
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._opens_reasoning: dict[str, bool] = {}  # with a reasoning parser: the prompt left <think> open
         self._opening_token = opening_token(tokenizer) if config.model_config.reasoning_parser is not None else None
@@ -114,6 +116,8 @@ class StepLoop:
         self.runner.penalties.release(request_id)
         if self.proposer is not None:
             self.proposer.forget(request_id)
+        if self.backoff is not None:
+            self.backoff.forget(request_id)
         self.route(self._output(request, detokenizer))
         self._opens_reasoning.pop(request_id, None)
         return True
@@ -168,6 +172,10 @@ class StepLoop:
         for request, before in verified:
             if request.num_output_tokens > before:
                 self.runner.count_kept_tokens(request, request.output_token_ids[before:])
+        if self.backoff is not None:
+            for s in out.scheduled:
+                if s.num_accepted is not None:
+                    self.backoff.record(s.request.request_id, s.num_accepted)
         self._record_logprobs(launched, updated)
         outputs = self._outputs(updated)
         if self.proposer is not None or self.drafter is not None:
@@ -184,6 +192,8 @@ class StepLoop:
         for request in self.scheduler.running:
             params, grammar = request.sampling_params, request.grammar
             if isinstance(grammar, ReasoningGate) or request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            if self.backoff is not None and not self.backoff.allows(request.request_id):
                 continue
             rooms[request.request_id] = min(params.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens)
         # the MTP head runs after every step (it keeps its K/V of the kept positions), drafting or not
@@ -380,6 +390,8 @@ class StepLoop:
             self.runner.penalties.release(request.request_id)
             if self.proposer is not None:
                 self.proposer.forget(request.request_id)
+            if self.backoff is not None:
+                self.backoff.forget(request.request_id)
             self.counters["requests_finished"] += 1
             return output
         if request.request_id in self.owners:
