@@ -30,6 +30,7 @@ from mmengine.layers.rotary import RotaryEmbedding, RotaryStep
 from mmengine.models.llama import (DecoderMLP, DeepStack, gate_up_shard_shapes, head_dim_of,
                                    load_with_gate_up_shards)
 from mmengine.models.loader import checkpoint_shapes
+from mmengine.models.qwen3_5_mtp import MultiTokenPredictor
 from mmengine.models.qwen3_vl import Qwen3VLFamily
 from mmengine.models.qwen_vl import QwenVLModel
 
@@ -168,9 +169,8 @@ class Qwen3_5Model(QwenVLModel):
 
     def enable_mtp(self, num_layers: int) -> None:
         """Builds the checkpoint's multi-token-prediction head (models/qwen3_5_mtp.py), loaded with the model."""
-        from mmengine.models.qwen3_5_mtp import MultiTokenPredictor
-
-        self.mtp = MultiTokenPredictor(self.language_model.config, num_layers)
+        config = self.language_model.config
+        self.mtp = MultiTokenPredictor(config, num_layers, lambda: HybridDecoderLayer(config, FULL_ATTENTION))
 
     @property
     def draft_head(self) -> nn.Module | None:

@@ -16,6 +16,8 @@ with several `mtp.layers`, draft step i runs layer i mod their number.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -24,17 +26,17 @@ from mmengine.layers.attention import Attention, AttentionMetadata
 from mmengine.layers.norm import ZeroCenteredRMSNorm
 from mmengine.layers.rotary import RotaryStep
 from mmengine.models.llama import gate_up_shard_shapes, load_with_gate_up_shards
-from mmengine.models.qwen3_5 import FULL_ATTENTION, HybridDecoderLayer
 
 
 class MultiTokenPredictor(nn.Module):
-    def __init__(self, config: PretrainedConfig, num_layers: int) -> None:
+    def __init__(self, config: PretrainedConfig, num_layers: int, make_layer: Callable[[], nn.Module]) -> None:
+        """`make_layer`: one of the target's gated full-attention decoder layers (models/qwen3_5.py's)."""
         super().__init__()
         hidden, eps = config.hidden_size, config.rms_norm_eps
         self.fc = nn.Linear(2 * hidden, hidden, bias=False)
         self.pre_fc_norm_embedding = ZeroCenteredRMSNorm(hidden, eps)
         self.pre_fc_norm_hidden = ZeroCenteredRMSNorm(hidden, eps)
-        self.layers = nn.ModuleList(HybridDecoderLayer(config, FULL_ATTENTION) for _ in range(num_layers))
+        self.layers = nn.ModuleList(make_layer() for _ in range(num_layers))
         self.norm = ZeroCenteredRMSNorm(hidden, eps)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, rotary: RotaryStep, metadata: AttentionMetadata,
