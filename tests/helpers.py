@@ -109,3 +109,23 @@ def record_prefill_chunks(engine) -> list[tuple[int, int]]:
 
     engine.scheduler.schedule = spied
     return chunks
+
+
+def record_draft_proposals(engine) -> list[dict[str, list[int]]]:
+    """Every proposal the engine's draft head makes from now on (request id -> drafts), in step order: only
+    those made after the request's prefill (one whose last chunk is its last token drafts before that chunk)."""
+    drafter, proposals = engine.steps.drafter, []
+    propose = drafter.propose
+
+    def recording(wanted, tables):
+        drafts = propose(wanted, tables)
+        proposals.append({rid: list(d) for rid, d in drafts.items() if engine.scheduler.requests[rid].num_output_tokens})
+        return drafts
+
+    drafter.propose = recording
+    return proposals
+
+
+def stop_recording_draft_proposals(engine) -> None:
+    drafter = engine.steps.drafter
+    drafter.propose = type(drafter).propose.__get__(drafter)

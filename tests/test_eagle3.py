@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig
 
 from books import assert_books_consistent
+from helpers import record_draft_proposals, stop_recording_draft_proposals
 from chat_formats import user_turn
 from mmengine import MMEngine, SamplingParams
 from mmengine.config import EngineConfig
@@ -32,20 +33,6 @@ def _greedy(max_tokens: int) -> SamplingParams:
 def _eagle3(head) -> dict:
     # no back-off: the random heads' drafts are all rejected, and every step should verify them
     return {"method": "eagle3", "model": str(head), "num_speculative_tokens": K, "draft_backoff": False}
-
-
-def _record_drafts(engine: MMEngine) -> list[dict[str, list[int]]]:
-    drafter, proposals = engine.steps.drafter, []
-    propose = drafter.propose
-
-    def recording(wanted, tables):
-        drafts = propose(wanted, tables)
-        # only proposals after the prefill (one whose last chunk is its last token drafts before that chunk)
-        proposals.append({rid: list(d) for rid, d in drafts.items() if engine.scheduler.requests[rid].num_output_tokens})
-        return drafts
-
-    drafter.propose = recording
-    return proposals
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +126,7 @@ def test_the_heads_drafts_are_the_reference_heads(family, family_checkpoint, hea
     for chunk in (None, 8):
         engine = MMEngine(str(path), speculative_config=_eagle3(heads[family]), **OPTIONS,
                           **({"max_num_batched_tokens": chunk, "max_num_seqs": 2} if chunk else {}))
-        proposals = _record_drafts(engine)
+        proposals = record_draft_proposals(engine)
         out = engine.generate([prompt], sampling_params=_greedy(K + 2), use_tqdm=False)[0]
         drafts = next(iter(next(p for p in proposals if p).values()))
         assert drafts == _reference_drafts(family, path, heads[family], out.prompt_token_ids, out.token_ids[0], K), chunk
@@ -166,11 +153,11 @@ def test_eagle3_drafts_keep_greedy_tokens_and_the_heads_kv_comes_back_with_prefi
     assert stats["spec_draft_tokens"] > 0 and stats["spec_drafted_position_2"] > 0  # chains of K
     runs = []
     for _ in range(2):
-        proposals = _record_drafts(engine)
+        proposals = record_draft_proposals(engine)
         before = engine.stats()["prefill_tokens_computed"]
         out = engine.generate(prompts[1:2], images=images[1:2], sampling_params=_greedy(8), use_tqdm=False)[0]
         runs.append(([list(p.values()) for p in proposals if p], engine.stats()["prefill_tokens_computed"] - before, out))
-        engine.steps.drafter.propose = type(engine.steps.drafter).propose.__get__(engine.steps.drafter)
+        stop_recording_draft_proposals(engine)
     assert runs[1][0] == runs[0][0] and len(runs[0][0]) >= 3
     assert runs[1][1] <= OPTIONS["block_size"] and runs[1][2].token_ids == expected[1].token_ids[:8]
     assert_books_consistent(engine)

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from books import assert_books_consistent
+from helpers import record_draft_proposals, stop_recording_draft_proposals
 from mmengine import MMEngine, SamplingParams
 from mmengine.config import EngineConfig
 from mmengine.errors import ConfigError
@@ -28,21 +29,6 @@ PICTURES = [make_test_image(41, size=(64, 64)), make_test_image(42, size=(48, 96
 
 def _greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-
-
-def _record_drafts(engine: MMEngine) -> list[dict[str, list[int]]]:
-    """Every proposal the engine's head makes from now on (request id -> drafts), in step order."""
-    drafter, proposals = engine.steps.drafter, []
-    propose = drafter.propose
-
-    def recording(wanted, tables):
-        drafts = propose(wanted, tables)
-        # only proposals after the prefill (one whose last chunk is its last token drafts before that chunk)
-        proposals.append({rid: list(d) for rid, d in drafts.items() if engine.scheduler.requests[rid].num_output_tokens})
-        return drafts
-
-    drafter.propose = recording
-    return proposals
 
 
 @pytest.fixture(scope="module")
@@ -108,7 +94,7 @@ def test_the_heads_drafts_are_the_reference_heads(mtp_path):
     for chunk in (None, 8):
         engine = MMEngine(str(mtp_path), speculative_config=MTP, **OPTIONS,
                           **({"max_num_batched_tokens": chunk, "max_num_seqs": 2} if chunk else {}))
-        proposals = _record_drafts(engine)
+        proposals = record_draft_proposals(engine)
         out = engine.generate([prompt], sampling_params=_greedy(4), use_tqdm=False)[0]
         first = next(p for p in proposals if p)
         drafts = next(iter(first.values()))
@@ -123,11 +109,11 @@ def test_the_heads_kv_comes_back_with_prefix_hits(engines):
     prompt, images = qwen_vl_prompt("Describe this picture in detail.", 1), [PICTURES[:1]]
     runs = []
     for _ in range(2):
-        proposals = _record_drafts(speculating)
+        proposals = record_draft_proposals(speculating)
         before = speculating.stats()["prefill_tokens_computed"]
         out = speculating.generate([prompt], images=images, sampling_params=_greedy(8), use_tqdm=False)[0]
         runs.append(([list(p.values()) for p in proposals if p], speculating.stats()["prefill_tokens_computed"] - before, out))
-        speculating.steps.drafter.propose = type(speculating.steps.drafter).propose.__get__(speculating.steps.drafter)
+        stop_recording_draft_proposals(speculating)
     (first, computed_first, out_first), (second, computed_second, out_second) = runs
     assert out_second.token_ids == out_first.token_ids and out_second.num_cached_tokens > 0
     assert computed_second <= OPTIONS["block_size"] < computed_first

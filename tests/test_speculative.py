@@ -205,6 +205,17 @@ def _spec_counts(engine: MMEngine) -> Counter:
     return Counter({k: v for k, v in engine.stats().items() if k.startswith("spec_") or k in ("steps", "decode_steps")})
 
 
+def _run_with(engine: MMEngine, proposer, prompts, images, params: SamplingParams) -> tuple[list, Counter]:
+    """generate() with `proposer` in place of the engine's; the outputs, and the counters the call moved."""
+    previous = _with_proposer(engine, proposer)
+    try:
+        before = _spec_counts(engine)
+        outs = engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+    finally:
+        _with_proposer(engine, previous)
+    return outs, _spec_counts(engine) - before
+
+
 def test_ngram_drafts_keep_greedy_tokens(engines):
     family, _, speculating, expected = engines
     prompts, images = _batch(family)
@@ -227,26 +238,15 @@ def test_every_acceptance_pattern_keeps_greedy_tokens(engines, pattern):
     prompts, images = _batch(family)
     wrong_at = {"all-right": lambda step: None, "mixed": lambda step: [None, 2, 0, 1][step % 4]}[pattern]
     oracle = OracleProposer(_references(expected), wrong_at)
-    previous = _with_proposer(speculating, oracle)
-    try:
-        before = _spec_counts(speculating)
-        outs = speculating.generate(prompts, images=images, sampling_params=_greedy(MAX_TOKENS), use_tqdm=False)
-    finally:
-        _with_proposer(speculating, previous)
+    outs, done = _run_with(speculating, oracle, prompts, images, _greedy(MAX_TOKENS))
     assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
-    done = _spec_counts(speculating) - before
     assert done["spec_accepted_tokens"] == oracle.expected_accepted > 0
     if pattern == "all-right":
         assert done["spec_accepted_tokens"] == done["spec_draft_tokens"]
         # alone, a request's verify steps emit K + 1 tokens each: its decode tokens in a quarter of the steps
-        _with_proposer(speculating, OracleProposer(_references(expected)))
-        try:
-            before = _spec_counts(speculating)
-            (alone,) = speculating.generate(prompts[0], sampling_params=_greedy(MAX_TOKENS), use_tqdm=False)
-        finally:
-            _with_proposer(speculating, previous)
+        (alone,), done = _run_with(speculating, OracleProposer(_references(expected)), prompts[0], None, _greedy(MAX_TOKENS))
         assert alone.token_ids == expected[0].token_ids
-        assert (_spec_counts(speculating) - before)["decode_steps"] == math.ceil((MAX_TOKENS - 1) / (K + 1))
+        assert done["decode_steps"] == math.ceil((MAX_TOKENS - 1) / (K + 1))
     assert_books_consistent(speculating)
 
 
@@ -284,14 +284,9 @@ def test_penalized_requests_draft_and_keep_their_tokens(engines):
     expected = reference.generate(prompts, images=images, sampling_params=penalized, use_tqdm=False)
     assert [e.token_ids for e in expected] != [e.token_ids for e in expected_plain]
     oracle = OracleProposer(_references(expected), lambda step: [None, 2, 0, 1][step % 4])
-    previous = _with_proposer(speculating, oracle)
-    try:
-        before = _spec_counts(speculating)
-        outs = speculating.generate(prompts, images=images, sampling_params=penalized, use_tqdm=False)
-    finally:
-        _with_proposer(speculating, previous)
+    outs, done = _run_with(speculating, oracle, prompts, images, penalized)
     assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
-    assert (_spec_counts(speculating) - before)["spec_accepted_tokens"] == oracle.expected_accepted > 0
+    assert done["spec_accepted_tokens"] == oracle.expected_accepted > 0
     assert speculating.runner.penalties.num_rows_in_use == 0
 
 
@@ -301,14 +296,8 @@ def test_requests_whose_drafts_all_fail_back_off(engines):
     steps between pairs of verify steps; the tokens do not change."""
     family, _, speculating, expected = engines
     prompts, images = _batch(family)
-    previous = _with_proposer(speculating, OracleProposer(_references(expected), lambda step: 0))
-    try:
-        before = _spec_counts(speculating)
-        outs = speculating.generate(prompts, images=images, sampling_params=_greedy(MAX_TOKENS), use_tqdm=False)
-    finally:
-        _with_proposer(speculating, previous)
+    outs, done = _run_with(speculating, OracleProposer(_references(expected), lambda step: 0), prompts, images, _greedy(MAX_TOKENS))
     assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
-    done = _spec_counts(speculating) - before
     assert done["spec_accepted_tokens"] == 0 and done["spec_backoff_steps"] > 0
     # 19 decode steps a request: verify at 1-2, 5-6, 11-12, paused 3-4, 7-10 and 13-19
     assert done["spec_verify_steps"] == 6 * len(prompts) and done["spec_backoff_steps"] == 13 * len(prompts)
