@@ -322,9 +322,9 @@ def test_preprocess_benchmark_times_both_paths_and_checks_their_pixels(tmp_path,
 
 
 def test_speculative_benchmark_gives_the_same_answers_in_fewer_steps_at_full_acceptance(tmp_path):
-    """benchmarks/speculative.py: the three modes on one workload; greedy answers equal, every oracle draft
+    """benchmarks/spec_decode.py: the three modes on one workload; greedy answers equal, every oracle draft
     kept, so its decode steps are a quarter of the plain run's (3 drafts + 1 token a step)."""
-    bench = load_benchmark("speculative")
+    bench = load_benchmark("spec_decode")
     result = bench.main(["--family", "llava", "--num-prompts", "2", "--output-len", "9", "--passage-len", "6",
                          "--output", str(tmp_path / "spec.json")])
     runs = result["runs"]

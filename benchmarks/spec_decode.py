@@ -16,10 +16,10 @@ A random-weight checkpoint does not repeat its prompt, so on one the ngram row s
 that are mostly rejected; the oracle row shows what full acceptance saves. With a real checkpoint
 (--model) the ngram row is the figure that matters.
 
-    python benchmarks/speculative.py                          # tiny Qwen3.5 (hybrid) on CPU
-    python benchmarks/speculative.py --family llava --num-speculative-tokens 4
-    python benchmarks/speculative.py --method mtp             # tiny Qwen3.5 with a random MTP head
-    python benchmarks/speculative.py --model /path/to/Qwen3.5-9B --device cuda --output-len 256
+    python benchmarks/spec_decode.py                          # tiny Qwen3.5 (hybrid) on CPU
+    python benchmarks/spec_decode.py --family llava --num-speculative-tokens 4
+    python benchmarks/spec_decode.py --method mtp             # tiny Qwen3.5 with a random MTP head
+    python benchmarks/spec_decode.py --model /path/to/Qwen3.5-9B --device cuda --output-len 256
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--method", default="ngram", choices=["ngram", "mtp"],
                         help="the proposer measured (mtp: the checkpoint's head; the tiny Qwen3.5 gets a random one)")
-    parser.add_argument("--output", default="results/speculative.json")
+    parser.add_argument("--output", default="results/spec_decode.json")
     args = parser.parse_args(argv)
 
     if args.model:
