@@ -185,3 +185,19 @@ def test_the_budget_counts_the_heads_weights_and_kv(mtp_path, capsys):
     assert "2 x (1 attention layers x 2 KV heads x 16)" in plain
     assert "2 x (2 attention layers x 2 KV heads x 16) x 4 B; 1 of the layers the MTP head's" in drafting
     assert "draft states" in drafting
+
+
+def test_mtp_drafts_under_a_grammar_keep_the_json(engines):
+    """The grammar cuts the head's drafts to those it allows and masks each verify row; the JSON is the one
+    decoded without speculation."""
+    from mmengine.sample.structured_output.params import StructuredOutputParams
+
+    reference, speculating = engines
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10}}, "required": ["name"]}
+    params = SamplingParams(max_tokens=40, temperature=0, structured_output=StructuredOutputParams(json=schema))
+    prompts, images = [qwen_vl_prompt("Name this.", 1), qwen_vl_prompt("Answer in JSON.")], [PICTURES[:1], None]
+    expected = reference.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+    outs = speculating.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+    for out, want in zip(outs, expected):
+        assert (out.token_ids, out.text, out.finish_reason) == (want.token_ids, want.text, want.finish_reason)
+    assert_books_consistent(speculating)

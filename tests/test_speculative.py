@@ -376,15 +376,9 @@ def test_structured_output_checks_the_drafts_and_ends_where_the_grammar_does(eng
     eos = min(reference.eos_token_ids)
     oracle = OracleProposer({prompt: answer + [eos] for prompt, answer in _references(expected).items()},
                             lambda step: [None, None, 1, 0][step % 4])
-    previous = _with_proposer(speculating, oracle)
-    try:
-        before = _spec_counts(speculating)
-        outs = speculating.generate(prompts[:2], images=images[:2], sampling_params=params, use_tqdm=False)
-    finally:
-        _with_proposer(speculating, previous)
+    outs, done = _run_with(speculating, oracle, prompts[:2], images[:2], params)
     for out, want in zip(outs, expected):
         assert (out.token_ids, out.text, out.finish_reason) == (want.token_ids, want.text, want.finish_reason)
-    done = _spec_counts(speculating) - before
     assert done["spec_accepted_tokens"] > 0
     assert_books_consistent(speculating)
 
