@@ -29,7 +29,7 @@ class WorkerHandle:
     lifeline: Connection  # never written: the worker leaves when it closes
 
     def describe_death(self) -> str:
-        self.process.join(timeout=1.0)  # the sentinel is ready just before the exit code is known
+        self.process.join(timeout=5.0)  # the sentinel is ready just before the exit code is known (1 s was short under load)
         code = self.process.exitcode
         if code is None:
             how = "its pipe closed"
