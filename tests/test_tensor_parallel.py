@@ -176,14 +176,15 @@ def test_a_killed_worker_is_engine_dead_within_seconds_and_shutdown_leaves_no_pr
     assert not children() - tp2.children_before
 
 
-def test_qwen3_vl_gives_tp1_and_transformers_tokens_with_a_picture_in_chunks(family_checkpoint):
-    """M-RoPE positions, DeepStack levels and per-head q/k norms on the split decoder (Qwen2.5-VL's decoder differs
-    only by q/k/v biases, which the column-parallel layer splits as it splits the weights)."""
+def test_qwen3_vl_moe_gives_tp1_and_transformers_tokens_with_a_picture_in_chunks(family_checkpoint):
+    """Qwen3-VL's decoder (M-RoPE positions, DeepStack levels, per-head q/k norms, two KV heads split) with routed
+    experts split on their intermediate size and a dense layer (mlp_only_layers). Qwen3-VL and Qwen2.5-VL (q/k/v
+    biases) run the same split decoder without the experts."""
     import chat_formats
     from conftest import hf_greedy as transformers_greedy
 
-    path = family_checkpoint("qwen3_vl")
-    prompts = [chat_formats.user_turn("qwen3_vl", "What is shown here?", 1), chat_formats.user_turn("qwen3_vl", "Tell me a story.", 0)]
+    path = family_checkpoint("qwen3_vl_moe")
+    prompts = [chat_formats.user_turn("qwen3_vl_moe", "What is shown here?", 1), chat_formats.user_turn("qwen3_vl_moe", "Tell me a story.", 0)]
     images = [[make_test_image(11)], []]
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=2)
     options = {"max_model_len": 256, "max_num_batched_tokens": 32}

@@ -41,6 +41,8 @@ def rank_elements(name: str, shape: tuple[int, ...], text_config: object, tp_siz
         return numel
     if name.endswith(("embed_tokens.weight", "lm_head.weight")):
         return padded_vocab_size(shape[0], tp_size) // tp_size * math.prod(shape[1:])
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # every expert's intermediate rows split
+        return numel // tp_size
     match = _PROJECTION.search(name)
     if match is None:
         return numel  # norms

@@ -9,13 +9,15 @@ layers.i.self_attn.qkv_proj          QKVParallelLinear        q heads split; KV 
 layers.i.self_attn.o_proj            RowParallelLinear        all-reduce, bias once
 layers.i.mlp.gate_up_proj            MergedColumnParallel     gate and up each split
 layers.i.mlp.down_proj               RowParallelLinear        all-reduce
+layers.i.mlp.experts (MoE)           ParallelFusedExperts     every expert's intermediate rows split, all-reduce
 lm_head                              ParallelLMHead           all-gather of the logits (every rank samples)
 the vision tower, projector, norms   replicated               read whole
 ```
 
 `check_tensor_parallel_shapes` says, from the config alone and before any process starts, whether the
 decoder can be split: a ConfigError naming the field (num_attention_heads, num_key_value_heads,
-intermediate_size) and tensor_parallel_size, or one naming what is not split yet (a hybrid or MoE decoder).
+intermediate_size, moe_intermediate_size) and tensor_parallel_size, or one naming what is not split yet (a hybrid
+decoder, Gemma's, Llama 4's).
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ import torch
 from torch import nn
 
 from mmengine.distributed.checkpoint_slices import CheckpointSlices, load_parameter
+from mmengine.distributed.parallel_experts import ParallelFusedExperts
 from mmengine.distributed.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.sharding import divide, kv_head_split
 from mmengine.distributed.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from mmengine.errors import ConfigError, WeightsMismatchError
+from mmengine.layers.moe import FusedExperts, SparseMoeBlock
 from mmengine.models.family import ModelFamily
 from mmengine.models.llama import STACKED_PROJECTIONS, DecoderAttention, DecoderMLP, DecoderModel, head_dim_of
 from mmengine.models.loader import WeightCheck, materialize_parameters, parameters_on_meta
@@ -54,9 +58,6 @@ def check_tensor_parallel_shapes(family: ModelFamily, tp_size: int) -> None:
     if family.recurrent_shape is not None:
         raise ConfigError(f"tensor_parallel_size={tp_size}: {name}'s hybrid decoder (Gated DeltaNet layers) is not split "
                           "over ranks yet; run it with tensor_parallel_size=1")
-    if getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0):
-        raise ConfigError(f"tensor_parallel_size={tp_size}: {name}'s mixture-of-experts decoder is not split over ranks yet; "
-                          "run it with tensor_parallel_size=1")
     decoder_class = getattr(type(family).model_class, "decoder_class", None)
     if decoder_class is not DecoderModel:
         raise ConfigError(f"tensor_parallel_size={tp_size}: {name}'s decoder ({getattr(decoder_class, '__name__', decoder_class)}) "
@@ -68,6 +69,8 @@ def check_tensor_parallel_shapes(family: ModelFamily, tp_size: int) -> None:
     divide(config.num_attention_heads, tp_size, "the text model", "num_attention_heads")
     kv_head_split(config.num_key_value_heads, tp_size, "the text model")
     divide(config.intermediate_size, tp_size, "the text model", "intermediate_size")
+    if getattr(config, "num_experts", 0):  # the experts split on their intermediate size
+        divide(config.moe_intermediate_size, tp_size, "the text model", "moe_intermediate_size")
 
 
 def tensor_parallel_family(family: ModelFamily, tp: TensorParallelGroup) -> ModelFamily:
@@ -108,7 +111,7 @@ def shard_decoder(model: nn.Module, tp: TensorParallelGroup) -> None:
     for index, layer in enumerate(decoder.layers):
         attn, mlp = layer.self_attn, layer.mlp
         prefix = f"language_model.layers.{index}"
-        if type(attn) is not DecoderAttention or type(mlp) is not DecoderMLP:
+        if type(attn) is not DecoderAttention or type(mlp) not in (DecoderMLP, SparseMoeBlock):
             raise ConfigError(f"tensor parallelism: {prefix} ({type(attn).__name__}, {type(mlp).__name__}) is not split over ranks yet")
         qkv = QKVParallelLinear(hidden, head_dim, attn.num_heads, attn.num_kv_heads, bias=attn.qkv_proj.bias is not None, tp=tp,
                                 name=f"{prefix}.self_attn.qkv_proj")
@@ -118,12 +121,24 @@ def shard_decoder(model: nn.Module, tp: TensorParallelGroup) -> None:
         attn.num_heads, attn.num_kv_heads = qkv.num_heads_per_rank, qkv.num_kv_heads_per_rank
         attn.q_size, attn.kv_size = qkv.q_size, qkv.kv_size
         attn.attn.num_heads, attn.attn.num_kv_heads = qkv.num_heads_per_rank, qkv.num_kv_heads_per_rank
-        inter = mlp.intermediate_size
-        mlp.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=mlp.gate_up_proj.bias is not None, tp=tp,
-                                                      name=f"{prefix}.mlp.gate_up_proj")
-        mlp.down_proj = RowParallelLinear(inter, hidden, bias=mlp.down_proj.bias is not None, tp=tp, name=f"{prefix}.mlp.down_proj")
-        mlp.intermediate_size = inter // tp.size
+        if isinstance(mlp, SparseMoeBlock):  # the router and the shared expert's gate replicated
+            if type(mlp.experts) is not FusedExperts:
+                raise ConfigError(f"tensor parallelism: {prefix}'s {type(mlp.experts).__name__} is not split over ranks yet")
+            mlp.experts = ParallelFusedExperts(mlp.experts, tp, f"{prefix}.mlp.experts")
+            if mlp.shared_expert is not None:
+                split_mlp(mlp.shared_expert, hidden, tp, f"{prefix}.mlp.shared_expert")
+        else:
+            split_mlp(mlp, hidden, tp, f"{prefix}.mlp")
     model.lm_head = ParallelLMHead(config.vocab_size, hidden, tp=tp, name="lm_head")
+
+
+def split_mlp(mlp: DecoderMLP, hidden: int, tp: TensorParallelGroup, name: str) -> None:
+    """gate/up column-parallel (each split on its own), down row-parallel."""
+    inter = mlp.intermediate_size
+    mlp.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=mlp.gate_up_proj.bias is not None, tp=tp,
+                                                  name=f"{name}.gate_up_proj")
+    mlp.down_proj = RowParallelLinear(inter, hidden, bias=mlp.down_proj.bias is not None, tp=tp, name=f"{name}.down_proj")
+    mlp.intermediate_size = inter // tp.size
 
 
 def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, tuple[int, ...]]) -> None:
