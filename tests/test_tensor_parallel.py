@@ -203,3 +203,34 @@ def test_decoders_not_split_yet_are_refused_by_name_before_any_process_starts(fa
     with pytest.raises(ConfigError, match=named):
         MMEngine(str(family_checkpoint(name)), max_model_len=128, tensor_parallel_size=2)
     assert children() <= before
+
+
+def test_a_rank_in_process_runs_a_plan_as_the_engine_runs_the_step_and_applies_the_plans_grammar_mask(llava, tp1):
+    """runner/worker.py's ModelWorker at TP 1 (no process, no collective): a plan's request gives the engine's greedy
+    token, and a row's bitmask (what the driver's grammar allows) decides the token."""
+    import torch
+
+    from mmengine.config import EngineConfig
+    from mmengine.distributed.process_group import single_rank_group
+    from mmengine.engine.startup import build_input_parts
+    from mmengine.runner.step_plan import NewRequest, PlannedRow, StepPlan
+    from mmengine.runner.worker import ModelWorker
+
+    config = EngineConfig(str(llava), max_model_len=128)
+    parts = build_input_parts(config)
+    worker = ModelWorker(single_rank_group(), config=config, family=parts.family, model_dir=str(llava), dtype=torch.float32,
+                         max_model_len=parts.max_model_len)
+    worker.allocate_kv_cache(8)
+    prompt = parts.input_processor.tokenizer("USER: Tell me a story about a cat. ASSISTANT:").input_ids
+    expected = tp1.generate({"prompt_token_ids": prompt}, sampling_params=SamplingParams(max_tokens=1, temperature=0.0),
+                            use_tqdm=False)[0].token_ids
+    vocab = parts.family.text_config.vocab_size
+    mask = torch.zeros(1, (vocab + 31) // 32, dtype=torch.int32)
+    mask[0, 42 // 32] = 1 << (42 % 32)  # the grammar allows token 42 alone
+    for request_id, row_mask, tokens in (("free", None, expected), ("masked", mask, [42])):
+        plan = StepPlan(new_requests=[NewRequest(request_id, prompt, [], None, SamplingParams(max_tokens=4, temperature=0.0))],
+                        rows=[PlannedRow(request_id, 0, len(prompt), [], len(prompt), [], 0, row_mask)],
+                        block_tables={request_id: [0, 1]})
+        assert worker.execute_step(plan).tokens == {request_id: tokens}
+        worker.execute_step(StepPlan(forget=[request_id]))
+    assert worker.requests == {}
