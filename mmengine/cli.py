@@ -64,6 +64,10 @@ def run_demo(args: argparse.Namespace) -> None:
         from mmengine.testing.llama4 import TinyLlama4Spec, tiny_llama4_path
 
         path = tiny_llama4_path(TinyLlama4Spec(), cache_dir=args.cache_dir)
+    elif args.family in ("qwen3_5", "qwen3_5_moe") and EngineConfig(model="demo", **engine_options(args)).spec_config.method == "mtp":
+        from mmengine.testing.mtp import tiny_qwen3_5_mtp_path
+
+        path = tiny_qwen3_5_mtp_path(args.family, cache_dir=args.cache_dir)  # with a (random) MTP head to draft with
     else:
         path = tiny_qwen_vl_path(tiny_spec(args.family), cache_dir=args.cache_dir)
     print(f"tiny {args.family} checkpoint (random weights): {path}")

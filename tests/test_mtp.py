@@ -201,3 +201,12 @@ def test_mtp_drafts_under_a_grammar_keep_the_json(engines):
     for out, want in zip(outs, expected):
         assert (out.token_ids, out.text, out.finish_reason) == (want.token_ids, want.text, want.finish_reason)
     assert_books_consistent(speculating)
+
+
+def test_the_demo_drafts_with_the_tiny_qwen3_5s_head(capsys):
+    from mmengine.cli import main
+
+    assert main(["demo", "--family", "qwen3_5", "--requests", "3", "--max-tokens", "6", "--speculative-config",
+                 '{"method": "mtp", "num_speculative_tokens": 2}']) == 0
+    out = capsys.readouterr().out
+    assert "-mtp1" in out and re.search(r'"spec_draft_tokens": [1-9]', out)
