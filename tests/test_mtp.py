@@ -210,3 +210,23 @@ def test_the_demo_drafts_with_the_tiny_qwen3_5s_head(capsys):
                  '{"method": "mtp", "num_speculative_tokens": 2}']) == 0
     out = capsys.readouterr().out
     assert "-mtp1" in out and re.search(r'"spec_draft_tokens": [1-9]', out)
+
+
+def test_an_fp8_checkpoints_head_loads_dequantized_and_keeps_the_tokens(mtp_path, tmp_path):
+    """The published FP8 checkpoints quantize the head's projections too (block scales beside them)."""
+    from safetensors import safe_open
+
+    from mmengine.testing.quantize import quantize_checkpoint
+
+    path, _ = quantize_checkpoint(mtp_path, tmp_path / "fp8", "fp8", reference=False)
+    with safe_open(str(path / "mtp.safetensors"), "pt") as f:
+        assert "mtp.layers.0.self_attn.q_proj.weight_scale_inv" in f.keys()
+    prompts, images = [qwen_vl_prompt("What is here?", 1), qwen_vl_prompt("Count to ten.")], [PICTURES[:1], None]
+    reference = MMEngine(str(path), **OPTIONS)
+    expected = reference.generate(prompts, images=images, sampling_params=_greedy(10), use_tqdm=False)
+    reference.shutdown()
+    engine = MMEngine(str(path), speculative_config=MTP, **OPTIONS)
+    outs = engine.generate(prompts, images=images, sampling_params=_greedy(10), use_tqdm=False)
+    assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
+    assert engine.stats()["spec_draft_tokens"] > 0
+    engine.shutdown()
