@@ -23,9 +23,11 @@ def build_eagle3_head(path: str | os.PathLike, target: str | os.PathLike, *, hid
     target_config = AutoConfig.from_pretrained(target)
     text = getattr(target_config, "text_config", target_config)
     hidden = hidden_size or text.hidden_size
-    heads = 4
-    config = LlamaConfig(vocab_size=text.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=1,
-                         num_attention_heads=heads, num_key_value_heads=2, head_dim=hidden // heads, rms_norm_eps=1e-6,
+    # the target's attention shape, as the published heads have it
+    heads, kv = text.num_attention_heads, text.num_key_value_heads
+    head_dim, intermediate = hidden // heads, text.intermediate_size
+    config = LlamaConfig(vocab_size=text.vocab_size, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=1,
+                         num_attention_heads=heads, num_key_value_heads=kv, head_dim=head_dim, rms_norm_eps=1e-6,
                          max_position_embeddings=text.max_position_embeddings, tie_word_embeddings=False)
     config.architectures = ["LlamaForCausalLMEagle3"]
     config.draft_vocab_size = draft_vocab_size or text.vocab_size
@@ -38,16 +40,15 @@ def build_eagle3_head(path: str | os.PathLike, target: str | os.PathLike, *, hid
     def draw(*shape: int, scale: float = std, offset: float = 0.0) -> torch.Tensor:
         return torch.randn(shape, generator=generator) * scale + offset
 
-    head_dim, kv = hidden // heads, 2
     tensors = {
         "fc.weight": draw(hidden, 3 * text.hidden_size),
         "midlayer.self_attn.q_proj.weight": draw(heads * head_dim, 2 * hidden),
         "midlayer.self_attn.k_proj.weight": draw(kv * head_dim, 2 * hidden),
         "midlayer.self_attn.v_proj.weight": draw(kv * head_dim, 2 * hidden),
         "midlayer.self_attn.o_proj.weight": draw(hidden, heads * head_dim),
-        "midlayer.mlp.gate_proj.weight": draw(2 * hidden, hidden),
-        "midlayer.mlp.up_proj.weight": draw(2 * hidden, hidden),
-        "midlayer.mlp.down_proj.weight": draw(hidden, 2 * hidden),
+        "midlayer.mlp.gate_proj.weight": draw(intermediate, hidden),
+        "midlayer.mlp.up_proj.weight": draw(intermediate, hidden),
+        "midlayer.mlp.down_proj.weight": draw(hidden, intermediate),
         "lm_head.weight": draw(config.draft_vocab_size, hidden),
     }
     for name in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
