@@ -173,3 +173,19 @@ def test_the_budget_counts_the_heads_weights_and_kv(family_checkpoint, heads, ca
     parameters = sum(t.numel() for t in load_file(str(heads["llava"] / "model.safetensors")).values())
     assert f"{parameters} parameters ({heads['llava']})" in out
     assert "1 of them the EAGLE-3 head's" in out
+
+
+def test_every_family_on_the_llama_like_decoder_keeps_its_tokens(family_checkpoint, tmp_path):
+    """The other families an EAGLE-3 head may draft for: a pictured prompt's greedy tokens are unchanged."""
+    for family in ("qwen2_vl", "qwen3_vl_moe", "internvl", "mistral3", "smolvlm", "llava_onevision"):
+        path = str(family_checkpoint(family))
+        head = build_eagle3_head(tmp_path / family, path, draft_vocab_size=150)
+        prompt, images = user_turn(family, "What is here?", 1), [PICTURES[:1]]
+        reference = MMEngine(path, **{**OPTIONS, "max_model_len": 512})
+        (expected,) = reference.generate([prompt], images=images, sampling_params=_greedy(6), use_tqdm=False)
+        reference.shutdown()
+        engine = MMEngine(path, speculative_config=_eagle3(head), **{**OPTIONS, "max_model_len": 512})
+        (out,) = engine.generate([prompt], images=images, sampling_params=_greedy(6), use_tqdm=False)
+        assert out.token_ids == expected.token_ids, family
+        assert engine.stats()["spec_draft_tokens"] > 0, family
+        engine.shutdown()
