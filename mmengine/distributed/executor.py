@@ -4,7 +4,8 @@ sent to all of them, one reply from rank 0; and what happens when a worker fails
 ```
 driver (the engine's process)                           workers (spawned, rank 0..tp-1; worker_loop.py)
 execute(plan) --plan, pickled once, a pipe per rank-->  worker.execute_step(plan), collectives among the ranks
-              <--(OK, result) from rank 0 alone-------
+              <--(OK, result) from rank 0 alone-------  (submit(plan) / collect(): the same, split, so that the
+                                                         driver schedules the next step while the ranks compute)
 call(m, ...)  --(CALL, m, args) to every rank-------->  worker.m(...): set-up (load weights, profile)
               <--(OK, result) from every rank---------
 ```
@@ -87,6 +88,7 @@ class MultiprocExecutor:
         self.death_grace_s = death_grace_s
         self.on_death = on_death
         self.dead_error: EngineDeadError | None = None
+        self.num_submitted = 0  # steps sent by submit() whose results collect() has not read
         self.lock = threading.Lock()  # one call at a time
         self.state_lock = threading.Lock()
         self.workers = WorkerSet()
@@ -132,12 +134,49 @@ class MultiprocExecutor:
         """Sends `plan` to every rank (`execute_step`) and returns rank 0's result."""
         with self.lock:
             self.check_alive()
+            if self.num_submitted:
+                raise RuntimeError(f"execute() with {self.num_submitted} submitted step(s) not collected")
             return self.round_trip((STEP, plan), [0])[0]
+
+    def submit(self, plan: Any) -> None:
+        """Sends `plan` to every rank without waiting (async scheduling): `collect()` returns rank 0's results in
+        the order the plans were sent. A call (`call`, `execute`) waits for none of them: collect them first."""
+        with self.lock:
+            self.check_alive()
+            data = pickle.dumps((STEP, plan), protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                self.broadcast(data)
+            except EngineDeadError:
+                raise
+            except BaseException as err:
+                self.mark_dead(EngineDeadError(f"a step sent to the tensor-parallel workers was interrupted ({type(err).__name__})"))
+                self.finalizer()
+                raise
+            self.num_submitted += 1
+
+    def collect(self) -> Any:
+        """Rank 0's result of the oldest plan `submit` sent."""
+        with self.lock:
+            if not self.num_submitted:
+                raise RuntimeError("collect() without a submitted step")
+            self.check_alive()
+            try:
+                result = self.await_replies([0])[0]
+            except EngineDeadError:
+                raise
+            except BaseException as err:  # the reply would answer the next collect
+                self.mark_dead(EngineDeadError(f"a wait for the tensor-parallel workers was interrupted ({type(err).__name__})"))
+                self.finalizer()
+                raise
+            self.num_submitted -= 1
+            return result
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Runs `worker.method(*args, **kwargs)` on every rank; their results, by rank."""
         with self.lock:
             self.check_alive()
+            if self.num_submitted:
+                raise RuntimeError(f"call({method!r}) with {self.num_submitted} submitted step(s) not collected")
             results = self.round_trip((CALL, method, args, kwargs), range(self.tensor_parallel_size))
             return [results[rank] for rank in range(self.tensor_parallel_size)]
 

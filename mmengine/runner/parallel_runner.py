@@ -13,7 +13,7 @@ minimum over the ranks, and the encoder outputs it reports are the books of what
 dies or fails makes every later call raise EngineDeadError (`distributed/executor.py`); `shutdown()` stops them.
 
 What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): LoRA, speculative
-decoding, async_scheduling="on", CUDA graphs (enforce_eager=False on CUDA), cascade_attention="on", the host
+decoding, CUDA graphs (enforce_eager=False on CUDA), cascade_attention="on", the host
 tiers, and update_weights; the decoder kinds not split yet (`distributed/sharded_model.py`).
 """
 
@@ -37,7 +37,6 @@ from mmengine.errors import ConfigError, EngineDeadError
 from mmengine.kv_cache.manager import cdiv
 from mmengine.models.family import ModelFamily
 from mmengine.outputs import TokenLogprobs
-from mmengine.runner.launched_step import NOTHING_SAMPLED
 from mmengine.runner.step_plan import NewRequest, PlannedRow, StepPlan, StepResult
 from mmengine.runner.worker import ModelWorker
 from mmengine.sample.sampler import Sampler
@@ -62,9 +61,6 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
         raise ConfigError(f"{prefix}: enable_lora is not supported with tensor parallelism yet")
     if config.spec_config.num_speculative_tokens:
         raise ConfigError(f"{prefix}: speculative_config is not supported with tensor parallelism yet")
-    if config.scheduler_config.async_scheduling == "on":
-        raise ConfigError(f"{prefix}: async_scheduling='on' is not supported with tensor parallelism yet; use 'auto' "
-                          "(off at tensor_parallel_size > 1) or 'off'")
     if config.execution_config.cascade_attention == "on":
         raise ConfigError(f"{prefix}: cascade_attention='on' is not supported with tensor parallelism yet; use 'auto' "
                           "(off at tensor_parallel_size > 1) or 'off'")
@@ -113,20 +109,47 @@ class RemotePromptLogprobs:
         return self.found
 
 
-@dataclass
 class RemoteStep:
-    """A step the ranks have run (the LaunchedStep the step loop reads): tokens by request id."""
+    """A step sent to the ranks (the LaunchedStep the step loop reads): rank 0's result is read on first use, the
+    steps' results in the order they were sent (async scheduling sends the next step before reading this one)."""
 
-    tokens: dict[str, list[int]]
-    logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    prompt_logprobs: list[RemotePromptLogprobs] = field(default_factory=list)
-    pending: None = None
+    pending = None
+
+    def __init__(self, runner: ParallelRunner, seq: int, requests: dict[str, Any]) -> None:
+        self.runner = runner
+        self.seq = seq
+        self.requests = requests
+        self.fetched: StepResult | None = None
+        self.found: list[RemotePromptLogprobs] | None = None
+
+    def fetch(self) -> StepResult:
+        if self.fetched is None:
+            self.fetched = self.runner.collect(self.seq)
+        return self.fetched
 
     def result(self) -> dict[str, list[int]]:
-        return self.tokens
+        return self.fetch().tokens
 
     def token_logprobs(self) -> dict[str, list[TokenLogprobs]]:
-        return self.logprobs
+        return self.fetch().logprobs
+
+    @property
+    def prompt_logprobs(self) -> list[RemotePromptLogprobs]:
+        if self.found is None:
+            self.found = [RemotePromptLogprobs(self.requests[part.request_id], part.first_position, part.entries)
+                          for part in self.fetch().prompt_logprobs]
+        return self.found
+
+
+@dataclass
+class PendingRemoteStep:
+    """A step with grammar-constrained rows, not sent yet: their masks are taken in `sample()`, once the grammars
+    have every token sampled so far (with async scheduling, after the step in flight is read)."""
+
+    plan: StepPlan
+    masked: list[tuple[int, Any]]  # (row of the plan, its request)
+    requests: dict[str, Any]
+    pending: bool = True
 
 
 class ParallelRunner:
@@ -169,7 +192,11 @@ class ParallelRunner:
         self.num_encoder_runs = 0
         self.num_cascade_steps = self.num_cascade_groups = self.num_cascade_tokens = 0
         self.synced: dict[str, int] = {}  # request id -> how many of its tokens the ranks have
-        self.last_step_seconds = (0.0, 0.0)  # the last step: the driver's wall time, rank 0's time in it
+        self.last_step_seconds = (0.0, 0.0)  # the last step read: from its sending to its reply, rank 0's time in it
+        self.num_submitted = self.num_collected = 0  # steps sent, and replies read (in order)
+        self.submitted_at: dict[int, float] = {}
+        self.max_in_flight = 0  # the most steps sent and not read at once (2 with async scheduling)
+        self.results: dict[int, StepResult] = {}  # replies read before their steps asked
         self.freed: list[str] = []  # encoder outputs to drop with the next plan
         self.stale: list[str] = []
 
@@ -209,29 +236,54 @@ class ParallelRunner:
 
     def execute(self, out: SchedulerOutput, block_tables: dict[str, list[int]],
                 window_tables: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
-        return self.launch(out, block_tables, window_tables=window_tables).result()
+        return self.sample(self.launch(out, block_tables, window_tables=window_tables)).result()
 
     def launch(self, out: SchedulerOutput, block_tables: dict[str, list[int]], previous: Any = None,
                window_tables: dict[str, list[int]] | None = None) -> Any:
-        """Runs the step on every rank (one plan, sent once) and returns rank 0's tokens."""
-        started = time.perf_counter()
-        plan = self.plan(out, block_tables, window_tables)
-        result: StepResult = self.executor.execute(plan)
-        self.last_step_seconds = (time.perf_counter() - started, result.seconds)  # (the driver's wait, rank 0's compute)
-        self.num_encoder_runs = result.num_encoder_runs
-        if not result.tokens and not result.prompt_logprobs:
-            return NOTHING_SAMPLED
+        """Sends the step to every rank (one plan, pickled once) without waiting; the returned step's result() reads
+        rank 0's tokens. A step that computes no token is waited for here (nothing reads it later). Requests
+        decoding after a step in flight (async scheduling) carry placeholders, which each rank fills in with the
+        token it sampled itself."""
+        plan, masked = self.plan(out, block_tables, window_tables)
         requests = {s.request.request_id: s.request for s in out.scheduled}
-        prompt_logprobs = [RemotePromptLogprobs(requests[part.request_id], part.first_position, part.entries)
-                           for part in result.prompt_logprobs]
-        return RemoteStep(result.tokens, result.logprobs, prompt_logprobs)
+        if masked:
+            return PendingRemoteStep(plan, masked, requests)
+        return self.send(plan, requests, wait=out.num_scheduled_tokens == 0)
 
     def sample(self, launched: Any) -> Any:
-        return launched  # the ranks sampled (under the masks the plan carried)
+        """Sends a step whose constrained rows waited for their grammars, each row with its token bitmask."""
+        if not isinstance(launched, PendingRemoteStep):
+            return launched
+        for index, request in launched.masked:
+            launched.plan.rows[index].grammar_mask = self.grammar_masks.fill([request.grammar]).clone()
+        return self.send(launched.plan, launched.requests, wait=False)
+
+    def send(self, plan: StepPlan, requests: dict[str, Any], wait: bool) -> RemoteStep:
+        self.executor.submit(plan)
+        self.num_submitted += 1
+        self.submitted_at[self.num_submitted] = time.perf_counter()
+        self.max_in_flight = max(self.max_in_flight, self.num_submitted - self.num_collected)
+        step = RemoteStep(self, self.num_submitted, requests)
+        if wait:
+            step.fetch()
+        return step
+
+    def collect(self, seq: int) -> StepResult:
+        """Step `seq`'s result, reading the ranks' replies in order up to it."""
+        while self.num_collected < seq:
+            result: StepResult = self.executor.collect()
+            self.num_collected += 1
+            self.results[self.num_collected] = result
+            sent = self.submitted_at.pop(self.num_collected)
+            self.last_step_seconds = (time.perf_counter() - sent, result.seconds)  # (the driver's wait, rank 0's compute)
+            self.num_encoder_runs = result.num_encoder_runs
+        return self.results.pop(seq)
 
     def plan(self, out: SchedulerOutput, block_tables: dict[str, list[int]],
-             window_tables: dict[str, list[int]] | None) -> StepPlan:
+             window_tables: dict[str, list[int]] | None) -> tuple[StepPlan, list[tuple[int, Any]]]:
+        """The step as plain data, and its rows a grammar constrains (their masks are taken when it is sent)."""
         plan = StepPlan(block_tables=block_tables, window_tables=window_tables)
+        masked: list[tuple[int, Any]] = []
         plan.forget = self.penalties.take()
         for request_id in plan.forget:
             self.synced.pop(request_id, None)
@@ -244,11 +296,10 @@ class ParallelRunner:
                 self.synced[request_id] = request.num_prompt_tokens
             base = min(self.synced[request_id], request.num_tokens)
             self.synced[request_id] = request.num_tokens
-            mask = None
             if request.grammar is not None and s.samples:
-                mask = self.grammar_masks.fill([request.grammar]).clone()
+                masked.append((len(plan.rows), request))
             plan.rows.append(PlannedRow(request_id, s.start, s.num_new_tokens, list(s.encoder_items), base,
-                                        request.all_token_ids[base:], request.num_prefix_hit_tokens, mask))
+                                        request.all_token_ids[base:], request.num_prefix_hit_tokens))
             for index in s.encoder_items:
                 self.encoder_outputs[request.mm_items[index].mm_hash] = True
         freed = [*self.freed, *out.freed_encoder_hashes]
@@ -257,7 +308,7 @@ class ParallelRunner:
         self.freed, self.stale = [], []
         for mm_hash in freed:
             self.encoder_outputs.pop(mm_hash, None)
-        return plan
+        return plan, masked
 
     def free_encoder_outputs(self, mm_hashes: list[str], stale: list[str] = ()) -> None:
         """Drops outputs from the ranks with the next plan."""

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from mmengine.config import EngineConfig
-from mmengine.core.request import ProcessedPrompt, Request
+from mmengine.core.request import PLACEHOLDER_TOKEN, ProcessedPrompt, Request
 from mmengine.core.scheduler import ScheduledRequest, SchedulerOutput
 from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.sharded_model import tensor_parallel_family
@@ -51,6 +51,7 @@ class ModelWorker:
         self.runner = ModelRunner(config, tensor_parallel_family(family, tp), Path(model_dir), tp.device, dtype, max_model_len)
         self.runner.grammar_masks = PlannedMasks()
         self.requests: dict[str, Request] = {}
+        self.sampled: dict[str, list[int]] = {}  # the last step's tokens, by request
 
     # -- start-up (every rank) -----------------------------------------------------------------------------------
 
@@ -98,6 +99,8 @@ class ModelWorker:
             if row.new_tokens or row.token_base < request.num_tokens:
                 del request.all_token_ids[row.token_base:]
                 request.all_token_ids.extend(row.new_tokens)
+                if PLACEHOLDER_TOKEN in row.new_tokens:  # async scheduling: the token this rank sampled last step
+                    self.fill_placeholders(request)
             request.num_computed_tokens = row.start
             request.num_prefix_hit_tokens = row.num_prefix_hit_tokens
             request.grammar = None if row.grammar_mask is None else PlannedMask(row.grammar_mask)
@@ -108,11 +111,20 @@ class ModelWorker:
         if launched.pending is not None:
             launched = runner.sample(launched)
         tokens = launched.result()
+        self.sampled = tokens
         if self.tp.rank != 0:
             return None
         prompt_logprobs = [PromptLogprobsPart(part.request.request_id, part.first_position, part.entries())
                            for part in launched.prompt_logprobs]
         return StepResult(tokens, launched.token_logprobs(), prompt_logprobs, runner.num_encoder_runs, time.perf_counter() - started)
+
+    def fill_placeholders(self, request: Request) -> None:
+        """The driver booked a token it has not read yet (async scheduling): it is the one this rank sampled for the
+        request in the previous step (every rank samples the same). Only the request's last token can be one."""
+        tokens = request.all_token_ids
+        if PLACEHOLDER_TOKEN in tokens[:-1] or request.request_id not in self.sampled:
+            raise RuntimeError(f"request {request.request_id!r}: a placeholder token this rank did not sample")
+        tokens[-1] = self.sampled[request.request_id][-1]
 
     def close(self) -> None:
         self.requests.clear()
