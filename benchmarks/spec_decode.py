@@ -90,8 +90,16 @@ def _run(engine: MMEngine, prompts: list[str], params: SamplingParams) -> tuple[
         "accepted_tokens": delta.get("spec_accepted_tokens", 0),
         "acceptance": round(delta.get("spec_accepted_tokens", 0) / drafted, 3) if drafted else None,
         "tokens_per_decode_step": round(delta["generation_tokens"] / max(1, delta["decode_steps"]), 2),
+        "decode_steps_per_output_token": round(delta["decode_steps"] / max(1, delta["generation_tokens"]), 3),
+        # of the drafts at position j (0: the first after the request's last token), the share kept
+        "acceptance_by_position": [round(delta.get(f"spec_accepted_position_{j}", 0) / delta[f"spec_drafted_position_{j}"], 3)
+                                   if delta.get(f"spec_drafted_position_{j}") else None for j in range(_positions(delta))],
         "ms_per_decode_step": round(1000 * seconds / max(1, delta["decode_steps"]), 3),
     }, outs
+
+
+def _positions(delta: dict) -> int:
+    return sum(1 for k in delta if k.startswith("spec_drafted_position_"))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -143,7 +151,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{mode:7s} {run['output_tokens_per_s']:9.1f} tok/s ({run['speedup']:.2f}x)  decode steps {run['decode_steps']:5d}  "
               f"{run['ms_per_decode_step']:8.2f} ms/step ({run['step_cost']:.2f}x)  "
               f"tokens/step {run['tokens_per_decode_step']:5.2f}  drafts {run['draft_tokens']:5d} accepted "
-              f"{run['accepted_tokens']:5d}" + (f" ({run['acceptance']:.0%})" if run["acceptance"] is not None else ""))
+              f"{run['accepted_tokens']:5d}" + (f" ({run['acceptance']:.0%})" if run["acceptance"] is not None else "")
+              + (f"  by position {' '.join('-' if a is None else f'{a:.0%}' for a in run['acceptance_by_position'])}"
+                 if run["acceptance_by_position"] else ""))
     print(f"answers equal with and without speculation: {result['answers_equal']}")
     write_json(args.output, result)
     return result
