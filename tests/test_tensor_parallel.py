@@ -23,7 +23,8 @@ from mmengine.testing import TinyLlavaSpec, make_test_image
 
 # A step takes at most 16 tokens (a picture's 16 placeholders fit; the prompts' prefills take two or three
 # chunks), and 8 blocks of 16 tokens hold about three of the requests below at once: the batch preempts.
-ENGINE_OPTIONS = {"max_model_len": 128, "max_num_batched_tokens": 16, "num_kv_blocks": 8, "max_num_seqs": 4}
+ENGINE_OPTIONS = {"max_model_len": 128, "max_num_batched_tokens": 16, "num_kv_blocks": 8, "max_num_seqs": 4,
+                  "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 PROMPTS = [
     "USER: <image>\nWhat is shown here? ASSISTANT:",
     "USER: <image>\nDescribe the colours of this picture in detail. ASSISTANT:",
@@ -119,7 +120,6 @@ def test_logprobs_and_seeded_sampling_match_tp1(tp1, tp2):
     ({"tensor_parallel_size": 3}, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "carrier-pigeon"}, "distributed_executor_backend"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, "distributed_executor_backend='ray'"),
-    ({"tensor_parallel_size": 2, "enable_lora": True}, "enable_lora"),
     ({"tensor_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive int"),
 ])
@@ -128,6 +128,22 @@ def test_what_tensor_parallelism_refuses_is_named_before_any_process_starts(llav
     with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace("[", r"\[")):
         MMEngine(str(llava), max_model_len=128, **options)
     assert children() <= before
+
+
+def test_lora_adapters_give_tp1_tokens(tp1, tp2, llava, tmp_path):
+    """Adapters sharded like their base layers: A whole and B split on q/k/v and gate/up, A split and the shrink
+    all-reduced on o and down (distributed/parallel_lora.py); two adapters and the base model in one batch."""
+    from mmengine.lora.request import LoRARequest
+    from mmengine.testing.lora import build_random_adapter
+
+    every = build_random_adapter(llava, tmp_path / "every", 4, scale=0.5, seed=1)
+    rows = build_random_adapter(llava, tmp_path / "rows", 8, targets=("o_proj", "down_proj", "v_proj"), scale=0.5, seed=2)
+    prompts, images = [PROMPTS[0], PROMPTS[2], PROMPTS[2]], [IMAGES[0], [], []]
+    loras = [LoRARequest("every", str(every)), LoRARequest("rows", str(rows)), None]
+    ones = tp1.generate(prompts, images=images, sampling_params=GREEDY, lora=loras, use_tqdm=False)
+    twos = tp2.generate(prompts, images=images, sampling_params=GREEDY, lora=loras, use_tqdm=False)
+    assert [o.token_ids for o in twos] == [o.token_ids for o in ones]
+    assert twos[1].token_ids != twos[2].token_ids  # the adapter changed the answer
 
 
 def test_budget_prints_each_ranks_weights_and_kv_cache_as_the_ranks_hold_them(tp2, llava, capsys):

@@ -33,6 +33,7 @@ from torch import nn
 
 from mmengine.distributed.checkpoint_slices import CheckpointSlices, load_parameter
 from mmengine.distributed.parallel_experts import ParallelFusedExperts
+from mmengine.distributed.parallel_lora import enable_parallel_lora
 from mmengine.distributed.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.sharding import divide, kv_head_split
@@ -97,6 +98,8 @@ def build_sharded_model(model_class: Callable[[Any], nn.Module], hf_config: Any,
     materialize_parameters(model, device)
     model.load_weights = lambda weights, quantization=None, packed=None: load_sharded_weights(  # type: ignore[method-assign]
         model, Path(weights.model_dir), expected)
+    decoder = model.language_model
+    decoder.enable_lora = lambda max_loras, max_rank: enable_parallel_lora(decoder, tp, max_loras, max_rank)  # type: ignore[method-assign]
     return model
 
 

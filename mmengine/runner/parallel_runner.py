@@ -12,7 +12,7 @@ It holds no tensors: sizes come from rank 0's runner at start-up (`describe`), t
 minimum over the ranks, and the encoder outputs it reports are the books of what the ranks hold. A worker that
 dies or fails makes every later call raise EngineDeadError (`distributed/executor.py`); `shutdown()` stops them.
 
-What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): LoRA, speculative
+What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): speculative
 decoding, CUDA graphs (enforce_eager=False on CUDA), cascade_attention="on", the host
 tiers, and update_weights; the decoder kinds not split yet (`distributed/sharded_model.py`).
 """
@@ -57,8 +57,6 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
     if multiprocessing.current_process().daemon:
         raise ConfigError(f"{prefix}: this process is a daemonic one (AsyncMMEngine's engine_core='process'), which cannot "
                           "start the worker processes; use engine_core='thread' or `mmengine serve --api-server-count`")
-    if config.lora_config.enable_lora:
-        raise ConfigError(f"{prefix}: enable_lora is not supported with tensor parallelism yet")
     if config.spec_config.num_speculative_tokens:
         raise ConfigError(f"{prefix}: speculative_config is not supported with tensor parallelism yet")
     if config.execution_config.cascade_attention == "on":
@@ -73,6 +71,12 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
         raise ConfigError(f"{prefix}: kv_cache_dtype={config.cache_config.kv_cache_dtype!r} is not supported with tensor "
                           "parallelism yet; use 'auto'")
     check_tensor_parallel_shapes(family, tp)
+
+
+def name_model(family: ModelFamily) -> torch.nn.Module:
+    """The family's model on the meta device (no memory, no weights): its checkpoint names and layer shapes."""
+    with torch.device("meta"):
+        return type(family).model_class(family.hf_config)
 
 
 def worker_config(config: EngineConfig) -> EngineConfig:
@@ -187,8 +191,10 @@ class ParallelRunner:
         self.encoder_outputs: dict[str, bool] = {}  # the mm_hashes the ranks hold
         self.encoder_host_tier = None
         self.on_encoded = None
-        self.model = None
-        self.vision_lora_modules: dict[str, Any] = {}
+        self.lora_loads: list[tuple[int, Any]] = []  # (slot, adapter or None) for the next plan
+        # With LoRA the engine's adapter books read the model's names and its vision side's shapes: a copy on meta
+        self.model = name_model(family) if config.lora_config.enable_lora else None
+        self.vision_lora_modules: dict[str, Any] = self.model.vision_linears() if self.model is not None else {}
         self.num_encoder_runs = 0
         self.num_cascade_steps = self.num_cascade_groups = self.num_cascade_tokens = 0
         self.synced: dict[str, int] = {}  # request id -> how many of its tokens the ranks have
@@ -282,7 +288,9 @@ class ParallelRunner:
     def plan(self, out: SchedulerOutput, block_tables: dict[str, list[int]],
              window_tables: dict[str, list[int]] | None) -> tuple[StepPlan, list[tuple[int, Any]]]:
         """The step as plain data, and its rows a grammar constrains (their masks are taken when it is sent)."""
-        plan = StepPlan(block_tables=block_tables, window_tables=window_tables)
+        plan = StepPlan(block_tables=block_tables, window_tables=window_tables, lora_slots=dict(out.lora_slots),
+                        encoder_lora_slots=dict(out.encoder_lora_slots), lora_loads=self.lora_loads)
+        self.lora_loads = []
         masked: list[tuple[int, Any]] = []
         plan.forget = self.penalties.take()
         for request_id in plan.forget:
@@ -325,9 +333,11 @@ class ParallelRunner:
         raise ConfigError(f"update_weights is not supported with tensor_parallel_size={self.tensor_parallel_size} yet")
 
     def load_lora_slot(self, slot: int, adapter: Any) -> None:
-        raise ConfigError("LoRA adapters are not supported with tensor parallelism yet")
+        """The ranks load the adapter into `slot` (each its part) before the next step: with the next plan."""
+        self.lora_loads.append((slot, adapter))
 
-    clear_lora_slot = load_lora_slot
+    def clear_lora_slot(self, slot: int) -> None:
+        self.lora_loads.append((slot, None))
 
     @property
     def memory_per_rank(self) -> dict[str, int]:

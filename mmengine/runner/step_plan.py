@@ -10,6 +10,7 @@ StepPlan
   rows            PlannedRow per scheduled request: span, items to encode, tokens appended since the last plan
   block_tables    request id -> KV block ids (and window_tables for a window pool)
   freed / stale   encoder outputs to drop (the driver's encoder cache evicted them)
+  lora_*          each request's adapter slot, and adapters to load into slots first
 StepResult (rank 0)
   tokens, logprobs, prompt_logprobs (TokenLogprobs: plain data), num_encoder_runs
 ```
@@ -59,6 +60,9 @@ class StepPlan:
     window_tables: dict[str, list[int]] | None = None
     freed_encoder_hashes: list[str] = field(default_factory=list)
     stale_encoder_hashes: list[str] = field(default_factory=list)
+    lora_slots: dict[str, int] = field(default_factory=dict)  # request id -> its adapter's slot (SchedulerOutput's)
+    encoder_lora_slots: dict[str, int] = field(default_factory=dict)
+    lora_loads: list[tuple[int, Any]] = field(default_factory=list)  # (slot, LoRAAdapter or None: cleared), before the step
 
 
 @dataclass

@@ -105,8 +105,14 @@ class ModelWorker:
             request.num_prefix_hit_tokens = row.num_prefix_hit_tokens
             request.grammar = None if row.grammar_mask is None else PlannedMask(row.grammar_mask)
             scheduled.append(ScheduledRequest(request, row.start, row.num_new_tokens, list(row.encoder_items)))
+        for slot, adapter in plan.lora_loads:
+            if adapter is None:
+                runner.clear_lora_slot(slot)
+            else:
+                runner.load_lora_slot(slot, adapter)
         freed = [h for h in dict.fromkeys(plan.freed_encoder_hashes) if h in runner.encoder_outputs]
-        out = SchedulerOutput(scheduled=scheduled, freed_encoder_hashes=freed, stale_encoder_hashes=list(plan.stale_encoder_hashes))
+        out = SchedulerOutput(scheduled=scheduled, freed_encoder_hashes=freed, stale_encoder_hashes=list(plan.stale_encoder_hashes),
+                              lora_slots=plan.lora_slots, encoder_lora_slots=plan.encoder_lora_slots)
         launched = runner.launch(out, plan.block_tables, window_tables=plan.window_tables)
         if launched.pending is not None:
             launched = runner.sample(launched)
