@@ -336,6 +336,13 @@ def _print_rank_budget(family: Any, model_dir: str, tp_size: int, elem: int, kv_
           f"a layer (split, or one replicated head when the ranks outnumber them)")
     blocks = f" x {num_kv_blocks} blocks (--num-kv-blocks) = {num_kv_blocks * per_token * block_size} bytes" if num_kv_blocks else ""
     print(f"  KV cache per rank, one block  {per_token * block_size:>12}   bytes{blocks}")
+    if family.recurrent_shape is not None:
+        from mmengine.distributed.sharded_hybrid import rank_shape
+
+        shape = rank_shape(family.recurrent_shape, tp_size)
+        print(f"  recurrent state per rank      {family.num_recurrent_layers * shape.state_bytes(elem):>12}   bytes a slot "
+              f"(a live state or a checkpoint): {shape.num_value_heads} of {family.recurrent_shape.num_value_heads} value heads "
+              f"x {family.num_recurrent_layers} linear-attention layers")
 
 
 def _print_kv_budget(family: Any, block_size: int, kv_dtype: Any, model_dtype: Any, flag: str) -> None:

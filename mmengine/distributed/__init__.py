@@ -5,6 +5,11 @@
   checkpoint_slices.py  a checkpoint's tensors as safetensors slices (a rank reads its rows), loading a parameter
   parallel_linear.py    column-, row- and merged column-parallel linear layers (q/k/v, gate/up), their weight loaders
   vocab_parallel.py     the vocabulary split: VocabParallelEmbedding and ParallelLMHead
+  parallel_experts.py   MoE experts split on their intermediate size (fused or one-by-one checkpoints)
+  parallel_lora.py      LoRA adapters sharded like their base layers (A or B split, the row-parallel shrink reduced)
+  sharded_model.py      a family's model split over the ranks (its decoder swapped for the parallel layers), loaded slice by slice
+  sharded_hybrid.py     Qwen3.5's Gated DeltaNet and gated attention split by heads
+  rank_budget.py        one rank's weights and KV cache from a checkpoint's headers (`mmengine budget --tensor-parallel-size`)
   worker_loop.py        a worker process: join the group, build the worker, serve the driver's messages
   worker_processes.py   the driver's handle on each worker process, and how they all stop (asked, released, killed)
   executor.py           the driver: spawn the workers, one plan to all, one reply from rank 0, death -> EngineDeadError

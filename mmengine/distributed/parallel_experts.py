@@ -47,5 +47,22 @@ class ParallelFusedExperts(FusedExperts):
             raise WeightsMismatchError(f"{self.name}.down_proj: expected [{self.num_experts}, {param.shape[1]}, {full}], got {list(shape)}")
         copy_into(param, read_rows(loaded, 2, start, size), f"{self.name}.down_proj")
 
+    def load_expert(self, expert: int, projection: str, loaded: Loaded) -> None:
+        """One expert's gate_proj/up_proj [I, H] or down_proj [H, I] (checkpoints that store each expert apart)."""
+        full, size = self.full_intermediate_size, self.intermediate_size
+        start = self.tp.rank * size
+        label = f"{self.name}.{expert}.{projection}"
+        if not 0 <= expert < self.num_experts:
+            raise WeightsMismatchError(f"{label}: the layer has {self.num_experts} experts")
+        if projection == "down_proj":
+            if loaded_shape(loaded) != (self.down_proj.shape[1], full):
+                raise WeightsMismatchError(f"{label}: expected [{self.down_proj.shape[1]}, {full}], got {list(loaded_shape(loaded))}")
+            copy_into(self.down_proj[expert], read_rows(loaded, 1, start, size), label)
+            return
+        if loaded_shape(loaded) != (full, self.gate_up_proj.shape[2]):
+            raise WeightsMismatchError(f"{label}: expected [{full}, {self.gate_up_proj.shape[2]}], got {list(loaded_shape(loaded))}")
+        offset = 0 if projection == "gate_proj" else size
+        copy_into(self.gate_up_proj[expert].narrow(0, offset, size), read_rows(loaded, 0, start, size), label)
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, use_kernel: bool = False) -> torch.Tensor:
         return self.tp.all_reduce(super().forward(x, weights, experts, use_kernel))

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from mmengine.distributed.sharding import kv_head_split
 from mmengine.distributed.vocab_parallel import padded_vocab_size
 
-_PROJECTION = re.compile(r"layers\.\d+\.(?:self_attn|mlp)\.(q|k|v|o|gate|up|down)_proj\.(weight|bias)$")
+_PROJECTION = re.compile(r"layers\.\d+\..*\b(q|k|v|o|gate|up|down)_proj\.(weight|bias)$")  # (shared and per-expert ones too)
+# Gated DeltaNet (Qwen3.5): everything but the gated norm is split by heads
+_LINEAR_ATTENTION = re.compile(r"linear_attn\.(?:(?:in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|conv1d|out_proj)\.weight|dt_bias|A_log)$")
 _VISION_MARKERS = ("vision", "visual", "projector", "multi_modal")
 
 
@@ -41,8 +43,8 @@ def rank_elements(name: str, shape: tuple[int, ...], text_config: object, tp_siz
         return numel
     if name.endswith(("embed_tokens.weight", "lm_head.weight")):
         return padded_vocab_size(shape[0], tp_size) // tp_size * math.prod(shape[1:])
-    if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # every expert's intermediate rows split
-        return numel // tp_size
+    if name.endswith(("experts.gate_up_proj", "experts.down_proj")) or _LINEAR_ATTENTION.search(name):
+        return numel // tp_size  # every expert's intermediate rows; a linear-attention layer's heads
     match = _PROJECTION.search(name)
     if match is None:
         return numel  # norms

@@ -36,15 +36,20 @@ from mmengine.distributed.parallel_experts import ParallelFusedExperts
 from mmengine.distributed.parallel_lora import enable_parallel_lora
 from mmengine.distributed.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from mmengine.distributed.process_group import TensorParallelGroup
+from mmengine.distributed.sharded_hybrid import rank_shape, shard_gated_attention, shard_gated_delta_net
 from mmengine.distributed.sharding import divide, kv_head_split
 from mmengine.distributed.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from mmengine.errors import ConfigError, WeightsMismatchError
+from mmengine.layers.gated_delta import GatedDeltaNet
 from mmengine.layers.moe import FusedExperts, SparseMoeBlock
 from mmengine.models.family import ModelFamily
 from mmengine.models.llama import STACKED_PROJECTIONS, DecoderAttention, DecoderMLP, DecoderModel, head_dim_of
 from mmengine.models.loader import WeightCheck, materialize_parameters, parameters_on_meta
 from mmengine.models.quantization import quantization_of
+from mmengine.models.qwen3_5 import GatedAttention, HybridDecoderModel
 
+# One expert's projection stored apart (Qwen3.5-MoE's layout), by our name
+_PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 # An FP8-KV checkpoint's per-layer scales, by our name (as models/vlm.py reads them)
 _KV_SCALE = re.compile(r"^language_model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
@@ -56,11 +61,10 @@ def check_tensor_parallel_shapes(family: ModelFamily, tp_size: int) -> None:
         return
     config = family.text_config
     name = family.display_name or type(family).__name__
-    if family.recurrent_shape is not None:
-        raise ConfigError(f"tensor_parallel_size={tp_size}: {name}'s hybrid decoder (Gated DeltaNet layers) is not split "
-                          "over ranks yet; run it with tensor_parallel_size=1")
+    if family.recurrent_shape is not None:  # the Gated DeltaNet layers split by their heads
+        rank_shape(family.recurrent_shape, tp_size)
     decoder_class = getattr(type(family).model_class, "decoder_class", None)
-    if decoder_class is not DecoderModel:
+    if decoder_class not in (DecoderModel, HybridDecoderModel):
         raise ConfigError(f"tensor_parallel_size={tp_size}: {name}'s decoder ({getattr(decoder_class, '__name__', decoder_class)}) "
                           "is not split over ranks yet; run it with tensor_parallel_size=1")
     if quantization_of(family.hf_config) is not None:
@@ -78,12 +82,18 @@ def tensor_parallel_family(family: ModelFamily, tp: TensorParallelGroup) -> Mode
     """The family as one rank sees it: its model built split (`model_class`), and the KV cache of this rank's
     KV heads (`kv_cache_layout`)."""
     check_tensor_parallel_shapes(family, tp.size)
-    ranked = copy.copy(family)
-    base_class = type(family).model_class
+    base = type(family)
     per_rank = kv_head_split(family.text_config.num_key_value_heads, tp.size).heads_per_rank
     layout = [(per_rank, head_size) for _, head_size in family.kv_cache_layout()]
-    ranked.kv_cache_layout = lambda: list(layout)  # type: ignore[method-assign]
-    ranked.model_class = lambda hf_config: build_sharded_model(base_class, hf_config, tp)  # type: ignore[misc]
+    recurrent = family.recurrent_shape
+    ranked_recurrent = rank_shape(recurrent, tp.size) if recurrent is not None else None
+    ranked_class = type(f"TensorParallel{base.__name__}", (base,), {
+        "kv_cache_layout": lambda self: list(layout),
+        "recurrent_shape": property(lambda self: ranked_recurrent),
+        "model_class": staticmethod(lambda hf_config: build_sharded_model(base.model_class, hf_config, tp)),
+    })
+    ranked = copy.copy(family)
+    ranked.__class__ = ranked_class
     return ranked
 
 
@@ -106,33 +116,45 @@ def build_sharded_model(model_class: Callable[[Any], nn.Module], hf_config: Any,
 def shard_decoder(model: nn.Module, tp: TensorParallelGroup) -> None:
     """Swaps the decoder's embedding, projections and LM head for this rank's parallel layers."""
     decoder = model.language_model
-    if type(decoder) is not DecoderModel:
+    if type(decoder) not in (DecoderModel, HybridDecoderModel):
         raise ConfigError(f"tensor parallelism: the decoder {type(decoder).__name__} is not split over ranks yet")
     config = decoder.config
-    hidden, head_dim = config.hidden_size, head_dim_of(config)
+    hidden = config.hidden_size
     decoder.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp=tp, name="language_model.embed_tokens")
     for index, layer in enumerate(decoder.layers):
-        attn, mlp = layer.self_attn, layer.mlp
         prefix = f"language_model.layers.{index}"
-        if type(attn) is not DecoderAttention or type(mlp) not in (DecoderMLP, SparseMoeBlock):
-            raise ConfigError(f"tensor parallelism: {prefix} ({type(attn).__name__}, {type(mlp).__name__}) is not split over ranks yet")
-        qkv = QKVParallelLinear(hidden, head_dim, attn.num_heads, attn.num_kv_heads, bias=attn.qkv_proj.bias is not None, tp=tp,
-                                name=f"{prefix}.self_attn.qkv_proj")
-        attn.o_proj = RowParallelLinear(attn.q_size, attn.o_proj.out_features, bias=attn.o_proj.bias is not None, tp=tp,
-                                        name=f"{prefix}.self_attn.o_proj")
-        attn.qkv_proj = qkv
-        attn.num_heads, attn.num_kv_heads = qkv.num_heads_per_rank, qkv.num_kv_heads_per_rank
-        attn.q_size, attn.kv_size = qkv.q_size, qkv.kv_size
-        attn.attn.num_heads, attn.attn.num_kv_heads = qkv.num_heads_per_rank, qkv.num_kv_heads_per_rank
+        if isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet):
+            shard_gated_delta_net(layer.linear_attn, tp, f"{prefix}.linear_attn")
+        elif isinstance(layer.self_attn, GatedAttention):
+            shard_gated_attention(layer.self_attn, tp, f"{prefix}.self_attn")
+        elif type(layer.self_attn) is DecoderAttention:
+            shard_attention(layer.self_attn, hidden, head_dim_of(config), tp, f"{prefix}.self_attn")
+        else:
+            raise ConfigError(f"tensor parallelism: {prefix}'s {type(layer.self_attn).__name__} is not split over ranks yet")
+        mlp = layer.mlp
         if isinstance(mlp, SparseMoeBlock):  # the router and the shared expert's gate replicated
             if type(mlp.experts) is not FusedExperts:
                 raise ConfigError(f"tensor parallelism: {prefix}'s {type(mlp.experts).__name__} is not split over ranks yet")
             mlp.experts = ParallelFusedExperts(mlp.experts, tp, f"{prefix}.mlp.experts")
             if mlp.shared_expert is not None:
                 split_mlp(mlp.shared_expert, hidden, tp, f"{prefix}.mlp.shared_expert")
-        else:
+        elif type(mlp) is DecoderMLP:
             split_mlp(mlp, hidden, tp, f"{prefix}.mlp")
+        else:
+            raise ConfigError(f"tensor parallelism: {prefix}'s {type(mlp).__name__} is not split over ranks yet")
     model.lm_head = ParallelLMHead(config.vocab_size, hidden, tp=tp, name="lm_head")
+
+
+def shard_attention(attn: DecoderAttention, hidden: int, head_dim: int, tp: TensorParallelGroup, prefix: str) -> None:
+    """q/k/v column-parallel in one matmul (the KV-head rule), o row-parallel."""
+    qkv = QKVParallelLinear(hidden, head_dim, attn.num_heads, attn.num_kv_heads, bias=attn.qkv_proj.bias is not None, tp=tp,
+                            name=f"{prefix}.qkv_proj")
+    attn.o_proj = RowParallelLinear(attn.q_size, attn.o_proj.out_features, bias=attn.o_proj.bias is not None, tp=tp,
+                                    name=f"{prefix}.o_proj")
+    attn.qkv_proj = qkv
+    attn.num_heads, attn.num_kv_heads = qkv.num_heads_per_rank, qkv.num_kv_heads_per_rank
+    attn.q_size, attn.kv_size = qkv.q_size, qkv.kv_size
+    attn.attn.num_heads, attn.attn.num_kv_heads = qkv.num_heads_per_rank, qkv.num_kv_heads_per_rank
 
 
 def split_mlp(mlp: DecoderMLP, hidden: int, tp: TensorParallelGroup, name: str) -> None:
@@ -150,6 +172,7 @@ def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, 
     slices = CheckpointSlices(model_dir)
     check = WeightCheck(expected, slices, optional=["lm_head.weight"] if model.tie_word_embeddings else [])
     model.kv_scales = {}
+    experts_seen: dict[tuple[str, int, str], str] = {}  # (layer's experts, expert, projection) -> checkpoint name
     for raw_name, tensor in slices:
         name = model.checkpoint_name(raw_name)
         scale = _KV_SCALE.match(name)
@@ -161,9 +184,25 @@ def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, 
             continue
         if name not in expected and model.is_ignorable(name):
             continue
+        expert = _PER_EXPERT.match(name)
+        if expert is not None and f"{expert['prefix']}.gate_up_proj" in expected:  # each expert stored apart
+            key = (expert["prefix"], int(expert["expert"]), expert["proj"])
+            if key in experts_seen:
+                raise WeightsMismatchError(f"tensor {raw_name!r} appears twice (a parameter must be loaded once)", slices.where(raw_name))
+            experts_seen[key] = raw_name
+            model.get_submodule(expert["prefix"]).load_expert(int(expert["expert"]), expert["proj"], tensor)
+            continue
         check.accept(name, raw_name, tensor)
         parameter, piece = target_of(model, name)
         load_parameter(parameter, tensor, piece, name)
+    for prefix in {prefix for prefix, _, _ in experts_seen}:  # a layer's experts stored apart: every one, once
+        module = model.get_submodule(prefix)
+        wanted = {(prefix, e, p) for e in range(module.num_experts) for p in ("gate_proj", "up_proj", "down_proj")}
+        missing = sorted(wanted - set(experts_seen))
+        if missing:
+            raise WeightsMismatchError(f"the checkpoint lacks {len(missing)} expert tensor(s) of {prefix}, e.g. expert "
+                                       f"{missing[0][1]}'s {missing[0][2]}", slices.where())
+        check.loaded[f"{prefix}.gate_up_proj"] = check.loaded[f"{prefix}.down_proj"] = f"{prefix}.*"
     check.finish()
     if "lm_head.weight" not in check.loaded:
         model.lm_head.tie_to(model.language_model.embed_tokens)
@@ -174,5 +213,8 @@ def target_of(model: nn.Module, name: str) -> tuple[nn.Parameter, object]:
     parts = name.split(".")
     if name.startswith("language_model.layers.") and len(parts) >= 6 and parts[-2] in STACKED_PROJECTIONS:
         fused, piece = STACKED_PROJECTIONS[parts[-2]]
-        return model.get_parameter(".".join([*parts[:-2], fused, parts[-1]])), piece
+        try:
+            return model.get_parameter(".".join([*parts[:-2], fused, parts[-1]])), piece
+        except AttributeError:  # a layer that keeps its projections apart (Qwen3.5's gated attention)
+            pass
     return model.get_parameter(name), None

@@ -7,6 +7,9 @@
   launched_step.py a step queued on the device, its tokens read back later
   kv_tensors.py    the KV cache's device tensors, one per layer shape (Gemma 4's sliding and global layers differ)
   spans.py         how far each new token sees on layers that attend both ways inside a picture
+  parallel_runner.py  tensor_parallel_size > 1: the driver's runner, one plan a step to the worker processes
+  step_plan.py     that plan and rank 0's reply, as plain data
+  worker.py        one rank: a ModelRunner over its slice of the model, mirroring the driver's requests
 """
 
 from mmengine.runner.model_runner import ModelRunner

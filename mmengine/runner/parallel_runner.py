@@ -307,7 +307,7 @@ class ParallelRunner:
             if request.grammar is not None and s.samples:
                 masked.append((len(plan.rows), request))
             plan.rows.append(PlannedRow(request_id, s.start, s.num_new_tokens, list(s.encoder_items), base,
-                                        request.all_token_ids[base:], request.num_prefix_hit_tokens))
+                                        request.all_token_ids[base:], request.num_prefix_hit_tokens, state=s.state))
             for index in s.encoder_items:
                 self.encoder_outputs[request.mm_items[index].mm_hash] = True
         freed = [*self.freed, *out.freed_encoder_hashes]

@@ -49,6 +49,7 @@ class PlannedRow:
     new_tokens: list[int]
     num_prefix_hit_tokens: int
     grammar_mask: Any = None  # the row's token bitmask (host int32 [1, words]) when a grammar constrains it
+    state: Any = None  # hybrid models: the recurrent state's StatePlan (slot, reset or restore, checkpoints to save)
 
 
 @dataclass
