@@ -120,7 +120,6 @@ def test_logprobs_and_seeded_sampling_match_tp1(tp1, tp2):
     ({"tensor_parallel_size": 3}, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "carrier-pigeon"}, "distributed_executor_backend"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, "distributed_executor_backend='ray'"),
-    ({"tensor_parallel_size": 2, "speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative_config"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive int"),
 ])
 def test_what_tensor_parallelism_refuses_is_named_before_any_process_starts(llava, options, named):
@@ -269,9 +268,36 @@ def test_qwen3_5_moe_hybrid_decoder_gives_tp1_and_transformers_tokens_with_chunk
     options = {"max_model_len": 256, "max_num_batched_tokens": 32}
     one = MMEngine(str(path), **options).generate(prompt, images=[make_test_image(11)], sampling_params=params, use_tqdm=False)[0]
     assert one.token_ids == transformers_greedy(path, prompt, [make_test_image(11)], 8, CPU_FP32, ignore_eos=True)
-    with MMEngine(str(path), tensor_parallel_size=2, **options) as engine:
+    speculative = {"method": "ngram", "num_speculative_tokens": 2}
+    with MMEngine(str(path), tensor_parallel_size=2, speculative_config=speculative, **options) as engine:
         first = engine.generate(prompt, images=[make_test_image(11)], sampling_params=params, use_tqdm=False)[0]
         again = engine.generate(prompt, images=[make_test_image(11)], sampling_params=params, use_tqdm=False)[0]
         stats = engine.stats()
+        # drafts the model keeps (the answer itself, but a wrong one every second proposal): verify steps on the ranks
+        engine.steps.proposer = AnswerProposer(one.prompt_token_ids, one.token_ids)
+        drafted = engine.generate(prompt, images=[make_test_image(12)], sampling_params=params, use_tqdm=False)[0]
+        spec = engine.stats()
     assert first.token_ids == again.token_ids == one.token_ids
     assert again.num_cached_tokens > 0 and stats["state_checkpoint_hits"] >= 1 and stats["encoder_runs"] == 1
+    assert drafted.token_ids == MMEngine(str(path), **options).generate(prompt, images=[make_test_image(12)], sampling_params=params,
+                                                                        use_tqdm=False)[0].token_ids
+    assert spec["spec_accepted_tokens"] > stats["spec_accepted_tokens"] and spec["spec_draft_tokens"] > spec["spec_accepted_tokens"]
+
+
+class AnswerProposer:
+    """Proposes a known answer's next tokens for a prompt of the same length (the image differs: the answer is
+    right until it is not), and a wrong token every second proposal."""
+
+    def __init__(self, prompt_ids: list[int], answer: list[int]) -> None:
+        self.prompt_length, self.answer, self.proposals = len(prompt_ids), answer, 0
+
+    def propose(self, request_id: str, token_ids: list[int], max_drafts: int) -> list[int]:
+        done = len(token_ids) - self.prompt_length
+        drafts = list(self.answer[done : done + min(2, max_drafts)])
+        self.proposals += 1
+        if drafts and self.proposals % 2 == 0:
+            drafts[0] = (drafts[0] + 1) % 50
+        return drafts
+
+    def forget(self, request_id: str) -> None:
+        pass

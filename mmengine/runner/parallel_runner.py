@@ -13,7 +13,7 @@ minimum over the ranks, and the encoder outputs it reports are the books of what
 dies or fails makes every later call raise EngineDeadError (`distributed/executor.py`); `shutdown()` stops them.
 
 What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): speculative
-decoding, CUDA graphs (enforce_eager=False on CUDA), cascade_attention="on", the host
+decoding with a draft head (n-gram drafts run: the driver proposes, every rank verifies), CUDA graphs (enforce_eager=False on CUDA), cascade_attention="on", the host
 tiers, and update_weights; the decoder kinds not split yet (`distributed/sharded_model.py`).
 """
 
@@ -57,8 +57,9 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
     if multiprocessing.current_process().daemon:
         raise ConfigError(f"{prefix}: this process is a daemonic one (AsyncMMEngine's engine_core='process'), which cannot "
                           "start the worker processes; use engine_core='thread' or `mmengine serve --api-server-count`")
-    if config.spec_config.num_speculative_tokens:
-        raise ConfigError(f"{prefix}: speculative_config is not supported with tensor parallelism yet")
+    if config.spec_config.num_speculative_tokens and config.spec_config.method != "ngram":
+        raise ConfigError(f"{prefix}: speculative_config method {config.spec_config.method!r} is not supported with tensor "
+                          "parallelism yet (its draft head would run on the ranks); 'ngram' is")
     if config.execution_config.cascade_attention == "on":
         raise ConfigError(f"{prefix}: cascade_attention='on' is not supported with tensor parallelism yet; use 'auto' "
                           "(off at tensor_parallel_size > 1) or 'off'")
@@ -307,7 +308,8 @@ class ParallelRunner:
             if request.grammar is not None and s.samples:
                 masked.append((len(plan.rows), request))
             plan.rows.append(PlannedRow(request_id, s.start, s.num_new_tokens, list(s.encoder_items), base,
-                                        request.all_token_ids[base:], request.num_prefix_hit_tokens, state=s.state))
+                                        request.all_token_ids[base:], request.num_prefix_hit_tokens, state=s.state,
+                                        draft_token_ids=list(s.draft_token_ids)))
             for index in s.encoder_items:
                 self.encoder_outputs[request.mm_items[index].mm_hash] = True
         freed = [*self.freed, *out.freed_encoder_hashes]

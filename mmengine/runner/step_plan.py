@@ -50,6 +50,7 @@ class PlannedRow:
     num_prefix_hit_tokens: int
     grammar_mask: Any = None  # the row's token bitmask (host int32 [1, words]) when a grammar constrains it
     state: Any = None  # hybrid models: the recurrent state's StatePlan (slot, reset or restore, checkpoints to save)
+    draft_token_ids: list[int] = field(default_factory=list)  # speculative decoding: drafts this step verifies
 
 
 @dataclass

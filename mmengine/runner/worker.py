@@ -104,7 +104,8 @@ class ModelWorker:
             request.num_computed_tokens = row.start
             request.num_prefix_hit_tokens = row.num_prefix_hit_tokens
             request.grammar = None if row.grammar_mask is None else PlannedMask(row.grammar_mask)
-            scheduled.append(ScheduledRequest(request, row.start, row.num_new_tokens, list(row.encoder_items), state=row.state))
+            scheduled.append(ScheduledRequest(request, row.start, row.num_new_tokens, list(row.encoder_items), state=row.state,
+                                              draft_token_ids=list(row.draft_token_ids)))
         for slot, adapter in plan.lora_loads:
             if adapter is None:
                 runner.clear_lora_slot(slot)
