@@ -70,7 +70,7 @@ def load_parameter(param: torch.nn.Parameter, loaded: Loaded, shard_id: object =
     (a replicated parameter: a norm, a rotary table)."""
     weight_loader = getattr(param, "weight_loader", None)
     if weight_loader is None:
-        whole = loaded if isinstance(loaded, torch.Tensor) else loaded[:]
+        whole = loaded if isinstance(loaded, torch.Tensor) else loaded[...]  # (a 0-dim tensor too)
         copy_into(param, whole, name or "a replicated parameter")
     elif shard_id is None:
         weight_loader(param, loaded)

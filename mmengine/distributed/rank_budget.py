@@ -41,7 +41,7 @@ def rank_elements(name: str, shape: tuple[int, ...], text_config: object, tp_siz
     numel = math.prod(shape)
     if tp_size == 1 or not is_decoder_tensor(name):
         return numel
-    if name.endswith(("embed_tokens.weight", "lm_head.weight")):
+    if name.endswith(("embed_tokens.weight", "lm_head.weight", "embed_tokens_per_layer.weight")):
         return padded_vocab_size(shape[0], tp_size) // tp_size * math.prod(shape[1:])
     if name.endswith(("experts.gate_up_proj", "experts.down_proj")) or _LINEAR_ATTENTION.search(name):
         return numel // tp_size  # every expert's intermediate rows; a linear-attention layer's heads

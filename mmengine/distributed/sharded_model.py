@@ -36,6 +36,7 @@ from mmengine.distributed.parallel_experts import ParallelFusedExperts
 from mmengine.distributed.parallel_lora import enable_parallel_lora
 from mmengine.distributed.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from mmengine.distributed.process_group import TensorParallelGroup
+from mmengine.distributed.sharded_gemma import shard_gemma_decoder
 from mmengine.distributed.sharded_hybrid import rank_shape, shard_gated_attention, shard_gated_delta_net
 from mmengine.distributed.sharding import divide, kv_head_split
 from mmengine.distributed.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -45,9 +46,13 @@ from mmengine.layers.moe import FusedExperts, SparseMoeBlock
 from mmengine.models.family import ModelFamily
 from mmengine.models.llama import STACKED_PROJECTIONS, DecoderAttention, DecoderMLP, DecoderModel, head_dim_of
 from mmengine.models.loader import WeightCheck, materialize_parameters, parameters_on_meta
+from mmengine.models.gemma3_text import Gemma3DecoderModel
+from mmengine.models.gemma4_text import Gemma4DecoderModel
 from mmengine.models.quantization import quantization_of
 from mmengine.models.qwen3_5 import GatedAttention, HybridDecoderModel
 
+# The decoders this module splits (their families' model_class.decoder_class)
+SPLIT_DECODERS = (DecoderModel, HybridDecoderModel, Gemma3DecoderModel, Gemma4DecoderModel)
 # One expert's projection stored apart (Qwen3.5-MoE's layout), by our name
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 # An FP8-KV checkpoint's per-layer scales, by our name (as models/vlm.py reads them)
@@ -64,15 +69,14 @@ def check_tensor_parallel_shapes(family: ModelFamily, tp_size: int) -> None:
     if family.recurrent_shape is not None:  # the Gated DeltaNet layers split by their heads
         rank_shape(family.recurrent_shape, tp_size)
     decoder_class = getattr(type(family).model_class, "decoder_class", None)
-    if decoder_class not in (DecoderModel, HybridDecoderModel):
+    if decoder_class not in SPLIT_DECODERS:
         raise ConfigError(f"tensor_parallel_size={tp_size}: {name}'s decoder ({getattr(decoder_class, '__name__', decoder_class)}) "
                           "is not split over ranks yet; run it with tensor_parallel_size=1")
     if quantization_of(family.hf_config) is not None:
         raise ConfigError(f"tensor_parallel_size={tp_size}: quantized checkpoints are not split over ranks yet")
-    if any(window is not None for window in family.kv_cache_windows()):
-        raise ConfigError(f"tensor_parallel_size={tp_size}: {name}'s sliding-window layers are not split over ranks yet")
     divide(config.num_attention_heads, tp_size, "the text model", "num_attention_heads")
-    kv_head_split(config.num_key_value_heads, tp_size, "the text model")
+    for heads in {heads for heads, _ in family.kv_cache_layout()}:  # (Gemma 4's global layers have KV heads of their own)
+        kv_head_split(heads, tp_size, "the text model")
     divide(config.intermediate_size, tp_size, "the text model", "intermediate_size")
     if getattr(config, "num_experts", 0):  # the experts split on their intermediate size
         divide(config.moe_intermediate_size, tp_size, "the text model", "moe_intermediate_size")
@@ -83,8 +87,7 @@ def tensor_parallel_family(family: ModelFamily, tp: TensorParallelGroup) -> Mode
     KV heads (`kv_cache_layout`)."""
     check_tensor_parallel_shapes(family, tp.size)
     base = type(family)
-    per_rank = kv_head_split(family.text_config.num_key_value_heads, tp.size).heads_per_rank
-    layout = [(per_rank, head_size) for _, head_size in family.kv_cache_layout()]
+    layout = [(kv_head_split(heads, tp.size).heads_per_rank, head_size) for heads, head_size in family.kv_cache_layout()]
     recurrent = family.recurrent_shape
     ranked_recurrent = rank_shape(recurrent, tp.size) if recurrent is not None else None
     ranked_class = type(f"TensorParallel{base.__name__}", (base,), {
@@ -116,10 +119,14 @@ def build_sharded_model(model_class: Callable[[Any], nn.Module], hf_config: Any,
 def shard_decoder(model: nn.Module, tp: TensorParallelGroup) -> None:
     """Swaps the decoder's embedding, projections and LM head for this rank's parallel layers."""
     decoder = model.language_model
-    if type(decoder) not in (DecoderModel, HybridDecoderModel):
+    if type(decoder) not in SPLIT_DECODERS:
         raise ConfigError(f"tensor parallelism: the decoder {type(decoder).__name__} is not split over ranks yet")
     config = decoder.config
     hidden = config.hidden_size
+    if type(decoder) in (Gemma3DecoderModel, Gemma4DecoderModel):
+        shard_gemma_decoder(decoder, tp)
+        model.lm_head = ParallelLMHead(config.vocab_size, hidden, tp=tp, name="lm_head")
+        return
     decoder.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp=tp, name="language_model.embed_tokens")
     for index, layer in enumerate(decoder.layers):
         prefix = f"language_model.layers.{index}"
@@ -177,7 +184,7 @@ def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, 
         name = model.checkpoint_name(raw_name)
         scale = _KV_SCALE.match(name)
         if scale is not None:
-            value = tensor[:]
+            value = tensor[...]
             if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value) <= 0:
                 raise WeightsMismatchError(f"tensor {raw_name!r}: a KV scale must be one positive number, got {tuple(value.shape)}")
             model.kv_scales[(int(scale[1]), scale[2])] = float(value)
@@ -217,4 +224,7 @@ def target_of(model: nn.Module, name: str) -> tuple[nn.Parameter, object]:
             return model.get_parameter(".".join([*parts[:-2], fused, parts[-1]])), piece
         except AttributeError:  # a layer that keeps its projections apart (Qwen3.5's gated attention)
             pass
-    return model.get_parameter(name), None
+    try:
+        return model.get_parameter(name), None
+    except AttributeError:  # a buffer the checkpoint holds (Gemma 4's layer_scalar): whole on every rank
+        return model.get_buffer(name), None
