@@ -56,7 +56,9 @@ from fuzz_case import CLIPS, DEFECTS, MAX_IMAGES, MAX_MODEL_LEN, FuzzCase, Reque
 import mmengine.errors  # noqa: E402
 from mmengine import LoRARequest, MMEngine, RequestOutput, SamplingParams, StructuredOutputParams  # noqa: E402
 from mmengine.testing import make_test_image  # noqa: E402
+from mmengine.testing.eagle3 import build_eagle3_head  # noqa: E402
 from mmengine.testing.lora import build_random_adapter  # noqa: E402
+from mmengine.testing.mtp import tiny_qwen3_5_mtp_path  # noqa: E402
 from mmengine.testing.video import make_test_clip  # noqa: E402
 
 REPLAY = "python tests/fuzz/fuzzer.py --seed {seed}"
@@ -89,6 +91,7 @@ class CaseReport:
     weight_updates: int = 0
     spec_draft_tokens: int = 0
     spec_accepted_tokens: int = 0
+    spec_method: str | None = None  # what drafted (None: no speculation)
 
 
 @dataclass
@@ -152,8 +155,9 @@ def _run(case: FuzzCase, env: FuzzEnv, tmp: Path) -> CaseReport:
     tiers = random.Random(f"{case.seed}-host-tier")
     # the Triton kernels run compiled on a GPU, in the interpreter on a CPU
     device = "cuda" if case.options.get("attn_backend") == "triton" and torch.cuda.is_available() else "cpu"
+    speculation, checkpoint = _speculation(case, checkpoint, tmp)
     engine = MMEngine(str(checkpoint), device=device, dtype="float32", encoder_cache_host_bytes=tiers.choice((0, 1 << 20)),
-                      kv_cache_host_bytes=tiers.choice((0, 1 << 20)), **(_resolve(case, valid) | _speculation(case)))
+                      kv_cache_host_bytes=tiers.choice((0, 1 << 20)), **(_resolve(case, valid) | speculation))
     for name, path in adapters.items():
         engine.add_lora(LoRARequest(name, str(path)))
     audit_lock = engine.lock  # the engine's own lock: an audit never sees a step half done
@@ -162,7 +166,8 @@ def _run(case: FuzzCase, env: FuzzEnv, tmp: Path) -> CaseReport:
         with audit_lock:
             assert_books_consistent(engine)
 
-    report = CaseReport(case.seed, case.family, requests=len(built), bad_requests=len(built) - len(valid))
+    report = CaseReport(case.seed, case.family, requests=len(built), bad_requests=len(built) - len(valid),
+                        spec_method=speculation.get("speculative_config", {}).get("method"))
     driver = built[: len(case.driver)]
     outputs: dict[int, RequestOutput] = {}
     rest = iter(built[len(case.driver):])
@@ -317,16 +322,35 @@ def _videos_arg(b: _Built) -> list[Any] | None:
     return b.videos if isinstance(b.prompt, str) and b.videos else None
 
 
-def _speculation(case: FuzzCase) -> dict[str, object]:
-    """A third of the cases draft with n-gram lookup (drawn apart from the case's own draws): the tokens are the
-    reference's all the same, and drafts that find no free blocks are dropped before anyone is preempted. Such a
-    case's steps run one at a time (speculation refuses async scheduling)."""
+# families a draft head drafts for: their own MTP head (the tiny checkpoint's copy with a random one), or an EAGLE-3
+# head built for the case (those on the Llama-like decoder)
+MTP_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+EAGLE3_FAMILIES = ("llava", "smolvlm", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl", "mistral3",
+                   "llava_onevision")
+
+
+def _speculation(case: FuzzCase, checkpoint: Path, tmp: Path) -> tuple[dict[str, object], Path]:
+    """A third of the cases speculate (drawn apart from the case's own draws): with n-gram lookup, or, for half
+    of those on a family that has one, a random draft head (Qwen3.5's MTP head, or an EAGLE-3 head); with the
+    back-off or without. The tokens are the reference's all the same, and drafts that find no free blocks are
+    dropped before anyone is preempted. Such a case's steps run one at a time (speculation refuses async
+    scheduling). Returns the options and the checkpoint to run (an MTP head's copy of the case's)."""
     rng = random.Random(f"{case.seed}-speculative")
     if rng.random() >= 1 / 3:
-        return {}
-    spec = {"method": "ngram", "num_speculative_tokens": rng.randint(1, 4), "prompt_lookup_min": 1,
-            "prompt_lookup_max": rng.randint(1, 3)}
-    return {"speculative_config": spec, "async_scheduling": "off"}
+        return {}, checkpoint
+    k = rng.randint(1, 4)
+    spec: dict[str, object] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1,
+                               "prompt_lookup_max": rng.randint(1, 3)}
+    # (not on the Triton interpreter: the head's attention runs the kernels the target's does, at a cost the suite feels)
+    interpreted = case.options.get("attn_backend") == "triton" and not torch.cuda.is_available()
+    if rng.random() < 0.5 and case.family in MTP_FAMILIES and not interpreted:
+        spec, checkpoint = {"method": "mtp", "num_speculative_tokens": k}, tiny_qwen3_5_mtp_path(case.family)
+    elif rng.random() < 0.5 and case.family in EAGLE3_FAMILIES and not interpreted:
+        head = build_eagle3_head(tmp / "eagle3", checkpoint, draft_vocab_size=rng.choice((None, 150)),
+                                 own_embeddings=rng.random() < 0.5, seed=case.seed)
+        spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
+    spec["draft_backoff"] = rng.random() < 0.5
+    return {"speculative_config": spec, "async_scheduling": "off"}, checkpoint
 
 
 def _resolve(case: FuzzCase, valid: list[_Built]) -> dict[str, object]:
@@ -518,8 +542,10 @@ def _main(args: argparse.Namespace) -> int:
         seed += 1
         if seed % 25 == 0:
             print(f"{seed - args.start} cases, {len(failures)} failed", flush=True)
-    totals = {key: sum(getattr(r, key) for r in reports) for key in CaseReport.__dataclass_fields__ if key not in ("seed", "family")}
+    totals = {key: sum(getattr(r, key) for r in reports) for key in CaseReport.__dataclass_fields__
+              if key not in ("seed", "family", "spec_method")}
     by_family = {f: sum(r.family == f for r in reports) for f in sorted({r.family for r in reports})}
+    totals["by_spec_method"] = {m: sum((r.spec_method or "none") == m for r in reports) for m in sorted({r.spec_method or "none" for r in reports})}
     summary = {"cases": len(reports) + len(failures), "passed": len(reports), "failed": len(failures), "seeds": [args.start, seed - 1],
                "minutes": args.minutes, "threads_at_end": threading.active_count(), "by_family": by_family, "totals": totals, "failures": failures}
     print(json.dumps({k: v for k, v in summary.items() if k != "failures"}, indent=1))

@@ -63,8 +63,11 @@ def test_the_seeded_cases_reach_what_they_are_for(env):
     reports = [_quick_report(case.seed, env) for case in cases[:9]]  # (test_seeded_case's runs, where it ran first)
     assert sum(r.prefix_cache_hits for r in reports) > 0 and sum(r.bad_requests for r in reports) > 0
     assert sum(r.weight_updates for r in reports) > 0
-    # speculating cases verified drafts and kept some (over every seed: test_seeded_case has run them all)
-    assert sum(_quick_report(case.seed, env).spec_accepted_tokens for case in cases) > 0
+    # speculating cases verified drafts and kept some (over every seed: test_seeded_case has run them all), and
+    # the draft heads drafted too
+    quick = [_quick_report(case.seed, env) for case in cases]
+    assert sum(r.spec_accepted_tokens for r in quick) > 0
+    assert {r.spec_method for r in quick if r.spec_draft_tokens} == {"ngram", "mtp", "eagle3"}
 
 
 def test_a_leak_fails_the_case_with_its_seed_and_replay_command(env, monkeypatch):
