@@ -10,6 +10,7 @@
   sharded_model.py      a family's model split over the ranks (its decoder swapped for the parallel layers), loaded slice by slice
   sharded_hybrid.py     Qwen3.5's Gated DeltaNet and gated attention split by heads
   sharded_gemma.py      Gemma 3's and Gemma 4's decoders split (per-layer KV heads, scaled and per-layer embeddings)
+  sharded_llama4.py     Llama 4's decoder split (q/k rows into the rotary's layout per head, transposed experts)
   rank_budget.py        one rank's weights and KV cache from a checkpoint's headers (`mmengine budget --tensor-parallel-size`)
   worker_loop.py        a worker process: join the group, build the worker, serve the driver's messages
   worker_processes.py   the driver's handle on each worker process, and how they all stop (asked, released, killed)

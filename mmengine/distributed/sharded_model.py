@@ -37,6 +37,7 @@ from mmengine.distributed.parallel_lora import enable_parallel_lora
 from mmengine.distributed.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.sharded_gemma import shard_gemma_decoder
+from mmengine.distributed.sharded_llama4 import shard_llama4_decoder
 from mmengine.distributed.sharded_hybrid import rank_shape, shard_gated_attention, shard_gated_delta_net
 from mmengine.distributed.sharding import divide, kv_head_split
 from mmengine.distributed.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -48,11 +49,12 @@ from mmengine.models.llama import STACKED_PROJECTIONS, DecoderAttention, Decoder
 from mmengine.models.loader import WeightCheck, materialize_parameters, parameters_on_meta
 from mmengine.models.gemma3_text import Gemma3DecoderModel
 from mmengine.models.gemma4_text import Gemma4DecoderModel
+from mmengine.models.llama4_text import Llama4DecoderModel
 from mmengine.models.quantization import quantization_of
 from mmengine.models.qwen3_5 import GatedAttention, HybridDecoderModel
 
 # The decoders this module splits (their families' model_class.decoder_class)
-SPLIT_DECODERS = (DecoderModel, HybridDecoderModel, Gemma3DecoderModel, Gemma4DecoderModel)
+SPLIT_DECODERS = (DecoderModel, HybridDecoderModel, Gemma3DecoderModel, Gemma4DecoderModel, Llama4DecoderModel)
 # One expert's projection stored apart (Qwen3.5-MoE's layout), by our name
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 # An FP8-KV checkpoint's per-layer scales, by our name (as models/vlm.py reads them)
@@ -78,6 +80,8 @@ def check_tensor_parallel_shapes(family: ModelFamily, tp_size: int) -> None:
     for heads in {heads for heads, _ in family.kv_cache_layout()}:  # (Gemma 4's global layers have KV heads of their own)
         kv_head_split(heads, tp_size, "the text model")
     divide(config.intermediate_size, tp_size, "the text model", "intermediate_size")
+    if getattr(config, "intermediate_size_mlp", None):  # Llama 4's dense layers
+        divide(config.intermediate_size_mlp, tp_size, "the text model", "intermediate_size_mlp")
     if getattr(config, "num_experts", 0):  # the experts split on their intermediate size
         divide(config.moe_intermediate_size, tp_size, "the text model", "moe_intermediate_size")
 
@@ -125,6 +129,11 @@ def shard_decoder(model: nn.Module, tp: TensorParallelGroup) -> None:
     hidden = config.hidden_size
     if type(decoder) in (Gemma3DecoderModel, Gemma4DecoderModel):
         shard_gemma_decoder(decoder, tp)
+        model.lm_head = ParallelLMHead(config.vocab_size, hidden, tp=tp, name="lm_head")
+        return
+    if type(decoder) is Llama4DecoderModel:
+        decoder.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp=tp, name="language_model.embed_tokens")
+        shard_llama4_decoder(decoder, tp, split_mlp)
         model.lm_head = ParallelLMHead(config.vocab_size, hidden, tp=tp, name="lm_head")
         return
     decoder.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp=tp, name="language_model.embed_tokens")
