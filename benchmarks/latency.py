@@ -358,6 +358,43 @@ def run_gpu_busy(engine: MMEngine, batch_size: int, args: argparse.Namespace) ->
     }
 
 
+# -- tensor parallelism -----------------------------------------------------------------------------
+
+
+def run_parallel(engine: MMEngine, model: str, origin: dict, args: argparse.Namespace, bandwidth: float) -> dict:
+    """--tensor-parallel-size N: the decode step against one rank's weight-read floor (every rank reads its share of
+    the weights each step, at once) and the TTFT; the GPU-busy share is the ranks' (their processes), not measured here."""
+    parallel = engine.parallel
+    weight_bytes = parallel.weight_bytes_per_rank[0]
+    kv_token_bytes = kv_bytes_per_token(engine)
+    print(f"{model} on {args.tensor_parallel_size} ranks ({engine.device}, {str(engine.dtype).removeprefix('torch.')}): each rank "
+          f"holds {weight_bytes / 1e9:.3f} GB of weights + {kv_token_bytes / 1e3:.1f} KB of KV per context token; bandwidth "
+          f"{bandwidth:.0f} GB/s a device ({'given' if args.bandwidth_gbs else 'measured'})")
+    result: dict = {
+        "model": model, "checkpoint": origin, "settings": {k: v for k, v in vars(args).items()},
+        "machine": {"platform": platform.platform(), "torch": torch.__version__, "cuda": torch.cuda.is_available()},
+        "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "memory": {"bandwidth_gbs": bandwidth, "weight_bytes_per_rank": parallel.weight_bytes_per_rank,
+                   "decode_weight_bytes": weight_bytes, "kv_bytes_per_token": kv_token_bytes},
+    }
+    print(f"{'batch':>6} {'median ms':>10} {'min ms':>8} {'weight floor':>13} {'+KV floor':>10} {'x floor':>8} {'context':>8}")
+    result["decode"] = []
+    for batch_size in args.batch_sizes:
+        row = run_decode(engine, batch_size, args, weight_bytes, kv_token_bytes, bandwidth)
+        result["decode"].append(row)
+        if row["steps_timed"]:
+            print(f"{batch_size:>6} {row['median_ms']:>10.2f} {row['min_ms']:>8.2f} {row['weight_floor_ms']:>13.2f} "
+                  f"{row['floor_ms']:>10.2f} {row['median_over_floor']:>8.2f} {row['mean_context_tokens']:>8.0f}")
+    result["ttft"] = run_ttft(engine, args.image_size, args.ttft_repeats)
+    for name, case in result["ttft"].items():
+        print(f"TTFT {name:<24} {case['median_ms']:8.2f} ms median  (encoder runs: {case['encoder_runs']})")
+    result["gpu_busy"] = {"skipped": "tensor parallelism: the devices are the worker processes'"}
+    engine.shutdown()
+    write_json(args.output, result)
+    return result
+
+
 # -- main -----------------------------------------------------------------------------------------
 
 
@@ -403,6 +440,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1,
+                        help="ranks the decoder is split over (worker processes, one GPU each; docs/parallelism.md)")
     parser.add_argument("--output", default="benchmarks/results/latency.json")
     return parser.parse_args(argv)
 
@@ -446,12 +485,16 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     model, origin = resolve_model(args)
     bandwidth = args.bandwidth_gbs or measure_bandwidth_gbs(EngineConfig(model=model, device=args.device).resolve_device())
+    # tensor parallelism: CUDA graphs are not captured per worker yet (docs/parallelism.md), so the ranks run eagerly
+    parallel = {"tensor_parallel_size": args.tensor_parallel_size, "enforce_eager": True} if args.tensor_parallel_size > 1 else {}
     engine = MMEngine(
         model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch_sizes + [args.profile_batch_size]),
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization, kv_cache_dtype=args.kv_cache_dtype, **parallel,
     )
     device = engine.device
+    if engine.parallel is not None:  # the model is in the worker processes: the per-GPU floor is one rank's weights
+        return run_parallel(engine, model, origin, args, bandwidth)
     weight_bytes = decode_weight_bytes(engine.runner.model)
     kv_token_bytes = kv_bytes_per_token(engine)
     print(f"{model} on {device} in {str(engine.dtype).removeprefix('torch.')}: decode reads {weight_bytes / 1e9:.3f} GB "

@@ -186,6 +186,7 @@ class ParallelRunner:
         self.num_window_blocks = 0
         self.num_state_checkpoints = 0
         self.num_kv_blocks = 0
+        self.block_size = config.cache_config.block_size
         self.sampler = Sampler(config.model_config.seed)  # the engine's make_generator (the ranks seed their own)
         self.penalties = ReleasedRequests()
         self.grammar_masks = BitmaskFiller(family.text_config.vocab_size, 1, self.device)
