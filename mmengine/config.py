@@ -243,12 +243,16 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     # How the workers are started: "mp" (processes on this machine) or "ray" (a placement group; not built yet)
     distributed_executor_backend: str = "mp"
+    # The vision tower at tensor_parallel_size > 1 (vLLM's name): "weights", every rank runs it on every picture of a
+    # step (the tower replicated); "data", a step's pictures are split across the ranks by size and the outputs shared
+    mm_encoder_tp_mode: str = "weights"
 
     def __post_init__(self) -> None:
         _require(self.engine_core in ("thread", "process"), "engine_core", self.engine_core, "'thread' or 'process'")
         _positive_int("tensor_parallel_size", self.tensor_parallel_size)
         _require(self.distributed_executor_backend in ("mp", "ray"), "distributed_executor_backend",
                  self.distributed_executor_backend, "'mp' or 'ray'")
+        _require(self.mm_encoder_tp_mode in ("weights", "data"), "mm_encoder_tp_mode", self.mm_encoder_tp_mode, "'weights' or 'data'")
 
 
 @dataclass

@@ -121,6 +121,8 @@ def test_logprobs_and_seeded_sampling_match_tp1(tp1, tp2):
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "carrier-pigeon"}, "distributed_executor_backend"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, "distributed_executor_backend='ray'"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive int"),
+    ({"tensor_parallel_size": 2, "mm_encoder_tp_mode": "diagonal"}, "mm_encoder_tp_mode must be 'weights' or 'data'"),
+    ({"tensor_parallel_size": 2, "mm_encoder_tp_mode": "data", "enable_lora": True}, "mm_encoder_tp_mode='data' with enable_lora"),
 ])
 def test_what_tensor_parallelism_refuses_is_named_before_any_process_starts(llava, options, named):
     before = children()
@@ -193,22 +195,23 @@ def test_a_killed_worker_is_engine_dead_within_seconds_and_shutdown_leaves_no_pr
     assert not children() - tp2.children_before
 
 
-def test_qwen3_vl_moe_gives_tp1_and_transformers_tokens_with_a_picture_in_chunks(family_checkpoint):
+def test_qwen3_vl_moe_gives_tp1_and_transformers_tokens_with_pictures_encoded_on_both_ranks(family_checkpoint):
     """Qwen3-VL's decoder (M-RoPE positions, DeepStack levels, per-head q/k norms, two KV heads split) with routed
-    experts split on their intermediate size and a dense layer (mlp_only_layers). Qwen3-VL and Qwen2.5-VL (q/k/v
+    experts split on their intermediate size and a dense layer (mlp_only_layers); the tower in data mode. Qwen3-VL and Qwen2.5-VL (q/k/v
     biases) run the same split decoder without the experts."""
     import chat_formats
     from conftest import hf_greedy as transformers_greedy
 
     path = family_checkpoint("qwen3_vl_moe")
-    prompts = [chat_formats.user_turn("qwen3_vl_moe", "What is shown here?", 1), chat_formats.user_turn("qwen3_vl_moe", "Tell me a story.", 0)]
-    images = [[make_test_image(11)], []]
+    prompts = [chat_formats.user_turn("qwen3_vl_moe", "Compare the pictures.", 2), chat_formats.user_turn("qwen3_vl_moe", "Tell me a story.", 0)]
+    images = [[make_test_image(11), make_test_image(12, size=(64, 30))], []]
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=2)
-    options = {"max_model_len": 256, "max_num_batched_tokens": 32}
+    options = {"max_model_len": 256, "max_num_batched_tokens": 128}
     ones = MMEngine(str(path), **options).generate(prompts, images=images, sampling_params=params, use_tqdm=False)
-    with MMEngine(str(path), tensor_parallel_size=2, **options) as engine:
+    # mm_encoder_tp_mode="data": the step's two pictures are encoded one on each rank, the outputs shared
+    with MMEngine(str(path), tensor_parallel_size=2, mm_encoder_tp_mode="data", **options) as engine:
         twos = engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
-        assert engine.stats()["encoder_runs"] == 1
+        assert engine.stats()["encoder_runs"] == 2
     for prompt, pictures, one, two in zip(prompts, images, ones, twos):
         assert two.token_ids == one.token_ids == transformers_greedy(path, prompt, pictures, 8, CPU_FP32, ignore_eos=True)
         assert max(abs(a.logprob - b.logprob) for a, b in zip(one.logprobs, two.logprobs)) < 1e-4
@@ -312,3 +315,14 @@ class AnswerProposer:
 
     def forget(self, request_id: str) -> None:
         pass
+
+
+def test_data_mode_splits_a_steps_pictures_by_size_alike_on_every_rank():
+    import torch
+
+    from mmengine.distributed.encoder_data_parallel import split_items
+
+    items = [{"pixel_values": torch.zeros(n)} for n in (10, 40, 25, 5, 30)]
+    # largest first to the lighter rank: 40 -> 0, 30 -> 1, 25 -> 1, 10 -> 0, 5 -> 0: 55 and 55
+    assert split_items(items, 2) == [0, 0, 1, 0, 1]
+    assert split_items(items, 1) == [0] * 5

@@ -11,6 +11,7 @@
   sharded_hybrid.py     Qwen3.5's Gated DeltaNet and gated attention split by heads
   sharded_gemma.py      Gemma 3's and Gemma 4's decoders split (per-layer KV heads, scaled and per-layer embeddings)
   sharded_llama4.py     Llama 4's decoder split (q/k rows into the rotary's layout per head, transposed experts)
+  encoder_data_parallel.py  mm_encoder_tp_mode="data": a step's pictures split across the ranks, the outputs shared
   rank_budget.py        one rank's weights and KV cache from a checkpoint's headers (`mmengine budget --tensor-parallel-size`)
   worker_loop.py        a worker process: join the group, build the worker, serve the driver's messages
   worker_processes.py   the driver's handle on each worker process, and how they all stop (asked, released, killed)

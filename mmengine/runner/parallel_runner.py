@@ -60,6 +60,9 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
     if config.spec_config.num_speculative_tokens and config.spec_config.method != "ngram":
         raise ConfigError(f"{prefix}: speculative_config method {config.spec_config.method!r} is not supported with tensor "
                           "parallelism yet (its draft head would run on the ranks); 'ngram' is")
+    if config.parallel_config.mm_encoder_tp_mode == "data" and config.lora_config.enable_lora:
+        raise ConfigError(f"{prefix}: mm_encoder_tp_mode='data' with enable_lora is not supported yet (an adapter on the "
+                          "vision side reads the whole step's rows)")
     if config.execution_config.cascade_attention == "on":
         raise ConfigError(f"{prefix}: cascade_attention='on' is not supported with tensor parallelism yet; use 'auto' "
                           "(off at tensor_parallel_size > 1) or 'off'")

@@ -21,6 +21,7 @@ import torch
 from mmengine.config import EngineConfig
 from mmengine.core.request import PLACEHOLDER_TOKEN, ProcessedPrompt, Request
 from mmengine.core.scheduler import ScheduledRequest, SchedulerOutput
+from mmengine.distributed.encoder_data_parallel import data_parallel_encoder
 from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.sharded_model import tensor_parallel_family
 from mmengine.models.family import ModelFamily
@@ -50,6 +51,8 @@ class ModelWorker:
         self.tp = tp
         self.runner = ModelRunner(config, tensor_parallel_family(family, tp), Path(model_dir), tp.device, dtype, max_model_len)
         self.runner.grammar_masks = PlannedMasks()
+        if config.parallel_config.mm_encoder_tp_mode == "data":  # each rank encodes its share of a step's pictures
+            self.runner.model.encode_items = data_parallel_encoder(self.runner.model.encode_items, tp)
         self.requests: dict[str, Request] = {}
         self.sampled: dict[str, list[int]] = {}  # the last step's tokens, by request
 
