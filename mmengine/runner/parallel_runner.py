@@ -12,9 +12,10 @@ It holds no tensors: sizes come from rank 0's runner at start-up (`describe`), t
 minimum over the ranks, and the encoder outputs it reports are the books of what the ranks hold. A worker that
 dies or fails makes every later call raise EngineDeadError (`distributed/executor.py`); `shutdown()` stops them.
 
-What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): speculative
-decoding with a draft head (n-gram drafts run: the driver proposes, every rank verifies), CUDA graphs (enforce_eager=False on CUDA), cascade_attention="on", the host
-tiers, and update_weights; the decoder kinds not split yet (`distributed/sharded_model.py`).
+What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): a draft head ("mtp";
+n-gram drafts run: the driver proposes, every rank verifies), CUDA graphs (enforce_eager=False on CUDA),
+cascade_attention="on", the host tiers, mm_encoder_tp_mode="data" with LoRA, update_weights, quantized
+checkpoints, and sizes that do not divide (`distributed/sharded_model.py`).
 """
 
 from __future__ import annotations
@@ -71,9 +72,6 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
     for name in ("encoder_cache_host_bytes", "kv_cache_host_bytes"):
         if getattr(config.cache_config, name):
             raise ConfigError(f"{prefix}: {name} (a host tier) is not supported with tensor parallelism yet; leave it unset or 0")
-    if config.cache_config.kv_cache_dtype != "auto":
-        raise ConfigError(f"{prefix}: kv_cache_dtype={config.cache_config.kv_cache_dtype!r} is not supported with tensor "
-                          "parallelism yet; use 'auto'")
     check_tensor_parallel_shapes(family, tp)
 
 
