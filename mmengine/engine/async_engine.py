@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 
 from mmengine.engine.core_client import EngineCoreClient
 from mmengine.engine.intake import CheckedRequest
+from mmengine.engine.prompt_inputs import check_request_id
 from mmengine.engine.mm_engine import MMEngine
 from mmengine.errors import ConfigError, EngineDeadError, InvalidInputError, MMEngineError
 from mmengine.lora.request import LoRARequest
@@ -98,14 +99,22 @@ class RequestStream:
         self.started = False  # its first token has arrived
         self.cancelled = False  # aborted by its consumer (the worker that queues it checks this)
         self.added = False  # queued in the engine
+        # False: the consumer wants the whole answer (a non-streamed one) and is woken for the first token and the
+        # end only; the outputs between stay queued and come as one delta with the end (outputs are cumulative)
+        self.wakes_per_output = True
+        self._woken_for_token = False
         self._engine = engine
-        self._holdback = max((len(s) for s in params.stop), default=1) - 1
+        self.set_params(params)
         self._items: deque[RequestOutput | BaseException] = deque()
         self._ready = asyncio.Event()
         self._iterated = False
         self._sent_chars = 0
         self._sent_reasoning_chars = 0
         self._sent_tokens = 0
+
+    def set_params(self, params: SamplingParams) -> None:
+        self.sampling_params = params
+        self._holdback = max((len(s) for s in params.stop), default=1) - 1
 
     def __aiter__(self) -> AsyncIterator[DeltaOutput]:
         if self._iterated:
@@ -136,6 +145,10 @@ class RequestStream:
 
     def _put(self, item: RequestOutput | BaseException) -> None:  # on the event loop
         self._items.append(item)
+        if isinstance(item, RequestOutput) and not item.finished and not self.wakes_per_output:
+            if self._woken_for_token or not item.token_ids:
+                return
+            self._woken_for_token = True
         self._ready.set()
 
     async def _next_item(self) -> RequestOutput | BaseException:
@@ -285,6 +298,7 @@ class AsyncMMEngine:
         lora: LoRARequest | str | None = None,
         videos: Sequence[Any] | None = None,
         audios: Sequence[Any] | None = None,
+        whole_answer: bool = False,
     ) -> RequestStream:
         """Validates, preprocesses (on the worker pool) and queues one request; returns its stream.
 
@@ -292,7 +306,9 @@ class AsyncMMEngine:
         replaces `sampling_params.max_tokens` with all the room the prompt leaves (max_model_len
         and the KV cache), as OpenAI's API does when max_tokens is not given. `lora` selects an adapter
         (a registered name, or a LoRARequest registered on first use). `videos` / `audios`: one per video /
-        audio marker, as MMEngine.generate takes them.
+        audio marker, as MMEngine.generate takes them. `whole_answer`: the caller reads only the whole answer
+        (a non-streamed reply), so its stream wakes it for the first token and for the end, not for every
+        step: it yields the first token's delta and then one delta with all the rest.
         """
         self._start()
         self.check_not_overloaded()
@@ -301,6 +317,7 @@ class AsyncMMEngine:
         request_id = checked.request_id = checked.request_id or f"req-{uuid.uuid4().hex}"
         params = checked.params
         stream = RequestStream(self, request_id, params)
+        stream.wakes_per_output = not whole_answer
         with self._lock:
             if request_id in self._streams:
                 raise InvalidInputError(f"request id {request_id!r} is already in use")
@@ -311,6 +328,49 @@ class AsyncMMEngine:
             await self.run_in_pool(
                 self._process_and_queue, stream, checked, fill_max_tokens
             )
+        except BaseException:
+            stream.abort()  # unregisters it; if the worker still queues it, the worker aborts it
+            raise
+        return stream
+
+    async def add_request_from(
+        self,
+        make_prompt: Callable[[], tuple[str | dict[str, Any], Sequence[ImageInput] | None]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        mm_uuids: Sequence[str | None] | None = None,
+        fill_max_tokens: bool = False,
+        lora: LoRARequest | str | None = None,
+        whole_answer: bool = False,
+    ) -> RequestStream:
+        """add_request() for a prompt that is itself made on the worker pool: `make_prompt()` returns
+        (prompt, images), e.g. a chat template rendered and its pictures decoded, and runs in the same pool
+        job as the intake's checks, the preprocessing and the queueing. The request so reaches the engine
+        after one trip to the pool instead of two (each trip waits for the event loop, which under load waits
+        for the step loop's GIL). Errors are add_request()'s, and whatever `make_prompt` raises."""
+        self._start()
+        self.check_not_overloaded()
+        request_id = check_request_id(request_id) or f"req-{uuid.uuid4().hex}"
+        stream = RequestStream(self, request_id, SamplingParams())  # its checked params are set before it is queued
+        stream.wakes_per_output = not whole_answer
+        with self._lock:
+            if request_id in self._streams:
+                raise InvalidInputError(f"request id {request_id!r} is already in use")
+            self._streams[request_id] = stream
+            self._num_queued += 1
+        self._load_changed()
+
+        def make_and_queue() -> None:
+            prompt, images = make_prompt()
+            checked = self.engine.intake.check(prompt, images, sampling_params, request_id=request_id,
+                                               cache_salt=cache_salt, mm_uuids=mm_uuids, lora=lora)
+            stream.set_params(checked.params)
+            self._process_and_queue(stream, checked, fill_max_tokens)
+
+        try:
+            await self.run_in_pool(make_and_queue)
         except BaseException:
             stream.abort()  # unregisters it; if the worker still queues it, the worker aborts it
             raise

@@ -164,7 +164,8 @@ class _OpenAIServer:
             self._check_adapter_name(name)
             async_engine.engine.add_lora(LoRARequest(name, path))
 
-    def check_api_key(self, request: Request) -> None:
+    async def check_api_key(self, request: Request) -> None:
+        # async: FastAPI runs a plain-def dependency on its thread pool, a thread hop per request for a compare
         expected = self.settings.api_key
         if expected is None:
             return
@@ -238,19 +239,26 @@ class _OpenAIServer:
         inputs: list[tuple[Any, Any]] = []
         try:
             self.engine.check_not_overloaded()  # before decoding anything
-            inputs = [await self.chat_prompt(body)] if chat else [(prompt, None) for prompt in body.prompts()]
-            for index, (prompt, images) in enumerate(inputs):
-                # The samples of a prompt queue one after another: the first prefills the prompt and
-                # the others wait for its blocks (the scheduler's wait for in-flight blocks), so the
-                # prompt is computed once; each sample has its own seed stream (seed + j).
-                for j in range(samples):
-                    sample_params = params if j == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + j)
-                    single = len(inputs) == 1 and samples == 1
-                    streams.append(await self.engine.add_request(
-                        prompt, images, sample_params, request_id=request_id if single else f"{request_id}-{index}-{j}",
-                        cache_salt=body.cache_salt, mm_uuids=body.mm_uuids if chat else None,
-                        fill_max_tokens=fill_max_tokens, lora=lora,
-                    ))
+            if chat and samples == 1:  # one pool job renders, decodes, checks, preprocesses and queues it
+                inputs = [(None, None)]
+                streams.append(await self.engine.add_request_from(
+                    await self.chat_prompt_maker(body), params, request_id=request_id, cache_salt=body.cache_salt,
+                    mm_uuids=body.mm_uuids, fill_max_tokens=fill_max_tokens, lora=lora, whole_answer=not body.stream,
+                ))
+            else:
+                inputs = [await self.chat_prompt(body)] if chat else [(prompt, None) for prompt in body.prompts()]
+                for index, (prompt, images) in enumerate(inputs):
+                    # The samples of a prompt queue one after another: the first prefills the prompt and
+                    # the others wait for its blocks (the scheduler's wait for in-flight blocks), so the
+                    # prompt is computed once; each sample has its own seed stream (seed + j).
+                    for j in range(samples):
+                        sample_params = params if j == 0 or params.seed is None else dataclasses.replace(params, seed=params.seed + j)
+                        single = len(inputs) == 1 and samples == 1
+                        streams.append(await self.engine.add_request(
+                            prompt, images, sample_params, request_id=request_id if single else f"{request_id}-{index}-{j}",
+                            cache_salt=body.cache_salt, mm_uuids=body.mm_uuids if chat else None,
+                            fill_max_tokens=fill_max_tokens, lora=lora, whole_answer=not body.stream,
+                        ))
         except BaseException as err:  # refused or cancelled: the prompts already queued are aborted
             for stream in streams:
                 stream.abort()
@@ -276,9 +284,12 @@ class _OpenAIServer:
             for stream in streams:
                 stream.abort()
 
+        async def abort_all_after() -> None:  # async: a plain-def background task would take a thread-pool trip
+            abort_all()
+
         if body.stream:
             events = self._events(writers, deltas, streams, body.include_usage, shape)
-            return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(abort_all))
+            return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(abort_all_after))
         answer = asyncio.ensure_future(self._wholes(writers, deltas, shape))
         try:
             if not await _finished_before_disconnect(request, answer):
@@ -373,6 +384,11 @@ class _OpenAIServer:
     async def chat_prompt(self, body: ChatCompletionRequest) -> tuple[str | dict[str, Any], list[Any] | None]:
         """The rendered prompt and its pictures; a prompt with videos or audio clips is a prompt dict
         carrying them all (multi_modal_data), as MMEngine takes it."""
+        return await self.engine.run_in_pool(await self.chat_prompt_maker(body))
+
+    async def chat_prompt_maker(self, body: ChatCompletionRequest) -> Callable[[], tuple[str | dict[str, Any], list[Any] | None]]:
+        """chat_prompt()'s work on the event loop (parsing, remote media, the template's options: their errors
+        raise here), and a function that does the rest off it: renders the template and decodes the media."""
         conversation, sources = parse_messages(body.messages, self.settings.enable_mm_embeds)
         policy = self.settings.media
         pictures = [s for s in sources if not isinstance(s, (VideoPart, AudioPart))]
@@ -412,7 +428,7 @@ class _OpenAIServer:
             sounds = [load_input_audio(part.data, part.format, i, policy) for i, part in enumerate(audios)]
             return {"prompt": prompt, "multi_modal_data": {"image": images, "video": clips, "audio": sounds}}, None
 
-        return await self.engine.run_in_pool(prepare)
+        return prepare
 
     @staticmethod
     async def _wholes(writers: list[ResponseWriter], deltas: list[AsyncIterator[DeltaOutput]], shape: _Choices) -> dict[str, Any]:
