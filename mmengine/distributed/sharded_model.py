@@ -50,7 +50,7 @@ from mmengine.models.loader import WeightCheck, materialize_parameters, paramete
 from mmengine.models.gemma3_text import Gemma3DecoderModel
 from mmengine.models.gemma4_text import Gemma4DecoderModel
 from mmengine.models.llama4_text import Llama4DecoderModel
-from mmengine.models.quantization import quantization_of
+from mmengine.models.quantization import dequantize_tensors, quantization_of
 from mmengine.models.qwen3_5 import GatedAttention, HybridDecoderModel
 
 # The decoders this module splits (their families' model_class.decoder_class)
@@ -74,8 +74,6 @@ def check_tensor_parallel_shapes(family: ModelFamily, tp_size: int) -> None:
     if decoder_class not in SPLIT_DECODERS:
         raise ConfigError(f"tensor_parallel_size={tp_size}: {name}'s decoder ({getattr(decoder_class, '__name__', decoder_class)}) "
                           "is not split over ranks yet; run it with tensor_parallel_size=1")
-    if quantization_of(family.hf_config) is not None:
-        raise ConfigError(f"tensor_parallel_size={tp_size}: quantized checkpoints are not split over ranks yet")
     divide(config.num_attention_heads, tp_size, "the text model", "num_attention_heads")
     for heads in {heads for heads, _ in family.kv_cache_layout()}:  # (Gemma 4's global layers have KV heads of their own)
         kv_head_split(heads, tp_size, "the text model")
@@ -189,7 +187,11 @@ def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, 
     check = WeightCheck(expected, slices, optional=["lm_head.weight"] if model.tie_word_embeddings else [])
     model.kv_scales = {}
     experts_seen: dict[tuple[str, int, str], str] = {}  # (layer's experts, expert, projection) -> checkpoint name
-    for raw_name, tensor in slices:
+    quantization = quantization_of(model.config)
+    source = slices
+    if quantization is not None:  # each quantized weight read whole with its scales, dequantized, then this rank's part
+        source = dequantize_tensors(WholeTensors(slices), quantization)
+    for raw_name, tensor in source:
         name = model.checkpoint_name(raw_name)
         scale = _KV_SCALE.match(name)
         if scale is not None:
@@ -222,6 +224,20 @@ def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, 
     check.finish()
     if "lm_head.weight" not in check.loaded:
         model.lm_head.tie_to(model.language_model.embed_tokens)
+
+
+class WholeTensors:
+    """A checkpoint's slices read whole (what dequantizing a quantized weight with its scales needs)."""
+
+    def __init__(self, slices: CheckpointSlices) -> None:
+        self.slices = slices
+
+    def __iter__(self):
+        for name, tensor in self.slices:
+            yield name, tensor[...]
+
+    def where(self, name: str | None = None) -> str:
+        return self.slices.where(name)
 
 
 def target_of(model: nn.Module, name: str) -> tuple[nn.Parameter, object]:

@@ -14,8 +14,8 @@ dies or fails makes every later call raise EngineDeadError (`distributed/executo
 
 What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): a draft head ("mtp";
 n-gram drafts run: the driver proposes, every rank verifies), CUDA graphs (enforce_eager=False on CUDA),
-cascade_attention="on", the host tiers, mm_encoder_tp_mode="data" with LoRA, update_weights, quantized
-checkpoints, and sizes that do not divide (`distributed/sharded_model.py`).
+cascade_attention="on", the host tiers, mm_encoder_tp_mode="data" with LoRA, update_weights, and sizes that
+do not divide (`distributed/sharded_model.py`).
 """
 
 from __future__ import annotations
