@@ -41,6 +41,7 @@ def module_replicas(ray_cluster, checkpoint_dir):
 @pytest.fixture
 def two_replicas(module_replicas):
     """The module's two replicas with fresh engines (empty caches, zeroed counters), rebuilt in their processes."""
+    assert all(module_replicas.alive), "a test killed a module replica before this one (the killing test runs last)"
     module_replicas.reset()
     return module_replicas
 
@@ -105,34 +106,6 @@ def test_two_replicas_match_one_local_engine_row_for_row(two_replicas, checkpoin
     assert {r["replica"] for r in got.values()} == {0, 1}
     assert len(result.replica_stats) == 2
     assert sum(s["requests_finished"] for s in result.replica_stats) == len(rows)
-
-
-def test_killing_a_replica_mid_batch_still_answers_every_row_once(ray_cluster, checkpoint_dir, tmp_path):
-    rows = mixed_rows(tmp_path) * 2
-    rows = [{**r, "item_id": i} for i, r in enumerate(rows)]
-    killed = []
-
-    def kill_replica_0_after_its_first_sub_batch(runner, replica, done):
-        if replica == 0 and not killed:
-            ray.kill(runner.replicas[0], no_restart=True)
-            killed.append(done)
-
-    runner = BatchRunner(checkpoint_dir(), num_replicas=2, engine_options=ENGINE_OPTIONS, num_cpus=0.5, batch_size=2)
-    try:
-        result = runner.run(ray.data.from_items(rows), progress=kill_replica_0_after_its_first_sub_batch)
-    finally:
-        runner.shutdown()
-    assert killed, "replica 0 never finished a sub-batch"
-    got = by_item(result.dataset)
-    assert sorted(got) == list(range(len(rows)))
-    assert result.num_retried_rows > 0
-    assert result.replica_stats[0] is None  # dead
-    on_zero = [i for i in range(len(rows)) if got[i]["replica"] == 0]
-    # the rows it finished before it died: at least those the hook saw, maybe a sub-batch more whose
-    # answer was already stored when the kill landed (all sub-batches are queued on the actor at once)
-    assert killed[0] <= len(on_zero) < len(rows)
-    expected = local_outputs(checkpoint_dir(), rows)
-    assert [list(got[i]["token_ids"]) for i in range(len(rows))] == [e.token_ids for e in expected]
 
 
 def test_image_affinity_encodes_each_picture_once_across_replicas(two_replicas):
@@ -293,3 +266,30 @@ def test_without_the_store_each_replica_encodes_each_picture(two_replicas, check
     result = two_replicas.run(ray.data.from_items(second), affinity=None)
     assert_answers_are_local(result, second, checkpoint_dir())
     assert sum(s["encoder_runs"] for s in result.replica_stats) == 12
+
+
+# Last in the file: it kills one of the module's replicas (no test after it can use them), instead of starting two more.
+def test_killing_a_replica_mid_batch_still_answers_every_row_once(two_replicas, checkpoint_dir, tmp_path):
+    rows = mixed_rows(tmp_path) * 2
+    rows = [{**r, "item_id": i} for i, r in enumerate(rows)]
+    killed = []
+
+    def kill_replica_0_after_its_first_sub_batch(runner, replica, done):
+        if replica == 0 and not killed:
+            ray.kill(runner.replicas[0], no_restart=True)
+            killed.append(done)
+
+    runner = two_replicas
+    runner.batch_size = 2  # sub-batches of two rows: replica 0 dies with some of its rows still queued
+    result = runner.run(ray.data.from_items(rows), progress=kill_replica_0_after_its_first_sub_batch)
+    assert killed, "replica 0 never finished a sub-batch"
+    got = by_item(result.dataset)
+    assert sorted(got) == list(range(len(rows)))
+    assert result.num_retried_rows > 0
+    assert result.replica_stats[0] is None  # dead
+    on_zero = [i for i in range(len(rows)) if got[i]["replica"] == 0]
+    # the rows it finished before it died: at least those the hook saw, maybe a sub-batch more whose
+    # answer was already stored when the kill landed (all sub-batches are queued on the actor at once)
+    assert killed[0] <= len(on_zero) < len(rows)
+    expected = local_outputs(checkpoint_dir(), rows)
+    assert [list(got[i]["token_ids"]) for i in range(len(rows))] == [e.token_ids for e in expected]
