@@ -153,3 +153,44 @@ def test_a_whole_answer_wakes_its_reader_twice_and_keeps_the_latency_metrics(ser
     assert [t for d in whole for t in d.token_ids] == [t for d in streamed for t in d.token_ids]
     assert whole[-1].finish_reason == streamed[-1].finish_reason == "length"
     assert whole[0].num_prompt_tokens == streamed[0].num_prompt_tokens
+
+
+def test_a_whole_answer_is_stepped_as_generates_after_its_first_token(checkpoint_dir):
+    """The engine hands back its first token's output and its final one, not one per step (its tokens
+    decoded at the end, as generate() decodes its own); a whole answer left early still frees everything."""
+    engine = MMEngine(str(checkpoint_dir()), **ENGINE_OPTIONS)
+    params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
+    prompt, picture = "USER: <image>\nWhat is shown? ASSISTANT:", make_test_image(306)
+    handed_back: dict[str, int] = {}
+    step = engine.step
+
+    def counted_step():
+        outputs = step()
+        for output in outputs:
+            handed_back[output.request_id] = handed_back.get(output.request_id, 0) + 1
+        return outputs
+
+    engine.step = counted_step
+
+    async def main() -> tuple[list, list]:
+        async with AsyncMMEngine(engine) as async_engine:
+            whole = await async_engine.add_request(prompt, [picture], params, request_id="whole", whole_answer=True)
+            streamed = await async_engine.add_request(prompt, [picture], params, request_id="streamed")
+
+            async def read(stream) -> list:
+                return [d async for d in stream]
+
+            deltas = await asyncio.gather(read(whole), read(streamed))
+            left = await async_engine.add_request(prompt, [picture], params, request_id="left", whole_answer=True)
+            async for _ in left:
+                break  # after the first token: aborted
+            return deltas
+
+    whole, streamed = asyncio.run(main())
+    (expected,) = engine.generate(prompt, images=[picture], sampling_params=params, use_tqdm=False)
+    assert "".join(d.text for d in whole) == "".join(d.text for d in streamed) == expected.text
+    assert [t for d in whole for t in d.token_ids] == expected.token_ids
+    assert handed_back["whole"] == 2 and handed_back["streamed"] == 9
+    assert not engine.steps.owners and not engine.scheduler.requests
+    assert [(o.request_id, o.finish_reason) for o in step()] == [("left", "abort")]  # (handed to the next step)
+    assert not engine.has_unfinished_requests()

@@ -514,11 +514,25 @@ class AsyncMMEngine:
                     continue
                 failures = 0
                 if outputs:
+                    self._read_whole_answers_at_the_end(outputs)
                     self._post(self._dispatch, outputs)
         except BaseException as err:
             logger.exception("the engine loop died")
             self.dead_error = err
             self._post(self._fail_all, err)
+
+    def _read_whole_answers_at_the_end(self, outputs: list[RequestOutput]) -> None:
+        """A whole answer's request, once its first token is out, is stepped as generate()'s are: no output per
+        step, its tokens decoded when it ends (MMEngine.read_final_output_only; an engine-core process, which
+        has no such call, goes on sending every step's outputs, and the stream wakes its reader twice all the same)."""
+        read_final = getattr(self.engine, "read_final_output_only", None)
+        if read_final is None:
+            return
+        with self._lock:
+            turned = [output.request_id for output in outputs if output.token_ids and not output.finished
+                      and not getattr(self._streams.get(output.request_id), "wakes_per_output", True)]
+        for request_id in turned:
+            read_final(request_id)
 
     def _apply_aborts(self) -> None:
         with self._lock:

@@ -173,6 +173,16 @@ class MMEngine:
             delivered, self.steps.pending = self.steps.pending, []
             return delivered
 
+    def read_final_output_only(self, request_id: str) -> bool:
+        """From now on step() returns this request's output (an add_request() one) only when it finishes, its
+        remaining tokens decoded then at once, as generate() reads its own requests: for a caller that wants the
+        whole answer only. False if no such request is in flight (finished, aborted, unknown or generate()'s)."""
+        with self.lock:
+            if request_id not in self.scheduler.requests or request_id in self.steps.owners:
+                return False
+            self.steps.owners[request_id] = _ToNextStep(self.steps)
+            return True
+
     def has_unfinished_requests(self) -> bool:
         """Whether step() has more to do or to hand back: requests in flight, or outputs not yet returned."""
         with self.lock:
@@ -437,6 +447,18 @@ class MMEngine:
     def stats(self) -> dict[str, int]:
         with self.lock:
             return engine_stats(self.parts, self.steps)
+
+
+class _ToNextStep(dict):
+    """The owner (StepLoop.owners) of a request that read_final_output_only() turned: its final output, the
+    only one the step loop hands an owner, goes to the next step()'s outputs."""
+
+    def __init__(self, steps: StepLoop) -> None:
+        super().__init__()
+        self._steps = steps
+
+    def __setitem__(self, request_id: str, output: RequestOutput) -> None:
+        self._steps.pending.append(output)
 
 
 def _has_audio_parts(conversation: Conversation) -> bool:
