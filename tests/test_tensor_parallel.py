@@ -147,6 +147,22 @@ def test_lora_adapters_give_tp1_tokens(tp1, tp2, llava, tmp_path):
     assert twos[1].token_ids != twos[2].token_ids  # the adapter changed the answer
 
 
+def test_pictures_reach_the_ranks_in_shared_memory_which_is_unlinked_after_the_step(tp1, tp2, monkeypatch):
+    from pathlib import Path
+
+    from mmengine.runner import shared_pixels
+
+    monkeypatch.setattr(shared_pixels, "MIN_SHARED_BYTES", 0)  # the tiny pictures too
+    segments = set(Path("/dev/shm").glob("psm_*"))
+    pictures = [[make_test_image(21)], [make_test_image(22), make_test_image(23)]]
+    prompts = [PROMPTS[0], PROMPTS[3]]
+    ones = tp1.generate(prompts, images=pictures, sampling_params=GREEDY, use_tqdm=False)
+    twos = tp2.generate(prompts, images=pictures, sampling_params=GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in twos] == [o.token_ids for o in ones]
+    assert not tp2.parallel.segments and not tp2.parallel.segments_of
+    assert set(Path("/dev/shm").glob("psm_*")) <= segments
+
+
 def test_budget_prints_each_ranks_weights_and_kv_cache_as_the_ranks_hold_them(tp2, llava, capsys):
     import re
 
@@ -326,3 +342,22 @@ def test_data_mode_splits_a_steps_pictures_by_size_alike_on_every_rank():
     # largest first to the lighter rank: 40 -> 0, 30 -> 1, 25 -> 1, 10 -> 0, 5 -> 0: 55 and 55
     assert split_items(items, 2) == [0, 0, 1, 0, 1]
     assert split_items(items, 1) == [0] * 5
+
+
+def test_a_plans_pictures_share_one_segment_request_by_request_and_come_back_equal():
+    import torch
+
+    from mmengine.core.request import MMItem
+    from mmengine.runner.shared_pixels import PlanSegment, SharedTensor, take_shared
+
+    items = [MMItem("image", f"h{i}", 0, 4, {"pixel_values": torch.randn(3, 96, 96 + i), "image_grid_thw": torch.tensor([1, 2, 2])})
+             for i in range(3)]
+    segment = PlanSegment(items)
+    shared = segment.share(items[:1]) + segment.share(items[1:])  # two requests of one plan
+    try:
+        assert all(isinstance(item.encoder_inputs["pixel_values"], SharedTensor) for item in shared)
+        assert all(isinstance(item.encoder_inputs["image_grid_thw"], torch.Tensor) for item in shared)  # small: in the plan
+        for original, back in zip(items, take_shared(shared)):
+            assert torch.equal(original.encoder_inputs["pixel_values"], back.encoder_inputs["pixel_values"])
+    finally:
+        segment.release()

@@ -10,6 +10,7 @@
   parallel_runner.py  tensor_parallel_size > 1: the driver's runner, one plan a step to the worker processes
   step_plan.py     that plan and rank 0's reply, as plain data
   worker.py        one rank: a ModelRunner over its slice of the model, mirroring the driver's requests
+  shared_pixels.py a plan's pictures to the ranks in shared memory
 """
 
 from mmengine.runner.model_runner import ModelRunner

@@ -38,6 +38,7 @@ from mmengine.errors import ConfigError, EngineDeadError
 from mmengine.kv_cache.manager import cdiv
 from mmengine.models.family import ModelFamily
 from mmengine.outputs import TokenLogprobs
+from mmengine.runner.shared_pixels import PlanSegment
 from mmengine.runner.step_plan import NewRequest, PlannedRow, StepPlan, StepResult
 from mmengine.runner.worker import ModelWorker
 from mmengine.sample.sampler import Sampler
@@ -206,11 +207,14 @@ class ParallelRunner:
         self.submitted_at: dict[int, float] = {}
         self.max_in_flight = 0  # the most steps sent and not read at once (2 with async scheduling)
         self.results: dict[int, StepResult] = {}  # replies read before their steps asked
+        self.segments: list[PlanSegment] = []  # the plan being built: its pictures in shared memory
+        self.segments_of: dict[int, list[PlanSegment]] = {}  # sent plans' segments, unlinked once their replies are read
         self.freed: list[str] = []  # encoder outputs to drop with the next plan
         self.stale: list[str] = []
 
     def on_death(self, error: EngineDeadError) -> None:
         self.dead_error = error
+        self.release_segments()
         logger.error("tensor-parallel workers failed: %s", error)
 
     def check_alive(self) -> None:
@@ -218,6 +222,14 @@ class ParallelRunner:
 
     def shutdown(self) -> None:
         self.executor.shutdown()
+        self.release_segments()
+
+    def release_segments(self) -> None:
+        """Unlinks the shared pictures of the plans not read back (a failed or stopped executor)."""
+        for segments in [self.segments, *self.segments_of.values()]:
+            for segment in segments:
+                segment.release()
+        self.segments, self.segments_of = [], {}
 
     # -- start-up --------------------------------------------------------------------------------------------------
 
@@ -268,8 +280,16 @@ class ParallelRunner:
         return self.send(launched.plan, launched.requests, wait=False)
 
     def send(self, plan: StepPlan, requests: dict[str, Any], wait: bool) -> RemoteStep:
-        self.executor.submit(plan)
+        segments, self.segments = self.segments, []
+        try:
+            self.executor.submit(plan)
+        except BaseException:
+            for segment in segments:
+                segment.release()
+            raise
         self.num_submitted += 1
+        if segments:
+            self.segments_of[self.num_submitted] = segments
         self.submitted_at[self.num_submitted] = time.perf_counter()
         self.max_in_flight = max(self.max_in_flight, self.num_submitted - self.num_collected)
         step = RemoteStep(self, self.num_submitted, requests)
@@ -282,6 +302,8 @@ class ParallelRunner:
         while self.num_collected < seq:
             result: StepResult = self.executor.collect()
             self.num_collected += 1
+            for segment in self.segments_of.pop(self.num_collected, []):  # every rank has copied its pictures out
+                segment.release()
             self.results[self.num_collected] = result
             sent = self.submitted_at.pop(self.num_collected)
             self.last_step_seconds = (time.perf_counter() - sent, result.seconds)  # (the driver's wait, rank 0's compute)
@@ -298,11 +320,16 @@ class ParallelRunner:
         plan.forget = self.penalties.take()
         for request_id in plan.forget:
             self.synced.pop(request_id, None)
+        new_items = [item for s in out.scheduled if s.request.request_id not in self.synced for item in s.request.mm_items]
+        segment = PlanSegment(new_items) if new_items else None  # the new pictures, in shared memory
+        if segment is not None and segment.memory is not None:
+            self.segments.append(segment)
         for s in out.scheduled:
             request = s.request
             request_id = request.request_id
             if request_id not in self.synced:
-                plan.new_requests.append(NewRequest(request_id, list(request.prompt_token_ids), request.mm_items,
+                items = segment.share(request.mm_items) if segment is not None else request.mm_items
+                plan.new_requests.append(NewRequest(request_id, list(request.prompt_token_ids), items,
                                                     request.mrope_positions, request.sampling_params))
                 self.synced[request_id] = request.num_prompt_tokens
             base = min(self.synced[request_id], request.num_tokens)

@@ -26,6 +26,7 @@ from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.sharded_model import tensor_parallel_family
 from mmengine.models.family import ModelFamily
 from mmengine.runner.model_runner import ModelRunner
+from mmengine.runner.shared_pixels import take_shared
 from mmengine.runner.step_plan import PromptLogprobsPart, StepPlan, StepResult
 
 
@@ -93,7 +94,7 @@ class ModelWorker:
             self.requests.pop(request_id, None)
             runner.penalties.release(request_id)
         for new in plan.new_requests:
-            processed = ProcessedPrompt(None, new.prompt_token_ids, new.mm_items, new.mrope_positions)
+            processed = ProcessedPrompt(None, new.prompt_token_ids, take_shared(new.mm_items), new.mrope_positions)
             generator = runner.sampler.make_generator(new.sampling_params, runner.device)
             self.requests[new.request_id] = Request(new.request_id, processed, new.sampling_params, 0, generator)
         scheduled = []
