@@ -44,11 +44,8 @@ def test_step_breakdown_times_each_phase_in_both_scheduling_modes(checkpoint_dir
 
 def test_latency_benchmark_reports_every_field(latency, checkpoint_dir, tmp_path):
     output = tmp_path / "latency.json"
-    result = latency.main([
-        "--model", str(checkpoint_dir()), "--batch-sizes", "1,3", "--prompt-tokens", "16", "--warmup-steps", "1",
-        "--decode-steps", "3", "--ttft-repeats", "1", "--image-size", "64x48", "--profile-batch-size", "2",
-        "--profile-steps", "2", "--max-model-len", "256", "--output", str(output),
-    ])
+    # the GPU suite's tiny latency options: the "decode_and_ttft" part's dry command is this one
+    result = latency.main(["--model", str(checkpoint_dir()), *load_benchmark("gpu_suite")._TINY_LATENCY, "--output", str(output)])
     assert json.loads(output.read_text()) == json.loads(json.dumps(result, default=str))
 
     memory = result["memory"]
@@ -66,16 +63,20 @@ def test_latency_benchmark_reports_every_field(latency, checkpoint_dir, tmp_path
         assert row["median_over_floor"] == pytest.approx(row["median_ms"] / row["floor_ms"])
 
     ttft = result["ttft"]
-    assert {name: case["encoder_runs"] for name, case in ttft.items()} == {
+    cases = {name: ttft[name] for name in ("new_image", "same_request", "same_image_new_question")}
+    assert set(ttft) == {*cases, "transformers_new_image", "new_image_over_transformers"}
+    assert {name: case["encoder_runs"] for name, case in cases.items()} == {
         "new_image": 1, "same_request": 0, "same_image_new_question": 0,  # the caches were hit
     }
-    assert all(case["median_ms"] > 0 and len(case["all_ms"]) == 1 for case in ttft.values())
+    assert all(case["median_ms"] > 0 and len(case["all_ms"]) == 1 for case in cases.values())
+    assert ttft["new_image_over_transformers"] == pytest.approx(ttft["new_image"]["median_ms"] / ttft["transformers_new_image"]["median_ms"])
 
     busy = result["gpu_busy"]
     if result["device"].startswith("cuda"):
-        assert busy["steps_profiled"] == 2 and busy["gpu_busy_share"] > 0 and busy["device_ops_per_step"] > 0
+        assert busy["steps_profiled"] == 1 and busy["gpu_busy_share"] > 0 and busy["device_ops_per_step"] > 0
     else:
         assert "nothing runs asynchronously" in busy["skipped"]
+    _read_as_the_gpu_suite_part(result, "_decode_reads")
 
 
 def test_a_given_bandwidth_is_used(latency, checkpoint_dir, tmp_path):
@@ -179,6 +180,7 @@ def test_throughput_benchmark_runs_both_engines_batched(checkpoint_dir, tmp_path
     # transformers ran the first 4 prompts as a batch of 3 and one of 1, each row to the full length
     assert base["requests"] == 4 and base["output_tokens"] == 4 * 3 and base["batch_size"] == 3
     assert result["speedup_requests_per_s"] == pytest.approx(ours["requests_per_s"] / base["requests_per_s"])
+    _read_as_the_gpu_suite_part(result, "_images_reads")  # the "image_workload" part's dry command is this one
 
 
 def test_lora_benchmark_runs_each_adapter_count_on_the_same_workload(checkpoint_dir, tmp_path):
@@ -196,6 +198,7 @@ def test_lora_benchmark_runs_each_adapter_count_on_the_same_workload(checkpoint_
     prefill = [r["prefill_tokens_computed"] for r in result["runs"]]
     assert prefill[1] == prefill[3] == prefill[0] and prefill[2] == prefill[4] > prefill[0]
     assert [r["lora_slot_loads"] > 0 for r in result["runs"]] == [False, False, True, False, True]
+    _read_as_the_gpu_suite_part(result, "_lora_reads")  # the "lora" part's dry command is this one
 
 
 def test_beam_search_benchmark_reports_each_width(checkpoint_dir, tmp_path):
@@ -303,9 +306,13 @@ def test_window_pool_benchmark_fits_more_cached_prefixes_in_the_same_bytes(famil
 def test_preprocess_benchmark_times_both_paths_and_checks_their_pixels(tmp_path, monkeypatch):
     """benchmarks/preprocess.py on one photo of each size: every row has both paths' times, and a fast path
     whose pixels differed from transformers' would fail the run, not be timed."""
+    from mmengine.testing.qwen_vl import tiny_qwen_vl_path, tiny_spec
+
     module = load_benchmark("preprocess")
     output = tmp_path / "preprocess.json"
-    result = module.main(["--photos", "1", "--repeats", "1", "--families", "llava", "--workers", "1", "--output", str(output)])
+    encoder = tiny_qwen_vl_path(tiny_spec("qwen2_5_vl"))  # the GPU suite's dry stand-in for Qwen2.5-VL-7B
+    result = module.main(["--families", "llava", "--photos", "1", "--repeats", "1", "--workers", "1", "--encoder-model", str(encoder),
+                          "--device", "cpu", "--output", str(output)])
     assert json.loads(output.read_text()) == json.loads(json.dumps(result))
     assert result["pool"]["workers"][1]["photos_per_s"] > 0  # a pool of one worker, timed
     assert set(result["pool"]["engine"]) == {0, 1} and all(row["seconds"] > 0 for row in result["pool"]["engine"].values())
@@ -313,6 +320,8 @@ def test_preprocess_benchmark_times_both_paths_and_checks_their_pixels(tmp_path,
     for row in result["families"][family].values():
         assert row["fast_path"] == "CLIPImageProcessorPil"
         assert row["mmengine"]["ms_per_photo"] > 0 and row["transformers"]["ms_per_photo"] > 0
+    assert result["encoder"]["photos_per_s"] > 0 and result["encoder"]["embeddings_per_photo"] > 0
+    _read_as_the_gpu_suite_part(result, "_preprocess_reads")  # the "preprocess" part's dry command is this one
     from mmengine.multimodal import fast_image_processor
 
     monkeypatch.setattr(fast_image_processor.PixelTable, "lookup",
