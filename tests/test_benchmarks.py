@@ -79,6 +79,28 @@ def test_latency_benchmark_reports_every_field(latency, checkpoint_dir, tmp_path
     _read_as_the_gpu_suite_part(result, "_decode_reads")
 
 
+# GPU suite parts whose dry command this file runs as it stands, in-process (test_gpu_suite.py's dry run leaves them out)
+IN_PROCESS_PARTS = ["qwen2_5_vl_7b", "qwen3_vl_30b_a3b", "gemma4_dense", "shared_prefix"]
+
+
+@pytest.mark.parametrize("part", IN_PROCESS_PARTS)
+def test_gpu_suite_parts_run_their_dry_commands(part, tmp_path):
+    """The GPU suite's latency parts on Qwen2.5-VL, Qwen3-VL-MoE and Gemma 4, and its shared-prefix part: each
+    part's own dry command (on its tiny stand-in, as the dry run builds it), run in-process and read as the part
+    reads it, every figure a value."""
+    from pathlib import Path
+
+    suite = load_benchmark("gpu_suite")
+    (chosen,) = [p for p in suite.PARTS if p.name == part]
+    ctx = suite.Context(tmp_path, tmp_path / "checkpoints", dry_run=True)
+    suite.ensure_checkpoints(chosen, ctx, tmp_path / f"{part}.log")
+    script, *args = chosen.dry_args(ctx)
+    result = load_benchmark(Path(script).stem).main(args)
+    assert json.loads(ctx.output(part).read_text()) == json.loads(json.dumps(result, default=str))
+    figures = _read_as_the_gpu_suite_part(result, chosen.read.__name__)
+    assert all(value is not None for value in figures.values()), figures
+
+
 def test_a_given_bandwidth_is_used(latency, checkpoint_dir, tmp_path):
     result = latency.main([
         "--model", str(checkpoint_dir()), "--batch-sizes", "2", "--prompt-tokens", "8", "--warmup-steps", "0",

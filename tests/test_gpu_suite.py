@@ -23,10 +23,10 @@ def suite():
 # The "ray" part runs benchmarks/ray_batch.py, which test_ray_batch.py runs (and reads as the part
 # does) inside its own cluster: the dry run leaves it out rather than start another Ray cluster. The
 # "decode_and_ttft", "image_workload", "lora", "gemma4_window_pool", "tiers", "video", "qwen3_5_9b" and "preprocess"
-# parts' dry commands are test_benchmarks.py's runs of their scripts (in-process: no interpreter, torch and engine
-# start-up of their own), read there as the parts read them.
+# parts' dry commands are test_benchmarks.py's runs of their scripts, and its IN_PROCESS_PARTS run their own dry
+# commands (in-process: no interpreter, torch and engine start-up of their own), read there as the parts read them.
 COVERED_ELSEWHERE = ("ray", "decode_and_ttft", "image_workload", "lora", "gemma4_window_pool", "tiers", "video", "qwen3_5_9b",
-                     "preprocess")
+                     "preprocess", "qwen2_5_vl_7b", "qwen3_vl_30b_a3b", "gemma4_dense", "shared_prefix")
 
 
 @pytest.fixture(scope="module")
