@@ -271,6 +271,13 @@ class AsyncMMEngine:
                 and (self._thread is None or self._thread.is_alive()))
 
     @property
+    def has_died(self) -> bool:
+        """True once the engine can never serve again because something failed (the step loop died, or an
+        engine-core process or a tensor-parallel worker did); False after a deliberate shutdown."""
+        return not self._stopping and (self.dead_error is not None or getattr(self.engine, "dead_error", None) is not None
+                                       or (self._thread is not None and not self._thread.is_alive()))
+
+    @property
     def num_queued(self) -> int:
         """Requests accepted whose first token has not arrived (preprocessing, waiting or in prefill)."""
         return self._num_queued

@@ -591,9 +591,42 @@ async def _finished_before_disconnect(request: Request, answer: asyncio.Future) 
     return answer.done() and not answer.cancelled()
 
 
+DEAD_ENGINE_DRAIN_SECONDS = 2.0  # after the engine dies: answer 503 for this long, then exit (as the multi-process server)
+
+
 def run_server(async_engine: AsyncMMEngine, settings: ServerSettings, host: str, port: int, log_level: str = "info") -> None:
-    """Serves until interrupted (uvicorn handles SIGINT/SIGTERM)."""
+    """Serves until interrupted (uvicorn handles SIGINT/SIGTERM, exit 0), or until the engine dies for good (a
+    tensor-parallel worker or the engine-core process died, the step loop failed): then every request is
+    answered 503 for DEAD_ENGINE_DRAIN_SECONDS and the server exits with code 1, so a supervisor restarts it."""
     import uvicorn
 
     logger.info("serving %s as %r on http://%s:%d", async_engine.engine.config.model, settings.served_model_name, host, port)
-    uvicorn.run(build_app(async_engine, settings), host=host, port=port, log_level=log_level)
+    server = uvicorn.Server(uvicorn.Config(build_app(async_engine, settings), host=host, port=port, log_level=log_level))
+    if asyncio.run(serve_until_engine_dies(server, async_engine)):
+        raise SystemExit(1)
+
+
+async def serve_until_engine_dies(server: Any, async_engine: AsyncMMEngine, poll_seconds: float = 0.2,
+                                  sockets: list | None = None) -> int:
+    """Runs the uvicorn server (on `sockets`, if given); returns 1 if the engine died (the server stopped after
+    draining), else 0."""
+    died = False
+
+    async def watch() -> None:
+        nonlocal died
+        while not server.should_exit:
+            await asyncio.sleep(poll_seconds)
+            if async_engine.has_died:
+                died = True
+                logger.error("the engine died (%r): answering 503 for %.0f s, then exiting", async_engine.dead_error
+                             or getattr(async_engine.engine, "dead_error", None), DEAD_ENGINE_DRAIN_SECONDS)
+                await asyncio.sleep(DEAD_ENGINE_DRAIN_SECONDS)
+                server.should_exit = True
+                return
+
+    watcher = asyncio.create_task(watch())
+    try:
+        await server.serve(sockets=sockets)
+    finally:
+        watcher.cancel()
+    return 1 if died else 0
