@@ -11,6 +11,7 @@ import time
 import anyio.to_thread
 import httpx
 import pytest
+from starlette.background import BackgroundTask
 from serve_helpers import API_KEY, MODEL_NAME, data_url, image_part, running_server
 
 from mmengine import MMEngine, SamplingParams
@@ -69,13 +70,23 @@ def test_a_chat_request_makes_one_pool_trip_and_none_to_fastapis_thread_pool(ser
     assert pool.calls == 1  # the template, the picture, the checks, preprocessing and queueing: one job
     assert threadpool.calls == 0  # the API-key check runs on the event loop
     # (below, /metrics, a plain def, runs on FastAPI's thread pool by design: it may wait for the engine's lock)
+    finished_tasks = []  # the stream's background task (its aborts), which runs after its last byte
+    run_task = BackgroundTask.__call__
+
+    async def counted_task(task) -> None:
+        await run_task(task)
+        finished_tasks.append(task)
+
+    monkeypatch.setattr(BackgroundTask, "__call__", counted_task)
     streamed = httpx.post(server.v1 + "/chat/completions", headers=HEADERS, timeout=60, json={
         "model": MODEL_NAME, "stream": True, "max_tokens": 6, "temperature": 0,
         "messages": [{"role": "user", "content": [image_part(data_url(image)), {"type": "text", "text": "What is in the picture?"}]}]})
     assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n")
     assert httpx.post(server.v1 + "/chat/completions", json={"model": MODEL_NAME, "messages": []}, timeout=60).status_code == 401
-    server.wait_until_idle()  # (the stream's background task, which runs after its last byte, has run)
-    time.sleep(0.2)
+    deadline = time.monotonic() + 30
+    while not finished_tasks and time.monotonic() < deadline:  # the background task has run (bounded)
+        time.sleep(0.01)
+    assert len(finished_tasks) == 1
     assert pool.calls == 2 and set(threadpool.functions) <= {"metrics"}  # nor its aborts, after the last byte
 
 
