@@ -325,20 +325,8 @@ class AsyncMMEngine:
         params = checked.params
         stream = RequestStream(self, request_id, params)
         stream.wakes_per_output = not whole_answer
-        with self._lock:
-            if request_id in self._streams:
-                raise InvalidInputError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-            self._num_queued += 1
-        self._load_changed()
-        try:
-            await self.run_in_pool(
-                self._process_and_queue, stream, checked, fill_max_tokens
-            )
-        except BaseException:
-            stream.abort()  # unregisters it; if the worker still queues it, the worker aborts it
-            raise
-        return stream
+        self._register(stream)
+        return await self._queue_on_pool(stream, self._process_and_queue, stream, checked, fill_max_tokens)
 
     async def add_request_from(
         self,
@@ -362,12 +350,7 @@ class AsyncMMEngine:
         request_id = check_request_id(request_id) or f"req-{uuid.uuid4().hex}"
         stream = RequestStream(self, request_id, SamplingParams())  # its checked params are set before it is queued
         stream.wakes_per_output = not whole_answer
-        with self._lock:
-            if request_id in self._streams:
-                raise InvalidInputError(f"request id {request_id!r} is already in use")
-            self._streams[request_id] = stream
-            self._num_queued += 1
-        self._load_changed()
+        self._register(stream)
 
         def make_and_queue() -> None:
             prompt, images = make_prompt()
@@ -376,10 +359,24 @@ class AsyncMMEngine:
             stream.set_params(checked.params)
             self._process_and_queue(stream, checked, fill_max_tokens)
 
+        return await self._queue_on_pool(stream, make_and_queue)
+
+    def _register(self, stream: RequestStream) -> None:
+        """Makes the stream the request's (its id must be free) and counts it as waiting for its first token."""
+        with self._lock:
+            if stream.request_id in self._streams:
+                raise InvalidInputError(f"request id {stream.request_id!r} is already in use")
+            self._streams[stream.request_id] = stream
+            self._num_queued += 1
+        self._load_changed()
+
+    async def _queue_on_pool(self, stream: RequestStream, job: Callable[..., None], *args: Any) -> RequestStream:
+        """Runs the job that prepares and queues the stream's request on the worker pool; if it fails, the
+        stream is unregistered (and if the worker still queues it, the worker aborts it) and the error raised."""
         try:
-            await self.run_in_pool(make_and_queue)
+            await self.run_in_pool(job, *args)
         except BaseException:
-            stream.abort()  # unregisters it; if the worker still queues it, the worker aborts it
+            stream.abort()
             raise
         return stream
 
