@@ -24,6 +24,10 @@ from mmengine.entrypoints.api_server import ServerSettings, build_app
 
 MODEL_NAME = "tiny-llava"
 API_KEY = "test-key"
+HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+# Answers are compared with an offline engine's: both pinned to CPU fp32, where a request's tokens do
+# not depend on what else is in its batch (on a GPU the kernels change with the batch shape).
+CPU_FP32 = {"max_model_len": 512, "device": "cpu", "dtype": "float32"}
 
 
 @dataclass
@@ -104,3 +108,11 @@ def parse_metrics(text: str) -> dict[str, float]:
         if match:
             samples[match.group(1) + (match.group(2) or "")] = float(match.group(3))
     return samples
+
+
+@contextlib.contextmanager
+def keyed_server(path) -> Iterator[RunningServer]:
+    """The tiny model (CPU_FP32) behind a server that asks for API_KEY."""
+    engine = MMEngine(str(path), **CPU_FP32)
+    with running_server(AsyncMMEngine(engine), ServerSettings(MODEL_NAME, api_key=API_KEY)) as running:
+        yield running

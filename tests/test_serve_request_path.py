@@ -12,22 +12,19 @@ import anyio.to_thread
 import httpx
 import pytest
 from starlette.background import BackgroundTask
-from serve_helpers import API_KEY, MODEL_NAME, data_url, image_part, running_server
+from serve_helpers import CPU_FP32, HEADERS, MODEL_NAME, data_url, image_part, keyed_server
 
 from mmengine import MMEngine, SamplingParams
 from mmengine.engine.async_engine import AsyncMMEngine
-from mmengine.entrypoints.api_server import ServerSettings
 from mmengine.errors import InvalidInputError
 from mmengine.testing import make_test_image
 
-ENGINE_OPTIONS = {"max_model_len": 512, "device": "cpu", "dtype": "float32"}
-HEADERS = {"Authorization": f"Bearer {API_KEY}"}
+ENGINE_OPTIONS = CPU_FP32
 
 
 @pytest.fixture(scope="module")
 def server(checkpoint_dir):
-    engine = MMEngine(str(checkpoint_dir()), **ENGINE_OPTIONS)
-    with running_server(AsyncMMEngine(engine), ServerSettings(MODEL_NAME, api_key=API_KEY)) as running:
+    with keyed_server(checkpoint_dir()) as running:
         yield running
 
 
