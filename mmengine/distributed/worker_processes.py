@@ -29,7 +29,13 @@ class WorkerHandle:
     lifeline: Connection  # never written: the worker leaves when it closes
 
     def describe_death(self) -> str:
-        self.process.join(timeout=5.0)  # the sentinel is ready just before the exit code is known (1 s was short under load)
+        # The sentinel is ready as the process exits, a moment before waitpid can reap it: join() returns at once
+        # then (its wait sees the sentinel) with no exit code yet, so poll until there is one (bounded).
+        deadline = time.monotonic() + 5.0
+        while self.process.exitcode is None and time.monotonic() < deadline:
+            self.process.join(timeout=0.05)
+            if self.process.exitcode is None:
+                time.sleep(0.01)
         code = self.process.exitcode
         if code is None:
             how = "its pipe closed"
