@@ -198,6 +198,10 @@ def test_a_dead_core_makes_every_front_end_answer_503_and_the_server_exit_non_ze
         assert post(server.base_url, chat([], 2)).status_code == 200
         os.kill(server.core.pid, signal.SIGKILL)
         killed = time.monotonic()
+        # the front ends notice within their poll of the core (bounded here: a loaded machine can lag a step)
+        deadline = killed + 10
+        while httpx.get(server.base_url + "/health", timeout=10).status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.05)
         health = [httpx.get(server.base_url + "/health", timeout=10) for _ in range(6)]  # new connections each
         answers = [post(server.base_url, chat([], 2)) for _ in range(4)]
         assert all(reply.status_code == 503 for reply in health + answers)
