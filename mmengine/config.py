@@ -241,7 +241,8 @@ class ParallelConfig:
     # processes (spawned; gloo on CPU, NCCL on CUDA) hold the weights and KV blocks while this process keeps
     # the scheduler and the caches' books. A shape the size does not divide is refused at start-up.
     tensor_parallel_size: int = 1
-    # How the workers are started: "mp" (processes on this machine) or "ray" (a placement group; not built yet)
+    # How the workers are started: "mp" (processes on this machine) or "ray" (Ray actors, one placement-group
+    # bundle per rank: the way to span machines; needs the `ray` extra). docs/parallelism.md says where ranks go.
     distributed_executor_backend: str = "mp"
     # The vision tower at tensor_parallel_size > 1 (vLLM's name): "weights", every rank runs it on every picture of a
     # step (the tower replicated); "data", a step's pictures are split across the ranks by size and the outputs shared
@@ -416,6 +417,9 @@ class EngineConfig:
         if device_name == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         device = torch.device(device_name)
+        parallel = self.parallel_config
+        if device.type == "cuda" and parallel.tensor_parallel_size > 1 and parallel.distributed_executor_backend == "ray":
+            return torch.device("cuda")  # the ranks' GPUs are the Ray cluster's, which the placement group checks: this process needs none
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device={device_name!r} was asked for but CUDA is not available")
         if device.index is not None and device.index >= torch.cuda.device_count():

@@ -119,7 +119,6 @@ def test_logprobs_and_seeded_sampling_match_tp1(tp1, tp2):
 @pytest.mark.parametrize(("options", "named"), [
     ({"tensor_parallel_size": 3}, "num_attention_heads=4 is not divisible by tensor_parallel_size=3"),
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "carrier-pigeon"}, "distributed_executor_backend"),
-    ({"tensor_parallel_size": 2, "distributed_executor_backend": "ray"}, "distributed_executor_backend='ray'"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive int"),
     ({"tensor_parallel_size": 2, "mm_encoder_tp_mode": "diagonal"}, "mm_encoder_tp_mode must be 'weights' or 'data'"),
     ({"tensor_parallel_size": 2, "mm_encoder_tp_mode": "data", "enable_lora": True}, "mm_encoder_tp_mode='data' with enable_lora"),

@@ -11,6 +11,9 @@ A worker never outlives its driver: a thread blocks on a lifeline pipe whose onl
 leaves the process (os._exit) when that pipe closes, even while the main thread computes or waits in a
 collective. Messages arrive as bytes pickled once by the driver for all ranks. A worker leaves by os._exit once
 its close() has run (see `leave`).
+
+A Ray actor rank (`ray_worker.py`) runs the same pieces without the pipes: `start_worker`, `run_message` for each
+message (its reply is the actor call's return value), `close_worker`.
 """
 
 from __future__ import annotations
@@ -80,11 +83,8 @@ def worker_main(init: DistributedInit, factory: WorkerFactory, conn: Connection,
     """The spawned process's entry point."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the driver, which stops the workers
     threading.Thread(target=watch_lifeline, args=(lifeline,), name="mmengine-lifeline", daemon=True).start()
-    if torch_threads is not None:
-        torch.set_num_threads(torch_threads)
     try:
-        group = init_distributed(init)
-        worker = factory(group)
+        worker = start_worker(init, factory, torch_threads)
     except BaseException as err:  # noqa: BLE001 - reported to the driver, which raises it
         conn.send(error_reply(init.rank, err))
         wait_for_stop(conn)  # exiting now would read as a death, hiding the error
@@ -93,11 +93,23 @@ def worker_main(init: DistributedInit, factory: WorkerFactory, conn: Connection,
     try:
         serve(worker, init.rank, conn)
     finally:
-        close = getattr(worker, "close", None)
-        if callable(close):
-            close()
-        destroy_distributed()
+        close_worker(worker)
     leave()
+
+
+def start_worker(init: DistributedInit, factory: WorkerFactory, torch_threads: int | None = None) -> Worker:
+    """Joins the group and builds the rank's worker (a worker process's start, and a Ray actor's)."""
+    if torch_threads is not None:
+        torch.set_num_threads(torch_threads)
+    return factory(init_distributed(init))
+
+
+def close_worker(worker: Worker) -> None:
+    """Runs the worker's close(), when it has one, and leaves the group."""
+    close = getattr(worker, "close", None)
+    if callable(close):
+        close()
+    destroy_distributed()
 
 
 def leave() -> None:
@@ -116,24 +128,34 @@ def wait_for_stop(conn: Connection) -> None:
         pass
 
 
+def run_message(worker: Worker, rank: int, message: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """One STEP or CALL message run on this rank: the reply to send, (OK, result) or `error_reply`; None for a
+    step on a rank other than 0 (rank 0 alone answers a step)."""
+    kind = message[0]
+    try:
+        if kind == STEP:
+            result = worker.execute_step(message[1])
+        else:
+            _, method, args, kwargs = message
+            result = getattr(worker, method)(*args, **kwargs)
+    except BaseException as err:  # noqa: BLE001 - every rank's failure goes to the driver
+        return error_reply(rank, err)
+    return (OK, result) if kind == CALL or rank == 0 else None
+
+
 def serve(worker: Any, rank: int, conn: Connection) -> None:
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
         except EOFError:
             return
-        kind = message[0]
-        if kind == STOP:
+        if message[0] == STOP:
             return
-        try:
-            if kind == STEP:
-                result = worker.execute_step(message[1])
-            else:
-                _, method, args, kwargs = message
-                result = getattr(worker, method)(*args, **kwargs)
-            reply = pickle.dumps((OK, result), protocol=pickle.HIGHEST_PROTOCOL) if kind == CALL or rank == 0 else None
-        except BaseException as err:  # noqa: BLE001 - every rank's failure (an unpicklable result too) goes to the driver
-            conn.send(error_reply(rank, err))
+        reply = run_message(worker, rank, message)
+        if reply is None:
             continue
-        if reply is not None:
-            conn.send_bytes(reply)
+        try:
+            data = pickle.dumps(reply, protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException as err:  # noqa: BLE001 - an unpicklable result goes to the driver as an error
+            data = pickle.dumps(error_reply(rank, err))
+        conn.send_bytes(data)

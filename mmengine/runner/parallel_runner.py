@@ -33,6 +33,8 @@ import torch
 from mmengine.config import EngineConfig
 from mmengine.core.scheduler import SchedulerOutput
 from mmengine.distributed.executor import MultiprocExecutor
+from mmengine.distributed.executor_base import Executor
+from mmengine.distributed.ray_placement import import_ray
 from mmengine.distributed.sharded_model import check_tensor_parallel_shapes
 from mmengine.errors import ConfigError, EngineDeadError
 from mmengine.kv_cache.manager import cdiv
@@ -53,10 +55,10 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
     if tp == 1:
         return
     prefix = f"tensor_parallel_size={tp}"
-    if config.parallel_config.distributed_executor_backend != "mp":
-        raise ConfigError(f"{prefix}: distributed_executor_backend={config.parallel_config.distributed_executor_backend!r} "
-                          "is not built yet; use 'mp' (worker processes on this machine)")
-    if multiprocessing.current_process().daemon:
+    backend = config.parallel_config.distributed_executor_backend
+    if backend == "ray":
+        import_ray(f"{prefix}: distributed_executor_backend='ray'")
+    elif multiprocessing.current_process().daemon:
         raise ConfigError(f"{prefix}: this process is a daemonic one (AsyncMMEngine's engine_core='process'), which cannot "
                           "start the worker processes; use engine_core='thread' or `mmengine serve --api-server-count`")
     if config.spec_config.num_speculative_tokens and config.spec_config.method != "ngram":
@@ -87,6 +89,17 @@ def worker_config(config: EngineConfig) -> EngineConfig:
     if config.execution_config.cascade_attention != "auto":
         return config
     return EngineConfig(config.model, **{**config.options(), "cascade_attention": "off"})
+
+
+def start_executor(backend: str, factory: Any, tensor_parallel_size: int, device: str, torch_threads: int | None,
+                   on_death: Any) -> Executor:
+    """The ranks started by `distributed_executor_backend`: "mp", worker processes on this machine; "ray", Ray actors
+    placed by a placement group (distributed/ray_executor.py)."""
+    if backend == "ray":
+        from mmengine.distributed.ray_executor import RayExecutor
+
+        return RayExecutor(factory, tensor_parallel_size, device=device, torch_threads=torch_threads, on_death=on_death)
+    return MultiprocExecutor(factory, tensor_parallel_size, device=device, torch_threads=torch_threads, on_death=on_death)
 
 
 class ReleasedRequests:
@@ -174,8 +187,10 @@ class ParallelRunner:
                                     dtype=dtype, max_model_len=max_model_len)
         threads = max(1, torch.get_num_threads() // self.tensor_parallel_size) if device.type == "cpu" else None
         self.dead_error: EngineDeadError | None = None
-        self.executor = MultiprocExecutor(factory, self.tensor_parallel_size, device=device.type, torch_threads=threads,
-                                          on_death=self.on_death)
+        self.backend = config.parallel_config.distributed_executor_backend
+        # Pictures travel in shared memory only to processes on this machine; Ray's object store carries them itself
+        self.shares_pixels = self.backend == "mp"
+        self.executor = start_executor(self.backend, factory, self.tensor_parallel_size, device.type, threads, self.on_death)
         described = self.executor.call("describe")
         info = described[0]
         self.weight_bytes_per_rank = [d["weight_bytes"] for d in described]
@@ -321,7 +336,7 @@ class ParallelRunner:
         for request_id in plan.forget:
             self.synced.pop(request_id, None)
         new_items = [item for s in out.scheduled if s.request.request_id not in self.synced for item in s.request.mm_items]
-        segment = PlanSegment(new_items) if new_items else None  # the new pictures, in shared memory
+        segment = PlanSegment(new_items) if new_items and self.shares_pixels else None  # the new pictures, in shared memory
         if segment is not None and segment.memory is not None:
             self.segments.append(segment)
         for s in out.scheduled:
