@@ -104,6 +104,44 @@ def test_a_picture_shared_by_two_requests_is_encoded_once_in_the_core(core):
     assert after["images_decoded"] - before["images_decoded"] == 1  # the front end's intake decoded it once
 
 
+def test_a_whole_answer_crosses_from_the_core_twice(core, thread_engine, monkeypatch):
+    """The core sends a whole (non-streamed) answer's output at its first token and at its end only, stepped as
+    generate() steps its own from the first token on: the tokens and text of a streamed request and of generate()."""
+    handed_back: dict[str, int] = {}
+    step = core.step
+
+    def counted_step():
+        outputs = step()
+        for output in outputs:
+            handed_back[output.request_id] = handed_back.get(output.request_id, 0) + 1
+        return outputs
+
+    monkeypatch.setattr(core, "step", counted_step)
+    params, picture = greedy(9, ignore_eos=True), jpeg(41)
+
+    async def main():
+        async with AsyncMMEngine(core) as async_engine:
+            whole = await async_engine.add_request(LLAVA_PROMPT, [picture], params, request_id="whole", whole_answer=True)
+            streamed = await async_engine.add_request(LLAVA_PROMPT, [picture], params, request_id="streamed")
+            answers = await asyncio.gather(collect(whole), collect(streamed))
+            left = await async_engine.add_request(LLAVA_PROMPT, [picture], params, request_id="left", whole_answer=True)
+            async for _ in left:
+                break  # after its first token: aborted in the core
+            deadline = time.monotonic() + 10
+            while core.has_unfinished_requests() and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            return answers, core.stats()
+
+    (whole, streamed), stats = run(main())
+    (expected,) = thread_engine.generate(LLAVA_PROMPT, images=[picture], sampling_params=params, use_tqdm=False)
+    assert whole[:2] == streamed[:2] == (expected.text, expected.token_ids)
+    assert len(whole[2]) == 2 and whole[2][0].token_ids and whole[2][-1].finish_reason == "length"
+    assert handed_back["whole"] == 2 and handed_back["streamed"] == 9
+    assert handed_back["left"] <= 2  # its first token, and the abort's final output if it came before the stream ended
+    assert stats["requests_running"] == stats["requests_waiting"] == 0 and stats["encoder_cache_referenced"] == 0
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
 def test_leaving_a_stream_aborts_its_request_in_the_core(core):
     before = core.stats()
 

@@ -464,7 +464,11 @@ class AsyncMMEngine:
             stream.sampling_params = params
         if stream.cancelled:
             return
-        engine.add_prepared_request(dataclasses.replace(prepared, params=params, request_id=stream.request_id))
+        prepared = dataclasses.replace(prepared, params=params, request_id=stream.request_id)
+        if isinstance(engine, EngineCoreClient):  # the core turns a whole answer itself, at its first token
+            engine.add_prepared_request(prepared, whole_answer=not stream.wakes_per_output)
+        else:
+            engine.add_prepared_request(prepared)
         stream.added = True
         self._wake.set()
         if stream.cancelled:  # cancelled while being queued: the step loop's abort may have missed it
@@ -527,8 +531,8 @@ class AsyncMMEngine:
 
     def _read_whole_answers_at_the_end(self, outputs: list[RequestOutput]) -> None:
         """A whole answer's request, once its first token is out, is stepped as generate()'s are: no output per
-        step, its tokens decoded when it ends (MMEngine.read_final_output_only; an engine-core process, which
-        has no such call, goes on sending every step's outputs, and the stream wakes its reader twice all the same)."""
+        step, its tokens decoded when it ends (MMEngine.read_final_output_only; an engine-core process is told at
+        add_prepared_request and turns the request itself, with no trip back here)."""
         read_final = getattr(self.engine, "read_final_output_only", None)
         if read_final is None:
             return

@@ -171,8 +171,10 @@ class EngineCoreClient:
 
     # -- MMEngine's request methods --------------------------------------------
 
-    def add_prepared_request(self, prepared: PreparedRequest) -> str:
-        """Sends a prepared request to the core (its tensors by fd, in shared memory); returns its id."""
+    def add_prepared_request(self, prepared: PreparedRequest, whole_answer: bool = False) -> str:
+        """Sends a prepared request to the core (its tensors by fd, in shared memory); returns its id.
+        `whole_answer`: the caller reads only the whole answer, so the core sends this request's output at its
+        first token and at its end only (MMEngine.read_final_output_only there, from the first token on)."""
         self._check_alive()
         request_id = prepared.request_id or f"req-{uuid.uuid4().hex}"
         if prepared.request_id is None:
@@ -180,7 +182,7 @@ class EngineCoreClient:
         processed = prepared.processed
         with self._books:
             self._in_core[request_id] = (processed.prompt, processed.prompt_token_ids)
-        self._send((ADD, in_shared_memory(prepared), processor_stats(self.input_processor)))
+        self._send((ADD, in_shared_memory(prepared), processor_stats(self.input_processor), whole_answer))
         return request_id
 
     def abort_request(self, request_id: str) -> bool:

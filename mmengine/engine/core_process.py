@@ -9,12 +9,16 @@ front end (1 or N processes)                            engine core (spawned, 1)
 intake: checks, tokenizing, media, preprocessing
   --("add", PreparedRequest: token ids, params, salt,    MMEngine.add_prepared_request
          items whose tensors cross by fd, shared memory,
-         the front end's intake counters)-->
+         the front end's intake counters, whole_answer)-->
   --("abort", request id)-->                             MMEngine.abort_request
   --("call", id, name, intake counters)-->              stats, reset_prefix_cache, reset_encoder_cache
   <--("outputs", [RequestOutput])--                      each step's outputs for that front end's requests
   <--("step_failed", why) / ("request_failed", id, error) / ("reply", id, ok, value)--
 ```
+
+A whole answer's request (`whole_answer`: a non-streamed reply) is sent back twice, at its first token and at
+its end: at its first token the core turns it with MMEngine.read_final_output_only, so it is stepped as
+generate() steps its own (no output per step, its tokens decoded once at the end).
 
 One logical engine: every front end's requests share the scheduler and both caches, so a picture is encoded
 once whichever front end took it. Outputs go to the front end that sent the request; a front end that goes
@@ -78,6 +82,7 @@ class EngineCore:
         self.info = info
         self.front_ends: list[Connection] = [owner]
         self.owners: dict[str, Connection] = {}  # request id -> the front end that sent it
+        self.whole_answers: set[str] = set()  # requests to turn read_final_output_only at their first token
         self.intake_counters: dict[Connection, dict[str, int]] = {}  # each front end's, as it last reported them
         self.departed_counters: Counter[str] = Counter()  # the monotone ones of front ends gone
         self._joined: list[Connection] = []  # accepted by the listener thread, not served yet
@@ -114,6 +119,7 @@ class EngineCore:
         self.front_ends.remove(connection)
         for request_id in [rid for rid, owner in self.owners.items() if owner is connection]:
             del self.owners[request_id]
+            self.whole_answers.discard(request_id)
             self.engine.abort_request(request_id)
         counters = self.intake_counters.pop(connection, {})
         self.departed_counters.update({name: value for name, value in counters.items() if name != "mm_processor_cache_bytes"})
@@ -167,6 +173,10 @@ class EngineCore:
             owner = self.owners.pop(output.request_id, None) if output.finished else self.owners.get(output.request_id)
             if owner is None:  # its front end left (the request was aborted)
                 continue
+            if output.request_id in self.whole_answers and (output.token_ids or output.finished):
+                self.whole_answers.discard(output.request_id)
+                if not output.finished:  # its first token: from now on only its final output comes
+                    self.engine.read_final_output_only(output.request_id)
             _strip(output)
             by_front_end.setdefault(owner, []).append(output)
         for connection, batch in by_front_end.items():
@@ -175,7 +185,7 @@ class EngineCore:
     def _handle(self, connection: Connection, message: Any) -> None:
         kind = message[0]
         if kind == ADD:
-            _, prepared, counters = message
+            _, prepared, counters, whole_answer = message
             prepared: PreparedRequest
             self.intake_counters[connection] = counters
             request_id = prepared.request_id
@@ -187,9 +197,12 @@ class EngineCore:
                 self._send(connection, (REQUEST_FAILED, request_id, picklable(err)))
             else:
                 self.owners[request_id] = connection
+                if whole_answer:
+                    self.whole_answers.add(request_id)
         elif kind == ABORT:
             if self.owners.get(message[1]) is connection:
                 del self.owners[message[1]]
+                self.whole_answers.discard(message[1])
                 self.engine.abort_request(message[1])
         elif kind == CALL:
             _, call_id, name, counters = message
