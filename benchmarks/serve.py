@@ -15,10 +15,12 @@ per-token overhead of constrained decoding: the mean inter-token gap against the
 
 --online-offline runs, instead of the chat workload, --num-requests single-turn one-image chat requests (request i
 asks about picture i % --num-pictures: by default 128 requests about 4 shared pictures), greedy, --output-len
-tokens each (ignore_eos), twice: online through the server with --concurrency clients (each sends its next request
-as soon as its answer is complete; not streamed unless --stream), and offline through MMEngine.chat() in this
-process (the same messages, rendered by the same chat template). It prints both rates and online / offline, and
-checks that every answer is the same both ways.
+tokens each (ignore_eos): online through the server with --concurrency clients (each sends its next request as soon
+as its answer is complete; not streamed unless --stream), and offline through MMEngine.chat() in this process (the
+same messages, rendered by the same chat template) twice: all at once (the server's max_num_seqs), and at the
+clients' concurrency (max_num_seqs = --concurrency, the most the clients can ever have in flight). It prints the
+three rates, online / offline against each, and the CPU seconds each side spent per request, and checks that every
+answer is the same every way.
 
 --api-server-count N starts the server with N front-end processes over one engine-core process.
 
@@ -55,6 +57,7 @@ import httpx
 import numpy as np
 import torch
 
+from mmengine.config import SchedulerConfig
 from mmengine.testing import LLAVA_1_5_7B_SPEC, make_test_image, tiny_llava_path
 
 MODEL_NAME = "bench"
@@ -96,16 +99,22 @@ class Answer:
 
 @dataclass
 class ThroughputRun:
-    """The --online-offline requests run one way: the answers in request order."""
+    """The --online-offline requests run one way: the answers in request order. `cpu_s`: the CPU seconds the
+    serving side spent meanwhile (the server's processes online, this process offline; None where unknown),
+    `client_cpu_s` online the clients' (this process's)."""
 
     elapsed_s: float
     answers: list[Answer]
     engine_steps: int
+    cpu_s: float | None = None
+    client_cpu_s: float | None = None
 
-    def summary(self) -> dict[str, float]:
+    def summary(self) -> dict[str, float | None]:
         output_tokens = sum(a.output_tokens for a in self.answers)
+        per_request = None if self.cpu_s is None else self.cpu_s / len(self.answers) * 1e3
         return {"requests": len(self.answers), "elapsed_s": self.elapsed_s, "requests_per_s": len(self.answers) / self.elapsed_s,
-                "output_tokens_per_s": output_tokens / self.elapsed_s, "engine_steps": self.engine_steps}
+                "output_tokens_per_s": output_tokens / self.elapsed_s, "engine_steps": self.engine_steps,
+                "cpu_s": self.cpu_s, "cpu_ms_per_request": per_request, "client_cpu_s": self.client_cpu_s}
 
 
 def workload(num_users: int, num_pictures: int, request_rate: float, seed: int) -> list[Conversation]:
@@ -137,23 +146,46 @@ def user_turn(turn: int, user: int, picture_url: str | None) -> dict:
 # -- mmengine: the server and its clients ------------------------------------------------------
 
 
+@dataclass
+class Served:
+    """A running server: its URL, and its launcher's pid (None: uvicorn in a thread of this process)."""
+
+    url: str
+    pid: int | None = None
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU seconds of the server's processes so far (the launcher and every child)."""
+        if self.pid is None:
+            return None
+        import psutil
+
+        launcher = psutil.Process(self.pid)
+        total = 0.0
+        for process in [launcher, *launcher.children(recursive=True)]:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                times = process.cpu_times()
+                total += times.user + times.system
+        return total
+
+
 @contextlib.contextmanager
 def mmengine_server(model: str, how: str, engine_args: list[str], api_server_count: int = 1,
-                    torch_threads: int | None = None) -> Iterator[str]:
-    """A running `mmengine serve` (a subprocess, or uvicorn in a thread of this process); yields its URL."""
+                    torch_threads: int | None = None) -> Iterator[Served]:
+    """A running `mmengine serve` (a subprocess, or uvicorn in a thread of this process)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     base = f"http://127.0.0.1:{port}"
     if how == "thread":
-        yield from _thread_server(model, port, engine_args)
+        for url in _thread_server(model, port, engine_args):
+            yield Served(url)
         return
     env = os.environ | ({"OMP_NUM_THREADS": str(torch_threads)} if torch_threads else {})
     process = subprocess.Popen(serve_command(model, port, engine_args, api_server_count), env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.PIPE, text=True)
     try:
         _wait_healthy(base, process)
-        yield base
+        yield Served(base, process.pid)
     finally:
         stop_process(process)
 
@@ -301,11 +333,12 @@ async def _one_answer(client: httpx.AsyncClient, messages: list[dict], output_le
     return Answer(answer["choices"][0]["message"]["content"], usage["prompt_tokens"], usage["completion_tokens"])
 
 
-async def run_online(base: str, requests: list[list[dict]], output_len: int, concurrency: int,
+async def run_online(server: Served, requests: list[list[dict]], output_len: int, concurrency: int,
                      stream: bool) -> ThroughputRun:
     """`concurrency` clients, each sending its next request as soon as its answer is complete. Each has an
     httpx client of its own: one pool of many connections costs the client more CPU per request than the
     server spends (httpcore scans every connection for every request), on the cores the server shares."""
+    base = server.url
     answers: list[Answer | None] = [None] * len(requests)
     pending = iter(range(len(requests)))  # shared by the clients: each takes the next request
 
@@ -317,28 +350,42 @@ async def run_online(base: str, requests: list[list[dict]], output_len: int, con
         clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=base, timeout=None)) for _ in range(concurrency)]
         await asyncio.gather(*(_one_answer(c, [user_turn(0, -1, None)], 2, stream) for c in clients))  # warm-up, not timed
         steps_before = scrape(base)["mmengine_steps_total"]
+        cpu_before, client_cpu_before = server.cpu_seconds(), time.process_time()
         start = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for client in clients))
         elapsed = time.perf_counter() - start
-    return ThroughputRun(elapsed, answers, round(scrape(base)["mmengine_steps_total"] - steps_before))
+        cpu_after, client_cpu = server.cpu_seconds(), time.process_time() - client_cpu_before
+    cpu = None if cpu_before is None else cpu_after - cpu_before
+    return ThroughputRun(elapsed, answers, round(scrape(base)["mmengine_steps_total"] - steps_before), cpu,
+                         client_cpu if server.pid is not None else None)
 
 
-def run_offline(model: str, engine_args: list[str], requests: list[list[dict]], output_len: int) -> ThroughputRun:
-    """The requests as one MMEngine.chat() batch in this process, on an engine with the server's options."""
-    from mmengine import MMEngine, SamplingParams
+def server_options(model: str, engine_args: list[str]) -> dict:
+    """The engine options the server gets from `engine_args`."""
     from mmengine.entrypoints.serve_cli import build_serve_parser, engine_options
 
-    options = engine_options(build_serve_parser().parse_args(["--model", model, *engine_args]))
+    return engine_options(build_serve_parser().parse_args(["--model", model, *engine_args]))
+
+
+def run_offline(model: str, engine_args: list[str], requests: list[list[dict]], output_len: int,
+                max_num_seqs: int | None = None) -> ThroughputRun:
+    """The requests as one MMEngine.chat() batch in this process, on an engine with the server's options
+    (`max_num_seqs`: with that many requests in flight at most, instead of the server's)."""
+    from mmengine import MMEngine, SamplingParams
+
+    options = server_options(model, engine_args) | ({"max_num_seqs": max_num_seqs} if max_num_seqs else {})
     with MMEngine(model, **options) as engine:
         warm_up = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
         engine.chat([user_turn(0, -1, None)], sampling_params=warm_up, use_tqdm=False)  # as the online warm-up
         params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
         steps_before = engine.stats()["steps"]
+        cpu_before = time.process_time()
         start = time.perf_counter()
         outputs = engine.chat(requests, sampling_params=params, use_tqdm=False)
         elapsed = time.perf_counter() - start
+        cpu = time.process_time() - cpu_before
         steps = engine.stats()["steps"] - steps_before
-    return ThroughputRun(elapsed, [Answer(o.text, len(o.prompt_token_ids), len(o.token_ids)) for o in outputs], steps)
+    return ThroughputRun(elapsed, [Answer(o.text, len(o.prompt_token_ids), len(o.token_ids)) for o in outputs], steps, cpu)
 
 
 def compare_answers(online: ThroughputRun, offline: ThroughputRun, allow_text_mismatch: bool) -> int:
@@ -359,21 +406,41 @@ def compare_answers(online: ThroughputRun, offline: ThroughputRun, allow_text_mi
 
 
 def online_offline(args: argparse.Namespace, model: str, engine_args: list[str]) -> dict:
-    """Online first: the server process is gone (and its memory freed) before the engine starts here."""
+    """Online, then offline all at once and at the clients' concurrency (the server process is gone, and its
+    memory freed, before an engine starts here).
+
+    Two ratios, because they answer two questions. Against generate() with every request at once: what a
+    user loses by serving instead of batching offline (the clients can never have more than --concurrency
+    requests in flight, so this one also counts the smaller batches). Against generate() at the clients'
+    concurrency (max_num_seqs = --concurrency): what the server itself costs, HTTP, the front end's work and
+    the gaps while a client's next request travels, with the batch size held equal."""
     requests = single_turn_requests(args.num_requests, picture_urls(args.num_pictures, args.image_size))
-    with mmengine_server(model, args.server, engine_args, args.api_server_count, args.torch_threads) as base:
-        online = asyncio.run(run_online(base, requests, args.output_len, args.concurrency, args.stream))
+    with mmengine_server(model, args.server, engine_args, args.api_server_count, args.torch_threads) as server:
+        online = asyncio.run(run_online(server, requests, args.output_len, args.concurrency, args.stream))
+    server_seqs = server_options(model, engine_args).get("max_num_seqs", SchedulerConfig.max_num_seqs)
+    at_concurrency = min(args.concurrency, server_seqs)
     offline = run_offline(model, engine_args, requests, args.output_len)
+    offline_at_concurrency = run_offline(model, engine_args, requests, args.output_len, max_num_seqs=at_concurrency)
     identical = compare_answers(online, offline, args.allow_text_mismatch)
-    row = {"online": online.summary(), "offline": offline.summary(), "identical_texts": identical,
-           "api_server_count": args.api_server_count, "concurrency": args.concurrency, "stream": args.stream}
-    row["ratio"] = row["online"]["requests_per_s"] / row["offline"]["requests_per_s"]
-    for name in ("offline", "online"):
+    compare_answers(offline_at_concurrency, offline, args.allow_text_mismatch)
+    row = {"online": online.summary(), "offline_all_at_once": offline.summary(),
+           "offline_at_concurrency": offline_at_concurrency.summary() | {"max_num_seqs": at_concurrency},
+           "identical_texts": identical, "api_server_count": args.api_server_count, "concurrency": args.concurrency,
+           "stream": args.stream}
+    rate = row["online"]["requests_per_s"]
+    row["ratio_vs_all_at_once"] = rate / row["offline_all_at_once"]["requests_per_s"]
+    row["ratio_vs_at_concurrency"] = rate / row["offline_at_concurrency"]["requests_per_s"]
+    labels = {"offline_all_at_once": f"offline, generate() all at once (max_num_seqs {server_seqs})",
+              "offline_at_concurrency": f"offline, generate() at the clients' concurrency (max_num_seqs {at_concurrency})",
+              "online": f"online, {args.concurrency} clients, api-server-count {args.api_server_count}"}
+    for name, label in labels.items():
         side = row[name]
-        print(f"{name} ({'MMEngine.chat' if name == 'offline' else f'{args.concurrency} clients'}): {side['requests']} "
-              f"requests in {side['elapsed_s']:.2f}s = {side['requests_per_s']:.2f} req/s, "
-              f"{side['output_tokens_per_s']:.1f} output tok/s, {side['engine_steps']} engine steps")
-    print(f"online / offline: {row['ratio']:.2f}x (api-server-count {args.api_server_count}); "
+        cpu = "" if side["cpu_s"] is None else f", {side['cpu_ms_per_request']:.1f} CPU ms/request"
+        client = "" if side.get("client_cpu_s") is None else f" (the clients: {side['client_cpu_s'] / side['requests'] * 1e3:.1f})"
+        print(f"{label}: {side['requests']} requests in {side['elapsed_s']:.2f}s = {side['requests_per_s']:.2f} req/s, "
+              f"{side['output_tokens_per_s']:.1f} output tok/s, {side['engine_steps']} engine steps{cpu}{client}")
+    print(f"online / offline all at once: {row['ratio_vs_all_at_once']:.2f}x; online / offline at concurrency "
+          f"{at_concurrency}: {row['ratio_vs_at_concurrency']:.2f}x (api-server-count {args.api_server_count}); "
           f"{identical} of {args.num_requests} answers identical")
     return row
 
@@ -546,7 +613,8 @@ def chat_workload(args: argparse.Namespace, model: str, device: str, dtype: torc
     """The multi-turn chat workload on the server (and --structured, and the transformers baseline)."""
     conversations = workload(args.num_users, args.num_pictures, args.request_rate, args.seed)
     urls = picture_urls(args.num_pictures, args.image_size)
-    with mmengine_server(model, args.server, engine_args, args.api_server_count, args.torch_threads) as base:
+    with mmengine_server(model, args.server, engine_args, args.api_server_count, args.torch_threads) as server:
+        base = server.url
         before = scrape(base)
         run = asyncio.run(run_clients(base, conversations, urls, args.turns, args.output_len))
         after = scrape(base)

@@ -53,12 +53,18 @@ def test_serve_benchmark_online_offline(checkpoint_dir, tmp_path):
     ])
     assert json.loads(output.read_text()) == json.loads(json.dumps(result))
     row = result["online_offline"]
-    online, offline = row["online"], row["offline"]
-    assert online["requests"] == offline["requests"] == 4 and row["identical_texts"] == 4  # greedy: the same answers
-    for side in (online, offline):
+    online, offline, at_concurrency = row["online"], row["offline_all_at_once"], row["offline_at_concurrency"]
+    assert online["requests"] == offline["requests"] == at_concurrency["requests"] == 4
+    assert row["identical_texts"] == 4  # greedy: the same answers
+    for side in (online, offline, at_concurrency):
         assert side["requests_per_s"] > 0 and side["output_tokens_per_s"] == pytest.approx(3 * side["requests_per_s"])
         assert side["engine_steps"] >= 3  # a prefill and two decode steps at least
-    assert row["ratio"] == online["requests_per_s"] / offline["requests_per_s"]
+    # at most 2 in flight: two waves of (a prefill, 2 decodes) one after the other; all at once, fewer steps
+    assert at_concurrency["max_num_seqs"] == 2 and at_concurrency["engine_steps"] == 6 > offline["engine_steps"]
+    assert row["ratio_vs_all_at_once"] == online["requests_per_s"] / offline["requests_per_s"]
+    assert row["ratio_vs_at_concurrency"] == online["requests_per_s"] / at_concurrency["requests_per_s"]
+    assert offline["cpu_s"] > 0 and offline["cpu_ms_per_request"] == pytest.approx(offline["cpu_s"] / 4 * 1e3)
+    assert online["cpu_s"] is None  # a server in this process: its CPU is not told apart from the clients'
     assert row["api_server_count"] == 1 and row["concurrency"] == 2 and row["stream"] is False
 
 
