@@ -293,6 +293,7 @@ def _spec_decode_reads(data: dict) -> list[Reading]:
     runs = data["runs"]
     return [("MTP step (k+1-token verify + head) / 1-token decode", runs["mtp"]["step_cost"], "x", None),
             ("every draft right (oracle): verify step / decode", runs["oracle"]["step_cost"], "x", None),
+            ("verify steps replayed from CUDA graphs (oracle run)", runs["oracle"].get("verify_graph_replays", 0), "steps", None),
             ("every draft right: tok/s / without", runs["oracle"]["speedup"], "x", None),
             ("answers equal with and without", int(data["answers_equal"]), "1 = yes", None)]
 

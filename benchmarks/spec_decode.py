@@ -72,8 +72,13 @@ def _prompts(family: str, count: int, passage_len: int) -> list[str]:
     return prompts
 
 
+def _verify_replays(engine: MMEngine) -> int:
+    graphs = engine.runner.decode_graphs
+    return graphs.num_verify_replays if graphs is not None else 0
+
+
 def _run(engine: MMEngine, prompts: list[str], params: SamplingParams) -> tuple[dict, list]:
-    before = engine.stats()
+    before, replays = engine.stats(), _verify_replays(engine)
     start = time.perf_counter()
     outs = engine.generate(prompts, sampling_params=params, use_tqdm=False)
     if engine.device.type == "cuda":
@@ -95,6 +100,8 @@ def _run(engine: MMEngine, prompts: list[str], params: SamplingParams) -> tuple[
         "acceptance_by_position": [round(delta.get(f"spec_accepted_position_{j}", 0) / delta[f"spec_drafted_position_{j}"], 3)
                                    if delta.get(f"spec_drafted_position_{j}") else None for j in range(_positions(delta))],
         "ms_per_decode_step": round(1000 * seconds / max(1, delta["decode_steps"]), 3),
+        # verify steps replayed from CUDA graphs (the others ran eager: prompt chunks in the step, adapters)
+        "verify_graph_replays": _verify_replays(engine) - replays,
     }, outs
 
 

@@ -77,6 +77,11 @@ class RecurrentStep:
     # A decode CUDA graph's step: every row is one request's one token, in the slots this device buffer
     # holds (rewritten before each replay; padding rows use a scratch slot); the host lists are unused.
     decode_slots: torch.Tensor | None = None
+    # A verify CUDA graph's step (runner/verify_graphs.py), as device buffers rewritten before each replay:
+    # rows [q, R] (request r's j-th token's row, or a padding row), slots [q, R] (its live slot, or the
+    # scratch slot where it has no j-th token) and saves [q - 1, R] (where its state after j + 1 tokens is
+    # kept: a draft slot, or the scratch slot). The host lists are unused.
+    graph_columns: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     def saves_of(self, index: int) -> list[tuple[int, int]]:
         return self.saves[index] if index < len(self.saves) else []
@@ -150,7 +155,10 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(hidden.shape[0], s.num_value_heads, s.value_head_dim, device=hidden.device, dtype=hidden.dtype)
         varlen, decode = gated_delta_rule.kernels_for(hidden.device)
         starts = step.query_start_loc
-        if step.decode_slots is not None:  # a graph step: no host values, no saves (the runner copies after)
+        if step.graph_columns is not None:
+            decodes = []
+            self._graph_columns(mixed, beta, decay, out, step.graph_columns, decode)
+        elif step.decode_slots is not None:  # a graph step: no host values, no saves (the runner copies after)
             decodes = []
             self._decode_rows(mixed, beta, decay, out, torch.arange(hidden.shape[0], device=hidden.device), step.decode_slots, decode)
         else:  # always batched, so a request's decode is computed alike whatever else is in the step
@@ -195,6 +203,18 @@ class GatedDeltaNet(nn.Module):
                 for n, target in step.saves_of(i):
                     if n == j + 1:
                         self.states.copy(step.slots[i], target)
+
+    def _graph_columns(self, mixed: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, out: torch.Tensor,
+                       columns: tuple[torch.Tensor, torch.Tensor, torch.Tensor], decode: gated_delta_rule.VarlenKernel) -> None:
+        """A verify graph's tokens as decodes, as _stepwise_rows runs them: every request's j-th token
+        together, then each state after j + 1 tokens copied where the columns say."""
+        rows, slots, saves = columns
+        states = self.states
+        for j in range(rows.shape[0]):
+            self._decode_rows(mixed, beta, decay, out, rows[j], slots[j], decode)
+            if j < saves.shape[0]:
+                states.conv.index_copy_(0, saves[j], states.conv.index_select(0, slots[j]))
+                states.recurrent.index_copy_(0, saves[j], states.recurrent.index_select(0, slots[j]))
 
     def _decode_rows(self, mixed: torch.Tensor, beta: torch.Tensor, decay: torch.Tensor, out: torch.Tensor, rows: torch.Tensor,
                      slots: torch.Tensor, decode: gated_delta_rule.VarlenKernel) -> None:

@@ -1,4 +1,4 @@
-"""CUDA graphs for decode-only steps: batch-size buckets, capture and replay.
+"""CUDA graphs for decode-only and verify steps: batch-size buckets, capture and replay.
 
 A decode step launches the same kernels every time; only the values in the input buffers change.
 So each bucket size is captured once at start-up over the persistent input buffers and replayed
@@ -7,6 +7,9 @@ mixed steps stay eager. With cascade attention on, sizes from 2 up also get a ca
 the same step with the shared-prefix pass, over the cascade buffers (runner/cascade_plan.py). With
 LoRA enabled, every size also gets a LoRA variant: each row adds the delta of the adapter slot the
 per-row buffer names (-1: none), so the base variant of a step without adapters pays nothing for LoRA.
+With speculative decoding, each size up to the token budget also gets a verify graph
+(runner/verify_graphs.py): room for num_speculative_tokens + 1 tokens a request, the real tokens
+packed as in an eager step, the rest padding rows that store nothing.
 
 The capture itself goes through a `GraphCapturer`: on CUDA it records a real graph; on CPU the
 `EagerCapturer` stand-in "replays" by calling the same function over the same static buffers,
@@ -90,24 +93,31 @@ class CaptureReport:
 
 class DecodeGraphs:
     """One replayable decode step per bucket size, and a cascade-attention variant of the sizes in
-    `cascade_sizes` (its groups are read from buffers like every other input)."""
+    `cascade_sizes` (its groups are read from buffers like every other input). With `verify_sizes`,
+    a verify step of up to `verify_query_len` tokens a request for each of those sizes."""
 
-    def __init__(self, sizes: list[int], cascade_sizes: list[int] | None = None, lora_sizes: list[int] | None = None) -> None:
+    def __init__(self, sizes: list[int], cascade_sizes: list[int] | None = None, lora_sizes: list[int] | None = None,
+                 verify_sizes: list[int] | None = None, verify_query_len: int = 1) -> None:
         self.sizes = sorted(sizes)
         self.cascade_sizes = sorted(cascade_sizes or [])
         self.lora_sizes = sorted(lora_sizes or [])
+        self.verify_sizes = sorted(verify_sizes or [])
+        self.verify_query_len = verify_query_len
         self._replays: dict[tuple[int, bool, bool], Replay] = {}
+        self._verify_replays: dict[int, Replay] = {}
         self.num_replays = 0
         self.num_cascade_replays = 0
         self.num_lora_replays = 0
+        self.num_verify_replays = 0
 
     def variants(self, size: int) -> list[tuple[bool, bool]]:
         """(cascade, lora) of each graph captured for `size`."""
         return [(False, False)] + [(True, False)] * (size in self.cascade_sizes) + [(False, True)] * (size in self.lora_sizes)
 
     def capture_all(self, step_for: Callable[[int, bool, bool], Callable[[], None]], capturer: GraphCapturer,
-                    device: torch.device) -> CaptureReport:
-        """Captures step_for(size, cascade, lora) for every bucket and variant, largest first."""
+                    device: torch.device, verify_step_for: Callable[[int], Callable[[], None]] | None = None) -> CaptureReport:
+        """Captures verify_step_for(size) for every verify bucket, then step_for(size, cascade, lora) for
+        every bucket and variant, largest first."""
         on_cuda = device.type == "cuda"
         if on_cuda:
             # A capture empties the allocator's cache first: without this, memory cached before it
@@ -116,6 +126,8 @@ class DecodeGraphs:
             torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved(device)
         start = time.perf_counter()
+        for size in reversed(self.verify_sizes):  # the most tokens first: the others reuse their memory
+            self._verify_replays[size] = capturer.capture(verify_step_for(size))
         for size in reversed(self.sizes):
             for cascade, lora in self.variants(size):
                 self._replays[(size, cascade, lora)] = capturer.capture(step_for(size, cascade, lora))
@@ -127,8 +139,15 @@ class DecodeGraphs:
     def bucket_for(self, num_reqs: int) -> int | None:
         return padded_batch_size(num_reqs, self.sizes)
 
+    def verify_bucket_for(self, num_reqs: int) -> int | None:
+        return padded_batch_size(num_reqs, self.verify_sizes)
+
     def replay(self, size: int, cascade: bool = False, lora: bool = False) -> None:
         self._replays[(size, cascade, lora)]()
         self.num_replays += 1
         self.num_cascade_replays += cascade
         self.num_lora_replays += lora
+
+    def replay_verify(self, size: int) -> None:
+        self._verify_replays[size]()
+        self.num_verify_replays += 1

@@ -65,6 +65,7 @@ class StepInputs:
     sampled: list[ScheduledRequest]
     num_tokens: int  # real tokens; the batch may be padded beyond them to a CUDA-graph size
     graph_size: int | None  # the CUDA graph this step replays, or None (eager)
+    graph_query_len: int = 1  # tokens a request the graph holds: 1 (a decode graph) or a verify graph's
     cascade_groups: list[CascadeGroup] = field(default_factory=list)  # shared-prefix groups
     graph_cascade: bool = False  # the graph replayed is the bucket's cascade variant
     graph_lora: bool = False  # the graph replayed is the bucket's LoRA variant (slots in the per-row buffer)
@@ -163,6 +164,7 @@ class InputBuffers:
         previous_rows: dict[str, int] | None = None,
         lora_slots: dict[str, int] | None = None,
         window_tables: dict[str, list[int]] | None = None,
+        graph_query_len: int = 1,
     ) -> StepInputs:
         """Packs the scheduled requests (decodes first, each with num_new_tokens > 0) into the
         buffers. With a graph size, the batch is padded to it with rows that store nothing.
@@ -170,16 +172,24 @@ class InputBuffers:
         that token's index among the previous step's sampled tokens. `lora_slots` maps requests that
         run an adapter to its slot; in a graph step they go into the per-row slot buffer (and the
         step takes no cascade variant: a graph has either). `window_tables`: the sliding-window pool's
-        block tables (when the buffers are windowed)."""
+        block tables (when the buffers are windowed). `graph_query_len` > 1: the graph is a verify graph of
+        graph_size requests of up to that many tokens (it has neither a LoRA nor a cascade variant: a
+        step with adapters runs eager, one with shared prefixes runs without cascade attention)."""
+        if graph_query_len > 1 and lora_slots:
+            graph_size = None
+        if graph_size is None:
+            graph_query_len = 1
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the previous step's copies have read the host side
         scheduled = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)
         assert (window_tables is not None) == self.windowed, "a windowed step needs its window tables, and only it"
         batch = self._pack_requests(scheduled, block_tables, previous_rows, window_tables)
         graph_lora = bool(lora_slots) and graph_size is not None
-        groups, bounds, graph_size = self._plan_cascade(batch, graph_size) if self.cascade is not None and not graph_lora else ([], None, graph_size)
+        plan_cascade = self.cascade is not None and not graph_lora and graph_query_len == 1
+        groups, bounds, graph_size = self._plan_cascade(batch, graph_size) if plan_cascade else ([], None, graph_size)
         padded_reqs = graph_size or batch.num_reqs
-        padded_tokens = batch.num_tokens + (padded_reqs - batch.num_reqs)
+        # a verify graph's tokens past the padding requests' one each belong to no request: they store nothing
+        padded_tokens = graph_size * graph_query_len if graph_query_len > 1 else batch.num_tokens + (padded_reqs - batch.num_reqs)
         assert padded_tokens <= self.max_tokens and padded_reqs <= self.max_reqs, (padded_tokens, padded_reqs)
         token_starts = self._fill_token_buffers(scheduled, batch, padded_tokens, padded_reqs)
         # one logits row per sampling request, at its last token; a verify step's also at each draft before it
@@ -208,6 +218,7 @@ class InputBuffers:
             sampled=sampled,
             num_tokens=batch.num_tokens,
             graph_size=graph_size,
+            graph_query_len=graph_query_len,
             cascade_groups=groups,
             graph_cascade=bool(groups) and graph_size is not None,
             graph_lora=graph_lora,
@@ -384,24 +395,27 @@ class InputBuffers:
             column.np[:n] = values
         return SamplingTensors(*(column.upload(n) for column in columns))
 
-    def fill_dummy_decode(self, batch_size: int) -> None:
-        """Writes a valid all-padding decode batch (for capture and warm-up runs)."""
+    def fill_dummy_decode(self, batch_size: int, query_len: int = 1) -> None:
+        """Writes a valid all-padding batch of batch_size requests of query_len tokens each (for capture
+        and warm-up runs): a decode batch, or a verify graph's."""
         if self._uploaded is not None:
             self._uploaded.synchronize()
-        self.input_ids.np[:batch_size] = 0
-        self.positions.np[:batch_size] = 0
-        self.query_start_loc.np[: batch_size + 1] = np.arange(batch_size + 1)
-        self.seq_lens.np[:batch_size] = PAD_SEQ_LEN
+        num_tokens = batch_size * query_len
+        self.input_ids.np[:num_tokens] = 0
+        self.positions.np[:num_tokens] = 0
+        self.query_start_loc.np[: batch_size + 1] = np.arange(batch_size + 1) * query_len
+        self.seq_lens.np[:batch_size] = max(PAD_SEQ_LEN, query_len)
         for table, slot_mapping in self._slot_buffers():
-            slot_mapping.np[:batch_size] = PAD_SLOT
+            slot_mapping.np[:num_tokens] = PAD_SLOT
             table.np[:batch_size] = 0
             table.upload(batch_size)
-            slot_mapping.upload(batch_size)
+            slot_mapping.upload(num_tokens)
         if self.lora_slots is not None:
             self.lora_slots.np[:batch_size] = -1
             self.lora_slots.upload(batch_size)
-        for buffer in (self.input_ids, self.positions, self.seq_lens):
-            buffer.upload(batch_size)
+        for buffer in (self.input_ids, self.positions):
+            buffer.upload(num_tokens)
+        self.seq_lens.upload(batch_size)
         self.query_start_loc.upload(batch_size + 1)
         if self._uploaded is not None:
             self._uploaded.record()

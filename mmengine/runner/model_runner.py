@@ -35,6 +35,14 @@ from mmengine.models.loader import default_dtype, iter_checkpoint, parameters_on
 from mmengine.models.quantization import quantization_of
 from mmengine.runner.cascade_plan import CascadePolicy, cascade_layer_shape
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
+from mmengine.runner.verify_graphs import (
+    RecurrentColumns,
+    refresh_host_lists,
+    state_source,
+    verify_graph_sizes,
+    verify_metadata,
+    verify_query_len,
+)
 from mmengine.runner.inputs import InputBuffers
 from mmengine.runner.head_drafter import Eagle3DraftHead, HeadDrafter, MtpHead
 from mmengine.sample.penalties import PenaltyState, apply_logit_bias
@@ -138,6 +146,8 @@ class ModelRunner:
         self.decode_graphs: DecodeGraphs | None = None
         # The final hidden states of a graph step, at a fixed address (rows beyond the batch are padding).
         self._graph_hidden: torch.Tensor | None = None
+        self._verify_columns: RecurrentColumns | None = None  # a hybrid model's verify graphs, by token column
+        self._verify_metadata: dict[int, AttentionMetadata] = {}  # each verify graph's, for its host lists
         self.drafter: HeadDrafter | None = None
         if family.num_draft_layers:
             self.drafter = HeadDrafter(MtpHead(self), self.block_size)
@@ -365,21 +375,28 @@ class ModelRunner:
         persistent input buffers. `capturer` defaults to real CUDA graphs (tests pass a stand-in)."""
         assert self.kv_cache is not None, "allocate the KV cache before capturing"
         sizes = graph_batch_sizes(self.config.scheduler_config.max_num_seqs, self.config.execution_config.max_cuda_graph_batch_size)
-        self._graph_hidden = torch.zeros(max(sizes), self.text_config.hidden_size, dtype=self.dtype, device=self.device)
+        query_len = 1 + self.num_speculative_tokens
+        verify_sizes = verify_graph_sizes(sizes, query_len, self.inputs.max_tokens) if query_len > 1 else []
+        rows = max(max(sizes), max(verify_sizes, default=0) * query_len)
+        self._graph_hidden = torch.zeros(rows, self.text_config.hidden_size, dtype=self.dtype, device=self.device)
         if self.recurrent_states:
             self._graph_state_slots = torch.full((max(sizes),), self._scratch_state_slot, dtype=torch.long, device=self.device)
+            if verify_sizes:
+                self._verify_columns = RecurrentColumns(max(verify_sizes), query_len, self._scratch_state_slot, self.device)
         # The cascade variants read their groups from device buffers, as only the Triton kernels do.
         with_cascade = self.inputs.cascade is not None and self.attn_backend.name == "triton"
         cascade_sizes = [size for size in sizes if size >= 2] if with_cascade else []
-        graphs = DecodeGraphs(sizes, cascade_sizes, lora_sizes=sizes if self.lora_context is not None else [])
+        graphs = DecodeGraphs(sizes, cascade_sizes, lora_sizes=sizes if self.lora_context is not None else [],
+                              verify_sizes=verify_sizes, verify_query_len=query_len)
         with torch.inference_mode():
-            report = graphs.capture_all(self._decode_step, capturer or CudaGraphCapturer(), self.device)
+            report = graphs.capture_all(self._decode_step, capturer or CudaGraphCapturer(), self.device, self._verify_step)
         if self.lora_context is not None:
             self.lora_context.segments = None
         self.decode_graphs = graphs
         logger.info(
-            "captured %d decode graphs (batch sizes %d..%d, %d with a cascade variant) in %.2f s using %.1f MiB",
-            len(sizes), sizes[0], sizes[-1], len(cascade_sizes), report.seconds, report.memory_bytes / 2**20,
+            "captured %d decode graphs (batch sizes %d..%d, %d with a cascade variant) and %d verify graphs of %d tokens a "
+            "request in %.2f s using %.1f MiB", len(sizes), sizes[0], sizes[-1], len(cascade_sizes), len(verify_sizes),
+            query_len, report.seconds, report.memory_bytes / 2**20,
         )
         return report
 
@@ -387,7 +404,37 @@ class ModelRunner:
         self.decode_graphs = None
         self._graph_hidden = None
         self._graph_state_slots = None
+        self._verify_columns = None
+        self._verify_metadata.clear()
         self.inputs.cascade_graph_bounds.clear()
+
+    def _verify_step(self, size: int) -> Callable[[], None]:
+        """A verify step of `size` requests of up to 1 + num_speculative_tokens tokens over the persistent
+        buffers (runner/verify_graphs.py), writing the final hidden states into the static output."""
+        query_len = 1 + self.num_speculative_tokens
+        num_tokens = size * query_len
+        self.inputs.fill_dummy_decode(size, query_len)
+        buffers = self.inputs
+        metadata = verify_metadata(
+            size, query_len, buffers.slot_mapping.device[:num_tokens], buffers.query_start_loc.device[: size + 1],
+            buffers.seq_lens.device[:size], buffers.block_tables.device[:size],
+            buffers.window_slot_mapping.device[:num_tokens] if buffers.windowed else None,
+            buffers.window_block_tables.device[:size] if buffers.windowed else None,
+        )
+        if self.recurrent_states:
+            self._verify_columns.fill_padding(size)
+            metadata.recurrent = RecurrentStep([0], [], graph_columns=self._verify_columns.views(size))
+        self._verify_metadata[size] = metadata
+        input_ids, positions = buffers.input_ids.device[:num_tokens], buffers.positions.device[:num_tokens]
+        hidden_out = self._graph_hidden[:num_tokens]
+        context = self.lora_context
+
+        def step() -> None:
+            if context is not None:
+                context.segments = None  # verify graphs have no LoRA variant: a step with adapters runs eager
+            hidden_out.copy_(self.model(self.model.embed_tokens(input_ids), positions, metadata, input_ids=input_ids))
+
+        return step
 
     def _decode_step(self, size: int, cascade: bool = False, lora: bool = False) -> Callable[[], None]:
         """A decode step of `size` rows over the persistent buffers, writing the final hidden states
@@ -496,9 +543,9 @@ class ModelRunner:
         scheduled = [s for s in out.scheduled if s.num_new_tokens > 0]  # zero-token requests just wait
         if not scheduled:
             return NOTHING_SAMPLED
-        graph_size = self._graph_size_for(scheduled)
+        graph_size, graph_query_len = self._graph_size_for(scheduled)
         inputs = self.inputs.prepare(scheduled, block_tables, graph_size, previous.token_rows() if previous else None,
-                                     lora_slots=out.lora_slots, window_tables=window_tables)
+                                     lora_slots=out.lora_slots, window_tables=window_tables, graph_query_len=graph_query_len)
         if self.lora_context is not None and inputs.graph_size is None:
             self.lora_context.segments = self._lora_segments(inputs.scheduled, out.lora_slots)
         if inputs.deferred_rows is not None:
@@ -511,7 +558,10 @@ class ModelRunner:
             inputs.metadata.recurrent = self._recurrent_step(inputs.scheduled, inputs.metadata.query_start_loc_cpu)
         if self.family.bidirectional_modalities and inputs.graph_size is None:
             inputs.metadata.span_ends = span_ends(inputs.scheduled, self.family.bidirectional_modalities, self.device)
-        if inputs.graph_size is not None:
+        if inputs.graph_size is not None and inputs.graph_query_len > 1:
+            self._replay_verify(inputs)
+            hidden = self._graph_hidden
+        elif inputs.graph_size is not None:
             if self.recurrent_states:
                 self._set_graph_state_slots(inputs.scheduled, inputs.graph_size)
             self.decode_graphs.replay(inputs.graph_size, inputs.graph_cascade, inputs.graph_lora)
@@ -538,6 +588,21 @@ class ModelRunner:
             # step's forward runs on the device).
             return LaunchedStep([s.request.request_id for s in inputs.sampled], None, None, None, pending=pending)
         return self.sample(pending)
+
+    def _replay_verify(self, inputs) -> None:
+        """Replays the verify graph of the step's size; then a hybrid model's checkpoints inside the step
+        are copied from the states the graph kept (runner/verify_graphs.py)."""
+        size = inputs.graph_size
+        refresh_host_lists(self._verify_metadata[size], inputs.metadata)
+        if self.recurrent_states:
+            self._twin_saves = []  # the eager forward's: the graph keeps every draft state itself
+            self._verify_columns.fill(inputs.scheduled, inputs.metadata.query_start_loc_cpu, size)
+        self.decode_graphs.replay_verify(size)
+        for s in inputs.scheduled if self.recurrent_states else ():
+            for position, target in s.state.saves:
+                source = state_source(s, position)
+                for states in self.recurrent_states:
+                    states.copy(source, target)
 
     def _recurrent_step(self, scheduled: list[ScheduledRequest], query_start_loc: list[int]) -> RecurrentStep:
         """Starts each admitted request's live state (zeros, or a checkpoint copied in), then describes
@@ -654,17 +719,24 @@ class ModelRunner:
         row = self.penalties.row_of(request.request_id, request.prompt_token_ids)
         self.penalties.count(self._device_longs([row] * len(tokens)), self._device_longs(tokens))
 
-    def _graph_size_for(self, scheduled: list[ScheduledRequest]) -> int | None:
-        """The graph bucket for a decode-only batch whose tokens are all text, else None (eager)."""
-        if self.decode_graphs is None:
-            return None
+    def _graph_size_for(self, scheduled: list[ScheduledRequest]) -> tuple[int | None, int]:
+        """(graph bucket, tokens a request) for a batch of decodes and verifies whose tokens are all
+        text: a decode graph's bucket when every request computes one token, a verify graph's when some
+        verify drafts; (None, 1) otherwise (eager)."""
+        graphs = self.decode_graphs
+        if graphs is None:
+            return None, 1
         for s in scheduled:
-            if s.num_new_tokens != 1:
-                return None
             items = s.request.mm_items
             if items and items[-1].end > s.start:  # the token may be an image placeholder
-                return None
-        return self.decode_graphs.bucket_for(len(scheduled))
+                return None, 1
+        query_len = verify_query_len(scheduled, graphs.verify_query_len)
+        if query_len is None:
+            return None, 1
+        if query_len == 1:
+            return graphs.bucket_for(len(scheduled)), 1
+        size = graphs.verify_bucket_for(len(scheduled))
+        return (size, graphs.verify_query_len) if size is not None else (None, 1)
 
     def _lora_segments(self, scheduled: list[ScheduledRequest], slots: dict[str, int]) -> LoRASegments | None:
         """The packed batch's rows that run an adapter, one segment per request (None when there are none)."""
