@@ -151,9 +151,16 @@ def test_tp2_on_ray_gives_tp1_tokens_and_logprobs_with_pictures_chunks_and_async
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"] and stats["encoder_cache_referenced"] == 0
 
 
-def test_a_repeat_on_ray_computes_at_most_one_block_and_encodes_nothing(ray_tp2):
+def test_a_repeat_on_ray_computes_at_most_one_block_and_encodes_nothing_with_plans_in_the_object_store(ray_tp2, monkeypatch):
+    from mmengine.distributed import ray_executor
+
+    monkeypatch.setattr(ray_executor, "INLINE_BYTES", 0)  # every plan put once into the object store, as a large one is
+    put, puts = ray.put, []
+    monkeypatch.setattr(ray, "put", lambda value, **kw: (puts.append(len(value)), put(value, **kw))[1])
     prompt, images = PROMPTS[1], [make_test_image(7)]
+    sent = ray_tp2.parallel.num_submitted
     first = ray_tp2.generate(prompt, images=images, sampling_params=GREEDY, use_tqdm=False)[0]
+    assert len(puts) == ray_tp2.parallel.num_submitted - sent  # one put a step, read by both ranks
     before = ray_tp2.stats()
     again = ray_tp2.generate(prompt, images=images, sampling_params=GREEDY, use_tqdm=False)[0]
     after = ray_tp2.stats()

@@ -4,7 +4,7 @@ plan to every rank, one reply from rank 0, steps sent ahead of their replies).
 
 ```
 driver                                            RankActor x tp (ray_worker.py), one bundle each
-submit(plan) --ray.put(plan) once, run(ref)-->    worker.execute_step(plan), collectives among the ranks
+submit(plan) --pickled once, run(bytes)-------->  worker.execute_step(plan), collectives among the ranks
 collect()    <--rank 0's reply (each rank's call's result is watched for an error)
 call(m, ...) --(CALL, m, args) to every rank-->   worker.m(...)
 ```
@@ -23,6 +23,7 @@ Failure and lifetime:
 
 from __future__ import annotations
 
+import pickle
 import threading
 import time
 import weakref
@@ -44,6 +45,8 @@ from mmengine.distributed.worker_loop import ERROR, OK, READY, WorkerFactory
 from mmengine.errors import EngineDeadError
 
 OPTION = "distributed_executor_backend='ray'"
+# A message this small rides in the actor calls themselves (below Ray's own 100 KiB limit for arguments passed inline)
+INLINE_BYTES = 64 * 1024
 
 
 def rank_actor_class(ray: Any) -> Any:
@@ -208,7 +211,10 @@ class RayExecutor(Executor):
     # -- the transport ----------------------------------------------------------------------------------------
 
     def encode(self, message: tuple[Any, ...]) -> Any:
-        return self.ray.put(message)  # pickled once into the object store; every rank reads the same object
+        """The message pickled once: small, the bytes ride in each rank's call (Ray's object store would cost more
+        than the copies); large (a plan with pictures), put once into the object store, which every rank reads."""
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        return data if len(data) < INLINE_BYTES else self.ray.put(data)
 
     def send(self, payload: Any) -> None:
         self.in_flight.append({rank: actor.run.remote(payload) for rank, actor in enumerate(self.ranks.actors)})

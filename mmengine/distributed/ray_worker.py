@@ -5,8 +5,8 @@ driver (ray_executor.py)                          RankActor (one per placement-g
 place()                                      -->  where it runs: machine, GPUs, pid
 rendezvous()                       (rank 0)  -->  a free TCP port on its machine: the group's address
 start(init, factory, threads, devices)       -->  start_worker: join the group, build the worker; (READY, rank, pid)
-run(message)   the message put once in Ray's -->  run_message: (OK, result), an error_reply, or None (a step on
-               object store, for every rank        a rank other than 0)
+run(data)      the message pickled once     -->  run_message: (OK, result), an error_reply, or None (a step on
+               (a large one in the object store)   a rank other than 0)
 watch()        its own concurrency group     -->  returns only at stop(): while it waits, a death shows on it
 stop()                                       -->  close_worker
 ```
@@ -18,6 +18,7 @@ sent ahead (async scheduling) run in order; `watch` sits in a group of its own a
 from __future__ import annotations
 
 import os
+import pickle
 import threading
 from typing import Any
 
@@ -54,8 +55,9 @@ class RankActor:
             return error_reply(self.rank, err)
         return READY, self.rank, os.getpid()
 
-    def run(self, message: tuple[Any, ...]) -> tuple[Any, ...] | None:
-        return run_message(self.worker, self.rank, message)
+    def run(self, data: bytes) -> tuple[Any, ...] | None:
+        """One message, pickled once by the driver (its bytes in the call, or in the object store for a large one)."""
+        return run_message(self.worker, self.rank, pickle.loads(data))
 
     @ray.method(concurrency_group="watch")
     def watch(self) -> None:
