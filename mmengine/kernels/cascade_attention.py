@@ -13,8 +13,9 @@ and grouped tokens a step has is read on the device (`counts`): programs past th
 So a launch's grid depends only on its bounds, and a CUDA graph captured with a bucket's bounds
 replays any step's groups within them.
 
-Merge: for each grouped token (all its heads in one program), the prefix partials and the suffix state already in
-(out, lse) are combined by their log-sum-exps, in place. (merge_states.py merges two row-aligned
+Merge: for each grouped token (all its heads in one program; a small model's tokens several to a
+program), the prefix partials and the suffix state already in (out, lse) are combined by their
+log-sum-exps, in place. (merge_states.py merges two row-aligned
 states; here the grouped rows are scattered over the batch and the prefix comes in several
 splits, so one kernel gathers, reduces and merges in a single pass.)
 """
@@ -93,41 +94,53 @@ def _shared_prefix_kernel(
         tl.store(part_lse_ptr + entry * stride_lt + head * stride_lh + split, lse, mask=row_valid)
 
 
+# Elements of the [tokens, heads, head_dim] tile one merge program holds: the tokens of a small model's layer go
+# several to a program, a large one's one each.
+_MERGE_TILE_ELEMENTS = 4096
+_MAX_MERGE_TOKENS_PER_PROGRAM = 64
+
+
 @triton.jit(do_not_specialize=PARTIAL_STRIDES)
 def _merge_prefix_kernel(
     part_out_ptr, part_lse_ptr, token_indices_ptr, counts_ptr, out_ptr, lse_ptr,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh, stride_ft, stride_fh,
     NUM_HEADS: tl.constexpr, BLOCK_H: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
-    entry = tl.program_id(0)  # one grouped token, all its heads; programs past the step's tokens exit
-    if entry < tl.load(counts_ptr + 2):
+    # grouped tokens [b * BLOCK_E, (b + 1) * BLOCK_E), all their heads; programs past the step's tokens exit
+    first = tl.program_id(0) * BLOCK_E
+    num_entries = tl.load(counts_ptr + 2)
+    if first < num_entries:
         num_splits = tl.load(counts_ptr + 1)
-        token = tl.load(token_indices_ptr + entry)
+        entry = first + tl.arange(0, BLOCK_E)
+        live = entry < num_entries
+        token = tl.load(token_indices_ptr + entry, mask=live, other=0)
         h = tl.arange(0, BLOCK_H)
-        h_valid = h < NUM_HEADS
+        rows = live[:, None] & (h < NUM_HEADS)[None, :]  # [BLOCK_E, BLOCK_H]
         d = tl.arange(0, BLOCK_D)
-        mask = h_valid[:, None] & (d < HEAD_DIM)[None, :]
-        out_rows = token * stride_ot + h[:, None] * stride_oh + d[None, :]
+        mask = rows[:, :, None] & (d < HEAD_DIM)[None, None, :]
+        out_rows = token[:, None, None] * stride_ot + h[None, :, None] * stride_oh + d[None, None, :]
+        lse_rows = token[:, None] * stride_ft + h[None, :] * stride_fh
+        part_rows = entry[:, None] * stride_lt + h[None, :] * stride_lh
+        part_out_rows = entry[:, None, None] * stride_pt + h[None, :, None] * stride_ph + d[None, None, :]
         # the suffix state, then each prefix split, folded in by an online log-sum-exp
-        m = tl.load(lse_ptr + token * stride_ft + h * stride_fh, mask=h_valid, other=float("-inf"))
+        m = tl.load(lse_ptr + lse_rows, mask=rows, other=float("-inf"))
         weight = tl.where(m != float("-inf"), 1.0, 0.0)
-        acc = tl.load(out_ptr + out_rows, mask=mask, other=0.0).to(tl.float32) * weight[:, None]
+        acc = tl.load(out_ptr + out_rows, mask=mask, other=0.0).to(tl.float32) * weight[:, :, None]
         for split in range(num_splits):
-            lse_s = tl.load(part_lse_ptr + entry * stride_lt + h * stride_lh + split, mask=h_valid, other=float("-inf"))
-            out_s = tl.load(part_out_ptr + entry * stride_pt + h[:, None] * stride_ph + split * stride_ps + d[None, :],
-                            mask=mask, other=0.0)
+            lse_s = tl.load(part_lse_ptr + part_rows + split, mask=rows, other=float("-inf"))
+            out_s = tl.load(part_out_ptr + part_out_rows + split * stride_ps, mask=mask, other=0.0)
             m_new = tl.maximum(m, lse_s)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m - m_safe)
             beta = tl.exp(lse_s - m_safe)
             weight = weight * alpha + beta
-            acc = acc * alpha[:, None] + out_s * beta[:, None]
+            acc = acc * alpha[:, :, None] + out_s * beta[:, :, None]
             m = m_new
         m_safe = tl.where(m == float("-inf"), 0.0, m)
         total = tl.where(weight > 0, weight, 1.0)
-        tl.store(out_ptr + out_rows, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(lse_ptr + token * stride_ft + h * stride_fh, tl.where(weight > 0, m_safe + tl.log(total), float("-inf")),
-                 mask=h_valid)
+        tl.store(out_ptr + out_rows, (acc / total[:, :, None]).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(lse_ptr + lse_rows, tl.where(weight > 0, m_safe + tl.log(total), float("-inf")), mask=rows)
 
 
 class CascadeTensors(Protocol):
@@ -197,21 +210,23 @@ def merge_prefix_states(
     part_lse: torch.Tensor,
     token_indices: torch.Tensor,
     counts: torch.Tensor,
-    num_programs: int | None = None,
+    max_tokens: int | None = None,
 ) -> None:
     """Folds the prefix partials (cascade order) into the suffix states (out [tokens, heads, D],
     lse [tokens, heads], batch order) of the grouped tokens, in place. counts[1] (splits) and
-    counts[2] (grouped tokens) are read on the device; num_programs (default: every entry of
-    token_indices) bounds the grid."""
+    counts[2] (grouped tokens) are read on the device; max_tokens (default: every entry of
+    token_indices) bounds them, and so the grid."""
     num_heads, head_dim = part_out.shape[1], part_out.shape[3]
-    num_programs = token_indices.shape[0] if num_programs is None else num_programs
-    if num_programs == 0:
+    max_tokens = token_indices.shape[0] if max_tokens is None else max_tokens
+    if max_tokens == 0:
         return
-    _merge_prefix_kernel[(num_programs,)](
+    block_h, block_d = triton.next_power_of_2(num_heads), padded_head_dim(head_dim)
+    block_e = max(1, min(_MAX_MERGE_TOKENS_PER_PROGRAM, _MERGE_TILE_ELEMENTS // (block_h * block_d)))
+    _merge_prefix_kernel[(triton.cdiv(max_tokens, block_e),)](
         part_out, part_lse, token_indices, counts, out, lse,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        NUM_HEADS=num_heads, BLOCK_H=triton.next_power_of_2(num_heads), HEAD_DIM=head_dim, BLOCK_D=padded_head_dim(head_dim),
+        NUM_HEADS=num_heads, BLOCK_H=block_h, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_E=block_e,
         **launch_options(),
     )
 

@@ -15,27 +15,39 @@ import triton.language as tl
 from mmengine.kernels.common import launch_options
 
 
-@triton.jit
+# Elements a program holds at most; rows shorter than that are taken several to a program.
+_TILE_ELEMENTS = 4096
+_MAX_ROWS_PER_PROGRAM = 64
+
+
+@triton.jit(do_not_specialize=["num_rows"])
 def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    stride_x, stride_r, stride_o, stride_ro, eps,
-    N: tl.constexpr, BLOCK_N: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    stride_x, stride_r, stride_o, stride_ro, eps, num_rows,
+    N: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    """Rows [b * BLOCK_ROWS, (b + 1) * BLOCK_ROWS) in program b."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     dtype = out_ptr.dtype.element_ty
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    col_mask = cols < N
+    mask = (rows < num_rows)[:, None] & col_mask[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(residual_ptr + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         x = (x + r).to(dtype)
-        tl.store(residual_out_ptr + row * stride_ro + cols, x, mask=mask)
+        tl.store(residual_out_ptr + rows[:, None] * stride_ro + cols[None, :], x, mask=mask)
         x = x.to(tl.float32)
-    variance = tl.sum(x * x, axis=0) / N
+    variance = tl.sum(x * x, axis=1) / N
     rstd = tl.div_rn(1.0, tl.sqrt_rn(variance + eps))  # correctly rounded, like torch.rsqrt on a CPU
-    normed = (x * rstd).to(dtype).to(tl.float32)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_o + cols, (weight * normed).to(dtype), mask=mask)
+    normed = (x * rstd[:, None]).to(dtype).to(tl.float32)
+    weight = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + rows[:, None] * stride_o + cols[None, :], (weight[None, :] * normed).to(dtype), mask=mask)
+
+
+def rms_norm_rows_per_program(hidden: int) -> int:
+    """Rows one program normalizes: as many as fit in _TILE_ELEMENTS (one for rows of 4096 and wider)."""
+    return max(1, min(_MAX_ROWS_PER_PROGRAM, _TILE_ELEMENTS // triton.next_power_of_2(hidden)))
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -58,11 +70,12 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     if rows.shape[0] == 0:
         return out, residual_out
     block_n = triton.next_power_of_2(hidden)
-    _rms_norm_kernel[(rows.shape[0],)](
+    block_rows = rms_norm_rows_per_program(hidden)
+    _rms_norm_kernel[(triton.cdiv(rows.shape[0], block_rows),)](
         rows, residual_rows, weight, out_rows, residual_out_rows,
-        rows.stride(0), residual_rows.stride(0), out_rows.stride(0), residual_out_rows.stride(0), eps,
-        N=hidden, BLOCK_N=block_n, HAS_RESIDUAL=residual is not None,
-        **launch_options(num_warps=min(8, max(1, block_n // 256)), num_stages=1),
+        rows.stride(0), residual_rows.stride(0), out_rows.stride(0), residual_out_rows.stride(0), eps, rows.shape[0],
+        N=hidden, BLOCK_N=block_n, BLOCK_ROWS=block_rows, HAS_RESIDUAL=residual is not None,
+        **launch_options(num_warps=min(8, max(1, block_rows * block_n // 256)), num_stages=1),
     )
     return out, residual_out
 

@@ -23,89 +23,108 @@ from mmengine.kernels.common import launch_options
 from mmengine.kernels.kv_quant import is_fp8, to_cache
 from mmengine.kernels.e4m3 import e4m3_for_triton
 
-# Elements of one [heads, head_dim / 2] tile a program holds at a time (keeps registers bounded).
+# Elements of one [tokens, heads, head_dim / 2] tile a program holds at a time (keeps registers bounded).
 _TILE_ELEMENTS = 2048
+# Tokens one program takes at most, where a token's heads fill only part of a tile (small heads or few of them).
+_MAX_TOKENS_PER_PROGRAM = 64
 
 
 @triton.jit
-def _rotate_heads(x_ptr, stride_xh, heads, head_mask, j, j_mask, c1, c2, s1, s2, HALF: tl.constexpr):
-    """Rotates the rows `heads` of one token (x_ptr) in place; returns the two rotated halves."""
+def _rotate_heads(x_ptr, stride_xt, stride_xh, tokens, token_mask, heads, head_mask, j, j_mask, c1, c2, s1, s2,
+                  HALF: tl.constexpr):
+    """Rotates the rows `heads` of the tokens `tokens` in place (c1..s2: [tokens, j]); returns the two rotated
+    halves [tokens, heads, j]."""
     dtype = x_ptr.dtype.element_ty
-    mask = head_mask[:, None] & j_mask[None, :]
-    first = x_ptr + heads[:, None] * stride_xh + j[None, :]
+    mask = token_mask[:, None, None] & head_mask[None, :, None] & j_mask[None, None, :]
+    first = x_ptr + tokens[:, None, None] * stride_xt + heads[None, :, None] * stride_xh + j[None, None, :]
     x1 = tl.load(first, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask, other=0.0).to(tl.float32)
+    c1, c2, s1, s2 = c1[:, None, :], c2[:, None, :], s1[:, None, :], s2[:, None, :]
     # Each product and the sum rounded to the model dtype, as transformers computes in that dtype.
-    o1 = ((x1 * c1[None, :]).to(dtype).to(tl.float32) - (x2 * s1[None, :]).to(dtype).to(tl.float32)).to(dtype)
-    o2 = ((x2 * c2[None, :]).to(dtype).to(tl.float32) + (x1 * s2[None, :]).to(dtype).to(tl.float32)).to(dtype)
+    o1 = ((x1 * c1).to(dtype).to(tl.float32) - (x2 * s1).to(dtype).to(tl.float32)).to(dtype)
+    o2 = ((x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)).to(dtype)
     tl.store(first, o1, mask=mask)
     tl.store(first + HALF, o2, mask=mask)
     return o1, o2
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens"])
 def _rotary_kv_kernel(
-    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, cache_ptr, slot_ptr, inv_k_scale, inv_v_scale,
+    q_ptr, k_ptr, v_ptr, pos_ptr, cos_sin_ptr, cache_ptr, slot_ptr, inv_k_scale, inv_v_scale, num_tokens,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_pos_row,
     stride_pos_token, stride_pos_channel,
     stride_ckv, stride_cb, stride_cs, stride_ch,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_PER_TILE: tl.constexpr,
+    BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr, HEADS_PER_TILE: tl.constexpr, BLOCK_T: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, STORE_KV: tl.constexpr, SECTION_0: tl.constexpr, SECTION_1: tl.constexpr,
     SECTION_2: tl.constexpr, INTERLEAVED: tl.constexpr, FP8: tl.constexpr,
 ):
-    """Grid (tokens, 2): program (t, 0) rotates token t's query heads, (t, 1) its key heads and,
-    with STORE_KV, writes its rotated keys and its values into the cache."""
+    """Grid (cdiv(tokens, BLOCK_T), 2): program (b, 0) rotates the query heads of tokens [b * BLOCK_T, (b + 1) *
+    BLOCK_T), (b, 1) their key heads and, with STORE_KV, writes their rotated keys and their values into the cache."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    token = tl.program_id(0).to(tl.int64)
-    dtype = q_ptr.dtype.element_ty
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = tokens < num_tokens
     j = tl.arange(0, BLOCK_HALF)
     j_mask = j < HALF
-    token_pos = pos_ptr + token * stride_pos_token
-    pos = tl.load(token_pos).to(tl.int64)
+    token_pos = pos_ptr + tokens * stride_pos_token
+    pos = tl.load(token_pos, mask=token_mask, other=0).to(tl.int64)[:, None]  # [BLOCK_T, 1]
     if SECTION_0 < HALF:  # M-RoPE: each frequency at its own channel's position
-        pos_h = tl.load(token_pos + stride_pos_channel).to(tl.int64)
-        pos_w = tl.load(token_pos + 2 * stride_pos_channel).to(tl.int64)
+        pos_h = tl.load(token_pos + stride_pos_channel, mask=token_mask, other=0).to(tl.int64)[:, None]
+        pos_w = tl.load(token_pos + 2 * stride_pos_channel, mask=token_mask, other=0).to(tl.int64)[:, None]
         if INTERLEAVED:
-            pos = tl.where((j % 3 == 1) & (j < 3 * SECTION_1), pos_h, tl.where((j % 3 == 2) & (j < 3 * SECTION_2), pos_w, pos))
+            at_h = ((j % 3 == 1) & (j < 3 * SECTION_1))[None, :]
+            at_w = ((j % 3 == 2) & (j < 3 * SECTION_2))[None, :]
+            pos = tl.where(at_h, pos_h, tl.where(at_w, pos_w, pos))
         else:
-            pos = tl.where(j < SECTION_0, pos, tl.where(j < SECTION_0 + SECTION_1, pos_h, pos_w))
-    row = cos_sin_ptr + pos * stride_pos_row
-    c1 = tl.load(row + j, mask=j_mask, other=0.0).to(dtype).to(tl.float32)
-    c2 = tl.load(row + HALF + j, mask=j_mask, other=0.0).to(dtype).to(tl.float32)
-    s1 = tl.load(row + HEAD_DIM + j, mask=j_mask, other=0.0).to(dtype).to(tl.float32)
-    s2 = tl.load(row + HEAD_DIM + HALF + j, mask=j_mask, other=0.0).to(dtype).to(tl.float32)
+            pos = tl.where((j < SECTION_0)[None, :], pos, tl.where((j < SECTION_0 + SECTION_1)[None, :], pos_h, pos_w))
+    row = cos_sin_ptr + pos * stride_pos_row + j[None, :]  # [BLOCK_T, BLOCK_HALF]
+    row_mask = token_mask[:, None] & j_mask[None, :]
+    dtype = q_ptr.dtype.element_ty
+    c1 = tl.load(row, mask=row_mask, other=0.0).to(dtype).to(tl.float32)
+    c2 = tl.load(row + HALF, mask=row_mask, other=0.0).to(dtype).to(tl.float32)
+    s1 = tl.load(row + HEAD_DIM, mask=row_mask, other=0.0).to(dtype).to(tl.float32)
+    s2 = tl.load(row + HEAD_DIM + HALF, mask=row_mask, other=0.0).to(dtype).to(tl.float32)
     tile = tl.arange(0, HEADS_PER_TILE)
     if tl.program_id(1) == 0:
         for h0 in tl.static_range(0, NUM_HEADS, HEADS_PER_TILE):
             heads = h0 + tile
-            _rotate_heads(q_ptr + token * stride_qt, stride_qh, heads, heads < NUM_HEADS, j, j_mask, c1, c2, s1, s2, HALF)
+            _rotate_heads(q_ptr, stride_qt, stride_qh, tokens, token_mask, heads, heads < NUM_HEADS, j, j_mask,
+                          c1, c2, s1, s2, HALF)
     else:
-        # The token's slot, broadcast over a tile of heads (without STORE_KV a dummy: nothing is stored).
-        slot = tl.load(slot_ptr + token + tile * 0)
+        # Each token's slot (-1, and tokens past the last: nothing stored; without STORE_KV a dummy).
+        slot = tl.load(slot_ptr + tokens, mask=token_mask, other=-1)
         stored = slot >= 0
         slot = tl.where(stored, slot, 0)
-        dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs  # [HEADS_PER_TILE]
+        dst = cache_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs  # [BLOCK_T]
         d = tl.arange(0, BLOCK_D)
         for h0 in tl.static_range(0, NUM_KV_HEADS, HEADS_PER_TILE):
             heads = h0 + tile
             head_mask = heads < NUM_KV_HEADS
-            o1, o2 = _rotate_heads(k_ptr + token * stride_kt, stride_kh, heads, head_mask, j, j_mask, c1, c2, s1, s2, HALF)
+            o1, o2 = _rotate_heads(k_ptr, stride_kt, stride_kh, tokens, token_mask, heads, head_mask, j, j_mask,
+                                   c1, c2, s1, s2, HALF)
             if STORE_KV:
                 cache_dtype = cache_ptr.dtype.element_ty
-                row_mask = head_mask & stored
-                k_mask = row_mask[:, None] & j_mask[None, :]
-                k_dst = dst[:, None] + heads[:, None] * stride_ch + j[None, :]
+                rows_mask = stored[:, None] & head_mask[None, :]  # [BLOCK_T, HEADS_PER_TILE]
+                k_mask = rows_mask[:, :, None] & j_mask[None, None, :]
+                rows_dst = dst[:, None] + heads[None, :] * stride_ch
+                k_dst = rows_dst[:, :, None] + j[None, None, :]
                 tl.store(k_dst, to_cache(o1, inv_k_scale, cache_dtype, FP8), mask=k_mask)
                 tl.store(k_dst + HALF, to_cache(o2, inv_k_scale, cache_dtype, FP8), mask=k_mask)
-                v_mask = row_mask[:, None] & (d[None, :] < HEAD_DIM)
-                v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + d[None, :], mask=v_mask)
-                v_dst = dst[:, None] + stride_ckv + heads[:, None] * stride_ch + d[None, :]
-                tl.store(v_dst, to_cache(v, inv_v_scale, cache_dtype, FP8), mask=v_mask)
+                v_mask = rows_mask[:, :, None] & (d < HEAD_DIM)[None, None, :]
+                v_src = v_ptr + tokens[:, None, None] * stride_vt + heads[None, :, None] * stride_vh + d[None, None, :]
+                v = tl.load(v_src, mask=v_mask)
+                tl.store(rows_dst[:, :, None] + stride_ckv + d[None, None, :], to_cache(v, inv_v_scale, cache_dtype, FP8),
+                         mask=v_mask)
 
 
-def _heads_per_tile(num_heads: int, block_half: int) -> int:
-    return min(triton.next_power_of_2(num_heads), max(1, _TILE_ELEMENTS // block_half))
+def rotary_tiles(num_heads: int, num_kv_heads: int, head_dim: int) -> tuple[int, int]:
+    """(heads per tile, tokens per program): a tile holds all of a token's heads where they fit in
+    _TILE_ELEMENTS, and then as many tokens as fit with them (a constant of the layer's shape, never of a
+    step's token count, so every step launches the kernel warm-up compiled)."""
+    block_half = triton.next_power_of_2(head_dim // 2)
+    heads_per_tile = min(triton.next_power_of_2(max(num_heads, num_kv_heads)), max(1, _TILE_ELEMENTS // block_half))
+    tokens = max(1, min(_MAX_TOKENS_PER_PROGRAM, _TILE_ELEMENTS // (heads_per_tile * block_half)))
+    return heads_per_tile, tokens
 
 
 def rotary_store_kv(
@@ -150,17 +169,18 @@ def rotary_store_kv(
     else:
         sections, pos_strides = (half, 0, 0), (positions.stride(0), 0)
     block_half = triton.next_power_of_2(half)
-    heads_per_tile = _heads_per_tile(max(num_heads, num_kv_heads), block_half)
-    num_warps = min(8, max(1, heads_per_tile * block_half // 256))
+    heads_per_tile, block_t = rotary_tiles(num_heads, num_kv_heads, head_dim)
+    num_warps = min(8, max(1, block_t * heads_per_tile * block_half // 256))
     cache_arg = kv_cache if store else q  # unused pointers when not storing
     v_arg = v if store else k
-    _rotary_kv_kernel[(num_tokens, 2)](
+    _rotary_kv_kernel[(triton.cdiv(num_tokens, block_t), 2)](
         q, k, v_arg, positions, cos_sin, cache_arg, slot_mapping if store else positions, 1.0 / k_scale, 1.0 / v_scale,
+        num_tokens,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v_arg.stride(0), v_arg.stride(1), cos_sin.stride(0),
         *pos_strides,
         *(kv_cache.stride()[:4] if store else (0, 0, 0, 0)),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_HALF=block_half, BLOCK_D=triton.next_power_of_2(head_dim), HEADS_PER_TILE=heads_per_tile,
+        BLOCK_HALF=block_half, BLOCK_D=triton.next_power_of_2(head_dim), HEADS_PER_TILE=heads_per_tile, BLOCK_T=block_t,
         BLOCK_SIZE=kv_cache.shape[2] if store else 1, STORE_KV=store, SECTION_0=sections[0], SECTION_1=sections[1],
         SECTION_2=sections[2], INTERLEAVED=bool(mrope_interleaved) and mrope_section is not None,
         FP8=store and is_fp8(kv_cache.dtype),
