@@ -229,7 +229,9 @@ class RayExecutor(Executor):
         while pending:
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                ready, _ = self.ray.wait([*pending, *self.unread, *self.ranks.sentinels], num_returns=1, timeout=remaining)
+                # the unread first: ray.wait names the ready ones in this order, so each is read (and let go) as soon
+                # as it is ready, before the awaited reply ends the wait
+                ready, _ = self.ray.wait([*self.unread, *pending, *self.ranks.sentinels], num_returns=1, timeout=remaining)
             except Exception as err:  # noqa: BLE001 - Ray itself went away (a shutdown from another thread)
                 self.fail(EngineDeadError(f"the tensor-parallel executor lost Ray ({type(err).__name__}: {err})"))
             if not ready:
