@@ -10,6 +10,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from mmengine.kernels.activation import silu_and_mul
+from mmengine.kernels.kv_store import store_kv
 from mmengine.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from mmengine.kernels.rotary import rotary_store_kv
 from mmengine.layers.activation import GatedActivation, silu_and_mul_reference
@@ -319,3 +320,49 @@ def test_fused_kernels_replay_in_a_cuda_graph():
     torch.testing.assert_close(outputs[0], ref_normed, **TOL[dtype])
     torch.testing.assert_close(outputs[1], ref_residual, **TOL[dtype])
     torch.testing.assert_close(outputs[2], silu_and_mul_reference(torch.cat([ref_normed, ref_residual], dim=-1)), **TOL[dtype])
+
+
+def _launch_keys(monkeypatch, launch) -> list[tuple]:
+    """What Triton would compile for each launch `launch()` makes (recorded, not run): its constexprs and
+    launch options, and for each plain int argument outside the kernel's do_not_specialize Triton's own
+    specialization of it (the value 1, a multiple of 16)."""
+    import triton.runtime.interpreter as interpreter
+
+    keys = []
+
+    def record(self, *args, grid, warmup, **kwargs):
+        loose = set(self.kwargs.get("do_not_specialize", ()))
+        ints = tuple((name, value == 1, value % 16 == 0) for name, value in zip(self.arg_names, args)
+                     if isinstance(value, int) and not isinstance(value, bool) and name not in loose)
+        keys.append((self.fn.__name__, tuple(sorted(kwargs.items())), ints))
+
+    monkeypatch.setattr(interpreter.InterpretedFunction, "run", record)
+    launch()
+    return keys
+
+
+@pytest.mark.skipif(CUDA, reason="records the interpreter's launches (without a GPU)")
+def test_every_token_count_launches_what_one_compiled_kernel_serves(monkeypatch):
+    """The fused kernels take a block of tokens per program, fixed by the layer's shape, and the token count as an
+    unspecialized int: no step's token count compiles a kernel of its own (warm-up compiles them all; a CUDA graph
+    replays a bucket's launch)."""
+    head_dim, heads, kv_heads, hidden = 16, 4, 2, 64
+    table = torch.zeros(64, 2 * head_dim)
+    cache = torch.zeros(2, 8, 16, kv_heads, head_dim)
+
+    def step(tokens: int):
+        def launch():
+            q, k, v = _qkv(tokens, heads, kv_heads, head_dim, "cpu", torch.float32)
+            positions = torch.zeros(tokens, dtype=torch.long)
+            rotary_store_kv(q, k, v, positions, table, cache, positions)
+            x = torch.zeros(tokens, hidden)
+            rms_norm(x, torch.ones(hidden), 1e-6)
+            fused_add_rms_norm(x, x, torch.ones(hidden), 1e-6)
+            silu_and_mul(torch.zeros(tokens, 2 * hidden))
+            store_kv(k, v, cache, positions)
+        return _launch_keys(monkeypatch, launch)
+
+    first = step(1)
+    assert len(first) == 5
+    for tokens in (2, 3, 16, 17, 64, 100):
+        assert step(tokens) == first, tokens
