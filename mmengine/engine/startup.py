@@ -98,6 +98,7 @@ def build_input_parts(config: EngineConfig) -> InputParts:
     )
     if media.mm_processor_workers:  # they start while the model loads
         input_processor.pool = _preprocess_pool(config, input_processor)
+    input_processor.pictures.warm_up()  # (the workers warm up their own)
     return InputParts(hf_config, family, max_model_len, input_processor)
 
 

@@ -4,6 +4,7 @@ sources in order, and the chat template that renders it into a prompt."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -142,6 +143,14 @@ class ChatTemplate:
         # None: the processor's own, as MMEngine.chat renders it
         self._template = override if override is not None else (None if processor_template else tokenizer_template)
         self.available = bool(override or processor_template or tokenizer_template)
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Renders a one-line chat once, so that compiling the template (tens of ms) is paid at start-up and not
+        by the first request; a template that refuses this chat is left for the requests to report."""
+        if self.available:
+            with contextlib.suppress(Exception):
+                self.render([{"role": "user", "content": [{"type": "text", "text": "Hello"}]}])
 
     @property
     def renders_tools(self) -> bool:

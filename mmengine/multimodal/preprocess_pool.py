@@ -274,6 +274,7 @@ def worker_main(spec: PreparerSpec, connection: Any) -> None:
     except BaseException as err:  # noqa: BLE001 - reported to the engine, which names it for every picture
         connection.send((_FAILED, _picklable(err)))
         return
+    preparer.warm_up()
     connection.send((_READY, os.getpid()))
     while True:
         try:
