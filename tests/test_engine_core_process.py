@@ -104,6 +104,17 @@ def test_a_picture_shared_by_two_requests_is_encoded_once_in_the_core(core):
     assert after["images_decoded"] - before["images_decoded"] == 1  # the front end's intake decoded it once
 
 
+def test_a_picture_crosses_to_the_core_once(core, thread_engine):
+    """A picture the core holds from this front end crosses without its tensors: the thread core's tokens."""
+    picture, other = jpeg(51), jpeg(52)
+    requests = [(LLAVA_PROMPT, [picture], greedy(4)), (LLAVA_TWO, [other, picture], greedy(4)),
+                (LLAVA_PROMPT, [picture], greedy(4))]
+    before = core.num_items_sent_bare
+    got = run(run_batch(core, requests))
+    assert core.num_items_sent_bare - before == 2  # the picture's second and third time
+    assert [tokens for _, tokens, _ in got] == [tokens for _, tokens, _ in run(run_batch(thread_engine, requests))]
+
+
 def test_a_whole_answer_crosses_from_the_core_twice(core, thread_engine, monkeypatch):
     """The core sends a whole (non-streamed) answer's output at its first token and at its end only, stepped as
     generate() steps its own from the first token on: the tokens and text of a streamed request and of generate()."""

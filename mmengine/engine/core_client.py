@@ -46,6 +46,7 @@ from mmengine.engine.core_process import (
     ABORT, ADD, CALL, FAILED, OUTPUTS, READY, REPLY, REQUEST_FAILED, STEP_FAILED, core_main,
 )
 from mmengine.engine.intake import PreparedRequest, RequestIntake
+from mmengine.engine.picture_mirror import SentPictures
 from mmengine.engine.startup import build_input_parts, eos_token_ids_of
 from mmengine.engine.stats import processor_stats
 from mmengine.errors import ConfigError, EngineDeadError
@@ -120,6 +121,10 @@ class EngineCoreClient:
         self.dead_error: EngineDeadError | None = None
         self._closing = False
         self._send_lock = threading.Lock()
+        # The pictures the core holds from this front end (engine/picture_mirror.py): each crosses once
+        self._sent_pictures = SentPictures(config.multimodal_config.mm_processor_cache_bytes)
+        self._adding = threading.Lock()  # the books change in the order the requests are sent
+        self.num_items_sent_bare = 0  # items sent without their tensors, the core holding them
         self._books = threading.Lock()
         self._in_core: dict[str, tuple[str | None, list[int]]] = {}  # request id -> its prompt and token ids
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # the core's outputs, for step()
@@ -182,7 +187,12 @@ class EngineCoreClient:
         processed = prepared.processed
         with self._books:
             self._in_core[request_id] = (processed.prompt, processed.prompt_token_ids)
-        self._send((ADD, in_shared_memory(prepared), processor_stats(self.input_processor), whole_answer))
+        with self._adding:
+            items, bare = self._sent_pictures.strip(processed.mm_items)
+            if bare:
+                prepared = dataclasses.replace(prepared, processed=dataclasses.replace(processed, mm_items=items))
+                self.num_items_sent_bare += bare
+            self._send((ADD, in_shared_memory(prepared), processor_stats(self.input_processor), whole_answer))
         return request_id
 
     def abort_request(self, request_id: str) -> bool:

@@ -23,7 +23,9 @@ generate() steps its own (no output per step, its tokens decoded once at the end
 One logical engine: every front end's requests share the scheduler and both caches, so a picture is encoded
 once whichever front end took it. Outputs go to the front end that sent the request; a front end that goes
 away has its requests aborted. `stats()` sums the intake counters every front end last reported (those of
-front ends gone included, so counters never go back).
+front ends gone included, so counters never go back). A picture crosses from a front end once: the core keeps
+the pictures each front end sent, and that front end sends a picture it knows the core holds without its
+tensors (engine/picture_mirror.py).
 
 The core steps while it has work and reads its messages between steps; idle, it waits for one. It ends when
 its owner (the process that spawned it) tells it to (None) or is gone, so it never outlives its owner.
@@ -32,6 +34,7 @@ The engine is built with the front end's options, without preprocessing workers:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import pickle
@@ -44,6 +47,7 @@ from typing import Any
 
 from mmengine.engine.intake import PreparedRequest
 from mmengine.engine.mm_engine import MMEngine
+from mmengine.engine.picture_mirror import ReceivedPictures
 from mmengine.engine.stats import processor_stats
 from mmengine.errors import InvalidInputError
 from mmengine.outputs import RequestOutput
@@ -83,6 +87,10 @@ class EngineCore:
         self.front_ends: list[Connection] = [owner]
         self.owners: dict[str, Connection] = {}  # request id -> the front end that sent it
         self.whole_answers: set[str] = set()  # requests to turn read_final_output_only at their first token
+        # each front end's pictures, as its books say the core holds them (engine/picture_mirror.py); both sides
+        # are built from the same options, so they keep the same capacity
+        self.pictures: dict[Connection, ReceivedPictures] = {}
+        self._pictures_bytes = engine.config.multimodal_config.mm_processor_cache_bytes
         self.intake_counters: dict[Connection, dict[str, int]] = {}  # each front end's, as it last reported them
         self.departed_counters: Counter[str] = Counter()  # the monotone ones of front ends gone
         self._joined: list[Connection] = []  # accepted by the listener thread, not served yet
@@ -121,6 +129,7 @@ class EngineCore:
             del self.owners[request_id]
             self.whole_answers.discard(request_id)
             self.engine.abort_request(request_id)
+        self.pictures.pop(connection, None)
         counters = self.intake_counters.pop(connection, {})
         self.departed_counters.update({name: value for name, value in counters.items() if name != "mm_processor_cache_bytes"})
         connection.close()
@@ -190,6 +199,9 @@ class EngineCore:
             self.intake_counters[connection] = counters
             request_id = prepared.request_id
             try:
+                pictures = self.pictures.setdefault(connection, ReceivedPictures(self._pictures_bytes))
+                items = pictures.fill(prepared.processed.mm_items)  # first: the books follow every message
+                prepared = dataclasses.replace(prepared, processed=dataclasses.replace(prepared.processed, mm_items=items))
                 if request_id in self.owners:
                     raise InvalidInputError(f"request id {request_id!r} is already in use")
                 self.engine.add_prepared_request(prepared)
