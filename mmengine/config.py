@@ -386,9 +386,6 @@ class EngineConfig:
         for attribute, group in GROUPS.items():
             names = {f.name for f in dataclasses.fields(group)}
             setattr(self, attribute, group(**{name: value for name, value in options.items() if name in names}))
-        if self.spec_config.num_speculative_tokens and self.scheduler_config.async_scheduling == "on":
-            raise ConfigError("speculative_config cannot run with async_scheduling='on': a step's drafts are proposed "
-                              "from the tokens the previous step returned; use 'auto' (then off) or 'off'")
 
     @classmethod
     def from_kwargs(cls, model: str, **options: Any) -> EngineConfig:

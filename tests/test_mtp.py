@@ -139,19 +139,23 @@ def test_mtp_drafts_keep_greedy_tokens(engines):
     assert_books_consistent(speculating)
 
 
-def test_mtp_under_chunked_prefill_and_preemption(mtp_path, engines):
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+def test_mtp_under_chunked_prefill_and_preemption(mtp_path, engines, async_scheduling):
     """Small chunks and too few KV blocks for the batch: requests are preempted and recomputed, the head's
-    blocks taken ahead go with them, and the tokens stay the reference's."""
+    blocks taken ahead go with them, and the tokens stay the reference's. With async scheduling each step is
+    read before the next is launched (the head's pass reads its tokens), then runs while the outputs go out."""
     reference, _ = engines
     prompts = [qwen_vl_prompt(f"Story number {i} about the sea.", i % 2) for i in range(4)]
     images = [PICTURES[:1] if i % 2 else None for i in range(4)]
     expected = reference.generate(prompts, images=images, sampling_params=_greedy(24), use_tqdm=False)
     engine = MMEngine(str(mtp_path), speculative_config={**MTP, "num_speculative_tokens": 3},
-                      **{**OPTIONS, "block_size": 4}, max_num_batched_tokens=16, num_kv_blocks=28, enable_prefix_grouping=False)
+                      **{**OPTIONS, "block_size": 4}, max_num_batched_tokens=16, num_kv_blocks=28, enable_prefix_grouping=False,
+                      async_scheduling=async_scheduling)
     outs = engine.generate(prompts, images=images, sampling_params=_greedy(24), use_tqdm=False)
     assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
     stats = engine.stats()
     assert stats["num_preemptions"] > 0 and stats["spec_draft_tokens"] > 0
+    assert engine.steps.async_scheduling == (async_scheduling == "on") and stats["steps_launched_ahead"] == 0
     assert_books_consistent(engine)
     engine.shutdown()
 

@@ -52,8 +52,7 @@ def test_speculative_config_defaults_and_async_scheduling():
     spec = config.spec_config
     assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 4, 3, 3)
     assert EngineConfig("model").spec_config.num_speculative_tokens == 0
-    with pytest.raises(ConfigError, match="async_scheduling"):
-        EngineConfig("model", speculative_config=NGRAM, async_scheduling="on")
+    assert EngineConfig("model", speculative_config=NGRAM, async_scheduling="on").scheduler_config.async_scheduling == "on"
 
 
 def test_the_command_line_flag_takes_vllm_json_and_key_value_pairs():
@@ -248,6 +247,51 @@ def test_every_acceptance_pattern_keeps_greedy_tokens(engines, pattern):
         assert alone.token_ids == expected[0].token_ids
         assert done["decode_steps"] == math.ceil((MAX_TOKENS - 1) / (K + 1))
     assert_books_consistent(speculating)
+
+
+class NeverProposer:
+    def propose(self, request_id: str, token_ids: Sequence[int], max_drafts: int) -> list[int]:
+        return []
+
+    def forget(self, request_id: str) -> None:
+        pass
+
+
+@pytest.mark.parametrize("engines", ["llava", "qwen3_5"], indirect=True)
+def test_async_scheduling_with_drafts_keeps_the_tokens_and_overlaps_the_steps_without_drafts(engines):
+    """Async scheduling on with speculation: a step whose successor drafts is read before that one is launched
+    (its drafts follow its tokens; a verify step's kept run sets the next positions); the others are launched
+    ahead. The tokens are those without speculation, with n-gram drafts, oracle drafts in every acceptance
+    pattern, and none at all (then every step but the first is launched ahead)."""
+    family, reference, _, expected = engines
+    engine = MMEngine(reference.config.model, device="cpu", dtype="float32", max_model_len=256, block_size=8,
+                      speculative_config=NGRAM, async_scheduling="on")
+    assert engine.steps.async_scheduling
+    prompts, images = _batch(family)
+    tokens = [e.token_ids for e in expected]
+    # n-gram: the random weights' rare matches seldom survive one more token, so most steps run ahead
+    outs = engine.generate(prompts, images=images, sampling_params=_greedy(MAX_TOKENS), use_tqdm=False)
+    assert [o.token_ids for o in outs] == tokens and engine.stats()["steps_launched_ahead"] > 0
+    # (the oracle's own count of what it expects kept would include the look-ahead's proposals)
+    oracle = OracleProposer(_references(expected), lambda step: [None, 2, 0, 1][step % 4])
+    outs, done = _run_with(engine, oracle, prompts, images, _greedy(MAX_TOKENS))
+    assert [o.token_ids for o in outs] == tokens
+    assert 0 < done["spec_accepted_tokens"] < done["spec_draft_tokens"]
+    before = engine.stats()
+    outs, done = _run_with(engine, NeverProposer(), prompts, images, _greedy(MAX_TOKENS))
+    assert [o.token_ids for o in outs] == tokens
+    assert engine.stats()["steps_launched_ahead"] - before["steps_launched_ahead"] == done["steps"] - 1
+    # alone, with every draft right: after a prompt step of one token (a full prefix hit) drafts are expected at
+    # once; after a longer one (a hybrid model resumes from a block's checkpoint) the first decode is launched
+    # ahead of the prompt's token, which no draft can follow yet. Then every step verifies K drafts after the
+    # one before was read.
+    before = engine.stats()
+    (alone,), done = _run_with(engine, OracleProposer(_references(expected)), prompts[0], None, _greedy(MAX_TOKENS))
+    assert alone.token_ids == tokens[0]
+    ahead = int(len(alone.prompt_token_ids) - alone.num_cached_tokens > 1)
+    assert engine.stats()["steps_launched_ahead"] - before["steps_launched_ahead"] == ahead
+    assert done["decode_steps"] == ahead + math.ceil((MAX_TOKENS - 1 - ahead) / (K + 1))
+    assert_books_consistent(engine)
 
 
 @pytest.mark.parametrize("engines", ["llava", "qwen3_5"], indirect=True)

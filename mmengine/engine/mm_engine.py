@@ -76,8 +76,7 @@ class MMEngine:
         self.lock = threading.RLock()
         self.intake = RequestIntake(self.input_processor, self.grammars, self.family.text_config.vocab_size, self.loras, self.lock)
         mode = self.config.scheduler_config.async_scheduling
-        # speculative decoding proposes a step's drafts from the tokens of the one before: steps run one at a time
-        async_scheduling = mode == "on" or (mode == "auto" and self.device.type == "cuda" and not self.config.spec_config.num_speculative_tokens)
+        async_scheduling = mode == "on" or (mode == "auto" and self.device.type == "cuda")
         self.steps = StepLoop(self.config, self.scheduler, self.runner, self.kv_cache, self.encoder_cache, self.grammars,
                               self.loras, self.tokenizer, self.eos_token_ids, async_scheduling)
         # Told of prompts about to be queued, outside the lock (mmengine.ray's encoder store fetches their items)

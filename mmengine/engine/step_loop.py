@@ -5,7 +5,10 @@ output) and the work counters; the scheduler decides, the caches keep their book
 computes. Every method runs under the engine's lock (MMEngine holds it).
 
 With async scheduling (on CUDA by default) a step launches the next step before it reads the tokens
-of the one in flight, so the host work of a step overlaps the device's.
+of the one in flight, so the host work of a step overlaps the device's. With speculative decoding, a
+step whose successor needs its tokens (a verify step, whose kept run sets the next positions; a draft
+head's, whose pass reads them; one after which drafts are expected) is read first, then the next one
+is launched and the caller gets the outputs while it runs; steps without drafts overlap as usual.
 """
 
 from __future__ import annotations
@@ -59,14 +62,19 @@ class StepLoop:
         self._last_scheduled: SchedulerOutput | None = None  # this advance()'s step, for _recompute_lost_states
         self.pending: list[RequestOutput] = []  # outputs for step() to return (add_request's requests)
         self.owners: dict[str, dict[str, RequestOutput]] = {}  # request id -> its generate() call's results
+        # steps_launched_ahead: async scheduling's overlap, steps launched before the step in flight's tokens were read
         self.counters = dict.fromkeys(("steps", "decode_steps", "tokens_computed", "prefill_tokens_computed", "prompt_tokens",
-                                       "generation_tokens", "requests_finished"), 0)
+                                       "generation_tokens", "requests_finished", "steps_launched_ahead"), 0)
         spec = config.spec_config
         self.proposer: Proposer | None = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                                         spec.prompt_lookup_max) if spec.method == "ngram" else None
         # a draft head (runner/head_drafter.py): the checkpoint's MTP head, or an EAGLE-3 head
         self.drafter = runner.drafter if spec.method in ("mtp", "eagle3") else None
         self.backoff = DraftBackoff() if spec.method is not None and spec.draft_backoff else None
+        # async scheduling with a proposer: whether the next step should read the one in flight first (its
+        # drafts follow its tokens), and the back-off's answers for that step, asked when it was predicted
+        self._drafts_expected = False
+        self._allowed_ahead: dict[str, bool] = {}
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._opens_reasoning: dict[str, bool] = {}  # with a reasoning parser: the prompt left <think> open
         self._opening_token = opening_token(tokenizer) if config.model_config.reasoning_parser is not None else None
@@ -164,6 +172,14 @@ class StepLoop:
         launched = self.runner.launch(out, self._block_tables(out), window_tables=self._window_tables(out))
         if launched.pending is not None:  # the grammars are current: mask while the forward runs
             launched = self.runner.sample(launched)
+        outputs = self._outputs(self._book(out, launched))
+        if self.proposer is not None or self.drafter is not None:
+            self._propose_drafts()
+        return outputs
+
+    def _book(self, out: SchedulerOutput, launched: LaunchedStep) -> list[Request]:
+        """Waits for a step's tokens and books them (a verify step's: the run its samples keep); returns the
+        requests that got tokens."""
         sampled = launched.result()
         # penalized verify steps: their kept tokens go into the penalty counts once kept
         verified = [(s.request, s.request.num_output_tokens) for s in out.scheduled
@@ -177,25 +193,14 @@ class StepLoop:
                 if s.num_accepted is not None:
                     self.backoff.record(s.request.request_id, s.num_accepted)
         self._record_logprobs(launched, updated)
-        outputs = self._outputs(updated)
-        if self.proposer is not None or self.drafter is not None:
-            self._propose_drafts()
-        return outputs
+        return updated
 
     def _propose_drafts(self) -> None:
         """Speculative decoding: drafts for each running decode's next step, never more than the request can
         still emit. A grammar keeps the drafts it allows (each verify row is masked as the grammar stands
         after the drafts before it; a penalized row counts them as output); none for a grammar behind a
         reasoning gate (which reads the text, so a verify step cannot follow it token by token)."""
-        max_model_len = self.scheduler.max_model_len
-        rooms: dict[str, int] = {}
-        for request in self.scheduler.running:
-            params, grammar = request.sampling_params, request.grammar
-            if isinstance(grammar, ReasoningGate) or request.num_tokens - request.num_computed_tokens != 1:
-                continue
-            if self.backoff is not None and not self.backoff.allows(request.request_id):
-                continue
-            rooms[request.request_id] = min(params.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens)
+        rooms = self._draft_rooms()
         # the MTP head runs after every step (it keeps its K/V of the kept positions), drafting or not
         proposed = self._draft_with_head(rooms) if self.drafter is not None else {}
         for request in self.scheduler.running:
@@ -209,6 +214,47 @@ class StepLoop:
             if drafts and grammar is not None:
                 drafts = [] if grammar.is_stopped() or grammar.is_error() else drafts[: grammar.validate_tokens(drafts)]
             request.spec_token_ids = drafts
+
+    def _draft_rooms(self) -> dict[str, int]:
+        """The drafts each running decode may take next step (what it can still emit), for those that draft:
+        not behind a reasoning gate, not paused by the back-off (asked once a step: the answers asked when
+        the step was predicted, if it was)."""
+        ahead, self._allowed_ahead = self._allowed_ahead, {}
+        max_model_len = self.scheduler.max_model_len
+        rooms: dict[str, int] = {}
+        for request in self.scheduler.running:
+            params, grammar = request.sampling_params, request.grammar
+            if isinstance(grammar, ReasoningGate) or request.num_tokens - request.num_computed_tokens != 1:
+                continue
+            if self.backoff is not None:
+                allowed = ahead.get(request.request_id)
+                if not (self.backoff.allows(request.request_id) if allowed is None else allowed):
+                    continue
+            rooms[request.request_id] = min(params.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens)
+        return rooms
+
+    def _expect_drafts(self) -> bool:
+        """Async scheduling with a proposer, after a step without drafts was launched: whether the next step
+        should read it first, so that its drafts can follow its tokens. Predicted from the tokens known now,
+        one behind the step in flight (a request whose lookup matches now usually matches one token later);
+        it only decides what overlaps, never a token. The back-off is asked here for the next step."""
+        rooms = self._draft_rooms()
+        self._allowed_ahead = dict.fromkeys(rooms, True)
+        if self.backoff is not None:  # the paused ones were asked (and counted) too
+            self._allowed_ahead.update({r.request_id: False for r in self.scheduler.running
+                                        if r.request_id not in rooms and r.num_tokens - r.num_computed_tokens == 1
+                                        and not isinstance(r.grammar, ReasoningGate)})
+        requests = {r.request_id: r for r in self.scheduler.running}
+        return any(self.proposer.propose(request_id, requests[request_id].all_token_ids, room)
+                   for request_id, room in rooms.items())
+
+    def _resolves_first(self, previous: InFlightStep) -> bool:
+        """Whether the next step must wait for the step in flight's tokens (async scheduling with speculation):
+        after a verify step (its kept run sets the next positions), with a draft head (its pass reads every
+        booked step's tokens), or when drafts are expected."""
+        if self.proposer is None and self.drafter is None:
+            return False
+        return self.drafter is not None or self._drafts_expected or any(s.draft_token_ids for s in previous.out.scheduled)
 
     def _draft_with_head(self, rooms: dict[str, int]) -> dict[str, list[int]]:
         """The MTP head's drafts, up to num_speculative_tokens a request (fewer near its end). Draft i > 1 is
@@ -238,6 +284,9 @@ class StepLoop:
         so the books match the tensors as in a synchronous step.
         """
         previous, self.in_flight = self.in_flight, None
+        if previous is not None and self._resolves_first(previous):
+            return self._step_after(previous)
+        self._allowed_ahead = {}  # (this step was predicted to draft nothing: its back-off answers are spent)
         pending = self.scheduler.book_step(previous.out) if previous is not None else []
         try:
             out = self._schedule(allow_empty=previous is not None)
@@ -251,13 +300,41 @@ class StepLoop:
         step = InFlightStep(out, launched)
         if out.num_scheduled_tokens:
             self.in_flight = step
+            self.counters["steps_launched_ahead"] += previous is not None
         try:
-            return self._resolve(previous, pending) if previous is not None else []
+            outputs = self._resolve(previous, pending) if previous is not None else []
         finally:
             if launched.pending is not None:
                 # Constrained rows: their masks need the tokens just resolved, so this step samples
                 # now, while its forward runs on the device.
                 step.launched = self.runner.sample(launched)
+        if self.proposer is not None:
+            self._drafts_expected = self._expect_drafts()
+        return outputs
+
+    def _step_after(self, previous: InFlightStep) -> list[RequestOutput]:
+        """Async scheduling with speculation, when the next step needs the step in flight's tokens: books
+        them, proposes drafts that follow them, launches the next step and returns the outputs while it
+        runs. A failure before the launch delivers the booked outputs (the books match the tensors)."""
+        outputs = self._outputs(self._book(previous.out, previous.launched))
+        try:
+            self._propose_drafts()
+            out = self._schedule()
+            launched = self.runner.launch(out, self._block_tables(out), window_tables=self._window_tables(out))
+        except BaseException:
+            for output in outputs:
+                self.route(output)
+            raise
+        step = InFlightStep(out, launched)
+        if out.num_scheduled_tokens:
+            self.in_flight = step
+        if launched.pending is not None:  # the grammars have the tokens just booked
+            step.launched = self.runner.sample(launched)
+        drafting = any(s.draft_token_ids for s in out.scheduled)
+        self._drafts_expected = drafting
+        if self.proposer is not None and not drafting:
+            self._drafts_expected = self._expect_drafts()
+        return outputs
 
     def _resolve(self, step: InFlightStep, pending: list[Request]) -> list[RequestOutput]:
         sampled = step.launched.result()  # the wait for the device

@@ -27,6 +27,7 @@ from mmengine.engine.async_engine import AsyncMMEngine, DeltaOutput
 # stats() entries that only grow; every other entry is a level (a gauge).
 COUNTER_STATS = frozenset({
     "steps", "decode_steps", "tokens_computed", "prefill_tokens_computed", "prompt_tokens", "generation_tokens", "requests_finished",
+    "steps_launched_ahead",
     "num_preemptions", "encoder_runs", "encoder_cache_hits", "encoder_cache_misses", "encoder_cache_evictions",
     "reencodes_after_prefix_hit", "images_decoded", "images_preprocessed", "mm_processor_cache_hits",
     "prefix_cache_queries", "prefix_cache_hits", "kv_blocks_evicted", "kv_window_blocks_freed", "kv_window_blocks_evicted",

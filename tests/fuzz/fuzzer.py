@@ -333,8 +333,8 @@ def _speculation(case: FuzzCase, checkpoint: Path, tmp: Path) -> tuple[dict[str,
     """A third of the cases speculate (drawn apart from the case's own draws): with n-gram lookup, or, for half
     of those on a family that has one, a random draft head (Qwen3.5's MTP head, or an EAGLE-3 head); with the
     back-off or without. The tokens are the reference's all the same, and drafts that find no free blocks are
-    dropped before anyone is preempted. Such a case's steps run one at a time (speculation refuses async
-    scheduling). Returns the options and the checkpoint to run (an MTP head's copy of the case's)."""
+    dropped before anyone is preempted. The case's async scheduling draw stands (a step whose successor drafts
+    is read first). Returns the options and the checkpoint to run (an MTP head's copy of the case's)."""
     rng = random.Random(f"{case.seed}-speculative")
     if rng.random() >= 1 / 3:
         return {}, checkpoint
@@ -350,7 +350,7 @@ def _speculation(case: FuzzCase, checkpoint: Path, tmp: Path) -> tuple[dict[str,
                                  own_embeddings=rng.random() < 0.5, seed=case.seed)
         spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": k}
     spec["draft_backoff"] = rng.random() < 0.5
-    return {"speculative_config": spec, "async_scheduling": "off"}, checkpoint
+    return {"speculative_config": spec}, checkpoint
 
 
 def _resolve(case: FuzzCase, valid: list[_Built]) -> dict[str, object]:
