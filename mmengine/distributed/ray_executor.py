@@ -78,6 +78,7 @@ class RayRanks:
         self.placement_group: Any = None
         self.stopping = threading.Event()  # set first: deaths after it are the stop's, not failures
         self.watcher: threading.Thread | None = None
+        self.stop_lock = threading.Lock()
         self.stopped = False
 
     def describe_death(self, rank: int, error: BaseException | None = None) -> str:
@@ -104,9 +105,10 @@ class RayRanks:
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Asks every actor to stop (its worker's close()), kills them, removes the placement group. Runs once."""
-        if self.stopped:
-            return
-        self.stopped = True
+        with self.stop_lock:  # the finalizer and the connection's finalizer may both call it
+            if self.stopped:
+                return
+            self.stopped = True
         self.stopping.set()
         if self.ray.is_initialized():
             asked = []
