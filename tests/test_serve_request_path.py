@@ -5,6 +5,7 @@ preprocessing and queueing together), with the answers and the typed errors of t
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import threading
 import time
 
@@ -202,3 +203,20 @@ def test_a_whole_answer_is_stepped_as_generates_after_its_first_token(checkpoint
     assert not engine.steps.owners and not engine.scheduler.requests
     assert [(o.request_id, o.finish_reason) for o in step()] == [("left", "abort")]  # (handed to the next step)
     assert not engine.has_unfinished_requests()
+
+
+def test_the_one_process_server_runs_on_uvicorns_event_loop(server, monkeypatch):
+    """`mmengine serve` (one process) serves on the loop uvicorn chooses (uvloop where installed), as each
+    front end of the multi-process server does, not on asyncio's pure-Python one."""
+    from mmengine.entrypoints import api_server
+
+    loops = []
+
+    async def serve(uvicorn_server, async_engine, *args, **kwargs) -> int:  # instead of serving: note the loop
+        loops.append(type(asyncio.get_running_loop()))
+        return 0
+
+    monkeypatch.setattr(api_server, "serve_until_engine_dies", serve)
+    api_server.run_server(server.async_engine, api_server.ServerSettings(MODEL_NAME), "127.0.0.1", 0)
+    expected = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
+    assert len(loops) == 1 and loops[0].__module__.split(".")[0] == expected
