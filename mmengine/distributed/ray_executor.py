@@ -41,7 +41,7 @@ from mmengine.distributed.ray_placement import (
     rank_bundles,
     rank_devices,
 )
-from mmengine.distributed.worker_loop import ERROR, OK, READY, WorkerFactory
+from mmengine.distributed.worker_loop import ERROR, OK, WorkerFactory
 from mmengine.errors import EngineDeadError
 
 OPTION = "distributed_executor_backend='ray'"
