@@ -298,6 +298,22 @@ def _spec_decode_reads(data: dict) -> list[Reading]:
             ("answers equal with and without", int(data["answers_equal"]), "1 = yes", None)]
 
 
+def _tp_reads(data: dict) -> list[Reading]:
+    """Issue 48: the decode step at TP N against one rank's weight-read floor (target <= 1.25x) and against TP 1.
+    With fewer GPUs than ranks the script ran nothing and says so."""
+    if "skipped" in data:
+        return [(f"skipped: {data['skipped']}", data["gpus"], "GPUs", None)]
+    size = data["tensor_parallel_size"]
+    reads: list[Reading] = []
+    for row in data["decode"]:
+        batch = row["batch_size"]
+        reads.append((f"TP {size} decode step, batch {batch} / one rank's weight floor", row["over_rank_weight_floor"], "x",
+                      at_most(1.25)))
+        reads.append((f"TP {size} decode step, batch {batch} / TP 1's", row["over_tp1"], "x", None))
+    reads.append((f"TTFT new image, TP {size} / TP 1", data["ttft_new_image_ms"] / data["tp1_ttft_new_image_ms"], "x", None))
+    return reads
+
+
 def _hybrid_reads(data: dict) -> list[Reading]:
     runs = data["runs"]
     chat_on, chat_off = runs["chat / prefix caching on"], runs["chat / prefix caching off"]
@@ -490,6 +506,14 @@ PARTS: list[Part] = [
          lambda ctx: _bench("preprocess.py", ctx, "preprocess", "--families", "llava", "--photos", "1", "--repeats", "1",
                             "--workers", "1", "--encoder-model", _model(ctx, "qwen2_5_vl_7b"), "--device", "cpu"),
          _preprocess_reads),
+    Part("tp", "48", 4, ("llava_7b",),
+         lambda ctx: _bench("tensor_parallel.py", ctx, "tp", "--model", _model(ctx, "llava_7b"), "--device", "cuda",
+                            "--tensor-parallel-size", "2", "--batch-sizes", "1,64", "--max-model-len", "4096",
+                            "--gpu-memory-utilization", "0.8"),
+         # (tests/test_benchmarks.py runs this dry command in-process and reads it as the part does)
+         lambda ctx: _bench("tensor_parallel.py", ctx, "tp", "--model", _model(ctx, "llava_7b"), "--device", "cpu", "--dtype",
+                            "float32", "--tensor-parallel-size", "2", *(a for a in _TINY_LATENCY if a != "--transformers-ttft")),
+         _tp_reads),
     Part("tests", "27", 8, (), _tests_args,
          lambda ctx: ["-m", "pytest", "-q", "--noconftest", "tests/test_import_graph.py", "--junit-xml",
                       str(ctx.output("tests").with_suffix(".xml"))],

@@ -80,12 +80,13 @@ def test_latency_benchmark_reports_every_field(latency, checkpoint_dir, tmp_path
 
 
 # GPU suite parts whose dry command this file runs as it stands, in-process (test_gpu_suite.py's dry run leaves them out)
-IN_PROCESS_PARTS = ["qwen2_5_vl_7b", "qwen3_vl_30b_a3b", "gemma4_dense", "shared_prefix"]
+IN_PROCESS_PARTS = ["qwen2_5_vl_7b", "qwen3_vl_30b_a3b", "gemma4_dense", "shared_prefix", "tp"]
 
 
 @pytest.mark.parametrize("part", IN_PROCESS_PARTS)
 def test_gpu_suite_parts_run_their_dry_commands(part, tmp_path):
-    """The GPU suite's latency parts on Qwen2.5-VL, Qwen3-VL-MoE and Gemma 4, and its shared-prefix part: each
+    """The GPU suite's latency parts on Qwen2.5-VL, Qwen3-VL-MoE and Gemma 4, its shared-prefix part and its
+    tensor-parallel part (TP 2 on two gloo ranks beside TP 1): each
     part's own dry command (on its tiny stand-in, as the dry run builds it), run in-process and read as the part
     reads it, every figure a value."""
     from pathlib import Path

@@ -26,7 +26,7 @@ def suite():
 # parts' dry commands are test_benchmarks.py's runs of their scripts, and its IN_PROCESS_PARTS run their own dry
 # commands (in-process: no interpreter, torch and engine start-up of their own), read there as the parts read them.
 COVERED_ELSEWHERE = ("ray", "decode_and_ttft", "image_workload", "lora", "gemma4_window_pool", "tiers", "video", "qwen3_5_9b",
-                     "preprocess", "qwen2_5_vl_7b", "qwen3_vl_30b_a3b", "gemma4_dense", "shared_prefix")
+                     "preprocess", "qwen2_5_vl_7b", "qwen3_vl_30b_a3b", "gemma4_dense", "shared_prefix", "tp")
 
 
 @pytest.fixture(scope="module")
