@@ -374,7 +374,7 @@ def run_parallel(engine: MMEngine, model: str, origin: dict, args: argparse.Name
         "model": model, "checkpoint": origin, "settings": {k: v for k, v in vars(args).items()},
         "machine": {"platform": platform.platform(), "torch": torch.__version__, "cuda": torch.cuda.is_available()},
         "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-        "tensor_parallel_size": args.tensor_parallel_size,
+        "tensor_parallel_size": args.tensor_parallel_size, "enable_expert_parallel": args.enable_expert_parallel,
         "memory": {"bandwidth_gbs": bandwidth, "weight_bytes_per_rank": parallel.weight_bytes_per_rank,
                    "decode_weight_bytes": weight_bytes, "kv_bytes_per_token": kv_token_bytes},
     }
@@ -442,6 +442,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks the decoder is split over (worker processes, one GPU each; docs/parallelism.md)")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="MoE decoders at --tensor-parallel-size N: whole experts per rank (E / N each) instead of "
+                             "every expert split on its intermediate size")
     parser.add_argument("--output", default="benchmarks/results/latency.json")
     return parser.parse_args(argv)
 
@@ -487,6 +490,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     bandwidth = args.bandwidth_gbs or measure_bandwidth_gbs(EngineConfig(model=model, device=args.device).resolve_device())
     # tensor parallelism: CUDA graphs are not captured per worker yet (docs/parallelism.md), so the ranks run eagerly
     parallel = {"tensor_parallel_size": args.tensor_parallel_size, "enforce_eager": True} if args.tensor_parallel_size > 1 else {}
+    if args.enable_expert_parallel:
+        parallel["enable_expert_parallel"] = True  # (refused by name without --tensor-parallel-size > 1)
     engine = MMEngine(
         model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch_sizes + [args.profile_batch_size]),
         max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,

@@ -173,6 +173,8 @@ def run_budget(args: argparse.Namespace) -> None:
         "sliding_kv_ratio": args.sliding_kv_ratio,
         "mm_processor_kwargs": mapping_parser("--mm-processor-kwargs", int)(args.mm_processor_kwargs) if args.mm_processor_kwargs else None,
         "speculative_config": mapping_parser("--speculative-config", Any)(args.speculative_config) if args.speculative_config else None,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "enable_expert_parallel": args.enable_expert_parallel or None,
     }
     # the engine's rules; the device decides what dtype "auto" becomes
     config = EngineConfig(model=args.model, device=args.device, **{k: v for k, v in explicit.items() if v is not None})
@@ -251,7 +253,8 @@ def run_budget(args: argparse.Namespace) -> None:
     if family.recurrent_shape is not None:
         _print_state_budget(family, config, elem, block_bytes // block_size)
     if args.tensor_parallel_size > 1:
-        _print_rank_budget(family, args.model, args.tensor_parallel_size, elem, kv_elem, block_size, args.num_kv_blocks)
+        _print_rank_budget(family, args.model, args.tensor_parallel_size, elem, kv_elem, block_size, args.num_kv_blocks,
+                           args.enable_expert_parallel)
     kv_host = host_tier_bytes(args.kv_cache_host_bytes, device.type)
     kv_source = "--kv-cache-host-bytes" if args.kv_cache_host_bytes is not None else f"default on {device.type}"
     print("KV cache host tier (evicted prefix blocks)")
@@ -315,22 +318,35 @@ def _print_quantized_weights(spec: Any, headers: dict[str, tuple[tuple[int, ...]
 
 
 def _print_rank_budget(family: Any, model_dir: str, tp_size: int, elem: int, kv_elem: int, block_size: int,
-                       num_kv_blocks: int | None) -> None:
-    """One tensor-parallel rank's weights and KV cache (the decoder split, the vision side whole on every rank)."""
+                       num_kv_blocks: int | None, expert_parallel: bool = False) -> None:
+    """One tensor-parallel rank's weights and KV cache (the decoder split, the vision side whole on every rank; the
+    routed experts on their intermediate size, or with `expert_parallel` E/N whole experts a rank)."""
     from pathlib import Path
 
-    from mmengine.distributed.rank_budget import rank_kv_layout, rank_share
+    from mmengine.distributed.rank_budget import rank_kv_layout, rank_share, routed_expert_share
     from mmengine.distributed.sharded_model import check_tensor_parallel_shapes
+    from mmengine.distributed.sharding import routed_experts
     from mmengine.models.loader import checkpoint_shapes
     from mmengine.runner.kv_tensors import kv_block_bytes
 
-    check_tensor_parallel_shapes(family, tp_size)  # a shape that does not divide: the engine's ConfigError
-    share = rank_share(checkpoint_shapes(Path(model_dir)), family.text_config, tp_size)
+    check_tensor_parallel_shapes(family, tp_size, expert_parallel)  # a shape that does not divide: the engine's ConfigError
+    shapes = checkpoint_shapes(Path(model_dir))
+    share = rank_share(shapes, family.text_config, tp_size, expert_parallel)
     layout = rank_kv_layout(family.kv_cache_layout(), tp_size)
     per_token = kv_block_bytes(layout, 1, kv_elem)
     print(f"tensor parallelism (--tensor-parallel-size {tp_size}: {tp_size} worker processes, one rank each)")
     print(f"  weights per rank              {share.per_rank * elem:>12}   bytes: {share.per_rank} of {share.whole} parameters "
           f"({share.replicated} replicated on every rank: the vision side, norms)")
+    experts = routed_experts(family.text_config)
+    routed = routed_expert_share(shapes, family.text_config, tp_size, expert_parallel) if experts else None
+    if routed is not None and routed.whole:
+        if expert_parallel:
+            n = experts // tp_size
+            how = f"{n} of {experts} experts a MoE layer, each whole (--enable-expert-parallel: rank r holds experts r x {n} .. (r+1) x {n} - 1)"
+        else:
+            how = f"all {experts} experts a MoE layer, each 1/{tp_size} of its intermediate rows"
+        print(f"    of which routed experts     {routed.per_rank * elem:>12}   bytes: {routed.per_rank} of {routed.whole} "
+              f"parameters, {how}")
     heads = layout[0][0] if layout else 0
     print(f"  KV cache per rank, one token  {per_token:>12}   bytes: {heads} of {family.text_config.num_key_value_heads} KV heads "
           f"a layer (split, or one replicated head when the ranks outnumber them)")
@@ -497,6 +513,9 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (auto resolves the dtype per device)")
     budget.add_argument("--tensor-parallel-size", type=int, default=1,
                         help="ranks the decoder is split over: each rank's weights and KV cache are printed")
+    budget.add_argument("--enable-expert-parallel", action="store_true",
+                        help="MoE decoders: each rank holds whole experts (E / N of every MoE layer) instead of every "
+                             "expert's share of its intermediate size")
     budget.add_argument(
         "--mm-processor-kwargs", default=None, metavar="KEY=VALUE[,KEY=VALUE]",
         help="image-processor overrides, e.g. max_pixels=1003520 (sets the largest item of native-resolution models)",

@@ -247,6 +247,10 @@ class ParallelConfig:
     # The vision tower at tensor_parallel_size > 1 (vLLM's name): "weights", every rank runs it on every picture of a
     # step (the tower replicated); "data", a step's pictures are split across the ranks by size and the outputs shared
     mm_encoder_tp_mode: str = "weights"
+    # MoE decoders at tensor_parallel_size > 1 (vLLM's name): each rank holds whole experts, E / tensor_parallel_size of
+    # every MoE layer, instead of every expert split on its intermediate size; attention stays split by heads. Needs a
+    # model with experts whose count the ranks divide (checked with the model, before any process starts).
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         _require(self.engine_core in ("thread", "process"), "engine_core", self.engine_core, "'thread' or 'process'")
@@ -254,6 +258,10 @@ class ParallelConfig:
         _require(self.distributed_executor_backend in ("mp", "ray"), "distributed_executor_backend",
                  self.distributed_executor_backend, "'mp' or 'ray'")
         _require(self.mm_encoder_tp_mode in ("weights", "data"), "mm_encoder_tp_mode", self.mm_encoder_tp_mode, "'weights' or 'data'")
+        _require(isinstance(self.enable_expert_parallel, bool), "enable_expert_parallel", self.enable_expert_parallel, "a bool")
+        if self.enable_expert_parallel and self.tensor_parallel_size == 1:
+            raise ConfigError("enable_expert_parallel needs tensor_parallel_size > 1 (the experts are split over its ranks), "
+                              "got tensor_parallel_size=1")
 
 
 @dataclass

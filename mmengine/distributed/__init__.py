@@ -5,7 +5,7 @@
   checkpoint_slices.py  a checkpoint's tensors as safetensors slices (a rank reads its rows), loading a parameter
   parallel_linear.py    column-, row- and merged column-parallel linear layers (q/k/v, gate/up), their weight loaders
   vocab_parallel.py     the vocabulary split: VocabParallelEmbedding and ParallelLMHead
-  parallel_experts.py   MoE experts split on their intermediate size (fused or one-by-one checkpoints)
+  parallel_experts.py   MoE experts split on their intermediate size, or whole per rank (enable_expert_parallel)
   parallel_lora.py      LoRA adapters sharded like their base layers (A or B split, the row-parallel shrink reduced)
   sharded_model.py      a family's model split over the ranks (its decoder swapped for the parallel layers), loaded slice by slice
   sharded_hybrid.py     Qwen3.5's Gated DeltaNet and gated attention split by heads

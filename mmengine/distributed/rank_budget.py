@@ -1,6 +1,8 @@
 """What one tensor-parallel rank holds, from a checkpoint's headers and config alone (`mmengine budget
---tensor-parallel-size N`): its weights (the decoder's projections, embedding and LM head split as
-`sharded_model.py` splits them, everything else whole on every rank) and its KV cache per token.
+--tensor-parallel-size N [--enable-expert-parallel]`): its weights (the decoder's projections, embedding and LM head
+split as `sharded_model.py` splits them, everything else whole on every rank) and its KV cache per token. The
+routed experts: every expert's share of the intermediate rows, or with expert parallelism rank 0's E/N experts
+whole (the other ranks hold as many).
 
 A decoder tensor is told from the vision side's by its name (under a `language_model`, or a text-only
 checkpoint's `model.layers`/`model.embed_tokens`/`lm_head`, never under a vision tower or projector).
@@ -12,13 +14,16 @@ import math
 import re
 from dataclasses import dataclass
 
-from mmengine.distributed.sharding import kv_head_split
+from mmengine.distributed.sharding import kv_head_split, routed_experts
 from mmengine.distributed.vocab_parallel import padded_vocab_size
 
 _PROJECTION = re.compile(r"layers\.\d+\..*\b(q|k|v|o|gate|up|down)_proj\.(weight|bias)$")  # (shared and per-expert ones too)
 # Gated DeltaNet (Qwen3.5): everything but the gated norm is split by heads
 _LINEAR_ATTENTION = re.compile(r"linear_attn\.(?:(?:in_proj_qkv|in_proj_z|in_proj_b|in_proj_a|conv1d|out_proj)\.weight|dt_bias|A_log)$")
 _VISION_MARKERS = ("vision", "visual", "projector", "multi_modal")
+# One routed expert's tensor stored apart (any part: a quantized one's scales too), and the fused ones
+_PER_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+_FUSED_EXPERTS = ("experts.gate_up_proj", "experts.down_proj")
 
 
 @dataclass(frozen=True)
@@ -36,11 +41,23 @@ def is_decoder_tensor(name: str) -> bool:
     return "language_model" in name or name.startswith(("model.layers.", "model.embed_tokens", "lm_head"))
 
 
-def rank_elements(name: str, shape: tuple[int, ...], text_config: object, tp_size: int) -> int:
-    """Elements of checkpoint tensor `name` one rank holds."""
+def is_routed_expert(name: str) -> bool:
+    return is_decoder_tensor(name) and (_PER_EXPERT.search(name) is not None or name.endswith(_FUSED_EXPERTS))
+
+
+def rank_elements(name: str, shape: tuple[int, ...], text_config: object, tp_size: int, expert_parallel: bool = False,
+                  rank: int = 0) -> int:
+    """Elements of checkpoint tensor `name` rank `rank` holds (`expert_parallel`: whole experts per rank)."""
     numel = math.prod(shape)
     if tp_size == 1 or not is_decoder_tensor(name):
         return numel
+    if expert_parallel and is_routed_expert(name):
+        stored_apart = _PER_EXPERT.search(name)
+        if stored_apart is None:
+            return numel // tp_size  # a fused tensor: this rank's E/N experts
+        num_experts = routed_experts(text_config)
+        per_rank = num_experts // tp_size
+        return numel if rank * per_rank <= int(stored_apart[1]) < (rank + 1) * per_rank else 0
     if name.endswith(("embed_tokens.weight", "lm_head.weight", "embed_tokens_per_layer.weight")):
         return padded_vocab_size(shape[0], tp_size) // tp_size * math.prod(shape[1:])
     if name.endswith(("experts.gate_up_proj", "experts.down_proj")) or _LINEAR_ATTENTION.search(name):
@@ -57,15 +74,24 @@ def rank_elements(name: str, shape: tuple[int, ...], text_config: object, tp_siz
     return numel // tp_size
 
 
-def rank_share(shapes: dict[str, tuple[int, ...]], text_config: object, tp_size: int) -> RankShare:
+def rank_share(shapes: dict[str, tuple[int, ...]], text_config: object, tp_size: int, expert_parallel: bool = False) -> RankShare:
+    """Rank 0's elements (with expert parallelism each rank holds as many, of other experts)."""
     whole = per_rank = replicated = 0
     for name, shape in shapes.items():
         numel = math.prod(shape)
-        held = rank_elements(name, shape, text_config, tp_size)
+        held = rank_elements(name, shape, text_config, tp_size, expert_parallel)
         whole += numel
         per_rank += held
-        replicated += held if held == numel and tp_size > 1 else 0
+        replicated += held if held == numel and tp_size > 1 and not (expert_parallel and is_routed_expert(name)) else 0
     return RankShare(whole, per_rank, replicated)
+
+
+def routed_expert_share(shapes: dict[str, tuple[int, ...]], text_config: object, tp_size: int,
+                        expert_parallel: bool = False) -> RankShare:
+    """The routed experts' elements alone: in all and on rank 0 (`replicated` is 0: every expert is split)."""
+    experts = {name: shape for name, shape in shapes.items() if is_routed_expert(name)}
+    share = rank_share(experts, text_config, tp_size, expert_parallel)
+    return RankShare(share.whole, share.per_rank, 0)
 
 
 def rank_kv_layout(layout: list[tuple[int, int]], tp_size: int) -> list[tuple[int, int]]:

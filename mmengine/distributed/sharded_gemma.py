@@ -5,7 +5,7 @@ q_proj / o_proj                column / row-parallel by heads; the per-head q/k/
 k_proj, v_proj                 by the KV-head rule of each layer (Gemma 4's global layers have their own KV heads;
                                a KV-shared layer has none and reads its source's cache, split alike)
 gate_up / down                 column / row-parallel (Gemma's gated MLP, double-wide ones too)
-experts (Gemma 4 MoE block)    on their intermediate size; the router whole
+experts (Gemma 4 MoE block)    on their intermediate size, or whole experts per rank (expert parallelism); the router whole
 embed_tokens                   vocabulary-parallel, scaled as Gemma scales it
 embed_tokens_per_layer         vocabulary-parallel too (Gemma 4's per-layer inputs: the largest table of the model)
 per-layer projections, norms   whole on every rank
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmengine.distributed.parallel_experts import ParallelFusedExperts
+from mmengine.distributed.parallel_experts import ExpertParallelFusedExperts, ParallelFusedExperts
 from mmengine.distributed.parallel_linear import ColumnParallelLinear, MergedColumnParallelLinear, Piece, RowParallelLinear
 from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.sharding import divide, kv_head_split
@@ -64,7 +64,7 @@ def shard_gemma_mlp(mlp: nn.Module, hidden: int, tp: TensorParallelGroup, prefix
     mlp.intermediate_size = inter // tp.size
 
 
-def shard_gemma_decoder(decoder: nn.Module, tp: TensorParallelGroup) -> None:
+def shard_gemma_decoder(decoder: nn.Module, tp: TensorParallelGroup, expert_parallel: bool = False) -> None:
     config = decoder.config
     hidden = config.hidden_size
     embed = decoder.embed_tokens
@@ -80,4 +80,5 @@ def shard_gemma_decoder(decoder: nn.Module, tp: TensorParallelGroup) -> None:
         shard_gemma_attention(layer.self_attn, hidden, tp, f"{prefix}.self_attn")
         shard_gemma_mlp(layer.mlp, hidden, tp, f"{prefix}.mlp")
         if getattr(layer, "has_moe", False):
-            layer.experts = ParallelFusedExperts(layer.experts, tp, f"{prefix}.experts")
+            experts_class = ExpertParallelFusedExperts if expert_parallel else ParallelFusedExperts
+            layer.experts = experts_class(layer.experts, tp, f"{prefix}.experts")

@@ -3,7 +3,8 @@
 ```
 q/k/v, o            by heads (k/v by the KV-head rule); on RoPE layers each head's q and k rows are put in the
                     rotary's layout after this rank's rows are read (the permutation stays inside a head)
-experts             on their intermediate size, from transformers' transposed layout ([E, H, 2I], [E, I, H])
+experts             on their intermediate size, from transformers' transposed layout ([E, H, 2I], [E, I, H]), or
+                    whole experts per rank with expert parallelism (this rank's experts of that layout)
 shared expert, MLP  gate/up column-, down row-parallel; the router whole
 embed_tokens        vocabulary-parallel
 ```
@@ -14,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from mmengine.distributed.parallel_experts import ParallelFusedExperts
+from mmengine.distributed.parallel_experts import ExpertParallelFusedExperts, ParallelFusedExperts
 from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.sharded_gemma import shard_gemma_attention
 from mmengine.distributed.sharding import Loaded, copy_into, loaded_shape, read_rows
@@ -41,6 +42,17 @@ class TransposedParallelExperts(ParallelFusedExperts):
         copy_into(param, read_rows(loaded, 1, start, size).transpose(1, 2), f"{self.name}.down_proj")
 
 
+class TransposedExpertParallelExperts(ExpertParallelFusedExperts):
+    """This rank's whole experts from transformers' transposed layout: gate_up_proj [E, H, 2I], down_proj [E, I, H]."""
+
+    def fused_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        (experts, double, hidden), (_, _, inter) = super().fused_shapes()
+        return (experts, hidden, double), (experts, inter, hidden)
+
+    def read_experts(self, loaded: Loaded) -> torch.Tensor:
+        return super().read_experts(loaded).transpose(1, 2)
+
+
 def rotary_rows(layer: nn.Module, head_dim: int) -> None:
     """After each of `layer`'s parameters loads, its rows are put in the rotary's layout, head by head."""
     for param in layer.parameters(recurse=False):
@@ -54,7 +66,8 @@ def rotary_rows(layer: nn.Module, head_dim: int) -> None:
         param.weight_loader = loader
 
 
-def shard_llama4_decoder(decoder: nn.Module, tp: TensorParallelGroup, split_mlp) -> None:
+def shard_llama4_decoder(decoder: nn.Module, tp: TensorParallelGroup, split_mlp, expert_parallel: bool = False) -> None:
+    experts_class = TransposedExpertParallelExperts if expert_parallel else TransposedParallelExperts
     hidden = decoder.config.hidden_size
     for index, layer in enumerate(decoder.layers):
         prefix = f"language_model.layers.{index}"
@@ -66,7 +79,7 @@ def shard_llama4_decoder(decoder: nn.Module, tp: TensorParallelGroup, split_mlp)
             rotary_rows(attn.k_proj, head_dim)
         ff = layer.feed_forward
         if getattr(layer, "is_moe", False):
-            ff.experts = TransposedParallelExperts(ff.experts, tp, f"{prefix}.feed_forward.experts")
+            ff.experts = experts_class(ff.experts, tp, f"{prefix}.feed_forward.experts")
             split_mlp(ff.shared_expert, hidden, tp, f"{prefix}.feed_forward.shared_expert")
         else:
             split_mlp(ff, hidden, tp, f"{prefix}.feed_forward")

@@ -10,14 +10,15 @@ layers.i.self_attn.o_proj            RowParallelLinear        all-reduce, bias o
 layers.i.mlp.gate_up_proj            MergedColumnParallel     gate and up each split
 layers.i.mlp.down_proj               RowParallelLinear        all-reduce
 layers.i.mlp.experts (MoE)           ParallelFusedExperts     every expert's intermediate rows split, all-reduce
+  with enable_expert_parallel        ExpertParallelFusedExperts  this rank's E/tp experts whole, all-reduce
 lm_head                              ParallelLMHead           all-gather of the logits (every rank samples)
 the vision tower, projector, norms   replicated               read whole
 ```
 
 `check_tensor_parallel_shapes` says, from the config alone and before any process starts, whether the
 decoder can be split: a ConfigError naming the field (num_attention_heads, num_key_value_heads,
-intermediate_size, moe_intermediate_size) and tensor_parallel_size, or one naming what is not split yet (a hybrid
-decoder, Gemma's, Llama 4's).
+intermediate_size, moe_intermediate_size, or num_experts with enable_expert_parallel) and tensor_parallel_size, or
+one naming what is not split yet.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ import torch
 from torch import nn
 
 from mmengine.distributed.checkpoint_slices import CheckpointSlices, load_parameter
-from mmengine.distributed.parallel_experts import ParallelFusedExperts
+from mmengine.distributed.parallel_experts import ExpertParallelFusedExperts, ParallelFusedExperts, expert_range
 from mmengine.distributed.parallel_lora import enable_parallel_lora
 from mmengine.distributed.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.sharded_gemma import shard_gemma_decoder
 from mmengine.distributed.sharded_llama4 import shard_llama4_decoder
 from mmengine.distributed.sharded_hybrid import rank_shape, shard_gated_attention, shard_gated_delta_net
-from mmengine.distributed.sharding import divide, kv_head_split
+from mmengine.distributed.sharding import divide, kv_head_split, routed_experts
 from mmengine.distributed.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from mmengine.errors import ConfigError, WeightsMismatchError
 from mmengine.layers.gated_delta import GatedDeltaNet
@@ -57,17 +58,28 @@ from mmengine.models.qwen3_5 import GatedAttention, HybridDecoderModel
 SPLIT_DECODERS = (DecoderModel, HybridDecoderModel, Gemma3DecoderModel, Gemma4DecoderModel, Llama4DecoderModel)
 # One expert's projection stored apart (Qwen3.5-MoE's layout), by our name
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+# Any part of one expert's projection stored apart (a quantized one's weight, scales, zeros), by our name
+_PER_EXPERT_PART = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.\w+$")
 # An FP8-KV checkpoint's per-layer scales, by our name (as models/vlm.py reads them)
 _KV_SCALE = re.compile(r"^language_model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
-def check_tensor_parallel_shapes(family: ModelFamily, tp_size: int) -> None:
+def check_tensor_parallel_shapes(family: ModelFamily, tp_size: int, expert_parallel: bool = False) -> None:
     """Raises a ConfigError when the family's decoder cannot be split over `tp_size` ranks (before any rank
-    starts): a size that does not divide, or a decoder kind that is not split yet."""
-    if tp_size == 1:
-        return
+    starts): a size that does not divide, or a decoder kind that is not split yet. `expert_parallel`: whole experts
+    per rank, which needs a decoder with experts, as many on every rank."""
     config = family.text_config
     name = family.display_name or type(family).__name__
+    experts = routed_experts(config)
+    if expert_parallel:
+        if tp_size == 1:
+            raise ConfigError("enable_expert_parallel needs tensor_parallel_size > 1 (the experts are split over its ranks)")
+        if not experts:
+            raise ConfigError(f"enable_expert_parallel: {name}'s decoder has no experts (num_experts is not set: a dense "
+                              "model); leave enable_expert_parallel off")
+        expert_range(experts, tp_size, 0)
+    if tp_size == 1:
+        return
     if family.recurrent_shape is not None:  # the Gated DeltaNet layers split by their heads
         rank_shape(family.recurrent_shape, tp_size)
     decoder_class = getattr(type(family).model_class, "decoder_class", None)
@@ -80,14 +92,14 @@ def check_tensor_parallel_shapes(family: ModelFamily, tp_size: int) -> None:
     divide(config.intermediate_size, tp_size, "the text model", "intermediate_size")
     if getattr(config, "intermediate_size_mlp", None):  # Llama 4's dense layers
         divide(config.intermediate_size_mlp, tp_size, "the text model", "intermediate_size_mlp")
-    if getattr(config, "num_experts", 0):  # the experts split on their intermediate size
+    if getattr(config, "num_experts", 0) and not expert_parallel:  # the experts split on their intermediate size
         divide(config.moe_intermediate_size, tp_size, "the text model", "moe_intermediate_size")
 
 
-def tensor_parallel_family(family: ModelFamily, tp: TensorParallelGroup) -> ModelFamily:
-    """The family as one rank sees it: its model built split (`model_class`), and the KV cache of this rank's
-    KV heads (`kv_cache_layout`)."""
-    check_tensor_parallel_shapes(family, tp.size)
+def tensor_parallel_family(family: ModelFamily, tp: TensorParallelGroup, expert_parallel: bool = False) -> ModelFamily:
+    """The family as one rank sees it: its model built split (`model_class`; `expert_parallel`: whole experts per
+    rank), and the KV cache of this rank's KV heads (`kv_cache_layout`)."""
+    check_tensor_parallel_shapes(family, tp.size, expert_parallel)
     base = type(family)
     layout = [(kv_head_split(heads, tp.size).heads_per_rank, head_size) for heads, head_size in family.kv_cache_layout()]
     recurrent = family.recurrent_shape
@@ -95,20 +107,21 @@ def tensor_parallel_family(family: ModelFamily, tp: TensorParallelGroup) -> Mode
     ranked_class = type(f"TensorParallel{base.__name__}", (base,), {
         "kv_cache_layout": lambda self: list(layout),
         "recurrent_shape": property(lambda self: ranked_recurrent),
-        "model_class": staticmethod(lambda hf_config: build_sharded_model(base.model_class, hf_config, tp)),
+        "model_class": staticmethod(lambda hf_config: build_sharded_model(base.model_class, hf_config, tp, expert_parallel)),
     })
     ranked = copy.copy(family)
     ranked.__class__ = ranked_class
     return ranked
 
 
-def build_sharded_model(model_class: Callable[[Any], nn.Module], hf_config: Any, tp: TensorParallelGroup) -> nn.Module:
+def build_sharded_model(model_class: Callable[[Any], nn.Module], hf_config: Any, tp: TensorParallelGroup,
+                        expert_parallel: bool = False) -> nn.Module:
     """The family's model with this rank's parallel layers, given storage on the current default device and
     dtype (the runner builds it under both); `load_weights` then reads this rank's slices."""
     with parameters_on_meta():
         model = model_class(hf_config)
     expected = model.expected_weights()  # the checkpoint's whole shapes, before the split
-    shard_decoder(model, tp)
+    shard_decoder(model, tp, expert_parallel)
     device = model.language_model.embed_tokens.weight.device
     materialize_parameters(model, device)
     model.load_weights = lambda weights, quantization=None, packed=None: load_sharded_weights(  # type: ignore[method-assign]
@@ -118,20 +131,21 @@ def build_sharded_model(model_class: Callable[[Any], nn.Module], hf_config: Any,
     return model
 
 
-def shard_decoder(model: nn.Module, tp: TensorParallelGroup) -> None:
-    """Swaps the decoder's embedding, projections and LM head for this rank's parallel layers."""
+def shard_decoder(model: nn.Module, tp: TensorParallelGroup, expert_parallel: bool = False) -> None:
+    """Swaps the decoder's embedding, projections and LM head for this rank's parallel layers (the experts on their
+    intermediate size, or with `expert_parallel` this rank's whole experts)."""
     decoder = model.language_model
     if type(decoder) not in SPLIT_DECODERS:
         raise ConfigError(f"tensor parallelism: the decoder {type(decoder).__name__} is not split over ranks yet")
     config = decoder.config
     hidden = config.hidden_size
     if type(decoder) in (Gemma3DecoderModel, Gemma4DecoderModel):
-        shard_gemma_decoder(decoder, tp)
+        shard_gemma_decoder(decoder, tp, expert_parallel)
         model.lm_head = ParallelLMHead(config.vocab_size, hidden, tp=tp, name="lm_head")
         return
     if type(decoder) is Llama4DecoderModel:
         decoder.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp=tp, name="language_model.embed_tokens")
-        shard_llama4_decoder(decoder, tp, split_mlp)
+        shard_llama4_decoder(decoder, tp, split_mlp, expert_parallel)
         model.lm_head = ParallelLMHead(config.vocab_size, hidden, tp=tp, name="lm_head")
         return
     decoder.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp=tp, name="language_model.embed_tokens")
@@ -149,7 +163,8 @@ def shard_decoder(model: nn.Module, tp: TensorParallelGroup) -> None:
         if isinstance(mlp, SparseMoeBlock):  # the router and the shared expert's gate replicated
             if type(mlp.experts) is not FusedExperts:
                 raise ConfigError(f"tensor parallelism: {prefix}'s {type(mlp.experts).__name__} is not split over ranks yet")
-            mlp.experts = ParallelFusedExperts(mlp.experts, tp, f"{prefix}.mlp.experts")
+            experts_class = ExpertParallelFusedExperts if expert_parallel else ParallelFusedExperts
+            mlp.experts = experts_class(mlp.experts, tp, f"{prefix}.mlp.experts")
             if mlp.shared_expert is not None:
                 split_mlp(mlp.shared_expert, hidden, tp, f"{prefix}.mlp.shared_expert")
         elif type(mlp) is DecoderMLP:
@@ -190,7 +205,13 @@ def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, 
     quantization = quantization_of(model.config)
     source = slices
     if quantization is not None:  # each quantized weight read whole with its scales, dequantized, then this rank's part
-        source = dequantize_tensors(WholeTensors(slices), quantization)
+        def elsewhere(raw_name: str) -> bool:  # an expert stored apart that another rank holds: none of its parts read
+            key = expert_held_elsewhere(model, expected, model.checkpoint_name(raw_name))
+            if key is not None:
+                experts_seen.setdefault(key, raw_name)
+            return key is not None
+
+        source = dequantize_tensors(WholeTensors(slices, skip=elsewhere), quantization)
     for raw_name, tensor in source:
         name = model.checkpoint_name(raw_name)
         scale = _KV_SCALE.match(name)
@@ -215,7 +236,8 @@ def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, 
         load_parameter(parameter, tensor, piece, name)
     for prefix in {prefix for prefix, _, _ in experts_seen}:  # a layer's experts stored apart: every one, once
         module = model.get_submodule(prefix)
-        wanted = {(prefix, e, p) for e in range(module.num_experts) for p in ("gate_proj", "up_proj", "down_proj")}
+        experts = getattr(module, "num_checkpoint_experts", module.num_experts)  # (expert parallelism: the layer's, not the rank's)
+        wanted = {(prefix, e, p) for e in range(experts) for p in ("gate_proj", "up_proj", "down_proj")}
         missing = sorted(wanted - set(experts_seen))
         if missing:
             raise WeightsMismatchError(f"the checkpoint lacks {len(missing)} expert tensor(s) of {prefix}, e.g. expert "
@@ -226,15 +248,30 @@ def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, 
         model.lm_head.tie_to(model.language_model.embed_tokens)
 
 
-class WholeTensors:
-    """A checkpoint's slices read whole (what dequantizing a quantized weight with its scales needs)."""
+def expert_held_elsewhere(model: nn.Module, expected: dict[str, tuple[int, ...]], name: str) -> tuple[str, int, str] | None:
+    """(layer's experts, expert, projection) when `name` (ours) is a part of an expert stored apart that another
+    rank holds (expert parallelism), else None."""
+    match = _PER_EXPERT_PART.match(name)
+    if match is None or f"{match['prefix']}.gate_up_proj" not in expected:
+        return None
+    holds = getattr(model.get_submodule(match["prefix"]), "holds", None)
+    if holds is None or holds(int(match["expert"])):
+        return None
+    return match["prefix"], int(match["expert"]), match["proj"]
 
-    def __init__(self, slices: CheckpointSlices) -> None:
+
+class WholeTensors:
+    """A checkpoint's slices read whole (what dequantizing a quantized weight with its scales needs), but those
+    `skip(name)` leaves unread (another rank's experts)."""
+
+    def __init__(self, slices: CheckpointSlices, skip: Callable[[str], bool] = lambda name: False) -> None:
         self.slices = slices
+        self.skip = skip
 
     def __iter__(self):
         for name, tensor in self.slices:
-            yield name, tensor[...]
+            if not self.skip(name):
+                yield name, tensor[...]
 
     def where(self, name: str | None = None) -> str:
         return self.slices.where(name)

@@ -58,6 +58,14 @@ def kv_head_split(num_kv_heads: int, tp_size: int, layer: str = "") -> KVHeadSpl
     )
 
 
+def routed_experts(text_config: Any) -> int:
+    """The experts of a MoE layer of the decoder (0: a dense decoder; Llama 4 calls them num_local_experts, and
+    Gemma 4's are there with its MoE block only)."""
+    if getattr(text_config, "enable_moe_block", True) is False:
+        return 0
+    return getattr(text_config, "num_experts", None) or getattr(text_config, "num_local_experts", None) or 0
+
+
 def loaded_shape(loaded: Loaded) -> tuple[int, ...]:
     if isinstance(loaded, torch.Tensor):
         return tuple(loaded.shape)

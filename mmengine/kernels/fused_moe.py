@@ -32,14 +32,17 @@ DENSE, FP8, INT4 = 0, 1, 2
 ACTIVATIONS = {"silu": 0, "gelu_pytorch_tanh": 1, "gelu_new": 1}
 
 
-def align_by_expert(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align_by_expert(experts: torch.Tensor, num_experts: int, block_m: int = BLOCK_M,
+                    skip_past_end: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """experts [T, k] -> (sorted_pairs [capacity]: flat pair indices t * k + j grouped by expert, each group
     padded to a multiple of block_m with T * k; tile_expert [capacity / block_m]: the expert of each tile
-    (-1 past the end); num_padded [1]: rows in use)."""
+    (-1 past the end); num_padded [1]: rows in use). `skip_past_end`: ids may be `num_experts` (a pair whose
+    expert another rank holds: expert parallelism), grouped last, past the rows in use, so no tile computes them."""
     flat = experts.reshape(-1)
     num_pairs = flat.numel()
-    capacity = triton.cdiv(num_pairs + num_experts * (block_m - 1), block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))  # (bincount syncs)
+    groups = num_experts + 1 if skip_past_end else num_experts
+    capacity = triton.cdiv(num_pairs + groups * (block_m - 1), block_m) * block_m
+    counts = torch.zeros(groups, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))  # (bincount syncs)
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     starts = ends - padded
@@ -52,7 +55,7 @@ def align_by_expert(experts: torch.Tensor, num_experts: int, block_m: int = BLOC
     tile_starts = torch.arange(0, capacity, block_m, device=flat.device)
     tile_expert = torch.searchsorted(ends, tile_starts, right=True)
     tile_expert = torch.where(tile_expert < num_experts, tile_expert, -1)
-    return sorted_pairs, tile_expert, ends[-1:]
+    return sorted_pairs, tile_expert, ends[num_experts - 1 : num_experts]  # (the skipped group's rows are past it)
 
 
 @triton.jit
@@ -165,13 +168,14 @@ def moe_tiles(n: int, k: int, act_bytes: int, weight_bytes: int, limit: int, wei
 def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
               gate_up_scales: torch.Tensor | None = None, down_scales: torch.Tensor | None = None, group_k: int = 0,
               gate_up_zeros: torch.Tensor | None = None, down_zeros: torch.Tensor | None = None,
-              activation: str = "silu") -> torch.Tensor:
+              activation: str = "silu", skip_past_end: bool = False) -> torch.Tensor:
     """sum_j weights[t, j] * down[e] @ act(gate_up[e, :I] @ x[t]) * (gate_up[e, I:] @ x[t]), e = experts[t, j],
     act one of ACTIVATIONS.
     x [T, H], gate_up [E, 2I, H], down [E, H, I], weights / experts [T, k] -> [T, H] in x's dtype.
     FP8 experts (scales, no zeros): gate_up and down in e4m3 with fp32 scales [E, 2I, ceil(H / group_k)] and
     [E, H, ceil(I / group_k)]. Int4 experts (scales and zeros): gate_up int32 [E, H / 8, 2I] and down
-    [E, I / 8, H], scales and zeros [E, ceil(H / group_k), 2I] and [E, ceil(I / group_k), H]."""
+    [E, I / 8, H], scales and zeros [E, ceil(H / group_k), 2I] and [E, ceil(I / group_k), H].
+    `skip_past_end` (expert parallelism): an id E is a pair whose expert this rank does not hold; it adds zero."""
     num_tokens, hidden = x.shape
     layout = _check_layout(hidden, gate_up, down, gate_up_scales, down_scales, group_k, gate_up_zeros, down_zeros)
     num_experts, inter = gate_up.shape[0], (gate_up.shape[2] if layout == INT4 else gate_up.shape[1]) // 2
@@ -185,7 +189,7 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
     gate_up_s, down_s = (gate_up_scales, down_scales) if layout != DENSE else (gate_up, down)
     gate_up_z, down_z = (gate_up_zeros, down_zeros) if layout == INT4 else (gate_up_s, down_s)
     assert gate_up_z.stride() == gate_up_s.stride() and down_z.stride() == down_s.stride()
-    sorted_pairs, tile_expert, num_padded = align_by_expert(experts, num_experts)
+    sorted_pairs, tile_expert, num_padded = align_by_expert(experts, num_experts, skip_past_end=skip_past_end)
     num_pairs = num_tokens * top_k
     num_tiles = tile_expert.shape[0]
     precision = dot_precision(x.dtype)
@@ -198,7 +202,8 @@ def fused_moe(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weight
         PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, WEIGHTS=layout,
         ACTIVATION=ACTIVATIONS[activation], **launch_options(num_stages=tiles.num_stages),
     )
-    per_pair = torch.empty(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    # (a skipped pair's row is never stored: zeros)
+    per_pair = (torch.zeros if skip_past_end else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
     tiles = moe_tiles(hidden, inter, act_bytes, _weight_bytes(layout, down, down_s, down_z), limit, weight_tiles=1)
     _down_kernel[(num_tiles, triton.cdiv(hidden, tiles.block_n))](
         h, down, down_s, down_z, per_pair, weights.reshape(-1).contiguous(), sorted_pairs, tile_expert, num_padded, num_pairs, hidden,

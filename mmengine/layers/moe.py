@@ -53,8 +53,12 @@ class FusedExperts(nn.Module):
             from mmengine.kernels.fused_moe import fused_moe
 
             return fused_moe(x, self.gate_up_proj, self.down_proj, weights, experts, activation=self.act.hidden_act)
+        return self.expert_loop(x, weights, torch.nn.functional.one_hot(experts, self.num_experts))
+
+    def expert_loop(self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+        """The PyTorch path: `chosen` [T, k, E] one-hot (a row of zeros: a pair no expert here computes)."""
         out = torch.zeros_like(x)
-        tokens_of = torch.nn.functional.one_hot(experts, self.num_experts).permute(2, 1, 0)  # [E, k, T]
+        tokens_of = chosen.permute(2, 1, 0)  # [E, k, T]
         for expert in (tokens_of.sum(dim=(1, 2)) > 0).nonzero()[:, 0].tolist():
             slot, token = torch.where(tokens_of[expert])
             h = F.linear(self.act(F.linear(x[token], self.gate_up_proj[expert])), self.down_proj[expert]) * weights[token, slot, None]

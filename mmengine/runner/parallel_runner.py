@@ -15,7 +15,8 @@ dies or fails makes every later call raise EngineDeadError (`distributed/executo
 What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): a draft head ("mtp";
 n-gram drafts run: the driver proposes, every rank verifies), CUDA graphs (enforce_eager=False on CUDA),
 cascade_attention="on", the host tiers, mm_encoder_tp_mode="data" with LoRA, update_weights, and sizes that
-do not divide (`distributed/sharded_model.py`).
+do not divide (`distributed/sharded_model.py`), enable_expert_parallel on a model without experts or whose experts
+the ranks do not divide among them.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
     for name in ("encoder_cache_host_bytes", "kv_cache_host_bytes"):
         if getattr(config.cache_config, name):
             raise ConfigError(f"{prefix}: {name} (a host tier) is not supported with tensor parallelism yet; leave it unset or 0")
-    check_tensor_parallel_shapes(family, tp)
+    check_tensor_parallel_shapes(family, tp, config.parallel_config.enable_expert_parallel)
 
 
 def name_model(family: ModelFamily) -> torch.nn.Module:

@@ -50,7 +50,8 @@ class ModelWorker:
     def __init__(self, tp: TensorParallelGroup, *, config: EngineConfig, family: ModelFamily, model_dir: str,
                  dtype: torch.dtype, max_model_len: int) -> None:
         self.tp = tp
-        self.runner = ModelRunner(config, tensor_parallel_family(family, tp), Path(model_dir), tp.device, dtype, max_model_len)
+        ranked = tensor_parallel_family(family, tp, config.parallel_config.enable_expert_parallel)
+        self.runner = ModelRunner(config, ranked, Path(model_dir), tp.device, dtype, max_model_len)
         self.runner.grammar_masks = PlannedMasks()
         if config.parallel_config.mm_encoder_tp_mode == "data":  # each rank encodes its share of a step's pictures
             self.runner.model.encode_items = data_parallel_encoder(self.runner.model.encode_items, tp)
