@@ -63,27 +63,40 @@ def _decode_split_kernel(
     tl.store(part_lse_ptr + req * stride_lt + head * stride_lh + split, lse, mask=row_valid)
 
 
-@triton.jit
+# Elements of the [rows, splits, head_dim] tile one reduction program holds: a row is one (request, query head),
+# several to a program where splits x head_dim are few.
+_REDUCE_TILE_ELEMENTS = 4096
+_MAX_REDUCE_ROWS_PER_PROGRAM = 64
+
+
+@triton.jit(do_not_specialize=["num_rows"])
 def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, num_rows,
     stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh, stride_ft, stride_fh,
-    NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    head = tl.program_id(1)
+    """Rows (request * NUM_HEADS + head) [b * BLOCK_ROWS, (b + 1) * BLOCK_ROWS) in program b."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_valid = rows < num_rows
+    req = rows // NUM_HEADS
+    head = rows % NUM_HEADS
     splits = tl.arange(0, NUM_SPLITS)
     d = tl.arange(0, BLOCK_D)
     d_valid = d < HEAD_DIM
-    lse = tl.load(part_lse_ptr + req * stride_lt + head * stride_lh + splits)
-    m = tl.max(lse, 0)
+    lse_rows = (req * stride_lt + head * stride_lh)[:, None] + splits[None, :]
+    lse = tl.load(part_lse_ptr + lse_rows, mask=row_valid[:, None], other=float("-inf"))  # [BLOCK_ROWS, NUM_SPLITS]
+    m = tl.max(lse, 1)
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp(lse - m_safe)  # 0 for empty splits
-    total = tl.sum(w, 0)
-    parts = tl.load(part_out_ptr + req * stride_pt + head * stride_ph + splits[:, None] * stride_ps + d[None, :],
-                    mask=d_valid[None, :], other=0.0)
-    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out_ptr + req * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty), mask=d_valid)
-    tl.store(lse_ptr + req * stride_ft + head * stride_fh, tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")))
+    w = tl.exp(lse - m_safe[:, None])  # 0 for empty splits
+    total = tl.sum(w, 1)
+    parts_rows = (req * stride_pt + head * stride_ph)[:, None, None] + splits[None, :, None] * stride_ps + d[None, None, :]
+    parts = tl.load(part_out_ptr + parts_rows, mask=row_valid[:, None, None] & d_valid[None, None, :], other=0.0)
+    out = tl.sum(parts * w[:, :, None], 1) / tl.where(total > 0, total, 1.0)[:, None]
+    out_rows = (req * stride_ot + head * stride_oh)[:, None] + d[None, :]
+    tl.store(out_ptr + out_rows, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None] & d_valid[None, :])
+    tl.store(lse_ptr + req * stride_ft + head * stride_fh,
+             tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf")), mask=row_valid)
 
 
 def decode_attention(
@@ -131,11 +144,13 @@ def decode_attention(
     )
     if num_splits == 1:
         return out, lse
-    _decode_reduce_kernel[(num_reqs, num_heads)](
-        part_out, part_lse, out, lse,
+    num_rows = num_reqs * num_heads
+    block_rows = max(1, min(_MAX_REDUCE_ROWS_PER_PROGRAM, _REDUCE_TILE_ELEMENTS // (num_splits * block_d)))
+    _decode_reduce_kernel[(triton.cdiv(num_rows, block_rows),)](
+        part_out, part_lse, out, lse, num_rows,
         part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d,
+        NUM_HEADS=num_heads, NUM_SPLITS=num_splits, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_ROWS=block_rows,
         **launch_options(),
     )
     return out, lse
