@@ -265,3 +265,25 @@ def test_a_dead_front_end_or_launcher_brings_the_whole_server_down(llava, victim
         for pid in pids:
             if alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_sigterm_while_starting_stops_what_has_started(monkeypatch):
+    """A SIGTERM while the model loads stops the processes started so far (its default would kill the launcher
+    alone, leaving the front ends to wait minutes for a core that never listens) and exits 0."""
+    from mmengine.entrypoints import server_processes
+
+    stops = []
+
+    def start(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # the handler raises in here
+            time.sleep(0.01)
+        raise AssertionError("SIGTERM did not interrupt the start")
+
+    monkeypatch.setattr(ServerProcesses, "start", start)
+    monkeypatch.setattr(ServerProcesses, "stop", lambda self, exit_code=0: stops.append(exit_code))
+    before = signal.getsignal(signal.SIGTERM)
+    spec = FrontEndSpec("unused", {}, ServerSettings("unused"))
+    assert server_processes.run_server_processes(spec, 2, "127.0.0.1", 0) == 0
+    assert stops == [0] and signal.getsignal(signal.SIGTERM) is before

@@ -243,14 +243,28 @@ class ServerProcesses:
         self.stop()
 
 
+class _TerminatedWhileStarting(Exception):
+    """SIGTERM while the processes start."""
+
+
+def _terminated_while_starting(*_: object) -> None:
+    raise _TerminatedWhileStarting
+
+
 def run_server_processes(spec: FrontEndSpec, api_server_count: int, host: str, port: int) -> int:
     """`mmengine serve --api-server-count N`: serves until SIGINT / SIGTERM (exit code 0) or until a process
-    dies (1)."""
+    dies (1). SIGINT or SIGTERM while the model loads stops what has started (SIGTERM's default would leave
+    the front ends waiting minutes for a core that never listens)."""
     server = ServerProcesses(spec, api_server_count, host, port)
-    previous: dict[int, Any] = {}
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, _terminated_while_starting)}
     try:
-        server.start()  # Ctrl-C while the model loads interrupts it (and stops what has started)
-        previous = {sig: signal.signal(sig, lambda *_: server.request_stop()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            server.start()  # Ctrl-C while the model loads interrupts it (and stops what has started)
+        except _TerminatedWhileStarting:
+            return 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            handler = signal.signal(sig, lambda *_: server.request_stop())
+            previous.setdefault(sig, handler)
         return server.wait()
     finally:
         server.stop()
