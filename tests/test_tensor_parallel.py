@@ -130,6 +130,31 @@ def test_what_tensor_parallelism_refuses_is_named_before_any_process_starts(llav
     assert children() <= before
 
 
+def test_a_rank_that_fails_to_load_reports_what_failed_and_leaves_nothing(llava, tmp_path):
+    """A checkpoint missing a tensor: the ranks' own WeightsMismatchError names it (the death it causes during
+    start-up must not hide it), and no process is left."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from mmengine.errors import WeightsMismatchError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(llava, broken)
+    (weights,) = broken.glob("*.safetensors")
+    tensors = load_file(weights)
+    missing = next(name for name in tensors if "layers.1.mlp.down_proj" in name)
+    del tensors[missing]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    before = children()
+    with pytest.raises(WeightsMismatchError, match="layers.1.mlp.down_proj"):
+        MMEngine(str(broken), tensor_parallel_size=2, **ENGINE_OPTIONS)
+    deadline = time.monotonic() + 10
+    while children() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert children() <= before
+
+
 def test_lora_adapters_give_tp1_tokens(tp1, tp2, llava, tmp_path):
     """Adapters sharded like their base layers: A whole and B split on q/k/v and gate/up, A split and the shrink
     all-reduced on o and down (distributed/parallel_lora.py); two adapters and the base model in one batch."""

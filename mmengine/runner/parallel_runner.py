@@ -188,6 +188,9 @@ class ParallelRunner:
                                     dtype=dtype, max_model_len=max_model_len)
         threads = max(1, torch.get_num_threads() // self.tensor_parallel_size) if device.type == "cpu" else None
         self.dead_error: EngineDeadError | None = None
+        # (set before the executor starts: a rank that dies during start-up calls on_death, which releases them)
+        self.segments: list[PlanSegment] = []  # the plan being built: its pictures in shared memory
+        self.segments_of: dict[int, list[PlanSegment]] = {}  # sent plans' segments, unlinked once their replies are read
         self.backend = config.parallel_config.distributed_executor_backend
         # Pictures travel in shared memory only to processes on this machine; Ray's object store carries them itself
         self.shares_pixels = self.backend == "mp"
@@ -223,8 +226,6 @@ class ParallelRunner:
         self.submitted_at: dict[int, float] = {}
         self.max_in_flight = 0  # the most steps sent and not read at once (2 with async scheduling)
         self.results: dict[int, StepResult] = {}  # replies read before their steps asked
-        self.segments: list[PlanSegment] = []  # the plan being built: its pictures in shared memory
-        self.segments_of: dict[int, list[PlanSegment]] = {}  # sent plans' segments, unlinked once their replies are read
         self.freed: list[str] = []  # encoder outputs to drop with the next plan
         self.stale: list[str] = []
 
