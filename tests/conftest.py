@@ -126,6 +126,16 @@ def checkpoint_dir():
     return build
 
 
+@pytest.fixture(scope="session")
+def triton_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A Triton cache for the tests that compile kernels for GPUs (cross-compiles on the CPU): fresh each run and
+    shared by the run's xdist workers, so a kernel two such tests compile alike compiles once."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # each worker's base is a folder of the run's
+    return root / "triton-cache"
+
+
 @pytest.fixture(scope="module")
 def small_engine(checkpoint_dir):
     """One engine on the tiny checkpoint per test module (CPU or the GPU, as the machine has)."""

@@ -16,10 +16,10 @@ NVIDIA_TOOLS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 @pytest.mark.skipif(not (NVIDIA_TOOLS / "cuobjdump").exists(), reason="this Triton build ships no NVIDIA toolchain")
-def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path):
+def test_every_kernel_compiles_for_sm80_and_sm90_without_spills(tmp_path, triton_cache_dir):
     report = tmp_path / "resources.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # kernels must be real JIT functions
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    env["TRITON_CACHE_DIR"] = str(triton_cache_dir)
     result = subprocess.run(
         [sys.executable, "-m", "mmengine.kernels.cross_compile", "--quick", "--json", str(report)],
         env=env, capture_output=True, text=True, timeout=600, check=False,

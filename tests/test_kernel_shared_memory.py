@@ -120,11 +120,11 @@ json.dump(rows, sys.stdout)
 
 
 @pytest.mark.skipif(not (NVIDIA_TOOLS / "ptxas").exists(), reason="this Triton build ships no NVIDIA toolchain")
-def test_compiled_for_sm90_the_launches_take_no_more_than_the_arithmetic(tmp_path):
+def test_compiled_for_sm90_the_launches_take_no_more_than_the_arithmetic(triton_cache_dir):
     """Triton's own allocation for the launches chosen under each limit (fp32 and bf16, prefill-shaped): at
     most the arithmetic's, so within the limit."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the kernels must be real JIT functions
-    env["TRITON_CACHE_DIR"] = str(tmp_path / "cache")
+    env["TRITON_CACHE_DIR"] = str(triton_cache_dir)  # (shared with the cross-compile test: two launches are alike)
     result = subprocess.run([sys.executable, "-c", COMPILE_LAUNCHES], env=env, capture_output=True, text=True, timeout=900,
                             check=False)
     assert result.returncode == 0, result.stderr
