@@ -90,8 +90,7 @@ def test_llava_verify_graphs_give_the_eager_tokens(family_checkpoint):
             assert engine.runner.decode_graphs.verify_sizes == [1, 2, 4]
             assert engine.runner.decode_graphs.num_verify_replays > 0
             assert_books_consistent(engine)
-    plain = MMEngine(str(path), **OPTIONS).generate(LLAVA_PROMPTS, images=LLAVA_IMAGES, sampling_params=_greedy(16), use_tqdm=False)
-    assert results[True] == results[False] == [o.token_ids for o in plain]
+    assert results[True] == results[False]  # (the eager verify's are those without speculation: test_speculative.py)
 
 
 def test_hybrid_verify_graphs_roll_back_and_save_checkpoints_as_eager_steps():
@@ -111,9 +110,6 @@ def test_hybrid_verify_graphs_roll_back_and_save_checkpoints_as_eager_steps():
         if graphs:
             assert engine.runner.decode_graphs.num_verify_replays >= 6
             assert_books_consistent(engine)
-    plain = MMEngine(str(path), **OPTIONS, block_size=4)
-    first = [o.token_ids for o in plain.generate(prompts, sampling_params=_greedy(9), use_tqdm=False)]
-    assert results[True][:3] == results[False][:3] == first
     assert results[True] == results[False]
     assert counts[True] == counts[False] and counts[True][0] == 3 and counts[True][2] > 0
 
@@ -121,7 +117,7 @@ def test_hybrid_verify_graphs_roll_back_and_save_checkpoints_as_eager_steps():
 @pytest.mark.parametrize("family, template", [
     ("gemma4", "<bos><|turn>user\n{}<turn|>\n<|turn>model\n"),
     ("llama4", "<|begin_of_text|><|header_start|>user<|header_end|>\n\n{}<|eot|><|header_start|>assistant<|header_end|>\n\n"),
-])
+], ids=["gemma4", "llama4"])
 def test_windowed_and_chunked_pools_verify_in_graphs(family_checkpoint, family, template):
     """Sliding-window (Gemma 4) and chunked local attention (Llama 4) layers read their own pool's slots and
     block tables from the graph's buffers; drafts cross the windows' and chunks' edges (block_size 4)."""
