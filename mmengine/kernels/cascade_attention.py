@@ -96,7 +96,7 @@ def _shared_prefix_kernel(
 
 # Elements of the [tokens, heads, head_dim] tile one merge program holds: the tokens of a small model's layer go
 # several to a program, a large one's one each.
-_MERGE_TILE_ELEMENTS = 4096
+_MERGE_TILE_ELEMENTS = 2048
 _MAX_MERGE_TOKENS_PER_PROGRAM = 64
 
 

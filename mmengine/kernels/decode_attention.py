@@ -65,7 +65,7 @@ def _decode_split_kernel(
 
 # Elements of the [rows, splits, head_dim] tile one reduction program holds: a row is one (request, query head),
 # several to a program where splits x head_dim are few.
-_REDUCE_TILE_ELEMENTS = 4096
+_REDUCE_TILE_ELEMENTS = 1024
 _MAX_REDUCE_ROWS_PER_PROGRAM = 64
 
 
