@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from mmengine.distributed.checkpoint_slices import CheckpointSlices, load_parameter
+from mmengine.distributed.fp8_slices import fp8_weight_slices
 from mmengine.distributed.parallel_experts import ExpertParallelFusedExperts, ParallelFusedExperts, expert_range
 from mmengine.distributed.parallel_lora import enable_parallel_lora
 from mmengine.distributed.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -204,14 +205,17 @@ def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, 
     experts_seen: dict[tuple[str, int, str], str] = {}  # (layer's experts, expert, projection) -> checkpoint name
     quantization = quantization_of(model.config)
     source = slices
-    if quantization is not None:  # each quantized weight read whole with its scales, dequantized, then this rank's part
+    if quantization is not None:
         def elsewhere(raw_name: str) -> bool:  # an expert stored apart that another rank holds: none of its parts read
             key = expert_held_elsewhere(model, expected, model.checkpoint_name(raw_name))
             if key is not None:
                 experts_seen.setdefault(key, raw_name)
             return key is not None
 
-        source = dequantize_tensors(WholeTensors(slices, skip=elsewhere), quantization)
+        if quantization.int4:  # each weight read whole with its scales and zeros, dequantized, then this rank's part
+            source = dequantize_tensors(WholeTensors(slices, skip=elsewhere), quantization)
+        else:  # FP8: this rank's part of each weight, and its blocks' scales, read and dequantized
+            source = fp8_weight_slices(slices, quantization, skip=elsewhere)
     for raw_name, tensor in source:
         name = model.checkpoint_name(raw_name)
         scale = _KV_SCALE.match(name)

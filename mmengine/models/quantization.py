@@ -32,8 +32,8 @@ import torch
 
 from mmengine.errors import UnsupportedModelError, WeightsMismatchError
 
-_SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
-_IGNORED_SUFFIXES = ("input_scale",)  # static activation scales: unused (such checkpoints run W8A16)
+SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
+IGNORED_SUFFIXES = ("input_scale",)  # static activation scales: unused (such checkpoints run W8A16)
 
 
 @dataclass(frozen=True)
@@ -404,10 +404,10 @@ def dequantize_tensors(weights: Iterable[tuple[str, torch.Tensor]], spec: Weight
     where: Callable[..., str | None] = getattr(weights, "where", lambda name=None: None)  # loader.CheckpointTensors: the file
     for name, tensor in weights:
         owner, _, leaf = name.rpartition(".")
-        if leaf in _IGNORED_SUFFIXES:
+        if leaf in IGNORED_SUFFIXES:
             continue
         if not spec.is_part(leaf, tensor):
-            if leaf in _SCALE_SUFFIXES:
+            if leaf in SCALE_SUFFIXES:
                 raise WeightsMismatchError(f"tensor {name!r}: a {spec.method} checkpoint stores its scales as {spec.scale_name!r}",
                                            where(name))
             yield name, tensor
