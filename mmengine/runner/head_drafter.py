@@ -59,8 +59,9 @@ class DraftHead(Protocol):
                 draft_step: int, first: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """(the output the logits read, the hidden state the next draft step reads)."""
 
-    def greedy(self, output: torch.Tensor) -> list[int]:
-        """Each row's most likely next token, in the target's vocabulary."""
+    def greedy(self, output: torch.Tensor) -> torch.Tensor:
+        """Each row's most likely next token, in the target's vocabulary (on the device: the drafter reads every
+        draft of a step back at once)."""
 
     def attention_layers(self) -> list:
         """The head's attention layers, whose K/V the KV cache keeps after the target's."""
@@ -111,8 +112,10 @@ class HeadDrafter:
         out, hidden = out.index_select(0, last), chain.index_select(0, last)
         positions = step.positions.index_select(0, torch.as_tensor(
             [rows.first_rows[i] + rows.counts[i] - 1 for i in drafting], device=step.positions.device))
-        requests = [rows.scheduled[i].request for i in drafting]
-        drafts = {r.request_id: [t] for r, t in zip(requests, self.head.greedy(out))}
+        first = requests = [rows.scheduled[i].request for i in drafting]
+        ids = self.head.greedy(out)  # each request's first draft, left on the device
+        order = list(range(len(first)))  # each chained row's request, by its index in `first`
+        columns = [(order, ids)]
         for depth in range(1, max(wanted[r.request_id] for r in requests)):
             # draft `depth` predicts from the previous draft, one position on
             live = [i for i, r in enumerate(requests) if depth < wanted[r.request_id]
@@ -121,11 +124,15 @@ class HeadDrafter:
                 break
             index = torch.as_tensor(live, device=hidden.device)
             hidden, positions = hidden.index_select(0, index), positions.index_select(0, index.to(positions.device)) + 1
-            requests = [requests[i] for i in live]
-            ids = [drafts[r.request_id][-1] for r in requests]
-            out, hidden = self._run_chained(requests, ids, hidden, positions, block_tables, depth)
-            for r, t in zip(requests, self.head.greedy(out)):
-                drafts[r.request_id].append(t)
+            requests, order = [requests[i] for i in live], [order[i] for i in live]
+            out, hidden = self._run_chained(requests, ids.index_select(0, index.to(ids.device)), hidden, positions, block_tables, depth)
+            ids = self.head.greedy(out)
+            columns.append((order, ids))
+        values = iter(torch.cat([column for _, column in columns]).tolist())  # every draft read back at once
+        drafts: dict[str, list[int]] = {r.request_id: [] for r in first}
+        for order, _ in columns:
+            for row in order:
+                drafts[first[row].request_id].append(next(values))
         return drafts
 
     def _kept_rows(self, step: TargetStep) -> _Rows:
@@ -156,7 +163,7 @@ class HeadDrafter:
         return self.head.forward(embeds, step.hidden.index_select(0, index),
                                  step.positions.index_select(0, index.to(step.positions.device)), metadata, 0, first=True)
 
-    def _run_chained(self, requests: list, ids: list[int], hidden: torch.Tensor, positions: torch.Tensor,
+    def _run_chained(self, requests: list, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
                      block_tables: dict[str, list[int]], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One head step for each request, one position past the last: the previous draft's embedding and
         the head's own hidden state there."""
@@ -171,7 +178,7 @@ class HeadDrafter:
             table[row, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.int32)
         metadata = _metadata(torch.as_tensor(slots, dtype=torch.int64, device=device), table.to(device), [1] * len(requests), contexts)
         self.num_head_rows += len(requests)
-        embeds = self.head.embed_drafts(torch.as_tensor(ids, device=device))
+        embeds = self.head.embed_drafts(ids)
         return self.head.forward(embeds, hidden, positions, metadata, depth, first=False)
 
 
@@ -220,8 +227,8 @@ class MtpHead:
         out = head(embeds.to(hidden.dtype), hidden, rotary, metadata, draft_step, fused)
         return out, out  # chained, the head's own output (after its norm) stands for the target's
 
-    def greedy(self, output: torch.Tensor) -> list[int]:
-        return self.model.compute_logits(output).argmax(dim=-1).tolist()
+    def greedy(self, output: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(output).argmax(dim=-1)
 
     def attention_layers(self) -> list:
         return self.model.mtp.attention_layers()
@@ -281,8 +288,8 @@ class Eagle3DraftHead:
         fused = use_fused_kernels(embeds.device, self.head.midlayer.self_attn.attn.backend.name)
         return self.head(embeds.to(hidden.dtype), hidden, positions, metadata, fused)
 
-    def greedy(self, output: torch.Tensor) -> list[int]:
-        return self.head.greedy(output).tolist()
+    def greedy(self, output: torch.Tensor) -> torch.Tensor:
+        return self.head.greedy(output)
 
     def attention_layers(self) -> list:
         return self.head.attention_layers()
