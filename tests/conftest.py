@@ -38,7 +38,9 @@ from family_checkpoints import family_checkpoint_path
 # Under pytest-xdist (`-n 2 --dist loadfile`) each file runs on one worker, handed out in collection order:
 # the longest files go first, so that neither worker is left running one alone at the end.
 _LONGEST_FILES_FIRST = ("test_gpu_suite.py", "test_fuzz_triton.py", "test_ray_batch.py", "test_ray_serve.py", "test_kernel_cross_compile.py",
-                        "test_ray_tensor_parallel.py", "test_quantized_checkpoints.py", "test_cascade_engine.py", "test_triton_engine.py",
+                        "test_ray_tensor_parallel.py", "test_quantized_checkpoints.py", "test_tensor_parallel.py",
+                        "test_expert_parallel.py", "test_tensor_parallel_families.py", "test_tensor_parallel_quantized.py",
+                        "test_cascade_engine.py", "test_triton_engine.py",
                         "test_lora_engine.py", "test_family_engine.py", "test_gemma4.py", "test_attention_masks.py")
 
 
