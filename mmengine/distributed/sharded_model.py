@@ -33,11 +33,11 @@ import torch
 from torch import nn
 
 from mmengine.distributed.checkpoint_slices import CheckpointSlices, load_parameter
-from mmengine.distributed.fp8_slices import fp8_weight_slices
 from mmengine.distributed.parallel_experts import ExpertParallelFusedExperts, ParallelFusedExperts, expert_range
 from mmengine.distributed.parallel_lora import enable_parallel_lora
 from mmengine.distributed.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from mmengine.distributed.process_group import TensorParallelGroup
+from mmengine.distributed.quantized_slices import quantized_weight_slices
 from mmengine.distributed.sharded_gemma import shard_gemma_decoder
 from mmengine.distributed.sharded_llama4 import shard_llama4_decoder
 from mmengine.distributed.sharded_hybrid import rank_shape, shard_gated_attention, shard_gated_delta_net
@@ -52,7 +52,7 @@ from mmengine.models.loader import WeightCheck, materialize_parameters, paramete
 from mmengine.models.gemma3_text import Gemma3DecoderModel
 from mmengine.models.gemma4_text import Gemma4DecoderModel
 from mmengine.models.llama4_text import Llama4DecoderModel
-from mmengine.models.quantization import dequantize_tensors, quantization_of
+from mmengine.models.quantization import quantization_of
 from mmengine.models.qwen3_5 import GatedAttention, HybridDecoderModel
 
 # The decoders this module splits (their families' model_class.decoder_class)
@@ -212,10 +212,8 @@ def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, 
                 experts_seen.setdefault(key, raw_name)
             return key is not None
 
-        if quantization.int4:  # each weight read whole with its scales and zeros, dequantized, then this rank's part
-            source = dequantize_tensors(WholeTensors(slices, skip=elsewhere), quantization)
-        else:  # FP8: this rank's part of each weight, and its blocks' scales, read and dequantized
-            source = fp8_weight_slices(slices, quantization, skip=elsewhere)
+        # this rank's part of each quantized weight read with its scales (and zeros), and dequantized
+        source = quantized_weight_slices(slices, quantization, skip=elsewhere)
     for raw_name, tensor in source:
         name = model.checkpoint_name(raw_name)
         scale = _KV_SCALE.match(name)
@@ -262,23 +260,6 @@ def expert_held_elsewhere(model: nn.Module, expected: dict[str, tuple[int, ...]]
     if holds is None or holds(int(match["expert"])):
         return None
     return match["prefix"], int(match["expert"]), match["proj"]
-
-
-class WholeTensors:
-    """A checkpoint's slices read whole (what dequantizing a quantized weight with its scales needs), but those
-    `skip(name)` leaves unread (another rank's experts)."""
-
-    def __init__(self, slices: CheckpointSlices, skip: Callable[[str], bool] = lambda name: False) -> None:
-        self.slices = slices
-        self.skip = skip
-
-    def __iter__(self):
-        for name, tensor in self.slices:
-            if not self.skip(name):
-                yield name, tensor[...]
-
-    def where(self, name: str | None = None) -> str:
-        return self.slices.where(name)
 
 
 def target_of(model: nn.Module, name: str) -> tuple[nn.Parameter, object]:

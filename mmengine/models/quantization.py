@@ -192,7 +192,7 @@ def pack_int4(values: torch.Tensor, dim: int, order: tuple[int, ...] = tuple(ran
     return words.movedim(-1, dim).contiguous()
 
 
-def _awq_columns(packed: torch.Tensor) -> torch.Tensor:
+def awq_columns(packed: torch.Tensor) -> torch.Tensor:
     """AWQ's GEMM packing along the output, unpacked into natural column order."""
     reverse = torch.tensor([AWQ_ORDER.index(i) for i in range(8)])
     values = unpack_int4(packed, 1).view(packed.shape[0], -1, 8)
@@ -203,7 +203,7 @@ def dequantize_awq(parts: dict[str, torch.Tensor], group_size: int, name: str) -
     """AWQ (GEMM): qweight [in, out / 8] and qzeros [in / group, out / 8] packed along the output in AWQ's
     nibble order, scales [in / group, out] -> the linear weight [out, in] in float32."""
     check_parts(parts, WeightQuantization("awq", group_size=group_size), name.removesuffix(".weight"))
-    q, zeros, scales = _awq_columns(parts["qweight"]), _awq_columns(parts["qzeros"]), parts["scales"].float()
+    q, zeros, scales = awq_columns(parts["qweight"]), awq_columns(parts["qzeros"]), parts["scales"].float()
     groups = torch.arange(q.shape[0]) // group_size
     return ((q - zeros[groups]).float() * scales[groups]).t()
 
@@ -354,8 +354,8 @@ def pack_for_kernel(parts: dict[str, torch.Tensor], spec: WeightQuantization) ->
         return PackedInt4(parts["qweight"].to(torch.int32), parts["scales"].float(), zeros.float(),
                           spec.group_size, None if in_order else parts["g_idx"].to(torch.int32))
     if spec.method == "awq":
-        return PackedInt4(pack_int4(_awq_columns(parts["qweight"]), 0), parts["scales"].float(),
-                          _awq_columns(parts["qzeros"]).float(), spec.group_size)
+        return PackedInt4(pack_int4(awq_columns(parts["qweight"]), 0), parts["scales"].float(),
+                          awq_columns(parts["qzeros"]).float(), spec.group_size)
     return None
 
 
