@@ -51,3 +51,23 @@ def test_tp2_gives_tp1_and_transformers_tokens_with_pictures_chunks_and_a_prefix
     assert after["prefill_tokens_computed"] - before["prefill_tokens_computed"] <= 16
     if family == "qwen3_5":
         assert after["state_checkpoint_hits"] > before["state_checkpoint_hits"]
+
+
+def test_a_rank_killed_while_idle_turns_the_engine_dead_without_a_call(engines):
+    """(Last: it kills a module engine.) Noticed between steps: the engine's dead_error names the rank within
+    seconds, so an AsyncMMEngine (a server's /health) is unhealthy before any request comes."""
+    import os
+    import signal
+    import time
+
+    from mmengine import AsyncMMEngine
+
+    _, _, two = engines["qwen2_5_vl"]
+    serving = AsyncMMEngine(two)
+    assert serving.is_healthy and two.dead_error is None
+    os.kill(two.parallel.executor.pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while two.dead_error is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert two.dead_error is not None and "rank 1" in str(two.dead_error)
+    assert not serving.is_healthy and serving.has_died

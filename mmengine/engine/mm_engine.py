@@ -30,7 +30,7 @@ from mmengine.engine.startup import build_engine_parts
 from mmengine.engine.stats import engine_stats
 from mmengine.engine.step_loop import StepLoop
 from mmengine.engine.weight_update import WeightsSource, updates_encoders, weight_stream
-from mmengine.errors import ConfigError, InvalidInputError
+from mmengine.errors import ConfigError, EngineDeadError, InvalidInputError
 from mmengine.lora.manager import LoRAManager
 from mmengine.lora.request import LoRARequest
 from mmengine.multimodal.image_loading import ImageInput
@@ -100,6 +100,12 @@ class MMEngine:
         self.close()
         if self.parallel is not None:
             self.parallel.shutdown()
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine can no longer compute (a tensor-parallel worker died, noticed between steps too), or
+        None. AsyncMMEngine reads it, so a server's /health goes red without waiting for a request."""
+        return self.parallel.dead_error if self.parallel is not None else None
 
     def __enter__(self) -> MMEngine:
         return self
