@@ -85,7 +85,8 @@ def _run(engine: MMEngine, prompts: list[str], params: SamplingParams) -> tuple[
         torch.cuda.synchronize(engine.device)
     seconds = time.perf_counter() - start
     after = engine.stats()
-    delta = {k: after[k] - before.get(k, 0) for k in after if k.startswith("spec_") or k in ("decode_steps", "generation_tokens")}
+    delta = {k: after[k] - before.get(k, 0) for k in after
+             if k.startswith("spec_") or k in ("steps", "decode_steps", "generation_tokens", "steps_launched_ahead")}
     drafted = delta.get("spec_draft_tokens", 0)
     return {
         "seconds": round(seconds, 4),
@@ -102,6 +103,8 @@ def _run(engine: MMEngine, prompts: list[str], params: SamplingParams) -> tuple[
         "ms_per_decode_step": round(1000 * seconds / max(1, delta["decode_steps"]), 3),
         # verify steps replayed from CUDA graphs (the others ran eager: prompt chunks in the step, adapters)
         "verify_graph_replays": _verify_replays(engine) - replays,
+        # with async scheduling: the share of steps launched before the tokens of the one in flight were read
+        "launched_ahead_share": round(delta["steps_launched_ahead"] / max(1, delta["steps"]), 3),
     }, outs
 
 
