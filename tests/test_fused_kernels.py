@@ -10,6 +10,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from mmengine.kernels.activation import silu_and_mul
+from mmengine.kernels.decode_attention import decode_attention
 from mmengine.kernels.kv_store import store_kv
 from mmengine.kernels.rms_norm import fused_add_rms_norm, rms_norm
 from mmengine.kernels.rotary import rotary_store_kv
@@ -343,9 +344,9 @@ def _launch_keys(monkeypatch, launch) -> list[tuple]:
 
 @pytest.mark.skipif(CUDA, reason="records the interpreter's launches (without a GPU)")
 def test_every_token_count_launches_what_one_compiled_kernel_serves(monkeypatch):
-    """The fused kernels take a block of tokens per program, fixed by the layer's shape, and the token count as an
-    unspecialized int: no step's token count compiles a kernel of its own (warm-up compiles them all; a CUDA graph
-    replays a bucket's launch)."""
+    """The fused kernels (and the K/V store, the decode reduction) take a block of tokens per program, fixed by the
+    layer's shape, and the token count as an unspecialized int: no step's token count compiles a kernel of its own
+    (warm-up compiles them all; a CUDA graph replays a bucket's launch)."""
     head_dim, heads, kv_heads, hidden = 16, 4, 2, 64
     table = torch.zeros(64, 2 * head_dim)
     cache = torch.zeros(2, 8, 16, kv_heads, head_dim)
@@ -360,9 +361,10 @@ def test_every_token_count_launches_what_one_compiled_kernel_serves(monkeypatch)
             fused_add_rms_norm(x, x, torch.ones(hidden), 1e-6)
             silu_and_mul(torch.zeros(tokens, 2 * hidden))
             store_kv(k, v, cache, positions)
+            decode_attention(q, cache, positions.int() + 1, torch.zeros(tokens, 1, dtype=torch.int32), 0.25, num_splits=4)
         return _launch_keys(monkeypatch, launch)
 
     first = step(1)
-    assert len(first) == 5
+    assert len(first) == 7  # (decode: the split kernel and the reduction)
     for tokens in (2, 3, 16, 17, 64, 100):
         assert step(tokens) == first, tokens
