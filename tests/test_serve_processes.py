@@ -287,3 +287,24 @@ def test_sigterm_while_starting_stops_what_has_started(monkeypatch):
     spec = FrontEndSpec("unused", {}, ServerSettings("unused"))
     assert server_processes.run_server_processes(spec, 2, "127.0.0.1", 0) == 0
     assert stops == [0] and signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_front_end_whose_launcher_goes_while_it_starts_leaves_at_once():
+    """Killed while the model loads, the launcher leaves a core that may never listen: a front end still
+    starting leaves at once (exit code 1) instead of trying to connect for minutes; once serving, the
+    launcher's going is handled by stopping uvicorn (the tests above)."""
+    from multiprocessing import Pipe
+
+    from mmengine.entrypoints.server_processes import leave_if_launcher_goes_while_starting
+
+    for serving, expected in ((False, [1]), (True, [])):
+        launcher, ours = Pipe()
+        flag, exits = threading.Event(), []
+        if serving:
+            flag.set()
+        watcher = threading.Thread(target=leave_if_launcher_goes_while_starting, args=(ours, flag, exits.append))
+        watcher.start()
+        launcher.close()
+        watcher.join(30)
+        assert not watcher.is_alive() and exits == expected
+        ours.close()

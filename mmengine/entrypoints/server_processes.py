@@ -298,6 +298,9 @@ def front_end_main(index: int, spec: FrontEndSpec, sock: socket.socket, launcher
     from mmengine.entrypoints.api_server import build_app
 
     logging.basicConfig(level=spec.log_level.upper(), format=f"%(asctime)s %(levelname)s front-end-{index} %(name)s: %(message)s")
+    serving = threading.Event()
+    threading.Thread(target=leave_if_launcher_goes_while_starting, args=(launcher, serving), name="mmengine-launcher-watch",
+                     daemon=True).start()
     try:
         client = EngineCoreClient(spec.model, core_address=core_address, core_authkey=core_authkey, **spec.engine_options)
         async_engine = AsyncMMEngine(client, max_queued_requests=spec.max_queued_requests,
@@ -307,15 +310,27 @@ def front_end_main(index: int, spec: FrontEndSpec, sock: socket.socket, launcher
         return
     server = uvicorn.Server(uvicorn.Config(build_app(async_engine, spec.settings), log_level=spec.log_level,
                                            timeout_graceful_shutdown=5))
-    threading.Thread(target=_tell_launcher, args=(server, launcher), name="mmengine-launcher-link", daemon=True).start()
+    threading.Thread(target=_tell_launcher, args=(server, launcher, serving), name="mmengine-launcher-link",
+                     daemon=True).start()
     server.run(sockets=[sock])
 
 
-def _tell_launcher(server: Any, launcher: Connection) -> None:
+def leave_if_launcher_goes_while_starting(launcher: Connection, serving: threading.Event,
+                                          leave: Any = os._exit) -> None:
+    """Until this front end serves, a launcher that is gone (killed while the model loads: its core may never
+    listen, and connecting to it would wait minutes) ends it at once, exit code 1. The launcher never writes to
+    a front end, so its end turns readable only when it closes."""
+    wait([launcher])
+    if not serving.is_set():
+        leave(1)
+
+
+def _tell_launcher(server: Any, launcher: Connection, serving: threading.Event) -> None:
     """Says SERVING once uvicorn has started; then waits for the launcher's end to close (it died) and stops
     this front end as SIGTERM would."""
     while not server.started and not server.should_exit:
         time.sleep(0.02)
+    serving.set()
     try:
         launcher.send((SERVING, os.getpid()))
         launcher.recv()
