@@ -24,6 +24,11 @@ def config(checkpoint_dir) -> EngineConfig:
     return EngineConfig.from_kwargs(str(checkpoint_dir()), max_model_len=256, device="cpu", dtype="float32")
 
 
+@pytest.fixture(scope="module")
+def processor(config):
+    return build_input_parts(config).input_processor
+
+
 class _Calls:
     def __init__(self, monkeypatch, owner, name: str) -> None:
         self.count = 0
@@ -45,8 +50,7 @@ def test_the_intake_warms_the_picture_path_at_start_up_and_counts_nothing(config
     assert processor.cache.num_bytes == processor.cache.num_hits == processor.cache.num_misses == 0
 
 
-def test_a_preprocessing_worker_warms_up_before_it_says_ready(config, monkeypatch):
-    processor = build_input_parts(config).input_processor
+def test_a_preprocessing_worker_warms_up_before_it_says_ready(config, processor, monkeypatch):
     spec = PreparerSpec(config.model, None, processor.max_image_pixels, processor.fingerprint, processor.settings_key,
                         processor.hash_algo)
     warm_ups = _Calls(monkeypatch, PicturePreparer, "warm_up")
@@ -63,8 +67,7 @@ def test_a_preprocessing_worker_warms_up_before_it_says_ready(config, monkeypatc
     assert not worker.is_alive()
 
 
-def test_the_chat_template_is_compiled_when_the_server_starts(config, monkeypatch):
-    processor = build_input_parts(config).input_processor
+def test_the_chat_template_is_compiled_when_the_server_starts(processor, monkeypatch):
     renders = _Calls(monkeypatch, processor, "apply_chat_template")
     template = ChatTemplate(SimpleNamespace(input_processor=processor, tokenizer=processor.tokenizer))
     assert renders.count == 1  # at start-up, not at the first request
