@@ -340,8 +340,8 @@ def test_many_threads_over_many_shared_pictures_read_each_once(checkpoint_dir, m
         time.sleep(0.01)
         return original_load(image, **kwargs)
 
+    engine = MMEngine(str(checkpoint_dir()), max_model_len=256)  # (its start-up warm-up reads a picture of its own)
     monkeypatch.setattr(preparer_module, "load_image", slow_load)
-    engine = MMEngine(str(checkpoint_dir()), max_model_len=256)
     processor = engine.input_processor
     pictures = [make_test_image(40 + i, size=(48 + 8 * i, 40)) for i in range(4)]
     encoded = [_jpeg(50 + i) for i in range(3)]
