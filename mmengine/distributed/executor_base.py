@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
@@ -56,7 +57,7 @@ def worker_error(reply: tuple[Any, ...]) -> WorkerError:
     return WorkerError(rank, error_type, message, traceback_text, error)
 
 
-class Executor:
+class Executor(ABC):
     """The calls, their order and the executor's death; a subclass is the transport (see the module's doc).
 
     `on_death(error)` is called once, from whichever thread notices first, when the workers fail or die (a call
@@ -82,26 +83,26 @@ class Executor:
         """`message` made ready to send to every rank, once; raising here harms nothing."""
         return message
 
+    @abstractmethod
     def send(self, payload: Any) -> None:
         """Sends an encoded message to every rank; a rank found dead ends the executor (`fail`)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def await_replies(self, ranks: Iterable[int], kind: str = OK, timeout_s: float | None = None) -> dict[int, Any]:
         """Each of `ranks`' reply of `kind` to the oldest message not yet read; a death, a worker's error or the
         timeout ends the executor (`fail`)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def first_death(self, grace_s: float) -> EngineDeadError | None:
         """A worker that has died, or dies within `grace_s`: what a peer's failed collective points at."""
-        raise NotImplementedError
 
+    @abstractmethod
     def release(self) -> None:
         """Lets every worker go at once, even one inside a collective (a failure, or a shutdown mid-call)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def stop(self) -> None:
         """Stops every worker: asked first, killed if they do not go. Idempotent."""
-        raise NotImplementedError
 
     def await_start(self, timeout_s: float) -> dict[int, Any]:
         """Every rank's READY reply (its pid). A worker that could not start raises its own error when it is an
