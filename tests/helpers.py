@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -129,3 +131,30 @@ def record_draft_proposals(engine) -> list[dict[str, list[int]]]:
 def stop_recording_draft_proposals(engine) -> None:
     drafter = engine.steps.drafter
     drafter.propose = type(drafter).propose.__get__(drafter)
+
+
+def wait_until(condition, timeout_s: float = 15.0) -> bool:
+    """Polls `condition` until it holds or `timeout_s` passes (a bounded wait for an outcome); its last value."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return bool(condition())
+
+
+@contextlib.contextmanager
+def tensor_parallel_pairs(paths: dict[str, Path], **options):
+    """name -> (checkpoint, TP 1 engine, TP 2 engine) for each checkpoint: the TP 2 engines start at once, in threads,
+    while this process builds the TP 1 engines (a TP 2 start-up is two interpreters importing torch); stopped after."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mmengine import MMEngine
+
+    with ThreadPoolExecutor(len(paths)) as pool:
+        futures = {name: pool.submit(MMEngine, str(path), tensor_parallel_size=2, **options) for name, path in paths.items()}
+        ones = {name: MMEngine(str(path), **options) for name, path in paths.items()}
+        pairs = {name: (paths[name], ones[name], futures[name].result()) for name in paths}
+    try:
+        yield pairs
+    finally:
+        for _, _, two in pairs.values():
+            two.shutdown()

@@ -15,12 +15,12 @@ import os
 import signal
 import sys
 import threading
-import time
 
 import psutil
 import pytest
 import torch
 
+from helpers import wait_until
 from mmengine import MMEngine, SamplingParams
 from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.ray_placement import RankDevices, RankPlace, rank_devices
@@ -83,13 +83,6 @@ def live_actors() -> set[str]:
 
 def live_placement_groups() -> set[str]:
     return {group_id for group_id, group in ray.util.placement_group_table().items() if group["state"] != "REMOVED"}
-
-
-def wait_until(condition, timeout_s: float = 15.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return condition()
 
 
 def left_behind(executor: RayExecutor) -> tuple[set[str], set[str], set[int]]:

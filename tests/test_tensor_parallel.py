@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from conftest import CPU_FP32, hf_greedy
+from helpers import wait_until
 from mmengine import MMEngine, SamplingParams
 from mmengine.errors import ConfigError, EngineDeadError
 from mmengine.testing import TinyLlavaSpec, make_test_image
@@ -149,10 +150,7 @@ def test_a_rank_that_fails_to_load_reports_what_failed_and_leaves_nothing(llava,
     before = children()
     with pytest.raises(WeightsMismatchError, match="layers.1.mlp.down_proj"):
         MMEngine(str(broken), tensor_parallel_size=2, **ENGINE_OPTIONS)
-    deadline = time.monotonic() + 10
-    while children() - before and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert children() <= before
+    assert wait_until(lambda: children() <= before, timeout_s=10)
 
 
 def test_lora_adapters_give_tp1_tokens(tp1, tp2, llava, tmp_path):

@@ -7,13 +7,12 @@ engines start at once, in threads, while this process builds the TP 1 references
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
 import chat_formats
 from conftest import CPU_FP32, hf_greedy
-from mmengine import MMEngine, SamplingParams
+from helpers import tensor_parallel_pairs, wait_until
+from mmengine import SamplingParams
 from mmengine.testing import make_test_image
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
@@ -25,14 +24,8 @@ PICTURES = [make_test_image(21), make_test_image(22, size=(64, 30))]
 @pytest.fixture(scope="module")
 def engines(family_checkpoint):
     """family -> (checkpoint, TP 1 engine, TP 2 engine)."""
-    paths = {family: family_checkpoint(family) for family in FAMILIES}
-    with ThreadPoolExecutor(len(paths)) as pool:
-        futures = {family: pool.submit(MMEngine, str(path), tensor_parallel_size=2, **OPTIONS) for family, path in paths.items()}
-        ones = {family: MMEngine(str(path), **OPTIONS) for family, path in paths.items()}
-        started = {family: (paths[family], ones[family], futures[family].result()) for family in FAMILIES}
-    yield started
-    for _, _, two in started.values():
-        two.shutdown()
+    with tensor_parallel_pairs({family: family_checkpoint(family) for family in FAMILIES}, **OPTIONS) as pairs:
+        yield pairs
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -58,7 +51,6 @@ def test_a_rank_killed_while_idle_turns_the_engine_dead_without_a_call(engines):
     seconds, so an AsyncMMEngine (a server's /health) is unhealthy before any request comes."""
     import os
     import signal
-    import time
 
     from mmengine import AsyncMMEngine
 
@@ -66,8 +58,5 @@ def test_a_rank_killed_while_idle_turns_the_engine_dead_without_a_call(engines):
     serving = AsyncMMEngine(two)
     assert serving.is_healthy and two.dead_error is None
     os.kill(two.parallel.executor.pids[1], signal.SIGKILL)
-    deadline = time.monotonic() + 5
-    while two.dead_error is None and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert two.dead_error is not None and "rank 1" in str(two.dead_error)
+    assert wait_until(lambda: two.dead_error is not None, timeout_s=5) and "rank 1" in str(two.dead_error)
     assert not serving.is_healthy and serving.has_died

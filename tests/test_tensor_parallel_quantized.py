@@ -5,11 +5,10 @@ in threads, while this process builds the TP 1 references."""
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
 
-from mmengine import MMEngine, SamplingParams
+from helpers import tensor_parallel_pairs
+from mmengine import SamplingParams
 from mmengine.testing import make_test_image
 from mmengine.testing.quantize import quantize_checkpoint
 
@@ -26,13 +25,8 @@ def quantized(family_checkpoint, tmp_path_factory):
     source = family_checkpoint("llava")
     root = tmp_path_factory.mktemp("tp-quantized")
     paths = {method: quantize_checkpoint(source, root / method, method, reference=False)[0] for method in METHODS}
-    with ThreadPoolExecutor(len(paths)) as pool:
-        futures = {method: pool.submit(MMEngine, str(path), tensor_parallel_size=2, **OPTIONS) for method, path in paths.items()}
-        ones = {method: MMEngine(str(path), **OPTIONS) for method, path in paths.items()}
-        engines = {method: (paths[method], ones[method], futures[method].result()) for method in METHODS}
-    yield engines
-    for _, _, two in engines.values():
-        two.shutdown()
+    with tensor_parallel_pairs(paths, **OPTIONS) as pairs:
+        yield pairs
 
 
 @pytest.mark.parametrize("method", METHODS)
