@@ -258,3 +258,16 @@ def test_help_stays_light():
     assert _modules_imported_by(["--help"])[1] == []  # neither torch nor ray
     text, imported = _modules_imported_by(["serve", "--help"])
     assert "--data-parallel-size" in text and "ray" not in imported
+
+
+@pytest.mark.parametrize(("engine_options", "gpus"), [
+    ({"device": "cpu"}, 0),
+    ({"device": "cuda"}, 1),
+    ({"device": "cuda:0", "tensor_parallel_size": 2}, 2),  # the ranks it spawns see the replica's GPUs
+    ({"device": "cuda", "tensor_parallel_size": 4, "distributed_executor_backend": "ray"}, 0),  # ranks with bundles of their own
+    ({"device": "cpu", "tensor_parallel_size": 2}, 0),
+])
+def test_a_replica_takes_the_gpus_its_ranks_need_and_no_more(engine_options, gpus):
+    from mmengine.ray.serve import _default_num_gpus
+
+    assert _default_num_gpus(engine_options) == gpus

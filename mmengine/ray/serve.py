@@ -262,8 +262,9 @@ def build_app(
 
     `settings` are the single server's (served model name, API key, chat template, media policy);
     by default the model is served under `served_model_name` or its path. Each replica takes
-    `num_gpus_per_replica` GPUs (default: 1 when the engine's device is CUDA, or is "auto" and the
-    Ray cluster has GPUs; else 0) and `num_cpus_per_replica` CPUs (default: 1 without a GPU, else 0).
+    `num_gpus_per_replica` GPUs (default: its `tensor_parallel_size` when the engine's device is CUDA, or is
+    "auto" and the Ray cluster has that many GPUs, else 0; and 0 when its ranks are Ray actors of their own,
+    `distributed_executor_backend="ray"`) and `num_cpus_per_replica` CPUs (default: 1 without a GPU, else 0).
     `max_ongoing_requests` is the queue bound past which the router falls back to the least-loaded
     replica. `encoder_store_bytes` > 0 shares encoder outputs among the replicas through a cluster-wide
     store (mmengine.ray.encoder_store), for requests the router sends away from the replica that
@@ -283,7 +284,7 @@ def build_app(
         store = (f"mmengine-encoder-store-{uuid.uuid4().hex[:12]}", encoder_store_bytes)
     if settings is None:
         settings = ServerSettings(served_model_name=served_model_name or model)
-    num_gpus = _default_num_gpus(engine_options.get("device", "auto")) if num_gpus_per_replica is None else num_gpus_per_replica
+    num_gpus = _default_num_gpus(engine_options) if num_gpus_per_replica is None else num_gpus_per_replica
     num_cpus = (0 if num_gpus else 1) if num_cpus_per_replica is None else num_cpus_per_replica
     engine_deployment = serve.deployment(EngineReplica).options(
         num_replicas=1, ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
@@ -302,16 +303,22 @@ def build_app(
     return ingress.bind(engines, max_ongoing_requests, settings.served_model_name)
 
 
-def _default_num_gpus(device: str) -> int:
+def _default_num_gpus(engine_options: dict[str, Any]) -> int:
+    """The GPUs a replica's own actor takes: its engine's ranks when they are processes it spawns (they see the
+    actor's GPUs), none when they are Ray actors with GPU bundles of their own, else one on CUDA."""
+    device = engine_options.get("device", "auto")
+    tensor_parallel_size = engine_options.get("tensor_parallel_size", 1)
+    if tensor_parallel_size > 1 and engine_options.get("distributed_executor_backend", "mp") == "ray":
+        return 0
     if device == "cpu":
         return 0
     if device.startswith("cuda"):
-        return 1
+        return tensor_parallel_size
     import ray
 
     if not ray.is_initialized():
         ray.init()  # as serve.run would: the cluster named by RAY_ADDRESS, else a local one
-    return int(ray.cluster_resources().get("GPU", 0) >= 1)
+    return tensor_parallel_size if ray.cluster_resources().get("GPU", 0) >= tensor_parallel_size else 0
 
 
 def run_app(app: serve.Application, host: str, port: int) -> None:
