@@ -10,13 +10,13 @@ import io
 import os
 import signal
 import threading
-import time
 
 import psutil
 import pytest
 import torch
 
 from books import assert_books_consistent
+from helpers import wait_until
 from mmengine import MMEngine, SamplingParams
 from mmengine.config import EngineConfig
 from mmengine.errors import CheckpointError, ConfigError, CorruptImageError, ImageTooLargeError, PreprocessingWorkerError
@@ -27,6 +27,9 @@ from mmengine.testing.qwen_vl import qwen_vl_prompt
 
 PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 SHM = "/dev/shm"
+# a bound on waits for the workers (start-up: an interpreter importing torch and transformers), generous for a
+# loaded 2-core machine: reaching it means the outcome never came
+WORKER_WAIT_S = 180.0
 
 
 def jpeg(seed: int, size: tuple[int, int] = (160, 120)) -> bytes:
@@ -39,14 +42,6 @@ def workers_alive() -> list[psutil.Process]:
     """This process's children but multiprocessing's own resource tracker (one per process, for life)."""
     return [child for child in psutil.Process().children()
             if child.is_running() and "resource_tracker" not in " ".join(child.cmdline())]
-
-
-def _wait_for(condition, seconds: float = 60.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +95,7 @@ def test_bad_pictures_are_their_typed_errors_naming_the_prompt(pooled):
 def test_a_killed_worker_fails_its_picture_by_name_and_the_engine_serves_on(pooled):
     pool = pooled.input_processor.pool
     prompt = qwen_vl_prompt("What is here?", 1)
-    assert pool.wait_until_started(60)  # both workers up: SIGSTOP reaches them idle, not while they start
+    assert pool.wait_until_started(WORKER_WAIT_S)  # both workers up: SIGSTOP reaches them idle, not while they start
     old = pool.worker_pids()
     respawns = pool.num_respawns
     for pid in old:
@@ -115,17 +110,17 @@ def test_a_killed_worker_fails_its_picture_by_name_and_the_engine_serves_on(pool
 
     caller = threading.Thread(target=ask)
     caller.start()
-    _wait_for(lambda: pool.num_in_flight == 1)
+    assert wait_until(lambda: pool.num_in_flight == 1, WORKER_WAIT_S)
     for pid in old:
         os.kill(pid, signal.SIGKILL)
-    caller.join(60)
+    caller.join(WORKER_WAIT_S)
     assert not caller.is_alive()
     (err,) = failure
     assert isinstance(err, PreprocessingWorkerError)
     assert str(err).startswith("prompt 0: image 0: the preprocessing worker died (exit code -9)")
     assert not pooled.has_unfinished_requests()
-    _wait_for(lambda: pool.num_respawns - respawns == 2)  # the idle one too, without waiting for a picture
-    assert pool.wait_until_started(60) and set(pool.worker_pids()).isdisjoint(old)
+    assert wait_until(lambda: pool.num_respawns - respawns == 2, WORKER_WAIT_S)  # the idle one too, without waiting for a picture
+    assert pool.wait_until_started(WORKER_WAIT_S) and set(pool.worker_pids()).isdisjoint(old)
     out = pooled.generate(prompt, images=[jpeg(32)], sampling_params=PARAMS, use_tqdm=False)[0]
     assert len(out.token_ids) == 4
 
