@@ -127,6 +127,12 @@ def build_sharded_model(model_class: Callable[[Any], nn.Module], hf_config: Any,
     materialize_parameters(model, device)
     model.load_weights = lambda weights, quantization=None, packed=None: load_sharded_weights(  # type: ignore[method-assign]
         model, Path(weights.model_dir), expected)
+    from mmengine.distributed.sharded_update import update_sharded_weights  # (it imports this module)
+
+    model.update_weights = lambda weights, loaded: update_sharded_weights(model, weights, loaded, expected)  # type: ignore[method-assign]
+    from mmengine.distributed.sharded_update import update_sharded_weights  # (it imports this module)
+
+    model.update_weights = lambda weights, loaded: update_sharded_weights(model, weights, loaded, expected)  # type: ignore[method-assign]
     decoder = model.language_model
     decoder.enable_lora = lambda max_loras, max_rank: enable_parallel_lora(decoder, tp, max_loras, max_rank)  # type: ignore[method-assign]
     return model

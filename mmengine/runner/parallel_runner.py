@@ -14,7 +14,7 @@ dies or fails makes every later call raise EngineDeadError (`distributed/executo
 
 What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): a draft head ("mtp";
 n-gram drafts run: the driver proposes, every rank verifies), CUDA graphs (enforce_eager=False on CUDA),
-cascade_attention="on", the host tiers, mm_encoder_tp_mode="data" with LoRA, update_weights, and sizes that
+cascade_attention="on", the host tiers, mm_encoder_tp_mode="data" with LoRA, and sizes that
 do not divide (`distributed/sharded_model.py`), enable_expert_parallel on a model without experts or whose experts
 the ranks do not divide among them.
 """
@@ -25,6 +25,7 @@ import functools
 import logging
 import multiprocessing
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,8 @@ from mmengine.distributed.sharded_model import check_tensor_parallel_shapes
 from mmengine.errors import ConfigError, EngineDeadError
 from mmengine.kv_cache.manager import cdiv
 from mmengine.models.family import ModelFamily
+from mmengine.models.loader import fuse_expert_tensors
+from mmengine.models.loader import fuse_expert_tensors
 from mmengine.outputs import TokenLogprobs
 from mmengine.runner.shared_pixels import PlanSegment
 from mmengine.runner.step_plan import NewRequest, PlannedRow, StepPlan, StepResult
@@ -48,6 +51,10 @@ from mmengine.sample.sampler import Sampler
 from mmengine.sample.structured_output.masks import BitmaskFiller
 
 logger = logging.getLogger(__name__)
+
+UPDATE_CHUNK_BYTES = 256 << 20  # a weight update's tensors sent to the ranks per call (one pickle for all of them)
+
+UPDATE_CHUNK_BYTES = 256 << 20  # a weight update's tensors sent to the ranks per call (one pickle for all of them)
 
 
 def check_parallel_options(config: EngineConfig, family: ModelFamily, device: torch.device) -> None:
@@ -77,6 +84,22 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
         if getattr(config.cache_config, name):
             raise ConfigError(f"{prefix}: {name} (a host tier) is not supported with tensor parallelism yet; leave it unset or 0")
     check_tensor_parallel_shapes(family, tp, config.parallel_config.enable_expert_parallel)
+
+
+def compact(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor on the CPU in storage of its own (a pickled view carries its whole storage)."""
+    tensor = tensor.detach().cpu()
+    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
+
+
+def compact(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor on the CPU in storage of its own (a pickled view carries its whole storage)."""
+    tensor = tensor.detach().cpu()
+    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+        tensor = tensor.clone(memory_format=torch.contiguous_format)
+    return tensor
 
 
 def name_model(family: ModelFamily) -> torch.nn.Module:
@@ -377,8 +400,44 @@ class ParallelRunner:
         if offloads or restores:
             raise ConfigError("the KV host tier is not supported with tensor parallelism yet")
 
-    def update_weights(self, weights: Any, loaded: list[str]) -> None:
-        raise ConfigError(f"update_weights is not supported with tensor_parallel_size={self.tensor_parallel_size} yet")
+    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded: list[str]) -> None:
+        """Sends the new weights to the ranks in chunks of about UPDATE_CHUNK_BYTES (each pickled once for all of
+        them); each rank checks them as TP 1 does and loads its part (`distributed/sharded_update.py`). A refused
+        weight raises its error here, those before it loaded (as at TP 1), and the ranks go on serving."""
+        self.collect_all()
+        num_experts = getattr(self.family.text_config, "num_experts", 0) or 0
+        stream = iter(fuse_expert_tensors(weights, num_experts) if num_experts > 0 else weights)  # (a layer's experts in one chunk)
+        chunk: list[tuple[str, torch.Tensor]] = []
+        size, first, failure = 0, True, None
+        while True:
+            try:
+                name, tensor = next(stream)
+            except StopIteration:
+                break
+            except Exception as err:  # noqa: BLE001 - a bad pair: those before it are loaded first, as at TP 1
+                failure = err
+                break
+            tensor = compact(tensor)
+            chunk.append((name, tensor))
+            size += tensor.numel() * tensor.element_size()
+            if size >= UPDATE_CHUNK_BYTES:
+                self.send_weights(chunk, first, loaded)
+                chunk, size, first = [], 0, False
+        if chunk:
+            self.send_weights(chunk, first, loaded)
+        if failure is not None:
+            raise failure
+
+    def send_weights(self, chunk: list[tuple[str, torch.Tensor]], first: bool, loaded: list[str]) -> None:
+        names, error = self.executor.call("update_weights", chunk, first)[0]
+        loaded.extend(names)
+        if error is not None:
+            raise error
+
+    def collect_all(self) -> None:
+        """Reads every sent step's reply (kept for its step): a call to the ranks waits for no step."""
+        if self.num_collected < self.num_submitted:
+            self.results[self.num_submitted] = self.collect(self.num_submitted)
 
     def load_lora_slot(self, slot: int, adapter: Any) -> None:
         """The ranks load the adapter into `slot` (each its part) before the next step: with the next plan."""

@@ -24,6 +24,8 @@ from mmengine.core.scheduler import ScheduledRequest, SchedulerOutput
 from mmengine.distributed.encoder_data_parallel import data_parallel_encoder
 from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.sharded_model import tensor_parallel_family
+from mmengine.errors import MMEngineError
+from mmengine.errors import MMEngineError
 from mmengine.models.family import ModelFamily
 from mmengine.runner.model_runner import ModelRunner
 from mmengine.runner.shared_pixels import take_shared
@@ -137,6 +139,19 @@ class ModelWorker:
         if PLACEHOLDER_TOKEN in tokens[:-1] or request.request_id not in self.sampled:
             raise RuntimeError(f"request {request.request_id!r}: a placeholder token this rank did not sample")
         tokens[-1] = self.sampled[request.request_id][-1]
+
+    def update_weights(self, weights: list[tuple[str, torch.Tensor]], first: bool) -> tuple[list[str], MMEngineError | None]:
+        """One chunk of a weight update (`first`: its first, which starts the update's checks): our names of the
+        weights loaded, and the error that stopped it, returned rather than raised (a worker that raises ends the
+        executor; a refused weight leaves the engine serving, as at TP 1)."""
+        if first:
+            self.runner.model.update_check = None
+        loaded: list[str] = []
+        try:
+            self.runner.update_weights(weights, loaded)
+        except MMEngineError as err:
+            return loaded, err
+        return loaded, None
 
     def close(self) -> None:
         self.requests.clear()

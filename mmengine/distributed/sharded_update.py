@@ -1,0 +1,42 @@
+"""`update_weights` on one tensor-parallel rank: new values for some of the model's weights, each checked against
+the whole model's shapes as at TP 1 (`models/vlm.py` update_weights: an unknown name, one given twice, a wrong
+shape or a KV scale raises WeightsMismatchError naming it), and this
+rank's part of each copied in place by its parallel layer's weight loader, exactly as at load time (column, row
+and vocabulary splits, q/k/v and gate/up pieces, experts).
+
+The driver sends an update in chunks (`runner/parallel_runner.py`); one WeightCheck spans them all
+(`model.update_check`, reset by the first), so a name given twice is refused across chunks too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from mmengine.distributed.checkpoint_slices import load_parameter
+from mmengine.distributed.sharded_model import _KV_SCALE, target_of
+from mmengine.errors import WeightsMismatchError
+from mmengine.models.loader import WeightCheck, fuse_expert_tensors
+
+
+def update_sharded_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], loaded: list[str],
+                           expected: dict[str, tuple[int, ...]]) -> None:
+    """Loads this rank's part of each (checkpoint name, whole tensor), appending our name of each to `loaded`; those
+    before a refused one stay loaded (as at TP 1). `expected`: the whole model's shapes, before the split."""
+    check = getattr(model, "update_check", None)
+    if check is None:
+        check = model.update_check = WeightCheck(expected, weights, optional=["lm_head.weight"] if model.tie_word_embeddings else [])
+    num_experts = getattr(model.language_model.config, "num_experts", 0) or 0
+    for raw_name, tensor in fuse_expert_tensors(weights, num_experts) if num_experts > 0 else weights:
+        name = model.checkpoint_name(raw_name)
+        if _KV_SCALE.match(name):
+            raise WeightsMismatchError(f"tensor {raw_name!r}: KV-cache scales are read at start-up only")
+        if name not in expected and model.is_ignorable(name):
+            continue
+        check.accept(name, raw_name, tensor)
+        parameter, piece = target_of(model, name)
+        with torch.no_grad():
+            load_parameter(parameter, tensor, piece, name)
+        loaded.append(name)
