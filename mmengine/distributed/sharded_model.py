@@ -130,9 +130,6 @@ def build_sharded_model(model_class: Callable[[Any], nn.Module], hf_config: Any,
     from mmengine.distributed.sharded_update import update_sharded_weights  # (it imports this module)
 
     model.update_weights = lambda weights, loaded: update_sharded_weights(model, weights, loaded, expected)  # type: ignore[method-assign]
-    from mmengine.distributed.sharded_update import update_sharded_weights  # (it imports this module)
-
-    model.update_weights = lambda weights, loaded: update_sharded_weights(model, weights, loaded, expected)  # type: ignore[method-assign]
     decoder = model.language_model
     decoder.enable_lora = lambda max_loras, max_rank: enable_parallel_lora(decoder, tp, max_loras, max_rank)  # type: ignore[method-assign]
     return model

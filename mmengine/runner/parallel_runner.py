@@ -42,7 +42,6 @@ from mmengine.errors import ConfigError, EngineDeadError
 from mmengine.kv_cache.manager import cdiv
 from mmengine.models.family import ModelFamily
 from mmengine.models.loader import fuse_expert_tensors
-from mmengine.models.loader import fuse_expert_tensors
 from mmengine.outputs import TokenLogprobs
 from mmengine.runner.shared_pixels import PlanSegment
 from mmengine.runner.step_plan import NewRequest, PlannedRow, StepPlan, StepResult
@@ -51,8 +50,6 @@ from mmengine.sample.sampler import Sampler
 from mmengine.sample.structured_output.masks import BitmaskFiller
 
 logger = logging.getLogger(__name__)
-
-UPDATE_CHUNK_BYTES = 256 << 20  # a weight update's tensors sent to the ranks per call (one pickle for all of them)
 
 UPDATE_CHUNK_BYTES = 256 << 20  # a weight update's tensors sent to the ranks per call (one pickle for all of them)
 
@@ -84,14 +81,6 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
         if getattr(config.cache_config, name):
             raise ConfigError(f"{prefix}: {name} (a host tier) is not supported with tensor parallelism yet; leave it unset or 0")
     check_tensor_parallel_shapes(family, tp, config.parallel_config.enable_expert_parallel)
-
-
-def compact(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor on the CPU in storage of its own (a pickled view carries its whole storage)."""
-    tensor = tensor.detach().cpu()
-    if not tensor.is_contiguous() or tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
-        tensor = tensor.clone(memory_format=torch.contiguous_format)
-    return tensor
 
 
 def compact(tensor: torch.Tensor) -> torch.Tensor:

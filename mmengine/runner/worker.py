@@ -25,7 +25,6 @@ from mmengine.distributed.encoder_data_parallel import data_parallel_encoder
 from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.sharded_model import tensor_parallel_family
 from mmengine.errors import MMEngineError
-from mmengine.errors import MMEngineError
 from mmengine.models.family import ModelFamily
 from mmengine.runner.model_runner import ModelRunner
 from mmengine.runner.shared_pixels import take_shared
