@@ -54,6 +54,11 @@ class EngineDeadError(MMEngineError, RuntimeError):
     down. Every request in flight and every new one gets it (the server answers 503, code engine_dead)."""
 
 
+class CudaGraphCaptureError(MMEngineError, RuntimeError):
+    """Capturing the CUDA graphs failed at start-up (at tensor_parallel_size > 1: on some rank, and the others were
+    stopped). The message names the rank and the cause; enforce_eager=True starts without graphs."""
+
+
 class InvalidInputError(MMEngineError, ValueError):
     """A request's input is invalid. `prompt_index` names the offending prompt when known."""
 

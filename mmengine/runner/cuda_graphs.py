@@ -91,6 +91,16 @@ class CaptureReport:
     memory_bytes: int  # device memory the graphs hold (0 for the CPU stand-in)
 
 
+@dataclass(frozen=True)
+class ReplayCounts:
+    """A rank's graph replays so far (plain data: rank 0's travel back to the driver with each step)."""
+
+    num_replays: int = 0
+    num_cascade_replays: int = 0
+    num_lora_replays: int = 0
+    num_verify_replays: int = 0
+
+
 class DecodeGraphs:
     """One replayable decode step per bucket size, and a cascade-attention variant of the sizes in
     `cascade_sizes` (its groups are read from buffers like every other input). With `verify_sizes`,
@@ -126,15 +136,25 @@ class DecodeGraphs:
             torch.cuda.empty_cache()
             before = torch.cuda.memory_reserved(device)
         start = time.perf_counter()
-        for size in reversed(self.verify_sizes):  # the most tokens first: the others reuse their memory
-            self._verify_replays[size] = capturer.capture(verify_step_for(size))
-        for size in reversed(self.sizes):
-            for cascade, lora in self.variants(size):
+        for kind, size, cascade, lora in self.capture_order():
+            if kind == "verify":
+                self._verify_replays[size] = capturer.capture(verify_step_for(size))
+            else:
                 self._replays[(size, cascade, lora)] = capturer.capture(step_for(size, cascade, lora))
         capturer.synchronize()
         seconds = time.perf_counter() - start
         memory = torch.cuda.memory_reserved(device) - before if on_cuda else 0
         return CaptureReport(list(self.sizes), seconds, memory)
+
+    def capture_order(self) -> list[tuple[str, int, bool, bool]]:
+        """(kind, size, cascade, lora) of every graph, in the order capture_all records them: the verify graphs,
+        the most tokens first (the others reuse their memory), then each decode bucket's variants, largest first.
+        Tensor-parallel ranks must agree on it: each graph's collectives pair with the same graph's on the others."""
+        order = [("verify", size, False, False) for size in reversed(self.verify_sizes)]
+        return order + [("decode", size, cascade, lora) for size in reversed(self.sizes) for cascade, lora in self.variants(size)]
+
+    def counts(self) -> ReplayCounts:
+        return ReplayCounts(self.num_replays, self.num_cascade_replays, self.num_lora_replays, self.num_verify_replays)
 
     def bucket_for(self, num_reqs: int) -> int | None:
         return padded_batch_size(num_reqs, self.sizes)

@@ -144,6 +144,7 @@ class ModelRunner:
         self.grammar_masks = BitmaskFiller(self.text_config.vocab_size, max_sampled_rows, device)
         self.penalties = PenaltyState(self.text_config.vocab_size, device)
         self.decode_graphs: DecodeGraphs | None = None
+        self.capturer_factory: Callable[[], GraphCapturer] = CudaGraphCapturer  # what capture_cuda_graphs() records with
         # The final hidden states of a graph step, at a fixed address (rows beyond the batch are padding).
         self._graph_hidden: torch.Tensor | None = None
         self._verify_columns: RecurrentColumns | None = None  # a hybrid model's verify graphs, by token column
@@ -370,26 +371,33 @@ class ModelRunner:
         """Decode steps replay CUDA graphs on CUDA with the Triton kernels, unless enforce_eager."""
         return not self.config.execution_config.enforce_eager and self.device.type == "cuda" and self.attn_backend.name == "triton"
 
-    def capture_cuda_graphs(self, capturer: GraphCapturer | None = None) -> CaptureReport:
-        """Captures one decode step per batch-size bucket over the bound KV cache and the
-        persistent input buffers. `capturer` defaults to real CUDA graphs (tests pass a stand-in)."""
-        assert self.kv_cache is not None, "allocate the KV cache before capturing"
+    def plan_cuda_graphs(self) -> DecodeGraphs:
+        """The graphs a capture records (none captured yet): buckets and variants, from the config alone, so
+        every tensor-parallel rank plans the same ones in the same order."""
         sizes = graph_batch_sizes(self.config.scheduler_config.max_num_seqs, self.config.execution_config.max_cuda_graph_batch_size)
         query_len = 1 + self.num_speculative_tokens
         verify_sizes = verify_graph_sizes(sizes, query_len, self.inputs.max_tokens) if query_len > 1 else []
+        # The cascade variants read their groups from device buffers, as only the Triton kernels do.
+        with_cascade = self.inputs.cascade is not None and self.attn_backend.name == "triton"
+        cascade_sizes = [size for size in sizes if size >= 2] if with_cascade else []
+        return DecodeGraphs(sizes, cascade_sizes, lora_sizes=sizes if self.lora_context is not None else [],
+                            verify_sizes=verify_sizes, verify_query_len=query_len)
+
+    def capture_cuda_graphs(self, capturer: GraphCapturer | None = None) -> CaptureReport:
+        """Captures one decode step per batch-size bucket over the bound KV cache and the
+        persistent input buffers. `capturer` defaults to `capturer_factory()`: real CUDA graphs (tests pass a
+        stand-in; a tensor-parallel rank's factory captures its collectives)."""
+        assert self.kv_cache is not None, "allocate the KV cache before capturing"
+        graphs = self.plan_cuda_graphs()
+        sizes, verify_sizes, query_len, cascade_sizes = graphs.sizes, graphs.verify_sizes, graphs.verify_query_len, graphs.cascade_sizes
         rows = max(max(sizes), max(verify_sizes, default=0) * query_len)
         self._graph_hidden = torch.zeros(rows, self.text_config.hidden_size, dtype=self.dtype, device=self.device)
         if self.recurrent_states:
             self._graph_state_slots = torch.full((max(sizes),), self._scratch_state_slot, dtype=torch.long, device=self.device)
             if verify_sizes:
                 self._verify_columns = RecurrentColumns(max(verify_sizes), query_len, self._scratch_state_slot, self.device)
-        # The cascade variants read their groups from device buffers, as only the Triton kernels do.
-        with_cascade = self.inputs.cascade is not None and self.attn_backend.name == "triton"
-        cascade_sizes = [size for size in sizes if size >= 2] if with_cascade else []
-        graphs = DecodeGraphs(sizes, cascade_sizes, lora_sizes=sizes if self.lora_context is not None else [],
-                              verify_sizes=verify_sizes, verify_query_len=query_len)
         with torch.inference_mode():
-            report = graphs.capture_all(self._decode_step, capturer or CudaGraphCapturer(), self.device, self._verify_step)
+            report = graphs.capture_all(self._decode_step, capturer or self.capturer_factory(), self.device, self._verify_step)
         if self.lora_context is not None:
             self.lora_context.segments = None
         self.decode_graphs = graphs

@@ -35,14 +35,16 @@ import torch
 from mmengine.config import EngineConfig
 from mmengine.core.scheduler import SchedulerOutput
 from mmengine.distributed.executor import MultiprocExecutor
-from mmengine.distributed.executor_base import Executor
+from mmengine.distributed.executor_base import Executor, WorkerError
 from mmengine.distributed.ray_placement import import_ray
 from mmengine.distributed.sharded_model import check_tensor_parallel_shapes
-from mmengine.errors import ConfigError, EngineDeadError
+from mmengine.errors import ConfigError, CudaGraphCaptureError, EngineDeadError
 from mmengine.kv_cache.manager import cdiv
 from mmengine.models.family import ModelFamily
 from mmengine.models.loader import fuse_expert_tensors
 from mmengine.outputs import TokenLogprobs
+from mmengine.runner.cuda_graphs import CaptureReport, GraphCapturer
+from mmengine.runner.parallel_graphs import RemoteGraphs, check_same_capture_orders
 from mmengine.runner.shared_pixels import PlanSegment
 from mmengine.runner.step_plan import NewRequest, PlannedRow, StepPlan, StepResult
 from mmengine.runner.worker import ModelWorker
@@ -75,8 +77,6 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
     if config.execution_config.cascade_attention == "on":
         raise ConfigError(f"{prefix}: cascade_attention='on' is not supported with tensor parallelism yet; use 'auto' "
                           "(off at tensor_parallel_size > 1) or 'off'")
-    if device.type == "cuda" and not config.execution_config.enforce_eager:
-        raise ConfigError(f"{prefix}: CUDA graphs are not captured per worker yet; pass enforce_eager=True")
     for name in ("encoder_cache_host_bytes", "kv_cache_host_bytes"):
         if getattr(config.cache_config, name):
             raise ConfigError(f"{prefix}: {name} (a host tier) is not supported with tensor parallelism yet; leave it unset or 0")
@@ -215,7 +215,8 @@ class ParallelRunner:
         self.embedding_bytes: int = info["embedding_bytes"]
         self.state_slot_bytes: int = info["state_slot_bytes"]
         self.window_pool = info["window_pool"]
-        self.use_cuda_graphs = False
+        self.use_cuda_graphs: bool = info["use_cuda_graphs"]  # the ranks capture at start-up (CUDA, Triton, not enforce_eager)
+        self.decode_graphs: RemoteGraphs | None = None  # rank 0's graphs and replay counts, once captured
         self.num_window_blocks = 0
         self.num_state_checkpoints = 0
         self.num_kv_blocks = 0
@@ -265,8 +266,9 @@ class ParallelRunner:
     def determine_num_kv_blocks(self, encoder_fixed_bytes: int, encoder_bytes_per_block: int, images_per_step: int,
                                 encoder_budget_tokens: int = 0) -> int:
         """The fewest blocks any rank has room for (each rank sizes its own memory)."""
-        found = self.executor.call("determine_num_kv_blocks", encoder_fixed_bytes, encoder_bytes_per_block, images_per_step,
-                                   encoder_budget_tokens)
+        # (on CUDA the ranks' profile runs capture their graphs once, to weigh them)
+        found = self.call_capturing("determine_num_kv_blocks", encoder_fixed_bytes, encoder_bytes_per_block, images_per_step,
+                                    encoder_budget_tokens)
         num_blocks = min(blocks for blocks, _, _ in found)
         self.num_window_blocks = min(windows for _, windows, _ in found)
         self.num_state_checkpoints = min(checkpoints for _, _, checkpoints in found)
@@ -276,8 +278,25 @@ class ParallelRunner:
         self.kv_bytes_per_rank = self.executor.call("allocate_kv_cache", num_blocks, self.num_window_blocks)
         self.num_kv_blocks = num_blocks
 
-    def capture_cuda_graphs(self) -> None:
-        raise ConfigError("CUDA graphs are not captured per tensor-parallel worker yet")
+    def capture_cuda_graphs(self, capturer: GraphCapturer | None = None) -> CaptureReport:
+        """Every rank captures the same graphs in the same order (checked first: runner/parallel_graphs.py); returns
+        rank 0's report. `capturer`: a picklable stand-in the ranks capture with (EagerCapturer on CPU); None, real
+        CUDA graphs holding the collectives (distributed/graph_capture.py)."""
+        orders = self.executor.call("graph_plan")
+        check_same_capture_orders(orders)
+        reports = self.call_capturing("capture_cuda_graphs", capturer)
+        self.decode_graphs = RemoteGraphs(orders[0], 1 + self.config.spec_config.num_speculative_tokens)
+        return reports[0]
+
+    def call_capturing(self, method: str, *args: Any) -> list[Any]:
+        """Every rank's result of a call that may capture CUDA graphs. A rank whose capture fails ends the executor
+        (the others are stopped, even inside a collective) and its CudaGraphCaptureError is raised here."""
+        try:
+            return self.executor.call(method, *args)
+        except WorkerError as err:
+            if isinstance(err.error, CudaGraphCaptureError):
+                raise err.error from err
+            raise
 
     def warm_up(self, images_per_step: int = 0) -> None:
         self.executor.call("warm_up", images_per_step)
@@ -337,6 +356,8 @@ class ParallelRunner:
             sent = self.submitted_at.pop(self.num_collected)
             self.last_step_seconds = (time.perf_counter() - sent, result.seconds)  # (the driver's wait, rank 0's compute)
             self.num_encoder_runs = result.num_encoder_runs
+            if result.graph_replays is not None and self.decode_graphs is not None:
+                self.decode_graphs.update(result.graph_replays)
         return self.results.pop(seq)
 
     def plan(self, out: SchedulerOutput, block_tables: dict[str, list[int]],

@@ -19,11 +19,14 @@ StepResult (rank 0)
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mmengine.core.request import MMItem
 from mmengine.outputs import TokenLogprobs
 from mmengine.sample.params import SamplingParams
+
+if TYPE_CHECKING:
+    from mmengine.runner.cuda_graphs import ReplayCounts
 
 
 @dataclass
@@ -83,3 +86,4 @@ class StepResult:
     prompt_logprobs: list[PromptLogprobsPart] = field(default_factory=list)
     num_encoder_runs: int = 0
     seconds: float = 0.0  # rank 0's time in the step, from the plan's arrival to its reply (the rest is the channel's)
+    graph_replays: ReplayCounts | None = None  # rank 0's CUDA graph replays so far (None: no graphs captured)

@@ -22,10 +22,12 @@ from mmengine.config import EngineConfig
 from mmengine.core.request import PLACEHOLDER_TOKEN, ProcessedPrompt, Request
 from mmengine.core.scheduler import ScheduledRequest, SchedulerOutput
 from mmengine.distributed.encoder_data_parallel import data_parallel_encoder
+from mmengine.distributed.graph_capture import capture_failed, rank_capturer
 from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.sharded_model import tensor_parallel_family
 from mmengine.errors import MMEngineError
 from mmengine.models.family import ModelFamily
+from mmengine.runner.cuda_graphs import CaptureReport, GraphCapturer, ReplayCounts
 from mmengine.runner.model_runner import ModelRunner
 from mmengine.runner.shared_pixels import take_shared
 from mmengine.runner.step_plan import PromptLogprobsPart, StepPlan, StepResult
@@ -54,6 +56,7 @@ class ModelWorker:
         ranked = tensor_parallel_family(family, tp, config.parallel_config.enable_expert_parallel)
         self.runner = ModelRunner(config, ranked, Path(model_dir), tp.device, dtype, max_model_len)
         self.runner.grammar_masks = PlannedMasks()
+        self.runner.capturer_factory = rank_capturer(tp)  # CUDA graphs that hold the step's collectives
         if config.parallel_config.mm_encoder_tp_mode == "data":  # each rank encodes its share of a step's pictures
             self.runner.model.encode_items = data_parallel_encoder(self.runner.model.encode_items, tp)
         self.requests: dict[str, Request] = {}
@@ -86,6 +89,21 @@ class ModelWorker:
 
     def warm_up(self, images_per_step: int = 0) -> None:
         self.runner.warm_up(images_per_step)
+
+    def graph_plan(self) -> list[tuple[str, int, bool, bool]]:
+        """The graphs this rank would capture, in order (the driver checks that the ranks agree)."""
+        return self.runner.plan_cuda_graphs().capture_order()
+
+    def capture_cuda_graphs(self, capturer: GraphCapturer | None = None) -> CaptureReport:
+        """Captures this rank's graphs (`capturer`: a stand-in sent by the driver; None: real CUDA graphs)."""
+        try:
+            return self.runner.capture_cuda_graphs(capturer)
+        except Exception as err:
+            raise capture_failed(self.tp, err) from err
+
+    def graph_counts(self) -> ReplayCounts | None:
+        graphs = self.runner.decode_graphs
+        return graphs.counts() if graphs is not None else None
 
     # -- a step ------------------------------------------------------------------------------------------------
 
@@ -129,7 +147,8 @@ class ModelWorker:
             return None
         prompt_logprobs = [PromptLogprobsPart(part.request.request_id, part.first_position, part.entries())
                            for part in launched.prompt_logprobs]
-        return StepResult(tokens, launched.token_logprobs(), prompt_logprobs, runner.num_encoder_runs, time.perf_counter() - started)
+        return StepResult(tokens, launched.token_logprobs(), prompt_logprobs, runner.num_encoder_runs, time.perf_counter() - started,
+                          self.graph_counts())
 
     def fill_placeholders(self, request: Request) -> None:
         """The driver booked a token it has not read yet (async scheduling): it is the one this rank sampled for the
