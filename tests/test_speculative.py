@@ -347,12 +347,24 @@ def test_requests_whose_drafts_all_fail_back_off(engines):
     assert done["spec_verify_steps"] == 6 * len(prompts) and done["spec_backoff_steps"] == 13 * len(prompts)
 
 
+def _async_twin(reference: MMEngine) -> MMEngine:
+    """A speculating engine like the `engines` fixture's, with async scheduling on (the step after a verify step
+    is launched before the verify's outputs are detokenized and checked for stop strings and grammar ends)."""
+    engine = MMEngine(reference.config.model, device="cpu", dtype="float32", max_model_len=256, block_size=8,
+                      speculative_config=NGRAM, async_scheduling="on")
+    assert engine.steps.async_scheduling
+    return engine
+
+
+@pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("engines", ["llava"], indirect=True)
-def test_stops_inside_an_accepted_run_end_the_output_as_without_speculation(engines):
+def test_stops_inside_an_accepted_run_end_the_output_as_without_speculation(engines, async_on):
     """A stop token, a stop string and max_tokens falling inside a run of accepted drafts cut it there: the
     tokens, text, finish reasons and log-probabilities (the target's) are those of decoding without
     speculation."""
     family, reference, speculating, full = engines
+    if async_on:
+        speculating = _async_twin(reference)
     prompts, images = _batch(family)
     tokenizer = reference.tokenizer
     cases, many_prompts, many_images = [], [], []
@@ -402,14 +414,17 @@ def test_preempted_requests_keep_their_tokens_and_the_books_stay_consistent(engi
     assert_books_consistent(engine)
 
 
+@pytest.mark.parametrize("async_on", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("engines", ["llava"], indirect=True)
-def test_structured_output_checks_the_drafts_and_ends_where_the_grammar_does(engines):
+def test_structured_output_checks_the_drafts_and_ends_where_the_grammar_does(engines, async_on):
     """Under a grammar the drafts it allows are verified with each row masked as the grammar stands after
     the drafts before it (and rolled back); the JSON and its tokens are those without speculation, and the
     grammar's end cuts a run as it would end the output."""
     from mmengine.sample.structured_output.params import StructuredOutputParams
 
     family, reference, speculating, _ = engines
+    if async_on:
+        speculating = _async_twin(reference)
     prompts, images = _batch(family)
     schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                                "tags": {"type": "array", "items": {"enum": ["aa", "bb"]}, "maxItems": 4}},

@@ -316,6 +316,8 @@ class StepLoop:
         """Async scheduling with speculation, when the next step needs the step in flight's tokens: books
         them, proposes drafts that follow them, launches the next step and returns the outputs while it
         runs. A failure before the launch delivers the booked outputs (the books match the tensors)."""
+        # (the outputs come before the drafts: after_token feeds the tokens to the grammars, which check the drafts,
+        # and a grammar's end or a stop string inside the run cuts it before any draft follows it)
         outputs = self._outputs(self._book(previous.out, previous.launched))
         try:
             self._propose_drafts()
