@@ -13,6 +13,7 @@ layers.i.mlp.experts (MoE)           ParallelFusedExperts     every expert's int
   with enable_expert_parallel        ExpertParallelFusedExperts  this rank's E/tp experts whole, all-reduce
 lm_head                              ParallelLMHead           all-gather of the logits (every rank samples)
 the vision tower, projector, norms   replicated               read whole
+mtp.* (Qwen3.5's MTP head)           as a decoder layer       fc column-parallel, gathered (sharded_draft_heads.py)
 ```
 
 `check_tensor_parallel_shapes` says, from the config alone and before any process starts, whether the
@@ -37,6 +38,7 @@ from mmengine.distributed.parallel_experts import ExpertParallelFusedExperts, Pa
 from mmengine.distributed.parallel_lora import enable_parallel_lora
 from mmengine.distributed.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from mmengine.distributed.process_group import TensorParallelGroup
+from mmengine.distributed.sharded_draft_heads import build_eagle3_head, shard_mtp_head
 from mmengine.distributed.quantized_slices import quantized_weight_slices
 from mmengine.distributed.sharded_gemma import shard_gemma_decoder
 from mmengine.distributed.sharded_llama4 import shard_llama4_decoder
@@ -105,10 +107,15 @@ def tensor_parallel_family(family: ModelFamily, tp: TensorParallelGroup, expert_
     layout = [(kv_head_split(heads, tp.size).heads_per_rank, head_size) for heads, head_size in family.kv_cache_layout()]
     recurrent = family.recurrent_shape
     ranked_recurrent = rank_shape(recurrent, tp.size) if recurrent is not None else None
+    draft_layers = family.num_draft_layers
     ranked_class = type(f"TensorParallel{base.__name__}", (base,), {
         "kv_cache_layout": lambda self: list(layout),
         "recurrent_shape": property(lambda self: ranked_recurrent),
-        "model_class": staticmethod(lambda hf_config: build_sharded_model(base.model_class, hf_config, tp, expert_parallel)),
+        "model_class": staticmethod(lambda hf_config: build_sharded_model(base.model_class, hf_config, tp, expert_parallel,
+                                                                          draft_layers)),
+        # an EAGLE-3 head (runner/head_drafter.py's Eagle3DraftHead) split as the decoder is
+        "build_eagle3_head": staticmethod(lambda config, hidden, own, model_dir, device, dtype: build_eagle3_head(
+            config, hidden, own, model_dir, tp, device, dtype)),
     })
     ranked = copy.copy(family)
     ranked.__class__ = ranked_class
@@ -116,13 +123,19 @@ def tensor_parallel_family(family: ModelFamily, tp: TensorParallelGroup, expert_
 
 
 def build_sharded_model(model_class: Callable[[Any], nn.Module], hf_config: Any, tp: TensorParallelGroup,
-                        expert_parallel: bool = False) -> nn.Module:
+                        expert_parallel: bool = False, draft_layers: int = 0) -> nn.Module:
     """The family's model with this rank's parallel layers, given storage on the current default device and
-    dtype (the runner builds it under both); `load_weights` then reads this rank's slices."""
+    dtype (the runner builds it under both); `load_weights` then reads this rank's slices. `draft_layers`: the
+    MTP head's layers, built and split with the decoder (its later `enable_mtp` then has nothing to do)."""
     with parameters_on_meta():
         model = model_class(hf_config)
+        if draft_layers:
+            model.enable_mtp(draft_layers)
     expected = model.expected_weights()  # the checkpoint's whole shapes, before the split
     shard_decoder(model, tp, expert_parallel)
+    if draft_layers:
+        shard_mtp_head(model, tp, expert_parallel)
+        model.enable_mtp = lambda num_layers: None  # type: ignore[method-assign]
     device = model.language_model.embed_tokens.weight.device
     materialize_parameters(model, device)
     model.load_weights = lambda weights, quantization=None, packed=None: load_sharded_weights(  # type: ignore[method-assign]
@@ -163,19 +176,23 @@ def shard_decoder(model: nn.Module, tp: TensorParallelGroup, expert_parallel: bo
             shard_attention(layer.self_attn, hidden, head_dim_of(config), tp, f"{prefix}.self_attn")
         else:
             raise ConfigError(f"tensor parallelism: {prefix}'s {type(layer.self_attn).__name__} is not split over ranks yet")
-        mlp = layer.mlp
-        if isinstance(mlp, SparseMoeBlock):  # the router and the shared expert's gate replicated
-            if type(mlp.experts) is not FusedExperts:
-                raise ConfigError(f"tensor parallelism: {prefix}'s {type(mlp.experts).__name__} is not split over ranks yet")
-            experts_class = ExpertParallelFusedExperts if expert_parallel else ParallelFusedExperts
-            mlp.experts = experts_class(mlp.experts, tp, f"{prefix}.mlp.experts")
-            if mlp.shared_expert is not None:
-                split_mlp(mlp.shared_expert, hidden, tp, f"{prefix}.mlp.shared_expert")
-        elif type(mlp) is DecoderMLP:
-            split_mlp(mlp, hidden, tp, f"{prefix}.mlp")
-        else:
-            raise ConfigError(f"tensor parallelism: {prefix}'s {type(mlp).__name__} is not split over ranks yet")
+        shard_layer_mlp(layer.mlp, hidden, tp, f"{prefix}.mlp", expert_parallel)
     model.lm_head = ParallelLMHead(config.vocab_size, hidden, tp=tp, name="lm_head")
+
+
+def shard_layer_mlp(mlp: nn.Module, hidden: int, tp: TensorParallelGroup, prefix: str, expert_parallel: bool = False) -> None:
+    """A decoder layer's MLP split, or its MoE block's experts (the router and the shared expert's gate replicated)."""
+    if isinstance(mlp, SparseMoeBlock):
+        if type(mlp.experts) is not FusedExperts:
+            raise ConfigError(f"tensor parallelism: {prefix}'s {type(mlp.experts).__name__} is not split over ranks yet")
+        experts_class = ExpertParallelFusedExperts if expert_parallel else ParallelFusedExperts
+        mlp.experts = experts_class(mlp.experts, tp, f"{prefix}.experts")
+        if mlp.shared_expert is not None:
+            split_mlp(mlp.shared_expert, hidden, tp, f"{prefix}.shared_expert")
+    elif type(mlp) is DecoderMLP:
+        split_mlp(mlp, hidden, tp, prefix)
+    else:
+        raise ConfigError(f"tensor parallelism: {prefix}'s {type(mlp).__name__} is not split over ranks yet")
 
 
 def shard_attention(attn: DecoderAttention, hidden: int, head_dim: int, tp: TensorParallelGroup, prefix: str) -> None:
@@ -268,7 +285,7 @@ def expert_held_elsewhere(model: nn.Module, expected: dict[str, tuple[int, ...]]
 def target_of(model: nn.Module, name: str) -> tuple[nn.Parameter, object]:
     """The parameter a checkpoint tensor (our name) loads into, and which piece of it (q/k/v, gate/up) or None."""
     parts = name.split(".")
-    if name.startswith("language_model.layers.") and len(parts) >= 6 and parts[-2] in STACKED_PROJECTIONS:
+    if name.startswith(("language_model.layers.", "mtp.layers.")) and len(parts) >= 6 and parts[-2] in STACKED_PROJECTIONS:
         fused, piece = STACKED_PROJECTIONS[parts[-2]]
         try:
             return model.get_parameter(".".join([*parts[:-2], fused, parts[-1]])), piece

@@ -383,7 +383,24 @@ class StepLoop:
         out.encoder_lora_slots = {r.request_id: slot_of[r.lora_name] for r in with_lora if self.loras.touches_vision(r.lora_name)}
 
     def _block_tables(self, out: SchedulerOutput) -> dict[str, list[int]]:
+        if getattr(self.drafter, "drafts_in_step", False):
+            self._take_draft_blocks(out)
         return {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled}
+
+    def _take_draft_blocks(self, out: SchedulerOutput) -> None:
+        """A draft head on tensor-parallel ranks drafts within the step that samples (runner/rank_drafts.py): the
+        blocks its chained drafts write, past the step's tokens, are taken before the step is sent, where free
+        (_draft_with_head takes the same ones after the step at TP 1)."""
+        k = self.config.spec_config.num_speculative_tokens
+        caches = self.scheduler.caches
+        for s in out.scheduled:
+            if not s.samples:
+                continue
+            more = min(s.num_new_tokens + k - 1, self.scheduler.max_model_len - s.start)
+            while more > s.num_new_tokens and not caches.can_allocate(s.request, more):
+                more -= 1
+            if more > s.num_new_tokens:
+                caches.allocate(s.request, more)
 
     def _window_tables(self, out: SchedulerOutput) -> dict[str, list[int]] | None:
         """The sliding-window pool's block tables (None without one)."""

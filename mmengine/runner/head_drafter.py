@@ -247,10 +247,14 @@ class Eagle3DraftHead:
         config = load_eagle3_config(model_dir)
         decoder = self.model.language_model
         hidden = decoder.config.hidden_size
-        with torch.device(runner.device):
-            self.head = Eagle3Head(config, hidden, has_own_embeddings(model_dir)).to(runner.dtype)
-        self.head.load(model_dir)
-        self.head.eval()
+        build = getattr(runner.family, "build_eagle3_head", None)  # a tensor-parallel rank's: split, read shard by shard
+        if build is not None:
+            self.head = build(config, hidden, has_own_embeddings(model_dir), model_dir, runner.device, runner.dtype)
+        else:
+            with torch.device(runner.device):
+                self.head = Eagle3Head(config, hidden, has_own_embeddings(model_dir)).to(runner.dtype)
+            self.head.load(model_dir)
+            self.head.eval()
         self.hidden = hidden
         self.layer_ids = aux_layer_ids(config, len(decoder.layers))
         self.aux = torch.zeros((runner.inputs.max_tokens, 3 * hidden), device=runner.device, dtype=runner.dtype)

@@ -12,8 +12,12 @@ It holds no tensors: sizes come from rank 0's runner at start-up (`describe`), t
 minimum over the ranks, and the encoder outputs it reports are the books of what the ranks hold. A worker that
 dies or fails makes every later call raise EngineDeadError (`distributed/executor.py`); `shutdown()` stops them.
 
-What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): a draft head ("mtp";
-n-gram drafts run: the driver proposes, every rank verifies), CUDA graphs (enforce_eager=False on CUDA),
+Speculative decoding: n-gram drafts are the driver's (every rank verifies them); a draft head (MTP, EAGLE-3) is split
+over the ranks like the decoder (`distributed/sharded_draft_heads.py`), runs on them within each step that samples,
+and rank 0's reply carries its drafts (`rank_drafts.py`: still one plan and one reply a step).
+
+What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): a draft head whose sizes
+the ranks do not divide, CUDA graphs (enforce_eager=False on CUDA),
 cascade_attention="on", the host tiers, mm_encoder_tp_mode="data" with LoRA, and sizes that
 do not divide (`distributed/sharded_model.py`), enable_expert_parallel on a model without experts or whose experts
 the ranks do not divide among them.
@@ -37,6 +41,7 @@ from mmengine.core.scheduler import SchedulerOutput
 from mmengine.distributed.executor import MultiprocExecutor
 from mmengine.distributed.executor_base import Executor, WorkerError
 from mmengine.distributed.ray_placement import import_ray
+from mmengine.distributed.sharded_draft_heads import check_draft_head_shapes
 from mmengine.distributed.sharded_model import check_tensor_parallel_shapes
 from mmengine.errors import ConfigError, CudaGraphCaptureError, EngineDeadError
 from mmengine.kv_cache.manager import cdiv
@@ -45,6 +50,7 @@ from mmengine.models.loader import fuse_expert_tensors
 from mmengine.outputs import TokenLogprobs
 from mmengine.runner.cuda_graphs import CaptureReport, GraphCapturer
 from mmengine.runner.parallel_graphs import RemoteGraphs, check_same_capture_orders
+from mmengine.runner.rank_drafts import RemoteDrafter
 from mmengine.runner.shared_pixels import PlanSegment
 from mmengine.runner.step_plan import NewRequest, PlannedRow, StepPlan, StepResult
 from mmengine.runner.worker import ModelWorker
@@ -68,9 +74,7 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
     elif multiprocessing.current_process().daemon:
         raise ConfigError(f"{prefix}: this process is a daemonic one (AsyncMMEngine's engine_core='process'), which cannot "
                           "start the worker processes; use engine_core='thread' or `mmengine serve --api-server-count`")
-    if config.spec_config.num_speculative_tokens and config.spec_config.method != "ngram":
-        raise ConfigError(f"{prefix}: speculative_config method {config.spec_config.method!r} is not supported with tensor "
-                          "parallelism yet (its draft head would run on the ranks); 'ngram' is")
+    check_draft_head_shapes(config, family, tp)
     if config.parallel_config.mm_encoder_tp_mode == "data" and config.lora_config.enable_lora:
         raise ConfigError(f"{prefix}: mm_encoder_tp_mode='data' with enable_lora is not supported yet (an adapter on the "
                           "vision side reads the whole step's rows)")
@@ -158,6 +162,8 @@ class RemoteStep:
     def fetch(self) -> StepResult:
         if self.fetched is None:
             self.fetched = self.runner.collect(self.seq)
+            if self.runner.drafter is not None:
+                self.runner.drafter.received(self.fetched.drafts)
         return self.fetched
 
     def result(self) -> dict[str, list[int]]:
@@ -223,6 +229,8 @@ class ParallelRunner:
         self.block_size = config.cache_config.block_size
         self.sampler = Sampler(config.model_config.seed)  # the engine's make_generator (the ranks seed their own)
         self.penalties = ReleasedRequests()
+        spec = config.spec_config
+        self.drafter = RemoteDrafter() if spec.num_speculative_tokens and spec.method in ("mtp", "eagle3") else None
         self.grammar_masks = BitmaskFiller(family.text_config.vocab_size, 1, self.device)
         self.encoder_outputs: dict[str, bool] = {}  # the mm_hashes the ranks hold
         self.encoder_host_tier = None

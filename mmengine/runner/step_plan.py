@@ -13,6 +13,7 @@ StepPlan
   lora_*          each request's adapter slot, and adapters to load into slots first
 StepResult (rank 0)
   tokens, logprobs, prompt_logprobs (TokenLogprobs: plain data), num_encoder_runs
+  drafts          a draft head's drafts for each sampling request (drafted on the ranks in the step)
 ```
 """
 
@@ -87,3 +88,4 @@ class StepResult:
     num_encoder_runs: int = 0
     seconds: float = 0.0  # rank 0's time in the step, from the plan's arrival to its reply (the rest is the channel's)
     graph_replays: ReplayCounts | None = None  # rank 0's CUDA graph replays so far (None: no graphs captured)
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # a draft head's, each sampling request's (rank_drafts.py)

@@ -29,6 +29,7 @@ from mmengine.errors import MMEngineError
 from mmengine.models.family import ModelFamily
 from mmengine.runner.cuda_graphs import CaptureReport, GraphCapturer, ReplayCounts
 from mmengine.runner.model_runner import ModelRunner
+from mmengine.runner.rank_drafts import draft_on_rank
 from mmengine.runner.shared_pixels import take_shared
 from mmengine.runner.step_plan import PromptLogprobsPart, StepPlan, StepResult
 
@@ -143,12 +144,16 @@ class ModelWorker:
             launched = runner.sample(launched)
         tokens = launched.result()
         self.sampled = tokens
+        drafts: dict[str, list[int]] = {}
+        if runner.drafter is not None:  # a draft head: its pass and its drafts ride on the step (rank_drafts.py)
+            drafts = draft_on_rank(runner.drafter, scheduled, tokens, plan.block_tables, runner.num_speculative_tokens,
+                                   runner.max_model_len)
         if self.tp.rank != 0:
             return None
         prompt_logprobs = [PromptLogprobsPart(part.request.request_id, part.first_position, part.entries())
                            for part in launched.prompt_logprobs]
         return StepResult(tokens, launched.token_logprobs(), prompt_logprobs, runner.num_encoder_runs, time.perf_counter() - started,
-                          self.graph_counts())
+                          self.graph_counts(), drafts=drafts)
 
     def fill_placeholders(self, request: Request) -> None:
         """The driver booked a token it has not read yet (async scheduling): it is the one this rank sampled for the
