@@ -1,6 +1,7 @@
-"""Features that run at tensor_parallel_size=2 as at TP 1 (two spawned gloo ranks on CPU, fp32): update_weights (each
-rank loads its part of every new weight; refusals raised on the driver, the engine still serving). The TP 2 engine
-and its TP 1 reference share their options and run the same workloads, in order."""
+"""Features that run at tensor_parallel_size=2 as at TP 1 (two spawned gloo ranks on CPU, fp32): the KV host tier (the
+driver's books decide, each rank copies its heads' slice of the blocks: the same tokens and hits as TP 1), and
+update_weights (each rank loads its part of every new weight; refusals raised on the driver, the engine still
+serving). The TP 2 engine and its TP 1 reference share their options and run the same workloads, in order."""
 
 from __future__ import annotations
 
@@ -9,11 +10,16 @@ import torch
 
 from helpers import tensor_parallel_pairs
 from mmengine import SamplingParams
+from mmengine.distributed.kv_host_moves import DriverHostBlocks, KVMoves, RemoteKV
 from mmengine.errors import WeightsMismatchError
+from mmengine.kv_cache.host_tier import HostBlock, KVCopy
 from mmengine.testing import TinyLlavaSpec, make_test_image
+from test_kv_host_tier import SYSTEM, _evict_then_ask_again
 from test_weight_update import perturbed
 
-OPTIONS = dict(device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=24, enable_prefix_grouping=False)
+# 24 KV blocks: the KV host tier's workload (tests/test_kv_host_tier.py's) pushes a shared prefix out and asks again
+OPTIONS = dict(device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=24, enable_prefix_grouping=False,
+               kv_cache_host_bytes=1 << 22)
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 ASK = "USER: <image>\nWhat is shown here, in a few words? ASSISTANT:"
 PICTURE = make_test_image(5, size=(64, 48))
@@ -28,6 +34,28 @@ def pair(checkpoint_dir):
 
 def tokens(engine, prompts, images=None) -> list[list[int]]:
     return [o.token_ids for o in engine.generate(prompts, images=images, sampling_params=GREEDY, use_tqdm=False)]
+
+
+def test_kv_blocks_spilled_to_host_memory_come_back_at_tp2_as_at_tp1(pair):
+    _, one, two = pair
+    expected, computed_at_tp1 = _evict_then_ask_again(one)
+    assert _evict_then_ask_again(two) == (expected, computed_at_tp1)  # the same tokens, and only the same tail prefilled
+    at_tp1, at_tp2 = one.stats(), two.stats()
+    prompt_len = len(one.tokenizer(SYSTEM + " USER: second? ASSISTANT:")["input_ids"])
+    assert at_tp2["kv_host_hits"] == at_tp1["kv_host_hits"] >= 10 and computed_at_tp1 < prompt_len - 10 * 16
+    assert at_tp2["kv_host_blocks"] == at_tp1["kv_host_blocks"] > 0
+    assert at_tp2["kv_host_bytes"] == at_tp2["kv_host_blocks"] * two.runner.kv_block_bytes  # each rank's half of a block
+
+
+def test_the_ranks_drop_a_host_block_once_the_drivers_tier_drops_it():
+    books = DriverHostBlocks()
+    entry = HostBlock(block_hash=7, key=(), parent_hash=None)
+    books.book([KVCopy(entry, block_id=3)], [])
+    assert books.take() == KVMoves(offloads=[(3, 0)]) and entry.kv == RemoteKV(0)
+    books.book([], [KVCopy(entry, block_id=5, restore=True)])
+    assert books.take() == KVMoves(restores=[(5, 0)])
+    del entry  # the tier forgot it (LRU, reset): the ranks drop their copy with the next plan
+    assert books.take() == KVMoves(dropped=[0]) and books.take() is None
 
 
 def test_update_weights_gives_tp1s_tokens_after_the_same_update(pair):

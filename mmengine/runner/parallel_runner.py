@@ -18,7 +18,7 @@ and rank 0's reply carries its drafts (`rank_drafts.py`: still one plan and one 
 
 What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): a draft head whose sizes
 the ranks do not divide, CUDA graphs (enforce_eager=False on CUDA),
-cascade_attention="on", the host tiers, mm_encoder_tp_mode="data" with LoRA, and sizes that
+cascade_attention="on", the encoder cache's host tier, mm_encoder_tp_mode="data" with LoRA, and sizes that
 do not divide (`distributed/sharded_model.py`), enable_expert_parallel on a model without experts or whose experts
 the ranks do not divide among them.
 """
@@ -39,11 +39,13 @@ import torch
 from mmengine.config import EngineConfig
 from mmengine.core.scheduler import SchedulerOutput
 from mmengine.distributed.executor import MultiprocExecutor
+from mmengine.distributed.kv_host_moves import DriverHostBlocks
 from mmengine.distributed.executor_base import Executor, WorkerError
 from mmengine.distributed.ray_placement import import_ray
 from mmengine.distributed.sharded_draft_heads import check_draft_head_shapes
 from mmengine.distributed.sharded_model import check_tensor_parallel_shapes
 from mmengine.errors import ConfigError, CudaGraphCaptureError, EngineDeadError
+from mmengine.kv_cache.host_tier import KVCopy
 from mmengine.kv_cache.manager import cdiv
 from mmengine.models.family import ModelFamily
 from mmengine.models.loader import fuse_expert_tensors
@@ -81,9 +83,9 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
     if config.execution_config.cascade_attention == "on":
         raise ConfigError(f"{prefix}: cascade_attention='on' is not supported with tensor parallelism yet; use 'auto' "
                           "(off at tensor_parallel_size > 1) or 'off'")
-    for name in ("encoder_cache_host_bytes", "kv_cache_host_bytes"):
-        if getattr(config.cache_config, name):
-            raise ConfigError(f"{prefix}: {name} (a host tier) is not supported with tensor parallelism yet; leave it unset or 0")
+    if config.cache_config.encoder_cache_host_bytes:
+        raise ConfigError(f"{prefix}: encoder_cache_host_bytes (a host tier) is not supported with tensor parallelism yet; "
+                          "leave it unset or 0")
     check_tensor_parallel_shapes(family, tp, config.parallel_config.enable_expert_parallel)
 
 
@@ -236,6 +238,7 @@ class ParallelRunner:
         self.encoder_host_tier = None
         self.on_encoded = None
         self.lora_loads: list[tuple[int, Any]] = []  # (slot, adapter or None) for the next plan
+        self.host_blocks = DriverHostBlocks()  # the KV host tier's copies for the next plan
         # With LoRA the engine's adapter books read the model's names and its vision side's shapes: a copy on meta
         self.model = name_model(family) if config.lora_config.enable_lora else None
         self.vision_lora_modules: dict[str, Any] = self.model.vision_linears() if self.model is not None else {}
@@ -374,6 +377,7 @@ class ParallelRunner:
         plan = StepPlan(block_tables=block_tables, window_tables=window_tables, lora_slots=dict(out.lora_slots),
                         encoder_lora_slots=dict(out.encoder_lora_slots), lora_loads=self.lora_loads)
         self.lora_loads = []
+        plan.kv_moves = self.host_blocks.take()
         masked: list[tuple[int, Any]] = []
         plan.forget = self.penalties.take()
         for request_id in plan.forget:
@@ -414,9 +418,9 @@ class ParallelRunner:
         self.freed.extend(mm_hashes)
         self.stale.extend(stale)
 
-    def copy_kv_blocks(self, offloads: list, restores: list) -> None:
-        if offloads or restores:
-            raise ConfigError("the KV host tier is not supported with tensor parallelism yet")
+    def copy_kv_blocks(self, offloads: list[KVCopy], restores: list[KVCopy]) -> None:
+        """The ranks copy their slices of these blocks with the next plan, before its forward."""
+        self.host_blocks.book(offloads, restores)
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], loaded: list[str]) -> None:
         """Sends the new weights to the ranks in chunks of about UPDATE_CHUNK_BYTES (each pickled once for all of

@@ -11,6 +11,7 @@ StepPlan
   block_tables    request id -> KV block ids (and window_tables for a window pool)
   freed / stale   encoder outputs to drop (the driver's encoder cache evicted them)
   lora_*          each request's adapter slot, and adapters to load into slots first
+  kv_moves        KV blocks to copy to and from each rank's host tier first (distributed/kv_host_moves.py)
 StepResult (rank 0)
   tokens, logprobs, prompt_logprobs (TokenLogprobs: plain data), num_encoder_runs
   drafts          a draft head's drafts for each sampling request (drafted on the ranks in the step)
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mmengine.core.request import MMItem
+from mmengine.distributed.kv_host_moves import KVMoves
 from mmengine.outputs import TokenLogprobs
 from mmengine.sample.params import SamplingParams
 
@@ -69,6 +71,7 @@ class StepPlan:
     lora_slots: dict[str, int] = field(default_factory=dict)  # request id -> its adapter's slot (SchedulerOutput's)
     encoder_lora_slots: dict[str, int] = field(default_factory=dict)
     lora_loads: list[tuple[int, Any]] = field(default_factory=list)  # (slot, LoRAAdapter or None: cleared), before the step
+    kv_moves: KVMoves | None = None  # copies between each rank's KV blocks and its host tier, before the step
 
 
 @dataclass

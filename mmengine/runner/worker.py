@@ -22,6 +22,7 @@ from mmengine.config import EngineConfig
 from mmengine.core.request import PLACEHOLDER_TOKEN, ProcessedPrompt, Request
 from mmengine.core.scheduler import ScheduledRequest, SchedulerOutput
 from mmengine.distributed.encoder_data_parallel import data_parallel_encoder
+from mmengine.distributed.kv_host_moves import RankHostBlocks
 from mmengine.distributed.graph_capture import capture_failed, rank_capturer
 from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.sharded_model import tensor_parallel_family
@@ -61,6 +62,7 @@ class ModelWorker:
         if config.parallel_config.mm_encoder_tp_mode == "data":  # each rank encodes its share of a step's pictures
             self.runner.model.encode_items = data_parallel_encoder(self.runner.model.encode_items, tp)
         self.requests: dict[str, Request] = {}
+        self.host_blocks = RankHostBlocks()  # this rank's slice of the KV blocks the driver's host tier holds
         self.sampled: dict[str, list[int]] = {}  # the last step's tokens, by request
 
     # -- start-up (every rank) -----------------------------------------------------------------------------------
@@ -139,6 +141,8 @@ class ModelWorker:
         freed = [h for h in dict.fromkeys(plan.freed_encoder_hashes) if h in runner.encoder_outputs]
         out = SchedulerOutput(scheduled=scheduled, freed_encoder_hashes=freed, stale_encoder_hashes=list(plan.stale_encoder_hashes),
                               lora_slots=plan.lora_slots, encoder_lora_slots=plan.encoder_lora_slots)
+        if plan.kv_moves is not None:
+            self.host_blocks.apply(runner, plan.kv_moves)
         launched = runner.launch(out, plan.block_tables, window_tables=plan.window_tables)
         if launched.pending is not None:
             launched = runner.sample(launched)
