@@ -61,6 +61,9 @@ class ParallelLoRALinear(LoRALinear):
         if self.column:
             add_lora(rows, inputs, self.lora_a, self.lora_b, segments, self.context.use_kernels)
             return rows.view(y.shape)
+        if segments.starts is None:
+            self.add_graph_rows(rows, inputs, segments.device_slots)
+            return rows.view(y.shape)
         # row-parallel: each rank's shrink is a partial sum over its input columns; reduce it, then expand
         shrunk = torch.zeros(inputs.shape[0], self.lora_a.shape[1], dtype=torch.float32, device=inputs.device)
         for start, length, slot in zip(*segments.host_lists()):
@@ -72,6 +75,19 @@ class ParallelLoRALinear(LoRALinear):
                 part = rows[start : start + length]
                 rows[start : start + length] = (part.float() + shrunk[start : start + length] @ self.lora_b[slot].float().T).to(part.dtype)
         return rows.view(y.shape)
+
+    def add_graph_rows(self, rows: torch.Tensor, inputs: torch.Tensor, row_slots: torch.Tensor) -> None:
+        """The row-parallel delta of a decode graph's step: a row a segment, its slot (-1: none) in a device buffer
+        that each replay reads, so no host list is read (a capture cannot): every slot's product, masked to its rows."""
+        masks = [(row_slots[: rows.shape[0]] == slot).unsqueeze(1) for slot in range(self.lora_a.shape[0])]
+        shrunk = torch.zeros(inputs.shape[0], self.lora_a.shape[1], dtype=torch.float32, device=inputs.device)
+        for slot, mask in enumerate(masks):
+            shrunk += (inputs.float() @ self.lora_a[slot].float().T) * mask
+        self.tp.all_reduce(shrunk)
+        delta = torch.zeros(rows.shape, dtype=torch.float32, device=rows.device)
+        for slot, mask in enumerate(masks):
+            delta += (shrunk @ self.lora_b[slot].float().T) * mask
+        rows.copy_((rows.float() + delta).to(rows.dtype))
 
     def load_slot(self, slot: int, pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """One adapter's whole pairs (A [r, in], scaled B [out, r]) into `slot`, this rank's part of each."""
