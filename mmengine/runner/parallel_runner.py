@@ -16,9 +16,14 @@ Speculative decoding: n-gram drafts are the driver's (every rank verifies them);
 over the ranks like the decoder (`distributed/sharded_draft_heads.py`), runs on them within each step that samples,
 and rank 0's reply carries its drafts (`rank_drafts.py`: still one plan and one reply a step).
 
+CUDA graphs: every rank captures the same buckets and variants in the same order (compared here before any
+capture), each graph holding the rank's collectives (`distributed/graph_capture.py`); a step replays or runs eager by
+the same rule on every rank, derived from the plan (`parallel_graphs.py`), and rank 0's replay counts come back with
+each step (`decode_graphs`). A capture that fails on any rank stops every rank and raises CudaGraphCaptureError.
+`capture_cuda_graphs(EagerCapturer())` sends the CPU stand-in to the ranks.
+
 What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): a draft head whose sizes
-the ranks do not divide, CUDA graphs (enforce_eager=False on CUDA),
-cascade_attention="on", the encoder cache's host tier, mm_encoder_tp_mode="data" with LoRA, and sizes that
+the ranks do not divide, cascade_attention="on", the encoder cache's host tier, mm_encoder_tp_mode="data" with LoRA, and sizes that
 do not divide (`distributed/sharded_model.py`), enable_expert_parallel on a model without experts or whose experts
 the ranks do not divide among them.
 """
