@@ -142,19 +142,47 @@ def wait_until(condition, timeout_s: float = 15.0) -> bool:
 
 
 @contextlib.contextmanager
-def tensor_parallel_pairs(paths: dict[str, Path], **options):
+def tensor_parallel_pairs(paths: dict[str, Path], options_of: dict[str, dict] | None = None, **options):
     """name -> (checkpoint, TP 1 engine, TP 2 engine) for each checkpoint: the TP 2 engines start at once, in threads,
-    while this process builds the TP 1 engines (a TP 2 start-up is two interpreters importing torch); stopped after."""
+    while this process builds the TP 1 engines (a TP 2 start-up is two interpreters importing torch); stopped after.
+    `options_of`: a name's own options besides `options`."""
     from concurrent.futures import ThreadPoolExecutor
 
     from mmengine import MMEngine
 
     with ThreadPoolExecutor(len(paths)) as pool:
-        futures = {name: pool.submit(MMEngine, str(path), tensor_parallel_size=2, **options) for name, path in paths.items()}
-        ones = {name: MMEngine(str(path), **options) for name, path in paths.items()}
+        own = {name: {**options, **(options_of or {}).get(name, {})} for name in paths}
+        futures = {name: pool.submit(MMEngine, str(path), tensor_parallel_size=2, **own[name]) for name, path in paths.items()}
+        ones = {name: MMEngine(str(path), **own[name]) for name, path in paths.items()}
         pairs = {name: (paths[name], ones[name], futures[name].result()) for name in paths}
     try:
         yield pairs
     finally:
         for _, _, two in pairs.values():
             two.shutdown()
+
+
+class RecordedSlices:
+    """Records which rows of which checkpoint tensor are read (CheckpointSlices, wrapped)."""
+
+    def __init__(self, monkeypatch) -> None:
+        from mmengine.distributed import checkpoint_slices
+
+        self.reads: dict[str, list[object]] = {}
+        original = checkpoint_slices.CheckpointSlices.__iter__
+        reads = self.reads
+
+        class Recorded(checkpoint_slices.CheckpointSlice):
+            def __init__(self, name: str, inner) -> None:
+                super().__init__(inner.raw)
+                self.name = name
+
+            def __getitem__(self, index: object) -> torch.Tensor:
+                reads.setdefault(self.name, []).append(index)
+                return super().__getitem__(index)
+
+        def recording(slices):
+            for name, tensor in original(slices):
+                yield name, Recorded(name, tensor)
+
+        monkeypatch.setattr(checkpoint_slices.CheckpointSlices, "__iter__", recording)

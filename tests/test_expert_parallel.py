@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 import chat_formats
 from conftest import CPU_FP32, hf_greedy
+from helpers import RecordedSlices
 from mmengine import MMEngine, SamplingParams
 from mmengine.errors import ConfigError
 from mmengine.testing import make_test_image
@@ -130,31 +131,6 @@ def test_a_batch_mixing_pictures_and_text_gives_tp1_tokens(hybrid_moe):
 
 # -- in this process: loading, the kernel, the refusals, the budget ---------------------------------------------
 
-
-class RecordedSlices:
-    """Records which rows of which checkpoint tensor are read (CheckpointSlices, wrapped)."""
-
-    def __init__(self, monkeypatch) -> None:
-        from mmengine.distributed import checkpoint_slices
-
-        self.reads: dict[str, list[object]] = {}
-        original = checkpoint_slices.CheckpointSlices.__iter__
-        reads = self.reads
-
-        class Recorded(checkpoint_slices.CheckpointSlice):
-            def __init__(self, name: str, inner) -> None:
-                super().__init__(inner.raw)
-                self.name = name
-
-            def __getitem__(self, index: object) -> torch.Tensor:
-                reads.setdefault(self.name, []).append(index)
-                return super().__getitem__(index)
-
-        def recording(slices):
-            for name, tensor in original(slices):
-                yield name, Recorded(name, tensor)
-
-        monkeypatch.setattr(checkpoint_slices.CheckpointSlices, "__iter__", recording)
 
 
 def load_rank(path: Path, rank: int) -> torch.nn.Module:

@@ -1,0 +1,200 @@
+"""Draft heads at tensor_parallel_size 2 (two gloo ranks, fp32): Qwen3.5 with its MTP head and Qwen3-VL with an EAGLE-3
+head (its own embeddings and a draft vocabulary of its own) give TP 1's greedy tokens and those without speculation,
+with a picture and a prefill chunked over steps, with async scheduling on and off; the ranks' drafts are TP 1's draft
+for draft (so the draft and per-position counts are equal; the random heads' drafts are all rejected), and a repeat
+is a prefix hit whose drafts are the first run's (the head's K/V came back on both ranks). Rank 1 reads only its part
+of each head's split tensors; a head the ranks cannot split is refused by name before any process starts. The two TP
+2 engines start at once, in threads, beside their TP 1 references."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import chat_formats
+from helpers import RecordedSlices, make_request, record_draft_proposals, stop_recording_draft_proposals, tensor_parallel_pairs
+from mmengine import MMEngine, SamplingParams
+from mmengine.core.scheduler import ScheduledRequest
+from mmengine.errors import ConfigError
+from mmengine.testing import make_test_image
+from mmengine.testing.eagle3 import build_eagle3_head
+from mmengine.testing.mtp import tiny_qwen3_5_mtp_path
+
+OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 256, "block_size": 8, "max_num_batched_tokens": 32}
+FAMILY = {"mtp": "qwen3_5", "eagle3": "qwen3_vl"}
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PICTURES = [make_test_image(61, size=(64, 64))]
+
+
+def _spec(method: str, head=None) -> dict:
+    # no back-off: the random heads' drafts are all rejected, and every step should verify them
+    spec = {"method": method, "num_speculative_tokens": 2 if method == "mtp" else 3, "draft_backoff": False}
+    return {**spec, "model": str(head)} if head is not None else spec
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(family_checkpoint, tmp_path_factory):
+    return build_eagle3_head(tmp_path_factory.mktemp("eagle3") / "head", family_checkpoint("qwen3_vl"), draft_vocab_size=200,
+                             own_embeddings=True)
+
+
+@pytest.fixture(scope="module")
+def engines(family_checkpoint, eagle3_head):
+    """method -> (checkpoint, TP 1 engine, TP 2 engine), both drafting with the head."""
+    paths = {"mtp": tiny_qwen3_5_mtp_path(), "eagle3": family_checkpoint("qwen3_vl")}
+    specs = {"mtp": _spec("mtp"), "eagle3": _spec("eagle3", eagle3_head)}
+    with tensor_parallel_pairs(paths, {m: {"speculative_config": s} for m, s in specs.items()}, **OPTIONS) as pairs:
+        yield pairs
+
+
+def _batch(method: str, text: str) -> tuple[list[str], list]:
+    family = FAMILY[method]
+    return [chat_formats.user_turn(family, text, 1), chat_formats.user_turn(family, "Count to ten.", 0)], [PICTURES, None]
+
+
+@pytest.fixture(scope="module")
+def without_speculation(engines):
+    """method -> the batch's greedy tokens at TP 1 without a draft head."""
+    found = {}
+    for method, (path, _, _) in engines.items():
+        plain = MMEngine(str(path), **OPTIONS)
+        prompts, images = _batch(method, "Describe the picture.")
+        found[method] = [o.token_ids for o in plain.generate(prompts, images=images, sampling_params=GREEDY, use_tqdm=False)]
+        plain.shutdown()
+    return found
+
+
+def _run(engine, prompts, images):
+    """(outputs, every proposal after a prefill, the stats' change)."""
+    proposals = record_draft_proposals(engine)
+    before = engine.stats()
+    outs = engine.generate(prompts, images=images, sampling_params=GREEDY, use_tqdm=False)
+    after = engine.stats()
+    stop_recording_draft_proposals(engine)
+    return outs, [p for p in proposals if p], {k: after[k] - before[k] for k in after if isinstance(after[k], int)}
+
+
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_tp2_drafts_what_tp1_drafts_and_keeps_the_greedy_tokens(engines, without_speculation, method, async_scheduling):
+    _, one, two = engines[method]
+    two.steps.async_scheduling = async_scheduling == "on"  # (a flag of the driver's step loop alone: one start serves both)
+    prompts, images = _batch(method, "Describe the picture.")
+    outs_one, drafts_one, counts_one = _run(one, prompts, images)
+    outs_two, drafts_two, counts_two = _run(two, prompts, images)
+    assert [o.token_ids for o in outs_two] == [o.token_ids for o in outs_one] == without_speculation[method]
+    assert len(outs_two[0].prompt_token_ids) > OPTIONS["max_num_batched_tokens"]  # its prefill took several steps
+    assert [sorted(p.values()) for p in drafts_two] == [sorted(p.values()) for p in drafts_one] and drafts_two
+    spec = {k: v for k, v in counts_two.items() if k.startswith("spec_")}
+    assert spec == {k: v for k, v in counts_one.items() if k.startswith("spec_")}
+    assert spec["spec_draft_tokens"] > 0 and spec["spec_drafted_position_1"] > 0  # chains of at least 2
+    assert counts_two["steps_launched_ahead"] == 0  # async: each step is read before the next, whose drafts follow it
+
+
+@pytest.mark.parametrize("method", ["mtp", "eagle3"])
+def test_a_repeat_is_a_prefix_hit_and_drafts_as_the_first_run(engines, method):
+    """The head's K/V of the cached blocks came back with them on both ranks: the drafts are the first run's."""
+    _, _, two = engines[method]
+    prompt = chat_formats.user_turn(FAMILY[method], "What colour is it?", 1)
+    runs = [_run(two, [prompt], [[make_test_image(62, size=(48, 64))]]) for _ in range(2)]
+    (first, drafts_first, counts_first), (again, drafts_again, counts_again) = runs
+    assert again[0].token_ids == first[0].token_ids and again[0].num_cached_tokens > 0
+    assert counts_again["prefill_tokens_computed"] <= OPTIONS["block_size"] < counts_first["prefill_tokens_computed"]
+    assert [list(p.values()) for p in drafts_again] == [list(p.values()) for p in drafts_first] and len(drafts_first) >= 3
+
+
+# -- in this process: the mirror's booking, the reads of rank 1, the refusals -------------------------------------
+
+
+def test_a_rank_books_a_verify_row_as_the_driver_does():
+    """(The random heads' drafts are all rejected, so the engine tests never keep one.) Two drafts kept of three: the
+    row computed through them, the token after them appended; a plain decode and a chunk short of the prompt's end."""
+    from mmengine.runner.rank_drafts import book_mirrors
+
+    verify, decode, chunk = make_request("v", 6, max_tokens=8), make_request("d", 6), make_request("c", 20)
+    verify.all_token_ids.append(40)  # the last sampled token, not yet computed
+    decode.all_token_ids.append(50)
+    rows = [ScheduledRequest(verify, 6, 4, [], draft_token_ids=[41, 42, 43]), ScheduledRequest(decode, 6, 1, []),
+            ScheduledRequest(chunk, 0, 8, [])]
+    sampling = book_mirrors(rows, {"v": [41, 42, 9, 8], "d": [51]})
+    assert [s.request.request_id for s in sampling] == ["v", "d"]
+    assert (verify.num_computed_tokens, verify.all_token_ids[6:]) == (9, [40, 41, 42, 9])
+    assert (decode.num_computed_tokens, decode.all_token_ids[6:]) == (7, [50, 51])
+    assert (chunk.num_computed_tokens, chunk.num_tokens) == (8, 20)
+
+
+def _rank(rank: int, method: str, path, head=None):
+    """Rank `rank` of 2's family, as a worker builds it (nothing collective runs to build or load)."""
+    from mmengine.config import EngineConfig
+    from mmengine.distributed.process_group import TensorParallelGroup
+    from mmengine.distributed.sharded_model import tensor_parallel_family
+    from mmengine.engine.startup import build_input_parts
+    from mmengine.spec.draft_head import enable_draft_head
+
+    config = EngineConfig(str(path), max_model_len=256, speculative_config=_spec(method, head))
+    family = build_input_parts(config).family
+    enable_draft_head(config, family, path)
+    return tensor_parallel_family(family, TensorParallelGroup(rank, 2, torch.device("cpu")))
+
+
+def _checkpoint(path) -> dict[str, torch.Tensor]:
+    return {name: tensor for file in sorted(path.glob("*.safetensors")) for name, tensor in load_file(str(file)).items()}
+
+
+def test_rank_1_reads_only_its_part_of_the_mtp_heads_split_tensors(monkeypatch):
+    path = tiny_qwen3_5_mtp_path()
+    recorded = RecordedSlices(monkeypatch)
+    ranked = _rank(1, "mtp", path)
+    model = type(ranked).model_class(ranked.hf_config)
+    model.load_weights(type("Weights", (), {"model_dir": str(path)})())
+    tensors = _checkpoint(path)
+    hidden = ranked.text_config.hidden_size
+    fc = tensors["mtp.fc.weight"]
+    assert recorded.reads["mtp.fc.weight"] == [(slice(hidden // 2, hidden),)]
+    assert torch.equal(model.mtp.fc.weight, fc[hidden // 2:])
+    down = tensors["mtp.layers.0.mlp.down_proj.weight"]  # row-parallel: rank 1's half of the columns
+    assert recorded.reads["mtp.layers.0.mlp.down_proj.weight"] == [(slice(None), slice(down.shape[1] // 2, down.shape[1]))]
+    assert torch.equal(model.mtp.layers[0].mlp.down_proj.weight, down[:, down.shape[1] // 2:])
+    assert all(index is not Ellipsis for name, reads in recorded.reads.items() if name.startswith("mtp.") and "norm" not in name
+               for index in reads)  # nothing but the norms read whole
+
+
+def test_rank_1_reads_only_its_part_of_the_eagle3_heads_split_tensors(family_checkpoint, eagle3_head, monkeypatch):
+    from transformers import AutoConfig
+
+    from mmengine.distributed.process_group import TensorParallelGroup
+    from mmengine.distributed.sharded_draft_heads import build_eagle3_head as build_split
+
+    config = AutoConfig.from_pretrained(eagle3_head)
+    recorded = RecordedSlices(monkeypatch)
+    head = build_split(config, config.hidden_size, True, str(eagle3_head), TensorParallelGroup(1, 2, torch.device("cpu")),
+                       torch.device("cpu"), torch.float32)
+    tensors = _checkpoint(eagle3_head)
+    hidden = config.hidden_size
+    assert recorded.reads["fc.weight"] == [(slice(hidden // 2, hidden),)]
+    assert torch.equal(head.fc.weight, tensors["fc.weight"][hidden // 2:])
+    for name, table in (("lm_head.weight", head.lm_head), ("embed_tokens.weight", head.embed_tokens)):  # by vocabulary
+        assert table.vocab_start > 0 and recorded.reads[name] == [(slice(table.vocab_start, table.vocab_end),)], name
+        assert torch.equal(table.weight[: table.vocab_end - table.vocab_start], tensors[name][table.vocab_start:]), name
+    assert torch.equal(head.d2t, tensors["d2t"])
+    for name in ("midlayer.self_attn.q_proj.weight", "midlayer.mlp.gate_proj.weight"):
+        rows = tensors[name].shape[0]
+        assert recorded.reads[name] == [(slice(rows // 2, rows),)], name
+
+
+def test_a_head_the_ranks_cannot_split_is_refused_by_name_before_any_process_starts(family_checkpoint, eagle3_head, tmp_path):
+    import shutil
+
+    import psutil
+
+    odd = shutil.copytree(eagle3_head, tmp_path / "odd")
+    config = json.loads((odd / "config.json").read_text())
+    (odd / "config.json").write_text(json.dumps({**config, "intermediate_size": config["intermediate_size"] + 1}))
+    before = {child.pid for child in psutil.Process().children(recursive=True)}
+    with pytest.raises(ConfigError, match=rf"speculative_config\['model'\].*intermediate_size={config['intermediate_size'] + 1} "
+                                          r"is not divisible by tensor_parallel_size=2"):
+        MMEngine(str(family_checkpoint("qwen3_vl")), tensor_parallel_size=2, speculative_config=_spec("eagle3", odd), **OPTIONS)
+    assert {child.pid for child in psutil.Process().children(recursive=True)} <= before
