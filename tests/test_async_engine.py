@@ -9,10 +9,11 @@ import threading
 import time
 
 import pytest
+from helpers import wait_until
 
 from mmengine import MMEngine, SamplingParams
 from mmengine.engine.async_engine import AsyncMMEngine, DeltaOutput, EngineDeadError, EngineOverloadedError, RequestFailedError
-from mmengine.errors import ImageCountMismatchError
+from mmengine.errors import ConfigError, ImageCountMismatchError
 from mmengine.testing import make_test_image
 
 IMAGE_PROMPT = "USER: <image>\nWhat is shown here? ASSISTANT:"
@@ -240,6 +241,93 @@ def test_past_max_queued_requests_new_requests_are_refused(fresh_engine, monkeyp
 
     retry_after, tokens, again = run(main())
     assert retry_after >= 1 and len(tokens) == 3 and again == tokens
+
+
+class _Schedules:
+    """The request ids of every step the scheduler makes, and how many steps were made when each request was
+    queued (counts of steps, never times)."""
+
+    def __init__(self, engine: MMEngine, monkeypatch) -> None:
+        self.steps: list[set[str]] = []
+        self.queued_after: dict[str, int] = {}
+        schedule, enqueue = engine.scheduler.schedule, engine.steps.enqueue
+
+        def recording_schedule(*args, **kwargs):
+            out = schedule(*args, **kwargs)
+            if not out.is_empty:
+                self.steps.append({s.request.request_id for s in out.scheduled if s.num_new_tokens})
+            return out
+
+        def recording_enqueue(*args, **kwargs):
+            request_id = enqueue(*args, **kwargs)
+            self.queued_after[request_id] = len(self.steps)
+            return request_id
+
+        monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
+        monkeypatch.setattr(engine.steps, "enqueue", recording_enqueue)
+
+    def first_step_of(self, request_id: str) -> int:
+        return next(index for index, ids in enumerate(self.steps) if request_id in ids)
+
+
+def test_a_request_being_prepared_joins_the_next_step(engine, monkeypatch):
+    """Turnaround: while a request is prepared on the pool (here held there), the loop starts no step, so the
+    request is in the step after the one that ran when it arrived, not several steps later (each over a slot
+    fewer). A count of steps: the hold only gives a loop that does not wait the time to step on."""
+    schedules = _Schedules(engine, monkeypatch)
+
+    async def main():
+        async with AsyncMMEngine(engine, max_admission_wait_s=60) as async_engine:
+            long = await async_engine.add_request(TEXT_PROMPT, None, greedy(120, ignore_eos=True))
+            deltas = aiter(long)
+            for _ in range(2):  # the long one is running
+                await anext(deltas)
+            gate = _Gate(engine, monkeypatch)
+            adding = asyncio.create_task(async_engine.add_request(IMAGE_PROMPT, [make_test_image(506)], greedy(2)))
+            await gate.wait_entered()
+            at_arrival = len(schedules.steps)
+            await asyncio.to_thread(wait_until, lambda: len(schedules.steps) >= at_arrival + 3, 1.0)
+            stepped_while_preparing = len(schedules.steps) - at_arrival
+            gate.release.set()
+            short = await adding
+            short_tokens = (await collect(short))[1]
+            long.abort()
+            return short.request_id, short_tokens, stepped_while_preparing
+
+    request_id, short_tokens, stepped_while_preparing = run(main())
+    assert len(short_tokens) == 2
+    assert stepped_while_preparing <= 1  # at most the step that was running when it arrived
+    assert schedules.first_step_of(request_id) == schedules.queued_after[request_id]  # the very next step
+
+
+def test_the_wait_for_a_request_being_prepared_is_bounded(fresh_engine, monkeypatch):
+    """A preparation that takes long (a big video, a slow pool) holds the running requests back for at most
+    max_admission_wait_s a step: they go on stepping meanwhile."""
+    schedules = _Schedules(fresh_engine, monkeypatch)
+
+    async def main():
+        async with AsyncMMEngine(fresh_engine, max_admission_wait_s=0.01) as async_engine:
+            long = await async_engine.add_request(TEXT_PROMPT, None, greedy(120, ignore_eos=True))
+            deltas = aiter(long)
+            await anext(deltas)
+            gate = _Gate(fresh_engine, monkeypatch)
+            adding = asyncio.create_task(async_engine.add_request(TEXT_PROMPT, None, greedy(2)))
+            await gate.wait_entered()
+            at_arrival = len(schedules.steps)
+            stepped_on = await asyncio.to_thread(wait_until, lambda: len(schedules.steps) >= at_arrival + 3, 30)
+            gate.release.set()
+            tokens = (await collect(await adding))[1]
+            long.abort()
+            return stepped_on, tokens
+
+    stepped_on, tokens = run(main())
+    assert stepped_on and len(tokens) == 2
+
+
+@pytest.mark.parametrize("value", [-0.1, float("inf"), "0.1", True])
+def test_a_bad_max_admission_wait_is_a_config_error(engine, value):
+    with pytest.raises(ConfigError, match="max_admission_wait_s"):
+        AsyncMMEngine(engine, max_admission_wait_s=value)
 
 
 def test_stop_strings_never_stream_text_they_later_cut(engine):

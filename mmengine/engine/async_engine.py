@@ -6,6 +6,9 @@
   yields DeltaOutputs: the text and tokens that are new since the previous one.
 - A stream left before its end (the consumer breaks, is cancelled, or calls `abort()`) aborts the
   request: its KV blocks and encoder references are freed before the next step.
+- Turnaround: a step waits (at most `max_admission_wait_s`) for the requests still being prepared on the pool,
+  so that a request that arrived while a step ran is in the next one instead of a later one (a slot left by a
+  finished request stands empty for no step while the client's next request is prepared).
 - Back-pressure: with `max_queued_requests` set, a request arriving while that many are still
   waiting for their first token is refused with EngineOverloadedError.
 - A step that raises is retried (MMEngine.step leaves nothing half-done); if it keeps raising, the
@@ -210,8 +213,11 @@ class AsyncMMEngine:
         num_preprocess_workers: int = 2,
         max_step_retries: int = 1,
         owns_engine: bool = False,
+        max_admission_wait_s: float = 0.02,
     ) -> None:
-        """`owns_engine`: shutdown() also closes an EngineCoreClient engine (the front end leaves its core)."""
+        """`owns_engine`: shutdown() also closes an EngineCoreClient engine (the front end leaves its core).
+        `max_admission_wait_s`: the longest a step waits for requests being prepared on the pool (0: it never
+        waits); an engine-core process reads what has come between its own steps instead."""
         for name, value, low in (
             ("max_queued_requests", max_queued_requests, 1),
             ("num_preprocess_workers", num_preprocess_workers, 1),
@@ -220,7 +226,11 @@ class AsyncMMEngine:
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
                 optional = " or None" if name == "max_queued_requests" else ""
                 raise ConfigError(f"{name} must be an int >= {low}{optional}, got {value!r}")
+        if isinstance(max_admission_wait_s, bool) or not isinstance(max_admission_wait_s, (int, float)) \
+                or not 0 <= max_admission_wait_s < float("inf"):
+            raise ConfigError(f"max_admission_wait_s must be a finite number of seconds >= 0, got {max_admission_wait_s!r}")
         self.engine = engine
+        self.max_admission_wait_s = float(max_admission_wait_s)
         self.max_queued_requests = max_queued_requests
         self.max_step_retries = max_step_retries
         # at least one thread per preprocessing worker process (mm_processor_workers), each waiting on its picture
@@ -230,6 +240,8 @@ class AsyncMMEngine:
         self._lock = threading.Lock()
         self._streams: dict[str, RequestStream] = {}  # in arrival order
         self._num_queued = 0  # streams whose first token has not arrived
+        self._preparing: set[str] = set()  # requests registered whose pool job has not queued them yet
+        self._prepared = threading.Condition(self._lock)  # notified when _preparing empties
         self._aborts: list[str] = []
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -368,17 +380,34 @@ class AsyncMMEngine:
                 raise InvalidInputError(f"request id {stream.request_id!r} is already in use")
             self._streams[stream.request_id] = stream
             self._num_queued += 1
+            self._preparing.add(stream.request_id)
         self._load_changed()
 
     async def _queue_on_pool(self, stream: RequestStream, job: Callable[..., None], *args: Any) -> RequestStream:
         """Runs the job that prepares and queues the stream's request on the worker pool; if it fails, the
         stream is unregistered (and if the worker still queues it, the worker aborts it) and the error raised."""
+
+        def job_then_ready() -> None:
+            try:
+                job(*args)
+            finally:
+                self._done_preparing(stream.request_id)
+
         try:
-            await self.run_in_pool(job, *args)
+            await self.run_in_pool(job_then_ready)
         except BaseException:
             stream.abort()
             raise
+        finally:  # (a job cancelled before it ran never says so itself)
+            self._done_preparing(stream.request_id)
         return stream
+
+    def _done_preparing(self, request_id: str) -> None:
+        """The request is queued, failed or cancelled: steps no longer wait for it."""
+        with self._lock:
+            self._preparing.discard(request_id)
+            if not self._preparing:
+                self._prepared.notify_all()
 
     def check_not_overloaded(self) -> None:
         """Raises EngineOverloadedError while `max_queued_requests` requests wait for their first token
@@ -435,6 +464,7 @@ class AsyncMMEngine:
         self._stopping = True
         with self._lock:
             ids = list(self._streams)
+            self._prepared.notify_all()
         for request_id in ids:
             self.abort(request_id)
         self._wake.set()
@@ -510,6 +540,7 @@ class AsyncMMEngine:
                 if not self.engine.has_unfinished_requests():
                     self._wake.wait()
                     continue
+                self._await_preparing()
                 try:
                     outputs = self.engine.step()
                 except EngineDeadError:  # an engine-core process died: nothing can be retried
@@ -528,6 +559,16 @@ class AsyncMMEngine:
             logger.exception("the engine loop died")
             self.dead_error = err
             self._post(self._fail_all, err)
+
+    def _await_preparing(self) -> None:
+        """Before a step: waits (at most max_admission_wait_s) for the requests being prepared on the pool, so they
+        join this step. Without the wait the step loop, holding the GIL and the engine's lock most of the time,
+        ran several steps while a client's next request was rendered, tokenized and queued, each over one slot
+        fewer. (An EngineCoreClient's step only reads the core's outputs: its core does not wait.)"""
+        if self.max_admission_wait_s <= 0 or isinstance(self.engine, EngineCoreClient):
+            return
+        with self._lock:
+            self._prepared.wait_for(lambda: not self._preparing or self._stopping, timeout=self.max_admission_wait_s)
 
     def _read_whole_answers_at_the_end(self, outputs: list[RequestOutput]) -> None:
         """A whole answer's request, once its first token is out, is stepped as generate()'s are: no output per
