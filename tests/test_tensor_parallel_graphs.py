@@ -138,6 +138,24 @@ def test_adapters_replay_the_lora_graphs_and_give_tp1_tokens(engines, tmp_path):
     assert rank0 == rank1
 
 
+def test_cuda_graphs_are_no_longer_refused_and_ranks_must_plan_the_same_graphs(engines):
+    from mmengine.config import EngineConfig
+    from mmengine.runner.parallel_graphs import RemoteGraphs, check_same_capture_orders
+    from mmengine.runner.parallel_runner import check_parallel_options
+
+    path, one, two = engines["qwen3_5"]
+    config = EngineConfig(str(path), tensor_parallel_size=2, enforce_eager=False)
+    check_parallel_options(config, one.runner.family, torch.device("cuda"))  # was a ConfigError: graphs per rank now
+    order = one.runner.plan_cuda_graphs().capture_order()
+    assert order[:3] == [("verify", 4, False, False), ("verify", 2, False, False), ("verify", 1, False, False)]
+    assert two.parallel.executor.call("graph_plan") == [order, order]
+    check_same_capture_orders([order, order])
+    with pytest.raises(CudaGraphCaptureError, match="rank 1 plans other CUDA graphs than rank 0.*enforce_eager=True"):
+        check_same_capture_orders([order, order[:-1]])
+    mirror = RemoteGraphs(order, verify_query_len=3)
+    assert (mirror.sizes, mirror.verify_sizes, mirror.lora_sizes) == ([1, 2, 4], [1, 2, 4], [])
+
+
 class FailOnRank:
     """The stand-in capturer, except that rank `rank` raises at its first capture (as a CUDA capture that runs out
     of memory would) while the others go on into the step's collectives, waiting for it."""
