@@ -488,8 +488,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     model, origin = resolve_model(args)
     bandwidth = args.bandwidth_gbs or measure_bandwidth_gbs(EngineConfig(model=model, device=args.device).resolve_device())
-    # tensor parallelism: CUDA graphs are not captured per worker yet (docs/parallelism.md), so the ranks run eagerly
-    parallel = {"tensor_parallel_size": args.tensor_parallel_size, "enforce_eager": True} if args.tensor_parallel_size > 1 else {}
+    # tensor parallelism: every rank replays its CUDA graphs as TP 1 does (docs/parallelism.md)
+    parallel = {"tensor_parallel_size": args.tensor_parallel_size} if args.tensor_parallel_size > 1 else {}
     if args.enable_expert_parallel:
         parallel["enable_expert_parallel"] = True  # (refused by name without --tensor-parallel-size > 1)
     engine = MMEngine(

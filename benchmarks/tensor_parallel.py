@@ -3,8 +3,8 @@ tensor_parallel_size 1 and N. Per batch size: the step at TP N against TP 1's an
 floor (every rank reads its share of the weights each step, at once; the aim is <= 1.25x that floor), and the
 TTFT of a new picture at both sizes.
 
-On CUDA, TP N needs N GPUs: with fewer it says so, writes a JSON saying it skipped, and runs nothing. The ranks run
-eagerly (CUDA graphs are not captured per worker yet, docs/parallelism.md), TP 1 as a user runs it (graphs).
+On CUDA, TP N needs N GPUs: with fewer it says so, writes a JSON saying it skipped, and runs nothing. Both sizes run
+as a user runs them: decode steps replay CUDA graphs, at TP N on every rank (docs/parallelism.md).
 
     python benchmarks/tensor_parallel.py --model path/to/Qwen2.5-VL-7B-Instruct --device cuda --batch-sizes 1,64
 """
