@@ -39,6 +39,7 @@ from mmengine.distributed.parallel_lora import enable_parallel_lora
 from mmengine.distributed.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.sharded_draft_heads import build_eagle3_head, shard_mtp_head
+from mmengine.distributed.quantized_parallel import RankQuantizedLoad, deferred_weights, use_rank_quantized_weights
 from mmengine.distributed.quantized_slices import quantized_weight_slices
 from mmengine.distributed.sharded_gemma import shard_gemma_decoder
 from mmengine.distributed.sharded_llama4 import shard_llama4_decoder
@@ -136,10 +137,15 @@ def build_sharded_model(model_class: Callable[[Any], nn.Module], hf_config: Any,
     if draft_layers:
         shard_mtp_head(model, tp, expert_parallel)
         model.enable_mtp = lambda num_layers: None  # type: ignore[method-assign]
-    device = model.language_model.embed_tokens.weight.device
-    materialize_parameters(model, device)
+    device = torch.get_default_device()  # (the runner's; under its parameters_on_meta the layers' weights are on meta)
+    # a quantized checkpoint's projections stay on meta where built so (the runner's parameters_on_meta: the fused
+    # kernels run): the rank keeps its slices quantized (quantized_parallel.py)
+    deferred = deferred_weights(model) if quantization_of(hf_config) is not None else set()
+    materialize_parameters(model, device, keep_meta=deferred.__contains__)
+    model.defer_quantizable_weights = lambda device: None  # type: ignore[method-assign]
     model.load_weights = lambda weights, quantization=None, packed=None: load_sharded_weights(  # type: ignore[method-assign]
-        model, Path(weights.model_dir), expected)
+        model, Path(weights.model_dir), expected, packed)
+    model.use_quantized_weights = lambda packed: use_rank_quantized_weights(model, packed)  # type: ignore[method-assign]
     from mmengine.distributed.sharded_update import update_sharded_weights  # (it imports this module)
 
     model.update_weights = lambda weights, loaded: update_sharded_weights(model, weights, loaded, expected)  # type: ignore[method-assign]
@@ -216,14 +222,17 @@ def split_mlp(mlp: DecoderMLP, hidden: int, tp: TensorParallelGroup, name: str) 
     mlp.intermediate_size = inter // tp.size
 
 
-def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, tuple[int, ...]]) -> None:
+def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, tuple[int, ...]],
+                         packed: dict | None = None) -> None:
     """Every checkpoint tensor checked against the whole model's shapes (WeightCheck: missing, unexpected,
-    repeated, mis-shaped ones named with their file) and this rank's part of it read (a safetensors slice)."""
+    repeated, mis-shaped ones named with their file) and this rank's part of it read (a safetensors slice).
+    `packed` (the fused kernels run): the rank's slices of quantized projections kept there, not dequantized."""
     slices = CheckpointSlices(model_dir)
     check = WeightCheck(expected, slices, optional=["lm_head.weight"] if model.tie_word_embeddings else [])
     model.kv_scales = {}
     experts_seen: dict[tuple[str, int, str], str] = {}  # (layer's experts, expert, projection) -> checkpoint name
     quantization = quantization_of(model.config)
+    keep = RankQuantizedLoad(model, packed) if packed is not None and quantization is not None else None
     source = slices
     if quantization is not None:
         def elsewhere(raw_name: str) -> bool:  # an expert stored apart that another rank holds: none of its parts read
@@ -255,6 +264,10 @@ def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, 
             continue
         check.accept(name, raw_name, tensor)
         parameter, piece = target_of(model, name)
+        if keep is not None:
+            parameter = keep.target(parameter, tensor, piece)
+            if parameter is None:  # kept quantized
+                continue
         load_parameter(parameter, tensor, piece, name)
     for prefix in {prefix for prefix, _, _ in experts_seen}:  # a layer's experts stored apart: every one, once
         module = model.get_submodule(prefix)

@@ -64,6 +64,7 @@ def materialize_parameters(model: torch.nn.Module, device: torch.device, keep_me
                 continue
             if id(param) not in made:
                 made[id(param)] = torch.nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                made[id(param)].__dict__.update(param.__dict__)  # what was set on it (a parallel layer's weight_loader)
             module._parameters[name] = made[id(param)]
 
 

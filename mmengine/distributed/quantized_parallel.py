@@ -1,0 +1,188 @@
+"""A tensor-parallel rank's projections kept quantized, as TP 1 keeps them where the fused kernels run.
+
+Where TP 1 swaps a dense projection for Int4Linear or Fp8Linear (models/vlm.py's use_quantized_weights: the fused
+kernels in use, no LoRA), each rank swaps its parallel linear for the same quantized layer over ITS slice of the
+checkpoint's bits (quantized_rank_layout.py), inside the parallel layer's collectives:
+
+```
+ColumnParallelLinear (QKV, gate/up)  QuantizedColumnParallel  Int4Linear / Fp8Linear of the rank's outputs, pieces
+                                                              concatenated as TP 1 concatenates q/k/v and gate/up
+RowParallelLinear (o, down)          QuantizedRowParallel     the quantized GEMM over the rank's inputs, then the
+                                                              all-reduce, the bias added once after it
+```
+
+The rank's dense weight is never given storage: built under the runner's `parameters_on_meta`, it stays on meta
+(`deferred_weights`) and the load keeps the rank's kernel layout instead (`keep_quantized`). A weight TP 1 would
+dequantize (a layout the kernels do not take, shards that disagree, a checkpoint storing q/k/v fused) is
+dequantized into the rank's dense weight here too, which then gets its storage.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from mmengine.distributed.parallel_linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from mmengine.distributed.quantized_rank_layout import RankSlice, rank_layout
+from mmengine.distributed.quantized_slices import QuantizedWeightSlice
+from mmengine.errors import WeightsMismatchError
+from mmengine.layers.moe import QuantizedFusedExperts
+from mmengine.layers.quantized_linear import QuantizedLinear, fuse_shards
+from mmengine.models.quantization import PackedFp8, PackedInt4, dequantize_packed
+
+ParallelLinear = (ColumnParallelLinear, RowParallelLinear)
+_DECODER = "language_model.layers."
+Layouts = dict[str, dict[int, PackedFp8 | PackedInt4]]  # a parallel linear's path -> its pieces' rank layouts
+
+
+class QuantizedColumnParallel(nn.Module):
+    """A column-parallel projection over the rank's outputs, kept quantized (`quantized`, with the bias)."""
+
+    def __init__(self, quantized: QuantizedLinear, dense: ColumnParallelLinear) -> None:
+        super().__init__()
+        self.quantized = quantized
+        self.tp, self.name, self.gather_output = dense.tp, dense.name, dense.gather_output
+        self.input_size, self.output_size, self.output_size_per_rank = dense.input_size, dense.output_size, dense.output_size_per_rank
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size}, out={self.output_size_per_rank}/{self.output_size}, tp={self.tp.rank}/{self.tp.size}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.quantized(x)
+        return self.tp.all_gather_last_dim(y) if self.gather_output else y
+
+
+class QuantizedRowParallel(nn.Module):
+    """A row-parallel projection over the rank's inputs, kept quantized (`quantized`, no bias): the partial sums
+    all-reduced, then the bias (every rank holds it) added once."""
+
+    def __init__(self, quantized: QuantizedLinear, dense: RowParallelLinear) -> None:
+        super().__init__()
+        self.quantized = quantized
+        self.tp, self.name = dense.tp, dense.name
+        self.input_size, self.output_size, self.input_size_per_rank = dense.input_size, dense.output_size, dense.input_size_per_rank
+        self.input_is_parallel, self.reduce_results = dense.input_is_parallel, dense.reduce_results
+        self.bias = dense.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.input_size_per_rank}/{self.input_size}, out={self.output_size}, tp={self.tp.rank}/{self.tp.size}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = x.narrow(-1, self.tp.rank * self.input_size_per_rank, self.input_size_per_rank)
+        y = self.quantized(x)
+        if not self.reduce_results:  # the caller reduces: the bias goes with rank 0's partial sum alone
+            return y + self.bias if self.bias is not None and self.tp.rank == 0 else y
+        y = self.tp.all_reduce(y)
+        return y + self.bias if self.bias is not None else y
+
+
+def deferred_weights(model: nn.Module) -> set[str]:
+    """The decoder's parallel projections' weights a quantized layer may replace (left on meta at build)."""
+    return {f"{path}.weight" for path, module in model.named_modules()
+            if path.startswith(_DECODER) and isinstance(module, ParallelLinear)}
+
+
+class RankQuantizedLoad:
+    """The rank's load of a quantized checkpoint with the fused kernels on: `target` says, for each checkpoint
+    tensor and the parameter it loads into, whether its slice was kept as a kernel layout (None) or which
+    parameter (given storage if it had none) to load it into."""
+
+    def __init__(self, model: nn.Module, layouts: Layouts) -> None:
+        self.model = model
+        self.layouts = layouts
+        self.owners = {id(module.weight): (path, module) for path, module in model.named_modules()
+                       if path.startswith(_DECODER) and isinstance(module, ParallelLinear)}
+
+    def target(self, parameter: nn.Parameter, tensor: object, piece: object) -> nn.Parameter | None:
+        owner = self.owners.get(id(parameter))
+        if owner is None or not isinstance(tensor, QuantizedWeightSlice):
+            return materialized(self.model, parameter)
+        path, module = owner
+        found = _rank_slice(module, piece, tensor)
+        if found is None:
+            return materialized(self.model, parameter)
+        index, part = found
+        layout = rank_layout(tensor, part)
+        if layout is None:
+            return materialized(self.model, parameter)
+        self.layouts.setdefault(path, {})[index] = layout
+        return None
+
+
+def _rank_slice(module: nn.Module, piece: object, weight: QuantizedWeightSlice) -> tuple[int, RankSlice] | None:
+    """(the piece's index, the rank's rows or columns of `weight`); None for a fused checkpoint tensor of several
+    pieces (dequantized, as TP 1 does with a tensor it has no shards of)."""
+    tp = module.tp
+    out, inp = weight.shape
+    if isinstance(module, RowParallelLinear):
+        size = module.input_size_per_rank
+        return 0, RankSlice(0, out, tp.rank * size, (tp.rank + 1) * size, module.name, tp.size)
+    if isinstance(module, MergedColumnParallelLinear):
+        if piece is None and len(module.pieces) != 1:
+            return None
+        index = 0 if piece is None else module.shard_ids[piece]
+        p = module.pieces[index]
+        return index, RankSlice(p.start, p.start + p.size, 0, inp, f"{module.name}[{piece!r}]", tp.size)
+    size = module.output_size_per_rank
+    return 0, RankSlice(tp.rank * size, (tp.rank + 1) * size, 0, inp, module.name, tp.size)
+
+
+def materialized(model: nn.Module, parameter: nn.Parameter) -> nn.Parameter:
+    """`parameter`, given storage on the model's device where it is on meta (its weight_loader kept)."""
+    if not parameter.is_meta:
+        return parameter
+    device = model.language_model.embed_tokens.weight.device  # never deferred
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is parameter:
+                made = nn.Parameter(torch.empty_like(param, device=device), requires_grad=False)
+                made.__dict__.update(param.__dict__)
+                module._parameters[name] = made
+                return made
+    raise WeightsMismatchError("a deferred parameter belongs to no module")
+
+
+def use_rank_quantized_weights(model: nn.Module, layouts: Layouts) -> int:
+    """Swaps each parallel projection whose pieces all came as kernel layouts of one format for its quantized
+    layer; the rest are dequantized into their dense weights. Returns how many were swapped."""
+    embed = model.language_model.embed_tokens.weight  # the device and the model's dtype
+    swapped = 0
+    for path, module in list(model.named_modules()):
+        pieces = layouts.pop(path, None)
+        if pieces is None:
+            continue
+        count = len(module.pieces) if isinstance(module, MergedColumnParallelLinear) else 1
+        parts = [pieces.get(i) for i in range(count)]
+        is_row = isinstance(module, RowParallelLinear)
+        bias = None if is_row or module.bias is None else module.bias.data
+        quantized = fuse_shards(parts, bias, embed.device, embed.dtype) if all(p is not None for p in parts) else None
+        if quantized is None:  # as TP 1: dequantized into the dense weight
+            weight = materialized(model, module.weight)
+            with torch.no_grad():
+                for index, layout in pieces.items():
+                    dense = dequantize_packed(layout).to(device=embed.device, dtype=embed.dtype)
+                    module.weight_loader(weight, dense, index) if count > 1 else module.weight_loader(weight, dense)
+            continue
+        rank_in = module.input_size_per_rank if is_row else module.input_size
+        rank_out = module.output_size if is_row else module.output_size_per_rank
+        if (quantized.in_features, quantized.out_features) != (rank_in, rank_out):
+            raise WeightsMismatchError(f"{module.name}: the rank's quantized slices make a {quantized.in_features} x "
+                                       f"{quantized.out_features} projection, expected {rank_in} x {rank_out}")
+        parent_name, _, attr = path.rpartition(".")
+        wrapper = QuantizedRowParallel(quantized, module) if is_row else QuantizedColumnParallel(quantized, module)
+        setattr(model.get_submodule(parent_name), attr, wrapper)
+        swapped += 1
+    left = [name for name, param in model.named_parameters() if param.is_meta]
+    if left:
+        raise RuntimeError(f"parameters left without storage after loading: {', '.join(left[:8])}")
+    return swapped
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """The bytes of a model's weights: its parameters and its quantized layers' buffers (bits, scales, zeros)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    for module in model.modules():
+        if isinstance(module, (QuantizedLinear, QuantizedFusedExperts)):
+            total += sum(b.numel() * b.element_size() for b in module.buffers(recurse=False))
+    return total

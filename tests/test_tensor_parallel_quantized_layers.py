@@ -1,0 +1,123 @@
+"""Quantized weights stay quantized on each tensor-parallel rank where the fused kernels run (the Triton backend; the
+interpreter on CPU), as at TP 1: a rank's projections are TP 1's Int4Linear / Fp8Linear over exactly its slice of
+the checkpoint's bits and scales, inside the parallel layer's collectives, and its dense weights never get storage.
+A split that cuts an FP8 block or int4 group keeps finer scales, or is refused by name where it cannot."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mmengine.config import EngineConfig
+from mmengine.distributed.process_group import TensorParallelGroup
+from mmengine.distributed.quantized_parallel import QuantizedColumnParallel, QuantizedRowParallel, weight_bytes
+from mmengine.distributed.sharded_model import tensor_parallel_family
+from mmengine.engine.startup import build_input_parts
+from mmengine.errors import ConfigError
+from mmengine.layers.quantized_linear import Fp8Linear, Int4Linear
+from mmengine.models.loader import parameters_on_meta
+from mmengine.models.quantization import PackedFp8, PackedInt4, dequantize_packed, dequantize_tensors, quantization_of, unpack_int4
+from mmengine.testing.quantize import quantize_checkpoint
+
+# (method, block or group): 16 divides the tiny LLaVA's splits; FP8 blocks 48 wide cut the row-parallel inputs (32
+# and 64 a rank) and are kept per 16 inputs
+CASES = {"fp8": ("fp8", (16, 16)), "fp8-block16x48": ("fp8", (16, 48)), "gptq": ("gptq", 16),
+         "gptq-act-order": ("gptq-act-order", 16), "awq": ("awq", 16), "w4a16-asym": ("w4a16-asym", 16)}
+
+
+def _quantized(source: Path, target: Path, case: str) -> Path:
+    method, size = CASES[case]
+    block, group = (size, 32) if isinstance(size, tuple) else ((32, 32), size)
+    return quantize_checkpoint(source, target, method, block=block, group_size=group, reference=False)[0]
+
+
+def _rank_model(path: Path, rank: int) -> torch.nn.Module:
+    """Rank `rank` of 2 built and loaded as the runner builds it with the fused kernels on (no collective runs)."""
+    family = build_input_parts(EngineConfig(str(path), max_model_len=256)).family
+    ranked = tensor_parallel_family(family, TensorParallelGroup(rank, 2, torch.device("cpu")))
+    with torch.device("cpu"), parameters_on_meta():
+        model = type(ranked).model_class(family.hf_config)
+    model.defer_quantizable_weights(torch.device("cpu"))
+    packed: dict = {}
+    model.load_weights(SimpleNamespace(model_dir=str(path)), quantization_of(family.hf_config), packed)
+    model.swapped = model.use_quantized_weights(packed)
+    return model
+
+
+def _whole_dequantized(path: Path) -> dict[str, torch.Tensor]:
+    spec = quantization_of(SimpleNamespace(quantization_config=json.loads((path / "config.json").read_text())["quantization_config"]))
+    return dict(dequantize_tensors(((n, t) for n, t in load_file(str(path / "model.safetensors")).items()), spec))
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rank_1_holds_quantized_layers_of_exactly_its_slice(family_checkpoint, tmp_path, case):
+    path = _quantized(family_checkpoint("llava"), tmp_path / case, case)
+    model = _rank_model(path, 1)
+    assert model.swapped == 8  # q/k/v, o, gate/up, down of both layers, as at TP 1
+    assert not any(p.is_meta for p in model.parameters())
+    whole, stored = _whole_dequantized(path), load_file(str(path / "model.safetensors"))
+    prefix = "language_model.model"  # (the tiny LLaVA's checkpoint names)
+    attn, mlp = model.language_model.layers[0].self_attn, model.language_model.layers[0].mlp
+    kind = Fp8Linear if case.startswith("fp8") else Int4Linear
+    for layer in (attn.qkv_proj, mlp.gate_up_proj):
+        assert type(layer) is QuantizedColumnParallel and type(layer.quantized) is kind
+    for layer in (attn.o_proj, mlp.down_proj):
+        assert type(layer) is QuantizedRowParallel and type(layer.quantized) is kind
+    # every projection's values: the rank's rows (q 32..63 of 64, k and v 16..31 of 32, gate and up 64..127 of 128) or
+    # columns (o 32..63 of 64, down 64..127 of 128) of the whole dequantized weight
+    rows = {"q_proj": slice(32, 64), "k_proj": slice(16, 32), "v_proj": slice(16, 32), "gate_proj": slice(64, 128),
+            "up_proj": slice(64, 128)}
+    expected_qkv = torch.cat([whole[f"{prefix}.layers.0.self_attn.{p}.weight"][rows[p]] for p in ("q_proj", "k_proj", "v_proj")])
+    expected_gate_up = torch.cat([whole[f"{prefix}.layers.0.mlp.{p}.weight"][rows[p]] for p in ("gate_proj", "up_proj")])
+    for layer, expected in ((attn.qkv_proj, expected_qkv), (mlp.gate_up_proj, expected_gate_up),
+                            (attn.o_proj, whole[f"{prefix}.layers.0.self_attn.o_proj.weight"][:, 32:]),
+                            (mlp.down_proj, whole[f"{prefix}.layers.0.mlp.down_proj.weight"][:, 64:])):
+        assert torch.equal(_dequantized(layer.quantized), expected), layer.name
+    # and the bits themselves are the checkpoint's
+    o_proj = f"{prefix}.layers.0.self_attn.o_proj"
+    if case.startswith("fp8"):
+        assert torch.equal(attn.o_proj.quantized.weight.view(torch.uint8), stored[f"{o_proj}.weight"][:, 32:].view(torch.uint8))
+        q = stored[f"{prefix}.layers.0.self_attn.q_proj.weight"][32:]
+        assert torch.equal(attn.qkv_proj.quantized.weight[:32].view(torch.uint8), q.view(torch.uint8))
+    elif case.startswith("gptq"):
+        assert torch.equal(attn.o_proj.quantized.qweight, stored[f"{o_proj}.qweight"][4:])  # inputs 32..63: words 4..7
+        assert torch.equal(attn.qkv_proj.quantized.qweight[:, :32], stored[f"{prefix}.layers.0.self_attn.q_proj.qweight"][:, 32:])
+        zeros = unpack_int4(stored[f"{o_proj}.qzeros"], 1) + 1
+        if case == "gptq":  # in order: groups 2 and 3 of 16 inputs
+            assert torch.equal(attn.o_proj.quantized.zeros, zeros[2:].float()) and attn.o_proj.quantized.g_idx is None
+        else:  # act-order: the rank's g_idx, over the groups its inputs use
+            g_idx = stored[f"{o_proj}.g_idx"][32:].long()
+            local = attn.o_proj.quantized.g_idx.long()
+            assert torch.equal(attn.o_proj.quantized.zeros[local], zeros[g_idx].float())
+
+
+def _dequantized(layer: Fp8Linear | Int4Linear) -> torch.Tensor:
+    """The layer's weight as its kernel computes it (models/quantization.py's dequantize_packed of its buffers)."""
+    if isinstance(layer, Fp8Linear):
+        return dequantize_packed(PackedFp8(layer.weight, layer.scales, layer.group_k))
+    return dequantize_packed(PackedInt4(layer.qweight, layer.scales, layer.zeros, layer.group_size, layer.g_idx))
+
+
+def test_the_rank_holds_quantized_bytes(family_checkpoint, tmp_path):
+    """Rank 1 of an FP8 LLaVA holds its decoder projections in one byte a weight (plus fp32 scales per 16 inputs):
+    fewer bytes than the same rank dequantizing them in fp32."""
+    path = _quantized(family_checkpoint("llava"), tmp_path / "fp8", "fp8")
+    kept = weight_bytes(_rank_model(path, 1))
+    family = build_input_parts(EngineConfig(str(path), max_model_len=256)).family
+    dense = type(tensor_parallel_family(family, TensorParallelGroup(1, 2, torch.device("cpu")))).model_class(family.hf_config)
+    projections = 2 * (64 * 64 + 64 * 32 + 128 * 64 + 64 * 64)  # the rank's q/k/v, o, gate/up and down rows, both layers
+    assert weight_bytes(dense) - kept == projections * 4 - projections * (1 + 4 / 16)
+
+
+def test_a_split_that_cuts_a_block_into_pieces_under_8_is_refused_by_name(family_checkpoint, tmp_path):
+    """FP8 blocks 36 inputs wide: rank 1's o_proj starts at input 32, inside a block, and gcd(36, 32) = 4 inputs a
+    scale cannot be kept; start-up refuses, naming the layer, the sizes, the block and the TP size."""
+    path = quantize_checkpoint(family_checkpoint("llava"), tmp_path / "q", "fp8", block=(16, 36), reference=False)[0]
+    with pytest.raises(ConfigError, match=r"(o_proj|down_proj): input size (32|64) per rank \(tensor_parallel_size=2.*"
+                                          r"cuts an FP8 block of 36 inputs into pieces of 4"):
+        _rank_model(path, 1)
