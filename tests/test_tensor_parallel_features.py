@@ -17,12 +17,15 @@ from mmengine.testing import TinyLlavaSpec, make_test_image
 from test_kv_host_tier import SYSTEM, _evict_then_ask_again
 from test_weight_update import perturbed
 
-# 24 KV blocks: the KV host tier's workload (tests/test_kv_host_tier.py's) pushes a shared prefix out and asks again
+# 24 KV blocks: the KV host tier's workload (tests/test_kv_host_tier.py's) pushes a shared prefix out and asks again;
+# an encoder cache of 32 embeddings (and the room for pinned ones) evicts most of 40 pictures, of which the encoder host
+# tier holds 5 (16 x 256 bytes each)
 OPTIONS = dict(device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=24, enable_prefix_grouping=False,
-               kv_cache_host_bytes=1 << 22)
+               kv_cache_host_bytes=1 << 22, encoder_cache_size=32, encoder_cache_host_bytes=5 * 16 * 256)
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 ASK = "USER: <image>\nWhat is shown here, in a few words? ASSISTANT:"
 PICTURE = make_test_image(5, size=(64, 48))
+PICTURES = [make_test_image(100 + i, size=(64, 48)) for i in range(40)]
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +48,27 @@ def test_kv_blocks_spilled_to_host_memory_come_back_at_tp2_as_at_tp1(pair):
     assert at_tp2["kv_host_hits"] == at_tp1["kv_host_hits"] >= 10 and computed_at_tp1 < prompt_len - 10 * 16
     assert at_tp2["kv_host_blocks"] == at_tp1["kv_host_blocks"] > 0
     assert at_tp2["kv_host_bytes"] == at_tp2["kv_host_blocks"] * two.runner.kv_block_bytes  # each rank's half of a block
+
+
+def two_rounds(engine) -> list[list[int]]:
+    """Every picture asked about twice, the second round in reverse order (tests/test_encoder_host_tier.py's workload);
+    the text before each picture differs, so no KV block is shared and the second round needs every output again."""
+    found = []
+    for order in (range(len(PICTURES)), reversed(range(len(PICTURES)))):
+        order = list(order)
+        found += tokens(engine, [f"USER: round {len(found)}: <image>\nWhat is {i}? ASSISTANT:" for i in order],
+                        [[PICTURES[i]] for i in order])
+    return found
+
+
+def test_encoder_outputs_spilled_to_host_memory_come_back_at_tp2_as_at_tp1(pair):
+    _, one, two = pair
+    keys = ("encoder_runs", "encoder_host_hits", "encoder_host_evictions", "encoder_host_entries", "encoder_host_bytes",
+            "encoder_host_bytes_copied_out")
+    before = [{key: engine.stats()[key] for key in keys} for engine in (one, two)]
+    assert two_rounds(two) == two_rounds(one)
+    at_tp1, at_tp2 = ({key: engine.stats()[key] - was[key] for key in keys} for engine, was in zip((one, two), before))
+    assert at_tp2 == at_tp1 and at_tp1["encoder_host_hits"] > 0 and at_tp1["encoder_host_evictions"] > 0
 
 
 def test_the_ranks_drop_a_host_block_once_the_drivers_tier_drops_it():

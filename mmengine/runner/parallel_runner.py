@@ -23,7 +23,7 @@ each step (`decode_graphs`). A capture that fails on any rank stops every rank a
 `capture_cuda_graphs(EagerCapturer())` sends the CPU stand-in to the ranks.
 
 What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): a draft head whose sizes
-the ranks do not divide, cascade_attention="on", the encoder cache's host tier, mm_encoder_tp_mode="data" with LoRA, and sizes that
+the ranks do not divide, cascade_attention="on", mm_encoder_tp_mode="data" with LoRA, and sizes that
 do not divide (`distributed/sharded_model.py`), enable_expert_parallel on a model without experts or whose experts
 the ranks do not divide among them.
 """
@@ -44,6 +44,7 @@ import torch
 from mmengine.config import EngineConfig
 from mmengine.core.scheduler import SchedulerOutput
 from mmengine.distributed.executor import MultiprocExecutor
+from mmengine.distributed.encoder_host_moves import DriverEncoderHost
 from mmengine.distributed.kv_host_moves import DriverHostBlocks
 from mmengine.distributed.executor_base import Executor, WorkerError
 from mmengine.distributed.ray_placement import import_ray
@@ -88,9 +89,6 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
     if config.execution_config.cascade_attention == "on":
         raise ConfigError(f"{prefix}: cascade_attention='on' is not supported with tensor parallelism yet; use 'auto' "
                           "(off at tensor_parallel_size > 1) or 'off'")
-    if config.cache_config.encoder_cache_host_bytes:
-        raise ConfigError(f"{prefix}: encoder_cache_host_bytes (a host tier) is not supported with tensor parallelism yet; "
-                          "leave it unset or 0")
     check_tensor_parallel_shapes(family, tp, config.parallel_config.enable_expert_parallel)
 
 
@@ -240,7 +238,8 @@ class ParallelRunner:
         self.drafter = RemoteDrafter() if spec.num_speculative_tokens and spec.method in ("mtp", "eagle3") else None
         self.grammar_masks = BitmaskFiller(family.text_config.vocab_size, 1, self.device)
         self.encoder_outputs: dict[str, bool] = {}  # the mm_hashes the ranks hold
-        self.encoder_host_tier = None
+        self.encoder_host_tier = None  # the encoder host tier's books (start-up sets it); the ranks hold the outputs
+        self.encoder_host_books: DriverEncoderHost | None = None
         self.on_encoded = None
         self.lora_loads: list[tuple[int, Any]] = []  # (slot, adapter or None) for the next plan
         self.host_blocks = DriverHostBlocks()  # the KV host tier's copies for the next plan
@@ -257,6 +256,13 @@ class ParallelRunner:
         self.results: dict[int, StepResult] = {}  # replies read before their steps asked
         self.freed: list[str] = []  # encoder outputs to drop with the next plan
         self.stale: list[str] = []
+
+    @property
+    def encoder_host(self) -> DriverEncoderHost | None:
+        """The books over the encoder host tier that start-up gives this runner (`encoder_host_tier`), if any."""
+        if self.encoder_host_tier is not None and self.encoder_host_books is None:
+            self.encoder_host_books = DriverEncoderHost(self.encoder_host_tier, self.embedding_bytes)
+        return self.encoder_host_books
 
     def on_death(self, error: EngineDeadError) -> None:
         self.dead_error = error
@@ -408,6 +414,15 @@ class ParallelRunner:
                                         draft_token_ids=list(s.draft_token_ids)))
             for index in s.encoder_items:
                 self.encoder_outputs[request.mm_items[index].mm_hash] = True
+                if self.encoder_host is not None:
+                    self.encoder_host.encoded(request.mm_items[index].mm_hash, request.mm_items[index].length)
+            for index in s.restored_items:  # (each rank copies it back from its host tier)
+                self.encoder_outputs[request.mm_items[index].mm_hash] = True
+                self.encoder_host.restore(request.mm_items[index].mm_hash, request.mm_items[index].length)
+            plan.rows[-1].restored_items = list(s.restored_items)
+        if self.encoder_host is not None:  # after the restores, as the runner stores them at TP 1
+            self.encoder_host.free(out.freed_encoder_hashes, out.stale_encoder_hashes)
+            plan.encoder_host = self.encoder_host.take()
         freed = [*self.freed, *out.freed_encoder_hashes]
         plan.freed_encoder_hashes = freed
         plan.stale_encoder_hashes = [*self.stale, *out.stale_encoder_hashes]
@@ -417,7 +432,9 @@ class ParallelRunner:
         return plan, masked
 
     def free_encoder_outputs(self, mm_hashes: list[str], stale: list[str] = ()) -> None:
-        """Drops outputs from the ranks with the next plan."""
+        """Drops outputs from the ranks with the next plan (the host tier keeps those not stale)."""
+        if self.encoder_host is not None:
+            self.encoder_host.free(mm_hashes, list(stale))
         for mm_hash in mm_hashes:
             self.encoder_outputs.pop(mm_hash, None)
         self.freed.extend(mm_hashes)

@@ -12,6 +12,7 @@ StepPlan
   freed / stale   encoder outputs to drop (the driver's encoder cache evicted them)
   lora_*          each request's adapter slot, and adapters to load into slots first
   kv_moves        KV blocks to copy to and from each rank's host tier first (distributed/kv_host_moves.py)
+  encoder_host    encoder outputs each rank keeps in host memory as it frees them, or drops (encoder_host_moves.py)
 StepResult (rank 0)
   tokens, logprobs, prompt_logprobs (TokenLogprobs: plain data), num_encoder_runs
   drafts          a draft head's drafts for each sampling request (drafted on the ranks in the step)
@@ -24,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from mmengine.core.request import MMItem
+from mmengine.distributed.encoder_host_moves import EncoderHostMoves
 from mmengine.distributed.kv_host_moves import KVMoves
 from mmengine.outputs import TokenLogprobs
 from mmengine.sample.params import SamplingParams
@@ -57,6 +59,7 @@ class PlannedRow:
     grammar_mask: Any = None  # the row's token bitmask (host int32 [1, words]) when a grammar constrains it
     state: Any = None  # hybrid models: the recurrent state's StatePlan (slot, reset or restore, checkpoints to save)
     draft_token_ids: list[int] = field(default_factory=list)  # speculative decoding: drafts this step verifies
+    restored_items: list[int] = field(default_factory=list)  # items each rank copies back from its encoder host tier
 
 
 @dataclass
@@ -72,6 +75,7 @@ class StepPlan:
     encoder_lora_slots: dict[str, int] = field(default_factory=dict)
     lora_loads: list[tuple[int, Any]] = field(default_factory=list)  # (slot, LoRAAdapter or None: cleared), before the step
     kv_moves: KVMoves | None = None  # copies between each rank's KV blocks and its host tier, before the step
+    encoder_host: EncoderHostMoves | None = None  # encoder outputs each rank keeps in or drops from its host tier
 
 
 @dataclass

@@ -22,6 +22,7 @@ from mmengine.config import EngineConfig
 from mmengine.core.request import PLACEHOLDER_TOKEN, ProcessedPrompt, Request
 from mmengine.core.scheduler import ScheduledRequest, SchedulerOutput
 from mmengine.distributed.encoder_data_parallel import data_parallel_encoder
+from mmengine.distributed.encoder_host_moves import RankEncoderHostTier
 from mmengine.distributed.kv_host_moves import RankHostBlocks
 from mmengine.distributed.graph_capture import capture_failed, rank_capturer
 from mmengine.distributed.process_group import TensorParallelGroup
@@ -63,6 +64,8 @@ class ModelWorker:
             self.runner.model.encode_items = data_parallel_encoder(self.runner.model.encode_items, tp)
         self.requests: dict[str, Request] = {}
         self.host_blocks = RankHostBlocks()  # this rank's slice of the KV blocks the driver's host tier holds
+        if config.cache_config.encoder_cache_host_bytes:  # its copies of the outputs the driver's host tier holds
+            self.runner.encoder_host_tier = RankEncoderHostTier()
         self.sampled: dict[str, list[int]] = {}  # the last step's tokens, by request
 
     # -- start-up (every rank) -----------------------------------------------------------------------------------
@@ -132,18 +135,26 @@ class ModelWorker:
             request.num_prefix_hit_tokens = row.num_prefix_hit_tokens
             request.grammar = None if row.grammar_mask is None else PlannedMask(row.grammar_mask)
             scheduled.append(ScheduledRequest(request, row.start, row.num_new_tokens, list(row.encoder_items), state=row.state,
-                                              draft_token_ids=list(row.draft_token_ids)))
+                                              draft_token_ids=list(row.draft_token_ids), restored_items=list(row.restored_items)))
         for slot, adapter in plan.lora_loads:
             if adapter is None:
                 runner.clear_lora_slot(slot)
             else:
                 runner.load_lora_slot(slot, adapter)
         freed = [h for h in dict.fromkeys(plan.freed_encoder_hashes) if h in runner.encoder_outputs]
-        out = SchedulerOutput(scheduled=scheduled, freed_encoder_hashes=freed, stale_encoder_hashes=list(plan.stale_encoder_hashes),
+        host = plan.encoder_host
+        if runner.encoder_host_tier is not None:
+            runner.encoder_host_tier.keep = set(host.keep) if host is not None else set()
+        # Freed before the step (not after its restores, as at TP 1): a restore may read what a free keeps, and the
+        # driver's tier has decided what the ranks keep
+        runner.free_encoder_outputs(freed, list(plan.stale_encoder_hashes))
+        out = SchedulerOutput(scheduled=scheduled, stale_encoder_hashes=list(plan.stale_encoder_hashes),
                               lora_slots=plan.lora_slots, encoder_lora_slots=plan.encoder_lora_slots)
         if plan.kv_moves is not None:
             self.host_blocks.apply(runner, plan.kv_moves)
         launched = runner.launch(out, plan.block_tables, window_tables=plan.window_tables)
+        if host is not None:
+            runner.encoder_host_tier.drop(host.dropped)
         if launched.pending is not None:
             launched = runner.sample(launched)
         tokens = launched.result()
