@@ -1,7 +1,9 @@
-"""Features that run at tensor_parallel_size=2 as at TP 1 (two spawned gloo ranks on CPU, fp32): the KV host tier (the
-driver's books decide, each rank copies its heads' slice of the blocks: the same tokens and hits as TP 1), and
-update_weights (each rank loads its part of every new weight; refusals raised on the driver, the engine still
-serving). The TP 2 engine and its TP 1 reference share their options and run the same workloads, in order."""
+"""Features that run at tensor_parallel_size=2 as at TP 1 (two spawned gloo ranks on CPU, fp32): the KV host tier
+(the driver's books decide, each rank copies its heads' slice of the blocks: the same tokens and hits as TP 1), the
+encoder host tier (every rank keeps its copy of what the driver's tier holds), cascade_attention="on" (each rank
+plans the same groups from the plan, for its heads), and update_weights (each rank loads its part of every new
+weight; refusals raised on the driver, the engine still serving). The TP 2 engine and its TP 1 reference share their
+options and run the same workloads, in order."""
 
 from __future__ import annotations
 
@@ -21,7 +23,8 @@ from test_weight_update import perturbed
 # an encoder cache of 32 embeddings (and the room for pinned ones) evicts most of 40 pictures, of which the encoder host
 # tier holds 5 (16 x 256 bytes each)
 OPTIONS = dict(device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=24, enable_prefix_grouping=False,
-               kv_cache_host_bytes=1 << 22, encoder_cache_size=32, encoder_cache_host_bytes=5 * 16 * 256)
+               kv_cache_host_bytes=1 << 22, encoder_cache_size=32, encoder_cache_host_bytes=5 * 16 * 256,
+               cascade_attention="on")
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 ASK = "USER: <image>\nWhat is shown here, in a few words? ASSISTANT:"
 PICTURE = make_test_image(5, size=(64, 48))
@@ -69,6 +72,16 @@ def test_encoder_outputs_spilled_to_host_memory_come_back_at_tp2_as_at_tp1(pair)
     assert two_rounds(two) == two_rounds(one)
     at_tp1, at_tp2 = ({key: engine.stats()[key] - was[key] for key in keys} for engine, was in zip((one, two), before))
     assert at_tp2 == at_tp1 and at_tp1["encoder_host_hits"] > 0 and at_tp1["encoder_host_evictions"] > 0
+
+
+def test_cascade_attention_on_at_tp2_gives_tp1s_tokens_and_groups(pair):
+    _, one, two = pair
+    keys = ("cascade_steps", "cascade_groups", "cascade_tokens", "prefix_cache_hits")
+    before = [{key: engine.stats()[key] for key in keys} for engine in (one, two)]
+    prompts = [SYSTEM + f" USER: question {i}, in one word? ASSISTANT:" for i in range(4)]  # one shared prefix
+    assert tokens(two, prompts) == tokens(one, prompts)
+    at_tp1, at_tp2 = ({key: engine.stats()[key] - was[key] for key in keys} for engine, was in zip((one, two), before))
+    assert at_tp2 == at_tp1 and at_tp1["cascade_steps"] > 0 and at_tp1["cascade_groups"] >= at_tp1["cascade_steps"]
 
 
 def test_the_ranks_drop_a_host_block_once_the_drivers_tier_drops_it():

@@ -86,9 +86,6 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
     if config.parallel_config.mm_encoder_tp_mode == "data" and config.lora_config.enable_lora:
         raise ConfigError(f"{prefix}: mm_encoder_tp_mode='data' with enable_lora is not supported yet (an adapter on the "
                           "vision side reads the whole step's rows)")
-    if config.execution_config.cascade_attention == "on":
-        raise ConfigError(f"{prefix}: cascade_attention='on' is not supported with tensor parallelism yet; use 'auto' "
-                          "(off at tensor_parallel_size > 1) or 'off'")
     check_tensor_parallel_shapes(family, tp, config.parallel_config.enable_expert_parallel)
 
 
@@ -107,7 +104,8 @@ def name_model(family: ModelFamily) -> torch.nn.Module:
 
 
 def worker_config(config: EngineConfig) -> EngineConfig:
-    """The ranks' config: cascade attention "auto" is off (its layout is planned for a whole model's heads)."""
+    """The ranks' config: cascade attention "auto" is off (its cost model is not weighed per rank yet; "on" runs, each
+    rank on its heads: worker.rank_cascade_policy)."""
     if config.execution_config.cascade_attention != "auto":
         return config
     return EngineConfig(config.model, **{**config.options(), "cascade_attention": "off"})
@@ -378,6 +376,7 @@ class ParallelRunner:
             sent = self.submitted_at.pop(self.num_collected)
             self.last_step_seconds = (time.perf_counter() - sent, result.seconds)  # (the driver's wait, rank 0's compute)
             self.num_encoder_runs = result.num_encoder_runs
+            self.num_cascade_steps, self.num_cascade_groups, self.num_cascade_tokens = result.cascade
             if result.graph_replays is not None and self.decode_graphs is not None:
                 self.decode_graphs.update(result.graph_replays)
         return self.results.pop(seq)

@@ -13,6 +13,7 @@ carries each constrained row's token bitmask.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from mmengine.distributed.sharded_model import tensor_parallel_family
 from mmengine.errors import MMEngineError
 from mmengine.models.family import ModelFamily
 from mmengine.runner.cuda_graphs import CaptureReport, GraphCapturer, ReplayCounts
+from mmengine.runner.cascade_plan import CascadePolicy, cascade_layer_shape
 from mmengine.runner.model_runner import ModelRunner
 from mmengine.runner.rank_drafts import draft_on_rank
 from mmengine.runner.shared_pixels import take_shared
@@ -50,6 +52,16 @@ class PlannedMasks:
         return torch.cat([matcher.mask for matcher in matchers])
 
 
+def rank_cascade_policy(runner: ModelRunner, tp_size: int) -> CascadePolicy:
+    """The runner's cascade policy planned for this rank's heads (it counts the whole model's query heads against the
+    rank's KV heads: with KV heads replicated the GQA group, and so the tile, differs). Every rank plans the same groups
+    from the same plan: the block tables and spans are the driver's."""
+    shape = cascade_layer_shape(runner.text_config.num_attention_heads // tp_size, runner.family.kv_cache_layout(),
+                                runner.family.kv_cache_windows(), runner.kv_element_bytes)
+    return replace(runner.inputs.cascade, tokens_per_tile=shape.tokens_per_tile, kv_bytes_per_token=shape.kv_bytes_per_token,
+                   num_kv_heads=shape.num_kv_heads)
+
+
 class ModelWorker:
     """What one rank holds and runs (distributed.worker_loop.Worker)."""
 
@@ -64,6 +76,8 @@ class ModelWorker:
             self.runner.model.encode_items = data_parallel_encoder(self.runner.model.encode_items, tp)
         self.requests: dict[str, Request] = {}
         self.host_blocks = RankHostBlocks()  # this rank's slice of the KV blocks the driver's host tier holds
+        if self.runner.inputs.cascade is not None:
+            self.runner.inputs.cascade = rank_cascade_policy(self.runner, tp.size)
         if config.cache_config.encoder_cache_host_bytes:  # its copies of the outputs the driver's host tier holds
             self.runner.encoder_host_tier = RankEncoderHostTier()
         self.sampled: dict[str, list[int]] = {}  # the last step's tokens, by request
@@ -168,7 +182,8 @@ class ModelWorker:
         prompt_logprobs = [PromptLogprobsPart(part.request.request_id, part.first_position, part.entries())
                            for part in launched.prompt_logprobs]
         return StepResult(tokens, launched.token_logprobs(), prompt_logprobs, runner.num_encoder_runs, time.perf_counter() - started,
-                          self.graph_counts(), drafts=drafts)
+                          self.graph_counts(), drafts=drafts,
+                          cascade=(runner.num_cascade_steps, runner.num_cascade_groups, runner.num_cascade_tokens))
 
     def fill_placeholders(self, request: Request) -> None:
         """The driver booked a token it has not read yet (async scheduling): it is the one this rank sampled for the
