@@ -122,7 +122,6 @@ def test_logprobs_and_seeded_sampling_match_tp1(tp1, tp2):
     ({"tensor_parallel_size": 2, "distributed_executor_backend": "carrier-pigeon"}, "distributed_executor_backend"),
     ({"tensor_parallel_size": 0}, "tensor_parallel_size must be a positive int"),
     ({"tensor_parallel_size": 2, "mm_encoder_tp_mode": "diagonal"}, "mm_encoder_tp_mode must be 'weights' or 'data'"),
-    ({"tensor_parallel_size": 2, "mm_encoder_tp_mode": "data", "enable_lora": True}, "mm_encoder_tp_mode='data' with enable_lora"),
 ])
 def test_what_tensor_parallelism_refuses_is_named_before_any_process_starts(llava, options, named):
     before = children()

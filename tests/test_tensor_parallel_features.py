@@ -1,7 +1,7 @@
 """Features that run at tensor_parallel_size=2 as at TP 1 (two spawned gloo ranks on CPU, fp32): the KV host tier
 (the driver's books decide, each rank copies its heads' slice of the blocks: the same tokens and hits as TP 1), the
 encoder host tier (every rank keeps its copy of what the driver's tier holds), cascade_attention="on" (each rank
-plans the same groups from the plan, for its heads), and update_weights (each rank loads its part of every new
+plans the same groups from the plan, for its heads), vision-side LoRA with mm_encoder_tp_mode="data", and update_weights (each rank loads its part of every new
 weight; refusals raised on the driver, the engine still serving). The TP 2 engine and its TP 1 reference share their
 options and run the same workloads, in order."""
 
@@ -24,7 +24,7 @@ from test_weight_update import perturbed
 # tier holds 5 (16 x 256 bytes each)
 OPTIONS = dict(device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=24, enable_prefix_grouping=False,
                kv_cache_host_bytes=1 << 22, encoder_cache_size=32, encoder_cache_host_bytes=5 * 16 * 256,
-               cascade_attention="on")
+               cascade_attention="on", enable_lora=True, max_loras=2, max_lora_rank=8, mm_encoder_tp_mode="data")
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 ASK = "USER: <image>\nWhat is shown here, in a few words? ASSISTANT:"
 PICTURE = make_test_image(5, size=(64, 48))
@@ -82,6 +82,23 @@ def test_cascade_attention_on_at_tp2_gives_tp1s_tokens_and_groups(pair):
     assert tokens(two, prompts) == tokens(one, prompts)
     at_tp1, at_tp2 = ({key: engine.stats()[key] - was[key] for key in keys} for engine, was in zip((one, two), before))
     assert at_tp2 == at_tp1 and at_tp1["cascade_steps"] > 0 and at_tp1["cascade_groups"] >= at_tp1["cascade_steps"]
+
+
+def test_a_vision_adapter_with_the_tower_in_data_mode_gives_tp1s_tokens(pair, tmp_path):
+    """Three pictures in one step, split over the ranks' towers (mm_encoder_tp_mode="data"): each rank's adapter rows
+    are its own items' (the first and third under the vision adapter, the second not)."""
+    from conftest import save_peft_adapter
+    from mmengine.lora.request import LoRARequest
+    from test_lora_engine import VISION_TARGETS
+
+    path, one, two = pair
+    vision = LoRARequest("vision", str(save_peft_adapter(path, tmp_path / "vision", 4, 8, False, VISION_TARGETS["llava"], seed=11)))
+    pictures = [[PICTURE], [PICTURE], [PICTURES[0]]]
+    runs = two.stats()["encoder_runs"]
+    outputs = [[o.token_ids for o in engine.generate([ASK] * 3, images=pictures, sampling_params=GREEDY, use_tqdm=False,
+                                                     lora=[vision, None, vision])] for engine in (one, two)]
+    assert outputs[1] == outputs[0] and outputs[1][0] != outputs[1][1]  # the adapter changed the answer
+    assert two.stats()["encoder_runs"] - runs == 3
 
 
 def test_the_ranks_drop_a_host_block_once_the_drivers_tier_drops_it():

@@ -23,7 +23,7 @@ each step (`decode_graphs`). A capture that fails on any rank stops every rank a
 `capture_cuda_graphs(EagerCapturer())` sends the CPU stand-in to the ranks.
 
 What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): a draft head whose sizes
-the ranks do not divide, cascade_attention="on", mm_encoder_tp_mode="data" with LoRA, and sizes that
+the ranks do not divide, and sizes that
 do not divide (`distributed/sharded_model.py`), enable_expert_parallel on a model without experts or whose experts
 the ranks do not divide among them.
 """
@@ -83,9 +83,6 @@ def check_parallel_options(config: EngineConfig, family: ModelFamily, device: to
         raise ConfigError(f"{prefix}: this process is a daemonic one (AsyncMMEngine's engine_core='process'), which cannot "
                           "start the worker processes; use engine_core='thread' or `mmengine serve --api-server-count`")
     check_draft_head_shapes(config, family, tp)
-    if config.parallel_config.mm_encoder_tp_mode == "data" and config.lora_config.enable_lora:
-        raise ConfigError(f"{prefix}: mm_encoder_tp_mode='data' with enable_lora is not supported yet (an adapter on the "
-                          "vision side reads the whole step's rows)")
     check_tensor_parallel_shapes(family, tp, config.parallel_config.enable_expert_parallel)
 
 

@@ -73,7 +73,7 @@ class ModelWorker:
         self.runner.grammar_masks = PlannedMasks()
         self.runner.capturer_factory = rank_capturer(tp)  # CUDA graphs that hold the step's collectives
         if config.parallel_config.mm_encoder_tp_mode == "data":  # each rank encodes its share of a step's pictures
-            self.runner.model.encode_items = data_parallel_encoder(self.runner.model.encode_items, tp)
+            self.runner.model.encode_items = data_parallel_encoder(self.runner.model.encode_items, tp, self.runner.vision_lora_context)
         self.requests: dict[str, Request] = {}
         self.host_blocks = RankHostBlocks()  # this rank's slice of the KV blocks the driver's host tier holds
         if self.runner.inputs.cascade is not None:
