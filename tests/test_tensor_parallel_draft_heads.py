@@ -145,22 +145,28 @@ def _checkpoint(path) -> dict[str, torch.Tensor]:
     return {name: tensor for file in sorted(path.glob("*.safetensors")) for name, tensor in load_file(str(file)).items()}
 
 
-def test_rank_1_reads_only_its_part_of_the_mtp_heads_split_tensors(monkeypatch):
-    path = tiny_qwen3_5_mtp_path()
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_rank_1_reads_only_its_part_of_the_mtp_heads_split_tensors(monkeypatch, family):
+    """(Qwen3.5-MoE's head at TP 2, with and without enable_expert_parallel, was checked by hand against TP 1's
+    tokens and drafts; here its experts are read as the decoder's are.)"""
+    path = tiny_qwen3_5_mtp_path(family)
     recorded = RecordedSlices(monkeypatch)
     ranked = _rank(1, "mtp", path)
     model = type(ranked).model_class(ranked.hf_config)
     model.load_weights(type("Weights", (), {"model_dir": str(path)})())
     tensors = _checkpoint(path)
     hidden = ranked.text_config.hidden_size
-    fc = tensors["mtp.fc.weight"]
     assert recorded.reads["mtp.fc.weight"] == [(slice(hidden // 2, hidden),)]
-    assert torch.equal(model.mtp.fc.weight, fc[hidden // 2:])
-    down = tensors["mtp.layers.0.mlp.down_proj.weight"]  # row-parallel: rank 1's half of the columns
-    assert recorded.reads["mtp.layers.0.mlp.down_proj.weight"] == [(slice(None), slice(down.shape[1] // 2, down.shape[1]))]
-    assert torch.equal(model.mtp.layers[0].mlp.down_proj.weight, down[:, down.shape[1] // 2:])
-    assert all(index is not Ellipsis for name, reads in recorded.reads.items() if name.startswith("mtp.") and "norm" not in name
-               for index in reads)  # nothing but the norms read whole
+    assert torch.equal(model.mtp.fc.weight, tensors["mtp.fc.weight"][hidden // 2:])
+    mlp = model.mtp.layers[0].mlp
+    name, down = ("mlp.down_proj", mlp.down_proj) if family == "qwen3_5" else ("mlp.shared_expert.down_proj", mlp.shared_expert.down_proj)
+    whole = tensors[f"mtp.layers.0.{name}.weight"]  # row-parallel: rank 1's half of the columns
+    half = whole.shape[1] // 2
+    assert recorded.reads[f"mtp.layers.0.{name}.weight"] == [(slice(None), slice(half, 2 * half))]
+    assert torch.equal(down.weight, whole[:, half:])
+    replicated = ("norm", "mlp.gate.weight", "shared_expert_gate.weight")
+    assert all(index is not Ellipsis for name, reads in recorded.reads.items()
+               if name.startswith("mtp.") and not any(r in name for r in replicated) for index in reads)
 
 
 def test_rank_1_reads_only_its_part_of_the_eagle3_heads_split_tensors(family_checkpoint, eagle3_head, monkeypatch):
