@@ -327,6 +327,7 @@ def _print_rank_budget(family: Any, model_dir: str, tp_size: int, elem: int, kv_
     from mmengine.distributed.sharded_model import check_tensor_parallel_shapes
     from mmengine.distributed.sharding import routed_experts
     from mmengine.models.loader import checkpoint_shapes
+    from mmengine.models.quantization import quantization_of
     from mmengine.runner.kv_tensors import kv_block_bytes
 
     check_tensor_parallel_shapes(family, tp_size, expert_parallel)  # a shape that does not divide: the engine's ConfigError
@@ -335,8 +336,18 @@ def _print_rank_budget(family: Any, model_dir: str, tp_size: int, elem: int, kv_
     layout = rank_kv_layout(family.kv_cache_layout(), tp_size)
     per_token = kv_block_bytes(layout, 1, kv_elem)
     print(f"tensor parallelism (--tensor-parallel-size {tp_size}: {tp_size} worker processes, one rank each)")
-    print(f"  weights per rank              {share.per_rank * elem:>12}   bytes: {share.per_rank} of {share.whole} parameters "
-          f"({share.replicated} replicated on every rank: the vision side, norms)")
+    if quantization_of(family.hf_config) is not None:  # each rank keeps its slice of the bits (distributed/quantized_parallel.py)
+        from mmengine.distributed.rank_budget import quantized_rank_share
+        from mmengine.models.loader import checkpoint_headers
+
+        quantized = quantized_rank_share(checkpoint_headers(Path(model_dir)), family.text_config, tp_size, elem, expert_parallel)
+        print(f"  weights per rank (quantized)  {quantized.kept_bytes:>12}   bytes: {quantized.parameters} parameters, the rank's "
+              "slice of each projection in its stored bits with its scales (the fused kernels' path, as at TP 1)")
+        print(f"  weights per rank (dequantized){quantized.dequantized_bytes:>12}   bytes: {quantized.parameters} parameters x "
+              f"{elem} B (CPU, LoRA, older GPUs)")
+    else:
+        print(f"  weights per rank              {share.per_rank * elem:>12}   bytes: {share.per_rank} of {share.whole} parameters "
+              f"({share.replicated} replicated on every rank: the vision side, norms)")
     experts = routed_experts(family.text_config)
     routed = routed_expert_share(shapes, family.text_config, tp_size, expert_parallel) if experts else None
     if routed is not None and routed.whole:

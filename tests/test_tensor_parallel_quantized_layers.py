@@ -6,6 +6,7 @@ A split that cuts an FP8 block or int4 group keeps finer scales, or is refused b
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from helpers import tensor_parallel_pairs
+from mmengine import SamplingParams
 from mmengine.config import EngineConfig
 from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.quantized_parallel import QuantizedColumnParallel, QuantizedRowParallel, weight_bytes
@@ -22,6 +25,7 @@ from mmengine.errors import ConfigError
 from mmengine.layers.quantized_linear import Fp8Linear, Int4Linear
 from mmengine.models.loader import parameters_on_meta
 from mmengine.models.quantization import PackedFp8, PackedInt4, dequantize_packed, dequantize_tensors, quantization_of, unpack_int4
+from mmengine.testing import make_test_image
 from mmengine.testing.quantize import quantize_checkpoint
 
 # (method, block or group): 16 divides the tiny LLaVA's splits; FP8 blocks 48 wide cut the row-parallel inputs (32
@@ -121,3 +125,49 @@ def test_a_split_that_cuts_a_block_into_pieces_under_8_is_refused_by_name(family
     with pytest.raises(ConfigError, match=r"(o_proj|down_proj): input size (32|64) per rank \(tensor_parallel_size=2.*"
                                           r"cuts an FP8 block of 36 inputs into pieces of 4"):
         _rank_model(path, 1)
+
+
+def test_tp2_ranks_running_the_quantized_kernels_give_tp1s_tokens(family_checkpoint, tmp_path):
+    """FP8 blocks and act-order GPTQ at TP 2 with the Triton kernels (the interpreter here), against TP 1 with the same
+    kernels on the same quantized weights: the same greedy tokens, log-probabilities within 1e-5 (fp32, both
+    dequantizing the same bits in registers; only the order of the row-parallel sums differs, split over two ranks
+    and all-reduced: about 1e-6 seen), and each rank reports its quantized bytes."""
+    paths = {case: _quantized(family_checkpoint("llava"), tmp_path / case, case) for case in ("fp8", "gptq-act-order")}
+    options = {"device": "cpu", "dtype": "float32", "max_model_len": 128, "max_num_batched_tokens": 64, "max_num_seqs": 2,
+               "attn_backend": "triton", "enforce_eager": True}
+    greedy = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.0, logprobs=1)
+    prompt, picture = "USER: <image>\nWhat is it? ASSISTANT:", make_test_image(43, size=(32, 32))
+    with tensor_parallel_pairs(paths, **options) as pairs:
+        for case, (_, one, two) in pairs.items():
+            assert one.runner.num_quantized_projections == 8
+            (reference,) = one.generate(prompt, images=[picture], sampling_params=greedy, use_tqdm=False)
+            (out,) = two.generate(prompt, images=[picture], sampling_params=greedy, use_tqdm=False)
+            assert out.token_ids == reference.token_ids, case
+            assert max(abs(a.logprob - b.logprob) for a, b in zip(reference.logprobs, out.logprobs, strict=True)) < 1e-5
+            # each rank's memory report: what rank 0 built here holds (its projections quantized: test above)
+            assert two.runner.weight_bytes_per_rank == [weight_bytes(_rank_model(paths[case], 0))] * 2
+
+
+@pytest.mark.parametrize("case", ["fp8", "gptq"])
+def test_the_budget_counts_each_ranks_quantized_bytes(family_checkpoint, tmp_path, capsys, case):
+    """`mmengine budget --tensor-parallel-size 2`: a rank's parameters are the plain checkpoint's rank's, its bytes kept
+    quantized fewer than dequantized (in bf16), and within 10% of what rank 0 built here holds in fp32 (the headers
+    count an FP8 block's scale once, the kernel layout once a row; the last vision layer, unused, is counted)."""
+    from mmengine.cli import main
+
+    source = family_checkpoint("llava")
+    path = _quantized(source, tmp_path / case, case)
+
+    def per_rank(model: Path, dtype: str) -> dict[str, tuple[int, int]]:
+        """label -> (bytes, parameters) of each `weights per rank` line."""
+        main(["budget", "--model", str(model), "--device", "cpu", "--dtype", dtype, "--tensor-parallel-size", "2"])
+        found = (re.match(r"  (weights per rank[^0-9]*?)\s+(\d+)\s+bytes: (\d+)", line) for line in capsys.readouterr().out.splitlines())
+        return {m[1]: (int(m[2]), int(m[3])) for m in found if m}
+
+    dense = per_rank(source, "bfloat16")["weights per rank"]
+    lines = per_rank(path, "bfloat16")
+    kept, dequantized = lines["weights per rank (quantized)"], lines["weights per rank (dequantized)"]
+    assert kept[1] == dequantized[1] == dense[1] and dequantized[0] == dense[0]
+    assert kept[0] < dequantized[0]
+    in_fp32 = per_rank(path, "float32")["weights per rank (quantized)"][0]
+    assert abs(in_fp32 - weight_bytes(_rank_model(path, 0))) < 0.1 * in_fp32

@@ -97,3 +97,41 @@ def routed_expert_share(shapes: dict[str, tuple[int, ...]], text_config: object,
 def rank_kv_layout(layout: list[tuple[int, int]], tp_size: int) -> list[tuple[int, int]]:
     """(KV heads, head size) per cached layer on one rank: the heads split, or one replicated head."""
     return [(kv_head_split(heads, tp_size).heads_per_rank, size) for heads, size in layout]
+
+
+# A quantized checkpoint's parts: the int32 words of 8 int4 values, and the small tensors beside each weight
+_PACKED_PARTS = ("qweight", "weight_packed")
+_SIDE_PARTS = ("qzeros", "scales", "g_idx", "weight_scale", "weight_scale_inv", "weight_zero_point", "weight_shape",
+               "input_scale", "k_scale", "v_scale")
+_QUANTIZED_PARTS = (*_PACKED_PARTS, *_SIDE_PARTS)
+_STORED_BYTES = {"F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1, "I16": 2, "F16": 2, "BF16": 2, "I32": 4, "F32": 4, "I64": 8}
+
+
+@dataclass(frozen=True)
+class QuantizedRankShare:
+    """Rank 0's part of a quantized checkpoint: bytes with its projections kept quantized (the fused kernels' path:
+    each rank keeps its slice's bits, scales and zeros), its parameters, and bytes dequantized at load."""
+
+    kept_bytes: int
+    parameters: int
+    dequantized_bytes: int
+
+
+def quantized_rank_share(headers: dict[str, tuple[tuple[int, ...], str]], text_config: object, tp_size: int, elem: int,
+                         expert_parallel: bool = False) -> QuantizedRankShare:
+    """Each quantized part split as its weight is (`rank_elements` of the owner's `.weight` rule: a projection's rows or
+    columns, a KV projection's heads, an expert's share); float tensors in the model's dtype (`elem` bytes), the
+    quantized ones as stored. Scales and zeros are counted split with their weight: a rank that keeps finer scales
+    (an input split cutting a block) holds a little more."""
+    kept = parameters = 0
+    for name, (shape, dtype) in headers.items():
+        owner, _, leaf = name.rpartition(".")
+        rule = f"{owner}.weight" if leaf in _QUANTIZED_PARTS else name
+        held = rank_elements(rule, shape, text_config, tp_size, expert_parallel)
+        if leaf in _PACKED_PARTS:
+            parameters += held * 8
+        elif leaf not in _SIDE_PARTS:
+            parameters += held
+        float_value = dtype in ("F16", "BF16", "F32") and leaf not in _SIDE_PARTS
+        kept += held * (elem if float_value else _STORED_BYTES.get(dtype, elem))
+    return QuantizedRankShare(kept, parameters, parameters * elem)

@@ -27,6 +27,7 @@ from mmengine.distributed.encoder_host_moves import RankEncoderHostTier
 from mmengine.distributed.kv_host_moves import RankHostBlocks
 from mmengine.distributed.graph_capture import capture_failed, rank_capturer
 from mmengine.distributed.process_group import TensorParallelGroup
+from mmengine.distributed.quantized_parallel import weight_bytes
 from mmengine.distributed.sharded_model import tensor_parallel_family
 from mmengine.errors import MMEngineError
 from mmengine.models.family import ModelFamily
@@ -94,7 +95,7 @@ class ModelWorker:
             "state_slot_bytes": runner.state_slot_bytes,
             "window_pool": runner.window_pool,
             "use_cuda_graphs": runner.use_cuda_graphs,
-            "weight_bytes": sum(p.numel() * p.element_size() for p in runner.model.parameters()),
+            "weight_bytes": weight_bytes(runner.model),  # (a quantized layer's bits, scales and zeros too)
         }
 
     def determine_num_kv_blocks(self, *args: Any, **kwargs: Any) -> tuple[int, int, int]:
