@@ -24,7 +24,6 @@ import asyncio
 import dataclasses
 import logging
 import threading
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +39,7 @@ from mmengine.lora.request import LoRARequest
 from mmengine.multimodal.image_loading import ImageInput
 from mmengine.outputs import RequestOutput, TokenLogprobs
 from mmengine.sample.params import SamplingParams
+from mmengine.utils.ids import random_hex
 
 logger = logging.getLogger(__name__)
 
@@ -333,7 +333,7 @@ class AsyncMMEngine:
         self.check_not_overloaded()
         checked = self.engine.intake.check(prompt, images, sampling_params, request_id=request_id, cache_salt=cache_salt,
                                            mm_uuids=mm_uuids, lora=lora, videos=videos, audios=audios)  # an unknown adapter fails here
-        request_id = checked.request_id = checked.request_id or f"req-{uuid.uuid4().hex}"
+        request_id = checked.request_id = checked.request_id or f"req-{random_hex()}"
         params = checked.params
         stream = RequestStream(self, request_id, params)
         stream.wakes_per_output = not whole_answer
@@ -359,7 +359,7 @@ class AsyncMMEngine:
         for the step loop's GIL). Errors are add_request()'s, and whatever `make_prompt` raises."""
         self._start()
         self.check_not_overloaded()
-        request_id = check_request_id(request_id) or f"req-{uuid.uuid4().hex}"
+        request_id = check_request_id(request_id) or f"req-{random_hex()}"
         stream = RequestStream(self, request_id, SamplingParams())  # its checked params are set before it is queued
         stream.wakes_per_output = not whole_answer
         self._register(stream)

@@ -28,7 +28,6 @@ import os
 import queue
 import threading
 import time
-import uuid
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -48,6 +47,7 @@ from mmengine.engine.core_process import (
 from mmengine.engine.intake import PreparedRequest, RequestIntake
 from mmengine.engine.picture_mirror import SentPictures
 from mmengine.engine.startup import build_input_parts, eos_token_ids_of
+from mmengine.utils.ids import random_hex
 from mmengine.engine.stats import processor_stats
 from mmengine.errors import ConfigError, EngineDeadError
 from mmengine.outputs import RequestOutput
@@ -181,7 +181,7 @@ class EngineCoreClient:
         `whole_answer`: the caller reads only the whole answer, so the core sends this request's output at its
         first token and at its end only (MMEngine.read_final_output_only there, from the first token on)."""
         self._check_alive()
-        request_id = prepared.request_id or f"req-{uuid.uuid4().hex}"
+        request_id = prepared.request_id or f"req-{random_hex()}"
         if prepared.request_id is None:
             prepared = dataclasses.replace(prepared, request_id=request_id)
         processed = prepared.processed

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
 from mmengine.engine.async_engine import DeltaOutput
+from mmengine.utils.ids import random_hex
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{random_hex()}"
 
 
 def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,6 +20,7 @@ from pydantic import BaseModel, ConfigDict
 from mmengine.entrypoints.api_errors import APIError
 from mmengine.entrypoints.response_format import closed_objects
 from mmengine.sample.structured_output import StructuredOutputParams
+from mmengine.utils.ids import random_hex
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
@@ -116,7 +116,7 @@ def _call(body: str) -> dict[str, Any] | None:
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
         return None
     arguments = call.get("arguments", {})
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+    return {"id": f"call_{random_hex(24)}", "type": "function",
             "function": {"name": call["name"], "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
