@@ -10,13 +10,12 @@ the capture with a typed error and stops the others. On two GPUs the real graphs
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
 import chat_formats
-from helpers import wait_until
+from helpers import tensor_parallel_pairs, wait_until
 from mmengine import MMEngine, SamplingParams
 from mmengine.errors import CudaGraphCaptureError
 from mmengine.runner.cuda_graphs import EagerCapturer, Replay
@@ -40,28 +39,13 @@ def prompts(family: str) -> tuple[list[str], list[list]]:
 
 @pytest.fixture(scope="module")
 def engines(family_checkpoint):
-    """family -> (checkpoint, TP 1 engine, TP 2 engine), every one's graphs captured with the stand-in. The TP 2
-    engines start at once, in threads, while this process builds the TP 1 ones."""
+    """family -> (checkpoint, TP 1 engine, TP 2 engine), every one's graphs captured with the stand-in."""
     paths = {family: family_checkpoint(family) for family in OWN_OPTIONS}
-    with ThreadPoolExecutor(len(paths)) as pool:
-        futures = {family: pool.submit(MMEngine, str(path), tensor_parallel_size=2, **OPTIONS, **OWN_OPTIONS[family])
-                   for family, path in paths.items()}
-        try:
-            ones = {family: MMEngine(str(path), **OPTIONS, **OWN_OPTIONS[family]) for family, path in paths.items()}
-            pairs = {family: (paths[family], ones[family], futures[family].result()) for family in paths}
-        except BaseException:
-            for future in futures.values():
-                if future.exception() is None:
-                    future.result().shutdown()
-            raise
-    try:
+    with tensor_parallel_pairs(paths, OWN_OPTIONS, **OPTIONS) as pairs:
         for _, one, two in pairs.values():
             one.runner.capture_cuda_graphs(EagerCapturer())
             two.runner.capture_cuda_graphs(EagerCapturer())
         yield pairs
-    finally:
-        for _, _, two in pairs.values():
-            two.shutdown()
 
 
 def rank_counts(engine: MMEngine) -> list:
