@@ -51,7 +51,10 @@ class TensorParallelCapturer:
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device=tp.device)
         self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.warm_up_collectives()
+        try:
+            self.warm_up_collectives()
+        except Exception as err:
+            raise capture_failed(tp, err) from err
 
     def warm_up_collectives(self) -> None:
         """Creates the communicator (and its buffers) outside any capture, on every rank at once."""
