@@ -129,3 +129,5 @@ def test_update_weights_gives_tp1s_tokens_after_the_same_update(pair):
         with pytest.raises(WeightsMismatchError, match=rf"tensor '{name}' loads the same parameter"):
             engine.update_weights([(name, weights[name]), (name, weights[name])])
     assert tokens(two, [ASK], [[PICTURE]]) == tokens(one, [ASK], [[PICTURE]])  # still serving, the same weights
+    assert two.update_weights(str(path)) == one.update_weights(str(path))  # a checkpoint directory: the weights of before
+    assert tokens(two, [ASK], [[PICTURE]]) == before
