@@ -100,6 +100,22 @@ def test_rank_1_holds_quantized_layers_of_exactly_its_slice(family_checkpoint, t
             assert torch.equal(attn.o_proj.quantized.zeros[local], zeros[g_idx].float())
 
 
+def test_update_weights_refuses_a_projection_kept_quantized_by_name(family_checkpoint, tmp_path):
+    """As at TP 1: a new value for a weight whose layer runs quantized is refused naming it; others load."""
+    from mmengine.errors import WeightsMismatchError
+
+    path = _quantized(family_checkpoint("llava"), tmp_path / "fp8", "fp8")
+    model = _rank_model(path, 1)
+    norm = "language_model.model.layers.0.input_layernorm.weight"
+    loaded: list[str] = []
+    model.update_weights([(norm, torch.full((64,), 2.0))], loaded)
+    assert loaded == [model.checkpoint_name(norm)] and bool((model.get_parameter(loaded[0]) == 2.0).all())
+    for name in ("language_model.model.layers.0.self_attn.k_proj.weight", "language_model.model.layers.1.mlp.down_proj.weight"):
+        model.update_check = None
+        with pytest.raises(WeightsMismatchError, match=f"{name}.*runs on quantized weights"):
+            model.update_weights([(name, torch.zeros(32 if "k_proj" in name else 64, 64 if "k_proj" in name else 128))], [])
+
+
 def _dequantized(layer: Fp8Linear | Int4Linear) -> torch.Tensor:
     """The layer's weight as its kernel computes it (models/quantization.py's dequantize_packed of its buffers)."""
     if isinstance(layer, Fp8Linear):

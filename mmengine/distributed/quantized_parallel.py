@@ -28,6 +28,7 @@ from mmengine.distributed.quantized_slices import QuantizedWeightSlice
 from mmengine.errors import WeightsMismatchError
 from mmengine.layers.moe import QuantizedFusedExperts
 from mmengine.layers.quantized_linear import QuantizedLinear, fuse_shards
+from mmengine.models.llama import STACKED_PROJECTIONS
 from mmengine.models.quantization import PackedFp8, PackedInt4, dequantize_packed
 
 ParallelLinear = (ColumnParallelLinear, RowParallelLinear)
@@ -99,33 +100,34 @@ class RankQuantizedLoad:
         if owner is None or not isinstance(tensor, QuantizedWeightSlice):
             return materialized(self.model, parameter)
         path, module = owner
-        found = _rank_slice(module, piece, tensor)
-        if found is None:
+        found = _rank_slices(module, piece, tensor)
+        layouts = {index: rank_layout(tensor, part) for index, part in found.items()}
+        if not layouts or any(layout is None for layout in layouts.values()):
             return materialized(self.model, parameter)
-        index, part = found
-        layout = rank_layout(tensor, part)
-        if layout is None:
-            return materialized(self.model, parameter)
-        self.layouts.setdefault(path, {})[index] = layout
+        self.layouts.setdefault(path, {}).update(layouts)
         return None
 
 
-def _rank_slice(module: nn.Module, piece: object, weight: QuantizedWeightSlice) -> tuple[int, RankSlice] | None:
-    """(the piece's index, the rank's rows or columns of `weight`); None for a fused checkpoint tensor of several
-    pieces (dequantized, as TP 1 does with a tensor it has no shards of)."""
+def _rank_slices(module: nn.Module, piece: object, weight: QuantizedWeightSlice) -> dict[int, RankSlice]:
+    """The rank's rows or columns of `weight`, by the index of the piece they fill: one piece, or each piece of a
+    checkpoint tensor holding them all one after another (Gated DeltaNet's in_proj_qkv); none for a tensor already
+    cut to some shard (dequantized)."""
     tp = module.tp
     out, inp = weight.shape
     if isinstance(module, RowParallelLinear):
         size = module.input_size_per_rank
-        return 0, RankSlice(0, out, tp.rank * size, (tp.rank + 1) * size, module.name, tp.size)
+        return {0: RankSlice(0, out, tp.rank * size, (tp.rank + 1) * size, module.name, tp.size)}
     if isinstance(module, MergedColumnParallelLinear):
-        if piece is None and len(module.pieces) != 1:
-            return None
-        index = 0 if piece is None else module.shard_ids[piece]
-        p = module.pieces[index]
-        return index, RankSlice(p.start, p.start + p.size, 0, inp, f"{module.name}[{piece!r}]", tp.size)
+        if piece is not None:
+            p = module.pieces[module.shard_ids[piece]]
+            return {module.shard_ids[piece]: RankSlice(p.start, p.start + p.size, 0, inp, f"{module.name}[{piece!r}]", tp.size)}
+        if out != sum(p.full for p in module.pieces):
+            return {}
+        starts = [sum(p.full for p in module.pieces[:i]) for i in range(len(module.pieces))]
+        return {i: RankSlice(at + p.start, at + p.start + p.size, 0, inp, module.name, tp.size)
+                for i, (at, p) in enumerate(zip(starts, module.pieces))}
     size = module.output_size_per_rank
-    return 0, RankSlice(tp.rank * size, (tp.rank + 1) * size, 0, inp, module.name, tp.size)
+    return {0: RankSlice(tp.rank * size, (tp.rank + 1) * size, 0, inp, module.name, tp.size)}
 
 
 def materialized(model: nn.Module, parameter: nn.Parameter) -> nn.Parameter:
@@ -177,6 +179,23 @@ def use_rank_quantized_weights(model: nn.Module, layouts: Layouts) -> int:
     if left:
         raise RuntimeError(f"parameters left without storage after loading: {', '.join(left[:8])}")
     return swapped
+
+
+def runs_quantized(model: nn.Module, name: str) -> bool:
+    """Whether the checkpoint weight `name` (ours) loaded into a projection now kept quantized (which update_weights
+    cannot replace, as at TP 1)."""
+    parts = name.split(".")[:-1]
+    paths = [".".join(parts)]
+    if parts and parts[-1] in STACKED_PROJECTIONS:
+        paths.append(".".join([*parts[:-1], STACKED_PROJECTIONS[parts[-1]][0]]))
+    for path in paths:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue
+        if isinstance(module, (QuantizedColumnParallel, QuantizedRowParallel)):
+            return True
+    return False
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from mmengine.distributed.checkpoint_slices import load_parameter
+from mmengine.distributed.quantized_parallel import runs_quantized
 from mmengine.distributed.sharded_model import _KV_SCALE, target_of
 from mmengine.errors import WeightsMismatchError
 from mmengine.models.loader import WeightCheck, fuse_expert_tensors
@@ -36,6 +37,9 @@ def update_sharded_weights(model: nn.Module, weights: Iterable[tuple[str, torch.
         if name not in expected and model.is_ignorable(name):
             continue
         check.accept(name, raw_name, tensor)
+        if runs_quantized(model, name):
+            raise WeightsMismatchError(f"tensor {raw_name!r}: its layer runs on quantized weights, which update_weights "
+                                       "does not replace")
         parameter, piece = target_of(model, name)
         with torch.no_grad():
             load_parameter(parameter, tensor, piece, name)

@@ -43,7 +43,9 @@ def parameters_on_meta() -> Iterator[None]:
 
     def register(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
         if param is not None and not param.is_meta:
-            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+            meta.__dict__.update(param.__dict__)  # (a weight_loader set before it was registered)
+            param = meta
         original(module, name, param)
 
     torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
