@@ -24,7 +24,8 @@ from test_weight_update import perturbed
 # tier holds 5 (16 x 256 bytes each)
 OPTIONS = dict(device="cpu", dtype="float32", max_model_len=512, num_kv_blocks=24, enable_prefix_grouping=False,
                kv_cache_host_bytes=1 << 22, encoder_cache_size=32, encoder_cache_host_bytes=5 * 16 * 256,
-               cascade_attention="on", enable_lora=True, max_loras=2, max_lora_rank=8, mm_encoder_tp_mode="data")
+               cascade_attention="on", enable_lora=True, max_loras=2, max_lora_rank=8, mm_encoder_tp_mode="data",
+               async_scheduling="on")  # (the driver sends a step before it reads the last: an update waits for it)
 GREEDY = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
 ASK = "USER: <image>\nWhat is shown here, in a few words? ASSISTANT:"
 PICTURE = make_test_image(5, size=(64, 48))
@@ -131,3 +132,21 @@ def test_update_weights_gives_tp1s_tokens_after_the_same_update(pair):
     assert tokens(two, [ASK], [[PICTURE]]) == tokens(one, [ASK], [[PICTURE]])  # still serving, the same weights
     assert two.update_weights(str(path)) == one.update_weights(str(path))  # a checkpoint directory: the weights of before
     assert tokens(two, [ASK], [[PICTURE]]) == before
+
+
+def test_an_update_with_a_step_in_flight_waits_for_it_and_gives_tp1s_tokens(pair):
+    path, one, two = pair
+    weights = perturbed(path, seed=12, only="language_model")
+    found = []
+    for engine in (one, two):
+        engine.add_request("USER: Tell me a story about boats and rivers. ASSISTANT:", None, GREEDY, request_id="across")
+        for _ in range(3):
+            engine.step()
+        if engine is two:
+            assert two.runner.num_submitted - two.runner.num_collected == 1  # a step sent, its reply not read
+        engine.update_weights(weights)
+        outputs = []
+        while engine.has_unfinished_requests():
+            outputs += engine.step()
+        found.append([o.token_ids for o in outputs if o.finished])
+    assert found[1] == found[0] and found[0]
