@@ -102,6 +102,23 @@ def test_a_vision_adapter_with_the_tower_in_data_mode_gives_tp1s_tokens(pair, tm
     assert two.stats()["encoder_runs"] - runs == 3
 
 
+def test_a_rank_tiles_its_cascade_layout_for_its_own_heads():
+    """4 query heads and 1 KV head replicated at TP 2: a rank's layers hold 2 query heads a KV head, not 4, and check
+    the step's layout against that GQA group (layers/attention.py), so the rank's policy is tiled for it."""
+    from types import SimpleNamespace
+
+    from mmengine.kernels.tiling import tokens_per_tile
+    from mmengine.runner.cascade_plan import CascadePolicy
+    from mmengine.runner.worker import rank_cascade_policy
+
+    whole = CascadePolicy(mode="on", block_size=16, tokens_per_tile=tokens_per_tile(4, 1), kv_bytes_per_token=128, num_kv_heads=1)
+    family = SimpleNamespace(kv_cache_layout=lambda: [(1, 16)] * 2, kv_cache_windows=lambda: [None, None])
+    runner = SimpleNamespace(text_config=SimpleNamespace(num_attention_heads=4), family=family, kv_element_bytes=4,
+                             inputs=SimpleNamespace(cascade=whole))
+    policy = rank_cascade_policy(runner, 2)
+    assert policy.tokens_per_tile == tokens_per_tile(2, 1) != whole.tokens_per_tile and policy.mode == "on"
+
+
 def test_the_ranks_drop_a_host_block_once_the_drivers_tier_drops_it():
     books = DriverHostBlocks()
     entry = HostBlock(block_hash=7, key=(), parent_hash=None)
