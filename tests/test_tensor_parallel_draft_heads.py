@@ -1,8 +1,9 @@
 """Draft heads at tensor_parallel_size 2 (two gloo ranks, fp32): Qwen3.5 with its MTP head and Qwen3-VL with an EAGLE-3
 head (its own embeddings and a draft vocabulary of its own) give TP 1's greedy tokens and those without speculation,
 with a picture and a prefill chunked over steps, with async scheduling on and off; the ranks' drafts are TP 1's draft
-for draft (so the draft and per-position counts are equal; the random heads' drafts are all rejected), and a repeat
-is a prefix hit whose drafts are the first run's (the head's K/V came back on both ranks). Rank 1 reads only its part
+for draft, so the draft, acceptance and per-position counts are equal (the random MTP head's drafts are all rejected;
+the EAGLE-3 head's draft vocabulary is the target's output tokens, and some are kept), and a repeat is a prefix hit whose
+drafts are the first run's (the head's K/V came back on both ranks). Rank 1 reads only its part
 of each head's split tensors; a head the ranks cannot split is refused by name before any process starts. The two TP
 2 engines start at once, in threads, beside their TP 1 references."""
 
@@ -12,7 +13,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import chat_formats
 from helpers import RecordedSlices, make_request, record_draft_proposals, stop_recording_draft_proposals, tensor_parallel_pairs
@@ -35,16 +36,38 @@ def _spec(method: str, head=None) -> dict:
     return {**spec, "model": str(head)} if head is not None else spec
 
 
+PATHS = {"mtp": lambda checkpoint: tiny_qwen3_5_mtp_path(), "eagle3": lambda checkpoint: checkpoint("qwen3_vl")}
+
+
 @pytest.fixture(scope="module")
-def eagle3_head(family_checkpoint, tmp_path_factory):
-    return build_eagle3_head(tmp_path_factory.mktemp("eagle3") / "head", family_checkpoint("qwen3_vl"), draft_vocab_size=200,
+def without_speculation(family_checkpoint):
+    """method -> the batch's greedy tokens at TP 1 without a draft head."""
+    found = {}
+    for method, path in PATHS.items():
+        plain = MMEngine(str(path(family_checkpoint)), **OPTIONS)
+        prompts, images = _batch(method, "Describe the picture.")
+        found[method] = [o.token_ids for o in plain.generate(prompts, images=images, sampling_params=GREEDY, use_tqdm=False)]
+        plain.shutdown()
+    return found
+
+
+@pytest.fixture(scope="module")
+def eagle3_head(family_checkpoint, tmp_path_factory, without_speculation):
+    """A random head whose draft vocabulary (d2t) maps onto the tokens the target emits for the batch, cycled, so that
+    some of its drafts are kept (which of them it picks is its own computation)."""
+    head = build_eagle3_head(tmp_path_factory.mktemp("eagle3") / "head", family_checkpoint("qwen3_vl"), draft_vocab_size=200,
                              own_embeddings=True)
+    emitted = torch.as_tensor([t for tokens in without_speculation["eagle3"] for t in tokens])
+    tensors = load_file(str(head / "model.safetensors"))
+    targets = emitted[torch.arange(200) % len(emitted)]
+    save_file({**tensors, "d2t": targets - torch.arange(200)}, str(head / "model.safetensors"), metadata={"format": "pt"})
+    return head
 
 
 @pytest.fixture(scope="module")
 def engines(family_checkpoint, eagle3_head):
     """method -> (checkpoint, TP 1 engine, TP 2 engine), both drafting with the head."""
-    paths = {"mtp": tiny_qwen3_5_mtp_path(), "eagle3": family_checkpoint("qwen3_vl")}
+    paths = {method: path(family_checkpoint) for method, path in PATHS.items()}
     specs = {"mtp": _spec("mtp"), "eagle3": _spec("eagle3", eagle3_head)}
     with tensor_parallel_pairs(paths, {m: {"speculative_config": s} for m, s in specs.items()}, **OPTIONS) as pairs:
         yield pairs
@@ -54,18 +77,6 @@ def _batch(method: str, text: str) -> tuple[list[str], list]:
     family = FAMILY[method]
     # (24 tokens: the first chained draft after its prefill is written into a block the prompt does not have)
     return [chat_formats.user_turn(family, text, 1), chat_formats.user_turn(family, "Count to nine.", 0)], [PICTURES, None]
-
-
-@pytest.fixture(scope="module")
-def without_speculation(engines):
-    """method -> the batch's greedy tokens at TP 1 without a draft head."""
-    found = {}
-    for method, (path, _, _) in engines.items():
-        plain = MMEngine(str(path), **OPTIONS)
-        prompts, images = _batch(method, "Describe the picture.")
-        found[method] = [o.token_ids for o in plain.generate(prompts, images=images, sampling_params=GREEDY, use_tqdm=False)]
-        plain.shutdown()
-    return found
 
 
 def _run(engine, prompts, images):
@@ -92,6 +103,8 @@ def test_tp2_drafts_what_tp1_drafts_and_keeps_the_greedy_tokens(engines, without
     spec = {k: v for k, v in counts_two.items() if k.startswith("spec_")}
     assert spec == {k: v for k, v in counts_one.items() if k.startswith("spec_")}
     assert spec["spec_draft_tokens"] > 0 and spec["spec_drafted_position_1"] > 0  # chains of at least 2
+    if method == "eagle3":  # (the MTP head's drafts are all rejected)
+        assert spec["spec_accepted_tokens"] > 0
     assert counts_two["steps_launched_ahead"] == 0  # async: each step is read before the next, whose drafts follow it
 
 
