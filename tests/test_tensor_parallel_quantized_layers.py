@@ -40,10 +40,10 @@ def _quantized(source: Path, target: Path, case: str) -> Path:
     return quantize_checkpoint(source, target, method, block=block, group_size=group, reference=False)[0]
 
 
-def _rank_model(path: Path, rank: int) -> torch.nn.Module:
+def _rank_model(path: Path, rank: int, expert_parallel: bool = False) -> torch.nn.Module:
     """Rank `rank` of 2 built and loaded as the runner builds it with the fused kernels on (no collective runs)."""
     family = build_input_parts(EngineConfig(str(path), max_model_len=256)).family
-    ranked = tensor_parallel_family(family, TensorParallelGroup(rank, 2, torch.device("cpu")))
+    ranked = tensor_parallel_family(family, TensorParallelGroup(rank, 2, torch.device("cpu")), expert_parallel)
     with torch.device("cpu"), parameters_on_meta():
         model = type(ranked).model_class(family.hf_config)
     model.defer_quantizable_weights(torch.device("cpu"))
@@ -98,6 +98,43 @@ def test_rank_1_holds_quantized_layers_of_exactly_its_slice(family_checkpoint, t
             g_idx = stored[f"{o_proj}.g_idx"][32:].long()
             local = attn.o_proj.quantized.g_idx.long()
             assert torch.equal(attn.o_proj.quantized.zeros[local], zeros[g_idx].float())
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["intermediate-split", "expert-parallel"])
+@pytest.mark.parametrize("method", ["fp8", "gptq"])
+def test_rank_1_keeps_its_experts_quantized(family_checkpoint, tmp_path, method, expert_parallel):
+    """Qwen3.5-MoE's experts (8 a layer, 32 intermediate rows, stored one tensor per expert): rank 1 holds TP 1's
+    Fp8FusedExperts / Int4FusedExperts over its intermediate rows 16..31 of every expert (its down inputs: FP8 blocks 32
+    wide are cut, so gate_up's and down's scales are kept per 16 inputs) or, with expert parallelism, experts 4..7
+    whole, with exactly the values of the whole dequantized experts."""
+    from mmengine.distributed.quantized_parallel_experts import QuantizedParallelExperts
+    from mmengine.layers.moe import Fp8FusedExperts, Int4FusedExperts
+
+    block, group = ((16, 32), 32) if method == "fp8" else ((32, 32), 16)
+    path = quantize_checkpoint(family_checkpoint("qwen3_5_moe"), tmp_path / method, method, block=block, group_size=group,
+                               reference=False)[0]
+    model = _rank_model(path, 1, expert_parallel)
+    whole = _whole_dequantized(path)
+    for index, layer in enumerate(model.language_model.layers):
+        experts = layer.mlp.experts
+        assert type(experts) is QuantizedParallelExperts
+        q = experts.quantized
+        assert type(q) is (Fp8FusedExperts if method == "fp8" else Int4FusedExperts)
+        assert q.group == (32 if method == "fp8" and expert_parallel else 16)  # (the split cuts 32-wide blocks)
+        held = range(4, 8) if expert_parallel else range(8)
+        rows = slice(0, 32) if expert_parallel else slice(16, 32)
+        for local, e in enumerate(held):
+            name = f"model.language_model.layers.{index}.mlp.experts.{e}"
+            gate_up = torch.cat([whole[f"{name}.gate_proj.weight"][rows], whole[f"{name}.up_proj.weight"][rows]])
+            down = whole[f"{name}.down_proj.weight"][:, rows]
+            if method == "fp8":
+                ours = [dequantize_packed(PackedFp8(q.gate_up_proj[local], q.gate_up_scales[local], q.group)),
+                        dequantize_packed(PackedFp8(q.down_proj[local], q.down_scales[local], q.group))]
+            else:
+                ours = [dequantize_packed(PackedInt4(q.gate_up_proj[local], q.gate_up_scales[local], q.gate_up_zeros[local], q.group)),
+                        dequantize_packed(PackedInt4(q.down_proj[local], q.down_scales[local], q.down_zeros[local], q.group))]
+            assert torch.equal(ours[0], gate_up) and torch.equal(ours[1], down), (index, e)
+    assert not any(p.is_meta for p in model.parameters())
 
 
 def test_update_weights_refuses_a_projection_kept_quantized_by_name(family_checkpoint, tmp_path):

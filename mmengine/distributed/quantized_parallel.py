@@ -9,6 +9,9 @@ ColumnParallelLinear (QKV, gate/up)  QuantizedColumnParallel  Int4Linear / Fp8Li
                                                               concatenated as TP 1 concatenates q/k/v and gate/up
 RowParallelLinear (o, down)          QuantizedRowParallel     the quantized GEMM over the rank's inputs, then the
                                                               all-reduce, the bias added once after it
+(Expert)ParallelFusedExperts         QuantizedParallelExperts Fp8FusedExperts / Int4FusedExperts of the rank's
+                                                              intermediate share or whole experts, all-reduced
+                                                              (quantized_parallel_experts.py)
 ```
 
 The rank's dense weight is never given storage: built under the runner's `parameters_on_meta`, it stays on meta
@@ -23,6 +26,14 @@ import torch
 from torch import nn
 
 from mmengine.distributed.parallel_linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from mmengine.distributed.quantized_parallel_experts import (
+    ParallelExperts,
+    QuantizedParallelExperts,
+    expert_rank_layout,
+    load_dequantized,
+    local_expert,
+    quantized_experts,
+)
 from mmengine.distributed.quantized_rank_layout import RankSlice, rank_layout
 from mmengine.distributed.quantized_slices import QuantizedWeightSlice
 from mmengine.errors import WeightsMismatchError
@@ -79,9 +90,15 @@ class QuantizedRowParallel(nn.Module):
 
 
 def deferred_weights(model: nn.Module) -> set[str]:
-    """The decoder's parallel projections' weights a quantized layer may replace (left on meta at build)."""
-    return {f"{path}.weight" for path, module in model.named_modules()
-            if path.startswith(_DECODER) and isinstance(module, ParallelLinear)}
+    """The decoder's parallel projections' weights and SiLU experts' a quantized layer may replace (left on meta at
+    build)."""
+    deferred = set()
+    for path, module in model.named_modules():
+        if path.startswith(_DECODER) and isinstance(module, ParallelLinear):
+            deferred.add(f"{path}.weight")
+        elif path.startswith(_DECODER) and isinstance(module, ParallelExperts) and module.act.fusable:
+            deferred |= {f"{path}.gate_up_proj", f"{path}.down_proj"}
+    return deferred
 
 
 class RankQuantizedLoad:
@@ -94,6 +111,21 @@ class RankQuantizedLoad:
         self.layouts = layouts
         self.owners = {id(module.weight): (path, module) for path, module in model.named_modules()
                        if path.startswith(_DECODER) and isinstance(module, ParallelLinear)}
+
+    def expert(self, prefix: str, expert: int, projection: str, tensor: object) -> bool:
+        """Whether one expert's projection (stored apart) was kept as the rank's kernel layout; if not, the layer's
+        experts have storage for load_expert."""
+        module = self.model.get_submodule(prefix)
+        layout = None
+        if isinstance(module, ParallelExperts) and isinstance(tensor, QuantizedWeightSlice) and module.act.fusable:
+            held = getattr(module, "holds", lambda e: True)(expert)
+            layout = expert_rank_layout(module, expert, projection, tensor) if held else None
+        if layout is None:
+            for param in (module.gate_up_proj, module.down_proj):
+                materialized(self.model, param)
+            return False
+        self.layouts.setdefault(prefix, {})[(local_expert(module, expert), projection)] = layout
+        return True
 
     def target(self, parameter: nn.Parameter, tensor: object, piece: object) -> nn.Parameter | None:
         owner = self.owners.get(id(parameter))
@@ -154,6 +186,17 @@ def use_rank_quantized_weights(model: nn.Module, layouts: Layouts) -> int:
         pieces = layouts.pop(path, None)
         if pieces is None:
             continue
+        if isinstance(module, ParallelExperts):
+            experts = quantized_experts(module, pieces, embed.device)
+            if experts is None:  # as TP 1: dequantized into the dense experts
+                for param in (module.gate_up_proj, module.down_proj):
+                    materialized(model, param)
+                load_dequantized(module, pieces)
+            else:
+                parent_name, _, attr = path.rpartition(".")
+                setattr(model.get_submodule(parent_name), attr, experts)
+                swapped += 1
+            continue
         count = len(module.pieces) if isinstance(module, MergedColumnParallelLinear) else 1
         parts = [pieces.get(i) for i in range(count)]
         is_row = isinstance(module, RowParallelLinear)
@@ -185,15 +228,12 @@ def runs_quantized(model: nn.Module, name: str) -> bool:
     """Whether the checkpoint weight `name` (ours) loaded into a projection now kept quantized (which update_weights
     cannot replace, as at TP 1)."""
     parts = name.split(".")[:-1]
-    paths = [".".join(parts)]
     if parts and parts[-1] in STACKED_PROJECTIONS:
-        paths.append(".".join([*parts[:-1], STACKED_PROJECTIONS[parts[-1]][0]]))
-    for path in paths:
-        try:
-            module = model.get_submodule(path)
-        except AttributeError:
-            continue
-        if isinstance(module, (QuantizedColumnParallel, QuantizedRowParallel)):
+        parts[-1] = STACKED_PROJECTIONS[parts[-1]][0]
+    module = model
+    for part in parts:  # (an expert's projection: the experts above it)
+        module = getattr(module, part, None)
+        if isinstance(module, (QuantizedColumnParallel, QuantizedRowParallel, QuantizedParallelExperts)):
             return True
     return False
 

@@ -260,6 +260,8 @@ def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, 
             if key in experts_seen:
                 raise WeightsMismatchError(f"tensor {raw_name!r} appears twice (a parameter must be loaded once)", slices.where(raw_name))
             experts_seen[key] = raw_name
+            if keep is not None and keep.expert(expert["prefix"], int(expert["expert"]), expert["proj"], tensor):
+                continue  # kept quantized
             model.get_submodule(expert["prefix"]).load_expert(int(expert["expert"]), expert["proj"], tensor)
             continue
         check.accept(name, raw_name, tensor)
