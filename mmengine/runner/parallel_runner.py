@@ -469,8 +469,9 @@ class ParallelRunner:
             raise failure
 
     def send_weights(self, chunk: list[tuple[str, torch.Tensor]], first: bool, loaded: list[str]) -> None:
-        names, error = self.executor.call("update_weights", chunk, first)[0]
-        loaded.extend(names)
+        replies = self.executor.call("update_weights", chunk, first)
+        loaded.extend(replies[0][0])
+        error = next((error for _, error in replies if error is not None), None)  # (every rank checks the same)
         if error is not None:
             raise error
 

@@ -29,7 +29,6 @@ from mmengine.distributed.graph_capture import capture_failed, rank_capturer
 from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.quantized_parallel import weight_bytes
 from mmengine.distributed.sharded_model import tensor_parallel_family
-from mmengine.errors import MMEngineError
 from mmengine.models.family import ModelFamily
 from mmengine.runner.cuda_graphs import CaptureReport, GraphCapturer, ReplayCounts
 from mmengine.runner.cascade_plan import CascadePolicy, cascade_layer_shape
@@ -194,7 +193,7 @@ class ModelWorker:
             raise RuntimeError(f"request {request.request_id!r}: a placeholder token this rank did not sample")
         tokens[-1] = self.sampled[request.request_id][-1]
 
-    def update_weights(self, weights: list[tuple[str, torch.Tensor]], first: bool) -> tuple[list[str], MMEngineError | None]:
+    def update_weights(self, weights: list[tuple[str, torch.Tensor]], first: bool) -> tuple[list[str], Exception | None]:
         """One chunk of a weight update (`first`: its first, which starts the update's checks): our names of the
         weights loaded, and the error that stopped it, returned rather than raised (a worker that raises ends the
         executor; a refused weight leaves the engine serving, as at TP 1)."""
@@ -203,7 +202,7 @@ class ModelWorker:
         loaded: list[str] = []
         try:
             self.runner.update_weights(weights, loaded)
-        except MMEngineError as err:
+        except Exception as err:  # noqa: BLE001 - returned, as TP 1 raises it to the caller and goes on serving
             return loaded, err
         return loaded, None
 
