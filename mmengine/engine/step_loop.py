@@ -396,11 +396,15 @@ class StepLoop:
         for s in out.scheduled:
             if not s.samples:
                 continue
-            more = min(s.num_new_tokens + k - 1, self.scheduler.max_model_len - s.start)
-            while more > s.num_new_tokens and not caches.can_allocate(s.request, more):
+            request = s.request
+            # the chain reaches min(k, room) - 1 positions past the step's tokens at most (room: what the request can
+            # still emit after the step, which keeps at least one token)
+            room = request.sampling_params.max_tokens - request.num_output_tokens - 2
+            more = min(s.num_new_tokens + min(k, room) - 1, self.scheduler.max_model_len - s.start)
+            while more > s.num_new_tokens and not caches.can_allocate(request, more):
                 more -= 1
             if more > s.num_new_tokens:
-                caches.allocate(s.request, more)
+                caches.allocate(request, more)
 
     def _window_tables(self, out: SchedulerOutput) -> dict[str, list[int]] | None:
         """The sliding-window pool's block tables (None without one)."""

@@ -22,10 +22,9 @@ the same rule on every rank, derived from the plan (`parallel_graphs.py`), and r
 each step (`decode_graphs`). A capture that fails on any rank stops every rank and raises CudaGraphCaptureError.
 `capture_cuda_graphs(EagerCapturer())` sends the CPU stand-in to the ranks.
 
-What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): a draft head whose sizes
-the ranks do not divide, and sizes that
-do not divide (`distributed/sharded_model.py`), enable_expert_parallel on a model without experts or whose experts
-the ranks do not divide among them.
+What is refused at TP > 1, by name, before any process starts (`check_parallel_options`): a decoder or a draft head
+whose sizes the ranks do not divide (`distributed/sharded_model.py`, `distributed/sharded_draft_heads.py`), and
+enable_expert_parallel on a model without experts or whose experts the ranks do not divide among them.
 """
 
 from __future__ import annotations
