@@ -234,10 +234,16 @@ def run_budget(args: argparse.Namespace) -> None:
     from mmengine.encoder_cache.host_tier import host_tier_bytes
     from mmengine.runner.kv_tensors import kv_block_bytes
 
-    host = host_tier_bytes(args.encoder_cache_host_bytes, device.type)
-    source = "--encoder-cache-host-bytes" if args.encoder_cache_host_bytes is not None else f"default on {device.type}"
+    # At TP > 1 each rank has host tiers of its own (of its KV heads' blocks), and their default is 0 (the driver
+    # holds no tensors), as the engine sizes them
+    tier_device = device.type if args.tensor_parallel_size == 1 else "cpu"
+    each = "" if args.tensor_parallel_size == 1 else ", each rank's"
+    default = f"default on {device.type}" if args.tensor_parallel_size == 1 else \
+        f"default at --tensor-parallel-size {args.tensor_parallel_size}"
+    host = host_tier_bytes(args.encoder_cache_host_bytes, tier_device)
+    source = "--encoder-cache-host-bytes" if args.encoder_cache_host_bytes is not None else default
     per_item = budget.max_tokens_per_item * budget.bytes_per_token
-    print(f"  host tier (evicted outputs)   {host:>12}   bytes ({source}): {host // per_item} items of the largest size")
+    print(f"  host tier (evicted outputs)   {host:>12}   bytes ({source}{each}): {host // per_item} items of the largest size")
     text = family.text_config
     _print_weights(family, args.model, elem)
     if config.spec_config.method == "eagle3":
@@ -255,10 +261,14 @@ def run_budget(args: argparse.Namespace) -> None:
     if args.tensor_parallel_size > 1:
         _print_rank_budget(family, args.model, args.tensor_parallel_size, elem, kv_elem, block_size, args.num_kv_blocks,
                            args.enable_expert_parallel)
-    kv_host = host_tier_bytes(args.kv_cache_host_bytes, device.type)
-    kv_source = "--kv-cache-host-bytes" if args.kv_cache_host_bytes is not None else f"default on {device.type}"
+    kv_host = host_tier_bytes(args.kv_cache_host_bytes, tier_device)
+    kv_source = "--kv-cache-host-bytes" if args.kv_cache_host_bytes is not None else default
+    if args.tensor_parallel_size > 1:
+        from mmengine.distributed.rank_budget import rank_kv_layout
+
+        block_bytes = kv_block_bytes(rank_kv_layout(family.kv_cache_layout(), args.tensor_parallel_size), block_size, kv_elem)
     print("KV cache host tier (evicted prefix blocks)")
-    print(f"  host tier                     {kv_host:>12}   bytes ({kv_source}): {kv_host // block_bytes} blocks of "
+    print(f"  host tier                     {kv_host:>12}   bytes ({kv_source}{each}): {kv_host // block_bytes} blocks of "
           f"{block_bytes} bytes")
 
 

@@ -65,6 +65,18 @@ def two_rounds(engine) -> list[list[int]]:
     return found
 
 
+def test_budget_prints_each_ranks_host_tiers_as_the_engine_sizes_them(pair, capsys):
+    from mmengine.cli import main
+
+    path, _, two = pair
+    assert main(["budget", "--model", str(path), "--device", "cpu", "--tensor-parallel-size", "2",
+                 "--encoder-cache-host-bytes", "65536", "--kv-cache-host-bytes", "81920"]) == 0
+    out = capsys.readouterr().out
+    assert "65536   bytes (--encoder-cache-host-bytes, each rank's): 16 items" in out  # every rank keeps every output
+    block = two.runner.kv_block_bytes  # a rank's heads' share of a block (4096 bytes: half of TP 1's)
+    assert f"81920   bytes (--kv-cache-host-bytes, each rank's): {81920 // block} blocks of {block} bytes" in out
+
+
 def test_encoder_outputs_spilled_to_host_memory_come_back_at_tp2_as_at_tp1(pair):
     _, one, two = pair
     keys = ("encoder_runs", "encoder_host_hits", "encoder_host_evictions", "encoder_host_entries", "encoder_host_bytes",
