@@ -218,3 +218,31 @@ def test_a_head_the_ranks_cannot_split_is_refused_by_name_before_any_process_sta
                                           r"is not divisible by tensor_parallel_size=2"):
         MMEngine(str(family_checkpoint("qwen3_vl")), tensor_parallel_size=2, speculative_config=_spec("eagle3", odd), **OPTIONS)
     assert {child.pid for child in psutil.Process().children(recursive=True)} <= before
+
+
+def test_a_rank_masks_each_position_of_a_constrained_verify_row_with_its_own_mask(family_checkpoint):
+    """The driver sends a grammar's mask for each position of a verify row (after 0, 1, ... drafts); a rank
+    (runner/worker.py at TP 1: no process) applies mask i at position i. (Before, every position took the first
+    one: n-gram drafts under a JSON grammar at TP 2 ended the output wrongly once a draft was kept.)"""
+    from mmengine.config import EngineConfig
+    from mmengine.distributed.process_group import single_rank_group
+    from mmengine.engine.startup import build_input_parts
+    from mmengine.runner.step_plan import NewRequest, PlannedRow, StepPlan
+    from mmengine.runner.worker import ModelWorker
+
+    llava = family_checkpoint("llava")
+    config = EngineConfig(str(llava), max_model_len=128, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    parts = build_input_parts(config)
+    worker = ModelWorker(single_rank_group(), config=config, family=parts.family, model_dir=str(llava), dtype=torch.float32,
+                         max_model_len=parts.max_model_len)
+    worker.allocate_kv_cache(8)
+    prompt = parts.input_processor.tokenizer("USER: Tell me a story about a cat. ASSISTANT:").input_ids
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    first = worker.execute_step(StepPlan(new_requests=[NewRequest("r", prompt, [], None, params)], block_tables={"r": [0, 1]},
+                                         rows=[PlannedRow("r", 0, len(prompt), [], len(prompt), [], 0)])).tokens["r"]
+    allowed = [7, 42, 13]  # position i's mask allows allowed[i] alone
+    masks = torch.zeros(3, (parts.family.text_config.vocab_size + 31) // 32, dtype=torch.int32)
+    for row, token in enumerate(allowed):
+        masks[row, token // 32] = 1 << (token % 32)
+    verify = PlannedRow("r", len(prompt), 3, [], len(prompt), first, 0, masks, draft_token_ids=[7, 9])
+    assert worker.execute_step(StepPlan(rows=[verify], block_tables={"r": [0, 1]})).tokens == {"r": allowed}

@@ -230,7 +230,8 @@ class ParallelRunner:
         self.penalties = ReleasedRequests()
         spec = config.spec_config
         self.drafter = RemoteDrafter() if spec.num_speculative_tokens and spec.method in ("mtp", "eagle3") else None
-        self.grammar_masks = BitmaskFiller(family.text_config.vocab_size, 1, self.device)
+        # a constrained verify row's masks: one a position, the grammar's after the drafts before it
+        self.grammar_masks = BitmaskFiller(family.text_config.vocab_size, 1 + config.spec_config.num_speculative_tokens, self.device)
         self.encoder_outputs: dict[str, bool] = {}  # the mm_hashes the ranks hold
         self.encoder_host_tier = None  # the encoder host tier's books (start-up sets it); the ranks hold the outputs
         self.encoder_host_books: DriverEncoderHost | None = None
@@ -340,7 +341,9 @@ class ParallelRunner:
         if not isinstance(launched, PendingRemoteStep):
             return launched
         for index, request in launched.masked:
-            launched.plan.rows[index].grammar_mask = self.grammar_masks.fill([request.grammar]).clone()
+            drafts = launched.plan.rows[index].draft_token_ids
+            launched.plan.rows[index].grammar_mask = self.grammar_masks.fill(
+                [request.grammar] * (1 + len(drafts)), [drafts[:i] for i in range(1 + len(drafts))]).clone()
         return self.send(launched.plan, launched.requests, wait=False)
 
     def send(self, plan: StepPlan, requests: dict[str, Any], wait: bool) -> RemoteStep:

@@ -56,7 +56,7 @@ class PlannedRow:
     token_base: int  # the request's tokens from this index on are `new_tokens` (what the ranks lack)
     new_tokens: list[int]
     num_prefix_hit_tokens: int
-    grammar_mask: Any = None  # the row's token bitmask (host int32 [1, words]) when a grammar constrains it
+    grammar_mask: Any = None  # the row's token bitmasks (host int32 [1 + drafts, words]) when a grammar constrains it
     state: Any = None  # hybrid models: the recurrent state's StatePlan (slot, reset or restore, checkpoints to save)
     draft_token_ids: list[int] = field(default_factory=list)  # speculative decoding: drafts this step verifies
     restored_items: list[int] = field(default_factory=list)  # items each rank copies back from its encoder host tier

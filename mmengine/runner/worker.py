@@ -46,10 +46,12 @@ class PlannedMask:
 
 
 class PlannedMasks:
-    """Stands in for the runner's BitmaskFiller: the rows' masks came with the plan."""
+    """Stands in for the runner's BitmaskFiller: the rows' masks came with the plan (a verify row's, one a position:
+    the row after n drafts reads the request's mask n)."""
 
     def fill(self, matchers: list[PlannedMask], drafts: list[list[int]] | None = None) -> torch.Tensor:
-        return torch.cat([matcher.mask for matcher in matchers])
+        before = drafts if drafts is not None else [[]] * len(matchers)
+        return torch.cat([matcher.mask[len(d) : len(d) + 1] for matcher, d in zip(matchers, before, strict=True)])
 
 
 def rank_cascade_policy(runner: ModelRunner, tp_size: int) -> CascadePolicy:
