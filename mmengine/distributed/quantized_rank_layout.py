@@ -96,8 +96,8 @@ def _refuse(part: RankSlice, what: str, group: int, fine: int) -> None:
     raise SliceCutsGroup(
         f"{part.layer}: input size {part.c1 - part.c0} per rank (tensor_parallel_size={part.tp_size}, inputs "
         f"{part.c0}..{part.c1}) cuts {what} of {group} inputs into pieces of {fine}, not a multiple of {WORD}: its "
-        "quantized weights cannot be split so; choose a tensor_parallel_size that splits the inputs into multiples of "
-        f"{WORD} (or run with attn_backend='torch', which dequantizes at load)")
+        f"quantized weights cannot be kept split so; use a tensor_parallel_size for which gcd({group}, inputs per rank) "
+        f"is a multiple of {WORD}, or attn_backend='torch' (which dequantizes at load)")
 
 
 class SliceCutsGroup(ConfigError):
