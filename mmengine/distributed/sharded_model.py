@@ -16,6 +16,9 @@ the vision tower, projector, norms   replicated               read whole
 mtp.* (Qwen3.5's MTP head)           as a decoder layer       fc column-parallel, gathered (sharded_draft_heads.py)
 ```
 
+On a quantized checkpoint with the fused kernels on, the decoder's projections and SiLU experts keep the rank's slice
+of the checkpoint's bits instead, in TP 1's quantized layers (quantized_parallel.py).
+
 `check_tensor_parallel_shapes` says, from the config alone and before any process starts, whether the
 decoder can be split: a ConfigError naming the field (num_attention_heads, num_key_value_heads,
 intermediate_size, moe_intermediate_size, or num_experts with enable_expert_parallel) and tensor_parallel_size, or
