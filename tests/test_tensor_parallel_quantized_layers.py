@@ -121,6 +121,8 @@ def test_rank_1_keeps_its_experts_quantized(family_checkpoint, tmp_path, method,
         q = experts.quantized
         assert type(q) is (Fp8FusedExperts if method == "fp8" else Int4FusedExperts)
         assert q.group == (32 if method == "fp8" and expert_parallel else 16)  # (the split cuts 32-wide blocks)
+        if method == "fp8":  # the shared expert's gate [1, 64], whole on every rank: TP 1's quantized layer too
+            assert type(layer.mlp.shared_expert_gate) is Fp8Linear
         held = range(4, 8) if expert_parallel else range(8)
         rows = slice(0, 32) if expert_parallel else slice(16, 32)
         for local, e in enumerate(held):

@@ -43,6 +43,7 @@ from mmengine.models.llama import STACKED_PROJECTIONS
 from mmengine.models.quantization import PackedFp8, PackedInt4, dequantize_packed
 
 ParallelLinear = (ColumnParallelLinear, RowParallelLinear)
+Projection = (ColumnParallelLinear, RowParallelLinear, nn.Linear)  # nn.Linear: one every rank holds whole (replicated)
 _DECODER = "language_model.layers."
 Layouts = dict[str, dict[int, PackedFp8 | PackedInt4]]  # a parallel linear's path -> its pieces' rank layouts
 
@@ -94,7 +95,7 @@ def deferred_weights(model: nn.Module) -> set[str]:
     build)."""
     deferred = set()
     for path, module in model.named_modules():
-        if path.startswith(_DECODER) and isinstance(module, ParallelLinear):
+        if path.startswith(_DECODER) and isinstance(module, Projection):
             deferred.add(f"{path}.weight")
         elif path.startswith(_DECODER) and isinstance(module, ParallelExperts) and module.act.fusable:
             deferred |= {f"{path}.gate_up_proj", f"{path}.down_proj"}
@@ -110,7 +111,7 @@ class RankQuantizedLoad:
         self.model = model
         self.layouts = layouts
         self.owners = {id(module.weight): (path, module) for path, module in model.named_modules()
-                       if path.startswith(_DECODER) and isinstance(module, ParallelLinear)}
+                       if path.startswith(_DECODER) and isinstance(module, Projection)}
 
     def expert(self, prefix: str, expert: int, projection: str, tensor: object) -> bool:
         """Whether one expert's projection (stored apart) was kept as the rank's kernel layout; if not, the layer's
@@ -144,8 +145,10 @@ def _rank_slices(module: nn.Module, piece: object, weight: QuantizedWeightSlice)
     """The rank's rows or columns of `weight`, by the index of the piece they fill: one piece, or each piece of a
     checkpoint tensor holding them all one after another (Gated DeltaNet's in_proj_qkv); none for a tensor already
     cut to some shard (dequantized)."""
-    tp = module.tp
     out, inp = weight.shape
+    if isinstance(module, nn.Linear):  # replicated: the whole weight, as at TP 1
+        return {0: RankSlice(0, out, 0, inp, "a replicated projection", 1)}
+    tp = module.tp
     if isinstance(module, RowParallelLinear):
         size = module.input_size_per_rank
         return {0: RankSlice(0, out, tp.rank * size, (tp.rank + 1) * size, module.name, tp.size)}
@@ -207,14 +210,24 @@ def use_rank_quantized_weights(model: nn.Module, layouts: Layouts) -> int:
             with torch.no_grad():
                 for index, layout in pieces.items():
                     dense = dequantize_packed(layout).to(device=embed.device, dtype=embed.dtype)
-                    module.weight_loader(weight, dense, index) if count > 1 else module.weight_loader(weight, dense)
+                    if isinstance(module, nn.Linear):
+                        weight.copy_(dense)
+                    else:
+                        module.weight_loader(weight, dense, index) if count > 1 else module.weight_loader(weight, dense)
+            continue
+        parent_name, _, attr = path.rpartition(".")
+        if isinstance(module, nn.Linear):  # replicated: TP 1's layer as it is, no collective
+            if (quantized.in_features, quantized.out_features) != (module.in_features, module.out_features):
+                raise WeightsMismatchError(f"{path}: its quantized weight makes a {quantized.in_features} x "
+                                           f"{quantized.out_features} projection, expected {module.in_features} x {module.out_features}")
+            setattr(model.get_submodule(parent_name), attr, quantized)
+            swapped += 1
             continue
         rank_in = module.input_size_per_rank if is_row else module.input_size
         rank_out = module.output_size if is_row else module.output_size_per_rank
         if (quantized.in_features, quantized.out_features) != (rank_in, rank_out):
             raise WeightsMismatchError(f"{module.name}: the rank's quantized slices make a {quantized.in_features} x "
                                        f"{quantized.out_features} projection, expected {rank_in} x {rank_out}")
-        parent_name, _, attr = path.rpartition(".")
         wrapper = QuantizedRowParallel(quantized, module) if is_row else QuantizedColumnParallel(quantized, module)
         setattr(model.get_submodule(parent_name), attr, wrapper)
         swapped += 1
@@ -233,7 +246,7 @@ def runs_quantized(model: nn.Module, name: str) -> bool:
     module = model
     for part in parts:  # (an expert's projection: the experts above it)
         module = getattr(module, part, None)
-        if isinstance(module, (QuantizedColumnParallel, QuantizedRowParallel, QuantizedParallelExperts)):
+        if isinstance(module, (QuantizedColumnParallel, QuantizedRowParallel, QuantizedParallelExperts, QuantizedLinear)):
             return True
     return False
 
