@@ -72,6 +72,19 @@ def rank_row(tp, path, x_full):
     return layer(x_full)
 
 
+def rank_row_quantized(tp, path, x_full, e4m3, scales):
+    """The rank's columns of an e4m3 weight in TP 1's Fp8Linear, inside QuantizedRowParallel (distributed/quantized_parallel.py)."""
+    from mmengine.distributed.quantized_parallel import QuantizedRowParallel
+    from mmengine.layers.quantized_linear import Fp8Linear
+
+    dense = RowParallelLinear(INTER, HIDDEN, bias=True, input_is_parallel=False, tp=tp, name="down")
+    load(dense, slices(path), "down")
+    size = INTER // tp.size
+    e4m3 = e4m3.view(torch.float8_e4m3fn)  # (sent as its bytes)
+    quantized = Fp8Linear(e4m3[:, tp.rank * size : (tp.rank + 1) * size], scales, size, None)
+    return QuantizedRowParallel(quantized, dense)(x_full)
+
+
 def rank_merged(tp, path, x):
     layer = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], bias=False, tp=tp, name="gate_up")
     f = slices(path)
@@ -223,6 +236,18 @@ def test_row_parallel_equals_linear_with_the_bias_once(ranks, checkpoints):
     x = inputs(5, INTER)
     expected = F.linear(x, w["down.weight"], w["down.bias"])
     for out in ranks.call("run", rank_row, path, x):
+        torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
+
+
+def test_a_quantized_row_parallel_layer_all_reduces_then_adds_the_bias_once(ranks, checkpoints):
+    """FP8 weights per channel, each rank's columns through the FP8 GEMM (the Triton interpreter here), the input
+    narrowed to the rank's share: the all-reduced sum plus the bias once equals the dequantized linear."""
+    path, w = checkpoints[KV_HEADS]
+    scales = w["down.weight"].abs().amax(dim=1, keepdim=True) / 448
+    e4m3 = (w["down.weight"] / scales).to(torch.float8_e4m3fn)
+    x = inputs(5, INTER)
+    expected = F.linear(x, e4m3.float() * scales, w["down.bias"])
+    for out in ranks.call("run", rank_row_quantized, path, x, e4m3.view(torch.uint8), scales):
         torch.testing.assert_close(out, expected, atol=ATOL, rtol=0)
 
 
