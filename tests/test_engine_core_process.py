@@ -10,10 +10,12 @@ import asyncio
 import io
 import os
 import signal
+import threading
 import time
 
 import psutil
 import pytest
+from helpers import wait_until
 
 from mmengine import MMEngine, SamplingParams
 from mmengine.engine.async_engine import AsyncMMEngine, DeltaOutput
@@ -151,6 +153,60 @@ def test_a_whole_answer_crosses_from_the_core_twice(core, thread_engine, monkeyp
     assert handed_back["left"] <= 2  # its first token, and the abort's final output if it came before the stream ended
     assert stats["requests_running"] == stats["requests_waiting"] == 0 and stats["encoder_cache_referenced"] == 0
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+
+
+def test_a_request_being_prepared_joins_the_cores_next_step(core, monkeypatch):
+    """The front end tells the core when it starts preparing a request, and the core's next step waits for it (here
+    held in preparation, with a long max wait): the core runs at most the step it was running meanwhile. A count of
+    the core's steps; the hold only gives a core that does not wait the time to step on."""
+    entered, release = threading.Event(), threading.Event()
+    process = core.input_processor.process
+
+    def held(*args, **kwargs):
+        entered.set()
+        assert release.wait(30)
+        return process(*args, **kwargs)
+
+    async def main():
+        async with AsyncMMEngine(core, max_admission_wait_s=60) as async_engine:
+            long = await async_engine.add_request(TEXT_PROMPT, None, greedy(150, ignore_eos=True))
+            deltas = aiter(long)
+            for _ in range(2):  # the long one is running in the core
+                await anext(deltas)
+            monkeypatch.setattr(core.input_processor, "process", held)
+            adding = asyncio.create_task(async_engine.add_request(TEXT_PROMPT, None, greedy(2)))
+            await asyncio.to_thread(entered.wait, 30)
+            at_arrival = core.stats()["steps"]
+            await asyncio.to_thread(wait_until, lambda: core.stats()["steps"] >= at_arrival + 3, 1.0)
+            stepped_while_preparing = core.stats()["steps"] - at_arrival
+            release.set()
+            _, tokens, _ = await collect(await adding)
+            long.abort()
+            await asyncio.to_thread(wait_until, lambda: not core.has_unfinished_requests(), 10)
+            return stepped_while_preparing, tokens
+
+    stepped_while_preparing, tokens = run(main())
+    assert stepped_while_preparing <= 1 and len(tokens) == 2
+
+
+def test_a_request_that_fails_in_preparation_is_not_waited_for(core):
+    """A request announced to the core that then fails in the front end (a corrupt picture) is withdrawn: the core
+    steps on at once instead of waiting the long max wait for it."""
+
+    async def main():
+        async with AsyncMMEngine(core, max_admission_wait_s=60) as async_engine:
+            long = await async_engine.add_request(TEXT_PROMPT, None, greedy(150, ignore_eos=True))
+            deltas = aiter(long)
+            await anext(deltas)
+            with pytest.raises(CorruptImageError):
+                await async_engine.add_request(LLAVA_PROMPT, [b"not a picture"], greedy(2))
+            at_failure = core.stats()["steps"]
+            stepped_on = await asyncio.to_thread(wait_until, lambda: core.stats()["steps"] >= at_failure + 3, 20)
+            long.abort()
+            await asyncio.to_thread(wait_until, lambda: not core.has_unfinished_requests(), 10)
+            return stepped_on
+
+    assert run(main())
 
 
 def test_leaving_a_stream_aborts_its_request_in_the_core(core):

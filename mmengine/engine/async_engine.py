@@ -217,7 +217,8 @@ class AsyncMMEngine:
     ) -> None:
         """`owns_engine`: shutdown() also closes an EngineCoreClient engine (the front end leaves its core).
         `max_admission_wait_s`: the longest a step waits for requests being prepared on the pool (0: it never
-        waits); an engine-core process reads what has come between its own steps instead."""
+        waits); over an engine-core process, each request being prepared is announced to the core, whose next step
+        waits as long for it."""
         for name, value, low in (
             ("max_queued_requests", max_queued_requests, 1),
             ("num_preprocess_workers", num_preprocess_workers, 1),
@@ -382,6 +383,13 @@ class AsyncMMEngine:
             self._num_queued += 1
             self._preparing.add(stream.request_id)
         self._load_changed()
+        if isinstance(self.engine, EngineCoreClient) and self.max_admission_wait_s > 0:
+            try:  # the core's next step waits for it
+                self.engine.expect(stream.request_id, self.max_admission_wait_s)
+            except BaseException:
+                self._done_preparing(stream.request_id)
+                stream.abort()
+                raise
 
     async def _queue_on_pool(self, stream: RequestStream, job: Callable[..., None], *args: Any) -> RequestStream:
         """Runs the job that prepares and queues the stream's request on the worker pool; if it fails, the
@@ -564,7 +572,7 @@ class AsyncMMEngine:
         """Before a step: waits (at most max_admission_wait_s) for the requests being prepared on the pool, so they
         join this step. Without the wait the step loop, holding the GIL and the engine's lock most of the time,
         ran several steps while a client's next request was rendered, tokenized and queued, each over one slot
-        fewer. (An EngineCoreClient's step only reads the core's outputs: its core does not wait.)"""
+        fewer. (An EngineCoreClient's step only reads the core's outputs: the core waits, told by expect().)"""
         if self.max_admission_wait_s <= 0 or isinstance(self.engine, EngineCoreClient):
             return
         with self._lock:

@@ -42,7 +42,7 @@ import torch.multiprocessing as torch_mp  # registers torch's reductions: tensor
 
 from mmengine.config import EngineConfig
 from mmengine.engine.core_process import (
-    ABORT, ADD, CALL, FAILED, OUTPUTS, READY, REPLY, REQUEST_FAILED, STEP_FAILED, core_main,
+    ABORT, ADD, CALL, EXPECT, FAILED, OUTPUTS, READY, REPLY, REQUEST_FAILED, STEP_FAILED, core_main,
 )
 from mmengine.engine.intake import PreparedRequest, RequestIntake
 from mmengine.engine.picture_mirror import SentPictures
@@ -127,6 +127,7 @@ class EngineCoreClient:
         self.num_items_sent_bare = 0  # items sent without their tensors, the core holding them
         self._books = threading.Lock()
         self._in_core: dict[str, tuple[str | None, list[int]]] = {}  # request id -> its prompt and token ids
+        self._expected: set[str] = set()  # announced to the core (expect()), not sent yet
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # the core's outputs, for step()
         self._backlog: deque[Any] = deque()
         self._calls: dict[int, Future] = {}
@@ -187,6 +188,7 @@ class EngineCoreClient:
         processed = prepared.processed
         with self._books:
             self._in_core[request_id] = (processed.prompt, processed.prompt_token_ids)
+            self._expected.discard(request_id)
         with self._adding:
             items, bare = self._sent_pictures.strip(processed.mm_items)
             if bare:
@@ -195,11 +197,21 @@ class EngineCoreClient:
             self._send((ADD, in_shared_memory(prepared), processor_stats(self.input_processor), whole_answer))
         return request_id
 
+    def expect(self, request_id: str, max_wait_s: float) -> None:
+        """Tells the core that this request is being prepared: its next step waits (at most `max_wait_s`) for it to
+        be added, or aborted, so that it joins that step."""
+        with self._books:
+            self._expected.add(request_id)
+        self._send((EXPECT, request_id, max_wait_s))
+
     def abort_request(self, request_id: str) -> bool:
-        """Tells the core to stop a request (its final "abort" output follows); False if it was not sent there."""
+        """Tells the core to stop a request (its final "abort" output follows); False if it was not sent there
+        (one only announced with expect() is withdrawn, so the core stops waiting for it)."""
         with self._books:
             known = request_id in self._in_core
-        if known:
+            announced = request_id in self._expected
+            self._expected.discard(request_id)
+        if known or announced:
             try:
                 self._send((ABORT, request_id))
             except EngineDeadError:

@@ -11,6 +11,7 @@ intake: checks, tokenizing, media, preprocessing
          items whose tensors cross by fd, shared memory,
          the front end's intake counters, whole_answer)-->
   --("abort", request id)-->                             MMEngine.abort_request
+  --("expect", request id, max wait)-->                  a request being prepared: the next step waits for its add
   --("call", id, name, intake counters)-->              stats, reset_prefix_cache, reset_encoder_cache
   <--("outputs", [RequestOutput])--                      each step's outputs for that front end's requests
   <--("step_failed", why) / ("request_failed", id, error) / ("reply", id, ok, value)--
@@ -27,7 +28,10 @@ front ends gone included, so counters never go back). A picture crosses from a f
 the pictures each front end sent, and that front end sends a picture it knows the core holds without its
 tensors (engine/picture_mirror.py).
 
-The core steps while it has work and reads its messages between steps; idle, it waits for one. It ends when
+The core steps while it has work and reads its messages between steps; idle, it waits for one. A front end says
+when it starts preparing a request ("expect"), and the core's next step waits for that request's add (or abort), up
+to the wait the front end gave, so the request joins the step after the one running when it arrived, as in the
+one-process server (engine/async_engine.py); one that does not come in time is not waited for again. It ends when
 its owner (the process that spawned it) tells it to (None) or is gone, so it never outlives its owner.
 The engine is built with the front end's options, without preprocessing workers: pictures arrive prepared.
 """
@@ -40,6 +44,7 @@ import os
 import pickle
 import signal
 import threading
+import time
 from collections import Counter
 from multiprocessing import Pipe
 from multiprocessing.connection import Connection, Listener, wait
@@ -55,7 +60,7 @@ from mmengine.outputs import RequestOutput
 logger = logging.getLogger(__name__)
 
 READY, FAILED = "ready", "failed"
-ADD, ABORT, CALL = "add", "abort", "call"
+ADD, ABORT, CALL, EXPECT = "add", "abort", "call", "expect"
 OUTPUTS, STEP_FAILED, REQUEST_FAILED, REPLY = "outputs", "step_failed", "request_failed", "reply"
 CALLS = ("stats", "reset_prefix_cache", "reset_encoder_cache")
 
@@ -87,6 +92,7 @@ class EngineCore:
         self.front_ends: list[Connection] = [owner]
         self.owners: dict[str, Connection] = {}  # request id -> the front end that sent it
         self.whole_answers: set[str] = set()  # requests to turn read_final_output_only at their first token
+        self.expected: dict[str, tuple[Connection, float]] = {}  # being prepared: request id -> (front end, max wait)
         # each front end's pictures, as its books say the core holds them (engine/picture_mirror.py); both sides
         # are built from the same options, so they keep the same capacity
         self.pictures: dict[Connection, ReceivedPictures] = {}
@@ -130,6 +136,8 @@ class EngineCore:
             self.whole_answers.discard(request_id)
             self.engine.abort_request(request_id)
         self.pictures.pop(connection, None)
+        for request_id in [rid for rid, (owner, _) in self.expected.items() if owner is connection]:
+            del self.expected[request_id]
         counters = self.intake_counters.pop(connection, {})
         self.departed_counters.update({name: value for name, value in counters.items() if name != "mm_processor_cache_bytes"})
         connection.close()
@@ -149,6 +157,8 @@ class EngineCore:
                     return
             if not engine.has_unfinished_requests():
                 continue
+            if self.expected and not self._await_expected():
+                return
             try:
                 outputs = engine.step()
             except Exception as err:  # noqa: BLE001 - the step advanced nothing: each front end decides whom to fail
@@ -158,6 +168,24 @@ class EngineCore:
                 continue
             if outputs:
                 self._deliver(outputs)
+
+    def _await_expected(self) -> bool:
+        """Before a step: reads messages until every request the front ends are preparing has been added (or
+        aborted), for at most the longest wait they gave; those still missing then are not waited for again.
+        False when the owner said stop or left."""
+        deadline = time.monotonic() + max(wait for _, wait in self.expected.values())
+        while self.expected:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.expected.clear()
+                break
+            watched = self.front_ends + ([self._wake_reader] if self._wake_reader is not None else [])
+            for connection in wait(watched, timeout=remaining):
+                if connection is self._wake_reader:
+                    self._adopt_joined()
+                elif not self._read(connection):
+                    return False
+        return True
 
     def _read(self, connection: Connection) -> bool:
         """Applies the messages waiting on one front end's connection; False when the owner said stop or left."""
@@ -198,6 +226,7 @@ class EngineCore:
             prepared: PreparedRequest
             self.intake_counters[connection] = counters
             request_id = prepared.request_id
+            self.expected.pop(request_id, None)
             try:
                 pictures = self.pictures.setdefault(connection, ReceivedPictures(self._pictures_bytes))
                 items = pictures.fill(prepared.processed.mm_items)  # first: the books follow every message
@@ -211,7 +240,12 @@ class EngineCore:
                 self.owners[request_id] = connection
                 if whole_answer:
                     self.whole_answers.add(request_id)
+        elif kind == EXPECT:
+            if message[1] not in self.owners:
+                self.expected[message[1]] = (connection, message[2])
         elif kind == ABORT:
+            if self.expected.get(message[1], (None,))[0] is connection:
+                del self.expected[message[1]]
             if self.owners.get(message[1]) is connection:
                 del self.owners[message[1]]
                 self.whole_answers.discard(message[1])
