@@ -13,9 +13,11 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from mmengine.distributed.sharding import Loaded, TensorSlice, copy_into
 from mmengine.errors import CheckpointError, WeightsMismatchError
+from mmengine.models.llama import STACKED_PROJECTIONS
 from mmengine.models.loader import safetensors_files
 
 
@@ -76,3 +78,18 @@ def load_parameter(param: torch.nn.Parameter, loaded: Loaded, shard_id: object =
         weight_loader(param, loaded)
     else:
         weight_loader(param, loaded, shard_id)
+
+
+def target_of(model: nn.Module, name: str) -> tuple[nn.Parameter, object]:
+    """The parameter a checkpoint tensor (our name) loads into, and which piece of it (q/k/v, gate/up) or None."""
+    parts = name.split(".")
+    if name.startswith(("language_model.layers.", "mtp.layers.")) and len(parts) >= 6 and parts[-2] in STACKED_PROJECTIONS:
+        fused, piece = STACKED_PROJECTIONS[parts[-2]]
+        try:
+            return model.get_parameter(".".join([*parts[:-2], fused, parts[-1]])), piece
+        except AttributeError:  # a layer that keeps its projections apart (Qwen3.5's gated attention)
+            pass
+    try:
+        return model.get_parameter(name), None
+    except AttributeError:  # a buffer the checkpoint holds (Gemma 4's layer_scalar): whole on every rank
+        return model.get_buffer(name), None

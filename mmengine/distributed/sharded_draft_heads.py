@@ -59,7 +59,7 @@ def check_draft_head_shapes(config: EngineConfig, family: ModelFamily, tp_size: 
 def shard_mtp_head(model: nn.Module, tp: TensorParallelGroup, expert_parallel: bool = False) -> None:
     """Swaps the MTP head's fc and layers for this rank's parallel ones (its MLP or MoE block by the decoder's rule)."""
     from mmengine.distributed.sharded_hybrid import shard_gated_attention
-    from mmengine.distributed.sharded_model import shard_layer_mlp
+    from mmengine.distributed.sharded_layers import shard_layer_mlp
 
     mtp = model.mtp
     hidden = model.language_model.config.hidden_size
@@ -85,7 +85,7 @@ def build_eagle3_head(config: Any, target_hidden: int, own_embeddings: bool, mod
 
 
 def shard_eagle3_head(head: nn.Module, tp: TensorParallelGroup) -> None:
-    from mmengine.distributed.sharded_model import split_mlp
+    from mmengine.distributed.sharded_layers import split_mlp
 
     hidden = head.config.hidden_size
     head.fc = ColumnParallelLinear(head.fc.in_features, hidden, bias=False, gather_output=True, tp=tp, name="fc")
@@ -112,14 +112,14 @@ def shard_eagle3_head(head: nn.Module, tp: TensorParallelGroup) -> None:
 def load_eagle3_shards(head: nn.Module, model_dir: Path, expected: dict[str, tuple[int, ...]]) -> None:
     """Every tensor of the head's checkpoint checked against its whole shape (as `Eagle3Head.load` does) and this
     rank's part of it read."""
-    from mmengine.models.eagle3 import _our_name
+    from mmengine.models.eagle3 import head_parameter_name
 
     slices = CheckpointSlices(model_dir)
     optional = ["d2t"] if head.draft_vocab_size == head.config.vocab_size else []
     check = WeightCheck(expected, slices, optional=optional)
     mlp = head.midlayer.mlp
     for raw_name, tensor in slices:
-        name = _our_name(raw_name)
+        name = head_parameter_name(raw_name)
         if name == "t2d":
             continue
         check.accept(name, raw_name, tensor)

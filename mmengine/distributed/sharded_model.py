@@ -36,30 +36,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from mmengine.distributed.checkpoint_slices import CheckpointSlices, load_parameter
-from mmengine.distributed.parallel_experts import ExpertParallelFusedExperts, ParallelFusedExperts, expert_range
+from mmengine.distributed.checkpoint_slices import CheckpointSlices, load_parameter, target_of
+from mmengine.distributed.parallel_experts import expert_range
 from mmengine.distributed.parallel_lora import enable_parallel_lora
-from mmengine.distributed.parallel_linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from mmengine.distributed.process_group import TensorParallelGroup
-from mmengine.distributed.sharded_draft_heads import build_eagle3_head, shard_mtp_head
 from mmengine.distributed.quantized_parallel import RankQuantizedLoad, deferred_weights, use_rank_quantized_weights
 from mmengine.distributed.quantized_slices import quantized_weight_slices
+from mmengine.distributed.sharded_draft_heads import build_eagle3_head, shard_mtp_head
 from mmengine.distributed.sharded_gemma import shard_gemma_decoder
-from mmengine.distributed.sharded_llama4 import shard_llama4_decoder
 from mmengine.distributed.sharded_hybrid import rank_shape, shard_gated_attention, shard_gated_delta_net
+from mmengine.distributed.sharded_layers import shard_attention, shard_layer_mlp, split_mlp
+from mmengine.distributed.sharded_llama4 import shard_llama4_decoder
+from mmengine.distributed.sharded_update import update_sharded_weights
 from mmengine.distributed.sharding import divide, kv_head_split, routed_experts
 from mmengine.distributed.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from mmengine.errors import ConfigError, WeightsMismatchError
 from mmengine.layers.gated_delta import GatedDeltaNet
-from mmengine.layers.moe import FusedExperts, SparseMoeBlock
 from mmengine.models.family import ModelFamily
-from mmengine.models.llama import STACKED_PROJECTIONS, DecoderAttention, DecoderMLP, DecoderModel, head_dim_of
-from mmengine.models.loader import WeightCheck, materialize_parameters, parameters_on_meta
 from mmengine.models.gemma3_text import Gemma3DecoderModel
 from mmengine.models.gemma4_text import Gemma4DecoderModel
+from mmengine.models.llama import DecoderAttention, DecoderModel, head_dim_of
 from mmengine.models.llama4_text import Llama4DecoderModel
+from mmengine.models.loader import WeightCheck, materialize_parameters, parameters_on_meta
 from mmengine.models.quantization import quantization_of
 from mmengine.models.qwen3_5 import GatedAttention, HybridDecoderModel
+from mmengine.models.vlm import KV_SCALE_NAME
 
 # The decoders this module splits (their families' model_class.decoder_class)
 SPLIT_DECODERS = (DecoderModel, HybridDecoderModel, Gemma3DecoderModel, Gemma4DecoderModel, Llama4DecoderModel)
@@ -68,7 +69,6 @@ _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>g
 # Any part of one expert's projection stored apart (a quantized one's weight, scales, zeros), by our name
 _PER_EXPERT_PART = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.\w+$")
 # An FP8-KV checkpoint's per-layer scales, by our name (as models/vlm.py reads them)
-_KV_SCALE = re.compile(r"^language_model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
 def check_tensor_parallel_shapes(family: ModelFamily, tp_size: int, expert_parallel: bool = False) -> None:
@@ -149,7 +149,6 @@ def build_sharded_model(model_class: Callable[[Any], nn.Module], hf_config: Any,
     model.load_weights = lambda weights, quantization=None, packed=None: load_sharded_weights(  # type: ignore[method-assign]
         model, Path(weights.model_dir), expected, packed)
     model.use_quantized_weights = lambda packed: use_rank_quantized_weights(model, packed)  # type: ignore[method-assign]
-    from mmengine.distributed.sharded_update import update_sharded_weights  # (it imports this module)
 
     model.update_weights = lambda weights, loaded: update_sharded_weights(model, weights, loaded, expected)  # type: ignore[method-assign]
     decoder = model.language_model
@@ -189,42 +188,6 @@ def shard_decoder(model: nn.Module, tp: TensorParallelGroup, expert_parallel: bo
     model.lm_head = ParallelLMHead(config.vocab_size, hidden, tp=tp, name="lm_head")
 
 
-def shard_layer_mlp(mlp: nn.Module, hidden: int, tp: TensorParallelGroup, prefix: str, expert_parallel: bool = False) -> None:
-    """A decoder layer's MLP split, or its MoE block's experts (the router and the shared expert's gate replicated)."""
-    if isinstance(mlp, SparseMoeBlock):
-        if type(mlp.experts) is not FusedExperts:
-            raise ConfigError(f"tensor parallelism: {prefix}'s {type(mlp.experts).__name__} is not split over ranks yet")
-        experts_class = ExpertParallelFusedExperts if expert_parallel else ParallelFusedExperts
-        mlp.experts = experts_class(mlp.experts, tp, f"{prefix}.experts")
-        if mlp.shared_expert is not None:
-            split_mlp(mlp.shared_expert, hidden, tp, f"{prefix}.shared_expert")
-    elif type(mlp) is DecoderMLP:
-        split_mlp(mlp, hidden, tp, prefix)
-    else:
-        raise ConfigError(f"tensor parallelism: {prefix}'s {type(mlp).__name__} is not split over ranks yet")
-
-
-def shard_attention(attn: DecoderAttention, hidden: int, head_dim: int, tp: TensorParallelGroup, prefix: str) -> None:
-    """q/k/v column-parallel in one matmul (the KV-head rule), o row-parallel."""
-    qkv = QKVParallelLinear(hidden, head_dim, attn.num_heads, attn.num_kv_heads, bias=attn.qkv_proj.bias is not None, tp=tp,
-                            name=f"{prefix}.qkv_proj")
-    attn.o_proj = RowParallelLinear(attn.q_size, attn.o_proj.out_features, bias=attn.o_proj.bias is not None, tp=tp,
-                                    name=f"{prefix}.o_proj")
-    attn.qkv_proj = qkv
-    attn.num_heads, attn.num_kv_heads = qkv.num_heads_per_rank, qkv.num_kv_heads_per_rank
-    attn.q_size, attn.kv_size = qkv.q_size, qkv.kv_size
-    attn.attn.num_heads, attn.attn.num_kv_heads = qkv.num_heads_per_rank, qkv.num_kv_heads_per_rank
-
-
-def split_mlp(mlp: DecoderMLP, hidden: int, tp: TensorParallelGroup, name: str) -> None:
-    """gate/up column-parallel (each split on its own), down row-parallel."""
-    inter = mlp.intermediate_size
-    mlp.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], bias=mlp.gate_up_proj.bias is not None, tp=tp,
-                                                  name=f"{name}.gate_up_proj")
-    mlp.down_proj = RowParallelLinear(inter, hidden, bias=mlp.down_proj.bias is not None, tp=tp, name=f"{name}.down_proj")
-    mlp.intermediate_size = inter // tp.size
-
-
 def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, tuple[int, ...]],
                          packed: dict | None = None) -> None:
     """Every checkpoint tensor checked against the whole model's shapes (WeightCheck: missing, unexpected,
@@ -248,7 +211,7 @@ def load_sharded_weights(model: nn.Module, model_dir: Path, expected: dict[str, 
         source = quantized_weight_slices(slices, quantization, skip=elsewhere)
     for raw_name, tensor in source:
         name = model.checkpoint_name(raw_name)
-        scale = _KV_SCALE.match(name)
+        scale = KV_SCALE_NAME.match(name)
         if scale is not None:
             value = tensor[...]
             if value.numel() != 1 or not bool(torch.isfinite(value).all()) or float(value) <= 0:
@@ -300,16 +263,3 @@ def expert_held_elsewhere(model: nn.Module, expected: dict[str, tuple[int, ...]]
     return match["prefix"], int(match["expert"]), match["proj"]
 
 
-def target_of(model: nn.Module, name: str) -> tuple[nn.Parameter, object]:
-    """The parameter a checkpoint tensor (our name) loads into, and which piece of it (q/k/v, gate/up) or None."""
-    parts = name.split(".")
-    if name.startswith(("language_model.layers.", "mtp.layers.")) and len(parts) >= 6 and parts[-2] in STACKED_PROJECTIONS:
-        fused, piece = STACKED_PROJECTIONS[parts[-2]]
-        try:
-            return model.get_parameter(".".join([*parts[:-2], fused, parts[-1]])), piece
-        except AttributeError:  # a layer that keeps its projections apart (Qwen3.5's gated attention)
-            pass
-    try:
-        return model.get_parameter(name), None
-    except AttributeError:  # a buffer the checkpoint holds (Gemma 4's layer_scalar): whole on every rank
-        return model.get_buffer(name), None

@@ -15,11 +15,11 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from mmengine.distributed.checkpoint_slices import load_parameter
+from mmengine.distributed.checkpoint_slices import load_parameter, target_of
 from mmengine.distributed.quantized_parallel import runs_quantized
-from mmengine.distributed.sharded_model import _KV_SCALE, target_of
 from mmengine.errors import WeightsMismatchError
 from mmengine.models.loader import WeightCheck, fuse_expert_tensors
+from mmengine.models.vlm import KV_SCALE_NAME
 
 
 def update_sharded_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], loaded: list[str],
@@ -32,7 +32,7 @@ def update_sharded_weights(model: nn.Module, weights: Iterable[tuple[str, torch.
     num_experts = getattr(model.language_model.config, "num_experts", 0) or 0
     for raw_name, tensor in fuse_expert_tensors(weights, num_experts) if num_experts > 0 else weights:
         name = model.checkpoint_name(raw_name)
-        if _KV_SCALE.match(name):
+        if KV_SCALE_NAME.match(name):
             raise WeightsMismatchError(f"tensor {raw_name!r}: KV-cache scales are read at start-up only")
         if name not in expected and model.is_ignorable(name):
             continue

@@ -133,7 +133,7 @@ class Eagle3Head(nn.Module):
         optional = ["d2t"] if self.draft_vocab_size == self.config.vocab_size else []
         check = WeightCheck(self.checkpoint_shapes(), (source := iter_checkpoint(Path(model_dir))), optional=optional)
         for raw_name, tensor in source:
-            name = _our_name(raw_name)
+            name = head_parameter_name(raw_name)
             if name == "t2d":
                 continue
             check.accept(name, raw_name, tensor)
@@ -151,7 +151,8 @@ class Eagle3Head(nn.Module):
             copy_checked(self.get_parameter(name).data, tensor, name)
 
 
-def _our_name(raw_name: str) -> str:
+def head_parameter_name(raw_name: str) -> str:
+    """The head's parameter a draft checkpoint's tensor loads into."""
     name = raw_name.removeprefix("model.")
     if name.startswith("layers.0."):  # some exports name the one layer as a decoder's first
         name = "midlayer." + name.removeprefix("layers.0.")
@@ -161,7 +162,7 @@ def _our_name(raw_name: str) -> str:
 def has_own_embeddings(model_dir: str) -> bool:
     from mmengine.models.loader import checkpoint_shapes
 
-    return any(_our_name(n) == "embed_tokens.weight" for n in checkpoint_shapes(Path(model_dir)))
+    return any(head_parameter_name(n) == "embed_tokens.weight" for n in checkpoint_shapes(Path(model_dir)))
 
 
 def check_draft_fits(config: PretrainedConfig, model_dir: str, target_config: PretrainedConfig) -> None:

@@ -22,7 +22,7 @@ from mmengine.models.quantization import PackedFp8, PackedInt4, WeightQuantizati
 
 _ROTARY_CACHE = re.compile(r"(^|\.)rotary_emb\.")
 # An FP8-KV checkpoint's per-layer scales (llm-compressor and vLLM name them so), by our name
-_KV_SCALE = re.compile(r"^language_model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
+KV_SCALE_NAME = re.compile(r"^language_model\.layers\.(\d+)\.self_attn\.([kv])_scale$")
 
 
 class VisionLanguageModel(nn.Module):
@@ -123,7 +123,7 @@ class VisionLanguageModel(nn.Module):
         self.kv_scales: dict[tuple[int, str], float] = {}
         for raw_name, tensor in fuse_expert_tensors(tensors, num_experts) if num_experts > 0 else tensors:
             name = self.checkpoint_name(raw_name)
-            kv_scale = _KV_SCALE.match(name)
+            kv_scale = KV_SCALE_NAME.match(name)
             if kv_scale is not None:  # used by an FP8 KV cache only (apply_kv_scales)
                 self._keep_kv_scale(int(kv_scale[1]), kv_scale[2], raw_name, tensor)
                 continue
@@ -151,7 +151,7 @@ class VisionLanguageModel(nn.Module):
         num_experts = getattr(self.language_model.config, "num_experts", 0) or 0
         for raw_name, tensor in fuse_expert_tensors(weights, num_experts) if num_experts > 0 else weights:
             name = self.checkpoint_name(raw_name)
-            if _KV_SCALE.match(name):
+            if KV_SCALE_NAME.match(name):
                 raise WeightsMismatchError(f"tensor {raw_name!r}: KV-cache scales are read at start-up only")
             if name not in expected and self.is_ignorable(name):
                 continue

@@ -34,7 +34,7 @@ import logging
 import multiprocessing
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,10 +42,10 @@ import torch
 
 from mmengine.config import EngineConfig
 from mmengine.core.scheduler import SchedulerOutput
-from mmengine.distributed.executor import MultiprocExecutor
 from mmengine.distributed.encoder_host_moves import DriverEncoderHost
-from mmengine.distributed.kv_host_moves import DriverHostBlocks
+from mmengine.distributed.executor import MultiprocExecutor
 from mmengine.distributed.executor_base import Executor, WorkerError
+from mmengine.distributed.kv_host_moves import DriverHostBlocks
 from mmengine.distributed.ray_placement import import_ray
 from mmengine.distributed.sharded_draft_heads import check_draft_head_shapes
 from mmengine.distributed.sharded_model import check_tensor_parallel_shapes
