@@ -212,7 +212,8 @@ def _thread_server(model: str, port: int, engine_args: list[str]) -> Iterator[st
     from mmengine.entrypoints.serve_cli import build_serve_parser, engine_options
 
     args = build_serve_parser().parse_args(["--model", model, *engine_args])
-    app = build_app(AsyncMMEngine.from_model(model, **engine_options(args)), ServerSettings(MODEL_NAME))
+    app = build_app(AsyncMMEngine.from_model(model, max_admission_wait_s=args.max_admission_wait_ms / 1000, **engine_options(args)),
+                    ServerSettings(MODEL_NAME))
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
@@ -549,6 +550,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="run `mmengine serve` as a subprocess (default) or in a thread of this process")
     parser.add_argument("--api-server-count", type=int, default=1, metavar="N",
                         help="front-end processes of the server (`mmengine serve --api-server-count`; subprocess only)")
+    parser.add_argument("--max-admission-wait-ms", type=float, default=0.0, metavar="MS",
+                        help="the server's --max-admission-wait-ms (default: 0, steps never wait for requests being prepared)")
     parser.add_argument("--mm-processor-workers", type=int, default=0, metavar="N",
                         help="preprocessing worker processes of the engine (the server's, and offline the engine's here)")
     parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
@@ -593,7 +596,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     dtype = {"auto": torch.float32 if device == "cpu" else torch.bfloat16, "float32": torch.float32,
              "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
     engine_args = ["--device", device, "--dtype", str(dtype).removeprefix("torch."), "--max-model-len", str(args.max_model_len),
-                   "--mm-processor-workers", str(args.mm_processor_workers)]
+                   "--mm-processor-workers", str(args.mm_processor_workers),
+                   "--max-admission-wait-ms", str(args.max_admission_wait_ms)]
     result = {"model": model, "device": device, "dtype": str(dtype).removeprefix("torch."),
               "workload": {k: v for k, v in vars(args).items() if k not in ("output", "model", "build_7b")} | {
                   "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate},

@@ -57,24 +57,32 @@ def test_the_serve_command_wires_the_engine_and_the_server(checkpoint_dir, monke
             served["answer"] = httpx.post(server.v1 + "/completions", headers=auth, timeout=60, json={
                 "model": "tiny", "prompt": "USER: hi ASSISTANT:", "max_tokens": 3, "ignore_eos": True}).json()
             served["max_queued_requests"] = async_engine.max_queued_requests
+            served["max_admission_wait_s"] = async_engine.max_admission_wait_s
 
     monkeypatch.setattr("mmengine.entrypoints.api_server.run_server", run_on_a_free_port)
     assert main(["serve", "--model", str(checkpoint_dir()), "--port", "8123", "--host", "127.0.0.2",
                  "--served-model-name", "tiny", "--api-key", "secret", "--max-queued-requests", "5",
-                 "--max-model-len", "128", "--no-enable-prefix-caching", "--log-level", "warning"]) == 0
+                 "--max-model-len", "128", "--no-enable-prefix-caching", "--log-level", "warning",
+                 "--max-admission-wait-ms", "5"]) == 0
     assert (served["host"], served["port"], served["log_level"]) == ("127.0.0.2", 8123, "warning")
     config = served["engine"].config
     assert config.model_config.max_model_len == 128 and config.cache_config.enable_prefix_caching is False
     assert [m["id"] for m in served["models"]["data"]] == ["tiny"] and served["refused"] == 401
     assert served["answer"]["usage"]["completion_tokens"] == 3 and served["max_queued_requests"] == 5
+    assert served["max_admission_wait_s"] == 0.005
 
 
 def test_the_served_name_defaults_to_the_model_argument(checkpoint_dir, monkeypatch):
-    names = []
-    monkeypatch.setattr("mmengine.entrypoints.api_server.run_server",
-                        lambda async_engine, settings, *args, **kwargs: names.append(settings.served_model_name))
+    names, waits = [], []
+
+    def record(async_engine, settings, *args, **kwargs):
+        names.append(settings.served_model_name)
+        waits.append(async_engine.max_admission_wait_s)
+
+    monkeypatch.setattr("mmengine.entrypoints.api_server.run_server", record)
     assert main(["serve", "--model", str(checkpoint_dir()), "--max-model-len", "128"]) == 0
     assert names == [str(checkpoint_dir())]
+    assert waits == [0.0]  # steps never wait for requests being prepared unless asked: the wait delays running requests
 
 
 def test_api_server_count_is_wired_and_refuses_what_it_cannot_serve(checkpoint_dir, monkeypatch, capsys):
@@ -90,7 +98,8 @@ def test_api_server_count_is_wired_and_refuses_what_it_cannot_serve(checkpoint_d
     model = str(checkpoint_dir())
     try:
         main(["serve", "--model", model, "--api-server-count", "3", "--port", "8124", "--max-queued-requests", "8",
-              "--served-model-name", "tiny", "--max-model-len", "128", "--mm-processor-workers", "1", "--log-level", "warning"])
+              "--served-model-name", "tiny", "--max-model-len", "128", "--mm-processor-workers", "1", "--log-level", "warning",
+              "--max-admission-wait-ms", "20"])
     except SystemExit as exit_:
         assert exit_.code == 1
     else:
@@ -99,6 +108,7 @@ def test_api_server_count_is_wired_and_refuses_what_it_cannot_serve(checkpoint_d
     assert (launched["count"], launched["port"], spec.model, spec.settings.served_model_name) == (3, 8124, model, "tiny")
     assert spec.engine_options["max_model_len"] == 128 and spec.engine_options["mm_processor_workers"] == 1
     assert spec.max_queued_requests == 8  # split among the front ends by the launcher (ceil(8 / 3) = 3 each)
+    assert spec.max_admission_wait_s == 0.02
     for flags, message in ((["--api-server-count", "0"], "--api-server-count must be >= 1"),
                            (["--api-server-count", "2", "--enable-lora"], "does not serve LoRA adapters"),
                            (["--api-server-count", "2", "--data-parallel-size", "2"], "not supported with --data-parallel-size")):

@@ -213,12 +213,14 @@ class AsyncMMEngine:
         num_preprocess_workers: int = 2,
         max_step_retries: int = 1,
         owns_engine: bool = False,
-        max_admission_wait_s: float = 0.02,
+        max_admission_wait_s: float = 0.0,
     ) -> None:
         """`owns_engine`: shutdown() also closes an EngineCoreClient engine (the front end leaves its core).
-        `max_admission_wait_s`: the longest a step waits for requests being prepared on the pool (0: it never
-        waits); over an engine-core process, each request being prepared is announced to the core, whose next step
-        waits as long for it."""
+        `max_admission_wait_s`: the longest a step waits for requests being prepared on the pool (0, the default:
+        it never waits); over an engine-core process, each request being prepared is announced to the core, whose
+        next step waits as long for it. A wait puts a request that arrives while a step runs into the next step, at
+        the cost of up to that long between the running requests' tokens whenever one is being prepared: worth it
+        where a step is short against a request's preparation (small models, CPU), not for a GPU's decode."""
         for name, value, low in (
             ("max_queued_requests", max_queued_requests, 1),
             ("num_preprocess_workers", num_preprocess_workers, 1),
@@ -261,6 +263,7 @@ class AsyncMMEngine:
         *,
         max_queued_requests: int | None = None,
         num_preprocess_workers: int = 2,
+        max_admission_wait_s: float = 0.0,
         **engine_options: Any,
     ) -> AsyncMMEngine:
         """`engine_core="process"` (an engine option) runs the scheduler, the caches and the model in an
@@ -269,7 +272,7 @@ class AsyncMMEngine:
         engine = EngineCoreClient(model, **engine_options) if process else MMEngine(model, **engine_options)
         try:
             return cls(engine, max_queued_requests=max_queued_requests, num_preprocess_workers=num_preprocess_workers,
-                       owns_engine=process)
+                       owns_engine=process, max_admission_wait_s=max_admission_wait_s)
         except BaseException:
             if process:
                 engine.close()

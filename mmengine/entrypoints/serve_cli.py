@@ -38,6 +38,10 @@ def build_serve_parser() -> argparse.ArgumentParser:
     server.add_argument("--allow-remote-media", action="store_true", help="fetch http(s) image URLs (default: refused)")
     server.add_argument("--preprocess-workers", type=int, default=2, metavar="N",
                         help="threads decoding and preprocessing images (default: 2)")
+    server.add_argument("--max-admission-wait-ms", type=float, default=0.0, metavar="MS",
+                        help="before each step, wait at most MS for requests still being prepared (template, pictures), "
+                        "so one arriving during a step joins the next; this adds up to MS between the running requests' "
+                        "tokens while one is prepared (default: 0, never wait)")
     server.add_argument("--api-server-count", type=int, default=1, metavar="N",
                         help="front-end processes (HTTP, media, chat templates, preprocessing) sharing the port and one "
                         "engine-core process (scheduler, caches, model); 1 (default) serves in this process. "
@@ -133,7 +137,8 @@ def run_serve(argv: Sequence[str]) -> None:
         from mmengine.entrypoints.server_processes import FrontEndSpec, run_server_processes
 
         spec = FrontEndSpec(args.model, engine_options(args), settings, max_queued_requests=args.max_queued_requests,
-                            num_preprocess_workers=args.preprocess_workers, log_level=args.log_level)
+                            num_preprocess_workers=args.preprocess_workers, log_level=args.log_level,
+                            max_admission_wait_s=args.max_admission_wait_ms / 1000)
         exit_code = run_server_processes(spec, args.api_server_count, args.host, args.port)
         if exit_code:
             raise SystemExit(exit_code)
@@ -142,6 +147,7 @@ def run_serve(argv: Sequence[str]) -> None:
         args.model,
         max_queued_requests=args.max_queued_requests,
         num_preprocess_workers=args.preprocess_workers,
+        max_admission_wait_s=args.max_admission_wait_ms / 1000,
         **engine_options(args),
     )
     run_server(async_engine, settings, args.host, args.port, log_level=args.log_level)

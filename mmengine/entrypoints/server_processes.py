@@ -67,6 +67,7 @@ class FrontEndSpec:
     settings: Any  # api_server.ServerSettings (imported there: fastapi is the serve extra's)
     max_queued_requests: int | None = None
     num_preprocess_workers: int = 2
+    max_admission_wait_s: float = 0.0
     log_level: str = "info"
 
 
@@ -304,7 +305,8 @@ def front_end_main(index: int, spec: FrontEndSpec, sock: socket.socket, launcher
     try:
         client = EngineCoreClient(spec.model, core_address=core_address, core_authkey=core_authkey, **spec.engine_options)
         async_engine = AsyncMMEngine(client, max_queued_requests=spec.max_queued_requests,
-                                     num_preprocess_workers=spec.num_preprocess_workers, owns_engine=True)
+                                     num_preprocess_workers=spec.num_preprocess_workers, owns_engine=True,
+                                     max_admission_wait_s=spec.max_admission_wait_s)
     except BaseException as err:  # noqa: BLE001 - the launcher reports it
         launcher.send((FAILED, picklable(err)))
         return
