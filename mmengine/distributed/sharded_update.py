@@ -17,9 +17,8 @@ from torch import nn
 
 from mmengine.distributed.checkpoint_slices import load_parameter, target_of
 from mmengine.distributed.quantized_parallel import runs_quantized
-from mmengine.errors import WeightsMismatchError
-from mmengine.models.loader import WeightCheck, fuse_expert_tensors
-from mmengine.models.vlm import KV_SCALE_NAME
+from mmengine.models.loader import WeightCheck
+from mmengine.models.vlm import checked_updates
 
 
 def update_sharded_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], loaded: list[str],
@@ -29,17 +28,7 @@ def update_sharded_weights(model: nn.Module, weights: Iterable[tuple[str, torch.
     check = getattr(model, "update_check", None)
     if check is None:
         check = model.update_check = WeightCheck(expected, weights, optional=["lm_head.weight"] if model.tie_word_embeddings else [])
-    num_experts = getattr(model.language_model.config, "num_experts", 0) or 0
-    for raw_name, tensor in fuse_expert_tensors(weights, num_experts) if num_experts > 0 else weights:
-        name = model.checkpoint_name(raw_name)
-        if KV_SCALE_NAME.match(name):
-            raise WeightsMismatchError(f"tensor {raw_name!r}: KV-cache scales are read at start-up only")
-        if name not in expected and model.is_ignorable(name):
-            continue
-        check.accept(name, raw_name, tensor)
-        if runs_quantized(model, name):
-            raise WeightsMismatchError(f"tensor {raw_name!r}: its layer runs on quantized weights, which update_weights "
-                                       "does not replace")
+    for name, tensor in checked_updates(model, weights, expected, check, lambda name: runs_quantized(model, name)):
         parameter, piece = target_of(model, name)
         with torch.no_grad():
             load_parameter(parameter, tensor, piece, name)

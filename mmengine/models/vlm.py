@@ -6,7 +6,7 @@ loading. A family's model subclasses it with its vision side and its checkpoint 
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -148,17 +148,11 @@ class VisionLanguageModel(nn.Module):
         Appends to `loaded` our name of each tensor as it is loaded."""
         expected = self.expected_weights()
         check = WeightCheck(expected, weights, optional=["lm_head.weight"] if self.tie_word_embeddings else [])
-        num_experts = getattr(self.language_model.config, "num_experts", 0) or 0
-        for raw_name, tensor in fuse_expert_tensors(weights, num_experts) if num_experts > 0 else weights:
-            name = self.checkpoint_name(raw_name)
-            if KV_SCALE_NAME.match(name):
-                raise WeightsMismatchError(f"tensor {raw_name!r}: KV-cache scales are read at start-up only")
-            if name not in expected and self.is_ignorable(name):
-                continue
-            check.accept(name, raw_name, tensor)
-            if name in self._skipped_dense or self._target_parameter(name) in self._skipped_dense:
-                raise WeightsMismatchError(f"tensor {raw_name!r}: its layer runs on quantized weights, which "
-                                           "update_weights does not replace")
+
+        def kept_quantized(name: str) -> bool:
+            return name in self._skipped_dense or self._target_parameter(name) in self._skipped_dense
+
+        for name, tensor in checked_updates(self, weights, expected, check, kept_quantized):
             with torch.no_grad():
                 self._load_one(name, tensor)
             loaded.append(name)
@@ -352,3 +346,23 @@ def use_quantized_experts(decoder: DecoderModel, packed: dict[str, PackedInt4 | 
             del packed[f"layers.{index}.mlp.experts.{e}.{proj}"]
         swapped += 1
     return swapped
+
+
+def checked_updates(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], expected: dict[str, tuple[int, ...]],
+                    check: WeightCheck, kept_quantized: Callable[[str], bool]) -> Iterator[tuple[str, torch.Tensor]]:
+    """update_weights' tensors as (our name, tensor), checked as at load (`check`: a name the model has no parameter
+    for, one given twice, a wrong shape) and refused by name where an update cannot go: a KV scale (read at start-up
+    only), a weight whose layer runs quantized (`kept_quantized`). Experts stored one by one come stacked. Shared by
+    a single-process model and a tensor-parallel rank's (distributed/sharded_update.py)."""
+    num_experts = getattr(model.language_model.config, "num_experts", 0) or 0
+    for raw_name, tensor in fuse_expert_tensors(weights, num_experts) if num_experts > 0 else weights:
+        name = model.checkpoint_name(raw_name)
+        if KV_SCALE_NAME.match(name):
+            raise WeightsMismatchError(f"tensor {raw_name!r}: KV-cache scales are read at start-up only")
+        if name not in expected and model.is_ignorable(name):
+            continue
+        check.accept(name, raw_name, tensor)
+        if kept_quantized(name):
+            raise WeightsMismatchError(f"tensor {raw_name!r}: its layer runs on quantized weights, which update_weights "
+                                       "does not replace")
+        yield name, tensor
