@@ -179,3 +179,22 @@ def test_an_update_with_a_step_in_flight_waits_for_it_and_gives_tp1s_tokens(pair
             outputs += engine.step()
         found.append([o.token_ids for o in outputs if o.finished])
     assert found[1] == found[0] and found[0]
+
+
+def test_a_ranks_encoder_host_copies_follow_the_drivers_tier():
+    """The driver's tier (sizes on the meta device, LRU by bytes) evicts; each plan's moves make a rank keep what it
+    newly holds and drop what it evicted, so a rank's host memory never outgrows the driver's books."""
+    from mmengine.distributed.encoder_host_moves import DriverEncoderHost, RankEncoderHostTier
+    from mmengine.encoder_cache.host_tier import EncoderHostTier
+
+    books = DriverEncoderHost(EncoderHostTier(capacity_bytes=2 * 64), embedding_bytes=16)  # room for two outputs of 4
+    rank = RankEncoderHostTier()
+    for name in ("a", "b", "c", "d"):
+        books.encoded(name, 4)
+        books.free([name], stale=[])
+        moves = books.take()
+        rank.keep = set(moves.keep)
+        rank.store(name, torch.zeros(4, 4))  # the rank frees its output: kept, as the plan says
+        rank.drop_all(moves.dropped)
+    assert [h for h in "abcd" if rank.holds(h)] == [h for h in "abcd" if books.tier.holds(h)] == ["c", "d"]
+    assert rank.num_bytes == books.tier.num_bytes == 2 * 64

@@ -71,12 +71,10 @@ class RankEncoderHostTier(EncoderHostTier):
         super().__init__(capacity_bytes=sys.maxsize)
         self.keep: set[str] = set()  # the plan's: what its frees store
 
-    def drop(self, mm_hashes: list[str]) -> None:
+    def drop_all(self, mm_hashes: list[str]) -> None:
         """After the step's restores: the driver's tier may have evicted an output this very step brings back."""
         for mm_hash in mm_hashes:
-            dropped = self._entries.pop(mm_hash, None)
-            if dropped is not None:
-                self.num_bytes -= dropped.numel() * dropped.element_size()
+            self.drop(mm_hash)
 
     def store(self, mm_hash: str, output: torch.Tensor) -> None:
         if mm_hash in self.keep:

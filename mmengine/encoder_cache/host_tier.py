@@ -53,8 +53,7 @@ class EncoderHostTier:
         if size > self.capacity_bytes:
             return
         while self.num_bytes + size > self.capacity_bytes:
-            _, dropped = self._entries.popitem(last=False)
-            self.num_bytes -= dropped.numel() * dropped.element_size()
+            self.drop(next(iter(self._entries)))
             self.num_evictions += 1
         if output.device.type == "cuda":
             host = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
@@ -73,6 +72,12 @@ class EncoderHostTier:
         self.num_hits += 1
         self.bytes_out += host.numel() * host.element_size()
         return host.to(device, non_blocking=True) if host.device != device else host
+
+    def drop(self, mm_hash: str) -> None:
+        """Forgets the copy of `mm_hash`, if one is here."""
+        dropped = self._entries.pop(mm_hash, None)
+        if dropped is not None:
+            self.num_bytes -= dropped.numel() * dropped.element_size()
 
     def clear(self) -> None:
         self._entries.clear()

@@ -170,7 +170,7 @@ class ModelWorker:
             self.host_blocks.apply(runner, plan.kv_moves)
         launched = runner.launch(out, plan.block_tables, window_tables=plan.window_tables)
         if host is not None:
-            runner.encoder_host_tier.drop(host.dropped)
+            runner.encoder_host_tier.drop_all(host.dropped)
         if launched.pending is not None:
             launched = runner.sample(launched)
         tokens = launched.result()
