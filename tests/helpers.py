@@ -119,8 +119,8 @@ def record_draft_proposals(engine) -> list[dict[str, list[int]]]:
     drafter, proposals = engine.steps.drafter, []
     propose = drafter.propose
 
-    def recording(wanted, tables):
-        drafts = propose(wanted, tables)
+    def recording(wanted):
+        drafts = propose(wanted)
         proposals.append({rid: list(d) for rid, d in drafts.items() if engine.scheduler.requests[rid].num_output_tokens})
         return drafts
 

@@ -16,9 +16,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import chat_formats
-from helpers import RecordedSlices, make_request, record_draft_proposals, stop_recording_draft_proposals, tensor_parallel_pairs
+from helpers import RecordedSlices, record_draft_proposals, stop_recording_draft_proposals, tensor_parallel_pairs
 from mmengine import MMEngine, SamplingParams
-from mmengine.core.scheduler import ScheduledRequest
 from mmengine.errors import ConfigError
 from mmengine.testing import make_test_image
 from mmengine.testing.eagle3 import build_eagle3_head
@@ -120,24 +119,7 @@ def test_a_repeat_is_a_prefix_hit_and_drafts_as_the_first_run(engines, method):
     assert [list(p.values()) for p in drafts_again] == [list(p.values()) for p in drafts_first] and len(drafts_first) >= 3
 
 
-# -- in this process: the mirror's booking, the reads of rank 1, the refusals -------------------------------------
-
-
-def test_a_rank_books_a_verify_row_as_the_driver_does():
-    """(The random heads' drafts are all rejected, so the engine tests never keep one.) Two drafts kept of three: the
-    row computed through them, the token after them appended; a plain decode and a chunk short of the prompt's end."""
-    from mmengine.runner.rank_drafts import book_mirrors
-
-    verify, decode, chunk = make_request("v", 6, max_tokens=8), make_request("d", 6), make_request("c", 20)
-    verify.all_token_ids.append(40)  # the last sampled token, not yet computed
-    decode.all_token_ids.append(50)
-    rows = [ScheduledRequest(verify, 6, 4, [], draft_token_ids=[41, 42, 43]), ScheduledRequest(decode, 6, 1, []),
-            ScheduledRequest(chunk, 0, 8, [])]
-    sampling = book_mirrors(rows, {"v": [41, 42, 9, 8], "d": [51]})
-    assert [s.request.request_id for s in sampling] == ["v", "d"]
-    assert (verify.num_computed_tokens, verify.all_token_ids[6:]) == (9, [40, 41, 42, 9])
-    assert (decode.num_computed_tokens, decode.all_token_ids[6:]) == (7, [50, 51])
-    assert (chunk.num_computed_tokens, chunk.num_tokens) == (8, 20)
+# -- in this process: the reads of rank 1, the refusals -------------------------------------
 
 
 def _rank(rank: int, method: str, path, head=None):

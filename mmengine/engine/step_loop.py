@@ -7,8 +7,11 @@ computes. Every method runs under the engine's lock (MMEngine holds it).
 With async scheduling (on CUDA by default) a step launches the next step before it reads the tokens
 of the one in flight, so the host work of a step overlaps the device's. With speculative decoding, a
 step whose successor needs its tokens (a verify step, whose kept run sets the next positions; a draft
-head's, whose pass reads them; one after which drafts are expected) is read first, then the next one
-is launched and the caller gets the outputs while it runs; steps without drafts overlap as usual.
+head's, whose drafts the next step verifies; one after which drafts are expected) is read first, then
+the next one is launched and the caller gets the outputs while it runs; steps without drafts overlap as
+usual. A draft head drafts within the step on the device (runner/head_drafter.py), so its drafts come
+back with the step's tokens in the one read: booking hands them on (spec/head_drafts.py), no second
+round trip to the device.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from mmengine.sample.params import SamplingParams
 from mmengine.sample.reasoning import ReasoningGate, opening_token, prompt_opens_reasoning, split_reasoning
 from mmengine.sample.structured_output.grammar import GrammarCompiler
 from mmengine.spec.backoff import DraftBackoff
+from mmengine.spec.head_drafts import HeadDrafts
 from mmengine.spec.ngram import NgramProposer
 from mmengine.spec.proposer import Proposer
 
@@ -68,8 +72,9 @@ class StepLoop:
         spec = config.spec_config
         self.proposer: Proposer | None = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                                         spec.prompt_lookup_max) if spec.method == "ngram" else None
-        # a draft head (runner/head_drafter.py): the checkpoint's MTP head, or an EAGLE-3 head
-        self.drafter = runner.drafter if spec.method in ("mtp", "eagle3") else None
+        # a draft head (the checkpoint's MTP head, or an EAGLE-3 head) drafts within each sampling step, on the device
+        # (runner/head_drafter.py); its drafts come back with the step's tokens and are handed out here
+        self.drafter = HeadDrafts() if spec.method in ("mtp", "eagle3") else None
         self.backoff = DraftBackoff() if spec.method is not None and spec.draft_backoff else None
         # async scheduling with a proposer: whether the next step should read the one in flight first (its
         # drafts follow its tokens), and the back-off's answers for that step, asked when it was predicted
@@ -181,6 +186,8 @@ class StepLoop:
         """Waits for a step's tokens and books them (a verify step's: the run its samples keep); returns the
         requests that got tokens."""
         sampled = launched.result()
+        if self.drafter is not None:
+            self.drafter.received(launched.drafts())
         # penalized verify steps: their kept tokens go into the penalty counts once kept
         verified = [(s.request, s.request.num_output_tokens) for s in out.scheduled
                     if s.draft_token_ids and s.request.sampling_params.penalized]
@@ -201,7 +208,6 @@ class StepLoop:
         after the drafts before it; a penalized row counts them as output); none for a grammar behind a
         reasoning gate (which reads the text, so a verify step cannot follow it token by token)."""
         rooms = self._draft_rooms()
-        # the MTP head runs after every step (it keeps its K/V of the kept positions), drafting or not
         proposed = self._draft_with_head(rooms) if self.drafter is not None else {}
         for request in self.scheduler.running:
             room, grammar = rooms.get(request.request_id), request.grammar
@@ -250,30 +256,17 @@ class StepLoop:
 
     def _resolves_first(self, previous: InFlightStep) -> bool:
         """Whether the next step must wait for the step in flight's tokens (async scheduling with speculation):
-        after a verify step (its kept run sets the next positions), with a draft head (its pass reads every
-        booked step's tokens), or when drafts are expected."""
+        after a verify step (its kept run sets the next positions), with a draft head (its drafts come back
+        with the tokens, for the next step to verify), or when drafts are expected."""
         if self.proposer is None and self.drafter is None:
             return False
         return self.drafter is not None or self._drafts_expected or any(s.draft_token_ids for s in previous.out.scheduled)
 
     def _draft_with_head(self, rooms: dict[str, int]) -> dict[str, list[int]]:
-        """The MTP head's drafts, up to num_speculative_tokens a request (fewer near its end). Draft i > 1 is
-        computed at the position after the request's next token and i - 2 more: those blocks are taken now,
-        where free (the next step needs them for its verify anyway); where they are not, fewer drafts."""
+        """The draft head's drafts of the step just booked, up to num_speculative_tokens a request (fewer near its
+        end, and where the blocks taken before the step for its chain ended)."""
         k = self.config.spec_config.num_speculative_tokens
-        wanted: dict[str, int] = {}
-        caches = self.scheduler.caches
-        for request in self.scheduler.running:
-            want = min(k, rooms.get(request.request_id, 0))
-            if want <= 0:
-                continue
-            while want > 1 and not caches.can_allocate(request, want - 1):
-                want -= 1
-            if want > 1:
-                caches.allocate(request, want - 1)
-            wanted[request.request_id] = want
-        tables = {request_id: self.kv_cache.block_ids(request_id) for request_id in wanted}
-        return self.drafter.propose(wanted, tables)
+        return self.drafter.propose({request_id: min(k, room) for request_id, room in rooms.items()})
 
     def _step_async(self) -> list[RequestOutput]:
         """Books the step in flight with placeholder tokens, schedules and launches the next one, and
@@ -383,14 +376,13 @@ class StepLoop:
         out.encoder_lora_slots = {r.request_id: slot_of[r.lora_name] for r in with_lora if self.loras.touches_vision(r.lora_name)}
 
     def _block_tables(self, out: SchedulerOutput) -> dict[str, list[int]]:
-        if getattr(self.drafter, "drafts_in_step", False):
+        if self.drafter is not None:
             self._take_draft_blocks(out)
         return {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled}
 
     def _take_draft_blocks(self, out: SchedulerOutput) -> None:
-        """A draft head on tensor-parallel ranks drafts within the step that samples (runner/rank_drafts.py): the
-        blocks its chained drafts write, past the step's tokens, are taken before the step is sent, where free
-        (_draft_with_head takes the same ones after the step at TP 1)."""
+        """A draft head drafts within the step that samples (runner/head_drafter.py): the blocks its chained drafts
+        write, past the step's tokens, are taken before the step is launched, where free."""
         k = self.config.spec_config.num_speculative_tokens
         caches = self.scheduler.caches
         for s in out.scheduled:

@@ -1,22 +1,27 @@
-"""Drafts with a draft head after each step: Qwen3.5's own MTP head (models/qwen3_5_mtp.py) or an EAGLE-3
-head (models/eagle3.py), both one decoder layer that reads the target's hidden states.
+"""Drafts with a draft head within the step that samples: Qwen3.5's own MTP head (models/qwen3_5_mtp.py) or an
+EAGLE-3 head (models/eagle3.py), both one decoder layer that reads the target's hidden states.
 
-The runner remembers a step's hidden states (the final ones, and for EAGLE-3 the inputs of three layers),
-positions and slots; once the scheduler has booked the step (so each request's kept positions and the token
-after them are known), `propose` runs:
+Right after a step's tokens are sampled, still on the device and before anything is read back (`ModelRunner.sample`
+calls `draft`; a tensor-parallel rank's runner does the same, so the ranks draft as TP 1 does):
 
-1. The head over every position the step kept, each row reading the target's hidden state there and
-   the next token's embedding. This fills the head's own K/V for those positions, as the target's
-   forward filled the target's, so the head's context follows the request through chunked prefill,
-   prefix hits (a cached block holds the head's K/V too) and verify steps (rejected positions are
-   written again by the next step). It runs for every request, drafting or not.
-2. For each request that drafts: its last kept row's output gives the first draft (greedy), and each
-   further draft comes from one more head step over the previous draft at the next position, fed the
-   head's own hidden state, which writes K/V past the request's computed positions, into blocks the step
-   loop took ahead for it (the next verify step writes those positions again).
+1. The head over every position the step computed: row j reads the target's hidden state at j and the
+   token after j, which is the next known token or, where the step sampled at j, the sample. This fills the
+   head's own K/V for those positions, as the target's forward filled the target's, so the head's context
+   follows the request through chunked prefill, prefix hits (a cached block holds the head's K/V too) and
+   verify steps. A verify row's sample at draft position i is the token after it whenever the drafts before
+   it were accepted, so its kept rows get exactly what a pass over the kept positions alone would; its
+   rejected rows write K/V past the kept run, which the chain below and the next step write again before
+   anything reads them.
+2. Each sampling request's kept run ends at its accepted count, computed on the device (`kept_counts`): that
+   row's output gives the first draft (greedy), and each further draft comes from one more head step over
+   the previous draft at the next position, fed the head's own hidden state, writing K/V past the run into
+   blocks the step loop took before the step (`StepLoop._take_draft_blocks`); a position past them stores
+   nothing, and the drafts from there on are not counted (`DeviceDrafts.counts`).
 
-The drafts only ever change how many tokens a step keeps, never which: a verify step samples every position
-with the target (spec/verify.py).
+So a step's tokens, its drafts (num_speculative_tokens a request) and their counts come back in one copy
+(launched_step.py). The step loop hands each request a prefix of them once it has booked the step
+(spec/head_drafts.py): a chain's first drafts do not depend on how long it runs. The drafts only ever change
+how many tokens a step keeps, never which: a verify step samples every position with the target (spec/verify.py).
 """
 
 from __future__ import annotations
@@ -33,14 +38,25 @@ from mmengine.layers.attention import AttentionMetadata
 
 @dataclass
 class TargetStep:
-    """What the head needs of the target's last step (device views, valid until the next step's inputs)."""
+    """What the head needs of the target's step (device views, valid until the next step's inputs)."""
 
     hidden: torch.Tensor  # [rows, width] the head's input hidden state per row (DraftHead.target_hidden)
     positions: torch.Tensor  # [rows] or [rows, 3] (M-RoPE)
     slot_mapping: torch.Tensor  # [rows]
     block_tables: torch.Tensor  # [requests, max_blocks]
-    scheduled: list[ScheduledRequest]  # in packed order
+    scheduled: list[ScheduledRequest]  # in packed order (one-token requests first)
     query_start_loc: list[int]
+    logits_indices: torch.Tensor  # [sampled rows] the rows whose samples are the step's tokens, in their order
+    num_blocks: list[int]  # each request's blocks (with those taken for its chained drafts)
+
+
+@dataclass
+class DeviceDrafts:
+    """A step's drafts, on the device until its tokens are read back with them."""
+
+    request_ids: list[str]  # the sampling requests, in the order of the rows below
+    drafts: torch.Tensor  # [requests, num_speculative_tokens] int64
+    counts: torch.Tensor  # [requests] int64: the leading drafts computed within the request's blocks
 
 
 class DraftHead(Protocol):
@@ -60,137 +76,148 @@ class DraftHead(Protocol):
         """(the output the logits read, the hidden state the next draft step reads)."""
 
     def greedy(self, output: torch.Tensor) -> torch.Tensor:
-        """Each row's most likely next token, in the target's vocabulary (on the device: the drafter reads every
-        draft of a step back at once)."""
+        """Each row's most likely next token, in the target's vocabulary (on the device)."""
 
     def attention_layers(self) -> list:
         """The head's attention layers, whose K/V the KV cache keeps after the target's."""
 
 
-@dataclass
-class _Rows:
-    """Requests' rows of the head's pass over kept positions, in its packed order (one-row requests first)."""
+def kept_counts(tokens: torch.Tensor, sampled: list[ScheduledRequest]) -> torch.Tensor:
+    """[sampling requests] the positions each sampling request keeps from its step, on the device (no host sync):
+    a verify row keeps its last token and the drafts its samples accept (spec/verify.py's accepted_prefix), a
+    decode its one token, a prompt's last chunk all of it. `tokens` are the step's samples, one per entry of
+    `sampled` (a verify row's request repeated once per position)."""
+    rows = _sampling_rows(sampled)
+    device = tokens.device
+    num_drafts = np.array([len(s.draft_token_ids) for s, _ in rows], dtype=np.int64)
+    known = torch.as_tensor(np.array([s.num_new_tokens for s, _ in rows], dtype=np.int64) - num_drafts).to(device, non_blocking=True)
+    width = int(num_drafts.max(initial=0))
+    if width == 0:
+        return known
+    drafts = np.full((len(rows), width), -1, dtype=np.int64)  # -1: no token equals it, the run stops there
+    index = np.zeros((len(rows), width), dtype=np.int64)
+    for r, (s, first) in enumerate(rows):
+        drafts[r, : num_drafts[r]] = s.draft_token_ids
+        index[r] = np.minimum(first + np.arange(width), len(sampled) - 1)
+    drafts_dev, index_dev = (torch.as_tensor(a).to(device, non_blocking=True) for a in (drafts, index))
+    accepted = (tokens.index_select(0, index_dev.flatten()).view(len(rows), width) == drafts_dev).long().cumprod(dim=1).sum(dim=1)
+    return known + accepted
 
-    scheduled: list[ScheduledRequest]
-    batch_rows: list[int]  # each request's row in the target step's block tables
-    first_rows: list[int]  # each request's first row in the target step
-    counts: list[int]  # each request's kept positions
+
+def _sampling_rows(sampled: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, int]]:
+    """Each sampling request once, with the index of its first entry in `sampled`."""
+    rows: list[tuple[ScheduledRequest, int]] = []
+    for index, s in enumerate(sampled):
+        if not rows or rows[-1][0] is not s:
+            rows.append((s, index))
+    return rows
 
 
 class HeadDrafter:
-    def __init__(self, head: DraftHead, block_size: int) -> None:
+    def __init__(self, head: DraftHead, block_size: int, num_speculative_tokens: int) -> None:
         self.head = head
         self.block_size = block_size
+        self.num_speculative_tokens = num_speculative_tokens
         self.step: TargetStep | None = None
-        self.num_head_rows = 0  # rows the head computed, kept positions and chained drafts together
+        self.num_head_rows = 0  # rows the head computed, the steps' positions and chained drafts together
 
-    def remember(self, final_hidden: torch.Tensor, inputs) -> None:
+    def remember(self, final_hidden: torch.Tensor, inputs, block_tables: dict[str, list[int]]) -> None:
         metadata = inputs.metadata
         self.step = TargetStep(self.head.target_hidden(final_hidden), inputs.positions, metadata.slot_mapping,
-                               metadata.block_tables, inputs.scheduled, metadata.query_start_loc_cpu)
+                               metadata.block_tables, inputs.scheduled, metadata.query_start_loc_cpu, inputs.logits_indices,
+                               [len(block_tables[s.request.request_id]) for s in inputs.scheduled])
 
     def forget(self) -> None:
         self.step = None
 
     @torch.inference_mode()
-    def propose(self, wanted: dict[str, int], block_tables: dict[str, list[int]]) -> dict[str, list[int]]:
-        """Runs the head after the booked step; returns up to wanted[request_id] drafts for each request that
-        asks (a request drafts once its next token is its only uncomputed one), fewer where its blocks
-        (block_tables, with the ones taken ahead) end."""
+    def draft(self, tokens: torch.Tensor | None, sampled: list[ScheduledRequest]) -> DeviceDrafts | None:
+        """The head's pass over the remembered step and every sampling request's chain of drafts (module
+        docstring), queued on the device. `tokens`: the step's samples, one per entry of `sampled` (a step that
+        samples nothing, a prompt's chunk, still gets the pass: its K/V)."""
         step, self.step = self.step, None
         if step is None:
-            return {}
-        rows = self._kept_rows(step)
-        if not rows.scheduled:
-            return {}
-        out, chain = self._run_kept(step, rows)
-        drafting = [i for i, s in enumerate(rows.scheduled)
-                    if wanted.get(s.request.request_id, 0) > 0 and s.request.num_tokens - s.request.num_computed_tokens == 1]
-        if not drafting:
-            return {}
-        last = torch.as_tensor((np.cumsum(rows.counts) - 1)[drafting], device=out.device)
+            return None
+        out, chain = self._run_step(step, tokens)
+        if not sampled:
+            return None
+        rows = _sampling_rows(sampled)
+        batch_row = {id(s): r for r, s in enumerate(step.scheduled)}
+        batch_rows = [batch_row[id(s)] for s, _ in rows]
+        device = out.device
+        kept = kept_counts(tokens, sampled)  # [requests]
+        firsts = torch.as_tensor([step.query_start_loc[r] for r in batch_rows]).to(device, non_blocking=True)
+        last = firsts + kept - 1  # each request's last kept row
         out, hidden = out.index_select(0, last), chain.index_select(0, last)
-        positions = step.positions.index_select(0, torch.as_tensor(
-            [rows.first_rows[i] + rows.counts[i] - 1 for i in drafting], device=step.positions.device))
-        first = requests = [rows.scheduled[i].request for i in drafting]
-        ids = self.head.greedy(out)  # each request's first draft, left on the device
-        order = list(range(len(first)))  # each chained row's request, by its index in `first`
-        columns = [(order, ids)]
-        for depth in range(1, max(wanted[r.request_id] for r in requests)):
-            # draft `depth` predicts from the previous draft, one position on
-            live = [i for i, r in enumerate(requests) if depth < wanted[r.request_id]
-                    and r.num_computed_tokens + depth - 1 < len(block_tables[r.request_id]) * self.block_size]
-            if not live:
-                break
-            index = torch.as_tensor(live, device=hidden.device)
-            hidden, positions = hidden.index_select(0, index), positions.index_select(0, index.to(positions.device)) + 1
-            requests, order = [requests[i] for i in live], [order[i] for i in live]
-            out, hidden = self._run_chained(requests, ids.index_select(0, index.to(ids.device)), hidden, positions, block_tables, depth)
+        positions = step.positions.index_select(0, last.to(step.positions.device))
+        computed = torch.as_tensor([s.start for s, _ in rows]).to(device, non_blocking=True) + kept  # after booking
+        num_blocks = torch.as_tensor([step.num_blocks[r] for r in batch_rows]).to(device, non_blocking=True)
+        tables = step.block_tables.index_select(0, torch.as_tensor(batch_rows).to(step.block_tables.device, non_blocking=True))
+        # a host-side bound on each chained row's context (the decode attention reads no further)
+        bounds = [s.start + s.num_new_tokens for s, _ in rows]
+        ids = self.head.greedy(out)
+        columns, counts = [ids], torch.ones_like(kept)
+        for depth in range(1, self.num_speculative_tokens):
+            positions = positions + 1
+            contexts = computed + depth  # the row's position + 1
+            stored = (contexts - 1) // self.block_size < num_blocks
+            counts = counts + stored.long()
+            out, hidden = self._run_chained(ids, hidden, positions, tables, contexts, stored, [b + depth for b in bounds], depth)
             ids = self.head.greedy(out)
-            columns.append((order, ids))
-        values = iter(torch.cat([column for _, column in columns]).tolist())  # every draft read back at once
-        drafts: dict[str, list[int]] = {r.request_id: [] for r in first}
-        for order, _ in columns:
-            for row in order:
-                drafts[first[row].request_id].append(next(values))
-        return drafts
+            columns.append(ids)
+        return DeviceDrafts([s.request.request_id for s, _ in rows], torch.stack(columns, dim=1), counts)
 
-    def _kept_rows(self, step: TargetStep) -> _Rows:
-        found = []
-        for batch_row, s in enumerate(step.scheduled):
-            request = s.request
-            kept = min(request.num_computed_tokens - s.start, s.num_new_tokens)
-            if request.is_finished or kept <= 0:
-                continue
-            found.append((kept != 1, batch_row, s, kept))
-        found.sort(key=lambda f: f[0])  # one-row requests first: the attention takes them as decodes
-        return _Rows([f[2] for f in found], [f[1] for f in found], [step.query_start_loc[f[1]] for f in found],
-                     [f[3] for f in found])
-
-    def _run_kept(self, step: TargetStep, rows: _Rows) -> tuple[torch.Tensor, torch.Tensor]:
-        """The head over each request's kept positions: row j reads the target's hidden state at j and the
-        embedding of the token at j+1 (a picture's, inside one)."""
+    def _run_step(self, step: TargetStep, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The head over every row of the step: row j reads the target's hidden state at j and the embedding of
+        the token after j (a picture's, inside one; the step's sample where it sampled at j)."""
+        scheduled = step.scheduled
+        num_rows = step.query_start_loc[len(scheduled)]
         device = step.hidden.device
-        index = torch.as_tensor(np.concatenate([np.arange(f, f + n) for f, n in zip(rows.first_rows, rows.counts)]), device=device)
-        next_ids = [t for s, n in zip(rows.scheduled, rows.counts) for t in s.request.all_token_ids[s.start + 1 : s.start + n + 1]]
-        shifted = [ScheduledRequest(s.request, s.start + 1, n, []) for s, n in zip(rows.scheduled, rows.counts)]
-        embeds = self.head.embed(torch.as_tensor(next_ids, device=device), shifted)
-        starts = [s.start for s in rows.scheduled]
-        metadata = _metadata(step.slot_mapping.index_select(0, index), step.block_tables.index_select(
-            0, torch.as_tensor(rows.batch_rows, device=step.block_tables.device)), rows.counts,
-            [start + n for start, n in zip(starts, rows.counts)])
-        self.num_head_rows += len(index)
-        return self.head.forward(embeds, step.hidden.index_select(0, index),
-                                 step.positions.index_select(0, index.to(step.positions.device)), metadata, 0, first=True)
+        next_ids = np.zeros(num_rows, dtype=np.int64)
+        for s, first in zip(scheduled, step.query_start_loc):
+            known = s.request.all_token_ids[s.start + 1 : s.end + 1]  # (a sampled row's own token is not known yet)
+            next_ids[first : first + len(known)] = known
+        next_ids = torch.as_tensor(next_ids).to(device, non_blocking=True)
+        if tokens is not None:
+            next_ids.index_copy_(0, step.logits_indices, tokens)
+        shifted = [ScheduledRequest(s.request, s.start + 1, s.num_new_tokens, []) for s in scheduled]
+        embeds = self.head.embed(next_ids, shifted)
+        lengths = [s.num_new_tokens for s in scheduled]
+        metadata = _metadata(step.slot_mapping[:num_rows], step.block_tables[: len(scheduled)], lengths,
+                             [s.end for s in scheduled])
+        self.num_head_rows += num_rows
+        return self.head.forward(embeds, step.hidden[:num_rows], step.positions[:num_rows], metadata, 0, first=True)
 
-    def _run_chained(self, requests: list, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
-                     block_tables: dict[str, list[int]], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One head step for each request, one position past the last: the previous draft's embedding and
-        the head's own hidden state there."""
-        device = hidden.device
+    def _run_chained(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, tables: torch.Tensor,
+                     contexts: torch.Tensor, stored: torch.Tensor, bounds: list[int], depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head step for each sampling request, one position past the last: the previous draft's embedding
+        and the head's own hidden state there. A position past the request's blocks stores nothing (slot -1)."""
         bs = self.block_size
-        contexts = [r.num_computed_tokens + depth for r in requests]  # the row's position + 1
-        tables = [block_tables[r.request_id] for r in requests]
-        slots = [table[(n - 1) // bs] * bs + (n - 1) % bs for table, n in zip(tables, contexts)]
-        width = max(len(t) for t in tables)
-        table = torch.zeros((len(tables), width), dtype=torch.int32)
-        for row, blocks in enumerate(tables):
-            table[row, : len(blocks)] = torch.as_tensor(blocks, dtype=torch.int32)
-        metadata = _metadata(torch.as_tensor(slots, dtype=torch.int64, device=device), table.to(device), [1] * len(requests), contexts)
-        self.num_head_rows += len(requests)
-        embeds = self.head.embed_drafts(ids)
-        return self.head.forward(embeds, hidden, positions, metadata, depth, first=False)
+        width = tables.shape[1]
+        position = contexts - 1
+        column = (position // bs).clamp(max=width - 1)
+        slots = tables.gather(1, column[:, None]).squeeze(1).long() * bs + position % bs
+        slots = torch.where(stored, slots, -1)
+        seq_lens = contexts.clamp(max=width * bs)
+        metadata = _metadata(slots, tables, [1] * len(bounds), [min(b, width * bs) for b in bounds], seq_lens)
+        self.num_head_rows += len(bounds)
+        return self.head.forward(self.head.embed_drafts(ids), hidden, positions, metadata, depth, first=False)
 
 
-def _metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int]) -> AttentionMetadata:
-    """A batch of requests, one-row ones first, each its query_lens rows ending at position seq_lens - 1."""
+def _metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
+              device_seq_lens: torch.Tensor | None = None) -> AttentionMetadata:
+    """A batch of requests, one-row ones first, each its query_lens rows ending at position seq_lens - 1.
+    `device_seq_lens`: the contexts on the device, when the host knows only bounds (`seq_lens`) of them: then
+    every request is a one-row one, which the attention reads only on the device."""
     device = slot_mapping.device
     query_start_loc = [0, *np.cumsum(query_lens).tolist()]
     num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))
+    if device_seq_lens is None:
+        device_seq_lens = torch.as_tensor(seq_lens, dtype=torch.int32).to(device, non_blocking=True)
     return AttentionMetadata(
         slot_mapping=slot_mapping,
-        query_start_loc=torch.as_tensor(query_start_loc, dtype=torch.int32, device=device),
-        seq_lens=torch.as_tensor(seq_lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.as_tensor(query_start_loc, dtype=torch.int32).to(device, non_blocking=True),
+        seq_lens=device_seq_lens.to(torch.int32),
         block_tables=block_tables,
         query_lens_cpu=list(query_lens),
         seq_lens_cpu=list(seq_lens),

@@ -2,7 +2,8 @@
 
 Async scheduling launches step N+1 before reading step N's tokens: N's tokens stay on the device,
 where N+1's inputs take them, and a non-blocking copy brings them to pinned host memory for the
-scheduler. Reading them is the step's one wait for the device.
+scheduler. Reading them is the step's one wait for the device. A draft head's drafts, made within the
+step (runner/head_drafter.py), come back in the same copy.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from mmengine.outputs import TokenLogprobs
+from mmengine.runner.head_drafter import DeviceDrafts
 
 
 @dataclass
@@ -53,6 +55,9 @@ class LaunchedStep:
     logprobs: tuple[list[int], torch.Tensor, torch.Tensor, torch.Tensor, list[int]] | None = None
     pending: PendingSample | None = None  # set while the forward is queued and sampling waits for masks
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # A draft head's: the sampling requests' ids and how many drafts each has, read from `host` after the tokens
+    draft_ids: list[str] = field(default_factory=list)
+    num_drafts: int = 0
 
     def result(self) -> dict[str, list[int]]:
         """Waits for the step and returns each sampling request's tokens: one, or (a verify step) one per
@@ -66,6 +71,15 @@ class LaunchedStep:
         for request_id, token in zip(self.sampled_ids, self.host.tolist()):
             found.setdefault(request_id, []).append(token)
         return found
+
+    def drafts(self) -> dict[str, list[int]]:
+        """A draft head's drafts for each sampling request (after result()), as many as it computed within the
+        request's blocks."""
+        if not self.draft_ids:
+            return {}
+        n, k, values = len(self.sampled_ids), self.num_drafts, self.host.tolist()
+        counts = values[n + len(self.draft_ids) * k : n + len(self.draft_ids) * (k + 1)]
+        return {request_id: values[n + r * k : n + r * k + count] for r, (request_id, count) in enumerate(zip(self.draft_ids, counts))}
 
     def token_logprobs(self) -> dict[str, list[TokenLogprobs]]:
         """The log-probabilities of the rows that asked for them (after result()), by request, in row order."""
@@ -98,12 +112,19 @@ class TokenReadback:
             self._host = [torch.empty(max_reqs, dtype=torch.int64, pin_memory=True) for _ in range(2)]
         self._turn = 0
 
-    def start(self, sampled_ids: list[str], tokens: torch.Tensor) -> LaunchedStep:
+    def start(self, sampled_ids: list[str], tokens: torch.Tensor, drafts: DeviceDrafts | None = None) -> LaunchedStep:
+        values = tokens
+        if drafts is not None:  # one copy: the tokens, then the drafts row by row, then their counts
+            values = torch.cat([tokens, drafts.drafts.flatten(), drafts.counts])
         if not self._host:
-            return LaunchedStep(sampled_ids, tokens, tokens, None)
-        host = self._host[self._turn][: len(sampled_ids)]
-        self._turn ^= 1
-        host.copy_(tokens, non_blocking=True)
-        ready = torch.cuda.Event()
-        ready.record()
-        return LaunchedStep(sampled_ids, tokens, host, ready)
+            launched = LaunchedStep(sampled_ids, tokens, values, None)
+        else:
+            host = self._host[self._turn][: len(values)]
+            self._turn ^= 1
+            host.copy_(values, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+            launched = LaunchedStep(sampled_ids, tokens, host, ready)
+        if drafts is not None:
+            launched.draft_ids, launched.num_drafts = drafts.request_ids, drafts.drafts.shape[1]
+        return launched

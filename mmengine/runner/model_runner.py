@@ -140,7 +140,8 @@ class ModelRunner:
             lora=config.lora_config.enable_lora,
             windowed=self.window_pool is not None,
         )
-        self._readback = TokenReadback(max_sampled_rows, device)
+        # (room for a draft head's drafts and their counts too: max_num_seqs * (k + 1) values more)
+        self._readback = TokenReadback(2 * max_sampled_rows, device)
         self.grammar_masks = BitmaskFiller(self.text_config.vocab_size, max_sampled_rows, device)
         self.penalties = PenaltyState(self.text_config.vocab_size, device)
         self.decode_graphs: DecodeGraphs | None = None
@@ -151,9 +152,10 @@ class ModelRunner:
         self._verify_metadata: dict[int, AttentionMetadata] = {}  # each verify graph's, for its host lists
         self.drafter: HeadDrafter | None = None
         if family.num_draft_layers:
-            self.drafter = HeadDrafter(MtpHead(self), self.block_size)
+            self.drafter = HeadDrafter(MtpHead(self), self.block_size, self.num_speculative_tokens)
         elif config.spec_config.method == "eagle3":
-            self.drafter = HeadDrafter(Eagle3DraftHead(self, config.spec_config.draft_model), self.block_size)
+            self.drafter = HeadDrafter(Eagle3DraftHead(self, config.spec_config.draft_model), self.block_size,
+                                       self.num_speculative_tokens)
 
     def _cascade_policy(self) -> CascadePolicy:
         """"auto" weighs cascade against the Triton kernels; the PyTorch reference runs it on "on" only."""
@@ -584,9 +586,11 @@ class ModelRunner:
             if self._twin_saves:
                 self._copy_twin_saves()
         if self.drafter is not None:
-            self.drafter.remember(hidden, inputs)
+            self.drafter.remember(hidden, inputs, block_tables)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs.scheduled)
         if not inputs.sampled:
+            if self.drafter is not None:  # the head's pass over the chunk: its K/V
+                self.drafter.draft(None, [])
             return LaunchedStep([], None, None, None, prompt_logprobs=prompt_logprobs) if prompt_logprobs else NOTHING_SAMPLED
         pending = PendingSample(self.model.compute_logits(hidden[inputs.logits_indices]), inputs.sampled, inputs.sampling,
                                 prompt_logprobs)
@@ -712,7 +716,9 @@ class ModelRunner:
             elif plain:
                 index = self._device_longs(plain)
                 self.penalties.count(state_rows.index_select(0, index), tokens.index_select(0, batch_rows.index_select(0, index)))
-        launched = self._readback.start([s.request.request_id for s in sampled], tokens)
+        # a draft head drafts now, on the device, so the drafts come back with the tokens (runner/head_drafter.py)
+        drafts = self.drafter.draft(tokens, sampled) if self.drafter is not None else None
+        launched = self._readback.start([s.request.request_id for s in sampled], tokens, drafts)
         launched.prompt_logprobs = pending.prompt_logprobs
         asked = [row for row, p in enumerate(params) if p.logprobs is not None]
         if asked:  # read back with the tokens (the copy waits for them anyway)

@@ -13,8 +13,8 @@ minimum over the ranks, and the encoder outputs it reports are the books of what
 dies or fails makes every later call raise EngineDeadError (`distributed/executor.py`); `shutdown()` stops them.
 
 Speculative decoding: n-gram drafts are the driver's (every rank verifies them); a draft head (MTP, EAGLE-3) is split
-over the ranks like the decoder (`distributed/sharded_draft_heads.py`), runs on them within each step that samples,
-and rank 0's reply carries its drafts (`rank_drafts.py`: still one plan and one reply a step).
+over the ranks like the decoder (`distributed/sharded_draft_heads.py`), runs on them within each step that samples
+as at TP 1 (`head_drafter.py`), and rank 0's reply carries its drafts (still one plan and one reply a step).
 
 CUDA graphs: every rank captures the same buckets and variants in the same order (compared here before any
 capture), each graph holding the rank's collectives (`distributed/graph_capture.py`); a step replays or runs eager by
@@ -57,7 +57,6 @@ from mmengine.models.loader import fuse_expert_tensors
 from mmengine.outputs import TokenLogprobs
 from mmengine.runner.cuda_graphs import CaptureReport, GraphCapturer
 from mmengine.runner.parallel_graphs import RemoteGraphs, check_same_capture_orders
-from mmengine.runner.rank_drafts import RemoteDrafter
 from mmengine.runner.shared_pixels import PlanSegment
 from mmengine.runner.step_plan import NewRequest, PlannedRow, StepPlan, StepResult
 from mmengine.runner.worker import ModelWorker
@@ -161,12 +160,13 @@ class RemoteStep:
     def fetch(self) -> StepResult:
         if self.fetched is None:
             self.fetched = self.runner.collect(self.seq)
-            if self.runner.drafter is not None:
-                self.runner.drafter.received(self.fetched.drafts)
         return self.fetched
 
     def result(self) -> dict[str, list[int]]:
         return self.fetch().tokens
+
+    def drafts(self) -> dict[str, list[int]]:
+        return self.fetch().drafts
 
     def token_logprobs(self) -> dict[str, list[TokenLogprobs]]:
         return self.fetch().logprobs
@@ -228,8 +228,6 @@ class ParallelRunner:
         self.block_size = config.cache_config.block_size
         self.sampler = Sampler(config.model_config.seed)  # the engine's make_generator (the ranks seed their own)
         self.penalties = ReleasedRequests()
-        spec = config.spec_config
-        self.drafter = RemoteDrafter() if spec.num_speculative_tokens and spec.method in ("mtp", "eagle3") else None
         # a constrained verify row's masks: one a position, the grammar's after the drafts before it
         self.grammar_masks = BitmaskFiller(family.text_config.vocab_size, 1 + config.spec_config.num_speculative_tokens, self.device)
         self.encoder_outputs: dict[str, bool] = {}  # the mm_hashes the ranks hold

@@ -95,5 +95,5 @@ class StepResult:
     num_encoder_runs: int = 0
     seconds: float = 0.0  # rank 0's time in the step, from the plan's arrival to its reply (the rest is the channel's)
     graph_replays: ReplayCounts | None = None  # rank 0's CUDA graph replays so far (None: no graphs captured)
-    drafts: dict[str, list[int]] = field(default_factory=dict)  # a draft head's, each sampling request's (rank_drafts.py)
+    drafts: dict[str, list[int]] = field(default_factory=dict)  # a draft head's, each sampling request's (made within the step: head_drafter.py)
     cascade: tuple[int, int, int] = (0, 0, 0)  # rank 0's cascade steps, groups and tokens so far

@@ -33,7 +33,6 @@ from mmengine.models.family import ModelFamily
 from mmengine.runner.cuda_graphs import CaptureReport, GraphCapturer, ReplayCounts
 from mmengine.runner.cascade_plan import CascadePolicy, cascade_layer_shape
 from mmengine.runner.model_runner import ModelRunner
-from mmengine.runner.rank_drafts import draft_on_rank
 from mmengine.runner.shared_pixels import take_shared
 from mmengine.runner.step_plan import PromptLogprobsPart, StepPlan, StepResult
 
@@ -175,10 +174,7 @@ class ModelWorker:
             launched = runner.sample(launched)
         tokens = launched.result()
         self.sampled = tokens
-        drafts: dict[str, list[int]] = {}
-        if runner.drafter is not None:  # a draft head: its pass and its drafts ride on the step (rank_drafts.py)
-            drafts = draft_on_rank(runner.drafter, scheduled, tokens, plan.block_tables, runner.num_speculative_tokens,
-                                   runner.max_model_len)
+        drafts = launched.drafts()  # a draft head's, made within the step as at TP 1 (runner/head_drafter.py)
         if self.tp.rank != 0:
             return None
         prompt_logprobs = [PromptLogprobsPart(part.request.request_id, part.first_position, part.entries())
