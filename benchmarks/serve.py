@@ -24,6 +24,10 @@ answer is the same every way.
 
 --api-server-count N starts the server with N front-end processes over one engine-core process.
 
+--server-cpus and --client-cpus pin the server's processes (and the offline engine) and this process's clients to
+separate CPUs (Linux). Unpinned on a small machine, the 32 clients' own CPU competes with the server's, which no
+real deployment pays (its clients are elsewhere) and which makes online / offline swing from run to run.
+
     python benchmarks/serve.py                                   # tiny built-in model on CPU
     python benchmarks/serve.py --online-offline --api-server-count 2
     python benchmarks/serve.py --build-7b /tmp/llava-1.5-7b --device cuda --num-users 64 --turns 4 \\
@@ -170,8 +174,10 @@ class Served:
 
 @contextlib.contextmanager
 def mmengine_server(model: str, how: str, engine_args: list[str], api_server_count: int = 1,
-                    torch_threads: int | None = None) -> Iterator[Served]:
-    """A running `mmengine serve` (a subprocess, or uvicorn in a thread of this process)."""
+                    torch_threads: int | None = None, pinning: CpuPinning | None = None) -> Iterator[Served]:
+    """A running `mmengine serve` (a subprocess, or uvicorn in a thread of this process). With `pinning`, the
+    server's processes run on its server CPUs (they inherit the launcher's affinity) and this process on its
+    client CPUs until the server stops."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -181,13 +187,71 @@ def mmengine_server(model: str, how: str, engine_args: list[str], api_server_cou
             yield Served(url)
         return
     env = os.environ | ({"OMP_NUM_THREADS": str(torch_threads)} if torch_threads else {})
-    process = subprocess.Popen(serve_command(model, port, engine_args, api_server_count), env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True)
+    with pinning.server_side() if pinning is not None else contextlib.nullcontext():
+        process = subprocess.Popen(serve_command(model, port, engine_args, api_server_count), env=env,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        _wait_healthy(base, process)
-        yield Served(base, process.pid)
+        with pinning.client_side() if pinning is not None else contextlib.nullcontext():
+            _wait_healthy(base, process)
+            yield Served(base, process.pid)
     finally:
         stop_process(process)
+
+
+@dataclass(frozen=True)
+class CpuPinning:
+    """Which CPUs the server (and the offline engine, for a like-for-like comparison) and the clients run on."""
+
+    server: frozenset[int]
+    client: frozenset[int]
+
+    @contextlib.contextmanager
+    def _pinned(self, cpus: frozenset[int]) -> Iterator[None]:
+        before = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, cpus)
+        try:
+            yield
+        finally:
+            os.sched_setaffinity(0, before)
+
+    def server_side(self) -> contextlib.AbstractContextManager[None]:
+        return self._pinned(self.server)
+
+    def client_side(self) -> contextlib.AbstractContextManager[None]:
+        return self._pinned(self.client)
+
+
+def _cpu_list(text: str) -> frozenset[int]:
+    """'0', '0,2' or '0-3' -> the CPU numbers."""
+    cpus: set[int] = set()
+    try:
+        for part in text.split(","):
+            low, _, high = part.partition("-")
+            cpus.update(range(int(low), int(high or low) + 1))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a CPU list (e.g. 0 or 0,2 or 0-3): {text!r}") from None
+    if not cpus:
+        raise argparse.ArgumentTypeError("empty CPU list")
+    return frozenset(cpus)
+
+
+def cpu_pinning(args: argparse.Namespace) -> CpuPinning | None:
+    """--server-cpus and --client-cpus, checked: both or neither, disjoint, on this machine, a server subprocess."""
+    if args.server_cpus is None and args.client_cpus is None:
+        return None
+    if args.server_cpus is None or args.client_cpus is None:
+        raise SystemExit("--server-cpus and --client-cpus go together")
+    if args.server_cpus & args.client_cpus:
+        raise SystemExit(f"--server-cpus and --client-cpus overlap: {sorted(args.server_cpus & args.client_cpus)}")
+    if not hasattr(os, "sched_setaffinity"):
+        raise SystemExit("--server-cpus/--client-cpus need os.sched_setaffinity (Linux)")
+    available = os.sched_getaffinity(0)
+    if not (args.server_cpus | args.client_cpus) <= available:
+        raise SystemExit(f"--server-cpus/--client-cpus: CPUs {sorted((args.server_cpus | args.client_cpus) - available)} "
+                         f"are not available here ({sorted(available)})")
+    if args.server == "thread":
+        raise SystemExit("--server-cpus/--client-cpus need --server subprocess (a thread shares this process's CPUs)")
+    return CpuPinning(args.server_cpus, args.client_cpus)
 
 
 def serve_command(model: str, port: int, engine_args: list[str], api_server_count: int) -> list[str]:
@@ -416,18 +480,22 @@ def online_offline(args: argparse.Namespace, model: str, engine_args: list[str])
     concurrency (max_num_seqs = --concurrency): what the server itself costs, HTTP, the front end's work and
     the gaps while a client's next request travels, with the batch size held equal."""
     requests = single_turn_requests(args.num_requests, picture_urls(args.num_pictures, args.image_size))
-    with mmengine_server(model, args.server, engine_args, args.api_server_count, args.torch_threads) as server:
+    pinning = cpu_pinning(args)
+    with mmengine_server(model, args.server, engine_args, args.api_server_count, args.torch_threads, pinning) as server:
         online = asyncio.run(run_online(server, requests, args.output_len, args.concurrency, args.stream))
     server_seqs = server_options(model, engine_args).get("max_num_seqs", SchedulerConfig.max_num_seqs)
     at_concurrency = min(args.concurrency, server_seqs)
-    offline = run_offline(model, engine_args, requests, args.output_len)
-    offline_at_concurrency = run_offline(model, engine_args, requests, args.output_len, max_num_seqs=at_concurrency)
+    with pinning.server_side() if pinning is not None else contextlib.nullcontext():
+        offline = run_offline(model, engine_args, requests, args.output_len)
+        offline_at_concurrency = run_offline(model, engine_args, requests, args.output_len, max_num_seqs=at_concurrency)
     identical = compare_answers(online, offline, args.allow_text_mismatch)
     compare_answers(offline_at_concurrency, offline, args.allow_text_mismatch)
     row = {"online": online.summary(), "offline_all_at_once": offline.summary(),
            "offline_at_concurrency": offline_at_concurrency.summary() | {"max_num_seqs": at_concurrency},
            "identical_texts": identical, "api_server_count": args.api_server_count, "concurrency": args.concurrency,
-           "stream": args.stream}
+           "stream": args.stream,
+           "server_cpus": None if pinning is None else sorted(pinning.server),
+           "client_cpus": None if pinning is None else sorted(pinning.client)}
     rate = row["online"]["requests_per_s"]
     row["ratio_vs_all_at_once"] = rate / row["offline_all_at_once"]["requests_per_s"]
     row["ratio_vs_at_concurrency"] = rate / row["offline_at_concurrency"]["requests_per_s"]
@@ -557,6 +625,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--torch-threads", type=int, default=None, metavar="N",
                         help="torch's intra-op threads, in this process and the server's (OMP_NUM_THREADS); default: "
                         "torch's own. On a CPU shared with other work, 1 keeps a step from waiting on a descheduled thread")
+    parser.add_argument("--server-cpus", type=_cpu_list, default=None, metavar="LIST",
+                        help="pin the server's processes, and the offline engine, to these CPUs (e.g. 0 or 0-3); with --client-cpus")
+    parser.add_argument("--client-cpus", type=_cpu_list, default=None, metavar="LIST",
+                        help="pin this process's clients to these CPUs, apart from the server's; with --server-cpus")
     parser.add_argument("--skip-baseline", action="store_true")
     parser.add_argument("--structured", action="store_true",
                         help="also run every turn under a JSON schema and report the per-token overhead")
@@ -587,6 +659,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     if args.api_server_count > 1 and args.server == "thread":
         raise SystemExit("--api-server-count > 1 needs --server subprocess")
+    if cpu_pinning(args) is not None and args.torch_threads is None:
+        args.torch_threads = len(args.server_cpus)  # one intra-op thread per pinned CPU, in the server and offline
     if args.torch_threads is not None:
         if args.torch_threads < 1:
             raise SystemExit("--torch-threads must be >= 1")
@@ -617,7 +691,7 @@ def chat_workload(args: argparse.Namespace, model: str, device: str, dtype: torc
     """The multi-turn chat workload on the server (and --structured, and the transformers baseline)."""
     conversations = workload(args.num_users, args.num_pictures, args.request_rate, args.seed)
     urls = picture_urls(args.num_pictures, args.image_size)
-    with mmengine_server(model, args.server, engine_args, args.api_server_count, args.torch_threads) as server:
+    with mmengine_server(model, args.server, engine_args, args.api_server_count, args.torch_threads, cpu_pinning(args)) as server:
         base = server.url
         before = scrape(base)
         run = asyncio.run(run_clients(base, conversations, urls, args.turns, args.output_len))

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -81,3 +84,35 @@ def test_serve_benchmark_compares_answers_and_passes_the_server_count():
         module.compare_answers(other_count, same, allow_text_mismatch=True)
     command = module.serve_command("/m", 8123, ["--device", "cpu"], api_server_count=2)
     assert command[command.index("--api-server-count") + 1] == "2" and command[-2:] == ["--device", "cpu"]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pinning the server and the clients apart needs Linux and two CPUs")
+def test_pinning_puts_the_server_and_the_clients_on_their_own_cpus():
+    module = load_benchmark("serve")
+    first, second, *_ = sorted(os.sched_getaffinity(0))
+    before = os.sched_getaffinity(0)
+    args = module.parse_args(["--online-offline", "--server-cpus", str(first), "--client-cpus", str(second)])
+    pinning = module.cpu_pinning(args)
+    child = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+    with pinning.server_side():
+        assert os.sched_getaffinity(0) == {first}
+        assert subprocess.run(child, capture_output=True, text=True, check=True).stdout.strip() == f"[{first}]"  # inherited
+    with pinning.client_side():
+        assert os.sched_getaffinity(0) == {second}
+    assert os.sched_getaffinity(0) == before
+    thread = module.parse_args(["--server-cpus", str(first), "--client-cpus", str(second), "--server", "thread"])
+    with pytest.raises(SystemExit, match="--server subprocess"):  # a server in this process cannot be pinned apart
+        module.cpu_pinning(thread)
+
+
+def test_pinning_options_are_checked_by_name():
+    module = load_benchmark("serve")
+    assert module.parse_args(["--server-cpus", "0-2,5", "--client-cpus", "3"]).server_cpus == {0, 1, 2, 5}
+    with pytest.raises(SystemExit):
+        module.parse_args(["--server-cpus", "zero"])  # argparse: not a CPU list
+    for argv, message in [(["--server-cpus", "0"], "go together"),
+                          (["--server-cpus", "0", "--client-cpus", "0"], "overlap"),
+                          (["--server-cpus", "0", "--client-cpus", "100000"], "not available")]:
+        with pytest.raises(SystemExit, match=message):
+            module.cpu_pinning(module.parse_args(argv))
