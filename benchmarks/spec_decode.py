@@ -124,6 +124,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-speculative-tokens", type=int, default=3)
     parser.add_argument("--method", default="ngram", choices=["ngram", "mtp"],
                         help="the proposer measured (mtp: the checkpoint's head; the tiny Qwen3.5 gets a random one)")
+    parser.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                        help="launch each step before the one in flight is read (auto: on with CUDA)")
     parser.add_argument("--output", default="results/spec_decode.json")
     args = parser.parse_args(argv)
 
@@ -138,12 +140,13 @@ def main(argv: list[str] | None = None) -> dict:
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens, "prompt_lookup_min": 1,
             "prompt_lookup_max": 3} if args.method == "ngram" else {"method": "mtp", "num_speculative_tokens": args.num_speculative_tokens}
     result = {"model": str(path), "platform": platform.platform(), "torch": torch.__version__, "runs": {}}
-    plain = MMEngine(str(path), device=args.device, dtype=args.dtype)
+    plain = MMEngine(str(path), device=args.device, dtype=args.dtype, async_scheduling=args.async_scheduling)
     _run(plain, prompts[:1], params)  # warm-up
     result["runs"]["off"], reference = _run(plain, prompts, params)
     result["device"] = str(plain.device)
     del plain
-    engine = MMEngine(str(path), device=args.device, dtype=args.dtype, speculative_config=spec)
+    engine = MMEngine(str(path), device=args.device, dtype=args.dtype, speculative_config=spec,
+                      async_scheduling=args.async_scheduling)
     _run(engine, prompts[:1], params)
     result["runs"][args.method], outs = _run(engine, prompts, params)
     method_equal = [o.token_ids for o in outs] == [r.token_ids for r in reference]

@@ -69,6 +69,8 @@ class SchedulerOutput:
     kv_restores: list = field(default_factory=list)  # KVCopy: host-tier hits' KV back into their new blocks
     lora_slots: dict[str, int] = field(default_factory=dict)  # request id -> its adapter's device slot (set by the engine)
     encoder_lora_slots: dict[str, int] = field(default_factory=dict)  # the same, for adapters on the vision side
+    # A draft head's chain length for each sampling request, at most (set by the engine; None: every request the full k)
+    draft_depths: dict[str, int] | None = None
 
     @property
     def num_scheduled_tokens(self) -> int:

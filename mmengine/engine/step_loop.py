@@ -381,22 +381,32 @@ class StepLoop:
         return {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled}
 
     def _take_draft_blocks(self, out: SchedulerOutput) -> None:
-        """A draft head drafts within the step that samples (runner/head_drafter.py): the blocks its chained drafts
-        write, past the step's tokens, are taken before the step is launched, where free."""
-        k = self.config.spec_config.num_speculative_tokens
+        """A draft head drafts within the step that samples (runner/head_drafter.py): each sampling request's chain
+        is as long as it may take drafts after the step (out.draft_depths), and the blocks its chained drafts write,
+        past the step's tokens, are taken before the step is launched, where free."""
         caches = self.scheduler.caches
+        out.draft_depths = {}
         for s in out.scheduled:
             if not s.samples:
                 continue
             request = s.request
-            # the chain reaches min(k, room) - 1 positions past the step's tokens at most (room: what the request can
-            # still emit after the step, which keeps at least one token)
-            room = request.sampling_params.max_tokens - request.num_output_tokens - 2
-            more = min(s.num_new_tokens + min(k, room) - 1, self.scheduler.max_model_len - s.start)
+            depth = out.draft_depths[request.request_id] = self._draft_depth(request)
+            # the chain reaches depth - 1 positions past the step's tokens at most
+            more = min(s.num_new_tokens + depth - 1, self.scheduler.max_model_len - s.start)
             while more > s.num_new_tokens and not caches.can_allocate(request, more):
                 more -= 1
             if more > s.num_new_tokens:
                 caches.allocate(request, more)
+
+    def _draft_depth(self, request: Request) -> int:
+        """The most drafts a sampling request may take after this step (_draft_rooms asks again once it is
+        booked): none behind a reasoning gate or in a back-off pause; else up to k, within what it can still emit
+        (the step keeps at least one token)."""
+        if isinstance(request.grammar, ReasoningGate) or (self.backoff is not None and self.backoff.paused(request.request_id)):
+            return 0
+        room = min(request.sampling_params.max_tokens - request.num_output_tokens - 2,
+                   self.scheduler.max_model_len - request.num_tokens - 1)
+        return max(0, min(self.config.spec_config.num_speculative_tokens, room))
 
     def _window_tables(self, out: SchedulerOutput) -> dict[str, list[int]] | None:
         """The sliding-window pool's block tables (None without one)."""

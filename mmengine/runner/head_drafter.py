@@ -48,6 +48,7 @@ class TargetStep:
     query_start_loc: list[int]
     logits_indices: torch.Tensor  # [sampled rows] the rows whose samples are the step's tokens, in their order
     num_blocks: list[int]  # each request's blocks (with those taken for its chained drafts)
+    depth: int  # drafts to chain (the most any sampling request may take after the step)
 
 
 @dataclass
@@ -55,7 +56,7 @@ class DeviceDrafts:
     """A step's drafts, on the device until its tokens are read back with them."""
 
     request_ids: list[str]  # the sampling requests, in the order of the rows below
-    drafts: torch.Tensor  # [requests, num_speculative_tokens] int64
+    drafts: torch.Tensor  # [requests, the step's chain length] int64
     counts: torch.Tensor  # [requests] int64: the leading drafts computed within the request's blocks
 
 
@@ -121,11 +122,15 @@ class HeadDrafter:
         self.step: TargetStep | None = None
         self.num_head_rows = 0  # rows the head computed, the steps' positions and chained drafts together
 
-    def remember(self, final_hidden: torch.Tensor, inputs, block_tables: dict[str, list[int]]) -> None:
+    def remember(self, final_hidden: torch.Tensor, inputs, block_tables: dict[str, list[int]],
+                 depths: dict[str, int] | None = None) -> None:
+        """`depths`: the drafts each sampling request may take after the step, at most (None: all k)."""
         metadata = inputs.metadata
+        k = self.num_speculative_tokens
+        depth = k if depths is None else min(k, max((depths.get(s.request.request_id, k) for s in inputs.sampled), default=0))
         self.step = TargetStep(self.head.target_hidden(final_hidden), inputs.positions, metadata.slot_mapping,
                                metadata.block_tables, inputs.scheduled, metadata.query_start_loc_cpu, inputs.logits_indices,
-                               [len(block_tables[s.request.request_id]) for s in inputs.scheduled])
+                               [len(block_tables[s.request.request_id]) for s in inputs.scheduled], depth)
 
     def forget(self) -> None:
         self.step = None
@@ -155,9 +160,12 @@ class HeadDrafter:
         tables = step.block_tables.index_select(0, torch.as_tensor(batch_rows).to(step.block_tables.device, non_blocking=True))
         # a host-side bound on each chained row's context (the decode attention reads no further)
         bounds = [s.start + s.num_new_tokens for s, _ in rows]
+        request_ids = [s.request.request_id for s, _ in rows]
+        if step.depth == 0:  # no request takes drafts after this step
+            return DeviceDrafts(request_ids, kept.new_zeros((len(rows), 0)), torch.zeros_like(kept))
         ids = self.head.greedy(out)
         columns, counts = [ids], torch.ones_like(kept)
-        for depth in range(1, self.num_speculative_tokens):
+        for depth in range(1, step.depth):
             positions = positions + 1
             contexts = computed + depth  # the row's position + 1
             stored = (contexts - 1) // self.block_size < num_blocks
@@ -165,7 +173,7 @@ class HeadDrafter:
             out, hidden = self._run_chained(ids, hidden, positions, tables, contexts, stored, [b + depth for b in bounds], depth)
             ids = self.head.greedy(out)
             columns.append(ids)
-        return DeviceDrafts([s.request.request_id for s, _ in rows], torch.stack(columns, dim=1), counts)
+        return DeviceDrafts(request_ids, torch.stack(columns, dim=1), counts)
 
     def _run_step(self, step: TargetStep, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over every row of the step: row j reads the target's hidden state at j and the embedding of

@@ -586,7 +586,7 @@ class ModelRunner:
             if self._twin_saves:
                 self._copy_twin_saves()
         if self.drafter is not None:
-            self.drafter.remember(hidden, inputs, block_tables)
+            self.drafter.remember(hidden, inputs, block_tables, out.draft_depths)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs.scheduled)
         if not inputs.sampled:
             if self.drafter is not None:  # the head's pass over the chunk: its K/V

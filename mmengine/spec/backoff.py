@@ -46,5 +46,11 @@ class DraftBackoff:
         self.num_paused_steps += 1
         return False
 
+    def paused(self, request_id: str) -> bool:
+        """Whether the request's next ask is surely refused (a pause under way), without counting an ask: a
+        verify step's outcome can start a pause, never end one."""
+        streak = self._streaks.get(request_id)
+        return streak is not None and streak.paused_for > 0
+
     def forget(self, request_id: str) -> None:
         self._streaks.pop(request_id, None)
