@@ -55,6 +55,23 @@ def _eagle3_head_that_is_sometimes_right(root, target, tokens: list[list[int]], 
     return head
 
 
+def _record_verified_drafts(engine) -> list[tuple[str, int, list[int]]]:
+    """(request id, position of its last token, drafts) of every verify row the scheduler books, as booked (a row
+    launched ahead of its request's verify step gets its start and drafts before it is booked)."""
+    scheduler, verified = engine.scheduler, []
+
+    def recording(method):
+        def booked(*args, **kwargs):
+            rows = args[0].scheduled if method == "update_from_output" else args[0]
+            verified.extend((s.request.request_id, s.start, list(s.draft_token_ids)) for s in rows if s.draft_token_ids)
+            return original(*args, **kwargs)
+        original = getattr(scheduler, method)
+        return booked
+    for method in ("update_from_output", "resolve_runs"):
+        setattr(scheduler, method, recording(method))
+    return verified
+
+
 def _outside_the_step(engine) -> list[str]:
     """Records each head forward that runs outside ModelRunner.launch/sample (the step loop's own work)."""
     runner, outside, inside = engine.runner, [], [0]
@@ -96,26 +113,18 @@ def test_eagle3_drafts_within_the_step_are_the_reference_heads_after_accepted_ru
                                                      "draft_backoff": False},
                       **OPTIONS, max_num_batched_tokens=12, max_num_seqs=2, async_scheduling=async_scheduling)
     outside = _outside_the_step(engine)
-    drafter, made = engine.steps.drafter, []
-    propose = drafter.propose
-
-    def recording(wanted):
-        drafts = propose(wanted)
-        made.extend((rid, engine.scheduler.requests[rid].num_output_tokens, d) for rid, d in drafts.items())
-        return drafts
-    drafter.propose = recording
+    verified = _record_verified_drafts(engine)
     outs = engine.generate(prompts, sampling_params=_greedy(12), use_tqdm=False)
     assert [o.token_ids for o in outs] == expected
     stats = engine.stats()
     assert stats["spec_accepted_position_1"] > 0 and not outside  # a run of two drafts kept
-    by_id = {o.request_id: o for o in outs}
+    tokens = {o.request_id: list(o.prompt_token_ids) + o.token_ids for o in outs}
     checked = 0
-    for request_id, num_output, drafts in made:
-        out = by_id[request_id]
-        if request_id != outs[0].request_id or num_output < 2:
+    for request_id, start, drafts in verified:
+        if request_id != outs[0].request_id:
             continue
-        known = list(out.prompt_token_ids) + out.token_ids[: num_output - 1]
-        assert drafts == _reference_drafts("qwen3_vl", path, head, known, out.token_ids[num_output - 1], len(drafts)), num_output
+        known = tokens[request_id]
+        assert drafts == _reference_drafts("qwen3_vl", path, head, known[:start], known[start], len(drafts)), start
         checked += 1
     assert checked >= 2
     assert_books_consistent(engine)
@@ -143,3 +152,195 @@ def test_mtp_drafts_within_the_step_keep_the_tokens_with_pictures_and_preemption
         assert stats["num_preemptions"] > 0 and stats["spec_draft_tokens"] > 0 and any(proposals) and not outside
         assert_books_consistent(engine)
         engine.shutdown()
+
+
+# -- launched ahead: the next step before the verify step's tokens are read ------------------------------------------
+
+def _mtp_engine(async_scheduling: str, **options) -> MMEngine:
+    return MMEngine(str(tiny_qwen3_5_mtp_path()), speculative_config={"method": "mtp", "num_speculative_tokens": 2,
+                                                                       "draft_backoff": False},
+                    **{**OPTIONS, "block_size": 16, **options}, async_scheduling=async_scheduling)
+
+
+def _learn_first_drafts(engine, prompts, images, expected: list[list[int]]) -> dict[int, int]:
+    """The MTP head's first draft at each step of a run without speculation's help, mapped to the token the target
+    emits there: a head drafting through this table is right at many first drafts (its first draft depends only
+    on the tokens so far, which never change), wrong at most later ones."""
+    proposals = []
+    propose = engine.steps.drafter.propose
+
+    def recording(wanted):
+        drafts = propose(wanted)
+        proposals.extend((rid, engine.scheduler.requests[rid].num_output_tokens, d[0]) for rid, d in drafts.items() if d)
+        return drafts
+    engine.steps.drafter.propose = recording
+    outs = engine.generate(prompts, images=images, sampling_params=_greedy(len(expected[0])), use_tqdm=False)
+    del engine.steps.drafter.propose
+    order = {o.request_id: i for i, o in enumerate(outs)}
+    table: dict[int, int] = {}
+    for request_id, num_output, draft in proposals:
+        answer = expected[order[request_id]]
+        if num_output < len(answer):
+            table.setdefault(draft, answer[num_output])
+    return table
+
+
+def _draft_through(engine, table: dict[int, int]) -> None:
+    head = engine.runner.drafter.head
+    greedy, lookup = head.greedy, torch.arange(engine.runner.text_config.vocab_size)
+    for draft, token in table.items():
+        lookup[draft] = token
+
+    def mapped(output):
+        return lookup.to(output.device)[greedy(output)]
+    head.greedy = mapped
+
+
+@pytest.fixture(scope="module")
+def mtp_case():
+    """(prompts, images, the greedy tokens without speculation, a table that makes the random head often right)."""
+    prompts = [qwen_vl_prompt("Say it again and again.", 0), qwen_vl_prompt("What is here?", 1),
+               qwen_vl_prompt("Count to nine.", 0)]
+    images = [None, PICTURES[:1], None]
+    reference = MMEngine(str(tiny_qwen3_5_mtp_path()), **{**OPTIONS, "block_size": 16})
+    expected = [o.token_ids for o in reference.generate(prompts, images=images, sampling_params=_greedy(20), use_tqdm=False)]
+    reference.shutdown()
+    learner = _mtp_engine("off")
+    table = _learn_first_drafts(learner, prompts, images, expected)
+    learner.shutdown()
+    return prompts, images, expected, table
+
+
+def test_mtp_steps_are_launched_before_the_verify_steps_are_read(mtp_case):
+    """Qwen3.5 (hybrid) with a head that is often right: with async scheduling the decodes' steps are launched
+    before the verify step in flight is read (none were before), each row moved on the device by the drafts kept
+    and its Gated DeltaNet state taken from the kept position's; the tokens, the drafts kept and the prefix cache's
+    books are those of async scheduling off and of decoding without speculation."""
+    prompts, images, expected, table = mtp_case
+    runs = {}
+    for mode in ("off", "on"):
+        engine = _mtp_engine(mode)
+        _draft_through(engine, table)
+        outs = engine.generate(prompts, images=images, sampling_params=_greedy(20), use_tqdm=False)
+        assert [o.token_ids for o in outs] == expected, mode
+        assert_books_consistent(engine)
+        runs[mode] = engine.stats()
+        engine.shutdown()
+    off, on = runs["off"], runs["on"]
+    assert off["steps_launched_ahead"] == 0 < on["steps_launched_ahead"]
+    assert on["spec_accepted_tokens"] > 0 and on["spec_accepted_position_0"] > 0
+    assert on["spec_accepted_tokens"] == off["spec_accepted_tokens"] and on["decode_steps"] == off["decode_steps"]
+    assert on["prefill_tokens_computed"] == off["prefill_tokens_computed"]
+
+
+def test_mtp_prefix_hits_with_steps_launched_ahead_are_those_of_async_off(mtp_case):
+    """A repeated pictured prompt, then a chat's next turn (token ids: its first turn, the answer, new tokens): the
+    checkpoints a hybrid model resumes from are booked only at kept positions, so the hits and the prefill tokens
+    computed are those with async scheduling off, and the next turn computes little more than its new tokens."""
+    prompts, images, expected, table = mtp_case
+    found = {}
+    for mode in ("off", "on"):
+        engine = _mtp_engine(mode)
+        _draft_through(engine, table)
+        seen = []
+        for _ in range(2):
+            before = engine.stats()["prefill_tokens_computed"]
+            out = engine.generate(prompts[1:2], images=images[1:2], sampling_params=_greedy(20), use_tqdm=False)[0]
+            seen.append((out.token_ids, out.num_cached_tokens, engine.stats()["prefill_tokens_computed"] - before))
+        chat = list(out.prompt_token_ids[:1]) + [11] * 30
+        turn = engine.generate({"prompt_token_ids": chat}, sampling_params=_greedy(24), use_tqdm=False)[0]
+        before = engine.stats()["prefill_tokens_computed"]
+        last = engine.generate({"prompt_token_ids": chat + turn.token_ids + [12] * 5}, sampling_params=_greedy(4), use_tqdm=False)[0]
+        seen.append((turn.token_ids + last.token_ids, last.num_cached_tokens, engine.stats()["prefill_tokens_computed"] - before))
+        found[mode] = (seen, engine.stats()["steps_launched_ahead"])
+        assert_books_consistent(engine)
+        engine.shutdown()
+    (on, ahead), (off, _) = found["on"], found["off"]
+    assert on == off and on[0][0] == expected[1] and ahead > 0
+    assert on[1][1] > 0 and on[2][2] <= 5 + 16  # a hit; the next turn: its new tokens, at most a block more
+
+
+def test_eagle3_steps_launched_ahead_keep_the_tokens_with_pictures_chunks_preemption_and_length_cuts(family_checkpoint, tmp_path):
+    """Qwen3-VL (M-RoPE) with an EAGLE-3 head that is sometimes right: pictures, prompts chunked over steps, too few
+    blocks (preemption), and max_tokens ending a request inside a kept run. With async scheduling the tokens are
+    those without speculation and most steps are launched before the one in flight is read."""
+    path = str(family_checkpoint("qwen3_vl"))
+    prompts = [user_turn("qwen3_vl", "Hello."), user_turn("qwen3_vl", "What is here?", 1),
+               user_turn("qwen3_vl", "Tell me a story about a cat who sails the sea."), user_turn("qwen3_vl", "Compare them.", 2)]
+    images = [None, PICTURES[:1], None, PICTURES]
+    params = [_greedy(7), _greedy(12), _greedy(12), _greedy(12)]  # the first ends inside its run of 246s
+    reference = MMEngine(path, **OPTIONS)
+    expected = [o.token_ids for o in reference.generate(prompts, images=images, sampling_params=params, use_tqdm=False)]
+    full = reference.generate(prompts[:1], sampling_params=_greedy(12), use_tqdm=False)[0].token_ids
+    reference.shutdown()
+    assert full[5:9] == [246] * 4
+    head = _eagle3_head_that_is_sometimes_right(tmp_path / "head", path, [full, *expected[1:]], often=246)
+    spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "draft_backoff": False}
+    for options in ({"max_num_batched_tokens": 16}, {"block_size": 4, "num_kv_blocks": 30, "max_num_batched_tokens": 24,
+                                                     "enable_prefix_grouping": False}):
+        engine = MMEngine(path, speculative_config=spec, **{**OPTIONS, **options}, async_scheduling="on")
+        outs = engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == expected, options
+        assert outs[0].finish_reason == "length"
+        stats = engine.stats()
+        assert stats["steps_launched_ahead"] > stats["steps"] // 2 and stats["spec_accepted_tokens"] > 0, stats
+        assert_books_consistent(engine)
+        if "num_kv_blocks" in options:
+            assert stats["num_preemptions"] > 0
+        engine.shutdown()
+
+
+def test_a_grammar_row_waits_and_the_free_rows_keep_their_tokens(mtp_case):
+    """A constrained request needs the host between steps (its masks, the drafts it allows): while it samples, each
+    step is read before the next is launched; the free rows and the JSON are those of async scheduling off."""
+    from mmengine.sample.structured_output.params import StructuredOutputParams
+
+    prompts, images, expected, table = mtp_case
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"]}
+    params = [_greedy(20), SamplingParams(max_tokens=20, temperature=0, structured_output=StructuredOutputParams(json=schema)),
+              _greedy(20)]
+    found = {}
+    for mode in ("off", "on"):
+        engine = _mtp_engine(mode)
+        _draft_through(engine, table)
+        outs = engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+        found[mode] = [(o.token_ids, o.text, o.finish_reason) for o in outs]
+        assert_books_consistent(engine)
+        engine.shutdown()
+    assert found["on"] == found["off"]
+    assert [found["on"][0][0], found["on"][2][0]] == [expected[0], expected[2]]
+
+
+def test_an_abort_while_a_step_is_launched_ahead_drops_only_that_request(mtp_case):
+    prompts, images, expected, table = mtp_case
+    engine = _mtp_engine("on")
+    _draft_through(engine, table)
+    keep = [engine.add_request(prompts[i], images[i], _greedy(20)) for i in (0, 2)]
+    drop = engine.add_request(prompts[1], images[1], _greedy(20))
+    seen: dict[str, list] = {}
+    for step in range(40):
+        if step == 4:
+            assert engine.steps.in_flight is not None and engine.abort_request(drop)
+        for output in engine.step():
+            seen.setdefault(output.request_id, []).append(output)
+        if not engine.has_unfinished_requests():
+            break
+    assert [seen[r][-1].token_ids for r in keep] == [expected[0], expected[2]]
+    assert seen[drop][-1].finish_reason == "abort" and len(seen[drop][-1].token_ids) < 20
+    assert engine.stats()["steps_launched_ahead"] > 0
+    assert_books_consistent(engine)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU tests above check the same logic")
+def test_steps_launched_ahead_on_cuda_give_the_tokens_of_async_off(mtp_case):
+    """On a GPU: verify graphs replay with rows moved on the device (Triton kernels, host lengths as bounds)."""
+    prompts, images, expected, table = mtp_case
+    found = {}
+    for mode in ("off", "on"):
+        engine = _mtp_engine(mode, device="cuda")
+        _draft_through(engine, table)
+        found[mode] = [o.token_ids for o in engine.generate(prompts, images=images, sampling_params=_greedy(20), use_tqdm=False)]
+        if mode == "on":
+            assert engine.stats()["steps_launched_ahead"] > 0
+        engine.shutdown()
+    assert found["on"] == found["off"]

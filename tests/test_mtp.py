@@ -142,8 +142,8 @@ def test_mtp_drafts_keep_greedy_tokens(engines):
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
 def test_mtp_under_chunked_prefill_and_preemption(mtp_path, engines, async_scheduling):
     """Small chunks and too few KV blocks for the batch: requests are preempted and recomputed, the head's
-    blocks taken ahead go with them, and the tokens stay the reference's. With async scheduling each step is
-    read before the next is launched (the head's pass reads its tokens), then runs while the outputs go out."""
+    blocks taken ahead go with them, and the tokens stay the reference's. With async scheduling some steps are
+    launched before the one in flight is read (its rows follow the head's drafts on the device)."""
     reference, _ = engines
     prompts = [qwen_vl_prompt(f"Story number {i} about the sea.", i % 2) for i in range(4)]
     images = [PICTURES[:1] if i % 2 else None for i in range(4)]
@@ -155,7 +155,8 @@ def test_mtp_under_chunked_prefill_and_preemption(mtp_path, engines, async_sched
     assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
     stats = engine.stats()
     assert stats["num_preemptions"] > 0 and stats["spec_draft_tokens"] > 0
-    assert engine.steps.async_scheduling == (async_scheduling == "on") and stats["steps_launched_ahead"] == 0
+    assert engine.steps.async_scheduling == (async_scheduling == "on")
+    assert (stats["steps_launched_ahead"] > 0) == (async_scheduling == "on")
     assert_books_consistent(engine)
     engine.shutdown()
 

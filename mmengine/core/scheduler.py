@@ -556,11 +556,13 @@ class Scheduler:
         """Async scheduling, before the step's sampled tokens are read: advances the scheduled
         requests as update_from_output() does, giving each request that samples a placeholder token
         (its next step reads the value on the device). Requests at their length limit finish now, so
-        no step is scheduled for them. Returns the requests holding a placeholder, for resolve_tokens()."""
+        no step is scheduled for them. Returns the requests holding a placeholder, for resolve_tokens().
+        A verify row (a draft head's, launched ahead) is booked as if it kept its last token alone: the
+        least it keeps, so nothing booked here can be a rejected draft's; resolve_runs() books the rest."""
         pending = []
         for s in out.scheduled:
             samples = s.samples  # read before booking
-            if not self._book_computed(s) or not samples:
+            if not self._book_computed(s, s.end - len(s.draft_token_ids)) or not samples:
                 continue
             request = s.request
             request.append_output_token(PLACEHOLDER_TOKEN)
@@ -586,6 +588,60 @@ class Scheduler:
             if stops:
                 self.finish_request(request, RequestStatus.FINISHED_STOPPED)
         return pending
+
+    def resolve_runs(self, rows: list[ScheduledRequest], sampled: dict[str, list[int]], eos_token_ids: frozenset[int],
+                     drafts: dict[str, list[int]], following: SchedulerOutput | None) -> list[Request]:
+        """Async scheduling with a draft head: fills in the rows book_step() booked (`rows`, each holding a
+        placeholder) with the run their samples keep, as update_from_output() would have booked it: the kept
+        drafts and the token after them, cut at a stop token or the length, the positions computed with them,
+        a hybrid model's saves past them dropped. The step launched meanwhile (`following`) was planned from
+        the placeholder: its row of each request moves on by the drafts kept (the runner moved it so on the
+        device, and restored a hybrid state there) and verifies the drafts the head made (`drafts`, as the
+        device used them); a request that ended in the run keeps no row there (its results are dropped).
+        Returns the requests (all of them got tokens)."""
+        nexts = {s.request.request_id: s for s in following.scheduled} if following is not None else {}
+        for s in rows:
+            request = s.request
+            samples = sampled[request.request_id]
+            if s.draft_token_ids:
+                accepted = s.num_accepted = accepted_prefix(s.draft_token_ids, samples)
+                self.spec.record(len(s.draft_token_ids), accepted)
+                run = samples[: accepted + 1]
+            else:
+                run = samples[-1:]
+            assert request.output_token_ids[-1] == PLACEHOLDER_TOKEN, request
+            del request.output_token_ids[-1], request.all_token_ids[-1]
+            emitted = self._cut(request, run, eos_token_ids)
+            for token in emitted:
+                request.append_output_token(token)
+            stops = self._stops_on(request, emitted[-1], eos_token_ids)
+            if request.is_finished:  # at its length limit when booked: a stop token there still names the reason
+                if stops and request.status == RequestStatus.FINISHED_LENGTH:
+                    request.status = RequestStatus.FINISHED_STOPPED
+                continue
+            running = request.status == RequestStatus.RUNNING  # (else preempted meanwhile: it computes again)
+            if running:
+                request.num_computed_tokens += len(emitted) - 1
+            self.kv_cache.hash_new_blocks(request)
+            if running:
+                self.caches.booked(request)
+                self.sharing.progressed(request)
+                if self.states is not None and s.draft_token_ids:
+                    self.states.rollback(request, len(emitted), s.num_new_tokens)
+            status = RequestStatus.FINISHED_STOPPED if stops else None
+            if status is None and self._reached_length(request):
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                self.finish_request(request, status)
+                continue
+            following_row = nexts.get(request.request_id)
+            if following_row is not None and running:
+                following_row.start = request.num_computed_tokens
+                if following_row.num_new_tokens:
+                    following_row.draft_token_ids = list(drafts.get(request.request_id, []))[: len(following_row.draft_token_ids)]
+                    if self.states is not None:
+                        self.states.restored_on_device(request)
+        return [s.request for s in rows]
 
     def _book_computed(self, s: ScheduledRequest, end: int | None = None) -> bool:
         """Books a scheduled chunk as computed up to `end` (None: the whole chunk): caches its full blocks,

@@ -5,13 +5,22 @@ output) and the work counters; the scheduler decides, the caches keep their book
 computes. Every method runs under the engine's lock (MMEngine holds it).
 
 With async scheduling (on CUDA by default) a step launches the next step before it reads the tokens
-of the one in flight, so the host work of a step overlaps the device's. With speculative decoding, a
-step whose successor needs its tokens (a verify step, whose kept run sets the next positions; a draft
-head's, whose drafts the next step verifies; one after which drafts are expected) is read first, then
-the next one is launched and the caller gets the outputs while it runs; steps without drafts overlap as
-usual. A draft head drafts within the step on the device (runner/head_drafter.py), so its drafts come
-back with the step's tokens in the one read: booking hands them on (spec/head_drafts.py), no second
-round trip to the device.
+of the one in flight, so the host work of a step overlaps the device's.
+
+With speculative decoding by a draft head (MTP, EAGLE-3), the head drafts within the step on the device
+(runner/head_drafter.py), and the next step is launched before the verify step in flight is read too:
+the scheduler books each of its rows as if it kept only its last token (book_step), the next row of the
+request starts there with a placeholder token and placeholder drafts, and the runner moves it on the
+device by the drafts kept and fills in the bonus token and the head's drafts (runner/follow_drafts.py);
+reading the step then books the kept run and moves the launched row's start by as much (resolve_runs).
+A row that needs the host between the steps makes the whole step wait (_may_launch_ahead: a grammar,
+penalties, stop strings, log-probabilities; on a hybrid model a next row that may pass a block
+boundary, whose checkpoint is booked at its position). Waiting, the step in flight is read, booked, its
+drafts handed on (spec/head_drafts.py), and the next one launched while the outputs go out.
+
+With n-gram drafts, a step whose successor needs its tokens (a verify step, whose kept run sets the next
+positions; one after which drafts are expected) is read first, then the next one is launched and the
+caller gets the outputs while it runs; steps without drafts overlap as usual.
 """
 
 from __future__ import annotations
@@ -22,8 +31,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmengine.config import EngineConfig
-from mmengine.core.request import ProcessedPrompt, Request, RequestStatus
-from mmengine.core.scheduler import Scheduler, SchedulerOutput
+from mmengine.core.request import PLACEHOLDER_TOKEN, ProcessedPrompt, Request, RequestStatus
+from mmengine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from mmengine.encoder_cache.hashing import hash_bytes
 from mmengine.encoder_cache.manager import EncoderCacheManager
 from mmengine.errors import InvalidInputError, UnknownAdapterError
@@ -76,6 +85,10 @@ class StepLoop:
         # (runner/head_drafter.py); its drafts come back with the step's tokens and are handed out here
         self.drafter = HeadDrafts() if spec.method in ("mtp", "eagle3") else None
         self.backoff = DraftBackoff() if spec.method is not None and spec.draft_backoff else None
+        # async scheduling with a draft head: the next step may be launched before a verify step is read, its rows
+        # moved on the device by the drafts kept (a runner that can: TP 1's); the step in flight's rows, meanwhile
+        self._follows_on_device = self.drafter is not None and getattr(runner, "follows_drafts_on_device", False)
+        self._ahead_of: SchedulerOutput | None = None
         # async scheduling with a proposer: whether the next step should read the one in flight first (its
         # drafts follow its tokens), and the back-off's answers for that step, asked when it was predicted
         self._drafts_expected = False
@@ -260,7 +273,35 @@ class StepLoop:
         with the tokens, for the next step to verify), or when drafts are expected."""
         if self.proposer is None and self.drafter is None:
             return False
-        return self.drafter is not None or self._drafts_expected or any(s.draft_token_ids for s in previous.out.scheduled)
+        if self.drafter is not None:
+            return not self._may_launch_ahead(previous)
+        return self._drafts_expected or any(s.draft_token_ids for s in previous.out.scheduled)
+
+    def _may_launch_ahead(self, previous: InFlightStep) -> bool:
+        """With a draft head: whether the next step can be launched before the step in flight is read (its
+        rows follow the head's drafts and each verify row's kept run on the device). Not when a row that samples
+        needs the host between the two steps (the whole step then waits, as before): a grammar (its masks and the
+        drafts it allows), penalties (counted as kept), stop strings (the text), log-probabilities; nor, on a
+        hybrid model, when the next row may pass a block boundary (its checkpoint is booked at its position); nor
+        with a sliding-window pool (it frees blocks by the booked position)."""
+        if not self._follows_on_device or previous.launched.pending is not None or self.scheduler.caches.windows is not None:
+            return False
+        k = self.config.spec_config.num_speculative_tokens
+        bs = self.config.cache_config.block_size
+        for s in previous.out.scheduled:
+            request = s.request
+            if not s.samples or request.is_finished:
+                continue
+            params = request.sampling_params
+            if (request.grammar is not None or params.penalized or params.stop or params.logprobs is not None
+                    or params.prompt_logprobs is not None):
+                return False
+            if self.scheduler.states is not None:
+                # the next row starts between the booked position and the last draft's, and runs up to 1 + k tokens
+                first, last = s.end - len(s.draft_token_ids), s.end + 1 + k
+                if last // bs > first // bs:
+                    return False
+        return True
 
     def _draft_with_head(self, rooms: dict[str, int]) -> dict[str, list[int]]:
         """The draft head's drafts of the step just booked, up to num_speculative_tokens a request (fewer near its
@@ -282,20 +323,25 @@ class StepLoop:
         self._allowed_ahead = {}  # (this step was predicted to draft nothing: its back-off answers are spent)
         pending = self.scheduler.book_step(previous.out) if previous is not None else []
         try:
+            if self.drafter is not None and previous is not None:
+                self._ahead_of = previous.out
+                self._drafts_to_follow(previous.out, pending)
             out = self._schedule(allow_empty=previous is not None)
             launched = self.runner.launch(out, self._block_tables(out), previous.launched if previous is not None else None,
                                           window_tables=self._window_tables(out))
         except BaseException:
+            self._ahead_of = None
             if previous is not None:
                 for output in self._resolve(previous, pending):
                     self.route(output)
             raise
+        self._ahead_of = None
         step = InFlightStep(out, launched)
         if out.num_scheduled_tokens:
             self.in_flight = step
             self.counters["steps_launched_ahead"] += previous is not None
         try:
-            outputs = self._resolve(previous, pending) if previous is not None else []
+            outputs = self._resolve(previous, pending, out) if previous is not None else []
         finally:
             if launched.pending is not None:
                 # Constrained rows: their masks need the tokens just resolved, so this step samples
@@ -331,11 +377,33 @@ class StepLoop:
             self._drafts_expected = self._expect_drafts()
         return outputs
 
-    def _resolve(self, step: InFlightStep, pending: list[Request]) -> list[RequestOutput]:
+    def _resolve(self, step: InFlightStep, pending: list[Request], following: SchedulerOutput | None = None) -> list[RequestOutput]:
         sampled = step.launched.result()  # the wait for the device
-        updated = self.scheduler.resolve_tokens(pending, sampled, self.eos_token_ids)
+        if self.drafter is not None:  # verify rows' runs; `following`'s rows move on by the drafts kept
+            booked = {id(request) for request in pending}
+            rows = [s for s in step.out.scheduled if id(s.request) in booked]
+            updated = self.scheduler.resolve_runs(rows, sampled, self.eos_token_ids, step.launched.drafts(raw=True), following)
+            if self.backoff is not None:
+                for s in rows:
+                    if s.num_accepted is not None:
+                        self.backoff.record(s.request.request_id, s.num_accepted)
+        else:
+            updated = self.scheduler.resolve_tokens(pending, sampled, self.eos_token_ids)
         self._record_logprobs(step.launched, updated)
         return self._outputs(updated)
+
+    def _drafts_to_follow(self, previous: SchedulerOutput, pending: list[Request]) -> None:
+        """Launching ahead of a draft head's step: each request that samples there and may draft next takes
+        placeholder drafts, as many as its drafts there (out.draft_depths) and what it may take (_draft_rooms,
+        from the books so far: a run cut by the length drops the rest at booking); the runner fills them in
+        with the head's drafts on the device."""
+        depths = previous.draft_depths or {}
+        rooms = self._draft_rooms()
+        for request in pending:  # (the requests that sampled there, each booked with a placeholder)
+            room = rooms.get(request.request_id)
+            if room is not None and request.status == RequestStatus.RUNNING:
+                wanted = min(self.config.spec_config.num_speculative_tokens, room, depths.get(request.request_id, 0))
+                request.spec_token_ids = [PLACEHOLDER_TOKEN] * max(0, wanted)
 
     def _schedule(self, allow_empty: bool = False) -> SchedulerOutput:
         out = self.scheduler.schedule()
@@ -386,17 +454,34 @@ class StepLoop:
         past the step's tokens, are taken before the step is launched, where free."""
         caches = self.scheduler.caches
         out.draft_depths = {}
+        # a row launched ahead of its request's verify step starts up to that step's drafts later (_ahead_of)
+        shifts = {s.request.request_id: len(s.draft_token_ids) for s in self._ahead_of.scheduled} if self._ahead_of else {}
         for s in out.scheduled:
             if not s.samples:
                 continue
             request = s.request
+            shift = shifts.get(request.request_id, 0) if request.all_token_ids[s.start] == PLACEHOLDER_TOKEN else 0
+            if shift and not caches.can_allocate(request, s.num_new_tokens + shift):
+                self._shrink_ahead(s, shift)
+                if not s.samples:
+                    continue
             depth = out.draft_depths[request.request_id] = self._draft_depth(request)
             # the chain reaches depth - 1 positions past the step's tokens at most
-            more = min(s.num_new_tokens + depth - 1, self.scheduler.max_model_len - s.start)
-            while more > s.num_new_tokens and not caches.can_allocate(request, more):
+            need = s.num_new_tokens + shift
+            more = min(need + depth - 1, self.scheduler.max_model_len - s.start)
+            while more > need and not caches.can_allocate(request, more):
                 more -= 1
             if more > s.num_new_tokens:
-                caches.allocate(request, more)
+                caches.allocate(request, max(more, need))
+
+    def _shrink_ahead(self, s: ScheduledRequest, shift: int) -> None:
+        """A row launched ahead whose furthest tokens' blocks are not free: without drafts, or (no block for even
+        its one token that far) it computes nothing this step and waits for its verify step's books."""
+        s.num_new_tokens, s.draft_token_ids = 1, []
+        if s.state is not None:
+            s.state.draft_saves = []
+        if not self.scheduler.caches.can_allocate(s.request, 1 + shift):
+            s.num_new_tokens = 0
 
     def _draft_depth(self, request: Request) -> int:
         """The most drafts a sampling request may take after this step (_draft_rooms asks again once it is

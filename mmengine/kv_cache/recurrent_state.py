@@ -160,6 +160,12 @@ class RecurrentStateManager:
         if num_kept < num_scheduled:
             self._restore[request.request_id] = self.draft_slot(self._live[request.request_id], num_kept)
 
+    def restored_on_device(self, request: Request) -> None:
+        """The request's next chunk was launched before its verify step was read, and the runner restores its
+        live state from the draft slot of the last kept position on the device (async scheduling with a draft
+        head): nothing is left for that chunk to restore."""
+        self._restore.pop(request.request_id, None)
+
     def _drop_stale_trailing(self, request: Request) -> None:
         pending = self._pending.get(request.request_id, [])
         stale = [save for save in pending if save.trailing and save.position <= request.num_computed_tokens]

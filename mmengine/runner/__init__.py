@@ -4,7 +4,9 @@
   inputs.py        persistent host/device input buffers and the step's packed layout
   cuda_graphs.py   batch-size buckets, capture and replay of decode-only steps
   cascade_plan.py  whether a step runs cascade attention, and with which groups
-  launched_step.py a step queued on the device, its tokens read back later
+  launched_step.py a step queued on the device, its tokens (and a draft head's drafts) read back later
+  head_drafter.py  a draft head (MTP, EAGLE-3) drafting within the step that samples, on the device
+  follow_drafts.py a step launched before a draft head's step is read: its rows moved on the device
   kv_tensors.py    the KV cache's device tensors, one per layer shape (Gemma 4's sliding and global layers differ)
   spans.py         how far each new token sees on layers that attend both ways inside a picture
   parallel_runner.py  tensor_parallel_size > 1: the driver's runner, one plan a step to the worker processes

@@ -49,15 +49,28 @@ class TargetStep:
     logits_indices: torch.Tensor  # [sampled rows] the rows whose samples are the step's tokens, in their order
     num_blocks: list[int]  # each request's blocks (with those taken for its chained drafts)
     depth: int  # drafts to chain (the most any sampling request may take after the step)
+    input_ids: torch.Tensor  # [rows] the step's tokens (a verify row's drafts: those the device verified)
+    seq_lens: torch.Tensor  # [requests] each request's context after the step, on the device
+    seq_lens_cpu: list[int]  # their host copies (bounds, for rows moved on the device off the CPU)
+    # Rows launched ahead of their request's verify step: each request's start moved on the device by the drafts kept
+    # there ([requests], None: none moved), and a host bound on those moves
+    shifts: torch.Tensor | None = None
+    max_shift: int = 0
 
 
 @dataclass
 class DeviceDrafts:
-    """A step's drafts, on the device until its tokens are read back with them."""
+    """A step's drafts, on the device until its tokens are read back with them; a step launched before they are
+    read takes its rows' tokens, positions and (hybrid models) states from them (ModelRunner._follow_drafts)."""
 
     request_ids: list[str]  # the sampling requests, in the order of the rows below
     drafts: torch.Tensor  # [requests, the step's chain length] int64
     counts: torch.Tensor  # [requests] int64: the leading drafts computed within the request's blocks
+    accepted: torch.Tensor  # [requests] int64: the drafts each request's row kept (0 without drafts)
+    first_samples: list[int]  # each request's first sample among the step's tokens (its kept run's last: + accepted)
+    num_verified: list[int]  # the drafts each request's row verified (the most it can have kept)
+    # hybrid models: each request's state after its row's first 1, 2, ... tokens (its draft slots, then its live slot)
+    state_sources: list[list[int]] | None = None
 
 
 class DraftHead(Protocol):
@@ -83,11 +96,12 @@ class DraftHead(Protocol):
         """The head's attention layers, whose K/V the KV cache keeps after the target's."""
 
 
-def kept_counts(tokens: torch.Tensor, sampled: list[ScheduledRequest]) -> torch.Tensor:
+def kept_counts(tokens: torch.Tensor, sampled: list[ScheduledRequest], drafts: torch.Tensor | None = None) -> torch.Tensor:
     """[sampling requests] the positions each sampling request keeps from its step, on the device (no host sync):
     a verify row keeps its last token and the drafts its samples accept (spec/verify.py's accepted_prefix), a
     decode its one token, a prompt's last chunk all of it. `tokens` are the step's samples, one per entry of
-    `sampled` (a verify row's request repeated once per position)."""
+    `sampled` (a verify row's request repeated once per position); `drafts` [requests, most drafts] the drafts
+    each row verified, padded with -1 (None: the rows' own draft_token_ids)."""
     rows = _sampling_rows(sampled)
     device = tokens.device
     num_drafts = np.array([len(s.draft_token_ids) for s, _ in rows], dtype=np.int64)
@@ -95,14 +109,24 @@ def kept_counts(tokens: torch.Tensor, sampled: list[ScheduledRequest]) -> torch.
     width = int(num_drafts.max(initial=0))
     if width == 0:
         return known
-    drafts = np.full((len(rows), width), -1, dtype=np.int64)  # -1: no token equals it, the run stops there
     index = np.zeros((len(rows), width), dtype=np.int64)
-    for r, (s, first) in enumerate(rows):
-        drafts[r, : num_drafts[r]] = s.draft_token_ids
+    for r, (_, first) in enumerate(rows):
         index[r] = np.minimum(first + np.arange(width), len(sampled) - 1)
-    drafts_dev, index_dev = (torch.as_tensor(a).to(device, non_blocking=True) for a in (drafts, index))
-    accepted = (tokens.index_select(0, index_dev.flatten()).view(len(rows), width) == drafts_dev).long().cumprod(dim=1).sum(dim=1)
+    if drafts is None:
+        padded = np.full((len(rows), width), -1, dtype=np.int64)  # -1: no token equals it, the run stops there
+        for r, (s, _) in enumerate(rows):
+            padded[r, : num_drafts[r]] = s.draft_token_ids
+        drafts = torch.as_tensor(padded).to(device, non_blocking=True)
+    index_dev = torch.as_tensor(index).to(device, non_blocking=True)
+    accepted = (tokens.index_select(0, index_dev.flatten()).view(len(rows), width) == drafts).long().cumprod(dim=1).sum(dim=1)
     return known + accepted
+
+
+def _state_sources(scheduled: list[ScheduledRequest]) -> list[list[int]] | None:
+    """A hybrid model's: each request's slots holding its state after its row's first 1, 2, ... tokens."""
+    if not scheduled or scheduled[0].state is None:
+        return None
+    return [[slot for _, slot in s.state.draft_saves] + [s.state.slot] for s in scheduled]
 
 
 def _sampling_rows(sampled: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, int]]:
@@ -123,14 +147,16 @@ class HeadDrafter:
         self.num_head_rows = 0  # rows the head computed, the steps' positions and chained drafts together
 
     def remember(self, final_hidden: torch.Tensor, inputs, block_tables: dict[str, list[int]],
-                 depths: dict[str, int] | None = None) -> None:
-        """`depths`: the drafts each sampling request may take after the step, at most (None: all k)."""
+                 depths: dict[str, int] | None = None, shifts: torch.Tensor | None = None, max_shift: int = 0) -> None:
+        """`depths`: the drafts each sampling request may take after the step, at most (None: all k). `shifts`:
+        rows launched ahead, moved on the device (TargetStep)."""
         metadata = inputs.metadata
         k = self.num_speculative_tokens
         depth = k if depths is None else min(k, max((depths.get(s.request.request_id, k) for s in inputs.sampled), default=0))
         self.step = TargetStep(self.head.target_hidden(final_hidden), inputs.positions, metadata.slot_mapping,
                                metadata.block_tables, inputs.scheduled, metadata.query_start_loc_cpu, inputs.logits_indices,
-                               [len(block_tables[s.request.request_id]) for s in inputs.scheduled], depth)
+                               [len(block_tables[s.request.request_id]) for s in inputs.scheduled], depth, inputs.input_ids,
+                               metadata.seq_lens, list(metadata.seq_lens_cpu), shifts, max_shift)
 
     def forget(self) -> None:
         self.step = None
@@ -150,19 +176,25 @@ class HeadDrafter:
         batch_row = {id(s): r for r, s in enumerate(step.scheduled)}
         batch_rows = [batch_row[id(s)] for s, _ in rows]
         device = out.device
-        kept = kept_counts(tokens, sampled)  # [requests]
+        batch_index = torch.as_tensor(batch_rows).to(device, non_blocking=True)
         firsts = torch.as_tensor([step.query_start_loc[r] for r in batch_rows]).to(device, non_blocking=True)
+        known = [s.num_new_tokens - len(s.draft_token_ids) for s, _ in rows]
+        kept = kept_counts(tokens, sampled, self._verified_drafts(step, rows, batch_rows, known))  # [requests]
         last = firsts + kept - 1  # each request's last kept row
         out, hidden = out.index_select(0, last), chain.index_select(0, last)
         positions = step.positions.index_select(0, last.to(step.positions.device))
         computed = torch.as_tensor([s.start for s, _ in rows]).to(device, non_blocking=True) + kept  # after booking
+        if step.shifts is not None:
+            computed = computed + step.shifts.index_select(0, batch_index)
         num_blocks = torch.as_tensor([step.num_blocks[r] for r in batch_rows]).to(device, non_blocking=True)
-        tables = step.block_tables.index_select(0, torch.as_tensor(batch_rows).to(step.block_tables.device, non_blocking=True))
+        tables = step.block_tables.index_select(0, batch_index.to(step.block_tables.device))
         # a host-side bound on each chained row's context (the decode attention reads no further)
-        bounds = [s.start + s.num_new_tokens for s, _ in rows]
-        request_ids = [s.request.request_id for s, _ in rows]
+        bounds = [s.start + s.num_new_tokens + step.max_shift for s, _ in rows]
+        found = DeviceDrafts([s.request.request_id for s, _ in rows], kept.new_zeros((len(rows), 0)), torch.zeros_like(kept),
+                             kept - torch.as_tensor(known).to(device, non_blocking=True), [first for _, first in rows],
+                             [len(s.draft_token_ids) for s, _ in rows], _state_sources([s for s, _ in rows]))
         if step.depth == 0:  # no request takes drafts after this step
-            return DeviceDrafts(request_ids, kept.new_zeros((len(rows), 0)), torch.zeros_like(kept))
+            return found
         ids = self.head.greedy(out)
         columns, counts = [ids], torch.ones_like(kept)
         for depth in range(1, step.depth):
@@ -173,7 +205,26 @@ class HeadDrafter:
             out, hidden = self._run_chained(ids, hidden, positions, tables, contexts, stored, [b + depth for b in bounds], depth)
             ids = self.head.greedy(out)
             columns.append(ids)
-        return DeviceDrafts(request_ids, torch.stack(columns, dim=1), counts)
+        found.drafts, found.counts = torch.stack(columns, dim=1), counts
+        return found
+
+    @staticmethod
+    def _verified_drafts(step: TargetStep, rows: list, batch_rows: list[int], known: list[int]) -> torch.Tensor | None:
+        """[requests, most drafts] the drafts each sampling row verified as the device holds them (padded with -1),
+        None when no row verifies any."""
+        num_drafts = [len(s.draft_token_ids) for s, _ in rows]
+        width = max(num_drafts, default=0)
+        if width == 0:
+            return None
+        index = np.zeros((len(rows), width), dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=bool)
+        for r, (batch_row, n) in enumerate(zip(batch_rows, num_drafts)):
+            first = step.query_start_loc[batch_row] + known[r]
+            index[r, :n] = np.arange(first, first + n)
+            mask[r, :n] = True
+        device = step.input_ids.device
+        ids = step.input_ids.index_select(0, torch.as_tensor(index.reshape(-1)).to(device, non_blocking=True)).view(len(rows), width)
+        return torch.where(torch.as_tensor(mask).to(device, non_blocking=True), ids, -1)
 
     def _run_step(self, step: TargetStep, tokens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """The head over every row of the step: row j reads the target's hidden state at j and the embedding of
@@ -192,7 +243,7 @@ class HeadDrafter:
         embeds = self.head.embed(next_ids, shifted)
         lengths = [s.num_new_tokens for s in scheduled]
         metadata = _metadata(step.slot_mapping[:num_rows], step.block_tables[: len(scheduled)], lengths,
-                             [s.end for s in scheduled])
+                             step.seq_lens_cpu[: len(scheduled)], step.seq_lens[: len(scheduled)])
         self.num_head_rows += num_rows
         return self.head.forward(embeds, step.hidden[:num_rows], step.positions[:num_rows], metadata, 0, first=True)
 
@@ -215,8 +266,8 @@ class HeadDrafter:
 def _metadata(slot_mapping: torch.Tensor, block_tables: torch.Tensor, query_lens: list[int], seq_lens: list[int],
               device_seq_lens: torch.Tensor | None = None) -> AttentionMetadata:
     """A batch of requests, one-row ones first, each its query_lens rows ending at position seq_lens - 1.
-    `device_seq_lens`: the contexts on the device, when the host knows only bounds (`seq_lens`) of them: then
-    every request is a one-row one, which the attention reads only on the device."""
+    `device_seq_lens`: the contexts on the device, where the host knows only bounds of them (`seq_lens`: the
+    decode attention reads the device's and the bound; the reference's prefill reads the host's, exact on the CPU)."""
     device = slot_mapping.device
     query_start_loc = [0, *np.cumsum(query_lens).tolist()]
     num_decodes = next((i for i, n in enumerate(query_lens) if n != 1), len(query_lens))

@@ -165,6 +165,7 @@ class InputBuffers:
         lora_slots: dict[str, int] | None = None,
         window_tables: dict[str, list[int]] | None = None,
         graph_query_len: int = 1,
+        moved_on_device: bool = False,
     ) -> StepInputs:
         """Packs the scheduled requests (decodes first, each with num_new_tokens > 0) into the
         buffers. With a graph size, the batch is padded to it with rows that store nothing.
@@ -172,7 +173,8 @@ class InputBuffers:
         that token's index among the previous step's sampled tokens. `lora_slots` maps requests that
         run an adapter to its slot; in a graph step they go into the per-row slot buffer (and the
         step takes no cascade variant: a graph has either). `window_tables`: the sliding-window pool's
-        block tables (when the buffers are windowed). `graph_query_len` > 1: the graph is a verify graph of
+        block tables (when the buffers are windowed). `moved_on_device`: rows launched ahead of a draft head's
+        step are moved on the device afterwards (runner/follow_drafts.py). `graph_query_len` > 1: the graph is a verify graph of
         graph_size requests of up to that many tokens (it has neither a LoRA nor a cascade variant: a
         step with adapters runs eager, one with shared prefixes runs without cascade attention)."""
         if graph_query_len > 1 and lora_slots:
@@ -185,7 +187,8 @@ class InputBuffers:
         assert (window_tables is not None) == self.windowed, "a windowed step needs its window tables, and only it"
         batch = self._pack_requests(scheduled, block_tables, previous_rows, window_tables)
         graph_lora = bool(lora_slots) and graph_size is not None
-        plan_cascade = self.cascade is not None and not graph_lora and graph_query_len == 1
+        # (rows moved on the device after this, moved_on_device: their lengths are not the host's to group)
+        plan_cascade = self.cascade is not None and not graph_lora and graph_query_len == 1 and not moved_on_device
         groups, bounds, graph_size = self._plan_cascade(batch, graph_size) if plan_cascade else ([], None, graph_size)
         padded_reqs = graph_size or batch.num_reqs
         # a verify graph's tokens past the padding requests' one each belong to no request: they store nothing
@@ -254,9 +257,13 @@ class InputBuffers:
                 ids[batch.num_tokens] = token
             else:
                 known = length - len(s.draft_token_ids)
-                assert request.all_token_ids[start + known - 1] != PLACEHOLDER_TOKEN, request  # only decodes wait on one
                 ids[batch.num_tokens : batch.num_tokens + known] = request.all_token_ids[start : start + known]
                 ids[batch.num_tokens + known : batch.num_tokens + length] = s.draft_token_ids
+                if request.all_token_ids[start + known - 1] == PLACEHOLDER_TOKEN:
+                    # only a verify row launched ahead of a draft head's step, whose token and drafts (placeholders
+                    # here) the runner takes on the device (ModelRunner._follow_drafts)
+                    assert known == 1, request
+                    batch.deferred.append((batch.num_tokens, previous_rows[request.request_id]))
             batch.num_tokens += length
             if s.samples:
                 batch.sampled_rows.append(row)

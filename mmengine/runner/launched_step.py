@@ -58,6 +58,7 @@ class LaunchedStep:
     # A draft head's: the sampling requests' ids and how many drafts each has, read from `host` after the tokens
     draft_ids: list[str] = field(default_factory=list)
     num_drafts: int = 0
+    device_drafts: DeviceDrafts | None = None  # the same on the device, which a step launched before the read follows
 
     def result(self) -> dict[str, list[int]]:
         """Waits for the step and returns each sampling request's tokens: one, or (a verify step) one per
@@ -72,13 +73,13 @@ class LaunchedStep:
             found.setdefault(request_id, []).append(token)
         return found
 
-    def drafts(self) -> dict[str, list[int]]:
+    def drafts(self, raw: bool = False) -> dict[str, list[int]]:
         """A draft head's drafts for each sampling request (after result()), as many as it computed within the
-        request's blocks."""
+        request's blocks (`raw`: all the chain's, as a step launched before the read took them)."""
         if not self.draft_ids:
             return {}
         n, k, values = len(self.sampled_ids), self.num_drafts, self.host.tolist()
-        counts = values[n + len(self.draft_ids) * k : n + len(self.draft_ids) * (k + 1)]
+        counts = [k] * len(self.draft_ids) if raw else values[n + len(self.draft_ids) * k : n + len(self.draft_ids) * (k + 1)]
         return {request_id: values[n + r * k : n + r * k + count] for r, (request_id, count) in enumerate(zip(self.draft_ids, counts))}
 
     def token_logprobs(self) -> dict[str, list[TokenLogprobs]]:
@@ -127,4 +128,5 @@ class TokenReadback:
             launched = LaunchedStep(sampled_ids, tokens, host, ready)
         if drafts is not None:
             launched.draft_ids, launched.num_drafts = drafts.request_ids, drafts.drafts.shape[1]
+            launched.device_drafts = drafts
         return launched

@@ -44,6 +44,7 @@ from mmengine.runner.verify_graphs import (
     verify_query_len,
 )
 from mmengine.runner.inputs import InputBuffers
+from mmengine.runner.follow_drafts import follow_drafts
 from mmengine.runner.head_drafter import Eagle3DraftHead, HeadDrafter, MtpHead
 from mmengine.sample.penalties import PenaltyState, apply_logit_bias
 from mmengine.runner.spans import span_ends
@@ -58,6 +59,8 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
+    follows_drafts_on_device = True  # a step may be launched before a draft head's step is read (follow_drafts.py)
+
     def __init__(
         self,
         config: EngineConfig,
@@ -555,10 +558,15 @@ class ModelRunner:
             return NOTHING_SAMPLED
         graph_size, graph_query_len = self._graph_size_for(scheduled)
         inputs = self.inputs.prepare(scheduled, block_tables, graph_size, previous.token_rows() if previous else None,
-                                     lora_slots=out.lora_slots, window_tables=window_tables, graph_query_len=graph_query_len)
+                                     lora_slots=out.lora_slots, window_tables=window_tables, graph_query_len=graph_query_len,
+                                     moved_on_device=previous is not None and previous.device_drafts is not None)
         if self.lora_context is not None and inputs.graph_size is None:
             self.lora_context.segments = self._lora_segments(inputs.scheduled, out.lora_slots)
-        if inputs.deferred_rows is not None:
+        shifts, max_shift = None, 0
+        if inputs.deferred_rows is not None and previous.device_drafts is not None:  # launched ahead of a draft head's step
+            shifts, max_shift = follow_drafts(inputs, previous.tokens, previous.device_drafts, self.block_size,
+                                              self.recurrent_states, self.device.type == "cpu" or self.attn_backend.name != "triton")
+        elif inputs.deferred_rows is not None:
             inputs.input_ids.index_copy_(0, inputs.deferred_rows, previous.tokens.index_select(0, inputs.deferred_sources))
         if inputs.cascade_groups:
             self.num_cascade_steps += 1
@@ -586,7 +594,7 @@ class ModelRunner:
             if self._twin_saves:
                 self._copy_twin_saves()
         if self.drafter is not None:
-            self.drafter.remember(hidden, inputs, block_tables, out.draft_depths)
+            self.drafter.remember(hidden, inputs, block_tables, out.draft_depths, shifts, max_shift)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs.scheduled)
         if not inputs.sampled:
             if self.drafter is not None:  # the head's pass over the chunk: its K/V
