@@ -247,7 +247,8 @@ class EngineCore:
             if self.expected.get(message[1], (None,))[0] is connection:
                 del self.expected[message[1]]
             if self.owners.get(message[1]) is connection:
-                del self.owners[message[1]]
+                # its owner stays until its final ("abort") output is delivered: the front end's books hold the
+                # request until then (without that output, it would count as unfinished for ever)
                 self.whole_answers.discard(message[1])
                 self.engine.abort_request(message[1])
         elif kind == CALL:
