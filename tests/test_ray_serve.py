@@ -36,12 +36,11 @@ def _free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def base_url(checkpoint_dir):
+def base_url(ray_cluster, checkpoint_dir):
     from mmengine.ray.serve import build_app
 
     path = str(checkpoint_dir())
     port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = build_app(path, NUM_REPLICAS, ENGINE_OPTIONS, settings=ServerSettings(MODEL_NAME, api_key=API_KEY),
@@ -50,7 +49,6 @@ def base_url(checkpoint_dir):
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -258,6 +256,19 @@ def test_help_stays_light():
     assert _modules_imported_by(["--help"])[1] == []  # neither torch nor ray
     text, imported = _modules_imported_by(["serve", "--help"])
     assert "--data-parallel-size" in text and "ray" not in imported
+
+
+def test_the_router_keys_a_request_without_importing_the_engine():
+    """The router's process (the ingress deployment) loads mmengine.ray.serve and keys requests with the server's
+    protocol models: neither pulls in torch, transformers or the model code, which only the engine replicas need."""
+    import subprocess
+    import sys
+
+    probe = ("import sys\nfrom mmengine.ray.serve import _request_key\n"
+             "print(_request_key('chat', b'{\"model\": \"m\", \"messages\": [{\"role\": \"user\", \"content\": \"hi\"}]}'))\n"
+             "print(sorted(name for name in ('torch', 'transformers', 'mmengine.engine.mm_engine') if name in sys.modules))")
+    key, imported = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert key.startswith("prefix:") and imported == "[]", imported
 
 
 @pytest.mark.parametrize(("engine_options", "gpus"), [

@@ -8,6 +8,7 @@
   step_loop.py      StepLoop: one scheduler step (sync or async), its tokens, outputs and their owners
   stats.py          the counters stats() reports
   async_engine.py   AsyncMMEngine: the engine loop on a thread, streams for asyncio callers
+  async_errors.py   its refusals of a request (overloaded, failed), importable without the engine
   beam_search.py    beam search, a layer above the engine that drives it through its public methods
   weight_update.py  what update_weights takes (state dict, pairs, checkpoint dir) and which caches an update makes stale
 

@@ -30,11 +30,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from mmengine.engine.async_errors import EngineOverloadedError, RequestFailedError
 from mmengine.engine.core_client import EngineCoreClient
 from mmengine.engine.intake import CheckedRequest
 from mmengine.engine.prompt_inputs import check_request_id
 from mmengine.engine.mm_engine import MMEngine
-from mmengine.errors import ConfigError, EngineDeadError, InvalidInputError, MMEngineError
+from mmengine.errors import ConfigError, EngineDeadError, InvalidInputError
 from mmengine.lora.request import LoRARequest
 from mmengine.multimodal.image_loading import ImageInput
 from mmengine.outputs import RequestOutput, TokenLogprobs
@@ -44,23 +45,6 @@ from mmengine.utils.ids import random_hex
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-
-class EngineOverloadedError(MMEngineError, RuntimeError):
-    """More requests wait for their first token than `max_queued_requests` allows; retry later."""
-
-    def __init__(self, reason: str, retry_after: int = 1) -> None:
-        self.reason = reason
-        self.retry_after = retry_after  # seconds
-        super().__init__(reason)
-
-    def __reduce__(self):
-        return (self.__class__, (self.reason, self.retry_after))
-
-
-class RequestFailedError(MMEngineError, RuntimeError):
-    """A request the engine failed: steps kept raising while it was in flight, and the newest request
-    is removed until they run again. The requests left keep running."""
 
 
 @dataclass

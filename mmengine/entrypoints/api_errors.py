@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from mmengine.engine.async_engine import EngineDeadError, EngineOverloadedError, RequestFailedError
+from mmengine.engine.async_errors import EngineOverloadedError, RequestFailedError
 from mmengine.errors import (
     AudioCountMismatchError,
     AudioTooLongError,
@@ -21,6 +21,7 @@ from mmengine.errors import (
     CorruptAudioError,
     CorruptImageError,
     EmptyPromptError,
+    EngineDeadError,
     ImageCountMismatchError,
     ImageTooLargeError,
     InvalidInputError,

@@ -22,7 +22,7 @@ import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
@@ -30,10 +30,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from mmengine.entrypoints.api_server import ServerSettings
 from mmengine.errors import ConfigError
 from mmengine.ray.metrics_merge import merge_replica_metrics
 from mmengine.ray.routing import Router, chat_request_key, completion_request_key, with_adapter
+
+if TYPE_CHECKING:  # the engine replicas import the server (and the engine); the router, in this module too, does not
+    from mmengine.entrypoints.api_server import ServerSettings
 
 logger = logging.getLogger(__name__)
 
@@ -47,7 +49,7 @@ AsgiMessage = dict[str, Any]
 class EngineReplica:
     """One MMEngine behind the single-engine server's app; requests arrive as forwarded HTTP."""
 
-    def __init__(self, model: str, engine_options: dict[str, Any], settings: ServerSettings, replica: int,
+    def __init__(self, model: str, engine_options: dict[str, Any], settings: "ServerSettings", replica: int,
                  max_queued_requests: int | None, num_preprocess_workers: int,
                  encoder_store: tuple[str, int] | None = None) -> None:
         """`encoder_store`: (the store actor's name, its bytes): the replicas share one, made by whichever asks first."""
@@ -250,7 +252,7 @@ def build_app(
     engine_options: dict[str, Any] | None = None,
     *,
     served_model_name: str | None = None,
-    settings: ServerSettings | None = None,
+    settings: "ServerSettings | None" = None,
     max_ongoing_requests: int = DEFAULT_MAX_ONGOING_REQUESTS,
     max_queued_requests: int | None = None,
     num_preprocess_workers: int = 2,
@@ -283,6 +285,8 @@ def build_app(
 
         store = (f"mmengine-encoder-store-{uuid.uuid4().hex[:12]}", encoder_store_bytes)
     if settings is None:
+        from mmengine.entrypoints.api_server import ServerSettings
+
         settings = ServerSettings(served_model_name=served_model_name or model)
     num_gpus = _default_num_gpus(engine_options) if num_gpus_per_replica is None else num_gpus_per_replica
     num_cpus = (0 if num_gpus else 1) if num_cpus_per_replica is None else num_cpus_per_replica
