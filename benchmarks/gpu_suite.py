@@ -580,6 +580,14 @@ def _quantized_checkpoint(name: str, ctx: Context, log: Path) -> str:
     if (path / "config.json").is_file():
         return str(path)
     size, device = (32, "cpu") if ctx.dry_run else (128, "cuda")
+    if ctx.dry_run:  # tiny and on the CPU: in this process (no device memory to free, no interpreter to start)
+        from mmengine.testing.quantize import quantize_checkpoint
+
+        partial = Path(str(path) + ".partial")
+        quantize_checkpoint(Path(ctx.models[source]), partial, method, block=(size, size), group_size=size, reference=False,
+                            device=device)
+        partial.rename(path)
+        return str(path)
     code = (f"from pathlib import Path; from mmengine.testing.quantize import quantize_checkpoint; "
             f"quantize_checkpoint(Path({ctx.models[source]!r}), Path({str(path)!r} + '.partial'), {method!r}, "
             f"block=({size}, {size}), group_size={size}, reference=False, device={device!r}); "

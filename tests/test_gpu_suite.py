@@ -20,21 +20,44 @@ def suite():
     return load_benchmark("gpu_suite")
 
 
-# The "ray" part runs benchmarks/ray_batch.py, which test_ray_batch.py runs (and reads as the part
-# does) inside its own cluster: the dry run leaves it out rather than start another Ray cluster. The
-# "decode_and_ttft", "image_workload", "lora", "gemma4_window_pool", "tiers", "video", "qwen3_5_9b" and "preprocess"
-# parts' dry commands are test_benchmarks.py's runs of their scripts, and its IN_PROCESS_PARTS run their own dry
-# commands (in-process: no interpreter, torch and engine start-up of their own), read there as the parts read them.
+# The "ray" part runs benchmarks/ray_batch.py, which test_ray_batch.py runs (and reads as the part does) inside its own
+# cluster: the dry run leaves it out rather than start another Ray cluster. The "decode_and_ttft", "image_workload", "lora",
+# "gemma4_window_pool", "tiers", "video", "qwen3_5_9b" and "preprocess" parts' dry commands are test_benchmarks.py's runs of
+# their scripts, and its IN_PROCESS_PARTS run their own dry commands (in-process: no interpreter, torch and engine start-up of
+# their own), read there as the parts read them; this file's IN_PROCESS_PARTS likewise.
+IN_PROCESS_PARTS = ["attention_gqa7", "cascade_kernel", "serve", "speculative", "spec_decode", "quantized_llava_7b",
+                    "quantized_qwen2_5_vl_7b"]
 COVERED_ELSEWHERE = ("ray", "decode_and_ttft", "image_workload", "lora", "gemma4_window_pool", "tiers", "video", "qwen3_5_9b",
-                     "preprocess", "qwen2_5_vl_7b", "qwen3_vl_30b_a3b", "gemma4_dense", "shared_prefix", "tp")
+                     "preprocess", "qwen2_5_vl_7b", "qwen3_vl_30b_a3b", "gemma4_dense", "shared_prefix", "tp",
+                     *IN_PROCESS_PARTS)
 
 
 @pytest.fixture(scope="module")
 def dry_run(suite, tmp_path_factory):
+    """The suite's own dry run (each part a process of its own, two at a time) over the parts no test runs in-process: a
+    script's and the test suite's (JUnit XML)."""
     out = tmp_path_factory.mktemp("dry-report")
     parts = [part.name for part in suite.PARTS if part.name not in COVERED_ELSEWHERE]
     status = suite.main(["--dry-run", "--out", str(out), "--jobs", "2", "--only", ",".join(parts)])
     return status, out, json.loads((out / "report.json").read_text())
+
+
+@pytest.mark.parametrize("part", IN_PROCESS_PARTS)
+def test_parts_run_their_dry_commands_in_process(suite, part, tmp_path):
+    """Each part's own dry command (on the stand-ins the dry run builds), run in-process and read as the part reads it:
+    every figure a value."""
+    (chosen,) = [p for p in suite.PARTS if p.name == part]
+    ctx = suite.Context(tmp_path, tmp_path / "checkpoints", dry_run=True)
+    suite.ensure_checkpoints(chosen, ctx, tmp_path / f"{part}.log")
+    script, *args = chosen.dry_args(ctx)
+    result = load_benchmark(Path(script).stem).main(args)
+    data = json.loads(ctx.output(part).read_text())
+    if isinstance(result, dict):
+        assert data == json.loads(json.dumps(result, default=str))
+    else:
+        assert result == 0  # (attention.py returns its exit status)
+    figures = [suite.judge(name, value, unit, target, True) for name, value, unit, target in chosen.read(data)]
+    assert figures and all(fig.value is not None and fig.verdict == "dry run" for fig in figures), figures
 
 
 def test_the_dry_run_runs_every_part_on_the_cpu(suite, dry_run):
@@ -70,10 +93,10 @@ def test_finished_parts_are_kept_and_rerun_measures_again(suite, dry_run, monkey
         return suite.PartResult(part.name, part.issues, "dry run", 0.5, ["python"], [suite.judge("x", 1.0, "x", None, True)])
 
     monkeypatch.setattr(suite, "run_part", fake_run)
-    assert suite.main(["--dry-run", "--out", str(out), "--only", "cascade_kernel,tests"]) == 0 and calls == []
+    assert suite.main(["--dry-run", "--out", str(out), "--only", "attention_gqa4,tests"]) == 0 and calls == []
     kept = json.loads((out / "report.json").read_text())["parts"]
-    assert kept == [p for p in report["parts"] if p["name"] in ("cascade_kernel", "tests")]
-    assert suite.main(["--dry-run", "--out", str(out), "--only", "cascade_kernel", "--rerun"]) == 0 and calls == ["cascade_kernel"]
+    assert kept == [p for p in report["parts"] if p["name"] in ("attention_gqa4", "tests")]
+    assert suite.main(["--dry-run", "--out", str(out), "--only", "attention_gqa4", "--rerun"]) == 0 and calls == ["attention_gqa4"]
 
 
 def test_a_failed_part_is_recorded_and_the_rest_still_run(suite, monkeypatch, tmp_path):
