@@ -71,6 +71,9 @@ class SchedulerOutput:
     encoder_lora_slots: dict[str, int] = field(default_factory=dict)  # the same, for adapters on the vision side
     # A draft head's chain length for each sampling request, at most (set by the engine; None: every request the full k)
     draft_depths: dict[str, int] | None = None
+    # Recurrent states to copy (source slot, checkpoint slot) before anything else of the step: the checkpoints of
+    # rows launched ahead of their verify step, booked once their positions were known (Scheduler.resolve_runs)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -142,6 +145,7 @@ class Scheduler:
         self.num_reencodes_after_prefix_hit = 0
         self.num_zero_token_schedules = 0  # running requests held back a step by the encoder budget
         self.spec = SpecCounters(config.spec_config.num_speculative_tokens)
+        self._state_copies: list[tuple[int, int]] = []  # for the next step's SchedulerOutput.state_copies
         # Prefix-sharing groups of batches, their held blocks, and cache-affinity admission.
         self.sharing = PrefixSharing(kv_cache, config.cache_config.block_size, max_model_len, config.scheduler_config.enable_prefix_grouping, windows)
 
@@ -242,6 +246,7 @@ class Scheduler:
         out.freed_encoder_hashes = self.encoder_cache.take_freed()
         out.stale_encoder_hashes = self.encoder_cache.take_stale_freed()
         out.kv_offloads, out.kv_restores = self.kv_cache.take_copies()
+        out.state_copies, self._state_copies = self._state_copies, []
         return out
 
     def _drafts_of(self, request: Request, budget: int) -> list[int]:
@@ -641,7 +646,19 @@ class Scheduler:
                     following_row.draft_token_ids = list(drafts.get(request.request_id, []))[: len(following_row.draft_token_ids)]
                     if self.states is not None:
                         self.states.restored_on_device(request)
+                        self._book_moved_saves(following_row)
         return [s.request for s in rows]
+
+    def _book_moved_saves(self, s: ScheduledRequest) -> None:
+        """A hybrid model's row launched ahead, now that its positions are known: the checkpoints it passes are
+        booked as its chunk's would have been (plan_saves), each copied from the slot that holds the state there
+        once the row has run (its draft slot after that many tokens, or its live slot after all of them) before
+        the next step (state_copies) overwrites either; booking the row keeps those at kept positions only."""
+        plan = StatePlan(s.state.slot)
+        self.states.plan_saves(s.request, plan, s.start, s.num_new_tokens)
+        after = {j: slot for j, (_, slot) in enumerate(s.state.draft_saves, start=1)}
+        after[s.num_new_tokens] = s.state.slot
+        self._state_copies.extend((after[position - s.start], slot) for position, slot in plan.saves)
 
     def _book_computed(self, s: ScheduledRequest, end: int | None = None) -> bool:
         """Books a scheduled chunk as computed up to `end` (None: the whole chunk): caches its full blocks,

@@ -14,9 +14,8 @@ request starts there with a placeholder token and placeholder drafts, and the ru
 device by the drafts kept and fills in the bonus token and the head's drafts (runner/follow_drafts.py);
 reading the step then books the kept run and moves the launched row's start by as much (resolve_runs).
 A row that needs the host between the steps makes the whole step wait (_may_launch_ahead: a grammar,
-penalties, stop strings, log-probabilities; on a hybrid model a next row that may pass a block
-boundary, whose checkpoint is booked at its position). Waiting, the step in flight is read, booked, its
-drafts handed on (spec/head_drafts.py), and the next one launched while the outputs go out.
+penalties, stop strings, log-probabilities). Waiting, the step in flight is read, booked, its drafts
+handed on (spec/head_drafts.py), and the next one launched while the outputs go out.
 
 With n-gram drafts, a step whose successor needs its tokens (a verify step, whose kept run sets the next
 positions; one after which drafts are expected) is read first, then the next one is launched and the
@@ -281,13 +280,10 @@ class StepLoop:
         """With a draft head: whether the next step can be launched before the step in flight is read (its
         rows follow the head's drafts and each verify row's kept run on the device). Not when a row that samples
         needs the host between the two steps (the whole step then waits, as before): a grammar (its masks and the
-        drafts it allows), penalties (counted as kept), stop strings (the text), log-probabilities; nor, on a
-        hybrid model, when the next row may pass a block boundary (its checkpoint is booked at its position); nor
-        with a sliding-window pool (it frees blocks by the booked position)."""
+        drafts it allows), penalties (counted as kept), stop strings (the text), log-probabilities; nor with a
+        sliding-window pool (it frees blocks by the booked position)."""
         if not self._follows_on_device or previous.launched.pending is not None or self.scheduler.caches.windows is not None:
             return False
-        k = self.config.spec_config.num_speculative_tokens
-        bs = self.config.cache_config.block_size
         for s in previous.out.scheduled:
             request = s.request
             if not s.samples or request.is_finished:
@@ -296,11 +292,6 @@ class StepLoop:
             if (request.grammar is not None or params.penalized or params.stop or params.logprobs is not None
                     or params.prompt_logprobs is not None):
                 return False
-            if self.scheduler.states is not None:
-                # the next row starts between the booked position and the last draft's, and runs up to 1 + k tokens
-                first, last = s.end - len(s.draft_token_ids), s.end + 1 + k
-                if last // bs > first // bs:
-                    return False
         return True
 
     def _draft_with_head(self, rooms: dict[str, int]) -> dict[str, list[int]]:

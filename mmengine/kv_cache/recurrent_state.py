@@ -83,6 +83,10 @@ class RecurrentStateManager:
     def num_cached_checkpoints(self) -> int:
         return len(self._checkpoints)
 
+    def checkpoint_slots(self) -> dict[BlockHash, int]:
+        """Each cached checkpoint's slot, by the hash of the block it ends."""
+        return dict(self._checkpoints)
+
     def live_slot(self, request_id: str) -> int | None:
         return self._live.get(request_id)
 

@@ -11,7 +11,8 @@ step in flight holds, on the device, each request's accepted count `a`, its samp
   length and each token's KV slot (read from the block table, whose blocks the step loop took for the furthest
   case);
 - a hybrid model's live state becomes the state after the kept run (the draft slot of its last kept position, or
-  the live slot itself when every draft was kept), as the host restores it after booking a verify step.
+  the live slot itself when every draft was kept), as the host restores it after booking a verify step. (Its
+  checkpoints are booked once the step is read, and copied at the start of the next: Scheduler.resolve_runs.)
 
 The shapes stay those the host planned (query offsets, token counts), so verify graphs replay as planned. Host-side
 lengths (read by the reference attention only) are exact on the CPU and upper bounds elsewhere.

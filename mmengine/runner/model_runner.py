@@ -550,6 +550,9 @@ class ModelRunner:
         `window_tables`: each request's sliding-window pool blocks (with a window pool)."""
         if self.drafter is not None:
             self.drafter.forget()
+        for source, target in out.state_copies:  # checkpoints of rows launched ahead, before anything overwrites them
+            for states in self.recurrent_states:
+                states.copy(source, target)
         self._restore_encoder_outputs(out.scheduled)  # before the evicted go to the host tier (they may push these out)
         self.free_encoder_outputs(out.freed_encoder_hashes, out.stale_encoder_hashes)
         self._run_encoder(out.scheduled, out.encoder_lora_slots)
