@@ -3,8 +3,8 @@ tokens of TP 1 and of transformers with pictures, chunked prefill, a prefix hit 
 scheduling and without; logprobs within 1e-4 of TP 1 in fp32; options it refuses by name before any process starts; a killed worker as EngineDeadError
 within seconds; shutdown leaves no process behind.
 
-One TP 2 engine serves the module (starting one costs two interpreters importing torch and transformers); the
-last test kills one of its workers."""
+One TP 2 engine serves the module (its ranks fork from a launcher, held for the module: the engines started one after
+another fork theirs without importing torch and transformers again); the last test kills one of its workers."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from conftest import CPU_FP32, hf_greedy
-from helpers import wait_until
+from helpers import rank_launcher_held, wait_until
 from mmengine import MMEngine, SamplingParams
 from mmengine.errors import ConfigError, EngineDeadError
 from mmengine.testing import TinyLlavaSpec, make_test_image
@@ -46,6 +46,12 @@ def children() -> set[int]:
         except psutil.NoSuchProcess:
             pass
     return found
+
+
+@pytest.fixture(scope="module", autouse=True)
+def launcher():
+    with rank_launcher_held():
+        yield
 
 
 @pytest.fixture(scope="module")
@@ -317,7 +323,8 @@ def test_qwen3_5_moe_hybrid_decoder_gives_tp1_and_transformers_tokens_with_chunk
     prompt = chat_formats.user_turn("qwen3_5_moe", "What is shown here? Describe it.", 1)
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
     options = {"max_model_len": 256, "max_num_batched_tokens": 32}
-    one = MMEngine(str(path), **options).generate(prompt, images=[make_test_image(11)], sampling_params=params, use_tqdm=False)[0]
+    reference = MMEngine(str(path), **options)
+    one = reference.generate(prompt, images=[make_test_image(11)], sampling_params=params, use_tqdm=False)[0]
     assert one.token_ids == transformers_greedy(path, prompt, [make_test_image(11)], 8, CPU_FP32, ignore_eos=True)
     speculative = {"method": "ngram", "num_speculative_tokens": 2}
     with MMEngine(str(path), tensor_parallel_size=2, speculative_config=speculative, **options) as engine:
@@ -330,8 +337,7 @@ def test_qwen3_5_moe_hybrid_decoder_gives_tp1_and_transformers_tokens_with_chunk
         spec = engine.stats()
     assert first.token_ids == again.token_ids == one.token_ids
     assert again.num_cached_tokens > 0 and stats["state_checkpoint_hits"] >= 1 and stats["encoder_runs"] == 1
-    assert drafted.token_ids == MMEngine(str(path), **options).generate(prompt, images=[make_test_image(12)], sampling_params=params,
-                                                                        use_tqdm=False)[0].token_ids
+    assert drafted.token_ids == reference.generate(prompt, images=[make_test_image(12)], sampling_params=params, use_tqdm=False)[0].token_ids
     assert spec["spec_accepted_tokens"] > stats["spec_accepted_tokens"] and spec["spec_draft_tokens"] > spec["spec_accepted_tokens"]
 
 
