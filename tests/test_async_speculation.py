@@ -273,10 +273,10 @@ def test_mtp_prefix_hits_with_steps_launched_ahead_are_those_of_async_off(mtp_ca
         unmatched.pop(match)
 
 
-def test_eagle3_steps_launched_ahead_keep_the_tokens_with_pictures_chunks_preemption_and_length_cuts(family_checkpoint, tmp_path):
+def test_eagle3_steps_launched_ahead_keep_the_tokens_with_pictures_chunks_and_preemption(family_checkpoint, tmp_path):
     """Qwen3-VL (M-RoPE) with an EAGLE-3 head that is sometimes right: pictures, prompts chunked over steps, too few
-    blocks (preemption), and max_tokens ending a request inside a kept run. With async scheduling the tokens are
-    those without speculation and most steps are launched before the one in flight is read."""
+    blocks (preemption), a request ending at max_tokens beside its run of repeated tokens. With async scheduling the
+    tokens are those without speculation and most steps are launched before the one in flight is read."""
     path = str(family_checkpoint("qwen3_vl"))
     prompts = [user_turn("qwen3_vl", "Hello."), user_turn("qwen3_vl", "What is here?", 1),
                user_turn("qwen3_vl", "Tell me a story about a cat who sails the sea."), user_turn("qwen3_vl", "Compare them.", 2)]
@@ -301,6 +301,28 @@ def test_eagle3_steps_launched_ahead_keep_the_tokens_with_pictures_chunks_preemp
         if "num_kv_blocks" in options:
             assert stats["num_preemptions"] > 0
         engine.shutdown()
+
+
+def test_max_tokens_inside_a_run_kept_by_a_step_launched_ahead(mtp_case, monkeypatch):
+    """A row launched ahead takes drafts as the books stood before the step in flight was read, so its run can go
+    past max_tokens where the drafts kept in flight moved the request on: booking cuts it there, and the tokens and
+    the finish are those of async scheduling off."""
+    from mmengine.core.scheduler import Scheduler
+
+    prompts, images, expected, table = mtp_case
+    cuts, cut = [], Scheduler._cut
+
+    def recording(self, request, tokens, eos_token_ids):
+        kept = cut(self, request, tokens, eos_token_ids)
+        cuts.extend([request.request_id] if len(kept) < len(tokens) else [])
+        return kept
+    monkeypatch.setattr(Scheduler, "_cut", recording)
+    engine = _mtp_engine("on")
+    _draft_through(engine, table)
+    outs = engine.generate(prompts, images=images, sampling_params=[_greedy(13), _greedy(20), _greedy(20)], use_tqdm=False)
+    assert [o.token_ids for o in outs] == [expected[0][:13], *expected[1:]]
+    assert outs[0].finish_reason == "length" and cuts == [outs[0].request_id]
+    assert_books_consistent(engine)
 
 
 def test_a_grammar_row_waits_and_the_free_rows_keep_their_tokens(mtp_case):
