@@ -33,6 +33,7 @@ from mmengine.testing import TinyLlavaSpec, tiny_llava_path
 
 import chat_formats
 from family_checkpoints import family_checkpoint_path
+from helpers import LocalRay
 
 
 # Under pytest-xdist (`-n 2 --dist loadfile`) each file runs on one worker, handed out in collection order:
@@ -57,6 +58,38 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: index for index, name in enumerate(_LONGEST_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the other files keep their order
+
+
+# -- Ray ------------------------------------------------------------------------------------------
+
+_local_ray: LocalRay | None = None
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[None]:
+    """A local Ray cluster (LocalRay.OPTIONS) for a Ray test module. Ray modules run one after another in a process
+    share it (a start is Ray's servers, agents and workers: seconds of CPU, more of waiting); it is shut, its processes
+    gone, before a test of a module without it runs (pytest_runtest_teardown)."""
+    global _local_ray
+    pytest.importorskip("ray", reason="the ray extra is not installed (pip install mmengine-vlm[ray])")
+    if _local_ray is None:
+        _local_ray = LocalRay.start()
+    yield
+
+
+def _ray_modules(session: pytest.Session) -> set[Path]:
+    if not hasattr(session, "_ray_modules"):
+        session._ray_modules = {item.path for item in session.items if "ray_cluster" in item.fixturenames}
+    return session._ray_modules
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    yield  # the module's own fixtures (its replicas, servers, engines) are gone first
+    global _local_ray
+    if _local_ray is not None and (nextitem is None or nextitem.path not in _ray_modules(item.session)):
+        _local_ray, stopping = None, _local_ray
+        stopping.stop()
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import importlib.util
 import sys
 import time
 import types
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -139,6 +140,66 @@ def wait_until(condition, timeout_s: float = 15.0) -> bool:
     while not condition() and time.monotonic() < deadline:
         time.sleep(0.02)
     return bool(condition())
+
+
+def _is_rays(process) -> bool:
+    """One of Ray's processes: its own servers and agents, and its workers (titled ray::<what they run>)."""
+    name = process.name()
+    return name.startswith("ray::") or name in ("raylet", "gcs_server") or "/ray/" in " ".join(process.cmdline()[:3])
+
+
+@dataclass
+class LocalRay:
+    """The tests' local Ray cluster (conftest's `ray_cluster`), and a shutdown that leaves no process of Ray's behind."""
+
+    OPTIONS = {"num_cpus": 4, "include_dashboard": False, "log_to_driver": False, "configure_logging": False}
+
+    before: frozenset[int]  # this process's descendants before Ray started
+
+    @classmethod
+    def start(cls) -> LocalRay:
+        import psutil
+        import ray
+
+        before = frozenset(child.pid for child in psutil.Process().children(recursive=True))
+        ray.init(**cls.OPTIONS)
+        return cls(before)
+
+    def processes(self) -> list:
+        import psutil
+
+        found = []
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if child.pid not in self.before and child.status() != psutil.STATUS_ZOMBIE and _is_rays(child):
+                    found.append(child)
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """ray.shutdown, then a bounded wait for Ray's workers, which leave on their own after their raylet; any
+        still there are killed (by pid)."""
+        import psutil
+        import ray
+
+        processes = self.processes()  # taken now: a worker whose raylet is gone is no longer this process's descendant
+        ray.shutdown(wait_for_processes=True)
+
+        def running(process) -> bool:
+            try:
+                return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return False
+
+        def left() -> list:
+            return [process for process in processes + self.processes() if running(process)]
+
+        if not wait_until(lambda: not left(), timeout_s):
+            for process in left():
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    process.kill()
+            psutil.wait_procs(left(), timeout=10)
 
 
 @contextlib.contextmanager

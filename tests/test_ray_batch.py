@@ -17,24 +17,36 @@ from mmengine.testing import make_test_image
 ray = pytest.importorskip("ray", reason="the ray extra is not installed (pip install mmengine-vlm[ray])")
 
 from mmengine.ray import BatchRunner, run_batch  # noqa: E402
+from mmengine.ray import batch as batch_module  # noqa: E402
 from mmengine.ray.batch import BatchResult  # noqa: E402
 
 ENGINE_OPTIONS = {"max_model_len": 256}
+LORA_OPTIONS = {**ENGINE_OPTIONS, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
 ONE_TOKEN_WORDS = "the and are at be car dog image in is of on read small there this to was with you".split()
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+def ray_cluster(ray_cluster):
     ray.data.DataContext.get_current().enable_progress_bars = False
-    yield
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
 def module_replicas(ray_cluster, checkpoint_dir):
     # Started once: an actor's start (torch, mmengine, the engine) costs far more than the rows it answers here
     with BatchRunner(checkpoint_dir(), num_replicas=2, engine_options=ENGINE_OPTIONS, num_cpus=0.5, batch_size=64) as runner:
+        yield runner
+
+
+def adapter_dirs(lora_adapters) -> dict[str, str]:
+    return {name: str(path) for name, path in lora_adapters("llava").items() if name in ("qv4", "mlp2")}
+
+
+@pytest.fixture(scope="module")
+def store_and_adapter_replicas(ray_cluster, checkpoint_dir, lora_adapters):
+    """Two replicas sharing an encoder store and holding two LoRA adapters: the store's test and the adapters' test
+    (through run_batch) run on them, neither feature touching what the other's test reads."""
+    with BatchRunner(checkpoint_dir(), num_replicas=2, engine_options={**LORA_OPTIONS, "encoder_cache_host_bytes": 1 << 24},
+                     num_cpus=0.5, lora_modules=adapter_dirs(lora_adapters), encoder_store_bytes=1 << 24) as runner:
         yield runner
 
 
@@ -94,7 +106,7 @@ def by_item(dataset) -> dict[int, dict]:
 
 def test_two_replicas_match_one_local_engine_row_for_row(two_replicas, checkpoint_dir, tmp_path):
     rows = mixed_rows(tmp_path)
-    result = two_replicas.run(ray.data.from_items(rows))  # (run_batch, which starts its own replicas: the LoRA test)
+    result = two_replicas.run(ray.data.from_items(rows))  # (run_batch: the LoRA test)
     got = by_item(result.dataset)
     assert sorted(got) == [r["item_id"] for r in rows]  # every row exactly once, extra column kept
     for row, expected in zip(rows, local_outputs(checkpoint_dir(), rows)):
@@ -205,18 +217,27 @@ def test_benchmark_reports_both_placements(two_replicas, checkpoint_dir, tmp_pat
     assert reads and all(value is not None for _, value, _, _ in reads)
 
 
-def test_rows_under_lora_adapters_match_one_engine_and_stay_with_their_adapter(ray_cluster, checkpoint_dir, lora_adapters):
+def test_rows_under_lora_adapters_match_one_engine_and_stay_with_their_adapter(store_and_adapter_replicas, checkpoint_dir,
+                                                                              lora_adapters, monkeypatch):
     """A `lora` column: each row runs under its adapter (or the base model) as one local engine runs it,
     and the adapter is part of the placement key, so one adapter's rows about one picture share a replica."""
-    adapters = {name: str(path) for name, path in lora_adapters("llava").items() if name in ("qv4", "mlp2")}
-    options = {**ENGINE_OPTIONS, "enable_lora": True, "max_loras": 2, "max_lora_rank": 8}
+    replicas, adapters = store_and_adapter_replicas, adapter_dirs(lora_adapters)
     lora_of = [None, "qv4", "mlp2"]
     rows = [{"prompt": f"USER: <image>\nQuestion {i}? ASSISTANT:", "images": [png(5)], "lora": lora_of[i % 3],
              "sampling_params": {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}, "item_id": i} for i in range(9)]
+    options = {**LORA_OPTIONS, "encoder_cache_host_bytes": 1 << 24}
+
+    def the_module_replicas(model, count, engine_options, num_gpus, num_cpus, batch_size, lora_modules, encoder_store_bytes):
+        # what run_batch would start is what the module started: it runs the rows on them
+        assert (str(model), count, engine_options, num_gpus, num_cpus, batch_size, lora_modules, encoder_store_bytes) == (
+            replicas.model, 2, replicas.engine_options, 0, 0.5, replicas.batch_size, adapters, 1 << 24)
+        return contextlib.nullcontext(replicas)
+
+    monkeypatch.setattr(batch_module, "BatchRunner", the_module_replicas)
     result = run_batch(ray.data.from_items(rows), model=checkpoint_dir(), num_replicas=2, engine_options=options,
-                       num_cpus=0.5, lora_modules=adapters)
+                       num_cpus=0.5, lora_modules=adapters, encoder_store_bytes=1 << 24)
     got = by_item(result.dataset)
-    local = MMEngine(str(checkpoint_dir()), **options)
+    local = MMEngine(str(checkpoint_dir()), **LORA_OPTIONS)
     for name, path in adapters.items():
         local.add_lora(LoRARequest(name, path))
     expected = local.generate([r["prompt"] for r in rows], images=[r["images"] for r in rows],
@@ -245,16 +266,17 @@ def assert_answers_are_local(result: BatchResult, second: list[dict], model: Pat
     assert answers == sorted((row["prompt"], out.text) for row, out in zip(second, expected))
 
 
-def test_the_encoder_store_encodes_each_picture_once_cluster_wide(ray_cluster, checkpoint_dir):
+def test_the_encoder_store_encodes_each_picture_once_cluster_wide(store_and_adapter_replicas, checkpoint_dir):
     """With the store the second replica fetches what the first encoded."""
     first, second = store_rows()
-    with BatchRunner(checkpoint_dir(), num_replicas=2, engine_options={**ENGINE_OPTIONS, "encoder_cache_host_bytes": 1 << 24},
-                     num_cpus=0.5, encoder_store_bytes=1 << 24) as runner:
-        runner.run(ray.data.from_items(first), affinity=None)
-        assert runner.store_stats()["published"] == 6  # run() returns once its outputs are in the store
-        result = runner.run(ray.data.from_items(second), affinity=None)
-        stats = [s for s in result.replica_stats if s is not None]
-        assert_answers_are_local(result, second, checkpoint_dir())
+    runner = store_and_adapter_replicas
+    runner.reset()  # fresh engines and counts (the store keeps what the adapters' test published: other pictures)
+    published = runner.store_stats()["published"]
+    runner.run(ray.data.from_items(first), affinity=None)
+    assert runner.store_stats()["published"] == published + 6  # run() returns once its outputs are in the store
+    result = runner.run(ray.data.from_items(second), affinity=None)
+    stats = [s for s in result.replica_stats if s is not None]
+    assert_answers_are_local(result, second, checkpoint_dir())
     assert sum(s["encoder_runs"] for s in stats) == 6 and sum(s["encoder_store_fetches"] for s in stats) == 6
     assert sum(s["encoder_host_hits"] for s in stats) == 6
 

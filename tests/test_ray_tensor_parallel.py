@@ -1,5 +1,5 @@
-"""Tensor parallelism on Ray (`distributed_executor_backend="ray"`, distributed/ray_executor.py) on a local Ray
-cluster started once for the module: at TP 2 on CPU (gloo, fp32) two Ray actors placed by a placement group give
+"""Tensor parallelism on Ray (`distributed_executor_backend="ray"`, distributed/ray_executor.py) on the tests' local
+Ray cluster (conftest's `ray_cluster`): at TP 2 on CPU (gloo, fp32) two Ray actors placed by a placement group give
 TP 1's greedy tokens and logprobs (within 1e-4) with pictures, chunked prefill and async scheduling, and a repeat
 is a prefix hit; a rank whose process is killed mid-generate is EngineDeadError naming it, for that call and every
 later one; shutdown leaves no actor, placement group or process. With a trivial worker (no model): steps sent
@@ -93,14 +93,12 @@ def left_behind(executor: RayExecutor) -> tuple[set[str], set[str], set[int]]:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+def ray_cluster(ray_cluster):
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # EchoWorker reaches the actors by value
     try:
         yield
     finally:
         ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
-        ray.shutdown()
 
 
 @pytest.fixture(scope="module")
