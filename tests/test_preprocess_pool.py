@@ -172,18 +172,6 @@ def test_a_pool_whose_workers_cannot_start_names_why(tmp_path):
     assert {child.pid for child in workers_alive()} == others
 
 
-def test_close_stops_the_workers_and_the_engine_serves_on_its_threads(path):
-    others = {child.pid for child in workers_alive()}  # the module's engine's workers
-    engine = MMEngine(str(path), device="cpu", dtype="float32", max_model_len=512, mm_processor_workers=1)
-    prompt = qwen_vl_prompt("What is here?", 1)
-    first = engine.generate(prompt, images=[jpeg(60)], sampling_params=PARAMS, use_tqdm=False)[0].token_ids
-    assert len({child.pid for child in workers_alive()} - others) == 1
-    engine.close()
-    engine.close()
-    assert {child.pid for child in workers_alive()} == others
-    assert engine.generate(prompt, images=[jpeg(60)], sampling_params=PARAMS, use_tqdm=False)[0].token_ids == first
-
-
 def test_mm_processor_workers_is_checked_and_has_a_flag():
     with pytest.raises(ConfigError, match="mm_processor_workers"):
         EngineConfig(model="x", mm_processor_workers=-1)
@@ -238,3 +226,19 @@ def test_a_bad_picture_found_after_the_first_prompts_run_aborts_them(pooled, mon
     assert_books_consistent(pooled)
     monkeypatch.undo()
     assert len(pooled.generate(prompts[0], images=images[0], sampling_params=PARAMS, use_tqdm=False)[0].token_ids) == 4
+
+
+def test_close_stops_the_workers_and_the_engine_serves_on_its_threads(pooled):
+    """The module's last test: it closes the module's engine's pool (twice: idempotent). The engine then prepares
+    pictures on its own threads (no processor cache: the picture is prepared again), with the same tokens."""
+    pool = pooled.input_processor.pool
+    prompt = qwen_vl_prompt("What is here?", 1)
+    first = pooled.generate(prompt, images=[jpeg(60)], sampling_params=PARAMS, use_tqdm=False)[0].token_ids
+    assert pool.wait_until_started(WORKER_WAIT_S)
+    assert {child.pid for child in workers_alive()} == set(pool.worker_pids()) and len(pool.worker_pids()) == 2
+    prepared = pool.num_prepared
+    pooled.close()
+    pooled.close()
+    assert workers_alive() == []
+    assert pooled.generate(prompt, images=[jpeg(60)], sampling_params=PARAMS, use_tqdm=False)[0].token_ids == first
+    assert pool.num_prepared == prepared  # prepared here, not by a worker
