@@ -275,8 +275,9 @@ def test_mtp_prefix_hits_with_steps_launched_ahead_are_those_of_async_off(mtp_ca
 
 def test_eagle3_steps_launched_ahead_keep_the_tokens_with_pictures_chunks_and_preemption(family_checkpoint, tmp_path):
     """Qwen3-VL (M-RoPE) with an EAGLE-3 head that is sometimes right: pictures, prompts chunked over steps, too few
-    blocks (preemption), a request ending at max_tokens beside its run of repeated tokens. With async scheduling the
-    tokens are those without speculation and most steps are launched before the one in flight is read."""
+    blocks (preemption, and rows launched ahead without the blocks for every draft kept: they verify no drafts, or
+    wait a step), a request ending at max_tokens beside its run of repeated tokens. With async scheduling the tokens
+    are those without speculation and most steps are launched before the one in flight is read."""
     path = str(family_checkpoint("qwen3_vl"))
     prompts = [user_turn("qwen3_vl", "Hello."), user_turn("qwen3_vl", "What is here?", 1),
                user_turn("qwen3_vl", "Tell me a story about a cat who sails the sea."), user_turn("qwen3_vl", "Compare them.", 2)]
@@ -289,7 +290,7 @@ def test_eagle3_steps_launched_ahead_keep_the_tokens_with_pictures_chunks_and_pr
     assert full[5:9] == [246] * 4
     head = _eagle3_head_that_is_sometimes_right(tmp_path / "head", path, [full, *expected[1:]], often=246)
     spec = {"method": "eagle3", "model": str(head), "num_speculative_tokens": 3, "draft_backoff": False}
-    for options in ({"max_num_batched_tokens": 16}, {"block_size": 4, "num_kv_blocks": 30, "max_num_batched_tokens": 24,
+    for options in ({"max_num_batched_tokens": 16}, {"block_size": 4, "num_kv_blocks": 22, "max_num_batched_tokens": 24,
                                                      "enable_prefix_grouping": False}):
         engine = MMEngine(path, speculative_config=spec, **{**OPTIONS, **options}, async_scheduling="on")
         outs = engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False)

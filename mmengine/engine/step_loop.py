@@ -468,11 +468,13 @@ class StepLoop:
     def _shrink_ahead(self, s: ScheduledRequest, shift: int) -> None:
         """A row launched ahead whose furthest tokens' blocks are not free: without drafts, or (no block for even
         its one token that far) it computes nothing this step and waits for its verify step's books."""
+        before = s.num_new_tokens
         s.num_new_tokens, s.draft_token_ids = 1, []
         if s.state is not None:
             s.state.draft_saves = []
         if not self.scheduler.caches.can_allocate(s.request, 1 + shift):
             s.num_new_tokens = 0
+        self.counters["tokens_computed"] -= before - s.num_new_tokens  # (_schedule counted the row as planned)
 
     def _draft_depth(self, request: Request) -> int:
         """The most drafts a sampling request may take after this step (_draft_rooms asks again once it is
