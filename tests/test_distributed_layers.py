@@ -1,4 +1,4 @@
-"""The tensor-parallel layers (mmengine/distributed/): at TP 2 on CPU with gloo, in two spawned ranks, each
+"""The tensor-parallel layers (mmengine/distributed/): at TP 2 on CPU with gloo, in two rank processes, each
 layer's output equals the unsharded nn.Linear / nn.Embedding on the same weights (fp32), the weights read
 from a real safetensors file through its slices; a tiny attention + MLP block (column then row) equals the
 unsharded block; the KV-head rule (split, replicated, refused) and shapes that do not divide, refused by name.
@@ -48,7 +48,7 @@ def fake_rank(rank: int, size: int = TP) -> TensorParallelGroup:
     return TensorParallelGroup(rank, size, torch.device("cpu"))  # construction and loading only: no collective
 
 
-# -- what the ranks run (top-level, so that they cross to the spawned workers by name) --------------------------
+# -- what the ranks run (top-level, so that they cross to the worker processes by name) --------------------------
 
 
 def slices(path: str):

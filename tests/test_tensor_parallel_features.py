@@ -1,4 +1,4 @@
-"""Features that run at tensor_parallel_size=2 as at TP 1 (two spawned gloo ranks on CPU, fp32): the KV host tier
+"""Features that run at tensor_parallel_size=2 as at TP 1 (two gloo ranks on CPU, fp32): the KV host tier
 (the driver's books decide, each rank copies its heads' slice of the blocks: the same tokens and hits as TP 1), the
 encoder host tier (every rank keeps its copy of what the driver's tier holds), cascade_attention="on" (each rank
 plans the same groups from the plan, for its heads), vision-side LoRA with mm_encoder_tp_mode="data", and update_weights (each rank loads its part of every new
