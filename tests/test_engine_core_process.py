@@ -69,7 +69,7 @@ def thread_engine(llava):
 @pytest.fixture(scope="module")
 def core(llava):
     """One engine-core process for the module; each test drives it through an AsyncMMEngine of its own (an
-    AsyncMMEngine serves one event loop)."""
+    AsyncMMEngine serves one event loop). The last test that uses it kills it."""
     client = EngineCoreClient(llava, engine_core="process", **OPTIONS)
     pid = client.core_pid
     assert alive(pid)
@@ -244,15 +244,12 @@ def test_bad_pictures_fail_in_the_front_end_with_their_typed_errors(core, thread
     assert core.stats()["prompt_tokens"] == before["prompt_tokens"]  # nothing reached the core
 
 
-def test_mm_engine_refuses_a_process_core(llava):
-    with pytest.raises(ConfigError, match="engine_core='process' is AsyncMMEngine's"):
-        MMEngine(llava, engine_core="process", **OPTIONS)
+def test_a_killed_core_fails_every_request_fast_and_leaves_no_process(core):
+    """The last test of the module's core (it kills it; the tests after this one start cores of their own)."""
 
-
-def test_a_killed_core_fails_every_request_fast_and_leaves_no_process(llava):
     async def main():
-        async_engine = AsyncMMEngine.from_model(llava, engine_core="process", **OPTIONS)
-        pid = async_engine.engine.core_pid
+        async_engine = AsyncMMEngine(core)
+        pid = core.core_pid
         streams = [await async_engine.add_request(LLAVA_PROMPT, [jpeg(40 + i)], greedy(200, ignore_eos=True))
                    for i in range(2)]
         iterators = [aiter(stream) for stream in streams]
@@ -270,11 +267,17 @@ def test_a_killed_core_fails_every_request_fast_and_leaves_no_process(llava):
             await async_engine.add_request(LLAVA_PROMPT, [jpeg(49)], greedy(2))
         healthy = async_engine.is_healthy
         await async_engine.shutdown()
+        core.close()  # reaps it (the module's teardown closes it again: a no-op)
         return pid, in_flight_failed, time.monotonic() - killed, healthy
 
     pid, in_flight_failed, new_failed, healthy = run(main(), timeout=180)
     assert in_flight_failed < 10 and new_failed < 10
     assert not healthy and not alive(pid)
+
+
+def test_mm_engine_refuses_a_process_core(llava):
+    with pytest.raises(ConfigError, match="engine_core='process' is AsyncMMEngine's"):
+        MMEngine(llava, engine_core="process", **OPTIONS)
 
 
 @pytest.fixture(scope="module")
