@@ -308,3 +308,16 @@ def test_a_front_end_whose_launcher_goes_while_it_starts_leaves_at_once():
         watcher.join(30)
         assert not watcher.is_alive() and exits == expected
         ours.close()
+
+
+def test_the_launcher_imports_no_engine_module():
+    """`mmengine serve --api-server-count N` up to the spawn imports neither torch nor transformers nor the
+    server's own stack: the launcher only spawns and watches, and the processes it starts do not wait on it."""
+    code = ("import sys\n"
+            "from mmengine.entrypoints import serve_cli, server_processes\n"
+            "heavy = ('torch', 'transformers', 'fastapi', 'uvicorn', 'mmengine.engine.mm_engine')\n"
+            "server_processes.run_server_processes = lambda *_: print(sorted(m for m in heavy if m in sys.modules)) or 0\n"
+            "serve_cli.run_serve(['--model', 'unused', '--api-server-count', '2', '--port', '0'])\n")
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.strip() == "[]"

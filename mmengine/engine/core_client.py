@@ -20,7 +20,6 @@ owner); a connected front end's `close()` only leaves (the core aborts its reque
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -30,7 +29,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Client, Connection, wait
@@ -42,7 +41,7 @@ import torch.multiprocessing as torch_mp  # registers torch's reductions: tensor
 
 from mmengine.config import EngineConfig
 from mmengine.engine.core_process import (
-    ABORT, ADD, CALL, EXPECT, FAILED, OUTPUTS, READY, REPLY, REQUEST_FAILED, STEP_FAILED, core_main,
+    ABORT, ADD, CALL, EXPECT, FAILED, OUTPUTS, READY, REPLY, REQUEST_FAILED, STEP_FAILED, core_environment, core_main,
 )
 from mmengine.engine.intake import PreparedRequest, RequestIntake
 from mmengine.engine.picture_mirror import SentPictures
@@ -397,21 +396,6 @@ def _connect(address: str, authkey: bytes | None) -> Connection:
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"no engine core listens at {address} after {_CONNECT_SECONDS:.0f} s") from None
             time.sleep(0.05)
-
-
-@contextlib.contextmanager
-def core_environment() -> Iterator[None]:
-    """The environment the core process starts with: OpenMP threads that sleep when idle rather than spin
-    (unless the caller chose a policy). The core and its front end share the machine's cores; a spinning
-    thread pool in one process takes them from the other (on 2 cores, steps ran several times slower)."""
-    chosen = os.environ.get("OMP_WAIT_POLICY")
-    if chosen is None:
-        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
-        yield
-    finally:
-        if chosen is None:
-            os.environ.pop("OMP_WAIT_POLICY", None)
 
 
 def _stop_core(process: Any, connection: Any, pool: Any) -> None:

@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -35,11 +35,10 @@ from mmengine.entrypoints.api_errors import APIError, from_engine_error, install
 from mmengine.entrypoints.chat import AudioPart, ChatTemplate, EmbedsPart, VideoPart, parse_messages
 from mmengine.entrypoints.completion_echo import Echo, prompt_only
 from mmengine.entrypoints.embeds_payload import decode_embeds_payload
-from mmengine.entrypoints.media import MediaPolicy, fetch_remote_image, is_remote, load_input_audio, load_local_image_url
+from mmengine.entrypoints.media import fetch_remote_image, is_remote, load_input_audio, load_local_image_url
 from mmengine.entrypoints.metrics import ServerMetrics
 from mmengine.entrypoints.logprobs_format import LogprobsFormatter, cumulative_logprob, prompt_logprobs_json
 from mmengine.entrypoints.protocol import (
-    MAX_N,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -50,6 +49,7 @@ from mmengine.entrypoints.protocol import (
 from mmengine.entrypoints.responses import ResponseWriter, new_id, summed_usage
 from mmengine.entrypoints.responses_api import ResponsesRequest, create_response
 from mmengine.entrypoints.tokenize import detokenize, tokenize, version
+from mmengine.entrypoints.server_settings import ServerSettings
 from mmengine.entrypoints.tools import ToolCallStream, parse_tool_calls
 from mmengine.outputs import TokenLogprobs
 from mmengine.errors import (
@@ -69,19 +69,6 @@ from mmengine.sample.token_bytes import token_bytes_reader
 logger = logging.getLogger(__name__)
 
 _DONE = "data: [DONE]\n\n"
-
-
-@dataclass
-class ServerSettings:
-    served_model_name: str
-    api_key: str | None = None
-    chat_template: str | None = None  # the template's text (`--chat-template FILE`); None: the model's own
-    media: MediaPolicy = field(default_factory=MediaPolicy)
-    lora_modules: dict[str, str] = field(default_factory=dict)  # adapter name -> directory, registered at start
-    lora_runtime_updates: bool = False  # the load/unload endpoints
-    enable_mm_embeds: bool = False  # image_embeds content parts (untrusted tensors: see embeds_payload.py)
-    max_n: int = MAX_N  # the most samples per prompt a request may ask for (n, best_of)
-    trust_request_chat_template: bool = False  # a request's own chat_template is rendered (else a 400)
 
 
 def build_app(async_engine: AsyncMMEngine, settings: ServerSettings) -> FastAPI:

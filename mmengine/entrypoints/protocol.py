@@ -12,6 +12,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict
 
 from mmengine.entrypoints.api_errors import APIError, from_engine_error
+from mmengine.entrypoints.server_settings import MAX_N
 from mmengine.entrypoints.response_format import ResponseFormat, structured_output_of
 from mmengine.entrypoints.tools import Tool, call_grammar, forced_function, parameter_specs
 from mmengine.errors import ConfigError
@@ -33,9 +34,6 @@ class UnloadLoRARequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     lora_name: str
     lora_int_id: int | None = None  # vLLM clients may send it; names identify adapters here
-
-
-MAX_N = 16  # samples per prompt (n, best_of) unless the server sets another limit
 
 
 class StreamOptions(BaseModel):

@@ -4,6 +4,7 @@ flag generated from the dataclass) and the command itself."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import logging
 import os
 from collections.abc import Sequence
@@ -78,13 +79,10 @@ def build_serve_parser() -> argparse.ArgumentParser:
 def run_serve(argv: Sequence[str]) -> None:
     args = build_serve_parser().parse_args(argv)
     for module in ("fastapi", "uvicorn", "prometheus_client"):
-        try:
-            __import__(module)
-        except ImportError:
-            raise ConfigError(f"mmengine serve needs the serve extra ({module} is missing): {_SERVE_EXTRA}") from None
-    from mmengine.engine.async_engine import AsyncMMEngine
-    from mmengine.entrypoints.api_server import ServerSettings, run_server
-    from mmengine.entrypoints.media import MediaPolicy
+        if importlib.util.find_spec(module) is None:  # not imported here: with --api-server-count N, the front ends use them
+            raise ConfigError(f"mmengine serve needs the serve extra ({module} is missing): {_SERVE_EXTRA}")
+    from mmengine.entrypoints.server_settings import ServerSettings
+    from mmengine.multimodal.media_urls import MediaPolicy
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port must be in 0..65535, got {args.port}")
@@ -143,6 +141,9 @@ def run_serve(argv: Sequence[str]) -> None:
         if exit_code:
             raise SystemExit(exit_code)
         return
+    from mmengine.engine.async_engine import AsyncMMEngine
+    from mmengine.entrypoints.api_server import run_server
+
     async_engine = AsyncMMEngine.from_model(
         args.model,
         max_queued_requests=args.max_queued_requests,

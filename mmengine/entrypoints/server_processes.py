@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import multiprocessing
 import os
 import secrets
 import shutil
@@ -44,10 +45,9 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 from typing import Any
 
-import torch.multiprocessing as torch_mp
-
-from mmengine.engine.core_client import core_environment
-from mmengine.engine.core_process import FAILED, READY, core_main, picklable
+# the launcher imports no engine module (torch, transformers, the model code): it spawns the processes that do
+from mmengine.engine.core_process import FAILED, READY, core_environment, core_main, picklable
+from mmengine.entrypoints.server_settings import ServerSettings
 from mmengine.errors import ConfigError, EngineDeadError
 
 logger = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class FrontEndSpec:
 
     model: str
     engine_options: dict[str, Any]
-    settings: Any  # api_server.ServerSettings (imported there: fastapi is the serve extra's)
+    settings: ServerSettings
     max_queued_requests: int | None = None
     num_preprocess_workers: int = 2
     max_admission_wait_s: float = 0.0
@@ -120,7 +120,7 @@ class ServerProcesses:
         self._authkey = secrets.token_bytes(32)
         metrics_directory = self._directory / "metrics"
         metrics_directory.mkdir()
-        context = torch_mp.get_context("spawn")
+        context = multiprocessing.get_context("spawn")
         try:
             core_options = {**self.spec.engine_options, "engine_core": "thread", "mm_processor_workers": 0}
             self.core = self._spawn(context, "mmengine-engine-core", core_main,
