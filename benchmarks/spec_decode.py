@@ -151,11 +151,11 @@ def main(argv: list[str] | None = None) -> dict:
     result["runs"][args.method], outs = _run(engine, prompts, params)
     method_equal = [o.token_ids for o in outs] == [r.token_ids for r in reference]
     # the oracle stands in for the proposer (and the head, with mtp: its steps are not run)
-    proposer, drafter = engine.steps.proposer, engine.steps.drafter
-    engine.steps.proposer, engine.steps.drafter = _Oracle(
+    proposer, drafter = engine.steps.drafts.proposer, engine.steps.drafts.drafter
+    engine.steps.drafts.proposer, engine.steps.drafts.drafter = _Oracle(
         {tuple(r.prompt_token_ids): list(r.token_ids) for r in reference}, args.num_speculative_tokens), None
     result["runs"]["oracle"], outs = _run(engine, prompts, params)
-    engine.steps.proposer, engine.steps.drafter = proposer, drafter
+    engine.steps.drafts.proposer, engine.steps.drafts.drafter = proposer, drafter
     result["answers_equal"] = method_equal and [o.token_ids for o in outs] == [r.token_ids for r in reference]
     base = result["runs"]["off"]["output_tokens_per_s"]
     for mode, run in result["runs"].items():

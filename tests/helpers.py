@@ -117,7 +117,7 @@ def record_prefill_chunks(engine) -> list[tuple[int, int]]:
 def record_draft_proposals(engine) -> list[dict[str, list[int]]]:
     """Every proposal the engine's draft head makes from now on (request id -> drafts), in step order: only
     those made after the request's prefill (one whose last chunk is its last token drafts before that chunk)."""
-    drafter, proposals = engine.steps.drafter, []
+    drafter, proposals = engine.steps.drafts.drafter, []
     propose = drafter.propose
 
     def recording(wanted):
@@ -130,7 +130,7 @@ def record_draft_proposals(engine) -> list[dict[str, list[int]]]:
 
 
 def stop_recording_draft_proposals(engine) -> None:
-    drafter = engine.steps.drafter
+    drafter = engine.steps.drafts.drafter
     drafter.propose = type(drafter).propose.__get__(drafter)
 
 

@@ -169,15 +169,15 @@ def _learn_first_drafts(engine, prompts, images, expected: list[list[int]]) -> d
     emits there: a head drafting through this table is right at many first drafts (its first draft depends only
     on the tokens so far, which never change), wrong at most later ones."""
     proposals = []
-    propose = engine.steps.drafter.propose
+    propose = engine.steps.drafts.drafter.propose
 
     def recording(wanted):
         drafts = propose(wanted)
         proposals.extend((rid, engine.scheduler.requests[rid].num_output_tokens, d[0]) for rid, d in drafts.items() if d)
         return drafts
-    engine.steps.drafter.propose = recording
+    engine.steps.drafts.drafter.propose = recording
     outs = engine.generate(prompts, images=images, sampling_params=_greedy(len(expected[0])), use_tqdm=False)
-    del engine.steps.drafter.propose
+    del engine.steps.drafts.drafter.propose
     order = {o.request_id: i for i, o in enumerate(outs)}
     table: dict[int, int] = {}
     for request_id, num_output, draft in proposals:

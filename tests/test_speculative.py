@@ -196,7 +196,7 @@ def _batch(family: str) -> tuple[list[str], list]:
 
 
 def _with_proposer(engine: MMEngine, proposer):
-    previous, engine.steps.proposer = engine.steps.proposer, proposer
+    previous, engine.steps.drafts.proposer = engine.steps.drafts.proposer, proposer
     return previous
 
 

@@ -340,7 +340,7 @@ def test_qwen3_5_moe_hybrid_decoder_gives_tp1_and_transformers_tokens_with_chunk
         again = engine.generate(prompt, images=[make_test_image(11)], sampling_params=params, use_tqdm=False)[0]
         stats = engine.stats()
         # drafts the model keeps (the answer itself, but a wrong one every second proposal): verify steps on the ranks
-        engine.steps.proposer = AnswerProposer(one.prompt_token_ids, one.token_ids)
+        engine.steps.drafts.proposer = AnswerProposer(one.prompt_token_ids, one.token_ids)
         drafted = engine.generate(prompt, images=[make_test_image(12)], sampling_params=params, use_tqdm=False)[0]
         spec = engine.stats()
     assert first.token_ids == again.token_ids == one.token_ids

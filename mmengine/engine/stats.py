@@ -23,7 +23,7 @@ def engine_stats(parts: EngineParts, steps: StepLoop) -> dict[str, int]:
         **steps.counters,
         **scheduler.spec.stats(),
         # decode steps a request made without drafts, its drafts having been rejected step after step (spec/backoff.py)
-        **({"spec_backoff_steps": steps.backoff.num_paused_steps} if steps.backoff is not None else {}),
+        **({"spec_backoff_steps": steps.drafts.backoff.num_paused_steps} if steps.drafts.backoff is not None else {}),
         "num_preemptions": scheduler.num_preemptions,
         "encoder_runs": runner.num_encoder_runs,
         "cascade_steps": runner.num_cascade_steps,

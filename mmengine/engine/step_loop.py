@@ -13,8 +13,8 @@ the scheduler books each of its rows as if it kept only its last token (book_ste
 request starts there with a placeholder token and placeholder drafts, and the runner moves it on the
 device by the drafts kept and fills in the bonus token and the head's drafts (runner/follow_drafts.py);
 reading the step then books the kept run and moves the launched row's start by as much (resolve_runs).
-A row that needs the host between the steps makes the whole step wait (_may_launch_ahead: a grammar,
-penalties, stop strings, log-probabilities). Waiting, the step in flight is read, booked, its drafts
+A row that needs the host between the steps makes the whole step wait (a grammar, penalties, stop strings,
+log-probabilities: DraftPlanner.resolves_first, draft_planner.py, which also plans the drafts). Waiting, the step in flight is read, booked, its drafts
 handed on (spec/head_drafts.py), and the next one launched while the outputs go out.
 
 With n-gram drafts, a step whose successor needs its tokens (a verify step, whose kept run sets the next
@@ -30,10 +30,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from mmengine.config import EngineConfig
-from mmengine.core.request import PLACEHOLDER_TOKEN, ProcessedPrompt, Request, RequestStatus
-from mmengine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from mmengine.core.request import ProcessedPrompt, Request, RequestStatus
+from mmengine.core.scheduler import Scheduler, SchedulerOutput
 from mmengine.encoder_cache.hashing import hash_bytes
 from mmengine.encoder_cache.manager import EncoderCacheManager
+from mmengine.engine.draft_planner import DraftPlanner
 from mmengine.errors import InvalidInputError, UnknownAdapterError
 from mmengine.kv_cache.manager import KVCacheManager
 from mmengine.lora.manager import LoRAManager
@@ -44,10 +45,6 @@ from mmengine.sample.detokenizer import IncrementalDetokenizer
 from mmengine.sample.params import SamplingParams
 from mmengine.sample.reasoning import ReasoningGate, opening_token, prompt_opens_reasoning, split_reasoning
 from mmengine.sample.structured_output.grammar import GrammarCompiler
-from mmengine.spec.backoff import DraftBackoff
-from mmengine.spec.head_drafts import HeadDrafts
-from mmengine.spec.ngram import NgramProposer
-from mmengine.spec.proposer import Proposer
 
 
 @dataclass
@@ -77,21 +74,9 @@ class StepLoop:
         # steps_launched_ahead: async scheduling's overlap, steps launched before the step in flight's tokens were read
         self.counters = dict.fromkeys(("steps", "decode_steps", "tokens_computed", "prefill_tokens_computed", "prompt_tokens",
                                        "generation_tokens", "requests_finished", "steps_launched_ahead"), 0)
-        spec = config.spec_config
-        self.proposer: Proposer | None = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
-                                                        spec.prompt_lookup_max) if spec.method == "ngram" else None
-        # a draft head (the checkpoint's MTP head, or an EAGLE-3 head) drafts within each sampling step, on the device
-        # (runner/head_drafter.py); its drafts come back with the step's tokens and are handed out here
-        self.drafter = HeadDrafts() if spec.method in ("mtp", "eagle3") else None
-        self.backoff = DraftBackoff() if spec.method is not None and spec.draft_backoff else None
-        # async scheduling with a draft head: the next step may be launched before a verify step is read, its rows
-        # moved on the device by the drafts kept (a runner that can: TP 1's); the step in flight's rows, meanwhile
-        self._follows_on_device = self.drafter is not None and getattr(runner, "follows_drafts_on_device", False)
-        self._ahead_of: SchedulerOutput | None = None
-        # async scheduling with a proposer: whether the next step should read the one in flight first (its
-        # drafts follow its tokens), and the back-off's answers for that step, asked when it was predicted
-        self._drafts_expected = False
-        self._allowed_ahead: dict[str, bool] = {}
+        # speculative decoding: the drafts each request verifies next, and whether a step may launch ahead of a verify
+        self.drafts = DraftPlanner(config, scheduler, getattr(runner, "follows_drafts_on_device", False))
+        self._ahead_of: SchedulerOutput | None = None  # launching ahead of a draft head's step: that step's plan
         self._detokenizers: dict[str, IncrementalDetokenizer] = {}
         self._opens_reasoning: dict[str, bool] = {}  # with a reasoning parser: the prompt left <think> open
         self._opening_token = opening_token(tokenizer) if config.model_config.reasoning_parser is not None else None
@@ -139,10 +124,7 @@ class StepLoop:
         detokenizer = self._detokenizers.pop(request_id)
         detokenizer.flush()
         self.runner.penalties.release(request_id)
-        if self.proposer is not None:
-            self.proposer.forget(request_id)
-        if self.backoff is not None:
-            self.backoff.forget(request_id)
+        self.drafts.forget(request_id)
         self.route(self._output(request, detokenizer))
         self._opens_reasoning.pop(request_id, None)
         return True
@@ -190,16 +172,15 @@ class StepLoop:
         if launched.pending is not None:  # the grammars are current: mask while the forward runs
             launched = self.runner.sample(launched)
         outputs = self._outputs(self._book(out, launched))
-        if self.proposer is not None or self.drafter is not None:
-            self._propose_drafts()
+        if self.drafts.active:
+            self.drafts.propose()
         return outputs
 
     def _book(self, out: SchedulerOutput, launched: LaunchedStep) -> list[Request]:
         """Waits for a step's tokens and books them (a verify step's: the run its samples keep); returns the
         requests that got tokens."""
         sampled = launched.result()
-        if self.drafter is not None:
-            self.drafter.received(launched.drafts())
+        self.drafts.received(launched)
         # penalized verify steps: their kept tokens go into the penalty counts once kept
         verified = [(s.request, s.request.num_output_tokens) for s in out.scheduled
                     if s.draft_token_ids and s.request.sampling_params.penalized]
@@ -207,98 +188,9 @@ class StepLoop:
         for request, before in verified:
             if request.num_output_tokens > before:
                 self.runner.count_kept_tokens(request, request.output_token_ids[before:])
-        if self.backoff is not None:
-            for s in out.scheduled:
-                if s.num_accepted is not None:
-                    self.backoff.record(s.request.request_id, s.num_accepted)
+        self.drafts.record_accepted(out.scheduled)
         self._record_logprobs(launched, updated)
         return updated
-
-    def _propose_drafts(self) -> None:
-        """Speculative decoding: drafts for each running decode's next step, never more than the request can
-        still emit. A grammar keeps the drafts it allows (each verify row is masked as the grammar stands
-        after the drafts before it; a penalized row counts them as output); none for a grammar behind a
-        reasoning gate (which reads the text, so a verify step cannot follow it token by token)."""
-        rooms = self._draft_rooms()
-        proposed = self._draft_with_head(rooms) if self.drafter is not None else {}
-        for request in self.scheduler.running:
-            room, grammar = rooms.get(request.request_id), request.grammar
-            if room is None:
-                continue
-            if self.drafter is not None:
-                drafts = proposed.get(request.request_id, [])
-            else:
-                drafts = self.proposer.propose(request.request_id, request.all_token_ids, room)
-            if drafts and grammar is not None:
-                drafts = [] if grammar.is_stopped() or grammar.is_error() else drafts[: grammar.validate_tokens(drafts)]
-            request.spec_token_ids = drafts
-
-    def _draft_rooms(self) -> dict[str, int]:
-        """The drafts each running decode may take next step (what it can still emit), for those that draft:
-        not behind a reasoning gate, not paused by the back-off (asked once a step: the answers asked when
-        the step was predicted, if it was)."""
-        ahead, self._allowed_ahead = self._allowed_ahead, {}
-        max_model_len = self.scheduler.max_model_len
-        rooms: dict[str, int] = {}
-        for request in self.scheduler.running:
-            params, grammar = request.sampling_params, request.grammar
-            if isinstance(grammar, ReasoningGate) or request.num_tokens - request.num_computed_tokens != 1:
-                continue
-            if self.backoff is not None:
-                allowed = ahead.get(request.request_id)
-                if not (self.backoff.allows(request.request_id) if allowed is None else allowed):
-                    continue
-            rooms[request.request_id] = min(params.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens)
-        return rooms
-
-    def _expect_drafts(self) -> bool:
-        """Async scheduling with a proposer, after a step without drafts was launched: whether the next step
-        should read it first, so that its drafts can follow its tokens. Predicted from the tokens known now,
-        one behind the step in flight (a request whose lookup matches now usually matches one token later);
-        it only decides what overlaps, never a token. The back-off is asked here for the next step."""
-        rooms = self._draft_rooms()
-        self._allowed_ahead = dict.fromkeys(rooms, True)
-        if self.backoff is not None:  # the paused ones were asked (and counted) too
-            self._allowed_ahead.update({r.request_id: False for r in self.scheduler.running
-                                        if r.request_id not in rooms and r.num_tokens - r.num_computed_tokens == 1
-                                        and not isinstance(r.grammar, ReasoningGate)})
-        requests = {r.request_id: r for r in self.scheduler.running}
-        return any(self.proposer.propose(request_id, requests[request_id].all_token_ids, room)
-                   for request_id, room in rooms.items())
-
-    def _resolves_first(self, previous: InFlightStep) -> bool:
-        """Whether the next step must wait for the step in flight's tokens (async scheduling with speculation):
-        after a verify step (its kept run sets the next positions), with a draft head (its drafts come back
-        with the tokens, for the next step to verify), or when drafts are expected."""
-        if self.proposer is None and self.drafter is None:
-            return False
-        if self.drafter is not None:
-            return not self._may_launch_ahead(previous)
-        return self._drafts_expected or any(s.draft_token_ids for s in previous.out.scheduled)
-
-    def _may_launch_ahead(self, previous: InFlightStep) -> bool:
-        """With a draft head: whether the next step can be launched before the step in flight is read (its
-        rows follow the head's drafts and each verify row's kept run on the device). Not when a row that samples
-        needs the host between the two steps (the whole step then waits, as before): a grammar (its masks and the
-        drafts it allows), penalties (counted as kept), stop strings (the text), log-probabilities; nor with a
-        sliding-window pool (it frees blocks by the booked position)."""
-        if not self._follows_on_device or previous.launched.pending is not None or self.scheduler.caches.windows is not None:
-            return False
-        for s in previous.out.scheduled:
-            request = s.request
-            if not s.samples or request.is_finished:
-                continue
-            params = request.sampling_params
-            if (request.grammar is not None or params.penalized or params.stop or params.logprobs is not None
-                    or params.prompt_logprobs is not None):
-                return False
-        return True
-
-    def _draft_with_head(self, rooms: dict[str, int]) -> dict[str, list[int]]:
-        """The draft head's drafts of the step just booked, up to num_speculative_tokens a request (fewer near its
-        end, and where the blocks taken before the step for its chain ended)."""
-        k = self.config.spec_config.num_speculative_tokens
-        return self.drafter.propose({request_id: min(k, room) for request_id, room in rooms.items()})
 
     def _step_async(self) -> list[RequestOutput]:
         """Books the step in flight with placeholder tokens, schedules and launches the next one, and
@@ -309,14 +201,14 @@ class StepLoop:
         so the books match the tensors as in a synchronous step.
         """
         previous, self.in_flight = self.in_flight, None
-        if previous is not None and self._resolves_first(previous):
+        if previous is not None and self.drafts.resolves_first(previous.out, previous.launched):
             return self._step_after(previous)
-        self._allowed_ahead = {}  # (this step was predicted to draft nothing: its back-off answers are spent)
+        self.drafts.forget_predicted()
         pending = self.scheduler.book_step(previous.out) if previous is not None else []
         try:
-            if self.drafter is not None and previous is not None:
+            if self.drafts.drafter is not None and previous is not None:
                 self._ahead_of = previous.out
-                self._drafts_to_follow(previous.out, pending)
+                self.drafts.placeholders_to_follow(pending, previous.out.draft_depths)
             out = self._schedule(allow_empty=previous is not None)
             launched = self.runner.launch(out, self._block_tables(out), previous.launched if previous is not None else None,
                                           window_tables=self._window_tables(out))
@@ -338,8 +230,8 @@ class StepLoop:
                 # Constrained rows: their masks need the tokens just resolved, so this step samples
                 # now, while its forward runs on the device.
                 step.launched = self.runner.sample(launched)
-        if self.proposer is not None:
-            self._drafts_expected = self._expect_drafts()
+        if self.drafts.proposer is not None:
+            self.drafts.expected = self.drafts.expect()
         return outputs
 
     def _step_after(self, previous: InFlightStep) -> list[RequestOutput]:
@@ -350,7 +242,7 @@ class StepLoop:
         # and a grammar's end or a stop string inside the run cuts it before any draft follows it)
         outputs = self._outputs(self._book(previous.out, previous.launched))
         try:
-            self._propose_drafts()
+            self.drafts.propose()
             out = self._schedule()
             launched = self.runner.launch(out, self._block_tables(out), window_tables=self._window_tables(out))
         except BaseException:
@@ -363,38 +255,22 @@ class StepLoop:
         if launched.pending is not None:  # the grammars have the tokens just booked
             step.launched = self.runner.sample(launched)
         drafting = any(s.draft_token_ids for s in out.scheduled)
-        self._drafts_expected = drafting
-        if self.proposer is not None and not drafting:
-            self._drafts_expected = self._expect_drafts()
+        self.drafts.expected = drafting
+        if self.drafts.proposer is not None and not drafting:
+            self.drafts.expected = self.drafts.expect()
         return outputs
 
     def _resolve(self, step: InFlightStep, pending: list[Request], following: SchedulerOutput | None = None) -> list[RequestOutput]:
         sampled = step.launched.result()  # the wait for the device
-        if self.drafter is not None:  # verify rows' runs; `following`'s rows move on by the drafts kept
+        if self.drafts.drafter is not None:  # verify rows' runs; `following`'s rows move on by the drafts kept
             booked = {id(request) for request in pending}
             rows = [s for s in step.out.scheduled if id(s.request) in booked]
             updated = self.scheduler.resolve_runs(rows, sampled, self.eos_token_ids, step.launched.drafts(raw=True), following)
-            if self.backoff is not None:
-                for s in rows:
-                    if s.num_accepted is not None:
-                        self.backoff.record(s.request.request_id, s.num_accepted)
+            self.drafts.record_accepted(rows)
         else:
             updated = self.scheduler.resolve_tokens(pending, sampled, self.eos_token_ids)
         self._record_logprobs(step.launched, updated)
         return self._outputs(updated)
-
-    def _drafts_to_follow(self, previous: SchedulerOutput, pending: list[Request]) -> None:
-        """Launching ahead of a draft head's step: each request that samples there and may draft next takes
-        placeholder drafts, as many as its drafts there (out.draft_depths) and what it may take (_draft_rooms,
-        from the books so far: a run cut by the length drops the rest at booking); the runner fills them in
-        with the head's drafts on the device."""
-        depths = previous.draft_depths or {}
-        rooms = self._draft_rooms()
-        for request in pending:  # (the requests that sampled there, each booked with a placeholder)
-            room = rooms.get(request.request_id)
-            if room is not None and request.status == RequestStatus.RUNNING:
-                wanted = min(self.config.spec_config.num_speculative_tokens, room, depths.get(request.request_id, 0))
-                request.spec_token_ids = [PLACEHOLDER_TOKEN] * max(0, wanted)
 
     def _schedule(self, allow_empty: bool = False) -> SchedulerOutput:
         out = self.scheduler.schedule()
@@ -435,56 +311,9 @@ class StepLoop:
         out.encoder_lora_slots = {r.request_id: slot_of[r.lora_name] for r in with_lora if self.loras.touches_vision(r.lora_name)}
 
     def _block_tables(self, out: SchedulerOutput) -> dict[str, list[int]]:
-        if self.drafter is not None:
-            self._take_draft_blocks(out)
+        if self.drafts.drafter is not None:
+            self.counters["tokens_computed"] -= self.drafts.take_draft_blocks(out, self._ahead_of)  # (_schedule counted them)
         return {s.request.request_id: self.kv_cache.block_ids(s.request.request_id) for s in out.scheduled}
-
-    def _take_draft_blocks(self, out: SchedulerOutput) -> None:
-        """A draft head drafts within the step that samples (runner/head_drafter.py): each sampling request's chain
-        is as long as it may take drafts after the step (out.draft_depths), and the blocks its chained drafts write,
-        past the step's tokens, are taken before the step is launched, where free."""
-        caches = self.scheduler.caches
-        out.draft_depths = {}
-        # a row launched ahead of its request's verify step starts up to that step's drafts later (_ahead_of)
-        shifts = {s.request.request_id: len(s.draft_token_ids) for s in self._ahead_of.scheduled} if self._ahead_of else {}
-        for s in out.scheduled:
-            if not s.samples:
-                continue
-            request = s.request
-            shift = shifts.get(request.request_id, 0) if request.all_token_ids[s.start] == PLACEHOLDER_TOKEN else 0
-            if shift and not caches.can_allocate(request, s.num_new_tokens + shift):
-                self._shrink_ahead(s, shift)
-                if not s.samples:
-                    continue
-            depth = out.draft_depths[request.request_id] = self._draft_depth(request)
-            # the chain reaches depth - 1 positions past the step's tokens at most
-            need = s.num_new_tokens + shift
-            more = min(need + depth - 1, self.scheduler.max_model_len - s.start)
-            while more > need and not caches.can_allocate(request, more):
-                more -= 1
-            if more > s.num_new_tokens:
-                caches.allocate(request, max(more, need))
-
-    def _shrink_ahead(self, s: ScheduledRequest, shift: int) -> None:
-        """A row launched ahead whose furthest tokens' blocks are not free: without drafts, or (no block for even
-        its one token that far) it computes nothing this step and waits for its verify step's books."""
-        before = s.num_new_tokens
-        s.num_new_tokens, s.draft_token_ids = 1, []
-        if s.state is not None:
-            s.state.draft_saves = []
-        if not self.scheduler.caches.can_allocate(s.request, 1 + shift):
-            s.num_new_tokens = 0
-        self.counters["tokens_computed"] -= before - s.num_new_tokens  # (_schedule counted the row as planned)
-
-    def _draft_depth(self, request: Request) -> int:
-        """The most drafts a sampling request may take after this step (_draft_rooms asks again once it is
-        booked): none behind a reasoning gate or in a back-off pause; else up to k, within what it can still emit
-        (the step keeps at least one token)."""
-        if isinstance(request.grammar, ReasoningGate) or (self.backoff is not None and self.backoff.paused(request.request_id)):
-            return 0
-        room = min(request.sampling_params.max_tokens - request.num_output_tokens - 2,
-                   self.scheduler.max_model_len - request.num_tokens - 1)
-        return max(0, min(self.config.spec_config.num_speculative_tokens, room))
 
     def _window_tables(self, out: SchedulerOutput) -> dict[str, list[int]] | None:
         """The sliding-window pool's block tables (None without one)."""
@@ -568,10 +397,7 @@ class StepLoop:
             output = self._output(request, detokenizer)
             self._opens_reasoning.pop(request.request_id, None)
             self.runner.penalties.release(request.request_id)
-            if self.proposer is not None:
-                self.proposer.forget(request.request_id)
-            if self.backoff is not None:
-                self.backoff.forget(request.request_id)
+            self.drafts.forget(request.request_id)
             self.counters["requests_finished"] += 1
             return output
         if request.request_id in self.owners:

@@ -15,7 +15,7 @@ calls `draft`; a tensor-parallel rank's runner does the same, so the ranks draft
 2. Each sampling request's kept run ends at its accepted count, computed on the device (`kept_counts`): that
    row's output gives the first draft (greedy), and each further draft comes from one more head step over
    the previous draft at the next position, fed the head's own hidden state, writing K/V past the run into
-   blocks the step loop took before the step (`StepLoop._take_draft_blocks`); a position past them stores
+   blocks the step loop took before the step (`DraftPlanner.take_draft_blocks`, engine/draft_planner.py); a position past them stores
    nothing, and the drafts from there on are not counted (`DeviceDrafts.counts`).
 
 So a step's tokens, its drafts (num_speculative_tokens a request) and their counts come back in one copy
