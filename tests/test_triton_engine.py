@@ -21,8 +21,9 @@ IMAGES = [[make_test_image(1)], [], [make_test_image(1)], [make_test_image(2), m
 
 def test_triton_backend_matches_the_reference(checkpoint_dir, no_tf32):
     """Chunked prefill (a budget smaller than the prompts), prefix hits (shared prefixes, then a
-    repeat of the whole batch), mixed prefill/decode steps and split-KV decode."""
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    repeat of the whole batch), mixed prefill/decode steps and split-KV decode. (3 tokens a request: decode-only steps
+    too, each decode a program per request, KV head and split in the interpreter.)"""
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
     kwargs = dict(max_model_len=256, block_size=16, max_num_batched_tokens=24, dtype="float32")
     results = {}
     for backend in ("torch", "triton"):
