@@ -3,7 +3,7 @@
 
   serve_cli.py        `mmengine serve`: its arguments, one or N replicas
   engine_flags.py     one flag per EngineConfig field, shared by every command
-  api_server.py       the FastAPI app over one AsyncMMEngine
+  api_server.py       the FastAPI app over one AsyncMMEngine;  server_settings.py  its settings (plain data)
   protocol.py         the request bodies read;  responses.py  the JSON answered
   responses_api.py    POST /v1/responses: the Responses API translated to and from the chat path
   tokenize.py         /tokenize, /detokenize, /version
