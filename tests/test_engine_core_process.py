@@ -146,7 +146,8 @@ def test_a_whole_answer_crosses_from_the_core_twice(core, thread_engine, monkeyp
     (whole, streamed), stats, settled = run(main())
     (expected,) = thread_engine.generate(LLAVA_PROMPT, images=[picture], sampling_params=params, use_tqdm=False)
     assert whole[:2] == streamed[:2] == (expected.text, expected.token_ids)
-    assert len(whole[2]) == 2 and whole[2][0].token_ids and whole[2][-1].finish_reason == "length"
+    # two outputs crossed (handed_back, below); a consumer that fell behind the loop reads them as one delta
+    assert len(whole[2]) in (1, 2) and whole[2][0].token_ids and whole[2][-1].finish_reason == "length"
     assert handed_back["whole"] == 2 and handed_back["streamed"] == 9
     assert handed_back["left"] <= 2  # its first token, and the abort's final output if it came before the stream ended
     assert settled  # the front end's books let the left request go (the core sent its final output)
