@@ -286,7 +286,18 @@ def qwen(family_checkpoint):
     return str(family_checkpoint("qwen2_5_vl"))
 
 
-def test_qwen_through_the_process_core_with_preprocessing_workers(qwen):
+@pytest.fixture(scope="module")
+def qwen_core(qwen):
+    """A Qwen2.5-VL engine-core process, its front end (this process) with a preprocessing worker. The server
+    test, its last, kills it."""
+    client = EngineCoreClient(qwen, engine_core="process", mm_processor_workers=1, **OPTIONS)
+    pid = client.core_pid
+    yield client
+    client.close()
+    assert not alive(pid)
+
+
+def test_qwen_through_the_process_core_with_preprocessing_workers(qwen, qwen_core):
     """Qwen2.5-VL's M-RoPE positions and native-resolution pixels cross too; with preprocessing workers the
     front end's pool prepares the pictures (their tensors already in shared memory)."""
     prompts = [qwen_vl_prompt(f"Question {i}: what is here?", 1) for i in range(3)]
@@ -295,30 +306,34 @@ def test_qwen_through_the_process_core_with_preprocessing_workers(qwen):
                                                    use_tqdm=False)
 
     async def main():
-        async_engine = AsyncMMEngine.from_model(qwen, engine_core="process", mm_processor_workers=1, **OPTIONS)
+        async_engine = AsyncMMEngine(qwen_core)
         try:
             streams = [await async_engine.add_request(prompt, [picture], greedy(6)) for prompt, picture in zip(prompts, pictures)]
             results = await asyncio.gather(*(collect(stream) for stream in streams))
-            return results, async_engine.engine.stats()
+            return results, qwen_core.stats()
         finally:
             await async_engine.shutdown()
 
+    before = qwen_core.stats()
+    prepared = qwen_core.input_processor.pool.num_prepared
     results, stats = run(main(), timeout=240)
     assert [tokens for _, tokens, _ in results] == [out.token_ids for out in reference]
-    assert stats["encoder_runs"] == 2  # two distinct pictures
+    assert stats["encoder_runs"] - before["encoder_runs"] == 2  # two distinct pictures
+    assert qwen_core.input_processor.pool.num_prepared > prepared  # the front end's worker prepared them
 
 
-def test_the_server_over_a_process_core_answers_and_turns_503_when_it_dies(llava):
+def test_the_server_over_a_process_core_answers_and_turns_503_when_it_dies(qwen_core):
     """`mmengine serve --engine-core process` in miniature: completions and /metrics through the core; a core
     killed while idle (no request in flight: no step notices it) turns the engine unhealthy, and /health and every
-    new request (add_request's EngineDeadError) a 503 (engine_dead), within seconds."""
+    new request (add_request's EngineDeadError) a 503 (engine_dead), within seconds. The last test of the Qwen
+    core (it kills it)."""
     httpx = pytest.importorskip("httpx")
     from mmengine.entrypoints.api_server import ServerSettings
     from serve_helpers import running_server
 
-    async_engine = AsyncMMEngine.from_model(llava, engine_core="process", **OPTIONS)
-    pid = async_engine.engine.core_pid
-    body = {"model": "tiny", "prompt": TEXT_PROMPT, "max_tokens": 4, "temperature": 0}
+    async_engine = AsyncMMEngine(qwen_core)
+    pid = qwen_core.core_pid
+    body = {"model": "tiny", "prompt": TEXT_PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
     try:
         with running_server(async_engine, ServerSettings("tiny")) as server:
             answer = httpx.post(server.v1 + "/completions", json=body, timeout=60)
@@ -335,7 +350,7 @@ def test_the_server_over_a_process_core_answers_and_turns_503_when_it_dies(llava
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
             assert time.monotonic() - killed < 10
     finally:
-        async_engine.engine.close()
+        qwen_core.close()  # the core reaped, the preprocessing worker stopped
     assert not alive(pid)
 
 
