@@ -223,20 +223,6 @@ def tensor_parallel_pairs(paths: dict[str, Path], options_of: dict[str, dict] | 
             two.shutdown()
 
 
-@contextlib.contextmanager
-def rank_launcher_held():
-    """The tensor-parallel ranks' launcher (mmengine/distributed/rank_launcher.py) held for a module whose engines start
-    one after another: each forks its ranks (fresh processes) without the launcher importing torch again; the launcher
-    stops after, with the last engine."""
-    from mmengine.distributed import rank_launcher
-
-    rank_launcher.acquire(["mmengine.distributed.worker_loop", "mmengine.runner.worker", "transformers.modeling_utils"])
-    try:
-        yield
-    finally:
-        rank_launcher.release()
-
-
 class RecordedSlices:
     """Records which rows of which checkpoint tensor are read (CheckpointSlices, wrapped)."""
 

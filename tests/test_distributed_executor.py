@@ -1,11 +1,7 @@
-"""The tensor-parallel executor (mmengine/distributed/executor.py) with two gloo ranks in worker processes:
-they fork from one launcher (distributed/rank_launcher.py) that the last executor's stop ends; a step round-trips
-(one plan to every rank, one reply from rank 0), a worker's exception comes back typed with its traceback, a worker
-killed mid-call becomes EngineDeadError within seconds for that call and every later one, shutdown leaves no process
-behind, and workers do not outlive a driver that is killed.
-
-After the first test the module holds the launcher (`launcher`): each test's ranks are fresh processes, forked
-without importing torch again."""
+"""The tensor-parallel executor (mmengine/distributed/executor.py) with two gloo ranks in spawned processes:
+a step round-trips (one plan to every rank, one reply from rank 0), a worker's exception comes back typed with
+its traceback, a worker killed mid-call becomes EngineDeadError within seconds for that call and every later
+one, shutdown leaves no process behind, and workers do not outlive a driver that is killed."""
 
 from __future__ import annotations
 
@@ -26,7 +22,6 @@ import psutil
 import pytest
 import torch
 
-from mmengine.distributed import rank_launcher
 from mmengine.distributed.executor import MultiprocExecutor, WorkerError
 from mmengine.distributed.process_group import DistributedInit, TensorParallelGroup, file_address, free_tcp_address
 from mmengine.errors import ConfigError, EngineDeadError
@@ -50,9 +45,6 @@ class RankWorker:
 
     def pid(self) -> int:
         return os.getpid()
-
-    def env(self, name: str) -> str | None:
-        return os.environ.get(name)
 
     def fail_on(self, rank: int) -> None:
         if self.tp.rank == rank:
@@ -105,37 +97,6 @@ def start(on_death=None, **options) -> MultiprocExecutor:
     return MultiprocExecutor(RankWorker, TP, torch_threads=1, on_death=on_death, **options)
 
 
-def test_ranks_fork_from_one_launcher_that_stops_with_the_last_executor(monkeypatch):
-    """(First: no test's launcher is held yet.) Two executors at once: their four ranks are children of one launcher,
-    itself this process's child; the environment as each executor starts reaches its ranks (not the launcher's, of
-    when it started); the first executor's stop leaves the launcher to the second, whose stop ends it."""
-    before = {p.pid for p in worker_children()}
-    monkeypatch.delenv("MMENGINE_TEST_MARK", raising=False)
-    first = start()
-    monkeypatch.setenv("MMENGINE_TEST_MARK", "second")
-    second = start()
-    try:
-        (launcher,) = {psutil.Process(pid).ppid() for pid in first.pids + second.pids}
-        assert launcher != os.getpid() and psutil.Process(launcher).ppid() == os.getpid()
-        assert first.call("env", "MMENGINE_TEST_MARK") == [None, None]
-        assert second.call("env", "MMENGINE_TEST_MARK") == ["second", "second"]
-        first.shutdown()
-        assert alive(launcher) and second.execute({"id": 1, "payload": b""})["rank_sum"] == 3.0
-    finally:
-        first.shutdown()
-        second.shutdown()
-    assert not alive(launcher) and {p.pid for p in worker_children()} - before == set()
-
-
-@pytest.fixture(scope="module")
-def launcher():
-    """The launcher held for the module's tests (each still starts and stops its executor: fresh rank processes)."""
-    rank_launcher.acquire(["mmengine.distributed.worker_loop", __name__])
-    yield
-    rank_launcher.release()
-
-
-@pytest.mark.usefixtures("launcher")
 def test_a_step_round_trips_and_a_worker_error_comes_back_typed_then_shutdown_leaves_nothing():
     before = {p.pid for p in worker_children()}
     deaths: list[EngineDeadError] = []
@@ -163,7 +124,6 @@ def test_a_step_round_trips_and_a_worker_error_comes_back_typed_then_shutdown_le
     assert {p.pid for p in worker_children()} - before == set()
 
 
-@pytest.mark.usefixtures("launcher")
 def test_shutdown_and_the_with_block_stop_every_worker():
     deaths: list[EngineDeadError] = []
     with start(on_death=deaths.append) as executor:
@@ -175,7 +135,6 @@ def test_shutdown_and_the_with_block_stop_every_worker():
         executor.execute({"id": 2, "payload": b""})
 
 
-@pytest.mark.usefixtures("launcher")
 def test_a_shutdown_from_another_thread_ends_the_call_in_flight():
     deaths: list[EngineDeadError] = []
     executor = start(on_death=deaths.append)
@@ -199,7 +158,6 @@ def test_a_shutdown_from_another_thread_ends_the_call_in_flight():
     assert wait_gone(pids, 10) == [] and deaths == []
 
 
-@pytest.mark.usefixtures("launcher")
 def test_a_worker_killed_mid_call_is_engine_dead_within_seconds_for_that_call_and_every_later_one():
     deaths: list[EngineDeadError] = []
     executor = start(on_death=deaths.append)
@@ -224,7 +182,6 @@ def test_a_worker_killed_mid_call_is_engine_dead_within_seconds_for_that_call_an
     executor.shutdown()
 
 
-@pytest.mark.usefixtures("launcher")
 def test_a_failed_collective_is_reported_as_the_peer_death_that_caused_it():
     executor = start(death_grace_s=10.0)  # the grace that a loaded machine's 0.5 s sleep fits in with room
     with pytest.raises(EngineDeadError) as caught:
@@ -235,7 +192,6 @@ def test_a_failed_collective_is_reported_as_the_peer_death_that_caused_it():
     executor.shutdown()
 
 
-@pytest.mark.usefixtures("launcher")
 def test_a_worker_that_dies_between_steps_is_noticed_without_a_call():
     deaths: list[EngineDeadError] = []
     noticed = threading.Event()
@@ -251,7 +207,6 @@ def test_a_worker_that_dies_between_steps_is_noticed_without_a_call():
     executor.shutdown()
 
 
-@pytest.mark.usefixtures("launcher")
 def test_a_worker_that_cannot_start_raises_its_own_error_and_leaves_nothing():
     before = {p.pid for p in worker_children()}
     with pytest.raises(ConfigError, match="num_key_value_heads=3") as caught:

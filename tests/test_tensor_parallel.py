@@ -3,8 +3,8 @@ tokens of TP 1 and of transformers with pictures, chunked prefill, a prefix hit 
 scheduling and without; logprobs within 1e-4 of TP 1 in fp32; options it refuses by name before any process starts; a killed worker as EngineDeadError
 within seconds; shutdown leaves no process behind.
 
-One TP 2 engine serves the module (its ranks fork from a launcher, held for the module: the engines started one after
-another fork theirs without importing torch and transformers again); the last test kills one of its workers."""
+One TP 2 engine serves the module (starting one costs two interpreters importing torch and transformers); the
+last test kills one of its workers."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from conftest import CPU_FP32, hf_greedy
-from helpers import rank_launcher_held, wait_until
+from helpers import wait_until
 from mmengine import MMEngine, SamplingParams
 from mmengine.errors import ConfigError, EngineDeadError
 from mmengine.testing import TinyLlavaSpec, make_test_image
@@ -46,12 +46,6 @@ def children() -> set[int]:
         except psutil.NoSuchProcess:
             pass
     return found
-
-
-@pytest.fixture(scope="module", autouse=True)
-def launcher():
-    with rank_launcher_held():
-        yield
 
 
 @pytest.fixture(scope="module")

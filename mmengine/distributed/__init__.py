@@ -16,8 +16,7 @@
   worker_loop.py        a worker process: join the group, build the worker, serve the driver's messages
   worker_processes.py   the driver's handle on each worker process, and how they all stop (asked, released, killed)
   executor_base.py      what every executor does: one plan to all, one reply from rank 0, steps sent ahead, death -> EngineDeadError
-  rank_launcher.py      where the worker processes come from: forked from a process that imported torch & co. once
-  executor.py           the driver over worker processes: start them, a pipe each, their sentinels
+  executor.py           the driver over worker processes: spawn them, a pipe each, their sentinels
   ray_placement.py      the Ray backend's cluster, placement group (a bundle a rank) and each rank's GPUs
   ray_worker.py         a rank as a Ray actor: the worker loop's pieces without the pipes
   ray_executor.py       the driver over Ray actors (distributed_executor_backend="ray")

@@ -1,8 +1,8 @@
-"""The driver's side of tensor parallelism: `tensor_parallel_size` worker processes, one step plan
+"""The driver's side of tensor parallelism: `tensor_parallel_size` worker processes (spawned), one step plan
 sent to all of them, one reply from rank 0; and what happens when a worker fails or dies.
 
 ```
-driver (the engine's process)                           workers (rank 0..tp-1; worker_loop.py; rank_launcher.py)
+driver (the engine's process)                           workers (spawned, rank 0..tp-1; worker_loop.py)
 execute(plan) --plan, pickled once, a pipe per rank-->  worker.execute_step(plan), collectives among the ranks
               <--(OK, result) from rank 0 alone-------  (submit(plan) / collect(): the same, split, so that the
                                                          driver schedules the next step while the ranks compute)
@@ -25,7 +25,6 @@ Failure and lifetime:
 from __future__ import annotations
 
 import multiprocessing
-import os
 import pickle
 import threading
 import time
@@ -34,7 +33,6 @@ from collections.abc import Callable, Iterable
 from multiprocessing.connection import wait
 from typing import Any
 
-from mmengine.distributed import rank_launcher
 from mmengine.distributed.executor_base import Executor, WorkerError, worker_error
 from mmengine.distributed.process_group import DistributedInit, free_tcp_address
 from mmengine.distributed.worker_loop import ERROR, OK, WorkerFactory, worker_main
@@ -58,30 +56,28 @@ def watch(workers: WorkerSet, report: weakref.WeakMethod) -> None:
 
 
 class MultiprocExecutor(Executor):
-    """Starts `tensor_parallel_size` workers, each `worker_factory(its TensorParallelGroup)` in a process of its
-    own, and drives them (the calls: executor_base.Executor). The worker object has `execute_step(plan)`
+    """Starts `tensor_parallel_size` workers, each `worker_factory(its TensorParallelGroup)` in a spawned
+    process, and drives them (the calls: executor_base.Executor). The worker object has `execute_step(plan)`
     (rank 0's return value is the reply) and any methods `call` names; `close()`, when it has one, runs as its
     process stops.
 
-    `rendezvous`: "tcp://127.0.0.1:PORT" or "file:///path" (None: a free TCP port on 127.0.0.1). The workers fork from
-    a launcher that has imported `preload` and the factory's module once (rank_launcher.py), not each on its own.
+    `rendezvous`: "tcp://127.0.0.1:PORT" or "file:///path" (None: a free TCP port on 127.0.0.1).
     """
 
     def __init__(self, worker_factory: WorkerFactory, tensor_parallel_size: int, *, device: str = "cpu",
                  backend: str | None = None, rendezvous: str | None = None, torch_threads: int | None = None,
                  start_timeout_s: float = 300.0, death_grace_s: float = 2.0,
-                 on_death: Callable[[EngineDeadError], None] | None = None, preload: Iterable[str] = ()) -> None:
+                 on_death: Callable[[EngineDeadError], None] | None = None) -> None:
         super().__init__(tensor_parallel_size, death_grace_s, on_death)
         self.workers = WorkerSet()
         self.handles = self.workers.handles
         self.finalizer = weakref.finalize(self, self.workers.stop)
         address = rendezvous or free_tcp_address()
-        factory_module = getattr(worker_factory, "func", worker_factory).__module__
-        self.workers.launch(["mmengine.distributed.worker_loop", factory_module, *preload])
+        context = multiprocessing.get_context("spawn")
         try:
             for rank in range(tensor_parallel_size):
-                self.handles.append(self.start_worker(DistributedInit(tensor_parallel_size, rank, address, device=device,
-                                                                      backend=backend), worker_factory, torch_threads))
+                self.handles.append(self.spawn(context, DistributedInit(tensor_parallel_size, rank, address, device=device,
+                                                                        backend=backend), worker_factory, torch_threads))
         except BaseException:  # an unpicklable factory: the ranks already started are stopped
             self.finalizer()
             raise
@@ -92,12 +88,11 @@ class MultiprocExecutor(Executor):
         self.watcher.start()
 
     @staticmethod
-    def start_worker(init: DistributedInit, worker_factory: WorkerFactory, torch_threads: int | None) -> WorkerHandle:
-        conn, child_conn = multiprocessing.Pipe()
-        lifeline_reader, lifeline = multiprocessing.Pipe(duplex=False)
-        process = rank_launcher.LaunchedProcess(target=worker_main, name=f"mmengine-tp-worker-{init.rank}", daemon=True,
-                                                args=(init, worker_factory, child_conn, lifeline_reader, torch_threads,
-                                                      dict(os.environ)))
+    def spawn(context: Any, init: DistributedInit, worker_factory: WorkerFactory, torch_threads: int | None) -> WorkerHandle:
+        conn, child_conn = context.Pipe()
+        lifeline_reader, lifeline = context.Pipe(duplex=False)
+        process = context.Process(target=worker_main, name=f"mmengine-tp-worker-{init.rank}", daemon=True,
+                                  args=(init, worker_factory, child_conn, lifeline_reader, torch_threads))
         try:
             process.start()
         finally:

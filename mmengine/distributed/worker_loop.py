@@ -79,12 +79,8 @@ def watch_lifeline(lifeline: Connection) -> None:
 
 
 def worker_main(init: DistributedInit, factory: WorkerFactory, conn: Connection, lifeline: Connection,
-                torch_threads: int | None = None, environ: dict[str, str] | None = None) -> None:
-    """The worker process's entry point. `environ`: the driver's environment as the executor started (the launcher
-    the process forked from has its own, of when it started)."""
-    if environ is not None:
-        os.environ.clear()
-        os.environ.update(environ)
+                torch_threads: int | None = None) -> None:
+    """The spawned process's entry point."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the driver, which stops the workers
     threading.Thread(target=watch_lifeline, args=(lifeline,), name="mmengine-lifeline", daemon=True).start()
     try:

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
-from mmengine.distributed import rank_launcher
 from mmengine.distributed.worker_loop import STOP
 
 
@@ -54,12 +53,6 @@ class WorkerSet:
         self.handles: list[WorkerHandle] = []
         self.stopping = threading.Event()  # set first: deaths after it are the stop's, not failures
         self.wake_reader, self.wake_writer = multiprocessing.Pipe(duplex=False)  # closing it ends the watcher
-        self.launched = False  # holds the rank launcher (rank_launcher.py) until stopped
-
-    def launch(self, preload: list[str]) -> None:
-        """The workers will fork from the rank launcher (started now if none runs, importing `preload`)."""
-        rank_launcher.acquire(preload)
-        self.launched = True
 
     def sentinels(self) -> dict[int, WorkerHandle]:
         return {handle.process.sentinel: handle for handle in self.handles}
@@ -70,8 +63,7 @@ class WorkerSet:
             handle.lifeline.close()
 
     def stop(self, timeout_s: float = 5.0) -> None:
-        """Asks every worker to stop, then closes their lifelines and kills any that remain; the last executor's
-        stop stops the rank launcher. Runs once."""
+        """Asks every worker to stop, then closes their lifelines and kills any that remain. Runs once."""
         self.stopping.set()
         self.wake_writer.close()
         for handle in self.handles:
@@ -91,9 +83,6 @@ class WorkerSet:
                 handle.process.kill()
                 handle.process.join(timeout=5.0)
             handle.conn.close()
-        if self.launched:
-            self.launched = False
-            rank_launcher.release()
 
 
 def signal_name(number: int) -> str:

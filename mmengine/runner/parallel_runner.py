@@ -114,9 +114,7 @@ def start_executor(backend: str, factory: Any, tensor_parallel_size: int, device
         from mmengine.distributed.ray_executor import RayExecutor
 
         return RayExecutor(factory, tensor_parallel_size, device=device, torch_threads=torch_threads, on_death=on_death)
-    # (the ranks fork from a launcher that imports these once: what every family's vision tower is built with too)
-    return MultiprocExecutor(factory, tensor_parallel_size, device=device, torch_threads=torch_threads, on_death=on_death,
-                             preload=["transformers.modeling_utils"])
+    return MultiprocExecutor(factory, tensor_parallel_size, device=device, torch_threads=torch_threads, on_death=on_death)
 
 
 class ReleasedRequests:
