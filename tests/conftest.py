@@ -38,14 +38,14 @@ from helpers import LocalRay
 
 # Under pytest-xdist (`-n 2 --dist loadfile`) each file runs on one worker, handed out in collection order:
 # the longest files go first, so that neither worker is left running one alone at the end.
-_LONGEST_FILES_FIRST = ("test_gpu_suite.py", "test_serve_processes.py", "test_fuzz_triton.py", "test_engine_core_process.py",
-                        "test_ray_batch.py", "test_tensor_parallel.py", "test_kernel_cross_compile.py", "test_quantized_checkpoints.py",
-                        "test_ray_serve.py", "test_preprocess_pool.py", "test_benchmarks.py", "test_tensor_parallel_families.py",
-                        "test_ray_tensor_parallel.py", "test_distributed_executor.py", "test_tensor_parallel_draft_heads.py",
-                        "test_tensor_parallel_quantized.py", "test_expert_parallel.py", "test_triton_engine.py",
-                        "test_tensor_parallel_quantized_layers.py", "test_kernel_shared_memory.py", "test_gemma4.py",
-                        "test_tensor_parallel_graphs.py", "test_tensor_parallel_features.py", "test_cascade_engine.py",
-                        "test_cascade_kernels.py", "test_broken_checkpoints.py", "test_soak_benchmark.py", "test_family_engine.py")
+_LONGEST_FILES_FIRST = ("test_fuzz_triton.py", "test_kernel_cross_compile.py", "test_ray_batch.py", "test_ray_tensor_parallel.py",
+                        "test_serve_processes.py", "test_ray_serve.py", "test_tensor_parallel.py", "test_benchmarks.py",
+                        "test_gemma4.py", "test_quantized_checkpoints.py", "test_preprocess_pool.py", "test_distributed_executor.py",
+                        "test_tensor_parallel_families.py", "test_gpu_suite.py", "test_tensor_parallel_quantized_layers.py",
+                        "test_family_engine.py", "test_fuzz.py", "test_engine_core_process.py", "test_tensor_parallel_graphs.py",
+                        "test_tensor_parallel_draft_heads.py", "test_soak_benchmark.py", "test_cascade_engine.py",
+                        "test_attention_masks.py", "test_broken_checkpoints.py", "test_cascade_kernels.py", "test_fused_moe_kernel.py",
+                        "test_expert_parallel.py", "test_tensor_parallel_quantized.py")
 
 
 def pytest_configure(config: pytest.Config) -> None:
