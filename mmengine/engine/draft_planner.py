@@ -88,18 +88,23 @@ class DraftPlanner:
         not behind a reasoning gate, not paused by the back-off (asked once a step: the answers asked when
         the step was predicted, if it was)."""
         ahead, self._allowed_ahead = self._allowed_ahead, {}
-        max_model_len = self.scheduler.max_model_len
         rooms: dict[str, int] = {}
         for request in self.scheduler.running:
-            params, grammar = request.sampling_params, request.grammar
+            grammar = request.grammar
             if isinstance(grammar, ReasoningGate) or request.num_tokens - request.num_computed_tokens != 1:
                 continue
             if self.backoff is not None:
                 allowed = ahead.get(request.request_id)
                 if not (self.backoff.allows(request.request_id) if allowed is None else allowed):
                     continue
-            rooms[request.request_id] = min(params.max_tokens - request.num_output_tokens - 1, max_model_len - request.num_tokens)
+            rooms[request.request_id] = self._room(request)
         return rooms
+
+    def _room(self, request: Request, tokens_ahead: int = 0) -> int:
+        """The drafts a request can take at its next verify step: what it can still emit and hold, beyond the one token
+        the step keeps at least, once `tokens_ahead` more tokens are booked."""
+        return min(request.sampling_params.max_tokens - request.num_output_tokens - 1,
+                   self.scheduler.max_model_len - request.num_tokens) - tokens_ahead
 
     def forget_predicted(self) -> None:
         """A step predicted to draft nothing is launched: its back-off answers are spent."""
@@ -211,6 +216,4 @@ class DraftPlanner:
         keeps at least one token)."""
         if isinstance(request.grammar, ReasoningGate) or (self.backoff is not None and self.backoff.paused(request.request_id)):
             return 0
-        room = min(request.sampling_params.max_tokens - request.num_output_tokens - 2,
-                   self.scheduler.max_model_len - request.num_tokens - 1)
-        return max(0, min(self.k, room))
+        return max(0, min(self.k, self._room(request, tokens_ahead=1)))

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 
 class HeadDrafts:
-    drafts_in_step = True  # the step loop takes the chained drafts' blocks before the step is launched
-
     def __init__(self) -> None:
         self.latest: dict[str, list[int]] = {}
 
