@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmengine.testing.cache import cached_build, spec_key
-from mmengine.testing.tokenizer import model_vocab_size, train_byte_level_bpe
-from mmengine.testing.weights import save_random_model, torch_dtype
+from mmengine.testing.checkpoint import save_checkpoint, special_token_ids, vision_sizes
+from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -107,23 +107,12 @@ class TinyGemma3Spec:
 def _build_tokenizer(spec: TinyGemma3Spec) -> PreTrainedTokenizerFast:
     """A deterministic byte-level BPE with Gemma 3's special tokens, as a transformers fast tokenizer.
     No BOS is added when encoding: the chat template writes it."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_byte_level_bpe(
+    return tiny_tokenizer(
         spec.tokenizer_vocab_size, leading_special_tokens=LEADING_TOKENS,
         added_special_tokens=[*TURN_TOKENS, *NAMED_TOKENS.values()],
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        mask_token="<mask>",
+        bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>",
         extra_special_tokens=dict(NAMED_TOKENS),  # named attributes (tokenizer.boi_token, tokenizer.image_token_id, ...)
-        padding_side="left",
-        add_bos_token=False,
-        chat_template=GEMMA3_CHAT_TEMPLATE,
+        add_bos_token=False, chat_template=GEMMA3_CHAT_TEMPLATE,
     )
 
 
@@ -149,17 +138,10 @@ def _build_config(spec: TinyGemma3Spec, tokenizer: PreTrainedTokenizerFast) -> G
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=spec.rms_norm_eps,
         initializer_range=_INITIALIZER_RANGE,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
+        **special_token_ids(tokenizer),
     )
     vision = SiglipVisionConfig(
-        hidden_size=spec.vision_hidden_size,
-        intermediate_size=spec.vision_intermediate_size,
-        num_hidden_layers=spec.vision_num_layers,
-        num_attention_heads=spec.vision_num_heads,
-        image_size=spec.image_size,
-        patch_size=spec.patch_size,
+        **vision_sizes(spec),
         layer_norm_eps=1e-6,
         vision_use_head=False,  # as the published checkpoints: Gemma 3 reads the post-normed patch states
     )
@@ -217,23 +199,15 @@ def build_gemma3_checkpoint(path: str | os.PathLike, spec: TinyGemma3Spec = Tiny
                             dtype: str | None = None) -> pathlib.Path:
     """Builds a random-weight checkpoint of `spec` (weights made on `device` in `dtype`, default the spec's)
     and saves it with its tokenizer, processor and chat template into `path`; returns the path."""
-    from transformers import Gemma3ForConditionalGeneration, GenerationConfig
+    from transformers import Gemma3ForConditionalGeneration
 
-    path = pathlib.Path(path)
     tokenizer = _build_tokenizer(spec)
-    config = _build_config(spec, tokenizer)
-    # As the published instruction-tuned checkpoints: a turn ends at <eos> or <end_of_turn>
-    generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=[tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_turn>")],
+    return save_checkpoint(
+        path, Gemma3ForConditionalGeneration, _build_config(spec, tokenizer), tokenizer,
+        _build_processor(spec, tokenizer).save_pretrained, seed=spec.seed, device=device, dtype=dtype or spec.dtype,
+        # as the published instruction-tuned checkpoints: a turn ends at <eos> or <end_of_turn>
+        eos_tokens=("<eos>", "<end_of_turn>"), constant_noise=_CONSTANT_NOISE, tweak=_shrink_embeddings,
     )
-    save_random_model(
-        Gemma3ForConditionalGeneration, config, generation_config, path, seed=spec.seed, device=device,
-        dtype=torch_dtype(dtype or spec.dtype), constant_noise=_CONSTANT_NOISE, tweak=_shrink_embeddings,
-    )
-    _build_processor(spec, tokenizer).save_pretrained(path)
-    return path
 
 
 def tiny_gemma3_path(spec: TinyGemma3Spec = TinyGemma3Spec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:

@@ -17,15 +17,14 @@ shows in a parity test.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmengine.testing.cache import cached_build, spec_key
-from mmengine.testing.tokenizer import model_vocab_size, train_byte_level_bpe
-from mmengine.testing.weights import save_random_model, torch_dtype
+from mmengine.testing.checkpoint import save_checkpoint, special_token_ids, update_json
+from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -151,24 +150,12 @@ class TinyGemma4Spec:
 def _build_tokenizer(spec: TinyGemma4Spec) -> PreTrainedTokenizerFast:
     """A deterministic byte-level BPE with Gemma 4's special tokens, as a transformers fast tokenizer.
     No BOS is added when encoding: the chat template writes it."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_byte_level_bpe(
-        spec.tokenizer_vocab_size,
-        leading_special_tokens=LEADING_TOKENS,
+    return tiny_tokenizer(
+        spec.tokenizer_vocab_size, leading_special_tokens=LEADING_TOKENS,
         added_special_tokens=[*NAMED_TOKENS.values(), VIDEO_TOKEN],
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<bos>",
-        eos_token="<eos>",
-        pad_token="<pad>",
-        unk_token="<unk>",
-        mask_token="<mask>",
+        bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>",
         extra_special_tokens=dict(NAMED_TOKENS),  # a dict: named attributes (tokenizer.image_token_id, ...)
-        padding_side="left",
-        add_bos_token=False,
-        chat_template=GEMMA4_CHAT_TEMPLATE,
+        add_bos_token=False, chat_template=GEMMA4_CHAT_TEMPLATE,
     )
 
 
@@ -208,9 +195,7 @@ def _build_config(spec: TinyGemma4Spec, tokenizer: PreTrainedTokenizerFast) -> G
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=spec.rms_norm_eps,
         initializer_range=_INITIALIZER_RANGE,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        bos_token_id=tokenizer.bos_token_id,
+        **special_token_ids(tokenizer),
     )
     vision = Gemma4VisionConfig(
         hidden_size=spec.vision_hidden_size,
@@ -291,9 +276,7 @@ def _save_processor(processor: ProcessorMixin, path: pathlib.Path) -> None:
     transformers' Gemma4Processor as the processor class (AutoProcessor resolves it with torchvision)."""
     processor.save_pretrained(path)
     for name in ("processor_config.json", "tokenizer_config.json"):
-        settings = json.loads((path / name).read_text())
-        settings["processor_class"] = "Gemma4Processor"
-        (path / name).write_text(json.dumps(settings, indent=2, sort_keys=True) + "\n")
+        update_json(path / name, processor_class="Gemma4Processor", sort_keys=True)
 
 
 # The dense decoder at transformers' Gemma4TextConfig defaults (its docstring: "similar to
@@ -321,31 +304,17 @@ def build_gemma4_checkpoint(path: str | os.PathLike, spec: TinyGemma4Spec = Tiny
                             dtype: str | None = None) -> pathlib.Path:
     """Builds a random-weight checkpoint of `spec` (weights made on `device` in `dtype`, default the spec's)
     and saves it with its tokenizer, processor and chat template into `path`; returns the path."""
-    from transformers import Gemma4ForConditionalGeneration, GenerationConfig
+    from transformers import Gemma4ForConditionalGeneration
 
-    path = pathlib.Path(path)
     tokenizer = _build_tokenizer(spec)
-    config = _build_config(spec, tokenizer)
-    ids = tokenizer.convert_tokens_to_ids
-    # As the published instruction-tuned checkpoints: a turn ends at <turn|>, a tool call at <|tool_response>
-    generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=[tokenizer.eos_token_id, ids(NAMED_TOKENS["eot_token"]), ids(NAMED_TOKENS["str_token"])],
-    )
-    save_random_model(
-        Gemma4ForConditionalGeneration,
-        config,
-        generation_config,
-        path,
-        seed=spec.seed,
-        device=device,
-        dtype=torch_dtype(dtype or spec.dtype),
-        constant_noise=_CONSTANT_NOISE,
+    processor = _build_processor(spec, tokenizer)
+    return save_checkpoint(
+        path, Gemma4ForConditionalGeneration, _build_config(spec, tokenizer), tokenizer,
+        lambda path: _save_processor(processor, path), seed=spec.seed, device=device, dtype=dtype or spec.dtype,
+        # as the published instruction-tuned checkpoints: a turn ends at <turn|>, a tool call at <|tool_response>
+        eos_tokens=("<eos>", NAMED_TOKENS["eot_token"], NAMED_TOKENS["str_token"]), constant_noise=_CONSTANT_NOISE,
         tweak=_perturb,
     )
-    _save_processor(_build_processor(spec, tokenizer), path)
-    return path
 
 
 def tiny_gemma4_path(spec: TinyGemma4Spec = TinyGemma4Spec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:

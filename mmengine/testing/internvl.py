@@ -14,15 +14,14 @@ between 1 and 6 tiles a picture plus the thumbnail when there is more than one.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmengine.testing.cache import cached_build, spec_key
-from mmengine.testing.tokenizer import model_vocab_size, train_byte_level_bpe
-from mmengine.testing.weights import save_random_model, torch_dtype
+from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, save_processor_files, special_token_ids, vision_sizes
+from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
 
 if TYPE_CHECKING:
     from transformers import InternVLConfig, PreTrainedTokenizerFast
@@ -103,47 +102,28 @@ class TinyInternVLSpec:
 def _build_tokenizer(spec: TinyInternVLSpec) -> PreTrainedTokenizerFast:
     """A deterministic byte-level BPE with Qwen's special tokens and InternVL's named image tokens; no BOS,
     eos <|im_end|>, padding <|endoftext|> on the left."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_byte_level_bpe(spec.tokenizer_vocab_size, added_special_tokens=SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT, padding_side="left",
-                                   extra_special_tokens=dict(NAMED_TOKENS), chat_template=INTERNVL_CHAT_TEMPLATE)
+    return tiny_tokenizer(spec.tokenizer_vocab_size, added_special_tokens=SPECIAL_TOKENS, eos_token=IM_END, pad_token=ENDOFTEXT,
+                          extra_special_tokens=dict(NAMED_TOKENS), chat_template=INTERNVL_CHAT_TEMPLATE)
 
 
 def _build_config(spec: TinyInternVLSpec, tokenizer: PreTrainedTokenizerFast, initializer_range: float) -> InternVLConfig:
     from transformers import InternVLConfig, InternVLVisionConfig, Qwen3Config
 
-    ids = tokenizer.convert_tokens_to_ids
     text = Qwen3Config(
         vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
+        **decoder_sizes(spec),
         head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
         use_sliding_window=False,
         tie_word_embeddings=spec.tie_word_embeddings,
         initializer_range=initializer_range,
-        bos_token_id=ids(ENDOFTEXT),
-        eos_token_id=ids(IM_END),
-        pad_token_id=ids(ENDOFTEXT),
+        **special_token_ids(tokenizer, bos_token=ENDOFTEXT),
     )
-    vision = InternVLVisionConfig(
-        hidden_size=spec.vision_hidden_size,
-        intermediate_size=spec.vision_intermediate_size,
-        num_hidden_layers=spec.vision_num_layers,
-        num_attention_heads=spec.vision_num_heads,
-        image_size=spec.image_size,
-        patch_size=spec.patch_size,
-        initializer_range=initializer_range,
-    )
+    vision = InternVLVisionConfig(**vision_sizes(spec), initializer_range=initializer_range)
     return InternVLConfig(
         text_config=text,
         vision_config=vision,
-        image_token_id=ids(IMAGE),
+        image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
         image_seq_length=spec.image_seq_length,
         downsample_ratio=spec.downsample_ratio,
         vision_feature_layer=-1,
@@ -162,35 +142,25 @@ def _save_processor(spec: TinyInternVLSpec, tokenizer: PreTrainedTokenizerFast, 
         size={"height": spec.image_size, "width": spec.image_size}, crop_to_patches=True, min_patches=spec.min_patches,
         max_patches=spec.max_patches, image_mean=[0.485, 0.456, 0.406], image_std=[0.229, 0.224, 0.225],
     )
-    image_processor.save_pretrained(path)
-    settings = json.loads((path / "preprocessor_config.json").read_text())
-    settings["image_processor_type"] = "GotOcr2ImageProcessorFast"  # as published
-    settings["processor_class"] = "InternVLProcessor"
-    (path / "preprocessor_config.json").write_text(json.dumps(settings, indent=2) + "\n")
-    tokenizer.save_pretrained(path)
-    processor = {"image_seq_length": spec.image_seq_length, "processor_class": "InternVLProcessor"}
-    (path / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
-    (path / "chat_template.json").write_text(json.dumps({"chat_template": INTERNVL_CHAT_TEMPLATE}, indent=2) + "\n")
+    save_processor_files(
+        path, tokenizer, chat_template=INTERNVL_CHAT_TEMPLATE, image_processor=image_processor,
+        image_processor_type="GotOcr2ImageProcessorFast",  # as published
+        settings={"image_seq_length": spec.image_seq_length, "processor_class": "InternVLProcessor"},
+    )
 
 
 def build_internvl_checkpoint(path: str | os.PathLike, spec: TinyInternVLSpec = TinyInternVLSpec(), *, device: str = "cpu",
                               dtype: str | None = None, initializer_range: float = _INITIALIZER_RANGE) -> pathlib.Path:
     """Builds a random-weight checkpoint of `spec` (weights made on `device` in `dtype`, default the spec's)
     and saves it with its tokenizer, processor and chat template into `path`; returns the path."""
-    from transformers import GenerationConfig, InternVLForConditionalGeneration
+    from transformers import InternVLForConditionalGeneration
 
-    path = pathlib.Path(path)
     tokenizer = _build_tokenizer(spec)
-    config = _build_config(spec, tokenizer, initializer_range)
-    end_of_text = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    generation_config = GenerationConfig(bos_token_id=end_of_text, eos_token_id=[tokenizer.eos_token_id, end_of_text],
-                                         pad_token_id=end_of_text)
-    save_random_model(
-        InternVLForConditionalGeneration, config, generation_config, path, seed=spec.seed, device=device,
-        dtype=torch_dtype(dtype or spec.dtype), constant_noise=_CONSTANT_NOISE,
+    return save_checkpoint(
+        path, InternVLForConditionalGeneration, _build_config(spec, tokenizer, initializer_range), tokenizer,
+        lambda path: _save_processor(spec, tokenizer, path), seed=spec.seed, device=device, dtype=dtype or spec.dtype,
+        eos_tokens=(IM_END, ENDOFTEXT), bos_token=ENDOFTEXT, constant_noise=_CONSTANT_NOISE,
     )
-    _save_processor(spec, tokenizer, path)
-    return path
 
 
 def build_tiny_internvl(path: str | os.PathLike, spec: TinyInternVLSpec = TinyInternVLSpec()) -> pathlib.Path:

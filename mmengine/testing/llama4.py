@@ -14,7 +14,6 @@ expert), QK L2 norm; 32 px tiles of 4 px patches, pixel-shuffled to 16 tokens a 
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import warnings
@@ -22,8 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmengine.testing.cache import cached_build, spec_key
-from mmengine.testing.tokenizer import model_vocab_size, train_byte_level_bpe
-from mmengine.testing.weights import save_random_model, torch_dtype
+from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, save_processor_files, special_token_ids, vision_sizes
+from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
 
 if TYPE_CHECKING:
     from transformers import Llama4Config, PreTrainedTokenizerFast
@@ -101,12 +100,9 @@ class TinyLlama4Spec:
     seed: int = 0
 
 
-def _build_tokenizer() -> PreTrainedTokenizerFast:
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_byte_level_bpe(300, added_special_tokens=SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOT, pad_token=PAD, padding_side="left",
-                                   chat_template=LLAMA4_CHAT_TEMPLATE)
+def _build_tokenizer(spec: TinyLlama4Spec) -> PreTrainedTokenizerFast:
+    return tiny_tokenizer(spec.tokenizer_vocab_size, added_special_tokens=SPECIAL_TOKENS, bos_token=BOS, eos_token=EOT, pad_token=PAD,
+                          chat_template=LLAMA4_CHAT_TEMPLATE)
 
 
 def _build_config(spec: TinyLlama4Spec, tokenizer: PreTrainedTokenizerFast, initializer_range: float) -> Llama4Config:
@@ -114,22 +110,19 @@ def _build_config(spec: TinyLlama4Spec, tokenizer: PreTrainedTokenizerFast, init
 
     ids = tokenizer.convert_tokens_to_ids
     text = Llama4TextConfig(
-        vocab_size=model_vocab_size(tokenizer, spec.vocab_size), hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, intermediate_size_mlp=spec.intermediate_size_mlp,
-        num_hidden_layers=spec.num_hidden_layers, num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim, num_local_experts=spec.num_local_experts,
+        vocab_size=model_vocab_size(tokenizer, spec.vocab_size), **decoder_sizes(spec),
+        intermediate_size_mlp=spec.intermediate_size_mlp, head_dim=spec.head_dim, num_local_experts=spec.num_local_experts,
         num_experts_per_tok=spec.num_experts_per_tok, interleave_moe_layer_step=spec.interleave_moe_layer_step,
         attention_chunk_size=spec.attention_chunk_size, no_rope_layer_interval=spec.no_rope_layer_interval,
         use_qk_norm=spec.use_qk_norm, attn_temperature_tuning=spec.attn_temperature_tuning, floor_scale=spec.floor_scale,
-        attn_scale=spec.attn_scale, max_position_embeddings=spec.max_position_embeddings,
+        attn_scale=spec.attn_scale,
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}, initializer_range=initializer_range,
-        bos_token_id=ids(BOS), eos_token_id=ids(EOT), pad_token_id=ids(PAD), tie_word_embeddings=False,
+        **special_token_ids(tokenizer), tie_word_embeddings=False,
     )
     shuffled = int(spec.vision_hidden_size / spec.pixel_shuffle_ratio**2)  # the pixel shuffle's channels
     vision = Llama4VisionConfig(
-        hidden_size=spec.vision_hidden_size, num_hidden_layers=spec.vision_num_layers,
-        num_attention_heads=spec.vision_num_heads, intermediate_size=shuffled, vision_output_dim=spec.vision_output_dim,
-        image_size=spec.image_size, patch_size=spec.patch_size, pixel_shuffle_ratio=spec.pixel_shuffle_ratio,
+        **vision_sizes(spec, intermediate_size=shuffled), vision_output_dim=spec.vision_output_dim,
+        pixel_shuffle_ratio=spec.pixel_shuffle_ratio,
         projector_input_dim=spec.vision_output_dim, projector_output_dim=spec.vision_output_dim,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, initializer_range=initializer_range,
     )
@@ -144,30 +137,24 @@ def _save_processor(spec: TinyLlama4Spec, tokenizer: PreTrainedTokenizerFast, pa
         "resize_to_max_canvas": False, "resample": 2, "do_resize": True, "do_rescale": True, "rescale_factor": 1 / 255,
         "do_normalize": True, "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_convert_rgb": True,
     }
-    (path / "preprocessor_config.json").write_text(json.dumps(settings, indent=2) + "\n")
-    tokenizer.save_pretrained(path)
     processor = {"patch_size": spec.patch_size, "pixel_shuffle_ratio": spec.pixel_shuffle_ratio, "fake_image_token": IMAGE,
                  "image_token": IMAGE, "processor_class": "Llama4Processor"}
-    (path / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
-    (path / "chat_template.json").write_text(json.dumps({"chat_template": LLAMA4_CHAT_TEMPLATE}, indent=2) + "\n")
+    save_processor_files(path, tokenizer, chat_template=LLAMA4_CHAT_TEMPLATE, settings=processor, image_processor=settings)
 
 
 def build_llama4_checkpoint(path: str | os.PathLike, spec: TinyLlama4Spec = TinyLlama4Spec(), *, device: str = "cpu",
                             dtype: str | None = None, initializer_range: float = _INITIALIZER_RANGE) -> pathlib.Path:
     """Builds a random-weight checkpoint of `spec` and saves it with its tokenizer, processor settings and chat template."""
-    from transformers import GenerationConfig, Llama4ForConditionalGeneration
+    from transformers import Llama4ForConditionalGeneration
 
-    path = pathlib.Path(path)
-    tokenizer = _build_tokenizer()
-    config = _build_config(spec, tokenizer, initializer_range)
-    generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                         pad_token_id=tokenizer.pad_token_id)
+    tokenizer = _build_tokenizer(spec)
     with warnings.catch_warnings():  # the vision rotary's complex buffer (not saved) cast with the weights' dtype
         warnings.filterwarnings("ignore", message="Casting complex values to real")
-        save_random_model(Llama4ForConditionalGeneration, config, generation_config, path, seed=spec.seed, device=device,
-                          dtype=torch_dtype(dtype or spec.dtype), constant_noise=_CONSTANT_NOISE)
-    _save_processor(spec, tokenizer, path)
-    return path
+        return save_checkpoint(
+            path, Llama4ForConditionalGeneration, _build_config(spec, tokenizer, initializer_range), tokenizer,
+            lambda path: _save_processor(spec, tokenizer, path), seed=spec.seed, device=device, dtype=dtype or spec.dtype,
+            constant_noise=_CONSTANT_NOISE,
+        )
 
 
 def tiny_llama4_path(spec: TinyLlama4Spec = TinyLlama4Spec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:

@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmengine.testing.cache import cached_build, spec_key
-from mmengine.testing.tokenizer import model_vocab_size, train_byte_level_bpe
-from mmengine.testing.weights import REAL_INITIALIZER_RANGE, save_random_model, torch_dtype
+from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, special_token_ids, vision_sizes
+from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.weights import REAL_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
     import torch
@@ -167,22 +168,8 @@ def _build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     Ids 0..2 are <unk>, <s>, </s> (as in Llama); <image> and <pad> are added special tokens at the end
     of the vocabulary (as in llava-hf checkpoints). Every encoded sequence starts with <s>.
     """
-    from tokenizers import processors
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_byte_level_bpe(vocab_size, leading_special_tokens=[UNK, BOS, EOS], added_special_tokens=[IMAGE, PAD])
-    bos_id = tok.token_to_id(BOS)
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=BOS,
-        eos_token=EOS,
-        unk_token=UNK,
-        pad_token=PAD,
-        padding_side="left",  # batched generation, like llava-hf
-    )
+    return tiny_tokenizer(vocab_size, leading_special_tokens=[UNK, BOS, EOS], added_special_tokens=[IMAGE, PAD],
+                          bos_first=True, bos_token=BOS, eos_token=EOS, unk_token=UNK, pad_token=PAD)
 
 
 def _build_config(
@@ -195,19 +182,11 @@ def _build_config(
 
     if initializer_range is None:
         initializer_range = _INITIALIZER_RANGE
-    vocab_size = model_vocab_size(tokenizer, spec.vocab_size)
-    special_ids = dict(
-        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id
-    )
+    special_ids = special_token_ids(tokenizer)
     text_kwargs = dict(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
+        vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
+        **decoder_sizes(spec),
         head_dim=spec.head_dim or spec.hidden_size // spec.num_attention_heads,
-        max_position_embeddings=spec.max_position_embeddings,
         tie_word_embeddings=spec.tie_word_embeddings,
         initializer_range=initializer_range,
         **special_ids,
@@ -219,14 +198,7 @@ def _build_config(
     else:
         text_config = Qwen2Config(use_sliding_window=False, **text_kwargs)
 
-    vision_kwargs = dict(
-        hidden_size=spec.vision_hidden_size,
-        intermediate_size=spec.vision_intermediate_size,
-        num_hidden_layers=spec.vision_num_layers,
-        num_attention_heads=spec.vision_num_heads,
-        image_size=spec.image_size,
-        patch_size=spec.patch_size,
-    )
+    vision_kwargs = vision_sizes(spec)
     if spec.vision_model == "clip":
         vision_config = CLIPVisionConfig(initializer_range=initializer_range, **vision_kwargs)
     else:
@@ -294,28 +266,14 @@ def build_llava_checkpoint(
 
     `max_shard_size` (e.g. "200KB") makes a sharded safetensors checkpoint (model.safetensors.index.json).
     """
-    from transformers import GenerationConfig, LlavaForConditionalGeneration
+    from transformers import LlavaForConditionalGeneration
 
-    path = pathlib.Path(path)
     tokenizer = _build_tokenizer(spec.tokenizer_vocab_size)
-    config = _build_config(spec, tokenizer, initializer_range)
-    generation_config = GenerationConfig(
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    save_random_model(
-        LlavaForConditionalGeneration,
-        config,
-        generation_config,
-        path,
-        seed=spec.seed,
-        device=device,
-        dtype=torch_dtype(dtype),
+    return save_checkpoint(
+        path, LlavaForConditionalGeneration, _build_config(spec, tokenizer, initializer_range), tokenizer,
+        _build_processor(spec, tokenizer).save_pretrained, seed=spec.seed, device=device, dtype=dtype,
         max_shard_size=max_shard_size,
     )
-    _build_processor(spec, tokenizer).save_pretrained(path)
-    return path
 
 
 def build_tiny_llava(

@@ -15,15 +15,14 @@ interpolated down as the releases' anyres_max_9 does to their largest grids.
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmengine.testing.cache import cached_build, spec_key
-from mmengine.testing.tokenizer import model_vocab_size, train_byte_level_bpe
-from mmengine.testing.weights import save_random_model, torch_dtype
+from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, save_processor_files, special_token_ids, vision_sizes
+from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
 
 if TYPE_CHECKING:
     from transformers import LlavaOnevisionConfig, PreTrainedTokenizerFast
@@ -114,10 +113,7 @@ ONEVISION_0_5B_SPEC = TinyOnevisionSpec(
 def _build_tokenizer(spec: TinyOnevisionSpec) -> PreTrainedTokenizerFast:
     """A deterministic byte-level BPE with Qwen's special tokens and the image and video markers; no BOS,
     eos <|im_end|>, padding <|endoftext|> on the left."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_byte_level_bpe(spec.tokenizer_vocab_size, added_special_tokens=SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT, padding_side="left")
+    return tiny_tokenizer(spec.tokenizer_vocab_size, added_special_tokens=SPECIAL_TOKENS, eos_token=IM_END, pad_token=ENDOFTEXT)
 
 
 def _build_config(spec: TinyOnevisionSpec, tokenizer: PreTrainedTokenizerFast, initializer_range: float) -> LlavaOnevisionConfig:
@@ -126,29 +122,14 @@ def _build_config(spec: TinyOnevisionSpec, tokenizer: PreTrainedTokenizerFast, i
     ids = tokenizer.convert_tokens_to_ids
     text = Qwen2Config(
         vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=spec.max_position_embeddings,
+        **decoder_sizes(spec),
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
         use_sliding_window=False,
         tie_word_embeddings=spec.tie_word_embeddings,
         initializer_range=initializer_range,
-        bos_token_id=ids(ENDOFTEXT),
-        eos_token_id=ids(IM_END),
-        pad_token_id=ids(ENDOFTEXT),
+        **special_token_ids(tokenizer, bos_token=ENDOFTEXT),
     )
-    vision = SiglipVisionConfig(
-        hidden_size=spec.vision_hidden_size,
-        intermediate_size=spec.vision_intermediate_size,
-        num_hidden_layers=spec.vision_num_layers,
-        num_attention_heads=spec.vision_num_heads,
-        image_size=spec.image_size,
-        patch_size=spec.patch_size,
-        vision_use_head=False,
-    )
+    vision = SiglipVisionConfig(**vision_sizes(spec), vision_use_head=False)
     return LlavaOnevisionConfig(
         text_config=text,
         vision_config=vision,
@@ -174,37 +155,28 @@ def _save_processor(spec: TinyOnevisionSpec, tokenizer: PreTrainedTokenizerFast,
         size={"height": spec.image_size, "width": spec.image_size}, image_grid_pinpoints=spec.grid_pinpoints,
         image_mean=[0.5] * 3, image_std=[0.5] * 3,
     )
-    image_processor.save_pretrained(path)
-    tokenizer.save_pretrained(path)
     settings = {"num_image_tokens": spec.tokens_per_tile, "processor_class": "LlavaOnevisionProcessor",
                 "vision_aspect_ratio": spec.vision_aspect_ratio, "vision_feature_select_strategy": "full"}
-    (path / "processor_config.json").write_text(json.dumps(settings, indent=2) + "\n")
     video = {"video_processor_type": "LlavaOnevisionVideoProcessor", "processor_class": "LlavaOnevisionProcessor",
              "size": {"height": spec.image_size, "width": spec.image_size}, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
              "resample": 3, "do_resize": True, "do_rescale": True, "do_normalize": True, "do_convert_rgb": True,
              "rescale_factor": 1 / 255, "do_sample_frames": False}
-    (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
-    (path / "chat_template.json").write_text(json.dumps({"chat_template": ONEVISION_CHAT_TEMPLATE}, indent=2) + "\n")
+    save_processor_files(path, tokenizer, chat_template=ONEVISION_CHAT_TEMPLATE, settings=settings,
+                         image_processor=image_processor, video_settings=video)
 
 
 def build_onevision_checkpoint(path: str | os.PathLike, spec: TinyOnevisionSpec = TinyOnevisionSpec(), *, device: str = "cpu",
                                dtype: str | None = None, initializer_range: float = _INITIALIZER_RANGE) -> pathlib.Path:
     """Builds a random-weight checkpoint of `spec` (weights made on `device` in `dtype`, default the spec's)
     and saves it with its tokenizer, processor and chat template into `path`; returns the path."""
-    from transformers import GenerationConfig, LlavaOnevisionForConditionalGeneration
+    from transformers import LlavaOnevisionForConditionalGeneration
 
-    path = pathlib.Path(path)
     tokenizer = _build_tokenizer(spec)
-    config = _build_config(spec, tokenizer, initializer_range)
-    end_of_text = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    generation_config = GenerationConfig(bos_token_id=end_of_text, eos_token_id=[tokenizer.eos_token_id, end_of_text],
-                                         pad_token_id=end_of_text)
-    save_random_model(
-        LlavaOnevisionForConditionalGeneration, config, generation_config, path, seed=spec.seed, device=device,
-        dtype=torch_dtype(dtype or spec.dtype), constant_noise=_CONSTANT_NOISE,
+    return save_checkpoint(
+        path, LlavaOnevisionForConditionalGeneration, _build_config(spec, tokenizer, initializer_range), tokenizer,
+        lambda path: _save_processor(spec, tokenizer, path), seed=spec.seed, device=device, dtype=dtype or spec.dtype,
+        eos_tokens=(IM_END, ENDOFTEXT), bos_token=ENDOFTEXT, constant_noise=_CONSTANT_NOISE,
     )
-    _save_processor(spec, tokenizer, path)
-    return path
 
 
 def build_tiny_onevision(path: str | os.PathLike, spec: TinyOnevisionSpec = TinyOnevisionSpec()) -> pathlib.Path:

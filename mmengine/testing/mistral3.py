@@ -13,15 +13,14 @@ The default spec: 4 px patches merged 2x2 into 8 px tokens, pictures resized to 
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmengine.testing.cache import cached_build, spec_key
-from mmengine.testing.tokenizer import model_vocab_size, train_byte_level_bpe
-from mmengine.testing.weights import save_random_model, torch_dtype
+from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, save_processor_files, special_token_ids, vision_sizes
+from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
 
 if TYPE_CHECKING:
     from transformers import Mistral3Config, PreTrainedTokenizerFast
@@ -86,33 +85,23 @@ class TinyMistral3Spec:
 
 
 def _build_tokenizer(spec: TinyMistral3Spec) -> PreTrainedTokenizerFast:
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_byte_level_bpe(spec.tokenizer_vocab_size, added_special_tokens=SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD, padding_side="left",
-                                   chat_template=MISTRAL3_CHAT_TEMPLATE)
+    return tiny_tokenizer(spec.tokenizer_vocab_size, added_special_tokens=SPECIAL_TOKENS, bos_token=BOS, eos_token=EOS,
+                          pad_token=PAD, chat_template=MISTRAL3_CHAT_TEMPLATE)
 
 
 def _build_config(spec: TinyMistral3Spec, tokenizer: PreTrainedTokenizerFast, initializer_range: float) -> Mistral3Config:
     from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
 
-    ids = tokenizer.convert_tokens_to_ids
     text = MistralConfig(
-        vocab_size=model_vocab_size(tokenizer, spec.vocab_size), hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads, num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
-        max_position_embeddings=spec.max_position_embeddings,
+        vocab_size=model_vocab_size(tokenizer, spec.vocab_size), **decoder_sizes(spec), head_dim=spec.head_dim,
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}, sliding_window=None,
-        tie_word_embeddings=False, initializer_range=initializer_range,
-        bos_token_id=ids(BOS), eos_token_id=ids(EOS), pad_token_id=ids(PAD),
+        tie_word_embeddings=False, initializer_range=initializer_range, **special_token_ids(tokenizer),
     )
     vision = PixtralVisionConfig(
-        hidden_size=spec.vision_hidden_size, intermediate_size=spec.vision_intermediate_size,
-        num_hidden_layers=spec.vision_num_layers, num_attention_heads=spec.vision_num_heads,
-        head_dim=spec.vision_hidden_size // spec.vision_num_heads, patch_size=spec.patch_size,
-        image_size=spec.longest_edge, initializer_range=initializer_range,
+        **vision_sizes(spec, image_size=spec.longest_edge), head_dim=spec.vision_hidden_size // spec.vision_num_heads,
+        initializer_range=initializer_range,
     )
-    return Mistral3Config(text_config=text, vision_config=vision, image_token_id=ids(IMAGE),
+    return Mistral3Config(text_config=text, vision_config=vision, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE),
                           spatial_merge_size=spec.spatial_merge_size, vision_feature_layer=-1, multimodal_projector_bias=False,
                           projector_hidden_act="gelu", tie_word_embeddings=False)
 
@@ -125,32 +114,23 @@ def _save_processor(spec: TinyMistral3Spec, tokenizer: PreTrainedTokenizerFast, 
         size={"longest_edge": spec.longest_edge}, patch_size={"height": spec.patch_size, "width": spec.patch_size},
         image_mean=[0.48145466, 0.4578275, 0.40821073], image_std=[0.26862954, 0.26130258, 0.27577711],
     )
-    image_processor.save_pretrained(path)
-    settings = json.loads((path / "preprocessor_config.json").read_text())
-    settings["image_processor_type"] = "PixtralImageProcessor"  # as published
-    settings["processor_class"] = "PixtralProcessor"
-    (path / "preprocessor_config.json").write_text(json.dumps(settings, indent=2) + "\n")
-    tokenizer.save_pretrained(path)
-    processor = {"patch_size": spec.patch_size, "spatial_merge_size": spec.spatial_merge_size, "image_token": IMAGE,
-                 "image_break_token": IMAGE_BREAK, "image_end_token": IMAGE_END, "processor_class": "PixtralProcessor"}
-    (path / "processor_config.json").write_text(json.dumps(processor, indent=2) + "\n")
-    (path / "chat_template.json").write_text(json.dumps({"chat_template": MISTRAL3_CHAT_TEMPLATE}, indent=2) + "\n")
+    settings = {"patch_size": spec.patch_size, "spatial_merge_size": spec.spatial_merge_size, "image_token": IMAGE,
+                "image_break_token": IMAGE_BREAK, "image_end_token": IMAGE_END, "processor_class": "PixtralProcessor"}
+    save_processor_files(path, tokenizer, chat_template=MISTRAL3_CHAT_TEMPLATE, settings=settings,
+                         image_processor=image_processor, image_processor_type="PixtralImageProcessor")  # as published
 
 
 def build_mistral3_checkpoint(path: str | os.PathLike, spec: TinyMistral3Spec = TinyMistral3Spec(), *, device: str = "cpu",
                               dtype: str | None = None, initializer_range: float = _INITIALIZER_RANGE) -> pathlib.Path:
     """Builds a random-weight checkpoint of `spec` and saves it with its tokenizer, processor and chat template."""
-    from transformers import GenerationConfig, Mistral3ForConditionalGeneration
+    from transformers import Mistral3ForConditionalGeneration
 
-    path = pathlib.Path(path)
     tokenizer = _build_tokenizer(spec)
-    config = _build_config(spec, tokenizer, initializer_range)
-    generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                                         pad_token_id=tokenizer.pad_token_id)
-    save_random_model(Mistral3ForConditionalGeneration, config, generation_config, path, seed=spec.seed, device=device,
-                      dtype=torch_dtype(dtype or spec.dtype), constant_noise=_CONSTANT_NOISE)
-    _save_processor(spec, tokenizer, path)
-    return path
+    return save_checkpoint(
+        path, Mistral3ForConditionalGeneration, _build_config(spec, tokenizer, initializer_range), tokenizer,
+        lambda path: _save_processor(spec, tokenizer, path), seed=spec.seed, device=device, dtype=dtype or spec.dtype,
+        constant_noise=_CONSTANT_NOISE,
+    )
 
 
 def tiny_mistral3_path(spec: TinyMistral3Spec = TinyMistral3Spec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:

@@ -17,16 +17,17 @@ images only there, and is `AutoProcessor.from_pretrained` where torchvision is i
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from mmengine.models.qwen_video import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from mmengine.testing.cache import cached_build, spec_key
-from mmengine.testing.tokenizer import model_vocab_size, train_byte_level_bpe
-from mmengine.testing.weights import BUILD_DTYPES, REAL_INITIALIZER_RANGE, save_random_model, torch_dtype
+from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, special_token_ids, write_json
+from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.weights import BUILD_DTYPES, REAL_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
     import torch
@@ -400,12 +401,7 @@ def _build_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     """A deterministic byte-level BPE wrapped as a transformers fast tokenizer, with Qwen's special tokens
     added after the learned vocabulary. As in Qwen's tokenizers there is no BOS, eos is <|im_end|> and
     padding is <|endoftext|>; padding is on the left, for batched generation."""
-    from transformers import PreTrainedTokenizerFast
-
-    tok = train_byte_level_bpe(vocab_size, added_special_tokens=SPECIAL_TOKENS)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token=IM_END, pad_token=ENDOFTEXT, padding_side="left"
-    )
+    return tiny_tokenizer(vocab_size, added_special_tokens=SPECIAL_TOKENS, eos_token=IM_END, pad_token=ENDOFTEXT)
 
 
 def _build_config(
@@ -417,25 +413,17 @@ def _build_config(
 
     if initializer_range is None:
         initializer_range = _INITIALIZER_RANGE
-    vocab_size = model_vocab_size(tokenizer, spec.vocab_size)
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     text_config = dict(
-        vocab_size=vocab_size,
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
+        vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
+        **decoder_sizes(spec),
         hidden_act="silu",
-        max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=spec.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta, "mrope_section": list(spec.mrope_section)},
         use_sliding_window=False,
         max_window_layers=spec.num_hidden_layers,
         initializer_range=initializer_range,
-        bos_token_id=ids[ENDOFTEXT],
-        eos_token_id=ids[IM_END],
-        pad_token_id=ids[ENDOFTEXT],
+        **special_token_ids(tokenizer, bos_token=ENDOFTEXT),
     )
     common_vision = dict(
         depth=spec.vision_layers,
@@ -571,7 +559,7 @@ def _save_processor(spec: TinyQwenVLSpec, tokenizer: PreTrainedTokenizerFast, pa
     tokenizer.chat_template = QWEN_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
     image_processor.save_pretrained(path)
-    (path / "video_preprocessor_config.json").write_text(json.dumps(_video_processor_settings(spec), indent=2) + "\n")
+    write_json(path / "video_preprocessor_config.json", _video_processor_settings(spec))
 
 
 def _video_processor_settings(spec: TinyQwenVLSpec) -> dict[str, object]:
@@ -632,17 +620,9 @@ def build_qwen_vl_checkpoint(
 
     `max_shard_size` (e.g. "200KB") makes a sharded safetensors checkpoint (model.safetensors.index.json).
     """
-    from transformers import GenerationConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
-
-    path = pathlib.Path(path)
-    tokenizer = _build_tokenizer(spec.tokenizer_vocab_size)
-    config = _build_config(spec, tokenizer, initializer_range)
-    end_of_text = tokenizer.convert_tokens_to_ids(ENDOFTEXT)
-    # As the published Instruct checkpoints: a turn ends at <|im_end|>, a document at <|endoftext|>.
-    generation_config = GenerationConfig(
-        bos_token_id=end_of_text, eos_token_id=[tokenizer.eos_token_id, end_of_text], pad_token_id=end_of_text
-    )
     from transformers import (
+        Qwen2_5_VLForConditionalGeneration,
+        Qwen2VLForConditionalGeneration,
         Qwen3_5ForConditionalGeneration,
         Qwen3_5MoeForConditionalGeneration,
         Qwen3VLForConditionalGeneration,
@@ -652,20 +632,15 @@ def build_qwen_vl_checkpoint(
     model_class = {"qwen2_vl": Qwen2VLForConditionalGeneration, "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
                    "qwen3_vl": Qwen3VLForConditionalGeneration, "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration,
                    "qwen3_5": Qwen3_5ForConditionalGeneration, "qwen3_5_moe": Qwen3_5MoeForConditionalGeneration}[spec.family]
-    save_random_model(
-        model_class,
-        config,
-        generation_config,
-        path,
-        seed=spec.seed,
-        device=device,
-        dtype=torch_dtype(spec.dtype if dtype is None else dtype),
-        constant_noise=constant_noise,
-        max_shard_size=max_shard_size,
+    tokenizer = _build_tokenizer(spec.tokenizer_vocab_size)
+    return save_checkpoint(
+        path, model_class, _build_config(spec, tokenizer, initializer_range), tokenizer,
+        lambda path: _save_processor(spec, tokenizer, path), seed=spec.seed, device=device,
+        dtype=spec.dtype if dtype is None else dtype,
+        # as the published Instruct checkpoints: a turn ends at <|im_end|>, a document at <|endoftext|>
+        eos_tokens=(IM_END, ENDOFTEXT), bos_token=ENDOFTEXT, constant_noise=constant_noise, max_shard_size=max_shard_size,
         tweak=tweak,
     )
-    _save_processor(spec, tokenizer, path)
-    return path
 
 
 def build_tiny_qwen_vl(

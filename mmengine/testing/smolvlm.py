@@ -17,15 +17,21 @@ with tied embeddings. (The published SmolVLM-256M/500M/2.2B v1 checkpoints are I
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmengine.testing.cache import cached_build, spec_key
-from mmengine.testing.tokenizer import model_vocab_size, train_byte_level_bpe
-from mmengine.testing.weights import save_random_model, torch_dtype
+from mmengine.testing.checkpoint import (
+    decoder_sizes,
+    save_checkpoint,
+    save_processor_files,
+    special_token_ids,
+    update_json,
+    vision_sizes,
+)
+from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
@@ -111,14 +117,11 @@ def smolvlm_prompt(text: str, num_images: int = 0, family: str = "idefics3") -> 
 
 def _build_tokenizer(spec: TinySmolVLMSpec) -> PreTrainedTokenizerFast:
     """A deterministic byte-level BPE with the family's special tokens; no BOS is added (the template writes it)."""
-    from transformers import PreTrainedTokenizerFast
-
     bos, eos, others = _TEXT_TOKENS[spec.family]
     tokens = (bos, eos, *others, FAKE, IMAGE, END_OF_UTTERANCE, GLOBAL, *ROW_COL_TOKENS)
-    tok = train_byte_level_bpe(spec.tokenizer_vocab_size, added_special_tokens=tokens)
     named = {"extra_special_tokens": dict(_NAMED_TOKENS)} if spec.family == "smolvlm" else {}
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=eos, padding_side="left",
-                                   add_bos_token=False, **named)
+    return tiny_tokenizer(spec.tokenizer_vocab_size, added_special_tokens=tokens, bos_token=bos, eos_token=eos, pad_token=eos,
+                          add_bos_token=False, **named)
 
 
 def _build_config(spec: TinySmolVLMSpec, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
@@ -127,29 +130,14 @@ def _build_config(spec: TinySmolVLMSpec, tokenizer: PreTrainedTokenizerFast) -> 
     config_class, vision_class = (Idefics3Config, Idefics3VisionConfig) if spec.family == "idefics3" else (SmolVLMConfig, SmolVLMVisionConfig)
     text = LlamaConfig(
         vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        max_position_embeddings=spec.max_position_embeddings,
+        **decoder_sizes(spec),
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
         rms_norm_eps=1e-5,
         tie_word_embeddings=spec.tie_word_embeddings,
         initializer_range=_INITIALIZER_RANGE,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+        **special_token_ids(tokenizer),
     )
-    vision = vision_class(
-        hidden_size=spec.vision_hidden_size,
-        intermediate_size=spec.vision_intermediate_size,
-        num_hidden_layers=spec.vision_num_layers,
-        num_attention_heads=spec.vision_num_heads,
-        image_size=spec.image_size,
-        patch_size=spec.patch_size,
-        initializer_range=_INITIALIZER_RANGE,
-    )
+    vision = vision_class(**vision_sizes(spec), initializer_range=_INITIALIZER_RANGE)
     return config_class(
         text_config=text,
         vision_config=vision,
@@ -168,48 +156,37 @@ def _save_processor(spec: TinySmolVLMSpec, tokenizer: PreTrainedTokenizerFast, p
     # The published settings at this tower's tile size: Lanczos, mean and std 0.5, splitting into tiles
     image_processor = image_class(size={"longest_edge": spec.longest_edge}, max_image_size={"longest_edge": spec.image_size},
                                   do_image_splitting=spec.do_image_splitting, image_mean=[0.5] * 3, image_std=[0.5] * 3)
-    image_processor.save_pretrained(path)
     processor_class = "Idefics3Processor" if spec.family == "idefics3" else "SmolVLMProcessor"
-    _rewrite_json(path / "preprocessor_config.json", image_processor_type=image_class.__name__.removesuffix("Pil"),
-                  processor_class=processor_class)
-    tokenizer.save_pretrained(path)
-    _rewrite_json(path / "tokenizer_config.json", processor_class=processor_class)
-    settings = {"image_seq_len": spec.image_seq_len, "processor_class": processor_class}
-    (path / "processor_config.json").write_text(json.dumps(settings, indent=2) + "\n")
     template = IDEFICS3_CHAT_TEMPLATE if spec.family == "idefics3" else SMOLVLM_CHAT_TEMPLATE
-    (path / "chat_template.json").write_text(json.dumps({"chat_template": template}, indent=2) + "\n")
+    video = None
     if spec.family == "smolvlm":  # SmolVLM2's video settings (the engine refuses videos; transformers' part needs torchvision)
         video = {"video_processor_type": "SmolVLMVideoProcessor", "processor_class": processor_class, "do_resize": True,
                  "size": {"longest_edge": spec.image_size}, "max_image_size": {"longest_edge": spec.image_size},
                  "image_mean": [0.5] * 3, "image_std": [0.5] * 3, "resample": 1, "do_rescale": True, "do_normalize": True,
                  "do_convert_rgb": True, "rescale_factor": 1 / 255, "do_pad": True, "fps": 1, "num_frames": 8,
                  "do_sample_frames": True}
-        (path / "video_preprocessor_config.json").write_text(json.dumps(video, indent=2) + "\n")
-
-
-def _rewrite_json(path: pathlib.Path, **values: str) -> None:
-    settings = json.loads(path.read_text())
-    settings.update(values)
-    path.write_text(json.dumps(settings, indent=2) + "\n")
+    save_processor_files(
+        path, tokenizer, chat_template=template, image_processor=image_processor,
+        image_processor_type=image_class.__name__.removesuffix("Pil"),
+        settings={"image_seq_len": spec.image_seq_len, "processor_class": processor_class}, video_settings=video,
+    )
+    update_json(path / "tokenizer_config.json", processor_class=processor_class)
 
 
 def build_smolvlm_checkpoint(path: str | os.PathLike, spec: TinySmolVLMSpec = IDEFICS3_SPEC, *, device: str = "cpu",
                              dtype: str | None = None) -> pathlib.Path:
     """Builds a random-weight checkpoint of `spec` (weights made on `device` in `dtype`, default the spec's)
     and saves it with its tokenizer, processor settings and chat template into `path`; returns the path."""
-    from transformers import GenerationConfig, Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration
+    from transformers import Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration
 
-    path = pathlib.Path(path)
     tokenizer = _build_tokenizer(spec)
-    config = _build_config(spec, tokenizer)
-    # As the published instruction-tuned checkpoints: a turn ends at <end_of_utterance> (or the text's eos)
-    generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                         eos_token_id=[tokenizer.convert_tokens_to_ids(END_OF_UTTERANCE), tokenizer.eos_token_id])
     model_class = Idefics3ForConditionalGeneration if spec.family == "idefics3" else SmolVLMForConditionalGeneration
-    save_random_model(model_class, config, generation_config, path, seed=spec.seed, device=device,
-                      dtype=torch_dtype(dtype or spec.dtype), constant_noise=_CONSTANT_NOISE)
-    _save_processor(spec, tokenizer, path)
-    return path
+    return save_checkpoint(
+        path, model_class, _build_config(spec, tokenizer), tokenizer, lambda path: _save_processor(spec, tokenizer, path),
+        seed=spec.seed, device=device, dtype=dtype or spec.dtype,
+        # as the published instruction-tuned checkpoints: a turn ends at <end_of_utterance> (or the text's eos)
+        eos_tokens=(END_OF_UTTERANCE, tokenizer.eos_token), constant_noise=_CONSTANT_NOISE,
+    )
 
 
 def build_tiny_smolvlm(path: str | os.PathLike, spec: TinySmolVLMSpec = IDEFICS3_SPEC) -> pathlib.Path:

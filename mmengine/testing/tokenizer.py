@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
 
 # Training text for the byte-level BPE: plain, varied English so the merges cover common words.
 CORPUS = """\
@@ -61,6 +62,29 @@ def train_byte_level_bpe(
     tok.train_from_iterator(CORPUS.splitlines(), trainer=trainer)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in added_special_tokens])
     return tok
+
+
+def tiny_tokenizer(
+    vocab_size: int,
+    *,
+    leading_special_tokens: Sequence[str] = (),
+    added_special_tokens: Sequence[str] = (),
+    bos_first: bool = False,
+    **options: object,
+) -> PreTrainedTokenizerFast:
+    """train_byte_level_bpe(...) as a transformers fast tokenizer that pads on the left (for batched
+    generation). `options` go to PreTrainedTokenizerFast (bos_token, eos_token, pad_token, chat_template,
+    extra_special_tokens, ...); `bos_first`: every encoded sequence starts with bos_token, as in Llama's."""
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast
+
+    tok = train_byte_level_bpe(vocab_size, leading_special_tokens, added_special_tokens)
+    if bos_first:
+        bos = options["bos_token"]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
+        )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, padding_side="left", **options)
 
 
 def model_vocab_size(tokenizer, requested: int | None) -> int:
