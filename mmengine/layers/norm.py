@@ -26,6 +26,16 @@ def fused_add_rms_norm_reference(
     return rms_norm_reference(residual, weight, eps), residual
 
 
+def add_norm(
+    norm: nn.Module, x: torch.Tensor, residual: torch.Tensor | None, use_kernel: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(norm(stream), stream), the stream being residual + x, or x itself where there is no residual yet
+    (the embeddings, before the first layer): a pre-norm decoder's step into a layer's sublayer."""
+    if residual is None:
+        return norm(x, use_kernel=use_kernel), x
+    return norm(x, residual, use_kernel=use_kernel)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()

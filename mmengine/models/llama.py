@@ -21,7 +21,7 @@ from mmengine.layers.attention import Attention, AttentionMetadata
 from mmengine.layers.kernel_dispatch import use_fused_kernels
 from mmengine.layers.lora import LoRAContext, LoRALinear, LoRASlice
 from mmengine.layers.moe import SparseMoeBlock, is_sparse_layer
-from mmengine.layers.norm import RMSNorm
+from mmengine.layers.norm import RMSNorm, add_norm
 from mmengine.layers.rotary import RotaryEmbedding, RotaryStep
 
 SUPPORTED_TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3", "qwen3_vl_text",
@@ -127,10 +127,7 @@ class DecoderLayer(nn.Module):
         """x: the previous layer's output (or the embeddings, with residual None); residual: the stream
         before it. Returns (this layer's output, the stream before it); their sum is the new stream.
         Each residual add happens inside the next RMSNorm (one fused kernel when `fused`)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x, use_kernel=fused)
-        else:
-            h, residual = self.input_layernorm(x, residual, use_kernel=fused)
+        h, residual = add_norm(self.input_layernorm, x, residual, fused)
         h = self.self_attn(h, rotary, metadata, fused)
         h, residual = self.post_attention_layernorm(h, residual, use_kernel=fused)
         return self.mlp(h, fused), residual
@@ -162,9 +159,7 @@ class DecoderModel(nn.Module):
             if deepstack is not None and index < deepstack.levels.shape[0]:
                 # the stream is x + residual: adding to x adds to the layer's output, as transformers does
                 x = x.index_add(0, deepstack.rows, deepstack.levels[index].to(x.dtype))
-        if residual is None:
-            return self.norm(x, use_kernel=fused)
-        return self.norm(x, residual, use_kernel=fused)[0]
+        return add_norm(self.norm, x, residual, fused)[0]
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]

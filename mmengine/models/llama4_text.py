@@ -31,7 +31,7 @@ from mmengine.layers.attention import Attention, AttentionMetadata
 from mmengine.layers.kernel_dispatch import use_fused_kernels
 from mmengine.layers.lora import LoRAContext, LoRALinear
 from mmengine.layers.moe import FusedExperts
-from mmengine.layers.norm import RMSNorm
+from mmengine.layers.norm import RMSNorm, add_norm
 from mmengine.layers.rotary import rope_inv_freq, rotate_half
 from mmengine.models.llama import DecoderMLP, DeepStack, copy_checked, gate_up_shard_shapes, load_with_gate_up_shards
 
@@ -170,10 +170,7 @@ class Llama4DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rotary: tuple[torch.Tensor, torch.Tensor],
                 positions: torch.Tensor, metadata: AttentionMetadata, fused: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """As llama.DecoderLayer: (this layer's output, the stream before it), each residual add inside the next norm."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x, use_kernel=fused)
-        else:
-            h, residual = self.input_layernorm(x, residual, use_kernel=fused)
+        h, residual = add_norm(self.input_layernorm, x, residual, fused)
         h = self.self_attn(h, rotary, positions, metadata)
         h, residual = self.post_attention_layernorm(h, residual, use_kernel=fused)
         return self.feed_forward(h, fused), residual
@@ -200,9 +197,7 @@ class Llama4DecoderModel(nn.Module):
         x, residual = inputs_embeds, None
         for layer in self.layers:
             x, residual = layer(x, residual, rotary, positions, metadata, fused)
-        if residual is None:
-            return self.norm(x, use_kernel=fused)
-        return self.norm(x, residual, use_kernel=fused)[0]
+        return add_norm(self.norm, x, residual, fused)[0]
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]

@@ -25,7 +25,7 @@ from mmengine.layers.gated_delta import GatedDeltaNet, GatedDeltaShape
 from mmengine.layers.kernel_dispatch import use_fused_kernels
 from mmengine.layers.lora import LoRAContext, LoRALinear
 from mmengine.layers.moe import SparseMoeBlock
-from mmengine.layers.norm import ZeroCenteredRMSNorm
+from mmengine.layers.norm import ZeroCenteredRMSNorm, add_norm
 from mmengine.layers.rotary import RotaryEmbedding, RotaryStep
 from mmengine.models.llama import (DecoderMLP, DeepStack, gate_up_shard_shapes, head_dim_of,
                                    load_with_gate_up_shards)
@@ -92,10 +92,7 @@ class HybridDecoderLayer(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None, rotary: RotaryStep, metadata: AttentionMetadata, fused: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """As models/llama.DecoderLayer: returns (this layer's output, the stream before it)."""
-        if residual is None:
-            residual, h = x, self.input_layernorm(x)
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = add_norm(self.input_layernorm, x, residual)
         if self.layer_type == LINEAR_ATTENTION:
             assert metadata.recurrent is not None, "a hybrid model's step needs its RecurrentStep"
             h = self.linear_attn(h, metadata.recurrent)
@@ -126,7 +123,7 @@ class HybridDecoderModel(nn.Module):
         x, residual = inputs_embeds, None
         for layer in self.layers:
             x, residual = layer(x, residual, rotary, metadata, fused)
-        return self.norm(x, residual)[0] if residual is not None else self.norm(x)
+        return add_norm(self.norm, x, residual)[0]
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers if layer.layer_type == FULL_ATTENTION]
