@@ -30,46 +30,16 @@ def run_demo(args: argparse.Namespace) -> None:
     _require_positive(args, "requests", "unique_images", "max_tokens")
     from mmengine import MMEngine, SamplingParams
     from mmengine.config import EngineConfig
-    from mmengine.testing import TinyLlavaSpec, make_test_image, tiny_llava_path, tiny_qwen_vl_path
-    from mmengine.testing.qwen_vl import tiny_spec
+    from mmengine.testing import make_test_image
+    from mmengine.testing.families import tiny_checkpoint_path
 
-    EngineConfig(model="demo", **engine_options(args))  # the engine's own rules, before the model is built
-    if args.family == "llava":
-        path = tiny_llava_path(TinyLlavaSpec(), cache_dir=args.cache_dir)
-    elif args.family == "gemma3":
-        from mmengine.testing.gemma3 import TinyGemma3Spec, tiny_gemma3_path
-
-        path = tiny_gemma3_path(TinyGemma3Spec(), cache_dir=args.cache_dir)
-    elif args.family == "gemma4":
-        from mmengine.testing.gemma4 import TinyGemma4Spec, tiny_gemma4_path
-
-        path = tiny_gemma4_path(TinyGemma4Spec(), cache_dir=args.cache_dir)
-    elif args.family == "llava_onevision":
-        from mmengine.testing.llava_onevision import TinyOnevisionSpec, tiny_onevision_path
-
-        path = tiny_onevision_path(TinyOnevisionSpec(), cache_dir=args.cache_dir)
-    elif args.family in ("idefics3", "smolvlm"):
-        from mmengine.testing.smolvlm import IDEFICS3_SPEC, SMOLVLM_SPEC, tiny_smolvlm_path
-
-        path = tiny_smolvlm_path(IDEFICS3_SPEC if args.family == "idefics3" else SMOLVLM_SPEC, cache_dir=args.cache_dir)
-    elif args.family == "internvl":
-        from mmengine.testing.internvl import TinyInternVLSpec, tiny_internvl_path
-
-        path = tiny_internvl_path(TinyInternVLSpec(), cache_dir=args.cache_dir)
-    elif args.family == "mistral3":
-        from mmengine.testing.mistral3 import TinyMistral3Spec, tiny_mistral3_path
-
-        path = tiny_mistral3_path(TinyMistral3Spec(), cache_dir=args.cache_dir)
-    elif args.family == "llama4":
-        from mmengine.testing.llama4 import TinyLlama4Spec, tiny_llama4_path
-
-        path = tiny_llama4_path(TinyLlama4Spec(), cache_dir=args.cache_dir)
-    elif args.family in ("qwen3_5", "qwen3_5_moe") and EngineConfig(model="demo", **engine_options(args)).spec_config.method == "mtp":
+    config = EngineConfig(model="demo", **engine_options(args))  # the engine's own rules, before the model is built
+    if args.family in ("qwen3_5", "qwen3_5_moe") and config.spec_config.method == "mtp":
         from mmengine.testing.mtp import tiny_qwen3_5_mtp_path
 
         path = tiny_qwen3_5_mtp_path(args.family, cache_dir=args.cache_dir)  # with a (random) MTP head to draft with
     else:
-        path = tiny_qwen_vl_path(tiny_spec(args.family), cache_dir=args.cache_dir)
+        path = tiny_checkpoint_path(args.family, args.cache_dir)
     print(f"tiny {args.family} checkpoint (random weights): {path}")
     engine = MMEngine(str(path), **engine_options(args))
 

@@ -30,9 +30,9 @@ if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
 
 from mmengine.models.registry import load_hf_processor
 from mmengine.testing import TinyLlavaSpec, tiny_llava_path
+from mmengine.testing.families import tiny_checkpoint_path
 
 import chat_formats
-from family_checkpoints import family_checkpoint_path
 from helpers import LocalRay
 
 
@@ -221,7 +221,7 @@ class FamilyCase:
 def family_checkpoint():
     """family_checkpoint(name) -> path of the family's default tiny checkpoint, in the checkpoint cache
     as checkpoint_dir's."""
-    return functools.cache(family_checkpoint_path)
+    return functools.cache(tiny_checkpoint_path)
 
 
 @pytest.fixture(params=FAMILIES)

@@ -49,7 +49,6 @@ if not torch.cuda.is_available():  # as in tests/conftest.py: before any kernel 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for books.py
 
 from books import assert_books_consistent  # noqa: E402
-from family_checkpoints import family_checkpoint_path  # noqa: E402
 from hostile_media import hostile_payloads  # noqa: E402
 from fuzz_case import CLIPS, DEFECTS, MAX_IMAGES, MAX_MODEL_LEN, FuzzCase, RequestSpec, make_case  # noqa: E402
 
@@ -57,6 +56,7 @@ import mmengine.errors  # noqa: E402
 from mmengine import LoRARequest, MMEngine, RequestOutput, SamplingParams, StructuredOutputParams  # noqa: E402
 from mmengine.testing import make_test_image  # noqa: E402
 from mmengine.testing.eagle3 import build_eagle3_head  # noqa: E402
+from mmengine.testing.families import tiny_checkpoint_path  # noqa: E402
 from mmengine.testing.lora import build_random_adapter  # noqa: E402
 from mmengine.testing.mtp import tiny_qwen3_5_mtp_path  # noqa: E402
 from mmengine.testing.video import make_test_clip  # noqa: E402
@@ -130,7 +130,7 @@ class FuzzEnv:
 
 
 def default_checkpoint(family: str) -> Path:
-    return family_checkpoint_path(family)
+    return tiny_checkpoint_path(family)
 
 
 def run_case(case: FuzzCase, env: FuzzEnv) -> CaseReport:
