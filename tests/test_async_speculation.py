@@ -347,6 +347,103 @@ def test_a_grammar_row_waits_and_the_free_rows_keep_their_tokens(mtp_case):
     assert [found["on"][0][0], found["on"][2][0]] == [expected[0], expected[2]]
 
 
+def _launched_beside(engine, asks) -> list[bool]:
+    """For each step in flight with a row whose request `asks` (of its SamplingParams), whether the next step was
+    launched before it was read."""
+    planner, seen = engine.steps.drafts, []
+    resolves_first = planner.resolves_first
+
+    def recording(out, launched):
+        waits = resolves_first(out, launched)
+        if any(s.samples and not s.request.is_finished and asks(s.request.sampling_params) for s in out.scheduled):
+            seen.append(not waits)
+        return waits
+    planner.resolves_first = recording
+    return seen
+
+
+def _state_copies_at_finish(engine) -> list[tuple[str, int, list[int]]]:
+    """(request id, its rows' state copies queued before it finished, the queued copies into slots the books hold free
+    after) at each finish: a row launched ahead saves a hybrid checkpoint by a copy before the next step."""
+    scheduler, found = engine.scheduler, []
+    finish = scheduler.finish_request
+
+    def finishing(request, status):
+        queued = len(scheduler._state_copies.get(request.request_id, []))
+        finish(request, status)
+        states = scheduler.states
+        booked = set(states.checkpoint_slots().values()) | {save.slot for saves in states._pending.values() for save in saves}
+        stray = [target for copies in scheduler._state_copies.values() for _, target in copies if target not in booked]
+        found.append((request.request_id, queued, stray))
+    scheduler.finish_request = finishing
+    return found
+
+
+def _logprob_rows(entries) -> tuple[list, list[float]]:
+    """(token and top ids, the log-probabilities): ids compared exactly, values within float noise (a batch's other
+    rows differ between the modes, e.g. a finished request's dropped row)."""
+    entries = [e for e in entries or [] if e is not None]
+    return ([(e.token_id, [t for t, _ in e.top]) for e in entries],
+            [v for e in entries for v in (e.logprob, *(v for _, v in e.top))])
+
+
+def test_stop_strings_and_logprobs_launch_ahead_with_the_results_of_async_off(mtp_case, monkeypatch):
+    """A request with a stop string and log-probabilities, one with log-probabilities of its tokens and its prompt,
+    beside a plain one: their steps are launched before the verify step in flight is read (nothing of theirs needs the
+    host in between); the stop string ends its request inside a verify step's kept run, which is cut there, and the row
+    launched ahead for it is dropped with the blocks and the hybrid checkpoint booked for it (no copy is left queued
+    into a slot the books hold free). Tokens, drafts kept, text, finish, log-probabilities and the caches' books after
+    the requests are those of async scheduling off."""
+    import mmengine.engine.step_loop as step_loop
+
+    prompts, images, expected, table = mtp_case
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=["What"], logprobs=2),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=1), _greedy(20)]
+    cuts, drop = [], step_loop._drop_tokens_after
+
+    def cutting(request, index):
+        cuts.append((request.request_id, request.num_output_tokens - index - 1))
+        drop(request, index)
+    monkeypatch.setattr(step_loop, "_drop_tokens_after", cutting)
+    found = {}
+    for mode in ("off", "on"):
+        cuts.clear()
+        engine = _mtp_engine(mode, block_size=4)  # (the dropped row passes a block's end: a checkpoint is booked there)
+        _draft_through(engine, table)
+        launched = _launched_beside(engine, lambda p: bool(p.stop) or p.logprobs is not None)
+        finishes = _state_copies_at_finish(engine)
+        verified = _record_verified_drafts(engine)
+        outs = engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+        stats = engine.stats()
+        assert [o.token_ids for o in outs[1:]] == expected[1:] and outs[0].token_ids == expected[0][: len(outs[0].token_ids)]
+        assert outs[0].finish_reason == "stop" and outs[0].stop_reason == "What" and "What" not in outs[0].text
+        assert cuts and cuts[0][0] == outs[0].request_id and cuts[0][1] > 0, cuts  # inside the run kept
+        for o in outs[:2]:
+            assert [e.token_id for e in o.logprobs] == o.token_ids  # one entry per token kept
+        assert len(outs[1].prompt_logprobs) == len(outs[1].prompt_token_ids)
+        assert all(not stray for _, _, stray in finishes), finishes
+        found[mode] = dict(
+            outputs=[(o.token_ids, o.text, o.finish_reason, o.stop_reason, _logprob_rows(o.logprobs)[0],
+                      _logprob_rows(o.prompt_logprobs)[0]) for o in outs],
+            values=[_logprob_rows(o.logprobs)[1] + _logprob_rows(o.prompt_logprobs)[1] for o in outs],
+            verified=verified, spec={k: v for k, v in stats.items() if k.startswith("spec_")},
+            books=(engine.kv_cache.num_free_blocks, engine.kv_cache.num_cached_blocks, engine.scheduler.states.num_cached_checkpoints),
+            launched=launched, finishes=finishes)
+        assert_books_consistent(engine)
+        engine.shutdown()
+    on, off = found["on"], found["off"]
+    assert on["outputs"] == off["outputs"]
+    # the drafts verified and kept; launched ahead, a request near max_tokens may verify a draft more (its room is
+    # taken before the step in flight is read), which is never kept
+    assert [row for row in on["verified"] if row in off["verified"]] == off["verified"]
+    assert {k: v for k, v in on["spec"].items() if "accepted" in k} == {k: v for k, v in off["spec"].items() if "accepted" in k}
+    for a, b in zip(on["values"], off["values"]):
+        assert a == pytest.approx(b, abs=1e-4)
+    assert on["books"] == off["books"]
+    assert not any(off["launched"]) and sum(on["launched"]) >= 5, on["launched"]
+    assert on["finishes"][0][1] > 0  # the dropped row had booked a checkpoint
+
+
 def test_an_abort_while_a_step_is_launched_ahead_drops_only_that_request(mtp_case):
     prompts, images, expected, table = mtp_case
     engine = _mtp_engine("on")

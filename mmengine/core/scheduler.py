@@ -145,7 +145,8 @@ class Scheduler:
         self.num_reencodes_after_prefix_hit = 0
         self.num_zero_token_schedules = 0  # running requests held back a step by the encoder budget
         self.spec = SpecCounters(config.spec_config.num_speculative_tokens)
-        self._state_copies: list[tuple[int, int]] = []  # for the next step's SchedulerOutput.state_copies
+        # for the next step's SchedulerOutput.state_copies, by the request whose row launched ahead saves them
+        self._state_copies: dict[str, list[tuple[int, int]]] = {}
         # Prefix-sharing groups of batches, their held blocks, and cache-affinity admission.
         self.sharing = PrefixSharing(kv_cache, config.cache_config.block_size, max_model_len, config.scheduler_config.enable_prefix_grouping, windows)
 
@@ -246,7 +247,8 @@ class Scheduler:
         out.freed_encoder_hashes = self.encoder_cache.take_freed()
         out.stale_encoder_hashes = self.encoder_cache.take_stale_freed()
         out.kv_offloads, out.kv_restores = self.kv_cache.take_copies()
-        out.state_copies, self._state_copies = self._state_copies, []
+        out.state_copies = [copy for copies in self._state_copies.values() for copy in copies]
+        self._state_copies = {}
         return out
 
     def _drafts_of(self, request: Request, budget: int) -> list[int]:
@@ -497,6 +499,14 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self.caches.release(request)
+        copies = self._state_copies.pop(request.request_id, None)
+        if copies:
+            # its row launched ahead ends unbooked (a stop string in the run before it, an abort, a preemption): the
+            # saves the release dropped are copied nowhere; those it registered (computed already) still are
+            registered = set(self.states.checkpoint_slots().values())
+            kept = [copy for copy in copies if copy[1] in registered]
+            if kept:
+                self._state_copies[request.request_id] = kept
         for idx in self._held.pop(request.request_id, ()):
             self.encoder_cache.release(request.mm_items[idx].mm_hash, (request.request_id, idx))
 
@@ -602,7 +612,8 @@ class Scheduler:
         a hybrid model's saves past them dropped. The step launched meanwhile (`following`) was planned from
         the placeholder: its row of each request moves on by the drafts kept (the runner moved it so on the
         device, and restored a hybrid state there) and verifies the drafts the head made (`drafts`, as the
-        device used them); a request that ended in the run keeps no row there (its results are dropped).
+        device used them); a request that ended in the run keeps no row there (its results are dropped), nor does one
+        that a stop string in the run ends once the step loop reads its text (its row's saves go as it leaves).
         Returns the requests (all of them got tokens)."""
         nexts = {s.request.request_id: s for s in following.scheduled} if following is not None else {}
         for s in rows:
@@ -658,7 +669,9 @@ class Scheduler:
         self.states.plan_saves(s.request, plan, s.start, s.num_new_tokens)
         after = {j: slot for j, (_, slot) in enumerate(s.state.draft_saves, start=1)}
         after[s.num_new_tokens] = s.state.slot
-        self._state_copies.extend((after[position - s.start], slot) for position, slot in plan.saves)
+        if plan.saves:
+            self._state_copies.setdefault(s.request.request_id, []).extend(
+                (after[position - s.start], slot) for position, slot in plan.saves)
 
     def _book_computed(self, s: ScheduledRequest, end: int | None = None) -> bool:
         """Books a scheduled chunk as computed up to `end` (None: the whole chunk): caches its full blocks,

@@ -13,9 +13,12 @@ the scheduler books each of its rows as if it kept only its last token (book_ste
 request starts there with a placeholder token and placeholder drafts, and the runner moves it on the
 device by the drafts kept and fills in the bonus token and the head's drafts (runner/follow_drafts.py);
 reading the step then books the kept run and moves the launched row's start by as much (resolve_runs).
-A row that needs the host between the steps makes the whole step wait (a grammar, penalties, stop strings,
-log-probabilities: DraftPlanner.resolves_first, draft_planner.py, which also plans the drafts). Waiting, the step in flight is read, booked, its drafts
-handed on (spec/head_drafts.py), and the next one launched while the outputs go out.
+A stop string inside the kept run cuts it there and ends the request (after_token), and the row launched ahead
+for it is dropped unread, as a stop token's extra row is without drafts (its blocks, and a hybrid checkpoint
+booked for it, go with the request); log-probabilities are read with the step's tokens, the kept run's.
+A row that needs the host between the steps makes the whole step wait (a grammar, penalties:
+DraftPlanner.resolves_first, draft_planner.py, which also plans the drafts). Waiting, the step in flight is read,
+booked, its drafts handed on (spec/head_drafts.py), and the next one launched while the outputs go out.
 
 With n-gram drafts, a step whose successor needs its tokens (a verify step, whose kept run sets the next
 positions; one after which drafts are expected) is read first, then the next one is launched and the
