@@ -34,6 +34,7 @@ from mmengine.testing import (
     qwen_vl_prompt,
     tiny_qwen_vl_path,
 )
+from mmengine.testing.weights import TINY_INITIALIZER_RANGE
 from conftest import hf_greedy
 from helpers import checkpoint_tensors
 
@@ -96,7 +97,7 @@ def test_checkpoint_files_and_config(checkpoints, family):
     assert gen.eos_token_id == [ids["<|im_end|>"], ids["<|endoftext|>"]] and gen.pad_token_id == ids["<|endoftext|>"]
     assert (text.hidden_size, text.num_hidden_layers, text.num_attention_heads, text.num_key_value_heads) == (64, 2, 4, 2)
     assert text.rope_parameters["mrope_section"] == [2, 3, 3]  # sums to head_dim / 2 = 8
-    assert text.initializer_range == vision.initializer_range == mq._INITIALIZER_RANGE
+    assert text.initializer_range == vision.initializer_range == TINY_INITIALIZER_RANGE
     assert (vision.patch_size, vision.temporal_patch_size, vision.spatial_merge_size) == (14, 2, 2)
     if family == "qwen2_vl":
         assert (vision.depth, vision.embed_dim, vision.hidden_size, vision.mlp_ratio) == (2, 32, 64, 2)

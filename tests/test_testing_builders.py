@@ -13,6 +13,7 @@ from transformers.utils import logging as hf_logging
 
 import mmengine.testing.llava as mt
 from mmengine.testing import TinyLlavaSpec, build_tiny_llava, make_test_image, tiny_llava_path
+from mmengine.testing.weights import TINY_INITIALIZER_RANGE
 from helpers import checkpoint_tensors
 
 hf_logging.disable_progress_bar()
@@ -78,7 +79,7 @@ def test_config_consistent_with_tokenizer(default_ckpt):
     assert config.projector_hidden_act == "gelu"
     assert (text.hidden_size, text.intermediate_size, text.num_hidden_layers) == (64, 128, 2)
     assert (text.num_attention_heads, text.num_key_value_heads, text.head_dim) == (4, 2, 16)
-    assert text.initializer_range == config.initializer_range == mt._INITIALIZER_RANGE
+    assert text.initializer_range == config.initializer_range == TINY_INITIALIZER_RANGE
     vision = config.vision_config
     assert (vision.hidden_size, vision.num_hidden_layers, vision.image_size, vision.patch_size) == (32, 3, 32, 8)
     assert config.tie_word_embeddings is False and text.tie_word_embeddings is False

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from mmengine.testing.cache import cached_build, spec_key
 from mmengine.testing.checkpoint import save_checkpoint, special_token_ids, vision_sizes
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
     import torch
@@ -36,10 +37,6 @@ _BUILDER_VERSION = 1
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
-# The parity-friendly weight scale of the other tiny checkpoints (testing/qwen_vl.py explains it);
-# parameters transformers sets to a constant (norm weights, the projector) get this much noise.
-_INITIALIZER_RANGE = 0.2
-_CONSTANT_NOISE = 0.2
 _EMBEDDING_SCALE = 0.1
 
 # Ids 0..4 as in Gemma's vocabulary (Gemma3TextConfig's pad 0, eos 1, bos 2).
@@ -137,7 +134,7 @@ def _build_config(spec: TinyGemma3Spec, tokenizer: PreTrainedTokenizerFast) -> G
         final_logit_softcapping=spec.final_logit_softcapping,
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=spec.rms_norm_eps,
-        initializer_range=_INITIALIZER_RANGE,
+        initializer_range=TINY_INITIALIZER_RANGE,
         **special_token_ids(tokenizer),
     )
     vision = SiglipVisionConfig(
@@ -153,7 +150,7 @@ def _build_config(spec: TinyGemma3Spec, tokenizer: PreTrainedTokenizerFast) -> G
         boi_token_index=ids(NAMED_TOKENS["boi_token"]),
         eoi_token_index=ids(NAMED_TOKENS["eoi_token"]),
         image_token_index=ids(NAMED_TOKENS["image_token"]),
-        initializer_range=_INITIALIZER_RANGE,
+        initializer_range=TINY_INITIALIZER_RANGE,
         tie_word_embeddings=True,
     )
 
@@ -206,7 +203,7 @@ def build_gemma3_checkpoint(path: str | os.PathLike, spec: TinyGemma3Spec = Tiny
         path, Gemma3ForConditionalGeneration, _build_config(spec, tokenizer), tokenizer,
         _build_processor(spec, tokenizer).save_pretrained, seed=spec.seed, device=device, dtype=dtype or spec.dtype,
         # as the published instruction-tuned checkpoints: a turn ends at <eos> or <end_of_turn>
-        eos_tokens=("<eos>", "<end_of_turn>"), constant_noise=_CONSTANT_NOISE, tweak=_shrink_embeddings,
+        eos_tokens=("<eos>", "<end_of_turn>"), constant_noise=TINY_CONSTANT_NOISE, tweak=_shrink_embeddings,
     )
 
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from mmengine.testing.cache import cached_build, spec_key
 from mmengine.testing.checkpoint import save_checkpoint, special_token_ids, update_json
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
     import torch
@@ -36,11 +37,6 @@ __all__ = ["TinyGemma4Spec", "GEMMA4_CHAT_TEMPLATE", "build_tiny_gemma4", "tiny_
 _BUILDER_VERSION = 1
 
 SLIDING, FULL = "sliding_attention", "full_attention"
-
-# The parity-friendly weight scale of the other tiny checkpoints (testing/qwen_vl.py explains it);
-# parameters transformers sets to a constant (norm weights, router scales) get this much noise.
-_INITIALIZER_RANGE = 0.2
-_CONSTANT_NOISE = 0.2
 
 # Ids 0, 1, 2 are <pad>, <eos>, <bos> as in Gemma's vocabulary (Gemma4TextConfig's defaults).
 LEADING_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
@@ -194,7 +190,7 @@ def _build_config(spec: TinyGemma4Spec, tokenizer: PreTrainedTokenizerFast) -> G
         },
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=spec.rms_norm_eps,
-        initializer_range=_INITIALIZER_RANGE,
+        initializer_range=TINY_INITIALIZER_RANGE,
         **special_token_ids(tokenizer),
     )
     vision = Gemma4VisionConfig(
@@ -210,7 +206,7 @@ def _build_config(spec: TinyGemma4Spec, tokenizer: PreTrainedTokenizerFast) -> G
         use_clipped_linears=spec.vision_clipped_linears,
         standardize=spec.vision_standardize,
         rms_norm_eps=spec.rms_norm_eps,
-        initializer_range=_INITIALIZER_RANGE,
+        initializer_range=TINY_INITIALIZER_RANGE,
     )
     audio = Gemma4AudioConfig(
         hidden_size=spec.audio_hidden_size,
@@ -218,7 +214,7 @@ def _build_config(spec: TinyGemma4Spec, tokenizer: PreTrainedTokenizerFast) -> G
         num_attention_heads=spec.audio_num_heads,
         subsampling_conv_channels=list(spec.audio_conv_channels),
         output_proj_dims=spec.audio_output_dims,
-        initializer_range=_INITIALIZER_RANGE,
+        initializer_range=TINY_INITIALIZER_RANGE,
     )
     ids = tokenizer.convert_tokens_to_ids
     return Gemma4Config(
@@ -233,7 +229,7 @@ def _build_config(spec: TinyGemma4Spec, tokenizer: PreTrainedTokenizerFast) -> G
         eoa_token_index=ids(NAMED_TOKENS["eoa_token"]),  # (sic: transformers' name)
         video_token_id=ids(VIDEO_TOKEN),
         tie_word_embeddings=True,
-        initializer_range=_INITIALIZER_RANGE,
+        initializer_range=TINY_INITIALIZER_RANGE,
     )
 
 
@@ -250,7 +246,7 @@ def _perturb(model: torch.nn.Module) -> None:
         elif name.endswith("std_bias"):
             tensor.copy_(0.1 * torch.randn_like(tensor))
         elif name.endswith("position_embedding_table"):
-            tensor.copy_(_INITIALIZER_RANGE * torch.randn_like(tensor))
+            tensor.copy_(TINY_INITIALIZER_RANGE * torch.randn_like(tensor))
         elif name.endswith(("input_min", "output_min")):  # clipped linears: finite, some values clip
             tensor.fill_(-4.0 - 4.0 * float(torch.rand(())))
         elif name.endswith(("input_max", "output_max")):
@@ -312,7 +308,7 @@ def build_gemma4_checkpoint(path: str | os.PathLike, spec: TinyGemma4Spec = Tiny
         path, Gemma4ForConditionalGeneration, _build_config(spec, tokenizer), tokenizer,
         lambda path: _save_processor(processor, path), seed=spec.seed, device=device, dtype=dtype or spec.dtype,
         # as the published instruction-tuned checkpoints: a turn ends at <turn|>, a tool call at <|tool_response>
-        eos_tokens=("<eos>", NAMED_TOKENS["eot_token"], NAMED_TOKENS["str_token"]), constant_noise=_CONSTANT_NOISE,
+        eos_tokens=("<eos>", NAMED_TOKENS["eot_token"], NAMED_TOKENS["str_token"]), constant_noise=TINY_CONSTANT_NOISE,
         tweak=_perturb,
     )
 

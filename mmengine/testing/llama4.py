@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from mmengine.testing.cache import cached_build, spec_key
 from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, save_processor_files, special_token_ids, vision_sizes
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
     from transformers import Llama4Config, PreTrainedTokenizerFast
@@ -30,9 +31,6 @@ if TYPE_CHECKING:
 __all__ = ["TinyLlama4Spec", "LLAMA4_CHAT_TEMPLATE", "build_llama4_checkpoint", "tiny_llama4_path", "llama4_prompt"]
 
 _BUILDER_VERSION = 1
-# The parity-friendly weight scale of the other tiny checkpoints (testing/llava.py explains it).
-_INITIALIZER_RANGE = 0.2
-_CONSTANT_NOISE = 0.2
 
 BOS, EOT, EOS, PAD = "<|begin_of_text|>", "<|eot|>", "<|end_of_text|>", "<|finetune_right_pad_id|>"
 HEADER_START, HEADER_END = "<|header_start|>", "<|header_end|>"
@@ -143,7 +141,7 @@ def _save_processor(spec: TinyLlama4Spec, tokenizer: PreTrainedTokenizerFast, pa
 
 
 def build_llama4_checkpoint(path: str | os.PathLike, spec: TinyLlama4Spec = TinyLlama4Spec(), *, device: str = "cpu",
-                            dtype: str | None = None, initializer_range: float = _INITIALIZER_RANGE) -> pathlib.Path:
+                            dtype: str | None = None, initializer_range: float = TINY_INITIALIZER_RANGE) -> pathlib.Path:
     """Builds a random-weight checkpoint of `spec` and saves it with its tokenizer, processor settings and chat template."""
     from transformers import Llama4ForConditionalGeneration
 
@@ -153,7 +151,7 @@ def build_llama4_checkpoint(path: str | os.PathLike, spec: TinyLlama4Spec = Tiny
         return save_checkpoint(
             path, Llama4ForConditionalGeneration, _build_config(spec, tokenizer, initializer_range), tokenizer,
             lambda path: _save_processor(spec, tokenizer, path), seed=spec.seed, device=device, dtype=dtype or spec.dtype,
-            constant_noise=_CONSTANT_NOISE,
+            constant_noise=TINY_CONSTANT_NOISE,
         )
 
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from mmengine.testing.cache import cached_build, spec_key
 from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, special_token_ids, vision_sizes
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
-from mmengine.testing.weights import REAL_INITIALIZER_RANGE
+from mmengine.testing.weights import REAL_INITIALIZER_RANGE, TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
     import torch
@@ -36,15 +36,6 @@ __all__ = [
 
 # Bump when the builder changes what it writes, so cached checkpoints are rebuilt.
 _BUILDER_VERSION = 1
-
-# With the transformers default (initializer_range=0.02) the residual stream is dominated by the current
-# token's embedding: tied-embedding models greedily repeat one token whatever the image or prompt, and
-# untied ones have top-2 logit gaps down to ~1e-4. 0.1 is still mostly repetition when tied. At 0.2 greedy
-# output depends on image and prompt for every text/vision combination (12/12 distinct 16-token outputs
-# for 6 images x 2 prompts), median top-2 gap ~0.3, 5th percentile ~2e-2, so greedy parity between
-# implementations is well defined. Activations stay small (|logits| < 10) and fp16-safe. SigLIP ignores
-# it (fixed lecun/xavier init); for CLIP it scales the patch and position embeddings.
-_INITIALIZER_RANGE = 0.2
 
 BOS, EOS, PAD, UNK, IMAGE = "<s>", "</s>", "<pad>", "<unk>", "<image>"
 
@@ -177,11 +168,11 @@ def _build_config(
 ) -> LlavaConfig:
     """The LlavaConfig for `spec`, with the vocabulary and special ids taken from `tokenizer`.
 
-    `initializer_range` None: the tiny checkpoints' scale (_INITIALIZER_RANGE)."""
+    `initializer_range` None: the tiny checkpoints' scale (TINY_INITIALIZER_RANGE)."""
     from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, MistralConfig, Qwen2Config, SiglipVisionConfig
 
     if initializer_range is None:
-        initializer_range = _INITIALIZER_RANGE
+        initializer_range = TINY_INITIALIZER_RANGE
     special_ids = special_token_ids(tokenizer)
     text_kwargs = dict(
         vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
@@ -280,12 +271,12 @@ def build_tiny_llava(
     path: str | os.PathLike, spec: TinyLlavaSpec = TinyLlavaSpec(), *, max_shard_size: str | None = None
 ) -> pathlib.Path:
     """Builds and saves a tiny test checkpoint (fp32, on CPU, weights at the parity-friendly scale
-    explained at _INITIALIZER_RANGE); returns the path.
+    explained at TINY_INITIALIZER_RANGE); returns the path.
 
     `max_shard_size` (e.g. "200KB") makes a sharded safetensors checkpoint (model.safetensors.index.json).
     """
     return build_llava_checkpoint(
-        path, spec, device="cpu", dtype="float32", initializer_range=_INITIALIZER_RANGE, max_shard_size=max_shard_size
+        path, spec, device="cpu", dtype="float32", initializer_range=TINY_INITIALIZER_RANGE, max_shard_size=max_shard_size
     )
 
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from mmengine.testing.cache import cached_build, spec_key
 from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, save_processor_files, special_token_ids, vision_sizes
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
     from transformers import LlavaOnevisionConfig, PreTrainedTokenizerFast
@@ -32,11 +33,6 @@ __all__ = ["TinyOnevisionSpec", "ONEVISION_CHAT_TEMPLATE", "build_onevision_chec
 
 # Bump when the builder changes what it writes, so cached checkpoints are rebuilt.
 _BUILDER_VERSION = 1
-
-# The parity-friendly weight scale of the other tiny checkpoints (testing/llava.py explains it); parameters
-# transformers sets to a constant (norm weights, biases) get this much noise.
-_INITIALIZER_RANGE = 0.2
-_CONSTANT_NOISE = 0.2
 
 ENDOFTEXT, IM_START, IM_END, IMAGE, VIDEO = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>"
 SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END, IMAGE, VIDEO)
@@ -166,7 +162,7 @@ def _save_processor(spec: TinyOnevisionSpec, tokenizer: PreTrainedTokenizerFast,
 
 
 def build_onevision_checkpoint(path: str | os.PathLike, spec: TinyOnevisionSpec = TinyOnevisionSpec(), *, device: str = "cpu",
-                               dtype: str | None = None, initializer_range: float = _INITIALIZER_RANGE) -> pathlib.Path:
+                               dtype: str | None = None, initializer_range: float = TINY_INITIALIZER_RANGE) -> pathlib.Path:
     """Builds a random-weight checkpoint of `spec` (weights made on `device` in `dtype`, default the spec's)
     and saves it with its tokenizer, processor and chat template into `path`; returns the path."""
     from transformers import LlavaOnevisionForConditionalGeneration
@@ -175,7 +171,7 @@ def build_onevision_checkpoint(path: str | os.PathLike, spec: TinyOnevisionSpec 
     return save_checkpoint(
         path, LlavaOnevisionForConditionalGeneration, _build_config(spec, tokenizer, initializer_range), tokenizer,
         lambda path: _save_processor(spec, tokenizer, path), seed=spec.seed, device=device, dtype=dtype or spec.dtype,
-        eos_tokens=(IM_END, ENDOFTEXT), bos_token=ENDOFTEXT, constant_noise=_CONSTANT_NOISE,
+        eos_tokens=(IM_END, ENDOFTEXT), bos_token=ENDOFTEXT, constant_noise=TINY_CONSTANT_NOISE,
     )
 
 

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 from mmengine.testing.cache import cached_build, spec_key
 from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, save_processor_files, special_token_ids, vision_sizes
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
     from transformers import Mistral3Config, PreTrainedTokenizerFast
@@ -28,9 +29,6 @@ if TYPE_CHECKING:
 __all__ = ["TinyMistral3Spec", "MISTRAL3_CHAT_TEMPLATE", "build_mistral3_checkpoint", "tiny_mistral3_path", "mistral3_prompt"]
 
 _BUILDER_VERSION = 1
-# The parity-friendly weight scale of the other tiny checkpoints (testing/llava.py explains it).
-_INITIALIZER_RANGE = 0.2
-_CONSTANT_NOISE = 0.2
 
 BOS, EOS, PAD, INST, END_INST = "<s>", "</s>", "<pad>", "[INST]", "[/INST]"
 IMAGE, IMAGE_BREAK, IMAGE_END = "[IMG]", "[IMG_BREAK]", "[IMG_END]"
@@ -121,7 +119,7 @@ def _save_processor(spec: TinyMistral3Spec, tokenizer: PreTrainedTokenizerFast, 
 
 
 def build_mistral3_checkpoint(path: str | os.PathLike, spec: TinyMistral3Spec = TinyMistral3Spec(), *, device: str = "cpu",
-                              dtype: str | None = None, initializer_range: float = _INITIALIZER_RANGE) -> pathlib.Path:
+                              dtype: str | None = None, initializer_range: float = TINY_INITIALIZER_RANGE) -> pathlib.Path:
     """Builds a random-weight checkpoint of `spec` and saves it with its tokenizer, processor and chat template."""
     from transformers import Mistral3ForConditionalGeneration
 
@@ -129,7 +127,7 @@ def build_mistral3_checkpoint(path: str | os.PathLike, spec: TinyMistral3Spec = 
     return save_checkpoint(
         path, Mistral3ForConditionalGeneration, _build_config(spec, tokenizer, initializer_range), tokenizer,
         lambda path: _save_processor(spec, tokenizer, path), seed=spec.seed, device=device, dtype=dtype or spec.dtype,
-        constant_noise=_CONSTANT_NOISE,
+        constant_noise=TINY_CONSTANT_NOISE,
     )
 
 

@@ -27,7 +27,7 @@ from mmengine.models.qwen_video import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from mmengine.testing.cache import cached_build, spec_key
 from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, special_token_ids, write_json
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
-from mmengine.testing.weights import BUILD_DTYPES, REAL_INITIALIZER_RANGE
+from mmengine.testing.weights import BUILD_DTYPES, REAL_INITIALIZER_RANGE, TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
     import torch
@@ -51,19 +51,6 @@ __all__ = [
 
 # Bump when the builder changes what it writes, so cached checkpoints are rebuilt.
 _BUILDER_VERSION = 4  # 2: the chat template renders tools; 3: videos (template parts, video_preprocessor_config.json); 4: qwen3_5
-
-# Same reasoning as the LLaVA builders' _INITIALIZER_RANGE. Measured on the default tiny specs over 16
-# prompts (4 image sizes x 3 texts, two two-image prompts, two text-only), 8 greedy tokens each: at
-# transformers' default 0.02 logits stay below 0.6, top-2 gaps have a median of ~0.035 and go down to
-# 3e-4, and some prompts share their continuation. At 0.2 (with _CONSTANT_NOISE) all 16 continuations
-# differ, median gap ~0.3-0.4, 5th percentile ~3e-2, minimum 2.6e-3 (2.5) / 1.9e-2 (2), |logits| < 7
-# (fp16-safe), so greedy parity between implementations is well defined.
-_INITIALIZER_RANGE = 0.2
-
-# transformers initializes biases (q/k/v, the vision tower's) to 0 and norm weights to 1; the tiny
-# checkpoints perturb them by this much, so parity tests catch a bias or norm weight that is dropped,
-# swapped between layers or applied in the wrong place.
-_CONSTANT_NOISE = 0.2
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 # Families with Qwen3-VL's vision tower, image normalisation and video processor.
@@ -408,11 +395,11 @@ def _build_config(
     spec: TinyQwenVLSpec, tokenizer: PreTrainedTokenizerFast, initializer_range: float | None = None
 ) -> PretrainedConfig:
     """The Qwen2VLConfig / Qwen2_5_VLConfig for `spec`, with the vocabulary and special ids taken from
-    `tokenizer`. `initializer_range` None: the tiny checkpoints' scale (_INITIALIZER_RANGE)."""
+    `tokenizer`. `initializer_range` None: the tiny checkpoints' scale (TINY_INITIALIZER_RANGE)."""
     from transformers import Qwen2_5_VLConfig, Qwen2VLConfig
 
     if initializer_range is None:
-        initializer_range = _INITIALIZER_RANGE
+        initializer_range = TINY_INITIALIZER_RANGE
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     text_config = dict(
         vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
@@ -647,13 +634,13 @@ def build_tiny_qwen_vl(
     path: str | os.PathLike, spec: TinyQwenVLSpec = TinyQwenVLSpec(), *, max_shard_size: str | None = None
 ) -> pathlib.Path:
     """Builds and saves a tiny test checkpoint (on CPU, in `spec.dtype`, weights at the parity-friendly
-    scale explained at _INITIALIZER_RANGE, constants perturbed by _CONSTANT_NOISE); returns the path."""
+    scale explained at TINY_INITIALIZER_RANGE, constants perturbed by TINY_CONSTANT_NOISE); returns the path."""
     return build_qwen_vl_checkpoint(
         path,
         spec,
         device="cpu",
-        initializer_range=_INITIALIZER_RANGE,
-        constant_noise=_CONSTANT_NOISE,
+        initializer_range=TINY_INITIALIZER_RANGE,
+        constant_noise=TINY_CONSTANT_NOISE,
         max_shard_size=max_shard_size,
         tweak=_slow_recurrent_decay if spec.family in _QWEN3_5 else None,
     )

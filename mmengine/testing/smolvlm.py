@@ -32,6 +32,7 @@ from mmengine.testing.checkpoint import (
     vision_sizes,
 )
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
@@ -41,11 +42,6 @@ __all__ = ["TinySmolVLMSpec", "IDEFICS3_SPEC", "SMOLVLM_SPEC", "IDEFICS3_CHAT_TE
 
 # Bump when the builder changes what it writes, so cached checkpoints are rebuilt.
 _BUILDER_VERSION = 1
-
-# The parity-friendly weight scale of the other tiny checkpoints (testing/llava.py explains it); parameters
-# transformers sets to a constant (norm weights, biases) get this much noise.
-_INITIALIZER_RANGE = 0.2
-_CONSTANT_NOISE = 0.2
 
 FAKE, IMAGE, GLOBAL, END_OF_UTTERANCE = "<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"
 ROW_COL_TOKENS = tuple(f"<row_{row}_col_{col}>" for row in range(1, 7) for col in range(1, 7))
@@ -134,10 +130,10 @@ def _build_config(spec: TinySmolVLMSpec, tokenizer: PreTrainedTokenizerFast) -> 
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
         rms_norm_eps=1e-5,
         tie_word_embeddings=spec.tie_word_embeddings,
-        initializer_range=_INITIALIZER_RANGE,
+        initializer_range=TINY_INITIALIZER_RANGE,
         **special_token_ids(tokenizer),
     )
-    vision = vision_class(**vision_sizes(spec), initializer_range=_INITIALIZER_RANGE)
+    vision = vision_class(**vision_sizes(spec), initializer_range=TINY_INITIALIZER_RANGE)
     return config_class(
         text_config=text,
         vision_config=vision,
@@ -185,7 +181,7 @@ def build_smolvlm_checkpoint(path: str | os.PathLike, spec: TinySmolVLMSpec = ID
         path, model_class, _build_config(spec, tokenizer), tokenizer, lambda path: _save_processor(spec, tokenizer, path),
         seed=spec.seed, device=device, dtype=dtype or spec.dtype,
         # as the published instruction-tuned checkpoints: a turn ends at <end_of_utterance> (or the text's eos)
-        eos_tokens=(END_OF_UTTERANCE, tokenizer.eos_token), constant_noise=_CONSTANT_NOISE,
+        eos_tokens=(END_OF_UTTERANCE, tokenizer.eos_token), constant_noise=TINY_CONSTANT_NOISE,
     )
 
 

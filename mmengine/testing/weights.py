@@ -15,6 +15,20 @@ if TYPE_CHECKING:
 # The weight scale of the real models (and transformers' default): what benchmark checkpoints use.
 REAL_INITIALIZER_RANGE = 0.02
 
+# The tiny checkpoints' weight scale. At 0.02 the residual stream is dominated by the current token's embedding:
+# tied-embedding models greedily repeat one token whatever the image or prompt, and untied ones have top-2 logit
+# gaps down to ~1e-4. 0.1 is still mostly repetition when tied. At 0.2 greedy output depends on image and prompt
+# (LLaVA: 12/12 distinct 16-token outputs for 6 images x 2 prompts, median top-2 gap ~0.3, 5th percentile ~2e-2;
+# Qwen2-VL / Qwen2.5-VL over 16 prompts, 8 tokens each: all continuations differ, median gap ~0.3-0.4, 5th
+# percentile ~3e-2, where at 0.02 the median was ~0.035 and some prompts shared their continuation), so greedy
+# parity between implementations is well defined; activations stay small (|logits| < 10) and fp16-safe. SigLIP
+# ignores it (fixed lecun/xavier init); for CLIP it scales the patch and position embeddings.
+TINY_INITIALIZER_RANGE = 0.2
+# transformers initializes biases to 0 and norm weights to 1; the tiny checkpoints (all but LLaVA's) perturb them
+# by this much (random_model's constant_noise), so parity tests catch a bias or norm weight that is dropped,
+# swapped between layers or applied in the wrong place.
+TINY_CONSTANT_NOISE = 0.2
+
 BUILD_DTYPES = ("float32", "float16", "bfloat16")
 
 # Weight init draws from torch's global RNG; serialize builds so concurrent threads can't interleave draws.
