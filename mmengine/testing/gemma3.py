@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -101,16 +102,22 @@ class TinyGemma3Spec:
     seed: int = 0
 
 
-def _build_tokenizer(spec: TinyGemma3Spec) -> PreTrainedTokenizerFast:
-    """A deterministic byte-level BPE with Gemma 3's special tokens, as a transformers fast tokenizer.
-    No BOS is added when encoding: the chat template writes it."""
+def gemma_tokenizer(
+    vocab_size: int, added_special_tokens: Sequence[str], named_tokens: dict[str, str], chat_template: str
+) -> PreTrainedTokenizerFast:
+    """A deterministic byte-level BPE with Gemma's LEADING_TOKENS, then `added_special_tokens`, as a transformers
+    fast tokenizer; `named_tokens` become named attributes (tokenizer.boi_token, tokenizer.image_token_id, ...).
+    No BOS is added when encoding: the chat template writes it. (Gemma 3's and Gemma 4's.)"""
     return tiny_tokenizer(
-        spec.tokenizer_vocab_size, leading_special_tokens=LEADING_TOKENS,
-        added_special_tokens=[*TURN_TOKENS, *NAMED_TOKENS.values()],
+        vocab_size, leading_special_tokens=LEADING_TOKENS, added_special_tokens=added_special_tokens,
         bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>",
-        extra_special_tokens=dict(NAMED_TOKENS),  # named attributes (tokenizer.boi_token, tokenizer.image_token_id, ...)
-        add_bos_token=False, chat_template=GEMMA3_CHAT_TEMPLATE,
+        extra_special_tokens=dict(named_tokens), add_bos_token=False, chat_template=chat_template,
     )
+
+
+def _build_tokenizer(spec: TinyGemma3Spec) -> PreTrainedTokenizerFast:
+    return gemma_tokenizer(spec.tokenizer_vocab_size, [*TURN_TOKENS, *NAMED_TOKENS.values()], NAMED_TOKENS,
+                           GEMMA3_CHAT_TEMPLATE)
 
 
 def _build_config(spec: TinyGemma3Spec, tokenizer: PreTrainedTokenizerFast) -> Gemma3Config:

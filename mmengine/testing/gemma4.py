@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 from mmengine.testing.cache import cached_build, spec_key
 from mmengine.testing.checkpoint import save_checkpoint, special_token_ids, update_json
-from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.gemma3 import gemma_tokenizer
+from mmengine.testing.tokenizer import model_vocab_size
 from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
@@ -38,8 +39,6 @@ _BUILDER_VERSION = 1
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
-# Ids 0, 1, 2 are <pad>, <eos>, <bos> as in Gemma's vocabulary (Gemma4TextConfig's defaults).
-LEADING_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>")
 # The named special tokens of the published tokenizer (Gemma4Processor reads image/boi/eoi and
 # audio/boa/eoa; it wants boa/eoa even for text-only prompts).
 NAMED_TOKENS = {
@@ -144,15 +143,8 @@ class TinyGemma4Spec:
 
 
 def _build_tokenizer(spec: TinyGemma4Spec) -> PreTrainedTokenizerFast:
-    """A deterministic byte-level BPE with Gemma 4's special tokens, as a transformers fast tokenizer.
-    No BOS is added when encoding: the chat template writes it."""
-    return tiny_tokenizer(
-        spec.tokenizer_vocab_size, leading_special_tokens=LEADING_TOKENS,
-        added_special_tokens=[*NAMED_TOKENS.values(), VIDEO_TOKEN],
-        bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>", mask_token="<mask>",
-        extra_special_tokens=dict(NAMED_TOKENS),  # a dict: named attributes (tokenizer.image_token_id, ...)
-        add_bos_token=False, chat_template=GEMMA4_CHAT_TEMPLATE,
-    )
+    return gemma_tokenizer(spec.tokenizer_vocab_size, [*NAMED_TOKENS.values(), VIDEO_TOKEN], NAMED_TOKENS,
+                           GEMMA4_CHAT_TEMPLATE)
 
 
 def _build_config(spec: TinyGemma4Spec, tokenizer: PreTrainedTokenizerFast) -> Gemma4Config:
