@@ -1,11 +1,14 @@
 """Draft heads at tensor_parallel_size 2 (two gloo ranks, fp32): Qwen3.5 with its MTP head and Qwen3-VL with an EAGLE-3
 head (its own embeddings and a draft vocabulary of its own) give TP 1's greedy tokens and those without speculation,
 with a picture and a prefill chunked over steps, with async scheduling on and off; the ranks' drafts are TP 1's draft
-for draft, so the draft, acceptance and per-position counts are equal (the random MTP head's drafts are all rejected;
-the EAGLE-3 head's draft vocabulary is the target's output tokens, and some are kept), and a repeat is a prefix hit whose
-drafts are the first run's (the head's K/V came back on both ranks). Rank 1 reads only its part
-of each head's split tensors; a head the ranks cannot split is refused by name before any process starts. The two TP
-2 engines start at once, in threads, beside their TP 1 references."""
+for draft, so the draft, acceptance and per-position counts are equal (both heads' drafts are sometimes kept: the
+Qwen3.5 checkpoint's output layer writes two tokens alone, the EAGLE-3 head's draft vocabulary is the target's output
+tokens). With async scheduling on, steps are launched before the verify step in flight is read, each rank moving its
+rows and restoring its Gated DeltaNet states on its own, and the prefix hits and every checkpoint's states on both
+ranks are those of async scheduling off. A repeat is a prefix hit whose drafts are the first run's (the head's K/V
+came back on both ranks). Rank 1 reads only its part of each head's split tensors; a head the ranks cannot split is
+refused by name before any process starts. The two TP 2 engines start at once, in threads, beside their TP 1
+references, and serve every test here."""
 
 from __future__ import annotations
 
@@ -30,20 +33,35 @@ PICTURES = [make_test_image(61, size=(64, 64))]
 
 
 def _spec(method: str, head=None) -> dict:
-    # no back-off: the random heads' drafts are all rejected, and every step should verify them
+    # no back-off: the heads' drafts are mostly rejected, and every step should verify them
     spec = {"method": method, "num_speculative_tokens": 2 if method == "mtp" else 3, "draft_backoff": False}
     return {**spec, "model": str(head)} if head is not None else spec
 
 
-PATHS = {"mtp": lambda checkpoint: tiny_qwen3_5_mtp_path(), "eagle3": lambda checkpoint: checkpoint("qwen3_vl")}
 
 
 @pytest.fixture(scope="module")
-def without_speculation(family_checkpoint):
+def paths(family_checkpoint, tmp_path_factory) -> dict:
+    """method -> checkpoint. Qwen3.5's is the tiny MTP checkpoint whose output layer writes two tokens alone, by the
+    sign of one hidden unit: the target and its head (which reads the same layer) each pick one of the two, so about
+    half the drafts are kept and verify steps keep runs of every length (the random head's drafts are otherwise all
+    rejected), moving the rows launched ahead of them."""
+    import shutil
+
+    path = shutil.copytree(tiny_qwen3_5_mtp_path(), tmp_path_factory.mktemp("mtp") / "qwen3_5")
+    tensors = load_file(str(path / "model.safetensors"))
+    head = torch.zeros_like(tensors["lm_head.weight"])
+    head[41, 0], head[274, 0] = 10.0, -10.0
+    save_file({**tensors, "lm_head.weight": head}, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return {"mtp": path, "eagle3": family_checkpoint("qwen3_vl")}
+
+
+@pytest.fixture(scope="module")
+def without_speculation(paths):
     """method -> the batch's greedy tokens at TP 1 without a draft head."""
     found = {}
-    for method, path in PATHS.items():
-        plain = MMEngine(str(path(family_checkpoint)), **OPTIONS)
+    for method, path in paths.items():
+        plain = MMEngine(str(path), **OPTIONS)
         prompts, images = _batch(method, "Describe the picture.")
         found[method] = [o.token_ids for o in plain.generate(prompts, images=images, sampling_params=GREEDY, use_tqdm=False)]
         plain.shutdown()
@@ -64,9 +82,8 @@ def eagle3_head(family_checkpoint, tmp_path_factory, without_speculation):
 
 
 @pytest.fixture(scope="module")
-def engines(family_checkpoint, eagle3_head):
+def engines(paths, eagle3_head):
     """method -> (checkpoint, TP 1 engine, TP 2 engine), both drafting with the head."""
-    paths = {method: path(family_checkpoint) for method, path in PATHS.items()}
     specs = {"mtp": _spec("mtp"), "eagle3": _spec("eagle3", eagle3_head)}
     with tensor_parallel_pairs(paths, {m: {"speculative_config": s} for m, s in specs.items()}, **OPTIONS) as pairs:
         yield pairs
@@ -91,32 +108,83 @@ def _run(engine, prompts, images):
 @pytest.mark.parametrize("async_scheduling", ["off", "on"])
 @pytest.mark.parametrize("method", ["mtp", "eagle3"])
 def test_tp2_drafts_what_tp1_drafts_and_keeps_the_greedy_tokens(engines, without_speculation, method, async_scheduling):
+    """With async scheduling on, TP 2 launches the decodes' steps before the verify step in flight is read, as TP 1 does:
+    each rank moves its rows by the drafts kept (and restores its own Gated DeltaNet states); the tokens and the drafts
+    kept are those of async scheduling off, and every count (drafts, steps, steps launched ahead) is TP 1's."""
     _, one, two = engines[method]
-    two.steps.async_scheduling = async_scheduling == "on"  # (a flag of the driver's step loop alone: one start serves both)
     prompts, images = _batch(method, "Describe the picture.")
+    if async_scheduling == "on":  # the reference: TP 1 with async scheduling off
+        one.steps.async_scheduling = False
+        _, _, counts_off = _run(one, prompts, images)
+    # (a flag of the driver's step loop alone: one start serves both)
+    one.steps.async_scheduling = two.steps.async_scheduling = async_scheduling == "on"
     outs_one, drafts_one, counts_one = _run(one, prompts, images)
     outs_two, drafts_two, counts_two = _run(two, prompts, images)
     assert [o.token_ids for o in outs_two] == [o.token_ids for o in outs_one] == without_speculation[method]
     assert len(outs_two[0].prompt_token_ids) > OPTIONS["max_num_batched_tokens"]  # its prefill took several steps
-    assert [sorted(p.values()) for p in drafts_two] == [sorted(p.values()) for p in drafts_one] and drafts_two
-    spec = {k: v for k, v in counts_two.items() if k.startswith("spec_")}
-    assert spec == {k: v for k, v in counts_one.items() if k.startswith("spec_")}
-    assert spec["spec_draft_tokens"] > 0 and spec["spec_drafted_position_1"] > 0  # chains of at least 2
-    if method == "eagle3":  # (the MTP head's drafts are all rejected)
-        assert spec["spec_accepted_tokens"] > 0
-    assert counts_two["steps_launched_ahead"] == 0  # async: each step is read before the next, whose drafts follow it
+    assert [sorted(p.values()) for p in drafts_two] == [sorted(p.values()) for p in drafts_one]
+    counted = [k for k in counts_two if k.startswith("spec_")] + ["decode_steps", "steps_launched_ahead"]
+    assert {k: counts_two[k] for k in counted} == {k: counts_one[k] for k in counted}
+    assert counts_two["spec_drafted_position_1"] > 0  # chains of at least 2
+    assert counts_two["spec_accepted_tokens"] > 0 and counts_two["spec_accepted_position_0"] > 0
+    if async_scheduling == "off":
+        assert drafts_two and counts_two["steps_launched_ahead"] == 0
+    else:  # launched ahead, a row may verify a draft more near max_tokens, and a step may be launched for requests that
+        # end in the run before it (TP 1's too, as the counts above say): the drafts kept do not change
+        assert counts_two["steps_launched_ahead"] > 0
+        assert counts_two["spec_accepted_tokens"] == counts_off["spec_accepted_tokens"]
 
 
 @pytest.mark.parametrize("method", ["mtp", "eagle3"])
 def test_a_repeat_is_a_prefix_hit_and_drafts_as_the_first_run(engines, method):
     """The head's K/V of the cached blocks came back with them on both ranks: the drafts are the first run's."""
     _, _, two = engines[method]
+    two.steps.async_scheduling = False  # (every proposal goes through the step loop)
     prompt = chat_formats.user_turn(FAMILY[method], "What colour is it?", 1)
     runs = [_run(two, [prompt], [[make_test_image(62, size=(48, 64))]]) for _ in range(2)]
     (first, drafts_first, counts_first), (again, drafts_again, counts_again) = runs
     assert again[0].token_ids == first[0].token_ids and again[0].num_cached_tokens > 0
     assert counts_again["prefill_tokens_computed"] <= OPTIONS["block_size"] < counts_first["prefill_tokens_computed"]
     assert [list(p.values()) for p in drafts_again] == [list(p.values()) for p in drafts_first] and len(drafts_first) >= 3
+
+
+def _checkpoints(engine) -> dict:
+    """Each cached checkpoint's states on every rank, by the hash of the block it ends."""
+    slots = engine.scheduler.states.checkpoint_slots()
+    ranks = engine.runner.executor.call("recurrent_states", list(slots.values()))
+    return {block_hash: [states[i] for states in ranks] for i, block_hash in enumerate(slots)}
+
+
+def test_mtp_prefix_hits_and_checkpoints_launched_ahead_are_those_of_async_off(engines):
+    """Qwen3.5 (hybrid) at TP 2, a repeated pictured prompt and then a chat's next turn (its first turn, the answer,
+    new tokens): launched ahead, each rank restores its own Gated DeltaNet states after the kept run and copies the
+    checkpoints booked once the run is known, so the hits, the prefill tokens computed and every checkpoint's states
+    on both ranks are those of async scheduling off."""
+    _, _, two = engines["mtp"]
+    prompt = chat_formats.user_turn("qwen3_5", "What colour is it?", 1)
+    found, checkpoints = {}, {}
+    for mode in ("off", "on"):
+        two.steps.async_scheduling = mode == "on"
+        two.reset_prefix_cache()
+        before, seen = two.stats(), []
+        for _ in range(2):
+            computed = two.stats()["prefill_tokens_computed"]
+            out = two.generate([prompt], images=[PICTURES], sampling_params=GREEDY, use_tqdm=False)[0]
+            seen.append((out.token_ids, out.num_cached_tokens, two.stats()["prefill_tokens_computed"] - computed))
+        chat = list(out.prompt_token_ids) + out.token_ids + [11] * 5
+        computed = two.stats()["prefill_tokens_computed"]
+        turn = two.generate([{"prompt_token_ids": chat}], images=[PICTURES], sampling_params=GREEDY, use_tqdm=False)[0]
+        seen.append((turn.token_ids, turn.num_cached_tokens, two.stats()["prefill_tokens_computed"] - computed))
+        after = two.stats()
+        found[mode] = (seen, after["steps_launched_ahead"] - before["steps_launched_ahead"], after["decode_steps"] - before["decode_steps"])
+        checkpoints[mode] = _checkpoints(two)
+    (on, ahead, decode_steps), (off, _, decode_steps_off) = found["on"], found["off"]
+    assert on == off and ahead > 0 and decode_steps == decode_steps_off
+    assert on[1][1] > 0 and on[2][1] > len(out.prompt_token_ids)  # hits; the next turn's reach into the answer
+    assert checkpoints["on"].keys() == checkpoints["off"].keys() and len(checkpoints["on"]) >= 3
+    for block_hash, states in checkpoints["on"].items():
+        for rank, state in enumerate(states):
+            assert torch.allclose(state, checkpoints["off"][block_hash][rank], atol=1e-5, rtol=1e-5), rank
 
 
 # -- in this process: the reads of rank 1, the refusals -------------------------------------

@@ -31,7 +31,8 @@ class DraftPlanner:
         self.drafter = HeadDrafts() if spec.method in ("mtp", "eagle3") else None
         self.backoff = DraftBackoff() if spec.method is not None and spec.draft_backoff else None
         # async scheduling with a draft head: the next step may be launched before a verify step is read, its rows
-        # moved on the device by the drafts kept (a runner that can: TP 1's)
+        # moved on the device by the drafts kept (a runner that can: TP 1's ModelRunner, and at TP > 1 the
+        # ParallelRunner, whose ranks each move their rows so)
         self.follows_on_device = self.drafter is not None and follows_on_device
         # async scheduling with a proposer: whether the next step should read the one in flight first (its drafts
         # follow its tokens), and the back-off's answers for that step, asked when it was predicted

@@ -11,7 +11,8 @@ With speculative decoding by a draft head (MTP, EAGLE-3), the head drafts within
 (runner/head_drafter.py), and the next step is launched before the verify step in flight is read too:
 the scheduler books each of its rows as if it kept only its last token (book_step), the next row of the
 request starts there with a placeholder token and placeholder drafts, and the runner moves it on the
-device by the drafts kept and fills in the bonus token and the head's drafts (runner/follow_drafts.py);
+device by the drafts kept and fills in the bonus token and the head's drafts (runner/follow_drafts.py; at
+tensor_parallel_size > 1 each rank so moves its own rows, from the step in flight it holds: runner/parallel_runner.py);
 reading the step then books the kept run and moves the launched row's start by as much (resolve_runs).
 A stop string inside the kept run cuts it there and ends the request (after_token), and the row launched ahead
 for it is dropped unread, as a stop token's extra row is without drafts (its blocks, and a hybrid checkpoint

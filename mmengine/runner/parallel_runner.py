@@ -14,7 +14,11 @@ dies or fails makes every later call raise EngineDeadError (`distributed/executo
 
 Speculative decoding: n-gram drafts are the driver's (every rank verifies them); a draft head (MTP, EAGLE-3) is split
 over the ranks like the decoder (`distributed/sharded_draft_heads.py`), runs on them within each step that samples
-as at TP 1 (`head_drafter.py`), and rank 0's reply carries its drafts (still one plan and one reply a step).
+as at TP 1 (`head_drafter.py`), and rank 0's reply carries its drafts (still one plan and one reply a step). With async
+scheduling the next step is sent before a verify step's reply is read, as TP 1 launches it (`follows_drafts_on_device`):
+the plan carries what TP 1's runner reads of the step loop's (the placeholder token and drafts, the chain depths, the
+checkpoint copies), and each rank moves its rows by the drafts kept from the results of its own previous step, restoring
+its own Gated DeltaNet states (`worker.py`, `follow_drafts.py`); the kept run's tokens reach the ranks with the next plan.
 
 CUDA graphs: every rank captures the same buckets and variants in the same order (compared here before any
 capture), each graph holding the rank's collectives (`distributed/graph_capture.py`); a step replays or runs eager by
@@ -41,6 +45,7 @@ from typing import Any
 import torch
 
 from mmengine.config import EngineConfig
+from mmengine.core.request import PLACEHOLDER_TOKEN
 from mmengine.core.scheduler import SchedulerOutput
 from mmengine.distributed.encoder_host_moves import DriverEncoderHost
 from mmengine.distributed.executor import MultiprocExecutor
@@ -165,8 +170,12 @@ class RemoteStep:
     def result(self) -> dict[str, list[int]]:
         return self.fetch().tokens
 
-    def drafts(self) -> dict[str, list[int]]:
-        return self.fetch().drafts
+    def drafts(self, raw: bool = False) -> dict[str, list[int]]:
+        """As LaunchedStep.drafts: each request's counted drafts, or (`raw`) the whole chain."""
+        result = self.fetch()
+        if raw:
+            return result.drafts
+        return {request_id: drafts[: result.draft_counts[request_id]] for request_id, drafts in result.drafts.items()}
 
     def token_logprobs(self) -> dict[str, list[TokenLogprobs]]:
         return self.fetch().logprobs
@@ -191,6 +200,8 @@ class PendingRemoteStep:
 
 
 class ParallelRunner:
+    follows_drafts_on_device = True  # each rank moves the rows launched ahead of a draft head's step (worker.py)
+
     def __init__(self, config: EngineConfig, family: ModelFamily, model_dir: Path, device: torch.device, dtype: torch.dtype,
                  max_model_len: int) -> None:
         check_parallel_options(config, family, device)
@@ -382,7 +393,8 @@ class ParallelRunner:
              window_tables: dict[str, list[int]] | None) -> tuple[StepPlan, list[tuple[int, Any]]]:
         """The step as plain data, and its rows a grammar constrains (their masks are taken when it is sent)."""
         plan = StepPlan(block_tables=block_tables, window_tables=window_tables, lora_slots=dict(out.lora_slots),
-                        encoder_lora_slots=dict(out.encoder_lora_slots), lora_loads=self.lora_loads)
+                        encoder_lora_slots=dict(out.encoder_lora_slots), lora_loads=self.lora_loads,
+                        draft_depths=out.draft_depths, state_copies=list(out.state_copies))
         self.lora_loads = []
         plan.kv_moves = self.host_blocks.take()
         masked: list[tuple[int, Any]] = []
@@ -402,7 +414,9 @@ class ParallelRunner:
                                                     request.mrope_positions, request.sampling_params))
                 self.synced[request_id] = request.num_prompt_tokens
             base = min(self.synced[request_id], request.num_tokens)
-            self.synced[request_id] = request.num_tokens
+            # a placeholder (the last token, booked before its step was read) is sent again once known: a rank fills it
+            # in with its last sample, which is not the token there after a verify row that kept fewer than all drafts
+            self.synced[request_id] = request.num_tokens - (request.all_token_ids[-1] == PLACEHOLDER_TOKEN)
             if request.grammar is not None and s.samples:
                 masked.append((len(plan.rows), request))
             plan.rows.append(PlannedRow(request_id, s.start, s.num_new_tokens, list(s.encoder_items), base,

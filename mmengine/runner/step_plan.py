@@ -13,9 +13,12 @@ StepPlan
   lora_*          each request's adapter slot, and adapters to load into slots first
   kv_moves        KV blocks to copy to and from each rank's host tier first (distributed/kv_host_moves.py)
   encoder_host    encoder outputs each rank keeps in host memory as it frees them, or drops (encoder_host_moves.py)
+  draft_depths    a draft head's chain length for each sampling request (SchedulerOutput's)
+  state_copies    hybrid models: checkpoints of rows launched ahead, copied on each rank before the step
 StepResult (rank 0)
   tokens, logprobs, prompt_logprobs (TokenLogprobs: plain data), num_encoder_runs
-  drafts          a draft head's drafts for each sampling request (drafted on the ranks in the step)
+  drafts          a draft head's whole chain for each sampling request (drafted on the ranks in the step), and
+  draft_counts    how many of them were computed within the request's blocks
 ```
 """
 
@@ -76,6 +79,8 @@ class StepPlan:
     lora_loads: list[tuple[int, Any]] = field(default_factory=list)  # (slot, LoRAAdapter or None: cleared), before the step
     kv_moves: KVMoves | None = None  # copies between each rank's KV blocks and its host tier, before the step
     encoder_host: EncoderHostMoves | None = None  # encoder outputs each rank keeps in or drops from its host tier
+    draft_depths: dict[str, int] | None = None  # a draft head's chain length per sampling request (None: the full k)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (source, checkpoint) slots, before the step
 
 
 @dataclass
@@ -95,5 +100,8 @@ class StepResult:
     num_encoder_runs: int = 0
     seconds: float = 0.0  # rank 0's time in the step, from the plan's arrival to its reply (the rest is the channel's)
     graph_replays: ReplayCounts | None = None  # rank 0's CUDA graph replays so far (None: no graphs captured)
-    drafts: dict[str, list[int]] = field(default_factory=dict)  # a draft head's, each sampling request's (made within the step: head_drafter.py)
+    # a draft head's whole chain for each sampling request (made within the step: head_drafter.py), and the leading
+    # drafts of each computed within its blocks (LaunchedStep.drafts: a step launched ahead took the whole chain)
+    drafts: dict[str, list[int]] = field(default_factory=dict)
+    draft_counts: dict[str, int] = field(default_factory=dict)
     cascade: tuple[int, int, int] = (0, 0, 0)  # rank 0's cascade steps, groups and tokens so far

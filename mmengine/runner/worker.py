@@ -7,7 +7,9 @@ mirror of the driver's requests (plain `Request`s rebuilt from the plans: prompt
 
 Every rank computes every step (the collectives need them all) and samples from the same all-gathered
 logits with the same seeded generators; rank 0's tokens go back. Grammars stay with the driver: the plan
-carries each constrained row's token bitmask.
+carries each constrained row's token bitmask. With async scheduling a placeholder token is the one this rank sampled
+last step; after a draft head's step, the rows the driver launched ahead of it are moved on this rank's device from that
+step's results (its accepted counts, samples, drafts and draft states), as TP 1's runner moves them (follow_drafts.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from mmengine.distributed.sharded_model import tensor_parallel_family
 from mmengine.models.family import ModelFamily
 from mmengine.runner.cuda_graphs import CaptureReport, GraphCapturer, ReplayCounts
 from mmengine.runner.cascade_plan import CascadePolicy, cascade_layer_shape
+from mmengine.runner.launched_step import LaunchedStep
 from mmengine.runner.model_runner import ModelRunner
 from mmengine.runner.shared_pixels import take_shared
 from mmengine.runner.step_plan import PromptLogprobsPart, StepPlan, StepResult
@@ -82,6 +85,7 @@ class ModelWorker:
         if config.cache_config.encoder_cache_host_bytes:  # its copies of the outputs the driver's host tier holds
             self.runner.encoder_host_tier = RankEncoderHostTier()
         self.sampled: dict[str, list[int]] = {}  # the last step's tokens, by request
+        self.previous: LaunchedStep | None = None  # the last step, whose drafts a step launched ahead of it follows
 
     # -- start-up (every rank) -----------------------------------------------------------------------------------
 
@@ -138,13 +142,16 @@ class ModelWorker:
             processed = ProcessedPrompt(None, new.prompt_token_ids, take_shared(new.mm_items), new.mrope_positions)
             generator = runner.sampler.make_generator(new.sampling_params, runner.device)
             self.requests[new.request_id] = Request(new.request_id, processed, new.sampling_params, 0, generator)
+        # launched ahead of a draft head's step: this rank moves the rows on the device from that step's results, as
+        # TP 1's runner does (follow_drafts.py); their placeholders stay, and the driver sends the tokens once known
+        previous = self.previous if self.previous is not None and self.previous.device_drafts is not None else None
         scheduled = []
         for row in plan.rows:
             request = self.requests[row.request_id]
             if row.new_tokens or row.token_base < request.num_tokens:
                 del request.all_token_ids[row.token_base:]
                 request.all_token_ids.extend(row.new_tokens)
-                if PLACEHOLDER_TOKEN in row.new_tokens:  # async scheduling: the token this rank sampled last step
+                if PLACEHOLDER_TOKEN in row.new_tokens and previous is None:  # async: the token this rank sampled last step
                     self.fill_placeholders(request)
             request.num_computed_tokens = row.start
             request.num_prefix_hit_tokens = row.num_prefix_hit_tokens
@@ -164,23 +171,25 @@ class ModelWorker:
         # driver's tier has decided what the ranks keep
         runner.free_encoder_outputs(freed, list(plan.stale_encoder_hashes))
         out = SchedulerOutput(scheduled=scheduled, stale_encoder_hashes=list(plan.stale_encoder_hashes),
-                              lora_slots=plan.lora_slots, encoder_lora_slots=plan.encoder_lora_slots)
+                              lora_slots=plan.lora_slots, encoder_lora_slots=plan.encoder_lora_slots,
+                              draft_depths=plan.draft_depths, state_copies=list(plan.state_copies))
         if plan.kv_moves is not None:
             self.host_blocks.apply(runner, plan.kv_moves)
-        launched = runner.launch(out, plan.block_tables, window_tables=plan.window_tables)
+        launched = runner.launch(out, plan.block_tables, previous, window_tables=plan.window_tables)
         if host is not None:
             runner.encoder_host_tier.drop_all(host.dropped)
         if launched.pending is not None:
             launched = runner.sample(launched)
         tokens = launched.result()
-        self.sampled = tokens
-        drafts = launched.drafts()  # a draft head's, made within the step as at TP 1 (runner/head_drafter.py)
+        self.sampled, self.previous = tokens, launched
         if self.tp.rank != 0:
             return None
+        # a draft head's, made within the step as at TP 1 (runner/head_drafter.py): the chain, and the drafts counted
+        drafts, counted = launched.drafts(raw=True), launched.drafts()
         prompt_logprobs = [PromptLogprobsPart(part.request.request_id, part.first_position, part.entries())
                            for part in launched.prompt_logprobs]
         return StepResult(tokens, launched.token_logprobs(), prompt_logprobs, runner.num_encoder_runs, time.perf_counter() - started,
-                          self.graph_counts(), drafts=drafts,
+                          self.graph_counts(), drafts=drafts, draft_counts={r: len(d) for r, d in counted.items()},
                           cascade=(runner.num_cascade_steps, runner.num_cascade_groups, runner.num_cascade_tokens))
 
     def fill_placeholders(self, request: Request) -> None:
@@ -190,6 +199,13 @@ class ModelWorker:
         if PLACEHOLDER_TOKEN in tokens[:-1] or request.request_id not in self.sampled:
             raise RuntimeError(f"request {request.request_id!r}: a placeholder token this rank did not sample")
         tokens[-1] = self.sampled[request.request_id][-1]
+
+    def recurrent_states(self, slots: list[int]) -> list[torch.Tensor]:
+        """This rank's recurrent state at each slot (every linear-attention layer's conv and recurrent parts, flat, on
+        the CPU): what the driver's books say a checkpoint holds can be read back from each rank."""
+        states = self.runner.recurrent_states
+        return [torch.cat([torch.cat([layer.conv[slot].flatten(), layer.recurrent[slot].flatten()]) for layer in states]).cpu()
+                for slot in slots]
 
     def update_weights(self, weights: list[tuple[str, torch.Tensor]], first: bool) -> tuple[list[str], Exception | None]:
         """One chunk of a weight update (`first`: its first, which starts the update's checks): our names of the
