@@ -9,16 +9,15 @@ with the same refusals: a name stored twice, a file that is not safetensors, eac
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from mmengine.distributed.sharding import Loaded, TensorSlice, copy_into
-from mmengine.errors import CheckpointError, WeightsMismatchError
+from mmengine.errors import CheckpointError
 from mmengine.models.llama import STACKED_PROJECTIONS
-from mmengine.models.loader import safetensors_files
+from mmengine.models.loader import CheckpointFiles
 
 
 class CheckpointSlice:
@@ -36,14 +35,9 @@ class CheckpointSlice:
         return self.raw[index]
 
 
-class CheckpointSlices:
+class CheckpointSlices(CheckpointFiles):
     """(name, slice) for every tensor of the checkpoint in `model_dir`; remembers each name's file, which
     `where` names (WeightCheck's errors do, given this as their source)."""
-
-    def __init__(self, model_dir: str | Path) -> None:
-        self.model_dir = Path(model_dir)
-        self.files = safetensors_files(self.model_dir)
-        self.file_of: dict[str, Path] = {}
 
     def __iter__(self) -> Iterator[tuple[str, CheckpointSlice]]:
         for path in self.files:
@@ -52,19 +46,8 @@ class CheckpointSlices:
             except (SafetensorError, OSError, ValueError, RuntimeError) as err:
                 raise CheckpointError(f"not a readable safetensors file (truncated or corrupt?): {err}", path) from err
             with handle as f:
-                for name in f.keys():
-                    if name in self.file_of:
-                        raise WeightsMismatchError(f"tensor {name!r} is stored twice: also in {self.file_of[name].name}", path)
-                    self.file_of[name] = path
+                for name in self._names(f, path):
                     yield name, CheckpointSlice(f.get_slice(name))
-
-    def where(self, name: str | None = None) -> str:
-        """The file a tensor came from, or (for a tensor never seen) the files it was looked for in."""
-        if name is not None and name in self.file_of:
-            return str(self.file_of[name])
-        if len(self.files) == 1:
-            return str(self.files[0])
-        return f"{self.model_dir} ({', '.join(f.name for f in self.files)})"
 
 
 def load_parameter(param: torch.nn.Parameter, loaded: Loaded, shard_id: object = None, name: str = "") -> None:

@@ -12,6 +12,7 @@ import json
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -109,24 +110,22 @@ def _reading(path: Path) -> Iterator[None]:
         raise CheckpointError(f"not a readable safetensors file (truncated or corrupt?): {err}", path) from err
 
 
-class CheckpointTensors:
-    """The checkpoint's tensors as (name, tensor), one file open at a time; remembers which file each
-    name came from, and refuses a name that two files both hold."""
+class CheckpointFiles:
+    """A checkpoint's safetensors files, which a subclass's __iter__ reads one at a time: remembers which
+    file each tensor name came from (`where` names it in errors) and refuses a name two files both hold."""
 
-    def __init__(self, model_dir: Path, device: str = "cpu") -> None:
-        self.model_dir = model_dir
-        self.device = device
-        self.files = safetensors_files(model_dir)
+    def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = Path(model_dir)
+        self.files = safetensors_files(self.model_dir)
         self.file_of: dict[str, Path] = {}
 
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for path in self.files:
-            with _reading(path), safe_open(str(path), framework="pt", device=self.device) as f:
-                for name in f.keys():
-                    if name in self.file_of:
-                        raise WeightsMismatchError(f"tensor {name!r} is stored twice: also in {self.file_of[name].name}", path)
-                    self.file_of[name] = path
-                    yield name, f.get_tensor(name)
+    def _names(self, f: Any, path: Path) -> Iterator[str]:
+        """The tensor names of the open file `f` (the one at `path`), each recorded as read from it."""
+        for name in f.keys():
+            if name in self.file_of:
+                raise WeightsMismatchError(f"tensor {name!r} is stored twice: also in {self.file_of[name].name}", path)
+            self.file_of[name] = path
+            yield name
 
     def where(self, name: str | None = None) -> str:
         """The file a tensor came from, or (for a tensor never seen) the files it was looked for in."""
@@ -135,6 +134,20 @@ class CheckpointTensors:
         if len(self.files) == 1:
             return str(self.files[0])
         return f"{self.model_dir} ({', '.join(f.name for f in self.files)})"
+
+
+class CheckpointTensors(CheckpointFiles):
+    """The checkpoint's tensors as (name, tensor), one file open at a time (see CheckpointFiles)."""
+
+    def __init__(self, model_dir: Path, device: str = "cpu") -> None:
+        super().__init__(model_dir)
+        self.device = device
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for path in self.files:
+            with _reading(path), safe_open(str(path), framework="pt", device=self.device) as f:
+                for name in self._names(f, path):
+                    yield name, f.get_tensor(name)
 
 
 def iter_checkpoint(model_dir: Path, device: str = "cpu") -> CheckpointTensors:
