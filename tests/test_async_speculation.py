@@ -199,14 +199,20 @@ def _draft_through(engine, table: dict[int, int]) -> None:
 
 
 @pytest.fixture(scope="module")
-def mtp_case():
+def mtp_reference():
+    """The tiny Qwen3.5 MTP checkpoint without speculation: the reference outputs (for other sampling params too)."""
+    engine = MMEngine(str(tiny_qwen3_5_mtp_path()), **{**OPTIONS, "block_size": 16})
+    yield engine
+    engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def mtp_case(mtp_reference):
     """(prompts, images, the greedy tokens without speculation, a table that makes the random head often right)."""
     prompts = [qwen_vl_prompt("Say it again and again.", 0), qwen_vl_prompt("What is here?", 1),
                qwen_vl_prompt("Count to nine.", 0)]
     images = [None, PICTURES[:1], None]
-    reference = MMEngine(str(tiny_qwen3_5_mtp_path()), **{**OPTIONS, "block_size": 16})
-    expected = [o.token_ids for o in reference.generate(prompts, images=images, sampling_params=_greedy(20), use_tqdm=False)]
-    reference.shutdown()
+    expected = [o.token_ids for o in mtp_reference.generate(prompts, images=images, sampling_params=_greedy(20), use_tqdm=False)]
     learner = _mtp_engine("off")
     table = _learn_first_drafts(learner, prompts, images, expected)
     learner.shutdown()
@@ -387,18 +393,23 @@ def _logprob_rows(entries) -> tuple[list, list[float]]:
             [v for e in entries for v in (e.logprob, *(v for _, v in e.top))])
 
 
-def test_stop_strings_and_logprobs_launch_ahead_with_the_results_of_async_off(mtp_case, monkeypatch):
-    """A request with a stop string and log-probabilities, one with log-probabilities of its tokens and its prompt,
-    beside a plain one: their steps are launched before the verify step in flight is read (nothing of theirs needs the
-    host in between); the stop string ends its request inside a verify step's kept run, which is cut there, and the row
-    launched ahead for it is dropped with the blocks and the hybrid checkpoint booked for it (no copy is left queued
-    into a slot the books hold free). Tokens, drafts kept, text, finish, log-probabilities and the caches' books after
-    the requests are those of async scheduling off."""
+def test_stop_strings_logprobs_and_penalties_launch_ahead_with_the_results_of_async_off(mtp_case, mtp_reference, monkeypatch):
+    """A request with a stop string and log-probabilities, a penalized one with log-probabilities of its tokens and its
+    prompt, and a plain one: their steps are launched before the verify step in flight is read. The stop string ends
+    its request inside a verify step's kept run, which is cut there, and the row launched ahead for it is dropped with
+    the blocks and the hybrid checkpoint booked for it (no copy is left queued into a slot the books hold free). The
+    penalized row launched ahead counts the drafts before each position and its request's kept run on the device.
+    Tokens, text, finish and log-probabilities are those without speculation; the drafts kept and the caches' books
+    after the requests are those of async scheduling off."""
     import mmengine.engine.step_loop as step_loop
 
     prompts, images, expected, table = mtp_case
     params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=["What"], logprobs=2),
-              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=1), _greedy(20)]
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=1,
+                             presence_penalty=0.3, frequency_penalty=0.2, repetition_penalty=1.1), _greedy(20)]
+    reference = mtp_reference.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+    assert reference[1].token_ids[:11] == expected[1][:11] != reference[1].token_ids  # the penalties change the answer
+    assert reference[0].finish_reason == "stop" and reference[0].token_ids == expected[0][: len(reference[0].token_ids)]
     cuts, drop = [], step_loop._drop_tokens_after
 
     def cutting(request, index):
@@ -411,36 +422,35 @@ def test_stop_strings_and_logprobs_launch_ahead_with_the_results_of_async_off(mt
         engine = _mtp_engine(mode, block_size=4)  # (the dropped row passes a block's end: a checkpoint is booked there)
         _draft_through(engine, table)
         launched = _launched_beside(engine, lambda p: bool(p.stop) or p.logprobs is not None)
+        beside_penalties = _launched_beside(engine, lambda p: p.penalized)
         finishes = _state_copies_at_finish(engine)
         verified = _record_verified_drafts(engine)
         outs = engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
-        stats = engine.stats()
-        assert [o.token_ids for o in outs[1:]] == expected[1:] and outs[0].token_ids == expected[0][: len(outs[0].token_ids)]
-        assert outs[0].finish_reason == "stop" and outs[0].stop_reason == "What" and "What" not in outs[0].text
+        for out, ref in zip(outs, reference):
+            assert (out.token_ids, out.text, out.finish_reason, out.stop_reason) == (ref.token_ids, ref.text, ref.finish_reason, ref.stop_reason)
+            assert _logprob_rows(out.logprobs)[0] == _logprob_rows(ref.logprobs)[0]
+            assert _logprob_rows(out.prompt_logprobs)[0] == _logprob_rows(ref.prompt_logprobs)[0]
+            assert _logprob_rows(out.logprobs)[1] == pytest.approx(_logprob_rows(ref.logprobs)[1], abs=1e-4)
+            assert _logprob_rows(out.prompt_logprobs)[1] == pytest.approx(_logprob_rows(ref.prompt_logprobs)[1], abs=1e-4)
         assert cuts and cuts[0][0] == outs[0].request_id and cuts[0][1] > 0, cuts  # inside the run kept
-        for o in outs[:2]:
-            assert [e.token_id for e in o.logprobs] == o.token_ids  # one entry per token kept
-        assert len(outs[1].prompt_logprobs) == len(outs[1].prompt_token_ids)
         assert all(not stray for _, _, stray in finishes), finishes
-        found[mode] = dict(
-            outputs=[(o.token_ids, o.text, o.finish_reason, o.stop_reason, _logprob_rows(o.logprobs)[0],
-                      _logprob_rows(o.prompt_logprobs)[0]) for o in outs],
-            values=[_logprob_rows(o.logprobs)[1] + _logprob_rows(o.prompt_logprobs)[1] for o in outs],
-            verified=verified, spec={k: v for k, v in stats.items() if k.startswith("spec_")},
-            books=(engine.kv_cache.num_free_blocks, engine.kv_cache.num_cached_blocks, engine.scheduler.states.num_cached_checkpoints),
-            launched=launched, finishes=finishes)
+        stats = engine.stats()
+        found[mode] = dict(verified=verified, spec={k: v for k, v in stats.items() if k.startswith("spec_accepted")},
+                           books=(engine.kv_cache.num_free_blocks, engine.kv_cache.num_cached_blocks,
+                                  engine.scheduler.states.num_cached_checkpoints),
+                           launched=launched, beside_penalties=beside_penalties, finishes=finishes,
+                           penalized=sum(len(d) for request_id, _, d in verified if request_id == outs[1].request_id))
+        assert engine.runner.penalties.num_rows_in_use == 0
         assert_books_consistent(engine)
         engine.shutdown()
     on, off = found["on"], found["off"]
-    assert on["outputs"] == off["outputs"]
     # the drafts verified and kept; launched ahead, a request near max_tokens may verify a draft more (its room is
     # taken before the step in flight is read), which is never kept
-    assert [row for row in on["verified"] if row in off["verified"]] == off["verified"]
-    assert {k: v for k, v in on["spec"].items() if "accepted" in k} == {k: v for k, v in off["spec"].items() if "accepted" in k}
-    for a, b in zip(on["values"], off["values"]):
-        assert a == pytest.approx(b, abs=1e-4)
+    assert [row for row in on["verified"] if row in off["verified"]] == off["verified"] and on["spec"] == off["spec"]
+    assert on["penalized"] >= 10  # drafts the penalized request verified
     assert on["books"] == off["books"]
     assert not any(off["launched"]) and sum(on["launched"]) >= 5, on["launched"]
+    assert sum(on["beside_penalties"]) >= 5, on["beside_penalties"]
     assert on["finishes"][0][1] > 0  # the dropped row had booked a checkpoint
 
 

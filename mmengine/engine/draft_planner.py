@@ -141,17 +141,18 @@ class DraftPlanner:
         """With a draft head: whether the next step can be launched before the step in flight is read (its
         rows follow the head's drafts and each verify row's kept run on the device). Not when a row that samples
         needs the host between the two steps (the whole step then waits, as before): a grammar (its masks and the
-        drafts it allows), penalties (counted as kept); nor with a sliding-window pool (it frees blocks by the
-        booked position). Stop strings and log-probabilities need nothing in between: a stop string found in a kept
-        run ends the request when the run is booked (its row launched ahead is dropped, as a stop token's extra row
-        is without drafts), and the log-probabilities of the kept run are read with its tokens."""
+        drafts it allows); nor with a sliding-window pool (it frees blocks by the booked position). Stop strings,
+        log-probabilities and penalties need nothing in between: a stop string found in a kept run ends the request
+        when the run is booked (its row launched ahead is dropped, as a stop token's extra row is without drafts),
+        the log-probabilities of the kept run are read with its tokens, and a penalized request's kept run is
+        counted on the device where it was sampled (ModelRunner._count_kept_runs)."""
         if not self.follows_on_device or launched.pending is not None or self.scheduler.caches.windows is not None:
             return False
         for s in out.scheduled:
             request = s.request
             if not s.samples or request.is_finished:
                 continue
-            if request.grammar is not None or request.sampling_params.penalized:
+            if request.grammar is not None:
                 return False
         return True
 

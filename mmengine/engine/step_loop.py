@@ -16,10 +16,12 @@ tensor_parallel_size > 1 each rank so moves its own rows, from the step in fligh
 reading the step then books the kept run and moves the launched row's start by as much (resolve_runs).
 A stop string inside the kept run cuts it there and ends the request (after_token), and the row launched ahead
 for it is dropped unread, as a stop token's extra row is without drafts (its blocks, and a hybrid checkpoint
-booked for it, go with the request); log-probabilities are read with the step's tokens, the kept run's.
-A row that needs the host between the steps makes the whole step wait (a grammar, penalties:
-DraftPlanner.resolves_first, draft_planner.py, which also plans the drafts). Waiting, the step in flight is read,
-booked, its drafts handed on (spec/head_drafts.py), and the next one launched while the outputs go out.
+booked for it, go with the request); log-probabilities are read with the step's tokens, the kept run's; a
+penalized request's kept run is counted on the device as soon as it is sampled (ModelRunner._count_kept_runs),
+and its row launched ahead counts the drafts the device gave it. A row that needs the host between the steps
+makes the whole step wait (a grammar: its masks and the drafts it allows; DraftPlanner.resolves_first,
+draft_planner.py, which also plans the drafts). Waiting, the step in flight is read, booked, its drafts handed on
+(spec/head_drafts.py), and the next one launched while the outputs go out.
 
 With n-gram drafts, a step whose successor needs its tokens (a verify step, whose kept run sets the next
 positions; one after which drafts are expected) is read first, then the next one is launched and the
@@ -185,9 +187,10 @@ class StepLoop:
         requests that got tokens."""
         sampled = launched.result()
         self.drafts.received(launched)
-        # penalized verify steps: their kept tokens go into the penalty counts once kept
+        # penalized verify steps: their kept tokens go into the penalty counts once kept (a draft head's runner
+        # counts them on the device, as soon as it has sampled them)
         verified = [(s.request, s.request.num_output_tokens) for s in out.scheduled
-                    if s.draft_token_ids and s.request.sampling_params.penalized]
+                    if s.draft_token_ids and s.request.sampling_params.penalized and self.drafts.drafter is None]
         updated = self.scheduler.update_from_output(out, sampled, self.eos_token_ids)
         for request, before in verified:
             if request.num_output_tokens > before:

@@ -43,6 +43,9 @@ class PendingSample:
     sampled: list[Any]  # the ScheduledRequests whose rows these are
     sampling: Any  # their SamplingTensors (None when all are greedy)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # [len(sampled)] each row's input token on the device (a verify row's: its drafts, as the device verified them),
+    # when a penalized row verifies drafts (None otherwise)
+    input_ids: torch.Tensor | None = None
 
 
 @dataclass

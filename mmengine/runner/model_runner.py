@@ -45,7 +45,7 @@ from mmengine.runner.verify_graphs import (
 )
 from mmengine.runner.inputs import InputBuffers
 from mmengine.runner.follow_drafts import follow_drafts
-from mmengine.runner.head_drafter import Eagle3DraftHead, HeadDrafter, MtpHead
+from mmengine.runner.head_drafter import DeviceDrafts, Eagle3DraftHead, HeadDrafter, MtpHead
 from mmengine.sample.penalties import PenaltyState, apply_logit_bias
 from mmengine.runner.spans import span_ends
 from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, PendingSample, PromptLogprobs, TokenReadback
@@ -605,6 +605,8 @@ class ModelRunner:
             return LaunchedStep([], None, None, None, prompt_logprobs=prompt_logprobs) if prompt_logprobs else NOTHING_SAMPLED
         pending = PendingSample(self.model.compute_logits(hidden[inputs.logits_indices]), inputs.sampled, inputs.sampling,
                                 prompt_logprobs)
+        if any(s.draft_token_ids and s.request.sampling_params.penalized for s in inputs.sampled):
+            pending.input_ids = inputs.input_ids.index_select(0, inputs.logits_indices)
         if any(s.request.grammar is not None for s in inputs.sampled):
             # The masks need every token sampled so far: the engine calls sample() once the grammars
             # have them (with async scheduling, after reading the previous step's tokens, while this
@@ -714,11 +716,11 @@ class ModelRunner:
             columns = [[params[row].presence_penalty for row in penalized], [params[row].frequency_penalty for row in penalized],
                        [params[row].repetition_penalty for row in penalized]]
             presence, frequency, repetition = torch.tensor(columns, dtype=torch.float32).to(self.device, non_blocking=True)
-            # a verify row counts the drafts before it as output; its request's kept tokens are counted once
-            # the scheduler has kept them (count_kept_tokens), the others' tokens as they are sampled
-            drafted = [drafts_before[row] if drafts_before is not None else [] for row in penalized]
+            # a verify row counts the drafts before it as output, as the device holds them (a row launched ahead
+            # has placeholders on the host); its request's kept run is counted once known (with a draft head on the
+            # device, _count_kept_runs; else count_kept_tokens, once booked), the others' tokens as they are sampled
             logits = self.penalties.apply(logits, batch_rows, state_rows, presence, frequency, repetition,
-                                          self.penalties.draft_counts(drafted) if any(drafted) else None)
+                                          self._penalty_draft_counts(pending.input_ids, penalized, drafts_before))
         tokens = self.sampler(logits, params, [s.request.generator for s in sampled], pending.sampling)
         if penalized:
             plain = [i for i, row in enumerate(penalized) if not sampled[row].draft_token_ids]
@@ -729,6 +731,8 @@ class ModelRunner:
                 self.penalties.count(state_rows.index_select(0, index), tokens.index_select(0, batch_rows.index_select(0, index)))
         # a draft head drafts now, on the device, so the drafts come back with the tokens (runner/head_drafter.py)
         drafts = self.drafter.draft(tokens, sampled) if self.drafter is not None else None
+        if penalized and drafts is not None and drafts_before is not None:
+            self._count_kept_runs(tokens, sampled, penalized, batch_rows, state_rows, drafts_before, drafts)
         launched = self._readback.start([s.request.request_id for s in sampled], tokens, drafts)
         launched.prompt_logprobs = pending.prompt_logprobs
         asked = [row for row, p in enumerate(params) if p.logprobs is not None]
@@ -737,6 +741,33 @@ class ModelRunner:
             index = self._device_longs(asked)
             launched.logprobs = (asked, *token_logprobs(logits.index_select(0, index), tokens.index_select(0, index), max(ks)), ks)
         return launched
+
+    def _penalty_draft_counts(self, input_ids: torch.Tensor | None, penalized: list[int],
+                              drafts_before: list[list[int]] | None) -> torch.Tensor | None:
+        """[len(penalized), vocab] the drafts before each penalized row (the input tokens of the rows after its
+        run's first, up to its own), counted on the device; None when no row comes after drafts."""
+        pairs = [(i, row - back) for i, row in enumerate(penalized) for back in range(len(drafts_before[row]) if drafts_before else 0)]
+        if not pairs:
+            return None
+        rows, sources = zip(*pairs)
+        return self.penalties.tokens_counted(len(penalized), self._device_longs(list(rows)),
+                                             input_ids.index_select(0, self._device_longs(list(sources))))
+
+    def _count_kept_runs(self, tokens: torch.Tensor, sampled: list[ScheduledRequest], penalized: list[int],
+                         batch_rows: torch.Tensor, state_rows: torch.Tensor, drafts_before: list[list[int]],
+                         drafts: DeviceDrafts) -> None:
+        """A draft head's penalized verify rows: the tokens of each kept run (its positions up to the accepted count,
+        on the device) go into the request's counts now, so a step launched before this one is read penalizes by
+        them. (A run that booking cuts ends its request, whose counts go.)"""
+        verify = [i for i, row in enumerate(penalized) if sampled[row].draft_token_ids]
+        if not verify:
+            return
+        order = {request_id: r for r, request_id in enumerate(drafts.request_ids)}
+        index = self._device_longs(verify)
+        accepted = drafts.accepted.index_select(0, self._device_longs([order[sampled[penalized[i]].request.request_id] for i in verify]))
+        positions = self._device_longs([len(drafts_before[penalized[i]]) for i in verify])  # each row's place in its run
+        self.penalties.count(state_rows.index_select(0, index), tokens.index_select(0, batch_rows.index_select(0, index)),
+                             positions <= accepted)
 
     @torch.inference_mode()
     def count_kept_tokens(self, request: Request, tokens: list[int]) -> None:

@@ -1,6 +1,8 @@
 """Presence, frequency and repetition penalties (and logit_bias), applied on the device from per-request token counts
 that stay on the device: a step's sampled tokens are added to their rows' counts where they were
 sampled, so nothing is read back and the decode CUDA graphs (which end before sampling) are unchanged.
+A verify row's position counts the drafts before it (its input tokens on the device); its request's kept
+run is counted once known: with a draft head on the device, from the accepted count, else once booked.
 
 OpenAI's rule for the generated tokens: logit[t] -= frequency_penalty * count[t] + presence_penalty *
 (count[t] > 0). transformers' (and vLLM's) repetition penalty over the prompt and generated tokens:
@@ -73,17 +75,14 @@ class PenaltyState:
         rows = rows - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * (counts > 0)
         return logits.index_copy(0, batch_rows, rows.to(logits.dtype))
 
-    def draft_counts(self, drafts: list[list[int]]) -> torch.Tensor:
-        """[len(drafts), vocab] counts of each row's draft tokens (on the device)."""
-        counts = torch.zeros(len(drafts), self.vocab_size, dtype=torch.int32)
-        for row, tokens in enumerate(drafts):
-            for token in tokens:
-                counts[row, token] += 1
-        return counts.to(self.device, non_blocking=True)
+    def tokens_counted(self, num_rows: int, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[num_rows, vocab] counts of `tokens` [n], each in its row of `rows` [n] (on the device)."""
+        counts = torch.zeros(num_rows, self.vocab_size, dtype=torch.int32, device=self.device)
+        return counts.index_put_((rows, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
 
-    def count(self, state_rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Adds each row's sampled token to its counts (on the device)."""
-        one = torch.ones_like(tokens, dtype=torch.int32)
+    def count(self, state_rows: torch.Tensor, tokens: torch.Tensor, weights: torch.Tensor | None = None) -> None:
+        """Adds each row's sampled token to its counts (on the device); `weights` [n] (0 or 1): which count."""
+        one = torch.ones_like(tokens, dtype=torch.int32) if weights is None else weights.to(torch.int32)
         self.counts.index_put_((state_rows, tokens), one, accumulate=True)
 
 
