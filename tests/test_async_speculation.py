@@ -393,6 +393,14 @@ def _logprob_rows(entries) -> tuple[list, list[float]]:
             [v for e in entries for v in (e.logprob, *(v for _, v in e.top))])
 
 
+def _stop_logprobs_and_penalties() -> list[SamplingParams]:
+    """For mtp_case's prompts: a stop string inside the first one's answer, log-probabilities, and penalties that
+    change the second one's."""
+    return [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=["What"], logprobs=2),
+            SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=1,
+                           presence_penalty=0.3, frequency_penalty=0.2, repetition_penalty=1.1), _greedy(20)]
+
+
 def test_stop_strings_logprobs_and_penalties_launch_ahead_with_the_results_of_async_off(mtp_case, mtp_reference, monkeypatch):
     """A request with a stop string and log-probabilities, a penalized one with log-probabilities of its tokens and its
     prompt, and a plain one: their steps are launched before the verify step in flight is read. The stop string ends
@@ -404,9 +412,7 @@ def test_stop_strings_logprobs_and_penalties_launch_ahead_with_the_results_of_as
     import mmengine.engine.step_loop as step_loop
 
     prompts, images, expected, table = mtp_case
-    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=["What"], logprobs=2),
-              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, logprobs=3, prompt_logprobs=1,
-                             presence_penalty=0.3, frequency_penalty=0.2, repetition_penalty=1.1), _greedy(20)]
+    params = _stop_logprobs_and_penalties()
     reference = mtp_reference.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
     assert reference[1].token_ids[:11] == expected[1][:11] != reference[1].token_ids  # the penalties change the answer
     assert reference[0].finish_reason == "stop" and reference[0].token_ids == expected[0][: len(reference[0].token_ids)]
@@ -476,13 +482,16 @@ def test_an_abort_while_a_step_is_launched_ahead_drops_only_that_request(mtp_cas
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU tests above check the same logic")
 def test_steps_launched_ahead_on_cuda_give_the_tokens_of_async_off(mtp_case):
-    """On a GPU: verify graphs replay with rows moved on the device (Triton kernels, host lengths as bounds)."""
+    """On a GPU: verify graphs replay with rows moved on the device (Triton kernels, host lengths as bounds); beside
+    them a stop string, log-probabilities and penalties (their drafts read from the graph's inputs)."""
     prompts, images, expected, table = mtp_case
     found = {}
     for mode in ("off", "on"):
         engine = _mtp_engine(mode, device="cuda")
         _draft_through(engine, table)
         found[mode] = [o.token_ids for o in engine.generate(prompts, images=images, sampling_params=_greedy(20), use_tqdm=False)]
+        mixed = engine.generate(prompts, images=images, sampling_params=_stop_logprobs_and_penalties(), use_tqdm=False)
+        found[mode] += [(o.token_ids, o.text, o.finish_reason, [e.token_id for e in o.logprobs or []]) for o in mixed]
         if mode == "on":
             assert engine.stats()["steps_launched_ahead"] > 0
         engine.shutdown()
