@@ -673,7 +673,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    "--mm-processor-workers", str(args.mm_processor_workers),
                    "--max-admission-wait-ms", str(args.max_admission_wait_ms)]
     result = {"model": model, "device": device, "dtype": str(dtype).removeprefix("torch."),
-              "workload": {k: v for k, v in vars(args).items() if k not in ("output", "model", "build_7b")} | {
+              "workload": {k: sorted(v) if isinstance(v, frozenset) else v  # (--server-cpus, --client-cpus)
+                           for k, v in vars(args).items() if k not in ("output", "model", "build_7b")} | {
                   "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate},
               "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "torch": torch.__version__,
                           "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}}
