@@ -223,8 +223,10 @@ def serve_command(path) -> subprocess.Popen:
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
-def wait_for_serving(process: subprocess.Popen, timeout_s: float = 120) -> tuple[str, list[int]]:
-    """The server's URL and pids from its log line; its log is drained from then on (a full pipe would block it)."""
+def wait_for_serving(process: subprocess.Popen, timeout_s: float = 300) -> tuple[str, list[int]]:
+    """The server's URL and pids from its log line; its log is drained from then on (a full pipe would block it).
+    A server that exits first is seen at once (its log ends); the bound is for a hang only: three interpreters
+    importing torch took 80 s to serve on a 2-core machine under load."""
     found: queue.Queue = queue.Queue()
 
     def read() -> None:
