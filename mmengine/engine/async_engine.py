@@ -46,6 +46,10 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
+# A stream's params until the pool job has checked the request's own (SamplingParams() validates itself: a shared
+# one saves the event loop that work per request). Only ever replaced, never changed in place.
+_PENDING_PARAMS = SamplingParams()
+
 
 @dataclass
 class DeltaOutput:
@@ -348,7 +352,7 @@ class AsyncMMEngine:
         self._start()
         self.check_not_overloaded()
         request_id = check_request_id(request_id) or f"req-{random_hex()}"
-        stream = RequestStream(self, request_id, SamplingParams())  # its checked params are set before it is queued
+        stream = RequestStream(self, request_id, _PENDING_PARAMS)  # its checked params are set before it is queued
         stream.wakes_per_output = not whole_answer
         self._register(stream)
 

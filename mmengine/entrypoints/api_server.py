@@ -83,7 +83,8 @@ def build_app(async_engine: AsyncMMEngine, settings: ServerSettings) -> FastAPI:
     server = _OpenAIServer(async_engine, settings)
     install_error_handlers(app, on_error=lambda status: server.metrics.errors.labels(str(status)).inc())
     app.state.server = server
-    auth = [Depends(server.check_api_key)]
+    # without a key FastAPI would still solve the dependency (a coroutine and its bookkeeping) on every request
+    auth = [Depends(server.check_api_key)] if settings.api_key is not None else []
 
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -432,7 +433,8 @@ class _OpenAIServer:
                 last = delta
             return "".join(parts), last, logprobs, "".join(reasoning)
 
-        answers = await asyncio.gather(*(whole(d) for d in deltas))
+        # (gather wraps each coroutine in a task: a request with one choice awaits its own)
+        answers = [await whole(deltas[0])] if len(deltas) == 1 else await asyncio.gather(*(whole(d) for d in deltas))
         choices = []
         for prompt in range(shape.num_prompts):
             drawn = list(range(prompt * shape.samples, (prompt + 1) * shape.samples))
