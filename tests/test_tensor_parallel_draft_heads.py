@@ -192,6 +192,29 @@ def test_mtp_prefix_hits_and_checkpoints_launched_ahead_are_those_of_async_off(e
             assert torch.allclose(state, checkpoints["off"][block_hash][rank], atol=1e-5, rtol=1e-5), rank
 
 
+def test_mtp_steps_launched_ahead_keep_the_tokens_through_preemption(paths):
+    """Too few blocks at TP 2, async scheduling on: requests preempted while rows are launched ahead of their verify
+    steps compute their tokens again on the ranks, which must hold each kept run's tokens, not the placeholders
+    they were sent first (the driver sends a placeholder's position again once it knows the token)."""
+    from mmengine.testing.qwen_vl import qwen_vl_prompt
+
+    prompts = [qwen_vl_prompt(f"Story number {i} about the sea.", i % 2) for i in range(3)]
+    images = [PICTURES if i % 2 else None for i in range(3)]
+    options = {**OPTIONS, "block_size": 4, "max_num_batched_tokens": 16, "num_kv_blocks": 22, "enable_prefix_grouping": False}
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain = MMEngine(str(paths["mtp"]), **options)
+    expected = [o.token_ids for o in plain.generate(prompts, images=images, sampling_params=params, use_tqdm=False)]
+    plain.shutdown()
+    two = MMEngine(str(paths["mtp"]), tensor_parallel_size=2, speculative_config=_spec("mtp"), async_scheduling="on", **options)
+    try:
+        outs = two.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
+        stats = two.stats()
+    finally:
+        two.shutdown()
+    assert [o.token_ids for o in outs] == expected
+    assert stats["num_preemptions"] > 0 and stats["steps_launched_ahead"] > 0 and stats["spec_accepted_tokens"] > 0
+
+
 # -- in this process: the reads of rank 1, the refusals -------------------------------------
 
 
