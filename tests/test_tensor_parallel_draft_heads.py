@@ -29,6 +29,7 @@ from mmengine.testing.mtp import tiny_qwen3_5_mtp_path
 OPTIONS = {"device": "cpu", "dtype": "float32", "max_model_len": 256, "block_size": 8, "max_num_batched_tokens": 32}
 FAMILY = {"mtp": "qwen3_5", "eagle3": "qwen3_vl"}
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+PENALIZED = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, repetition_penalty=1.2, frequency_penalty=2.0)
 PICTURES = [make_test_image(61, size=(64, 64))]
 
 
@@ -58,12 +59,15 @@ def paths(family_checkpoint, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="module")
 def without_speculation(paths):
-    """method -> the batch's greedy tokens at TP 1 without a draft head."""
+    """method -> the batch's greedy tokens at TP 1 without a draft head (and ("mtp", "penalized") -> with PENALIZED)."""
     found = {}
     for method, path in paths.items():
         plain = MMEngine(str(path), **OPTIONS)
         prompts, images = _batch(method, "Describe the picture.")
         found[method] = [o.token_ids for o in plain.generate(prompts, images=images, sampling_params=GREEDY, use_tqdm=False)]
+        if method == "mtp":
+            found["mtp", "penalized"] = [o.token_ids for o in plain.generate(prompts, images=images, sampling_params=PENALIZED,
+                                                                            use_tqdm=False)]
         plain.shutdown()
     return found
 
@@ -190,6 +194,26 @@ def test_mtp_prefix_hits_and_checkpoints_launched_ahead_are_those_of_async_off(e
     for block_hash, states in checkpoints["on"].items():
         for rank, state in enumerate(states):
             assert torch.allclose(state, checkpoints["off"][block_hash][rank], atol=1e-5, rtol=1e-5), rank
+
+
+def test_penalized_rows_launched_ahead_at_tp2_give_the_tokens_without_speculation(engines, without_speculation):
+    """Penalties with the MTP head, async scheduling on at TP 2: each rank counts a verify row's kept run into its
+    penalties on its device, so the rows launched ahead of it are penalized as without speculation (and as TP 1's)."""
+    _, one, two = engines["mtp"]
+    prompts, images = _batch("mtp", "Describe the picture.")
+    found = {}
+    for engine, mode in ((one, False), (two, True)):
+        engine.steps.async_scheduling = mode
+        engine.reset_prefix_cache()
+        before = engine.stats()
+        outs = engine.generate(prompts, images=images, sampling_params=PENALIZED, use_tqdm=False)
+        after = engine.stats()
+        found[mode] = ([o.token_ids for o in outs], after["steps_launched_ahead"] - before["steps_launched_ahead"],
+                       after["spec_accepted_tokens"] - before["spec_accepted_tokens"])
+    (tokens_off, _, _), (tokens_on, ahead, accepted) = found[False], found[True]
+    assert tokens_on == tokens_off == without_speculation["mtp", "penalized"]
+    assert tokens_on != without_speculation["mtp"]  # (the penalties change the answer)
+    assert ahead > 0 and accepted > 0
 
 
 def test_mtp_steps_launched_ahead_keep_the_tokens_through_preemption(paths):

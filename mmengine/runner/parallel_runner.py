@@ -122,19 +122,25 @@ def start_executor(backend: str, factory: Any, tensor_parallel_size: int, device
     return MultiprocExecutor(factory, tensor_parallel_size, device=device, torch_threads=torch_threads, on_death=on_death)
 
 
-class ReleasedRequests:
-    """Stands in for the runner's PenaltyState on the driver: the engine releases a request when it leaves
-    (finished or aborted); the next plan tells the ranks to forget it."""
+class RemotePenalties:
+    """Stands in for the runner's PenaltyState on the driver; the next plan carries what it gathered to the ranks:
+    the requests the engine released (finished or aborted: the ranks forget them), and a penalized request's tokens
+    kept by an n-gram verify step, known once booked (each rank counts them before its next step, as TP 1's runner
+    does in count_kept_tokens; a draft head's kept runs are counted on the ranks' devices)."""
 
     def __init__(self) -> None:
         self.released: list[str] = []
+        self.kept: list[tuple[str, list[int]]] = []
 
     def release(self, request_id: str) -> None:
         self.released.append(request_id)
 
-    def take(self) -> list[str]:
-        released, self.released = self.released, []
-        return released
+    def count_kept(self, request_id: str, tokens: list[int]) -> None:
+        self.kept.append((request_id, list(tokens)))
+
+    def take(self) -> tuple[list[str], list[tuple[str, list[int]]]]:
+        released, kept, self.released, self.kept = self.released, self.kept, [], []
+        return released, kept
 
 
 @dataclass
@@ -238,7 +244,7 @@ class ParallelRunner:
         self.num_kv_blocks = 0
         self.block_size = config.cache_config.block_size
         self.sampler = Sampler(config.model_config.seed)  # the engine's make_generator (the ranks seed their own)
-        self.penalties = ReleasedRequests()
+        self.penalties = RemotePenalties()
         # a constrained verify row's masks: one a position, the grammar's after the drafts before it
         self.grammar_masks = BitmaskFiller(family.text_config.vocab_size, 1 + config.spec_config.num_speculative_tokens, self.device)
         self.encoder_outputs: dict[str, bool] = {}  # the mm_hashes the ranks hold
@@ -398,7 +404,7 @@ class ParallelRunner:
         self.lora_loads = []
         plan.kv_moves = self.host_blocks.take()
         masked: list[tuple[int, Any]] = []
-        plan.forget = self.penalties.take()
+        plan.forget, plan.kept_tokens = self.penalties.take()
         for request_id in plan.forget:
             self.synced.pop(request_id, None)
         new_items = [item for s in out.scheduled if s.request.request_id not in self.synced for item in s.request.mm_items]
@@ -497,6 +503,10 @@ class ParallelRunner:
     def load_lora_slot(self, slot: int, adapter: Any) -> None:
         """The ranks load the adapter into `slot` (each its part) before the next step: with the next plan."""
         self.lora_loads.append((slot, adapter))
+
+    def count_kept_tokens(self, request: Any, tokens: list[int]) -> None:
+        """A penalized request's tokens kept by a verify step (n-gram drafts), counted on each rank with the next plan."""
+        self.penalties.count_kept(request.request_id, tokens)
 
     def clear_lora_slot(self, slot: int) -> None:
         self.lora_loads.append((slot, None))

@@ -6,6 +6,7 @@ few numbers a request: where its tokens start, how many, its new tokens since th
 ```
 StepPlan
   forget          ids of requests that left (finished, aborted) since the last plan: their state goes
+  kept_tokens     penalized requests' tokens kept by an n-gram verify step, into each rank's penalty counts first
   new_requests    NewRequest: prompt ids, items (encoder inputs with them), M-RoPE positions, sampling params
   rows            PlannedRow per scheduled request: span, items to encode, tokens appended since the last plan
   block_tables    request id -> KV block ids (and window_tables for a window pool)
@@ -70,6 +71,7 @@ class StepPlan:
     rows: list[PlannedRow] = field(default_factory=list)
     new_requests: list[NewRequest] = field(default_factory=list)
     forget: list[str] = field(default_factory=list)
+    kept_tokens: list[tuple[str, list[int]]] = field(default_factory=list)  # (request id, tokens) to count, before the step
     block_tables: dict[str, list[int]] = field(default_factory=dict)
     window_tables: dict[str, list[int]] | None = None
     freed_encoder_hashes: list[str] = field(default_factory=list)

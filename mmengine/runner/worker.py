@@ -135,6 +135,9 @@ class ModelWorker:
     def execute_step(self, plan: StepPlan) -> StepResult | None:
         started = time.perf_counter()
         runner = self.runner
+        for request_id, tokens in plan.kept_tokens:
+            if request_id in self.requests and request_id not in plan.forget:
+                runner.count_kept_tokens(self.requests[request_id], tokens)
         for request_id in plan.forget:
             self.requests.pop(request_id, None)
             runner.penalties.release(request_id)
