@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 
 from mmengine.errors import InvalidInputError
 from mmengine.outputs import RequestOutput
+from mmengine.utils.heap import freeze_startup_heap
 
 if TYPE_CHECKING:
     from mmengine.engine.intake import PreparedRequest
@@ -88,6 +89,7 @@ def core_main(model: str, options: dict[str, Any], owner: Connection, address: s
     info = {"pid": os.getpid(), "max_tokens_in_kv_cache": processor.max_tokens_in_kv_cache,
             "max_tokens_per_item": processor.max_tokens_per_item}
     owner.send((READY, info))
+    freeze_startup_heap()
     EngineCore(engine, owner, info, listener).serve()
 
 

@@ -54,6 +54,7 @@ from typing import Any
 from mmengine.engine.core_process import FAILED, READY, core_environment, core_main, picklable
 from mmengine.entrypoints.server_settings import ServerSettings
 from mmengine.errors import ConfigError, EngineDeadError
+from mmengine.utils.heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
 
@@ -319,6 +320,7 @@ def front_end_main(index: int, spec: FrontEndSpec, sock: socket.socket, launcher
                                            timeout_graceful_shutdown=5))
     threading.Thread(target=_tell_launcher, args=(server, launcher, serving), name="mmengine-launcher-link",
                      daemon=True).start()
+    freeze_startup_heap()
     server.run(sockets=[sock])  # until stopped: its shutdown has closed the engine's client and worker pool
     leave()
 

@@ -3,4 +3,5 @@
   keyed_lock.py    one lock per key (equal bytes decoded once, an item preprocessed once)
   host_memory.py   how much host memory a tier or a CPU KV cache may take
   lazy_exports.py  package attributes imported on first use
+  heap.py          a serving process's start-up objects frozen out of the garbage collector's full passes
 """
