@@ -324,6 +324,7 @@ def test_qwen3_5_moe_hybrid_decoder_gives_tp1_and_transformers_tokens_with_chunk
     path = family_checkpoint("qwen3_5_moe")
     prompt = chat_formats.user_turn("qwen3_5_moe", "What is shown here? Describe it.", 1)
     params = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0)
+    penalized = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, frequency_penalty=-2.0)  # (repeats its answer)
     options = {"max_model_len": 256, "max_num_batched_tokens": 32}
     reference = MMEngine(str(path), **options)
     one = reference.generate(prompt, images=[make_test_image(11)], sampling_params=params, use_tqdm=False)[0]
@@ -337,10 +338,16 @@ def test_qwen3_5_moe_hybrid_decoder_gives_tp1_and_transformers_tokens_with_chunk
         engine.steps.drafts.proposer = AnswerProposer(one.prompt_token_ids, one.token_ids)
         drafted = engine.generate(prompt, images=[make_test_image(12)], sampling_params=params, use_tqdm=False)[0]
         spec = engine.stats()
+        # penalized: the ranks count each verify row's kept tokens, known once the driver books them (StepPlan.kept_tokens)
+        penalized_answer = reference.generate(prompt, images=[make_test_image(12)], sampling_params=penalized, use_tqdm=False)[0]
+        engine.steps.drafts.proposer = AnswerProposer(one.prompt_token_ids, penalized_answer.token_ids)
+        drafted_penalized = engine.generate(prompt, images=[make_test_image(12)], sampling_params=penalized, use_tqdm=False)[0]
+        kept = engine.stats()["spec_accepted_tokens"] - spec["spec_accepted_tokens"]
     assert first.token_ids == again.token_ids == one.token_ids
     assert again.num_cached_tokens > 0 and stats["state_checkpoint_hits"] >= 1 and stats["encoder_runs"] == 1
     assert drafted.token_ids == reference.generate(prompt, images=[make_test_image(12)], sampling_params=params, use_tqdm=False)[0].token_ids
     assert spec["spec_accepted_tokens"] > stats["spec_accepted_tokens"] and spec["spec_draft_tokens"] > spec["spec_accepted_tokens"]
+    assert drafted_penalized.token_ids == penalized_answer.token_ids != drafted.token_ids and kept > 0
 
 
 class AnswerProposer:
