@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -10,25 +12,41 @@ from transformers import AutoConfig, PretrainedConfig
 
 from mmengine.errors import CheckpointError, UnsupportedModelError
 from mmengine.models.family import ModelFamily
-from mmengine.models.gemma3 import Gemma3Family
-from mmengine.models.gemma4 import Gemma4Family
-from mmengine.models.idefics3 import Idefics3Family, SmolVLMFamily
-from mmengine.models.internvl import InternVLFamily
-from mmengine.models.llama4 import Llama4Family
-from mmengine.models.llava import LlavaFamily
-from mmengine.models.llava_onevision import LlavaOnevisionFamily
-from mmengine.models.mistral3 import Mistral3Family
-from mmengine.models.qwen3_5 import Qwen3_5Family, Qwen3_5MoeFamily
-from mmengine.models.qwen3_vl import Qwen3VLFamily, Qwen3VLMoeFamily
-from mmengine.models.qwen_vl import Qwen2VLFamily, Qwen2_5_VLFamily
 
-# Every supported family; adding one is a new file under models/ and an entry here.
-FAMILIES: tuple[type[ModelFamily], ...] = (LlavaFamily, Qwen2VLFamily, Qwen2_5_VLFamily, Qwen3VLFamily, Qwen3VLMoeFamily,
-                                           Qwen3_5Family, Qwen3_5MoeFamily, Gemma3Family, Gemma4Family,
-                                           LlavaOnevisionFamily, Idefics3Family, SmolVLMFamily, InternVLFamily,
-                                           Mistral3Family, Llama4Family)
-_BY_ARCHITECTURE = {arch: family for family in FAMILIES for arch in family.architectures}
-_BY_MODEL_TYPE = {family.model_type: family for family in FAMILIES}
+
+@dataclass(frozen=True)
+class FamilyEntry:
+    """Where a supported family lives: it is imported only when a checkpoint needs it, so a process pays
+    for one family's module (its vision tower, its processor code), not for every family's."""
+
+    architecture: str
+    module: str
+    class_name: str
+
+    def load(self) -> type[ModelFamily]:
+        return getattr(importlib.import_module(self.module), self.class_name)
+
+
+# Every supported family, by model_type; adding one is a new file under models/ and an entry here.
+FAMILIES: dict[str, FamilyEntry] = {
+    "llava": FamilyEntry("LlavaForConditionalGeneration", "mmengine.models.llava", "LlavaFamily"),
+    "qwen2_vl": FamilyEntry("Qwen2VLForConditionalGeneration", "mmengine.models.qwen_vl", "Qwen2VLFamily"),
+    "qwen2_5_vl": FamilyEntry("Qwen2_5_VLForConditionalGeneration", "mmengine.models.qwen_vl", "Qwen2_5_VLFamily"),
+    "qwen3_vl": FamilyEntry("Qwen3VLForConditionalGeneration", "mmengine.models.qwen3_vl", "Qwen3VLFamily"),
+    "qwen3_vl_moe": FamilyEntry("Qwen3VLMoeForConditionalGeneration", "mmengine.models.qwen3_vl", "Qwen3VLMoeFamily"),
+    "qwen3_5": FamilyEntry("Qwen3_5ForConditionalGeneration", "mmengine.models.qwen3_5", "Qwen3_5Family"),
+    "qwen3_5_moe": FamilyEntry("Qwen3_5MoeForConditionalGeneration", "mmengine.models.qwen3_5", "Qwen3_5MoeFamily"),
+    "gemma3": FamilyEntry("Gemma3ForConditionalGeneration", "mmengine.models.gemma3", "Gemma3Family"),
+    "gemma4": FamilyEntry("Gemma4ForConditionalGeneration", "mmengine.models.gemma4", "Gemma4Family"),
+    "llava_onevision": FamilyEntry("LlavaOnevisionForConditionalGeneration", "mmengine.models.llava_onevision",
+                                   "LlavaOnevisionFamily"),
+    "idefics3": FamilyEntry("Idefics3ForConditionalGeneration", "mmengine.models.idefics3", "Idefics3Family"),
+    "smolvlm": FamilyEntry("SmolVLMForConditionalGeneration", "mmengine.models.idefics3", "SmolVLMFamily"),
+    "internvl": FamilyEntry("InternVLForConditionalGeneration", "mmengine.models.internvl", "InternVLFamily"),
+    "mistral3": FamilyEntry("Mistral3ForConditionalGeneration", "mmengine.models.mistral3", "Mistral3Family"),
+    "llama4": FamilyEntry("Llama4ForConditionalGeneration", "mmengine.models.llama4", "Llama4Family"),
+}
+_BY_ARCHITECTURE = {entry.architecture: entry for entry in FAMILIES.values()}
 
 
 def load_hf_config(model_dir: Path) -> PretrainedConfig:
@@ -57,9 +75,9 @@ def family_class_for(config: PretrainedConfig) -> type[ModelFamily]:
     """The family of a checkpoint's config, by architecture name (or model_type when none is given)."""
     for arch in getattr(config, "architectures", None) or []:
         if arch in _BY_ARCHITECTURE:
-            return _BY_ARCHITECTURE[arch]
-    if config.model_type in _BY_MODEL_TYPE:
-        return _BY_MODEL_TYPE[config.model_type]
+            return _BY_ARCHITECTURE[arch].load()
+    if config.model_type in FAMILIES:
+        return FAMILIES[config.model_type].load()
     raise UnsupportedModelError(
         f"architecture {getattr(config, 'architectures', None) or config.model_type} is not supported; "
         f"supported: {', '.join(_BY_ARCHITECTURE)}"

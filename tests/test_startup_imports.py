@@ -1,0 +1,46 @@
+"""Each process imports what it uses: the family registry imports only the family a checkpoint asks for
+(not every family's module, vision towers and processor code), so an engine, a tensor-parallel rank, a
+front end and a preprocessing worker each pay for one family at start-up."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from transformers import PretrainedConfig
+
+from mmengine.errors import UnsupportedModelError
+from mmengine.models.registry import FAMILIES, family_class_for
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_each_registry_entry_names_its_family_class(model_type):
+    entry = FAMILIES[model_type]
+    family = entry.load()
+    assert family.model_type == model_type and family.architectures == (entry.architecture,)
+
+
+def test_an_unknown_architecture_is_refused_naming_the_supported_ones():
+    with pytest.raises(UnsupportedModelError, match="LlavaForConditionalGeneration"):
+        family_class_for(PretrainedConfig(architectures=["NoSuchForCausalLM"]))
+
+
+def _families_imported_after(architecture: str) -> list[str]:
+    modules = sorted({entry.module for entry in FAMILIES.values()})
+    probe = (
+        "import sys\n"
+        "from transformers import PretrainedConfig\n"
+        "from mmengine.models.registry import family_class_for\n"
+        f"family = family_class_for(PretrainedConfig(architectures=[{architecture!r}]))\n"
+        f"print(family.__name__, sorted(m for m in {modules!r} if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    return result.stdout.strip().splitlines()[-1].split(" ", 1)
+
+
+def test_resolving_a_family_imports_that_family_only():
+    # LLaVA's module stands alone; Qwen3.5's builds on Qwen3-VL's, which builds on Qwen2-VL's
+    assert _families_imported_after("LlavaForConditionalGeneration") == ["LlavaFamily", "['mmengine.models.llava']"]
+    assert _families_imported_after("Qwen3_5ForConditionalGeneration") == [
+        "Qwen3_5Family", "['mmengine.models.qwen3_5', 'mmengine.models.qwen3_vl', 'mmengine.models.qwen_vl']"]
