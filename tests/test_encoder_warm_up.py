@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from mmengine import MMEngine, SamplingParams
-from mmengine.runner.model_runner import encoder_batch_size
+from mmengine.runner.encoder_runs import encoder_batch_size
 from mmengine.testing import make_test_image
 
 

@@ -2,6 +2,10 @@
 
   model_runner.py  ModelRunner: loads the model, sizes the KV cache, runs a step
   inputs.py        persistent host/device input buffers and the step's packed layout
+  step_sampling.py a launched step's logits -> tokens: grammar masks, logit bias, penalties, logprobs
+  encoder_runs.py  a step's multimodal items through the towers, and their outputs into the embeddings
+  kv_memory.py     start-up sizing: the sliding-window pool, a hybrid model's states, the KV blocks
+  kv_copies.py     KV blocks between the device cache and the host tier
   cuda_graphs.py   batch-size buckets, capture and replay of decode-only steps
   cascade_plan.py  whether a step runs cascade attention, and with which groups
   launched_step.py a step queued on the device, its tokens (and a draft head's drafts) read back later

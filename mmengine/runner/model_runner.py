@@ -22,7 +22,7 @@ from mmengine.encoder_cache.host_tier import EncoderHostTier
 from mmengine.kernels.kv_quant import is_fp8
 from mmengine.kv_cache.host_tier import KVCopy
 from mmengine.kv_cache.manager import cdiv
-from mmengine.runner.kv_tensors import PagedKVTensors, WindowPool, kv_block_bytes, split_kv_memory
+from mmengine.runner.kv_tensors import PagedKVTensors, kv_block_bytes
 from mmengine.layers.attention import AttentionMetadata
 from mmengine.layers.attention_backends import get_attention_backend
 from mmengine.layers.gated_delta import GatedDeltaStates, RecurrentStep
@@ -45,15 +45,16 @@ from mmengine.runner.verify_graphs import (
 )
 from mmengine.runner.inputs import InputBuffers
 from mmengine.runner.follow_drafts import follow_drafts
-from mmengine.runner.head_drafter import DeviceDrafts, Eagle3DraftHead, HeadDrafter, MtpHead
-from mmengine.sample.penalties import PenaltyState, apply_logit_bias
+from mmengine.runner.head_drafter import Eagle3DraftHead, HeadDrafter, MtpHead
+from mmengine.sample.penalties import PenaltyState
 from mmengine.runner.spans import span_ends
-from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, PendingSample, PromptLogprobs, TokenReadback
+from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, PendingSample, TokenReadback
+from mmengine.runner import encoder_runs, kv_copies, kv_memory, step_sampling
 from mmengine.sample.params import SamplingParams
-from mmengine.sample.sampler import Sampler, token_logprobs
+from mmengine.sample.sampler import Sampler
 from mmengine.core.scheduler import ScheduledRequest, SchedulerOutput
 from mmengine.core.request import Request
-from mmengine.sample.structured_output.masks import BitmaskFiller, apply_token_bitmask
+from mmengine.sample.structured_output.masks import BitmaskFiller
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +112,8 @@ class ModelRunner:
         self.on_encoded: Callable[[tuple[str, torch.Tensor]], None] | None = None  # told of each output the tower makes
         self.kv_cache: PagedKVTensors | None = None
         # Sliding-window layers' own pool (None: every cached layer keeps every token, in one pool)
-        self.window_pool = self._plan_window_pool()
+        self.window_pool = kv_memory.plan_window_pool(family.kv_cache_windows(), config.cache_config, self.block_size,
+                                                      config.scheduler_config.max_num_batched_tokens, max_model_len)
         self.num_window_blocks = 0
         # Hybrid models: each linear-attention layer's states, slots 0..max_num_seqs-1 live, then checkpoints,
         # then one scratch slot that a decode graph's padding rows write into
@@ -213,17 +215,6 @@ class ModelRunner:
     def _pool_layout(self, windowed: bool) -> list[tuple[int, int]]:
         return [shape for shape, w in zip(self.family.kv_cache_layout(), self._windowed_layers()) if w == windowed]
 
-    def _plan_window_pool(self) -> WindowPool | None:
-        """The sliding-window layers' pool, when they have one window shorter than max_model_len (and the
-        config does not keep every token's K/V everywhere)."""
-        windows = {w for w in self.family.kv_cache_windows() if w is not None}
-        if self.config.cache_config.sliding_kv_ratio is None or len(windows) != 1 or min(windows) >= self.max_model_len:
-            if len(windows) > 1:
-                logger.info("sliding windows of %s tokens: every cached layer keeps every token", sorted(windows))
-            return None
-        return WindowPool.plan(min(windows), self.config.cache_config.sliding_kv_ratio, self.block_size,
-                               self.config.scheduler_config.max_num_batched_tokens, self.max_model_len)
-
     @property
     def state_slot_bytes(self) -> int:
         """Bytes of one recurrent state (every linear-attention layer's): a live state or a checkpoint."""
@@ -231,22 +222,6 @@ class ModelRunner:
         if shape is None:
             return 0
         return self.family.num_recurrent_layers * shape.state_bytes(torch.empty((), dtype=self.dtype).element_size())
-
-    def _reserve_state_memory(self, available: int) -> int:
-        """Hybrid models: takes the live states and the checkpoints out of `available` (cache memory);
-        sets num_state_checkpoints and returns what is left for the KV cache."""
-        slot = self.state_slot_bytes
-        if slot == 0:
-            return available
-        # the live states, each with a state per draft position (speculative decoding), and the scratch slot
-        available -= (self.config.scheduler_config.max_num_seqs * (1 + self.num_speculative_tokens) + 1) * slot
-        if not self.config.cache_config.enable_prefix_caching:
-            self.num_state_checkpoints = 0
-        elif self.config.cache_config.num_state_checkpoints is not None:
-            self.num_state_checkpoints = self.config.cache_config.num_state_checkpoints
-        else:
-            self.num_state_checkpoints = max(0, int(available * self.config.cache_config.state_checkpoint_memory_fraction) // slot)
-        return available - self.num_state_checkpoints * slot
 
     @property
     def embedding_bytes(self) -> int:
@@ -262,23 +237,14 @@ class ModelRunner:
             available = self._profile_kv_cache_bytes(images_per_step, encoder_budget_tokens)
         else:
             available = self.config.cache_config.cpu_kv_cache_bytes
-        available = self._reserve_state_memory(available)
+        # the live states, each with a state per draft position (speculative decoding), and the scratch slot
+        live_slots = self.config.scheduler_config.max_num_seqs * (1 + self.num_speculative_tokens) + 1
+        available, self.num_state_checkpoints = kv_memory.reserve_state_memory(available, self.state_slot_bytes, live_slots,
+                                                                               self.config.cache_config)
         per_block = self.kv_block_bytes + encoder_bytes_per_block
-        num_blocks, self.num_window_blocks = split_kv_memory(available - encoder_fixed_bytes, per_block,
-                                                             self.window_block_bytes, self.window_pool, useful)
-        if self.config.cache_config.num_kv_blocks is not None:
-            cuda = self.device.type == "cuda"  # on a GPU a cap within the memory; on CPU the count
-            num_blocks = min(num_blocks, self.config.cache_config.num_kv_blocks) if cuda else self.config.cache_config.num_kv_blocks
-            if self.window_pool is not None:
-                wanted = self.window_pool.blocks_for(num_blocks)
-                self.num_window_blocks = min(self.num_window_blocks, wanted) if cuda else wanted
-        if num_blocks < 1 or (self.window_pool is not None and self.num_window_blocks < self.window_pool.min_blocks):
-            raise ConfigError(
-                f"no memory left for the KV cache ({available} bytes available, {encoder_fixed_bytes} for the encoder "
-                f"cache, {per_block} bytes per block"
-                + (f", {self.window_pool.min_blocks} sliding-window blocks of {self.window_block_bytes} bytes at least)"
-                   if self.window_pool is not None else ")")
-            )
+        num_blocks, self.num_window_blocks = kv_memory.fit_kv_blocks(
+            available, encoder_fixed_bytes, per_block, self.window_block_bytes, self.window_pool, useful,
+            self.config.cache_config.num_kv_blocks, self.device.type == "cuda")
         return int(num_blocks)
 
     def allocate_kv_cache(self, num_blocks: int, num_state_slots: int | None = None, num_window_blocks: int | None = None) -> None:
@@ -306,16 +272,9 @@ class ModelRunner:
             attn.backend = self.attn_backend
 
     def profile_encoder_batches(self, images_per_step: int, encoder_budget_tokens: int) -> list[list]:
-        """What the profiling run encodes: a step's worth of the largest pictures and, for a family that
-        takes audio, a step's worth (of the encoder budget) of the longest clips (a tower of its own,
-        which may take more memory than the pictures' batch)."""
-        batches = [self.family.dummy_items(images_per_step)] if images_per_step > 0 else []
-        if "audio" in self.family.max_tokens_by_modality() and self.config.multimodal_config.limit_mm_per_prompt.get("audio", 0) > 0:
-            per_clip = self.family.max_tokens_per_item({"audio": 1}, self.config.multimodal_config.max_audio_seconds)
-            clips = self.family.dummy_audio_items(max(1, encoder_budget_tokens // per_clip), self.config.multimodal_config.max_audio_seconds)
-            if clips:
-                batches.append(clips)
-        return batches
+        """What the profiling run encodes (runner/encoder_runs.py)."""
+        return encoder_runs.profile_encoder_batches(self.family, self.config.multimodal_config, images_per_step,
+                                                    encoder_budget_tokens)
 
     def _profile_kv_cache_bytes(self, images_per_step: int, encoder_budget_tokens: int) -> int:
         """Runs the largest step once (a full token budget, a full encoder budget, sampling for
@@ -530,7 +489,7 @@ class ModelRunner:
         not known ahead)."""
         if not self.pad_encoder_batches or images_per_step < 1:
             return []
-        sizes = [1 << i for i in range(encoder_batch_size(images_per_step).bit_length())]
+        sizes = encoder_runs.warm_up_sizes(images_per_step)
         for size in sizes:
             self.model.encode_items(self.family.dummy_items(size))
         return sizes
@@ -555,7 +514,8 @@ class ModelRunner:
         for source, target in out.state_copies:  # checkpoints of rows launched ahead, before anything overwrites them
             for states in self.recurrent_states:
                 states.copy(source, target)
-        self._restore_encoder_outputs(out.scheduled)  # before the evicted go to the host tier (they may push these out)
+        # the host tier's hits first, before the evicted go to it (they may push these out)
+        encoder_runs.restore_encoder_outputs(self.encoder_outputs, self.encoder_host_tier, out.scheduled, self.device)
         self.free_encoder_outputs(out.freed_encoder_hashes, out.stale_encoder_hashes)
         self._run_encoder(out.scheduled, out.encoder_lora_slots)
         scheduled = [s for s in out.scheduled if s.num_new_tokens > 0]  # zero-token requests just wait
@@ -600,7 +560,7 @@ class ModelRunner:
                 self._copy_twin_saves()
         if self.drafter is not None:
             self.drafter.remember(hidden, inputs, block_tables, out.draft_depths, shifts, max_shift)
-        prompt_logprobs = self._prompt_logprobs(hidden, inputs.scheduled)
+        prompt_logprobs = step_sampling.prompt_logprobs(self.model.compute_logits, hidden, inputs.scheduled, self.device)
         if not inputs.sampled:
             if self.drafter is not None:  # the head's pass over the chunk: its K/V
                 self.drafter.draft(None, [])
@@ -671,111 +631,19 @@ class ModelRunner:
         slots = [s.state.slot for s in scheduled] + [self._scratch_state_slot] * (graph_size - len(scheduled))
         self._graph_state_slots[:graph_size].copy_(torch.tensor(slots, dtype=torch.long))
 
-    def _device_longs(self, values: list[int]) -> torch.Tensor:
-        """A small int64 tensor on the device without waiting for it: a blocking copy would wait for
-        the step's forward, which is still running when sampling is prepared."""
-        return torch.tensor(values, dtype=torch.long).to(self.device, non_blocking=True)
-
-    def _prompt_logprobs(self, hidden: torch.Tensor, scheduled: list[ScheduledRequest]) -> list[PromptLogprobs]:
-        """For the requests that asked (SamplingParams.prompt_logprobs): the log-probability of each
-        prompt token this step's chunk predicts (the token after each position), and the best k."""
-        found, row = [], 0
-        for s in scheduled:
-            request, k = s.request, s.request.sampling_params.prompt_logprobs
-            last = min(s.end, request.num_prompt_tokens - 1)  # the last prompt position predicts the first output
-            if k is not None and last > s.start:
-                logits = self.model.compute_logits(hidden[row : row + last - s.start])
-                targets = self._device_longs(request.prompt_token_ids[s.start + 1 : last + 1])
-                found.append(PromptLogprobs(request, s.start + 1, targets, *token_logprobs(logits, targets, k), k))
-            row += s.num_new_tokens
-        return found
-
     @torch.inference_mode()
     def sample(self, pending: PendingSample | LaunchedStep) -> LaunchedStep:
         """Samples a launched step's logits (under each constrained row's grammar mask) and starts
-        the copy of its tokens to the host."""
+        the copy of its tokens to the host (runner/step_sampling.py)."""
         if isinstance(pending, LaunchedStep):
             pending = pending.pending
-        logits, sampled = pending.logits, pending.sampled
-        constrained = [row for row, s in enumerate(sampled) if s.request.grammar is not None]
-        drafts_before = _drafts_before_rows(sampled) if any(s.draft_token_ids for s in sampled) else None
-        if constrained:
-            drafts_before = drafts_before or _drafts_before_rows(sampled)
-            bitmask = self.grammar_masks.fill([sampled[row].request.grammar for row in constrained],
-                                              [drafts_before[row] for row in constrained])
-            rows = self._device_longs(constrained)
-            logits = apply_token_bitmask(logits, rows, bitmask.to(self.device, non_blocking=True))
-        params = [s.request.sampling_params for s in sampled]
-        biased = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias]
-        if biased:
-            logits = apply_logit_bias(logits, biased)
-        # A finished request's row here is the extra step of async scheduling, whose token is dropped.
-        penalized = [row for row, p in enumerate(params) if p.penalized and not sampled[row].request.is_finished]
-        if penalized:
-            batch_rows = self._device_longs(penalized)
-            state_rows = self._device_longs([self.penalties.row_of(sampled[row].request.request_id,
-                                                                   sampled[row].request.prompt_token_ids) for row in penalized])
-            columns = [[params[row].presence_penalty for row in penalized], [params[row].frequency_penalty for row in penalized],
-                       [params[row].repetition_penalty for row in penalized]]
-            presence, frequency, repetition = torch.tensor(columns, dtype=torch.float32).to(self.device, non_blocking=True)
-            # a verify row counts the drafts before it as output, as the device holds them (a row launched ahead
-            # has placeholders on the host); its request's kept run is counted once known (with a draft head on the
-            # device, _count_kept_runs; else count_kept_tokens, once booked), the others' tokens as they are sampled
-            logits = self.penalties.apply(logits, batch_rows, state_rows, presence, frequency, repetition,
-                                          self._penalty_draft_counts(pending.input_ids, penalized, drafts_before))
-        tokens = self.sampler(logits, params, [s.request.generator for s in sampled], pending.sampling)
-        if penalized:
-            plain = [i for i, row in enumerate(penalized) if not sampled[row].draft_token_ids]
-            if len(plain) == len(penalized):
-                self.penalties.count(state_rows, tokens.index_select(0, batch_rows))
-            elif plain:
-                index = self._device_longs(plain)
-                self.penalties.count(state_rows.index_select(0, index), tokens.index_select(0, batch_rows.index_select(0, index)))
-        # a draft head drafts now, on the device, so the drafts come back with the tokens (runner/head_drafter.py)
-        drafts = self.drafter.draft(tokens, sampled) if self.drafter is not None else None
-        if penalized and drafts is not None and drafts_before is not None:
-            self._count_kept_runs(tokens, sampled, penalized, batch_rows, state_rows, drafts_before, drafts)
-        launched = self._readback.start([s.request.request_id for s in sampled], tokens, drafts)
-        launched.prompt_logprobs = pending.prompt_logprobs
-        asked = [row for row, p in enumerate(params) if p.logprobs is not None]
-        if asked:  # read back with the tokens (the copy waits for them anyway)
-            ks = [params[row].logprobs for row in asked]
-            index = self._device_longs(asked)
-            launched.logprobs = (asked, *token_logprobs(logits.index_select(0, index), tokens.index_select(0, index), max(ks)), ks)
-        return launched
-
-    def _penalty_draft_counts(self, input_ids: torch.Tensor | None, penalized: list[int],
-                              drafts_before: list[list[int]] | None) -> torch.Tensor | None:
-        """[len(penalized), vocab] the drafts before each penalized row (the input tokens of the rows after its
-        run's first, up to its own), counted on the device; None when no row comes after drafts."""
-        pairs = [(i, row - back) for i, row in enumerate(penalized) for back in range(len(drafts_before[row]) if drafts_before else 0)]
-        if not pairs:
-            return None
-        rows, sources = zip(*pairs)
-        return self.penalties.tokens_counted(len(penalized), self._device_longs(list(rows)),
-                                             input_ids.index_select(0, self._device_longs(list(sources))))
-
-    def _count_kept_runs(self, tokens: torch.Tensor, sampled: list[ScheduledRequest], penalized: list[int],
-                         batch_rows: torch.Tensor, state_rows: torch.Tensor, drafts_before: list[list[int]],
-                         drafts: DeviceDrafts) -> None:
-        """A draft head's penalized verify rows: the tokens of each kept run (its positions up to the accepted count,
-        on the device) go into the request's counts now, so a step launched before this one is read penalizes by
-        them. (A run that booking cuts ends its request, whose counts go.)"""
-        verify = [i for i, row in enumerate(penalized) if sampled[row].draft_token_ids]
-        if not verify:
-            return
-        order = {request_id: r for r, request_id in enumerate(drafts.request_ids)}
-        index = self._device_longs(verify)
-        accepted = drafts.accepted.index_select(0, self._device_longs([order[sampled[penalized[i]].request.request_id] for i in verify]))
-        positions = self._device_longs([len(drafts_before[penalized[i]]) for i in verify])  # each row's place in its run
-        self.penalties.count(state_rows.index_select(0, index), tokens.index_select(0, batch_rows.index_select(0, index)),
-                             positions <= accepted)
+        return step_sampling.sample_step(pending, device=self.device, sampler=self.sampler, penalties=self.penalties,
+                           grammar_masks=self.grammar_masks, readback=self._readback, drafter=self.drafter)
 
     @torch.inference_mode()
     def count_kept_tokens(self, request: Request, tokens: list[int]) -> None:
         """A penalized request's tokens kept by a verify step, into its output counts."""
-        row = self.penalties.row_of(request.request_id, request.prompt_token_ids)
-        self.penalties.count(self._device_longs([row] * len(tokens)), self._device_longs(tokens))
+        step_sampling.count_kept_tokens(self.penalties, request, tokens, self.device)
 
     def _graph_size_for(self, scheduled: list[ScheduledRequest]) -> tuple[int | None, int]:
         """(graph bucket, tokens a request) for a batch of decodes and verifies whose tokens are all
@@ -831,142 +699,25 @@ class ModelRunner:
         for module in self.vision_lora_modules.values():
             module.clear_slot(slot)
 
-    @torch.inference_mode()
     def copy_kv_blocks(self, offloads: list[KVCopy], restores: list[KVCopy]) -> None:
-        """Queues the step's copies between the KV tiers before anything else of the step, batched: the
-        evicted blocks gathered in one launch and copied to host memory, then the host-tier hits stacked
-        and copied back in one transfer and one scatter."""
-        if offloads:
-            ids = torch.tensor([c.block_id for c in offloads]).to(self.device, non_blocking=True)
-            gathered = self.kv_cache.gather_blocks(ids)  # per layer shape [layers, 2, n, block_size, heads, dim]
-            pin = self.device.type == "cuda"
-            for index, copy in enumerate(offloads):
-                parts = []
-                for group in gathered:
-                    block = group[:, :, index]
-                    host = torch.empty(block.shape, dtype=block.dtype, pin_memory=pin)
-                    host.copy_(block, non_blocking=pin)  # its own buffer: an entry never keeps the batch alive
-                    parts.append(host)
-                copy.entry.kv, copy.done = parts, True
-            if pin:
-                copied = torch.cuda.Event()
-                copied.record()
-                for copy in offloads:
-                    copy.entry.copied = copied
-        if restores:
-            ids = torch.tensor([c.block_id for c in restores]).to(self.device, non_blocking=True)
-            for copy in restores:
-                # a block offloaded a step or two ago (the host runs ahead of the device under async scheduling)
-                # may still be on its way to host memory: the stack below reads it on the host
-                if copy.entry.copied is not None:
-                    copy.entry.copied.synchronize()
-            stacked = [torch.stack([c.entry.kv[g] for c in restores], dim=2) for g in range(len(restores[0].entry.kv))]
-            if self.device.type == "cuda":
-                stacked = [part.pin_memory() for part in stacked]
-            self.kv_cache.scatter_blocks(ids, stacked)
-            for copy in restores:
-                copy.done = True
+        """Queues the step's copies between the KV tiers before anything else of the step (runner/kv_copies.py)."""
+        kv_copies.copy_kv_blocks(self.kv_cache, self.device, offloads, restores)
 
     def free_encoder_outputs(self, mm_hashes: list[str], stale: list[str] = ()) -> None:
         """Drops evicted outputs from the device; the host tier, if any, keeps a copy of those not `stale`
         (made before a reset of the encoder cache)."""
-        for mm_hash in mm_hashes:
-            output = self.encoder_outputs.pop(mm_hash)
-            if self.encoder_host_tier is not None and mm_hash not in stale:
-                self.encoder_host_tier.store(mm_hash, output)
-
-    def _restore_encoder_outputs(self, scheduled: list[ScheduledRequest]) -> None:
-        """Copies the step's items that the host tier holds back to the device (queued, no wait)."""
-        for s in scheduled:
-            for idx in s.restored_items:
-                mm_hash = s.request.mm_items[idx].mm_hash
-                self.encoder_outputs[mm_hash] = self.encoder_host_tier.load(mm_hash, self.device)
+        encoder_runs.free_encoder_outputs(self.encoder_outputs, self.encoder_host_tier, mm_hashes, stale)
 
     def _run_encoder(self, scheduled: list[ScheduledRequest], lora_slots: dict[str, int] | None = None) -> None:
         """Encodes the step's items; those of requests whose adapter changes the vision side
         (`lora_slots`) through their adapter's slot."""
-        jobs = [(s.request, idx) for s in scheduled for idx in s.encoder_items]
-        for req, idx in [job for job in jobs if "image_embeds" in job[0].mm_items[job[1]].encoder_inputs]:
-            item = req.mm_items[idx]  # precomputed embeddings go straight into the cache: no tower run
-            self.encoder_outputs[item.mm_hash] = item.encoder_inputs["image_embeds"].to(self.device, self.dtype, copy=True)
-        jobs = [(req, idx) for req, idx in jobs if "image_embeds" not in req.mm_items[idx].encoder_inputs]
-        # Padded batches hold pictures only (dummy_items' kind): other items (audio clips) go in a batch of their own
-        padding = [self.pad_encoder_batches and req.mm_items[idx].modality == "image" for req, idx in jobs]
-        padded = [job for job, pad in zip(jobs, padding) if pad]
-        rest = [job for job, pad in zip(jobs, padding) if not pad]
-        for group, pad in ((padded, True), (rest, False)):
-            if group:
-                self._encode_batch(group, pad, lora_slots)
-
-    def _encode_batch(self, jobs: list[tuple[Request, int]], pad: bool, lora_slots: dict[str, int] | None) -> None:
-        """Encodes items in one encode_items call (padded with dummy items to a warmed-up size when `pad`)."""
-        inputs = [req.mm_items[idx].encoder_inputs for req, idx in jobs]
-        if pad:
-            inputs += self.family.dummy_items(encoder_batch_size(len(inputs)) - len(inputs))
-        context = self.vision_lora_context
-        if context is not None and lora_slots:
-            slots = [lora_slots.get(req.request_id, -1) for req, _ in jobs] + [-1] * (len(inputs) - len(jobs))
-            context.items = [(slot, self.model.encoder_rows(item)) for slot, item in zip(slots, inputs)]
-        try:
-            embeddings = self.model.encode_items(inputs)[: len(jobs)]
-        finally:
-            if context is not None:
-                context.items = None
-        for (req, idx), emb in zip(jobs, embeddings):
-            item = req.mm_items[idx]
-            if emb.shape[0] != item.length:
-                raise RuntimeError(
-                    f"the vision encoder produced {emb.shape[0]} embeddings for an item with {item.length} "
-                    "placeholder tokens; the processor and model configs disagree"
-                )
-            # a copy: a view would keep the whole step's batch (padding included) alive while any one
-            # of its items stays cached, past what the encoder cache counts
-            self.encoder_outputs[item.mm_hash] = emb.to(self.dtype, copy=True)
-            if self.on_encoded is not None:
-                self.on_encoded((item.mm_hash, self.encoder_outputs[item.mm_hash]))
-        self.num_encoder_runs += len(jobs)
+        self.num_encoder_runs += encoder_runs.run_encoder(
+            self.model, self.family, self.encoder_outputs, scheduled, lora_slots, pad_batches=self.pad_encoder_batches,
+            lora_context=self.vision_lora_context, on_encoded=self.on_encoded, device=self.device, dtype=self.dtype)
 
     def _embed(self, input_ids: torch.Tensor, scheduled: list[ScheduledRequest],
                missing_ok: bool = False, table: torch.nn.Module | None = None) -> tuple[torch.Tensor, DeepStack | None]:
-        """Text embeddings, with each image's embeddings written over its placeholder positions, and
-        (Qwen3-VL) the DeepStack levels of those positions. `missing_ok`: an item not encoded yet keeps
-        its placeholders' text embeddings (the MTP head's look one token ahead, maybe into the next chunk's).
+        """Text embeddings with the step's encoder outputs over their placeholders (runner/encoder_runs.py).
         `table`: the text embeddings' table, when not the target's (an EAGLE-3 head's own)."""
-        embeds = (table if table is not None else self.model.embed_tokens)(input_ids)
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
-        offset = 0
-        for s in scheduled:
-            for item in s.request.mm_items:
-                if not item.overlaps(s.start, s.end):
-                    continue
-                lo, hi = max(s.start, item.offset), min(s.end, item.end)
-                emb = self.encoder_outputs.get(item.mm_hash) if missing_ok else self.encoder_outputs[item.mm_hash]
-                if emb is None:
-                    continue
-                src.append(emb[lo - item.offset : hi - item.offset])
-                dst.append(torch.arange(offset + lo - s.start, offset + hi - s.start, device=self.device))
-            offset += s.num_new_tokens
-        if not dst:
-            return embeds, None
-        rows, values = torch.cat(dst), torch.cat(src).to(embeds.dtype)
-        hidden = embeds.shape[1]
-        embeds[rows] = values[:, :hidden]
-        if values.shape[1] == hidden:
-            return embeds, None
-        return embeds, DeepStack(rows, values[:, hidden:].reshape(len(rows), -1, hidden).transpose(0, 1))
-
-
-def _drafts_before_rows(sampled: list[ScheduledRequest]) -> list[list[int]]:
-    """For each logits row, the drafts its position comes after: a verify step's rows are consecutive,
-    the request's last token's first (none), then one per draft."""
-    before: list[list[int]] = []
-    for row, s in enumerate(sampled):
-        index = len(before[-1]) + 1 if row and sampled[row - 1] is s else 0
-        before.append(s.draft_token_ids[:index])
-    return before
-
-
-def encoder_batch_size(num_items: int) -> int:
-    """The padded batch a step's one-size items go through the vision tower in: a power of two."""
-    return 1 << (num_items - 1).bit_length()
+        return encoder_runs.embed(table if table is not None else self.model.embed_tokens, self.encoder_outputs,
+                                  input_ids, scheduled, self.device, missing_ok)
