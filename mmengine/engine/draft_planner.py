@@ -145,7 +145,7 @@ class DraftPlanner:
         log-probabilities and penalties need nothing in between: a stop string found in a kept run ends the request
         when the run is booked (its row launched ahead is dropped, as a stop token's extra row is without drafts),
         the log-probabilities of the kept run are read with its tokens, and a penalized request's kept run is
-        counted on the device where it was sampled (ModelRunner._count_kept_runs)."""
+        counted on the device where it was sampled (step_sampling.count_kept_runs)."""
         if not self.follows_on_device or launched.pending is not None or self.scheduler.caches.windows is not None:
             return False
         for s in out.scheduled:

@@ -17,7 +17,7 @@ reading the step then books the kept run and moves the launched row's start by a
 A stop string inside the kept run cuts it there and ends the request (after_token), and the row launched ahead
 for it is dropped unread, as a stop token's extra row is without drafts (its blocks, and a hybrid checkpoint
 booked for it, go with the request); log-probabilities are read with the step's tokens, the kept run's; a
-penalized request's kept run is counted on the device as soon as it is sampled (ModelRunner._count_kept_runs),
+penalized request's kept run is counted on the device as soon as it is sampled (step_sampling.count_kept_runs),
 and its row launched ahead counts the drafts the device gave it. A row that needs the host between the steps
 makes the whole step wait (a grammar: its masks and the drafts it allows; DraftPlanner.resolves_first,
 draft_planner.py, which also plans the drafts). Waiting, the step in flight is read, booked, its drafts handed on
