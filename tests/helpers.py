@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 import time
 import types
@@ -162,7 +163,17 @@ class LocalRay:
         import ray
 
         before = frozenset(child.pid for child in psutil.Process().children(recursive=True))
-        ray.init(**cls.OPTIONS)
+        # Ray Serve's own start-up freeze off in its workers (recent Ray Serve freezes each replica's heap after its
+        # __init__; the ray extra allows older ones): the tests see mmengine's replicas freeze theirs
+        previous = os.environ.get("RAY_SERVE_FREEZE_GC_ON_STARTUP")
+        os.environ["RAY_SERVE_FREEZE_GC_ON_STARTUP"] = "0"  # read where Ray's processes start, inherited from here
+        try:
+            ray.init(**cls.OPTIONS)
+        finally:
+            if previous is None:
+                del os.environ["RAY_SERVE_FREEZE_GC_ON_STARTUP"]
+            else:
+                os.environ["RAY_SERVE_FREEZE_GC_ON_STARTUP"] = previous
         return cls(before)
 
     def processes(self) -> list:

@@ -19,6 +19,7 @@ cache-aware routing.
 
 
 import asyncio
+import gc
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -33,6 +34,7 @@ from ray.serve.handle import DeploymentHandle
 from mmengine.errors import ConfigError
 from mmengine.ray.metrics_merge import merge_replica_metrics
 from mmengine.ray.routing import Router, chat_request_key, completion_request_key, with_adapter
+from mmengine.utils.heap import freeze_startup_heap
 
 if TYPE_CHECKING:  # the engine replicas import the server (and the engine); the router, in this module too, does not
     from mmengine.entrypoints.api_server import ServerSettings
@@ -64,6 +66,11 @@ class EngineReplica:
 
             self.store_client = EncoderStoreClient(named_store(*encoder_store), self.async_engine.engine)
         self.app = build_server_app(self.async_engine, settings)
+        freeze_startup_heap()  # built, not yet serving: as the one-process server and each front end do
+
+    def frozen_heap_objects(self) -> int:
+        """The objects this replica's start-up froze out of the garbage collector's full passes (utils/heap.py)."""
+        return gc.get_freeze_count()
 
     def flush_encoder_store(self) -> bool:
         """Waits until this replica's encoder outputs so far are in the cluster store (True without one)."""
@@ -171,6 +178,11 @@ class OpenAIRouter:
                                "not yet seen answered", ["replica"], registry=self.registry)
         for replica in range(len(engines)):
             self.in_flight.labels(str(replica)).set_function(lambda replica=replica: self.loads[replica])
+        freeze_startup_heap()  # its event loop relays every request: no full pass over start-up's objects there
+
+    def frozen_heap_objects(self) -> int:
+        """The objects this router's start-up froze out of the garbage collector's full passes (utils/heap.py)."""
+        return gc.get_freeze_count()
 
     @ingress_app.get("/metrics")
     async def metrics(self) -> Response:
