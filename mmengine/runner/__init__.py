@@ -7,6 +7,7 @@
   kv_memory.py     start-up sizing: the sliding-window pool, a hybrid model's states, the KV blocks
   kv_copies.py     KV blocks between the device cache and the host tier
   cuda_graphs.py   batch-size buckets, capture and replay of decode-only steps
+  graph_steps.py   the steps a capture records, and the static tensors they read and write
   cascade_plan.py  whether a step runs cascade attention, and with which groups
   launched_step.py a step queued on the device, its tokens (and a draft head's drafts) read back later
   head_drafter.py  a draft head (MTP, EAGLE-3) drafting within the step that samples, on the device

@@ -35,14 +35,8 @@ from mmengine.models.loader import default_dtype, iter_checkpoint, parameters_on
 from mmengine.models.quantization import quantization_of
 from mmengine.runner.cascade_plan import CascadePolicy, cascade_layer_shape
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
-from mmengine.runner.verify_graphs import (
-    RecurrentColumns,
-    refresh_host_lists,
-    state_source,
-    verify_graph_sizes,
-    verify_metadata,
-    verify_query_len,
-)
+from mmengine.runner.verify_graphs import state_source, verify_graph_sizes, verify_query_len
+from mmengine.runner.graph_steps import GraphSteps
 from mmengine.runner.inputs import InputBuffers
 from mmengine.runner.follow_drafts import follow_drafts
 from mmengine.runner.head_drafter import Eagle3DraftHead, HeadDrafter, MtpHead
@@ -119,7 +113,6 @@ class ModelRunner:
         # then one scratch slot that a decode graph's padding rows write into
         self.recurrent_states: list[GatedDeltaStates] = []
         self.num_state_checkpoints = 0
-        self._graph_state_slots: torch.Tensor | None = None  # a decode graph's slot per row, rewritten before each replay
         self._twin_saves: list[tuple[int, int]] = []  # (slot saved, slot that gets the same state) after this forward
         self.num_encoder_runs = 0  # items encoded
         # On a GPU, one-size items go through the tower in batches padded to a power of two: cuDNN
@@ -151,10 +144,7 @@ class ModelRunner:
         self.penalties = PenaltyState(self.text_config.vocab_size, device)
         self.decode_graphs: DecodeGraphs | None = None
         self.capturer_factory: Callable[[], GraphCapturer] = CudaGraphCapturer  # what capture_cuda_graphs() records with
-        # The final hidden states of a graph step, at a fixed address (rows beyond the batch are padding).
-        self._graph_hidden: torch.Tensor | None = None
-        self._verify_columns: RecurrentColumns | None = None  # a hybrid model's verify graphs, by token column
-        self._verify_metadata: dict[int, AttentionMetadata] = {}  # each verify graph's, for its host lists
+        self._graph_steps: GraphSteps | None = None  # what the captured graphs read and write (graph_steps.py)
         self.drafter: HeadDrafter | None = None
         if family.num_draft_layers:
             self.drafter = HeadDrafter(MtpHead(self), self.block_size, self.num_speculative_tokens)
@@ -354,14 +344,12 @@ class ModelRunner:
         assert self.kv_cache is not None, "allocate the KV cache before capturing"
         graphs = self.plan_cuda_graphs()
         sizes, verify_sizes, query_len, cascade_sizes = graphs.sizes, graphs.verify_sizes, graphs.verify_query_len, graphs.cascade_sizes
-        rows = max(max(sizes), max(verify_sizes, default=0) * query_len)
-        self._graph_hidden = torch.zeros(rows, self.text_config.hidden_size, dtype=self.dtype, device=self.device)
-        if self.recurrent_states:
-            self._graph_state_slots = torch.full((max(sizes),), self._scratch_state_slot, dtype=torch.long, device=self.device)
-            if verify_sizes:
-                self._verify_columns = RecurrentColumns(max(verify_sizes), query_len, self._scratch_state_slot, self.device)
+        steps = self._graph_steps = GraphSteps(
+            self.model, self.inputs, self.attn_backend, self.lora_context, graphs, hidden_size=self.text_config.hidden_size,
+            max_model_len=self.max_model_len, num_kv_heads=self.num_kv_heads, dtype=self.dtype, device=self.device,
+            scratch_state_slot=self._scratch_state_slot if self.recurrent_states else None)
         with torch.inference_mode():
-            report = graphs.capture_all(self._decode_step, capturer or self.capturer_factory(), self.device, self._verify_step)
+            report = graphs.capture_all(steps.decode_step, capturer or self.capturer_factory(), self.device, steps.verify_step)
         if self.lora_context is not None:
             self.lora_context.segments = None
         self.decode_graphs = graphs
@@ -374,81 +362,8 @@ class ModelRunner:
 
     def release_cuda_graphs(self) -> None:
         self.decode_graphs = None
-        self._graph_hidden = None
-        self._graph_state_slots = None
-        self._verify_columns = None
-        self._verify_metadata.clear()
+        self._graph_steps = None
         self.inputs.cascade_graph_bounds.clear()
-
-    def _verify_step(self, size: int) -> Callable[[], None]:
-        """A verify step of `size` requests of up to 1 + num_speculative_tokens tokens over the persistent
-        buffers (runner/verify_graphs.py), writing the final hidden states into the static output."""
-        query_len = 1 + self.num_speculative_tokens
-        num_tokens = size * query_len
-        self.inputs.fill_dummy_decode(size, query_len)
-        buffers = self.inputs
-        metadata = verify_metadata(
-            size, query_len, buffers.slot_mapping.device[:num_tokens], buffers.query_start_loc.device[: size + 1],
-            buffers.seq_lens.device[:size], buffers.block_tables.device[:size],
-            buffers.window_slot_mapping.device[:num_tokens] if buffers.windowed else None,
-            buffers.window_block_tables.device[:size] if buffers.windowed else None,
-        )
-        if self.recurrent_states:
-            self._verify_columns.fill_padding(size)
-            metadata.recurrent = RecurrentStep([0], [], graph_columns=self._verify_columns.views(size))
-        self._verify_metadata[size] = metadata
-        input_ids, positions = buffers.input_ids.device[:num_tokens], buffers.positions.device[:num_tokens]
-        hidden_out = self._graph_hidden[:num_tokens]
-        context = self.lora_context
-
-        def step() -> None:
-            if context is not None:
-                context.segments = None  # verify graphs have no LoRA variant: a step with adapters runs eager
-            hidden_out.copy_(self.model(self.model.embed_tokens(input_ids), positions, metadata, input_ids=input_ids))
-
-        return step
-
-    def _decode_step(self, size: int, cascade: bool = False, lora: bool = False) -> Callable[[], None]:
-        """A decode step of `size` rows over the persistent buffers, writing the final hidden states
-        into the static output. Everything the launches depend on is fixed per size: the decode
-        attention's split count, a context bound of max_model_len and, for the cascade variant, the
-        prefix pass's grids (runner/cascade_plan.py's GraphBounds)."""
-        self.inputs.fill_dummy_decode(size)
-        splits = None
-        if hasattr(self.attn_backend, "choose_num_splits"):
-            splits = self.attn_backend.choose_num_splits(size, self.num_kv_heads, self.max_model_len, self.device)
-        buffers = self.inputs
-        metadata = AttentionMetadata(
-            slot_mapping=buffers.slot_mapping.device[:size],
-            query_start_loc=buffers.query_start_loc.device[: size + 1],
-            seq_lens=buffers.seq_lens.device[:size],
-            block_tables=buffers.block_tables.device[:size],
-            window_slot_mapping=buffers.window_slot_mapping.device[:size] if buffers.windowed else None,
-            window_block_tables=buffers.window_block_tables.device[:size] if buffers.windowed else None,
-            query_lens_cpu=[1] * size,
-            seq_lens_cpu=[self.max_model_len] * size,
-            query_start_loc_cpu=list(range(size + 1)),
-            num_decodes=size,
-            max_decode_seq_len=self.max_model_len,
-            max_prefill_query_len=0,
-            decode_num_splits=splits,
-            cascade=self.inputs.cascade_graph_metadata(size, self.inputs.cascade.graph_bounds(size, self.max_model_len))
-            if cascade else None,
-        )
-        if self.recurrent_states:
-            self._graph_state_slots.fill_(self._scratch_state_slot)
-            metadata.recurrent = RecurrentStep(list(range(size + 1)), [], decode_slots=self._graph_state_slots[:size])
-        input_ids, positions = buffers.input_ids.device[:size], buffers.positions.device[:size]
-        hidden_out = self._graph_hidden[:size]
-        context = self.lora_context
-        segments = buffers.lora_graph_segments(size) if lora else None
-
-        def step() -> None:
-            if context is not None:  # read while the step is recorded (or, on the CPU stand-in, re-run)
-                context.segments = segments
-            hidden_out.copy_(self.model(self.model.embed_tokens(input_ids), positions, metadata, input_ids=input_ids))
-
-        return step
 
     def warm_up(self, images_per_step: int = 0) -> None:
         """Compiles every kernel configuration an eager step can launch, so no request pays for a JIT: on a
@@ -543,12 +458,12 @@ class ModelRunner:
             inputs.metadata.span_ends = span_ends(inputs.scheduled, self.family.bidirectional_modalities, self.device)
         if inputs.graph_size is not None and inputs.graph_query_len > 1:
             self._replay_verify(inputs)
-            hidden = self._graph_hidden
+            hidden = self._graph_steps.hidden
         elif inputs.graph_size is not None:
             if self.recurrent_states:
-                self._set_graph_state_slots(inputs.scheduled, inputs.graph_size)
+                self._graph_steps.set_state_slots(inputs.scheduled, inputs.graph_size)
             self.decode_graphs.replay(inputs.graph_size, inputs.graph_cascade, inputs.graph_lora)
-            hidden = self._graph_hidden
+            hidden = self._graph_steps.hidden
             for s in inputs.scheduled if self.recurrent_states else ():
                 for _, target in s.state.saves:  # a decode saves after its one token
                     for states in self.recurrent_states:
@@ -580,10 +495,9 @@ class ModelRunner:
         """Replays the verify graph of the step's size; then a hybrid model's checkpoints inside the step
         are copied from the states the graph kept (runner/verify_graphs.py)."""
         size = inputs.graph_size
-        refresh_host_lists(self._verify_metadata[size], inputs.metadata)
+        self._graph_steps.prepare_verify(inputs.metadata, inputs.scheduled, size)
         if self.recurrent_states:
             self._twin_saves = []  # the eager forward's: the graph keeps every draft state itself
-            self._verify_columns.fill(inputs.scheduled, inputs.metadata.query_start_loc_cpu, size)
         self.decode_graphs.replay_verify(size)
         for s in inputs.scheduled if self.recurrent_states else ():
             for position, target in s.state.saves:
@@ -625,12 +539,6 @@ class ModelRunner:
     def _scratch_state_slot(self) -> int:
         return self.recurrent_states[0].conv.shape[0] - 1
 
-    def _set_graph_state_slots(self, scheduled: list[ScheduledRequest], graph_size: int) -> None:
-        """Each row's live slot for the graph step (padding rows: the scratch slot). Copied from a fresh
-        host tensor, which the copy has read when it returns, so the next step may rewrite nothing early."""
-        slots = [s.state.slot for s in scheduled] + [self._scratch_state_slot] * (graph_size - len(scheduled))
-        self._graph_state_slots[:graph_size].copy_(torch.tensor(slots, dtype=torch.long))
-
     @torch.inference_mode()
     def sample(self, pending: PendingSample | LaunchedStep) -> LaunchedStep:
         """Samples a launched step's logits (under each constrained row's grammar mask) and starts
@@ -638,7 +546,7 @@ class ModelRunner:
         if isinstance(pending, LaunchedStep):
             pending = pending.pending
         return step_sampling.sample_step(pending, device=self.device, sampler=self.sampler, penalties=self.penalties,
-                           grammar_masks=self.grammar_masks, readback=self._readback, drafter=self.drafter)
+                                         grammar_masks=self.grammar_masks, readback=self._readback, drafter=self.drafter)
 
     @torch.inference_mode()
     def count_kept_tokens(self, request: Request, tokens: list[int]) -> None:

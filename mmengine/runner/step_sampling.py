@@ -121,7 +121,8 @@ def count_kept_runs(penalties: PenaltyState, tokens: torch.Tensor, sampled: list
         return
     order = {request_id: r for r, request_id in enumerate(drafts.request_ids)}
     index = device_longs(verify, device)
-    accepted = drafts.accepted.index_select(0, device_longs([order[sampled[penalized[i]].request.request_id] for i in verify], device))
+    rows_in_drafts = [order[sampled[penalized[i]].request.request_id] for i in verify]
+    accepted = drafts.accepted.index_select(0, device_longs(rows_in_drafts, device))
     positions = device_longs([len(drafts_before[penalized[i]]) for i in verify], device)  # each row's place in its run
     penalties.count(state_rows.index_select(0, index), tokens.index_select(0, batch_rows.index_select(0, index)),
                     positions <= accepted)
