@@ -44,3 +44,23 @@ def test_resolving_a_family_imports_that_family_only():
     assert _families_imported_after("LlavaForConditionalGeneration") == ["LlavaFamily", "['mmengine.models.llava']"]
     assert _families_imported_after("Qwen3_5ForConditionalGeneration") == [
         "Qwen3_5Family", "['mmengine.models.qwen3_5', 'mmengine.models.qwen3_vl', 'mmengine.models.qwen_vl']"]
+
+
+def test_sharing_keys_tokenize_as_the_processor_without_loading_it(checkpoint_dir):
+    """Ray's sharing keys need the tokenizer only: the driver loads it alone (not the processor, whose import
+    pulls transformers' modeling code), and it tokenizes as the processor's own tokenizer does."""
+    from mmengine.models.registry import load_hf_processor
+    from mmengine.ray.keys import SharingKeys
+
+    path = checkpoint_dir()
+    prompt = "USER: <image>\nWhat is in this picture, and why? ASSISTANT:"
+    assert SharingKeys(path).tokenizer(prompt)["input_ids"] == load_hf_processor(path).tokenizer(prompt)["input_ids"]
+    probe = (
+        "import sys\n"
+        "from mmengine.ray.keys import SharingKeys\n"
+        f"SharingKeys({str(path)!r}).prefix_chain('hello world')\n"
+        "print(sorted(m for m in ('transformers.modeling_utils', 'transformers.processing_utils', 'mmengine.models.family')"
+        " if m in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.strip().splitlines()[-1] == "[]"

@@ -6,12 +6,14 @@ import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import AutoConfig, PretrainedConfig
 
 from mmengine.errors import CheckpointError, UnsupportedModelError
-from mmengine.models.family import ModelFamily
+
+if TYPE_CHECKING:
+    from mmengine.models.family import ModelFamily
 
 
 @dataclass(frozen=True)
@@ -126,7 +128,28 @@ def load_hf_processor(model_dir: Path, mm_processor_kwargs: dict[str, Any] | Non
         raise CheckpointError(f"cannot load the tokenizer and processor: {_first_line(err)}", model_dir) from err
 
 
+def load_hf_tokenizer(model_dir: Path) -> Any:
+    """The checkpoint's tokenizer alone, as every family's processor loads it (AutoTokenizer on the checkpoint's
+    directory), for a process that only tokenizes: no image processor, no family, no modeling code imported."""
+    _check_tokenizer_files(model_dir)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    except Exception as err:  # transformers raises OSError, ValueError, TypeError, KeyError, ... here
+        raise CheckpointError(f"cannot load the tokenizer: {_first_line(err)}", model_dir) from err
+
+
 def _check_processor_files(model_dir: Path) -> None:
+    _check_tokenizer_files(model_dir)
+    if not any((model_dir / name).is_file() for name in _PROCESSOR_FILES):
+        raise CheckpointError(
+            f"no image processor settings: expected {' or '.join(_PROCESSOR_FILES)}", model_dir / _PROCESSOR_FILES[0]
+        )
+
+
+def _check_tokenizer_files(model_dir: Path) -> None:
+    """Every JSON file the checkpoint has parses, and it has a tokenizer file."""
     for name in _JSON_FILES:
         path = model_dir / name
         if path.is_file():
@@ -136,7 +159,3 @@ def _check_processor_files(model_dir: Path) -> None:
                 raise CheckpointError(f"not valid JSON ({err})", path) from err
     if not any((model_dir / name).is_file() for name in _TOKENIZER_FILES):
         raise CheckpointError(f"no tokenizer file: expected one of {', '.join(_TOKENIZER_FILES)}", model_dir / _TOKENIZER_FILES[0])
-    if not any((model_dir / name).is_file() for name in _PROCESSOR_FILES):
-        raise CheckpointError(
-            f"no image processor settings: expected {' or '.join(_PROCESSOR_FILES)}", model_dir / _PROCESSOR_FILES[0]
-        )

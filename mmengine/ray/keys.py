@@ -65,11 +65,11 @@ class SharingKeys:
     """Computes rows' sharing keys for one checkpoint: loads only its tokenizer, never its weights."""
 
     def __init__(self, model: str | os.PathLike, block_size: int = 16, hash_algo: str = "xxh3_128") -> None:
-        from mmengine.models.registry import load_hf_processor
+        from mmengine.models.registry import load_hf_tokenizer
 
         self.block_size = block_size
         self.hash_algo = hash_algo
-        self.tokenizer = load_hf_processor(Path(model)).tokenizer
+        self.tokenizer = load_hf_tokenizer(Path(model))
         # A fixed seed: keys are compared only with each other, within one placement.
         self._hash_fn = make_hash_function(hash_algo, 0)
 
