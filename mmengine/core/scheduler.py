@@ -523,7 +523,9 @@ class Scheduler:
         self, out: SchedulerOutput, sampled: dict[str, int | list[int]], eos_token_ids: frozenset[int]
     ) -> list[Request]:
         """Advances the scheduled requests; returns those that got new tokens this step. `sampled`: each
-        sampling request's token, or its tokens at every position of the step (a verify step's)."""
+        sampling request's token, or its tokens at every position of the step (a verify step's). No step is in
+        flight here, so the blocks a running request holds past its tokens (drafts it did not keep, a draft head's
+        chain) go back."""
         updated = []
         for s in out.scheduled:
             request = s.request
@@ -541,6 +543,8 @@ class Scheduler:
                 status = RequestStatus.FINISHED_LENGTH
             if status is not None:
                 self.finish_request(request, status)
+            elif request.status == RequestStatus.RUNNING:  # nothing is in flight: its blocks past its tokens go
+                self.caches.free_past(request, request.num_tokens)
             updated.append(request)
         return updated
 
@@ -658,7 +662,19 @@ class Scheduler:
                     if self.states is not None:
                         self.states.restored_on_device(request)
                         self._book_moved_saves(following_row)
+            if running:
+                self.caches.free_past(request, self._tokens_in_flight(request, following_row, following))
         return [s.request for s in rows]
+
+    def _tokens_in_flight(self, request: Request, row: ScheduledRequest | None, step: SchedulerOutput | None) -> int:
+        """The tokens whose blocks a request keeps once a step is booked: those it holds and, while its row of the
+        step launched meanwhile (`row`, moved to its start) runs, every position that row may write: its tokens and
+        its head's chain past them (as long as the step's longest, the head chains every row alike)."""
+        if row is None or not row.num_new_tokens:
+            return request.num_tokens
+        depths = step.draft_depths
+        chain = self.config.spec_config.num_speculative_tokens if depths is None else max(depths.values(), default=0)
+        return max(request.num_tokens, row.end + chain - 1)
 
     def _book_moved_saves(self, s: ScheduledRequest) -> None:
         """A hybrid model's row launched ahead, now that its positions are known: the checkpoints it passes are

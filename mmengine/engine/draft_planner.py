@@ -174,9 +174,11 @@ class DraftPlanner:
     def take_draft_blocks(self, out: SchedulerOutput, ahead_of: SchedulerOutput | None) -> int:
         """A draft head drafts within the step that samples (runner/head_drafter.py): each sampling request's chain
         is as long as it may take drafts after the step (out.draft_depths), and the blocks its chained drafts write,
-        past the step's tokens, are taken before the step is launched, where free. A row launched ahead of its
-        request's verify step (`ahead_of`, the step in flight) starts up to that step's drafts later. Returns the
-        tokens the step no longer computes (rows launched ahead that were cut for want of blocks)."""
+        past the step's tokens, are taken before the step is launched, where free; those its kept run does not reach
+        go back once the step is booked (Scheduler.update_from_output; resolve_runs keeps what a row launched
+        meanwhile may write). A row launched ahead of its request's verify step (`ahead_of`, the step in flight)
+        starts up to that step's drafts later. Returns the tokens the step no longer computes (rows launched ahead
+        that were cut for want of blocks)."""
         caches = self.scheduler.caches
         out.draft_depths = {}
         shifts = {s.request.request_id: len(s.draft_token_ids) for s in ahead_of.scheduled} if ahead_of is not None else {}

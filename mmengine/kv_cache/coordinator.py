@@ -135,6 +135,12 @@ class CacheCoordinator:
         if self.states is not None:
             self.states.commit(request)
 
+    def free_past(self, request: Request, num_tokens: int) -> None:
+        """Once a step is booked: the full-attention blocks past the request's first `num_tokens` tokens go back
+        (drafts it did not keep, a draft head's chain). The sliding-window pool's are not given back here: the request's
+        later tokens fill them, as before."""
+        self.kv_cache.free_past(request, num_tokens)
+
     def release(self, request: Request) -> None:
         if self.states is not None:
             self.states.release(request)

@@ -289,6 +289,24 @@ class KVCacheManager:
         self._num_chained.pop(request.request_id, None)
         self.pool.release(blocks[::-1])
 
+    def free_past(self, request: Request, num_tokens: int) -> None:
+        """Gives back the request's blocks past those that hold its first `num_tokens` tokens: blocks a verify
+        step's rejected drafts, or a draft head's chain past the step, were given and its kept run did not reach
+        (the next step takes again what it needs). They lie past every full block of the request, so none is
+        cached or shared; they go to the head of the free queue, taken again before any cached block is evicted.
+        The request's block-id list is replaced, not shortened: a step already launched keeps the table it read."""
+        blocks = self._req_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        past = blocks[keep:]
+        shared = [b.block_id for b in past if b.is_cached or b.ref_cnt != 1]
+        if shared:
+            raise RuntimeError(f"blocks {shared} of {request.request_id} past its {num_tokens} tokens are cached or shared")
+        del blocks[keep:]
+        self._req_block_ids[request.request_id] = self._req_block_ids[request.request_id][:keep]
+        self.pool.release(past, evict_first=True)
+
     def hold_prefix(self, request: Request, prefix: Sequence[BlockHash]) -> list[KVBlock]:
         """References the request's first blocks once more when they are cached under exactly
         `prefix` (a prefix-sharing group keeps its shared blocks out of the free queue, so LRU
