@@ -8,6 +8,7 @@
   kv_copies.py     KV blocks between the device cache and the host tier
   cuda_graphs.py   batch-size buckets, capture and replay of decode-only steps
   graph_steps.py   the steps a capture records, and the static tensors they read and write
+  state_steps.py   a hybrid model's recurrent states over a step: started, described, saves copied
   cascade_plan.py  whether a step runs cascade attention, and with which groups
   launched_step.py a step queued on the device, its tokens (and a draft head's drafts) read back later
   head_drafter.py  a draft head (MTP, EAGLE-3) drafting within the step that samples, on the device

@@ -5,6 +5,11 @@ persistent input buffers, replays a CUDA graph when the batch is decode-only (el
 samples on the device and copies the sampled tokens back without waiting: reading them
 (LaunchedStep.result) is the step's only host sync, and with async scheduling the next step is
 already queued by then.
+
+ModelRunner loads the model and coordinates a step; each part of the work lives in a module of its own:
+inputs.py (the input buffers), encoder_runs.py (the towers and their outputs), state_steps.py (a hybrid
+model's states), graph_steps.py and cuda_graphs.py (CUDA graphs), step_sampling.py (logits -> tokens),
+head_drafter.py and follow_drafts.py (draft heads), kv_memory.py, kv_tensors.py and kv_copies.py (the KV cache).
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from mmengine.models.loader import default_dtype, iter_checkpoint, parameters_on
 from mmengine.models.quantization import quantization_of
 from mmengine.runner.cascade_plan import CascadePolicy, cascade_layer_shape
 from mmengine.runner.cuda_graphs import CaptureReport, CudaGraphCapturer, DecodeGraphs, GraphCapturer, graph_batch_sizes
-from mmengine.runner.verify_graphs import state_source, verify_graph_sizes, verify_query_len
+from mmengine.runner.verify_graphs import verify_graph_sizes, verify_query_len
 from mmengine.runner.graph_steps import GraphSteps
 from mmengine.runner.inputs import InputBuffers
 from mmengine.runner.follow_drafts import follow_drafts
@@ -43,7 +48,7 @@ from mmengine.runner.head_drafter import Eagle3DraftHead, HeadDrafter, MtpHead
 from mmengine.sample.penalties import PenaltyState
 from mmengine.runner.spans import span_ends
 from mmengine.runner.launched_step import NOTHING_SAMPLED, LaunchedStep, PendingSample, TokenReadback
-from mmengine.runner import encoder_runs, kv_copies, kv_memory, step_sampling
+from mmengine.runner import encoder_runs, kv_copies, kv_memory, state_steps, step_sampling
 from mmengine.sample.params import SamplingParams
 from mmengine.sample.sampler import Sampler
 from mmengine.core.scheduler import ScheduledRequest, SchedulerOutput
@@ -426,9 +431,8 @@ class ModelRunner:
         `window_tables`: each request's sliding-window pool blocks (with a window pool)."""
         if self.drafter is not None:
             self.drafter.forget()
-        for source, target in out.state_copies:  # checkpoints of rows launched ahead, before anything overwrites them
-            for states in self.recurrent_states:
-                states.copy(source, target)
+        # checkpoints of rows launched ahead, before anything overwrites them
+        state_steps.copy_states(self.recurrent_states, out.state_copies)
         # the host tier's hits first, before the evicted go to it (they may push these out)
         encoder_runs.restore_encoder_outputs(self.encoder_outputs, self.encoder_host_tier, out.scheduled, self.device)
         self.free_encoder_outputs(out.freed_encoder_hashes, out.stale_encoder_hashes)
@@ -464,15 +468,14 @@ class ModelRunner:
                 self._graph_steps.set_state_slots(inputs.scheduled, inputs.graph_size)
             self.decode_graphs.replay(inputs.graph_size, inputs.graph_cascade, inputs.graph_lora)
             hidden = self._graph_steps.hidden
-            for s in inputs.scheduled if self.recurrent_states else ():
-                for _, target in s.state.saves:  # a decode saves after its one token
-                    for states in self.recurrent_states:
-                        states.copy(s.state.slot, target)
+            if self.recurrent_states:
+                state_steps.copy_states(self.recurrent_states, state_steps.decode_graph_saves(inputs.scheduled))
         else:
             embeds, deepstack = self._embed(inputs.input_ids, inputs.scheduled)
             hidden = self.model(embeds, inputs.positions, inputs.metadata, deepstack, input_ids=inputs.input_ids)
-            if self._twin_saves:
-                self._copy_twin_saves()
+            if self._twin_saves:  # the second slot of each position saved twice gets the first's state
+                state_steps.copy_states(self.recurrent_states, self._twin_saves)
+                self._twin_saves = []
         if self.drafter is not None:
             self.drafter.remember(hidden, inputs, block_tables, out.draft_depths, shifts, max_shift)
         prompt_logprobs = step_sampling.prompt_logprobs(self.model.compute_logits, hidden, inputs.scheduled, self.device)
@@ -499,41 +502,15 @@ class ModelRunner:
         if self.recurrent_states:
             self._twin_saves = []  # the eager forward's: the graph keeps every draft state itself
         self.decode_graphs.replay_verify(size)
-        for s in inputs.scheduled if self.recurrent_states else ():
-            for position, target in s.state.saves:
-                source = state_source(s, position)
-                for states in self.recurrent_states:
-                    states.copy(source, target)
+        if self.recurrent_states:
+            state_steps.copy_states(self.recurrent_states, state_steps.verify_graph_saves(inputs.scheduled))
 
     def _recurrent_step(self, scheduled: list[ScheduledRequest], query_start_loc: list[int]) -> RecurrentStep:
-        """Starts each admitted request's live state (zeros, or a checkpoint copied in), then describes
-        the step to the linear-attention layers: slots and saves in packed order."""
-        for s in scheduled:
-            plan = s.state
-            if plan.reset or plan.restore_from is not None:
-                for states in self.recurrent_states:
-                    if plan.reset:
-                        states.reset(plan.slot)
-                    else:
-                        states.copy(plan.restore_from, plan.slot)
-        saves, self._twin_saves = [], []
-        for s in scheduled:
-            offsets: list[tuple[int, int]] = []
-            for position, slot in sorted(s.state.saves + s.state.draft_saves):
-                if offsets and offsets[-1][0] == position - s.start:  # a checkpoint and a draft state at one position
-                    self._twin_saves.append((offsets[-1][1], slot))
-                else:
-                    offsets.append((position - s.start, slot))
-            saves.append(offsets)
-        stepwise = frozenset(i for i, s in enumerate(scheduled) if s.state.draft_saves)  # verify steps: token by token
-        return RecurrentStep(query_start_loc[: len(scheduled) + 1], [s.state.slot for s in scheduled], saves, stepwise=stepwise)
-
-    def _copy_twin_saves(self) -> None:
-        """After the forward: the second slot of each position saved twice gets the first's state."""
-        for source, target in self._twin_saves:
-            for states in self.recurrent_states:
-                states.copy(source, target)
-        self._twin_saves = []
+        """Starts each admitted request's live state, then describes the step to the linear-attention layers
+        (runner/state_steps.py); the twin saves wait for the forward."""
+        state_steps.start_states(self.recurrent_states, scheduled)
+        step, self._twin_saves = state_steps.describe_step(scheduled, query_start_loc)
+        return step
 
     @property
     def _scratch_state_slot(self) -> int:
