@@ -48,8 +48,8 @@ def test_the_serve_command_wires_the_engine_and_the_server(checkpoint_dir, monke
     loopback port instead (a subprocess would spend most of its time importing torch)."""
     served = {}
 
-    def run_on_a_free_port(async_engine, settings, host, port, log_level):
-        served.update(host=host, port=port, log_level=log_level, engine=async_engine.engine)
+    def run_on_a_free_port(async_engine, settings, host, port, log_level, access_log):
+        served.update(host=host, port=port, log_level=log_level, access_log=access_log, engine=async_engine.engine)
         with running_server(async_engine, settings) as server:
             auth = {"Authorization": "Bearer secret"}
             served["models"] = httpx.get(server.v1 + "/models", headers=auth).json()
@@ -63,8 +63,9 @@ def test_the_serve_command_wires_the_engine_and_the_server(checkpoint_dir, monke
     assert main(["serve", "--model", str(checkpoint_dir()), "--port", "8123", "--host", "127.0.0.2",
                  "--served-model-name", "tiny", "--api-key", "secret", "--max-queued-requests", "5",
                  "--max-model-len", "128", "--no-enable-prefix-caching", "--log-level", "warning",
-                 "--max-admission-wait-ms", "5"]) == 0
+                 "--max-admission-wait-ms", "5", "--disable-uvicorn-access-log"]) == 0
     assert (served["host"], served["port"], served["log_level"]) == ("127.0.0.2", 8123, "warning")
+    assert served["access_log"] is False
     config = served["engine"].config
     assert config.model_config.max_model_len == 128 and config.cache_config.enable_prefix_caching is False
     assert [m["id"] for m in served["models"]["data"]] == ["tiny"] and served["refused"] == 401
@@ -73,16 +74,27 @@ def test_the_serve_command_wires_the_engine_and_the_server(checkpoint_dir, monke
 
 
 def test_the_served_name_defaults_to_the_model_argument(checkpoint_dir, monkeypatch):
-    names, waits = [], []
+    names, waits, access_logs = [], [], []
 
     def record(async_engine, settings, *args, **kwargs):
         names.append(settings.served_model_name)
         waits.append(async_engine.max_admission_wait_s)
+        access_logs.append(kwargs["access_log"])
 
     monkeypatch.setattr("mmengine.entrypoints.api_server.run_server", record)
     assert main(["serve", "--model", str(checkpoint_dir()), "--max-model-len", "128"]) == 0
     assert names == [str(checkpoint_dir())]
     assert waits == [0.0]  # steps never wait for requests being prepared unless asked: the wait delays running requests
+    assert access_logs == [True]  # uvicorn's access log stays on unless --disable-uvicorn-access-log (as vLLM's)
+
+
+def test_the_access_log_option_is_in_the_help(capsys):
+    try:
+        main(["serve", "--help"])
+    except SystemExit:
+        pass
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "--disable-uvicorn-access-log no access-log line per request from uvicorn" in help_text
 
 
 def test_api_server_count_is_wired_and_refuses_what_it_cannot_serve(checkpoint_dir, monkeypatch, capsys):
@@ -99,7 +111,7 @@ def test_api_server_count_is_wired_and_refuses_what_it_cannot_serve(checkpoint_d
     try:
         main(["serve", "--model", model, "--api-server-count", "3", "--port", "8124", "--max-queued-requests", "8",
               "--served-model-name", "tiny", "--max-model-len", "128", "--mm-processor-workers", "1", "--log-level", "warning",
-              "--max-admission-wait-ms", "20"])
+              "--max-admission-wait-ms", "20", "--disable-uvicorn-access-log"])
     except SystemExit as exit_:
         assert exit_.code == 1
     else:
@@ -108,7 +120,7 @@ def test_api_server_count_is_wired_and_refuses_what_it_cannot_serve(checkpoint_d
     assert (launched["count"], launched["port"], spec.model, spec.settings.served_model_name) == (3, 8124, model, "tiny")
     assert spec.engine_options["max_model_len"] == 128 and spec.engine_options["mm_processor_workers"] == 1
     assert spec.max_queued_requests == 8  # split among the front ends by the launcher (ceil(8 / 3) = 3 each)
-    assert spec.max_admission_wait_s == 0.02
+    assert spec.max_admission_wait_s == 0.02 and spec.access_log is False  # each front end's uvicorn.Config
     for flags, message in ((["--api-server-count", "0"], "--api-server-count must be >= 1"),
                            (["--api-server-count", "2", "--enable-lora"], "does not serve LoRA adapters"),
                            (["--api-server-count", "2", "--data-parallel-size", "2"], "not supported with --data-parallel-size")):

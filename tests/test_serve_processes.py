@@ -15,10 +15,13 @@ import subprocess
 import sys
 import threading
 import time
+import types
+from dataclasses import dataclass, field
 
 import httpx
 import psutil
 import pytest
+from helpers import wait_until
 from serve_helpers import data_url, image_part, parse_metrics, reference_server
 
 from mmengine import SamplingParams
@@ -216,25 +219,39 @@ def test_a_dead_core_makes_every_front_end_answer_503_and_the_server_exit_non_ze
 _SERVING = re.compile(r"on (http://127\.0\.0\.1:\d+): 2 front ends \(pids (\d+), (\d+)\), engine core pid (\d+)")
 
 
-def serve_command(path) -> subprocess.Popen:
+def serve_command(path, *flags: str, temp_dir=None) -> subprocess.Popen:
+    """The server in a subprocess (its temporary files under `temp_dir` when given); its log (stderr, and uvicorn's
+    access log on stdout) comes on one pipe."""
     command = [sys.executable, "-m", "mmengine", "serve", "--model", str(path), "--api-server-count", "2",
                "--port", "0", "--served-model-name", MODEL, "--max-model-len", "256", "--dtype", "float32",
-               "--device", "cpu"]
-    return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               "--device", "cpu", *flags]
+    env = None if temp_dir is None else {**os.environ, "TMPDIR": str(temp_dir)}
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def wait_for_serving(process: subprocess.Popen, timeout_s: float = 300) -> tuple[str, list[int]]:
-    """The server's URL and pids from its log line; its log is drained from then on (a full pipe would block it).
-    A server that exits first is seen at once (its log ends); the bound is for a hang only: three interpreters
-    importing torch took 80 s to serve on a 2-core machine under load."""
+@dataclass
+class ServerLog:
+    lines: list[str] = field(default_factory=list)
+    ended: threading.Event = field(default_factory=threading.Event)  # every process writing it is gone
+
+
+def wait_for_serving(process: subprocess.Popen, timeout_s: float = 300,
+                     log: ServerLog | None = None) -> tuple[str, list[int]]:
+    """The server's URL and pids from its log line; its log is drained from then on (a full pipe would block it),
+    into `log` when given. A server that exits first is seen at once (its log ends); the bound is for a hang only:
+    three interpreters importing torch took 80 s to serve on a 2-core machine under load."""
     found: queue.Queue = queue.Queue()
 
     def read() -> None:
-        for line in process.stderr:
+        for line in process.stdout:
+            if log is not None:
+                log.lines.append(line)
             match = _SERVING.search(line)
             if match:
                 found.put((match.group(1), [int(match.group(i)) for i in (2, 3, 4)]))
         found.put(None)
+        if log is not None:
+            log.ended.set()
 
     threading.Thread(target=read, daemon=True).start()
     serving = found.get(timeout=timeout_s)
@@ -243,15 +260,26 @@ def wait_for_serving(process: subprocess.Popen, timeout_s: float = 300) -> tuple
     return serving
 
 
+_ACCESS_LINE = '"POST /v1/chat/completions HTTP/1.1" 200'
+
+
 @pytest.mark.parametrize("victim", ["front end", "launcher"])
-def test_a_dead_front_end_or_launcher_brings_the_whole_server_down(llava, victim):
+def test_a_dead_front_end_or_launcher_brings_the_whole_server_down(llava, victim, tmp_path):
     """`mmengine serve --api-server-count 2`: one front end killed -> the server exits with code 1 and stops the
-    rest; the launcher killed -> its front ends and core exit on their own (no orphans)."""
-    process = serve_command(llava)
+    rest; the launcher killed -> its front ends and core exit on their own (no orphans). Either way the run
+    directory (the core's socket, the metrics files) is removed: by the launcher, or by the core after its front
+    ends when the launcher was killed. Uvicorn's access log: a line per request, none with
+    --disable-uvicorn-access-log (the launcher case runs with it)."""
+    flags = ["--disable-uvicorn-access-log"] if victim == "launcher" else []
+    process = serve_command(llava, *flags, temp_dir=tmp_path)
     pids: list[int] = []
+    log = ServerLog()
     try:
-        base_url, pids = wait_for_serving(process)
+        base_url, pids = wait_for_serving(process, log=log)
+        assert len(list(tmp_path.glob("mmengine-serve-*"))) == 1  # the launcher's run directory, while serving
         assert post(base_url, chat([7], 3)).status_code == 200
+        if not flags:
+            assert wait_until(lambda: any(_ACCESS_LINE in line for line in log.lines))
         os.kill(pids[0] if victim == "front end" else process.pid, signal.SIGKILL)
         killed = time.monotonic()
         code = process.wait(timeout=30)
@@ -260,6 +288,11 @@ def test_a_dead_front_end_or_launcher_brings_the_whole_server_down(llava, victim
             time.sleep(0.05)
         assert not any(alive(pid) for pid in pids)
         assert time.monotonic() - killed < 20
+        assert wait_until(lambda: not list(tmp_path.glob("mmengine-serve-*")), timeout_s=5)
+        if flags:
+            assert log.ended.wait(10)  # every process writing the log is gone: it is whole
+            assert any("Started server process" in line for line in log.lines)  # the front ends' uvicorn logs come here
+            assert not any(_ACCESS_LINE in line for line in log.lines)
     finally:
         if process.poll() is None:
             process.kill()
@@ -289,6 +322,49 @@ def test_sigterm_while_starting_stops_what_has_started(monkeypatch):
     spec = FrontEndSpec("unused", {}, ServerSettings("unused"))
     assert server_processes.run_server_processes(spec, 2, "127.0.0.1", 0) == 0
     assert stops == [0] and signal.getsignal(signal.SIGTERM) is before
+
+
+class _IdleEngine:
+    """What EngineCore reads of an engine that has no request: its serving loop, without a model."""
+
+    config = types.SimpleNamespace(multimodal_config=types.SimpleNamespace(mm_processor_cache_bytes=0))
+
+    def has_unfinished_requests(self) -> bool:
+        return False
+
+    def reset_prefix_cache(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("front_end_leaves", [True, False])
+def test_a_core_whose_launcher_is_gone_serves_its_front_ends_until_they_leave(monkeypatch, front_end_leaves):
+    """The launcher killed: the core serves its front ends while they stop (their answers in flight finish) and
+    leaves once they have left, or after ORPHANED_SERVE_SECONDS whatever they do; then its run directory goes
+    (core_process_main). Before, it left at once, under front ends still writing their metrics files there."""
+    from multiprocessing import Pipe
+
+    from mmengine.engine import core_process
+
+    monkeypatch.setattr(core_process, "ORPHANED_SERVE_SECONDS", 30.0 if front_end_leaves else 0.3)
+    launcher, launcher_at_core = Pipe()
+    front_end, front_end_at_core = Pipe()
+    core = core_process.EngineCore(_IdleEngine(), launcher_at_core, {})
+    core.front_ends.append(front_end_at_core)
+    serving = threading.Thread(target=core.serve)
+    serving.start()
+    try:
+        launcher.close()  # killed
+        assert wait_until(lambda: launcher_at_core not in core.front_ends, timeout_s=10)  # the core saw it go
+        front_end.send((core_process.CALL, 1, "reset_prefix_cache", {}))
+        assert front_end.poll(10) and front_end.recv() == (core_process.REPLY, 1, True, True)  # still served
+        if front_end_leaves:
+            front_end.close()
+        serving.join(10)
+        assert not serving.is_alive()
+    finally:
+        if serving.is_alive():
+            front_end.close()
+            serving.join(60)
 
 
 def test_a_front_end_whose_launcher_goes_while_it_starts_leaves_at_once():

@@ -212,10 +212,11 @@ def test_the_one_process_server_runs_on_uvicorns_event_loop_with_its_start_up_fr
     frozen out of the garbage collector's full passes first (utils/heap.py)."""
     from mmengine.entrypoints import api_server
 
-    loops = []
+    loops, access_logs = [], []
 
     async def serve(uvicorn_server, async_engine, *args, **kwargs) -> int:  # instead of serving: note the loop
         loops.append(type(asyncio.get_running_loop()))
+        access_logs.append(uvicorn_server.config.access_log)
         return 0
 
     monkeypatch.setattr(api_server, "serve_until_engine_dies", serve)
@@ -223,10 +224,13 @@ def test_the_one_process_server_runs_on_uvicorns_event_loop_with_its_start_up_fr
     try:
         api_server.run_server(server.async_engine, api_server.ServerSettings(MODEL_NAME), "127.0.0.1", 0)
         frozen = gc.get_freeze_count()
+        api_server.run_server(server.async_engine, api_server.ServerSettings(MODEL_NAME), "127.0.0.1", 0,
+                              access_log=False)  # --disable-uvicorn-access-log
     finally:
         gc.unfreeze()  # (this test process goes on collecting as before)
     expected = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
-    assert len(loops) == 1 and loops[0].__module__.split(".")[0] == expected
+    assert len(loops) == 2 and all(loop.__module__.split(".")[0] == expected for loop in loops)
+    assert access_logs == [True, False]
     # start-up's objects are out of the collector's full passes before serving (a full pass over a served tiny
     # model's heap took 250 ms of CPU with the GIL held, every few hundred requests)
     assert frozen > 10_000

@@ -32,7 +32,10 @@ The core steps while it has work and reads its messages between steps; idle, it 
 when it starts preparing a request ("expect"), and the core's next step waits for that request's add (or abort), up
 to the wait the front end gave, so the request joins the step after the one running when it arrived, as in the
 one-process server (engine/async_engine.py); one that does not come in time is not waited for again. It ends when
-its owner (the process that spawned it) tells it to (None) or is gone, so it never outlives its owner.
+its owner (the process that spawned it) tells it to (None) or is gone, so it never outlives its owner for long: an
+owner that is only a launcher (front ends of their own connected) and is gone leaves its front ends to stop too, and
+the core serves them until they have left, for at most ORPHANED_SERVE_SECONDS (their answers in flight finish, and
+what they share with the core outlives them).
 The engine is built with the front end's options, without preprocessing workers: pictures arrive prepared.
 
 The engine's modules (torch, transformers, the model code) are imported in the core process only: a launcher that
@@ -69,6 +72,9 @@ READY, FAILED = "ready", "failed"
 ADD, ABORT, CALL, EXPECT = "add", "abort", "call", "expect"
 OUTPUTS, STEP_FAILED, REQUEST_FAILED, REPLY = "outputs", "step_failed", "request_failed", "reply"
 CALLS = ("stats", "reset_prefix_cache", "reset_encoder_cache")
+# the owner gone: the front ends see it too and stop (uvicorn's graceful shutdown takes up to 5 s); the core serves
+# them meanwhile, and leaves after this long whatever they do
+ORPHANED_SERVE_SECONDS = 10.0
 
 
 def core_main(model: str, options: dict[str, Any], owner: Connection, address: str | None = None,
@@ -115,6 +121,7 @@ class EngineCore:
         self._joined: list[Connection] = []  # accepted by the listener thread, not served yet
         self._joined_lock = threading.Lock()
         self._wake_reader: Connection | None = None  # readable when the listener thread has accepted someone
+        self._orphaned_until: float | None = None  # the owner is gone: when the core leaves whatever its front ends do
         if listener is not None:
             self._wake_reader, self._wake_writer = Pipe(duplex=False)
             threading.Thread(target=self._accept, args=(listener,), name="mmengine-core-accept", daemon=True).start()
@@ -160,9 +167,15 @@ class EngineCore:
     def serve(self) -> None:
         engine = self.engine
         while True:
+            timeout = None if not engine.has_unfinished_requests() else 0
+            if self._orphaned_until is not None:
+                left = self._orphaned_until - time.monotonic()
+                if not self.front_ends or left <= 0:
+                    return
+                timeout = left if timeout is None else timeout
             # Idle: wait for a message; with work: take what has come and step.
             watched = self.front_ends + ([self._wake_reader] if self._wake_reader is not None else [])
-            for connection in wait(watched, timeout=None if not engine.has_unfinished_requests() else 0):
+            for connection in wait(watched, timeout=timeout):
                 if connection is self._wake_reader:
                     self._adopt_joined()
                     continue
@@ -201,7 +214,8 @@ class EngineCore:
         return True
 
     def _read(self, connection: Connection) -> bool:
-        """Applies the messages waiting on one front end's connection; False when the owner said stop or left."""
+        """Applies the messages waiting on one front end's connection; False when the owner said stop, or left and no
+        other front end is connected."""
         try:
             while connection.poll(0):
                 message = connection.recv()
@@ -213,8 +227,18 @@ class EngineCore:
                 self._handle(connection, message)
         except (EOFError, OSError):  # that front end is gone
             if connection is self.owner:
-                return False
+                return self._owner_gone()
             self._leave(connection)
+        return True
+
+    def _owner_gone(self) -> bool:
+        """The owner left without a word (killed). When it was a launcher, its front ends stop too: they are served
+        until they have left (ORPHANED_SERVE_SECONDS at most). False when no other front end is connected."""
+        self.front_ends.remove(self.owner)
+        self.owner.close()
+        if not self.front_ends:
+            return False
+        self._orphaned_until = time.monotonic() + ORPHANED_SERVE_SECONDS
         return True
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

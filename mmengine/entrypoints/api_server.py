@@ -585,14 +585,17 @@ async def _finished_before_disconnect(request: Request, answer: asyncio.Future) 
 DEAD_ENGINE_DRAIN_SECONDS = 2.0  # after the engine dies: answer 503 for this long, then exit (as the multi-process server)
 
 
-def run_server(async_engine: AsyncMMEngine, settings: ServerSettings, host: str, port: int, log_level: str = "info") -> None:
+def run_server(async_engine: AsyncMMEngine, settings: ServerSettings, host: str, port: int, log_level: str = "info",
+               access_log: bool = True) -> None:
     """Serves until interrupted (uvicorn handles SIGINT/SIGTERM, exit 0), or until the engine dies for good (a
     tensor-parallel worker or the engine-core process died, the step loop failed): then every request is
-    answered 503 for DEAD_ENGINE_DRAIN_SECONDS and the server exits with code 1, so a supervisor restarts it."""
+    answered 503 for DEAD_ENGINE_DRAIN_SECONDS and the server exits with code 1, so a supervisor restarts it.
+    `access_log=False`: no line per request from uvicorn (formatted and written on the event loop)."""
     import uvicorn
 
     logger.info("serving %s as %r on http://%s:%d", async_engine.engine.config.model, settings.served_model_name, host, port)
-    config = uvicorn.Config(build_app(async_engine, settings), host=host, port=port, log_level=log_level)
+    config = uvicorn.Config(build_app(async_engine, settings), host=host, port=port, log_level=log_level,
+                            access_log=access_log)
     freeze_startup_heap()
     if run_on_uvicorns_loop(config, serve_until_engine_dies(uvicorn.Server(config), async_engine)):
         raise SystemExit(1)

@@ -72,6 +72,9 @@ def build_serve_parser() -> argparse.ArgumentParser:
     server.add_argument("--max-n", type=int, default=16, metavar="N",
                         help="the most samples a request may ask for per prompt (n, best_of; default: 16)")
     server.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    server.add_argument("--disable-uvicorn-access-log", action="store_true",
+                        help="no access-log line per request from uvicorn (at --log-level info or debug it logs one "
+                        "per request, on each server process's event loop)")
     add_engine_options(parser)
     return parser
 
@@ -136,6 +139,7 @@ def run_serve(argv: Sequence[str]) -> None:
 
         spec = FrontEndSpec(args.model, engine_options(args), settings, max_queued_requests=args.max_queued_requests,
                             num_preprocess_workers=args.preprocess_workers, log_level=args.log_level,
+                            access_log=not args.disable_uvicorn_access_log,
                             max_admission_wait_s=args.max_admission_wait_ms / 1000)
         exit_code = run_server_processes(spec, args.api_server_count, args.host, args.port)
         if exit_code:
@@ -151,7 +155,8 @@ def run_serve(argv: Sequence[str]) -> None:
         max_admission_wait_s=args.max_admission_wait_ms / 1000,
         **engine_options(args),
     )
-    run_server(async_engine, settings, args.host, args.port, log_level=args.log_level)
+    run_server(async_engine, settings, args.host, args.port, log_level=args.log_level,
+               access_log=not args.disable_uvicorn_access_log)
 
 
 def parse_lora_modules(items: Sequence[str]) -> dict[str, str]:

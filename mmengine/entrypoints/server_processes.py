@@ -27,8 +27,12 @@ workers do, which leave when the core goes): with torch loaded it took seconds o
 the core, which a front end's shutdown waits for, then 5 to 10 s a front end), and what they hold is released by then.
 
 /metrics on any front end covers every process: counters and histograms through prometheus-client's
-multiprocess mode (a directory this launcher owns), the core's stats() by a call, with the intake
-counters summed over the front ends.
+multiprocess mode (in the run directory this launcher makes, with the core's socket), the core's stats() by a call,
+with the intake counters summed over the front ends.
+
+The run directory is removed by whichever leaves last: the launcher once it has stopped everything, or, when the
+launcher was killed, the core once its front ends have left (it serves them until then, ORPHANED_SERVE_SECONDS at
+most).
 """
 
 from __future__ import annotations
@@ -75,6 +79,7 @@ class FrontEndSpec:
     num_preprocess_workers: int = 2
     max_admission_wait_s: float = 0.0
     log_level: str = "info"
+    access_log: bool = True  # uvicorn's line per request
 
 
 @dataclass
@@ -129,8 +134,8 @@ class ServerProcesses:
         context = multiprocessing.get_context("spawn")
         try:
             core_options = {**self.spec.engine_options, "engine_core": "thread", "mm_processor_workers": 0}
-            self.core = self._spawn(context, "mmengine-engine-core", core_process_main,
-                                    (self.spec.model, core_options), (self.core_address, self._authkey))
+            self.core = self._spawn(context, "mmengine-engine-core", core_process_main, (self.spec.model, core_options),
+                                    (self.core_address, self._authkey, str(self._directory)))
             front_end_options = {**self.spec.engine_options, "engine_core": "process"}
             spec = FrontEndSpec(**{**self.spec.__dict__, "engine_options": front_end_options,
                                    "max_queued_requests": per_front_end_limit(self.spec.max_queued_requests, self.api_server_count)})
@@ -317,7 +322,7 @@ def front_end_main(index: int, spec: FrontEndSpec, sock: socket.socket, launcher
         launcher.send((FAILED, picklable(err)))
         return
     server = uvicorn.Server(uvicorn.Config(build_app(async_engine, spec.settings), log_level=spec.log_level,
-                                           timeout_graceful_shutdown=5))
+                                           access_log=spec.access_log, timeout_graceful_shutdown=5))
     threading.Thread(target=_tell_launcher, args=(server, launcher, serving), name="mmengine-launcher-link",
                      daemon=True).start()
     freeze_startup_heap()
@@ -325,11 +330,18 @@ def front_end_main(index: int, spec: FrontEndSpec, sock: socket.socket, launcher
     leave()
 
 
-def core_process_main(*args: Any) -> None:
+def core_process_main(model: str, options: dict[str, Any], launcher: Connection, address: str, authkey: bytes,
+                      run_directory: str) -> None:
     """The engine-core process (engine/core_process.py's core_main), left without the interpreter's teardown once
-    its owner has told it to stop or is gone. A core that raises exits as a spawned process does (its traceback,
-    code 1)."""
-    core_main(*args)
+    the launcher has told it to stop or is gone. A core that raises exits as a spawned process does (its traceback,
+    code 1), and the launcher cleans up after it.
+
+    Its run directory (its socket, the front ends' metrics files) goes with it, for a launcher killed with SIGKILL
+    removes nothing: core_main returns once the front ends are stopped (by the launcher, or on their own when the
+    launcher is gone; then they have left, or had ORPHANED_SERVE_SECONDS), or when the engine could not be built
+    (the launcher then stops the front ends still starting)."""
+    core_main(model, options, launcher, address, authkey)
+    shutil.rmtree(run_directory, ignore_errors=True)
     leave()
 
 
