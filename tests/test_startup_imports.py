@@ -4,6 +4,7 @@ front end and a preprocessing worker each pay for one family at start-up."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
 
@@ -26,24 +27,30 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones():
         family_class_for(PretrainedConfig(architectures=["NoSuchForCausalLM"]))
 
 
-def _families_imported_after(architecture: str) -> list[str]:
+def _families_imported_by_turns(architectures: list[str]) -> list[tuple[str, list[str]]]:
+    """In one fresh interpreter, each architecture resolved in turn: its family class, and the family modules that
+    resolving it imported (beyond those before it)."""
     modules = sorted({entry.module for entry in FAMILIES.values()})
     probe = (
         "import sys\n"
         "from transformers import PretrainedConfig\n"
         "from mmengine.models.registry import family_class_for\n"
-        f"family = family_class_for(PretrainedConfig(architectures=[{architecture!r}]))\n"
-        f"print(family.__name__, sorted(m for m in {modules!r} if m in sys.modules))\n"
+        f"modules = {modules!r}\n"
+        f"for architecture in {architectures!r}:\n"
+        "    before = {m for m in modules if m in sys.modules}\n"
+        "    family = family_class_for(PretrainedConfig(architectures=[architecture]))\n"
+        "    print(family.__name__, sorted(m for m in modules if m in sys.modules and m not in before))\n"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    return result.stdout.strip().splitlines()[-1].split(" ", 1)
+    lines = result.stdout.strip().splitlines()[-len(architectures):]
+    return [(name, ast.literal_eval(found)) for name, found in (line.split(" ", 1) for line in lines)]
 
 
 def test_resolving_a_family_imports_that_family_only():
     # LLaVA's module stands alone; Qwen3.5's builds on Qwen3-VL's, which builds on Qwen2-VL's
-    assert _families_imported_after("LlavaForConditionalGeneration") == ["LlavaFamily", "['mmengine.models.llava']"]
-    assert _families_imported_after("Qwen3_5ForConditionalGeneration") == [
-        "Qwen3_5Family", "['mmengine.models.qwen3_5', 'mmengine.models.qwen3_vl', 'mmengine.models.qwen_vl']"]
+    assert _families_imported_by_turns(["LlavaForConditionalGeneration", "Qwen3_5ForConditionalGeneration"]) == [
+        ("LlavaFamily", ["mmengine.models.llava"]),
+        ("Qwen3_5Family", ["mmengine.models.qwen3_5", "mmengine.models.qwen3_vl", "mmengine.models.qwen_vl"])]
 
 
 def test_sharing_keys_tokenize_as_the_processor_without_loading_it(checkpoint_dir):
