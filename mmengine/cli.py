@@ -214,7 +214,6 @@ def run_budget(args: argparse.Namespace) -> None:
     source = "--encoder-cache-host-bytes" if args.encoder_cache_host_bytes is not None else default
     per_item = budget.max_tokens_per_item * budget.bytes_per_token
     print(f"  host tier (evicted outputs)   {host:>12}   bytes ({source}{each}): {host // per_item} items of the largest size")
-    text = family.text_config
     _print_weights(family, args.model, elem)
     if config.spec_config.method == "eagle3":
         from mmengine.models.loader import checkpoint_shapes

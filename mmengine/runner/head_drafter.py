@@ -61,7 +61,7 @@ class TargetStep:
 @dataclass
 class DeviceDrafts:
     """A step's drafts, on the device until its tokens are read back with them; a step launched before they are
-    read takes its rows' tokens, positions and (hybrid models) states from them (ModelRunner._follow_drafts)."""
+    read takes its rows' tokens, positions and (hybrid models) states from them (follow_drafts.follow_drafts)."""
 
     request_ids: list[str]  # the sampling requests, in the order of the rows below
     drafts: torch.Tensor  # [requests, the step's chain length] int64

@@ -261,7 +261,7 @@ class InputBuffers:
                 ids[batch.num_tokens + known : batch.num_tokens + length] = s.draft_token_ids
                 if request.all_token_ids[start + known - 1] == PLACEHOLDER_TOKEN:
                     # only a verify row launched ahead of a draft head's step, whose token and drafts (placeholders
-                    # here) the runner takes on the device (ModelRunner._follow_drafts)
+                    # here) the runner takes on the device (follow_drafts.follow_drafts)
                     assert known == 1, request
                     batch.deferred.append((batch.num_tokens, previous_rows[request.request_id]))
             batch.num_tokens += length
