@@ -40,23 +40,6 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0
 E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0)
 
 
-def observe_many(histogram: Histogram, amount: float, count: int) -> None:
-    """`count` observations of `amount`: the bucket counts and the count of `count` observe() calls (the sum
-    equal up to rounding), at the cost of one. Falls back to the calls on a prometheus-client whose Histogram
-    keeps its buckets otherwise."""
-    bounds, buckets, total = (getattr(histogram, name, None) for name in ("_upper_bounds", "_buckets", "_sum"))
-    if count == 1 or bounds is None or buckets is None or total is None:
-        for _ in range(count):
-            histogram.observe(amount)
-        return
-    histogram._raise_if_not_observable()
-    total.inc(amount * count)
-    for bucket, bound in zip(buckets, bounds):
-        if amount <= bound:
-            bucket.inc(count)
-            break
-
-
 class _EngineCollector(Collector):
     """Reads the engine's stats at scrape time (under the engine's lock: at most one step's wait)."""
 
@@ -132,9 +115,10 @@ class ServerMetrics:
             if delta.token_ids:
                 if last_token_time is None:
                     self.time_to_first_token.observe(now - arrival)
-                else:  # a whole answer's last delta carries all its tokens but the first
-                    observe_many(self.inter_token_latency, (now - last_token_time) / len(delta.token_ids),
-                                 len(delta.token_ids))
+                else:  # (a whole answer's last delta carries all its tokens but the first)
+                    gap = (now - last_token_time) / len(delta.token_ids)
+                    for _ in delta.token_ids:
+                        self.inter_token_latency.observe(gap)
                 last_token_time = now
             if delta.finished:
                 self.e2e_latency.observe(now - arrival)
