@@ -244,6 +244,12 @@ def transformers5_name(name: str) -> str:
     return "model." + name
 
 
+def nested_tower_name(name: str) -> str:
+    """A tensor name with the SigLIP tower nested one level down, `vision_tower.vision_model.*`, as the hub's
+    files have it (transformers 5 saves `vision_tower.*`)."""
+    return "vision_tower.vision_model." + name.removeprefix("vision_tower.") if name.startswith("vision_tower.") else name
+
+
 def check_both_key_layouts(path: Path, engine: MMEngine, tmp_path: Path, prompt: str, pictures: list, missing: str,
                            match: str) -> None:
     """The published files (language_model.model.*) and transformers 5's layout (transformers5_name) give the same

@@ -8,18 +8,18 @@ the published key layout loads, strictly."""
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import replace
 
 import pytest
 import torch
 from books import assert_books_consistent
 from conftest import KERNEL_FP32, hf_greedy, hf_logits
-from helpers import record_prefill_chunks
-from safetensors.torch import load_file, save_file
+from family_checks import (check_bad_inputs, check_demo_and_budget, check_every_block_offset, check_key_layout, check_mixed_batch,
+                           check_pictures_across_chunks, check_preemption, check_repeated_prompt, engine_fixtures, greedy,
+                           nested_tower_name, tiny_engine)
 
-from mmengine import MMEngine, SamplingParams
-from mmengine.errors import ConfigError, ImageCountMismatchError, InvalidInputError, PromptTooLongError, WeightsMismatchError
+from mmengine import SamplingParams
+from mmengine.errors import ConfigError, ImageCountMismatchError, InvalidInputError, PromptTooLongError
 from mmengine.layers.attention import Attention
 from mmengine.testing.gemma3 import TinyGemma3Spec, gemma3_prompt, tiny_gemma3_path
 from mmengine.testing.images import make_test_image
@@ -29,30 +29,11 @@ PICTURES = [make_test_image(3, (64, 40)), make_test_image(4, (30, 90))]
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def path():
-    return tiny_gemma3_path()
+path, engine, uncached = engine_fixtures(tiny_gemma3_path)
 
 
-def _engine(path, **kwargs) -> MMEngine:
-    options = dict(device="cpu", dtype="float32", max_model_len=512, enforce_eager=True)
-    return MMEngine(str(path), **{**options, **kwargs})
-
-
-@pytest.fixture(scope="module")
-def engine(path) -> MMEngine:
-    return _engine(path, block_size=4)
-
-
-@pytest.fixture(scope="module")
-def uncached(path) -> MMEngine:
-    """Without prefix caching: every request computes its whole prompt."""
-    return _engine(path, block_size=4, enable_prefix_caching=False)
-
-
-def _greedy(engine: MMEngine, prompts, images, params: SamplingParams = GREEDY) -> list[list[int]]:
-    outputs = engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
-    return [output.token_ids for output in outputs]
+def _greedy(engine, prompts, images, params: SamplingParams = GREEDY) -> list[list[int]]:
+    return greedy(engine, prompts, images, params)
 
 
 @pytest.mark.parametrize("num_images", [0, 1, 2])
@@ -89,75 +70,36 @@ def test_pictures_across_chunk_boundaries(path):
     """A budget of 24 tokens would end the first chunk inside the first picture (9..25) and the next inside
     the second (31..47): each ends at the picture's start instead, the picture is computed whole in the
     next chunk, and the tokens are transformers'."""
-    prompt = gemma3_prompt(LONG_TEXT, 2)
-    engine = _engine(path, block_size=4, max_num_batched_tokens=24)
-    chunks = record_prefill_chunks(engine)
-    assert _greedy(engine, prompt, PICTURES) == [hf_greedy(path, prompt, PICTURES, 16, ignore_eos=True)]
-    items = engine.input_processor.process(prompt, PICTURES, GREEDY).mm_items
+    items, chunks = check_pictures_across_chunks(path, gemma3_prompt(LONG_TEXT, 2), PICTURES, 24, min_split=0, params=GREEDY)
     assert [(item.offset, item.length) for item in items] == [(9, 16), (31, 16)]
     for item in items:
         assert any(end == item.offset and end - start < 24 for start, end in chunks)  # ended short, at the picture
         assert any(start <= item.offset and item.end <= end for start, end in chunks)  # then the picture whole
     with pytest.raises(ConfigError, match="max_num_batched_tokens=12 cannot hold a whole picture of 16 tokens"):
-        _engine(path, max_num_batched_tokens=12)
+        tiny_engine(path, max_num_batched_tokens=12)
 
 
 def test_a_mixed_batch_equals_each_prompt_alone(uncached):
     prompts = [gemma3_prompt(LONG_TEXT, 0), gemma3_prompt("What is it?", 1), gemma3_prompt("Compare them.", 2),
                gemma3_prompt("And this one?", 1)]
-    images = [None, PICTURES[:1], PICTURES, PICTURES[1:]]
-    batch = _greedy(uncached, prompts, images)
-    assert batch == [_greedy(uncached, prompt, image)[0] for prompt, image in zip(prompts, images)]
+    check_mixed_batch(uncached, prompts, [None, PICTURES[:1], PICTURES, PICTURES[1:]], GREEDY)
 
 
 def test_a_repeated_prompt_recomputes_one_block_and_encodes_its_picture_once(path, engine):
-    prompt = gemma3_prompt("Describe the picture in detail.", 1)
-    picture = [make_test_image(7, (50, 50))]
-    before = engine.stats()
-    first = _greedy(engine, prompt, picture)
-    middle = engine.stats()
-    again = engine.generate(prompt, images=picture, sampling_params=GREEDY, use_tqdm=False)[0]
-    after = engine.stats()
-    assert again.token_ids == first[0] == hf_greedy(path, prompt, picture, 16, ignore_eos=True)
-    assert middle["encoder_runs"] == before["encoder_runs"] + 1 and after["encoder_runs"] == middle["encoder_runs"]
-    assert after["reencodes_after_prefix_hit"] == before["reencodes_after_prefix_hit"]
-    prompt_len = len(again.prompt_token_ids)
-    assert after["prefix_cache_hits"] - middle["prefix_cache_hits"] >= prompt_len - 4
-    assert after["prefill_tokens_computed"] - middle["prefill_tokens_computed"] <= 4  # at most the last block
-    assert again.num_cached_tokens >= prompt_len - 4
+    check_repeated_prompt(path, engine, gemma3_prompt("Describe the picture in detail.", 1), [make_test_image(7, (50, 50))], GREEDY)
 
 
 def test_a_picture_at_every_offset_from_a_block_boundary(path, uncached):
-    """The divisible-block matrix with a picture attended both ways: the picture starts at each offset from
-    a block boundary, prompts whose length the block size divides included; identical requests twice and
-    once more after equal prefix caching off. One encoder run, no re-encode after a prefix hit."""
-    cached = _engine(path, block_size=4, encoder_cache_size=16)
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    offsets, lengths = set(), set()
-    for pad in range(8):
-        prompt = "<bos>" + "x" * pad + gemma3_prompt("What is it?", 1).removeprefix("<bos>")
-        first = cached.generate([prompt] * 2, images=[PICTURES[:1]] * 2, sampling_params=params, use_tqdm=False)
-        again = cached.generate(prompt, images=PICTURES[:1], sampling_params=params, use_tqdm=False)
-        reference = uncached.generate(prompt, images=PICTURES[:1], sampling_params=params, use_tqdm=False)
-        assert [o.token_ids for o in first + again] == [reference[0].token_ids] * 3
-        assert again[0].num_cached_tokens > 0
-        offsets.add(cached.input_processor.process(prompt, PICTURES[:1], params).mm_items[0].offset % 4)
-        lengths.add(len(reference[0].prompt_token_ids) % 4)
-    assert offsets == {0, 1, 2, 3} and 0 in lengths
-    stats = cached.stats()
-    assert stats["encoder_runs"] == 1 and stats["reencodes_after_prefix_hit"] == 0
+    """The divisible-block matrix with a picture attended both ways."""
+    prompts = ["<bos>" + "x" * pad + gemma3_prompt("What is it?", 1).removeprefix("<bos>") for pad in range(8)]
+    assert check_every_block_offset(tiny_engine(path, encoder_cache_size=16), uncached, prompts, PICTURES[:1]) == 1
 
 
 def test_preemption_keeps_the_tokens(path):
     """Two prompts that share no block, each 23 blocks of 4 and 26 once generated, in 48 blocks: both are
     admitted and one is preempted as they grow."""
     prompts = [f"<bos>{text}" + gemma3_prompt(LONG_TEXT, 1).removeprefix("<bos>") for text in ("One.", "Two!")]
-    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    tight = _engine(path, block_size=4, num_kv_blocks=48, max_num_seqs=4)
-    outputs = _greedy(tight, prompts, [PICTURES[:1]] * 2, params)
-    assert tight.scheduler.num_preemptions > 0
-    assert_books_consistent(tight)
-    assert outputs == [hf_greedy(path, prompt, PICTURES[:1], 12, ignore_eos=True) for prompt in prompts]
+    check_preemption(path, prompts, PICTURES[:1], 48, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
 
 
 def test_a_kv_budget_that_holds_the_context_only_with_the_window_freed(path):
@@ -165,16 +107,16 @@ def test_a_kv_budget_that_holds_the_context_only_with_the_window_freed(path):
     generated (33 blocks of 4) run in KV tensors of the bytes that, with every layer keeping every token,
     hold 16 blocks; the tokens are transformers'."""
     prompt = gemma3_prompt(LONG_TEXT, 1)
-    options = dict(block_size=4, max_num_batched_tokens=40)
+    options = dict(max_num_batched_tokens=40)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    engine = _engine(path, num_kv_blocks=33, sliding_kv_ratio=0.05, **options)
+    engine = tiny_engine(path, num_kv_blocks=33, sliding_kv_ratio=0.05, **options)
     runner, windows = engine.runner, engine.scheduler.caches.windows
     assert runner.num_window_blocks == runner.window_pool.min_blocks == 14  # null + cdiv(8 - 1 + 40, 4) + 1
     kv_bytes = sum(group.numel() * group.element_size() for group in runner.kv_cache.groups)
     assert _greedy(engine, prompt, PICTURES[:1], params) == [hf_greedy(path, prompt, PICTURES[:1], 40, ignore_eos=True)]
     assert windows.num_freed_out_of_window >= 33 - 13
     assert_books_consistent(engine)
-    every_layer = _engine(path, num_kv_blocks=kv_bytes // (runner.kv_block_bytes + runner.window_block_bytes),
+    every_layer = tiny_engine(path, num_kv_blocks=kv_bytes // (runner.kv_block_bytes + runner.window_block_bytes),
                           sliding_kv_ratio=None, **options)
     assert every_layer.runner.window_pool is None and every_layer.kv_cache.num_blocks == 16
     with pytest.raises(PromptTooLongError, match="would not fit in the whole KV cache"):
@@ -190,7 +132,7 @@ def test_the_triton_kernels_give_the_same_tokens(path, no_tf32, monkeypatch):
     tables, store = [], rotary.rotary_store_kv
     monkeypatch.setattr(rotary, "rotary_store_kv", lambda *a, **k: tables.append(a[4].data_ptr()) or store(*a, **k))
     prompt = gemma3_prompt("What is it?", 1)
-    engine = _engine(path, attn_backend="triton", block_size=16, **KERNEL_FP32.engine_kwargs)
+    engine = tiny_engine(path, attn_backend="triton", block_size=16, **KERNEL_FP32.engine_kwargs)
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
     assert _greedy(engine, prompt, PICTURES[:1], params) == [hf_greedy(path, prompt, PICTURES[:1], 2, KERNEL_FP32, ignore_eos=True)]
     assert len(tables) == 2 * 7 and len(set(tables)) == 2  # two steps of 7 layers, sliding and global tables
@@ -201,7 +143,7 @@ def test_decode_graph_steps_read_the_window_pool(path):
     slots and block tables among them, give transformers' tokens past the window."""
     from mmengine.runner.cuda_graphs import EagerCapturer
 
-    engine = _engine(path, block_size=4, max_num_seqs=4)
+    engine = tiny_engine(path, max_num_seqs=4)
     engine.runner.capture_cuda_graphs(EagerCapturer())
     prompts = [gemma3_prompt(LONG_TEXT, n) for n in (0, 1)]
     assert _greedy(engine, prompts, [None, PICTURES[:1]]) == [hf_greedy(path, prompts[n], PICTURES[:n], 16, ignore_eos=True)
@@ -228,39 +170,17 @@ def test_top_logprobs_need_the_window_and_the_spans(path, uncached, monkeypatch,
 
 
 def test_bad_inputs_are_typed_errors(engine):
-    with pytest.raises(ImageCountMismatchError, match="1 <start_of_image> marker"):
-        engine.generate(gemma3_prompt("What is it?", 1), images=PICTURES, sampling_params=GREEDY, use_tqdm=False)
+    check_bad_inputs(engine, gemma3_prompt("What is it?", 1), PICTURES, count_match="1 <start_of_image> marker")
     with pytest.raises(ImageCountMismatchError):
         engine.generate(gemma3_prompt("What is it?", 2), images=PICTURES[:1], sampling_params=GREEDY, use_tqdm=False)
 
 
-def _copy_checkpoint(path, target):
-    shutil.copytree(path, target, ignore=shutil.ignore_patterns("model.safetensors"))
-    return target
-
-
 def test_the_published_key_layout_loads_strictly(path, engine, tmp_path):
     """The hub's files name tensors `language_model.model.*`, `vision_tower.vision_model.*` and
-    `multi_modal_projector.*`: they load to the same tokens; a missing tensor is named."""
-    tensors = load_file(str(path / "model.safetensors"))
-    published = {}
-    for name, tensor in tensors.items():
-        if name.startswith("model.language_model."):
-            name = "language_model.model." + name.removeprefix("model.language_model.")
-        elif name.startswith("model.vision_tower."):
-            name = "vision_tower.vision_model." + name.removeprefix("model.vision_tower.")
-        else:
-            name = name.removeprefix("model.")
-        published[name] = tensor
-    hub = _copy_checkpoint(path, tmp_path / "hub")
-    save_file(published, str(hub / "model.safetensors"), metadata={"format": "pt"})
-    prompt = gemma3_prompt("What is it?", 1)
-    assert _greedy(_engine(hub), prompt, PICTURES[:1]) == _greedy(engine, prompt, PICTURES[:1])
-    missing = _copy_checkpoint(path, tmp_path / "missing")
-    del published["multi_modal_projector.mm_soft_emb_norm.weight"]
-    save_file(published, str(missing / "model.safetensors"), metadata={"format": "pt"})
-    with pytest.raises(WeightsMismatchError, match="mm_soft_emb_norm"):
-        _engine(missing)
+    `multi_modal_projector.*` (the tiny checkpoint's tower is saved as `vision_tower.*`): they load to the same
+    tokens; a missing tensor is named."""
+    check_key_layout(path, engine, tmp_path, nested_tower_name, gemma3_prompt("What is it?", 1), PICTURES[:1],
+                     "multi_modal_projector.mm_soft_emb_norm.weight", "mm_soft_emb_norm", GREEDY)
 
 
 @pytest.fixture(scope="module")
@@ -277,7 +197,7 @@ def test_pan_and_scan_crops_are_items_of_their_own(pan_and_scan_path):
     path = pan_and_scan_path
     wide, square = make_test_image(5, (200, 60)), make_test_image(7, (50, 50))
     prompt = gemma3_prompt("Compare them.", 2)
-    engine = _engine(path, block_size=4)
+    engine = tiny_engine(path)
     processed = engine.input_processor.process(prompt, [wide, square], GREEDY)
     # (transformers' processor hands the image processor its own pan-and-scan defaults: the saved ones given)
     reference = AutoProcessor.from_pretrained(str(path))(
@@ -296,11 +216,6 @@ def test_pan_and_scan_crops_are_items_of_their_own(pan_and_scan_path):
 
 
 def test_demo_and_budget(path, tmp_path, capsys):
-    from mmengine.cli import main
-
-    assert main(["demo", "--family", "gemma3", "--requests", "4", "--max-tokens", "2", "--cache-dir", str(tmp_path)]) == 0
-    assert "tiny gemma3 checkpoint" in capsys.readouterr().out
-    assert main(["budget", "--model", str(path), "--device", "cpu", "--max-model-len", "512", "--block-size", "4"]) == 0
-    shown = capsys.readouterr().out
+    shown = check_demo_and_budget("gemma3", path, tmp_path, capsys)
     assert "average-pooled to mm_tokens_per_image 16; every image the same" in shown
     assert "6 sliding-window layers of 8 tokens, 1 full-attention layers" in shown

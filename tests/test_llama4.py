@@ -19,17 +19,18 @@ import pytest
 import torch
 from books import assert_books_consistent
 from conftest import KERNEL_FP32, hf_greedy, hf_logits
-from helpers import record_prefill_chunks
+from family_checks import (GREEDY, check_bad_inputs, check_demo_and_budget, check_every_block_offset, check_mixed_batch,
+                           check_pictures_across_chunks, check_preemption, check_repeated_prompt, check_token_prompts,
+                           engine_fixtures, greedy, tiny_engine)
 
-from mmengine import MMEngine, SamplingParams
-from mmengine.errors import ImageCountMismatchError, InvalidInputError, PromptTooLongError
+from mmengine import SamplingParams
+from mmengine.errors import PromptTooLongError
 from mmengine.kv_cache.chunked_attention import ChunkedAttentionManager
 from mmengine.testing.images import make_test_image
 from mmengine.testing.llama4 import TinyLlama4Spec, llama4_prompt, tiny_llama4_path
 
 WIDE, SQUARE, SMALL = make_test_image(3, (90, 30)), make_test_image(4, (50, 70)), make_test_image(5, (20, 20))
 QUESTION = "Describe the picture in detail."
-GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
 LONG = "Tell me about the red square and the blue circle, then count to ten slowly, please. " * 2
 
 
@@ -42,31 +43,14 @@ def _reference_workaround():
         yield
 
 
-@pytest.fixture(scope="module")
-def path():
-    return tiny_llama4_path()
-
-
-def _engine(path, **kwargs) -> MMEngine:
-    options = dict(device="cpu", dtype="float32", max_model_len=512, enforce_eager=True, block_size=4)
-    return MMEngine(str(path), **{**options, **kwargs})
-
-
-@pytest.fixture(scope="module")
-def engine(path) -> MMEngine:
-    return _engine(path)
-
-
-def _greedy(engine: MMEngine, prompts, images, params: SamplingParams = GREEDY) -> list[list[int]]:
-    outputs = engine.generate(prompts, images=images, sampling_params=params, use_tqdm=False)
-    return [output.token_ids for output in outputs]
+path, engine, uncached = engine_fixtures(tiny_llama4_path)
 
 
 @pytest.mark.parametrize("pictures", [[], [WIDE], [WIDE, SQUARE]], ids=["text", "wide", "wide,square"])
 def test_greedy_tokens_equal_transformers(path, engine, pictures):
     """Every prompt is longer than a chunk (16): the chunked layers' masks and the NoPE layer's temperature matter."""
     prompt = llama4_prompt(QUESTION, len(pictures))
-    assert _greedy(engine, prompt, pictures or None) == [hf_greedy(path, prompt, pictures, 12, ignore_eos=True)]
+    assert greedy(engine, prompt, pictures or None) == [hf_greedy(path, prompt, pictures, 12, ignore_eos=True)]
 
 
 def test_a_maverick_like_decoder_equals_transformers():
@@ -77,7 +61,7 @@ def test_a_maverick_like_decoder_equals_transformers():
     path = tiny_llama4_path(spec)
     prompt = llama4_prompt(QUESTION, 0)
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
-    assert _greedy(_engine(path), prompt, None, params) == [hf_greedy(path, prompt, [], 8, ignore_eos=True)]
+    assert greedy(tiny_engine(path), prompt, None, params) == [hf_greedy(path, prompt, [], 8, ignore_eos=True)]
 
 
 def test_the_chunks_and_the_temperature_matter(path):
@@ -86,7 +70,7 @@ def test_the_chunks_and_the_temperature_matter(path):
     prompt = llama4_prompt(LONG, 1)
     want = torch.log_softmax(hf_logits(path, prompt, [WIDE]), -1).topk(5)
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=5)
-    engine = _engine(path, enable_prefix_caching=False, sliding_kv_ratio=None)
+    engine = tiny_engine(path, enable_prefix_caching=False, sliding_kv_ratio=None)
     layers = [layer.self_attn for layer in engine.runner.model.language_model.layers]
 
     def top() -> torch.Tensor:
@@ -111,7 +95,7 @@ def test_the_triton_kernels_give_the_same_tokens(path, no_tf32):
     the engine: a 24-token prompt in 16-token prefill chunks, decodes past the first chunk (the interpreter on CPU,
     compiled on a GPU)."""
     prompt = llama4_prompt("Count to ten, slowly.")
-    engine = _engine(path, max_num_batched_tokens=16, attn_backend="triton", **KERNEL_FP32.engine_kwargs)
+    engine = tiny_engine(path, max_num_batched_tokens=16, attn_backend="triton", **KERNEL_FP32.engine_kwargs)
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     out = engine.generate(prompt, sampling_params=params, use_tqdm=False)[0]
     assert len(out.prompt_token_ids) > 16
@@ -194,80 +178,40 @@ def test_prompt_and_tiles(engine):
 def test_a_token_prompt_with_one_placeholder_per_picture(engine):
     """One <|patch|> per picture in a token prompt is expanded into the picture's text, as the marker is."""
     prompt, params = llama4_prompt("Compare them.", 2), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    text = engine.generate(prompt, images=[WIDE, SQUARE], sampling_params=params, use_tqdm=False)[0]
     ids = engine.input_processor.tokenizer(prompt.replace("<|image|>", "<|patch|>"))["input_ids"]
-    tokens = engine.generate({"prompt_token_ids": ids, "multi_modal_data": {"image": [WIDE, SQUARE]}},
-                             sampling_params=params, use_tqdm=False)[0]
-    assert tokens.prompt_token_ids == text.prompt_token_ids and tokens.token_ids == text.token_ids
+    check_token_prompts(engine, prompt, [WIDE, SQUARE], [ids], params)
 
 
 def test_pictures_across_chunk_boundaries(path):
     """Prefill chunks of 24 tokens end inside both pictures' runs (70 and 90 tokens)."""
-    prompt = llama4_prompt(QUESTION, 2)
-    engine = _engine(path, max_num_batched_tokens=24)
-    chunks = record_prefill_chunks(engine)
-    assert _greedy(engine, prompt, [WIDE, SQUARE]) == [hf_greedy(path, prompt, [WIDE, SQUARE], 12, ignore_eos=True)]
-    for item in engine.input_processor.process(prompt, [WIDE, SQUARE], GREEDY).mm_items:
-        assert any(item.offset < end < item.end for _, end in chunks)
-    assert engine.stats()["encoder_runs"] == 2
+    items, _ = check_pictures_across_chunks(path, llama4_prompt(QUESTION, 2), [WIDE, SQUARE], 24)
+    assert len(items) == 2
 
 
-def test_a_mixed_batch_equals_each_prompt_alone(path):
-    uncached = _engine(path, enable_prefix_caching=False)
+def test_a_mixed_batch_equals_each_prompt_alone(uncached):
     prompts = [llama4_prompt(QUESTION, 0), llama4_prompt("What is it?", 1), llama4_prompt("Compare them.", 2),
                llama4_prompt("And this one?", 1)]
-    images = [None, [SMALL], [SQUARE, WIDE], [SQUARE]]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    batch = _greedy(uncached, prompts, images, params)
-    assert batch == [_greedy(uncached, prompt, image, params)[0] for prompt, image in zip(prompts, images)]
+    check_mixed_batch(uncached, prompts, [None, [SMALL], [SQUARE, WIDE], [SQUARE]], params)
 
 
 def test_a_repeated_prompt_recomputes_one_block_and_encodes_its_picture_once(path, engine):
-    prompt = llama4_prompt(QUESTION, 1)
-    picture = [make_test_image(7, (70, 40))]
-    before = engine.stats()
-    first = _greedy(engine, prompt, picture)
-    middle = engine.stats()
-    again = engine.generate(prompt, images=picture, sampling_params=GREEDY, use_tqdm=False)[0]
-    after = engine.stats()
-    assert again.token_ids == first[0] == hf_greedy(path, prompt, picture, 12, ignore_eos=True)
-    assert middle["encoder_runs"] == before["encoder_runs"] + 1 and after["encoder_runs"] == middle["encoder_runs"]
-    prompt_len = len(again.prompt_token_ids)
-    assert after["prefill_tokens_computed"] - middle["prefill_tokens_computed"] <= 4
-    assert again.num_cached_tokens >= prompt_len - 4 and after["reencodes_after_prefix_hit"] == 0
+    check_repeated_prompt(path, engine, llama4_prompt(QUESTION, 1), [make_test_image(7, (70, 40))])
 
 
-def test_a_picture_at_every_offset_from_a_block_boundary(path):
-    """The divisible-block matrix: the picture starts at each offset from a block boundary, prompts whose length the
-    block size divides included, at the smallest encoder budget (one picture); identical requests twice and once
-    more equal prefix caching off. One encoder run, no re-encode after a prefix hit."""
-    cached, plain = _engine(path, encoder_cache_size=1), _engine(path, enable_prefix_caching=False)
-    assert cached.encoder_budget.compute_budget_tokens == cached.family.max_tokens_per_item()
-    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    offsets, lengths = set(), set()
-    for before, after in [(0, 1), (4, 0), (1, 0), (2, 2)]:  # offsets 0, 1, 2, 3; lengths the block size divides
-        prompt = llama4_prompt("a " * after + "What is it?", 0).replace("\n\n", "\n\n" + "b " * before + "<|image|>", 1)
-        first = cached.generate([prompt] * 2, images=[[WIDE]] * 2, sampling_params=params, use_tqdm=False)
-        again = cached.generate(prompt, images=[WIDE], sampling_params=params, use_tqdm=False)
-        reference = plain.generate(prompt, images=[WIDE], sampling_params=params, use_tqdm=False)
-        assert [o.token_ids for o in first + again] == [reference[0].token_ids] * 3
-        assert again[0].num_cached_tokens > 0
-        offsets.add(cached.input_processor.process(prompt, [WIDE], params).mm_items[0].offset % 4)
-        lengths.add(len(reference[0].prompt_token_ids) % 4)
-    assert offsets == {0, 1, 2, 3} and 0 in lengths
-    stats = cached.stats()
-    assert stats["encoder_runs"] == 1 and stats["reencodes_after_prefix_hit"] == 0
+def test_a_picture_at_every_offset_from_a_block_boundary(path, uncached):
+    """Offsets 0, 1, 2, 3; lengths the block size divides."""
+    prompts = [llama4_prompt("a " * after + "What is it?", 0).replace("\n\n", "\n\n" + "b " * before + "<|image|>", 1)
+               for before, after in [(0, 1), (4, 0), (1, 0), (2, 2)]]
+    assert check_every_block_offset(tiny_engine(path, encoder_cache_size=1), uncached, prompts, [WIDE]) == 1
 
 
 def test_preemption_keeps_the_tokens(path, engine):
     """Two prompts that share no block, each 114 tokens (29 blocks of 4) and 32 blocks once generated, in 60 blocks:
-    both are admitted and one is preempted as they grow."""
+    both are admitted and one is preempted as they grow; the tokens are each prompt's alone (the engine's are
+    transformers')."""
     prompts = [text + llama4_prompt(QUESTION, 1) for text in ("One.", "Two!")]
-    tight = _engine(path, num_kv_blocks=60, max_num_seqs=4)
-    outputs = _greedy(tight, prompts, [[WIDE]] * 2)
-    assert tight.scheduler.num_preemptions > 0
-    assert_books_consistent(tight)
-    assert outputs == [_greedy(engine, prompt, [WIDE])[0] for prompt in prompts]  # (each alone; the engine's are transformers')
+    check_preemption(path, prompts, [WIDE], 60, expected=[greedy(engine, prompt, [WIDE])[0] for prompt in prompts])
 
 
 def test_a_kv_budget_that_holds_the_context_only_with_the_chunks_freed(path):
@@ -277,7 +221,7 @@ def test_a_kv_budget_that_holds_the_context_only_with_the_chunks_freed(path):
     prompt = llama4_prompt(LONG, 2)
     options = dict(max_num_batched_tokens=32)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    engine = _engine(path, num_kv_blocks=84, sliding_kv_ratio=0.05, **options)
+    engine = tiny_engine(path, num_kv_blocks=84, sliding_kv_ratio=0.05, **options)
     runner, chunks = engine.runner, engine.scheduler.caches.windows
     assert isinstance(chunks, ChunkedAttentionManager)
     assert runner.num_window_blocks == runner.window_pool.min_blocks == 14  # null + cdiv(16 - 1 + 32, 4) + 1
@@ -294,7 +238,7 @@ def test_a_kv_budget_that_holds_the_context_only_with_the_chunks_freed(path):
     assert again.token_ids == out.token_ids and again.num_cached_tokens == 272
     assert_books_consistent(engine)
     kv_bytes = sum(group.numel() * group.element_size() for group in runner.kv_cache.groups)
-    every_layer = _engine(path, num_kv_blocks=kv_bytes // (runner.kv_block_bytes + runner.window_block_bytes),
+    every_layer = tiny_engine(path, num_kv_blocks=kv_bytes // (runner.kv_block_bytes + runner.window_block_bytes),
                           sliding_kv_ratio=None, **options)
     assert every_layer.runner.window_pool is None and every_layer.kv_cache.num_blocks < total // 4
     with pytest.raises(PromptTooLongError, match="would not fit in the whole KV cache"):
@@ -306,13 +250,13 @@ def test_decode_graph_steps_read_the_chunked_pool(path, engine):
     and block tables among them, across chunk boundaries, give the eager steps' tokens."""
     from mmengine.runner.cuda_graphs import EagerCapturer
 
-    graphs = _engine(path, max_num_seqs=4)
+    graphs = tiny_engine(path, max_num_seqs=4)
     graphs.runner.capture_cuda_graphs(EagerCapturer())
     prompts = [llama4_prompt(LONG, 0), llama4_prompt(QUESTION, 1)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    outs = _greedy(graphs, prompts, [None, [WIDE]], params)
+    outs = greedy(graphs, prompts, [None, [WIDE]], params)
     assert graphs.runner.decode_graphs.num_replays >= 11
-    assert outs == [_greedy(engine, prompt, images, params)[0] for prompt, images in zip(prompts, [None, [WIDE]])]
+    assert outs == [greedy(engine, prompt, images, params)[0] for prompt, images in zip(prompts, [None, [WIDE]])]
 
 
 def test_the_profiling_items_are_the_largest(engine):
@@ -323,19 +267,10 @@ def test_the_profiling_items_are_the_largest(engine):
 
 
 def test_bad_inputs_are_typed_errors(engine):
-    with pytest.raises(ImageCountMismatchError):
-        engine.generate(llama4_prompt("What?", 1), images=[WIDE, SQUARE], sampling_params=GREEDY, use_tqdm=False)
-    with pytest.raises(InvalidInputError, match="image_embeds"):
-        engine.generate(llama4_prompt("What?", 1), images=[{"image_embeds": torch.zeros(4, 64)}],
-                        sampling_params=GREEDY, use_tqdm=False)
+    check_bad_inputs(engine, llama4_prompt("What?", 1), [WIDE, SQUARE], embeds_width=64)
 
 
 def test_demo_and_budget(path, tmp_path, capsys):
-    from mmengine.cli import main
-
-    assert main(["demo", "--family", "llama4", "--requests", "4", "--max-tokens", "2", "--cache-dir", str(tmp_path)]) == 0
-    assert "tiny llama4 checkpoint" in capsys.readouterr().out
-    assert main(["budget", "--model", str(path), "--device", "cpu", "--max-model-len", "512", "--block-size", "4"]) == 0
-    shown = capsys.readouterr().out
+    shown = check_demo_and_budget("llama4", path, tmp_path, capsys)
     assert "at most 87" in shown and "3 chunked-attention layers of 16 tokens, 1 full-attention layers" in shown
     assert "4 experts a MoE layer, a token reads 1" in shown

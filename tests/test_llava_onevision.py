@@ -18,7 +18,7 @@ from conftest import hf_greedy
 from family_checks import (GREEDY, TILE_PROBE_SIZES, against_the_processor, check_bad_inputs, check_demo_and_budget,
                            check_every_block_offset, check_hash_follows_a_setting, check_key_layout, check_mixed_batch,
                            check_pictures_across_chunks, check_preemption, check_repeated_prompt, check_token_prompts,
-                           check_top_logprobs, engine_fixtures, greedy, tiny_engine)
+                           check_top_logprobs, engine_fixtures, greedy, nested_tower_name, tiny_engine)
 
 from mmengine.errors import ImageCountMismatchError, UnsupportedModelError, VideoCountMismatchError
 from mmengine.models.registry import load_hf_processor
@@ -112,14 +112,10 @@ def test_bad_inputs_are_typed_errors(engine):
         engine.generate(onevision_prompt("What?", 0, num_videos=1), sampling_params=GREEDY, use_tqdm=False)
 
 
-def _published_name(name: str) -> str:
-    return "vision_tower.vision_model." + name.removeprefix("vision_tower.") if name.startswith("vision_tower.") else name
-
-
 def test_the_published_key_layout_loads_strictly(path, engine, tmp_path):
     """The hub's files nest the tower under `vision_tower.vision_model.*` (transformers 5 saves it without
     that level); both load to the same tokens, and a missing image_newline is named."""
-    check_key_layout(path, engine, tmp_path, _published_name, onevision_prompt("What is it?", 1), [WIDE], "image_newline",
+    check_key_layout(path, engine, tmp_path, nested_tower_name, onevision_prompt("What is it?", 1), [WIDE], "image_newline",
                      "image_newline")
 
 
