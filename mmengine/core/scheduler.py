@@ -669,12 +669,13 @@ class Scheduler:
     def _tokens_in_flight(self, request: Request, row: ScheduledRequest | None, step: SchedulerOutput | None) -> int:
         """The tokens whose blocks a request keeps once a step is booked: those it holds and, while its row of the
         step launched meanwhile (`row`, moved to its start) runs, every position that row may write: its tokens and
-        its head's chain past them (as long as the step's longest, the head chains every row alike)."""
+        its own chain past them (the head stores a row's chain only as far as its draft depth: head_drafter.py)."""
         if row is None or not row.num_new_tokens:
             return request.num_tokens
-        depths = step.draft_depths
-        chain = self.config.spec_config.num_speculative_tokens if depths is None else max(depths.values(), default=0)
-        return max(request.num_tokens, row.end + chain - 1)
+        k = self.config.spec_config.num_speculative_tokens
+        chain = k if step.draft_depths is None else step.draft_depths.get(request.request_id, k)
+        # a chain of d drafts writes d - 1 positions past the row's tokens (its first draft comes from the row itself)
+        return max(request.num_tokens, row.end + max(chain, 1) - 1)
 
     def _book_moved_saves(self, s: ScheduledRequest) -> None:
         """A hybrid model's row launched ahead, now that its positions are known: the checkpoints it passes are

@@ -136,10 +136,11 @@ class CacheCoordinator:
             self.states.commit(request)
 
     def free_past(self, request: Request, num_tokens: int) -> None:
-        """Once a step is booked: the full-attention blocks past the request's first `num_tokens` tokens go back
-        (drafts it did not keep, a draft head's chain). The sliding-window pool's are not given back here: the request's
-        later tokens fill them, as before."""
+        """Once a step is booked: the blocks past the request's first `num_tokens` tokens go back (drafts it did not
+        keep, a draft head's chain), in the full-attention pool and the sliding-window (or chunked) pool alike."""
         self.kv_cache.free_past(request, num_tokens)
+        if self.windows is not None:
+            self.windows.free_past(request, num_tokens)
 
     def release(self, request: Request) -> None:
         if self.states is not None:

@@ -146,6 +146,24 @@ class SlidingWindowManager:
         self.pool.release([b for b in freed if b.block_id in self._served])
         self.num_freed_out_of_window += len(freed)
 
+    def free_past(self, request: Request, num_tokens: int) -> None:
+        """Gives back the request's blocks past those that hold its first `num_tokens` tokens (taken for a verify
+        step's rejected drafts or a draft head's chain), as KVCacheManager.free_past does the full pool's. They lie
+        past every computed token, so none is cached, shared or the null block; uncached, they join the empty queue
+        (taken again before any cached block is evicted). The block-id list is replaced, not shortened: a step
+        already launched keeps the table it read."""
+        blocks = self._req_blocks.get(request.request_id)
+        keep = cdiv(num_tokens, self.block_size)
+        if blocks is None or len(blocks) <= keep:
+            return
+        past = blocks[keep:]
+        shared = [b.block_id for b in past if b is self.null_block or b.is_cached or b.ref_cnt != 1]
+        if shared:
+            raise RuntimeError(f"window blocks {shared} of {request.request_id} past its {num_tokens} tokens are cached or shared")
+        del blocks[keep:]
+        self._req_block_ids[request.request_id] = self._req_block_ids[request.request_id][:keep]
+        self.pool.release(past)
+
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock]) -> None:
         if request.request_id in self._uncacheable:
             return

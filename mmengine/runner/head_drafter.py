@@ -15,8 +15,10 @@ calls `draft`; a tensor-parallel rank's runner does the same, so the ranks draft
 2. Each sampling request's kept run ends at its accepted count, computed on the device (`kept_counts`): that
    row's output gives the first draft (greedy), and each further draft comes from one more head step over
    the previous draft at the next position, fed the head's own hidden state, writing K/V past the run into
-   blocks the step loop took before the step (`DraftPlanner.take_draft_blocks`, engine/draft_planner.py); a position past them stores
-   nothing, and the drafts from there on are not counted (`DeviceDrafts.counts`).
+   blocks the step loop took before the step (`DraftPlanner.take_draft_blocks`, engine/draft_planner.py). The chain runs
+   as long as the step's longest, but a request's row stores only within its own chain length (the drafts it may take
+   after the step) and its blocks: what the scheduler keeps for it while the step is in flight. A position past either
+   stores nothing, and the drafts from there on are not counted (`DeviceDrafts.counts`).
 
 So a step's tokens, its drafts (num_speculative_tokens a request) and their counts come back in one copy
 (launched_step.py). The step loop hands each request a prefix of them once it has booked the step
@@ -56,6 +58,7 @@ class TargetStep:
     # there ([requests], None: none moved), and a host bound on those moves
     shifts: torch.Tensor | None = None
     max_shift: int = 0
+    chains: dict[str, int] | None = None  # each sampling request's own chain length (None: `depth` for all)
 
 
 @dataclass
@@ -156,7 +159,7 @@ class HeadDrafter:
         self.step = TargetStep(self.head.target_hidden(final_hidden), inputs.positions, metadata.slot_mapping,
                                metadata.block_tables, inputs.scheduled, metadata.query_start_loc_cpu, inputs.logits_indices,
                                [len(block_tables[s.request.request_id]) for s in inputs.scheduled], depth, inputs.input_ids,
-                               metadata.seq_lens, list(metadata.seq_lens_cpu), shifts, max_shift)
+                               metadata.seq_lens, list(metadata.seq_lens_cpu), shifts, max_shift, depths)
 
     def forget(self) -> None:
         self.step = None
@@ -197,10 +200,12 @@ class HeadDrafter:
             return found
         ids = self.head.greedy(out)
         columns, counts = [ids], torch.ones_like(kept)
+        chains = torch.as_tensor([step.depth if step.chains is None else step.chains.get(s.request.request_id, step.depth)
+                                  for s, _ in rows]).to(device, non_blocking=True)
         for depth in range(1, step.depth):
             positions = positions + 1
             contexts = computed + depth  # the row's position + 1
-            stored = (contexts - 1) // self.block_size < num_blocks
+            stored = ((contexts - 1) // self.block_size < num_blocks) & (depth < chains)
             counts = counts + stored.long()
             out, hidden = self._run_chained(ids, hidden, positions, tables, contexts, stored, [b + depth for b in bounds], depth)
             ids = self.head.greedy(out)
