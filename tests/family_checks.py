@@ -101,8 +101,9 @@ def check_token_prompts(engine: MMEngine, prompt: str, pictures: list, token_pro
 
 def check_pictures_across_chunks(path: Path, prompt: str, pictures: list, chunk_tokens: int, min_split: int | None = None,
                                  params: SamplingParams = GREEDY, **options: Any) -> tuple[list[MMItem], list[tuple[int, int]]]:
-    """Prefill chunks of `chunk_tokens`: the tokens are transformers', one encoder run per item, and a chunk ends
-    inside each item's run (`min_split`: inside at least that many). Returns the items and the chunks."""
+    """Prefill chunks of `chunk_tokens` (the engine's other `options` besides the tests'): the tokens are
+    transformers', one encoder run per item, and a chunk ends inside each item's run (`min_split`: inside at least
+    that many). Returns the items and the chunks."""
     engine = tiny_engine(path, max_num_batched_tokens=chunk_tokens, **options)
     chunks = record_prefill_chunks(engine)
     assert greedy(engine, prompt, pictures, params) == [hf_greedy(path, prompt, pictures, params.max_tokens, ignore_eos=True)]
@@ -164,10 +165,11 @@ def check_every_block_offset(cached: MMEngine, reference: MMEngine, prompts: lis
 
 
 def check_preemption(path: Path, prompts: list[str], pictures: list, num_kv_blocks: int, params: SamplingParams = GREEDY,
-                     expected: list[list[int]] | None = None) -> None:
-    """The prompts, each with the pictures, in `num_kv_blocks` blocks: one is preempted, the books stay consistent
-    and the tokens are `expected` (default transformers' for each prompt)."""
-    tight = tiny_engine(path, num_kv_blocks=num_kv_blocks, max_num_seqs=4)
+                     expected: list[list[int]] | None = None, **options: Any) -> None:
+    """The prompts, each with the pictures, in `num_kv_blocks` blocks (the engine's other `options` besides the
+    tests'): one is preempted, the books stay consistent and the tokens are `expected` (default transformers' for
+    each prompt)."""
+    tight = tiny_engine(path, num_kv_blocks=num_kv_blocks, max_num_seqs=4, **options)
     outputs = greedy(tight, prompts, [pictures] * len(prompts), params)
     assert tight.scheduler.num_preemptions > 0
     assert_books_consistent(tight)
