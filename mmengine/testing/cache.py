@@ -11,6 +11,7 @@ import pathlib
 import shutil
 import tempfile
 from collections.abc import Callable
+from typing import Any
 
 
 def default_cache_dir() -> pathlib.Path:
@@ -52,3 +53,12 @@ def cached_build(
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def cached_spec_build(
+    family: str, spec: Any, builder_version: int, build: Callable[[pathlib.Path, Any], object],
+    cache_dir: str | os.PathLike | None = None,
+) -> pathlib.Path:
+    """The path of `family`'s cached tiny checkpoint of the dataclass `spec`, `build(directory, spec)` on first use:
+    `cache_dir / "<family>-<spec_key>"` (cached_build; `cache_dir` None: default_cache_dir())."""
+    return cached_build(f"{family}-{spec_key(spec, builder_version)}", lambda path: build(path, spec), cache_dir)

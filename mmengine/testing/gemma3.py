@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.cache import cached_build, spec_key
+from mmengine.testing.cache import cached_spec_build
 from mmengine.testing.checkpoint import save_checkpoint, special_token_ids, vision_sizes
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
 from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
@@ -194,11 +194,6 @@ GEMMA3_4B_SPEC = TinyGemma3Spec(
 )
 
 
-def build_tiny_gemma3(path: str | os.PathLike, spec: TinyGemma3Spec = TinyGemma3Spec()) -> pathlib.Path:
-    """Builds and saves a tiny test checkpoint of `spec` on CPU into `path`; returns the path."""
-    return build_gemma3_checkpoint(path, spec)
-
-
 def build_gemma3_checkpoint(path: str | os.PathLike, spec: TinyGemma3Spec = TinyGemma3Spec(), *, device: str = "cpu",
                             dtype: str | None = None) -> pathlib.Path:
     """Builds a random-weight checkpoint of `spec` (weights made on `device` in `dtype`, default the spec's)
@@ -214,7 +209,11 @@ def build_gemma3_checkpoint(path: str | os.PathLike, spec: TinyGemma3Spec = Tiny
     )
 
 
+# Builds and saves a tiny test checkpoint of a spec on CPU into a path (the checkpoint builder's defaults); returns the path.
+build_tiny_gemma3 = build_gemma3_checkpoint
+
+
 def tiny_gemma3_path(spec: TinyGemma3Spec = TinyGemma3Spec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """The path of a cached tiny checkpoint for `spec`, building it on first use (cache dir as for
     tiny_llava_path: $MMENGINE_CACHE_DIR or ~/.cache/mmengine/tiny-models)."""
-    return cached_build(f"gemma3-{spec_key(spec, _BUILDER_VERSION)}", lambda path: build_tiny_gemma3(path, spec), cache_dir)
+    return cached_spec_build("gemma3", spec, _BUILDER_VERSION, build_gemma3_checkpoint, cache_dir)

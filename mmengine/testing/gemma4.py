@@ -22,7 +22,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.cache import cached_build, spec_key
+from mmengine.testing.cache import cached_spec_build
 from mmengine.testing.checkpoint import save_checkpoint, special_token_ids, update_json
 from mmengine.testing.gemma3 import gemma_tokenizer
 from mmengine.testing.tokenizer import model_vocab_size
@@ -283,11 +283,6 @@ GEMMA4_DENSE_SPEC = TinyGemma4Spec(
 )
 
 
-def build_tiny_gemma4(path: str | os.PathLike, spec: TinyGemma4Spec = TinyGemma4Spec()) -> pathlib.Path:
-    """Builds and saves a tiny test checkpoint of `spec` on CPU into `path`; returns the path."""
-    return build_gemma4_checkpoint(path, spec)
-
-
 def build_gemma4_checkpoint(path: str | os.PathLike, spec: TinyGemma4Spec = TinyGemma4Spec(), *, device: str = "cpu",
                             dtype: str | None = None) -> pathlib.Path:
     """Builds a random-weight checkpoint of `spec` (weights made on `device` in `dtype`, default the spec's)
@@ -305,7 +300,11 @@ def build_gemma4_checkpoint(path: str | os.PathLike, spec: TinyGemma4Spec = Tiny
     )
 
 
+# Builds and saves a tiny test checkpoint of a spec on CPU into a path (the checkpoint builder's defaults); returns the path.
+build_tiny_gemma4 = build_gemma4_checkpoint
+
+
 def tiny_gemma4_path(spec: TinyGemma4Spec = TinyGemma4Spec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """The path of a cached tiny checkpoint for `spec`, building it on first use (cache dir as for
     tiny_llava_path: $MMENGINE_CACHE_DIR or ~/.cache/mmengine/tiny-models)."""
-    return cached_build(f"gemma4-{spec_key(spec, _BUILDER_VERSION)}", lambda path: build_tiny_gemma4(path, spec), cache_dir)
+    return cached_spec_build("gemma4", spec, _BUILDER_VERSION, build_gemma4_checkpoint, cache_dir)

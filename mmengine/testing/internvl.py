@@ -19,7 +19,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.cache import cached_build, spec_key
+from mmengine.testing.cache import cached_spec_build
 from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, save_processor_files, special_token_ids, vision_sizes
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
 from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
@@ -160,12 +160,11 @@ def build_internvl_checkpoint(path: str | os.PathLike, spec: TinyInternVLSpec = 
     )
 
 
-def build_tiny_internvl(path: str | os.PathLike, spec: TinyInternVLSpec = TinyInternVLSpec()) -> pathlib.Path:
-    """Builds and saves a tiny test checkpoint of `spec` on CPU into `path`; returns the path."""
-    return build_internvl_checkpoint(path, spec)
+# Builds and saves a tiny test checkpoint of a spec on CPU into a path (the checkpoint builder's defaults); returns the path.
+build_tiny_internvl = build_internvl_checkpoint
 
 
 def tiny_internvl_path(spec: TinyInternVLSpec = TinyInternVLSpec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """The path of a cached tiny checkpoint for `spec`, building it on first use (cache dir as for
     tiny_llava_path: $MMENGINE_CACHE_DIR or ~/.cache/mmengine/tiny-models)."""
-    return cached_build(f"internvl-{spec_key(spec, _BUILDER_VERSION)}", lambda path: build_tiny_internvl(path, spec), cache_dir)
+    return cached_spec_build("internvl", spec, _BUILDER_VERSION, build_internvl_checkpoint, cache_dir)

@@ -20,7 +20,7 @@ import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.cache import cached_build, spec_key
+from mmengine.testing.cache import cached_spec_build
 from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, save_processor_files, special_token_ids, vision_sizes
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
 from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
@@ -157,4 +157,4 @@ def build_llama4_checkpoint(path: str | os.PathLike, spec: TinyLlama4Spec = Tiny
 
 def tiny_llama4_path(spec: TinyLlama4Spec = TinyLlama4Spec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """The path of a cached tiny checkpoint for `spec`, building it on first use."""
-    return cached_build(f"llama4-{spec_key(spec, _BUILDER_VERSION)}", lambda path: build_llama4_checkpoint(path, spec), cache_dir)
+    return cached_spec_build("llama4", spec, _BUILDER_VERSION, build_llama4_checkpoint, cache_dir)

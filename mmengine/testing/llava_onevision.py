@@ -20,7 +20,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.cache import cached_build, spec_key
+from mmengine.testing.cache import cached_spec_build
 from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, save_processor_files, special_token_ids, vision_sizes
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
 from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
@@ -175,12 +175,11 @@ def build_onevision_checkpoint(path: str | os.PathLike, spec: TinyOnevisionSpec 
     )
 
 
-def build_tiny_onevision(path: str | os.PathLike, spec: TinyOnevisionSpec = TinyOnevisionSpec()) -> pathlib.Path:
-    """Builds and saves a tiny test checkpoint of `spec` on CPU into `path`; returns the path."""
-    return build_onevision_checkpoint(path, spec)
+# Builds and saves a tiny test checkpoint of a spec on CPU into a path (the checkpoint builder's defaults); returns the path.
+build_tiny_onevision = build_onevision_checkpoint
 
 
 def tiny_onevision_path(spec: TinyOnevisionSpec = TinyOnevisionSpec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """The path of a cached tiny checkpoint for `spec`, building it on first use (cache dir as for
     tiny_llava_path: $MMENGINE_CACHE_DIR or ~/.cache/mmengine/tiny-models)."""
-    return cached_build(f"llava-onevision-{spec_key(spec, _BUILDER_VERSION)}", lambda path: build_tiny_onevision(path, spec), cache_dir)
+    return cached_spec_build("llava-onevision", spec, _BUILDER_VERSION, build_onevision_checkpoint, cache_dir)

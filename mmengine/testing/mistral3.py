@@ -18,7 +18,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.cache import cached_build, spec_key
+from mmengine.testing.cache import cached_spec_build
 from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, save_processor_files, special_token_ids, vision_sizes
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
 from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
@@ -133,4 +133,4 @@ def build_mistral3_checkpoint(path: str | os.PathLike, spec: TinyMistral3Spec = 
 
 def tiny_mistral3_path(spec: TinyMistral3Spec = TinyMistral3Spec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """The path of a cached tiny checkpoint for `spec`, building it on first use."""
-    return cached_build(f"mistral3-{spec_key(spec, _BUILDER_VERSION)}", lambda path: build_mistral3_checkpoint(path, spec), cache_dir)
+    return cached_spec_build("mistral3", spec, _BUILDER_VERSION, build_mistral3_checkpoint, cache_dir)

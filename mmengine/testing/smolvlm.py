@@ -22,7 +22,7 @@ import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.cache import cached_build, spec_key
+from mmengine.testing.cache import cached_spec_build
 from mmengine.testing.checkpoint import (
     decoder_sizes,
     save_checkpoint,
@@ -185,12 +185,11 @@ def build_smolvlm_checkpoint(path: str | os.PathLike, spec: TinySmolVLMSpec = ID
     )
 
 
-def build_tiny_smolvlm(path: str | os.PathLike, spec: TinySmolVLMSpec = IDEFICS3_SPEC) -> pathlib.Path:
-    """Builds and saves a tiny test checkpoint of `spec` on CPU into `path`; returns the path."""
-    return build_smolvlm_checkpoint(path, spec)
+# Builds and saves a tiny test checkpoint of a spec on CPU into a path (the checkpoint builder's defaults); returns the path.
+build_tiny_smolvlm = build_smolvlm_checkpoint
 
 
 def tiny_smolvlm_path(spec: TinySmolVLMSpec = IDEFICS3_SPEC, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """The path of a cached tiny checkpoint for `spec`, building it on first use (cache dir as for
     tiny_llava_path: $MMENGINE_CACHE_DIR or ~/.cache/mmengine/tiny-models)."""
-    return cached_build(f"{spec.family}-{spec_key(spec, _BUILDER_VERSION)}", lambda path: build_tiny_smolvlm(path, spec), cache_dir)
+    return cached_spec_build(spec.family, spec, _BUILDER_VERSION, build_smolvlm_checkpoint, cache_dir)
