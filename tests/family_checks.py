@@ -204,9 +204,9 @@ def check_bad_inputs(engine: MMEngine, one_picture_prompt: str, two_pictures: li
     with pytest.raises(ImageCountMismatchError, match=count_match):
         engine.generate(one_picture_prompt, images=two_pictures, sampling_params=GREEDY, use_tqdm=False)
     if video_prompt is not None:
+        video = Video(torch.zeros(2, 32, 32, 3, dtype=torch.uint8).numpy())
         with pytest.raises(InvalidInputError, match="takes no videos"):
-            engine.generate({"prompt": video_prompt, "multi_modal_data": {"video": Video(torch.zeros(2, 32, 32, 3, dtype=torch.uint8).numpy())}},
-                            sampling_params=GREEDY, use_tqdm=False)
+            engine.generate({"prompt": video_prompt, "multi_modal_data": {"video": video}}, sampling_params=GREEDY, use_tqdm=False)
     if embeds_width is not None:
         with pytest.raises(InvalidInputError, match="image_embeds"):
             engine.generate(one_picture_prompt, images=[{"image_embeds": torch.zeros(4, embeds_width)}], sampling_params=GREEDY,
