@@ -17,7 +17,6 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -46,14 +45,11 @@ CPU_PREFILL_SHAPES, CPU_DECODE_SHAPES = [(1, 0, 32), (2, 16, 16)], [(2, 48)]
 
 
 def bench(fn: Callable[[], object], device: str, iters: int = 20) -> float:
-    """Median milliseconds per call (on CPU, of three calls: the interpreter checks, it does not time)."""
+    """Median milliseconds per call (on CPU, of one call: the interpreter checks, it does not time)."""
     if device != "cuda":
-        times = []
-        for _ in range(3):
-            start = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - start))
-        return statistics.median(times)
+        start = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - start)
     import triton.testing
 
     return triton.testing.do_bench(fn, warmup=5, rep=iters * 5, return_mode="median")
