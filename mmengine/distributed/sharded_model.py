@@ -43,27 +43,29 @@ from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.quantized_parallel import RankQuantizedLoad, deferred_weights, use_rank_quantized_weights
 from mmengine.distributed.quantized_slices import quantized_weight_slices
 from mmengine.distributed.sharded_draft_heads import build_eagle3_head, shard_mtp_head
-from mmengine.distributed.sharded_gemma import shard_gemma_decoder
-from mmengine.distributed.sharded_hybrid import rank_shape, shard_gated_attention, shard_gated_delta_net
 from mmengine.distributed.sharded_layers import shard_attention, shard_layer_mlp, split_mlp
-from mmengine.distributed.sharded_llama4 import shard_llama4_decoder
 from mmengine.distributed.sharded_update import update_sharded_weights
 from mmengine.distributed.sharding import divide, kv_head_split, routed_experts
 from mmengine.distributed.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from mmengine.errors import ConfigError, WeightsMismatchError
-from mmengine.layers.gated_delta import GatedDeltaNet
 from mmengine.models.family import ModelFamily
-from mmengine.models.gemma3_text import Gemma3DecoderModel
-from mmengine.models.gemma4_text import Gemma4DecoderModel
-from mmengine.models.llama import DecoderAttention, DecoderModel, head_dim_of
-from mmengine.models.llama4_text import Llama4DecoderModel
+from mmengine.models.llama import DecoderAttention, head_dim_of
 from mmengine.models.loader import WeightCheck, materialize_parameters, parameters_on_meta
 from mmengine.models.quantization import quantization_of
-from mmengine.models.qwen3_5 import GatedAttention, HybridDecoderModel
 from mmengine.models.vlm import KV_SCALE_NAME
 
-# The decoders this module splits (their families' model_class.decoder_class)
-SPLIT_DECODERS = (DecoderModel, HybridDecoderModel, Gemma3DecoderModel, Gemma4DecoderModel, Llama4DecoderModel)
+# The decoders this module splits (their families' model_class.decoder_class), by module and class name: the split
+# of a family's decoder is imported for that family alone, so a rank (and the driver's check) imports only the family
+# it runs, not every family's decoder (Qwen3.5's pulls Qwen-VL's preprocessing modules)
+DENSE, HYBRID = "mmengine.models.llama.DecoderModel", "mmengine.models.qwen3_5.HybridDecoderModel"
+GEMMA3, GEMMA4 = "mmengine.models.gemma3_text.Gemma3DecoderModel", "mmengine.models.gemma4_text.Gemma4DecoderModel"
+LLAMA4 = "mmengine.models.llama4_text.Llama4DecoderModel"
+SPLIT_DECODERS = (DENSE, HYBRID, GEMMA3, GEMMA4, LLAMA4)
+
+
+def decoder_kind(decoder_class: Any) -> str:
+    """A decoder class's module and name (what SPLIT_DECODERS holds); "" for anything but a class."""
+    return f"{decoder_class.__module__}.{decoder_class.__qualname__}" if isinstance(decoder_class, type) else ""
 # One expert's projection stored apart (Qwen3.5-MoE's layout), by our name
 _PER_EXPERT = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 # Any part of one expert's projection stored apart (a quantized one's weight, scales, zeros), by our name
@@ -88,9 +90,11 @@ def check_tensor_parallel_shapes(family: ModelFamily, tp_size: int, expert_paral
     if tp_size == 1:
         return
     if family.recurrent_shape is not None:  # the Gated DeltaNet layers split by their heads
+        from mmengine.distributed.sharded_hybrid import rank_shape
+
         rank_shape(family.recurrent_shape, tp_size)
     decoder_class = getattr(type(family).model_class, "decoder_class", None)
-    if decoder_class not in SPLIT_DECODERS:
+    if decoder_kind(decoder_class) not in SPLIT_DECODERS:
         raise ConfigError(f"tensor_parallel_size={tp_size}: {name}'s decoder ({getattr(decoder_class, '__name__', decoder_class)}) "
                           "is not split over ranks yet; run it with tensor_parallel_size=1")
     divide(config.num_attention_heads, tp_size, "the text model", "num_attention_heads")
@@ -110,7 +114,11 @@ def tensor_parallel_family(family: ModelFamily, tp: TensorParallelGroup, expert_
     base = type(family)
     layout = [(kv_head_split(heads, tp.size).heads_per_rank, head_size) for heads, head_size in family.kv_cache_layout()]
     recurrent = family.recurrent_shape
-    ranked_recurrent = rank_shape(recurrent, tp.size) if recurrent is not None else None
+    ranked_recurrent = None
+    if recurrent is not None:
+        from mmengine.distributed.sharded_hybrid import rank_shape
+
+        ranked_recurrent = rank_shape(recurrent, tp.size)
     draft_layers = family.num_draft_layers
     ranked_class = type(f"TensorParallel{base.__name__}", (base,), {
         "kv_cache_layout": lambda self: list(layout),
@@ -160,25 +168,35 @@ def shard_decoder(model: nn.Module, tp: TensorParallelGroup, expert_parallel: bo
     """Swaps the decoder's embedding, projections and LM head for this rank's parallel layers (the experts on their
     intermediate size, or with `expert_parallel` this rank's whole experts)."""
     decoder = model.language_model
-    if type(decoder) not in SPLIT_DECODERS:
+    kind = decoder_kind(type(decoder))
+    if kind not in SPLIT_DECODERS:
         raise ConfigError(f"tensor parallelism: the decoder {type(decoder).__name__} is not split over ranks yet")
     config = decoder.config
     hidden = config.hidden_size
-    if type(decoder) in (Gemma3DecoderModel, Gemma4DecoderModel):
+    if kind in (GEMMA3, GEMMA4):
+        from mmengine.distributed.sharded_gemma import shard_gemma_decoder
+
         shard_gemma_decoder(decoder, tp, expert_parallel)
         model.lm_head = ParallelLMHead(config.vocab_size, hidden, tp=tp, name="lm_head")
         return
-    if type(decoder) is Llama4DecoderModel:
+    if kind == LLAMA4:
+        from mmengine.distributed.sharded_llama4 import shard_llama4_decoder
+
         decoder.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp=tp, name="language_model.embed_tokens")
         shard_llama4_decoder(decoder, tp, split_mlp, expert_parallel)
         model.lm_head = ParallelLMHead(config.vocab_size, hidden, tp=tp, name="lm_head")
         return
+    hybrid = kind == HYBRID
+    if hybrid:  # Qwen3.5's layers: Gated DeltaNet or gated attention, split by their heads
+        from mmengine.distributed.sharded_hybrid import shard_gated_attention, shard_gated_delta_net
+        from mmengine.layers.gated_delta import GatedDeltaNet
+        from mmengine.models.qwen3_5 import GatedAttention
     decoder.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp=tp, name="language_model.embed_tokens")
     for index, layer in enumerate(decoder.layers):
         prefix = f"language_model.layers.{index}"
-        if isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet):
+        if hybrid and isinstance(getattr(layer, "linear_attn", None), GatedDeltaNet):
             shard_gated_delta_net(layer.linear_attn, tp, f"{prefix}.linear_attn")
-        elif isinstance(layer.self_attn, GatedAttention):
+        elif hybrid and isinstance(layer.self_attn, GatedAttention):
             shard_gated_attention(layer.self_attn, tp, f"{prefix}.self_attn")
         elif type(layer.self_attn) is DecoderAttention:
             shard_attention(layer.self_attn, hidden, head_dim_of(config), tp, f"{prefix}.self_attn")
