@@ -5,22 +5,28 @@ soak, and no worker left behind."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import io
 import os
+import pickle
 import signal
 import threading
+from multiprocessing import Pipe
 
 import psutil
 import pytest
 import torch
+from transformers import PretrainedConfig
 
 from books import assert_books_consistent
 from helpers import wait_until
 from mmengine import MMEngine, SamplingParams
 from mmengine.config import EngineConfig
-from mmengine.errors import CheckpointError, ConfigError, CorruptImageError, ImageTooLargeError, PreprocessingWorkerError
+from mmengine.errors import (ConfigError, CorruptImageError, ImageTooLargeError, PreprocessingWorkerError,
+                             UnsupportedModelError)
 from mmengine.multimodal.picture_preparer import PreparerSpec
+from mmengine.multimodal import preprocess_pool
 from mmengine.multimodal.preprocess_pool import PreprocessPool
 from mmengine.testing import make_test_image
 from mmengine.testing.qwen_vl import qwen_vl_prompt
@@ -160,13 +166,45 @@ def test_prepared_pictures_hold_no_descriptor_once_they_arrive(pooled):
     assert me.num_fds() - before < 5  # one descriptor per kept picture before the copy on arrival
 
 
-def test_a_pool_whose_workers_cannot_start_names_why(tmp_path):
+def test_a_worker_builds_its_preparer_from_the_engines_own_processor(in_process, tmp_path, monkeypatch):
+    """A worker reads no checkpoint file and loads no tokenizer or config: it gets the engine's image processor and
+    config (worker_main's loop, in a thread here, its checkpoint directory gone), and prepares as the engine does."""
+    import transformers
+
+    def refused(*args, **kwargs):
+        raise AssertionError("a preprocessing worker loaded from the checkpoint")
+
+    for name in ("AutoTokenizer", "AutoConfig", "AutoProcessor", "Qwen2VLImageProcessorPil"):
+        monkeypatch.setattr(getattr(transformers, name), "from_pretrained", refused)
+    monkeypatch.setattr(torch, "set_num_threads", lambda _: None)  # the worker's, for its own process
+    spec = dataclasses.replace(in_process.input_processor.pictures.spec(), model_dir=str(tmp_path / "gone"))
+    ours, theirs = Pipe()
+    worker = threading.Thread(target=preprocess_pool.worker_main, args=(pickle.dumps(spec), theirs))
+    worker.start()
+    try:
+        assert ours.recv()[0] == "ready"
+        ours.send((jpeg(70), 0, None))
+        status, (mm_hash, inputs) = ours.recv()
+    finally:
+        ours.send(None)
+        worker.join(30)
+    assert not worker.is_alive() and status == "done"
+    want_hash, want = in_process.input_processor.pictures.prepare_encoded(jpeg(70), 0)
+    assert mm_hash == want_hash and inputs.keys() == want.keys()
+    assert all(torch.equal(inputs[name], tensor) for name, tensor in want.items())
+
+
+def test_a_pool_whose_workers_cannot_start_names_why():
+    """A worker that fails while it builds its preparer (here: a config of no supported architecture) says why,
+    and every picture fails with that error: the slot is not restarted in a loop, and no worker is left."""
     others = {child.pid for child in workers_alive()}  # the module's engine's workers
-    spec = PreparerSpec(str(tmp_path / "missing"), None, 1 << 20, "f", "s", "xxh3_128")
+    spec = PreparerSpec(None, PretrainedConfig(architectures=["NoSuchForCausalLM"]), None, 1 << 20, "f", "s", "xxh3_128")
     pool = PreprocessPool(spec, 1)
     try:
-        with pytest.raises(CheckpointError, match="no tokenizer file"):
-            pool.prepare(jpeg(50), 0)
+        for index in range(2):
+            with pytest.raises(UnsupportedModelError, match="NoSuchForCausalLM"):
+                pool.prepare(jpeg(50 + index), index)
+        assert pool.num_started == 0 and pool.num_respawns == 0
     finally:
         pool.close()
     assert {child.pid for child in workers_alive()} == others

@@ -4,6 +4,7 @@ worker; nothing of it is cached or counted as a picture."""
 
 from __future__ import annotations
 
+import pickle
 import threading
 from multiprocessing import Pipe
 from types import SimpleNamespace
@@ -16,7 +17,7 @@ from mmengine.config import EngineConfig
 from mmengine.engine.startup import build_input_parts
 from mmengine.entrypoints.chat import ChatTemplate
 from mmengine.multimodal import preprocess_pool
-from mmengine.multimodal.picture_preparer import PicturePreparer, PreparerSpec
+from mmengine.multimodal.picture_preparer import PicturePreparer
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +52,7 @@ def test_the_intake_warms_the_picture_path_at_start_up_and_counts_nothing(config
 
 
 def test_a_preprocessing_worker_warms_up_before_it_says_ready(config, processor, monkeypatch):
-    spec = PreparerSpec(config.model, None, processor.max_image_pixels, processor.fingerprint, processor.settings_key,
-                        processor.hash_algo)
+    spec = pickle.dumps(processor.pictures.spec())
     warm_ups = _Calls(monkeypatch, PicturePreparer, "warm_up")
     monkeypatch.setattr(torch, "set_num_threads", lambda _: None)  # the worker's, for its own process
     ours, theirs = Pipe()

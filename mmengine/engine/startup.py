@@ -33,7 +33,6 @@ from mmengine.models.family import ModelFamily
 from mmengine.models.loader import checkpoint_dtype
 from mmengine.models.quantization import WeightQuantization, quantization_of
 from mmengine.models.registry import family_class_for, load_family, load_hf_config, load_hf_processor
-from mmengine.multimodal.picture_preparer import PreparerSpec
 from mmengine.multimodal.preprocess_pool import PreprocessPool
 from mmengine.multimodal.processor import InputProcessor
 from mmengine.runner import ModelRunner
@@ -117,10 +116,7 @@ def build_engine_parts(config: EngineConfig) -> EngineParts:
 
 
 def _preprocess_pool(config: EngineConfig, processor: InputProcessor) -> PreprocessPool:
-    media = config.multimodal_config
-    spec = PreparerSpec(str(config.model), media.mm_processor_kwargs, media.max_image_pixels, processor.fingerprint,
-                        processor.settings_key, config.cache_config.prefix_caching_hash_algo)
-    return PreprocessPool(spec, media.mm_processor_workers)
+    return PreprocessPool(processor.pictures.spec(), config.multimodal_config.mm_processor_workers)
 
 
 def _build_rest(config: EngineConfig, model_dir: Path, hf_config: Any, family: ModelFamily, max_model_len: int,

@@ -25,10 +25,13 @@ WARM_UP_SIZE = (96, 96)  # the warm-up picture's: within every family's size bou
 
 @dataclass(frozen=True)
 class PreparerSpec:
-    """What a worker process needs to build the engine's PicturePreparer (plain data: it is pickled)."""
+    """What a worker process needs to build the engine's PicturePreparer (plain data: it is pickled): the
+    engine's own image processor (its overrides applied) and checkpoint config, so a worker reads no
+    checkpoint file and loads no tokenizer, and prepares pictures exactly as the engine's process does."""
 
-    model_dir: str
-    mm_processor_kwargs: dict[str, Any] | None
+    image_processor: Any
+    hf_config: Any
+    model_dir: str | Path | None  # the family's: where it reads other processor files from
     max_image_pixels: int
     fingerprint: str
     settings_key: str
@@ -51,13 +54,17 @@ class PicturePreparer:
 
     @classmethod
     def from_spec(cls, spec: PreparerSpec) -> PicturePreparer:
-        """The preparer a worker builds: the checkpoint's processor and family, the engine's identity keys."""
-        from mmengine.models.registry import load_family, load_hf_config, load_hf_processor
+        """The preparer a worker builds: the engine's image processor, and its family rebuilt as load_family
+        builds it (from the config and the settings that image processor uses)."""
+        from mmengine.models.registry import family_class_for, image_processor_settings
 
-        hf_processor = load_hf_processor(Path(spec.model_dir), spec.mm_processor_kwargs)
-        family = load_family(load_hf_config(Path(spec.model_dir)), hf_processor, spec.model_dir)
-        return cls(hf_processor.image_processor, family, spec.max_image_pixels, spec.fingerprint, spec.settings_key,
-                   spec.hash_algo)
+        family = family_class_for(spec.hf_config)(spec.hf_config, image_processor_settings(spec.image_processor), spec.model_dir)
+        return cls(spec.image_processor, family, spec.max_image_pixels, spec.fingerprint, spec.settings_key, spec.hash_algo)
+
+    def spec(self) -> PreparerSpec:
+        """What a preprocessing worker builds this preparer from (preprocess_pool.py)."""
+        return PreparerSpec(self.image_processor, self.family.hf_config, self.family.model_dir, self.max_image_pixels,
+                            self.fingerprint, self.settings_key, self.hash_algo)
 
     def warm_up(self) -> None:
         """Pays at start-up what the first picture would (about 50 ms on an idle CPU, several times that on a

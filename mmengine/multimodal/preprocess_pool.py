@@ -5,8 +5,9 @@ descriptor). On arrival the tensors are copied into the engine process's own mem
 segment is let go at once: each live shared tensor holds a file descriptor and a mapping, and the
 processor cache keeps thousands of pictures (one descriptor each would exhaust a 1024-descriptor limit).
 
-Each worker (spawned: no state of the engine's is forked) is driven by one supervisor thread here, one
-picture at a time. A worker that dies is respawned: the picture it was preparing fails with a
+Each worker (spawned: no state of the engine's is forked) builds the engine's own PicturePreparer from its
+image processor and config, pickled (PreparerSpec): it reads no checkpoint file and loads no tokenizer. It is
+driven by one supervisor thread here, one picture at a time. A worker that dies is respawned: the picture it was preparing fails with a
 PreprocessingWorkerError naming it (the picture may be what killed it), the engine serves on, and a
 picture sent to a worker already dead before it started is sent to the new one. Workers leave with the
 pool (`close`) or with the engine's process (their end of the pipe closes).
@@ -56,6 +57,7 @@ class PreprocessPool:
         if num_workers < 1:
             raise ValueError(f"a preprocessing pool needs a worker, got {num_workers}")
         self.spec = spec
+        self._pickled_spec = pickle.dumps(spec)  # once, here: an unpicklable spec fails its caller, not each worker
         self._tasks: queue.SimpleQueue[_Task | None] = queue.SimpleQueue()
         self._context = torch_mp.get_context("spawn")
         self._lock = threading.Lock()
@@ -210,7 +212,7 @@ class _WorkerSlot:
     def _start_one(self) -> tuple[str | None, Any]:
         context = self.pool._context
         ours, theirs = context.Pipe()
-        self.process = context.Process(target=worker_main, args=(self.pool.spec, theirs), daemon=True,
+        self.process = context.Process(target=worker_main, args=(self.pool._pickled_spec, theirs), daemon=True,
                                        name=f"mmengine-preprocess-{self.number}")
         self.process.start()
         theirs.close()
@@ -265,12 +267,13 @@ def _shared(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=torch_dtype).set_(storage, 0, shape)
 
 
-def worker_main(spec: PreparerSpec, connection: Any) -> None:
-    """A worker process: builds the engine's PicturePreparer, then prepares one picture per message until
-    told to stop (None) or its pipe closes (the engine's process is gone)."""
+def worker_main(pickled_spec: bytes, connection: Any) -> None:
+    """A worker process: builds the engine's PicturePreparer from its pickled PreparerSpec (unpickled here, so
+    that a failure is reported like any other), then prepares one picture per message until told to stop
+    (None) or its pipe closes (the engine's process is gone)."""
     torch.set_num_threads(1)
     try:
-        preparer = PicturePreparer.from_spec(spec)
+        preparer = PicturePreparer.from_spec(pickle.loads(pickled_spec))
     except BaseException as err:  # noqa: BLE001 - reported to the engine, which names it for every picture
         connection.send((_FAILED, _picklable(err)))
         return
