@@ -504,7 +504,8 @@ PARTS: list[Part] = [
                             "--encoder-model", _model(ctx, "qwen2_5_vl_7b"), "--device", "cuda"),
          # (tests/test_benchmarks.py runs this dry command in-process and reads it as the part does)
          lambda ctx: _bench("preprocess.py", ctx, "preprocess", "--families", "llava", "--photos", "1", "--repeats", "1",
-                            "--workers", "1", "--encoder-model", _model(ctx, "qwen2_5_vl_7b"), "--device", "cpu"),
+                            "--sizes", "320x240,640x480", "--workers", "1", "--encoder-model", _model(ctx, "qwen2_5_vl_7b"),
+                            "--device", "cpu"),
          _preprocess_reads),
     Part("tp", "48", 4, ("llava_7b",),
          lambda ctx: _bench("tensor_parallel.py", ctx, "tp", "--model", _model(ctx, "llava_7b"), "--device", "cuda",

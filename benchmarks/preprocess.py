@@ -1,6 +1,6 @@
 """Image preprocessing per photo: transformers' PIL image processors against mmengine's exact fast path
 (multimodal/fast_image_processor.py, the same pixel values bit for bit), one core, for each family's
-processor as its published checkpoints configure it, on 1920x1080 JPEG photos and a 4000x3000 one.
+processor as its published checkpoints configure it, on 1920x1080 JPEG photos and a 4000x3000 one (--sizes).
 
     python benchmarks/preprocess.py
     python benchmarks/preprocess.py --photos 24 --output benchmarks/results/preprocess.json
@@ -11,7 +11,7 @@ processor; the engine decodes with its load_image). The pixel values are checked
 
 Then, for Qwen2.5-VL's processor (a micro checkpoint with max_pixels 1003520): photos/s of the
 preprocessing pool (mm_processor_workers, JPEG bytes in, shared-memory tensors out) at each --workers
-count, and the whole engine (`generate()`, one token) on --photos new 1920x1080 photos without and with
+count, and the whole engine (`generate()`, one token) on --photos new 1920x1080 photos (the first --sizes) without and with
 workers, against transformers' processor alone on the same photos. Printed as tables, written as JSON.
 
 With --encoder-model (a Qwen2.5-VL checkpoint, e.g. the GPU suite's 7B shape) and --device cuda: the vision
@@ -108,7 +108,7 @@ def measure(make_processor: Callable[[], object], jpegs: list[bytes], repeats: i
 QWEN_OVERRIDES = {"max_pixels": 1003520}
 
 
-def pool_and_engine(jpegs: list[bytes], worker_counts: list[int]) -> dict:
+def pool_and_engine(jpegs: list[bytes], worker_counts: list[int], size: str = "1920x1080") -> dict:
     """The pool's photos/s at each size, and generate() on the photos with and without workers, against
     transformers' processor alone on them (Qwen2.5-VL's processor, a micro checkpoint)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -119,6 +119,7 @@ def pool_and_engine(jpegs: list[bytes], worker_counts: list[int]) -> dict:
     from mmengine.testing.qwen_vl import qwen_vl_prompt, tiny_qwen_vl_path, tiny_spec
 
     path = tiny_qwen_vl_path(tiny_spec("qwen2_5_vl"))
+    width, height = (int(n) for n in size.split("x"))
     processor = load_hf_processor(path, QWEN_OVERRIDES).image_processor
     start = time.perf_counter()
     for data in jpegs:
@@ -126,7 +127,7 @@ def pool_and_engine(jpegs: list[bytes], worker_counts: list[int]) -> dict:
     hf_seconds = time.perf_counter() - start
     out: dict = {"photos": len(jpegs), "transformers_processor_s": round(hf_seconds, 3),
                  "transformers_photos_per_s": round(len(jpegs) / hf_seconds, 1), "workers": {}, "engine": {}}
-    print(f"\nQwen2.5-VL processor on {len(jpegs)} new 1920x1080 photos: transformers alone {hf_seconds:.2f} s "
+    print(f"\nQwen2.5-VL processor on {len(jpegs)} new {size} photos: transformers alone {hf_seconds:.2f} s "
           f"({len(jpegs) / hf_seconds:.1f} photos/s)")
     prompt, params = qwen_vl_prompt("What is in this photo?", 1), SamplingParams(max_tokens=1, temperature=0)
     for count in sorted({0, *worker_counts}):  # one engine (and pool) per count: the pool timed alone, then generate()
@@ -134,14 +135,14 @@ def pool_and_engine(jpegs: list[bytes], worker_counts: list[int]) -> dict:
                       mm_processor_workers=count, mm_processor_cache_bytes=0, enable_prefix_caching=False) as engine:
             if count in worker_counts:
                 pool: PreprocessPool = engine.input_processor.pool
-                pool.prepare(photo_jpeg(99, 640, 480), 0)  # the workers are up
+                pool.prepare(photo_jpeg(99, width, height), 0)  # the workers are up
                 with ThreadPoolExecutor(count) as threads:
                     start = time.perf_counter()
                     list(threads.map(lambda data: pool.prepare(data, 0), jpegs))
                     seconds = time.perf_counter() - start
                 out["workers"][count] = {"photos_per_s": round(len(jpegs) / seconds, 1)}
                 print(f"  pool of {count}: {len(jpegs) / seconds:.1f} photos/s (JPEG bytes in, tensors in shared memory out)")
-            engine.generate(prompt, images=[photo_jpeg(98, 640, 480)], sampling_params=params, use_tqdm=False)  # warm
+            engine.generate(prompt, images=[photo_jpeg(98, width, height)], sampling_params=params, use_tqdm=False)  # warm
             start = time.perf_counter()
             engine.generate([prompt] * len(jpegs), images=[[data] for data in jpegs], sampling_params=params, use_tqdm=False)
             seconds = time.perf_counter() - start
@@ -181,9 +182,21 @@ def encoder_rate(model: str, jpegs: list[bytes], device: str, batch: int) -> dic
     return out
 
 
+def _photo_sizes(text: str) -> list[tuple[int, int]]:
+    try:
+        sizes = [tuple(int(n) for n in size.split("x")) for size in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or any(len(size) != 2 or min(size) < 1 for size in sizes):
+        raise argparse.ArgumentTypeError(f"expected WxH[,WxH...] with positive sizes, got {text!r}")
+    return sizes
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--photos", type=int, default=12, help="distinct 1920x1080 photos (and a third as many 4000x3000)")
+    parser.add_argument("--photos", type=int, default=12, help="distinct photos of the first size (a third as many of the others)")
+    parser.add_argument("--sizes", type=_photo_sizes, default=_photo_sizes("1920x1080,4000x3000"),
+                        help="photo sizes WxH, comma-separated; the pool, generate() and the encoder run on the first")
     parser.add_argument("--repeats", type=int, default=2, help="passes over the photos; the best median counts")
     parser.add_argument("--families", nargs="*", help="substrings of the family names to run (default: all; `none` skips the table)")
     parser.add_argument("--workers", default="1,2", help="preprocessing pool sizes to time (comma-separated; empty: none)")
@@ -195,8 +208,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(1)  # per core
     families = {name: make for name, make in _families().items()
                 if not args.families or any(part in name for part in args.families)}
-    sizes = {"1920x1080": [photo_jpeg(seed, 1920, 1080) for seed in range(args.photos)],
-             "4000x3000": [photo_jpeg(1000 + seed, 4000, 3000) for seed in range(max(1, args.photos // 3))]}
+    sizes = {f"{w}x{h}": [photo_jpeg(1000 * i + seed, w, h) for seed in range(args.photos if i == 0 else max(1, args.photos // 3))]
+             for i, (w, h) in enumerate(args.sizes)}
+    first = next(iter(sizes))
     results: dict = {"machine": platform.platform(), "python": sys.version.split()[0], "torch_threads": 1,
                      "photos": {size: len(jpegs) for size, jpegs in sizes.items()}, "families": {}}
     print(f"{'family':34s} {'photo':10s} {'transformers ms':>16s} {'mmengine ms':>12s} {'x':>6s} "
@@ -214,9 +228,9 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{row['mmengine, decode + processor']['ms_per_photo']:8.1f} {row['speedup_intake']:6.2f}")
     workers = [int(n) for n in args.workers.split(",") if n]
     if workers:
-        results["pool"] = pool_and_engine(sizes["1920x1080"], workers)
+        results["pool"] = pool_and_engine(sizes[first], workers, first)
     if args.encoder_model:
-        results["encoder"] = encoder_rate(args.encoder_model, sizes["1920x1080"], args.device, args.encoder_batch)
+        results["encoder"] = encoder_rate(args.encoder_model, sizes[first], args.device, args.encoder_batch)
         if workers:
             front = results["pool"]["workers"][max(workers)]["photos_per_s"]
             results["encoder"]["front_end_photos_per_s"] = front

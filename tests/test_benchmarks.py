@@ -334,8 +334,8 @@ def test_preprocess_benchmark_times_both_paths_and_checks_their_pixels(tmp_path,
     module = load_benchmark("preprocess")
     output = tmp_path / "preprocess.json"
     encoder = tiny_qwen_vl_path(tiny_spec("qwen2_5_vl"))  # the GPU suite's dry stand-in for Qwen2.5-VL-7B
-    result = module.main(["--families", "llava", "--photos", "1", "--repeats", "1", "--workers", "1", "--encoder-model", str(encoder),
-                          "--device", "cpu", "--output", str(output)])
+    result = module.main(["--families", "llava", "--photos", "1", "--repeats", "1", "--sizes", "320x240,640x480", "--workers", "1",
+                          "--encoder-model", str(encoder), "--device", "cpu", "--output", str(output)])
     assert json.loads(output.read_text()) == json.loads(json.dumps(result))
     assert result["pool"]["workers"][1]["photos_per_s"] > 0  # a pool of one worker, timed
     assert set(result["pool"]["engine"]) == {0, 1} and all(row["seconds"] > 0 for row in result["pool"]["engine"].values())
@@ -350,7 +350,8 @@ def test_preprocess_benchmark_times_both_paths_and_checks_their_pixels(tmp_path,
     monkeypatch.setattr(fast_image_processor.PixelTable, "lookup",
                         lambda self, pixels, out, channel_axis: out.fill(0))  # a broken fast path
     with pytest.raises(AssertionError, match="pixels differ"):
-        module.main(["--photos", "1", "--repeats", "1", "--families", "llava", "--workers", "", "--output", str(output)])
+        module.main(["--photos", "1", "--repeats", "1", "--sizes", "320x240", "--families", "llava", "--workers", "",
+                     "--output", str(output)])
 
 
 def test_speculative_benchmark_gives_the_same_answers_in_fewer_steps_at_full_acceptance(tmp_path):
