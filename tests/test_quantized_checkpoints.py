@@ -6,6 +6,7 @@ tensor is named with what was expected, what was found and its file."""
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 
@@ -36,8 +37,13 @@ def test_a_quantized_checkpoint_computes_its_dequantized_weights(family_checkpoi
               "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>What is it?<|im_end|>\n<|im_start|>assistant\n")
     ours = _logprobs(quantized, prompt, [PICTURE])
     assert ours == _logprobs(reference, prompt, [PICTURE])  # the same tokens and log-probabilities, exactly
-    original = _logprobs(source, prompt, [PICTURE])
-    assert ours[1] != original[1]  # the weights really were quantized (the logits moved)
+    assert ours[1] != _source_logprobs(source, prompt)[1]  # the weights really were quantized (the logits moved)
+
+
+@functools.cache
+def _source_logprobs(path, prompt: str) -> tuple[list[int], list]:
+    """The unquantized checkpoint's, once per family for all the methods."""
+    return _logprobs(path, prompt, [PICTURE])
 
 
 def test_a_block_scale_of_the_wrong_shape_is_named(family_checkpoint, tmp_path):
@@ -257,7 +263,7 @@ def test_quantized_experts_stay_quantized_where_the_fused_kernels_run(family_che
     linear = 3 * 5 + 4 + 4 * 3 if method == "fp8" else 3 * 3 + 4 + 4 * 1  # 3 Gated DeltaNet layers, 1 attention, 4 shared experts
     assert engine.runner.num_quantized_projections == linear + 4 * (kept is not None)
     ours = engine.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids
-    plain = MMEngine(str(reference), max_model_len=256, attn_backend="triton", enforce_eager=True, **KERNEL_FP32.engine_kwargs)
+    plain = MMEngine(str(reference), max_model_len=256, **KERNEL_FP32.engine_kwargs)  # the dequantized copy on the torch path
     assert ours == plain.generate(prompt, images=[PICTURE], sampling_params=params, use_tqdm=False)[0].token_ids
 
 
