@@ -4,6 +4,7 @@ two paths agree, and it reports every field; without a GPU the full-size run say
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,9 +18,17 @@ def bench():
 
 
 def test_tiny_run_reports_both_paths_and_they_agree(bench, tmp_path):
-    output = tmp_path / "cascade.json"
-    result = bench.main(["--tiny", "--members", "1,3", "--output", str(output)])
-    assert json.loads(output.read_text()) == json.loads(json.dumps(result))
+    """The GPU suite's "cascade_kernel" part's dry command (test_gpu_suite.py leaves it to this test), read as the part
+    reads it: every figure a value."""
+    suite = load_benchmark("gpu_suite")
+    (part,) = [p for p in suite.PARTS if p.name == "cascade_kernel"]
+    ctx = suite.Context(tmp_path, tmp_path / "checkpoints", dry_run=True)
+    script, *args = part.dry_args(ctx)
+    assert Path(script).name == "cascade_attention.py" and args[:3] == ["--tiny", "--members", "1,3"]
+    result = bench.main(args)
+    assert json.loads(ctx.output(part.name).read_text()) == json.loads(json.dumps(result))
+    figures = [suite.judge(name, value, unit, target, True) for name, value, unit, target in part.read(result)]
+    assert figures and all(fig.value is not None and fig.verdict == "dry run" for fig in figures), figures
     alone, grouped = result["rows"]
     assert alone["members"] == 1 and alone["num_cascade_groups"] == 0  # nothing to share
     assert alone["cascade_kv_bytes"] == alone["plain_kv_bytes"]
