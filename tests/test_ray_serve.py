@@ -234,6 +234,20 @@ def test_every_replica_froze_its_start_up_heap_before_serving(base_url):
     assert all(count > 10_000 for count in frozen.values()), frozen
 
 
+def test_a_stopping_replica_checks_its_requests_in_flight_in_short_polls(base_url):
+    """Each deployment's drain on stopping (serve.shutdown, a redeploy) checks for requests in flight every
+    graceful_shutdown_wait_loop_s: Serve's 2 s default is slept at least once by each replica, router first, then the
+    engines (~4 s more than the drain needs, on every Ctrl-C of `mmengine serve --data-parallel-size`)."""
+    from ray.serve.context import _get_global_client
+
+    from mmengine.ray.serve import ENGINE_DEPLOYMENT_PREFIX
+
+    deployments = _get_global_client().get_serve_details()["applications"]["mmengine"]["deployments"]
+    polls = {name: details["deployment_config"]["graceful_shutdown_wait_loop_s"] for name, details in deployments.items()}
+    assert set(polls) == {f"{ENGINE_DEPLOYMENT_PREFIX}{replica}" for replica in range(NUM_REPLICAS)} | {"mmengine-router"}
+    assert all(poll <= 0.25 for poll in polls.values()), polls
+
+
 def test_the_serve_command_with_data_parallel_size_builds_the_ray_app(checkpoint_dir, monkeypatch, capsys):
     """`mmengine serve --data-parallel-size 3` hands its options to build_app and runs the app on Ray
     Serve (intercepted here: the app itself is served by the fixture above); it loads no engine itself."""
