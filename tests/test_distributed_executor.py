@@ -22,49 +22,13 @@ import psutil
 import pytest
 import torch
 
+from executor_ranks import TP, RankWorker, refuse_to_start, start
 from mmengine.distributed.executor import MultiprocExecutor, WorkerError
-from mmengine.distributed.process_group import DistributedInit, TensorParallelGroup, file_address, free_tcp_address
+from mmengine.distributed.process_group import DistributedInit, file_address, free_tcp_address
 from mmengine.errors import ConfigError, EngineDeadError
 
-TP = 2
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-
-
-class RankWorker:
-    """What each rank holds in these tests: its group, and a few steps that use a collective."""
-
-    def __init__(self, tp: TensorParallelGroup) -> None:
-        self.tp = tp
-        self.steps = 0
-
-    def execute_step(self, plan: dict) -> dict:
-        self.steps += 1
-        total = self.tp.all_reduce(torch.tensor([float(self.tp.rank + 1)]))  # every rank took part
-        return {"echo": plan["id"], "plan_bytes": len(plan["payload"]), "rank_sum": total.item(), "steps": self.steps}
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def fail_on(self, rank: int) -> None:
-        if self.tp.rank == rank:
-            raise KeyError(f"no such block on rank {rank}")
-
-    def sleep_then_reduce(self, sleeping_rank: int, seconds: float) -> float:
-        if self.tp.rank == sleeping_rank:
-            time.sleep(seconds)
-        return self.tp.all_reduce(torch.ones(1)).item()
-
-    def peer_gone(self, dying_rank: int, delay_s: float) -> None:
-        """The order a real death can take: the survivor's collective fails first, the peer's exit follows."""
-        if self.tp.rank == dying_rank:
-            time.sleep(delay_s)
-            os._exit(3)
-        raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:29500")
-
-
-def refuse_to_start(tp: TensorParallelGroup) -> None:
-    raise ConfigError(f"layers.0.qkv: num_key_value_heads=3 cannot be split over tensor_parallel_size={tp.size}")
 
 
 def alive(pid: int) -> bool:
@@ -93,16 +57,14 @@ def worker_children() -> list[psutil.Process]:
     return out
 
 
-def start(on_death=None, **options) -> MultiprocExecutor:
-    return MultiprocExecutor(RankWorker, TP, torch_threads=1, on_death=on_death, **options)
-
-
 def test_a_step_round_trips_and_a_worker_error_comes_back_typed_then_shutdown_leaves_nothing():
     before = {p.pid for p in worker_children()}
     deaths: list[EngineDeadError] = []
     executor = start(on_death=deaths.append)
     pids = executor.call("pid")
     assert pids == executor.pids and len(set(pids)) == TP
+    # a rank imports the worker loop and its worker's module: neither transformers nor a model nor the test's pytest
+    assert executor.call("imported", ["transformers", "mmengine.models", "mmengine.runner", "pytest"]) == [[]] * TP
     for step in range(3):
         reply = executor.execute({"id": step, "payload": b"x" * 4096})
         assert reply == {"echo": step, "plan_bytes": 4096, "rank_sum": 3.0, "steps": step + 1}  # 1 + 2: both ranks
@@ -232,7 +194,7 @@ def test_the_rendezvous_is_plain_data_checked_by_name(tmp_path):
 DRIVER = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, {tests!r})
-    from test_distributed_executor import start
+    from executor_ranks import start
     if __name__ == "__main__":
         executor = start()
         print(json.dumps(executor.pids), flush=True)
