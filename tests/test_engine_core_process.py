@@ -245,6 +245,18 @@ def test_bad_pictures_fail_in_the_front_end_with_their_typed_errors(core, thread
     assert core.stats()["prompt_tokens"] == before["prompt_tokens"]  # nothing reached the core
 
 
+def test_a_core_its_front_end_spawned_leaves_without_the_interpreters_teardown(monkeypatch):
+    """The core EngineCoreClient spawns runs owned_core_main: core_main, then os._exit(0) (the interpreter's teardown
+    with torch and the model loaded took seconds of CPU, and the front end's close waited for it)."""
+    from mmengine.engine import core_process
+
+    calls = []
+    monkeypatch.setattr(core_process, "core_main", lambda *args: calls.append(("core_main", args)))
+    monkeypatch.setattr(core_process.os, "_exit", lambda code: calls.append(("exit", code)))
+    core_process.owned_core_main("model", {}, None)
+    assert calls == [("core_main", ("model", {}, None)), ("exit", 0)]
+
+
 def test_a_killed_core_fails_every_request_fast_and_leaves_no_process(core):
     """The last test of the module's core (it kills it; the tests after this one start cores of their own)."""
 
@@ -342,8 +354,7 @@ def test_the_server_over_a_process_core_answers_and_turns_503_when_it_dies(qwen_
             assert httpx.get(server.base_url + "/health").status_code == 200
             os.kill(pid, signal.SIGKILL)
             killed = time.monotonic()
-            while httpx.get(server.base_url + "/health").status_code == 200 and time.monotonic() - killed < 10:
-                time.sleep(0.05)
+            wait_until(lambda: httpx.get(server.base_url + "/health").status_code != 200, timeout_s=10)
             assert httpx.get(server.base_url + "/health").status_code == 503
             assert not async_engine.is_healthy
             refused = httpx.post(server.v1 + "/completions", json=body, timeout=60)

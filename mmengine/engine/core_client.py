@@ -41,7 +41,7 @@ import torch.multiprocessing as torch_mp  # registers torch's reductions: tensor
 
 from mmengine.config import EngineConfig
 from mmengine.engine.core_process import (
-    ABORT, ADD, CALL, EXPECT, FAILED, OUTPUTS, READY, REPLY, REQUEST_FAILED, STEP_FAILED, core_environment, core_main,
+    ABORT, ADD, CALL, EXPECT, FAILED, OUTPUTS, READY, REPLY, REQUEST_FAILED, STEP_FAILED, core_environment, owned_core_main,
 )
 from mmengine.engine.intake import PreparedRequest, RequestIntake
 from mmengine.engine.picture_mirror import SentPictures
@@ -85,7 +85,7 @@ class EngineCoreClient:
             core_options = {**options, "engine_core": "thread", "mm_processor_workers": 0}
             context = torch_mp.get_context("spawn")
             self._connection, theirs = context.Pipe()
-            self.process = context.Process(target=core_main, args=(str(model), core_options, theirs), daemon=True,
+            self.process = context.Process(target=owned_core_main, args=(str(model), core_options, theirs), daemon=True,
                                            name="mmengine-engine-core")
             with core_environment():
                 self.process.start()  # the model loads there while the intake is built here

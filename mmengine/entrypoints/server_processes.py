@@ -45,7 +45,6 @@ import secrets
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import threading
 import time
@@ -55,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 # the launcher imports no engine module (torch, transformers, the model code): it spawns the processes that do
-from mmengine.engine.core_process import FAILED, READY, core_environment, core_main, picklable
+from mmengine.engine.core_process import FAILED, READY, core_environment, core_main, leave, picklable
 from mmengine.entrypoints.server_settings import ServerSettings
 from mmengine.errors import ConfigError, EngineDeadError
 from mmengine.utils.heap import freeze_startup_heap
@@ -343,15 +342,6 @@ def core_process_main(model: str, options: dict[str, Any], launcher: Connection,
     core_main(model, options, launcher, address, authkey)
     shutil.rmtree(run_directory, ignore_errors=True)
     leave()
-
-
-def leave(code: int = 0) -> None:
-    """Ends a stopped process at once: its logs flushed, the interpreter's teardown (seconds of CPU with torch
-    loaded) skipped."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 def leave_if_launcher_goes_while_starting(launcher: Connection, serving: threading.Event,
