@@ -5,6 +5,8 @@ divisible-block matrix (the image in the recomputed last block) runs on every fa
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 import pytest
 import torch
 
@@ -42,6 +44,24 @@ def _expected(family: FamilyCase, cases, max_tokens: int = MAX_TOKENS, precision
 def _items(engine: MMEngine, cases) -> list[MMItem]:
     """The encoder-cache items of the cases' pictures (several a picture where a family tiles it)."""
     return [item for prompt, images in cases for item in engine.input_processor.process(prompt, images, GREEDY).mm_items]
+
+
+@pytest.fixture(scope="module")
+def shared_engine() -> Iterator[Callable[..., MMEngine]]:
+    """shared_engine(family, **options): one engine per family and options for the module, for the tests that only
+    prepare inputs or serve references on it (prefix caching off, or nothing generated), so no test reads what another
+    left in its caches. Each engine build loads the family's processor and weights: ~0.2-0.4 s of CPU."""
+    engines: dict[tuple, MMEngine] = {}
+
+    def get(family: FamilyCase, **options) -> MMEngine:
+        key = (family.name, tuple(sorted(options.items())))
+        if key not in engines:
+            engines[key] = MMEngine(str(family.path), **options)
+        return engines[key]
+
+    yield get
+    for engine in engines.values():
+        engine.shutdown()
 
 
 def _generate(engine: MMEngine, cases, params: SamplingParams = GREEDY):
@@ -160,14 +180,14 @@ def _prompt_with_image_placed(engine: MMEngine, family: FamilyCase, image, block
 
 @pytest.mark.parametrize("placement", ["ends_in_last_full_block", "ends_at_prompt_end", "spans_blocks"])
 @pytest.mark.parametrize("copies", [2, 5])
-def test_identical_requests_with_the_image_in_the_recomputed_block(family, placement, copies):
+def test_identical_requests_with_the_image_in_the_recomputed_block(family, shared_engine, placement, copies):
     """vLLM's #11895 crash, with items of any size: prompt length divisible by the block size, the
     image in (or reaching) the recomputed last block, the smallest encoder budget. No crash, the
     outputs of prefix caching off, one encode, and a later full hit."""
     image = IMAGES[3] if placement == "spans_blocks" else IMAGES[1]
     kwargs = dict(max_model_len=256, block_size=4, encoder_cache_size=1, dtype="float32", device="cpu")
     cached = MMEngine(str(family.path), **kwargs)
-    plain = MMEngine(str(family.path), enable_prefix_caching=False, **kwargs)
+    plain = shared_engine(family, enable_prefix_caching=False, **kwargs)  # the reference: no cache to carry between cases
     prompt = _prompt_with_image_placed(cached, family, image, 4, placement)
     outputs = cached.generate([prompt] * copies, images=[[image]] * copies, sampling_params=FIXED, use_tqdm=False)
     again = cached.generate(prompt, images=[image], sampling_params=FIXED, use_tqdm=False)
@@ -179,9 +199,9 @@ def test_identical_requests_with_the_image_in_the_recomputed_block(family, place
     assert cached.encoder_budget.compute_budget_tokens == cached.family.max_tokens_per_item()  # the smallest budget
 
 
-def test_an_image_too_large_for_max_model_len_is_a_typed_error_naming_prompt_and_image(family):
+def test_an_image_too_large_for_max_model_len_is_a_typed_error_naming_prompt_and_image(family, shared_engine):
     big = IMAGES[5]  # 64 tokens for the Qwen families, 16 for LLaVA
-    probe = MMEngine(str(family.path), max_model_len=256, dtype="float32", device="cpu")
+    probe = shared_engine(family, max_model_len=256, dtype="float32", device="cpu")  # (its input processor only)
     tokens = probe.input_processor.process(family.prompt("hi", 1), [big], FIXED).mm_items[0].length
     engine = MMEngine(str(family.path), max_model_len=tokens, dtype="float32", device="cpu")
     with pytest.raises(ItemTooLargeError) as err:
@@ -192,8 +212,8 @@ def test_an_image_too_large_for_max_model_len_is_a_typed_error_naming_prompt_and
     assert len(ok.token_ids) == 4
 
 
-def test_more_image_markers_than_images_is_a_typed_error(family):
-    engine = MMEngine(str(family.path), max_model_len=256, dtype="float32", device="cpu")
+def test_more_image_markers_than_images_is_a_typed_error(family, shared_engine):
+    engine = shared_engine(family, max_model_len=256, dtype="float32", device="cpu")  # refused before it is scheduled
     with pytest.raises(ImageCountMismatchError, match="2 .*marker.*1 image"):
         engine.generate(family.prompt("two?", 2), images=[IMAGES[0]], sampling_params=FIXED, use_tqdm=False)
 
