@@ -262,7 +262,7 @@ def test_tiered_cache_benchmark_encodes_each_picture_once_with_the_host_tier(che
 
 def test_grammar_engines_benchmark_times_llguidance_on_every_schema(tmp_path):
     module = load_benchmark("grammar_engines")
-    result = module.main(["--vocab", "2000", "--steps", "4", "--corpus-bytes", "2000000", "--output", str(tmp_path / "g.json")])
+    result = module.main(["--vocab", "2000", "--steps", "4", "--corpus-bytes", "300000", "--output", str(tmp_path / "g.json")])
     numbers = result["engines"]["llguidance"]
     assert result["schemas"] == 20 and result["vocab"] == 2000
     assert numbers["compile_ms"]["median"] > 0 and numbers["mask_us"]["steps"] >= 20  # at least one mask per schema
