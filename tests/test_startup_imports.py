@@ -76,3 +76,59 @@ def test_sharing_keys_tokenize_as_the_processor_without_loading_it(checkpoint_di
     prompt = "USER: <image>\nWhat is in this picture, and why? ASSISTANT:"
     assert SharingKeys(path).tokenizer(prompt)["input_ids"] == load_hf_processor(path).tokenizer(prompt)["input_ids"]
     assert fresh_interpreter["heavy_after_sharing_keys"] == []
+
+
+def _module_level_imports(name: str, paths: dict[str, Path]) -> set[str]:
+    """The mmengine modules `name` imports as it is imported (its module-level statements, TYPE_CHECKING aside; the
+    imports inside functions run later, when called), with the packages each passes through."""
+    def resolve(dotted: str) -> str | None:
+        while dotted and dotted not in paths:
+            dotted = dotted.rpartition(".")[0]
+        return dotted or None
+
+    path = paths[name]
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.If):
+                visit(node.orelse if "TYPE_CHECKING" in ast.unparse(node.test) else node.body + node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body + [s for h in node.handlers for s in h.body] + node.orelse + node.finalbody)
+            elif isinstance(node, ast.Import):
+                found.update(resolve(alias.name) for alias in node.names if alias.name.startswith("mmengine"))
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                if base.startswith("mmengine"):
+                    found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in paths else resolve(base) for a in node.names)
+
+    visit(ast.parse(path.read_text()).body)
+    for module in list(found - {None}):
+        parts = module.split(".")
+        found.update(".".join(parts[:i]) for i in range(1, len(parts)))
+    return found - {None, name}
+
+
+def test_a_rank_and_the_tensor_parallel_driver_import_no_familys_model_but_their_own():
+    """A rank imports ModelWorker's module (its factory's) and the worker loop; its family's module comes with the
+    family it is handed. Neither they nor the driver's ParallelRunner import another family's model or split decoder
+    (sharded_model.py imports a family's split when it splits that family): each process pays for one family."""
+    from mmengine.distributed.sharded_model import SPLIT_DECODERS
+
+    paths = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts[: -1 if p.name == "__init__.py" else None]): p
+             for p in PACKAGE.rglob("*.py")}
+    imported: set[str] = set()
+    pending = ["mmengine.runner.worker", "mmengine.distributed.worker_loop", "mmengine.runner.parallel_runner"]
+    while pending:
+        module = pending.pop()
+        if module not in imported:
+            imported.add(module)
+            pending.extend(_module_level_imports(module, paths))
+    assert "mmengine.distributed.sharded_model" in imported and "mmengine.models.llama" in imported  # (the probe sees them)
+    # (LLaMA's decoder is every dense family's: the ranks' and the driver's shared code builds on it)
+    decoders = {kind.rpartition(".")[0] for kind in SPLIT_DECODERS} - {"mmengine.models.llama"}
+    family_modules = {entry.module for entry in FAMILIES.values()}
+    assert sorted(imported & (decoders | family_modules)) == []
