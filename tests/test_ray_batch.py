@@ -109,6 +109,7 @@ def test_two_replicas_match_one_local_engine_row_for_row(two_replicas, checkpoin
     result = two_replicas.run(ray.data.from_items(rows))  # (run_batch: the LoRA test)
     got = by_item(result.dataset)
     assert sorted(got) == [r["item_id"] for r in rows]  # every row exactly once, extra column kept
+    assert result.dataset.num_blocks() == 1  # the 12 rows in blocks of a sub-batch (64 rows), not a block a row
     for row, expected in zip(rows, local_outputs(checkpoint_dir(), rows)):
         out = got[row["item_id"]]
         assert out["prompt"] == row["prompt"]

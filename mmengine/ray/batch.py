@@ -129,16 +129,18 @@ class BatchRunner:
             check_columns(list(rows[0]))
             placement = self._place(rows, affinity)
             outputs, window_retried = self._dispatch(rows, placement, progress)
-            parts.append(ray.data.from_items([{**rows[i], **outputs[i]} for i in range(len(rows))]))
+            # blocks of a sub-batch's rows: from_items' default is a block (an Arrow table, an object-store put) per row
+            # up to 200, and every later pass over the result (take_all, map_batches) walks each block
+            parts.append(ray.data.from_items([{**rows[i], **outputs[i]} for i in range(len(rows))],
+                                             override_num_blocks=math.ceil(len(rows) / self.batch_size)))
             for replica, replica_rows in enumerate(placement.rows):
                 placed[replica].extend(offset + i for i in replica_rows)
             retried += window_retried
             offset += len(rows)
-        if not parts:
-            dataset = ds
+        if len(parts) == 1:
+            dataset = parts[0]  # from_items' dataset is materialized already
         else:
-            dataset = parts[0].union(*parts[1:]) if len(parts) > 1 else parts[0]
-        dataset = dataset.materialize()
+            dataset = (parts[0].union(*parts[1:]) if parts else ds).materialize()
         if self.encoder_store is not None:  # what this run encoded is in the store before the next run asks
             ray.get([r.flush_encoder_store.remote() for i, r in enumerate(self.replicas) if self.alive[i]])
         return BatchResult(dataset, self.stats(), Placement(tuple(tuple(r) for r in placed)), retried)
