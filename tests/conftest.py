@@ -58,6 +58,29 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     rank = {name: index for index, name in enumerate(_LONGEST_FILES_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the other files keep their order
+    misnamed = sorted({item.path.name for item in items
+                       if "ray_cluster" in item.fixturenames and not item.path.name.startswith(_RAY_FILE_PREFIX)})
+    if misnamed:
+        raise pytest.UsageError(f"{misnamed} use the ray_cluster fixture: name them {_RAY_FILE_PREFIX}*.py, so that "
+                                "they run on the worker that runs the other Ray files (pytest_xdist_make_scheduler)")
+
+
+_RAY_FILE_PREFIX = "test_ray_"
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object | None:
+    """Under `--dist loadfile`, the Ray files are one work unit: one worker runs them back to back and starts
+    one Ray cluster for them all (ray_cluster), where the per-file split started one on each worker."""
+    if config.option.dist != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class RayFilesTogether(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            scope = super()._split_scope(nodeid)
+            return "ray files" if Path(scope).name.startswith(_RAY_FILE_PREFIX) else scope
+
+    return RayFilesTogether(config, log)
 
 
 # -- Ray ------------------------------------------------------------------------------------------
