@@ -181,14 +181,15 @@ def test_a_client_that_disconnects_aborts_its_request_in_the_core(server):
         seen = 0
         while seen < 3:
             seen += next(lines).startswith("data: ")
-    deadline = time.monotonic() + 30
-    while True:
-        after = parse_metrics(httpx.get(server.base_url + "/metrics").text)
-        done = (after["mmengine_requests_running"] == after["mmengine_requests_waiting"] == 0
+    scrapes = []
+
+    def settled() -> bool:
+        scrapes.append(after := parse_metrics(httpx.get(server.base_url + "/metrics").text))
+        return (after["mmengine_requests_running"] == after["mmengine_requests_waiting"] == 0
                 and after["mmengine_client_disconnects_total"] > before.get("mmengine_client_disconnects_total", 0))
-        if done or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+
+    wait_until(settled, timeout_s=30)
+    after = scrapes[-1]
     assert after["mmengine_client_disconnects_total"] - before.get("mmengine_client_disconnects_total", 0) == 1
     assert after["mmengine_requests_running"] == 0 and after["mmengine_kv_blocks_free"] == after["mmengine_kv_blocks_total"]
     assert after["mmengine_generation_tokens_total"] - before["mmengine_generation_tokens_total"] < 200
@@ -202,9 +203,7 @@ def test_a_dead_core_makes_every_front_end_answer_503_and_the_server_exit_non_ze
         os.kill(server.core.pid, signal.SIGKILL)
         killed = time.monotonic()
         # the front ends notice within their poll of the core (bounded here: a loaded machine can lag a step)
-        deadline = killed + 10
-        while httpx.get(server.base_url + "/health", timeout=10).status_code != 503 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: httpx.get(server.base_url + "/health", timeout=10).status_code == 503, timeout_s=10)
         health = [httpx.get(server.base_url + "/health", timeout=10) for _ in range(6)]  # new connections each
         answers = [post(server.base_url, chat([], 2)) for _ in range(4)]
         assert all(reply.status_code == 503 for reply in health + answers)
@@ -284,9 +283,7 @@ def test_a_dead_front_end_or_launcher_brings_the_whole_server_down(llava, victim
         killed = time.monotonic()
         code = process.wait(timeout=30)
         assert code == (1 if victim == "front end" else -signal.SIGKILL)
-        while any(alive(pid) for pid in pids) and time.monotonic() - killed < 20:
-            time.sleep(0.05)
-        assert not any(alive(pid) for pid in pids)
+        assert wait_until(lambda: not any(alive(pid) for pid in pids), timeout_s=20)
         assert time.monotonic() - killed < 20
         assert wait_until(lambda: not list(tmp_path.glob("mmengine-serve-*")), timeout_s=5)
         if flags:
