@@ -1,5 +1,6 @@
-"""What the ranks of tests/test_distributed_executor.py run, in a module of its own: a spawned rank imports the module
-its worker class comes from, and this one needs torch and the executor alone (not pytest, psutil, the test module)."""
+"""What the ranks of tests/test_distributed_executor.py and the Ray actors of test_ray_tensor_parallel.py run, in a
+module of its own: a spawned rank imports the module its worker class comes from, and this one needs torch and the
+executor alone (not pytest, psutil, the test module)."""
 
 from __future__ import annotations
 

@@ -18,11 +18,11 @@ import threading
 
 import psutil
 import pytest
-import torch
 
+import executor_ranks
+from executor_ranks import RankWorker
 from helpers import wait_until
 from mmengine import MMEngine, SamplingParams
-from mmengine.distributed.process_group import TensorParallelGroup
 from mmengine.distributed.ray_placement import RankDevices, RankPlace, rank_devices
 from mmengine.errors import ConfigError, EngineDeadError
 from mmengine.testing import TinyLlavaSpec, make_test_image
@@ -42,26 +42,6 @@ PROMPTS = [
 IMAGES = [[make_test_image(1)], [make_test_image(2)], []]
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True, temperature=0.0, logprobs=2)
 RANK_ACTOR = "RankActor"  # Ray titles an actor's process after its class: ray::RankActor
-
-
-class EchoWorker:
-    """What each rank holds in the executor's test: its group, and steps that use a collective."""
-
-    def __init__(self, tp: TensorParallelGroup) -> None:
-        self.tp = tp
-        self.steps = 0
-
-    def execute_step(self, plan: dict) -> dict:
-        self.steps += 1
-        total = self.tp.all_reduce(torch.tensor([float(self.tp.rank + 1)]))  # every rank took part
-        return {"echo": plan["id"], "rank_sum": total.item(), "steps": self.steps}
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def fail_on(self, rank: int) -> None:
-        if self.tp.rank == rank:
-            raise KeyError(f"no such block on rank {rank}")
 
 
 def rank_processes() -> set[int]:
@@ -94,11 +74,11 @@ def left_behind(executor: RayExecutor) -> tuple[set[str], set[str], set[int]]:
 
 @pytest.fixture(scope="module")
 def ray_cluster(ray_cluster):
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # EchoWorker reaches the actors by value
+    ray.cloudpickle.register_pickle_by_value(executor_ranks)  # RankWorker reaches the actors by value
     try:
         yield
     finally:
-        ray.cloudpickle.unregister_pickle_by_value(sys.modules[__name__])
+        ray.cloudpickle.unregister_pickle_by_value(executor_ranks)
 
 
 @pytest.fixture(scope="module")
@@ -193,11 +173,12 @@ def test_ranks_on_a_machine_see_its_ranks_gpus_and_take_their_own():
 def test_executor_reads_steps_sent_ahead_in_order_and_notices_a_rank_removed_by_ray_kill_between_steps(ray_cluster):
     deaths: list[EngineDeadError] = []
     noticed = threading.Event()
-    executor = RayExecutor(EchoWorker, 2, torch_threads=1, on_death=lambda err: (deaths.append(err), noticed.set()))
+    executor = RayExecutor(RankWorker, 2, torch_threads=1, on_death=lambda err: (deaths.append(err), noticed.set()))
     assert executor.call("pid") == executor.pids
     for step in range(4):  # sent ahead, read in order
-        executor.submit({"id": step})
-    assert [executor.collect() for _ in range(4)] == [{"echo": s, "rank_sum": 3.0, "steps": s + 1} for s in range(4)]
+        executor.submit({"id": step, "payload": b""})
+    assert [executor.collect() for _ in range(4)] == [{"echo": s, "plan_bytes": 0, "rank_sum": 3.0, "steps": s + 1}
+                                                      for s in range(4)]
     with pytest.raises(RuntimeError, match="collect"):
         executor.collect()
 
@@ -205,19 +186,19 @@ def test_executor_reads_steps_sent_ahead_in_order_and_notices_a_rank_removed_by_
     assert noticed.wait(30), "the watcher did not notice the death"
     assert len(deaths) == 1 and "rank 1" in str(deaths[0]) and "ray.kill" in str(deaths[0])
     with pytest.raises(EngineDeadError, match="rank 1 .* died"):
-        executor.execute({"id": 9})
+        executor.execute({"id": 9, "payload": b""})
     executor.shutdown()
     assert wait_until(lambda: left_behind(executor) == (set(), set(), set())), left_behind(executor)
 
 
 def test_a_worker_error_on_ray_comes_back_typed_with_its_traceback(ray_cluster):
-    with RayExecutor(EchoWorker, 2, torch_threads=1) as executor:
+    with RayExecutor(RankWorker, 2, torch_threads=1) as executor:
         with pytest.raises(WorkerError) as caught:
             executor.call("fail_on", 1)
         err = caught.value
         assert err.rank == 1 and err.error_type == "KeyError" and "in fail_on" in err.traceback_text
         with pytest.raises(EngineDeadError, match="rank 1 raised KeyError"):
-            executor.execute({"id": 1})
+            executor.execute({"id": 1, "payload": b""})
     assert wait_until(lambda: left_behind(executor) == (set(), set(), set())), left_behind(executor)
 
 
