@@ -9,6 +9,8 @@ import ast
 import json
 import socket
 import time
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import openai
@@ -219,6 +221,13 @@ def test_models_health_auth_and_merged_metrics(base_url):
     assert _per_replica(metrics, "mmengine_router_requests_in_flight") == [0] * NUM_REPLICAS  # every answer released
 
 
+def _in_replica(deployment: str, probe: Callable[[], Any]) -> Any:
+    """What `probe` returns when run in the live process of `deployment`'s one replica (Ray's __ray_call__ on its
+    actor): the test reads the process that serves, without a method of the deployment's own for it."""
+    (actor,) = [actor for actor in ray.util.list_named_actors(all_namespaces=True) if f"#{deployment}#" in actor["name"]]
+    return ray.get(ray.get_actor(actor["name"], namespace=actor["namespace"]).__ray_call__.remote(lambda _: probe()))
+
+
 def test_every_replica_froze_its_start_up_heap_before_serving(base_url):
     """Each engine replica and the router froze what their start-up built out of the garbage collector's full
     passes (utils/heap.py), as the one-process server and each front end do: unfrozen, a full pass over a tiny
@@ -226,8 +235,7 @@ def test_every_replica_froze_its_start_up_heap_before_serving(base_url):
     from mmengine.ray.serve import ENGINE_DEPLOYMENT_PREFIX
 
     names = [f"{ENGINE_DEPLOYMENT_PREFIX}{replica}" for replica in range(NUM_REPLICAS)] + ["mmengine-router"]
-    frozen = {name: serve.get_deployment_handle(name, app_name="mmengine").frozen_heap_objects.remote().result()
-              for name in names}
+    frozen = {name: _in_replica(name, lambda: __import__("gc").get_freeze_count()) for name in names}
     # an engine replica froze ~533k objects (torch, transformers, the model, the app), the router ~164k (fastapi,
     # Ray Serve's replica). One that never froze answers 0: Ray Serve's own start-up freeze is off in the tests'
     # cluster (helpers.LocalRay), so this is mmengine's.
@@ -296,10 +304,8 @@ def test_the_router_keys_requests_without_importing_the_engine(base_url, client)
     assert _request_key("chat", b'{"model": "m", "messages": [{"role": "user", "content": "hi"}]}').startswith("prefix:")
     client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
                                    temperature=0)
-    (router,) = [actor for actor in ray.util.list_named_actors(all_namespaces=True) if "mmengine-router" in actor["name"]]
     names = ("torch", "transformers", "mmengine.engine.mm_engine", "mmengine.ray.serve", "mmengine.entrypoints.protocol")
-    imported = ray.get(ray.get_actor(router["name"], namespace=router["namespace"]).__ray_call__.remote(
-        lambda _, names=names: sorted(name for name in names if name in __import__("sys").modules)))
+    imported = _in_replica("mmengine-router", lambda: sorted(name for name in names if name in __import__("sys").modules))
     # the router's own modules are there (the probe reads the process that keyed the chat); the engine's are not
     assert imported == ["mmengine.entrypoints.protocol", "mmengine.ray.serve"], imported
 

@@ -19,7 +19,6 @@ cache-aware routing.
 
 
 import asyncio
-import gc
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -71,10 +70,6 @@ class EngineReplica:
             self.store_client = EncoderStoreClient(named_store(*encoder_store), self.async_engine.engine)
         self.app = build_server_app(self.async_engine, settings)
         freeze_startup_heap()  # built, not yet serving: as the one-process server and each front end do
-
-    def frozen_heap_objects(self) -> int:
-        """The objects this replica's start-up froze out of the garbage collector's full passes (utils/heap.py)."""
-        return gc.get_freeze_count()
 
     def flush_encoder_store(self) -> bool:
         """Waits until this replica's encoder outputs so far are in the cluster store (True without one)."""
@@ -183,10 +178,6 @@ class OpenAIRouter:
         for replica in range(len(engines)):
             self.in_flight.labels(str(replica)).set_function(lambda replica=replica: self.loads[replica])
         freeze_startup_heap()  # its event loop relays every request: no full pass over start-up's objects there
-
-    def frozen_heap_objects(self) -> int:
-        """The objects this router's start-up froze out of the garbage collector's full passes (utils/heap.py)."""
-        return gc.get_freeze_count()
 
     @ingress_app.get("/metrics")
     async def metrics(self) -> Response:
