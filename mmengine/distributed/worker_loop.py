@@ -10,7 +10,7 @@ any rank that raises -------------------> (ERROR, rank, type name, message, trac
 A worker never outlives its driver: a thread blocks on a lifeline pipe whose only writer is the driver, and
 leaves the process (os._exit) when that pipe closes, even while the main thread computes or waits in a
 collective. Messages arrive as bytes pickled once by the driver for all ranks. A worker leaves by os._exit once
-its close() has run (see `leave`).
+its close() has run (utils/process_exit.py `leave`).
 
 A Ray actor rank (`ray_worker.py`) runs the same pieces without the pipes: `start_worker`, `run_message` for each
 message (its reply is the actor call's return value), `close_worker`.
@@ -21,7 +21,6 @@ from __future__ import annotations
 import os
 import pickle
 import signal
-import sys
 import threading
 import traceback
 from collections.abc import Callable
@@ -32,6 +31,7 @@ import torch
 import torch.distributed
 
 from mmengine.distributed.process_group import DistributedInit, TensorParallelGroup, destroy_distributed, init_distributed
+from mmengine.utils.process_exit import leave
 
 STEP, CALL, STOP = "step", "call", "stop"
 READY, OK, ERROR = "ready", "ok", "error"
@@ -110,14 +110,6 @@ def close_worker(worker: Worker) -> None:
     if callable(close):
         close()
     destroy_distributed()
-
-
-def leave() -> None:
-    """Ends the process without the interpreter's teardown, which took seconds with torch loaded (3.5 s on a busy
-    2-core machine) and which a worker does not need: what it must release, its close() has released."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def wait_for_stop(conn: Connection) -> None:

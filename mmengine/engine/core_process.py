@@ -50,7 +50,6 @@ import logging
 import os
 import pickle
 import signal
-import sys
 import threading
 import time
 from collections import Counter
@@ -62,6 +61,7 @@ from typing import TYPE_CHECKING, Any
 from mmengine.errors import InvalidInputError
 from mmengine.outputs import RequestOutput
 from mmengine.utils.heap import freeze_startup_heap
+from mmengine.utils.process_exit import leave
 
 if TYPE_CHECKING:
     from mmengine.engine.intake import PreparedRequest
@@ -106,15 +106,6 @@ def owned_core_main(model: str, options: dict[str, Any], owner: Connection) -> N
     close waits for, killing the core after 5 s); what it holds is released by then."""
     core_main(model, options, owner)
     leave()
-
-
-def leave(code: int = 0) -> None:
-    """Ends a stopped process at once: its logs flushed, the interpreter's teardown (seconds of CPU with torch
-    loaded) skipped."""
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 class EngineCore:

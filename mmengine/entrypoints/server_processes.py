@@ -54,10 +54,11 @@ from pathlib import Path
 from typing import Any
 
 # the launcher imports no engine module (torch, transformers, the model code): it spawns the processes that do
-from mmengine.engine.core_process import FAILED, READY, core_environment, core_main, leave, picklable
+from mmengine.engine.core_process import FAILED, READY, core_environment, core_main, picklable
 from mmengine.entrypoints.server_settings import ServerSettings
 from mmengine.errors import ConfigError, EngineDeadError
 from mmengine.utils.heap import freeze_startup_heap
+from mmengine.utils.process_exit import leave
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,6 @@ import logging
 import os
 import pickle
 import queue
-import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -36,6 +35,7 @@ import torch.multiprocessing as torch_mp
 from mmengine.errors import InvalidInputError, PreprocessingWorkerError
 from mmengine.models.family import EncoderInputs
 from mmengine.multimodal.picture_preparer import PicturePreparer, PreparerSpec
+from mmengine.utils.process_exit import leave
 
 logger = logging.getLogger(__name__)
 
@@ -273,10 +273,7 @@ def worker_process_main(pickled_spec: bytes, connection: Any) -> None:
     and transformers loaded took about 1.5 s of CPU on a loaded 2-core machine (the pool's close waits for it);
     what the worker holds (its pipe, its shared segments' descriptors) is released with the process."""
     worker_main(pickled_spec, connection)
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave()
 
 
 def worker_main(pickled_spec: bytes, connection: Any) -> None:
