@@ -174,3 +174,17 @@ class BlockPool:
                 self._free[block.block_id] = block
                 if evict_first:
                     self._free.move_to_end(block.block_id, last=False)
+
+
+class PoolBacked:
+    """A manager whose blocks are one BlockPool's (`self.pool`): the counts it reports are the pool's."""
+
+    pool: BlockPool
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks

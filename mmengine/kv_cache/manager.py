@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from mmengine.kv_cache.block_hash import BlockHash, BlockHasher, HashFunction, block_key
-from mmengine.kv_cache.block_pool import BlockPool, KVBlock
+from mmengine.kv_cache.block_pool import BlockPool, KVBlock, PoolBacked
 from mmengine.kv_cache.host_tier import HostBlock, KVCopy, KVHostTier
 from mmengine.core.request import Request
 
@@ -26,7 +26,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
+class KVCacheManager(PoolBacked):
     def __init__(
         self,
         num_blocks: int,
@@ -59,14 +59,6 @@ class KVCacheManager:
         self._num_chained: dict[str, int | None] = {}
         self.prefix_cache_queries = 0  # tokens looked up at admission
         self.prefix_cache_hits = 0  # tokens served from the cache at admission
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:

@@ -28,13 +28,13 @@ from collections.abc import Sequence
 
 from mmengine.core.request import Request
 from mmengine.kv_cache.block_hash import block_key
-from mmengine.kv_cache.block_pool import BlockPool, KVBlock
+from mmengine.kv_cache.block_pool import BlockPool, KVBlock, PoolBacked
 from mmengine.kv_cache.manager import cdiv
 
 NULL_BLOCK_ID = 0
 
 
-class SlidingWindowManager:
+class SlidingWindowManager(PoolBacked):
     def __init__(self, num_blocks: int, block_size: int, window: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 2:
             raise ValueError(f"the sliding-window pool needs the null block and one more, got {num_blocks} blocks")
@@ -50,14 +50,6 @@ class SlidingWindowManager:
         self._num_cached: dict[str, int] = {}  # leading block indices already offered to the cache
         self._uncacheable: set[str] = set()  # running when the cache was reset: they cache nothing more
         self.num_freed_out_of_window = 0  # blocks given back while their request ran
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.pool.num_free_blocks
 
     def first_needed_block(self, num_computed: int) -> int:
         """The first block a request that has computed num_computed tokens may still read."""
