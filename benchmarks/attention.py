@@ -155,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.cpu_check:
         os.environ["TRITON_INTERPRET"] = "1"  # before the kernels are imported (they are, lazily, below)
-        args.num_heads, args.num_kv_heads, args.head_dim, args.dtype = 4, 2, 32, "float32"
+        if args.num_heads % args.num_kv_heads:
+            raise SystemExit(f"--num-heads {args.num_heads} is not a multiple of --num-kv-heads {args.num_kv_heads}")
+        # the same query heads per KV head (the GQA group the kernels tile by), on one KV head
+        args.num_heads, args.num_kv_heads, args.head_dim, args.dtype = args.num_heads // args.num_kv_heads, 1, 32, "float32"
         device, dtype, name, prefill_shapes, decode_shapes = "cpu", torch.float32, "CPU (check)", CPU_PREFILL_SHAPES, CPU_DECODE_SHAPES
     elif not torch.cuda.is_available():
         print("benchmarks/attention.py measures GPU kernels and needs a CUDA GPU (--cpu-check runs it tiny)", file=sys.stderr)

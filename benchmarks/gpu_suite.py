@@ -149,7 +149,7 @@ def _attention_reads(data: dict) -> list[Reading]:
 def _attention(kv_heads: int, heads: int) -> tuple[Callable[[Context], list[str]], Callable[[Context], list[str]]]:
     name = f"attention_gqa{heads // kv_heads}"
     shape = ["--num-heads", str(heads), "--num-kv-heads", str(kv_heads)]
-    return (lambda ctx: _bench("attention.py", ctx, name, *shape)), (lambda ctx: _bench("attention.py", ctx, name, "--cpu-check"))
+    return (lambda ctx: _bench("attention.py", ctx, name, *shape)), (lambda ctx: _bench("attention.py", ctx, name, *shape, "--cpu-check"))
 
 
 def _decode_reads(data: dict) -> list[Reading]:
@@ -255,6 +255,32 @@ def _preprocess_reads(data: dict) -> list[Reading]:
             ("front end / encoder (below 1: preprocessing is the bottleneck)", encoder["front_end_over_encoder"], "x", None),
             (f"generate() on new photos with {most} workers / transformers' processor alone",
              pool["engine"][most]["of_transformers_processor"], "x", None)]
+
+
+def _online_offline_reads(data: dict) -> list[Reading]:
+    row = data["online_offline"]
+    reads: list[Reading] = [("offline, generate() all at once", row["offline_all_at_once"]["requests_per_s"], "req/s", None)]
+    for side in row["online"]:
+        count = side["api_server_count"]
+        reads += [(f"online, api-server-count {count}", side["requests_per_s"], "req/s", None),
+                  (f"online / offline at concurrency {row['concurrency']}, api-server-count {count}",
+                   side["ratio_vs_at_concurrency"], "x", None)]
+    best = max(row["online"], key=lambda side: side["ratio_vs_all_at_once"])
+    reads.append((f"online / offline all at once, best (api-server-count {best['api_server_count']})",
+                  best["ratio_vs_all_at_once"], "x", at_least(0.9)))
+    return reads
+
+
+def _online_offline_args(ctx: Context) -> list[str]:
+    """The tiny model's one-image chats on the GPU, the server with 1 and 4 front ends; the server's processes (and
+    the offline engine) on half the CPUs and the 32 clients on the other half, so the clients' CPU is not the server's."""
+    args = ["--online-offline", "--device", "cuda", "--dtype", "float32", "--num-requests", "1024", "--api-server-count", "1,4",
+            "--allow-text-mismatch"]  # (token counts are still compared; a GEMM's reduction order may follow the batch shape)
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cpus) >= 4:
+        half = len(cpus) // 2
+        args += ["--server-cpus", ",".join(map(str, cpus[:half])), "--client-cpus", ",".join(map(str, cpus[half:]))]
+    return _bench("serve.py", ctx, "online_offline", *args)
 
 
 def _gemma4_reads(data: dict) -> list[Reading]:
@@ -507,6 +533,12 @@ PARTS: list[Part] = [
                             "--sizes", "320x240,640x480", "--workers", "1", "--encoder-model", _model(ctx, "qwen2_5_vl_7b"),
                             "--device", "cpu"),
          _preprocess_reads),
+    Part("online_offline", "47", 3, (), _online_offline_args,
+         # (tests/test_serve_benchmark.py runs this dry command in-process and reads it as the part does)
+         lambda ctx: _bench("serve.py", ctx, "online_offline", "--online-offline", "--server", "thread", "--num-requests", "4",
+                            "--concurrency", "2", "--num-pictures", "2", "--output-len", "3", "--image-size", "64x48",
+                            "--max-model-len", "256"),
+         _online_offline_reads),
     Part("tp", "48", 4, ("llava_7b",),
          lambda ctx: _bench("tensor_parallel.py", ctx, "tp", "--model", _model(ctx, "llava_7b"), "--device", "cuda",
                             "--tensor-parallel-size", "2", "--batch-sizes", "1,64", "--max-model-len", "4096",

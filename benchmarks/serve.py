@@ -22,7 +22,8 @@ clients' concurrency (max_num_seqs = --concurrency, the most the clients can eve
 three rates, online / offline against each, and the CPU seconds each side spent per request, and checks that every
 answer is the same every way.
 
---api-server-count N starts the server with N front-end processes over one engine-core process.
+--api-server-count N starts the server with N front-end processes over one engine-core process; with
+--online-offline it may be a list (1,4): the online side runs once per count, against one offline run.
 
 --server-cpus and --client-cpus pin the server's processes (and the offline engine) and this process's clients to
 separate CPUs (Linux). Unpinned on a small machine, the 32 clients' own CPU competes with the server's, which no
@@ -233,6 +234,17 @@ def _cpu_list(text: str) -> frozenset[int]:
     if not cpus:
         raise argparse.ArgumentTypeError("empty CPU list")
     return frozenset(cpus)
+
+
+def _count_list(text: str) -> list[int]:
+    """'4' or '1,4' -> the counts, each >= 1."""
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a count or a list of counts (e.g. 2 or 1,4): {text!r}") from None
+    if min(counts) < 1:
+        raise argparse.ArgumentTypeError(f"counts must be >= 1: {text!r}")
+    return counts
 
 
 def cpu_pinning(args: argparse.Namespace) -> CpuPinning | None:
@@ -471,8 +483,8 @@ def compare_answers(online: ThroughputRun, offline: ThroughputRun, allow_text_mi
 
 
 def online_offline(args: argparse.Namespace, model: str, engine_args: list[str]) -> dict:
-    """Online, then offline all at once and at the clients' concurrency (the server process is gone, and its
-    memory freed, before an engine starts here).
+    """Online once per --api-server-count, then offline all at once and at the clients' concurrency (each
+    server process is gone, and its memory freed, before the next starts and before an engine starts here).
 
     Two ratios, because they answer two questions. Against generate() with every request at once: what a
     user loses by serving instead of batching offline (the clients can never have more than --concurrency
@@ -481,37 +493,41 @@ def online_offline(args: argparse.Namespace, model: str, engine_args: list[str])
     the gaps while a client's next request travels, with the batch size held equal."""
     requests = single_turn_requests(args.num_requests, picture_urls(args.num_pictures, args.image_size))
     pinning = cpu_pinning(args)
-    with mmengine_server(model, args.server, engine_args, args.api_server_count, args.torch_threads, pinning) as server:
-        online = asyncio.run(run_online(server, requests, args.output_len, args.concurrency, args.stream))
+    online: list[tuple[int, ThroughputRun]] = []
+    for count in args.api_server_count:
+        with mmengine_server(model, args.server, engine_args, count, args.torch_threads, pinning) as server:
+            online.append((count, asyncio.run(run_online(server, requests, args.output_len, args.concurrency, args.stream))))
     server_seqs = server_options(model, engine_args).get("max_num_seqs", SchedulerConfig.max_num_seqs)
     at_concurrency = min(args.concurrency, server_seqs)
     with pinning.server_side() if pinning is not None else contextlib.nullcontext():
         offline = run_offline(model, engine_args, requests, args.output_len)
         offline_at_concurrency = run_offline(model, engine_args, requests, args.output_len, max_num_seqs=at_concurrency)
-    identical = compare_answers(online, offline, args.allow_text_mismatch)
     compare_answers(offline_at_concurrency, offline, args.allow_text_mismatch)
-    row = {"online": online.summary(), "offline_all_at_once": offline.summary(),
+    row = {"offline_all_at_once": offline.summary(),
            "offline_at_concurrency": offline_at_concurrency.summary() | {"max_num_seqs": at_concurrency},
-           "identical_texts": identical, "api_server_count": args.api_server_count, "concurrency": args.concurrency,
-           "stream": args.stream,
+           "online": [], "concurrency": args.concurrency, "stream": args.stream,
            "server_cpus": None if pinning is None else sorted(pinning.server),
            "client_cpus": None if pinning is None else sorted(pinning.client)}
-    rate = row["online"]["requests_per_s"]
-    row["ratio_vs_all_at_once"] = rate / row["offline_all_at_once"]["requests_per_s"]
-    row["ratio_vs_at_concurrency"] = rate / row["offline_at_concurrency"]["requests_per_s"]
-    labels = {"offline_all_at_once": f"offline, generate() all at once (max_num_seqs {server_seqs})",
-              "offline_at_concurrency": f"offline, generate() at the clients' concurrency (max_num_seqs {at_concurrency})",
-              "online": f"online, {args.concurrency} clients, api-server-count {args.api_server_count}"}
-    for name, label in labels.items():
-        side = row[name]
-        cpu = "" if side["cpu_s"] is None else f", {side['cpu_ms_per_request']:.1f} CPU ms/request"
-        client = "" if side.get("client_cpu_s") is None else f" (the clients: {side['client_cpu_s'] / side['requests'] * 1e3:.1f})"
-        print(f"{label}: {side['requests']} requests in {side['elapsed_s']:.2f}s = {side['requests_per_s']:.2f} req/s, "
-              f"{side['output_tokens_per_s']:.1f} output tok/s, {side['engine_steps']} engine steps{cpu}{client}")
-    print(f"online / offline all at once: {row['ratio_vs_all_at_once']:.2f}x; online / offline at concurrency "
-          f"{at_concurrency}: {row['ratio_vs_at_concurrency']:.2f}x (api-server-count {args.api_server_count}); "
-          f"{identical} of {args.num_requests} answers identical")
+    _print_side(f"offline, generate() all at once (max_num_seqs {server_seqs})", row["offline_all_at_once"])
+    _print_side(f"offline, generate() at the clients' concurrency (max_num_seqs {at_concurrency})", row["offline_at_concurrency"])
+    for count, run in online:
+        side = run.summary() | {"api_server_count": count,
+                                "identical_texts": compare_answers(run, offline, args.allow_text_mismatch)}
+        side["ratio_vs_all_at_once"] = side["requests_per_s"] / row["offline_all_at_once"]["requests_per_s"]
+        side["ratio_vs_at_concurrency"] = side["requests_per_s"] / row["offline_at_concurrency"]["requests_per_s"]
+        row["online"].append(side)
+        _print_side(f"online, {args.concurrency} clients, api-server-count {count}", side)
+        print(f"online / offline all at once: {side['ratio_vs_all_at_once']:.2f}x; online / offline at concurrency "
+              f"{at_concurrency}: {side['ratio_vs_at_concurrency']:.2f}x (api-server-count {count}); "
+              f"{side['identical_texts']} of {args.num_requests} answers identical")
     return row
+
+
+def _print_side(label: str, side: dict) -> None:
+    cpu = "" if side["cpu_s"] is None else f", {side['cpu_ms_per_request']:.1f} CPU ms/request"
+    client = "" if side.get("client_cpu_s") is None else f" (the clients: {side['client_cpu_s'] / side['requests'] * 1e3:.1f})"
+    print(f"{label}: {side['requests']} requests in {side['elapsed_s']:.2f}s = {side['requests_per_s']:.2f} req/s, "
+          f"{side['output_tokens_per_s']:.1f} output tok/s, {side['engine_steps']} engine steps{cpu}{client}")
 
 
 # -- transformers: the same conversations, one request at a time -------------------------------
@@ -616,8 +632,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--server", choices=["subprocess", "thread"], default="subprocess",
                         help="run `mmengine serve` as a subprocess (default) or in a thread of this process")
-    parser.add_argument("--api-server-count", type=int, default=1, metavar="N",
-                        help="front-end processes of the server (`mmengine serve --api-server-count`; subprocess only)")
+    parser.add_argument("--api-server-count", type=_count_list, default=[1], metavar="N[,N...]",
+                        help="front-end processes of the server (`mmengine serve --api-server-count`; subprocess only); "
+                        "with --online-offline a list (e.g. 1,4): the online side once per count, the offline side once")
     parser.add_argument("--max-admission-wait-ms", type=float, default=0.0, metavar="MS",
                         help="the server's --max-admission-wait-ms (default: 0, steps never wait for requests being prepared)")
     parser.add_argument("--mm-processor-workers", type=int, default=0, metavar="N",
@@ -654,10 +671,12 @@ def _ensure_7b(path: Path) -> Path:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    for name in ("num_users", "turns", "num_pictures", "output_len", "api_server_count", "num_requests", "concurrency"):
+    for name in ("num_users", "turns", "num_pictures", "output_len", "num_requests", "concurrency"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    if args.api_server_count > 1 and args.server == "thread":
+    if len(args.api_server_count) > 1 and not args.online_offline:
+        raise SystemExit("a list of --api-server-count values needs --online-offline (the chat workload runs one server)")
+    if max(args.api_server_count) > 1 and args.server == "thread":
         raise SystemExit("--api-server-count > 1 needs --server subprocess")
     if cpu_pinning(args) is not None and args.torch_threads is None:
         args.torch_threads = len(args.server_cpus)  # one intra-op thread per pinned CPU, in the server and offline
@@ -692,7 +711,8 @@ def chat_workload(args: argparse.Namespace, model: str, device: str, dtype: torc
     """The multi-turn chat workload on the server (and --structured, and the transformers baseline)."""
     conversations = workload(args.num_users, args.num_pictures, args.request_rate, args.seed)
     urls = picture_urls(args.num_pictures, args.image_size)
-    with mmengine_server(model, args.server, engine_args, args.api_server_count, args.torch_threads, cpu_pinning(args)) as server:
+    with mmengine_server(model, args.server, engine_args, args.api_server_count[0], args.torch_threads,
+                         cpu_pinning(args)) as server:
         base = server.url
         before = scrape(base)
         run = asyncio.run(run_clients(base, conversations, urls, args.turns, args.output_len))

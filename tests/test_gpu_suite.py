@@ -25,11 +25,11 @@ def suite():
 # "gemma4_window_pool", "tiers", "video", "qwen3_5_9b" and "preprocess" parts' dry commands are test_benchmarks.py's runs of
 # their scripts, and its IN_PROCESS_PARTS run their own dry commands (in-process: no interpreter, torch and engine start-up of
 # their own), read there as the parts read them; this file's IN_PROCESS_PARTS likewise, and test_cascade_benchmark.py's tiny
-# run is the "cascade_kernel" part's dry command.
+# run is the "cascade_kernel" part's dry command, test_serve_benchmark.py's online-offline run the "online_offline" part's.
 IN_PROCESS_PARTS = ["attention_gqa7", "serve", "speculative", "spec_decode", "quantized_llava_7b", "quantized_qwen2_5_vl_7b"]
 COVERED_ELSEWHERE = ("ray", "decode_and_ttft", "image_workload", "lora", "gemma4_window_pool", "tiers", "video", "qwen3_5_9b",
                      "preprocess", "qwen2_5_vl_7b", "qwen3_vl_30b_a3b", "gemma4_dense", "shared_prefix", "tp", "cascade_kernel",
-                     *IN_PROCESS_PARTS)
+                     "online_offline", *IN_PROCESS_PARTS)
 
 
 @pytest.fixture(scope="module")

@@ -46,29 +46,59 @@ def test_serve_benchmark_structured_mode(checkpoint_dir, tmp_path):
     assert structured["itl_overhead"] == structured["itl_ms"]["mean"] / result["mmengine"]["itl_ms"]["mean"] - 1
 
 
-def test_serve_benchmark_online_offline(checkpoint_dir, tmp_path):
-    module = load_benchmark("serve")
-    output = tmp_path / "serve.json"
-    result = module.main([
-        "--model", str(checkpoint_dir()), "--server", "thread", "--online-offline", "--num-requests", "4",
-        "--concurrency", "2", "--num-pictures", "2", "--output-len", "3", "--image-size", "64x48",
-        "--max-model-len", "256", "--output", str(output),
-    ])
-    assert json.loads(output.read_text()) == json.loads(json.dumps(result))
+def test_serve_benchmark_online_offline_is_the_gpu_suite_part(checkpoint_dir, tmp_path):
+    """The GPU suite's "online_offline" part's dry command (its dry run leaves it to this test), run in-process and
+    read as the part reads it."""
+    module, suite = load_benchmark("serve"), load_benchmark("gpu_suite")
+    (part,) = [p for p in suite.PARTS if p.name == "online_offline"]
+    ctx = suite.Context(tmp_path, tmp_path / "checkpoints", dry_run=True)
+    script, *args = part.dry_args(ctx)
+    assert script.endswith("serve.py") and "--model" not in args  # the built-in tiny model: checkpoint_dir()'s
+    result = module.main([*args, "--model", str(checkpoint_dir())])
+    assert json.loads(ctx.output("online_offline").read_text()) == json.loads(json.dumps(result))
     row = result["online_offline"]
-    online, offline, at_concurrency = row["online"], row["offline_all_at_once"], row["offline_at_concurrency"]
+    (online,) = row["online"]
+    offline, at_concurrency = row["offline_all_at_once"], row["offline_at_concurrency"]
     assert online["requests"] == offline["requests"] == at_concurrency["requests"] == 4
-    assert row["identical_texts"] == 4  # greedy: the same answers
+    assert online["identical_texts"] == 4  # greedy: the same answers
     for side in (online, offline, at_concurrency):
         assert side["requests_per_s"] > 0 and side["output_tokens_per_s"] == pytest.approx(3 * side["requests_per_s"])
         assert side["engine_steps"] >= 3  # a prefill and two decode steps at least
     # at most 2 in flight: two waves of (a prefill, 2 decodes) one after the other; all at once, fewer steps
     assert at_concurrency["max_num_seqs"] == 2 and at_concurrency["engine_steps"] == 6 > offline["engine_steps"]
-    assert row["ratio_vs_all_at_once"] == online["requests_per_s"] / offline["requests_per_s"]
-    assert row["ratio_vs_at_concurrency"] == online["requests_per_s"] / at_concurrency["requests_per_s"]
+    assert online["ratio_vs_all_at_once"] == online["requests_per_s"] / offline["requests_per_s"]
+    assert online["ratio_vs_at_concurrency"] == online["requests_per_s"] / at_concurrency["requests_per_s"]
     assert offline["cpu_s"] > 0 and offline["cpu_ms_per_request"] == pytest.approx(offline["cpu_s"] / 4 * 1e3)
     assert online["cpu_s"] is None  # a server in this process: its CPU is not told apart from the clients'
-    assert row["api_server_count"] == 1 and row["concurrency"] == 2 and row["stream"] is False
+    assert online["api_server_count"] == 1 and row["concurrency"] == 2 and row["stream"] is False
+    figures = dict((name, value) for name, value, _, _ in part.read(result))
+    assert figures["online / offline all at once, best (api-server-count 1)"] == online["ratio_vs_all_at_once"]
+    assert figures["online / offline at concurrency 2, api-server-count 1"] == online["ratio_vs_at_concurrency"]
+
+
+def test_a_list_of_server_counts_is_for_online_offline_only():
+    module = load_benchmark("serve")
+    assert module.parse_args(["--online-offline", "--api-server-count", "1,4"]).api_server_count == [1, 4]
+    assert module.parse_args([]).api_server_count == [1]
+    for bad in ("0", "1,x", "2,0"):
+        with pytest.raises(SystemExit):  # argparse: not counts of at least 1
+            module.parse_args(["--api-server-count", bad])
+    with pytest.raises(SystemExit, match="needs --online-offline"):
+        module.main(["--api-server-count", "1,2"])
+    with pytest.raises(SystemExit, match="needs --server subprocess"):
+        module.main(["--online-offline", "--api-server-count", "1,2", "--server", "thread"])
+
+
+def test_the_gpu_suite_part_pins_the_server_and_the_clients_apart_where_it_can(monkeypatch, tmp_path):
+    suite = load_benchmark("gpu_suite")
+    ctx = suite.Context(tmp_path, tmp_path / "checkpoints", dry_run=False)
+    monkeypatch.setattr(suite.os, "sched_getaffinity", lambda _: set(range(16)), raising=False)
+    args = suite._online_offline_args(ctx)
+    assert args[args.index("--api-server-count") + 1] == "1,4" and args[args.index("--device") + 1] == "cuda"
+    assert args[args.index("--server-cpus") + 1] == "0,1,2,3,4,5,6,7"
+    assert args[args.index("--client-cpus") + 1] == "8,9,10,11,12,13,14,15"
+    monkeypatch.setattr(suite.os, "sched_getaffinity", lambda _: {0, 1}, raising=False)
+    assert "--server-cpus" not in suite._online_offline_args(ctx)  # too few CPUs to split
 
 
 def test_serve_benchmark_compares_answers_and_passes_the_server_count():
