@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from mmengine.errors import AudioTooLongError, CorruptAudioError, InvalidInputError
+from mmengine.multimodal.encoded_media import read_encoded, shown_path, stated_seconds
 from mmengine.multimodal.image_loading import MAX_ENCODED_FILE_BYTES
 from mmengine.multimodal.media_container import (
     AUDIO_CONTAINERS,
@@ -42,7 +43,6 @@ _TRUNCATED_SHARE = 0.9
 # ... and by more than this: a container's duration counts the codec's priming and padding, which the
 # decoder drops (MP3 in Matroska states 0.14 s more than its samples), so a short clip is not called cut.
 _TRUNCATED_SLACK_SECONDS = 0.25
-_SHOWN = 200
 
 
 @dataclass
@@ -92,30 +92,14 @@ class AudioLimits:
 def audio_label(audio: Audio, index: int) -> str:
     """How errors name a clip: its position in the prompt, and its file where it has one."""
     if isinstance(audio.source, (str, os.PathLike)):
-        return f"audio {index} ({_shown(audio.source)})"
+        return f"audio {index} ({shown_path(audio.source)})"
     return f"audio {index}"
 
 
 def encoded_audio_bytes(audio: Audio, where: str) -> bytes | None:
     """A path's or bytes' content (read, not decoded); None for samples."""
-    source = audio.source
-    if isinstance(source, (str, os.PathLike)):
-        try:
-            with open(source, "rb") as file:
-                if os.fstat(file.fileno()).st_size > MAX_ENCODED_FILE_BYTES:
-                    raise AudioTooLongError(f"{where}: the file is larger than {MAX_ENCODED_FILE_BYTES} bytes")
-                data = file.read()
-        except (OSError, ValueError) as exc:
-            raise CorruptAudioError(f"{where}: cannot read the file: {exc}") from exc
-    elif isinstance(source, (bytes, bytearray, memoryview)):
-        data = bytes(source)
-        if len(data) > MAX_ENCODED_FILE_BYTES:
-            raise AudioTooLongError(f"{where}: the audio bytes are larger than {MAX_ENCODED_FILE_BYTES} bytes")
-    else:
-        return None
-    if not data:
-        raise CorruptAudioError(f"{where}: the audio bytes are empty")
-    return data
+    return read_encoded(audio.source, where, "audio", max_file_bytes=MAX_ENCODED_FILE_BYTES, too_large=AudioTooLongError,
+                        corrupt=CorruptAudioError, max_given_bytes=MAX_ENCODED_FILE_BYTES)
 
 
 def given_samples(audio: Audio, where: str, limits: AudioLimits) -> tuple[np.ndarray, int]:
@@ -173,7 +157,7 @@ def decode(data: bytes, where: str, rate: int, limits: AudioLimits) -> np.ndarra
         source_rate = int(stream.codec_context.sample_rate or stream.rate or 0)
         if not 0 < source_rate <= MAX_SOURCE_RATE:
             raise CorruptAudioError(f"{where}: sample rate {source_rate} is not in (0, {MAX_SOURCE_RATE}]")
-        stated = _stated_seconds(container, stream)
+        stated = stated_seconds(container, stream)
         limits.check_seconds(stated, where, "the container states ")
         most = int(limits.max_seconds * source_rate)
         resampler, frames, count = _resampler(av, rate), [], 0
@@ -228,18 +212,5 @@ def _joined(frames: list[Any]) -> np.ndarray:
     return np.ascontiguousarray(np.concatenate([frame.to_ndarray()[0] for frame in frames]), dtype=np.float32)
 
 
-def _stated_seconds(container: Any, stream: Any) -> float:
-    if stream.duration is not None and stream.time_base is not None:
-        return float(stream.duration * stream.time_base)
-    if container.duration is not None:
-        return container.duration / 1_000_000
-    return 0.0
-
-
 def _import_av() -> Any:
     return import_av("decoding or resampling audio", " (or give float samples at the model's rate)")
-
-
-def _shown(path: str | os.PathLike) -> str:
-    text = os.fspath(path)
-    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."

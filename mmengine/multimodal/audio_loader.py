@@ -22,6 +22,7 @@ from mmengine.errors import AudioCountMismatchError, AudioTooLongError, InvalidI
 from mmengine.models.family import EncoderInputs, ModelFamily
 from mmengine.multimodal import audio as audio_io
 from mmengine.multimodal.media_container import DEFAULT_MAX_MEDIA_DECODE_SECONDS
+from mmengine.multimodal.media_loader import MediaLoader
 from mmengine.multimodal.processor_cache import ProcessorCache
 from mmengine.utils.keyed_lock import KeyedLock
 
@@ -47,18 +48,12 @@ def audio_limits(
                                                         f"(max_audio_seconds={max_audio_seconds:g} is higher)", max_decode_seconds)
 
 
-class AudioLoader:
+class AudioLoader(MediaLoader[audio_io.AudioLimits]):
     def __init__(
         self, family: ModelFamily, cache: ProcessorCache, cache_lock: threading.Lock, fingerprint: str, settings_key: str,
         limits: audio_io.AudioLimits, hash_algo: str,
     ) -> None:
-        self.family = family
-        self.cache = cache
-        self._cache_lock = cache_lock  # the processor's: guards `cache`
-        self.fingerprint = fingerprint
-        self.settings_key = settings_key
-        self.limits = limits
-        self.hash_algo = hash_algo
+        super().__init__(family, cache, cache_lock, fingerprint, settings_key, limits, hash_algo)
         self._decoding = KeyedLock()  # by digest of encoded bytes: equal bytes are decoded once
         self._preprocessing = KeyedLock()  # by mm_hash: an item's features are extracted once
         self.num_audios_decoded = 0  # clips decoded or resampled

@@ -13,7 +13,6 @@ Which frames are sampled and how they are resized is the model family's rule (`m
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ import numpy as np
 from PIL import Image
 
 from mmengine.errors import CorruptVideoError, InvalidInputError, VideoTooLargeError
+from mmengine.multimodal.encoded_media import read_encoded, stated_seconds
 from mmengine.multimodal.image_loading import MAX_ENCODED_FILE_BYTES
 from mmengine.multimodal.media_container import (
     DEFAULT_MAX_MEDIA_DECODE_SECONDS,
@@ -40,8 +40,6 @@ MAX_SOURCE_FPS: float = 240.0
 # The rate assumed for frames given as a list or an array without `frame_rate`: Qwen's sampling rate, so
 # pre-sampled frames get the timestamps the model was trained with.
 DEFAULT_FRAME_RATE: float = 2.0
-
-_SHOWN = 200
 
 
 @dataclass
@@ -119,22 +117,8 @@ class SampledVideo:
 
 def encoded_video_bytes(video: Video, index: int) -> bytes | None:
     """A path's or bytes' content (read, not decoded); None for given frames."""
-    source = video.source
-    if isinstance(source, (str, os.PathLike)):
-        try:
-            with open(source, "rb") as file:
-                if os.fstat(file.fileno()).st_size > MAX_ENCODED_FILE_BYTES * 16:
-                    raise VideoTooLargeError(f"video {index}: {_shown(source)} is larger than {MAX_ENCODED_FILE_BYTES * 16} bytes")
-                data = file.read()
-        except (OSError, ValueError) as exc:
-            raise CorruptVideoError(f"video {index}: cannot read {_shown(source)}: {exc}") from exc
-    elif isinstance(source, (bytes, bytearray, memoryview)):
-        data = bytes(source)
-    else:
-        return None
-    if not data:
-        raise CorruptVideoError(f"video {index}: the video bytes are empty")
-    return data
+    return read_encoded(video.source, f"video {index}", "video", max_file_bytes=MAX_ENCODED_FILE_BYTES * 16,
+                        too_large=VideoTooLargeError, corrupt=CorruptVideoError, name_file=True)
 
 
 def given_frames(video: Video, index: int, max_frame_pixels: int) -> np.ndarray:
@@ -179,7 +163,7 @@ def probe(
             raise CorruptVideoError(f"video {index}: the data holds no video stream")
         stream = container.streams.video[0]
         rate = float(stream.average_rate or stream.guessed_rate or 0)
-        seconds = _duration(container, stream)
+        seconds = stated_seconds(container, stream)
         if seconds > max_seconds:
             raise VideoTooLargeError(f"video {index}: {seconds:.1f} s exceeds max_video_seconds={max_seconds:g}")
         _check_frame_size(stream.codec_context.width, stream.codec_context.height, max_frame_pixels, index)
@@ -246,14 +230,6 @@ def decode(
     return np.stack([picked[i] for i in indices])
 
 
-def _duration(container: Any, stream: Any) -> float:
-    if stream.duration is not None and stream.time_base is not None:
-        return float(stream.duration * stream.time_base)
-    if container.duration is not None:
-        return container.duration / 1_000_000
-    return 0.0
-
-
 def _check_frame_size(width: int, height: int, max_pixels: int, index: int) -> None:
     if width * height == 0:
         raise CorruptVideoError(f"video {index}: its frames are empty ({width}x{height})")
@@ -265,8 +241,3 @@ def _check_frame_size(width: int, height: int, max_pixels: int, index: int) -> N
 
 def _import_av() -> Any:
     return import_av("decoding a video file", " (or give the frames as a list or an array)")
-
-
-def _shown(path: str | os.PathLike) -> str:
-    text = os.fspath(path)
-    return text if len(text) <= _SHOWN else text[: _SHOWN - 3] + "..."

@@ -22,6 +22,7 @@ from mmengine.utils.keyed_lock import KeyedLock
 from mmengine.models.family import EncoderInputs, ModelFamily, VideoPlan
 from mmengine.multimodal import video as video_io
 from mmengine.multimodal.media_container import DEFAULT_MAX_MEDIA_DECODE_SECONDS
+from mmengine.multimodal.media_loader import MediaLoader
 from mmengine.multimodal.processor_cache import ProcessorCache
 
 MAX_REMEMBERED_VIDEOS = 4096
@@ -43,18 +44,12 @@ class VideoLimits:
     max_decode_seconds: float = DEFAULT_MAX_MEDIA_DECODE_SECONDS  # each of the probe and the decode
 
 
-class VideoLoader:
+class VideoLoader(MediaLoader[VideoLimits]):
     def __init__(
         self, family: ModelFamily, cache: ProcessorCache, cache_lock: threading.Lock, fingerprint: str, settings_key: str,
         limits: VideoLimits, hash_algo: str,
     ) -> None:
-        self.family = family
-        self.cache = cache
-        self._cache_lock = cache_lock  # the processor's: guards `cache`
-        self.fingerprint = fingerprint
-        self.settings_key = settings_key
-        self.limits = limits
-        self.hash_algo = hash_algo
+        super().__init__(family, cache, cache_lock, fingerprint, settings_key, limits, hash_algo)
         self._known: OrderedDict[str, tuple[VideoPlan, list[str]]] = OrderedDict()
         self._loading = KeyedLock()
         self.num_videos_decoded = 0
