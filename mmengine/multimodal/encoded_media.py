@@ -21,13 +21,14 @@ def read_encoded(
     `where` names it already)."""
     if isinstance(source, (str, os.PathLike)):
         file = shown_path(source) if name_file else "the file"
-        try:
+        try:  # (ValueError: e.g. a NUL in the path; the typed errors are ValueErrors too, so none is raised here)
             with open(source, "rb") as opened:
-                if os.fstat(opened.fileno()).st_size > max_file_bytes:
-                    raise too_large(f"{where}: {file} is larger than {max_file_bytes} bytes")
-                data = opened.read()
+                fits = os.fstat(opened.fileno()).st_size <= max_file_bytes
+                data = opened.read() if fits else b""
         except (OSError, ValueError) as exc:
             raise corrupt(f"{where}: cannot read {file}: {exc}") from exc
+        if not fits:
+            raise too_large(f"{where}: {file} is larger than {max_file_bytes} bytes")
     elif isinstance(source, (bytes, bytearray, memoryview)):
         data = bytes(source)
         if max_given_bytes is not None and len(data) > max_given_bytes:
