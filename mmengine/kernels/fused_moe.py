@@ -67,6 +67,12 @@ def _tile_pairs(sorted_ptr, tile_expert_ptr, tile, num_pairs, BLOCK_M: tl.conste
 
 
 @triton.jit
+def _expert_weights(w_ptr, s_ptr, z_ptr, expert, stride_we, stride_se):
+    """An expert's weights, scales and zero points (the zeros laid out as the scales)."""
+    return w_ptr + expert * stride_we, s_ptr + expert * stride_se, z_ptr + expert * stride_se
+
+
+@triton.jit
 def _load_weight_tile(w, s, z, cols, ks, mask, stride_w, stride_s, group_k, dtype, WEIGHTS: tl.constexpr):
     """An expert's weight tile W^T [BLOCK_K, BLOCK_N] in `dtype`: dense W [N, K]; FP8 W [N, K] with scales
     [N, K / group]; int4 qweight [K / 8, N] with scales and zeros [K / group, N]."""
@@ -109,9 +115,7 @@ def _gate_up_kernel(
     col_ok = cols < inter
     gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w = w_ptr + expert * stride_we
-    s = s_ptr + expert * stride_se
-    z = z_ptr + expert * stride_se
+    w, s, z = _expert_weights(w_ptr, s_ptr, z_ptr, expert, stride_we, stride_se)
     for k0 in range(0, hidden, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < hidden
@@ -141,9 +145,7 @@ def _down_kernel(
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < hidden
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    w = w_ptr + expert * stride_we
-    s = s_ptr + expert * stride_se
-    z = z_ptr + expert * stride_se
+    w, s, z = _expert_weights(w_ptr, s_ptr, z_ptr, expert, stride_we, stride_se)
     for k0 in range(0, inter, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
