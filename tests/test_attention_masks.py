@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 import torch
+from kernel_devices import BF16, FP16, FP32, KERNEL_DEVICE, TOL
 
 from mmengine.kernels.common import NO_WINDOW, kernel_window
 from mmengine.kernels.decode_attention import decode_attention
@@ -24,17 +25,7 @@ from mmengine.layers.cascade import CascadeGroup, CascadeMetadata, layout_cascad
 from mmengine.layers.torch_attention import TorchAttentionBackend
 from mmengine.layers.triton_attention import TritonAttentionBackend
 
-CUDA = torch.cuda.is_available()
-KERNEL_DEVICE, MODE = ("cuda", "cuda") if CUDA else ("cpu", "interp")
-FP32 = pytest.param(KERNEL_DEVICE, torch.float32, id=f"{MODE}-fp32")
-FP16 = pytest.param(KERNEL_DEVICE, torch.float16, id=f"{MODE}-fp16")
-BF16 = pytest.param(
-    "cuda", torch.bfloat16, id="cuda-bf16",
-    marks=pytest.mark.skipif(not CUDA, reason="bf16 needs a CUDA GPU (Triton's interpreter mishandles bf16)"),
-)
-DEVICES = [FP32, FP16, BF16]
 pytestmark = pytest.mark.usefixtures("no_tf32")
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 @dataclass(frozen=True)

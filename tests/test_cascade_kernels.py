@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import pytest
 import torch
+from kernel_devices import BF16, FP16, FP32, TOL
 
 from mmengine.kernels.cascade_attention import merge_prefix_states, shared_prefix_attention
 from mmengine.layers.attention import AttentionMetadata
@@ -18,16 +19,7 @@ from mmengine.layers.cascade import CascadeGroup, CascadeMetadata, layout_cascad
 from mmengine.layers.torch_attention import TorchAttentionBackend, attention_with_lse, merge_states
 from mmengine.layers.triton_attention import TritonAttentionBackend
 
-CUDA = torch.cuda.is_available()
-KERNEL_DEVICE, MODE = ("cuda", "cuda") if CUDA else ("cpu", "interp")
-FP32 = pytest.param(KERNEL_DEVICE, torch.float32, id=f"{MODE}-fp32")
-FP16 = pytest.param(KERNEL_DEVICE, torch.float16, id=f"{MODE}-fp16")
-BF16 = pytest.param(
-    "cuda", torch.bfloat16, id="cuda-bf16",
-    marks=pytest.mark.skipif(not CUDA, reason="bf16 needs a CUDA GPU (Triton's interpreter mishandles bf16)"),
-)
 pytestmark = pytest.mark.usefixtures("no_tf32")
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 @dataclass

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from kernel_devices import BF16, CUDA, DEVICES, FP16, FP32, TOL
 
 from mmengine.kernels.decode_attention import decode_attention
 from mmengine.layers.split_kv import choose_num_splits
@@ -15,20 +16,10 @@ from mmengine.kernels.kv_store import store_kv
 from mmengine.kernels.merge_states import merge_attn_states
 from mmengine.kernels.prefill_attention import prefill_attention
 
-CUDA = torch.cuda.is_available()
-KERNEL_DEVICE, MODE = ("cuda", "cuda") if CUDA else ("cpu", "interp")
-FP32 = pytest.param(KERNEL_DEVICE, torch.float32, id=f"{MODE}-fp32")
-FP16 = pytest.param(KERNEL_DEVICE, torch.float16, id=f"{MODE}-fp16")
-BF16 = pytest.param(
-    "cuda", torch.bfloat16, id="cuda-bf16",
-    marks=pytest.mark.skipif(not CUDA, reason="bf16 needs a CUDA GPU (Triton's interpreter mishandles bf16)"),
-)
-DEVICES = [FP32, FP16, BF16]
 # The interpreter is slow: a few cases run its fp32 only. Compiled on a GPU every dtype is cheap.
 DEVICES_LIGHT = [FP32, FP16, BF16] if CUDA else [FP32, BF16]
 # fp32 means fp32 on a GPU too (the reference's einsums included), not TF32
 pytestmark = pytest.mark.usefixtures("no_tf32")
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
