@@ -5,6 +5,7 @@ prefix hit needs only the cached blocks of the chunk holding its end."""
 from __future__ import annotations
 
 from helpers import make_request
+from window_runs import find_hit, run_prompt
 from mmengine.kv_cache.block_hash import make_hash_function
 from mmengine.kv_cache.chunked_attention import AttentionChunk, ChunkedAttentionManager, chunk_start, is_chunk
 from mmengine.kv_cache.coordinator import CacheCoordinator
@@ -19,22 +20,6 @@ def _coordinator(full_blocks: int = 32, chunk_blocks: int = 10) -> CacheCoordina
     return CacheCoordinator(KVCacheManager(full_blocks, BS, HASH), None, BS, ChunkedAttentionManager(chunk_blocks, BS, CHUNK))
 
 
-def _run(caches: CacheCoordinator, request, chunk: int) -> None:
-    """Admits the request and computes its prompt in prefill chunks, as the scheduler books them."""
-    caches.kv_cache.hash_new_blocks(request)
-    hit = caches.find_hit(request, False, lambda _: False)
-    request.num_computed_tokens = hit.num_computed
-    request.num_prefix_hit_tokens = hit.num_hit_blocks * BS
-    first = True
-    while request.num_computed_tokens < request.num_tokens:
-        num_new = min(chunk, request.num_tokens - request.num_computed_tokens)
-        assert caches.can_allocate(request, num_new, hit if first else None, request.num_computed_tokens if first else None)
-        caches.allocate(request, num_new, hit if first else None, request.num_computed_tokens if first else None)
-        first = False
-        request.num_computed_tokens += num_new
-        caches.booked(request)
-
-
 def test_an_attention_chunk_is_a_span_of_its_own_kind():
     chunk = AttentionChunk(16)
     assert chunk == 16 and f"{chunk}" == "16" and is_chunk(chunk) and not is_chunk(16) and not is_chunk(None)
@@ -46,7 +31,7 @@ def test_blocks_before_the_current_chunk_go_back_to_the_pool():
     caches = _coordinator()
     chunks = caches.windows
     request = make_request("a", 38)
-    _run(caches, request, chunk=4)
+    run_prompt(caches, request, chunk=4)
     # 38 tokens computed: later queries (38 on) see keys from 32 on, block 8 (and block 9 holds 36, 37)
     table = chunks.block_ids("a")
     assert table[:8] == [NULL_BLOCK_ID] * 8 and NULL_BLOCK_ID not in table[8:]
@@ -71,11 +56,10 @@ def test_a_request_never_holds_more_than_its_chunk_and_a_prefill_chunk():
 def test_a_hit_needs_only_the_blocks_of_the_chunk_holding_its_end():
     caches = _coordinator()
     first = make_request("a", 40)
-    _run(caches, first, chunk=8)
+    run_prompt(caches, first, chunk=8)
     caches.release(first)
     again = make_request("b", 40)
-    caches.kv_cache.hash_new_blocks(again)
-    hit = caches.find_hit(again, False, lambda _: False)
+    hit = find_hit(caches, again)
     # the full chain: 10 blocks; the last token (39) is recomputed and sees keys from 32 on: blocks 8 and 9
     assert hit.num_hit_blocks == 10 and hit.num_computed == 39
     assert len(hit.window_hits) == 2
@@ -89,9 +73,8 @@ def test_the_smallest_pool_keeps_whole_hits():
     blocks (keys from 32 on for the recomputed token 39), which the pool still has cached after the request left."""
     caches = _coordinator(chunk_blocks=1 + 5)
     first = make_request("a", 40)
-    _run(caches, first, chunk=4)
+    run_prompt(caches, first, chunk=4)
     caches.release(first)
     again = make_request("b", 40)
-    caches.kv_cache.hash_new_blocks(again)
-    hit = caches.find_hit(again, False, lambda _: False)
+    hit = find_hit(caches, again)
     assert hit.num_hit_blocks == 10 and hit.num_computed == 39 and len(hit.window_hits) == 2

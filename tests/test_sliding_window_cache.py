@@ -5,6 +5,7 @@ reallocated, and a prefix hit holds only where the window before its end is foun
 from __future__ import annotations
 
 from helpers import make_request
+from window_runs import find_hit, run_prompt
 from mmengine.kv_cache.block_hash import make_hash_function
 from mmengine.kv_cache.coordinator import CacheCoordinator
 from mmengine.kv_cache.manager import KVCacheManager
@@ -18,22 +19,6 @@ def _coordinator(full_blocks: int = 32, window_blocks: int = 8) -> CacheCoordina
     return CacheCoordinator(KVCacheManager(full_blocks, BS, HASH), None, BS, SlidingWindowManager(window_blocks, BS, WINDOW))
 
 
-def _run(caches: CacheCoordinator, request, chunk: int) -> None:
-    """Admits the request and computes its prompt in chunks, as the scheduler books them."""
-    caches.kv_cache.hash_new_blocks(request)
-    hit = caches.find_hit(request, False, lambda _: False)
-    request.num_computed_tokens = hit.num_computed
-    request.num_prefix_hit_tokens = hit.num_hit_blocks * BS
-    first = True
-    while request.num_computed_tokens < request.num_tokens:
-        num_new = min(chunk, request.num_tokens - request.num_computed_tokens)
-        assert caches.can_allocate(request, num_new, hit if first else None, request.num_computed_tokens if first else None)
-        caches.allocate(request, num_new, hit if first else None, request.num_computed_tokens if first else None)
-        first = False
-        request.num_computed_tokens += num_new
-        caches.booked(request)
-
-
 def _run_admitted(caches: CacheCoordinator, request, hit) -> None:
     request.num_computed_tokens = hit.num_computed
     caches.allocate(request, request.num_tokens - hit.num_computed, hit, hit.num_computed)
@@ -45,7 +30,7 @@ def test_blocks_that_left_the_window_go_back_to_the_pool():
     caches = _coordinator()
     windows = caches.windows
     request = make_request("a", 30)
-    _run(caches, request, chunk=4)
+    run_prompt(caches, request, chunk=4)
     # 30 tokens computed: later queries see keys from 30 - 6 + 1 = 25 on, in block 6 (and block 7 holds 28, 29)
     table = windows.block_ids("a")
     assert table[:6] == [NULL_BLOCK_ID] * 6 and NULL_BLOCK_ID not in table[6:]
@@ -59,20 +44,19 @@ def test_blocks_that_left_the_window_go_back_to_the_pool():
 def test_a_request_never_holds_more_than_its_window_and_chunk():
     caches = _coordinator(window_blocks=1 + 4)  # the null block and cdiv(6 - 1 + 4, 4) + 1 = 4
     request = make_request("a", 40)
-    _run(caches, request, chunk=4)
+    run_prompt(caches, request, chunk=4)
     assert caches.windows.num_held_blocks("a") <= 4 and request.num_computed_tokens == 40
 
 
 def test_a_hit_needs_the_window_before_its_end():
     caches = _coordinator()
     first = make_request("a", 24)
-    _run(caches, first, chunk=8)
+    run_prompt(caches, first, chunk=8)
     window = caches.windows.block_ids("a")[4:6]
     caches.release(first)
     # The same prompt again: its full chain (6 blocks) is cached, and so is every window block (freed, not evicted)
     again = make_request("b", 24)
-    caches.kv_cache.hash_new_blocks(again)
-    hit = caches.find_hit(again, False, lambda _: False)
+    hit = find_hit(caches, again)
     assert hit.num_hit_blocks == 6 and hit.num_computed == 23
     # the last token (23) is recomputed: it sees keys from 18 on, blocks 4 and 5
     assert [b.block_id for b in hit.window_hits] == window
@@ -82,11 +66,10 @@ def test_evicted_window_blocks_shorten_the_hit_to_where_a_window_is_found():
     caches = _coordinator(window_blocks=12)
     windows = caches.windows
     first = make_request("a", 32, tokens=list(range(1, 33)))
-    _run(caches, first, chunk=4)
+    run_prompt(caches, first, chunk=4)
     caches.release(first)
     again = make_request("b", 32, tokens=list(range(1, 33)))
-    caches.kv_cache.hash_new_blocks(again)
-    assert caches.find_hit(again, False, lambda _: False).num_hit_blocks == 8
+    assert find_hit(caches, again).num_hit_blocks == 8
     for index in (6, 7):  # evicted (as an allocation would)
         windows.pool.uncache(next(blk for blk in windows.pool.blocks if blk.block_hash == again.block_hashes[index]))
     assert len(caches.kv_cache.get_computed_blocks(again)) == 8  # the full layers still have the whole chain
@@ -101,10 +84,10 @@ def test_evicted_window_blocks_shorten_the_hit_to_where_a_window_is_found():
 def test_a_pool_reused_by_another_prompt_leaves_no_hit():
     caches = _coordinator(window_blocks=6)
     first = make_request("a", 32, tokens=list(range(1, 33)))
-    _run(caches, first, chunk=4)
+    run_prompt(caches, first, chunk=4)
     caches.release(first)
     filler = make_request("f", 20, tokens=list(range(100, 120)))  # takes all 5 usable window blocks at once
-    _run(caches, filler, chunk=20)
+    run_prompt(caches, filler, chunk=20)
     caches.release(filler)
     again = make_request("b", 32, tokens=list(range(1, 33)))
     caches.kv_cache.hash_new_blocks(again)
@@ -116,11 +99,10 @@ def test_a_window_block_is_verified_by_its_parent_hash():
     """Window blocks have no chain in their pool: a lookup checks each one's key and parent's hash."""
     caches = _coordinator()
     a = make_request("a", 16, tokens=list(range(1, 17)))
-    _run(caches, a, chunk=16)
+    run_prompt(caches, a, chunk=16)
     caches.release(a)
     b = make_request("b", 17, tokens=list(range(1, 18)))
-    caches.kv_cache.hash_new_blocks(b)
-    assert caches.find_hit(b, False, lambda _: False).num_hit_blocks == 4
+    assert find_hit(caches, b).num_hit_blocks == 4
     last = next(blk for blk in caches.windows.pool.blocks if blk.block_hash == b.block_hashes[3])
     last.parent_hash = b"another parent"
     assert caches.find_hit(b, False, lambda _: False).num_hit_blocks == 3  # the hits that do not need block 3
@@ -129,7 +111,7 @@ def test_a_window_block_is_verified_by_its_parent_hash():
 def test_freeing_a_request_returns_every_block_but_the_null_one():
     caches = _coordinator()
     request = make_request("a", 21)
-    _run(caches, request, chunk=5)
+    run_prompt(caches, request, chunk=5)
     caches.release(request)
     assert caches.windows.num_free_blocks == caches.windows.num_blocks - 1
     assert caches.kv_cache.num_free_blocks == caches.kv_cache.num_blocks
@@ -145,15 +127,14 @@ def test_blocks_that_left_the_window_are_evicted_before_a_finished_prompts_end()
     caches = _coordinator(window_blocks=8)
     windows = caches.windows
     first = make_request("a", 16, tokens=list(range(1, 17)))
-    _run(caches, first, chunk=16)
+    run_prompt(caches, first, chunk=16)
     caches.release(first)
     long = make_request("long", 64, tokens=list(range(200, 264)))
-    _run(caches, long, chunk=4)  # 16 blocks through a pool of 7: it reuses its own freed blocks
+    run_prompt(caches, long, chunk=4)  # 16 blocks through a pool of 7: it reuses its own freed blocks
     assert windows.pool.num_evictions > 0
     caches.release(long)
     again = make_request("b", 17, tokens=list(range(1, 18)))
-    caches.kv_cache.hash_new_blocks(again)
-    assert caches.find_hit(again, False, lambda _: False).num_hit_blocks == 4
+    assert find_hit(caches, again).num_hit_blocks == 4
 
 
 def test_a_window_that_served_a_hit_is_kept_like_a_prompts_end():
@@ -163,18 +144,17 @@ def test_a_window_that_served_a_hit_is_kept_like_a_prompts_end():
     windows = caches.windows
     shared = list(range(1, 17))
     first = make_request("a", 24, tokens=[*shared, *range(50, 58)])
-    _run(caches, first, chunk=4)
+    run_prompt(caches, first, chunk=4)
     caches.release(first)
     second = make_request("b", 24, tokens=[*shared, *range(60, 68)])
-    caches.kv_cache.hash_new_blocks(second)
-    hit = caches.find_hit(second, False, lambda _: False)
+    hit = find_hit(caches, second)
     assert hit.num_hit_blocks == 4
     served = {b.block_hash for b in hit.window_hits}
     _run_admitted(caches, second, hit)
     caches.release(second)
     # 7 blocks at once: the 3 never used, then 4 evicted: the 2 that a's run left behind and a's end
     third = make_request("c", 28, tokens=list(range(300, 328)))
-    _run(caches, third, chunk=28)
+    run_prompt(caches, third, chunk=28)
     assert windows.pool.num_evictions == 4 and served <= _cached_hashes(windows)
 
 
@@ -182,12 +162,12 @@ def test_empty_blocks_are_taken_before_cached_ones_are_evicted():
     caches = _coordinator(window_blocks=12)
     windows = caches.windows
     first = make_request("a", 24)
-    _run(caches, first, chunk=24)
+    run_prompt(caches, first, chunk=24)
     caches.release(first)
     cached = _cached_hashes(windows)
     assert len(cached) == 6 and windows.num_free_blocks == 11
     other = make_request("b", 20, tokens=list(range(100, 120)))
-    _run(caches, other, chunk=20)  # 5 blocks: the pool's 5 never-used ones
+    run_prompt(caches, other, chunk=20)  # 5 blocks: the pool's 5 never-used ones
     assert windows.pool.num_evictions == 0 and cached <= _cached_hashes(windows)
 
 
@@ -197,16 +177,15 @@ def test_a_held_window_outlives_the_churn_that_evicts_the_rest():
     caches = _coordinator(window_blocks=8)
     windows = caches.windows
     a = make_request("a", 24, tokens=list(range(1, 25)))
-    _run(caches, a, chunk=4)
+    run_prompt(caches, a, chunk=4)
     held = windows.hold_window(a, 3)  # the shared prefix: 12 tokens; its hit needs keys from 7 on, blocks 1 and 2
     assert [b.block_hash for b in held] == a.block_hashes[1:3]
     caches.release(a)
     churn = make_request("c", 40, tokens=list(range(300, 340)))
-    _run(caches, churn, chunk=4)
+    run_prompt(caches, churn, chunk=4)
     caches.release(churn)
     member = make_request("m", 20, tokens=[*range(1, 13), *range(500, 508)])
-    caches.kv_cache.hash_new_blocks(member)
-    assert caches.find_hit(member, False, lambda _: False).num_hit_blocks == 3
+    assert find_hit(caches, member).num_hit_blocks == 3
     windows.release_held(held)
     assert all(b.ref_cnt == 0 for b in held)
 
@@ -216,8 +195,7 @@ def test_a_request_running_across_a_reset_caches_no_more_window_blocks():
     must not be cached, or a later request would take them as the window of its hit."""
     caches = _coordinator()
     request = make_request("a", 30)
-    caches.kv_cache.hash_new_blocks(request)
-    caches.allocate(request, 12, caches.find_hit(request, False, lambda _: False), 0)
+    caches.allocate(request, 12, find_hit(caches, request), 0)
     request.num_computed_tokens = 12
     caches.booked(request)
     assert _cached_hashes(caches.windows)
@@ -232,5 +210,5 @@ def test_a_request_running_across_a_reset_caches_no_more_window_blocks():
     caches.release(request)
     again = make_request("b", 30)
     caches.kv_cache.hash_new_blocks(again)
-    _run(caches, again, chunk=4)  # a request made after the reset caches as usual
+    run_prompt(caches, again, chunk=4)  # a request made after the reset caches as usual
     assert _cached_hashes(caches.windows)
