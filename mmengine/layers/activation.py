@@ -9,7 +9,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
+
+
+def activation_module(hidden_act: str) -> nn.Module:
+    """transformers' activation by its config name (ACT2FN). Imported when a model is built, not with the module:
+    transformers.activations pulls its model-loading code and torch.distributed.tensor (over a second), which the
+    processes that import a family's module only to prepare inputs (front ends, preprocessing workers) never use."""
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[hidden_act]
 
 
 def silu_and_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
@@ -22,7 +30,7 @@ class GatedActivation(nn.Module):
     def __init__(self, hidden_act: str) -> None:
         super().__init__()
         self.hidden_act = hidden_act
-        self.act = ACT2FN[hidden_act]
+        self.act = activation_module(hidden_act)
 
     @property
     def fusable(self) -> bool:

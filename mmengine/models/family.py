@@ -28,7 +28,7 @@ import numpy as np
 from torch import nn
 from transformers import PretrainedConfig
 
-from mmengine.models.llama import head_dim_of, sliding_window_of
+from mmengine.models.text_config import head_dim_of, sliding_window_of
 from mmengine.core.request import MMItem
 
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 from transformers import PretrainedConfig
-from transformers.activations import ACT2FN
 
 from mmengine.errors import UnsupportedModelError
+from mmengine.layers.activation import activation_module
 from mmengine.layers.attention import Attention, AttentionMetadata
 from mmengine.layers.kernel_dispatch import use_fused_kernels
 from mmengine.layers.lora import LoRAContext, LoRALinear
@@ -156,7 +156,7 @@ class Gemma4MLP(nn.Module):
         self.intermediate_size = intermediate_size
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-        self.act = ACT2FN[hidden_act]
+        self.act = activation_module(hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -202,7 +202,7 @@ class Gemma4DecoderLayer(nn.Module):
         self.register_buffer("layer_scalar", torch.ones(1))
         self.per_layer_width = config.hidden_size_per_layer_input or 0
         if self.per_layer_width:
-            self.act = ACT2FN[config.hidden_activation]
+            self.act = activation_module(config.hidden_activation)
             self.per_layer_input_gate = nn.Linear(hidden, self.per_layer_width, bias=False)
             self.per_layer_projection = nn.Linear(self.per_layer_width, hidden, bias=False)
             self.post_per_layer_input_norm = ScaledRMSNorm(hidden, eps)

@@ -23,11 +23,10 @@ from mmengine.layers.lora import LoRAContext, LoRALinear, LoRASlice
 from mmengine.layers.moe import SparseMoeBlock, is_sparse_layer
 from mmengine.layers.norm import RMSNorm, add_norm
 from mmengine.layers.rotary import RotaryEmbedding, RotaryStep
+from mmengine.models.text_config import QWEN2_TEXT_MODEL_TYPES, head_dim_of
 
 SUPPORTED_TEXT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen2_vl_text", "qwen2_5_vl_text", "qwen3", "qwen3_vl_text",
                               "qwen3_vl_moe_text")
-# Qwen2-style attention: biases on q/k/v, none on o; sliding window only with use_sliding_window.
-_QWEN2_TEXT_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 # Qwen3-style attention: an RMSNorm over each head of q and of k, before the rotary embedding.
 _QK_NORM_TEXT_MODEL_TYPES = ("qwen3", "qwen3_vl_text", "qwen3_vl_moe_text")
 
@@ -50,10 +49,6 @@ class DeepStack:
     levels: torch.Tensor  # [num_levels, n, hidden]
 
 
-def head_dim_of(config: PretrainedConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
 class DecoderAttention(nn.Module):
     def __init__(self, config: PretrainedConfig) -> None:
         super().__init__()
@@ -63,7 +58,7 @@ class DecoderAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         attention_bias = bool(getattr(config, "attention_bias", False))
-        qwen2 = config.model_type in _QWEN2_TEXT_MODEL_TYPES
+        qwen2 = config.model_type in QWEN2_TEXT_MODEL_TYPES
         qkv_bias = qwen2 or attention_bias
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=attention_bias and not qwen2)
@@ -219,13 +214,6 @@ def check_text_config(config: PretrainedConfig) -> None:
         )
     if config.num_attention_heads % config.num_key_value_heads:
         raise UnsupportedModelError("num_attention_heads must be a multiple of num_key_value_heads")
-
-
-def sliding_window_of(config: PretrainedConfig) -> int | None:
-    """The attention window the checkpoint uses, or None when attention is full."""
-    if config.model_type in (*_QWEN2_TEXT_MODEL_TYPES, "qwen3") and not getattr(config, "use_sliding_window", False):
-        return None
-    return getattr(config, "sliding_window", None)
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AutoModel, LlavaConfig
-from transformers.activations import ACT2FN
 
 from mmengine.errors import UnsupportedModelError
+from mmengine.layers.activation import activation_module
 from mmengine.models.family import EncoderInputs, ModelFamily
 from mmengine.models.vlm import VisionLanguageModel
 
@@ -41,7 +41,7 @@ class LlavaProjector(nn.Module):
         bias = getattr(config, "multimodal_projector_bias", True)
         text_hidden = config.text_config.hidden_size
         self.linear_1 = nn.Linear(config.vision_config.hidden_size * num_feature_layers, text_hidden, bias=bias)
-        self.act = ACT2FN[config.projector_hidden_act]
+        self.act = activation_module(config.projector_hidden_act)
         self.linear_2 = nn.Linear(text_hidden, text_hidden, bias=bias)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
