@@ -2,6 +2,7 @@
 
   mm_engine.py      MMEngine: a thin facade (add_request / step / generate / chat / LoRA / caches / stats)
   startup.py        EngineParts: the model, caches, runner, scheduler and grammars built once at start-up
+  input_parts.py    InputParts: start-up's first part, the intake's (config, family, processor), no model code
   prompt_inputs.py  the prompt forms callers hand in (str, prompt dicts, images, videos, chat-template options), checked
   intake.py         RequestIntake: the one pass from a caller's arguments to validated, preprocessed prompts
   chat_media.py     OpenAI image_url / video_url parts in MMEngine.chat, loaded under a MediaPolicy

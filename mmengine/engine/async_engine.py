@@ -28,19 +28,21 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mmengine.engine.async_errors import EngineOverloadedError, RequestFailedError
 from mmengine.engine.core_client import EngineCoreClient
 from mmengine.engine.intake import CheckedRequest
 from mmengine.engine.prompt_inputs import check_request_id
-from mmengine.engine.mm_engine import MMEngine
 from mmengine.errors import ConfigError, EngineDeadError, InvalidInputError
 from mmengine.lora.request import LoRARequest
 from mmengine.multimodal.image_loading import ImageInput
 from mmengine.outputs import RequestOutput, TokenLogprobs
 from mmengine.sample.params import SamplingParams
 from mmengine.utils.ids import random_hex
+
+if TYPE_CHECKING:  # (imported where one is built: a front end over an engine-core process runs no model)
+    from mmengine.engine.mm_engine import MMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +259,12 @@ class AsyncMMEngine:
         """`engine_core="process"` (an engine option) runs the scheduler, the caches and the model in an
         engine-core process of its own (engine/core_client.py); shutdown() stops it."""
         process = engine_options.get("engine_core") == "process"
-        engine = EngineCoreClient(model, **engine_options) if process else MMEngine(model, **engine_options)
+        if process:
+            engine: MMEngine | EngineCoreClient = EngineCoreClient(model, **engine_options)
+        else:
+            from mmengine.engine.mm_engine import MMEngine  # (the model's code: only an in-process engine needs it)
+
+            engine = MMEngine(model, **engine_options)
         try:
             return cls(engine, max_queued_requests=max_queued_requests, num_preprocess_workers=num_preprocess_workers,
                        owns_engine=process, max_admission_wait_s=max_admission_wait_s)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import os
 import queue
 import threading
 import time
@@ -45,7 +44,7 @@ from mmengine.engine.core_process import (
 )
 from mmengine.engine.intake import PreparedRequest, RequestIntake
 from mmengine.engine.picture_mirror import SentPictures
-from mmengine.engine.startup import build_input_parts, eos_token_ids_of
+from mmengine.engine.input_parts import build_input_parts, eos_token_ids_of
 from mmengine.utils.ids import random_hex
 from mmengine.engine.stats import processor_stats
 from mmengine.errors import ConfigError, EngineDeadError

@@ -7,13 +7,15 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mmengine.engine.prompt_inputs import TemplateOptions, normalize_conversations
-from mmengine.engine.mm_engine import Conversation, MMEngine
 from mmengine.entrypoints.api_errors import APIError
 from mmengine.errors import InvalidInputError
 from mmengine.multimodal.media_urls import input_audio_of, part_url
+
+if TYPE_CHECKING:  # (annotations only: a front end over an engine-core process imports no model code)
+    from mmengine.engine.mm_engine import Conversation, MMEngine
 
 _ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system role
 
