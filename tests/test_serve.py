@@ -12,7 +12,8 @@ import threading
 import httpx
 import openai
 import pytest
-from serve_helpers import API_KEY, CPU_FP32, HEADERS, MODEL_NAME, data_url, image_part, keyed_server, running_server
+from serve_helpers import API_KEY, CPU_FP32, HEADERS, MODEL_NAME, data_url, image_part, running_server
+from serve_fixtures import server_fixtures
 
 from mmengine import MMEngine, SamplingParams
 from mmengine.engine.async_engine import AsyncMMEngine
@@ -22,15 +23,7 @@ from mmengine.testing import make_test_image
 ENGINE_OPTIONS = CPU_FP32
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint_dir):
-    with keyed_server(checkpoint_dir()) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def offline(checkpoint_dir):
-    return MMEngine(str(checkpoint_dir()), **ENGINE_OPTIONS)
+server, offline = server_fixtures()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ import anyio.to_thread
 import httpx
 import pytest
 from starlette.background import BackgroundTask
-from serve_helpers import CPU_FP32, HEADERS, MODEL_NAME, data_url, image_part, keyed_server
+from serve_helpers import CPU_FP32, HEADERS, MODEL_NAME, data_url, image_part
+from serve_fixtures import server_fixtures
 
 from mmengine import MMEngine, SamplingParams
 from mmengine.engine.async_engine import AsyncMMEngine
@@ -24,15 +25,7 @@ from mmengine.testing import make_test_image
 ENGINE_OPTIONS = CPU_FP32
 
 
-@pytest.fixture(scope="module")
-def server(checkpoint_dir):
-    with keyed_server(checkpoint_dir()) as running:
-        yield running
-
-
-@pytest.fixture(scope="module")
-def offline(checkpoint_dir):
-    return MMEngine(str(checkpoint_dir()), **ENGINE_OPTIONS)
+server, offline = server_fixtures()
 
 
 def _chat(server, image, question: str, **extra) -> httpx.Response:
