@@ -32,7 +32,8 @@ def ray_cluster(ray_cluster):
 
 @pytest.fixture(scope="module")
 def module_replicas(ray_cluster, checkpoint_dir):
-    # Started once: an actor's start (torch, mmengine, the engine) costs far more than the rows it answers here
+    # Started once: an actor's start (torch, mmengine, the engine) costs far more than the rows it answers here. The
+    # tests that need adapters and a store reconfigure these two (BatchRunner.reconfigure) instead of starting two more.
     with BatchRunner(checkpoint_dir(), num_replicas=2, engine_options=ENGINE_OPTIONS, num_cpus=0.5, batch_size=64) as runner:
         yield runner
 
@@ -41,20 +42,25 @@ def adapter_dirs(lora_adapters) -> dict[str, str]:
     return {name: str(path) for name, path in lora_adapters("llava").items() if name in ("qv4", "mlp2")}
 
 
-@pytest.fixture(scope="module")
-def store_and_adapter_replicas(ray_cluster, checkpoint_dir, lora_adapters):
-    """Two replicas sharing an encoder store and holding two LoRA adapters: the store's test and the adapters' test
-    (through run_batch) run on them, neither feature touching what the other's test reads."""
-    with BatchRunner(checkpoint_dir(), num_replicas=2, engine_options={**LORA_OPTIONS, "encoder_cache_host_bytes": 1 << 24},
-                     num_cpus=0.5, lora_modules=adapter_dirs(lora_adapters), encoder_store_bytes=1 << 24) as runner:
-        yield runner
+STORE_OPTIONS = {**LORA_OPTIONS, "encoder_cache_host_bytes": 1 << 24}
+
+
+@pytest.fixture
+def store_and_adapter_replicas(module_replicas, lora_adapters):
+    """The module's two replicas with fresh engines sharing an encoder store and holding two LoRA adapters: the
+    store's test and the adapters' test (through run_batch) run on them, neither feature touching what the other's
+    test reads (the store, of the same size and options, is kept from one to the other)."""
+    assert all(module_replicas.alive), "a test killed a module replica before this one (the killing test runs last)"
+    module_replicas.reconfigure(STORE_OPTIONS, adapter_dirs(lora_adapters), encoder_store_bytes=1 << 24)
+    return module_replicas
 
 
 @pytest.fixture
 def two_replicas(module_replicas):
-    """The module's two replicas with fresh engines (empty caches, zeroed counters), rebuilt in their processes."""
+    """The module's two replicas with fresh engines (empty caches, zeroed counters) on ENGINE_OPTIONS, without
+    adapters or store, rebuilt in their processes."""
     assert all(module_replicas.alive), "a test killed a module replica before this one (the killing test runs last)"
-    module_replicas.reset()
+    module_replicas.reconfigure(ENGINE_OPTIONS)
     return module_replicas
 
 
@@ -226,7 +232,7 @@ def test_rows_under_lora_adapters_match_one_engine_and_stay_with_their_adapter(s
     lora_of = [None, "qv4", "mlp2"]
     rows = [{"prompt": f"USER: <image>\nQuestion {i}? ASSISTANT:", "images": [png(5)], "lora": lora_of[i % 3],
              "sampling_params": {"max_tokens": 4, "temperature": 0.0, "ignore_eos": True}, "item_id": i} for i in range(9)]
-    options = {**LORA_OPTIONS, "encoder_cache_host_bytes": 1 << 24}
+    options = STORE_OPTIONS
 
     def the_module_replicas(model, count, engine_options, num_gpus, num_cpus, batch_size, lora_modules, encoder_store_bytes):
         # what run_batch would start is what the module started: it runs the rows on them
@@ -280,6 +286,38 @@ def test_the_encoder_store_encodes_each_picture_once_cluster_wide(store_and_adap
     assert_answers_are_local(result, second, checkpoint_dir())
     assert sum(s["encoder_runs"] for s in stats) == 6 and sum(s["encoder_store_fetches"] for s in stats) == 6
     assert sum(s["encoder_host_hits"] for s in stats) == 6
+
+
+def test_reconfigured_replicas_keep_their_processes_and_hold_one_engine_each(module_replicas, lora_adapters):
+    """reconfigure builds each replica's next engine in the process it runs in, and the engine it replaces (held by its
+    store client's publishing thread until that thread stops) is freed: one engine, and a store thread only with a store."""
+
+    def replica_processes(runner: BatchRunner) -> list[tuple[int, int, int]]:
+        """Each replica's (pid, engines alive, store publishing threads), read in its process."""
+
+        def probe(_) -> tuple[int, int, int]:
+            import gc
+            import os
+            import threading
+
+            from mmengine.engine.mm_engine import MMEngine
+
+            gc.collect()
+            engines = sum(isinstance(o, MMEngine) for o in gc.get_objects())
+            return os.getpid(), engines, sum(t.name == "mmengine-encoder-store" for t in threading.enumerate())
+
+        return ray.get([replica.__ray_call__.remote(probe) for replica in runner.replicas])
+
+    runner = module_replicas
+    pids = ray.get([replica.__ray_call__.remote(lambda _: __import__("os").getpid()) for replica in runner.replicas])
+    runner.reconfigure(STORE_OPTIONS, adapter_dirs(lora_adapters), encoder_store_bytes=1 << 24)
+    store = runner.encoder_store
+    runner.reconfigure(STORE_OPTIONS, adapter_dirs(lora_adapters), encoder_store_bytes=1 << 24)
+    assert runner.encoder_store is store  # the same size and options: the store and what it holds are kept
+    assert replica_processes(runner) == [(pid, 1, 1) for pid in pids]
+    runner.reconfigure(ENGINE_OPTIONS)
+    assert replica_processes(runner) == [(pid, 1, 0) for pid in pids]
+    assert runner.encoder_store is None and runner.store_stats() is None
 
 
 def test_without_the_store_each_replica_encodes_each_picture(two_replicas, checkpoint_dir):

@@ -67,18 +67,9 @@ class BatchRunner:
             raise ConfigError(f"num_replicas must be a positive int, got {num_replicas!r}")
         if not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
-        if not isinstance(encoder_store_bytes, int) or encoder_store_bytes < 0:
-            raise ConfigError(f"encoder_store_bytes must be an int >= 0, got {encoder_store_bytes!r}")
         self.model = str(model)
-        self.engine_options = dict(engine_options or {})
         self.encoder_store = None
-        if encoder_store_bytes:
-            if self.engine_options.get("encoder_cache_host_bytes") == 0:
-                raise ConfigError("encoder_store_bytes needs the replicas' encoder host tier: encoder_cache_host_bytes must not be 0")
-            self.engine_options.setdefault("encoder_cache_host_bytes", encoder_store_bytes)
-            from mmengine.ray.encoder_store import create_store
-
-            self.encoder_store = create_store(encoder_store_bytes)
+        self._configure(engine_options, lora_modules, encoder_store_bytes)
         self.batch_size = batch_size
         if num_cpus is None:
             num_cpus = 1
@@ -87,13 +78,45 @@ class BatchRunner:
             num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=max_restarts, max_task_retries=max_task_retries
         )
         self.replicas = [
-            actor_class.remote(self.model, self.engine_options, i, threads, lora_modules, self.encoder_store)
+            actor_class.remote(self.model, self.engine_options, i, threads, self.lora_modules, self.encoder_store)
             for i in range(num_replicas)
         ]
         self.alive = [True] * num_replicas
         ray.get([r.ready.remote() for r in self.replicas])  # surfaces a bad checkpoint or option now
         self._keys: SharingKeys | None = None
         self._sticky: dict[str, int] = {}  # sharing key -> the replica whose caches hold its state
+
+    def _configure(self, engine_options: dict[str, Any] | None, lora_modules: dict[str, str] | None,
+                   encoder_store_bytes: int) -> None:
+        """Checks and takes the replicas' engine options, adapters and store. The store is kept when its size and the
+        engine options stay (what it holds is what the new engines would encode), else replaced."""
+        if not isinstance(encoder_store_bytes, int) or encoder_store_bytes < 0:
+            raise ConfigError(f"encoder_store_bytes must be an int >= 0, got {encoder_store_bytes!r}")
+        options = dict(engine_options or {})
+        if encoder_store_bytes:
+            if options.get("encoder_cache_host_bytes") == 0:
+                raise ConfigError("encoder_store_bytes needs the replicas' encoder host tier: encoder_cache_host_bytes must not be 0")
+            options.setdefault("encoder_cache_host_bytes", encoder_store_bytes)
+        if self.encoder_store is not None and (encoder_store_bytes, options) != (self.encoder_store_bytes, self.engine_options):
+            ray.kill(self.encoder_store)
+            self.encoder_store = None
+        if encoder_store_bytes and self.encoder_store is None:
+            from mmengine.ray.encoder_store import create_store
+
+            self.encoder_store = create_store(encoder_store_bytes)
+        self.engine_options, self.lora_modules, self.encoder_store_bytes = options, dict(lora_modules or {}), encoder_store_bytes
+
+    def reconfigure(self, engine_options: dict[str, Any] | None = None, lora_modules: dict[str, str] | None = None,
+                    encoder_store_bytes: int = 0) -> None:
+        """Fresh engines with other options, adapters and encoder store (as the constructor takes them) on the live
+        replicas, in the actors they run in: another job on the same model without the replicas' start-up (each a
+        process importing torch, transformers and the model code: seconds of CPU a replica). A store of the same
+        size is kept, with what it holds, when the engine options stay."""
+        self._configure(engine_options, lora_modules, encoder_store_bytes)
+        ray.get([r.reconfigure.remote(self.engine_options, self.lora_modules, self.encoder_store)
+                 for i, r in enumerate(self.replicas) if self.alive[i]])
+        self._keys = None  # block_size, the hash algorithm: the sharing keys follow the engines' options
+        self._sticky.clear()
 
     @property
     def num_replicas(self) -> int:

@@ -93,7 +93,11 @@ class EncoderStoreClient:
 
     def _publish_loop(self) -> None:
         while True:
-            mm_hash, output = self._outbox.get()
+            entry = self._outbox.get()
+            if entry is None:  # close()
+                self._outbox.task_done()
+                return
+            mm_hash, output = entry
             try:
                 host = output.detach().to("cpu")
                 ray.get(self.store.publish.remote(mm_hash, [ray.put(host)], host.numel() * host.element_size()),
@@ -114,6 +118,16 @@ class EncoderStoreClient:
                     return False
                 self._outbox.all_tasks_done.wait(remaining)
         return True
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        """Publishes what is queued, then stops the publisher thread and unhooks the engine: the thread held this
+        client and so the engine, which a replica replacing its engine (reset, reconfigure) would never free."""
+        if self.engine.runner.on_encoded == self._outbox.put_nowait:
+            self.engine.runner.on_encoded = None
+        if self.engine.before_enqueue == self.prefetch:
+            self.engine.before_enqueue = None
+        self._outbox.put_nowait(None)
+        self._publisher.join(timeout_s)
 
     def prefetch(self, prompts: list[Any]) -> None:
         """Fetches the prompts' items that neither this engine's caches nor its host tier hold, when the

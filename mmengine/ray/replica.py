@@ -119,5 +119,23 @@ class EngineReplica:
 
     def reset(self) -> None:
         """A fresh engine (empty caches, zeroed counters) in the same process: no restart cost."""
+        self._replace_engine()
+
+    def reconfigure(self, engine_options: dict[str, Any] | None, lora_modules: dict[str, str] | None = None,
+                    encoder_store: Any = None) -> None:
+        """A fresh engine with other options, adapters and store, in the same process: another job's engine without
+        an actor's start-up (a process importing torch, transformers and the model code: seconds of CPU)."""
+        self.engine_options = dict(engine_options or {})
+        self.lora_modules = dict(lora_modules or {})
+        self.encoder_store = encoder_store
+        self._replace_engine()
+
+    def _replace_engine(self) -> None:
+        """Stops the engine's processes (tensor-parallel ranks, preprocessing workers) and its store client's thread
+        (which held the engine), then builds the next one: the old engine, its KV cache with it, is freed first."""
+        if self.store_client is not None:
+            self.store_client.close()
+            self.store_client = None
+        self.engine.shutdown()
         self.engine = None
         self.engine = self._build()
