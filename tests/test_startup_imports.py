@@ -1,6 +1,8 @@
 """Each process imports what it uses: the family registry imports only the family a checkpoint asks for
 (not every family's module, vision towers and processor code), so an engine, a tensor-parallel rank, a
-front end and a preprocessing worker each pay for one family at start-up."""
+front end and a preprocessing worker each pay for one family at start-up; and a front end and a preprocessing
+worker, which never run the model, import none of its code (layers, runner, kernels, Triton, transformers' modeling
+code)."""
 
 from __future__ import annotations
 
@@ -32,31 +34,56 @@ def test_an_unknown_architecture_is_refused_naming_the_supported_ones():
 
 _FAMILY_TURNS = ["LlavaForConditionalGeneration", "Qwen3_5ForConditionalGeneration"]
 _HEAVY = ("transformers.modeling_utils", "transformers.processing_utils", "mmengine.models.family")
+# what only a process that runs the model needs: Triton, transformers' modeling code and its activations (which pull
+# transformers' model loading and torch.distributed.tensor; transformers' own config classes import them too)
+_MODEL_CODE = ("triton", "transformers.modeling_utils", "transformers.activations")
+# what a front end (server_processes.front_end_main) and a preprocessing worker (preprocess_pool.worker_process_main,
+# PicturePreparer.from_spec) import as they start; the static test below derives the same from their code
+_HOST_SIDE_IMPORTS = (
+    "from mmengine.entrypoints import api_server, server_processes\n"
+    "from mmengine.engine.async_engine import AsyncMMEngine\n"
+    "from mmengine.engine.core_client import EngineCoreClient\n"
+    "from mmengine.multimodal import picture_preparer, preprocess_pool\n"
+    "from mmengine.models import registry\n"
+)
 
 
 @pytest.fixture(scope="module")
 def fresh_interpreter(checkpoint_dir) -> dict[str, object]:
-    """One fresh interpreter for both probes, in this order: Ray's sharing keys hash a prompt (the heavy modules
-    imported by then), then each architecture is resolved in turn (its family class, and the family modules that
-    resolving it imported beyond those before it)."""
+    """One fresh interpreter for every probe, in this order (each step's findings printed under a tag): a front end's
+    and a preprocessing worker's modules are imported (the model code imported by then); each architecture is
+    resolved in turn (its family class, and the family modules that resolving it imported beyond those before it;
+    then the model code imported by then); Ray's sharing keys hash a prompt (the heavy modules imported by then, and
+    those of them imported before). Nothing loads a checkpoint's config before the last step: that imports
+    transformers.activations (transformers' config validators do)."""
     modules = sorted({entry.module for entry in FAMILIES.values()})
     probe = (
         "import sys\n"
-        "from mmengine.ray.keys import SharingKeys\n"
-        f"SharingKeys({str(checkpoint_dir())!r}).prefix_chain('hello world')\n"
-        f"print(sorted(m for m in {_HEAVY!r} if m in sys.modules))\n"
+        "def found(names): return sorted(m for m in names if m in sys.modules)\n"
+        + _HOST_SIDE_IMPORTS +
+        f"print('model_code_after_host_side_imports', found({_MODEL_CODE!r}))\n"
         "from transformers import PretrainedConfig\n"
         "from mmengine.models.registry import family_class_for\n"
         f"modules = {modules!r}\n"
         f"for architecture in {_FAMILY_TURNS!r}:\n"
-        "    before = {m for m in modules if m in sys.modules}\n"
+        "    before = found(modules)\n"
         "    family = family_class_for(PretrainedConfig(architectures=[architecture]))\n"
-        "    print(family.__name__, sorted(m for m in modules if m in sys.modules and m not in before))\n"
+        "    print('family_turn', (family.__name__, [m for m in found(modules) if m not in before]))\n"
+        f"print('model_code_after_family_turns', found({_MODEL_CODE!r}))\n"
+        f"print('heavy_before_sharing_keys', found({_HEAVY!r}))\n"
+        "from mmengine.ray.keys import SharingKeys\n"
+        f"SharingKeys({str(checkpoint_dir())!r}).prefix_chain('hello world')\n"
+        f"print('heavy_after_sharing_keys', found({_HEAVY!r}))\n"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    lines = result.stdout.strip().splitlines()[-1 - len(_FAMILY_TURNS):]
-    turns = [(name, ast.literal_eval(found)) for name, found in (line.split(" ", 1) for line in lines[1:])]
-    return {"heavy_after_sharing_keys": ast.literal_eval(lines[0]), "family_turns": turns}
+    findings: dict[str, object] = {"family_turns": []}
+    for tag, value in (line.split(" ", 1) for line in result.stdout.splitlines() if " " in line):
+        if tag == "family_turn":
+            findings["family_turns"].append(ast.literal_eval(value))
+        elif tag in ("model_code_after_host_side_imports", "model_code_after_family_turns", "heavy_before_sharing_keys",
+                     "heavy_after_sharing_keys"):
+            findings[tag] = ast.literal_eval(value)
+    return findings
 
 
 def test_resolving_a_family_imports_that_family_only(fresh_interpreter):
@@ -64,6 +91,19 @@ def test_resolving_a_family_imports_that_family_only(fresh_interpreter):
     assert fresh_interpreter["family_turns"] == [
         ("LlavaFamily", ["mmengine.models.llava"]),
         ("Qwen3_5Family", ["mmengine.models.qwen3_5", "mmengine.models.qwen3_vl", "mmengine.models.qwen_vl"])]
+
+
+def test_a_front_end_and_a_preprocessing_worker_import_no_model_code(fresh_interpreter):
+    """Neither a front end nor a preprocessing worker runs the model: importing their modules (the first thing the
+    probe does) loads no Triton and none of transformers' modeling code."""
+    assert fresh_interpreter["model_code_after_host_side_imports"] == []
+
+
+def test_importing_a_familys_module_loads_no_model_code(fresh_interpreter):
+    """Front ends and preprocessing workers import the checkpoint's family module (for its ModelFamily), so a family's
+    module and the layers it builds on look activations up when a model is built, not when they are imported."""
+    assert [name for name, _ in fresh_interpreter["family_turns"]] == ["LlavaFamily", "Qwen3_5Family"]
+    assert fresh_interpreter["model_code_after_family_turns"] == []
 
 
 def test_sharing_keys_tokenize_as_the_processor_without_loading_it(checkpoint_dir, fresh_interpreter):
@@ -75,7 +115,9 @@ def test_sharing_keys_tokenize_as_the_processor_without_loading_it(checkpoint_di
     path = checkpoint_dir()
     prompt = "USER: <image>\nWhat is in this picture, and why? ASSISTANT:"
     assert SharingKeys(path).tokenizer(prompt)["input_ids"] == load_hf_processor(path).tokenizer(prompt)["input_ids"]
-    assert fresh_interpreter["heavy_after_sharing_keys"] == []
+    # (the front end's imports, before, bring the family interface, not transformers' processor or modeling code)
+    assert fresh_interpreter["heavy_before_sharing_keys"] == ["mmengine.models.family"]
+    assert fresh_interpreter["heavy_after_sharing_keys"] == ["mmengine.models.family"]
 
 
 def _module_level_imports(name: str, paths: dict[str, Path]) -> set[str]:
@@ -112,21 +154,68 @@ def _module_level_imports(name: str, paths: dict[str, Path]) -> set[str]:
     return found - {None, name}
 
 
+def _package_paths() -> dict[str, Path]:
+    return {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts[: -1 if p.name == "__init__.py" else None]): p
+            for p in PACKAGE.rglob("*.py")}
+
+
+def _import_closure(roots: list[str], paths: dict[str, Path]) -> set[str]:
+    """The mmengine modules importing `roots` imports (module level, transitively), the roots included."""
+    imported: set[str] = set()
+    pending = list(roots)
+    while pending:
+        module = pending.pop()
+        if module not in imported:
+            imported.add(module)
+            pending.extend(_module_level_imports(module, paths))
+    return imported
+
+
+def _imports_in_function(module: str, function: str, paths: dict[str, Path]) -> set[str]:
+    """The mmengine modules a function (or method) of `module` imports in its body, as it runs."""
+    (node,) = [n for n in ast.walk(ast.parse(paths[module].read_text()))
+               if isinstance(n, ast.FunctionDef) and n.name == function]
+    return {n.module for n in ast.walk(node) if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("mmengine")}
+
+
+# model code: what only the engine core and its ranks run
+_MODEL_SIDE_PACKAGES = ("mmengine.layers", "mmengine.runner", "mmengine.kernels", "mmengine.distributed")
+# the models/ modules a host-side process may import: the family interface and registry, and plain config readers
+_HOST_SIDE_MODELS = {"mmengine.models", "mmengine.models.family", "mmengine.models.registry", "mmengine.models.quantization",
+                     "mmengine.models.text_config"}
+
+
+def _model_side(modules: set[str]) -> list[str]:
+    return sorted(m for m in modules if any(m == p or m.startswith(p + ".") for p in _MODEL_SIDE_PACKAGES)
+                  or (m.startswith("mmengine.models.") and m not in _HOST_SIDE_MODELS))
+
+
+def test_a_front_end_and_a_preprocessing_worker_import_no_model_side_module():
+    """A front end (what front_end_main imports as it starts) and a preprocessing worker (its module, and what
+    PicturePreparer.from_spec imports to build its family) prepare inputs and never run the model: their imports
+    reach the family interface, never the layers, the runner, the kernels, the distributed code or a family's model.
+    (The checkpoint's own family module is imported when its family is resolved, at start-up.)"""
+    paths = _package_paths()
+    front_end_roots = _imports_in_function("mmengine.entrypoints.server_processes", "front_end_main", paths)
+    assert front_end_roots == {"mmengine.engine.async_engine", "mmengine.engine.core_client", "mmengine.entrypoints.api_server"}
+    front_end = _import_closure(["mmengine.entrypoints.server_processes", *front_end_roots], paths)
+    worker_roots = _imports_in_function("mmengine.multimodal.picture_preparer", "from_spec", paths)
+    worker = _import_closure(["mmengine.multimodal.preprocess_pool", *worker_roots], paths)
+    # (the walk reaches the intake, the processor and the family interface: it sees what they import)
+    assert {"mmengine.engine.intake", "mmengine.multimodal.processor", "mmengine.models.family"} <= front_end
+    assert {"mmengine.multimodal.picture_preparer", "mmengine.models.family", "mmengine.models.registry"} <= worker
+    assert _model_side(front_end) == []
+    assert _model_side(worker) == []
+
+
 def test_a_rank_and_the_tensor_parallel_driver_import_no_familys_model_but_their_own():
     """A rank imports ModelWorker's module (its factory's) and the worker loop; its family's module comes with the
     family it is handed. Neither they nor the driver's ParallelRunner import another family's model or split decoder
     (sharded_model.py imports a family's split when it splits that family): each process pays for one family."""
     from mmengine.distributed.sharded_model import SPLIT_DECODERS
 
-    paths = {".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts[: -1 if p.name == "__init__.py" else None]): p
-             for p in PACKAGE.rglob("*.py")}
-    imported: set[str] = set()
-    pending = ["mmengine.runner.worker", "mmengine.distributed.worker_loop", "mmengine.runner.parallel_runner"]
-    while pending:
-        module = pending.pop()
-        if module not in imported:
-            imported.add(module)
-            pending.extend(_module_level_imports(module, paths))
+    imported = _import_closure(["mmengine.runner.worker", "mmengine.distributed.worker_loop", "mmengine.runner.parallel_runner"],
+                               _package_paths())
     assert "mmengine.distributed.sharded_model" in imported and "mmengine.models.llama" in imported  # (the probe sees them)
     # (LLaMA's decoder is every dense family's: the ranks' and the driver's shared code builds on it)
     decoders = {kind.rpartition(".")[0] for kind in SPLIT_DECODERS} - {"mmengine.models.llama"}
