@@ -118,6 +118,9 @@ def test_sharing_keys_tokenize_as_the_processor_without_loading_it(checkpoint_di
     # (the front end's imports, before, bring the family interface, not transformers' processor or modeling code)
     assert fresh_interpreter["heavy_before_sharing_keys"] == ["mmengine.models.family"]
     assert fresh_interpreter["heavy_after_sharing_keys"] == ["mmengine.models.family"]
+    # (which the probe's order cannot tell apart from the sharing keys' own: their module reaches no models/ module)
+    keys_imports = _import_closure(["mmengine.ray.keys"], _package_paths())
+    assert sorted(m for m in keys_imports if m.startswith("mmengine.models")) == [] and _model_side(keys_imports) == []
 
 
 def _module_level_imports(name: str, paths: dict[str, Path]) -> set[str]:
