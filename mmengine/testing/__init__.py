@@ -18,8 +18,9 @@ Every builder is the same few steps, each in one place: a tokenizer (`tokenizer.
 from the spec (`checkpoint.decoder_sizes`, `vision_sizes`, `special_token_ids`), seeded random weights with a
 generation config (`checkpoint.save_checkpoint` over `weights.save_random_model`), the processor's files
 (`checkpoint.save_processor_files`, where transformers' own processor class does not write the published
-layout) and the on-disk cache (`cache.cached_build`). A family's module keeps only what is its own: its spec,
-special tokens, chat template and the settings of its processor.
+layout) and the on-disk cache (`cache.cached_build`); the families built only at the tiny settings run them in
+`family_builder.FamilyBuilder`. A family's module keeps only what is its own: its spec, special tokens, chat
+template and the settings of its processor.
 """
 
 from mmengine.testing.gemma3 import GEMMA3_4B_SPEC, TinyGemma3Spec, build_gemma3_checkpoint, build_tiny_gemma3, tiny_gemma3_path

@@ -15,16 +15,13 @@ an implementation that drops one shows in a parity test.
 
 from __future__ import annotations
 
-import os
-import pathlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.cache import cached_spec_build
-from mmengine.testing.checkpoint import save_checkpoint, special_token_ids, vision_sizes
+from mmengine.testing.checkpoint import special_token_ids, vision_sizes
+from mmengine.testing.family_builder import FamilyBuilder
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
-from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
     import torch
@@ -120,7 +117,7 @@ def _build_tokenizer(spec: TinyGemma3Spec) -> PreTrainedTokenizerFast:
                            GEMMA3_CHAT_TEMPLATE)
 
 
-def _build_config(spec: TinyGemma3Spec, tokenizer: PreTrainedTokenizerFast) -> Gemma3Config:
+def _build_config(spec: TinyGemma3Spec, tokenizer: PreTrainedTokenizerFast, initializer_range: float) -> Gemma3Config:
     from transformers import Gemma3Config, Gemma3TextConfig, SiglipVisionConfig
 
     full_rope = {"rope_type": "default", "rope_theta": spec.full_rope_theta}
@@ -141,7 +138,7 @@ def _build_config(spec: TinyGemma3Spec, tokenizer: PreTrainedTokenizerFast) -> G
         final_logit_softcapping=spec.final_logit_softcapping,
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=spec.rms_norm_eps,
-        initializer_range=TINY_INITIALIZER_RANGE,
+        initializer_range=initializer_range,
         **special_token_ids(tokenizer),
     )
     vision = SiglipVisionConfig(
@@ -157,7 +154,7 @@ def _build_config(spec: TinyGemma3Spec, tokenizer: PreTrainedTokenizerFast) -> G
         boi_token_index=ids(NAMED_TOKENS["boi_token"]),
         eoi_token_index=ids(NAMED_TOKENS["eoi_token"]),
         image_token_index=ids(NAMED_TOKENS["image_token"]),
-        initializer_range=TINY_INITIALIZER_RANGE,
+        initializer_range=initializer_range,
         tie_word_embeddings=True,
     )
 
@@ -194,26 +191,12 @@ GEMMA3_4B_SPEC = TinyGemma3Spec(
 )
 
 
-def build_gemma3_checkpoint(path: str | os.PathLike, spec: TinyGemma3Spec = TinyGemma3Spec(), *, device: str = "cpu",
-                            dtype: str | None = None) -> pathlib.Path:
-    """Builds a random-weight checkpoint of `spec` (weights made on `device` in `dtype`, default the spec's)
-    and saves it with its tokenizer, processor and chat template into `path`; returns the path."""
-    from transformers import Gemma3ForConditionalGeneration
-
-    tokenizer = _build_tokenizer(spec)
-    return save_checkpoint(
-        path, Gemma3ForConditionalGeneration, _build_config(spec, tokenizer), tokenizer,
-        _build_processor(spec, tokenizer).save_pretrained, seed=spec.seed, device=device, dtype=dtype or spec.dtype,
-        # as the published instruction-tuned checkpoints: a turn ends at <eos> or <end_of_turn>
-        eos_tokens=("<eos>", "<end_of_turn>"), constant_noise=TINY_CONSTANT_NOISE, tweak=_shrink_embeddings,
-    )
-
-
-# Builds and saves a tiny test checkpoint of a spec on CPU into a path (the checkpoint builder's defaults); returns the path.
-build_tiny_gemma3 = build_gemma3_checkpoint
-
-
-def tiny_gemma3_path(spec: TinyGemma3Spec = TinyGemma3Spec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    """The path of a cached tiny checkpoint for `spec`, building it on first use (cache dir as for
-    tiny_llava_path: $MMENGINE_CACHE_DIR or ~/.cache/mmengine/tiny-models)."""
-    return cached_spec_build("gemma3", spec, _BUILDER_VERSION, build_gemma3_checkpoint, cache_dir)
+_BUILDER = FamilyBuilder(
+    "gemma3", _BUILDER_VERSION, TinyGemma3Spec(), "Gemma3ForConditionalGeneration", _build_tokenizer, _build_config,
+    lambda spec, tokenizer, path: _build_processor(spec, tokenizer).save_pretrained(path),
+    # as the published instruction-tuned checkpoints: a turn ends at <eos> or <end_of_turn>
+    eos_tokens=("<eos>", "<end_of_turn>"), tweak=_shrink_embeddings,
+)
+# A spec's random-weight checkpoint built into a path, and the path of its cached tiny checkpoint (FamilyBuilder)
+build_gemma3_checkpoint = build_tiny_gemma3 = _BUILDER.build
+tiny_gemma3_path = _BUILDER.path

@@ -17,16 +17,15 @@ shows in a parity test.
 
 from __future__ import annotations
 
-import os
 import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.cache import cached_spec_build
-from mmengine.testing.checkpoint import save_checkpoint, special_token_ids, update_json
+from mmengine.testing.checkpoint import special_token_ids, update_json
+from mmengine.testing.family_builder import FamilyBuilder
 from mmengine.testing.gemma3 import gemma_tokenizer
 from mmengine.testing.tokenizer import model_vocab_size
-from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
+from mmengine.testing.weights import TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
     import torch
@@ -147,7 +146,7 @@ def _build_tokenizer(spec: TinyGemma4Spec) -> PreTrainedTokenizerFast:
                            GEMMA4_CHAT_TEMPLATE)
 
 
-def _build_config(spec: TinyGemma4Spec, tokenizer: PreTrainedTokenizerFast) -> Gemma4Config:
+def _build_config(spec: TinyGemma4Spec, tokenizer: PreTrainedTokenizerFast, initializer_range: float) -> Gemma4Config:
     from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig
 
     vocab_size = model_vocab_size(tokenizer, spec.vocab_size)
@@ -182,7 +181,7 @@ def _build_config(spec: TinyGemma4Spec, tokenizer: PreTrainedTokenizerFast) -> G
         },
         max_position_embeddings=spec.max_position_embeddings,
         rms_norm_eps=spec.rms_norm_eps,
-        initializer_range=TINY_INITIALIZER_RANGE,
+        initializer_range=initializer_range,
         **special_token_ids(tokenizer),
     )
     vision = Gemma4VisionConfig(
@@ -198,7 +197,7 @@ def _build_config(spec: TinyGemma4Spec, tokenizer: PreTrainedTokenizerFast) -> G
         use_clipped_linears=spec.vision_clipped_linears,
         standardize=spec.vision_standardize,
         rms_norm_eps=spec.rms_norm_eps,
-        initializer_range=TINY_INITIALIZER_RANGE,
+        initializer_range=initializer_range,
     )
     audio = Gemma4AudioConfig(
         hidden_size=spec.audio_hidden_size,
@@ -206,7 +205,7 @@ def _build_config(spec: TinyGemma4Spec, tokenizer: PreTrainedTokenizerFast) -> G
         num_attention_heads=spec.audio_num_heads,
         subsampling_conv_channels=list(spec.audio_conv_channels),
         output_proj_dims=spec.audio_output_dims,
-        initializer_range=TINY_INITIALIZER_RANGE,
+        initializer_range=initializer_range,
     )
     ids = tokenizer.convert_tokens_to_ids
     return Gemma4Config(
@@ -221,7 +220,7 @@ def _build_config(spec: TinyGemma4Spec, tokenizer: PreTrainedTokenizerFast) -> G
         eoa_token_index=ids(NAMED_TOKENS["eoa_token"]),  # (sic: transformers' name)
         video_token_id=ids(VIDEO_TOKEN),
         tie_word_embeddings=True,
-        initializer_range=TINY_INITIALIZER_RANGE,
+        initializer_range=initializer_range,
     )
 
 
@@ -283,28 +282,12 @@ GEMMA4_DENSE_SPEC = TinyGemma4Spec(
 )
 
 
-def build_gemma4_checkpoint(path: str | os.PathLike, spec: TinyGemma4Spec = TinyGemma4Spec(), *, device: str = "cpu",
-                            dtype: str | None = None) -> pathlib.Path:
-    """Builds a random-weight checkpoint of `spec` (weights made on `device` in `dtype`, default the spec's)
-    and saves it with its tokenizer, processor and chat template into `path`; returns the path."""
-    from transformers import Gemma4ForConditionalGeneration
-
-    tokenizer = _build_tokenizer(spec)
-    processor = _build_processor(spec, tokenizer)
-    return save_checkpoint(
-        path, Gemma4ForConditionalGeneration, _build_config(spec, tokenizer), tokenizer,
-        lambda path: _save_processor(processor, path), seed=spec.seed, device=device, dtype=dtype or spec.dtype,
-        # as the published instruction-tuned checkpoints: a turn ends at <turn|>, a tool call at <|tool_response>
-        eos_tokens=("<eos>", NAMED_TOKENS["eot_token"], NAMED_TOKENS["str_token"]), constant_noise=TINY_CONSTANT_NOISE,
-        tweak=_perturb,
-    )
-
-
-# Builds and saves a tiny test checkpoint of a spec on CPU into a path (the checkpoint builder's defaults); returns the path.
-build_tiny_gemma4 = build_gemma4_checkpoint
-
-
-def tiny_gemma4_path(spec: TinyGemma4Spec = TinyGemma4Spec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    """The path of a cached tiny checkpoint for `spec`, building it on first use (cache dir as for
-    tiny_llava_path: $MMENGINE_CACHE_DIR or ~/.cache/mmengine/tiny-models)."""
-    return cached_spec_build("gemma4", spec, _BUILDER_VERSION, build_gemma4_checkpoint, cache_dir)
+_BUILDER = FamilyBuilder(
+    "gemma4", _BUILDER_VERSION, TinyGemma4Spec(), "Gemma4ForConditionalGeneration", _build_tokenizer, _build_config,
+    lambda spec, tokenizer, path: _save_processor(_build_processor(spec, tokenizer), path),
+    # as the published instruction-tuned checkpoints: a turn ends at <turn|>, a tool call at <|tool_response>
+    eos_tokens=("<eos>", NAMED_TOKENS["eot_token"], NAMED_TOKENS["str_token"]), tweak=_perturb,
+)
+# A spec's random-weight checkpoint built into a path, and the path of its cached tiny checkpoint (FamilyBuilder)
+build_gemma4_checkpoint = build_tiny_gemma4 = _BUILDER.build
+tiny_gemma4_path = _BUILDER.path

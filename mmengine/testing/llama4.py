@@ -14,16 +14,13 @@ expert), QK L2 norm; 32 px tiles of 4 px patches, pixel-shuffled to 16 tokens a 
 
 from __future__ import annotations
 
-import os
 import pathlib
-import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.cache import cached_spec_build
-from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, save_processor_files, special_token_ids, vision_sizes
+from mmengine.testing.checkpoint import decoder_sizes, save_processor_files, special_token_ids, vision_sizes
+from mmengine.testing.family_builder import FamilyBuilder
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
-from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
     from transformers import Llama4Config, PreTrainedTokenizerFast
@@ -140,21 +137,11 @@ def _save_processor(spec: TinyLlama4Spec, tokenizer: PreTrainedTokenizerFast, pa
     save_processor_files(path, tokenizer, chat_template=LLAMA4_CHAT_TEMPLATE, settings=processor, image_processor=settings)
 
 
-def build_llama4_checkpoint(path: str | os.PathLike, spec: TinyLlama4Spec = TinyLlama4Spec(), *, device: str = "cpu",
-                            dtype: str | None = None, initializer_range: float = TINY_INITIALIZER_RANGE) -> pathlib.Path:
-    """Builds a random-weight checkpoint of `spec` and saves it with its tokenizer, processor settings and chat template."""
-    from transformers import Llama4ForConditionalGeneration
-
-    tokenizer = _build_tokenizer(spec)
-    with warnings.catch_warnings():  # the vision rotary's complex buffer (not saved) cast with the weights' dtype
-        warnings.filterwarnings("ignore", message="Casting complex values to real")
-        return save_checkpoint(
-            path, Llama4ForConditionalGeneration, _build_config(spec, tokenizer, initializer_range), tokenizer,
-            lambda path: _save_processor(spec, tokenizer, path), seed=spec.seed, device=device, dtype=dtype or spec.dtype,
-            constant_noise=TINY_CONSTANT_NOISE,
-        )
-
-
-def tiny_llama4_path(spec: TinyLlama4Spec = TinyLlama4Spec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    """The path of a cached tiny checkpoint for `spec`, building it on first use."""
-    return cached_spec_build("llama4", spec, _BUILDER_VERSION, build_llama4_checkpoint, cache_dir)
+_BUILDER = FamilyBuilder(
+    "llama4", _BUILDER_VERSION, TinyLlama4Spec(), "Llama4ForConditionalGeneration", _build_tokenizer, _build_config,
+    _save_processor,
+    quiet=("Casting complex values to real",),  # the vision rotary's complex buffer (not saved), cast to the weights' dtype
+)
+# A spec's random-weight checkpoint built into a path, and the path of its cached tiny checkpoint (FamilyBuilder)
+build_llama4_checkpoint = _BUILDER.build
+tiny_llama4_path = _BUILDER.path

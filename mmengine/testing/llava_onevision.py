@@ -15,15 +15,13 @@ interpolated down as the releases' anyres_max_9 does to their largest grids.
 
 from __future__ import annotations
 
-import os
 import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.cache import cached_spec_build
-from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, save_processor_files, special_token_ids, vision_sizes
+from mmengine.testing.checkpoint import decoder_sizes, save_processor_files, special_token_ids, vision_sizes
+from mmengine.testing.family_builder import FamilyBuilder
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
-from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
     from transformers import LlavaOnevisionConfig, PreTrainedTokenizerFast
@@ -161,25 +159,10 @@ def _save_processor(spec: TinyOnevisionSpec, tokenizer: PreTrainedTokenizerFast,
                          image_processor=image_processor, video_settings=video)
 
 
-def build_onevision_checkpoint(path: str | os.PathLike, spec: TinyOnevisionSpec = TinyOnevisionSpec(), *, device: str = "cpu",
-                               dtype: str | None = None, initializer_range: float = TINY_INITIALIZER_RANGE) -> pathlib.Path:
-    """Builds a random-weight checkpoint of `spec` (weights made on `device` in `dtype`, default the spec's)
-    and saves it with its tokenizer, processor and chat template into `path`; returns the path."""
-    from transformers import LlavaOnevisionForConditionalGeneration
-
-    tokenizer = _build_tokenizer(spec)
-    return save_checkpoint(
-        path, LlavaOnevisionForConditionalGeneration, _build_config(spec, tokenizer, initializer_range), tokenizer,
-        lambda path: _save_processor(spec, tokenizer, path), seed=spec.seed, device=device, dtype=dtype or spec.dtype,
-        eos_tokens=(IM_END, ENDOFTEXT), bos_token=ENDOFTEXT, constant_noise=TINY_CONSTANT_NOISE,
-    )
-
-
-# Builds and saves a tiny test checkpoint of a spec on CPU into a path (the checkpoint builder's defaults); returns the path.
-build_tiny_onevision = build_onevision_checkpoint
-
-
-def tiny_onevision_path(spec: TinyOnevisionSpec = TinyOnevisionSpec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    """The path of a cached tiny checkpoint for `spec`, building it on first use (cache dir as for
-    tiny_llava_path: $MMENGINE_CACHE_DIR or ~/.cache/mmengine/tiny-models)."""
-    return cached_spec_build("llava-onevision", spec, _BUILDER_VERSION, build_onevision_checkpoint, cache_dir)
+_BUILDER = FamilyBuilder(
+    "llava-onevision", _BUILDER_VERSION, TinyOnevisionSpec(), "LlavaOnevisionForConditionalGeneration", _build_tokenizer,
+    _build_config, _save_processor, eos_tokens=(IM_END, ENDOFTEXT), bos_token=ENDOFTEXT,
+)
+# A spec's random-weight checkpoint built into a path, and the path of its cached tiny checkpoint (FamilyBuilder)
+build_onevision_checkpoint = build_tiny_onevision = _BUILDER.build
+tiny_onevision_path = _BUILDER.path

@@ -13,15 +13,13 @@ The default spec: 4 px patches merged 2x2 into 8 px tokens, pictures resized to 
 
 from __future__ import annotations
 
-import os
 import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.cache import cached_spec_build
-from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, save_processor_files, special_token_ids, vision_sizes
+from mmengine.testing.checkpoint import decoder_sizes, save_processor_files, special_token_ids, vision_sizes
+from mmengine.testing.family_builder import FamilyBuilder
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
-from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
     from transformers import Mistral3Config, PreTrainedTokenizerFast
@@ -118,19 +116,8 @@ def _save_processor(spec: TinyMistral3Spec, tokenizer: PreTrainedTokenizerFast, 
                          image_processor=image_processor, image_processor_type="PixtralImageProcessor")  # as published
 
 
-def build_mistral3_checkpoint(path: str | os.PathLike, spec: TinyMistral3Spec = TinyMistral3Spec(), *, device: str = "cpu",
-                              dtype: str | None = None, initializer_range: float = TINY_INITIALIZER_RANGE) -> pathlib.Path:
-    """Builds a random-weight checkpoint of `spec` and saves it with its tokenizer, processor and chat template."""
-    from transformers import Mistral3ForConditionalGeneration
-
-    tokenizer = _build_tokenizer(spec)
-    return save_checkpoint(
-        path, Mistral3ForConditionalGeneration, _build_config(spec, tokenizer, initializer_range), tokenizer,
-        lambda path: _save_processor(spec, tokenizer, path), seed=spec.seed, device=device, dtype=dtype or spec.dtype,
-        constant_noise=TINY_CONSTANT_NOISE,
-    )
-
-
-def tiny_mistral3_path(spec: TinyMistral3Spec = TinyMistral3Spec(), cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    """The path of a cached tiny checkpoint for `spec`, building it on first use."""
-    return cached_spec_build("mistral3", spec, _BUILDER_VERSION, build_mistral3_checkpoint, cache_dir)
+_BUILDER = FamilyBuilder("mistral3", _BUILDER_VERSION, TinyMistral3Spec(), "Mistral3ForConditionalGeneration", _build_tokenizer,
+                         _build_config, _save_processor)
+# A spec's random-weight checkpoint built into a path, and the path of its cached tiny checkpoint (FamilyBuilder)
+build_mistral3_checkpoint = _BUILDER.build
+tiny_mistral3_path = _BUILDER.path

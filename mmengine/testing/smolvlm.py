@@ -22,17 +22,16 @@ import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.cache import cached_spec_build
 from mmengine.testing.checkpoint import (
     decoder_sizes,
-    save_checkpoint,
     save_processor_files,
     special_token_ids,
     update_json,
     vision_sizes,
 )
+from mmengine.testing.family_builder import FamilyBuilder
 from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
-from mmengine.testing.weights import TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
+from mmengine.testing.weights import TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerFast
@@ -120,7 +119,7 @@ def _build_tokenizer(spec: TinySmolVLMSpec) -> PreTrainedTokenizerFast:
                           add_bos_token=False, **named)
 
 
-def _build_config(spec: TinySmolVLMSpec, tokenizer: PreTrainedTokenizerFast) -> PretrainedConfig:
+def _build_config(spec: TinySmolVLMSpec, tokenizer: PreTrainedTokenizerFast, initializer_range: float) -> PretrainedConfig:
     from transformers import Idefics3Config, Idefics3VisionConfig, LlamaConfig, SmolVLMConfig, SmolVLMVisionConfig
 
     config_class, vision_class = (Idefics3Config, Idefics3VisionConfig) if spec.family == "idefics3" else (SmolVLMConfig, SmolVLMVisionConfig)
@@ -130,10 +129,10 @@ def _build_config(spec: TinySmolVLMSpec, tokenizer: PreTrainedTokenizerFast) -> 
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
         rms_norm_eps=1e-5,
         tie_word_embeddings=spec.tie_word_embeddings,
-        initializer_range=TINY_INITIALIZER_RANGE,
+        initializer_range=initializer_range,
         **special_token_ids(tokenizer),
     )
-    vision = vision_class(**vision_sizes(spec), initializer_range=TINY_INITIALIZER_RANGE)
+    vision = vision_class(**vision_sizes(spec), initializer_range=initializer_range)
     return config_class(
         text_config=text,
         vision_config=vision,
@@ -169,20 +168,20 @@ def _save_processor(spec: TinySmolVLMSpec, tokenizer: PreTrainedTokenizerFast, p
     update_json(path / "tokenizer_config.json", processor_class=processor_class)
 
 
-def build_smolvlm_checkpoint(path: str | os.PathLike, spec: TinySmolVLMSpec = IDEFICS3_SPEC, *, device: str = "cpu",
-                             dtype: str | None = None) -> pathlib.Path:
-    """Builds a random-weight checkpoint of `spec` (weights made on `device` in `dtype`, default the spec's)
-    and saves it with its tokenizer, processor settings and chat template into `path`; returns the path."""
-    from transformers import Idefics3ForConditionalGeneration, SmolVLMForConditionalGeneration
+# Each family's builder (FamilyBuilder): as the published instruction-tuned checkpoints, a turn ends at
+# <end_of_utterance> (or the text's eos)
+_BUILDERS = {
+    family: FamilyBuilder(family, _BUILDER_VERSION, spec, model_class, _build_tokenizer, _build_config, _save_processor,
+                          eos_tokens=(END_OF_UTTERANCE, _TEXT_TOKENS[family][1]))
+    for family, spec, model_class in (("idefics3", IDEFICS3_SPEC, "Idefics3ForConditionalGeneration"),
+                                      ("smolvlm", SMOLVLM_SPEC, "SmolVLMForConditionalGeneration"))
+}
 
-    tokenizer = _build_tokenizer(spec)
-    model_class = Idefics3ForConditionalGeneration if spec.family == "idefics3" else SmolVLMForConditionalGeneration
-    return save_checkpoint(
-        path, model_class, _build_config(spec, tokenizer), tokenizer, lambda path: _save_processor(spec, tokenizer, path),
-        seed=spec.seed, device=device, dtype=dtype or spec.dtype,
-        # as the published instruction-tuned checkpoints: a turn ends at <end_of_utterance> (or the text's eos)
-        eos_tokens=(END_OF_UTTERANCE, tokenizer.eos_token), constant_noise=TINY_CONSTANT_NOISE,
-    )
+
+def build_smolvlm_checkpoint(path: str | os.PathLike, spec: TinySmolVLMSpec = IDEFICS3_SPEC, *, device: str = "cpu",
+                             dtype: str | None = None, initializer_range: float = TINY_INITIALIZER_RANGE) -> pathlib.Path:
+    """Builds a random-weight checkpoint of `spec` with its family's builder (FamilyBuilder.build); returns the path."""
+    return _BUILDERS[spec.family].build(path, spec, device=device, dtype=dtype, initializer_range=initializer_range)
 
 
 # Builds and saves a tiny test checkpoint of a spec on CPU into a path (the checkpoint builder's defaults); returns the path.
@@ -190,6 +189,5 @@ build_tiny_smolvlm = build_smolvlm_checkpoint
 
 
 def tiny_smolvlm_path(spec: TinySmolVLMSpec = IDEFICS3_SPEC, cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
-    """The path of a cached tiny checkpoint for `spec`, building it on first use (cache dir as for
-    tiny_llava_path: $MMENGINE_CACHE_DIR or ~/.cache/mmengine/tiny-models)."""
-    return cached_spec_build(spec.family, spec, _BUILDER_VERSION, build_smolvlm_checkpoint, cache_dir)
+    """The path of a cached tiny checkpoint for `spec`, building it on first use (FamilyBuilder.path)."""
+    return _BUILDERS[spec.family].path(spec, cache_dir)
