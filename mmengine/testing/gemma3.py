@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mmengine.testing.checkpoint import special_token_ids, vision_sizes
 from mmengine.testing.family_builder import FamilyBuilder
@@ -112,6 +112,24 @@ def gemma_tokenizer(
     )
 
 
+# The text config arguments Gemma 3's and Gemma 4's specs name alike (their layer count is len(layer_types))
+GEMMA_DECODER_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                       "sliding_window", "final_logit_softcapping", "max_position_embeddings", "rms_norm_eps")
+
+
+def gemma_text_config_args(spec: object, tokenizer: PreTrainedTokenizerFast, initializer_range: float) -> dict[str, Any]:
+    """Gemma 3's and Gemma 4's text config arguments read alike off their specs: the model's vocabulary, the
+    GEMMA_DECODER_SIZES, the layer types (and so the layer count), the weight scale and the special token ids."""
+    return dict(
+        vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
+        **{name: getattr(spec, name) for name in GEMMA_DECODER_SIZES},
+        num_hidden_layers=len(spec.layer_types),
+        layer_types=list(spec.layer_types),
+        initializer_range=initializer_range,
+        **special_token_ids(tokenizer),
+    )
+
+
 def _build_tokenizer(spec: TinyGemma3Spec) -> PreTrainedTokenizerFast:
     return gemma_tokenizer(spec.tokenizer_vocab_size, [*TURN_TOKENS, *NAMED_TOKENS.values()], NAMED_TOKENS,
                            GEMMA3_CHAT_TEMPLATE)
@@ -124,22 +142,9 @@ def _build_config(spec: TinyGemma3Spec, tokenizer: PreTrainedTokenizerFast, init
     if spec.full_rope_linear_factor is not None:
         full_rope = {"rope_type": "linear", "factor": spec.full_rope_linear_factor, "rope_theta": spec.full_rope_theta}
     text = Gemma3TextConfig(
-        vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=len(spec.layer_types),
-        layer_types=list(spec.layer_types),
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
+        **gemma_text_config_args(spec, tokenizer, initializer_range),
         query_pre_attn_scalar=spec.query_pre_attn_scalar,
-        sliding_window=spec.sliding_window,
         rope_parameters={SLIDING: {"rope_type": "default", "rope_theta": spec.sliding_rope_theta}, FULL: full_rope},
-        final_logit_softcapping=spec.final_logit_softcapping,
-        max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=spec.rms_norm_eps,
-        initializer_range=initializer_range,
-        **special_token_ids(tokenizer),
     )
     vision = SiglipVisionConfig(
         **vision_sizes(spec),

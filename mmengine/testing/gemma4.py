@@ -21,10 +21,9 @@ import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.checkpoint import special_token_ids, update_json
+from mmengine.testing.checkpoint import update_json
 from mmengine.testing.family_builder import FamilyBuilder
-from mmengine.testing.gemma3 import gemma_tokenizer
-from mmengine.testing.tokenizer import model_vocab_size
+from mmengine.testing.gemma3 import gemma_text_config_args, gemma_tokenizer
 from mmengine.testing.weights import TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
@@ -149,27 +148,18 @@ def _build_tokenizer(spec: TinyGemma4Spec) -> PreTrainedTokenizerFast:
 def _build_config(spec: TinyGemma4Spec, tokenizer: PreTrainedTokenizerFast, initializer_range: float) -> Gemma4Config:
     from transformers import Gemma4AudioConfig, Gemma4Config, Gemma4TextConfig, Gemma4VisionConfig
 
-    vocab_size = model_vocab_size(tokenizer, spec.vocab_size)
+    shared = gemma_text_config_args(spec, tokenizer, initializer_range)
     text = Gemma4TextConfig(
-        vocab_size=vocab_size,
-        vocab_size_per_layer_input=vocab_size,  # the per-layer table is indexed by token id
-        hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size,
-        num_hidden_layers=len(spec.layer_types),
-        layer_types=list(spec.layer_types),
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads,
-        head_dim=spec.head_dim,
+        **shared,
+        vocab_size_per_layer_input=shared["vocab_size"],  # the per-layer table is indexed by token id
         # not fields in transformers 5.24: turned into per_layer_config for the full layers
         global_head_dim=spec.global_head_dim,
         num_global_key_value_heads=spec.num_global_key_value_heads,
         attention_k_eq_v=spec.attention_k_eq_v,
-        sliding_window=spec.sliding_window,
         use_bidirectional_attention=spec.use_bidirectional_attention,
         hidden_size_per_layer_input=spec.hidden_size_per_layer_input,
         num_kv_shared_layers=spec.num_kv_shared_layers,
         use_double_wide_mlp=spec.use_double_wide_mlp,
-        final_logit_softcapping=spec.final_logit_softcapping,
         enable_moe_block=spec.enable_moe_block,
         num_experts=spec.num_experts if spec.enable_moe_block else None,
         top_k_experts=spec.top_k_experts if spec.enable_moe_block else None,
@@ -179,10 +169,6 @@ def _build_config(spec: TinyGemma4Spec, tokenizer: PreTrainedTokenizerFast, init
             FULL: {"rope_type": "proportional", "partial_rotary_factor": spec.full_partial_rotary_factor,
                    "rope_theta": spec.full_rope_theta},
         },
-        max_position_embeddings=spec.max_position_embeddings,
-        rms_norm_eps=spec.rms_norm_eps,
-        initializer_range=initializer_range,
-        **special_token_ids(tokenizer),
     )
     vision = Gemma4VisionConfig(
         hidden_size=spec.vision_hidden_size,
