@@ -290,7 +290,8 @@ def test_the_encoder_store_encodes_each_picture_once_cluster_wide(store_and_adap
 
 def test_reconfigured_replicas_keep_their_processes_and_hold_one_engine_each(module_replicas, lora_adapters):
     """reconfigure builds each replica's next engine in the process it runs in, and the engine it replaces (held by its
-    store client's publishing thread until that thread stops) is freed: one engine, and a store thread only with a store."""
+    store client's publishing thread until that thread stops) is freed: one engine, and a store thread only with a store.
+    A replica Ray restarts (with its constructor's arguments) takes the runner's options with its next rows."""
 
     def replica_processes(runner: BatchRunner) -> list[tuple[int, int, int]]:
         """Each replica's (pid, engines alive, store publishing threads), read in its process."""
@@ -315,6 +316,18 @@ def test_reconfigured_replicas_keep_their_processes_and_hold_one_engine_each(mod
     runner.reconfigure(STORE_OPTIONS, adapter_dirs(lora_adapters), encoder_store_bytes=1 << 24)
     assert runner.encoder_store is store  # the same size and options: the store and what it holds are kept
     assert replica_processes(runner) == [(pid, 1, 1) for pid in pids]
+
+    def restart_with_the_constructors_arguments(replica) -> None:  # what Ray runs when it restarts a crashed replica
+        replica.store_client.close()
+        replica.engine.shutdown()
+        type(replica).__init__(replica, runner.model, ENGINE_OPTIONS, 0, 1)
+
+    ray.get(runner.replicas[0].__ray_call__.remote(restart_with_the_constructors_arguments))
+    row = {"prompt": "USER: <image>\nWhat is it? ASSISTANT:", "images": [png(3)], "lora": "qv4",
+           "sampling_params": {"max_tokens": 3, "temperature": 0.0, "ignore_eos": True}}
+    answers = runner.run(ray.data.from_items([row, row]), affinity=None).dataset.take_all()
+    assert sorted(a["replica"] for a in answers) == [0, 1]  # the restarted one took the adapters before answering
+    assert list(answers[0]["token_ids"]) == list(answers[1]["token_ids"])
     runner.reconfigure(ENGINE_OPTIONS)
     assert replica_processes(runner) == [(pid, 1, 0) for pid in pids]
     assert runner.encoder_store is None and runner.store_stats() is None

@@ -27,7 +27,7 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from mmengine.errors import ConfigError
 from mmengine.ray.keys import SharingKeys
 from mmengine.ray.placement import Placement, place_rows
-from mmengine.ray.replica import EngineReplica, check_columns
+from mmengine.ray.replica import EngineReplica, ReplicaConfig, check_columns
 from mmengine.ray.routing import with_adapter
 
 AFFINITIES = ("prefix+image", None)
@@ -69,6 +69,7 @@ class BatchRunner:
             raise ConfigError(f"batch_size must be a positive int, got {batch_size!r}")
         self.model = str(model)
         self.encoder_store = None
+        self._config: ReplicaConfig | None = None  # after a reconfigure: sent with every sub-batch
         self._configure(engine_options, lora_modules, encoder_store_bytes)
         self.batch_size = batch_size
         if num_cpus is None:
@@ -111,10 +112,12 @@ class BatchRunner:
         """Fresh engines with other options, adapters and encoder store (as the constructor takes them) on the live
         replicas, in the actors they run in: another job on the same model without the replicas' start-up (each a
         process importing torch, transformers and the model code: seconds of CPU a replica). A store of the same
-        size is kept, with what it holds, when the engine options stay."""
+        size is kept, with what it holds, when the engine options stay. A replica that Ray restarts later (it comes
+        back with the constructor's options) takes these with its next sub-batch."""
         self._configure(engine_options, lora_modules, encoder_store_bytes)
-        ray.get([r.reconfigure.remote(self.engine_options, self.lora_modules, self.encoder_store)
-                 for i, r in enumerate(self.replicas) if self.alive[i]])
+        version = self._config.version + 1 if self._config is not None else 1
+        self._config = ReplicaConfig(version, self.engine_options, self.lora_modules, self.encoder_store)
+        ray.get([r.reconfigure.remote(self._config) for i, r in enumerate(self.replicas) if self.alive[i]])
         self._keys = None  # block_size, the hash algorithm: the sharing keys follow the engines' options
         self._sticky.clear()
 
@@ -196,7 +199,7 @@ class BatchRunner:
         pending: dict[Any, tuple[int, tuple[int, ...]]] = {}  # object ref -> (replica, row indices)
 
         def submit(replica: int, chunk: tuple[int, ...]) -> None:
-            ref = self.replicas[replica].generate.remote([rows[i] for i in chunk])
+            ref = self.replicas[replica].generate.remote([rows[i] for i in chunk], self._config)
             pending[ref] = (replica, chunk)
 
         for replica, replica_rows in enumerate(placement.rows):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -54,6 +55,17 @@ def check_columns(columns: Sequence[str]) -> None:
         raise InvalidInputError(f"input columns {clashes} would be overwritten by the output; rename them")
 
 
+@dataclass(frozen=True)
+class ReplicaConfig:
+    """What a replica's engine is built with after a runner's reconfigure; `version` counts them (0: the constructor's
+    arguments, which are also what Ray restarts a crashed replica with)."""
+
+    version: int
+    engine_options: dict[str, Any]
+    lora_modules: dict[str, str]
+    encoder_store: Any = None  # the cluster's EncoderStore actor, or None
+
+
 class EngineReplica:
     """Holds one MMEngine; `generate` answers a list of rows with one output dict per row."""
 
@@ -72,6 +84,7 @@ class EngineReplica:
         self.lora_modules = dict(lora_modules or {})
         self.encoder_store = encoder_store
         self.store_client = None
+        self.config_version = 0
         self.engine = self._build()
 
     def _build(self) -> Any:
@@ -90,7 +103,11 @@ class EngineReplica:
     def ready(self) -> int:
         return self.replica_id
 
-    def generate(self, rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    def generate(self, rows: Sequence[dict[str, Any]], config: ReplicaConfig | None = None) -> list[dict[str, Any]]:
+        """`config`: the runner's current one; a replica Ray restarted after a reconfigure came back with its
+        constructor's options, and takes these before it answers."""
+        if config is not None and config.version != self.config_version:
+            self.reconfigure(config)
         prompts = [row["prompt"] for row in rows]
         images = [row_images(row.get("images")) for row in rows]
         videos = [row_images(row.get("videos")) for row in rows]
@@ -121,14 +138,13 @@ class EngineReplica:
         """A fresh engine (empty caches, zeroed counters) in the same process: no restart cost."""
         self._replace_engine()
 
-    def reconfigure(self, engine_options: dict[str, Any] | None, lora_modules: dict[str, str] | None = None,
-                    encoder_store: Any = None) -> None:
+    def reconfigure(self, config: ReplicaConfig) -> None:
         """A fresh engine with other options, adapters and store, in the same process: another job's engine without
         an actor's start-up (a process importing torch, transformers and the model code: seconds of CPU)."""
-        self.engine_options = dict(engine_options or {})
-        self.lora_modules = dict(lora_modules or {})
-        self.encoder_store = encoder_store
+        self.engine_options, self.lora_modules = dict(config.engine_options), dict(config.lora_modules)
+        self.encoder_store = config.encoder_store
         self._replace_engine()
+        self.config_version = config.version
 
     def _replace_engine(self) -> None:
         """Stops the engine's processes (tensor-parallel ranks, preprocessing workers) and its store client's thread
