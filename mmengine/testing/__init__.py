@@ -15,7 +15,7 @@ transformers and mmengine's loader read exactly the same files. No network or mo
   names each family's default tiny checkpoint (`tiny_checkpoint_path`).
 
 Every builder is the same few steps, each in one place: a tokenizer (`tokenizer.tiny_tokenizer`), a config
-from the spec (`checkpoint.decoder_sizes`, `vision_sizes`, `special_token_ids`), seeded random weights with a
+from the spec (`checkpoint.text_config_args`, `vision_sizes`, `special_token_ids`), seeded random weights with a
 generation config (`checkpoint.save_checkpoint` over `weights.save_random_model`), the processor's files
 (`checkpoint.save_processor_files`, where transformers' own processor class does not write the published
 layout) and the on-disk cache (`cache.cached_build`); the families built only at the tiny settings run them in

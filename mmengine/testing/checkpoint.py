@@ -10,6 +10,7 @@ import pathlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from mmengine.testing.tokenizer import model_vocab_size
 from mmengine.testing.weights import save_random_model, torch_dtype
 
 if TYPE_CHECKING:
@@ -26,9 +27,15 @@ VISION_SIZES = {"hidden_size": "vision_hidden_size", "intermediate_size": "visio
                 "image_size": "image_size", "patch_size": "patch_size"}
 
 
-def decoder_sizes(spec: object) -> dict[str, int]:
-    """The spec's DECODER_SIZES, as text config arguments."""
-    return {name: getattr(spec, name) for name in DECODER_SIZES}
+def text_config_args(
+    spec: Any, tokenizer: PreTrainedTokenizerFast, initializer_range: float, *, sizes: Sequence[str] = DECODER_SIZES,
+    bos_token: str | None = None,
+) -> dict[str, Any]:
+    """The text config arguments every family's decoder takes alike: the model's vocabulary (the tokenizer's, or the
+    spec's vocab_size), the spec's `sizes` (under their names there), the weight scale and the special token ids
+    (`bos_token` as for special_token_ids)."""
+    return dict(vocab_size=model_vocab_size(tokenizer, spec.vocab_size), **{name: getattr(spec, name) for name in sizes},
+                initializer_range=initializer_range, **special_token_ids(tokenizer, bos_token))
 
 
 def vision_sizes(spec: object, **overrides: Any) -> dict[str, Any]:

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mmengine.testing.checkpoint import special_token_ids, vision_sizes
+from mmengine.testing.checkpoint import text_config_args, vision_sizes
 from mmengine.testing.family_builder import FamilyBuilder
-from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.tokenizer import tiny_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -112,22 +112,16 @@ def gemma_tokenizer(
     )
 
 
-# The text config arguments Gemma 3's and Gemma 4's specs name alike (their layer count is len(layer_types))
+# The decoder sizes Gemma 3's and Gemma 4's specs name alike (their layer count is len(layer_types))
 GEMMA_DECODER_SIZES = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                        "sliding_window", "final_logit_softcapping", "max_position_embeddings", "rms_norm_eps")
 
 
 def gemma_text_config_args(spec: object, tokenizer: PreTrainedTokenizerFast, initializer_range: float) -> dict[str, Any]:
-    """Gemma 3's and Gemma 4's text config arguments read alike off their specs: the model's vocabulary, the
-    GEMMA_DECODER_SIZES, the layer types (and so the layer count), the weight scale and the special token ids."""
-    return dict(
-        vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
-        **{name: getattr(spec, name) for name in GEMMA_DECODER_SIZES},
-        num_hidden_layers=len(spec.layer_types),
-        layer_types=list(spec.layer_types),
-        initializer_range=initializer_range,
-        **special_token_ids(tokenizer),
-    )
+    """Gemma 3's and Gemma 4's text config arguments read alike off their specs: checkpoint.text_config_args over
+    the GEMMA_DECODER_SIZES, and the layer types (and so the layer count)."""
+    return text_config_args(spec, tokenizer, initializer_range, sizes=GEMMA_DECODER_SIZES) | dict(
+        num_hidden_layers=len(spec.layer_types), layer_types=list(spec.layer_types))
 
 
 def _build_tokenizer(spec: TinyGemma3Spec) -> PreTrainedTokenizerFast:

@@ -18,9 +18,9 @@ import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.checkpoint import decoder_sizes, save_processor_files, special_token_ids, vision_sizes
+from mmengine.testing.checkpoint import save_processor_files, text_config_args, vision_sizes
 from mmengine.testing.family_builder import FamilyBuilder
-from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.tokenizer import tiny_tokenizer
 
 if TYPE_CHECKING:
     from transformers import InternVLConfig, PreTrainedTokenizerFast
@@ -105,14 +105,11 @@ def _build_config(spec: TinyInternVLSpec, tokenizer: PreTrainedTokenizerFast, in
     from transformers import InternVLConfig, InternVLVisionConfig, Qwen3Config
 
     text = Qwen3Config(
-        vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
-        **decoder_sizes(spec),
+        **text_config_args(spec, tokenizer, initializer_range, bos_token=ENDOFTEXT),
         head_dim=spec.head_dim,
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
         use_sliding_window=False,
         tie_word_embeddings=spec.tie_word_embeddings,
-        initializer_range=initializer_range,
-        **special_token_ids(tokenizer, bos_token=ENDOFTEXT),
     )
     vision = InternVLVisionConfig(**vision_sizes(spec), initializer_range=initializer_range)
     return InternVLConfig(

@@ -18,9 +18,9 @@ import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.checkpoint import decoder_sizes, save_processor_files, special_token_ids, vision_sizes
+from mmengine.testing.checkpoint import save_processor_files, text_config_args, vision_sizes
 from mmengine.testing.family_builder import FamilyBuilder
-from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.tokenizer import tiny_tokenizer
 
 if TYPE_CHECKING:
     from transformers import Llama4Config, PreTrainedTokenizerFast
@@ -105,14 +105,13 @@ def _build_config(spec: TinyLlama4Spec, tokenizer: PreTrainedTokenizerFast, init
 
     ids = tokenizer.convert_tokens_to_ids
     text = Llama4TextConfig(
-        vocab_size=model_vocab_size(tokenizer, spec.vocab_size), **decoder_sizes(spec),
+        **text_config_args(spec, tokenizer, initializer_range),
         intermediate_size_mlp=spec.intermediate_size_mlp, head_dim=spec.head_dim, num_local_experts=spec.num_local_experts,
         num_experts_per_tok=spec.num_experts_per_tok, interleave_moe_layer_step=spec.interleave_moe_layer_step,
         attention_chunk_size=spec.attention_chunk_size, no_rope_layer_interval=spec.no_rope_layer_interval,
         use_qk_norm=spec.use_qk_norm, attn_temperature_tuning=spec.attn_temperature_tuning, floor_scale=spec.floor_scale,
         attn_scale=spec.attn_scale,
-        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}, initializer_range=initializer_range,
-        **special_token_ids(tokenizer), tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}, tie_word_embeddings=False,
     )
     shuffled = int(spec.vision_hidden_size / spec.pixel_shuffle_ratio**2)  # the pixel shuffle's channels
     vision = Llama4VisionConfig(

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmengine.testing.cache import cached_build, spec_key
-from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, special_token_ids, vision_sizes
-from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.checkpoint import save_checkpoint, special_token_ids, text_config_args, vision_sizes
+from mmengine.testing.tokenizer import tiny_tokenizer
 from mmengine.testing.weights import REAL_INITIALIZER_RANGE, TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
@@ -175,12 +175,9 @@ def _build_config(
         initializer_range = TINY_INITIALIZER_RANGE
     special_ids = special_token_ids(tokenizer)
     text_kwargs = dict(
-        vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
-        **decoder_sizes(spec),
+        **text_config_args(spec, tokenizer, initializer_range),
         head_dim=spec.head_dim or spec.hidden_size // spec.num_attention_heads,
         tie_word_embeddings=spec.tie_word_embeddings,
-        initializer_range=initializer_range,
-        **special_ids,
     )
     if spec.text_model == "llama":
         text_config = LlamaConfig(**text_kwargs)

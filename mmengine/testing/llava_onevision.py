@@ -19,9 +19,9 @@ import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.checkpoint import decoder_sizes, save_processor_files, special_token_ids, vision_sizes
+from mmengine.testing.checkpoint import save_processor_files, text_config_args, vision_sizes
 from mmengine.testing.family_builder import FamilyBuilder
-from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.tokenizer import tiny_tokenizer
 
 if TYPE_CHECKING:
     from transformers import LlavaOnevisionConfig, PreTrainedTokenizerFast
@@ -115,13 +115,10 @@ def _build_config(spec: TinyOnevisionSpec, tokenizer: PreTrainedTokenizerFast, i
 
     ids = tokenizer.convert_tokens_to_ids
     text = Qwen2Config(
-        vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
-        **decoder_sizes(spec),
+        **text_config_args(spec, tokenizer, initializer_range, bos_token=ENDOFTEXT),
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
         use_sliding_window=False,
         tie_word_embeddings=spec.tie_word_embeddings,
-        initializer_range=initializer_range,
-        **special_token_ids(tokenizer, bos_token=ENDOFTEXT),
     )
     vision = SiglipVisionConfig(**vision_sizes(spec), vision_use_head=False)
     return LlavaOnevisionConfig(

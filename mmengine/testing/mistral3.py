@@ -17,9 +17,9 @@ import pathlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from mmengine.testing.checkpoint import decoder_sizes, save_processor_files, special_token_ids, vision_sizes
+from mmengine.testing.checkpoint import save_processor_files, text_config_args, vision_sizes
 from mmengine.testing.family_builder import FamilyBuilder
-from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.tokenizer import tiny_tokenizer
 
 if TYPE_CHECKING:
     from transformers import Mistral3Config, PreTrainedTokenizerFast
@@ -89,9 +89,9 @@ def _build_config(spec: TinyMistral3Spec, tokenizer: PreTrainedTokenizerFast, in
     from transformers import Mistral3Config, MistralConfig, PixtralVisionConfig
 
     text = MistralConfig(
-        vocab_size=model_vocab_size(tokenizer, spec.vocab_size), **decoder_sizes(spec), head_dim=spec.head_dim,
+        **text_config_args(spec, tokenizer, initializer_range), head_dim=spec.head_dim,
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta}, sliding_window=None,
-        tie_word_embeddings=False, initializer_range=initializer_range, **special_token_ids(tokenizer),
+        tie_word_embeddings=False,
     )
     vision = PixtralVisionConfig(
         **vision_sizes(spec, image_size=spec.longest_edge), head_dim=spec.vision_hidden_size // spec.vision_num_heads,

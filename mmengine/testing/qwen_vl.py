@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 from mmengine.models.qwen_video import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from mmengine.testing.cache import cached_build, spec_key
-from mmengine.testing.checkpoint import decoder_sizes, save_checkpoint, special_token_ids, write_json
-from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.checkpoint import save_checkpoint, text_config_args, write_json
+from mmengine.testing.tokenizer import tiny_tokenizer
 from mmengine.testing.weights import BUILD_DTYPES, REAL_INITIALIZER_RANGE, TINY_CONSTANT_NOISE, TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
@@ -402,15 +402,12 @@ def _build_config(
         initializer_range = TINY_INITIALIZER_RANGE
     ids = {token: tokenizer.convert_tokens_to_ids(token) for token in SPECIAL_TOKENS}
     text_config = dict(
-        vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
-        **decoder_sizes(spec),
+        **text_config_args(spec, tokenizer, initializer_range, bos_token=ENDOFTEXT),
         hidden_act="silu",
         rms_norm_eps=spec.rms_norm_eps,
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta, "mrope_section": list(spec.mrope_section)},
         use_sliding_window=False,
         max_window_layers=spec.num_hidden_layers,
-        initializer_range=initializer_range,
-        **special_token_ids(tokenizer, bos_token=ENDOFTEXT),
     )
     common_vision = dict(
         depth=spec.vision_layers,

@@ -23,14 +23,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from mmengine.testing.checkpoint import (
-    decoder_sizes,
     save_processor_files,
-    special_token_ids,
+    text_config_args,
     update_json,
     vision_sizes,
 )
 from mmengine.testing.family_builder import FamilyBuilder
-from mmengine.testing.tokenizer import model_vocab_size, tiny_tokenizer
+from mmengine.testing.tokenizer import tiny_tokenizer
 from mmengine.testing.weights import TINY_INITIALIZER_RANGE
 
 if TYPE_CHECKING:
@@ -124,13 +123,10 @@ def _build_config(spec: TinySmolVLMSpec, tokenizer: PreTrainedTokenizerFast, ini
 
     config_class, vision_class = (Idefics3Config, Idefics3VisionConfig) if spec.family == "idefics3" else (SmolVLMConfig, SmolVLMVisionConfig)
     text = LlamaConfig(
-        vocab_size=model_vocab_size(tokenizer, spec.vocab_size),
-        **decoder_sizes(spec),
+        **text_config_args(spec, tokenizer, initializer_range),
         rope_parameters={"rope_type": "default", "rope_theta": spec.rope_theta},
         rms_norm_eps=1e-5,
         tie_word_embeddings=spec.tie_word_embeddings,
-        initializer_range=initializer_range,
-        **special_token_ids(tokenizer),
     )
     vision = vision_class(**vision_sizes(spec), initializer_range=initializer_range)
     return config_class(
