@@ -397,6 +397,25 @@ def test_tiny_llava_path_failed_build_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+# --- family builders (FamilyBuilder) ------------------------------------------------------------
+
+
+def test_a_family_builder_builds_its_default_spec_in_the_spec_dtype_unless_told(tmp_path):
+    """InternVL's builder: no spec is the family's default (one cache entry), the weights are in the spec's dtype
+    unless another is asked for, and the generation config stops at the family's tokens with its BOS."""
+    from mmengine.testing.internvl import TinyInternVLSpec, build_internvl_checkpoint, tiny_internvl_path
+
+    default = tiny_internvl_path(cache_dir=tmp_path / "cache")
+    assert tiny_internvl_path(TinyInternVLSpec(), tmp_path / "cache") == default
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == [default.name] and default.name.startswith("internvl-")
+    half = build_internvl_checkpoint(tmp_path / "half", dtype="float16")
+    assert {t.dtype for t in checkpoint_tensors(default).values()} == {torch.float32}
+    assert {t.dtype for t in checkpoint_tensors(half).values()} == {torch.float16}
+    tok, gen = AutoTokenizer.from_pretrained(half), GenerationConfig.from_pretrained(half)
+    assert gen.eos_token_id == tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    assert gen.bos_token_id == tok.convert_tokens_to_ids("<|endoftext|>")
+
+
 # --- images --------------------------------------------------------------------------------------
 
 
