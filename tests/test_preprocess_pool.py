@@ -12,6 +12,8 @@ import os
 import pickle
 import signal
 import threading
+import time
+import types
 from multiprocessing import Pipe
 
 import psutil
@@ -208,6 +210,38 @@ def test_a_pool_whose_workers_cannot_start_names_why():
     finally:
         pool.close()
     assert {child.pid for child in workers_alive()} == others
+
+
+class _SleepsWhenUnpickled:
+    """A spec field a worker unpickles for an hour: a worker that never finishes starting."""
+
+    def __reduce__(self):
+        return time.sleep, (3600,)
+
+
+def test_closing_a_pool_kills_a_worker_still_starting_and_starts_no_other():
+    """A worker still starting has no picture to finish: close() kills it rather than wait for its start-up (here it
+    would never end), the slot starts no other, and no worker is left."""
+    others = {child.pid for child in workers_alive()}  # the module's engine's workers
+    spec = PreparerSpec(_SleepsWhenUnpickled(), None, None, 1 << 20, "f", "s", "xxh3_128")
+    pool = PreprocessPool(spec, 1)
+    assert wait_until(lambda: pool.worker_pids() and psutil.pid_exists(pool.worker_pids()[0]), WORKER_WAIT_S)
+    closing = threading.Thread(target=pool.close)
+    closing.start()
+    closing.join(WORKER_WAIT_S)
+    assert not closing.is_alive()
+    assert pool.num_started == 0 and pool.num_respawns == 0
+    assert {child.pid for child in workers_alive()} == others
+
+
+def test_a_worker_whose_pool_is_gone_leaves_quietly(monkeypatch):
+    """A worker that finishes starting after its pool's process has gone (its pipe closed) leaves without a
+    traceback: nobody is left to tell it is ready."""
+    monkeypatch.setattr(torch, "set_num_threads", lambda _: None)  # the worker's, for its own process
+    monkeypatch.setattr(preprocess_pool.PicturePreparer, "from_spec", lambda spec: types.SimpleNamespace(warm_up=lambda: None))
+    ours, theirs = Pipe()
+    ours.close()
+    preprocess_pool.worker_main(pickle.dumps(None), theirs)  # returns: no BrokenPipeError
 
 
 def test_a_worker_process_leaves_without_the_interpreters_teardown(monkeypatch):

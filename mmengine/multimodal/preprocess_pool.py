@@ -96,13 +96,16 @@ class PreprocessPool:
         return task.future.result()
 
     def close(self) -> None:
-        """Stops every worker (each finishes the picture it is preparing) and waits for them."""
+        """Stops every worker (each finishes the picture it is preparing; one still starting is killed, since it has
+        nothing to finish and may take seconds to start) and waits for them."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         for _ in self._slots:
             self._tasks.put(None)
+        for slot in self._slots:
+            slot.kill_if_starting()
         for slot in self._slots:
             slot.thread.join()
 
@@ -141,6 +144,11 @@ class _WorkerSlot:
                         raise
         finally:
             self._stop()
+
+    def kill_if_starting(self) -> None:
+        process = self.process
+        if not self.ready and process is not None and process.is_alive():
+            process.kill()  # its slot's thread sees it die, and starts no other: the pool is closed
 
     def _serve(self, task: _Task) -> None:
         for attempt in range(2):  # a worker found dead before it took the picture: once more, on a new one
@@ -195,6 +203,8 @@ class _WorkerSlot:
         for attempt in range(_START_ATTEMPTS):
             if attempt:
                 self._stop()
+            if self.pool._closed:
+                return
             status, payload = self._start_one()
             if status == _READY:
                 with self.pool._started:
@@ -202,8 +212,10 @@ class _WorkerSlot:
                     self.pool.num_started += 1
                     self.pool._started.notify_all()
                 return
-            if isinstance(payload, BaseException):
+            if isinstance(payload, BaseException) or self.pool._closed:
                 break
+        if self.pool._closed and not isinstance(payload, BaseException):
+            return  # killed while starting by the pool's close
         self.broken = payload if isinstance(payload, BaseException) else PreprocessingWorkerError(
             f"a preprocessing worker could not start (exit code {self.process.exitcode})")
         logger.error("preprocessing worker %d could not start: %s", self.number, self.broken)
@@ -255,6 +267,15 @@ class _WorkerSlot:
             self.process = None
 
 
+def _tell_pool(connection: Any, message: tuple) -> bool:
+    """Sends a start-up message; False if the pool's process is gone (its pipe closed while this worker started)."""
+    try:
+        connection.send(message)
+    except OSError:  # BrokenPipeError: nobody is left to tell
+        return False
+    return True
+
+
 def private_copy(inputs: EncoderInputs) -> EncoderInputs:
     """The tensors in this process's own memory; the shared segments (and their descriptors) go with `inputs`."""
     return EncoderInputs({name: tensor.clone() for name, tensor in inputs.items()})
@@ -284,10 +305,11 @@ def worker_main(pickled_spec: bytes, connection: Any) -> None:
     try:
         preparer = PicturePreparer.from_spec(pickle.loads(pickled_spec))
     except BaseException as err:  # noqa: BLE001 - reported to the engine, which names it for every picture
-        connection.send((_FAILED, _picklable(err)))
+        _tell_pool(connection, (_FAILED, _picklable(err)))
         return
     preparer.warm_up()
-    connection.send((_READY, os.getpid()))
+    if not _tell_pool(connection, (_READY, os.getpid())):
+        return
     while True:
         try:
             message = connection.recv()
