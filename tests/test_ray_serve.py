@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from helpers import wait_until
 from serve_helpers import API_KEY, MODEL_NAME, data_url, image_part, parse_metrics
 
 from mmengine import MMEngine, SamplingParams
@@ -308,6 +309,19 @@ def test_the_router_keys_requests_without_importing_the_engine(base_url, client)
     imported = _in_replica("mmengine-router", lambda: sorted(name for name in names if name in __import__("sys").modules))
     # the router's own modules are there (the probe reads the process that keyed the chat); the engine's are not
     assert imported == ["mmengine.entrypoints.protocol", "mmengine.ray.serve"], imported
+
+
+def test_deleting_the_app_ends_its_encoder_store(base_url):
+    """The last test on the module's app: deleting it (as serve.shutdown and a redeploy do) ends the replicas' encoder
+    store, a detached actor that outlives any one replica. Before the router ended it, it stayed on the cluster: a
+    process left per app."""
+    def stores() -> list[str]:
+        return [actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+                if actor["name"].startswith("mmengine-encoder-store-")]
+
+    assert len(stores()) == 1  # the app's, which its replicas made (the module's earlier tests used it)
+    serve.delete("mmengine")
+    assert wait_until(lambda: stores() == [], 60)
 
 
 @pytest.mark.parametrize(("engine_options", "gpus"), [

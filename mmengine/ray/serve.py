@@ -161,9 +161,12 @@ _GENERATION_PATHS = {"/v1/chat/completions": "chat", "/v1/completions": "complet
 class OpenAIRouter:
     """Routes each request to an engine replica by its cache key; merges the replicas' metrics."""
 
-    def __init__(self, engines: list[DeploymentHandle], max_ongoing_requests: int, base_model: str | None = None) -> None:
+    def __init__(self, engines: list[DeploymentHandle], max_ongoing_requests: int, base_model: str | None = None,
+                 encoder_store: str | None = None) -> None:
+        """`encoder_store`: the name of the replicas' encoder store actor, ended with the app (see __del__)."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+        self.encoder_store = encoder_store
         self.engines = engines
         self.base_model = base_model
         self.router = Router(len(engines), max_ongoing_requests)
@@ -178,6 +181,20 @@ class OpenAIRouter:
         for replica in range(len(engines)):
             self.in_flight.labels(str(replica)).set_function(lambda replica=replica: self.loads[replica])
         freeze_startup_heap()  # its event loop relays every request: no full pass over start-up's objects there
+
+    def __del__(self) -> None:
+        """Serve calls it as the app stops (serve.shutdown, serve.delete, a redeploy): the replicas' encoder store is a
+        detached actor, so that it outlives any one replica; without this it would outlive the app too, a process
+        left on the cluster per app. (A replica publishing to it while it drains only logs that it could not.)"""
+        if self.encoder_store is not None:
+            import ray
+
+            try:
+                ray.kill(ray.get_actor(self.encoder_store))
+            except ValueError:  # no replica asked for it (never made), or it has ended already
+                pass
+            except Exception:  # noqa: BLE001 - e.g. the cluster is going down with the app
+                logger.warning("could not end the encoder store %s", self.encoder_store, exc_info=True)
 
     @ingress_app.get("/metrics")
     async def metrics(self) -> Response:
@@ -312,7 +329,7 @@ def build_app(
         name="mmengine-router", num_replicas=1, ray_actor_options={"num_cpus": 0}, graceful_shutdown_wait_loop_s=_DRAIN_POLL_S,
         max_ongoing_requests=max(max_ongoing_requests * num_replicas * 4, 256),
     )
-    return ingress.bind(engines, max_ongoing_requests, settings.served_model_name)
+    return ingress.bind(engines, max_ongoing_requests, settings.served_model_name, store[0] if store else None)
 
 
 def _default_num_gpus(engine_options: dict[str, Any]) -> int:
