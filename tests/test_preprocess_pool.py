@@ -5,6 +5,7 @@ soak, and no worker left behind."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import io
@@ -226,12 +227,17 @@ def test_closing_a_pool_kills_a_worker_still_starting_and_starts_no_other():
     spec = PreparerSpec(_SleepsWhenUnpickled(), None, None, 1 << 20, "f", "s", "xxh3_128")
     pool = PreprocessPool(spec, 1)
     assert wait_until(lambda: pool.worker_pids() and psutil.pid_exists(pool.worker_pids()[0]), WORKER_WAIT_S)
-    closing = threading.Thread(target=pool.close)
-    closing.start()
-    closing.join(WORKER_WAIT_S)
-    assert not closing.is_alive()
-    assert pool.num_started == 0 and pool.num_respawns == 0
-    assert {child.pid for child in workers_alive()} == others
+    (starting,) = pool.worker_pids()
+    try:
+        closing = threading.Thread(target=pool.close, daemon=True)
+        closing.start()
+        closing.join(WORKER_WAIT_S)
+        assert not closing.is_alive()
+        assert pool.num_started == 0 and pool.num_respawns == 0
+        assert {child.pid for child in workers_alive()} == others
+    finally:  # where close() failed to, so a failing run leaves no hour-long sleeper behind
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(starting).kill()
 
 
 def test_a_worker_whose_pool_is_gone_leaves_quietly(monkeypatch):
