@@ -5,7 +5,7 @@ prefix hit needs only the cached blocks of the chunk holding its end."""
 from __future__ import annotations
 
 from helpers import make_request
-from window_runs import find_hit, run_prompt
+from window_runs import run_prompt
 from mmengine.kv_cache.block_hash import make_hash_function
 from mmengine.kv_cache.chunked_attention import AttentionChunk, ChunkedAttentionManager, chunk_start, is_chunk
 from mmengine.kv_cache.coordinator import CacheCoordinator
@@ -57,15 +57,17 @@ def test_a_hit_needs_only_the_blocks_of_the_chunk_holding_its_end():
     caches = _coordinator()
     first = make_request("a", 40)
     run_prompt(caches, first, chunk=8)
+    chunk_blocks = caches.windows.block_ids("a")[8:]
+    chain = list(caches.kv_cache.block_ids("a"))
     caches.release(first)
     again = make_request("b", 40)
-    hit = find_hit(caches, again)
+    run = run_prompt(caches, again, chunk=8)
     # the full chain: 10 blocks; the last token (39) is recomputed and sees keys from 32 on: blocks 8 and 9
-    assert hit.num_hit_blocks == 10 and hit.num_computed == 39
-    assert len(hit.window_hits) == 2
-    # admitted, the request's table holds the null block before the chunk
-    caches.allocate(again, 1, hit, hit.num_computed)
-    assert caches.windows.block_ids("b")[:8] == [NULL_BLOCK_ID] * 8 and caches.windows.num_held_blocks("b") == 2
+    assert run.hit.num_hit_blocks == 10 and run.hit.num_computed == 39
+    assert [b.block_id for b in run.hit.window_hits] == chunk_blocks
+    # admitted, the request reads a's blocks (its table holds the null block before the chunk) and computes one token
+    assert run.window_block_ids == [NULL_BLOCK_ID] * 8 + chunk_blocks and run.full_block_ids == chain
+    assert run.num_prefilled == 1 and caches.windows.num_held_blocks("b") == 2
 
 
 def test_the_smallest_pool_keeps_whole_hits():
@@ -74,7 +76,9 @@ def test_the_smallest_pool_keeps_whole_hits():
     caches = _coordinator(chunk_blocks=1 + 5)
     first = make_request("a", 40)
     run_prompt(caches, first, chunk=4)
+    chunk_blocks = caches.windows.block_ids("a")[8:]
     caches.release(first)
     again = make_request("b", 40)
-    hit = find_hit(caches, again)
-    assert hit.num_hit_blocks == 10 and hit.num_computed == 39 and len(hit.window_hits) == 2
+    run = run_prompt(caches, again, chunk=4)
+    assert run.hit.num_hit_blocks == 10 and run.hit.num_computed == 39
+    assert run.window_block_ids == [NULL_BLOCK_ID] * 8 + chunk_blocks and run.num_prefilled == 1

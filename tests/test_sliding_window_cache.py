@@ -19,13 +19,6 @@ def _coordinator(full_blocks: int = 32, window_blocks: int = 8) -> CacheCoordina
     return CacheCoordinator(KVCacheManager(full_blocks, BS, HASH), None, BS, SlidingWindowManager(window_blocks, BS, WINDOW))
 
 
-def _run_admitted(caches: CacheCoordinator, request, hit) -> None:
-    request.num_computed_tokens = hit.num_computed
-    caches.allocate(request, request.num_tokens - hit.num_computed, hit, hit.num_computed)
-    request.num_computed_tokens = request.num_tokens
-    caches.booked(request)
-
-
 def test_blocks_that_left_the_window_go_back_to_the_pool():
     caches = _coordinator()
     windows = caches.windows
@@ -53,13 +46,17 @@ def test_a_hit_needs_the_window_before_its_end():
     first = make_request("a", 24)
     run_prompt(caches, first, chunk=8)
     window = caches.windows.block_ids("a")[4:6]
+    chain = list(caches.kv_cache.block_ids("a"))
     caches.release(first)
     # The same prompt again: its full chain (6 blocks) is cached, and so is every window block (freed, not evicted)
     again = make_request("b", 24)
-    hit = find_hit(caches, again)
-    assert hit.num_hit_blocks == 6 and hit.num_computed == 23
+    run = run_prompt(caches, again, chunk=8)
+    assert run.hit.num_hit_blocks == 6 and run.hit.num_computed == 23
     # the last token (23) is recomputed: it sees keys from 18 on, blocks 4 and 5
-    assert [b.block_id for b in hit.window_hits] == window
+    assert [b.block_id for b in run.hit.window_hits] == window
+    # and the hit is taken: a's blocks (its chain; its window after null blocks), and one token computed
+    assert run.full_block_ids == chain and run.window_block_ids == [NULL_BLOCK_ID] * 4 + window
+    assert run.num_prefilled == 1
 
 
 def test_evicted_window_blocks_shorten_the_hit_to_where_a_window_is_found():
@@ -67,6 +64,7 @@ def test_evicted_window_blocks_shorten_the_hit_to_where_a_window_is_found():
     windows = caches.windows
     first = make_request("a", 32, tokens=list(range(1, 33)))
     run_prompt(caches, first, chunk=4)
+    chain = list(caches.kv_cache.block_ids("a"))
     caches.release(first)
     again = make_request("b", 32, tokens=list(range(1, 33)))
     assert find_hit(caches, again).num_hit_blocks == 8
@@ -77,8 +75,10 @@ def test_evicted_window_blocks_shorten_the_hit_to_where_a_window_is_found():
     # 8 and 7 blocks need block 6; 6 blocks (24 tokens) need keys from 19 on: blocks 4 and 5
     assert hit.num_hit_blocks == 6 and hit.num_computed == 24 and len(hit.hits) == 6
     assert [b.block_hash for b in hit.window_hits] == again.block_hashes[4:6]
-    _run_admitted(caches, again, hit)
-    assert windows.block_ids("b")[:4] == [NULL_BLOCK_ID] * 4
+    run = run_prompt(caches, again, chunk=8)
+    assert run.hit.num_hit_blocks == 6 and run.num_prefilled == 8
+    assert run.full_block_ids[:6] == chain[:6]
+    assert run.window_block_ids[:6] == [NULL_BLOCK_ID] * 4 + [b.block_id for b in hit.window_hits]
 
 
 def test_a_pool_reused_by_another_prompt_leaves_no_hit():
@@ -106,6 +106,8 @@ def test_a_window_block_is_verified_by_its_parent_hash():
     last = next(blk for blk in caches.windows.pool.blocks if blk.block_hash == b.block_hashes[3])
     last.parent_hash = b"another parent"
     assert caches.find_hit(b, False, lambda _: False).num_hit_blocks == 3  # the hits that do not need block 3
+    run = run_prompt(caches, b, chunk=16)
+    assert run.hit.num_hit_blocks == 3 and run.num_prefilled == 17 - 12
 
 
 def test_freeing_a_request_returns_every_block_but_the_null_one():
@@ -134,7 +136,8 @@ def test_blocks_that_left_the_window_are_evicted_before_a_finished_prompts_end()
     assert windows.pool.num_evictions > 0
     caches.release(long)
     again = make_request("b", 17, tokens=list(range(1, 18)))
-    assert find_hit(caches, again).num_hit_blocks == 4
+    run = run_prompt(caches, again, chunk=4)
+    assert run.hit.num_hit_blocks == 4 and run.num_prefilled == 1
 
 
 def test_a_window_that_served_a_hit_is_kept_like_a_prompts_end():
@@ -147,10 +150,10 @@ def test_a_window_that_served_a_hit_is_kept_like_a_prompts_end():
     run_prompt(caches, first, chunk=4)
     caches.release(first)
     second = make_request("b", 24, tokens=[*shared, *range(60, 68)])
-    hit = find_hit(caches, second)
-    assert hit.num_hit_blocks == 4
-    served = {b.block_hash for b in hit.window_hits}
-    _run_admitted(caches, second, hit)
+    run = run_prompt(caches, second, chunk=8)
+    assert run.hit.num_hit_blocks == 4 and run.num_prefilled == 8
+    served = {b.block_hash for b in run.hit.window_hits}
+    assert run.window_block_ids[:4] == [NULL_BLOCK_ID] * 2 + [b.block_id for b in run.hit.window_hits]  # keys from 11 on
     caches.release(second)
     # 7 blocks at once: the 3 never used, then 4 evicted: the 2 that a's run left behind and a's end
     third = make_request("c", 28, tokens=list(range(300, 328)))
@@ -185,7 +188,10 @@ def test_a_held_window_outlives_the_churn_that_evicts_the_rest():
     run_prompt(caches, churn, chunk=4)
     caches.release(churn)
     member = make_request("m", 20, tokens=[*range(1, 13), *range(500, 508)])
-    assert find_hit(caches, member).num_hit_blocks == 3
+    run = run_prompt(caches, member, chunk=8)
+    assert run.hit.num_hit_blocks == 3 and run.num_prefilled == 8
+    assert run.window_block_ids[:3] == [NULL_BLOCK_ID, *(b.block_id for b in held)]
+    caches.release(member)
     windows.release_held(held)
     assert all(b.ref_cnt == 0 for b in held)
 
@@ -209,6 +215,5 @@ def test_a_request_running_across_a_reset_caches_no_more_window_blocks():
     assert not _cached_hashes(caches.windows) and caches.kv_cache.num_cached_blocks == 0
     caches.release(request)
     again = make_request("b", 30)
-    caches.kv_cache.hash_new_blocks(again)
-    run_prompt(caches, again, chunk=4)  # a request made after the reset caches as usual
+    assert run_prompt(caches, again, chunk=4).num_prefilled == 30  # no hit: a request made after the reset caches as usual
     assert _cached_hashes(caches.windows)
