@@ -5,7 +5,9 @@ between min_pixels and max_pixels, cut into patch_size patches (two frames each,
 patch), and each merge_size x merge_size group of patches becomes one embedding. The vision tower is
 transformers' own module: it takes every patch of a step as one sequence with per-image boundaries
 (and in 2.5, windowed attention in all but the full-attention layers), and its patch merger gives the
-embeddings in image order, so a step's items run as one batch and are split back by token count.
+embeddings in image order, so a step's items run as one batch and are split back by token count. Its
+attention runs through `layers/packed_vision_attention`: one SDPA call per distinct image or window
+length in a layer, where transformers' SDPA path makes one per image or window.
 
 The decoder is the Qwen2 text model with M-RoPE: every token has a (temporal, height, width)
 position; text tokens advance all three together, an image's tokens take its grid coordinates, and
@@ -64,9 +66,12 @@ def _vision_tower_class(model_type: str) -> type[torch.nn.Module]:
 
 class QwenVLModel(VisionLanguageModel):
     def __init__(self, config: PretrainedConfig) -> None:
+        from mmengine.layers.packed_vision_attention import use_packed_attention  # front ends import this module, not layers/
+
         super().__init__()
         self.config = config
         self.visual = _vision_tower_class(config.model_type)._from_config(config.vision_config)
+        use_packed_attention(self.visual)
         self.merge_size = config.vision_config.spatial_merge_size
         self._build_text(config)
 
