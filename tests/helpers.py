@@ -153,6 +153,11 @@ def _is_rays(process) -> bool:
 class LocalRay:
     """The tests' local Ray cluster (conftest's `ray_cluster`), and a shutdown that leaves no process of Ray's behind."""
 
+    # A start waits seconds for Python processes' start-ups, none of which an option of ray.init skips (Ray 2.60):
+    # include_dashboard=False still starts the dashboard head (its usage-stats module only) and waits for it to
+    # publish its address; the raylet registers only once its dashboard agent and runtime-env agent are up (with
+    # _system_config enable_metrics_collection=False too); the driver's connect waits for the workers Ray prestarts
+    # for the first job (prestart_worker_first_driver=False only moves that wait to the first task or actor).
     OPTIONS = {"num_cpus": 4, "include_dashboard": False, "log_to_driver": False, "configure_logging": False}
 
     before: frozenset[int]  # this process's descendants before Ray started
