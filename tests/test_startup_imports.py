@@ -123,6 +123,56 @@ def test_sharing_keys_tokenize_as_the_processor_without_loading_it(checkpoint_di
     assert sorted(m for m in keys_imports if m.startswith("mmengine.models")) == [] and _model_side(keys_imports) == []
 
 
+_FRONT_END_MODEL_CODE = ("triton", "transformers.modeling_utils")
+
+
+@pytest.fixture(scope="module")
+def front_end_at_ready(checkpoint_dir, family_checkpoint, tmp_path_factory) -> dict[str, object]:
+    """Two fresh interpreters: a front end's (its modules, then the intake's parts a front end builds for the tiny
+    LLaVA and the tiny Qwen2.5-VL, each its processor's kind and the model code imported by then; Qwen's picture
+    preparer's spec pickled, as the preprocessing pool sends it) and a preprocessing worker's (the spec unpickled
+    and the preparer built and warmed up, then the model code imported by then)."""
+    spec_file = tmp_path_factory.mktemp("spec") / "spec.pkl"
+    front_end = (
+        "import pickle, sys\n"
+        "def found(names): return sorted(m for m in names if m in sys.modules)\n"
+        + _HOST_SIDE_IMPORTS +
+        "from mmengine.config import EngineConfig\n"
+        "from mmengine.engine.input_parts import build_input_parts\n"
+        f"for path in {[str(checkpoint_dir()), str(family_checkpoint('qwen2_5_vl'))]!r}:\n"
+        "    parts = build_input_parts(EngineConfig(model=path, engine_core='process', device='cpu'))\n"
+        "    print('processor', type(parts.input_processor.hf_processor).__name__)\n"
+        f"    print('model_code', found({_FRONT_END_MODEL_CODE!r}))\n"
+        f"open({str(spec_file)!r}, 'wb').write(pickle.dumps(parts.input_processor.pictures.spec()))\n"
+    )
+    worker = (
+        "import pickle, sys\n"
+        "def found(names): return sorted(m for m in names if m in sys.modules)\n"
+        "from mmengine.multimodal import preprocess_pool\n"
+        "from mmengine.multimodal.picture_preparer import PicturePreparer\n"
+        f"preparer = PicturePreparer.from_spec(pickle.loads(open({str(spec_file)!r}, 'rb').read()))\n"
+        "preparer.warm_up()\n"
+        "print('worker', type(preparer.image_processor).__name__)\n"
+        f"print('model_code', found({_FRONT_END_MODEL_CODE!r}))\n"
+    )
+    findings: dict[str, list] = {"processor": [], "model_code": [], "worker": []}
+    for probe in (front_end, worker):
+        result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+        for tag, value in (line.split(" ", 1) for line in result.stdout.splitlines() if " " in line):
+            if tag in findings:
+                findings[tag].append(ast.literal_eval(value) if tag == "model_code" else value)
+    return findings
+
+
+def test_a_front_ends_processor_and_its_workers_load_no_model_code(front_end_at_ready):
+    """A front end loads its checkpoint's LightProcessor (tokenizer, image processor, chat template), not
+    transformers' processor, and with it neither transformers' modeling code nor Triton; a preprocessing worker
+    that unpickles its image processor neither (LLaVA, then Qwen2.5-VL; then Qwen's worker)."""
+    assert front_end_at_ready["processor"] == ["LightProcessor", "LightProcessor"]
+    assert front_end_at_ready["worker"] == ["Qwen2VLImageProcessorPil"]
+    assert front_end_at_ready["model_code"] == [[], [], []]
+
+
 def _module_level_imports(name: str, paths: dict[str, Path]) -> set[str]:
     """The mmengine modules `name` imports as it is imported (its module-level statements, TYPE_CHECKING aside; the
     imports inside functions run later, when called), with the packages each passes through."""

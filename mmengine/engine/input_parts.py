@@ -45,7 +45,9 @@ def build_input_parts(config: EngineConfig) -> InputParts:
     family_class_for(hf_config)  # fail fast on unsupported architectures
     _check_quantization(config, quantization_of(hf_config))  # ... and quantization methods
     media = config.multimodal_config
-    hf_processor = load_hf_processor(model_dir, media.mm_processor_kwargs)
+    # a front end over an engine-core process takes the light processor (the core checks the full one's expansion)
+    front_end = config.parallel_config.engine_core == "process"
+    hf_processor = load_hf_processor(model_dir, media.mm_processor_kwargs, light=front_end)
     family = load_family(hf_config, hf_processor, model_dir)
     max_model_len = resolve_max_model_len(config, family)
     input_processor = InputProcessor(

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, Sequence
 
 import numpy as np
 from torch import nn
@@ -30,6 +30,9 @@ from transformers import PretrainedConfig
 
 from mmengine.models.text_config import head_dim_of, sliding_window_of
 from mmengine.core.request import MMItem
+
+if TYPE_CHECKING:
+    from mmengine.multimodal.light_processor import LightProcessor
 
 
 class EncoderInputs(dict):
@@ -111,6 +114,16 @@ class ModelFamily:
         self.hf_config = hf_config
         self.image_processor_settings = dict(image_processor_settings or {})
         self.model_dir = model_dir
+
+    # Why a front end loads this family's full transformers processor, not a LightProcessor ("": it need not)
+    full_processor_reason: ClassVar[str] = "its processor's parts are not yet loaded without transformers' processor class"
+
+    @classmethod
+    def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> LightProcessor | None:
+        """What a front end uses of the processor (multimodal/light_processor.py: tokenizer, image processor, chat
+        template, marker tokens), loaded without transformers' processor class and modeling code, and equal to
+        `load_processor`'s parts; None where the family needs the full processor (`full_processor_reason`)."""
+        return None
 
     @classmethod
     def load_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:

@@ -20,7 +20,7 @@ from transformers import AutoModel, LlavaConfig
 
 from mmengine.errors import UnsupportedModelError
 from mmengine.layers.activation import activation_module
-from mmengine.models.family import EncoderInputs, ModelFamily
+from mmengine.models.family import EncoderInputs, ModelFamily, pil_image_processor
 from mmengine.models.vlm import VisionLanguageModel
 
 SUPPORTED_VISION_MODEL_TYPES = ("clip_vision_model", "siglip_vision_model")
@@ -128,6 +128,23 @@ class LlavaFamily(ModelFamily):
     items_have_one_size = True
     display_name = "LLaVA-1.5 (CLIP or SigLIP tower, Llama/Mistral/Qwen2 decoder)"
     model_class = LlavaModel
+    full_processor_reason = ""
+
+    @classmethod
+    def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
+        """LlavaProcessor's parts: the tokenizer, the PIL image processor, the saved chat template and image token."""
+        from transformers import AutoTokenizer
+
+        from mmengine.multimodal.light_processor import (
+            LightProcessor, import_processing_code, saved_processor_settings, special_token, unpickled_without_modeling_code,
+        )
+
+        import_processing_code()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        saved = saved_processor_settings(model_dir)
+        image_processor = unpickled_without_modeling_code(pil_image_processor(model_dir, overrides))
+        return LightProcessor(tokenizer, image_processor, saved.get("chat_template"),
+                              special_token(tokenizer, "image_token", saved.get("image_token", "<image>")))
 
     def max_tokens_by_modality(self) -> dict[str, int]:
         return {"image": self._tokens_per_image()}

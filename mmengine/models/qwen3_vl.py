@@ -25,6 +25,7 @@ class Qwen3VLFamily(Qwen2VLFamily):
     model_type = "qwen3_vl"
     display_name = "Qwen3-VL (native resolution, DeepStack, interleaved M-RoPE)"
     model_class = QwenVLModel
+    processor_names_vision_wrap = True
 
     @classmethod
     def processor_class(cls) -> type:

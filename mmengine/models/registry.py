@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -14,6 +15,8 @@ from mmengine.errors import CheckpointError, UnsupportedModelError
 
 if TYPE_CHECKING:
     from mmengine.models.family import ModelFamily
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -116,16 +119,32 @@ _JSON_FILES = (
 )
 
 
-def load_hf_processor(model_dir: Path, mm_processor_kwargs: dict[str, Any] | None = None) -> Any:
+def load_hf_processor(model_dir: Path, mm_processor_kwargs: dict[str, Any] | None = None, light: bool = False) -> Any:
     """The checkpoint's HF processor (tokenizer + image processor), loaded the way its family needs,
     with `mm_processor_kwargs` overriding its saved settings. A missing or broken file is a
-    CheckpointError naming it, rather than whatever transformers raises."""
+    CheckpointError naming it, rather than whatever transformers raises. `light`: a front end's, its family's
+    LightProcessor (the same parts without transformers' processor class and modeling code) where it has one,
+    else the full processor (logged once per family, with why)."""
     _check_processor_files(model_dir)
     family = family_class_for(load_hf_config(model_dir))
+    overrides = dict(mm_processor_kwargs or {})
     try:
-        return family.load_processor(str(model_dir), dict(mm_processor_kwargs or {}))
+        processor = family.load_light_processor(str(model_dir), overrides) if light else None
+        if light and processor is None:
+            _log_full_processor(family)
+        return processor if processor is not None else family.load_processor(str(model_dir), overrides)
     except Exception as err:  # transformers raises OSError, ValueError, TypeError, KeyError, ... here
         raise CheckpointError(f"cannot load the tokenizer and processor: {_first_line(err)}", model_dir) from err
+
+
+_FULL_PROCESSOR_LOGGED: set[str] = set()
+
+
+def _log_full_processor(family: type[ModelFamily]) -> None:
+    if family.__name__ not in _FULL_PROCESSOR_LOGGED:
+        _FULL_PROCESSOR_LOGGED.add(family.__name__)
+        logger.info("%s: the front end loads transformers' full processor (and its modeling code): %s",
+                    family.display_name or family.__name__, family.full_processor_reason)
 
 
 def load_hf_tokenizer(model_dir: Path) -> Any:

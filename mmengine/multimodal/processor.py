@@ -44,6 +44,7 @@ from mmengine.multimodal.audio import DEFAULT_MAX_AUDIO_SECONDS, as_audio
 from mmengine.multimodal.audio_loader import AudioLoader, LoadedAudio, audio_items, audio_limits
 from mmengine.multimodal.embeds import check_embeds, hash_embeds, is_embeds_item
 from mmengine.multimodal.image_loading import ImageInput, encoded_bytes
+from mmengine.multimodal.light_processor import LightProcessor
 from mmengine.multimodal.media_container import DEFAULT_MAX_MEDIA_DECODE_SECONDS
 from mmengine.multimodal.processor_cache import ProcessorCache
 from mmengine.multimodal.picture_preparer import PicturePreparer
@@ -144,9 +145,11 @@ class InputProcessor:
             audio_settings = processor_settings_key(extractor) if extractor is not None else ""
             self.audios = AudioLoader(family, self.cache, self._lock, self.fingerprint, audio_settings,
                                       audio_limits(family, max_audio_seconds, max_media_decode_seconds), hash_algo)
-        self._check_expansion()
-        if self.audios is not None:
-            self._check_audio_expansion()
+        # (a front end's LightProcessor has no expansion of its own: the engine core checks the same checkpoint's)
+        if not isinstance(self.hf_processor, LightProcessor):
+            self._check_expansion()
+            if self.audios is not None:
+                self._check_audio_expansion()
 
     @property
     def max_tokens_per_item(self) -> int | None:

@@ -1,0 +1,113 @@
+"""A front end's LightProcessor (multimodal/light_processor.py) against transformers' processor, for each family's
+tiny checkpoint that has one: the same chat-template text, and the engine's intake over it gives the token ids and
+pixel values transformers' processor gives for a text+image chat; the other families keep the full processor,
+and say so once."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from mmengine.encoder_cache.hashing import processor_settings_key
+from mmengine.models import registry
+from mmengine.models.family import ModelFamily
+from mmengine.models.registry import FAMILIES, family_class_for, load_family, load_hf_config, load_hf_processor
+from mmengine.multimodal.light_processor import LightProcessor
+from mmengine.multimodal.processor import InputProcessor
+from mmengine.sample.params import SamplingParams
+
+LIGHT = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
+# mm_processor_kwargs each light family is also checked with: the overrides must reach the image processor alike
+OVERRIDES = {"llava": {}, **{name: {"max_pixels": 40_000} for name in LIGHT if name != "llava"}}
+
+CHAT = [
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "A cat on a mat."}]},
+    {"role": "user", "content": [{"type": "text", "text": "And in this one?"}, {"type": "image", "tool": None}]},
+]
+# (a template of the request's own, reading the tokenizer's special tokens and a variable of its own)
+OWN_TEMPLATE = "{{ eos_token }}{% for m in messages %}[{{ m['role'] }}]{% endfor %}{{ suffix }}{{ pad_token }}"
+
+
+def picture(seed: int, width: int, height: int) -> Image.Image:
+    return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def _input_processor(path, processor) -> InputProcessor:
+    family = load_family(load_hf_config(path), processor, path)
+    return InputProcessor(path, family, 4096, {"image": 4, "video": 1}, 10_000_000, hf_processor=processor)
+
+
+@pytest.mark.parametrize("name", LIGHT)
+def test_the_light_processor_renders_tokenizes_and_preprocesses_as_transformers(name, family_checkpoint):
+    path = family_checkpoint(name)
+    light = load_hf_processor(path, OVERRIDES[name], light=True)
+    full = load_hf_processor(path, OVERRIDES[name])
+    assert isinstance(light, LightProcessor) and not isinstance(full, LightProcessor)
+    # the chat template's text: the checkpoint's own template, a continued final message, a request's own template
+    prompt = full.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    assert light.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False) == prompt
+    assert prompt.count(full.image_token) == 2
+    assert (light.apply_chat_template(CHAT[:2], continue_final_message=True)
+            == full.apply_chat_template(CHAT[:2], continue_final_message=True))
+    openai = [{**CHAT[0], "content": [{"type": "image_url", "image_url": {"url": "a.png"}}, CHAT[0]["content"][1]]}]
+    assert light.apply_chat_template(openai, tokenize=False) == full.apply_chat_template(openai, tokenize=False)
+    assert light.apply_chat_template(openai).count(full.image_token) == 1  # (an OpenAI part is an image part)
+    own = light.apply_chat_template(CHAT, chat_template=OWN_TEMPLATE, suffix="!")
+    assert own == full.apply_chat_template(CHAT, chat_template=OWN_TEMPLATE, suffix="!") and own.count("[user]") == 2
+    # the engine's intake over each: token ids and pixel values as transformers' processor makes them
+    pictures = [picture(1, 53, 37), picture(2, 90, 200)]
+    reference = full(text=prompt, images=pictures, return_tensors="pt")
+    params = SamplingParams(max_tokens=1)
+    light_intake, full_intake = _input_processor(path, light), _input_processor(path, full)
+    assert light_intake.settings_key == full_intake.settings_key == processor_settings_key(full.image_processor)
+    for intake in (light_intake, full_intake):
+        processed = intake.process(prompt, pictures, params)
+        assert processed.prompt_token_ids == reference["input_ids"][0].tolist()
+        pixels = torch.cat([item.encoder_inputs["pixel_values"].reshape(-1) for item in processed.mm_items])
+        assert torch.equal(pixels, reference["pixel_values"].reshape(-1)), name
+        assert [(item.offset, item.length) for item in processed.mm_items] == [
+            (item.offset, item.length) for item in full_intake.process(prompt, pictures, params).mm_items]
+    assert light.chat_template == full.chat_template
+    for token in ("image_token", "video_token", "vision_start_token", "vision_end_token"):
+        assert (getattr(light, token, None) or None) == (getattr(full, token, None) or None), token
+
+
+@pytest.mark.parametrize("name", ["llava", "qwen2_5_vl"])
+def test_the_light_image_processor_unpickles_to_the_same_settings(name, family_checkpoint):
+    """A preprocessing worker gets the image processor pickled: it comes back with the same settings (its
+    pickle now goes through light_processor, which imports transformers' processing code first)."""
+    image_processor = load_hf_processor(family_checkpoint(name), light=True).image_processor
+    data = pickle.dumps(image_processor)
+    assert b"mmengine.multimodal.light_processor" in data
+    again = pickle.loads(data)
+    assert type(again) is type(image_processor)
+    assert processor_settings_key(again) == processor_settings_key(image_processor)
+    pictures = [picture(3, 70, 41)]
+    assert torch.equal(again(images=pictures, return_tensors="pt")["pixel_values"],
+                       image_processor(images=pictures, return_tensors="pt")["pixel_values"])
+
+
+def test_every_family_has_a_light_processor_or_says_why_not():
+    for model_type, entry in FAMILIES.items():
+        family = entry.load()
+        has_light = family.load_light_processor.__func__ is not ModelFamily.load_light_processor.__func__
+        assert has_light == (model_type in LIGHT), model_type
+        assert bool(family.full_processor_reason) == (not has_light), model_type
+
+
+def test_a_family_without_one_keeps_the_full_processor_and_logs_it_once(family_checkpoint, caplog, monkeypatch):
+    monkeypatch.setattr(registry, "_FULL_PROCESSOR_LOGGED", set())
+    path = family_checkpoint("gemma3")
+    with caplog.at_level(logging.INFO, logger="mmengine.models.registry"):
+        processors = [load_hf_processor(path, light=True) for _ in range(2)]
+    assert all(type(p).__name__ == "Gemma3Processor" for p in processors)
+    family = family_class_for(load_hf_config(path))
+    records = [r.getMessage() for r in caplog.records if "full processor" in r.getMessage()]
+    assert records == [f"{family.display_name}: the front end loads transformers' full processor (and its modeling "
+                       f"code): {family.full_processor_reason}"]
