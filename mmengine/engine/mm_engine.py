@@ -29,6 +29,7 @@ from mmengine.engine.prompt_inputs import (
 from mmengine.engine.startup import build_engine_parts
 from mmengine.engine.stats import engine_stats
 from mmengine.engine.step_loop import StepLoop
+from mmengine.engine.step_threads import StepThreads
 from mmengine.engine.weight_update import WeightsSource, updates_encoders, weight_stream
 from mmengine.errors import ConfigError, EngineDeadError, InvalidInputError
 from mmengine.lora.manager import LoRAManager
@@ -86,6 +87,8 @@ class MMEngine:
         self._finalizer = weakref.finalize(self, pool.close) if pool is not None else None
         # tensor_parallel_size > 1: the worker processes that hold the model (runner/parallel_runner.py)
         self.parallel = self.runner if isinstance(self.runner, ParallelRunner) else None
+        # a model stepping on this process's CPU threads leaves the busy preprocessing workers their cores
+        self.step_threads = StepThreads(pool) if pool is not None and self.device.type == "cpu" and self.parallel is None else None
 
     def close(self) -> None:
         """Stops the engine's worker processes (mm_processor_workers); the engine keeps its caches and can
@@ -93,6 +96,7 @@ class MMEngine:
         if self._finalizer is not None:
             self._finalizer()
             self.input_processor.pool = None
+            self.step_threads = None
 
     def shutdown(self) -> None:
         """Stops every process the engine started: the preprocessing workers and, with tensor_parallel_size > 1,
@@ -174,9 +178,17 @@ class MMEngine:
         say and the caches' books match the runner's tensors, so calling step() again retries it.
         """
         with self.lock:
-            self.steps.advance()
+            self._advance()
             delivered, self.steps.pending = self.steps.pending, []
             return delivered
+
+    def _advance(self) -> None:
+        """One step of the loop (under the lock), on the CPU threads that busy preprocessing workers leave."""
+        if self.step_threads is None:
+            self.steps.advance()
+            return
+        with self.step_threads.around_step():
+            self.steps.advance()
 
     def read_final_output_only(self, request_id: str) -> bool:
         """From now on step() returns this request's output (an add_request() one) only when it finishes, its
@@ -269,7 +281,7 @@ class MMEngine:
                         if len(results) < len(ids):
                             if not self.steps.has_work():
                                 raise RuntimeError(f"generate() lost track of requests {sorted(set(ids) - set(results))}")
-                            self.steps.advance()
+                            self._advance()
                         done = len(results)
                     bar.update(done - bar.n)
                     if done == len(incoming):

@@ -1,0 +1,117 @@
+"""A CPU engine with preprocessing workers steps on the torch threads its busy workers leave
+(engine/step_threads.py), and generate() steps a batch's first prompts while a later picture is still in a
+worker: here a pool whose worker is held back until the model has started every other prompt."""
+
+from __future__ import annotations
+
+import io
+import threading
+import types
+
+import pytest
+import torch
+
+from mmengine import MMEngine, SamplingParams
+from mmengine.engine.step_threads import StepThreads
+from mmengine.testing import make_test_image
+from mmengine.testing.qwen_vl import qwen_vl_prompt
+
+PARAMS = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+HOLD_S = 60.0  # a bound on the held picture's wait, generous for a loaded machine: reaching it means no overlap
+
+
+@pytest.fixture
+def threads():
+    """The process's torch threads set to `threads(n)` for the test, and put back after it."""
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize(("own", "busy", "width"), [(3, 0, 3), (3, 1, 2), (3, 2, 1), (3, 5, 1), (1, 1, 1)])
+def test_a_step_takes_the_threads_the_busy_workers_leave(threads, own, busy, width):
+    threads(own)
+    step_threads = StepThreads(types.SimpleNamespace(num_in_flight=busy))
+    with step_threads.around_step() as given:
+        assert given == width and torch.get_num_threads() == width
+    assert torch.get_num_threads() == own  # the process's own setting is back
+    assert step_threads.num_narrowed == (width < own)
+
+
+def test_the_setting_is_back_after_a_failed_step(threads):
+    threads(2)
+    with pytest.raises(RuntimeError, match="boom"), StepThreads(types.SimpleNamespace(num_in_flight=1)).around_step():
+        raise RuntimeError("boom")
+    assert torch.get_num_threads() == 2
+
+
+class HeldPool:
+    """A preprocessing pool stand-in: prepares pictures with the engine's own preparer, on the caller's thread,
+    counting those in flight as the pool does; the picture `held` waits (in flight) until `release` is set, and
+    `prepared` is set once it has left the pool."""
+
+    num_workers = 2
+
+    def __init__(self, preparer, held: bytes) -> None:
+        self.preparer, self.held = preparer, held
+        self.release, self.prepared = threading.Event(), threading.Event()
+        self.released_in_time: bool | None = None
+        self.num_in_flight = 0
+        self._lock = threading.Lock()
+
+    def prepare(self, encoded: bytes, index: int, path: str | None = None):
+        with self._lock:
+            self.num_in_flight += 1
+        try:
+            if encoded == self.held:
+                self.released_in_time = self.release.wait(HOLD_S)
+            return self.preparer.prepare_encoded(encoded, index, path)
+        finally:
+            with self._lock:
+                self.num_in_flight -= 1
+            if encoded == self.held:
+                self.prepared.set()
+
+
+def jpeg(seed: int) -> bytes:
+    buffer = io.BytesIO()
+    make_test_image(seed, size=(160, 120)).save(buffer, "JPEG", quality=90)
+    return buffer.getvalue()
+
+
+def test_generate_steps_every_other_prompt_while_a_worker_holds_the_last_picture(family_checkpoint, threads, monkeypatch):
+    engine = MMEngine(str(family_checkpoint("qwen2_5_vl")), device="cpu", dtype="float32", max_model_len=512)
+    prompts = [qwen_vl_prompt(f"Question {i}: what is here?", 1) for i in range(5)]
+    images = [[jpeg(70 + i)] for i in range(5)]
+    pool = HeldPool(engine.input_processor.pictures, held=images[-1][0])
+    monkeypatch.setattr(engine.input_processor, "pool", pool)
+    monkeypatch.setattr(engine, "step_threads", StepThreads(pool))
+    threads(2)
+    started: set[str] = set()
+    widths: list[tuple[bool, int]] = []  # (the held picture prepared yet, the step's threads)
+    advance, schedule = engine.steps.advance, engine.scheduler.schedule
+
+    def schedule_and_count():
+        out = schedule()
+        started.update(s.request.request_id for s in out.scheduled if s.num_new_tokens > 0)
+        return out
+
+    def advance_and_release():
+        widths.append((pool.prepared.is_set(), torch.get_num_threads()))
+        advance()
+        if len(started) == len(prompts) - 1:
+            pool.release.set()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule_and_count)
+    monkeypatch.setattr(engine.steps, "advance", advance_and_release)
+    got = engine.generate(prompts, images=images, sampling_params=PARAMS, use_tqdm=False)
+    assert pool.released_in_time is True  # every other prompt started while the last picture was in its worker
+    assert len(started) == len(prompts)
+    held = {width for prepared, width in widths if not prepared}
+    after = {width for prepared, width in widths if prepared}
+    assert held == {1} and after == {2}  # one thread left to the busy worker, then both
+    assert engine.step_threads.num_narrowed == sum(not prepared for prepared, _ in widths)
+    assert torch.get_num_threads() == 2
+    monkeypatch.undo()  # the same prompts on the engine's own threads: the same tokens
+    want = engine.generate(prompts, images=images, sampling_params=PARAMS, use_tqdm=False)
+    assert [out.token_ids for out in got] == [out.token_ids for out in want]
