@@ -21,9 +21,12 @@ from mmengine.multimodal.light_processor import LightProcessor
 from mmengine.multimodal.processor import InputProcessor
 from mmengine.sample.params import SamplingParams
 
-LIGHT = ["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
-# mm_processor_kwargs each light family is also checked with: the overrides must reach the image processor alike
-OVERRIDES = {"llava": {}, **{name: {"max_pixels": 40_000} for name in LIGHT if name != "llava"}}
+QWEN = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
+LIGHT = ["llava", *QWEN, "gemma3"]
+# families whose load_processor builds the engine's own processor (not transformers' processor class): a front end's is it
+OWN = ["mistral3", "llama4"]
+# mm_processor_kwargs a family is checked with: the overrides must reach the image processor alike
+OVERRIDES = {name: {"max_pixels": 40_000} for name in QWEN}
 
 CHAT = [
     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]},
@@ -43,36 +46,40 @@ def _input_processor(path, processor) -> InputProcessor:
     return InputProcessor(path, family, 4096, {"image": 4, "video": 1}, 10_000_000, hf_processor=processor)
 
 
-@pytest.mark.parametrize("name", LIGHT)
+@pytest.mark.parametrize("name", LIGHT + OWN)
 def test_the_light_processor_renders_tokenizes_and_preprocesses_as_transformers(name, family_checkpoint):
     path = family_checkpoint(name)
-    light = load_hf_processor(path, OVERRIDES[name], light=True)
-    full = load_hf_processor(path, OVERRIDES[name])
-    assert isinstance(light, LightProcessor) and not isinstance(full, LightProcessor)
+    light = load_hf_processor(path, OVERRIDES.get(name), light=True)
+    full = load_hf_processor(path, OVERRIDES.get(name))
+    assert not isinstance(full, LightProcessor)
+    assert isinstance(light, LightProcessor) if name in LIGHT else type(light) is type(full)
     # the chat template's text: the checkpoint's own template, a continued final message, a request's own template
     prompt = full.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
     assert light.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False) == prompt
     assert prompt.count(full.image_token) == 2
-    assert (light.apply_chat_template(CHAT[:2], continue_final_message=True)
-            == full.apply_chat_template(CHAT[:2], continue_final_message=True))
+    assert (light.apply_chat_template(CHAT[:2], continue_final_message=True, tokenize=False)
+            == full.apply_chat_template(CHAT[:2], continue_final_message=True, tokenize=False))
     openai = [{**CHAT[0], "content": [{"type": "image_url", "image_url": {"url": "a.png"}}, CHAT[0]["content"][1]]}]
     assert light.apply_chat_template(openai, tokenize=False) == full.apply_chat_template(openai, tokenize=False)
-    assert light.apply_chat_template(openai).count(full.image_token) == 1  # (an OpenAI part is an image part)
-    own = light.apply_chat_template(CHAT, chat_template=OWN_TEMPLATE, suffix="!")
-    assert own == full.apply_chat_template(CHAT, chat_template=OWN_TEMPLATE, suffix="!") and own.count("[user]") == 2
+    if name in LIGHT:  # (an OpenAI part is an image part, as transformers' processor class has it)
+        assert light.apply_chat_template(openai, tokenize=False).count(full.image_token) == 1
+    own = light.apply_chat_template(CHAT, chat_template=OWN_TEMPLATE, suffix="!", tokenize=False)
+    assert own == full.apply_chat_template(CHAT, chat_template=OWN_TEMPLATE, suffix="!", tokenize=False) and own.count("[user]") == 2
     # the engine's intake over each: token ids and pixel values as transformers' processor makes them
     pictures = [picture(1, 53, 37), picture(2, 90, 200)]
     reference = full(text=prompt, images=pictures, return_tensors="pt")
     params = SamplingParams(max_tokens=1)
     light_intake, full_intake = _input_processor(path, light), _input_processor(path, full)
     assert light_intake.settings_key == full_intake.settings_key == processor_settings_key(full.image_processor)
-    for intake in (light_intake, full_intake):
-        processed = intake.process(prompt, pictures, params)
-        assert processed.prompt_token_ids == reference["input_ids"][0].tolist()
-        pixels = torch.cat([item.encoder_inputs["pixel_values"].reshape(-1) for item in processed.mm_items])
+    from_light, from_full = light_intake.process(prompt, pictures, params), full_intake.process(prompt, pictures, params)
+    assert from_light.prompt_token_ids == from_full.prompt_token_ids == reference["input_ids"][0].tolist()
+    assert [(i.mm_hash, i.offset, i.length) for i in from_light.mm_items] == [(i.mm_hash, i.offset, i.length) for i in from_full.mm_items]
+    for ours, theirs in zip(from_light.mm_items, from_full.mm_items, strict=True):
+        assert ours.encoder_inputs.keys() == theirs.encoder_inputs.keys()
+        assert all(torch.equal(ours.encoder_inputs[k], theirs.encoder_inputs[k]) for k in ours.encoder_inputs), name
+    if name in LIGHT:  # (the engine's own processors pad a batch's pictures to one size; the items are unpadded)
+        pixels = torch.cat([item.encoder_inputs["pixel_values"].reshape(-1) for item in from_light.mm_items])
         assert torch.equal(pixels, reference["pixel_values"].reshape(-1)), name
-        assert [(item.offset, item.length) for item in processed.mm_items] == [
-            (item.offset, item.length) for item in full_intake.process(prompt, pictures, params).mm_items]
     assert light.chat_template == full.chat_template
     for token in ("image_token", "video_token", "vision_start_token", "vision_end_token"):
         assert (getattr(light, token, None) or None) == (getattr(full, token, None) or None), token
@@ -97,16 +104,16 @@ def test_every_family_has_a_light_processor_or_says_why_not():
     for model_type, entry in FAMILIES.items():
         family = entry.load()
         has_light = family.load_light_processor.__func__ is not ModelFamily.load_light_processor.__func__
-        assert has_light == (model_type in LIGHT), model_type
+        assert has_light == (model_type in LIGHT + OWN), model_type
         assert bool(family.full_processor_reason) == (not has_light), model_type
 
 
 def test_a_family_without_one_keeps_the_full_processor_and_logs_it_once(family_checkpoint, caplog, monkeypatch):
     monkeypatch.setattr(registry, "_FULL_PROCESSOR_LOGGED", set())
-    path = family_checkpoint("gemma3")
+    path = family_checkpoint("gemma4")
     with caplog.at_level(logging.INFO, logger="mmengine.models.registry"):
         processors = [load_hf_processor(path, light=True) for _ in range(2)]
-    assert all(type(p).__name__ == "Gemma3Processor" for p in processors)
+    assert all(type(p).__name__ == "Gemma4ProcessorWithoutVideo" for p in processors)
     family = family_class_for(load_hf_config(path))
     records = [r.getMessage() for r in caplog.records if "full processor" in r.getMessage()]
     assert records == [f"{family.display_name}: the front end loads transformers' full processor (and its modeling "

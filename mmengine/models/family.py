@@ -119,10 +119,11 @@ class ModelFamily:
     full_processor_reason: ClassVar[str] = "its processor's parts are not yet loaded without transformers' processor class"
 
     @classmethod
-    def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> LightProcessor | None:
-        """What a front end uses of the processor (multimodal/light_processor.py: tokenizer, image processor, chat
-        template, marker tokens), loaded without transformers' processor class and modeling code, and equal to
-        `load_processor`'s parts; None where the family needs the full processor (`full_processor_reason`)."""
+    def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> LightProcessor | Any | None:
+        """What a front end uses of the processor, loaded without transformers' processor class and modeling code
+        and equal to `load_processor`'s parts: a LightProcessor (multimodal/light_processor.py: tokenizer, image
+        processor, chat template, marker tokens), or the family's own processor where load_processor's is the
+        engine's; None where the family needs transformers' processor (`full_processor_reason` says why)."""
         return None
 
     @classmethod

@@ -30,7 +30,7 @@ from transformers import PretrainedConfig
 
 from mmengine.errors import UnsupportedModelError
 from mmengine.layers.attention import AttentionMetadata
-from mmengine.models.family import EncoderInputs, ModelFamily
+from mmengine.models.family import EncoderInputs, ModelFamily, pil_image_processor
 from mmengine.models.gemma3_text import SLIDING, Gemma3DecoderModel
 from mmengine.models.llama import DeepStack
 from mmengine.models.vlm import VisionLanguageModel
@@ -166,13 +166,28 @@ class Gemma3Family(ModelFamily):
         hands the image processor its own defaults (pan-and-scan off) over the saved settings, while the
         engine calls the image processor alone, so the saved ones (else those defaults) are set on both."""
         processor = super().load_processor(model_dir, overrides)
-        image_processor = processor.image_processor
-        defaults = type(processor).images_kwargs
-        for name in PAN_AND_SCAN_SETTINGS:
-            if getattr(image_processor, name, None) is None:
-                setattr(image_processor, name, defaults[name])
-        processor.images_kwargs = {**defaults, **{name: getattr(image_processor, name) for name in PAN_AND_SCAN_SETTINGS}}
+        image_processor = _with_pan_and_scan_settings(processor.image_processor, type(processor).images_kwargs)
+        processor.images_kwargs = {**type(processor).images_kwargs,
+                                   **{name: getattr(image_processor, name) for name in PAN_AND_SCAN_SETTINGS}}
         return processor
+
+    full_processor_reason = ""
+
+    @classmethod
+    def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
+        """Gemma3Processor's parts: the tokenizer, the PIL image processor with load_processor's pan-and-scan
+        settings, the saved chat template, and its image marker (the tokenizer's <start_of_image>)."""
+        from mmengine.multimodal.light_processor import (
+            LightProcessor, import_processing_code, saved_processor_settings, unpickled_without_modeling_code,
+        )
+
+        import_processing_code()
+        from transformers import AutoTokenizer, Gemma3Processor
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        image_processor = _with_pan_and_scan_settings(pil_image_processor(model_dir, overrides), Gemma3Processor.images_kwargs)
+        return LightProcessor(tokenizer, unpickled_without_modeling_code(image_processor),
+                              saved_processor_settings(model_dir).get("chat_template"), tokenizer.boi_token)
 
     # -- text model --
 
@@ -252,3 +267,11 @@ class Gemma3Family(ModelFamily):
     def dummy_items(self, num_items: int) -> list[EncoderInputs]:
         size = self.hf_config.vision_config.image_size
         return [EncoderInputs(pixel_values=torch.zeros(3, size, size)) for _ in range(num_items)]
+
+
+def _with_pan_and_scan_settings(image_processor: Any, defaults: Mapping[str, Any]) -> Any:
+    """`image_processor` with each pan-and-scan setting it lacks set to Gemma3Processor's default (`defaults`)."""
+    for name in PAN_AND_SCAN_SETTINGS:
+        if getattr(image_processor, name, None) is None:
+            setattr(image_processor, name, defaults[name])
+    return image_processor

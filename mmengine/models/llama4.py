@@ -92,6 +92,12 @@ class Llama4Family(ModelFamily):
     model_type = "llama4"
     display_name = "Llama 4 (tiled ViT with pixel shuffle, MoE decoder with chunked local attention and NoPE layers)"
     model_class = Llama4Model
+    full_processor_reason = ""
+
+    @classmethod
+    def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
+        """load_processor's: the engine's own tile and prompt processors import none of transformers' processing code."""
+        return cls.load_processor(model_dir, overrides)
 
     def __init__(self, hf_config: PretrainedConfig, image_processor_settings: dict[str, Any] | None = None,
                  model_dir: str | None = None) -> None:

@@ -93,6 +93,18 @@ class Mistral3Family(ModelFamily):
     model_type = "mistral3"
     display_name = "Mistral 3 (Pixtral tower at native resolution, 2-D RoPE, patch merger, Mistral decoder)"
     model_class = Mistral3Model
+    full_processor_reason = ""
+
+    @classmethod
+    def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
+        """load_processor's PixtralPromptProcessor (the engine's own, not transformers' processor class), its image
+        processor loaded after transformers' processing code alone and pickled for workers the same way."""
+        from mmengine.multimodal.light_processor import import_processing_code, unpickled_without_modeling_code
+
+        import_processing_code()
+        processor = cls.load_processor(model_dir, overrides)
+        unpickled_without_modeling_code(processor.image_processor)
+        return processor
 
     def __init__(self, hf_config: PretrainedConfig, image_processor_settings: dict[str, Any] | None = None,
                  model_dir: str | None = None) -> None:
