@@ -1,7 +1,7 @@
-"""A front end's LightProcessor (multimodal/light_processor.py) against transformers' processor, for each family's
-tiny checkpoint that has one: the same chat-template text, and the engine's intake over it gives the token ids and
-pixel values transformers' processor gives for a text+image chat; the other families keep the full processor,
-and say so once."""
+"""A front end's processor (multimodal/light_processor.py's LightProcessor, or a family's own) against transformers'
+processor, for each family's tiny checkpoint: the same chat-template text, and the engine's intake over it gives the
+token ids, items and pixel values transformers' processor gives for a text+image chat; a family without one would
+keep the full processor, and say so once."""
 
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ from PIL import Image
 from mmengine.encoder_cache.hashing import processor_settings_key
 from mmengine.models import registry
 from mmengine.models.family import ModelFamily
-from mmengine.models.registry import FAMILIES, family_class_for, load_family, load_hf_config, load_hf_processor
+from mmengine.models.registry import FAMILIES, load_family, load_hf_config, load_hf_processor
 from mmengine.multimodal.light_processor import LightProcessor
 from mmengine.multimodal.processor import InputProcessor
 from mmengine.sample.params import SamplingParams
 
 QWEN = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"]
-LIGHT = ["llava", *QWEN, "gemma3"]
+LIGHT = ["llava", *QWEN, "gemma3", "gemma4", "llava_onevision", "internvl", "idefics3", "smolvlm"]
 # families whose load_processor builds the engine's own processor (not transformers' processor class): a front end's is it
 OWN = ["mistral3", "llama4"]
 # mm_processor_kwargs a family is checked with: the overrides must reach the image processor alike
@@ -33,6 +33,8 @@ CHAT = [
     {"role": "assistant", "content": [{"type": "text", "text": "A cat on a mat."}]},
     {"role": "user", "content": [{"type": "text", "text": "And in this one?"}, {"type": "image", "tool": None}]},
 ]
+# the marker tokens of every family's processor, in a user's text
+MARKERS = "a <image> b <video> <|video|> <fake_token_around_image><end_of_utterance> <global-img> <|image_pad|> [IMG] c"
 # (a template of the request's own, reading the tokenizer's special tokens and a variable of its own)
 OWN_TEMPLATE = "{{ eos_token }}{% for m in messages %}[{{ m['role'] }}]{% endfor %}{{ suffix }}{{ pad_token }}"
 
@@ -77,12 +79,25 @@ def test_the_light_processor_renders_tokenizes_and_preprocesses_as_transformers(
     for ours, theirs in zip(from_light.mm_items, from_full.mm_items, strict=True):
         assert ours.encoder_inputs.keys() == theirs.encoder_inputs.keys()
         assert all(torch.equal(ours.encoder_inputs[k], theirs.encoder_inputs[k]) for k in ours.encoder_inputs), name
-    if name in LIGHT:  # (the engine's own processors pad a batch's pictures to one size; the items are unpadded)
-        pixels = torch.cat([item.encoder_inputs["pixel_values"].reshape(-1) for item in from_light.mm_items])
+    # each picture alone (a batch of pictures of several sizes is padded to one, where the items are not)
+    one = full.apply_chat_template(CHAT[:1], add_generation_prompt=True, tokenize=False)
+    for alone in pictures:
+        reference = full(text=one, images=[alone], return_tensors="pt")
+        processed = light_intake.process(one, [alone], params)
+        assert processed.prompt_token_ids == reference["input_ids"][0].tolist()
+        pixels = torch.cat([item.encoder_inputs["pixel_values"].reshape(-1) for item in processed.mm_items])
         assert torch.equal(pixels, reference["pixel_values"].reshape(-1)), name
     assert light.chat_template == full.chat_template
-    for token in ("image_token", "video_token", "vision_start_token", "vision_end_token"):
+    # the tokenizer as the processor class leaves it (Idefics3's and Gemma 4's add special tokens to it)
+    assert light.tokenizer.all_special_tokens == full.tokenizer.all_special_tokens and len(light.tokenizer) == len(full.tokenizer)
+    assert light.tokenizer(MARKERS)["input_ids"] == full.tokenizer(MARKERS)["input_ids"]
+    for token in ("image_token", "video_token", "audio_token", "vision_start_token", "vision_end_token"):
         assert (getattr(light, token, None) or None) == (getattr(full, token, None) or None), token
+    extractor = getattr(full, "feature_extractor", None)  # (Gemma 4's audio settings key the clips' hashes)
+    assert (extractor is None) == (getattr(light, "feature_extractor", None) is None)
+    if extractor is not None:
+        assert processor_settings_key(light.feature_extractor) == processor_settings_key(extractor)
+        assert light_intake.audios.settings_key == full_intake.audios.settings_key
 
 
 @pytest.mark.parametrize("name", ["llava", "qwen2_5_vl"])
@@ -100,21 +115,25 @@ def test_the_light_image_processor_unpickles_to_the_same_settings(name, family_c
                        image_processor(images=pictures, return_tensors="pt")["pixel_values"])
 
 
-def test_every_family_has_a_light_processor_or_says_why_not():
+def test_every_family_has_a_light_processor():
     for model_type, entry in FAMILIES.items():
         family = entry.load()
-        has_light = family.load_light_processor.__func__ is not ModelFamily.load_light_processor.__func__
-        assert has_light == (model_type in LIGHT + OWN), model_type
-        assert bool(family.full_processor_reason) == (not has_light), model_type
+        assert family.load_light_processor.__func__ is not ModelFamily.load_light_processor.__func__, model_type
+        assert family.full_processor_reason == "", model_type
+    assert sorted(LIGHT + OWN) == sorted(FAMILIES)  # (each is checked against transformers' above)
 
 
-def test_a_family_without_one_keeps_the_full_processor_and_logs_it_once(family_checkpoint, caplog, monkeypatch):
+def test_a_family_without_one_keeps_the_full_processor_and_logs_it_once(checkpoint_dir, caplog, monkeypatch):
+    """A family that has no light processor (a new one: LLaVA's stands for it here) gives the front end
+    transformers' processor, and the log says so once, with why."""
+    from mmengine.models.llava import LlavaFamily
+
     monkeypatch.setattr(registry, "_FULL_PROCESSOR_LOGGED", set())
-    path = family_checkpoint("gemma4")
+    monkeypatch.setattr(LlavaFamily, "load_light_processor", ModelFamily.load_light_processor)
+    monkeypatch.setattr(LlavaFamily, "full_processor_reason", "its markers need the processor class")
     with caplog.at_level(logging.INFO, logger="mmengine.models.registry"):
-        processors = [load_hf_processor(path, light=True) for _ in range(2)]
-    assert all(type(p).__name__ == "Gemma4ProcessorWithoutVideo" for p in processors)
-    family = family_class_for(load_hf_config(path))
+        processors = [load_hf_processor(checkpoint_dir(), light=True) for _ in range(2)]
+    assert [type(p).__name__ for p in processors] == ["LlavaProcessor", "LlavaProcessor"]
     records = [r.getMessage() for r in caplog.records if "full processor" in r.getMessage()]
-    assert records == [f"{family.display_name}: the front end loads transformers' full processor (and its modeling "
-                       f"code): {family.full_processor_reason}"]
+    assert records == [f"{LlavaFamily.display_name}: the front end loads transformers' full processor (and its modeling "
+                       "code): its markers need the processor class"]

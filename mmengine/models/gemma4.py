@@ -35,6 +35,7 @@ from mmengine.models.gemma4_vision import (
     VISION_CHECKPOINT_PREFIXES,
     Gemma4ImageItems,
     Gemma4VisionEncoder,
+    load_gemma4_light_processor,
     load_gemma4_processor,
 )
 from mmengine.models.llama import DeepStack
@@ -126,6 +127,12 @@ class Gemma4Family(ModelFamily):
     @classmethod
     def load_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
         return load_gemma4_processor(model_dir, overrides)
+
+    full_processor_reason = ""
+
+    @classmethod
+    def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
+        return load_gemma4_light_processor(model_dir, overrides)
 
     # -- text model --
 

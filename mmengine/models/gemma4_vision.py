@@ -81,6 +81,33 @@ def load_gemma4_processor(model_dir: str, overrides: Mapping[str, Any]) -> Any:
     """The checkpoint's Gemma4Processor (tokenizer, Gemma4ImageProcessorPil, audio feature extractor,
     chat template) without a video processor, so it loads with or without torchvision; `overrides`
     (e.g. max_soft_tokens) replace the image processor's saved settings."""
+    tokenizer, image_processor, feature_extractor = _gemma4_parts(model_dir, overrides)
+    config_path = Path(model_dir) / "processor_config.json"
+    saved = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    settings = {name: saved[name] for name in _PROCESSOR_SETTINGS if name in saved}
+    return processor_without_video_class()(
+        feature_extractor, image_processor, tokenizer, chat_template=tokenizer.chat_template, **settings
+    )
+
+
+def load_gemma4_light_processor(model_dir: str, overrides: Mapping[str, Any]) -> Any:
+    """load_gemma4_processor's parts as a LightProcessor, with the tokens Gemma4Processor takes (and the video
+    token it adds to the tokenizer), loaded after transformers' processing code alone."""
+    from mmengine.multimodal.light_processor import LightProcessor, import_processing_code, unpickled_without_modeling_code
+
+    import_processing_code()
+    tokenizer, image_processor, feature_extractor = _gemma4_parts(model_dir, overrides)
+    tokenizer.add_special_tokens({"additional_special_tokens": [_VIDEO]})  # as Gemma4Processor.__init__
+    return LightProcessor(tokenizer, unpickled_without_modeling_code(image_processor), tokenizer.chat_template,
+                          tokenizer.image_token, _VIDEO, audio_token=getattr(tokenizer, "audio_token", None),
+                          feature_extractor=feature_extractor)
+
+
+_VIDEO = "<|video|>"  # Gemma4Processor's video token
+
+
+def _gemma4_parts(model_dir: str, overrides: Mapping[str, Any]) -> tuple[Any, Any, Any]:
+    """The tokenizer, the PIL image processor (with `overrides`) and the audio feature extractor."""
     from transformers import AutoTokenizer, Gemma4AudioFeatureExtractor, Gemma4ImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
@@ -89,12 +116,7 @@ def load_gemma4_processor(model_dir: str, overrides: Mapping[str, Any]) -> Any:
         feature_extractor = Gemma4AudioFeatureExtractor.from_pretrained(model_dir, local_files_only=True)
     except OSError:  # a checkpoint without audio settings: Gemma4Processor still wants the part (unused)
         feature_extractor = Gemma4AudioFeatureExtractor()
-    config_path = Path(model_dir) / "processor_config.json"
-    saved = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-    settings = {name: saved[name] for name in _PROCESSOR_SETTINGS if name in saved}
-    return processor_without_video_class()(
-        feature_extractor, image_processor, tokenizer, chat_template=tokenizer.chat_template, **settings
-    )
+    return tokenizer, image_processor, feature_extractor
 
 
 # -- encoder --------------------------------------------------------------------------------------

@@ -21,6 +21,7 @@ num2words; a video is refused by name.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,10 +29,11 @@ from transformers import PretrainedConfig
 
 from mmengine.errors import InvalidInputError, UnsupportedModelError
 from mmengine.layers.attention import AttentionMetadata
-from mmengine.models.family import EncoderInputs, ModelFamily
+from mmengine.models.family import EncoderInputs, ModelFamily, pil_image_processor
 from mmengine.models.idefics3_tiles import MarkerTokens, TileSettings
 from mmengine.models.llama import DeepStack
 from mmengine.models.vlm import VisionLanguageModel
+from mmengine.multimodal.light_processor import LightProcessor
 
 # (checkpoint prefix, ours): transformers 5 and the published checkpoints alike
 _PREFIXES = {"model.text_model.": "language_model.", "model.vision_model.": "vision_model.", "model.connector.": "connector."}
@@ -115,6 +117,28 @@ class Idefics3Family(ModelFamily):
         if self.tiles.tile % self.patch_size or side % scale:
             raise UnsupportedModelError(f"tiles of {self.tiles.tile} px (max_image_size) must be whole {self.patch_size} px patches "
                                         f"whose side scale_factor {scale} divides")
+
+    full_processor_reason = ""
+
+    @classmethod
+    def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
+        """Idefics3Processor's parts: the tokenizer with the special tokens the processor adds to it, the PIL image
+        processor reporting each picture's grid, the saved chat template and the marker tokens."""
+        from transformers import AutoTokenizer
+
+        from mmengine.multimodal.light_processor import (
+            import_processing_code, saved_processor_settings, unpickled_without_modeling_code,
+        )
+
+        import_processing_code()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        fake, image = "<fake_token_around_image>", "<image>"
+        tokenizer.add_special_tokens({"additional_special_tokens": [fake, image, "<end_of_utterance>"]})  # as Idefics3Processor
+        image_processor = pil_image_processor(model_dir, overrides)
+        image_processor.return_row_col_info = True
+        return TiledLightProcessor(tokenizer, unpickled_without_modeling_code(image_processor),
+                                   saved_processor_settings(model_dir).get("chat_template"), image,
+                                   fake_image_token=fake, global_image_tag="<global-img>")
 
     @classmethod
     def load_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
@@ -219,6 +243,25 @@ class SmolVLMFamily(Idefics3Family):
     model_class = SmolVLMModel
 
     @classmethod
+    def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
+        """load_processor's parts and the marker tokens SmolVLMProcessor takes from the tokenizer (else its defaults)."""
+        from mmengine.multimodal.light_processor import import_processing_code, saved_processor_settings, unpickled_without_modeling_code
+
+        import_processing_code()
+        from transformers import AutoTokenizer, SmolVLMImageProcessorPil
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        image_processor = SmolVLMImageProcessorPil.from_pretrained(model_dir, local_files_only=True, **overrides)
+        image_processor.return_row_col_info = True
+        return TiledLightProcessor(
+            tokenizer, unpickled_without_modeling_code(image_processor),
+            saved_processor_settings(model_dir).get("chat_template") or tokenizer.chat_template,
+            getattr(tokenizer, "image_token", "<image>"), getattr(tokenizer, "video_token", "<video>"),
+            fake_image_token=getattr(tokenizer, "fake_image_token", "<fake_token_around_image>"),
+            global_image_token=getattr(tokenizer, "global_image_token", "<global-img>"),
+        )
+
+    @classmethod
     def load_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
         """transformers' SmolVLMProcessor from the tokenizer, the PIL image processor and the saved processor
         settings (image_seq_len), without its video processor (torchvision only) and its video prompt's
@@ -236,6 +279,15 @@ class SmolVLMFamily(Idefics3Family):
     @staticmethod
     def marker_tokens(processor: Any) -> MarkerTokens:
         return MarkerTokens(processor.fake_image_token, processor.global_image_token, processor.image_token)
+
+
+@dataclass
+class TiledLightProcessor(LightProcessor):
+    """A LightProcessor with the tokens Idefics3's and SmolVLM's processors write around a picture's tiles."""
+
+    fake_image_token: str = ""
+    global_image_tag: str = ""  # Idefics3Processor's name
+    global_image_token: str = ""  # SmolVLMProcessor's
 
 
 def smolvlm_image_processor_class() -> type:

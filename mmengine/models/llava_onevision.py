@@ -109,6 +109,28 @@ class LlavaOnevisionFamily(ModelFamily):
             raise UnsupportedModelError(f"video frames of {self.video.width}x{self.video.height} px are not supported: the "
                                         f"tower's features are pooled as {self.anyres.tile} px squares")
 
+    full_processor_reason = ""
+
+    @classmethod
+    def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
+        """load_processor's parts: the tokenizer, the PIL image processor, the saved chat template and the image
+        and video tokens its processor class takes."""
+        from mmengine.multimodal.light_processor import (
+            LightProcessor, import_processing_code, saved_processor_settings, special_token, unpickled_without_modeling_code,
+        )
+
+        import_processing_code()
+        from transformers import AutoTokenizer, LlavaOnevisionImageProcessorPil
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        image_processor = LlavaOnevisionImageProcessorPil.from_pretrained(model_dir, local_files_only=True, **overrides)
+        saved = saved_processor_settings(model_dir)
+        return LightProcessor(
+            tokenizer, unpickled_without_modeling_code(image_processor), saved.get("chat_template") or tokenizer.chat_template,
+            special_token(tokenizer, "image_token", saved.get("image_token") or "<image>"),
+            special_token(tokenizer, "video_token", saved.get("video_token") or "<video>"),
+        )
+
     @classmethod
     def load_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
         """transformers' LlavaOnevisionProcessor from the tokenizer, the PIL image processor and the saved

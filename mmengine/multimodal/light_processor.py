@@ -108,6 +108,8 @@ class LightProcessor:
     # the tokens a chat template writes around a video marker (Qwen3-VL's processors name them; "" where none)
     vision_start_token: str = ""
     vision_end_token: str = ""
+    audio_token: str | None = None
+    feature_extractor: Any = None  # the audio feature extractor, where the family takes audio
 
     def apply_chat_template(self, conversation: list[dict[str, Any]] | list[list[dict[str, Any]]],
                             chat_template: str | None = None, tools: list[dict[str, Any]] | None = None,
