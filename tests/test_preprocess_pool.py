@@ -28,6 +28,7 @@ from mmengine import MMEngine, SamplingParams
 from mmengine.config import EngineConfig
 from mmengine.errors import (ConfigError, CorruptImageError, ImageTooLargeError, PreprocessingWorkerError,
                              UnsupportedModelError)
+from mmengine.multimodal.output_arena import copy_out
 from mmengine.multimodal.picture_preparer import PreparerSpec
 from mmengine.multimodal import preprocess_pool
 from mmengine.multimodal.preprocess_pool import PreprocessPool
@@ -187,7 +188,8 @@ def test_a_worker_builds_its_preparer_from_the_engines_own_processor(in_process,
     try:
         assert ours.recv()[0] == "ready"
         ours.send((jpeg(70), 0, None))
-        status, (mm_hash, inputs) = ours.recv()
+        status, (mm_hash, layout, segment) = ours.recv()
+        inputs = copy_out(layout, segment)
     finally:
         ours.send(None)
         worker.join(30)

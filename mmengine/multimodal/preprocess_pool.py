@@ -1,9 +1,10 @@
 """Pictures prepared in worker processes: encoded bytes are decoded, checked, hashed and preprocessed away
 from the engine process (and its GIL), and their tensors come back in shared memory, never as pickled
-pixels (the fast path writes its output straight into shared memory; torch passes it by file
-descriptor). On arrival the tensors are copied into the engine process's own memory and the shared
-segment is let go at once: each live shared tensor holds a file descriptor and a mapping, and the
-processor cache keeps thousands of pictures (one descriptor each would exhaust a 1024-descriptor limit).
+pixels (the fast path writes its output straight into a shared segment each worker keeps and reuses,
+output_arena.py; torch passes the segment by file descriptor, once). On arrival the tensors are copied
+into the engine process's own memory, which frees the segment for the worker's next picture: a live
+shared tensor would hold a file descriptor and a mapping, and the processor cache keeps thousands of
+pictures (one descriptor each would exhaust a 1024-descriptor limit).
 
 Each worker (spawned: no state of the engine's is forked) builds the engine's own PicturePreparer from its
 image processor and config, pickled (PreparerSpec): it reads no checkpoint file and loads no tokenizer. It is
@@ -28,12 +29,12 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from typing import Any
 
-import numpy as np
 import torch
 import torch.multiprocessing as torch_mp
 
 from mmengine.errors import InvalidInputError, PreprocessingWorkerError
 from mmengine.models.family import EncoderInputs
+from mmengine.multimodal.output_arena import OutputArena, copy_out
 from mmengine.multimodal.picture_preparer import PicturePreparer, PreparerSpec
 from mmengine.utils.process_exit import leave
 
@@ -120,6 +121,7 @@ class _WorkerSlot:
         self.connection: Any = None
         self.broken: BaseException | None = None  # the worker could not start: every picture fails with this
         self.ready = False  # its current worker process is up
+        self.segment: Any = None  # the current worker's output segment (output_arena.py), mapped once it is sent
         self.thread = threading.Thread(target=self._run, name=f"mmengine-preprocess-worker-{number}", daemon=True)
 
     def _run(self) -> None:
@@ -189,13 +191,20 @@ class _WorkerSlot:
         task.future.set_exception(PreprocessingWorkerError(f"image {task.index}: no preprocessing worker could take it"))
 
     def _finish(self, task: _Task, status: str, payload: Any) -> None:
-        if status == _DONE:
-            with self.pool._lock:
-                self.pool.num_prepared += 1
-            mm_hash, shared = payload
-            task.future.set_result((mm_hash, private_copy(shared)))
-        else:
+        if status != _DONE:
             task.future.set_exception(payload)
+            return
+        mm_hash, layout, segment = payload
+        if segment is not None:  # the worker's new (or grown) segment
+            self.segment = segment
+        try:
+            inputs = copy_out(layout, self.segment)  # before the worker gets its next picture, which may write over it
+        except PreprocessingWorkerError as err:
+            task.future.set_exception(PreprocessingWorkerError(f"image {task.index}: {err}"))
+            return
+        with self.pool._lock:
+            self.pool.num_prepared += 1
+        task.future.set_result((mm_hash, inputs))
 
     def _spawn(self) -> None:
         """Starts the worker and waits for it to be ready. One that reports why it cannot start (a checkpoint
@@ -252,6 +261,7 @@ class _WorkerSlot:
 
     def _stop(self) -> None:
         self.ready = False
+        self.segment = None
         if self.connection is not None:
             try:
                 self.connection.send(None)
@@ -276,19 +286,6 @@ def _tell_pool(connection: Any, message: tuple) -> bool:
     return True
 
 
-def private_copy(inputs: EncoderInputs) -> EncoderInputs:
-    """The tensors in this process's own memory; the shared segments (and their descriptors) go with `inputs`."""
-    return EncoderInputs({name: tensor.clone() for name, tensor in inputs.items()})
-
-
-def _shared(shape: tuple[int, ...], dtype: np.dtype) -> torch.Tensor:
-    """An output tensor in shared memory, made there (no copy into it later)."""
-    torch_dtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-    numel = int(np.prod(shape))
-    storage = torch.UntypedStorage._new_shared(numel * torch_dtype.itemsize)
-    return torch.empty(0, dtype=torch_dtype).set_(storage, 0, shape)
-
-
 def worker_process_main(pickled_spec: bytes, connection: Any) -> None:
     """A worker process's entry: worker_main, then it leaves without the interpreter's teardown, which with torch
     and transformers loaded took about 1.5 s of CPU on a loaded 2-core machine (the pool's close waits for it);
@@ -310,6 +307,7 @@ def worker_main(pickled_spec: bytes, connection: Any) -> None:
     preparer.warm_up()
     if not _tell_pool(connection, (_READY, os.getpid())):
         return
+    arena = OutputArena()
     while True:
         try:
             message = connection.recv()
@@ -319,8 +317,10 @@ def worker_main(pickled_spec: bytes, connection: Any) -> None:
             return
         encoded, index, path = message
         try:
-            mm_hash, inputs = preparer.prepare_encoded(encoded, index, path, allocate=_shared)
-            reply = (_DONE, (mm_hash, EncoderInputs({name: tensor.share_memory_() for name, tensor in inputs.items()})))
+            arena.start()
+            mm_hash, inputs = preparer.prepare_encoded(encoded, index, path, allocate=arena.allocate)
+            layout = arena.layout(inputs)
+            reply = (_DONE, (mm_hash, layout, arena.take_new_segment()))
         except InvalidInputError as err:
             reply = (_FAILED, err)
         except Exception as err:  # noqa: BLE001 - any other failure is the picture's, named
