@@ -1,6 +1,7 @@
 """Images, videos and audio: from what a caller gives to token ids and items.
 
   processor.py        InputProcessor: prompt + pictures -> token ids with expanded runs, and items
+  light_processor.py  a front end's processor parts (tokenizer, image processor, template), no transformers modeling code
   fast_image_processor.py  transformers' PIL image processors' pixels, bit for bit, without their float passes
   picture_preparer.py a picture's cache miss (decode, limits, content hash, preprocess): the same here and in a worker
   preprocess_pool.py  worker processes that prepare encoded pictures, tensors back in shared memory
