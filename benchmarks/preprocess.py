@@ -12,7 +12,10 @@ processor; the engine decodes with its load_image). The pixel values are checked
 Then, for Qwen2.5-VL's processor (a micro checkpoint with max_pixels 1003520): photos/s of the
 preprocessing pool (mm_processor_workers, JPEG bytes in, shared-memory tensors out) at each --workers
 count, and the whole engine (`generate()`, one token) on --photos new 1920x1080 photos (the first --sizes) without and with
-workers, against transformers' processor alone on the same photos. Printed as tables, written as JSON.
+workers, against transformers' processor alone on the same photos. The engine runs on --engine-threads torch threads (default:
+the process's own, one per core, as an engine user gets them; the processors' rows are per core), and its wall time is broken
+down: the vision tower's encodes (ms per photo, beside the processor's), the rest of its steps (the decoder, sampling), and the
+time it had nothing to step (waiting for the first pictures). Printed as tables, written as JSON.
 
 With --encoder-model (a Qwen2.5-VL checkpoint, e.g. the GPU suite's 7B shape) and --device cuda: the vision
 encoder's photos/s on the same photos (prepared beforehand, batches of --encoder-batch), beside the front
@@ -108,14 +111,53 @@ def measure(make_processor: Callable[[], object], jpegs: list[bytes], repeats: i
 QWEN_OVERRIDES = {"max_pixels": 1003520}
 
 
-def pool_and_engine(jpegs: list[bytes], worker_counts: list[int], size: str = "1920x1080") -> dict:
-    """The pool's photos/s at each size, and generate() on the photos with and without workers, against
-    transformers' processor alone on them (Qwen2.5-VL's processor, a micro checkpoint)."""
-    from concurrent.futures import ThreadPoolExecutor
+class EngineClock:
+    """Where generate()'s wall time goes, from timers around the engine's own methods: its steps, and within them
+    the vision tower's encodes."""
 
-    from mmengine import MMEngine, SamplingParams
+    def __init__(self, engine: object) -> None:
+        self.seconds = {"steps": 0.0, "encode": 0.0}
+        self.encoded = 0
+        steps, runner = engine.steps, engine.runner  # type: ignore[attr-defined]
+        advance, run_encoder, encode_items = steps.advance, runner._run_encoder, runner.model.encode_items
+        steps.advance = self._timed("steps", advance)
+        runner._run_encoder = self._timed("encode", run_encoder)
+
+        def counted(items: list) -> object:
+            self.encoded += len(items)
+            return encode_items(items)
+
+        runner.model.encode_items = counted
+
+    def _timed(self, name: str, method: Callable) -> Callable:
+        def timed(*args: object, **kwargs: object) -> object:
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self.seconds[name] += time.perf_counter() - start
+
+        return timed
+
+    def reset(self) -> None:
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
+        self.encoded = 0
+
+    def breakdown(self, seconds: float, photos: int, hf_seconds: float) -> dict:
+        """generate()'s `seconds` on `photos` pictures, split: the tower, the rest of the steps, no step to run."""
+        encode, steps = self.seconds["encode"], self.seconds["steps"]
+        tower_ms = 1e3 * encode / max(self.encoded, 1)
+        return {"encode_s": round(encode, 3), "other_step_s": round(steps - encode, 3), "idle_s": round(seconds - steps, 3),
+                "tower_ms_per_photo": round(tower_ms, 1), "tower_of_processor": round(tower_ms / (1e3 * hf_seconds / photos), 2),
+                "photos_encoded": self.encoded}
+
+
+def pool_and_engine(jpegs: list[bytes], worker_counts: list[int], size: str = "1920x1080", engine_threads: int = 1) -> dict:
+    """The pool's photos/s at each size, and generate() on the photos with and without workers, against
+    transformers' processor alone on them (Qwen2.5-VL's processor, a micro checkpoint), the engine on `engine_threads`
+    torch threads."""
+    from mmengine import SamplingParams
     from mmengine.models.registry import load_hf_processor
-    from mmengine.multimodal.preprocess_pool import PreprocessPool
     from mmengine.testing.qwen_vl import qwen_vl_prompt, tiny_qwen_vl_path, tiny_spec
 
     path = tiny_qwen_vl_path(tiny_spec("qwen2_5_vl"))
@@ -130,26 +172,50 @@ def pool_and_engine(jpegs: list[bytes], worker_counts: list[int], size: str = "1
     print(f"\nQwen2.5-VL processor on {len(jpegs)} new {size} photos: transformers alone {hf_seconds:.2f} s "
           f"({len(jpegs) / hf_seconds:.1f} photos/s)")
     prompt, params = qwen_vl_prompt("What is in this photo?", 1), SamplingParams(max_tokens=1, temperature=0)
-    for count in sorted({0, *worker_counts}):  # one engine (and pool) per count: the pool timed alone, then generate()
-        with MMEngine(str(path), device="cpu", dtype="float32", max_model_len=4096, mm_processor_kwargs=QWEN_OVERRIDES,
-                      mm_processor_workers=count, mm_processor_cache_bytes=0, enable_prefix_caching=False) as engine:
-            if count in worker_counts:
-                pool: PreprocessPool = engine.input_processor.pool
-                pool.prepare(photo_jpeg(99, width, height), 0)  # the workers are up
-                with ThreadPoolExecutor(count) as threads:
-                    start = time.perf_counter()
-                    list(threads.map(lambda data: pool.prepare(data, 0), jpegs))
-                    seconds = time.perf_counter() - start
-                out["workers"][count] = {"photos_per_s": round(len(jpegs) / seconds, 1)}
-                print(f"  pool of {count}: {len(jpegs) / seconds:.1f} photos/s (JPEG bytes in, tensors in shared memory out)")
-            engine.generate(prompt, images=[photo_jpeg(98, width, height)], sampling_params=params, use_tqdm=False)  # warm
-            start = time.perf_counter()
-            engine.generate([prompt] * len(jpegs), images=[[data] for data in jpegs], sampling_params=params, use_tqdm=False)
-            seconds = time.perf_counter() - start
-        out["engine"][count] = {"seconds": round(seconds, 3), "of_transformers_processor": round(seconds / hf_seconds, 2)}
-        print(f"  generate() with mm_processor_workers={count}: {seconds:.2f} s = {seconds / hf_seconds:.2f}x "
-              "transformers' processor alone")
+    processor_threads, out["engine_threads"] = torch.get_num_threads(), engine_threads
+    torch.set_num_threads(engine_threads)
+    try:
+        for count in sorted({0, *worker_counts}):  # one engine (and pool) per count: the pool timed alone, then generate()
+            out["engine"][count] = _time_engine(path, count, count in worker_counts, jpegs, (width, height), prompt, params,
+                                                hf_seconds, out)
+    finally:
+        torch.set_num_threads(processor_threads)
     return out
+
+
+def _time_engine(path: Path, count: int, time_pool: bool, jpegs: list[bytes], size: tuple[int, int], prompt: str,
+                 params: object, hf_seconds: float, out: dict) -> dict:
+    """generate() on the photos with `count` workers (and the pool alone first, if `time_pool`), broken down."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mmengine import MMEngine
+    from mmengine.multimodal.preprocess_pool import PreprocessPool
+
+    width, height = size
+    with MMEngine(str(path), device="cpu", dtype="float32", max_model_len=4096, mm_processor_kwargs=QWEN_OVERRIDES,
+                  mm_processor_workers=count, mm_processor_cache_bytes=0, enable_prefix_caching=False) as engine:
+        if time_pool:
+            pool: PreprocessPool = engine.input_processor.pool
+            pool.prepare(photo_jpeg(99, width, height), 0)  # the workers are up
+            with ThreadPoolExecutor(count) as threads:
+                start = time.perf_counter()
+                list(threads.map(lambda data: pool.prepare(data, 0), jpegs))
+                seconds = time.perf_counter() - start
+            out["workers"][count] = {"photos_per_s": round(len(jpegs) / seconds, 1)}
+            print(f"  pool of {count}: {len(jpegs) / seconds:.1f} photos/s (JPEG bytes in, tensors in shared memory out)")
+        clock = EngineClock(engine)
+        engine.generate(prompt, images=[photo_jpeg(98, width, height)], sampling_params=params, use_tqdm=False)  # warm
+        clock.reset()
+        start = time.perf_counter()
+        engine.generate([prompt] * len(jpegs), images=[[data] for data in jpegs], sampling_params=params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+    row = {"seconds": round(seconds, 3), "of_transformers_processor": round(seconds / hf_seconds, 2),
+           **clock.breakdown(seconds, len(jpegs), hf_seconds)}
+    print(f"  generate() with mm_processor_workers={count}: {seconds:.2f} s = {seconds / hf_seconds:.2f}x "
+          f"transformers' processor alone; vision tower {row['encode_s']:.2f} s ({row['tower_ms_per_photo']:.0f} ms/photo = "
+          f"{row['tower_of_processor']:.2f}x the processor's), rest of the steps {row['other_step_s']:.2f} s, "
+          f"nothing to step {row['idle_s']:.2f} s")
+    return row
 
 
 def encoder_rate(model: str, jpegs: list[bytes], device: str, batch: int) -> dict:
@@ -200,6 +266,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--repeats", type=int, default=2, help="passes over the photos; the best median counts")
     parser.add_argument("--families", nargs="*", help="substrings of the family names to run (default: all; `none` skips the table)")
     parser.add_argument("--workers", default="1,2", help="preprocessing pool sizes to time (comma-separated; empty: none)")
+    parser.add_argument("--engine-threads", type=int, default=torch.get_num_threads(),
+                        help="torch threads of the engine's process for generate() (default: the process's own)")
     parser.add_argument("--encoder-model", help="a Qwen2.5-VL checkpoint whose vision encoder is timed on the same photos")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="the encoder's device")
     parser.add_argument("--encoder-batch", type=int, default=4)
@@ -228,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
                   f"{row['mmengine, decode + processor']['ms_per_photo']:8.1f} {row['speedup_intake']:6.2f}")
     workers = [int(n) for n in args.workers.split(",") if n]
     if workers:
-        results["pool"] = pool_and_engine(sizes[first], workers, first)
+        results["pool"] = pool_and_engine(sizes[first], workers, first, max(1, args.engine_threads))
     if args.encoder_model:
         results["encoder"] = encoder_rate(args.encoder_model, sizes[first], args.device, args.encoder_batch)
         if workers:

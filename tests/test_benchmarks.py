@@ -339,6 +339,9 @@ def test_preprocess_benchmark_times_both_paths_and_checks_their_pixels(tmp_path,
     assert json.loads(output.read_text()) == json.loads(json.dumps(result))
     assert result["pool"]["workers"][1]["photos_per_s"] > 0  # a pool of one worker, timed
     assert set(result["pool"]["engine"]) == {0, 1} and all(row["seconds"] > 0 for row in result["pool"]["engine"].values())
+    for row in result["pool"]["engine"].values():  # the wall time split: the tower's encodes, the other step time, idle
+        assert row["photos_encoded"] == 1 and row["encode_s"] > 0 and row["tower_ms_per_photo"] > 0
+        assert abs(row["encode_s"] + row["other_step_s"] + row["idle_s"] - row["seconds"]) < 0.01
     (family,) = result["families"]
     for row in result["families"][family].values():
         assert row["fast_path"] == "CLIPImageProcessorPil"
