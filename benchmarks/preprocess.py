@@ -15,7 +15,9 @@ count, and the whole engine (`generate()`, one token) on --photos new 1920x1080 
 workers, against transformers' processor alone on the same photos. The engine runs on --engine-threads torch threads (default:
 the process's own, one per core, as an engine user gets them; the processors' rows are per core), and its wall time is broken
 down: the vision tower's encodes (ms per photo, beside the processor's), the rest of its steps (the decoder, sampling), and the
-time it had nothing to step (waiting for the first pictures). Printed as tables, written as JSON.
+time it had nothing to step (waiting for the first pictures); with the CPU seconds of the engine's process and of its workers,
+whose sum over the cores bounds the time from below however the work were spread (a bound that other load on the machine
+does not move). Printed as tables, written as JSON.
 
 With --encoder-model (a Qwen2.5-VL checkpoint, e.g. the GPU suite's 7B shape) and --device cuda: the vision
 encoder's photos/s on the same photos (prepared beforehand, batches of --encoder-batch), beside the front
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import platform
 import statistics
 import sys
@@ -206,16 +209,34 @@ def _time_engine(path: Path, count: int, time_pool: bool, jpegs: list[bytes], si
         clock = EngineClock(engine)
         engine.generate(prompt, images=[photo_jpeg(98, width, height)], sampling_params=params, use_tqdm=False)  # warm
         clock.reset()
+        workers = _processes(engine.input_processor.pool.worker_pids() if count else [])
+        cpu = _cpu_seconds(workers)
         start = time.perf_counter()
         engine.generate([prompt] * len(jpegs), images=[[data] for data in jpegs], sampling_params=params, use_tqdm=False)
         seconds = time.perf_counter() - start
+        engine_cpu, workers_cpu = (after - before for after, before in zip(_cpu_seconds(workers), cpu))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     row = {"seconds": round(seconds, 3), "of_transformers_processor": round(seconds / hf_seconds, 2),
-           **clock.breakdown(seconds, len(jpegs), hf_seconds)}
+           **clock.breakdown(seconds, len(jpegs), hf_seconds), "engine_process_cpu_s": round(engine_cpu, 3),
+           "workers_cpu_s": round(workers_cpu, 3), "cores": cores,
+           "cpu_bound_of_transformers_processor": round((engine_cpu + workers_cpu) / cores / hf_seconds, 2)}
     print(f"  generate() with mm_processor_workers={count}: {seconds:.2f} s = {seconds / hf_seconds:.2f}x "
           f"transformers' processor alone; vision tower {row['encode_s']:.2f} s ({row['tower_ms_per_photo']:.0f} ms/photo = "
           f"{row['tower_of_processor']:.2f}x the processor's), rest of the steps {row['other_step_s']:.2f} s, "
-          f"nothing to step {row['idle_s']:.2f} s")
+          f"nothing to step {row['idle_s']:.2f} s\n    CPU: engine process {engine_cpu:.2f} s, workers {workers_cpu:.2f} s: "
+          f"on {cores} cores at best {row['cpu_bound_of_transformers_processor']:.2f}x transformers' processor alone")
     return row
+
+
+def _processes(pids: list[int]) -> list:
+    import psutil
+
+    return [psutil.Process(pid) for pid in pids]
+
+
+def _cpu_seconds(workers: list) -> tuple[float, float]:
+    """CPU seconds (user + system) of this process and of the workers so far."""
+    return time.process_time(), sum(sum(worker.cpu_times()[:2]) for worker in workers)
 
 
 def encoder_rate(model: str, jpegs: list[bytes], device: str, batch: int) -> dict:

@@ -342,6 +342,9 @@ def test_preprocess_benchmark_times_both_paths_and_checks_their_pixels(tmp_path,
     for row in result["pool"]["engine"].values():  # the wall time split: the tower's encodes, the other step time, idle
         assert row["photos_encoded"] == 1 and row["encode_s"] > 0 and row["tower_ms_per_photo"] > 0
         assert abs(row["encode_s"] + row["other_step_s"] + row["idle_s"] - row["seconds"]) < 0.01
+    engine_rows = result["pool"]["engine"]
+    assert engine_rows[0]["workers_cpu_s"] == 0 <= engine_rows[1]["workers_cpu_s"]  # (one small picture: under a clock tick)
+    assert all(row["engine_process_cpu_s"] > 0 and row["cpu_bound_of_transformers_processor"] > 0 for row in engine_rows.values())
     (family,) = result["families"]
     for row in result["families"][family].values():
         assert row["fast_path"] == "CLIPImageProcessorPil"
