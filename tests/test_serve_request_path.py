@@ -21,6 +21,7 @@ from mmengine import MMEngine, SamplingParams
 from mmengine.engine.async_engine import AsyncMMEngine
 from mmengine.errors import InvalidInputError
 from mmengine.testing import make_test_image
+from mmengine.utils.collector_pace import SERVING_THRESHOLDS
 
 ENGINE_OPTIONS = CPU_FP32
 
@@ -202,7 +203,8 @@ def test_a_whole_answer_is_stepped_as_generates_after_its_first_token(checkpoint
 def test_the_one_process_server_runs_on_uvicorns_event_loop_with_its_start_up_frozen(server, monkeypatch):
     """`mmengine serve` (one process) serves on the loop uvicorn chooses (uvloop where installed), as each
     front end of the multi-process server does, not on asyncio's pure-Python one; its start-up objects are
-    frozen out of the garbage collector's full passes first (utils/heap.py)."""
+    frozen out of the garbage collector's full passes first (utils/heap.py), and its young passes paced for
+    serving (utils/collector_pace.py)."""
     from mmengine.entrypoints import api_server
 
     loops, access_logs = [], []
@@ -214,16 +216,21 @@ def test_the_one_process_server_runs_on_uvicorns_event_loop_with_its_start_up_fr
 
     monkeypatch.setattr(api_server, "serve_until_engine_dies", serve)
     gc.unfreeze()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)  # CPython's defaults
     try:
         api_server.run_server(server.async_engine, api_server.ServerSettings(MODEL_NAME), "127.0.0.1", 0)
-        frozen = gc.get_freeze_count()
+        frozen, paced = gc.get_freeze_count(), gc.get_threshold()
         api_server.run_server(server.async_engine, api_server.ServerSettings(MODEL_NAME), "127.0.0.1", 0,
                               access_log=False)  # --disable-uvicorn-access-log
     finally:
         gc.unfreeze()  # (this test process goes on collecting as before)
+        gc.set_threshold(*thresholds)
     expected = "uvloop" if importlib.util.find_spec("uvloop") is not None else "asyncio"
     assert len(loops) == 2 and all(loop.__module__.split(".")[0] == expected for loop in loops)
     assert access_logs == [True, False]
     # start-up's objects are out of the collector's full passes before serving (a full pass over a served tiny
     # model's heap took 250 ms of CPU with the GIL held, every few hundred requests)
     assert frozen > 10_000
+    # and its young passes run at the serving pace (utils/collector_pace.py: they found nothing to collect)
+    assert paced == SERVING_THRESHOLDS

@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 from mmengine.errors import InvalidInputError
 from mmengine.outputs import RequestOutput
+from mmengine.utils.collector_pace import pace_collector_for_serving
 from mmengine.utils.heap import freeze_startup_heap
 from mmengine.utils.process_exit import leave
 
@@ -97,6 +98,7 @@ def core_main(model: str, options: dict[str, Any], owner: Connection, address: s
             "max_tokens_per_item": processor.max_tokens_per_item}
     owner.send((READY, info))
     freeze_startup_heap()
+    pace_collector_for_serving()
     EngineCore(engine, owner, info, listener).serve()
 
 

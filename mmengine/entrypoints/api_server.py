@@ -65,6 +65,7 @@ from mmengine.engine.beam_search import BeamSearchParams
 from mmengine.engine.prompt_inputs import TemplateOptions
 from mmengine.lora.request import LoRARequest
 from mmengine.sample.token_bytes import token_bytes_reader
+from mmengine.utils.collector_pace import pace_collector_for_serving
 from mmengine.utils.heap import freeze_startup_heap
 
 logger = logging.getLogger(__name__)
@@ -597,6 +598,7 @@ def run_server(async_engine: AsyncMMEngine, settings: ServerSettings, host: str,
     config = uvicorn.Config(build_app(async_engine, settings), host=host, port=port, log_level=log_level,
                             access_log=access_log)
     freeze_startup_heap()
+    pace_collector_for_serving()
     if run_on_uvicorns_loop(config, serve_until_engine_dies(uvicorn.Server(config), async_engine)):
         raise SystemExit(1)
 

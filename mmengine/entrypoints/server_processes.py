@@ -57,6 +57,7 @@ from typing import Any
 from mmengine.engine.core_process import FAILED, READY, core_environment, core_main, picklable
 from mmengine.entrypoints.server_settings import ServerSettings
 from mmengine.errors import ConfigError, EngineDeadError
+from mmengine.utils.collector_pace import pace_collector_for_serving
 from mmengine.utils.heap import freeze_startup_heap
 from mmengine.utils.process_exit import leave
 
@@ -326,6 +327,7 @@ def front_end_main(index: int, spec: FrontEndSpec, sock: socket.socket, launcher
     threading.Thread(target=_tell_launcher, args=(server, launcher, serving), name="mmengine-launcher-link",
                      daemon=True).start()
     freeze_startup_heap()
+    pace_collector_for_serving()
     server.run(sockets=[sock])  # until stopped: its shutdown has closed the engine's client and worker pool
     leave()
 
