@@ -19,8 +19,9 @@ tokens each (ignore_eos): online through the server with --concurrency clients (
 as its answer is complete; not streamed unless --stream), and offline through MMEngine.chat() in this process (the
 same messages, rendered by the same chat template) twice: all at once (the server's max_num_seqs), and at the
 clients' concurrency (max_num_seqs = --concurrency, the most the clients can ever have in flight). It prints the
-three rates, online / offline against each, and the CPU seconds each side spent per request, and checks that every
-answer is the same every way.
+three rates, online / offline against each, the CPU each side spent per request (online with --api-server-count > 1
+split between the engine core and the front ends, so a run shows which of them bounds the server) and the engine steps
+per request (32 clients never fill a step as generate() does), and checks that every answer is the same every way.
 
 --api-server-count N starts the server with N front-end processes over one engine-core process; with
 --online-offline it may be a list (1,4): the online side runs once per count, against one offline run.
@@ -57,6 +58,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import numpy as np
@@ -113,13 +115,18 @@ class ThroughputRun:
     engine_steps: int
     cpu_s: float | None = None
     client_cpu_s: float | None = None
+    cpu_s_by_role: dict[str, float] | None = None  # online: Served.cpu_seconds_by_role's split of cpu_s
 
-    def summary(self) -> dict[str, float | None]:
+    def summary(self) -> dict[str, Any]:
         output_tokens = sum(a.output_tokens for a in self.answers)
         per_request = None if self.cpu_s is None else self.cpu_s / len(self.answers) * 1e3
+        by_role = None if self.cpu_s_by_role is None else {
+            role: seconds / len(self.answers) * 1e3 for role, seconds in self.cpu_s_by_role.items()}
         return {"requests": len(self.answers), "elapsed_s": self.elapsed_s, "requests_per_s": len(self.answers) / self.elapsed_s,
                 "output_tokens_per_s": output_tokens / self.elapsed_s, "engine_steps": self.engine_steps,
-                "cpu_s": self.cpu_s, "cpu_ms_per_request": per_request, "client_cpu_s": self.client_cpu_s}
+                "engine_steps_per_request": self.engine_steps / len(self.answers),
+                "cpu_s": self.cpu_s, "cpu_ms_per_request": per_request, "cpu_ms_per_request_by_role": by_role,
+                "client_cpu_s": self.client_cpu_s}
 
 
 def workload(num_users: int, num_pictures: int, request_rate: float, seed: int) -> list[Conversation]:
@@ -160,17 +167,41 @@ class Served:
 
     def cpu_seconds(self) -> float | None:
         """User + system CPU seconds of the server's processes so far (the launcher and every child)."""
+        by_role = self.cpu_seconds_by_role()
+        return None if by_role is None else sum(by_role.values())
+
+    def cpu_seconds_by_role(self) -> dict[str, float] | None:
+        """cpu_seconds() split by process: {"server": ...} for a one-process server (with its preprocessing
+        workers), else {"launcher", "engine core", "front ends"} (each front end with its workers). The engine
+        core is the child that listens on the unix socket its front ends connect to (server_processes.py's
+        core.sock)."""
         if self.pid is None:
             return None
         import psutil
 
-        launcher = psutil.Process(self.pid)
-        total = 0.0
-        for process in [launcher, *launcher.children(recursive=True)]:
+        def seconds(process: psutil.Process) -> float:
             with contextlib.suppress(psutil.NoSuchProcess):
                 times = process.cpu_times()
-                total += times.user + times.system
-        return total
+                return times.user + times.system
+            return 0.0
+
+        launcher = psutil.Process(self.pid)
+        children = launcher.children()
+        core = next((child for child in children if _listens_as_core(child)), None)
+        if core is None:
+            return {"server": sum(seconds(p) for p in [launcher, *launcher.children(recursive=True)])}
+        return {"launcher": seconds(launcher),
+                "engine core": sum(seconds(p) for p in [core, *core.children(recursive=True)]),
+                "front ends": sum(seconds(p) for child in children if child.pid != core.pid
+                                  for p in [child, *child.children(recursive=True)])}
+
+
+def _listens_as_core(process: Any) -> bool:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return any(isinstance(c.laddr, str) and c.laddr.endswith("/core.sock") for c in process.net_connections(kind="unix"))
+    return False
 
 
 @contextlib.contextmanager
@@ -427,14 +458,15 @@ async def run_online(server: Served, requests: list[list[dict]], output_len: int
         clients = [await stack.enter_async_context(httpx.AsyncClient(base_url=base, timeout=None)) for _ in range(concurrency)]
         await asyncio.gather(*(_one_answer(c, [user_turn(0, -1, None)], 2, stream) for c in clients))  # warm-up, not timed
         steps_before = scrape(base)["mmengine_steps_total"]
-        cpu_before, client_cpu_before = server.cpu_seconds(), time.process_time()
+        cpu_before, client_cpu_before = server.cpu_seconds_by_role(), time.process_time()
         start = time.perf_counter()
         await asyncio.gather(*(client_loop(client) for client in clients))
         elapsed = time.perf_counter() - start
-        cpu_after, client_cpu = server.cpu_seconds(), time.process_time() - client_cpu_before
-    cpu = None if cpu_before is None else cpu_after - cpu_before
-    return ThroughputRun(elapsed, answers, round(scrape(base)["mmengine_steps_total"] - steps_before), cpu,
-                         client_cpu if server.pid is not None else None)
+        cpu_after, client_cpu = server.cpu_seconds_by_role(), time.process_time() - client_cpu_before
+    by_role = None if cpu_before is None else {role: cpu_after[role] - cpu_before[role] for role in cpu_after}
+    return ThroughputRun(elapsed, answers, round(scrape(base)["mmengine_steps_total"] - steps_before),
+                         None if by_role is None else sum(by_role.values()),
+                         client_cpu if server.pid is not None else None, by_role)
 
 
 def server_options(model: str, engine_args: list[str]) -> dict:
@@ -525,9 +557,13 @@ def online_offline(args: argparse.Namespace, model: str, engine_args: list[str])
 
 def _print_side(label: str, side: dict) -> None:
     cpu = "" if side["cpu_s"] is None else f", {side['cpu_ms_per_request']:.1f} CPU ms/request"
-    client = "" if side.get("client_cpu_s") is None else f" (the clients: {side['client_cpu_s'] / side['requests'] * 1e3:.1f})"
+    by_role = side.get("cpu_ms_per_request_by_role")
+    if by_role and len(by_role) > 1:
+        cpu += " (" + ", ".join(f"{role} {ms:.1f}" for role, ms in by_role.items()) + ")"
+    client = "" if side.get("client_cpu_s") is None else f"; the clients {side['client_cpu_s'] / side['requests'] * 1e3:.1f}"
     print(f"{label}: {side['requests']} requests in {side['elapsed_s']:.2f}s = {side['requests_per_s']:.2f} req/s, "
-          f"{side['output_tokens_per_s']:.1f} output tok/s, {side['engine_steps']} engine steps{cpu}{client}")
+          f"{side['output_tokens_per_s']:.1f} output tok/s, {side['engine_steps']} engine steps "
+          f"({side['engine_steps_per_request']:.2f} a request){cpu}{client}")
 
 
 # -- transformers: the same conversations, one request at a time -------------------------------

@@ -146,3 +146,54 @@ def test_pinning_options_are_checked_by_name():
                           (["--server-cpus", "0", "--client-cpus", "100000"], "not available")]:
         with pytest.raises(SystemExit, match=message):
             module.cpu_pinning(module.parse_args(argv))
+
+
+_LAUNCHER = """
+import subprocess, sys, time
+directory, with_core = sys.argv[1], sys.argv[2] == "1"
+core = '''
+import socket, sys, time
+sock = socket.socket(socket.AF_UNIX)
+sock.bind(sys.argv[1] + "/core.sock")
+sock.listen()
+while time.process_time() < 0.3:  # CPU seconds of its own, whatever the machine's speed
+    pass
+open(sys.argv[1] + "/core.ready", "w").close()
+time.sleep(600)
+'''
+front_end = "import sys, time; open(sys.argv[1] + '/front.ready', 'w').close(); time.sleep(600)"
+children = [subprocess.Popen([sys.executable, "-c", front_end, directory])]
+if with_core:
+    children.append(subprocess.Popen([sys.executable, "-c", core, directory]))
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("with_core", [True, False])
+def test_the_servers_cpu_is_split_between_its_engine_core_and_its_front_ends(tmp_path, with_core):
+    """Served.cpu_seconds_by_role tells the engine core (the child listening on core.sock) from the front ends;
+    a server without one is one "server" (the one-process server and its workers)."""
+    import time
+
+    import psutil
+
+    module = load_benchmark("serve")
+    launcher = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(tmp_path), "1" if with_core else "0"])
+    try:
+        ready = [tmp_path / "front.ready"] + ([tmp_path / "core.ready"] if with_core else [])
+        deadline = time.monotonic() + 120
+        while not all(path.exists() for path in ready) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        served = module.Served("http://127.0.0.1:1", launcher.pid)
+        by_role = served.cpu_seconds_by_role()
+        if with_core:
+            assert set(by_role) == {"launcher", "engine core", "front ends"}
+            # the core burned 0.3 s of CPU (psutil reads clock ticks: 0.25), the front end slept
+            assert by_role["engine core"] >= 0.25 > by_role["front ends"]
+        else:
+            assert set(by_role) == {"server"}
+        assert served.cpu_seconds() == pytest.approx(sum(by_role.values()), abs=0.05)
+    finally:
+        for process in [*psutil.Process(launcher.pid).children(recursive=True), psutil.Process(launcher.pid)]:
+            process.kill()
+        launcher.wait(timeout=30)
