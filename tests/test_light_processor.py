@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import logging
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -137,3 +139,22 @@ def test_a_family_without_one_keeps_the_full_processor_and_logs_it_once(checkpoi
     records = [r.getMessage() for r in caplog.records if "full processor" in r.getMessage()]
     assert records == [f"{LlavaFamily.display_name}: the front end loads transformers' full processor (and its modeling "
                        "code): its markers need the processor class"]
+
+
+def test_the_stand_in_for_modeling_code_defers_to_transformers_class_once_it_is_loaded():
+    """In a fresh interpreter: transformers' processing code imported without modeling_utils; once that is imported
+    after all, processing_utils' audio-tokenizer check recognizes its class's instances (and nothing else)."""
+    probe = (
+        "import sys\n"
+        "from mmengine.multimodal.light_processor import import_processing_code\n"
+        "import_processing_code()\n"
+        "import transformers.processing_utils as processing\n"
+        "without = 'transformers.modeling_utils' not in sys.modules\n"
+        "import transformers.modeling_utils as modeling\n"
+        "class Tokenizer(modeling.PreTrainedAudioTokenizerBase): pass\n"
+        "check = processing.PreTrainedAudioTokenizerBase\n"
+        "print(without, check is not modeling.PreTrainedAudioTokenizerBase, isinstance(object.__new__(Tokenizer), check),"
+        " isinstance(object(), check))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["True", "True", "True", "False"]
