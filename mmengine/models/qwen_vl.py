@@ -79,7 +79,8 @@ class QwenVLModel(VisionLanguageModel):
     def encode_items(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """All patches of the step's images as one sequence; the tower keeps images apart by their grids."""
         grids = torch.cat([item["image_grid_thw"] for item in items])
-        pixel_values = torch.cat([item["pixel_values"] for item in items])
+        # one item: its own tensor (a photo's patches are tens of MB, which a cat of one would copy)
+        pixel_values = items[0]["pixel_values"] if len(items) == 1 else torch.cat([item["pixel_values"] for item in items])
         if self.device.type == "cuda":
             pixel_values = pixel_values.pin_memory()
         dtype = self.visual.patch_embed.proj.weight.dtype
