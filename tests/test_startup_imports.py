@@ -7,6 +7,7 @@ code)."""
 from __future__ import annotations
 
 import ast
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -54,8 +55,7 @@ def fresh_interpreter(checkpoint_dir) -> dict[str, object]:
     and a preprocessing worker's modules are imported (the model code imported by then); each architecture is
     resolved in turn (its family class, and the family modules that resolving it imported beyond those before it;
     then the model code imported by then); Ray's sharing keys hash a prompt (the heavy modules imported by then, and
-    those of them imported before). Nothing loads a checkpoint's config before the last step: that imports
-    transformers.activations (transformers' config validators do)."""
+    those of them imported before)."""
     modules = sorted({entry.module for entry in FAMILIES.values()})
     probe = (
         "import sys\n"
@@ -173,6 +173,59 @@ def test_a_front_ends_processor_and_its_workers_load_no_model_code(front_end_at_
     assert front_end_at_ready["model_code"] == [[], [], []]
 
 
+# what transformers.activations brings: transformers' model loading (accelerate, sympy, botocore)
+_MODEL_LOADING = ("transformers.activations", "transformers.core_model_loading", "accelerate")
+
+
+@pytest.fixture(scope="module")
+def config_loads(family_checkpoint) -> dict[str, object]:
+    """One fresh interpreter that loads every family's tiny checkpoint's config as a front end does
+    (registry.load_hf_config): each config's to_dict(), the model loading code imported by then, and then what
+    transformers' activation validator reads (the real ACT2FN, imported as it is read)."""
+    paths = {model_type: str(family_checkpoint(model_type)) for model_type in sorted(FAMILIES)}
+    probe = (
+        "import json, sys\n"
+        "from pathlib import Path\n"
+        "def found(names): return sorted(m for m in names if m in sys.modules)\n"
+        "from mmengine.models.registry import load_hf_config\n"
+        f"for model_type, path in {paths!r}.items():\n"
+        "    print('config', json.dumps([model_type, load_hf_config(Path(path)).to_dict()], sort_keys=True, default=str))\n"
+        f"print('model_loading_after_configs', found({_MODEL_LOADING!r}))\n"
+        "from transformers.utils import type_validators\n"
+        "print('validator_reads', [type(type_validators.ACT2FN.get('gelu')).__name__, 'no_such_activation' in type_validators.ACT2FN])\n"
+        f"print('model_loading_after_validator', found({_MODEL_LOADING!r}))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    findings: dict[str, object] = {"configs": {}}
+    for tag, value in (line.split(" ", 1) for line in result.stdout.splitlines() if " " in line):
+        if tag == "config":
+            model_type, config = json.loads(value)
+            findings["configs"][model_type] = config
+        elif tag in ("model_loading_after_configs", "validator_reads", "model_loading_after_validator"):
+            findings[tag] = ast.literal_eval(value)
+    return findings
+
+
+def test_a_front_ends_config_load_imports_no_model_loading_code(config_loads):
+    """Loading a checkpoint's config (every family's) leaves transformers' activations and the model loading it
+    imports (accelerate, sympy, botocore) out; the activation validator still reads transformers' real ACT2FN,
+    which it imports as it reads it."""
+    assert sorted(config_loads["configs"]) == sorted(FAMILIES)
+    assert config_loads["model_loading_after_configs"] == []
+    assert config_loads["validator_reads"] == ["GELUActivation", False]
+    assert config_loads["model_loading_after_validator"] == sorted(_MODEL_LOADING)
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_a_config_loaded_without_model_loading_code_is_transformers_own(model_type, family_checkpoint, config_loads):
+    """The front end's config is the one transformers' AutoConfig loads with its activations imported."""
+    import transformers.activations  # noqa: F401  (the ordinary import of the validators)
+    from transformers import AutoConfig
+
+    expected = AutoConfig.from_pretrained(str(family_checkpoint(model_type)), local_files_only=True).to_dict()
+    assert config_loads["configs"][model_type] == json.loads(json.dumps(expected, sort_keys=True, default=str))
+
+
 def _module_level_imports(name: str, paths: dict[str, Path]) -> set[str]:
     """The mmengine modules `name` imports as it is imported (its module-level statements, TYPE_CHECKING aside; the
     imports inside functions run later, when called), with the packages each passes through."""
@@ -235,7 +288,7 @@ def _imports_in_function(module: str, function: str, paths: dict[str, Path]) -> 
 _MODEL_SIDE_PACKAGES = ("mmengine.layers", "mmengine.runner", "mmengine.kernels", "mmengine.distributed")
 # the models/ modules a host-side process may import: the family interface and registry, and plain config readers
 _HOST_SIDE_MODELS = {"mmengine.models", "mmengine.models.family", "mmengine.models.registry", "mmengine.models.quantization",
-                     "mmengine.models.text_config"}
+                     "mmengine.models.text_config", "mmengine.models.config_import"}
 
 
 def _model_side(modules: set[str]) -> list[str]:

@@ -2,6 +2,7 @@
 
   family.py      the ModelFamily interface (tokens per item, the largest item, positions, encoder inputs)
   registry.py    which architectures mmengine runs, and how to build them
+  config_import.py  transformers' config code imported without its activations (and model loading)
   text_config.py the text config's facts (head size, sliding window) that families and decoders both read
   loader.py      safetensors tensors, sharded or not, checked strictly; per-expert MoE tensors stacked
   quantization.py  a checkpoint's quantization_config: FP8 (block, per channel) dequantized at load

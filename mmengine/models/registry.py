@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from transformers import AutoConfig, PretrainedConfig
 
 from mmengine.errors import CheckpointError, UnsupportedModelError
+from mmengine.models.config_import import import_config_code
 
 if TYPE_CHECKING:
     from mmengine.models.family import ModelFamily
@@ -65,6 +66,7 @@ def load_hf_config(model_dir: Path) -> PretrainedConfig:
         raise CheckpointError(f"not valid JSON ({err})", path) from err
     if not isinstance(raw, dict):
         raise CheckpointError(f"must hold a JSON object, not {type(raw).__name__}", path)
+    import_config_code()  # (before AutoConfig imports a config class: without transformers' model loading code)
     try:
         return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as err:  # transformers rejects a config with any of several exception types
