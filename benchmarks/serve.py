@@ -172,9 +172,9 @@ class Served:
 
     def cpu_seconds_by_role(self) -> dict[str, float] | None:
         """cpu_seconds() split by process: {"server": ...} for a one-process server (with its preprocessing
-        workers), else {"launcher", "engine core", "front ends"} (each front end with its workers). The engine
-        core is the child that listens on the unix socket its front ends connect to (server_processes.py's
-        core.sock)."""
+        workers), else {"launcher" (with multiprocessing's resource tracker), "engine core", "front ends" (each with
+        its workers)}. The engine core is the child that listens on the unix socket its front ends connect to
+        (server_processes.py's core.sock)."""
         if self.pid is None:
             return None
         import psutil
@@ -190,10 +190,19 @@ class Served:
         core = next((child for child in children if _listens_as_core(child)), None)
         if core is None:
             return {"server": sum(seconds(p) for p in [launcher, *launcher.children(recursive=True)])}
-        return {"launcher": seconds(launcher),
+        trackers = [child for child in children if _is_resource_tracker(child)]  # the launcher's spawn machinery
+        front_ends = [child for child in children if child.pid != core.pid and child not in trackers]
+        return {"launcher": sum(seconds(p) for p in [launcher, *trackers]),
                 "engine core": sum(seconds(p) for p in [core, *core.children(recursive=True)]),
-                "front ends": sum(seconds(p) for child in children if child.pid != core.pid
-                                  for p in [child, *child.children(recursive=True)])}
+                "front ends": sum(seconds(p) for child in front_ends for p in [child, *child.children(recursive=True)])}
+
+
+def _is_resource_tracker(process: Any) -> bool:
+    import psutil
+
+    with contextlib.suppress(psutil.Error):
+        return any("multiprocessing.resource_tracker" in part for part in process.cmdline())
+    return False
 
 
 def _listens_as_core(process: Any) -> bool:
