@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from mmengine.layers.packed_vision_attention import PACKED_ATTENTION, packed_attention_forward, plan_packed
-from mmengine.models.qwen3_5 import Qwen3_5Model
-from mmengine.models.qwen_vl import QwenVLModel, _vision_tower_class
+from mmengine.models.qwen3_5_model import Qwen3_5Model
+from mmengine.models.qwen_vl_model import QwenVLModel, _vision_tower_class
 from mmengine.testing.qwen_vl import _build_config, _build_tokenizer, tiny_spec
 
 FAMILIES = {"qwen2_vl": QwenVLModel, "qwen2_5_vl": QwenVLModel, "qwen3_vl": QwenVLModel, "qwen3_5": Qwen3_5Model}

@@ -15,7 +15,7 @@ from transformers import AutoConfig
 from mmengine.layers.rotary import RotaryEmbedding, RotaryStep, build_cos_sin_table
 from mmengine.models.gemma4_text import layer_attention, rope_inv_freq_of
 from mmengine.models.llama import head_dim_of
-from mmengine.models.qwen3_5 import rotary_dim_of
+from mmengine.models.qwen3_5_model import rotary_dim_of
 
 QWEN = ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"]
 

@@ -7,6 +7,7 @@ code)."""
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest
 from transformers import PretrainedConfig
 
 from mmengine.errors import UnsupportedModelError
+from mmengine.models.family import ModelClass
 from mmengine.models.registry import FAMILIES, family_class_for
 
 PACKAGE = Path(__file__).resolve().parent.parent / "mmengine"
@@ -55,7 +57,8 @@ def fresh_interpreter(checkpoint_dir) -> dict[str, object]:
     and a preprocessing worker's modules are imported (the model code imported by then); each architecture is
     resolved in turn (its family class, and the family modules that resolving it imported beyond those before it;
     then the model code imported by then); Ray's sharing keys hash a prompt (the heavy modules imported by then, and
-    those of them imported before)."""
+    those of them imported before); every family is resolved (the layers, runner, kernels and distributed modules
+    imported by then)."""
     modules = sorted({entry.module for entry in FAMILIES.values()})
     probe = (
         "import sys\n"
@@ -74,6 +77,9 @@ def fresh_interpreter(checkpoint_dir) -> dict[str, object]:
         "from mmengine.ray.keys import SharingKeys\n"
         f"SharingKeys({str(checkpoint_dir())!r}).prefix_chain('hello world')\n"
         f"print('heavy_after_sharing_keys', found({_HEAVY!r}))\n"
+        f"for architecture in {sorted(entry.architecture for entry in FAMILIES.values())!r}:\n"
+        "    family_class_for(PretrainedConfig(architectures=[architecture]))\n"
+        f"print('model_side_after_every_family', sorted(m for m in sys.modules if m.startswith({_MODEL_SIDE_PACKAGES!r})))\n"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     findings: dict[str, object] = {"family_turns": []}
@@ -81,7 +87,7 @@ def fresh_interpreter(checkpoint_dir) -> dict[str, object]:
         if tag == "family_turn":
             findings["family_turns"].append(ast.literal_eval(value))
         elif tag in ("model_code_after_host_side_imports", "model_code_after_family_turns", "heavy_before_sharing_keys",
-                     "heavy_after_sharing_keys"):
+                     "heavy_after_sharing_keys", "model_side_after_every_family"):
             findings[tag] = ast.literal_eval(value)
     return findings
 
@@ -104,6 +110,12 @@ def test_importing_a_familys_module_loads_no_model_code(fresh_interpreter):
     module and the layers it builds on look activations up when a model is built, not when they are imported."""
     assert [name for name, _ in fresh_interpreter["family_turns"]] == ["LlavaFamily", "Qwen3_5Family"]
     assert fresh_interpreter["model_code_after_family_turns"] == []
+
+
+def test_resolving_every_family_imports_no_model_side_module(fresh_interpreter):
+    """A front end and a preprocessing worker resolve their checkpoint's family (its module): whichever it is, no
+    layers, runner, kernels or distributed module comes with it (the family's model is imported where it is built)."""
+    assert fresh_interpreter["model_side_after_every_family"] == []
 
 
 def test_sharing_keys_tokenize_as_the_processor_without_loading_it(checkpoint_dir, fresh_interpreter):
@@ -312,6 +324,24 @@ def test_a_front_end_and_a_preprocessing_worker_import_no_model_side_module():
     assert {"mmengine.multimodal.picture_preparer", "mmengine.models.family", "mmengine.models.registry"} <= worker
     assert _model_side(front_end) == []
     assert _model_side(worker) == []
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_a_familys_module_imports_no_model_side_module(model_type):
+    """The module the registry names for a family (what a front end and a preprocessing worker import to find its
+    ModelFamily) imports no layers, runner, kernels or distributed module and not its model's module: its model
+    class is a ModelClass, named by module and imported when the model is built (a family whose module imports
+    model code at module level fails here)."""
+    entry = FAMILIES[model_type]
+    paths = _package_paths()
+    model_class = inspect.getattr_static(entry.load(), "model_class")
+    assert isinstance(model_class, ModelClass) and model_class.module in paths
+    imported = _import_closure([entry.module], paths)
+    assert "mmengine.models.family" in imported  # (the walk sees the family's imports)
+    assert sorted(m for m in imported if m.startswith(_MODEL_SIDE_PACKAGES)) == []
+    assert model_class.module not in imported and "mmengine.models.vlm" not in imported
+    # (and the model's module is where the model code is: what the family's module no longer imports)
+    assert any(m.startswith(_MODEL_SIDE_PACKAGES) for m in _import_closure([model_class.module], paths))
 
 
 def test_a_rank_and_the_tensor_parallel_driver_import_no_familys_model_but_their_own():

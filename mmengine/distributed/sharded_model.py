@@ -57,7 +57,7 @@ from mmengine.models.vlm import KV_SCALE_NAME
 # The decoders this module splits (their families' model_class.decoder_class), by module and class name: the split
 # of a family's decoder is imported for that family alone, so a rank (and the driver's check) imports only the family
 # it runs, not every family's decoder (Qwen3.5's pulls Qwen-VL's preprocessing modules)
-DENSE, HYBRID = "mmengine.models.llama.DecoderModel", "mmengine.models.qwen3_5.HybridDecoderModel"
+DENSE, HYBRID = "mmengine.models.llama.DecoderModel", "mmengine.models.qwen3_5_model.HybridDecoderModel"
 GEMMA3, GEMMA4 = "mmengine.models.gemma3_text.Gemma3DecoderModel", "mmengine.models.gemma4_text.Gemma4DecoderModel"
 LLAMA4 = "mmengine.models.llama4_text.Llama4DecoderModel"
 SPLIT_DECODERS = (DENSE, HYBRID, GEMMA3, GEMMA4, LLAMA4)
@@ -190,7 +190,7 @@ def shard_decoder(model: nn.Module, tp: TensorParallelGroup, expert_parallel: bo
     if hybrid:  # Qwen3.5's layers: Gated DeltaNet or gated attention, split by their heads
         from mmengine.distributed.sharded_hybrid import shard_gated_attention, shard_gated_delta_net
         from mmengine.layers.gated_delta import GatedDeltaNet
-        from mmengine.models.qwen3_5 import GatedAttention
+        from mmengine.models.qwen3_5_model import GatedAttention
     decoder.embed_tokens = VocabParallelEmbedding(config.vocab_size, hidden, tp=tp, name="language_model.embed_tokens")
     for index, layer in enumerate(decoder.layers):
         prefix = f"language_model.layers.{index}"

@@ -2,7 +2,8 @@
 
 A family is one VLM architecture (LLaVA-1.5, Qwen2-VL, Qwen2.5-VL, ...). It owns:
 
-- the model class (vision tower + projector + decoder) the runner builds and loads;
+- the model class (vision tower + projector + decoder) the runner builds and loads, named by module
+  (`ModelClass`): front ends and preprocessing workers import the family's module, never its model's;
 - how an image-processor output becomes per-item encoder inputs (`split_images`) and how many
   placeholders (embeddings) an item's inputs make (`num_tokens`), and how a step's items go through the tower and come back per item
   (the model's `encode_items`);
@@ -13,12 +14,13 @@ A family is one VLM architecture (LLaVA-1.5, Qwen2-VL, Qwen2.5-VL, ...). It owns
   plus the delta that shifts every later position);
 - the text-model facts the runner and engine need (`text_config`, `head_dim`, `sliding_window`).
 
-Adding a family means one new file under `models/` with a `ModelFamily` subclass and its model, and
-one entry in `models/registry.py`.
+Adding a family means a file under `models/` with a `ModelFamily` subclass (importing no model code at
+module level), one with its model, and one entry in `models/registry.py`.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,6 +93,18 @@ class VideoPlan:
     def item_tokens(self, index: int) -> int:
         """Embeddings of item `index` (the last one carries the trailing tokens)."""
         return self.tokens_per_patch + (self.trailing_tokens if index == self.num_patches - 1 else 0)
+
+
+class ModelClass:
+    """A family's model class, by module and class name, imported when read (`family.model_class(hf_config)`): the
+    family's module, which every front end and preprocessing worker imports, holds none of the model's code (its
+    layers, kernels and transformers' modeling code), which only the processes that build the model import."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __get__(self, instance: object, owner: type | None = None) -> type[nn.Module]:
+        return getattr(importlib.import_module(self.module), self.name)
 
 
 class ModelFamily:

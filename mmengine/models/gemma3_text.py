@@ -28,8 +28,8 @@ from mmengine.layers.norm import ZeroCenteredRMSNorm
 from mmengine.layers.rotary import RotaryStep, build_cos_sin_table
 from mmengine.models.gemma4_text import Gemma4MLP, ScaledEmbedding
 from mmengine.models.llama import DeepStack, gate_up_shard_shapes, load_with_gate_up_shards
+from mmengine.models.text_config import FULL, SLIDING
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 SUPPORTED_TEXT_MODEL_TYPES = ("gemma3_text",)
 # Frequencies that change with the sequence length: a cached K would no longer match a recomputed one
 _UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")

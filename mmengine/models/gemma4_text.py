@@ -21,8 +21,6 @@ Norms are Gemma 4's (ScaledRMSNorm: x normalised and multiplied by the weight in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 from transformers import PretrainedConfig
@@ -35,52 +33,11 @@ from mmengine.layers.lora import LoRAContext, LoRALinear
 from mmengine.layers.moe import FusedExperts
 from mmengine.layers.norm import ScaledRMSNorm
 from mmengine.layers.rotary import RotaryStep, apply_rotary, build_cos_sin_table
+from mmengine.models.gemma4_layers import LayerAttention, layer_attention
 from mmengine.models.llama import DeepStack, copy_checked, gate_up_shard_shapes, load_with_gate_up_shards
+from mmengine.models.text_config import FULL, SLIDING
 
-SLIDING, FULL = "sliding_attention", "full_attention"
 SUPPORTED_TEXT_MODEL_TYPES = ("gemma4_text",)
-
-
-@dataclass(frozen=True)
-class LayerAttention:
-    """One decoder layer's attention shape, and where its K/V live."""
-
-    kind: str  # SLIDING or FULL
-    num_kv_heads: int
-    head_dim: int
-    kv_source: int  # the layer whose cache it reads: itself, or (a KV-shared layer) an earlier one of its kind
-
-    @property
-    def stores_kv(self) -> bool:
-        return self.kv_source < 0
-
-
-def layer_attention(config: PretrainedConfig) -> list[LayerAttention]:
-    """Each layer's attention, from the config as saved (transformers 5.2x writes the global layers'
-    head size and KV heads in `per_layer_config`; older releases in `global_head_dim` and, with
-    attention_k_eq_v, `num_global_key_value_heads`)."""
-    raw = config.to_dict()
-    overrides = {int(k): v for k, v in (raw.get("per_layer_config") or {}).items()}
-    kinds = list(config.layer_types)
-    first_shared = len(kinds) - (raw.get("num_kv_shared_layers") or 0)
-    layers = []
-    for index, kind in enumerate(kinds):
-        kv_heads, head_dim = raw["num_key_value_heads"], raw["head_dim"]
-        if index in overrides:
-            kv_heads = overrides[index].get("num_key_value_heads", kv_heads)
-            head_dim = overrides[index].get("head_dim", head_dim)
-        elif kind == FULL:
-            head_dim = raw.get("global_head_dim") or head_dim
-            if raw.get("attention_k_eq_v") and raw.get("num_global_key_value_heads"):
-                kv_heads = raw["num_global_key_value_heads"]
-        source = -1
-        if index >= first_shared:
-            earlier = [j for j in range(first_shared) if kinds[j] == kind]
-            if not earlier:
-                raise UnsupportedModelError(f"KV-shared layer {index} ({kind}) has no earlier {kind} layer to read")
-            source = earlier[-1]
-        layers.append(LayerAttention(kind, kv_heads, head_dim, source))
-    return layers
 
 
 def check_text_config(config: PretrainedConfig) -> None:

@@ -26,21 +26,17 @@ import torch
 from transformers import PretrainedConfig
 
 from mmengine.errors import InvalidInputError, UnsupportedModelError
-from mmengine.layers.attention import AttentionMetadata
-from mmengine.models.family import EncoderInputs, ModelFamily
-from mmengine.models.llama import DeepStack
-from mmengine.models.llava import normalize_llava_weight_name
-from mmengine.models.vlm import VisionLanguageModel
+from mmengine.models.family import EncoderInputs, ModelClass, ModelFamily
 
 
-def _side(config: PretrainedConfig) -> tuple[int, int]:
+def tile_side(config: PretrainedConfig) -> tuple[int, int]:
     """(tile side in px, patches along it)."""
     vision = config.vision_config
     tile, patch = vision.image_size[0], vision.patch_size[0]
     return tile, tile // patch
 
 
-def _check_config(config: PretrainedConfig) -> None:
+def check_internvl_config(config: PretrainedConfig) -> None:
     vision = config.vision_config
     if vision.image_size[0] != vision.image_size[1] or vision.patch_size[0] != vision.patch_size[1]:
         raise UnsupportedModelError(f"InternViT tiles of {vision.image_size} px in patches of {vision.patch_size} px are "
@@ -48,7 +44,7 @@ def _check_config(config: PretrainedConfig) -> None:
     if config.vision_feature_layer != -1 or config.vision_feature_select_strategy != "default":
         raise UnsupportedModelError(f"vision_feature_layer {config.vision_feature_layer} / vision_feature_select_strategy "
                                     f"{config.vision_feature_select_strategy!r} are not supported (the releases': -1 / 'default')")
-    _, side = _side(config)
+    _, side = tile_side(config)
     scale = round(1 / config.downsample_ratio)
     if scale * config.downsample_ratio != 1 or side % scale:
         raise UnsupportedModelError(f"downsample_ratio {config.downsample_ratio} must be 1/k for a k dividing the tile's "
@@ -56,74 +52,23 @@ def _check_config(config: PretrainedConfig) -> None:
 
 
 def tokens_per_tile(config: PretrainedConfig) -> int:
-    _, side = _side(config)
+    _, side = tile_side(config)
     return round(side * side * config.downsample_ratio**2)
-
-
-class InternVLModel(VisionLanguageModel):
-    """transformers' InternViT tower and projector (the module names transformers gives them) and the decoder."""
-
-    def __init__(self, config: PretrainedConfig) -> None:
-        super().__init__()
-        _check_config(config)
-        from transformers.models.internvl.modeling_internvl import InternVLMultiModalProjector, InternVLVisionModel
-
-        self.config = config
-        # In the dtype being built (not the config's), with sdpa as transformers picks by default
-        self.vision_tower = InternVLVisionModel._from_config(config.vision_config, dtype=torch.get_default_dtype(),
-                                                             attn_implementation="sdpa")
-        self.multi_modal_projector = InternVLMultiModalProjector(config)
-        self._build_text(config)
-        self.image_token_id = config.image_token_id
-
-    @property
-    def vision_dtype(self) -> torch.dtype:
-        return self.vision_tower.embeddings.patch_embeddings.projection.weight.dtype
-
-    def encoder_rows(self, item: dict[str, torch.Tensor]) -> int:
-        return int(item["pixel_values"].shape[0])
-
-    @torch.inference_mode()
-    def encode_items(self, items: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Pictures ({"pixel_values": [tiles, 3, S, S]}) as one batch of tiles; one [tiles * image_seq_length,
-        text hidden] run per picture, in order (transformers' InternVLModel.get_image_features)."""
-        from transformers.models.internvl.modeling_internvl import InternVLModel as HFInternVLModel
-
-        pixel_values = torch.cat([item["pixel_values"] for item in items])
-        if self.device.type == "cuda":
-            pixel_values = pixel_values.pin_memory()
-        pixel_values = pixel_values.to(self.device, self.vision_dtype, non_blocking=True)
-        states = self.vision_tower(pixel_values=pixel_values).last_hidden_state[:, 1:]  # CLS dropped
-        side = int(states.shape[1] ** 0.5)
-        states = states.reshape(states.shape[0], side, side, -1)
-        # pixel_shuffle reads nothing from the model it is a method of
-        states = HFInternVLModel.pixel_shuffle(None, states, scale_factor=self.config.downsample_ratio)
-        features = self.multi_modal_projector(states.reshape(states.shape[0], -1, states.shape[-1]))
-        return [run.flatten(0, 1) for run in torch.split(features, [self.encoder_rows(item) for item in items])]
-
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, metadata: AttentionMetadata,
-                deepstack: DeepStack | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
-        return self.language_model(inputs_embeds, positions, metadata)
-
-    def checkpoint_name(self, raw_name: str) -> str:
-        """transformers 5's `model.vision_tower.*` / `model.multi_modal_projector.*` / `model.language_model.*` /
-        `lm_head.weight`, and the published `language_model.model.*` / `language_model.lm_head.weight`."""
-        return normalize_llava_weight_name(raw_name)
 
 
 class InternVLFamily(ModelFamily):
     architectures = ("InternVLForConditionalGeneration",)
     model_type = "internvl"
     display_name = "InternVL 3 / 3.5 (InternViT tower, pixel-shuffle projector, dynamic 448 px tiles, Qwen3/Qwen2 decoder)"
-    model_class = InternVLModel
+    model_class = ModelClass("mmengine.models.internvl_model", "InternVLModel")
 
     def __init__(self, hf_config: PretrainedConfig, image_processor_settings: dict[str, Any] | None = None,
                  model_dir: str | None = None) -> None:
         super().__init__(hf_config, image_processor_settings, model_dir)
-        _check_config(hf_config)
+        check_internvl_config(hf_config)
         settings = self.image_processor_settings
         size = settings.get("size") or {}
-        self.tile, _ = _side(hf_config)
+        self.tile, _ = tile_side(hf_config)
         if size and (size.get("height"), size.get("width")) != (self.tile, self.tile):
             raise UnsupportedModelError(f"the image processor's tiles of {size} px are not the tower's {self.tile} px squares")
         self.crop_to_patches = bool(settings.get("crop_to_patches", True))

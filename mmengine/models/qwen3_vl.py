@@ -14,8 +14,8 @@ A video's temporal patches are written into the prompt one by one, each after it
 
 from __future__ import annotations
 
-from mmengine.models.family import VideoPlan
-from mmengine.models.qwen_vl import QwenVLModel, Qwen2VLFamily
+from mmengine.models.family import ModelClass, VideoPlan
+from mmengine.models.qwen_vl import Qwen2VLFamily
 
 VISION_START, VISION_END, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"
 
@@ -24,7 +24,7 @@ class Qwen3VLFamily(Qwen2VLFamily):
     architectures = ("Qwen3VLForConditionalGeneration",)
     model_type = "qwen3_vl"
     display_name = "Qwen3-VL (native resolution, DeepStack, interleaved M-RoPE)"
-    model_class = QwenVLModel
+    model_class = ModelClass("mmengine.models.qwen_vl_model", "QwenVLModel")
     processor_names_vision_wrap = True
 
     @classmethod

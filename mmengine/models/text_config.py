@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from transformers import PretrainedConfig
 
+# The layer kinds of a decoder with sliding-window and global layers (Gemma 3's and Gemma 4's `layer_types`)
+SLIDING, FULL = "sliding_attention", "full_attention"
 # Qwen2-style attention: biases on q/k/v, none on o; sliding window only with use_sliding_window.
 QWEN2_TEXT_MODEL_TYPES = ("qwen2", "qwen2_vl_text", "qwen2_5_vl_text")
 
