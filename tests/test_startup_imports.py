@@ -136,6 +136,8 @@ def test_sharing_keys_tokenize_as_the_processor_without_loading_it(checkpoint_di
 
 
 _FRONT_END_MODEL_CODE = ("triton", "transformers.modeling_utils")
+# what a front end at ready leaves out beside: transformers' model loading (its activations, accelerate) and our layers
+_FRONT_END_LOADING_CODE = ("transformers.activations", "accelerate", "mmengine.layers")
 
 
 @pytest.fixture(scope="module")
@@ -155,6 +157,7 @@ def front_end_at_ready(checkpoint_dir, family_checkpoint, tmp_path_factory) -> d
         "    parts = build_input_parts(EngineConfig(model=path, engine_core='process', device='cpu'))\n"
         "    print('processor', type(parts.input_processor.hf_processor).__name__)\n"
         f"    print('model_code', found({_FRONT_END_MODEL_CODE!r}))\n"
+        f"    print('front_end_loading_code', found({_FRONT_END_LOADING_CODE!r}))\n"
         f"open({str(spec_file)!r}, 'wb').write(pickle.dumps(parts.input_processor.pictures.spec()))\n"
     )
     worker = (
@@ -167,12 +170,12 @@ def front_end_at_ready(checkpoint_dir, family_checkpoint, tmp_path_factory) -> d
         "print('worker', type(preparer.image_processor).__name__)\n"
         f"print('model_code', found({_FRONT_END_MODEL_CODE!r}))\n"
     )
-    findings: dict[str, list] = {"processor": [], "model_code": [], "worker": []}
+    findings: dict[str, list] = {"processor": [], "model_code": [], "worker": [], "front_end_loading_code": []}
     for probe in (front_end, worker):
         result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
         for tag, value in (line.split(" ", 1) for line in result.stdout.splitlines() if " " in line):
             if tag in findings:
-                findings[tag].append(ast.literal_eval(value) if tag == "model_code" else value)
+                findings[tag].append(value if tag in ("processor", "worker") else ast.literal_eval(value))
     return findings
 
 
@@ -183,6 +186,9 @@ def test_a_front_ends_processor_and_its_workers_load_no_model_code(front_end_at_
     assert front_end_at_ready["processor"] == ["LightProcessor", "LightProcessor"]
     assert front_end_at_ready["worker"] == ["Qwen2VLImageProcessorPil"]
     assert front_end_at_ready["model_code"] == [[], [], []]
+    # (nor, in a front end, transformers' model loading or our layers: the config loads without them, and the family's
+    # module imports none)
+    assert front_end_at_ready["front_end_loading_code"] == [[], []]
 
 
 # what transformers.activations brings: transformers' model loading (accelerate, sympy, botocore)
