@@ -57,8 +57,8 @@ def fresh_interpreter(checkpoint_dir) -> dict[str, object]:
     and a preprocessing worker's modules are imported (the model code imported by then); each architecture is
     resolved in turn (its family class, and the family modules that resolving it imported beyond those before it;
     then the model code imported by then); Ray's sharing keys hash a prompt (the heavy modules imported by then, and
-    those of them imported before); every family is resolved (the layers, runner, kernels and distributed modules
-    imported by then)."""
+    those of them imported before); every family is resolved (the layers, runner, kernels and distributed modules, and
+    the model code, imported by then)."""
     modules = sorted({entry.module for entry in FAMILIES.values()})
     probe = (
         "import sys\n"
@@ -77,9 +77,11 @@ def fresh_interpreter(checkpoint_dir) -> dict[str, object]:
         "from mmengine.ray.keys import SharingKeys\n"
         f"SharingKeys({str(checkpoint_dir())!r}).prefix_chain('hello world')\n"
         f"print('heavy_after_sharing_keys', found({_HEAVY!r}))\n"
+        f"print('model_code_after_sharing_keys', found({_MODEL_CODE!r}))\n"
         f"for architecture in {sorted(entry.architecture for entry in FAMILIES.values())!r}:\n"
         "    family_class_for(PretrainedConfig(architectures=[architecture]))\n"
         f"print('model_side_after_every_family', sorted(m for m in sys.modules if m.startswith({_MODEL_SIDE_PACKAGES!r})))\n"
+        f"print('model_code_after_every_family', found({_MODEL_CODE!r}))\n"
     )
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     findings: dict[str, object] = {"family_turns": []}
@@ -87,7 +89,8 @@ def fresh_interpreter(checkpoint_dir) -> dict[str, object]:
         if tag == "family_turn":
             findings["family_turns"].append(ast.literal_eval(value))
         elif tag in ("model_code_after_host_side_imports", "model_code_after_family_turns", "heavy_before_sharing_keys",
-                     "heavy_after_sharing_keys", "model_side_after_every_family"):
+                     "heavy_after_sharing_keys", "model_code_after_sharing_keys", "model_side_after_every_family",
+                     "model_code_after_every_family"):
             findings[tag] = ast.literal_eval(value)
     return findings
 
@@ -114,8 +117,11 @@ def test_importing_a_familys_module_loads_no_model_code(fresh_interpreter):
 
 def test_resolving_every_family_imports_no_model_side_module(fresh_interpreter):
     """A front end and a preprocessing worker resolve their checkpoint's family (its module): whichever it is, no
-    layers, runner, kernels or distributed module comes with it (the family's model is imported where it is built)."""
+    layers, runner, kernels or distributed module comes with it (the family's model is imported where it is built), nor
+    Triton or transformers' modeling code (LLaVA-OneVision's tiling reads transformers' image processing code, which
+    imports its modeling code unless imported as import_processing_code does)."""
     assert fresh_interpreter["model_side_after_every_family"] == []
+    assert fresh_interpreter["model_code_after_every_family"] == []
 
 
 def test_sharing_keys_tokenize_as_the_processor_without_loading_it(checkpoint_dir, fresh_interpreter):
@@ -130,6 +136,8 @@ def test_sharing_keys_tokenize_as_the_processor_without_loading_it(checkpoint_di
     # (the front end's imports, before, bring the family interface, not transformers' processor or modeling code)
     assert fresh_interpreter["heavy_before_sharing_keys"] == ["mmengine.models.family"]
     assert fresh_interpreter["heavy_after_sharing_keys"] == ["mmengine.models.family"]
+    # (and the tokenizer's load, which reads the checkpoint's config, imports no model code nor transformers' model loading)
+    assert fresh_interpreter["model_code_after_sharing_keys"] == []
     # (which the probe's order cannot tell apart from the sharing keys' own: their module reaches no models/ module)
     keys_imports = _import_closure(["mmengine.ray.keys"], _package_paths())
     assert sorted(m for m in keys_imports if m.startswith("mmengine.models")) == [] and _model_side(keys_imports) == []

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.image_processing_utils import select_best_resolution
 
 from mmengine.errors import UnsupportedModelError
 
@@ -43,6 +42,12 @@ class AnyresSettings:
 
     def best_resolution(self, height: int, width: int) -> tuple[int, int]:
         """The pinpoint a height x width picture is resized and padded into (transformers' own choice)."""
+        # (transformers' image processing code, imported without its modeling code where nothing imported it yet)
+        from mmengine.multimodal.light_processor import import_processing_code
+
+        import_processing_code()
+        from transformers.image_processing_utils import select_best_resolution
+
         return tuple(select_best_resolution((height, width), [list(p) for p in self.pinpoints]))
 
     def grid(self, height: int, width: int) -> tuple[int, int]:

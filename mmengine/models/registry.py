@@ -155,6 +155,7 @@ def load_hf_tokenizer(model_dir: Path) -> Any:
     _check_tokenizer_files(model_dir)
     from transformers import AutoTokenizer
 
+    import_config_code()  # (AutoTokenizer reads the checkpoint's config to find its tokenizer class)
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     except Exception as err:  # transformers raises OSError, ValueError, TypeError, KeyError, ... here
