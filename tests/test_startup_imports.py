@@ -177,8 +177,10 @@ def front_end_at_ready(checkpoint_dir, family_checkpoint, tmp_path_factory) -> d
         "preparer.warm_up()\n"
         "print('worker', type(preparer.image_processor).__name__)\n"
         f"print('model_code', found({_FRONT_END_MODEL_CODE!r}))\n"
+        f"print('worker_loading_code', found({_FRONT_END_LOADING_CODE!r}))\n"
     )
-    findings: dict[str, list] = {"processor": [], "model_code": [], "worker": [], "front_end_loading_code": []}
+    findings: dict[str, list] = {"processor": [], "model_code": [], "worker": [], "front_end_loading_code": [],
+                                 "worker_loading_code": []}
     for probe in (front_end, worker):
         result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
         for tag, value in (line.split(" ", 1) for line in result.stdout.splitlines() if " " in line):
@@ -197,6 +199,7 @@ def test_a_front_ends_processor_and_its_workers_load_no_model_code(front_end_at_
     # (nor, in a front end, transformers' model loading or our layers: the config loads without them, and the family's
     # module imports none)
     assert front_end_at_ready["front_end_loading_code"] == [[], []]
+    assert front_end_at_ready["worker_loading_code"] == [[]]  # (its image processor's class imports the validators too)
 
 
 # what transformers.activations brings: transformers' model loading (accelerate, sympy, botocore)

@@ -41,6 +41,9 @@ def import_processing_code() -> None:
     """Imports transformers' processing code (what image processors, video processors and feature extractors
     build on) without `transformers.modeling_utils`, unless either is imported already. A transformers whose
     processing code needs more of modeling_utils than the one name is imported the ordinary way."""
+    from mmengine.models.config_import import import_config_code
+
+    import_config_code()  # processing_utils imports the config validators too: without transformers' activations
     if _PROCESSING in sys.modules or _MODELING in sys.modules:
         return
     placeholder = types.ModuleType(_MODELING)
