@@ -269,7 +269,10 @@ def _online_offline_reads(data: dict) -> list[Reading]:
     for side in row["online"]:
         count = side["api_server_count"]
         reads += [(f"online, api-server-count {count}", side["requests_per_s"], "req/s", None),
-                  (f"online / offline all at once, api-server-count {count}", side["ratio_vs_all_at_once"], "x", None)]
+                  (f"online / offline all at once, api-server-count {count}", side["ratio_vs_all_at_once"], "x", None),
+                  (f"engine steps per request, api-server-count {count}", side.get("engine_steps_per_request"), "", None)]
+        for role, ms in (side.get("cpu_ms_per_request_by_role") or {}).items():  # where the server's CPU goes
+            reads.append((f"server CPU per request, {role}, api-server-count {count}", ms, "ms", None))
     best = max(row["online"], key=lambda side: side["ratio_vs_at_concurrency"])
     reads.append((f"online / offline at concurrency {concurrency}, best (api-server-count {best['api_server_count']})",
                   best["ratio_vs_at_concurrency"], "x", at_least(0.9)))

@@ -74,6 +74,7 @@ def test_serve_benchmark_online_offline_is_the_gpu_suite_part(checkpoint_dir, tm
     readings = {name: (value, judge) for name, value, _, judge in part.read(result)}
     assert readings["offline, generate() at concurrency 2"][0] == at_concurrency["requests_per_s"]
     assert readings["online / offline all at once, api-server-count 1"] == (online["ratio_vs_all_at_once"], None)
+    assert readings["engine steps per request, api-server-count 1"] == (online["engine_steps_per_request"], None)
     # judged at the clients' concurrency: the same step width, so the ratio is the server's own cost
     judged, judge = readings["online / offline at concurrency 2, best (api-server-count 1)"]
     assert judged == online["ratio_vs_at_concurrency"] and judge is not None
