@@ -11,13 +11,10 @@ that imports the real mapping when first read, so validation still runs where a 
 from __future__ import annotations
 
 import importlib
-import logging
-import sys
-import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from mmengine.utils.stand_in_import import import_with_stand_in
 
 _VALIDATORS = "transformers.utils.type_validators"
 _ACTIVATIONS = "transformers.activations"
@@ -42,18 +39,5 @@ class LazyActivations(Mapping[str, Any]):
 
 def import_config_code() -> None:
     """Imports transformers' config validators without `transformers.activations`, unless either is imported
-    already (a process that imported activations first keeps the validators' ordinary import). A transformers
-    whose validators need more of activations than ACT2FN imports both the ordinary way."""
-    if _VALIDATORS in sys.modules or _ACTIVATIONS in sys.modules:
-        return
-    placeholder = types.ModuleType(_ACTIVATIONS)
-    placeholder.ACT2FN = LazyActivations()  # type: ignore[attr-defined]
-    sys.modules[_ACTIVATIONS] = placeholder
-    try:
-        importlib.import_module(_VALIDATORS)
-    except ImportError as err:
-        logger.info("transformers' config validators need its activations (%s): importing both", err)
-    finally:
-        if sys.modules.get(_ACTIVATIONS) is placeholder:
-            del sys.modules[_ACTIVATIONS]  # a later import of transformers.activations loads the real one
-    importlib.import_module(_VALIDATORS)
+    already (a process that imported activations first keeps the validators' ordinary import)."""
+    import_with_stand_in(_VALIDATORS, _ACTIVATIONS, {"ACT2FN": LazyActivations()})

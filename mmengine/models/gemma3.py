@@ -73,17 +73,14 @@ class Gemma3Family(ModelFamily):
     def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
         """Gemma3Processor's parts: the tokenizer, the PIL image processor with load_processor's pan-and-scan
         settings, the saved chat template, and its image marker (the tokenizer's <start_of_image>)."""
-        from mmengine.multimodal.light_processor import (
-            LightProcessor, import_processing_code, saved_processor_settings, unpickled_without_modeling_code,
-        )
+        from mmengine.multimodal.light_processor import LightProcessor, checkpoint_text_parts, unpickled_without_modeling_code
 
-        import_processing_code()
-        from transformers import AutoTokenizer, Gemma3Processor
+        tokenizer, saved = checkpoint_text_parts(model_dir)
+        from transformers import Gemma3Processor
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         image_processor = _with_pan_and_scan_settings(pil_image_processor(model_dir, overrides), Gemma3Processor.images_kwargs)
         return LightProcessor(tokenizer, unpickled_without_modeling_code(image_processor),
-                              saved_processor_settings(model_dir).get("chat_template"), tokenizer.boi_token)
+                              saved.get("chat_template"), tokenizer.boi_token)
 
     # -- text model --
 

@@ -63,20 +63,15 @@ class Idefics3Family(ModelFamily):
     def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
         """Idefics3Processor's parts: the tokenizer with the special tokens the processor adds to it, the PIL image
         processor reporting each picture's grid, the saved chat template and the marker tokens."""
-        from transformers import AutoTokenizer
+        from mmengine.multimodal.light_processor import checkpoint_text_parts, unpickled_without_modeling_code
 
-        from mmengine.multimodal.light_processor import (
-            import_processing_code, saved_processor_settings, unpickled_without_modeling_code,
-        )
-
-        import_processing_code()
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+        tokenizer, saved = checkpoint_text_parts(model_dir)
         fake, image = "<fake_token_around_image>", "<image>"
         tokenizer.add_special_tokens({"additional_special_tokens": [fake, image, "<end_of_utterance>"]})  # as Idefics3Processor
         image_processor = pil_image_processor(model_dir, overrides)
         image_processor.return_row_col_info = True
         return TiledLightProcessor(tokenizer, unpickled_without_modeling_code(image_processor),
-                                   saved_processor_settings(model_dir).get("chat_template"), image,
+                                   saved.get("chat_template"), image,
                                    fake_image_token=fake, global_image_tag="<global-img>")
 
     @classmethod
@@ -184,17 +179,16 @@ class SmolVLMFamily(Idefics3Family):
     @classmethod
     def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
         """load_processor's parts and the marker tokens SmolVLMProcessor takes from the tokenizer (else its defaults)."""
-        from mmengine.multimodal.light_processor import import_processing_code, saved_processor_settings, unpickled_without_modeling_code
+        from mmengine.multimodal.light_processor import checkpoint_text_parts, unpickled_without_modeling_code
 
-        import_processing_code()
-        from transformers import AutoTokenizer, SmolVLMImageProcessorPil
+        tokenizer, saved = checkpoint_text_parts(model_dir)
+        from transformers import SmolVLMImageProcessorPil
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         image_processor = SmolVLMImageProcessorPil.from_pretrained(model_dir, local_files_only=True, **overrides)
         image_processor.return_row_col_info = True
         return TiledLightProcessor(
             tokenizer, unpickled_without_modeling_code(image_processor),
-            saved_processor_settings(model_dir).get("chat_template") or tokenizer.chat_template,
+            saved.get("chat_template") or tokenizer.chat_template,
             getattr(tokenizer, "image_token", "<image>"), getattr(tokenizer, "video_token", "<video>"),
             fake_image_token=getattr(tokenizer, "fake_image_token", "<fake_token_around_image>"),
             global_image_token=getattr(tokenizer, "global_image_token", "<global-img>"),

@@ -82,20 +82,17 @@ class InternVLFamily(ModelFamily):
     def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
         """load_processor's parts: the tokenizer, the PIL GOT-OCR2 image processor (crop_to_patches as there), the
         saved chat template and the image and video tokens InternVLProcessor takes from the tokenizer."""
-        from mmengine.multimodal.light_processor import (
-            LightProcessor, import_processing_code, saved_processor_settings, unpickled_without_modeling_code,
-        )
+        from mmengine.multimodal.light_processor import LightProcessor, checkpoint_text_parts, unpickled_without_modeling_code
 
-        import_processing_code()
-        from transformers import AutoTokenizer, GotOcr2ImageProcessorPil, InternVLProcessor
+        tokenizer, saved = checkpoint_text_parts(model_dir)
+        from transformers import GotOcr2ImageProcessorPil, InternVLProcessor
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         crop = bool(overrides.get("crop_to_patches", InternVLProcessor.images_kwargs["crop_to_patches"]))
         image_processor = GotOcr2ImageProcessorPil.from_pretrained(model_dir, local_files_only=True,
                                                                    **{**overrides, "crop_to_patches": crop})
         return LightProcessor(
             tokenizer, unpickled_without_modeling_code(image_processor),
-            saved_processor_settings(model_dir).get("chat_template") or tokenizer.chat_template,
+            saved.get("chat_template") or tokenizer.chat_template,
             tokenizer.context_image_token, tokenizer.video_token,
         )
 

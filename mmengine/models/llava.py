@@ -26,15 +26,11 @@ class LlavaFamily(ModelFamily):
     @classmethod
     def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
         """LlavaProcessor's parts: the tokenizer, the PIL image processor, the saved chat template and image token."""
-        from transformers import AutoTokenizer
-
         from mmengine.multimodal.light_processor import (
-            LightProcessor, import_processing_code, saved_processor_settings, special_token, unpickled_without_modeling_code,
+            LightProcessor, checkpoint_text_parts, special_token, unpickled_without_modeling_code,
         )
 
-        import_processing_code()
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-        saved = saved_processor_settings(model_dir)
+        tokenizer, saved = checkpoint_text_parts(model_dir)
         image_processor = unpickled_without_modeling_code(pil_image_processor(model_dir, overrides))
         return LightProcessor(tokenizer, image_processor, saved.get("chat_template"),
                               special_token(tokenizer, "image_token", saved.get("image_token", "<image>")))

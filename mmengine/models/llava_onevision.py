@@ -68,15 +68,13 @@ class LlavaOnevisionFamily(ModelFamily):
         """load_processor's parts: the tokenizer, the PIL image processor, the saved chat template and the image
         and video tokens its processor class takes."""
         from mmengine.multimodal.light_processor import (
-            LightProcessor, import_processing_code, saved_processor_settings, special_token, unpickled_without_modeling_code,
+            LightProcessor, checkpoint_text_parts, special_token, unpickled_without_modeling_code,
         )
 
-        import_processing_code()
-        from transformers import AutoTokenizer, LlavaOnevisionImageProcessorPil
+        tokenizer, saved = checkpoint_text_parts(model_dir)
+        from transformers import LlavaOnevisionImageProcessorPil
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         image_processor = LlavaOnevisionImageProcessorPil.from_pretrained(model_dir, local_files_only=True, **overrides)
-        saved = saved_processor_settings(model_dir)
         return LightProcessor(
             tokenizer, unpickled_without_modeling_code(image_processor), saved.get("chat_template") or tokenizer.chat_template,
             special_token(tokenizer, "image_token", saved.get("image_token") or "<image>"),

@@ -93,19 +93,18 @@ class Qwen2VLFamily(ModelFamily):
     def load_light_processor(cls, model_dir: str, overrides: dict[str, Any]) -> Any:
         """The parts load_processor builds its processor from, and the tokens its processor class names."""
         from mmengine.multimodal.light_processor import (
-            LightProcessor, import_processing_code, saved_processor_settings, special_token, unpickled_without_modeling_code,
+            LightProcessor, checkpoint_text_parts, special_token, unpickled_without_modeling_code,
         )
 
-        import_processing_code()
-        from transformers import AutoTokenizer, Qwen2VLImageProcessorPil
+        tokenizer, saved = checkpoint_text_parts(model_dir)
+        from transformers import Qwen2VLImageProcessorPil
 
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
         image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir, local_files_only=True, **overrides)
         wrap = ((special_token(tokenizer, "vision_start_token", "<|vision_start|>"),
                  special_token(tokenizer, "vision_end_token", "<|vision_end|>")) if cls.processor_names_vision_wrap else ("", ""))
         return LightProcessor(
             tokenizer, unpickled_without_modeling_code(image_processor),
-            saved_processor_settings(model_dir).get("chat_template") or tokenizer.chat_template,
+            saved.get("chat_template") or tokenizer.chat_template,
             special_token(tokenizer, "image_token", "<|image_pad|>"), special_token(tokenizer, "video_token", "<|video_pad|>"),
             *wrap,
         )

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import copyreg
 import importlib
-import logging
 import sys
-import types
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from mmengine.utils.stand_in_import import import_with_stand_in
+
 
 _PROCESSING = "transformers.processing_utils"
 _MODELING = "transformers.modeling_utils"
@@ -44,19 +43,17 @@ def import_processing_code() -> None:
     from mmengine.models.config_import import import_config_code
 
     import_config_code()  # processing_utils imports the config validators too: without transformers' activations
-    if _PROCESSING in sys.modules or _MODELING in sys.modules:
-        return
-    placeholder = types.ModuleType(_MODELING)
-    placeholder.PreTrainedAudioTokenizerBase = _AudioTokenizerCheck("PreTrainedAudioTokenizerBase", (), {})  # type: ignore[attr-defined]
-    sys.modules[_MODELING] = placeholder
-    try:
-        importlib.import_module(_PROCESSING)
-    except ImportError as err:
-        logger.info("transformers' processing code needs its modeling code (%s): importing both", err)
-    finally:
-        if sys.modules.get(_MODELING) is placeholder:
-            del sys.modules[_MODELING]  # a later import of modeling_utils loads the real one
-    importlib.import_module(_PROCESSING)
+    import_with_stand_in(_PROCESSING, _MODELING,
+                         {"PreTrainedAudioTokenizerBase": _AudioTokenizerCheck("PreTrainedAudioTokenizerBase", (), {})})
+
+
+def checkpoint_text_parts(model_dir: str) -> tuple[Any, dict[str, Any]]:
+    """The checkpoint's tokenizer and its saved processor settings (the chat template among them), loaded after
+    transformers' processing code alone (import_processing_code)."""
+    import_processing_code()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True), saved_processor_settings(model_dir)
 
 
 def _rebuilt(module: str, name: str) -> Any:

@@ -7,4 +7,5 @@
   collector_pace.py how often a serving process's garbage collector runs its young passes
   ids.py           request and response ids without a system call
   process_exit.py  how a spawned mmengine process ends once it has stopped (no interpreter teardown)
+  stand_in_import.py  one of transformers' modules imported without a heavy module it imports for a name
 """
