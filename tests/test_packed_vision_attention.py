@@ -60,8 +60,8 @@ def tokenizer():
     return _build_tokenizer(400)
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_one_call_per_length_and_the_same_output(family, tokenizer, monkeypatch):
+def _towers(family: str, tokenizer, device: str, dtype: torch.dtype) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """transformers' tower and the engine's model's tower (packed attention), with the same weights."""
     torch.manual_seed(0)
     config = _build_config(tiny_spec(family), tokenizer)
     theirs = _vision_tower_class(config.model_type)._from_config(copy.deepcopy(config.vision_config)).eval()
@@ -70,24 +70,51 @@ def test_one_call_per_length_and_the_same_output(family, tokenizer, monkeypatch)
     assert theirs.config._attn_implementation == "sdpa"
     assert model.visual.config._attn_implementation == PACKED_ATTENTION
     assert config.vision_config._attn_implementation == "sdpa", "the checkpoint's config stays as it was"
+    return theirs.to(device, dtype), model.visual.to(device, dtype)
 
-    patch = config.vision_config.patch_size
-    channels = config.vision_config.in_channels * config.vision_config.temporal_patch_size * patch * patch
-    pixels = torch.randn(int(GRIDS.prod(-1).sum()), channels)
-    ref, ref_calls = _run(theirs, pixels, monkeypatch)
-    out, calls = _run(model.visual, pixels, monkeypatch)
 
-    assert torch.equal(out.pooler_output, ref.pooler_output)
-    for mine, their in zip(getattr(out, "deepstack_features", None) or [], getattr(ref, "deepstack_features", None) or []):
-        assert torch.equal(mine, their)
-    assert len(calls) == len(ref_calls) == len(model.visual.blocks)
+def _pixels(tower: torch.nn.Module, device: str, dtype: torch.dtype) -> torch.Tensor:
+    vision = tower.config
+    channels = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+    return torch.randn(int(GRIDS.prod(-1).sum()), channels, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+
+
+def _check_calls(calls: list[list[tuple[int, int]]], ref_calls: list[list[tuple[int, int]]], windowed: bool) -> None:
+    assert len(calls) == len(ref_calls)
     for layer, (mine, their) in enumerate(zip(calls, ref_calls)):
         assert all(batch == 1 for batch, _ in their)
         lengths = [length for _, length in mine]
         assert len(lengths) == len(set(lengths)), f"layer {layer}: one call per distinct length, got {mine}"
         assert Counter({length: batch for batch, length in mine}) == Counter(length for _, length in their)
-    windowed = family == "qwen2_5_vl"
     assert sum(map(len, ref_calls)) > sum(map(len, calls)) * (3 if windowed else 1.5)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_one_call_per_length_and_the_same_output(family, tokenizer, monkeypatch):
+    theirs, tower = _towers(family, tokenizer, "cpu", torch.float32)
+    pixels = _pixels(tower, "cpu", torch.float32)
+    ref, ref_calls = _run(theirs, pixels, monkeypatch)
+    out, calls = _run(tower, pixels, monkeypatch)
+
+    assert torch.equal(out.pooler_output, ref.pooler_output)  # CPU fp32: bit for bit
+    for mine, their in zip(getattr(out, "deepstack_features", None) or [], getattr(ref, "deepstack_features", None) or []):
+        assert torch.equal(mine, their)
+    assert len(calls) == len(tower.blocks)
+    _check_calls(calls, ref_calls, windowed=family == "qwen2_5_vl")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU; the CPU test above checks the same in fp32")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_on_cuda_one_call_per_length_and_transformers_output(family, dtype, tokenizer, monkeypatch):
+    """On a GPU, SDPA picks its flash or memory-efficient kernels: batched windows must still give transformers'
+    per-window output (within the dtype's rounding: a kernel may tile a batch differently)."""
+    theirs, tower = _towers(family, tokenizer, "cuda", dtype)
+    pixels = _pixels(tower, "cuda", dtype)
+    ref, ref_calls = _run(theirs, pixels, monkeypatch)
+    out, calls = _run(tower, pixels, monkeypatch)
+    torch.testing.assert_close(out.pooler_output, ref.pooler_output, rtol=2e-2, atol=2e-2)
+    _check_calls(calls, ref_calls, windowed=family == "qwen2_5_vl")
 
 
 def test_plan_groups_by_length_and_views_adjacent_sequences():
