@@ -251,6 +251,8 @@ def _preprocess_reads(data: dict) -> list[Reading]:
     encoder, pool = data["encoder"], data["pool"]
     most = max(pool["workers"], key=int)
     return [("vision encoder on 1920x1080 photos", encoder["photos_per_s"], "photos/s", None),
+            ("vision encoder with transformers' attention (an SDPA call per window)",
+             encoder.get("photos_per_s_transformers_attention"), "photos/s", None),
             (f"front end ({most} preprocessing workers) on the same photos", encoder["front_end_photos_per_s"], "photos/s", None),
             ("front end / encoder (below 1: preprocessing is the bottleneck)", encoder["front_end_over_encoder"], "x", None),
             (f"generate() on new photos with {most} workers / transformers' processor alone",

@@ -240,8 +240,11 @@ def _cpu_seconds(workers: list) -> tuple[float, float]:
 
 
 def encoder_rate(model: str, jpegs: list[bytes], device: str, batch: int) -> dict:
-    """The vision encoder's photos/s on the photos (their items prepared beforehand), in batches of `batch`."""
+    """The vision encoder's photos/s on the photos (their items prepared beforehand), in batches of `batch`; and
+    again with transformers' own attention in the tower (one SDPA call per image or window, where the engine's
+    packed attention makes one per distinct length: layers/packed_vision_attention.py), the same outputs."""
     from mmengine import MMEngine, SamplingParams
+    from mmengine.layers.packed_vision_attention import PACKED_ATTENTION
     from mmengine.testing.qwen_vl import qwen_vl_prompt
 
     dtype = "bfloat16" if device == "cuda" else "float32"
@@ -251,21 +254,31 @@ def encoder_rate(model: str, jpegs: list[bytes], device: str, batch: int) -> dic
         items = [engine.input_processor.process(prompt, [data], SamplingParams()).mm_items[0] for data in jpegs]
         inputs = [{name: tensor.to(device) for name, tensor in item.encoder_inputs.items()} for item in items]
         encode = engine.runner.model.encode_items
+        tower_config = engine.runner.model.visual.config  # the tower's own copy, shared by its layers
 
-        def run_all() -> None:
+        def seconds_for_all() -> float:
             with torch.inference_mode():
-                for first in range(0, len(inputs), batch):
-                    encode(inputs[first:first + batch])
-            if device == "cuda":
-                torch.cuda.synchronize()
+                for run in range(2):  # the first warms kernels and cuDNN plans
+                    start = time.perf_counter()
+                    for first in range(0, len(inputs), batch):
+                        encode(inputs[first:first + batch])
+                    if device == "cuda":
+                        torch.cuda.synchronize()
+            return time.perf_counter() - start
 
-        run_all()  # warm: kernels, cuDNN plans
-        start = time.perf_counter()
-        run_all()
-        seconds = time.perf_counter() - start
-    out = {"photos_per_s": round(len(jpegs) / seconds, 1), "batch": batch, "device": device, "dtype": dtype,
-           "embeddings_per_photo": round(sum(item.length for item in items) / len(items), 1)}
-    print(f"  vision encoder ({device}, {dtype}, batches of {batch}): {out['photos_per_s']:.1f} photos/s")
+        packed = seconds_for_all()
+        tower_config._attn_implementation = "sdpa"
+        try:
+            per_sequence = seconds_for_all()
+        finally:
+            tower_config._attn_implementation = PACKED_ATTENTION
+    out = {"photos_per_s": round(len(jpegs) / packed, 1), "batch": batch, "device": device, "dtype": dtype,
+           "embeddings_per_photo": round(sum(item.length for item in items) / len(items), 1),
+           "photos_per_s_transformers_attention": round(len(jpegs) / per_sequence, 1),
+           "packed_attention_speedup": round(per_sequence / packed, 2)}
+    print(f"  vision encoder ({device}, {dtype}, batches of {batch}): {out['photos_per_s']:.1f} photos/s; with "
+          f"transformers' attention (a call per window): {out['photos_per_s_transformers_attention']:.1f} "
+          f"({out['packed_attention_speedup']:.2f}x)")
     return out
 
 

@@ -350,6 +350,7 @@ def test_preprocess_benchmark_times_both_paths_and_checks_their_pixels(tmp_path,
         assert row["fast_path"] == "CLIPImageProcessorPil"
         assert row["mmengine"]["ms_per_photo"] > 0 and row["transformers"]["ms_per_photo"] > 0
     assert result["encoder"]["photos_per_s"] > 0 and result["encoder"]["embeddings_per_photo"] > 0
+    assert result["encoder"]["photos_per_s_transformers_attention"] > 0  # the tower timed with per-window attention too
     _read_as_the_gpu_suite_part(result, "_preprocess_reads")  # the "preprocess" part's dry command is this one
     from mmengine.multimodal import fast_image_processor
 
