@@ -115,3 +115,47 @@ def test_generate_steps_every_other_prompt_while_a_worker_holds_the_last_picture
     monkeypatch.undo()  # the same prompts on the engine's own threads: the same tokens
     want = engine.generate(prompts, images=images, sampling_params=PARAMS, use_tqdm=False)
     assert [out.token_ids for out in got] == [out.token_ids for out in want]
+
+
+def test_generate_runs_the_prompts_whose_pictures_are_ready_while_the_first_is_held(family_checkpoint, monkeypatch):
+    """The first prompt's picture is held in its worker until the model has started every other prompt: those are
+    queued and stepped meanwhile (not held back behind it), and the outputs still come in input order, with the
+    tokens of the same prompts prepared on the engine's own threads."""
+    engine = MMEngine(str(family_checkpoint("qwen2_5_vl")), device="cpu", dtype="float32", max_model_len=512)
+    prompts = [qwen_vl_prompt(f"Question {i}: what is in this picture?", 1) for i in range(5)]
+    images = [[jpeg(80 + i)] for i in range(5)]
+    pool = HeldPool(engine.input_processor.pictures, held=images[0][0])
+    monkeypatch.setattr(engine.input_processor, "pool", pool)
+    queued: list[str] = []  # request ids, in the order the engine queued them
+    started: set[str] = set()
+    started_while_held: set[str] = set()
+    enqueue, advance, schedule = engine.steps.enqueue, engine.steps.advance, engine.scheduler.schedule
+
+    def enqueue_and_record(processed, *args, **kwargs):
+        request_id = enqueue(processed, *args, **kwargs)
+        queued.append(request_id)
+        return request_id
+
+    def schedule_and_count():
+        out = schedule()
+        started.update(s.request.request_id for s in out.scheduled if s.num_new_tokens > 0)
+        return out
+
+    def advance_and_release():
+        advance()
+        if not pool.prepared.is_set():
+            started_while_held.update(started)
+        if len(started) == len(prompts) - 1:
+            pool.release.set()
+
+    monkeypatch.setattr(engine.steps, "enqueue", enqueue_and_record)
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule_and_count)
+    monkeypatch.setattr(engine.steps, "advance", advance_and_release)
+    got = engine.generate(prompts, images=images, sampling_params=PARAMS, use_tqdm=False)
+    assert pool.released_in_time is True  # every other prompt started while the first picture was in its worker
+    assert started_while_held == {out.request_id for out in got[1:]}  # stepped before the first prompt was queued
+    assert len(queued) == len(prompts) and queued[-1] == got[0].request_id  # the held prompt queued last
+    monkeypatch.undo()  # the same prompts on the engine's own threads: the same prompts' tokens, in input order
+    want = engine.generate(prompts, images=images, sampling_params=PARAMS, use_tqdm=False)
+    assert [out.prompt_token_ids for out in got] == [out.prompt_token_ids for out in want]
+    assert [out.token_ids for out in got] == [out.token_ids for out in want]

@@ -7,9 +7,9 @@ chat, AsyncMMEngine, beam search):
 2. `prepare` / `prepare_batch`: what only the model can check (the adapter, the structured-output spec,
    logit_bias), then the processor (multimodal/processor.py) tokenizes, loads and preprocesses, once.
 Bad input raises a typed InvalidInputError naming its prompt, before anything is queued; except that
-with preprocessing worker processes, generate() queues a batch's prompts as they become ready
-(`start_batch`), so a picture that fails to decode can come after earlier prompts were queued: those are
-aborted before the error reaches the caller, and nothing of the batch runs on.
+with preprocessing worker processes, generate() queues a batch's prompts as they become ready, in
+whatever order that is (`start_batch`), so a picture that fails to decode can come after other prompts
+were queued: those are aborted before the error reaches the caller, and nothing of the batch runs on.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import os
 import threading
 from collections.abc import Callable
 from collections.abc import Sequence
-from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -67,13 +67,19 @@ class PreparedRequest:
 
 
 class PreparingBatch:
-    """A batch whose prompts are being prepared on the pool, handed out in input order as each is ready.
-    The first bad prompt in input order raises from `take_ready`, after the prompts not started are
-    dropped and those started are waited for."""
+    """A batch whose prompts are being prepared on the pool, handed out as each becomes ready, in whatever
+    order that is (a slow or failing picture holds back no later prompt already prepared); each comes with
+    its input index, so outputs can be put back in input order. Among the prompts ready at once, and for a
+    batch already prepared (`of`), the order is input order.
+
+    A bad prompt raises from `take_ready` once its preparation has failed: the prompts not started are
+    dropped and those started are waited for, then the error raised is that of the lowest input index among
+    the prompts whose preparation failed (a prompt dropped before it started is not checked), so the same
+    finished preparations always raise the same error."""
 
     def __init__(self, futures: Sequence[Future[PreparedRequest]]) -> None:
         self._futures = list(futures)
-        self._next = 0  # the first prompt not handed out yet
+        self._pending = list(range(len(self._futures)))  # the prompts not handed out yet, in input order
 
     @classmethod
     def of(cls, prepared: Sequence[PreparedRequest]) -> PreparingBatch:
@@ -90,29 +96,33 @@ class PreparingBatch:
     @property
     def complete(self) -> bool:
         """Every prompt has been handed out."""
-        return self._next == len(self._futures)
+        return not self._pending
 
-    def take_ready(self) -> list[PreparedRequest]:
-        """The prompts, after those handed out before, that are ready (without waiting)."""
-        ready = []
-        while not self.complete and self._futures[self._next].done():
-            future = self._futures[self._next]
-            if future.exception() is not None:
-                self.cancel()
-                future.result()  # raises the first bad prompt's error
-            ready.append(future.result())
-            self._next += 1
-        return ready
+    def take_ready(self) -> list[tuple[int, PreparedRequest]]:
+        """The prompts not handed out before that are ready (without waiting), each with its input index."""
+        done = [index for index in self._pending if self._futures[index].done()]
+        if any(self._failed(index) for index in done):
+            self.cancel()
+            failed = [index for index in range(len(self._futures)) if self._failed(index)]
+            self._futures[failed[0]].result()  # raises the lowest failed prompt's error
+        taken = set(done)
+        self._pending = [index for index in self._pending if index not in taken]
+        return [(index, self._futures[index].result()) for index in done]
 
-    def wait_for_next(self, timeout: float) -> None:
+    def wait_for_next(self, timeout: float | None) -> None:
+        """Waits (at most `timeout` seconds; None: without bound) until any prompt not handed out yet is ready."""
         if not self.complete:
-            wait([self._futures[self._next]], timeout=timeout)
+            wait([self._futures[index] for index in self._pending], timeout=timeout, return_when=FIRST_COMPLETED)
 
     def cancel(self) -> None:
         """Drops the prompts not started and waits for those started (a no-op once all are handed out)."""
         for future in self._futures:
             future.cancel()
         wait(self._futures)
+
+    def _failed(self, index: int) -> bool:
+        future = self._futures[index]
+        return future.done() and not future.cancelled() and future.exception() is not None
 
 
 class RequestIntake:

@@ -267,12 +267,13 @@ class MMEngine:
         return self.run_prepared([PreparedRequest(*fields) for fields in zip(processed, params_list, salts, lora_keys)], use_tqdm)
 
     def run_prepared(self, prepared: Sequence[PreparedRequest] | PreparingBatch, use_tqdm: bool = False) -> list[RequestOutput]:
-        """Queues prepared requests (grouped by shared prefix) and steps until all finish. A batch still
-        being prepared is queued in input order as its prompts become ready, while the model steps on those
-        queued before; a bad prompt then aborts the batch's queued requests and raises."""
+        """Queues prepared requests (grouped by shared prefix) and steps until all finish; one output per
+        prompt, in input order. A batch still being prepared is queued as its prompts become ready, in
+        whatever order that is, while the model steps on those queued before; a bad prompt then aborts the
+        batch's queued requests and raises (PreparingBatch.take_ready says which error)."""
         incoming = prepared if isinstance(prepared, PreparingBatch) else PreparingBatch.of(prepared)
         results: dict[str, RequestOutput] = {}  # filled by whichever thread's step finishes them
-        ids: list[str] = []
+        ids: dict[int, str] = {}  # input index -> request id, in the order queued
         try:
             with tqdm(total=len(incoming), desc="generate", disable=not use_tqdm, unit="req") as bar:
                 while True:
@@ -280,35 +281,38 @@ class MMEngine:
                     with self.lock:  # released between steps, so other callers get their turn
                         if len(results) < len(ids):
                             if not self.steps.has_work():
-                                raise RuntimeError(f"generate() lost track of requests {sorted(set(ids) - set(results))}")
+                                raise RuntimeError(f"generate() lost track of requests {sorted(set(ids.values()) - set(results))}")
                             self._advance()
                         done = len(results)
                     bar.update(done - bar.n)
                     if done == len(incoming):
                         break
-                    if done == len(ids):  # nothing of ours to step: wait for the next prompt to be prepared
+                    if done == len(ids):  # nothing of ours to step: wait for any prompt to be prepared
                         incoming.wait_for_next(timeout=0.05)
         except BaseException:
             incoming.cancel()
             with self.lock:
-                for request_id in ids:
+                for request_id in ids.values():
                     self.steps.abort(request_id)
                     self.steps.owners.pop(request_id, None)
             raise
-        return [results[request_id] for request_id in ids]
+        return [results[ids[index]] for index in range(len(incoming))]
 
-    def _enqueue(self, prepared: list[PreparedRequest], results: dict[str, RequestOutput], ids: list[str]) -> None:
-        """Queues prepared requests as one group (grouped by shared prefix), their outputs going to `results`."""
+    def _enqueue(self, prepared: list[tuple[int, PreparedRequest]], results: dict[str, RequestOutput],
+                 ids: dict[int, str]) -> None:
+        """Queues prepared requests (each with its input index) as one group (grouped by shared prefix), their
+        outputs going to `results` and their ids to `ids` by input index."""
         if not prepared:
             return
         if self.before_enqueue is not None:
-            self.before_enqueue([p.processed for p in prepared])
+            self.before_enqueue([p.processed for _, p in prepared])
         with self.lock:
-            first = len(ids)
-            for p in prepared:  # each id recorded at once: a failure aborts what was queued
-                ids.append(self.steps.enqueue(p.processed, p.params, None, p.cache_salt, p.lora_key))
-                self.steps.owners[ids[-1]] = results
-            self.scheduler.group_batch(ids[first:])
+            queued = []
+            for index, p in prepared:  # each id recorded at once: a failure aborts what was queued
+                ids[index] = self.steps.enqueue(p.processed, p.params, None, p.cache_salt, p.lora_key)
+                self.steps.owners[ids[index]] = results
+                queued.append(ids[index])
+            self.scheduler.group_batch(queued)
 
     def chat(
         self,
