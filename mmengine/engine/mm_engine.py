@@ -242,7 +242,7 @@ class MMEngine:
         or a multimodal.audio.Audio.
         Every prompt is validated before any is queued, so bad input queues nothing. With preprocessing
         worker processes (mm_processor_workers), a batch's prompts are queued as their pictures are prepared,
-        so the first ones run meanwhile; a picture that fails then aborts the batch's queued requests before
+        in whatever order that is (the outputs keep the prompts' order), so the first ready run meanwhile; a picture that fails then aborts the batch's queued requests before
         its error is raised, so nothing of the batch runs on.
         """
         batch = self.intake.check_batch(prompts, images, sampling_params, cache_salt=cache_salt, mm_uuids=mm_uuids,
