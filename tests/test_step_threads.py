@@ -7,7 +7,7 @@ from __future__ import annotations
 import io
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -95,6 +95,30 @@ class RecordingStepThreads(StepThreads):
             yield width
 
 
+def release_once_the_others_started(engine: MMEngine, pool: HeldPool, num_prompts: int, monkeypatch,
+                                    after_step: Callable[[set[str]], None] | None = None) -> set[str]:
+    """Patches the engine so the scheduler's steps record the requests they start (the set returned), and each
+    step, after `after_step(started)`, releases the held picture once every other prompt has started."""
+    started: set[str] = set()
+    advance, schedule = engine.steps.advance, engine.scheduler.schedule
+
+    def schedule_and_count():
+        out = schedule()
+        started.update(s.request.request_id for s in out.scheduled if s.num_new_tokens > 0)
+        return out
+
+    def advance_and_release():
+        advance()
+        if after_step is not None:
+            after_step(started)
+        if len(started) == num_prompts - 1:
+            pool.release.set()
+
+    monkeypatch.setattr(engine.scheduler, "schedule", schedule_and_count)
+    monkeypatch.setattr(engine.steps, "advance", advance_and_release)
+    return started
+
+
 def jpeg(seed: int) -> bytes:
     buffer = io.BytesIO()
     make_test_image(seed, size=(160, 120)).save(buffer, "JPEG", quality=90)
@@ -110,21 +134,7 @@ def test_generate_steps_every_other_prompt_while_a_worker_holds_the_last_picture
     step_threads = RecordingStepThreads(pool)
     monkeypatch.setattr(engine, "step_threads", step_threads)
     threads(2)
-    started: set[str] = set()
-    advance, schedule = engine.steps.advance, engine.scheduler.schedule
-
-    def schedule_and_count():
-        out = schedule()
-        started.update(s.request.request_id for s in out.scheduled if s.num_new_tokens > 0)
-        return out
-
-    def advance_and_release():
-        advance()
-        if len(started) == len(prompts) - 1:
-            pool.release.set()
-
-    monkeypatch.setattr(engine.scheduler, "schedule", schedule_and_count)
-    monkeypatch.setattr(engine.steps, "advance", advance_and_release)
+    started = release_once_the_others_started(engine, pool, len(prompts), monkeypatch)
     got = engine.generate(prompts, images=images, sampling_params=PARAMS, use_tqdm=False)
     assert pool.released_in_time is True  # every other prompt started while the last picture was in its worker
     assert len(started) == len(prompts)
@@ -149,30 +159,20 @@ def test_generate_runs_the_prompts_whose_pictures_are_ready_while_the_first_is_h
     pool = HeldPool(engine.input_processor.pictures, held=images[0][0])
     monkeypatch.setattr(engine.input_processor, "pool", pool)
     queued: list[str] = []  # request ids, in the order the engine queued them
-    started: set[str] = set()
     started_while_held: set[str] = set()
-    enqueue, advance, schedule = engine.steps.enqueue, engine.steps.advance, engine.scheduler.schedule
+    enqueue = engine.steps.enqueue
 
     def enqueue_and_record(processed, *args, **kwargs):
         request_id = enqueue(processed, *args, **kwargs)
         queued.append(request_id)
         return request_id
 
-    def schedule_and_count():
-        out = schedule()
-        started.update(s.request.request_id for s in out.scheduled if s.num_new_tokens > 0)
-        return out
-
-    def advance_and_release():
-        advance()
+    def note_if_held(started: set[str]) -> None:
         if not pool.prepared.is_set():
             started_while_held.update(started)
-        if len(started) == len(prompts) - 1:
-            pool.release.set()
 
     monkeypatch.setattr(engine.steps, "enqueue", enqueue_and_record)
-    monkeypatch.setattr(engine.scheduler, "schedule", schedule_and_count)
-    monkeypatch.setattr(engine.steps, "advance", advance_and_release)
+    release_once_the_others_started(engine, pool, len(prompts), monkeypatch, after_step=note_if_held)
     got = engine.generate(prompts, images=images, sampling_params=PARAMS, use_tqdm=False)
     assert pool.released_in_time is True  # every other prompt started while the first picture was in its worker
     assert started_while_held == {out.request_id for out in got[1:]}  # stepped before the first prompt was queued
