@@ -15,6 +15,9 @@ from mmengine.entrypoints.engine_flags import add_engine_options, engine_options
 from mmengine.errors import MMEngineError
 
 GENERATE_OWN_FLAGS = ("seed",)  # `generate --seed` seeds its request, not the engine
+# Every family mmengine.testing.families builds a tiny checkpoint of (named here, so `--help` imports no torch)
+DEMO_FAMILIES = ("llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma4",
+                 "llava_onevision", "idefics3", "smolvlm", "internvl", "mistral3", "llama4")
 
 
 def _require_positive(args: argparse.Namespace, *names: str) -> None:
@@ -454,14 +457,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="run a small workload on a built-in tiny random-weight model")
-    demo.add_argument("--family", default="llava", choices=["llava", "qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "gemma4",
-                                                               "llava_onevision", "idefics3", "smolvlm", "internvl", "mistral3",
-                                                               "llama4"],
-                      help="the tiny model's family")
+    demo.add_argument("--family", default="llava", choices=DEMO_FAMILIES, help="the tiny model's family")
     demo.add_argument("--requests", type=int, default=32)
     demo.add_argument("--unique-images", type=int, default=4)
     demo.add_argument("--max-tokens", type=int, default=16)
-    demo.add_argument("--cache-dir", default=None, help="where the tiny checkpoint is built (default ~/.cache/mmengine)")
+    demo.add_argument("--cache-dir", default=None,
+                      help="where the tiny checkpoint is built (default: $MMENGINE_CACHE_DIR, else ~/.cache/mmengine/tiny-models)")
     add_engine_options(demo)
     demo.set_defaults(func=run_demo)
 

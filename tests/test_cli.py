@@ -18,7 +18,16 @@ def test_demo_runs_and_reports(tmp_path, capsys):
     assert "\"requests_finished\": 7" in out  # 6 + the warm-up request
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5"])
+def test_demo_offers_every_family_with_a_tiny_checkpoint():
+    from mmengine.cli import DEMO_FAMILIES, build_parser
+    from mmengine.testing.families import _PATHS
+    from mmengine.testing.qwen_vl import FAMILIES
+
+    assert sorted(DEMO_FAMILIES) == sorted([*_PATHS, *FAMILIES])
+    assert build_parser().parse_args(["demo", "--family", "qwen3_5_moe"]).family == "qwen3_5_moe"
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5", "qwen3_5_moe"])
 def test_demo_of_a_qwen_family_asks_about_a_clip(tmp_path, capsys, family):
     assert main(["demo", "--family", family, "--requests", "4", "--max-tokens", "2", "--cache-dir", str(tmp_path)]) == 0
     assert "4 questions about one 16-frame clip (8 temporal patches): 8 encoder runs" in capsys.readouterr().out
