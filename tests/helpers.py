@@ -143,6 +143,48 @@ def wait_until(condition, timeout_s: float = 15.0) -> bool:
     return bool(condition())
 
 
+SHM = "/dev/shm"
+
+
+def shared_memory_held(pids) -> dict[tuple[int, int], int]:
+    """The shared-memory segments the processes hold a descriptor or a mapping on (in /dev/shm, named or unlinked,
+    and memfds): {(device, inode): bytes}. These processes' own: /dev/shm's listing and used space change with every
+    process on the machine (the other test worker's ranks and pools, Ray's object store)."""
+    held: dict[tuple[int, int], int] = {}
+
+    def hold(key: tuple[int, int], size: int) -> None:
+        held[key] = max(held.get(key, 0), size)
+
+    for pid in pids:
+        with contextlib.suppress(OSError):  # a process gone meanwhile holds nothing
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):  # closed meanwhile
+                    if _is_shared_memory(os.readlink(f"/proc/{pid}/fd/{fd}")):
+                        stat = os.stat(f"/proc/{pid}/fd/{fd}")
+                        hold((stat.st_dev, stat.st_ino), stat.st_size)
+            with open(f"/proc/{pid}/maps") as maps:
+                for line in maps:  # start-end perms offset major:minor inode path
+                    fields = line.split(maxsplit=5)
+                    if len(fields) == 6 and _is_shared_memory(fields[5]):
+                        start, end = (int(value, 16) for value in fields[0].split("-"))
+                        major, minor = (int(value, 16) for value in fields[3].split(":"))
+                        hold((os.makedev(major, minor), int(fields[4])), end - start)
+    return held
+
+
+def _is_shared_memory(path: str) -> bool:
+    return path.startswith((SHM + "/", "/memfd:"))
+
+
+def shm_files_made_by(pids) -> set[str]:
+    """The files in /dev/shm that torch made for these processes (its segments' names carry the maker's pid); other
+    processes' files come and go there meanwhile."""
+    if not os.path.isdir(SHM):
+        return set()
+    prefixes = tuple(f"torch_{pid}_" for pid in pids)
+    return {name for name in os.listdir(SHM) if name.startswith(prefixes)}
+
+
 def _is_rays(process) -> bool:
     """One of Ray's processes: its own servers and agents, and its workers (titled ray::<what they run>)."""
     name = process.name()
