@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--system-len", type=int, default=70)
     parser.add_argument("--tail-len", type=int, default=20)
     parser.add_argument("--picture-size", type=int, default=448)
-    parser.add_argument("--output", default="results/hybrid_prefix.json")
+    parser.add_argument("--output", default="benchmarks/results/hybrid_prefix.json")
     args = parser.parse_args(argv)
 
     if args.build_9b:

@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the proposer measured (mtp: the checkpoint's head; the tiny Qwen3.5 gets a random one)")
     parser.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                         help="launch each step before the one in flight is read (auto: on with CUDA)")
-    parser.add_argument("--output", default="results/spec_decode.json")
+    parser.add_argument("--output", default="benchmarks/results/spec_decode.json")
     args = parser.parse_args(argv)
 
     if args.model:

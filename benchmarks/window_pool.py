@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--max-num-batched-tokens", type=int, default=256)
     parser.add_argument("--ratios", default="0.5,0.25", help="sliding_kv_ratio values besides every layer keeping every token")
-    parser.add_argument("--output", default="results/window_pool.json")
+    parser.add_argument("--output", default="benchmarks/results/window_pool.json")
     args = parser.parse_args(argv)
 
     path = args.model or str(tiny_gemma4_path(TinyGemma4Spec()))
