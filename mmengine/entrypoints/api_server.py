@@ -131,7 +131,9 @@ def build_app(async_engine: AsyncMMEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not async_engine.is_healthy:
-            reason = repr(async_engine.dead_error) if async_engine.dead_error is not None else "shut down"
+            # the step loop's own failure, else the engine's (an engine-core process or a tensor-parallel rank that died)
+            error = async_engine.dead_error or getattr(async_engine.engine, "dead_error", None)
+            reason = repr(error) if error is not None else "shut down"
             raise APIError(503, f"the engine loop is not running: {reason}", code="engine_dead")
         return JSONResponse({"status": "ok"})
 
