@@ -3,7 +3,7 @@ in its own process (memory is freed between parts, a failed part does not stop t
 one JSON and one Markdown report with each figure, its target and whether it was met.
 
     python benchmarks/gpu_suite.py --out gpu-report                  # everything, on one H100/H200
-    python benchmarks/gpu_suite.py --out gpu-report --only decode,lora --budget-minutes 10
+    python benchmarks/gpu_suite.py --out gpu-report --only decode_and_ttft,lora --budget-minutes 10
     python benchmarks/gpu_suite.py --out dry-report --dry-run        # every part, tiny, on the CPU
 
 Run again with the same --out and the parts that finished are kept (--rerun measures them again).
@@ -726,7 +726,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--checkpoints", default=None, help="where the published shapes are built (default: OUT/checkpoints)")
     parser.add_argument("--only", default=None, help="comma-separated parts to run (default: all; --list names them)")
     parser.add_argument("--budget-minutes", type=float, default=25.0,
-                        help="skip a part whose estimated minutes no longer fit (the checkpoint builds count as they go)")
+                        help="skip a part whose estimated minutes no longer fit (the checkpoint builds count as they go; "
+                             "default: 25)")
     parser.add_argument("--dry-run", action="store_true", help="every part on tiny checkpoints on the CPU: checks the suite")
     parser.add_argument("--rerun", action="store_true", help="measure again the parts an earlier run of this --out finished")
     parser.add_argument("--jobs", type=int, default=1, help="with --dry-run: parts run this many at a time")
