@@ -36,13 +36,33 @@ def _serve(async_engine: AsyncMMEngine):
     return server, thread, result, f"http://127.0.0.1:{sock.getsockname()[1]}", sock
 
 
+class _HeldDrain:
+    """api_server's asyncio, but for the dead engine's drain (the sleep of DEAD_ENGINE_DRAIN_SECONDS), which lasts
+    until `checked` is set: the test's answers land in the drain whatever the machine's load. (A timed 1 s drain
+    was used up to 0.76 s by the three requests that follow the death, on a loaded 2-core machine.)"""
+
+    def __init__(self) -> None:
+        self.started, self.checked = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str):
+        return getattr(asyncio, name)
+
+    async def sleep(self, delay: float, result=None):
+        if delay != api_server.DEAD_ENGINE_DRAIN_SECONDS:
+            return await asyncio.sleep(delay, result)
+        self.started.set()
+        await asyncio.to_thread(self.checked.wait, 60)  # a bound for a test that failed before it set `checked`
+        return result
+
+
 def _chat(base: str) -> httpx.Response:
     return httpx.post(base + "/v1/chat/completions", timeout=30, json={
         "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
 
 
 def test_a_dead_engine_drains_then_stops_the_server(checkpoint_dir, monkeypatch):
-    monkeypatch.setattr(api_server, "DEAD_ENGINE_DRAIN_SECONDS", 1.0)
+    drain = _HeldDrain()
+    monkeypatch.setattr(api_server, "asyncio", drain)
     engine = MMEngine(str(checkpoint_dir()), max_model_len=256, device="cpu", dtype="float32")
     async_engine = AsyncMMEngine(engine)
     server, thread, result, base, sock = _serve(async_engine)
@@ -57,9 +77,12 @@ def test_a_dead_engine_drains_then_stops_the_server(checkpoint_dir, monkeypatch)
         assert async_engine.has_died
         assert httpx.get(base + "/health", timeout=5).status_code == 503  # draining
         assert _chat(base).status_code == 503
+        assert drain.started.wait(15) and thread.is_alive()  # the server is draining: it stops once the drain ends
+        drain.checked.set()
         thread.join(timeout=15)
         assert not thread.is_alive() and result == [1]
     finally:
+        drain.checked.set()
         server.should_exit = True
         thread.join(timeout=15)
         sock.close()
