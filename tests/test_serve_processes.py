@@ -332,6 +332,21 @@ class _IdleEngine:
         return True
 
 
+class _HeldClock:
+    """core_process's time, with a monotonic clock that moves only when the test moves it: the front end's call
+    lands in the orphaned core's window whatever the machine's load (a real 0.3 s window had to hold the test
+    thread's wake-up, its poll and the call)."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic()
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str):
+        return getattr(time, name)
+
+
 @pytest.mark.parametrize("front_end_leaves", [True, False])
 def test_a_core_whose_launcher_is_gone_serves_its_front_ends_until_they_leave(monkeypatch, front_end_leaves):
     """The launcher killed: the core serves its front ends while they stop (their answers in flight finish) and
@@ -342,6 +357,8 @@ def test_a_core_whose_launcher_is_gone_serves_its_front_ends_until_they_leave(mo
     from mmengine.engine import core_process
 
     monkeypatch.setattr(core_process, "ORPHANED_SERVE_SECONDS", 30.0 if front_end_leaves else 0.3)
+    clock = _HeldClock()
+    monkeypatch.setattr(core_process, "time", clock)
     launcher, launcher_at_core = Pipe()
     front_end, front_end_at_core = Pipe()
     core = core_process.EngineCore(_IdleEngine(), launcher_at_core, {})
@@ -355,6 +372,8 @@ def test_a_core_whose_launcher_is_gone_serves_its_front_ends_until_they_leave(mo
         assert front_end.poll(10) and front_end.recv() == (core_process.REPLY, 1, True, True)  # still served
         if front_end_leaves:
             front_end.close()
+        else:
+            clock.now += 0.3  # the window has passed: the core leaves though its front end stays
         serving.join(10)
         assert not serving.is_alive()
     finally:
