@@ -151,7 +151,10 @@ class LightProcessor:
 def _normalized(conversation: Any) -> tuple[list[list[dict[str, Any]]], bool]:
     """ProcessorMixin's normalization: one conversation or several; each message without its None values; an
     OpenAI {"type": "image_url"} part as {"type": "image", "url": ...}."""
-    from transformers.utils.chat_template_utils import _normalize_chat_messages
+    try:
+        from transformers.utils.chat_template_utils import _normalize_chat_messages
+    except ImportError:  # transformers < 5.24 drops the None values inline (and takes dict messages only)
+        _normalize_chat_messages = messages_without_none
 
     batched = isinstance(conversation, (list, tuple)) and (
         isinstance(conversation[0], (list, tuple)) or hasattr(conversation[0], "messages"))
@@ -161,6 +164,11 @@ def _normalized(conversation: Any) -> tuple[list[list[dict[str, Any]]], bool]:
             if isinstance(message.get("content"), list):
                 message["content"] = [_image_part(part) for part in message["content"]]
     return conversations, batched
+
+
+def messages_without_none(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """transformers 5.x before 5.24's normalization of one conversation: each message without its None values."""
+    return [{key: value for key, value in message.items() if value is not None} for message in messages]
 
 
 def _image_part(part: Any) -> Any:
