@@ -53,18 +53,38 @@ async def wait_until_idle(engine: MMEngine, timeout: float = 10) -> dict[str, in
     return engine.stats()
 
 
-def test_delta_streams_add_up_to_generate(engine):
+def test_delta_streams_add_up_to_generate(engine, monkeypatch):
     image = make_test_image(501)
     expected = engine.generate([IMAGE_PROMPT, TEXT_PROMPT], images=[[image], None], sampling_params=greedy(12),
                                use_tqdm=False)
+    # A reader that falls behind gets the outputs so far as one delta (by design): on a fast GPU, or with the event
+    # loop's thread off the CPU a while (a loaded machine: it failed so), a request's twelve steps can all be done
+    # before its reader runs. So no step after a request's first output runs before its reader has read a delta.
+    first_read: dict[str, threading.Event] = {}
+    step = engine.step
+
+    def paced_step():
+        for read in list(first_read.values()):
+            assert read.wait(30)
+        outputs = step()
+        for output in outputs:
+            if output.token_ids:  # a delta for its reader
+                first_read.setdefault(output.request_id, threading.Event())
+        return outputs
+
+    monkeypatch.setattr(engine, "step", paced_step)
+
+    async def read(stream):
+        deltas = []
+        async for delta in stream:
+            first_read.setdefault(stream.request_id, threading.Event()).set()
+            deltas.append(delta)
+        return "".join(d.text for d in deltas), [t for d in deltas for t in d.token_ids], deltas
 
     async def main():
         async with AsyncMMEngine(engine) as async_engine:
-            # Each stream is read from the moment it exists: a reader that falls behind gets the outputs so far
-            # as one delta (by design), and on a fast GPU the first request's twelve steps can all be done
-            # while the second prompt is still being preprocessed.
-            first = asyncio.ensure_future(collect(await async_engine.add_request(IMAGE_PROMPT, [image], greedy(12))))
-            second = asyncio.ensure_future(collect(await async_engine.add_request(TEXT_PROMPT, None, greedy(12))))
+            first = asyncio.ensure_future(read(await async_engine.add_request(IMAGE_PROMPT, [image], greedy(12))))
+            second = asyncio.ensure_future(read(await async_engine.add_request(TEXT_PROMPT, None, greedy(12))))
             return await asyncio.gather(first, second)
 
     for (text, tokens, deltas), reference in zip(run(main()), expected):
