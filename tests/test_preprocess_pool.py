@@ -134,6 +134,20 @@ def test_a_killed_worker_fails_its_picture_by_name_and_the_engine_serves_on(pool
     assert len(out.token_ids) == 4
 
 
+def test_a_terminals_ctrl_c_leaves_the_workers_to_their_engine(pooled):
+    """Ctrl-C in a terminal reaches the whole process group: the workers leave it to the engine's process, which
+    stops the pool (before, each printed a KeyboardInterrupt traceback and died, failing the picture it held)."""
+    pool = pooled.input_processor.pool
+    assert pool.wait_until_started(WORKER_WAIT_S)
+    pids, respawns = pool.worker_pids(), pool.num_respawns
+    for pid in pids:
+        os.kill(pid, signal.SIGINT)
+    out = pooled.generate(qwen_vl_prompt("What is here?", 1), images=[jpeg(33)], sampling_params=PARAMS, use_tqdm=False)
+    assert len(out[0].token_ids) == 4
+    assert pool.worker_pids() == pids and pool.num_respawns == respawns
+    assert all(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in pids)
+
+
 @pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="reads what processes hold from /proc (Linux)")
 def test_shared_memory_is_back_to_its_idle_size_after_a_soak(pooled):
     """300 new pictures through the workers (no processor cache: items die with their requests): the shared
@@ -257,6 +271,7 @@ def test_a_worker_process_leaves_without_the_interpreters_teardown(monkeypatch):
     exits: list[int] = []
     monkeypatch.setattr(preprocess_pool.os, "_exit", exits.append)
     monkeypatch.setattr(torch, "set_num_threads", lambda _: None)  # the worker's, for its own process
+    monkeypatch.setattr(preprocess_pool.signal, "signal", lambda *_: None)  # (only a main thread may set one)
     spec = PreparerSpec(None, PretrainedConfig(architectures=["NoSuchForCausalLM"]), None, 1 << 20, "f", "s", "xxh3_128")
     ours, theirs = Pipe()
     worker = threading.Thread(target=preprocess_pool.worker_process_main, args=(pickle.dumps(spec), theirs))

@@ -205,7 +205,8 @@ class AsyncMMEngine:
         owns_engine: bool = False,
         max_admission_wait_s: float = 0.0,
     ) -> None:
-        """`owns_engine`: shutdown() also closes an EngineCoreClient engine (the front end leaves its core).
+        """`owns_engine`: shutdown() also shuts the engine down: an EngineCoreClient's core process (the front end
+        leaves its core), an MMEngine's preprocessing workers and tensor-parallel ranks. from_model owns what it builds.
         `max_admission_wait_s`: the longest a step waits for requests being prepared on the pool (0, the default:
         it never waits); over an engine-core process, each request being prepared is announced to the core, whose
         next step waits as long for it. A wait puts a request that arrives while a step runs into the next step, at
@@ -257,7 +258,8 @@ class AsyncMMEngine:
         **engine_options: Any,
     ) -> AsyncMMEngine:
         """`engine_core="process"` (an engine option) runs the scheduler, the caches and the model in an
-        engine-core process of its own (engine/core_client.py); shutdown() stops it."""
+        engine-core process of its own (engine/core_client.py). The engine is this AsyncMMEngine's: shutdown() stops
+        every process it started (the core, or the in-process engine's preprocessing workers and tensor-parallel ranks)."""
         process = engine_options.get("engine_core") == "process"
         if process:
             engine: MMEngine | EngineCoreClient = EngineCoreClient(model, **engine_options)
@@ -267,10 +269,9 @@ class AsyncMMEngine:
             engine = MMEngine(model, **engine_options)
         try:
             return cls(engine, max_queued_requests=max_queued_requests, num_preprocess_workers=num_preprocess_workers,
-                       owns_engine=process, max_admission_wait_s=max_admission_wait_s)
+                       owns_engine=True, max_admission_wait_s=max_admission_wait_s)
         except BaseException:
-            if process:
-                engine.close()
+            getattr(engine, "shutdown", engine.close)()
             raise
 
     # -- state -------------------------------------------------------------------

@@ -18,10 +18,12 @@ import dataclasses
 import hmac
 import json
 import logging
+import signal
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -601,8 +603,34 @@ def run_server(async_engine: AsyncMMEngine, settings: ServerSettings, host: str,
                             access_log=access_log)
     freeze_startup_heap()
     pace_collector_for_serving()
-    if run_on_uvicorns_loop(config, serve_until_engine_dies(uvicorn.Server(config), async_engine)):
+    server = uvicorn.Server(config)
+    with signals_stop(server):
+        died = run_on_uvicorns_loop(config, serve_until_engine_dies(server, async_engine))
+    if died:
         raise SystemExit(1)
+
+
+@contextmanager
+def signals_stop(server: Any) -> Iterator[None]:
+    """SIGINT and SIGTERM ask `server` to stop, as uvicorn's own handlers do while it serves (a second one: at
+    once). uvicorn raises a signal it caught again once it has stopped, for the handler it found: with Python's,
+    a Ctrl-C ended a clean stop in a KeyboardInterrupt traceback and exit code 1, and a SIGTERM killed the
+    process. Here there is nothing left to do by then. (Only the main thread can set handlers.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def ask_to_stop(signum: int, frame: Any) -> None:
+        if server.should_exit:
+            server.force_exit = True
+        server.should_exit = True
+
+    previous = {signum: signal.signal(signum, ask_to_stop) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def run_on_uvicorns_loop(config: Any, coroutine: Any) -> Any:

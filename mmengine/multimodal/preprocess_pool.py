@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import queue
+import signal
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -290,6 +291,7 @@ def worker_process_main(pickled_spec: bytes, connection: Any) -> None:
     """A worker process's entry: worker_main, then it leaves without the interpreter's teardown, which with torch
     and transformers loaded took about 1.5 s of CPU on a loaded 2-core machine (the pool's close waits for it);
     what the worker holds (its pipe, its shared segments' descriptors) is released with the process."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the engine's process, which stops the pool
     worker_main(pickled_spec, connection)
     leave()
 
