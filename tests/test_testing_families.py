@@ -10,7 +10,8 @@ from mmengine.testing.families import tiny_checkpoint_path
 
 # Every name `mmengine demo --family` takes, and the model_type its checkpoint must have
 MODEL_TYPES = {
-    "llava": "llava", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_5": "qwen3_5",
+    "llava": "llava", "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl", "qwen3_vl": "qwen3_vl", "qwen3_vl_moe": "qwen3_vl_moe",
+    "qwen3_5": "qwen3_5", "qwen3_5_moe": "qwen3_5_moe",
     "gemma3": "gemma3", "gemma4": "gemma4", "llava_onevision": "llava_onevision", "idefics3": "idefics3",
     "smolvlm": "smolvlm", "internvl": "internvl", "mistral3": "mistral3", "llama4": "llama4",
 }
