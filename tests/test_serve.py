@@ -16,7 +16,7 @@ from serve_helpers import API_KEY, CPU_FP32, HEADERS, MODEL_NAME, data_url, imag
 from serve_fixtures import server_fixtures
 
 from mmengine import MMEngine, SamplingParams
-from mmengine.engine.async_engine import AsyncMMEngine
+from mmengine.engine.async_engine import AsyncMMEngine, RequestStream
 from mmengine.entrypoints.api_server import ServerSettings
 from mmengine.testing import make_test_image
 
@@ -62,10 +62,36 @@ def test_chat_with_a_data_url_image_answers_as_offline_chat(client, offline):
     assert usage.prompt_tokens_details.cached_tokens == 0  # a picture this server has not seen
 
 
-def test_stream_deltas_concatenate_to_the_whole_answer(client, server):
+def _pace_steps_on_the_streams(engine: MMEngine, monkeypatch) -> None:
+    """No step while a streamed request's last output is unread by its stream: a stream that falls behind hands its
+    reader (the server's writer) the outputs so far as one delta, by design, and a loaded machine that keeps the
+    server's event loop off the CPU meanwhile could make one delta of a whole short answer."""
+    unread, changed = set(), threading.Condition()
+    step, delta = engine.step, RequestStream._delta
+
+    def paced_step():
+        with changed:
+            assert changed.wait_for(lambda: not unread, 30)
+        outputs = step()
+        with changed:
+            unread.update(output.request_id for output in outputs if output.token_ids and not output.finished)
+        return outputs
+
+    def read_delta(self, output):
+        with changed:
+            unread.discard(self.request_id)
+            changed.notify_all()
+        return delta(self, output)
+
+    monkeypatch.setattr(engine, "step", paced_step)
+    monkeypatch.setattr(RequestStream, "_delta", read_delta)
+
+
+def test_stream_deltas_concatenate_to_the_whole_answer(client, server, monkeypatch):
     image = make_test_image(102)
     request = dict(model=MODEL_NAME, messages=[_user(image, "Describe it.")], max_tokens=14, temperature=0)
     whole = client.chat.completions.create(**request)
+    _pace_steps_on_the_streams(server.async_engine.engine, monkeypatch)
     chunks = list(client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}))
     content = [c.choices[0].delta.content or "" for c in chunks if c.choices]
     assert "".join(content) == whole.choices[0].message.content
