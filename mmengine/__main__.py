@@ -1,7 +1,5 @@
 """`python -m mmengine`: the same as the `mmengine` command."""
 
-import sys
+from mmengine.cli import console_main
 
-from mmengine.cli import main
-
-sys.exit(main())
+console_main()

@@ -523,18 +523,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_serve(argv: Sequence[str]) -> None:
+def run_serve(argv: Sequence[str], as_command: bool = False) -> None:
     from mmengine.entrypoints.serve_cli import run_serve as serve
 
-    serve(argv)
+    serve(argv, as_command=as_command)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, as_command: bool = False) -> int:
+    """`as_command`: this process is the `mmengine` command, which a finished `serve` may end at once."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv[:1] if argv[:1] == ["serve"] else argv)  # `serve` parses its own options
     try:
         if args.command == "serve":
-            run_serve(argv[1:])
+            run_serve(argv[1:], as_command=as_command)
         else:
             args.func(args)
     except (MMEngineError, argparse.ArgumentTypeError) as err:
@@ -544,5 +545,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def console_main() -> None:
+    """The `mmengine` command and `python -m mmengine`."""
+    sys.exit(main(as_command=True))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -3,12 +3,16 @@ command serving requests in a subprocess."""
 
 from __future__ import annotations
 
+import socket
 
 import httpx
+import psutil
+import pytest
 from serve_helpers import running_server
 
 from mmengine.cli import main
 from mmengine.config import EngineConfig
+from mmengine.engine.async_engine import AsyncMMEngine
 from mmengine.entrypoints.serve_cli import build_serve_parser, engine_options
 
 
@@ -33,6 +37,19 @@ def test_flags_become_typed_engine_options():
     assert args.port == 9000 and args.served_model_name is None
 
 
+def test_a_taken_port_is_a_clean_error_before_the_model_loads(checkpoint_dir, capsys, monkeypatch):
+    """serve binds its port first (as vLLM does): a taken one fails at once, naming the address, without loading the
+    model (the one-process server had loaded it, then uvicorn logged the error and exited 3) or starting a process
+    (the multi-process launcher raised an OSError traceback)."""
+    monkeypatch.setattr(AsyncMMEngine, "from_model", classmethod(lambda *_, **__: pytest.fail("the model was loaded")))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        for flags in ([], ["--api-server-count", "2"]):
+            assert main(["serve", "--model", str(checkpoint_dir()), "--port", str(port), *flags]) == 2
+            assert f"cannot listen on 127.0.0.1:{port} (--host, --port): Address already in use" in capsys.readouterr().err
+            assert not [child for child in psutil.Process().children() if "spawn_main" in " ".join(child.cmdline())]
+
+
 def test_bad_serve_options_are_clean_errors(checkpoint_dir, tmp_path, capsys):
     missing = tmp_path / "template.jinja"
     assert main(["serve", "--model", str(checkpoint_dir()), "--chat-template", str(missing)]) == 2
@@ -48,8 +65,10 @@ def test_the_serve_command_wires_the_engine_and_the_server(checkpoint_dir, monke
     loopback port instead (a subprocess would spend most of its time importing torch)."""
     served = {}
 
-    def run_on_a_free_port(async_engine, settings, host, port, log_level, access_log):
-        served.update(host=host, port=port, log_level=log_level, access_log=access_log, engine=async_engine.engine)
+    def run_on_a_free_port(async_engine, settings, host, port, log_level, access_log, sock):
+        served.update(host=host, port=port, log_level=log_level, access_log=access_log, engine=async_engine.engine,
+                      bound=sock.getsockname())
+        sock.close()
         with running_server(async_engine, settings) as server:
             auth = {"Authorization": "Bearer secret"}
             served["models"] = httpx.get(server.v1 + "/models", headers=auth).json()
@@ -60,11 +79,12 @@ def test_the_serve_command_wires_the_engine_and_the_server(checkpoint_dir, monke
             served["max_admission_wait_s"] = async_engine.max_admission_wait_s
 
     monkeypatch.setattr("mmengine.entrypoints.api_server.run_server", run_on_a_free_port)
-    assert main(["serve", "--model", str(checkpoint_dir()), "--port", "8123", "--host", "127.0.0.2",
+    assert main(["serve", "--model", str(checkpoint_dir()), "--port", "0", "--host", "127.0.0.2",
                  "--served-model-name", "tiny", "--api-key", "secret", "--max-queued-requests", "5",
                  "--max-model-len", "128", "--no-enable-prefix-caching", "--log-level", "warning",
                  "--max-admission-wait-ms", "5", "--disable-uvicorn-access-log"]) == 0
-    assert (served["host"], served["port"], served["log_level"]) == ("127.0.0.2", 8123, "warning")
+    assert (served["host"], served["port"], served["log_level"]) == ("127.0.0.2", 0, "warning")
+    assert served["bound"][0] == "127.0.0.2" and served["bound"][1] > 0  # bound before the model loaded
     assert served["access_log"] is False
     config = served["engine"].config
     assert config.model_config.max_model_len == 128 and config.cache_config.enable_prefix_caching is False

@@ -20,7 +20,7 @@ from serve_helpers import data_url, image_part
 from mmengine.engine.async_engine import AsyncMMEngine
 from mmengine.testing import make_test_image
 
-_RUNNING = re.compile(r"Uvicorn running on (http://127\.0\.0\.1:\d+)")
+_RUNNING = re.compile(r"serving .* on (http://127\.0\.0\.1:\d+)")  # the port bound before the model loaded
 
 
 def test_ctrl_c_stops_the_workers_first_and_exits_0_without_a_teardown(checkpoint_dir):

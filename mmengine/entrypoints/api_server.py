@@ -19,6 +19,7 @@ import hmac
 import json
 import logging
 import signal
+import socket
 import sys
 import threading
 import time
@@ -591,13 +592,16 @@ DEAD_ENGINE_DRAIN_SECONDS = 2.0  # after the engine dies: answer 503 for this lo
 
 
 def run_server(async_engine: AsyncMMEngine, settings: ServerSettings, host: str, port: int, log_level: str = "info",
-               access_log: bool = True) -> None:
+               access_log: bool = True, sock: socket.socket | None = None) -> None:
     """Serves until interrupted (uvicorn handles SIGINT/SIGTERM, exit 0), or until the engine dies for good (a
     tensor-parallel worker or the engine-core process died, the step loop failed): then every request is
     answered 503 for DEAD_ENGINE_DRAIN_SECONDS and the server exits with code 1, so a supervisor restarts it.
-    `access_log=False`: no line per request from uvicorn (formatted and written on the event loop)."""
+    `access_log=False`: no line per request from uvicorn (formatted and written on the event loop). `sock`: a socket
+    already listening on host:port (serve binds it before the model loads: entrypoints/listening_socket.py)."""
     import uvicorn
 
+    if sock is not None:
+        port = sock.getsockname()[1]
     logger.info("serving %s as %r on http://%s:%d", async_engine.engine.config.model, settings.served_model_name, host, port)
     config = uvicorn.Config(build_app(async_engine, settings), host=host, port=port, log_level=log_level,
                             access_log=access_log)
@@ -605,7 +609,8 @@ def run_server(async_engine: AsyncMMEngine, settings: ServerSettings, host: str,
     pace_collector_for_serving()
     server = uvicorn.Server(config)
     with signals_stop(server):
-        died = run_on_uvicorns_loop(config, serve_until_engine_dies(server, async_engine))
+        died = run_on_uvicorns_loop(config, serve_until_engine_dies(server, async_engine,
+                                                                    sockets=None if sock is None else [sock]))
     if died:
         raise SystemExit(1)
 

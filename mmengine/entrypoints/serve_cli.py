@@ -80,7 +80,9 @@ def build_serve_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def run_serve(argv: Sequence[str]) -> None:
+def run_serve(argv: Sequence[str], as_command: bool = False) -> None:
+    """`mmengine serve ARGS`. `as_command`: this process is the command, so the one-process server ends it once
+    it has stopped (exit code 0, or 1 when the engine died), without the interpreter's teardown."""
     args = build_serve_parser().parse_args(argv)
     for module in ("fastapi", "uvicorn", "prometheus_client"):
         if importlib.util.find_spec(module) is None:  # not imported here: with --api-server-count N, the front ends use them
@@ -146,6 +148,11 @@ def run_serve(argv: Sequence[str]) -> None:
         if exit_code:
             raise SystemExit(exit_code)
         return
+    from mmengine.config import EngineConfig
+    from mmengine.entrypoints.listening_socket import listening_socket
+
+    EngineConfig.from_kwargs(args.model, **engine_options(args))  # a bad option is its own error, not the port's
+    sock = listening_socket(args.host, args.port)  # before torch and the model load: a taken port fails at once
     from mmengine.engine.async_engine import AsyncMMEngine
     from mmengine.entrypoints.api_server import run_server
 
@@ -156,14 +163,16 @@ def run_serve(argv: Sequence[str]) -> None:
         max_admission_wait_s=args.max_admission_wait_ms / 1000,
         **engine_options(args),
     )
+    code = 0
     try:
         run_server(async_engine, settings, args.host, args.port, log_level=args.log_level,
-                   access_log=not args.disable_uvicorn_access_log)
-    except SystemExit as stop:  # the engine died: exit 1 after the drain
-        leave(stop.code if isinstance(stop.code, int) else 1)
-    # The app's shutdown has closed the engine, its workers and shared memory. Skipping the interpreter's teardown
-    # saves its seconds and Triton's nanobind leak report (~30 lines on stderr after every Ctrl-C).
-    leave(0)
+                   access_log=not args.disable_uvicorn_access_log, sock=sock)
+    except SystemExit as stop:  # the engine died: 1, after the drain
+        if not as_command:
+            raise
+        code = stop.code if isinstance(stop.code, int) else 1
+    if as_command:  # the app's shutdown has stopped the engine's processes and released its shared memory; the
+        leave(code)  # interpreter's teardown only cost seconds and printed Triton's nanobind leak report (~30 lines)
 
 
 def parse_lora_modules(items: Sequence[str]) -> dict[str, str]:

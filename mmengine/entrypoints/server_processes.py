@@ -55,6 +55,7 @@ from typing import Any
 
 # the launcher imports no engine module (torch, transformers, the model code): it spawns the processes that do
 from mmengine.engine.core_process import FAILED, READY, core_environment, core_main, picklable
+from mmengine.entrypoints.listening_socket import listening_socket
 from mmengine.entrypoints.server_settings import ServerSettings
 from mmengine.errors import ConfigError, EngineDeadError
 from mmengine.utils.collector_pace import pace_collector_for_serving
@@ -126,7 +127,7 @@ class ServerProcesses:
     # -- start ---------------------------------------------------------------------
 
     def start(self) -> ServerProcesses:
-        self._socket = socket.create_server((self.host, self.port), backlog=2048)
+        self._socket = listening_socket(self.host, self.port)
         self.port = self._socket.getsockname()[1]
         self._directory = Path(tempfile.mkdtemp(prefix="mmengine-serve-"))
         self._authkey = secrets.token_bytes(32)
