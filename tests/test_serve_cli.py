@@ -13,6 +13,7 @@ from serve_helpers import running_server
 from mmengine.cli import main
 from mmengine.config import EngineConfig
 from mmengine.engine.async_engine import AsyncMMEngine
+from mmengine.errors import ConfigError
 from mmengine.entrypoints.serve_cli import build_serve_parser, engine_options
 
 
@@ -48,6 +49,14 @@ def test_a_taken_port_is_a_clean_error_before_the_model_loads(checkpoint_dir, ca
             assert main(["serve", "--model", str(checkpoint_dir()), "--port", str(port), *flags]) == 2
             assert f"cannot listen on 127.0.0.1:{port} (--host, --port): Address already in use" in capsys.readouterr().err
             assert not [child for child in psutil.Process().children() if "spawn_main" in " ".join(child.cmdline())]
+
+
+def test_a_port_out_of_range_is_named():
+    from mmengine.entrypoints.listening_socket import listening_socket
+
+    for port in (-1, 65536):
+        with pytest.raises(ConfigError, match=f"--port must be 0-65535 \\(0: any free port\\), got {port}"):
+            listening_socket("127.0.0.1", port)
 
 
 def test_bad_serve_options_are_clean_errors(checkpoint_dir, tmp_path, capsys):

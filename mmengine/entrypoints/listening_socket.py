@@ -11,6 +11,8 @@ from mmengine.errors import ConfigError
 def listening_socket(host: str, port: int) -> socket.socket:
     """A TCP socket listening on host:port (port 0: one the kernel picks); ConfigError naming the address and why
     (in use, no such address, a privileged port)."""
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port must be 0-65535 (0: any free port), got {port}")
     try:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET  # "::" as uvicorn takes it
         return socket.create_server((host, port), family=family, backlog=2048)
