@@ -140,6 +140,22 @@ def test_a_whole_answer_wakes_its_reader_twice_and_keeps_the_latency_metrics(ser
     engine = MMEngine(str(checkpoint_dir()), **ENGINE_OPTIONS)
     params = SamplingParams(max_tokens=9, temperature=0.0, ignore_eos=True)
     prompt, picture = "USER: <image>\nWhat is it? ASSISTANT:", make_test_image(305)
+    # A reader late for the first token gets it with the rest as one delta (by design): the readers start only once
+    # both requests are queued, and a loaded machine can step the whole answer to its end meanwhile (it failed so).
+    # So no step after a request's first token runs before its reader has read a delta.
+    first_read: dict[str, threading.Event] = {}
+    step = engine.step
+
+    def paced_step():
+        for read_one in list(first_read.values()):
+            assert read_one.wait(30)
+        outputs = step()
+        for output in outputs:
+            if output.token_ids:
+                first_read.setdefault(output.request_id, threading.Event())
+        return outputs
+
+    engine.step = paced_step
 
     async def main() -> tuple[list, list]:
         async with AsyncMMEngine(engine) as async_engine:
@@ -147,7 +163,11 @@ def test_a_whole_answer_wakes_its_reader_twice_and_keeps_the_latency_metrics(ser
             streamed = await async_engine.add_request(prompt, [picture], params)
 
             async def read(stream) -> list:
-                return [d async for d in stream]
+                deltas = []
+                async for delta in stream:
+                    first_read.setdefault(stream.request_id, threading.Event()).set()
+                    deltas.append(delta)
+                return deltas
 
             return tuple(await asyncio.gather(read(whole), read(streamed)))
 
