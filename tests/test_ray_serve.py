@@ -178,8 +178,12 @@ def test_streams_pass_through_the_router(base_url, client):
     assert lines[-1] == "data: [DONE]"
     events = [json.loads(line[len("data: "):]) for line in lines[:-1]]
     pieces = [event["choices"][0]["delta"].get("content", "") for event in events]
-    assert sum(1 for piece in pieces if piece) > 1  # streamed, not one blob
+    # How the tokens group into deltas follows the reader's pace (a late reader gets what came meanwhile as one
+    # delta; it failed once under load as one blob), so it is not asserted here: that the router passes the stream
+    # on as it comes, not buffered to the end, is the next test's (its client leaves after 3 events, mid-answer).
     assert "".join(pieces) == whole.choices[0].message.content
+    assert {event["id"] for event in events} == {events[0]["id"]}
+    assert events[-1]["choices"][0]["finish_reason"] == whole.choices[0].finish_reason
 
 
 def test_a_client_that_leaves_mid_stream_frees_the_replica(base_url):
