@@ -214,6 +214,23 @@ def test_a_dead_core_makes_every_front_end_answer_503_and_the_server_exit_non_ze
     assert not any(alive(pid) for pid in pids)
 
 
+def test_a_front_end_that_gets_ctrl_c_stops_cleanly(llava):
+    """A terminal's Ctrl-C reaches the front ends as well as the launcher: a front end stops as on SIGTERM, exit code 0.
+    uvicorn raised the SIGINT it had caught again once stopped, into asyncio's handler: a KeyboardInterrupt traceback
+    and exit code 1, or, when it came before the launcher's own stop, a server that said a front end had died."""
+    server = start(llava)
+    front_end = server.front_ends[0]
+    try:
+        assert post(server.base_url, chat([], 2)).status_code == 200
+        os.kill(front_end.pid, signal.SIGINT)
+        front_end.process.join(30)
+        assert front_end.process.exitcode == 0
+        assert server.wait(timeout=30) == 1  # alone (not with the launcher), it is a front end gone: the server stops
+    finally:
+        server.stop()
+    assert not any(alive(pid) for pid in [server.core.pid, *(child.pid for child in server.front_ends)])
+
+
 _SERVING = re.compile(r"on (http://127\.0\.0\.1:\d+): 2 front ends \(pids (\d+), (\d+)\), engine core pid (\d+)")
 
 

@@ -206,7 +206,7 @@ class ServerProcesses:
             if left is not None and left <= 0:
                 return None
             ready = wait(list(sentinels), timeout=0.2 if left is None else min(0.2, left))
-            if not ready:
+            if not ready or self._stopping.is_set():  # (a terminal's Ctrl-C stops the front ends too, maybe first)
                 continue
             child = sentinels[ready[0]]
             child.process.join(_JOIN_SECONDS)
@@ -309,7 +309,7 @@ def front_end_main(index: int, spec: FrontEndSpec, sock: socket.socket, launcher
 
     from mmengine.engine.async_engine import AsyncMMEngine
     from mmengine.engine.core_client import EngineCoreClient
-    from mmengine.entrypoints.api_server import build_app
+    from mmengine.entrypoints.api_server import build_app, signals_stop
 
     logging.basicConfig(level=spec.log_level.upper(), format=f"%(asctime)s %(levelname)s front-end-{index} %(name)s: %(message)s")
     serving = threading.Event()
@@ -329,7 +329,8 @@ def front_end_main(index: int, spec: FrontEndSpec, sock: socket.socket, launcher
                      daemon=True).start()
     freeze_startup_heap()
     pace_collector_for_serving()
-    server.run(sockets=[sock])  # until stopped: its shutdown has closed the engine's client and worker pool
+    with signals_stop(server):  # a terminal's Ctrl-C reaches every front end too: it stops, without a traceback
+        server.run(sockets=[sock])  # until stopped: its shutdown has closed the engine's client and worker pool
     leave()
 
 
