@@ -6,8 +6,10 @@ import contextlib
 import importlib.util
 import os
 import sys
+import threading
 import time
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -305,3 +307,22 @@ class RecordedSlices:
                 yield name, Recorded(name, tensor)
 
         monkeypatch.setattr(checkpoint_slices.CheckpointSlices, "__iter__", recording)
+
+
+def paced_on_first_reads(step: Callable[[], list]) -> tuple[Callable[[], list], dict[str, threading.Event]]:
+    """`step` wrapped so that no step runs after a request's first output until its reader has said it read a delta
+    (`first_read.setdefault(request_id, threading.Event()).set()` on the returned dict). A reader late for its
+    first delta gets the outputs so far as one delta, by design, and a loaded machine can step a whole short answer
+    meanwhile: tests that count deltas pace the engine so."""
+    first_read: dict[str, threading.Event] = {}
+
+    def paced_step() -> list:
+        for read in list(first_read.values()):
+            assert read.wait(30)
+        outputs = step()
+        for output in outputs:
+            if output.token_ids:  # a delta for its reader
+                first_read.setdefault(output.request_id, threading.Event())
+        return outputs
+
+    return paced_step, first_read

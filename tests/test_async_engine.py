@@ -9,7 +9,7 @@ import threading
 import time
 
 import pytest
-from helpers import wait_until
+from helpers import paced_on_first_reads, wait_until
 
 from mmengine import MMEngine, SamplingParams
 from mmengine.engine.async_engine import AsyncMMEngine, DeltaOutput, EngineDeadError, EngineOverloadedError, RequestFailedError
@@ -60,18 +60,7 @@ def test_delta_streams_add_up_to_generate(engine, monkeypatch):
     # A reader that falls behind gets the outputs so far as one delta (by design): on a fast GPU, or with the event
     # loop's thread off the CPU a while (a loaded machine: it failed so), a request's twelve steps can all be done
     # before its reader runs. So no step after a request's first output runs before its reader has read a delta.
-    first_read: dict[str, threading.Event] = {}
-    step = engine.step
-
-    def paced_step():
-        for read in list(first_read.values()):
-            assert read.wait(30)
-        outputs = step()
-        for output in outputs:
-            if output.token_ids:  # a delta for its reader
-                first_read.setdefault(output.request_id, threading.Event())
-        return outputs
-
+    paced_step, first_read = paced_on_first_reads(engine.step)
     monkeypatch.setattr(engine, "step", paced_step)
 
     async def read(stream):

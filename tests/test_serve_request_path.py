@@ -13,6 +13,7 @@ import time
 import anyio.to_thread
 import httpx
 import pytest
+from helpers import paced_on_first_reads
 from starlette.background import BackgroundTask
 from serve_helpers import CPU_FP32, HEADERS, MODEL_NAME, data_url, image_part
 from serve_fixtures import server_fixtures
@@ -143,19 +144,7 @@ def test_a_whole_answer_wakes_its_reader_twice_and_keeps_the_latency_metrics(ser
     # A reader late for the first token gets it with the rest as one delta (by design): the readers start only once
     # both requests are queued, and a loaded machine can step the whole answer to its end meanwhile (it failed so).
     # So no step after a request's first token runs before its reader has read a delta.
-    first_read: dict[str, threading.Event] = {}
-    step = engine.step
-
-    def paced_step():
-        for read_one in list(first_read.values()):
-            assert read_one.wait(30)
-        outputs = step()
-        for output in outputs:
-            if output.token_ids:
-                first_read.setdefault(output.request_id, threading.Event())
-        return outputs
-
-    engine.step = paced_step
+    engine.step, first_read = paced_on_first_reads(engine.step)
 
     async def main() -> tuple[list, list]:
         async with AsyncMMEngine(engine) as async_engine:
