@@ -326,3 +326,13 @@ def paced_on_first_reads(step: Callable[[], list]) -> tuple[Callable[[], list], 
         return outputs
 
     return paced_step, first_read
+
+
+def alive(pid: int | None) -> bool:
+    """Whether the process runs (a zombie, exited but not yet reaped by its parent, does not)."""
+    import psutil
+
+    try:
+        return pid is not None and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

@@ -23,19 +23,13 @@ import pytest
 import torch
 
 from executor_ranks import TP, RankWorker, refuse_to_start, start
+from helpers import alive
 from mmengine.distributed.executor import MultiprocExecutor, WorkerError
 from mmengine.distributed.process_group import DistributedInit, file_address, free_tcp_address
 from mmengine.errors import ConfigError, EngineDeadError
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def wait_gone(pids: list[int], timeout_s: float) -> list[int]:

@@ -13,9 +13,8 @@ import signal
 import threading
 import time
 
-import psutil
 import pytest
-from helpers import wait_until
+from helpers import alive, wait_until
 
 from mmengine import MMEngine, SamplingParams
 from mmengine.engine.async_engine import AsyncMMEngine, DeltaOutput
@@ -42,13 +41,6 @@ def jpeg(seed: int) -> bytes:
     buffer = io.BytesIO()
     make_test_image(seed, size=(96, 80)).save(buffer, "JPEG", quality=90)
     return buffer.getvalue()
-
-
-def alive(pid: int | None) -> bool:
-    try:
-        return pid is not None and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 async def collect(stream) -> tuple[str, list[int], list[DeltaOutput]]:

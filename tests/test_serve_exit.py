@@ -14,7 +14,7 @@ import threading
 
 import httpx
 import psutil
-from helpers import wait_until
+from helpers import alive, wait_until
 from serve_helpers import data_url, image_part
 
 from mmengine.engine.async_engine import AsyncMMEngine
@@ -52,7 +52,7 @@ def test_ctrl_c_stops_the_workers_first_and_exits_0_without_a_teardown(checkpoin
         assert len(workers) == 1  # the preprocessing worker (the picture above went through it)
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=60) == 0
-        assert not any(_alive(worker) for worker in workers)  # stopped by the app's shutdown, not left to notice
+        assert not any(alive(worker.pid) for worker in workers)  # stopped by the app's shutdown, not left to notice
         reader.join(timeout=10)
         output = "".join(lines)
         assert "Application shutdown complete" in output
@@ -62,9 +62,9 @@ def test_ctrl_c_stops_the_workers_first_and_exits_0_without_a_teardown(checkpoin
             process.kill()
             process.wait()
         for worker in workers:
-            if _alive(worker):
+            if alive(worker.pid):
                 worker.kill()
-        assert wait_until(lambda: not any(_alive(worker) for worker in workers), timeout_s=10)
+        assert wait_until(lambda: not any(alive(worker.pid) for worker in workers), timeout_s=10)
 
 
 def test_an_engine_from_model_is_the_async_engines_to_stop(checkpoint_dir):
@@ -75,14 +75,8 @@ def test_an_engine_from_model_is_the_async_engines_to_stop(checkpoint_dir):
     pool = async_engine.engine.input_processor.pool
     assert pool is not None and pool.wait_until_started(timeout=300)
     workers = [psutil.Process(pid) for pid in pool.worker_pids()]
-    assert len(workers) == 1 and _alive(workers[0])
+    assert len(workers) == 1 and alive(workers[0].pid)
     asyncio.run(async_engine.shutdown())
     assert async_engine.engine.input_processor.pool is None
-    assert not _alive(workers[0])
+    assert not alive(workers[0].pid)
 
-
-def _alive(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

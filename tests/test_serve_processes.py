@@ -19,9 +19,8 @@ import types
 from dataclasses import dataclass, field
 
 import httpx
-import psutil
 import pytest
-from helpers import shm_files_made_by, wait_until
+from helpers import alive, shm_files_made_by, wait_until
 from serve_helpers import data_url, image_part, parse_metrics, reference_server
 
 from mmengine import SamplingParams
@@ -34,13 +33,6 @@ from mmengine.testing import make_test_image
 MODEL = "tiny-llava"
 OPTIONS = {"max_model_len": 256, "dtype": "float32", "device": "cpu"}
 LLAVA_PROMPT = "USER: <image>\nWhat is shown here? ASSISTANT:"
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def chat(picture_seeds: list[int], max_tokens: int = 6, text: str = "Describe it.") -> dict:
